@@ -1,0 +1,64 @@
+"""instrument: zero-overhead-when-off instrumentation for PyTorch rollouts.
+
+Data flows one way: probe -> observer -> logger -> backend.
+
+    import instrument
+    inst = instrument.Instrumentation(observers=[instrument.IterationStats(), instrument.UpdateNorm()])
+    inst.watch(model.update_rule)                  # its forward is one rollout iteration
+    for step in range(n_steps):
+        with inst.step(step) as s:                 # observers run only on logging steps
+            state = model(seed, n_iter)
+            loss = ...; loss.backward(); opt.step()
+            inst.logger.log_metrics({"loss": loss.detach()}, step=step, prefix="train")
+    inst.close()
+
+gin configuration lives in `instrument.config` (imported on demand, never by the core).
+"""
+
+from instrument.core.context import StepContext
+from instrument.core.observer import Observer, StepObserver
+from instrument.errors import (
+    ConfigurationError,
+    InstrumentError,
+    MissingExtraError,
+    ProbeError,
+    StepOrderError,
+)
+from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.logging.backends.console import ConsoleBackend
+from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.tensorboard import TensorBoardBackend
+from instrument.logging.backends.wandb import WandbBackend
+from instrument.logging.logger import Logger
+from instrument.logging.timer import Timer
+from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.update_norm import UpdateNorm
+from instrument.session import Instrumentation, StepScope, WatchHandle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "ConfigurationError",
+    "ConsoleBackend",
+    "InstrumentError",
+    "Instrumentation",
+    "IterationStats",
+    "JsonlBackend",
+    "Logger",
+    "MissingExtraError",
+    "Observer",
+    "ProbeError",
+    "RunInfo",
+    "StepContext",
+    "StepObserver",
+    "StepOrderError",
+    "StepRecord",
+    "StepScope",
+    "TensorBoardBackend",
+    "Timer",
+    "UpdateNorm",
+    "WandbBackend",
+    "WatchHandle",
+    "__version__",
+]

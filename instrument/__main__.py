@@ -1,0 +1,5 @@
+import sys
+
+from instrument.cli import main
+
+sys.exit(main())

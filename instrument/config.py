@@ -1,0 +1,100 @@
+"""gin at the edge: every configurable instrument offers, registered in this one module.
+
+Core modules never import gin. This module registers them under their class names (``Instrumentation``,
+``IterationStats``, ``TensorBoardBackend``, ...) so a ``.gin`` file can say::
+
+    Instrumentation.observers = [@IterationStats(), @UpdateNorm()]
+    Instrumentation.backends = @backend_set()
+    Instrumentation.log_interval = 25
+    backend_set.tensorboard = @TensorBoardBackend()     # one line per backend; gin/backends/*.gin hold them
+
+and `parse` loads such files with helpful errors: a misspelt parameter or an unknown configurable fails before
+training starts, with gin's message naming the file and line.
+"""
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import gin
+
+from instrument.core.observer import Observer
+from instrument.logging.backends.base import Backend
+from instrument.logging.backends.console import ConsoleBackend
+from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.tensorboard import TensorBoardBackend
+from instrument.logging.backends.wandb import WandbBackend
+from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.update_norm import UpdateNorm
+from instrument.session import Instrumentation
+
+__all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
+
+GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
+
+for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
+             JsonlBackend):
+    gin.external_configurable(_cls, name=_cls.__name__)
+
+
+@gin.configurable
+def backend_set(
+    tensorboard: Optional[Backend] = None,
+    wandb: Optional[Backend] = None,
+    console: Optional[Backend] = None,
+    jsonl: Optional[Backend] = None,
+    mlflow: Optional[Backend] = None,
+    extra: Sequence[Backend] = (),
+) -> List[Backend]:
+    """The backends bound one by one, so each ``gin/backends/<name>.gin`` adds its own by being included."""
+    chosen = [b for b in (tensorboard, wandb, console, jsonl, mlflow) if b is not None] + list(extra)
+    for b in chosen:
+        if not isinstance(b, Backend):
+            raise TypeError(f"backend_set got {type(b).__name__}; bind a backend instance, e.g. @TensorBoardBackend().")
+    return chosen
+
+
+@gin.configurable
+def run(experiment=gin.REQUIRED, instrumentation: Optional[Instrumentation] = None) -> Dict[str, Any]:
+    """Run a gin-bound experiment: ``experiment(instrumentation=...)`` and close the session afterwards."""
+    inst = instrumentation if instrumentation is not None else Instrumentation()
+    try:
+        result = experiment(instrumentation=inst)
+    finally:
+        inst.close()
+    return {"result": result, "run_dir": str(inst.run.dir), "log_root": str(inst.run.root)}
+
+
+def _register_demos() -> None:
+    from instrument.demos.cartpole import train_cartpole
+    from instrument.demos.nca import train_nca
+
+    gin.external_configurable(train_nca, name="train_nca")
+    gin.external_configurable(train_cartpole, name="train_cartpole")
+
+
+_register_demos()
+
+
+def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Parse ``.gin`` files and ``Name.param = value`` bindings; includes resolve beside each file and in gin/."""
+    for path in config_files:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"gin config {path!r} does not exist (looked from {Path.cwd()}).")
+        gin.add_config_file_search_path(str(Path(path).resolve().parent))
+    gin.add_config_file_search_path(str(GIN_DIR))
+    gin.parse_config_files_and_bindings(list(config_files), list(bindings), finalize_config=False)
+
+
+def operative_config() -> Tuple[Dict[str, Any], str]:
+    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters."""
+    text = gin.operative_config_str()
+    params: Dict[str, Any] = {}
+    parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))
+    for statement in parser:
+        if isinstance(statement, gin.config_parser.BindingStatement):
+            scope = f"{statement.scope}/" if statement.scope else ""
+            value = statement.value
+            params[f"{scope}{statement.selector}.{statement.arg_name}"] = (
+                value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+            )
+    return params, text

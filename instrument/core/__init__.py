@@ -1,0 +1,1 @@
+"""The core of the pipeline: what an observer sees and the session that drives it."""

@@ -1,0 +1,75 @@
+"""What an observer sees of one rollout iteration.
+
+A `StepContext` is built once per observed iteration, either by the hook that `Instrumentation.watch`
+attaches to a module or by an explicit evolver that calls ``observer(StepContext(...))`` itself. Every tensor
+in it is detached, so an observer can never build autograd graph into the user's training step.
+"""
+
+from typing import Dict, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepContext"]
+
+
+def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
+    if value is None:
+        return None
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"StepContext.{name} must be a torch.Tensor or None, got {type(value).__name__}; "
+            f"pass the state tensor itself (for a tuple output, its first element)."
+        )
+    return value.detach()
+
+
+class StepContext:
+    """One rollout iteration, as observers see it.
+
+    Attributes:
+        previous_state: the state the iteration started from.
+        next_state: the state it produced.
+        dx: ``next_state - previous_state`` unless given explicitly; computed lazily on first access so an
+            observer that never reads it costs nothing.
+        condition: whatever conditioned the iteration (an action, a goal, a class embedding), or None.
+        step_index: the index of the iteration within the rollout, 0..n-1.
+        freeze_channels: channel indices the update rule must not change (e.g. an NCA's input channels).
+        probes: values recorded by embedded probes during this iteration, name -> tensor.
+    """
+
+    __slots__ = ("previous_state", "next_state", "_dx", "condition", "step_index", "freeze_channels", "probes")
+
+    def __init__(
+        self,
+        previous_state: Tensor,
+        next_state: Tensor,
+        dx: Optional[Tensor] = None,
+        condition: Optional[Tensor] = None,
+        step_index: int = 0,
+        freeze_channels: Optional[Sequence[int]] = None,
+        probes: Optional[Mapping[str, Tensor]] = None,
+    ) -> None:
+        self.previous_state = _detached(previous_state, "previous_state")
+        self.next_state = _detached(next_state, "next_state")
+        if self.previous_state is None or self.next_state is None:
+            raise TypeError("StepContext needs both previous_state and next_state tensors, got None.")
+        self._dx = _detached(dx, "dx")
+        self.condition = _detached(condition, "condition")
+        self.step_index = int(step_index)
+        self.freeze_channels = tuple(freeze_channels) if freeze_channels is not None else None
+        self.probes: Dict[str, Tensor] = (
+            {name: value.detach() for name, value in probes.items()} if probes else {}
+        )
+
+    @property
+    def dx(self) -> Tensor:
+        if self._dx is None:
+            self._dx = self.next_state - self.previous_state
+        return self._dx
+
+    def __repr__(self) -> str:
+        shape = tuple(self.next_state.shape)
+        return f"StepContext(step_index={self.step_index}, state_shape={shape}, probes={sorted(self.probes)})"
+
+

@@ -1,0 +1,85 @@
+"""Fan-out from one rollout iteration to every observer, with the session's guarantees.
+
+The dispatcher is what ``s.observer`` is on a logging step. It calls each observer under ``torch.no_grad()``
+(observers must not build autograd graph: under gradient checkpointing that would change the number of saved
+tensors), never during checkpoint recomputation in backward, and isolates failures: an observer that raises is
+reported once and skipped for the rest of the step.
+"""
+
+import logging
+from typing import Callable, Dict, List, Sequence, Set, Union
+
+import torch
+
+from instrument.core.context import StepContext
+from instrument.core.observer import Observer
+
+__all__ = ["Dispatcher", "in_recompute"]
+
+log = logging.getLogger("instrument")
+
+ObserverLike = Union[Observer, Callable[[StepContext], None]]
+
+
+def in_recompute() -> bool:
+    """True while autograd runs a backward pass: forward code seen then is checkpoint recomputation.
+
+    Holds for reentrant and non-reentrant ``torch.utils.checkpoint`` alike (measured on torch 2.13; see
+    docs/checkpointing.md); ``torch.is_grad_enabled()`` cannot tell the two apart.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def observer_name(observer: ObserverLike) -> str:
+    return getattr(observer, "name", None) or getattr(observer, "__name__", None) or type(observer).__name__
+
+
+class Dispatcher:
+    """Calls observers for one logging step: ``begin`` -> ``__call__`` per iteration -> ``end``."""
+
+    def __init__(self, observers: Sequence[ObserverLike]) -> None:
+        self.observers: List[ObserverLike] = list(observers)
+        self._skipped: Set[int] = set()
+        self.failures: Dict[str, int] = {}
+        self.calls = 0
+
+    def begin(self) -> None:
+        self._skipped.clear()
+        self.calls = 0
+        for index, observer in enumerate(self.observers):
+            reset = getattr(observer, "reset", None)
+            if reset is not None:
+                self._run(index, observer, "reset", reset)
+
+    def __call__(self, context: StepContext) -> None:
+        if in_recompute():
+            return
+        self.calls += 1
+        with torch.no_grad():
+            for index, observer in enumerate(self.observers):
+                if index not in self._skipped:
+                    observe = getattr(observer, "observe", observer)
+                    self._run(index, observer, "observe", observe, context)
+
+    def end(self, logger, step: int) -> None:
+        with torch.no_grad():
+            for index, observer in enumerate(self.observers):
+                log_fn = getattr(observer, "log", None)
+                if log_fn is not None and index not in self._skipped:
+                    self._run(index, observer, "log", log_fn, logger, step)
+
+    def _run(self, index: int, observer: ObserverLike, method: str, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self._skipped.add(index)
+            name = observer_name(observer)
+            count = self.failures.get(name, 0) + 1
+            self.failures[name] = count
+            if count == 1:
+                log.exception(
+                    "instrument: observer %r failed in %s(); it is skipped for the rest of this step, "
+                    "training and the other observers go on", name, method,
+                )
+            else:
+                log.debug("instrument: observer %r failed again in %s() (%d failures)", name, method, count)

@@ -1,0 +1,82 @@
+"""The observer extension point.
+
+An observer is a small diagnostic that watches a rollout on logging steps only. Its lifecycle, in terms of the
+training loop that `Instrumentation` drives::
+
+    for step in range(n_steps):
+        with inst.step(step) as s:              # logging step?  -> for each observer: reset()
+            for i in range(n_iter):             # the user's rollout
+                x = update_rule(x)              #   -> for each observer: observe(StepContext(..., step_index=i))
+            loss.backward(); opt.step()         #   (never again during checkpoint recomputation)
+        # leaving a logging step                -> for each observer: log(logger, step); logger.commit(step)
+
+On a non-logging step none of these methods is called and nothing is attached to any module.
+
+Rules an observer follows:
+
+- ``observe`` runs under ``torch.no_grad()`` and receives detached tensors; keep results on the device
+  (no ``.item()``, ``.cpu()`` or ``float(tensor)`` in ``observe``: the logger moves everything to the
+  host in one batched transfer at commit).
+- ``log`` hands device tensors to the logger (``logger.log_metrics``, ``log_image``, ``log_heatmap``,
+  ``log_histogram``); the logger prefixes nothing on its own, so use ``self.name`` as the key prefix.
+- An exception raised by an observer is reported once and the observer is skipped for the rest of that step;
+  training and the other observers carry on.
+"""
+
+from typing import TYPE_CHECKING, Protocol, Tuple, runtime_checkable
+
+from instrument.core.context import StepContext
+
+if TYPE_CHECKING:
+    from instrument.logging.logger import Logger
+
+__all__ = ["Observer", "StepObserver"]
+
+
+@runtime_checkable
+class StepObserver(Protocol):
+    """Anything an explicit evolver can call once per iteration: ``observer(context) -> None``."""
+
+    def __call__(self, context: StepContext) -> None: ...
+
+
+class Observer:
+    """Base class for diagnostics; override `observe` and `log`, and `reset` if you keep state.
+
+    Attributes:
+        name: the metric key prefix and the name used in error reports. Defaults to the class's
+            ``default_name`` (snake_case of the class name for the built-ins).
+        probes: names of embedded probes this observer reads from ``context.probes``; the session checks
+            that each exists in a watched model.
+    """
+
+    default_name: str = ""
+    probes: Tuple[str, ...] = ()
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name or self.default_name or _snake_case(type(self).__name__)
+
+    def reset(self) -> None:
+        """Forget everything from the previous logging step."""
+
+    def observe(self, context: StepContext) -> None:
+        """Look at one rollout iteration. Keep results on the device."""
+        raise NotImplementedError(f"{type(self).__name__} must implement observe(context)")
+
+    def log(self, logger: "Logger", step: int) -> None:
+        """Hand this step's results to the logger."""
+
+    def __call__(self, context: StepContext) -> None:
+        self.observe(context)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _snake_case(name: str) -> str:
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and (not name[i - 1].isupper() or (i + 1 < len(name) and name[i + 1].islower())):
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)

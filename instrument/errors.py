@@ -1,0 +1,53 @@
+"""Exceptions raised by instrument.
+
+The hierarchy::
+
+    InstrumentError                     base of everything instrument raises on purpose
+    ├── ConfigurationError (ValueError) a bad argument, binding or combination, caught before training
+    │   └── ProbeError                  a probe misuse: duplicate or unknown names, unsupported modes
+    ├── StepOrderError (ValueError)     a step lower than one a backend already committed
+    └── MissingExtraError (ImportError) an optional SDK is not installed; names the pip extra
+
+Failures inside observers and backends are not raised: they are reported once through the
+``instrument`` logger and the run goes on.
+"""
+
+__all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderError", "MissingExtraError"]
+
+
+class InstrumentError(Exception):
+    """Base class of the errors instrument raises on purpose."""
+
+
+class ConfigurationError(InstrumentError, ValueError):
+    """A bad argument or combination, reported with what was received and what was expected."""
+
+
+class ProbeError(ConfigurationError):
+    """A probe is misused: duplicate names in one model, an unknown name, an unsupported mode."""
+
+
+class StepOrderError(InstrumentError, ValueError):
+    """A step lower than one already committed to a backend (W&B would silently drop it)."""
+
+
+class MissingExtraError(InstrumentError, ImportError):
+    """An optional SDK is missing; the message says which ``pip install`` fixes it."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs the '{package}' package, which is not installed. "
+            f"Install it with: pip install 'torch-instrument[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra
+
+
+def require(package: str, extra: str, feature: str):
+    """Import an optional SDK lazily, turning ImportError into a MissingExtraError."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        raise MissingExtraError(package, extra, feature) from exc

@@ -1,0 +1,1 @@
+"""One module per destination; each imports its SDK lazily."""

@@ -1,0 +1,83 @@
+"""The backend extension point: one destination for committed steps.
+
+Lifecycle, driven by the `Logger`::
+
+    backend.open(run)                          # once, before anything else: create files / runs here
+    backend.log_hyperparams(params, config)    # at start: flattened params and the operative gin config
+    for each logging step:
+        backend.write(record)                  # host values only: floats, numpy images, histograms, text
+    backend.close()                            # once; flush and release
+
+A backend never sees a device tensor and never has to sync: the logger hands it a `StepRecord` of host
+values. An exception raised by a backend is reported once and the other backends still get the step.
+"""
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import numpy as np
+
+__all__ = ["Backend", "RunInfo", "StepRecord"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """Where a run lives: ``root/name`` holds every local output of the run."""
+
+    name: str
+    root: Path = Path("runs")
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.root) / self.name
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """Everything committed for one step, on the host.
+
+    Attributes:
+        step: the training step.
+        scalars: key -> float.
+        images: tag -> uint8 array of shape [H, W, 3] or [H, W, 4].
+        histograms: tag -> 1-D float64 array of raw values.
+        texts: tag -> markdown/plain text.
+        videos: tag -> uint8 array [T, H, W, C] and frames per second.
+        wall_time: seconds since the epoch at commit.
+    """
+
+    step: int
+    scalars: Dict[str, float] = dataclasses.field(default_factory=dict)
+    images: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    histograms: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    texts: Dict[str, str] = dataclasses.field(default_factory=dict)
+    videos: Dict[str, "tuple[np.ndarray, int]"] = dataclasses.field(default_factory=dict)
+    wall_time: float = dataclasses.field(default_factory=time.time)
+
+    def is_empty(self) -> bool:
+        return not (self.scalars or self.images or self.histograms or self.texts or self.videos)
+
+
+class Backend:
+    """Base class for destinations. Override `write`; the other methods default to doing nothing."""
+
+    def open(self, run: RunInfo) -> None:
+        """Create files or remote runs. Called once, before anything else."""
+
+    def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
+        """Record flattened hyperparameters (already redacted) and the operative config text."""
+
+    def write(self, record: StepRecord) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement write(record)")
+
+    def close(self) -> None:
+        """Flush and release. Called once."""
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

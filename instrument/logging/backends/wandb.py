@@ -1,0 +1,87 @@
+"""Weights & Biases: offline by default, so no account or network is needed until a user binds ``mode``."""
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from instrument.errors import ConfigurationError, require
+from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+
+__all__ = ["WandbBackend"]
+
+_MODES = ("offline", "online", "disabled", "shared")
+
+
+class WandbBackend(Backend):
+    """Logs each committed step with ``run.log(..., step=step, commit=True)``.
+
+    Images are logged as ``wandb.Image`` under the same key every step, so the W&B UI shows a step slider.
+    Needs ``pip install 'torch-instrument[wandb]'``; the SDK is imported only when the run opens.
+
+    Args:
+        project: W&B project.
+        mode: ``"offline"`` (default: written under the run directory, sync later with ``wandb sync``),
+            ``"online"``, ``"disabled"`` or ``"shared"``.
+        entity, group, tags, notes: passed to ``wandb.init``.
+        dir: where W&B writes its files; None means the run directory.
+    """
+
+    def __init__(
+        self,
+        project: str = "instrument",
+        mode: str = "offline",
+        entity: Optional[str] = None,
+        group: Optional[str] = None,
+        tags: Optional[Sequence[str]] = None,
+        notes: Optional[str] = None,
+        dir: Optional[str] = None,
+    ) -> None:
+        if mode not in _MODES:
+            raise ConfigurationError(f"WandbBackend.mode must be one of {_MODES}, got {mode!r}.")
+        self.project, self.mode, self.entity, self.group = project, mode, entity, group
+        self.tags, self.notes, self.dir = list(tags or []), notes, dir
+        self.run = None
+        self._wandb = None
+
+    def open(self, run: RunInfo) -> None:
+        wandb = self._wandb = require("wandb", "wandb", "WandbBackend")
+        path = Path(self.dir) if self.dir else run.dir
+        path.mkdir(parents=True, exist_ok=True)
+        self.dir = str(path)
+        self.run = wandb.init(
+            project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
+            notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
+        values = dict(params)
+        if config_text:
+            values["operative_config"] = config_text
+        self.run.config.update(values, allow_val_change=True)
+
+    def write(self, record: StepRecord) -> None:
+        wandb = self._wandb
+        data: dict = dict(record.scalars)
+        for key, image in record.images.items():
+            if image is not None:
+                data[key] = wandb.Image(image)
+        for key, values in record.histograms.items():
+            if values.size:
+                data[key] = wandb.Histogram(values)
+        for key, text in record.texts.items():
+            data[key] = wandb.Html(f"<pre>{_escape(text)}</pre>")
+        for key, (frames, fps) in record.videos.items():
+            data[key] = wandb.Video(frames.transpose(0, 3, 1, 2), fps=fps, format="gif")
+        self.run.log(data, step=record.step, commit=True)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    def __repr__(self) -> str:
+        return f"WandbBackend(project={self.project!r}, mode={self.mode!r})"
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -1,0 +1,39 @@
+"""Hyperparameters as backends want them: flat, scalar-valued and free of secrets."""
+
+import re
+from typing import Any, Dict, Mapping
+
+__all__ = ["flatten_params", "redact_secrets", "REDACTED"]
+
+REDACTED = "<redacted>"
+# Matched against the parts of a parameter's last name component: "reward_key" names a dict key, not a
+# credential, so "key" counts only alone or in the usual credential compounds.
+_SECRET_PARTS = {"token", "password", "passwd", "secret", "credential", "credentials"}
+_SECRET_NAMES = {"key", "apikey", "api_key", "access_key", "secret_key", "private_key"}
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") -> Dict[str, Any]:
+    """Flatten nested mappings into ``a/b/c`` keys; non-scalar leaves become their ``repr``."""
+    flat: Dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, name, sep))
+        elif isinstance(value, _SCALAR):
+            flat[name] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, _SCALAR) for v in value):
+            flat[name] = str(list(value))
+        else:
+            flat[name] = repr(value)
+    return flat
+
+
+def redact_secrets(params: Mapping[str, Any]) -> Dict[str, Any]:
+    """Replace the value of every key that looks like a secret (token, key, password, secret)."""
+    return {k: (REDACTED if _is_secret(k) else v) for k, v in params.items()}
+
+
+def _is_secret(name: str) -> bool:
+    leaf = re.split(r"[/.]", name)[-1].lower()
+    return leaf in _SECRET_NAMES or any(part in _SECRET_PARTS for part in re.split(r"[_\-]", leaf))

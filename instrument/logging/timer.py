@@ -1,0 +1,73 @@
+"""Per-logger timers: wall time on the CPU, CUDA events on a GPU, no sync until commit.
+
+A timer accumulates every interval measured between two commits and reports mean, min, max and count under
+``timing/<name>/``. Timers belong to one `Logger`; there is no global registry.
+"""
+
+import functools
+import time
+from typing import Callable, List, Optional, Tuple, TypeVar
+
+import torch
+
+__all__ = ["Timer"]
+
+F = TypeVar("F", bound=Callable)
+
+
+class Timer:
+    """Context manager and decorator measuring a named stage.
+
+    On CUDA (``device`` a CUDA device, or None with CUDA available and ``cuda=True``) it records a pair of
+    CUDA events around the stage and reads their elapsed time only at commit, after the logger's one batched
+    transfer; on the CPU it uses ``time.perf_counter``.
+    """
+
+    def __init__(self, name: str, cuda: Optional[bool] = None) -> None:
+        if not name or not isinstance(name, str):
+            raise ValueError(f"Timer needs a non-empty name, got {name!r}.")
+        self.name = name
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self._seconds: List[float] = []
+        self._events: List[Tuple["torch.cuda.Event", "torch.cuda.Event"]] = []
+        self._start: Optional[object] = None
+
+    def __enter__(self) -> "Timer":
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._start = start
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))  # type: ignore[arg-type]
+        else:
+            self._seconds.append(time.perf_counter() - self._start)  # type: ignore[operator]
+        self._start = None
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapped  # type: ignore[return-value]
+
+    @property
+    def count(self) -> int:
+        return len(self._seconds) + len(self._events)
+
+    def drain(self) -> List[float]:
+        """Durations in seconds measured since the last drain; empties the timer."""
+        seconds = self._seconds
+        if self._events:
+            # host sync: CUDA event times are read at commit, after the logger's batched transfer.
+            self._events[-1][1].synchronize()
+            seconds = seconds + [s.elapsed_time(e) / 1000.0 for s, e in self._events]
+        self._seconds, self._events = [], []
+        return seconds

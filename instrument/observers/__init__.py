@@ -1,0 +1,1 @@
+"""Built-in observers. Each documents the metric keys it emits."""

@@ -1,0 +1,1 @@
+"""Probes: where values enter the pipeline (forward hooks on watched modules, embedded Probe modules)."""

@@ -1,0 +1,96 @@
+"""Forward hooks that turn a watched module's calls into `StepContext`s.
+
+A watched module is one whose forward is one rollout iteration: it receives the previous state as its first
+argument and returns the next state (or a tuple whose first element is it). The hook exists only during a
+logging step: `attach` registers it and returns the handle whose ``remove()`` restores the module exactly.
+"""
+
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from instrument.core.context import StepContext
+from instrument.core.dispatch import in_recompute
+from instrument.errors import ConfigurationError
+
+__all__ = ["StateWatch"]
+
+
+def _first_tensor(value: Any) -> Optional[Tensor]:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return value[0]
+    return None
+
+
+class StateWatch:
+    """Observes every call of one module during a logging step.
+
+    ``condition`` is taken from a ``condition=`` keyword argument or, failing that, a second positional tensor
+    argument.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        deliver: Callable[[StepContext], None],
+        freeze_channels: Optional[Sequence[int]] = None,
+        name: str = "",
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"watch() expects a torch.nn.Module whose forward is one rollout iteration, "
+                f"got {type(module).__name__}."
+            )
+        self.module = module
+        self.deliver = deliver
+        self.freeze_channels = tuple(freeze_channels) if freeze_channels is not None else None
+        self.name = name or type(module).__name__
+        self.iterations = 0
+        self._handle: Optional[RemovableHandle] = None
+
+    @property
+    def attached(self) -> bool:
+        return self._handle is not None
+
+    def attach(self) -> RemovableHandle:
+        """Register the hook for one logging step; iteration indices start again at 0."""
+        if self._handle is not None:
+            return self._handle
+        self.iterations = 0
+        self._handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        return self._handle
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        if in_recompute():
+            return
+        previous = _first_tensor(args[0]) if args else _first_tensor(next(iter(kwargs.values()), None))
+        current = _first_tensor(output)
+        if previous is None or current is None:
+            raise ConfigurationError(
+                f"watched module {self.name} must take the previous state as its first argument and return the "
+                f"next state (or a tuple starting with it); got input types "
+                f"{[type(a).__name__ for a in args]} and output type {type(output).__name__}. Watch the module "
+                f"whose forward is one rollout iteration, or call s.observer(StepContext(...)) yourself."
+            )
+        condition = kwargs.get("condition")
+        if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
+            condition = args[1]
+        index = self.iterations
+        self.iterations += 1
+        self.deliver(
+            StepContext(
+                previous_state=previous,
+                next_state=current,
+                condition=condition,
+                step_index=index,
+                freeze_channels=self.freeze_channels,
+            )
+        )

@@ -1,0 +1,218 @@
+"""`Instrumentation`: the session that ties probes, observers, the logger and its backends together.
+
+It decides which steps log (``is_logging_step``), attaches hooks to watched modules only for those steps and
+removes them afterwards (also when the step raises), runs the observers' lifecycle, and commits the logger once
+per logging step. On every other step it does nothing at all: no hook is registered, no observer runs, no value
+leaves the device.
+"""
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from torch import nn
+
+from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.errors import ConfigurationError
+from instrument.logging.backends.base import Backend, RunInfo
+from instrument.logging.logger import Logger
+from instrument.probes.hooks import StateWatch
+
+__all__ = ["Instrumentation", "StepScope", "WatchHandle"]
+
+log = logging.getLogger("instrument")
+
+
+def default_run_name() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+class WatchHandle:
+    """Returned by `Instrumentation.watch`; ``remove()`` unwatches (idempotent), also as a context manager."""
+
+    def __init__(self, session: "Instrumentation", watch: StateWatch) -> None:
+        self._session = session
+        self.watch = watch
+
+    def remove(self) -> None:
+        self.watch.detach()
+        if self.watch in self._session._watches:
+            self._session._watches.remove(self.watch)
+
+    def __enter__(self) -> "WatchHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class StepScope:
+    """What ``with inst.step(step) as s`` yields.
+
+    Attributes:
+        step: the training step.
+        active: whether this is a logging step.
+        observer: the callable an explicit evolver calls with a `StepContext` each iteration; None when inactive.
+    """
+
+    __slots__ = ("step", "active", "observer", "_session")
+
+    def __init__(self, session: "Instrumentation", step: int, active: bool) -> None:
+        self.step = step
+        self.active = active
+        self.observer = session._dispatch if active else None
+        self._session = session
+
+    def __enter__(self) -> "StepScope":
+        if self.active:
+            self._session._begin(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.active:
+            self._session._end(self, failed=exc_type is not None)
+
+
+class Instrumentation:
+    """Observers, backends and a logging schedule for one training run.
+
+    Args:
+        observers: `Observer` instances (or plain ``callable(context)`` functions) run on logging steps.
+        backends: where committed steps go; None means ``[TensorBoardBackend()]`` under ``runs/<run_name>``.
+        log_interval: a step logs when ``step % log_interval == 0``; 0 turns logging off entirely.
+        run_name: the run's name; None means the start time, ``YYYYmmdd-HHMMSS``.
+        log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
+        hyperparams: logged once at the first step, with the operative gin config when gin is in use.
+        on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
+    """
+
+    def __init__(
+        self,
+        observers: Sequence[ObserverLike] = (),
+        backends: Optional[Sequence[Backend]] = None,
+        log_interval: int = 10,
+        run_name: Optional[str] = None,
+        log_dir: str = "runs",
+        hyperparams: Optional[Dict[str, Any]] = None,
+        on_step_regression: str = "raise",
+    ) -> None:
+        if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
+            raise ConfigurationError(
+                f"log_interval must be a non-negative int (0 turns logging off), got {log_interval!r}."
+            )
+        for obs in observers:
+            if not callable(obs) and not hasattr(obs, "observe"):
+                raise ConfigurationError(
+                    f"observers must be instrument.Observer instances or callables taking a StepContext, "
+                    f"got {type(obs).__name__}."
+                )
+        if backends is None:
+            from instrument.logging.backends.tensorboard import TensorBoardBackend
+
+            backends = [TensorBoardBackend()]
+        self.observers: List[ObserverLike] = list(observers)
+        self.log_interval = log_interval
+        self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
+        self.logger = Logger(backends, self.run, on_step_regression=on_step_regression)
+        self.hyperparams = dict(hyperparams or {})
+        self._dispatch = Dispatcher(self.observers)
+        self._watches: List[StateWatch] = []
+        self._current: Optional[StepScope] = None
+        self._config_logged = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    def watch(
+        self, module: nn.Module, *, freeze_channels: Optional[Sequence[int]] = None, name: str = ""
+    ) -> WatchHandle:
+        """Observe ``module``'s calls on logging steps; its forward must be one rollout iteration.
+
+        Nothing is registered on the module now: hooks exist only inside logging steps.
+        """
+        if any(w.module is module for w in self._watches):
+            raise ConfigurationError(f"{type(module).__name__} is already watched by this Instrumentation.")
+        watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
+        self._watches.append(watch)
+        if self._current is not None:
+            watch.attach()
+        return WatchHandle(self, watch)
+
+    def is_logging_step(self, step: int) -> bool:
+        return self.log_interval > 0 and step % self.log_interval == 0
+
+    def step(self, step: int) -> StepScope:
+        """Context manager for one training step; on logging steps it runs the observer lifecycle."""
+        if self._closed:
+            raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
+        if not self._config_logged:
+            self._log_config()
+        return StepScope(self, step, self.is_logging_step(step))
+
+    @property
+    def failures(self) -> Dict[str, int]:
+        """Observer and backend name -> number of failures so far."""
+        return {**self._dispatch.failures, **self.logger.failures}
+
+    def close(self) -> None:
+        """Commit anything still staged and close every backend. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for watch in self._watches:
+            watch.detach()
+        self.logger.close()
+
+    def __enter__(self) -> "Instrumentation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Instrumentation(observers={self.observers!r}, backends={self.logger.backends!r}, "
+            f"log_interval={self.log_interval}, run={str(self.run.dir)!r})"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def _begin(self, scope: StepScope) -> None:
+        if self._current is not None:
+            raise ConfigurationError(
+                f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
+            )
+        self._current = scope
+        self._dispatch.begin()
+        try:
+            for watch in self._watches:
+                watch.attach()
+        except BaseException:
+            self._detach_all()
+            self._current = None
+            raise
+
+    def _end(self, scope: StepScope, failed: bool) -> None:
+        try:
+            self._detach_all()
+            if not failed:
+                self._dispatch.end(self.logger, scope.step)
+                self.logger.commit(scope.step)
+        finally:
+            self._current = None
+
+    def _detach_all(self) -> None:
+        for watch in self._watches:
+            watch.detach()
+
+    def _log_config(self) -> None:
+        self._config_logged = True
+        params = dict(self.hyperparams)
+        text = None
+        if "gin" in sys.modules:  # only when the user configures with gin; the core never imports it
+            from instrument.config import operative_config
+
+            gin_params, text = operative_config()
+            params = {**gin_params, **params}
+        if params or text:
+            self.logger.log_hyperparams(params, text)

@@ -1,0 +1,42 @@
+# Every target installs what it needs itself: `make demo` and `make test` work on a fresh machine.
+# TORCH is the pinned CPU wheel; override it, e.g. `make TORCH=torch install` on a CUDA machine.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Stable timings on shared machines (see docs/benchmarks.md).
+BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
+
+.PHONY: install demo demo-rl test lint bench bench-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull several GB of CUDA packages.
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m instrument run gin/nca.gin
+
+demo-rl: install
+	$(PY) -m instrument run gin/rl_cartpole.gin
+
+test: install
+	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest
+
+lint: install
+	$(PY) -m ruff check instrument tests bench
+
+bench: install
+	$(BENCH_ENV) $(PY) -m pytest bench -p no:randomly --benchmark-only -q -s
+
+bench-check: install
+	$(BENCH_ENV) INSTRUMENT_BENCH_CHECK=1 $(PY) -m pytest bench -p no:randomly --benchmark-only -q -s
+
+clean:
+	rm -rf $(VENV) runs bench/results .benchmarks

@@ -13,6 +13,7 @@ import torch
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
+from instrument.core.recompute import RecomputeGuard
 
 __all__ = ["Dispatcher", "in_recompute"]
 
@@ -42,10 +43,12 @@ class Dispatcher:
         self._skipped: Set[int] = set()
         self.failures: Dict[str, int] = {}
         self.calls = 0
+        self.guard = RecomputeGuard("s.observer", lambda: [observer_name(o) for o in self.observers])
 
     def begin(self) -> None:
         self._skipped.clear()
         self.calls = 0
+        self.guard.begin()
         for index, observer in enumerate(self.observers):
             reset = getattr(observer, "reset", None)
             if reset is not None:
@@ -53,6 +56,7 @@ class Dispatcher:
 
     def __call__(self, context: StepContext) -> None:
         if in_recompute():
+            self.guard.skipped()
             return
         self.calls += 1
         with torch.no_grad():
@@ -62,6 +66,7 @@ class Dispatcher:
                     self._run(index, observer, "observe", observe, context)
 
     def end(self, logger, step: int) -> None:
+        self.guard.end(self.calls)
         with torch.no_grad():
             for index, observer in enumerate(self.observers):
                 log_fn = getattr(observer, "log", None)

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from instrument.core.context import StepContext
-from instrument.core.dispatch import in_recompute
+from instrument.core.dispatch import in_recompute, observer_name
+from instrument.core.recompute import RecomputeGuard
 from instrument.errors import ConfigurationError
 
 __all__ = ["StateWatch"]
@@ -50,6 +51,9 @@ class StateWatch:
         self.name = name or type(module).__name__
         self.iterations = 0
         self._handle: Optional[RemovableHandle] = None
+        self.guard = RecomputeGuard(
+            f"watched module {self.name}", lambda: [observer_name(o) for o in getattr(deliver, "observers", ())]
+        )
 
     @property
     def attached(self) -> bool:
@@ -60,6 +64,7 @@ class StateWatch:
         if self._handle is not None:
             return self._handle
         self.iterations = 0
+        self.guard.begin()
         self._handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
         return self._handle
 
@@ -67,9 +72,11 @@ class StateWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            self.guard.end(self.iterations)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():
+            self.guard.skipped()
             return
         previous = _first_tensor(args[0]) if args else _first_tensor(next(iter(kwargs.values()), None))
         current = _first_tensor(output)
@@ -83,6 +90,7 @@ class StateWatch:
         condition = kwargs.get("condition")
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
+        self.guard.check_input(previous, current)
         index = self.iterations
         self.iterations += 1
         self.deliver(

@@ -8,6 +8,7 @@ ragged last chunk).
 """
 
 import contextlib
+import json
 import logging
 from typing import Callable, Dict, List, Optional
 
@@ -352,3 +353,32 @@ def test_embedded_probe_inside_checkpointed_module_records_once(mode):
         assert torch.equal(seen["probes"]["hidden"], want["probes"]["hidden"])
     for name in ref_grads:
         assert torch.equal(grads[name], ref_grads[name])
+
+
+# ------------------------------------------------------------------------------------------ the NCA demo
+def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
+    """gin/nca_checkpointed.gin = gin/nca.gin + checkpointing every k iterations; observers see the same."""
+    pytest.importorskip("instrument.demos.nca", reason="the NCA demo is not on this branch yet")
+    import gin
+
+    from instrument import config
+
+    tiny = ["train_nca.steps = 2", "train_nca.size = 12", "train_nca.batch_size = 2", "train_nca.hidden = 16",
+            "train_nca.n_iter_min = 10", "train_nca.n_iter_max = 10", "Instrumentation.log_interval = 1",
+            "backend_set.tensorboard = None", "backend_set.console = None"]
+
+    def metrics(name: str) -> List[Dict[str, float]]:
+        gin.clear_config()
+        config.parse([str(config.GIN_DIR / name)], tiny + [f"JsonlBackend.path = '{tmp_path / name}.jsonl'"])
+        if name == "nca_checkpointed.gin":
+            assert gin.query_parameter("train_nca.checkpoint_every") > 0
+        config.run()
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        return [line["metrics"] for line in lines if "metrics" in line]
+
+    plain, checkpointed = metrics("nca.gin"), metrics("nca_checkpointed.gin")
+    assert [m["iteration_stats/iterations"] for m in checkpointed] == [10, 10]  # chunks of 8 + 2
+    observed = [{k: v for k, v in m.items() if k.startswith(("iteration_stats/", "update_norm/"))} for m in plain]
+    assert observed[0] and observed == [
+        {k: v for k, v in m.items() if k.startswith(("iteration_stats/", "update_norm/"))} for m in checkpointed
+    ]

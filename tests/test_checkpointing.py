@@ -112,7 +112,9 @@ def run_iterations(step_fn: Callable[[Tensor, int], Tensor], x: Tensor, mode: st
         return segment(x, 0, N_ITER)
     k = 3 if mode.startswith("chunked") else 1
     reentrant = mode in ("reentrant", "chunked_reentrant")
-    early = contextlib.nullcontext() if mode != "nonreentrant_no_early_stop" else set_checkpoint_early_stop(False)
+    early = (
+        contextlib.nullcontext() if mode != "nonreentrant_no_early_stop" else set_checkpoint_early_stop(False)
+    )
     with early:
         for start in range(0, N_ITER, k):
             x = checkpoint(segment, x, start, min(start + k, N_ITER), use_reentrant=reentrant)
@@ -136,7 +138,9 @@ def train_step(rule: Rule, mode: str, observer: Optional[Callable] = None, seed:
             observer(StepContext(previous_state=state, next_state=nxt, step_index=i))
         return nxt
 
-    with (set_checkpoint_early_stop(False) if mode == "nonreentrant_no_early_stop" else contextlib.nullcontext()):
+    with (
+        set_checkpoint_early_stop(False) if mode == "nonreentrant_no_early_stop" else contextlib.nullcontext()
+    ):
         out = run_iterations(step_fn, x, mode)
         loss = F.mse_loss(out, torch.full_like(out, 0.5))
         rule.zero_grad(set_to_none=True)
@@ -196,7 +200,7 @@ def test_exactly_once_same_values_and_bitwise_equal_gradients(mode, style, refer
     )
     assert recorder.resets == 1 and recorder.logs == 1
     assert [c["index"] for c in recorder.contexts] == list(range(N_ITER))
-    for seen, ref in zip(recorder.contexts, ref_contexts):
+    for seen, ref in zip(recorder.contexts, ref_contexts, strict=True):
         assert torch.equal(seen["prev"], ref["prev"]), f"iteration {seen['index']}: previous_state differs"
         assert torch.equal(seen["next"], ref["next"]), f"iteration {seen['index']}: next_state differs"
     assert committed_scalars(mode, style) == ref_scalars
@@ -293,15 +297,16 @@ def test_rollout_run_entirely_inside_backward_is_reported_once(style, caplog):
     inst = Instrumentation(observers=[recorder], backends=[Sink()], log_interval=1)
     if style == "hook":
         inst.watch(rule)
+    holder: Dict[str, Optional[Callable]] = {}
+
+    def step_fn(state: Tensor, i: int) -> Tensor:
+        nxt = rule(state)
+        if holder.get("observer") is not None:
+            holder["observer"](StepContext(previous_state=state, next_state=nxt, step_index=i))
+        return nxt
+
     for step in range(2):
-        holder = {}
-
-        def step_fn(state: Tensor, i: int) -> Tensor:
-            nxt = rule(state)
-            if holder.get("observer") is not None:
-                holder["observer"](StepContext(previous_state=state, next_state=nxt, step_index=i))
-            return nxt
-
+        holder["observer"] = None
         x = torch.rand(2, CHANNELS, 8, 8, requires_grad=True)
         out = run_iterations(step_fn, x, "reentrant")  # forward before the step opens
         with inst.step(step) as s:
@@ -348,7 +353,7 @@ def test_embedded_probe_inside_checkpointed_module_records_once(mode):
     ref, ref_grads = probed("none")
     got, grads = probed(mode)
     assert [c["index"] for c in got] == list(range(N_ITER))
-    for seen, want in zip(got, ref):
+    for seen, want in zip(got, ref, strict=True):
         assert set(seen["probes"]) == {"hidden"}
         assert torch.equal(seen["probes"]["hidden"], want["probes"]["hidden"])
     for name in ref_grads:
@@ -360,12 +365,19 @@ def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
     """gin/nca_checkpointed.gin = gin/nca.gin + checkpointing every k iterations; observers see the same."""
     pytest.importorskip("instrument.demos.nca", reason="the NCA demo is not on this branch yet")
     import gin
-
     from instrument import config
 
-    tiny = ["train_nca.steps = 2", "train_nca.size = 12", "train_nca.batch_size = 2", "train_nca.hidden = 16",
-            "train_nca.n_iter_min = 10", "train_nca.n_iter_max = 10", "Instrumentation.log_interval = 1",
-            "backend_set.tensorboard = None", "backend_set.console = None"]
+    tiny = [
+        "train_nca.steps = 2",
+        "train_nca.size = 12",
+        "train_nca.batch_size = 2",
+        "train_nca.hidden = 16",
+        "train_nca.n_iter_min = 10",
+        "train_nca.n_iter_max = 10",
+        "Instrumentation.log_interval = 1",
+        "backend_set.tensorboard = None",
+        "backend_set.console = None",
+    ]
 
     def metrics(name: str) -> List[Dict[str, float]]:
         gin.clear_config()
@@ -376,9 +388,11 @@ def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         return [line["metrics"] for line in lines if "metrics" in line]
 
+    def observed(lines: List[Dict[str, float]]) -> List[Dict[str, float]]:
+        return [
+            {k: v for k, v in m.items() if k.startswith(("iteration_stats/", "update_norm/"))} for m in lines
+        ]
+
     plain, checkpointed = metrics("nca.gin"), metrics("nca_checkpointed.gin")
     assert [m["iteration_stats/iterations"] for m in checkpointed] == [10, 10]  # chunks of 8 + 2
-    observed = [{k: v for k, v in m.items() if k.startswith(("iteration_stats/", "update_norm/"))} for m in plain]
-    assert observed[0] and observed == [
-        {k: v for k, v in m.items() if k.startswith(("iteration_stats/", "update_norm/"))} for m in checkpointed
-    ]
+    assert observed(plain)[0] and observed(plain) == observed(checkpointed)

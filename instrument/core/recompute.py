@@ -44,9 +44,9 @@ class RecomputeGuard:
         self.observer_names = observer_names
         self.recomputed = 0
         self.warned: Dict[str, bool] = {}
-        self._inputs: Dict[int, "weakref.ref[Tensor]"] = {}
+        self._inputs: Dict[int, weakref.ref[Tensor]] = {}
         self._index: Dict[int, int] = {}
-        self._last_output: "weakref.ref[Tensor] | None" = None
+        self._last_output: weakref.ref[Tensor] | None = None
         self._count = 0
 
     def begin(self) -> None:
@@ -75,14 +75,14 @@ class RecomputeGuard:
         if ref is not None and ref() is tensor and last is not tensor:
             self._warn_once(
                 "replay",
-                f"instrument: {self.where} was called again, outside autograd's backward pass, on the same "
-                f"input tensor it received at iteration {self._index[key]} of this logging step. A custom "
-                f"checkpoint or recompute that re-runs forward outside backward does this, and instrument cannot "
-                f"tell such a replay from new iterations: observers {self._names()} see these iterations again "
-                f"(extra step_index values, doubled statistics). torch.utils.checkpoint.checkpoint "
-                f"(use_reentrant=True or False) is supported as is. If you run the module twice on one tensor on "
-                f"purpose (two rollouts from one seed), the extra iterations are real. Reported once; see "
-                f"docs/checkpointing.md.",
+                f"instrument: {self.where} was called again, outside autograd's backward pass, on the "
+                f"same input tensor it received at iteration {self._index[key]} of this logging step. A "
+                f"custom checkpoint or recompute that re-runs forward outside backward does this, and "
+                f"instrument cannot tell such a replay from new iterations: observers {self._names()} see "
+                f"these iterations again (extra step_index values, doubled statistics). "
+                f"torch.utils.checkpoint.checkpoint (use_reentrant=True or False) is supported as is. If you "
+                f"run the module twice on one tensor on purpose (two rollouts from one seed), the extra "
+                f"iterations are real. Reported once; see docs/checkpointing.md.",
             )
         else:
             try:
@@ -97,11 +97,12 @@ class RecomputeGuard:
         if self.recomputed and not observed:
             self._warn_once(
                 "all_skipped",
-                f"instrument: every call of {self.where} in this logging step ({self.recomputed}) ran inside "
-                f"autograd's backward pass, which instrument treats as checkpoint recomputation and skips, so "
-                f"observers {self._names()} saw no iteration. Run the rollout's forward pass inside "
-                f"`with inst.step(step):`; forward code that runs inside backward for another reason (a backward "
-                f"hook, a custom autograd Function) cannot be observed. Reported once; see docs/checkpointing.md.",
+                f"instrument: every call of {self.where} in this logging step ({self.recomputed}) ran "
+                f"inside autograd's backward pass, which instrument treats as checkpoint recomputation and "
+                f"skips, so observers {self._names()} saw no iteration. Run the rollout's forward pass "
+                f"inside `with inst.step(step):`; forward code that runs inside backward for another reason (a "
+                f"backward hook, a custom autograd Function) cannot be observed. Reported once; see "
+                f"docs/checkpointing.md.",
             )
         self._inputs.clear()
         self._index.clear()

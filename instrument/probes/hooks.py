@@ -52,7 +52,8 @@ class StateWatch:
         self.iterations = 0
         self._handle: Optional[RemovableHandle] = None
         self.guard = RecomputeGuard(
-            f"watched module {self.name}", lambda: [observer_name(o) for o in getattr(deliver, "observers", ())]
+            f"watched module {self.name}",
+            lambda: [observer_name(o) for o in getattr(deliver, "observers", ())],
         )
 
     @property

@@ -1,0 +1,454 @@
+"""The matrix `make bench` times: one training step of the NCA and of the RL demo, in every variant.
+
+Rows (``workload/mode/kind``):
+
+- modes: ``eager``; ``script`` (the update rule / policy is ``torch.jit.script``-ed); ``compile`` (it is
+  ``torch.compile``-d); ``ckpt`` (NCA only: eager, every ``checkpoint_every`` iterations one
+  ``torch.utils.checkpoint`` segment, non-reentrant).
+- kinds: ``bare`` (no instrument at all: the baseline of its mode); ``off`` (instrumented, non-logging step);
+  ``log`` (logging step with IterationStats + UpdateNorm; the backend is a sink, so the figure is the
+  pipeline's cost: observers, one batched host transfer, heatmap drawing); ``log-tb`` (the same with a real
+  TensorBoard backend writing event files); ``log[]`` (a logging step with no observer: the base from which
+  each observer's own cost is taken); ``log[IterationStats]``, ``log[UpdateNorm]`` (one observer each);
+  ``naive`` (the common hand-written pattern: the same statistics with ``.tolist()``/``.item()`` every
+  iteration); ``wandb-watch`` (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log``
+  of the loss each step); ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or
+  compiled model; pending until the Probe module exists).
+
+How instrumented rows observe: the eager and checkpointed NCA watch the update rule with forward hooks
+(``inst.watch``); scripted and compiled models cannot carry hooks added at run time, so those rows (and all RL
+rows, as the RL demo does) use the explicit-evolver style: the Python loop calls ``s.observer`` itself.
+
+Every variant of a workload does the same work every call: NCA state sizes are fixed, and RL rollouts run a
+fixed number of environment steps (no early stop), so timings do not depend on how far training got.
+"""
+
+import contextlib
+import copy
+import os
+import tempfile
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import instrument
+from bench.harness import Variant
+from instrument import Instrumentation, IterationStats, StepContext, UpdateNorm
+from instrument.logging.backends.base import Backend
+
+__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS"]
+
+NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
+RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
+OBSERVERS = ("IterationStats", "UpdateNorm")
+PROBE_PENDING = "pending: needs instrument.Probe (issue 3)"
+
+MODES = {"nca": ("eager", "script", "compile", "ckpt"), "rl": ("eager", "script", "compile")}
+KINDS = {
+    "eager": (
+        "bare",
+        "off",
+        "log",
+        "log-tb",
+        "log[]",
+        "log[IterationStats]",
+        "log[UpdateNorm]",
+        "naive",
+        "wandb-watch",
+    ),
+    "script": ("bare", "off", "log", "probe-off", "probe-log"),
+    "compile": ("bare", "off", "log", "probe-off", "probe-log"),
+    "ckpt": ("bare", "off", "log"),
+}
+
+
+def all_keys() -> List[str]:
+    """Every row of the matrix, in table order."""
+    return [f"{w}/{m}/{k}" for w, modes in MODES.items() for m in modes for k in KINDS[m]]
+
+
+class SinkBackend(Backend):
+    """Receives every committed record and drops it: the pipeline's cost without a backend's I/O."""
+
+    name = "sink"
+
+    def open(self, run) -> None:
+        pass
+
+    def write(self, record) -> None:
+        self.last = record
+
+    def close(self) -> None:
+        pass
+
+
+def make_observers(names: Sequence[str], workload: str) -> List[instrument.Observer]:
+    channel_dim = 1 if workload == "nca" else -1
+    made = {"IterationStats": lambda: IterationStats(channel_dim=channel_dim), "UpdateNorm": UpdateNorm}
+    return [made[n]() for n in names]
+
+
+class Session:
+    """One Instrumentation driven like a training loop: each call is the next step (logging or not)."""
+
+    def __init__(
+        self, observers: Sequence[str], workload: str, logging: bool, backend: str, tmp: str
+    ) -> None:
+        backends: List[Backend]
+        if backend == "tensorboard":
+            backends = [instrument.TensorBoardBackend()]
+        else:
+            backends = [SinkBackend()]
+        self.inst = Instrumentation(
+            observers=make_observers(observers, workload),
+            backends=backends,
+            log_interval=1 if logging else 10**12,
+            run_name=f"{workload}-{backend}-{len(observers)}",
+            log_dir=tmp,
+        )
+        self.step = 1  # step 0 would be a logging step for any interval
+
+    def next_step(self) -> int:
+        self.step += 1
+        return self.step
+
+
+# ------------------------------------------------------------------------------------------------- NCA
+def _nca_parts():
+    from instrument.demos.nca import UpdateRule, make_seed, make_target
+
+    s = NCA_SIZE
+    torch.manual_seed(0)
+    rule = UpdateRule(channels=s["channels"], hidden=s["hidden"])
+    # Train-like parameters (the demo's last layer starts at zero, which would make dx trivially zero).
+    with torch.no_grad():
+        for p in rule.parameters():
+            p.normal_(0.0, 0.05)
+    seed = make_seed(s["batch"], s["channels"], s["size"])
+    q = s["size"] // 4
+    seed[:, :, q:-q, q:-q] = torch.rand(s["batch"], s["channels"], s["size"] - 2 * q, s["size"] - 2 * q)
+    target = make_target(s["size"]).unsqueeze(0).expand(s["batch"], -1, -1, -1)
+    return rule, seed, target
+
+
+def _nca_model(rule: nn.Module) -> nn.Module:
+    """The demo's NCA module around a copy of ``rule``: what a wandb user would watch (one call per step)."""
+    from instrument.demos.nca import NCA
+
+    s = NCA_SIZE
+    model = NCA(channels=s["channels"], hidden=s["hidden"])
+    model.update_rule = copy.deepcopy(rule)
+    return model
+
+
+def evolve(rule: Callable[[Tensor], Tensor], x: Tensor, n_iter: int, observer) -> Tensor:
+    """The explicit-evolver loop: the rollout hands each iteration to ``observer`` (None: no logging step)."""
+    for i in range(n_iter):
+        prev = x
+        x = rule(x)
+        if observer is not None:
+            observer(StepContext(previous_state=prev, next_state=x, step_index=i))
+    return x
+
+
+def naive_stats(prev: Tensor, x: Tensor, sink: List[object], dims=(0, 2, 3)) -> None:
+    """What most trainers write: every statistic turned into Python numbers right away."""
+    with torch.no_grad():
+        sink.append(x.mean(dim=dims).tolist())
+        sink.append(x.std(dim=dims).tolist())
+        sink.append(x.amin(dim=dims).tolist())
+        sink.append(x.amax(dim=dims).tolist())
+        sink.append((x - prev).reshape(x.shape[0], -1).norm(dim=1).mean().item())
+        if x.dim() == 4:
+            sink.append((x[:, 3] > 0.1).float().mean().item())
+
+
+def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -> List[Variant]:
+    from instrument.demos.nca import run_iterations
+
+    s = NCA_SIZE
+    n_iter, k = s["n_iter"], s["checkpoint_every"]
+    base_rule, seed, target = _nca_parts()
+    out: List[Variant] = []
+
+    def trainer(rule: nn.Module, forward: Callable[[Optional[Callable]], Tensor]):
+        opt = torch.optim.Adam(rule.parameters(), lr=1e-4)
+
+        def train(observer=None) -> Tensor:
+            x = forward(observer)
+            loss = F.mse_loss(x[:, :4], target)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return train
+
+    def instrumented(train, session: Session, hooks_on: Optional[nn.Module]):
+        if hooks_on is not None:
+            session.inst.watch(hooks_on)
+
+        def fn():
+            inst = session.inst
+            step = session.next_step()
+            with inst.step(step) as scope:
+                loss = train(None if hooks_on is not None else scope.observer)
+                inst.logger.log_metrics({"loss": loss}, step=step, prefix="train")
+
+        return fn
+
+    for mode in modes:
+        keys = [f"nca/{mode}/{kind}" for kind in KINDS[mode]]
+        if not any(wanted(key) for key in keys):
+            continue
+        baseline = f"nca/{mode}/bare"
+        rule = copy.deepcopy(base_rule)
+        hooks_on: Optional[nn.Module] = None
+        if mode in ("eager", "ckpt"):
+            runner: Callable[[Tensor], Tensor] = rule
+            hooks_on = rule
+            every = k if mode == "ckpt" else 0
+
+            def forward(observer, runner=runner, every=every):
+                return run_iterations(runner, seed, n_iter, checkpoint_every=every)
+        else:
+            runner = torch.jit.script(rule) if mode == "script" else torch.compile(rule)
+
+            def forward(observer, runner=runner):
+                return evolve(runner, seed, n_iter, observer)
+
+        train = trainer(rule, forward)
+        for kind, key in zip(KINDS[mode], keys, strict=True):
+            if not wanted(key) and key != baseline:
+                continue
+            v = Variant(key=key, baseline=baseline)
+            if kind == "bare":
+                v.fn, v.describe = train, "no instrument"
+            elif kind in ("off", "log", "log-tb") or kind.startswith("log["):
+                names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
+                session = Session(
+                    names, "nca", kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp
+                )
+                v.fn = instrumented(train, session, hooks_on)
+                v.describe = ("hooks" if hooks_on is not None else "explicit evolver") + (
+                    ", non-logging step"
+                    if kind == "off"
+                    else f", logging step: {', '.join(names) or 'no observer'}"
+                )
+            elif kind == "naive":
+                sink: List[object] = []
+
+                def naive_forward(observer, runner=runner, sink=sink):
+                    sink.clear()
+                    x = seed
+                    for _ in range(n_iter):
+                        prev, x = x, runner(x)
+                        naive_stats(prev, x, sink)
+                    return x
+
+                v.fn, v.describe = (
+                    trainer(rule, naive_forward),
+                    "per-iteration .tolist()/.item() of the same stats",
+                )
+            elif kind == "wandb-watch":
+                v.fn, v.pending, v.describe = _wandb_variant(
+                    _nca_model(base_rule), "nca", tmp, lambda m: trainer(m, lambda observer: m(seed, n_iter))
+                )
+            elif kind.startswith("probe-"):
+                v.pending = PROBE_PENDING if not hasattr(instrument, "Probe") else None
+                if v.pending is None:
+                    v.fn, v.check, v.describe = _probe_variant(
+                        "nca", mode, kind, tmp, target=target, seed=seed
+                    )
+            out.append(v)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- RL
+def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -> List[Variant]:
+    from instrument.demos.cartpole import CartPole, Policy, discounted_returns
+
+    s = RL_SIZE
+    torch.manual_seed(0)
+    base_policy = Policy(hidden=s["hidden"])
+    out: List[Variant] = []
+
+    def trainer(policy: nn.Module, act: Callable[[Tensor], Tensor], naive: bool = False):
+        env = CartPole(num_envs=s["envs"], generator=torch.Generator().manual_seed(0))
+        actions_rng = torch.Generator()
+        opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+        sink: List[object] = []
+
+        def train(observer=None) -> Tensor:
+            env.generator.manual_seed(0)
+            actions_rng.manual_seed(1)
+            sink.clear()
+            obs = env.reset()
+            alive = torch.ones(s["envs"], dtype=torch.bool)
+            log_probs, rewards = [], []
+            for t in range(s["steps"]):
+                logp_all = F.log_softmax(act(obs), dim=-1)
+                action = torch.multinomial(logp_all.detach().exp(), 1, generator=actions_rng).squeeze(1)
+                next_obs, reward, done = env.step(action)
+                if observer is not None:
+                    observer(
+                        StepContext(
+                            previous_state=obs,
+                            next_state=next_obs,
+                            condition=action.unsqueeze(1).to(obs.dtype),
+                            step_index=t,
+                        )
+                    )
+                if naive:
+                    naive_stats(obs, next_obs, sink, dims=(0,))
+                log_probs.append(logp_all.gather(1, action.unsqueeze(1)).squeeze(1))
+                rewards.append(reward * alive.to(reward.dtype))
+                alive = alive & ~done
+                obs = next_obs
+            returns = discounted_returns(torch.stack(rewards))
+            advantage = returns - returns.mean(dim=1, keepdim=True)
+            loss = -(torch.stack(log_probs) * advantage.detach()).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return train
+
+    def instrumented(train, session: Session):
+        def fn():
+            inst = session.inst
+            step = session.next_step()
+            with inst.step(step) as scope:
+                loss = train(scope.observer)
+                inst.logger.log_metrics({"loss": loss}, step=step, prefix="train")
+
+        return fn
+
+    for mode in modes:
+        keys = [f"rl/{mode}/{kind}" for kind in KINDS[mode]]
+        if not any(wanted(key) for key in keys):
+            continue
+        baseline = f"rl/{mode}/bare"
+        policy = copy.deepcopy(base_policy)
+        act = (
+            policy
+            if mode == "eager"
+            else torch.jit.script(policy)
+            if mode == "script"
+            else torch.compile(policy)
+        )
+        train = trainer(policy, act)
+        for kind, key in zip(KINDS[mode], keys, strict=True):
+            if not wanted(key) and key != baseline:
+                continue
+            v = Variant(key=key, baseline=baseline)
+            if kind == "bare":
+                v.fn, v.describe = train, "no instrument"
+            elif kind in ("off", "log", "log-tb") or kind.startswith("log["):
+                names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
+                session = Session(
+                    names, "rl", kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp
+                )
+                v.fn = instrumented(train, session)
+                v.describe = "explicit evolver" + (
+                    ", non-logging step"
+                    if kind == "off"
+                    else f", logging step: {', '.join(names) or 'no observer'}"
+                )
+            elif kind == "naive":
+                v.fn = trainer(policy, act, naive=True)
+                v.describe = "per-iteration .tolist()/.item() of the same stats"
+            elif kind == "wandb-watch":
+                v.fn, v.pending, v.describe = _wandb_variant(
+                    copy.deepcopy(base_policy), "rl", tmp, lambda p: trainer(p, p)
+                )
+            elif kind.startswith("probe-"):
+                v.pending = PROBE_PENDING if not hasattr(instrument, "Probe") else None
+                if v.pending is None:
+                    v.fn, v.check, v.describe = _probe_variant("rl", mode, kind, tmp)
+            out.append(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ peers
+_WANDB_RUNS: List[object] = []
+
+
+def _wandb_variant(model: nn.Module, workload: str, tmp: str, make_train):
+    """``wandb.watch(model, log="all", log_freq=1)`` in offline mode, plus ``wandb.log`` of the loss."""
+    try:
+        import wandb
+    except ImportError:
+        return None, "pending: wandb is not installed (pip install 'torch-instrument[wandb]')", ""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    if (
+        not _WANDB_RUNS
+    ):  # one run for every watched model: wandb.watch's hooks log through the global wandb.run
+        _WANDB_RUNS.append(wandb.init(mode="offline", dir=tmp, project="instrument-bench", name="peers"))
+    run = _WANDB_RUNS[0]
+    run.watch(model, log="all", log_freq=1)
+    train = make_train(model)
+
+    def fn():
+        loss = train()
+        run.log({f"{workload}/loss": loss.item()})
+
+    describe = 'wandb.watch(model, log="all", log_freq=1), offline'
+    if workload == "rl":
+        describe += "; the policy runs every env step, so watch logs per call"
+    return fn, None, describe
+
+
+def finish_peers() -> None:
+    while _WANDB_RUNS:
+        run = _WANDB_RUNS.pop()
+        with contextlib.suppress(Exception):
+            run.finish(quiet=True)
+
+
+def _probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
+    """Rows for issue 3's embedded probes. Built against the API issue 3 describes; if the Probe module that
+    lands behaves differently, the self-check reports the row as pending instead of timing something else."""
+    from bench.probe_rows import probe_variant
+
+    return probe_variant(workload, mode, kind, tmp, **parts)
+
+
+# ------------------------------------------------------------------------------------------------- all
+def build_variants(selected: Optional[Sequence[str]] = None, tmp: Optional[str] = None) -> List[Variant]:
+    """Variants for ``selected`` keys (all when None), plus the baselines they need."""
+    chosen = set(selected) if selected is not None else set(all_keys())
+    tmp = tmp or tempfile.mkdtemp(prefix="instrument-bench-")
+
+    def wanted(key: str) -> bool:
+        return key in chosen
+
+    variants = nca_variants(MODES["nca"], wanted, tmp) + rl_variants(MODES["rl"], wanted, tmp)
+    order = {key: i for i, key in enumerate(all_keys())}
+    return sorted(variants, key=lambda v: order[v.key])
+
+
+def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float]]:
+    """Each observer's own cost per logging step: (log[X] - log[]) / bare, paired per repetition."""
+    from bench.harness import summary
+
+    costs: Dict[str, Dict[str, float]] = {}
+    for workload in MODES:
+        base, empty = f"{workload}/eager/bare", f"{workload}/eager/log[]"
+        if base not in samples or empty not in samples:
+            continue
+        for name in OBSERVERS:
+            key = f"{workload}/eager/log[{name}]"
+            if key not in samples:
+                continue
+            triples = zip(samples[key], samples[empty], samples[base], strict=True)
+            fractions = [(t - e) / b for t, e, b in triples]
+            millis = [(t - e) * 1e3 for t, e in zip(samples[key], samples[empty], strict=True)]
+            costs[f"{workload}/{name}"] = {
+                **{f"fraction_{k}": v for k, v in summary(fractions).items()},
+                **{f"ms_{k}": v for k, v in summary(millis).items()},
+            }
+    return costs

@@ -100,8 +100,8 @@ class RecomputeGuard:
                 f"instrument: every call of {self.where} in this logging step ({self.recomputed}) ran "
                 f"inside autograd's backward pass, which instrument treats as checkpoint recomputation and "
                 f"skips, so observers {self._names()} saw no iteration. Run the rollout's forward pass "
-                f"inside `with inst.step(step):`; forward code that runs inside backward for another reason (a "
-                f"backward hook, a custom autograd Function) cannot be observed. Reported once; see "
+                f"inside `with inst.step(step):`; forward code that runs inside backward for another reason "
+                f"(a backward hook, a custom autograd Function) cannot be observed. Reported once; see "
                 f"docs/checkpointing.md.",
             )
         self._inputs.clear()

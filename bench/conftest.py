@@ -49,8 +49,16 @@ def pytest_configure(config) -> None:
             f"INSTRUMENT_BENCH_CLOCK must be one of {sorted(CLOCKS)}, got {_STATE['clock']!r}"
         )
     _STATE["limits"] = bench_report.load_budgets()  # a broken budgets file fails before anything is timed
-    # TorchScript rows script on purpose; torch 2.13 warns that torch.jit.script is deprecated.
-    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+    # TorchScript rows script on purpose, and torch.compile imports torch.utils.mkldnn, which uses
+    # torch.jit.script_method: torch 2.13 warns that both are deprecated.
+    config.addinivalue_line(
+        "filterwarnings", r"ignore:`torch\.jit\.script(_method)?` is deprecated:DeprecationWarning"
+    )
+    # Dynamo probes `.grad` of non-leaf inputs while tracing the compiled rule (the previous iteration's
+    # output); torch hides the resulting warning itself, but pyproject turns warnings into errors.
+    config.addinivalue_line(
+        "filterwarnings", r"ignore:The \.grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
+    )
 
 
 def pytest_collection_finish(session) -> None:

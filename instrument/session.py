@@ -151,6 +151,11 @@ class Instrumentation:
         return StepScope(self, step, self.is_logging_step(step))
 
     @property
+    def active_step(self) -> Optional[int]:
+        """The logging step whose ``with inst.step(...)`` block is open (it commits on exit), else None."""
+        return self._current.step if self._current is not None else None
+
+    @property
     def failures(self) -> Dict[str, int]:
         """Observer and backend name -> number of failures so far."""
         return {**self._dispatch.failures, **self.logger.failures}

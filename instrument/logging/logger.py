@@ -96,6 +96,17 @@ class Logger:
             if self._guard(backend, "open", self.run):
                 self.backends.append(backend)
 
+    def add_backend(self, backend: Backend) -> bool:
+        """Open ``backend`` with this run and route later commits to it too; False (reported) if opening failed."""
+        if not isinstance(backend, Backend):
+            raise ConfigurationError(f"add_backend takes an instrument Backend, got {type(backend).__name__}.")
+        if backend in self.backends:
+            return True
+        if self._guard(backend, "open", self.run):
+            self.backends.append(backend)
+            return True
+        return False
+
     # ------------------------------------------------------------------ staging
     def log_metrics(self, metrics: Mapping[str, Value], step: int, prefix: str = "") -> None:
         """Stage scalar metrics (numbers or one-element tensors) under ``prefix/key``."""

@@ -5,6 +5,7 @@ import sys
 from typing import Optional, Sequence, TextIO
 
 from instrument.logging.backends.base import Backend, StepRecord
+from instrument.logging.terminal import write_line
 
 __all__ = ["ConsoleBackend"]
 
@@ -41,9 +42,7 @@ class ConsoleBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         parts = [f"step {record.step:>6}"] + [f"{k} {_fmt(v)}" for k, v in self._selected(record)]
-        stream = self.stream or sys.stdout
-        stream.write(" | ".join(parts) + "\n")
-        stream.flush()
+        write_line(" | ".join(parts), self.stream or sys.stdout)
 
     def __repr__(self) -> str:
         return f"ConsoleBackend(keys={self.keys!r}, max_keys={self.max_keys})"

@@ -159,6 +159,19 @@ class RLLogging:
         return self
 
     @property
+    def attached(self) -> bool:
+        return self._logger is not None
+
+    def close_session(self) -> None:
+        """Close everything this set logs through: the Instrumentation (or bare Logger) it is attached to, which
+        closes every backend (W&B ``finish`` included). Idempotent, like the closes it calls."""
+        self.close()
+        if self.instrumentation is not None:
+            self.instrumentation.close()
+        elif self._logger is not None:
+            self._logger.close()
+
+    @property
     def logger(self) -> Logger:
         if self._logger is None:
             raise ConfigurationError("RLLogging is not attached; call rl.attach(instrumentation) first.")

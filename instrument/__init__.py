@@ -27,6 +27,7 @@ from instrument.errors import (
 )
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
 from instrument.logging.backends.console import ConsoleBackend
+from instrument.logging.backends.history import RunHistoryBackend
 from instrument.logging.backends.jsonl import JsonlBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
@@ -52,6 +53,7 @@ __all__ = [
     "MissingExtraError",
     "Observer",
     "ProbeError",
+    "RunHistoryBackend",
     "RunInfo",
     "StepContext",
     "StepObserver",

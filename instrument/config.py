@@ -21,11 +21,13 @@ import gin
 from instrument.core.observer import Observer
 from instrument.logging.backends.base import Backend
 from instrument.logging.backends.console import ConsoleBackend
+from instrument.logging.backends.history import RunHistoryBackend
 from instrument.logging.backends.jsonl import JsonlBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
+from instrument.rl import CollectionMetrics, Counters, Evaluation, ProgressBar, RLLogging, TrainMetrics
 from instrument.session import Instrumentation
 
 __all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
@@ -37,6 +39,19 @@ GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
              JsonlBackend):
     gin.configurable(_cls.__name__)(_cls)
+
+
+# RL instrumentation (instrument.rl) and the in-memory run history.
+for _cls in (RLLogging, CollectionMetrics, TrainMetrics, Counters, Evaluation, ProgressBar, RunHistoryBackend):
+    gin.configurable(_cls.__name__)(_cls)
+
+
+@gin.configurable("TorchRLHook")
+def torchrl_hook(rl: Optional[RLLogging] = None, instrumentation: Any = None, close_on_shutdown: bool = True):
+    """`instrument.rl.torchrl.TorchRLHook`, built on demand so importing this module never imports TorchRL."""
+    from instrument.rl.torchrl import TorchRLHook
+
+    return TorchRLHook(rl, instrumentation=instrumentation, close_on_shutdown=close_on_shutdown)
 
 
 @gin.configurable
@@ -77,6 +92,15 @@ def _register_demos() -> None:
 
 
 _register_demos()
+
+
+def _register_rl_demos() -> None:
+    from instrument.demos.torchrl_ppo import train_torchrl_ppo  # imports TorchRL only when it runs
+
+    gin.external_configurable(train_torchrl_ppo, name="train_torchrl_ppo")
+
+
+_register_rl_demos()
 
 
 def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:

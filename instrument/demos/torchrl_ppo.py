@@ -6,17 +6,17 @@ hook (`instrument.rl.torchrl.TorchRLHook`). Needs ``pip install 'torch-instrumen
 """
 
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from instrument.errors import require
 
-__all__ = ["train_torchrl_ppo"]
+__all__ = ["build_ppo_trainer", "run_trainer", "train_torchrl_ppo"]
 
 
-def train_torchrl_ppo(
+def build_ppo_trainer(
     instrumentation: Any = None,
     rl_logging: Any = None,
     env_name: str = "CartPole-v1",
@@ -33,8 +33,8 @@ def train_torchrl_ppo(
     eval_pixels: bool = False,
     seed: int = 0,
     num_threads: Optional[int] = 1,
-) -> Dict[str, Any]:
-    """Train PPO for ``total_frames`` frames; returns the final counters.
+) -> Tuple[Any, Any]:
+    """Build the TorchRL PPO trainer with the RL logging hook registered; returns ``(trainer, hook)``.
 
     Args:
         instrumentation: the session metrics go to (the CLI passes it); None makes a default one.
@@ -96,8 +96,36 @@ def train_torchrl_ppo(
         runner = TorchRLRunner(eval_env, actor)
     hook = TorchRLHook(rl, instrumentation=instrumentation, eval_runner=runner)
     hook.register(trainer)
+    return trainer, hook
+
+
+def train_torchrl_ppo(
+    instrumentation: Any = None,
+    rl_logging: Any = None,
+    env_name: str = "CartPole-v1",
+    total_frames: int = 4096,
+    frames_per_batch: int = 256,
+    epochs: int = 4,
+    minibatch_size: int = 64,
+    hidden: int = 64,
+    lr: float = 3e-3,
+    gamma: float = 0.99,
+    lmbda: float = 0.95,
+    clip_epsilon: float = 0.2,
+    entropy_coef: float = 0.01,
+    eval_pixels: bool = False,
+    seed: int = 0,
+    num_threads: Optional[int] = 1,
+) -> Dict[str, Any]:
+    """Train PPO for ``total_frames`` frames (arguments as `build_ppo_trainer`); returns the final counters."""
+    arguments = dict(locals())
+    trainer, hook = build_ppo_trainer(**arguments)
+    run_trainer(trainer)
+    counters = hook.rl.counters.state_dict()
+    return {"frames": counters["frames"], "episodes": counters["episodes"], "iterations": counters["iterations"]}
+
+
+def run_trainer(trainer: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchRL's notices about its own future hook API
         trainer.train()
-    counters = rl.counters.state_dict()
-    return {"frames": counters["frames"], "episodes": counters["episodes"], "iterations": counters["iterations"]}

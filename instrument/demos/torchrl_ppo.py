@@ -33,6 +33,7 @@ def build_ppo_trainer(
     eval_pixels: bool = False,
     seed: int = 0,
     num_threads: Optional[int] = 1,
+    save_trainer_file: Optional[str] = None,
 ) -> Tuple[Any, Any]:
     """Build the TorchRL PPO trainer with the RL logging hook registered; returns ``(trainer, hook)``.
 
@@ -40,9 +41,12 @@ def build_ppo_trainer(
         instrumentation: the session metrics go to (the CLI passes it); None makes a default one.
         rl_logging: the `RLLogging` set (bind it in gin); None uses the standard set.
         eval_pixels: make the evaluation environment render frames, so ``Evaluation(video=True)`` has a video.
+        save_trainer_file: where TorchRL checkpoints the trainer with its unified ``Checkpoint`` (our hook's
+            counters included); resume with ``trainer.load_from_file(path)``.
     """
     require("torchrl", "torchrl", "train_torchrl_ppo")
     from tensordict.nn import TensorDictModule
+    from torchrl.checkpoint import Checkpoint
     from torchrl.collectors import Collector
     from torchrl.envs import Compose, GymEnv, RewardSum, StepCounter, TransformedEnv
     from torchrl.modules import ProbabilisticActor, ValueOperator
@@ -83,7 +87,8 @@ def build_ppo_trainer(
         optim_steps_per_batch=max(frames_per_batch // minibatch_size, 1), num_epochs=epochs, loss_module=loss,
         optimizer=torch.optim.Adam(loss.parameters(), lr=lr),
         optimization_stepper=DefaultOptimizationStepper(), progress_bar=False, clip_norm=1.0,
-        auto_log_optim_steps=False,
+        auto_log_optim_steps=False, save_trainer_file=save_trainer_file,
+        checkpoint=Checkpoint() if save_trainer_file else None,
     )
     ValueEstimatorHook(GAE(gamma=gamma, lmbda=lmbda, value_network=critic, average_gae=True)).register(trainer)
     BatchSubSampler(batch_size=minibatch_size).register(trainer)
@@ -116,6 +121,7 @@ def train_torchrl_ppo(
     eval_pixels: bool = False,
     seed: int = 0,
     num_threads: Optional[int] = 1,
+    save_trainer_file: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Train PPO for ``total_frames`` frames (arguments as `build_ppo_trainer`); returns the final counters."""
     arguments = dict(locals())

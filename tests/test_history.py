@@ -41,7 +41,10 @@ def test_batch_log_samples_and_dataframe():
     logger.log_histogram("batch/reward", torch.tensor([5.0, 6.0]), step=1)
     logger.log_histogram("batch/other", torch.tensor([9.0]), step=1)  # not registered: not kept per item
     logger.commit(1)
-    assert [(s, v.tolist()) for s, v in history.batch_log["batch/reward"]] == [(0, [1.0, 2.0, 3.0]), (1, [5.0, 6.0])]
+    assert [(s, v.tolist()) for s, v in history.batch_log["batch/reward"]] == [
+        (0, [1.0, 2.0, 3.0]),
+        (1, [5.0, 6.0]),
+    ]
     assert "batch/other" not in history.batch_log
     assert history.unique_samples == {3, 7, "seed-a", ("env", 2)}
     frame = history.to_dataframe()

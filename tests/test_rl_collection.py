@@ -12,7 +12,8 @@ from instrument.rl import CollectionMetrics
 
 P = "collection/main/"
 
-# Two environments, four steps, time last (TorchRL layout). Env 0 ends an episode at t=1 (return 1+2, length 2)
+# Two environments, four steps, time last (TorchRL layout). Env 0 ends an episode at t=1 (return 1+2,
+# length 2)
 # and carries 3+4 into the next batch; env 1 ends at t=3 (return 100, length 4).
 REWARD = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
 DONE = torch.tensor([[False, True, False, False], [False, False, False, True]])
@@ -27,7 +28,8 @@ def logged(component, step: int = 0):
 
 def torchrl_batch(reward=REWARD, done=DONE, **extra):
     td = TensorDict(
-        {"next": {"reward": reward.unsqueeze(-1), "done": done.unsqueeze(-1)}, **extra}, batch_size=reward.shape
+        {"next": {"reward": reward.unsqueeze(-1), "done": done.unsqueeze(-1)}, **extra},
+        batch_size=reward.shape,
     )
     return td.refine_names(None, "time")
 
@@ -105,7 +107,10 @@ def test_vector_rewards_without_weights_fail_with_the_fix():
 def test_running_returns_in_the_batch_are_read_at_done():
     # RewardSum / StepCounter style: the batch carries the running return and length; they win over a re-sum.
     td = torchrl_batch()
-    td.set(("next", "episode_reward"), torch.tensor([[7.0, 70.0, 0.0, 0.0], [1.0, 2.0, 3.0, 500.0]]).unsqueeze(-1))
+    td.set(
+        ("next", "episode_reward"),
+        torch.tensor([[7.0, 70.0, 0.0, 0.0], [1.0, 2.0, 3.0, 500.0]]).unsqueeze(-1),
+    )
     td.set(("next", "step_count"), torch.tensor([[1, 9, 1, 2], [1, 2, 3, 40]]).unsqueeze(-1))
     metrics = CollectionMetrics()
     metrics.update(td)

@@ -25,8 +25,12 @@ def test_frames_with_frame_skip_mask_and_episodes():
     counters = Counters(frame_skip=4)
     counters.on_batch(batch())
     assert counters.frames_known and counters.frames == 32
-    counters.on_batch(batch(mask=torch.tensor([[True, True, False, False], [True, False, False, False]]),
-                            done_at=((0, 1), (1, 3))))
+    counters.on_batch(
+        batch(
+            mask=torch.tensor([[True, True, False, False], [True, False, False, False]]),
+            done_at=((0, 1), (1, 3)),
+        )
+    )
     assert not counters.frames_known  # the mask sum is still on the device
     assert counters.frames == 32 + 3 * 4
     assert counters.episodes == 2  # (1, 3) is a padded step
@@ -86,8 +90,12 @@ def test_resume_from_state_dict_continues_steps_exactly(tmp_path):
     rl2.close()
     second.close()
 
-    def strip(rows):  # the counters are what a resume guarantees; interval statistics restart with the process
-        return [(r["step"], {k: v for k, v in r["metrics"].items() if k.startswith("counters/")}) for r in rows]
+    def strip(
+        rows,
+    ):  # the counters are what a resume guarantees; interval statistics restart with the process
+        return [
+            (r["step"], {k: v for k, v in r["metrics"].items() if k.startswith("counters/")}) for r in rows
+        ]
 
     resumed = strip(jsonl_steps(path))
     assert [s for s, _ in resumed] == [0, 2, 4, 6]  # every step once, none re-logged

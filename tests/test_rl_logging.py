@@ -39,7 +39,9 @@ def loop(rl: RLLogging, n: int, **observe) -> None:
 
 
 def test_a_plain_loop_logs_every_family_of_keys_to_tensorboard(tmp_path):
-    inst = instrument.Instrumentation(backends=[instrument.TensorBoardBackend()], log_interval=2, log_dir=str(tmp_path))
+    inst = instrument.Instrumentation(
+        backends=[instrument.TensorBoardBackend()], log_interval=2, log_dir=str(tmp_path)
+    )
     rl = RLLogging(progress=None).attach(inst)
     loop(rl, 5)
     rl.close()
@@ -102,7 +104,9 @@ def test_a_failing_component_is_reported_once_and_the_rest_is_logged(caplog):
 def test_progress_bar_and_console_lines_coexist():
     stream = io.StringIO()  # one terminal for both, as in real life
     console = instrument.ConsoleBackend(keys=["counters/frames"], stream=stream)
-    progress = ProgressBar(total_frames=40, enabled=True, stream=stream, reward_keys=["collection/main/reward/mean"])
+    progress = ProgressBar(
+        total_frames=40, enabled=True, stream=stream, reward_keys=["collection/main/reward/mean"]
+    )
     rl = RLLogging(progress=progress).attach(Logger([console]))
     loop(rl, 5)
     assert bar_active()
@@ -148,8 +152,9 @@ class VideoKeeper(instrument.Backend):
 def test_evaluation_runs_both_modes_on_the_frame_schedule_and_writes_a_readable_video(tmp_path):
     pytest.importorskip("moviepy")
     videos = VideoKeeper()
-    inst = instrument.Instrumentation(backends=[instrument.TensorBoardBackend(), videos], log_interval=100,
-                                      log_dir=str(tmp_path))
+    inst = instrument.Instrumentation(
+        backends=[instrument.TensorBoardBackend(), videos], log_interval=100, log_dir=str(tmp_path)
+    )
     runner = GymnasiumRunner("CartPole-v1", Policy(), seed=3)
     evaluation = Evaluation(every_frames=16, max_steps=30, video=True, video_stride=5, fps=10)
     rl = RLLogging(progress=None, evaluation=evaluation).attach(inst, eval_runner=runner)
@@ -182,7 +187,9 @@ def test_evaluation_runs_both_modes_on_the_frame_schedule_and_writes_a_readable_
 
 def test_evaluation_without_a_runner_says_how_to_set_one():
     rl = RLLogging(progress=None, evaluation=Evaluation(every_frames=1)).attach(Logger([]))
-    with pytest.raises(ConfigurationError, match=r"no episode runner; set evaluation.runner = GymnasiumRunner"):
+    with pytest.raises(
+        ConfigurationError, match=r"no episode runner; set evaluation.runner = GymnasiumRunner"
+    ):
         loop(rl, 1)
 
 
@@ -217,7 +224,9 @@ def test_attach_and_misuse_errors():
 
 
 def test_gymnasium_runner_accepts_distributions_and_numpy_frames():
-    runner = GymnasiumRunner("CartPole-v1", lambda obs: torch.distributions.Categorical(logits=torch.zeros(1, 2)))
+    runner = GymnasiumRunner(
+        "CartPole-v1", lambda obs: torch.distributions.Categorical(logits=torch.zeros(1, 2))
+    )
     episode = runner(False, 5, True)
     assert 1 <= episode.length <= 5 and isinstance(episode.frames, np.ndarray)
     assert episode.frames.shape[1:] == (400, 600, 3) and episode.frames.dtype == np.uint8

@@ -28,7 +28,7 @@ def test_running_stats_over_chunks_equal_numpy_over_the_kept_values(case, flatte
     values, mask, cuts = case
     acc = RunningStats(flatten=flatten)
     bounds = [0, *cuts, len(values)]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         part = RunningStats(flatten=flatten)  # merged in, as an interval's batches are
         part.add(torch.from_numpy(values[lo:hi]), torch.from_numpy(mask[lo:hi]))
         acc.merge(part)
@@ -45,8 +45,9 @@ def test_running_stats_over_chunks_equal_numpy_over_the_kept_values(case, flatte
             assert all(math.isnan(float(got[s].reshape(-1)[j])) for s in ("mean", "min", "max"))
             continue
         # float32 sums: equal to the float64 mean up to rounding
-        assert math.isclose(float(got["mean"].reshape(-1)[j]), column.astype(np.float64).mean(),
-                            rel_tol=1e-5, abs_tol=1e-3)
+        assert math.isclose(
+            float(got["mean"].reshape(-1)[j]), column.astype(np.float64).mean(), rel_tol=1e-5, abs_tol=1e-3
+        )
         assert float(got["min"].reshape(-1)[j]) == column.min()
         assert float(got["max"].reshape(-1)[j]) == column.max()
 
@@ -72,10 +73,15 @@ def naive_episodes(reward, done, valid):
 def trajectories(draw):
     t_len = draw(st.integers(1, 14))
     envs = draw(st.integers(1, 3))
-    reward = np.array(draw(st.lists(st.integers(-5, 5), min_size=t_len * envs, max_size=t_len * envs)),
-                      dtype=np.float32).reshape(t_len, envs)
-    done = np.array(draw(st.lists(st.booleans(), min_size=t_len * envs, max_size=t_len * envs))).reshape(t_len, envs)
-    valid = np.array(draw(st.lists(st.booleans(), min_size=t_len * envs, max_size=t_len * envs))).reshape(t_len, envs)
+    reward = np.array(
+        draw(st.lists(st.integers(-5, 5), min_size=t_len * envs, max_size=t_len * envs)), dtype=np.float32
+    ).reshape(t_len, envs)
+    done = np.array(draw(st.lists(st.booleans(), min_size=t_len * envs, max_size=t_len * envs))).reshape(
+        t_len, envs
+    )
+    valid = np.array(draw(st.lists(st.booleans(), min_size=t_len * envs, max_size=t_len * envs))).reshape(
+        t_len, envs
+    )
     cuts = sorted(set(draw(st.lists(st.integers(1, t_len - 1), max_size=3)))) if t_len > 1 else []
     return reward, done, valid, cuts
 
@@ -88,11 +94,11 @@ def test_episode_segments_over_any_batch_split_match_a_step_by_step_loop(case):
     got = {}
     carry_r = carry_n = None
     bounds = [0, *cuts, reward.shape[0]]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         r = torch.from_numpy(reward[lo:hi]).unsqueeze(-1)
         returns, lengths, ended, carry_r, carry_n = episode_segments(
             r, torch.from_numpy(done[lo:hi]), torch.from_numpy(valid[lo:hi]), carry_r, carry_n
         )
-        for t, e in zip(*np.nonzero(ended.numpy())):
+        for t, e in zip(*np.nonzero(ended.numpy()), strict=True):
             got[(int(e), int(lo + t))] = (float(returns[t, e, 0]), int(lengths[t, e]))
     assert got == expected

@@ -32,10 +32,21 @@ def test_gin_bound_ppo_logs_every_family_through_the_trainer_hooks(tmp_path):
     assert outcome["result"] == {"frames": 256, "episodes": outcome["result"]["episodes"], "iterations": 2}
     acc = event_accumulator(outcome["run_dir"])
     tags = set(acc.Tags()["scalars"])
-    for key in ("collection/main/reward/mean", "collection/main/episode/return/mean", "collection/main/episode/count",
-                "counters/frames", "counters/episodes", "train/main/loss_objective", "train/main/loss_critic",
-                "eval/deterministic/return", "eval/stochastic/length", "timing/collection/mean",
-                "timing/optimization/mean", "timing/iteration/mean", "timing/evaluation/mean"):
+    for key in (
+        "collection/main/reward/mean",
+        "collection/main/episode/return/mean",
+        "collection/main/episode/count",
+        "counters/frames",
+        "counters/episodes",
+        "train/main/loss_objective",
+        "train/main/loss_critic",
+        "eval/deterministic/return",
+        "eval/stochastic/length",
+        "timing/collection/mean",
+        "timing/optimization/mean",
+        "timing/iteration/mean",
+        "timing/evaluation/mean",
+    ):
         assert key in tags, key
     assert steps_of(acc, "counters/frames") == [0, 1]
     assert [e.value for e in acc.Scalars("counters/frames")] == [128.0, 256.0]
@@ -50,18 +61,28 @@ def test_trainer_state_dict_resumes_counters_and_steps(tmp_path):
     from instrument.demos.torchrl_ppo import build_ppo_trainer, run_trainer
 
     def session():
-        return instrument.Instrumentation(backends=[instrument.TensorBoardBackend()], log_interval=1,
-                                          log_dir=str(tmp_path), run_name="ppo")
+        return instrument.Instrumentation(
+            backends=[instrument.TensorBoardBackend()], log_interval=1, log_dir=str(tmp_path), run_name="ppo"
+        )
 
     checkpoint = str(tmp_path / "trainer.pt")
 
     def build(total):
         rl = RLLogging(collection=CollectionMetrics(group="cartpole"), progress=None)
-        return build_ppo_trainer(instrumentation=session(), rl_logging=rl, total_frames=total,
-                                 frames_per_batch=64, epochs=1, seed=1, save_trainer_file=checkpoint)
+        return build_ppo_trainer(
+            instrumentation=session(),
+            rl_logging=rl,
+            total_frames=total,
+            frames_per_batch=64,
+            epochs=1,
+            seed=1,
+            save_trainer_file=checkpoint,
+        )
 
     first, first_hook = build(128)
-    run_trainer(first)  # TorchRL saves the trainer, our hook's state_dict included, when it reaches total_frames
+    run_trainer(
+        first
+    )  # TorchRL saves the trainer, our hook's state_dict included, when it reaches total_frames
     second, hook = build(256)
     second.load_from_file(checkpoint)
     assert hook.rl.counters.iterations == 2 and hook.rl.counters.frames == 128

@@ -74,23 +74,40 @@ def build_ppo_trainer(
     actor_net = nn.Sequential(nn.Linear(n_obs, hidden), nn.Tanh(), nn.Linear(hidden, n_act))
     actor = ProbabilisticActor(
         TensorDictModule(actor_net, in_keys=["observation"], out_keys=["logits"]),
-        in_keys=["logits"], distribution_class=torch.distributions.Categorical, return_log_prob=True,
+        in_keys=["logits"],
+        distribution_class=torch.distributions.Categorical,
+        return_log_prob=True,
         spec=env.action_spec,
     )
-    critic = ValueOperator(nn.Sequential(nn.Linear(n_obs, hidden), nn.Tanh(), nn.Linear(hidden, 1)),
-                           in_keys=["observation"])
-    collector = Collector(env, actor, frames_per_batch=frames_per_batch, total_frames=total_frames,
-                          auto_register_policy_transforms=False)
+    critic = ValueOperator(
+        nn.Sequential(nn.Linear(n_obs, hidden), nn.Tanh(), nn.Linear(hidden, 1)), in_keys=["observation"]
+    )
+    collector = Collector(
+        env,
+        actor,
+        frames_per_batch=frames_per_batch,
+        total_frames=total_frames,
+        auto_register_policy_transforms=False,
+    )
     loss = ClipPPOLoss(actor, critic, clip_epsilon=clip_epsilon, entropy_coeff=entropy_coef)
     trainer = Trainer(
-        collector=collector, total_frames=total_frames, frame_skip=1,
-        optim_steps_per_batch=max(frames_per_batch // minibatch_size, 1), num_epochs=epochs, loss_module=loss,
+        collector=collector,
+        total_frames=total_frames,
+        frame_skip=1,
+        optim_steps_per_batch=max(frames_per_batch // minibatch_size, 1),
+        num_epochs=epochs,
+        loss_module=loss,
         optimizer=torch.optim.Adam(loss.parameters(), lr=lr),
-        optimization_stepper=DefaultOptimizationStepper(), progress_bar=False, clip_norm=1.0,
-        auto_log_optim_steps=False, save_trainer_file=save_trainer_file,
+        optimization_stepper=DefaultOptimizationStepper(),
+        progress_bar=False,
+        clip_norm=1.0,
+        auto_log_optim_steps=False,
+        save_trainer_file=save_trainer_file,
         checkpoint=Checkpoint() if save_trainer_file else None,
     )
-    ValueEstimatorHook(GAE(gamma=gamma, lmbda=lmbda, value_network=critic, average_gae=True)).register(trainer)
+    ValueEstimatorHook(GAE(gamma=gamma, lmbda=lmbda, value_network=critic, average_gae=True)).register(
+        trainer
+    )
     BatchSubSampler(batch_size=minibatch_size).register(trainer)
 
     rl = rl_logging if rl_logging is not None else RLLogging()
@@ -123,12 +140,17 @@ def train_torchrl_ppo(
     num_threads: Optional[int] = 1,
     save_trainer_file: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Train PPO for ``total_frames`` frames (arguments as `build_ppo_trainer`); returns the final counters."""
+    """Train PPO for ``total_frames`` frames (arguments as `build_ppo_trainer`); returns the final
+    counters."""
     arguments = dict(locals())
     trainer, hook = build_ppo_trainer(**arguments)
     run_trainer(trainer)
     counters = hook.rl.counters.state_dict()
-    return {"frames": counters["frames"], "episodes": counters["episodes"], "iterations": counters["iterations"]}
+    return {
+        "frames": counters["frames"],
+        "episodes": counters["episodes"],
+        "iterations": counters["iterations"],
+    }
 
 
 def run_trainer(trainer: Any) -> None:

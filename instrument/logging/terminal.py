@@ -1,7 +1,8 @@
 """Writing lines to the terminal without breaking a progress bar.
 
 A tqdm bar redraws itself on its line; a plain ``print`` while it is active tears it apart. `write_line` goes
-through ``tqdm.write`` whenever a tqdm bar is open (ours or anyone's, e.g. TorchRL's trainer bar), which clears
+through ``tqdm.write`` whenever a tqdm bar is open (ours or anyone's, e.g. TorchRL's trainer bar), which
+clears
 the bar, prints the line above it and redraws it; otherwise it writes straight to the stream. Every console
 output of instrument should use it.
 """

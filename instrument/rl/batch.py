@@ -1,6 +1,7 @@
 """Reading RL batches: nested keys, batch shape, the time dimension and the collector mask.
 
-A batch is a TensorDict (TorchRL), a nested ``dict`` (``{"next": {"reward": r}}``) or a flat ``dict`` whose keys
+A batch is a TensorDict (TorchRL), a nested ``dict`` (``{"next": {"reward": r}}``) or a flat ``dict`` whose
+keys
 may be tuples (``{("next", "reward"): r}``). tensordict is never imported here: a TensorDict is recognised by
 its ``batch_size`` attribute, so plain-tensor users do not need the package.
 
@@ -19,7 +20,13 @@ from torch import Tensor
 from instrument.errors import ConfigurationError
 
 __all__ = [
-    "NestedKey", "lookup", "key_name", "is_tensordict", "batch_shape_of", "infer_batch_shape", "split_features",
+    "NestedKey",
+    "lookup",
+    "key_name",
+    "is_tensordict",
+    "batch_shape_of",
+    "infer_batch_shape",
+    "split_features",
     "resolve_time_dim",
 ]
 
@@ -78,7 +85,8 @@ def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tens
     n = len(batch_shape)
     if tuple(value.shape[:n]) != batch_shape:
         raise ConfigurationError(
-            f"{name} has shape {tuple(value.shape)}, which does not start with the batch shape {batch_shape}; "
+            f"{name} has shape {tuple(value.shape)}, which does not start with the batch shape "
+            f"{batch_shape}; "
             f"entries must be shaped [*batch, *features] like done / the TensorDict batch size."
         )
     return value.reshape(*batch_shape, -1) if value.dim() > n else value.reshape(*batch_shape, 1)
@@ -87,7 +95,8 @@ def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tens
 def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:
     """The batch shape of a plain-tensor batch, from ``done`` and another entry (e.g. the reward).
 
-    TorchRL style: ``done`` ``[*B, 1]`` with an entry of the same rank (``[*B, K]``) or of shape ``B`` -> batch
+    TorchRL style: ``done`` ``[*B, 1]`` with an entry of the same rank (``[*B, K]``) or of shape ``B`` ->
+    batch
     ``B``. Otherwise ``done``'s own shape is the batch shape (an entry ``[*done.shape, K]`` has K features).
     """
     if done.dim() >= 2 and done.shape[-1] == 1:
@@ -96,7 +105,9 @@ def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:
     return done.shape
 
 
-def resolve_time_dim(batch: Any, time_dim: Union[int, str, None], batch_shape: Sequence[int]) -> Optional[int]:
+def resolve_time_dim(
+    batch: Any, time_dim: Union[int, str, None], batch_shape: Sequence[int]
+) -> Optional[int]:
     """The non-negative index of the time dimension in ``batch_shape``, or None when there is none.
 
     ``"auto"`` uses the TensorDict dimension named ``"time"`` when there is one, else the last batch dimension
@@ -115,5 +126,7 @@ def resolve_time_dim(batch: Any, time_dim: Union[int, str, None], batch_shape: S
     if n == 0:
         return None
     if not -n <= time_dim < n:
-        raise ConfigurationError(f"time_dim={time_dim} is out of range for a batch of shape {tuple(batch_shape)}.")
+        raise ConfigurationError(
+            f"time_dim={time_dim} is out of range for a batch of shape {tuple(batch_shape)}."
+        )
     return time_dim % n

@@ -16,7 +16,8 @@ key                             meaning
 ``<name>/<stat>``               any extra batch entry bound in ``keys`` (all its elements, masked)
 ==============================  ===========================================================================
 
-Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist; TensorBoard
+Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist;
+TensorBoard
 and W&B draw a gap); ``episode/count`` says 0 then.
 
 Episode returns come from ``episode_reward_key`` when the batch has it (TorchRL's ``RewardSum`` writes
@@ -61,7 +62,8 @@ class CollectionMetrics(RLComponent):
         keys: extra batch entries to reduce, ``{metric name: batch key}``.
         reduce_stats: log mean, min and max (True) or only the mean (False).
         time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
-            the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one step
+            the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one
+            step
             of every environment.
     """
 
@@ -80,10 +82,18 @@ class CollectionMetrics(RLComponent):
         time_dim: Union[int, str, None] = "auto",
     ) -> None:
         if not group or "/" in group:
-            raise ConfigurationError(f"CollectionMetrics.group must be a non-empty name without '/', got {group!r}.")
+            raise ConfigurationError(
+                f"CollectionMetrics.group must be a non-empty name without '/', got {group!r}."
+            )
         if reward_weights is not None and len(reward_weights) == 0:
-            raise ConfigurationError("CollectionMetrics.reward_weights is empty; bind one weight per objective.")
-        if objective_names is not None and reward_weights is not None and len(objective_names) != len(reward_weights):
+            raise ConfigurationError(
+                "CollectionMetrics.reward_weights is empty; bind one weight per objective."
+            )
+        if (
+            objective_names is not None
+            and reward_weights is not None
+            and len(objective_names) != len(reward_weights)
+        ):
             raise ConfigurationError(
                 f"CollectionMetrics got {len(objective_names)} objective_names for {len(reward_weights)} "
                 f"reward_weights; bind one name per objective."
@@ -129,14 +139,17 @@ class CollectionMetrics(RLComponent):
             episode_reward = lookup(batch, self.episode_reward_key)
         if reward is None:
             raise ConfigurationError(
-                f"CollectionMetrics found no reward at {self.reward_key!r} in the batch; pass reward=... or bind "
+                f"CollectionMetrics found no reward at {self.reward_key!r} in the batch; pass "
+                f"reward=... or bind "
                 f"CollectionMetrics.reward_key to where your batch keeps it."
             )
         shape = batch_shape_of(batch)
         if shape is None:
             shape = infer_batch_shape(done, reward) if done is not None else reward.shape
         rewards = split_features(reward.detach(), shape, f"reward at {self.reward_key!r}")
-        valid = None if mask is None else split_features(mask, shape, "the collector mask")[..., 0].to(torch.bool)
+        valid = (
+            None if mask is None else split_features(mask, shape, "the collector mask")[..., 0].to(torch.bool)
+        )
         scalar = self._scalarise(rewards)
 
         self._reward.add(scalar, valid)
@@ -157,16 +170,21 @@ class CollectionMetrics(RLComponent):
         if self.reward_weights is None:
             raise ConfigurationError(
                 f"the reward at {self.reward_key!r} has {k} objectives (shape {tuple(rewards.shape)}); bind "
-                f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each objective is also "
+                f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each "
+                f"objective is also "
                 f"logged on its own)."
             )
         if len(self.reward_weights) != k:
             raise ConfigurationError(
-                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the reward has {k} "
+                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the "
+                f"reward has {k} "
                 f"objectives; bind exactly one weight per objective."
             )
-        weights = torch.as_tensor(self.reward_weights, dtype=rewards.dtype if rewards.is_floating_point()
-                                  else torch.float32, device=rewards.device)
+        weights = torch.as_tensor(
+            self.reward_weights,
+            dtype=rewards.dtype if rewards.is_floating_point() else torch.float32,
+            device=rewards.device,
+        )
         return (rewards * weights).sum(dim=-1, keepdim=True)
 
     def _add_episodes(self, batch, shape, rewards, done, valid, episode_reward) -> None:
@@ -177,11 +195,15 @@ class CollectionMetrics(RLComponent):
         step_count = lookup(batch, self.step_count_key) if self.step_count_key else None
         returns = lengths = None
         if episode_reward is not None:  # running returns in the batch (TorchRL RewardSum): read them at done
-            returns = split_features(episode_reward.detach(), shape, f"episode reward at {self.episode_reward_key!r}")
+            returns = split_features(
+                episode_reward.detach(), shape, f"episode reward at {self.episode_reward_key!r}"
+            )
         if step_count is not None:  # running lengths in the batch (TorchRL StepCounter)
             lengths = split_features(step_count, shape, f"step count at {self.step_count_key!r}")[..., 0]
         if returns is None or lengths is None:
-            seg_returns, seg_lengths = self._segments(rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape))
+            seg_returns, seg_lengths = self._segments(
+                rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape)
+            )
             returns = seg_returns if returns is None else returns
             lengths = seg_lengths if lengths is None else lengths
         self._ep_return.add(self._scalarise(returns), ended_valid)
@@ -202,12 +224,18 @@ class CollectionMetrics(RLComponent):
         if carry_r is not None and (carry_r.shape != r.shape[1:] or carry_r.device != r.device):
             if not self._warned_reset:
                 log.warning(
-                    "instrument: %s: the batch layout changed from %s to %s environments; unfinished episodes "
-                    "from earlier batches are dropped.", self.prefix, tuple(carry_r.shape[:-1]), tuple(r.shape[1:-1])
+                    "instrument: %s: the batch layout changed from %s to %s environments; "
+                    "unfinished episodes "
+                    "from earlier batches are dropped.",
+                    self.prefix,
+                    tuple(carry_r.shape[:-1]),
+                    tuple(r.shape[1:-1]),
                 )
                 self._warned_reset = True
             carry_r = carry_n = None
-        returns, lengths, _, self._carry_return, self._carry_length = episode_segments(r, d, v, carry_r, carry_n)
+        returns, lengths, _, self._carry_return, self._carry_length = episode_segments(
+            r, d, v, carry_r, carry_n
+        )
         if squeeze:
             return returns[0], lengths[0]
         return returns.movedim(0, t), lengths.movedim(0, t)
@@ -254,5 +282,7 @@ class CollectionMetrics(RLComponent):
         self._carry_return = self._carry_length = None
 
     def __repr__(self) -> str:
-        return f"CollectionMetrics(group={self.group!r}, reward_key={self.reward_key!r}, done_key={self.done_key!r})"
-
+        return (
+            f"CollectionMetrics(group={self.group!r}, reward_key={self.reward_key!r}, "
+            f"done_key={self.done_key!r})"
+        )

@@ -11,7 +11,8 @@ key               meaning
 ================  ==========================================================================================
 
 Frames are counted from shapes (no device work) unless the batch has a collector mask, whose sum stays on the
-device; reading `Counters.frames` then costs one host sync (the progress bar and frame-based schedules read it,
+device; reading `Counters.frames` then costs one host sync (the progress bar and frame-based schedules read
+it,
 logging does not). Episodes stay on the device until commit. `state_dict` returns plain ints, read in one
 batched transfer, so a checkpoint stores them in any format and a resumed run continues counting exactly.
 """
@@ -58,8 +59,14 @@ class Counters(RLComponent):
         self._episodes_device: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ counting
-    def on_batch(self, batch: Any = None, frames: Optional[int] = None, *, done: Optional[Tensor] = None,
-                 mask: Optional[Tensor] = None) -> None:
+    def on_batch(
+        self,
+        batch: Any = None,
+        frames: Optional[int] = None,
+        *,
+        done: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+    ) -> None:
         """Count one batch. ``frames`` (already including frame_skip), when given, is taken as it is."""
         done = done if done is not None else lookup(batch, self.done_key)
         mask = mask if mask is not None else (lookup(batch, self.mask_key) if self.mask_key else None)
@@ -77,11 +84,14 @@ class Counters(RLComponent):
             self._frames += _numel(shape) * self.frame_skip
         else:
             raise ConfigurationError(
-                "Counters cannot tell how many frames this batch holds: pass frames=..., a TensorDict, or a batch "
+                "Counters cannot tell how many frames this batch holds: pass frames=..., a "
+                "TensorDict, or a batch "
                 f"with done at {self.done_key!r}."
             )
         if done is not None:
-            ended = split_features(done, shape, "done").to(torch.bool).any(dim=-1) if shape is not None else done
+            ended = (
+                split_features(done, shape, "done").to(torch.bool).any(dim=-1) if shape is not None else done
+            )
             if mask is not None:
                 ended = ended & split_features(mask, shape, "mask")[..., 0].to(torch.bool)
             count = ended.sum(dtype=torch.int64)
@@ -139,7 +149,9 @@ class Counters(RLComponent):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
-            raise ConfigurationError(f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}.")
+            raise ConfigurationError(
+                f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}."
+            )
         self._frames = int(state["frames"])
         self.iterations = int(state["iterations"])
         self._episodes = int(state["episodes"])

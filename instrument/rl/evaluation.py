@@ -79,13 +79,20 @@ class Evaluation:
         at_start: bool = False,
         runner: Optional[EpisodeRunner] = None,
     ) -> None:
-        for name, value in (("every_frames", every_frames), ("max_steps", max_steps), ("episodes", episodes),
-                            ("fps", fps), ("video_stride", video_stride)):
+        for name, value in (
+            ("every_frames", every_frames),
+            ("max_steps", max_steps),
+            ("episodes", episodes),
+            ("fps", fps),
+            ("video_stride", video_stride),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"Evaluation.{name} must be a positive int, got {value!r}.")
         unknown = [m for m in list(modes) + list(video_modes) if m not in MODES]
         if unknown or not modes:
-            raise ConfigurationError(f"Evaluation.modes must be a non-empty subset of {MODES}, got {list(modes)!r}.")
+            raise ConfigurationError(
+                f"Evaluation.modes must be a non-empty subset of {MODES}, got {list(modes)!r}."
+            )
         self.every_frames, self.max_steps, self.episodes = every_frames, max_steps, episodes
         self.modes = tuple(modes)
         self.video, self.video_modes = video, tuple(video_modes)
@@ -98,8 +105,11 @@ class Evaluation:
     def due(self, frames: int) -> bool:
         return frames >= self.next_due
 
-    def run(self, logger, step: int, frames: int, runner: Optional[EpisodeRunner] = None) -> Dict[str, Episode]:
-        """Run every mode now, stage the results at ``step``, and schedule the next evaluation after ``frames``."""
+    def run(
+        self, logger, step: int, frames: int, runner: Optional[EpisodeRunner] = None
+    ) -> Dict[str, Episode]:
+        """Run every mode now, stage the results at ``step``, and schedule the next evaluation after
+        ``frames``."""
         runner = runner or self.runner
         if runner is None:
             raise ConfigurationError(
@@ -118,8 +128,12 @@ class Evaluation:
                 first = episodes[0]
                 results[mode] = first
                 logger.log_metrics(
-                    {"return": _mean([e.return_ for e in episodes]), "length": _mean([e.length for e in episodes])},
-                    step=step, prefix=f"{self.prefix}/{mode}",
+                    {
+                        "return": _mean([e.return_ for e in episodes]),
+                        "length": _mean([e.length for e in episodes]),
+                    },
+                    step=step,
+                    prefix=f"{self.prefix}/{mode}",
                 )
                 if self.video and mode in self.video_modes and first.frames is not None and len(first.frames):
                     frames_ = first.frames[:, :: self.video_stride, :: self.video_stride]
@@ -134,8 +148,10 @@ class Evaluation:
         self.runs = int(state.get("runs", 0))
 
     def __repr__(self) -> str:
-        return (f"Evaluation(every_frames={self.every_frames}, max_steps={self.max_steps}, modes={self.modes}, "
-                f"video={self.video})")
+        return (
+            f"Evaluation(every_frames={self.every_frames}, max_steps={self.max_steps}, modes={self.modes}, "
+            f"video={self.video})"
+        )
 
 
 def _devices() -> List[int]:
@@ -151,7 +167,8 @@ def _mean(values: Sequence[Any]) -> Union[float, Tensor]:
 
 
 def select_action(output: Any, deterministic: bool) -> Tensor:
-    """The action from a policy's output: a torch Distribution (its mode, or a sample), or logits (argmax, or a
+    """The action from a policy's output: a torch Distribution (its mode, or a sample), or logits (argmax,
+    or a
     sample of the categorical distribution they define). A tuple's first element is used."""
     if isinstance(output, (tuple, list)):
         output = output[0]
@@ -162,7 +179,8 @@ def select_action(output: Any, deterministic: bool) -> Tensor:
             return output.argmax(dim=-1)
         return torch.distributions.Categorical(logits=output).sample()
     raise TypeError(
-        f"the policy returned {type(output).__name__}; GymnasiumRunner expects a torch Distribution or a tensor "
+        f"the policy returned {type(output).__name__}; GymnasiumRunner expects a torch Distribution "
+        f"or a tensor "
         f"of logits (optionally as the first element of a tuple)."
     )
 
@@ -171,15 +189,21 @@ class GymnasiumRunner:
     """Runs a torch policy for one episode in a gymnasium environment, rendering rgb frames on request.
 
     Args:
-        env: an environment id (made with ``render_mode="rgb_array"``), a ``gymnasium.Env`` made with that render
+        env: an environment id (made with ``render_mode="rgb_array"``), a ``gymnasium.Env`` made with that
+        render
             mode, or a callable returning one.
         policy: ``policy(observation[1, ...]) -> Distribution | logits``; see `select_action`.
         seed: the first episode's reset seed; each later episode adds one, so evaluations are reproducible.
         device: where observations go before the policy sees them.
     """
 
-    def __init__(self, env: Any, policy: Callable[[Tensor], Any], seed: Optional[int] = 0,
-                 device: Union[str, torch.device, None] = None) -> None:
+    def __init__(
+        self,
+        env: Any,
+        policy: Callable[[Tensor], Any],
+        seed: Optional[int] = 0,
+        device: Union[str, torch.device, None] = None,
+    ) -> None:
         self._env_spec = env
         self._env = None
         self.policy = policy

@@ -19,7 +19,8 @@ __all__ = ["ProgressBar"]
 
 
 class ProgressBar(Backend):
-    """Shows ``frames`` (of ``total_frames`` when known) and the mean of the last ``window`` committed rewards.
+    """Shows ``frames`` (of ``total_frames`` when known) and the mean of the last ``window`` committed
+    rewards.
 
     Args:
         total_frames: the run's length in frames, for a percentage and an ETA; None shows a counter.
@@ -56,8 +57,15 @@ class ProgressBar(Backend):
         if not on:
             return
         tqdm = require("tqdm", "rl", "ProgressBar").tqdm
-        self.bar = tqdm(total=self.total_frames, unit="frames", unit_scale=True, dynamic_ncols=True, file=stream,
-                        desc=run.name, leave=True)
+        self.bar = tqdm(
+            total=self.total_frames,
+            unit="frames",
+            unit_scale=True,
+            dynamic_ncols=True,
+            file=stream,
+            desc=run.name,
+            leave=True,
+        )
 
     def write(self, record: StepRecord) -> None:
         if self.bar is None:

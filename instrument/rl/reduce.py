@@ -24,7 +24,8 @@ def _float(values: Tensor) -> Tensor:
 class RunningStats:
     """Count, sum, min and max of masked values, merged over calls, kept on the device.
 
-    ``add(values, mask)`` takes values shaped ``[*batch, K]`` and an optional boolean mask shaped ``[*batch]``;
+    ``add(values, mask)`` takes values shaped ``[*batch, K]`` and an optional boolean mask shaped
+    ``[*batch]``;
     it reduces over the batch dimensions, so the statistics have shape ``[K]`` (one per feature, e.g. per
     objective). With ``flatten=True`` everything (batch and features) is reduced to one value.
 
@@ -128,10 +129,12 @@ def episode_segments(
         done: ``[T, *envs]`` bool: the transition at t ended an episode.
         valid: ``[T, *envs]`` bool or None: steps that count (a collector mask); invalid steps add nothing and
             their ``done`` is ignored.
-        carry_return, carry_length: ``[*envs, K]`` / ``[*envs]`` partial episodes from earlier batches, or None.
+        carry_return, carry_length: ``[*envs, K]`` / ``[*envs]`` partial episodes from earlier batches, or
+        None.
 
     Returns:
-        ``(returns [T, *envs, K], lengths [T, *envs], ended [T, *envs], carry_return, carry_length)``; returns and
+        ``(returns [T, *envs, K], lengths [T, *envs], ended [T, *envs], carry_return, carry_length)``;
+        returns and
         lengths are meaningful where ``ended`` is true; the carries are the partial episodes after this batch.
 
     A step's return is the cumulative reward since the previous episode end (exclusive) — or since the batch
@@ -150,10 +153,18 @@ def episode_segments(
         carry_length = torch.zeros(envs, dtype=torch.int64, device=reward.device)
     if t_len == 0:
         empty = done.to(torch.bool)
-        return reward, torch.zeros(done.shape, dtype=torch.int64, device=done.device), empty, carry_return, carry_length
+        return (
+            reward,
+            torch.zeros(done.shape, dtype=torch.int64, device=done.device),
+            empty,
+            carry_return,
+            carry_length,
+        )
 
-    cs_r = torch.cumsum(torch.where(valid.unsqueeze(-1), reward, torch.zeros((), dtype=reward.dtype,
-                                                                            device=reward.device)), dim=0)
+    cs_r = torch.cumsum(
+        torch.where(valid.unsqueeze(-1), reward, torch.zeros((), dtype=reward.dtype, device=reward.device)),
+        dim=0,
+    )
     cs_n = torch.cumsum(valid.to(torch.int64), dim=0)
     idx = torch.arange(t_len, device=done.device).view(t_len, *([1] * len(envs))).expand(done.shape)
     minus_one = torch.full((), -1, dtype=idx.dtype, device=idx.device)

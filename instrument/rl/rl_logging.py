@@ -17,10 +17,12 @@ One object (one gin binding) turns on collection, training, counter, timing, eva
 Steps: the logger step of iteration k is k (``step_unit="iterations"``, the same numbering as
 ``inst.step(k)``) or the frame count after its batch (``step_unit="frames"``). A logging iteration (every
 ``log_interval``-th, and every iteration that ran an evaluation) stages every component's values and commits
-them in one batched transfer — unless it runs inside an open ``with inst.step(k)`` block, which commits on exit,
+them in one batched transfer — unless it runs inside an open ``with inst.step(k)`` block, which commits on
+exit,
 so each step is committed once (W&B drops a second write to a committed step).
 
-Resume: `state_dict` holds the counters and the evaluation schedule; after `load_state_dict` the next iteration
+Resume: `state_dict` holds the counters and the evaluation schedule; after `load_state_dict` the next
+iteration
 continues the numbering, so no step is logged twice.
 
 A component that raises is reported once and skipped; the other components and the commit still happen
@@ -91,20 +93,29 @@ class RLLogging:
     ) -> None:
         if step_unit not in _STEP_UNITS:
             raise ConfigurationError(f"RLLogging.step_unit must be one of {_STEP_UNITS}, got {step_unit!r}.")
-        if log_interval is not None and (isinstance(log_interval, bool) or not isinstance(log_interval, int)
-                                         or log_interval < 0):
-            raise ConfigurationError(f"RLLogging.log_interval must be None or an int >= 0, got {log_interval!r}.")
+        if log_interval is not None and (
+            isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0
+        ):
+            raise ConfigurationError(
+                f"RLLogging.log_interval must be None or an int >= 0, got {log_interval!r}."
+            )
         self.collection = CollectionMetrics() if collection is DEFAULT else collection
         self.training = TrainMetrics() if training is DEFAULT else training
         self.log_counters = counters is not None
         self.counters = Counters() if counters is DEFAULT or counters is None else counters
         self.evaluation = evaluation
         self.progress = ProgressBar() if progress is DEFAULT else progress
-        for name, comp, kind in (("collection", self.collection, CollectionMetrics),
-                                 ("training", self.training, TrainMetrics), ("counters", self.counters, Counters),
-                                 ("evaluation", self.evaluation, Evaluation), ("progress", self.progress, ProgressBar)):
+        for name, comp, kind in (
+            ("collection", self.collection, CollectionMetrics),
+            ("training", self.training, TrainMetrics),
+            ("counters", self.counters, Counters),
+            ("evaluation", self.evaluation, Evaluation),
+            ("progress", self.progress, ProgressBar),
+        ):
             if comp is not None and not isinstance(comp, kind):
-                raise ConfigurationError(f"RLLogging.{name} must be a {kind.__name__} or None, got {type(comp).__name__}.")
+                raise ConfigurationError(
+                    f"RLLogging.{name} must be a {kind.__name__} or None, got {type(comp).__name__}."
+                )
         for comp in components:
             if not isinstance(comp, RLComponent):
                 raise ConfigurationError(
@@ -123,12 +134,15 @@ class RLLogging:
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":
-        """Log through ``target``: an `Instrumentation`, a `Logger`, or None for a new default Instrumentation.
+        """Log through ``target``: an `Instrumentation`, a `Logger`, or None for a new default
+        Instrumentation.
 
         Returns self, so ``rl = RLLogging(...).attach(inst)`` reads as one line.
         """
         if self._logger is not None:
-            raise ConfigurationError("this RLLogging is already attached; create another one for another run.")
+            raise ConfigurationError(
+                "this RLLogging is already attached; create another one for another run."
+            )
         if target is None:
             from instrument.session import Instrumentation
 
@@ -146,14 +160,17 @@ class RLLogging:
         self._clock = StageClock(self._logger)
         if eval_runner is not None:
             if self.evaluation is None:
-                raise ConfigurationError("an eval_runner was given but RLLogging.evaluation is None; bind an Evaluation.")
+                raise ConfigurationError(
+                    "an eval_runner was given but RLLogging.evaluation is None; bind an Evaluation."
+                )
             self.evaluation.runner = eval_runner
         if self.progress is not None:
             if self.progress.total_frames is None:
                 self.progress.total_frames = self.total_frames
             if self.collection is not None and self.collection.group != "main":
                 self.progress.reward_keys = tuple(
-                    k.replace("collection/main/", f"{self.collection.prefix}/") for k in self.progress.reward_keys
+                    k.replace("collection/main/", f"{self.collection.prefix}/")
+                    for k in self.progress.reward_keys
                 )
             self._logger.add_backend(self.progress)
         return self
@@ -163,7 +180,8 @@ class RLLogging:
         return self._logger is not None
 
     def close_session(self) -> None:
-        """Close everything this set logs through: the Instrumentation (or bare Logger) it is attached to, which
+        """Close everything this set logs through: the Instrumentation (or bare Logger) it is attached to,
+        which
         closes every backend (W&B ``finish`` included). Idempotent, like the closes it calls."""
         self.close()
         if self.instrumentation is not None:
@@ -198,7 +216,9 @@ class RLLogging:
     def is_logging_iteration(self, index: int) -> bool:
         interval = self.log_interval
         if interval is None:
-            interval = getattr(self.instrumentation, "log_interval", 1) if self.instrumentation is not None else 1
+            interval = (
+                getattr(self.instrumentation, "log_interval", 1) if self.instrumentation is not None else 1
+            )
         return interval > 0 and index % interval == 0
 
     # ------------------------------------------------------------------ the iteration
@@ -236,7 +256,8 @@ class RLLogging:
             self._guard(f"extra{i}", comp.on_batch, batch, frames)
 
     def observe_losses(self, losses: Any) -> None:
-        """Reduce one dict / TensorDict of losses and statistics (call it once per update, or once per batch)."""
+        """Reduce one dict / TensorDict of losses and statistics (call it once per update, or once per
+        batch)."""
         self._check_open()
         if self.training is not None:
             self._guard("training", self.training.update, losses)
@@ -272,7 +293,8 @@ class RLLogging:
             return self.logger.commit(step)
         if open_step != step:
             raise ConfigurationError(
-                f"RLLogging logs iteration {self.counters.iterations - 1} at step {step} ({self.step_unit}) inside "
+                f"RLLogging logs iteration {self.counters.iterations - 1} at step {step} "
+                f"({self.step_unit}) inside "
                 f"`with inst.step({open_step})`; the two must agree: use step_unit='iterations' and "
                 f"inst.step(iteration), or end the inst.step block before rl.end_iteration()."
             )
@@ -289,10 +311,12 @@ class RLLogging:
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        if version != _STATE_VERSION:
             raise ConfigurationError(
-                f"RLLogging.load_state_dict expects a state from RLLogging.state_dict() (version {_STATE_VERSION}), "
-                f"got {type(state).__name__} with version {getattr(state, 'get', lambda k: None)('version')!r}."
+                f"RLLogging.load_state_dict expects a state from RLLogging.state_dict() (version "
+                f"{_STATE_VERSION}), "
+                f"got {type(state).__name__} with version {version!r}."
             )
         self.counters.load_state_dict(state["counters"])
         if self.evaluation is not None and "evaluation" in state:
@@ -351,4 +375,3 @@ class RLLogging:
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={c!r}" for n, c in self.components)
         return f"RLLogging({parts}, evaluation={self.evaluation!r}, step_unit={self.step_unit!r})"
-

@@ -12,7 +12,8 @@ stage              what it measures
 ``iteration``      one whole iteration up to logging: collection + optimisation + the loop's own code
 =================  =======================================================================================
 
-A plain loop uses ``with rl.timer("collection"): ...``. Trainer integrations start a stage in one hook and stop
+A plain loop uses ``with rl.timer("collection"): ...``. Trainer integrations start a stage in one hook and
+stop
 it in another, which is what `StageClock` adds: ``start(name)`` / ``stop(name)`` pairs around the logger's
 `Timer` context managers (wall time on the CPU, CUDA events on a GPU, nothing read before commit).
 """
@@ -37,7 +38,7 @@ class StageClock:
 
     def __init__(self, logger: "Logger") -> None:
         self.logger = logger
-        self._running: Dict[str, "Timer"] = {}
+        self._running: Dict[str, Timer] = {}
 
     def start(self, name: str) -> None:
         self._running.pop(name, None)

@@ -1,6 +1,7 @@
 """TorchRL integration: `RLLogging` as a `torchrl.trainers.Trainer` hook, and a TorchRL evaluation runner.
 
-Needs ``pip install 'torch-instrument[torchrl]'``; this module is imported only when used, so instrument itself
+Needs ``pip install 'torch-instrument[torchrl]'``; this module is imported only when used, so instrument
+itself
 never pays for importing TorchRL. One call adds the standard RL logging to a trainer::
 
     from instrument.rl.torchrl import instrument_trainer
@@ -23,7 +24,8 @@ trainer stage                  what runs
 ``shutdown``                   commit what is left, close the bar and (by default) the session
 =============================  =====================================================================
 
-Registering also calls ``trainer.register_module(name, hook)``, so ``trainer.state_dict()`` carries the counters
+Registering also calls ``trainer.register_module(name, hook)``, so ``trainer.state_dict()`` carries the
+counters
 and evaluation schedule, and ``trainer.load_state_dict()`` resumes them: the step numbering continues.
 """
 
@@ -52,9 +54,13 @@ class TorchRLHook(TrainerHookBase):
             included); False leaves that to the caller's ``inst.close()``.
     """
 
-    def __init__(self, rl: Optional[RLLogging] = None, instrumentation: Any = None,
-                 eval_runner: Optional[Callable[[bool, int, bool], Episode]] = None,
-                 close_on_shutdown: bool = True) -> None:
+    def __init__(
+        self,
+        rl: Optional[RLLogging] = None,
+        instrumentation: Any = None,
+        eval_runner: Optional[Callable[[bool, int, bool], Episode]] = None,
+        close_on_shutdown: bool = True,
+    ) -> None:
         self.rl = rl if rl is not None else RLLogging()
         self.close_on_shutdown = close_on_shutdown
         self._instrumentation = instrumentation
@@ -142,8 +148,10 @@ class TorchRLHook(TrainerHookBase):
 class TorchRLRunner:
     """Runs a TorchRL policy for one evaluation episode with ``env.rollout``.
 
-    Deterministic episodes run under ``ExplorationType.DETERMINISTIC`` (the distribution's mode), stochastic ones
-    under ``ExplorationType.RANDOM`` (samples). With ``render``, the frames are the rollout's ``pixels_key`` entry
+    Deterministic episodes run under ``ExplorationType.DETERMINISTIC`` (the distribution's mode),
+    stochastic ones
+    under ``ExplorationType.RANDOM`` (samples). With ``render``, the frames are the rollout's
+    ``pixels_key`` entry
     (e.g. ``GymEnv(..., from_pixels=True, pixels_only=False)``); the return stays on the device.
     """
 
@@ -171,8 +179,15 @@ class TorchRLRunner:
             self.env.close()
 
 
-def instrument_trainer(trainer, rl: Optional[RLLogging] = None, instrumentation: Any = None, eval_env=None,
-                       policy=None, name: str = "instrument", close_on_shutdown: bool = True) -> TorchRLHook:
+def instrument_trainer(
+    trainer,
+    rl: Optional[RLLogging] = None,
+    instrumentation: Any = None,
+    eval_env=None,
+    policy=None,
+    name: str = "instrument",
+    close_on_shutdown: bool = True,
+) -> TorchRLHook:
     """Add the standard RL logging to a TorchRL trainer in one call; returns the registered hook.
 
     ``eval_env`` and ``policy`` make a `TorchRLRunner` for ``rl.evaluation`` (an `Evaluation` is created with
@@ -182,13 +197,17 @@ def instrument_trainer(trainer, rl: Optional[RLLogging] = None, instrumentation:
     runner = None
     if eval_env is not None:
         if policy is None:
-            raise ConfigurationError("instrument_trainer got eval_env but no policy to evaluate; pass policy=actor.")
+            raise ConfigurationError(
+                "instrument_trainer got eval_env but no policy to evaluate; pass policy=actor."
+            )
         if rl.evaluation is None:
             from instrument.rl.evaluation import Evaluation
 
             rl.evaluation = Evaluation()
         runner = TorchRLRunner(eval_env, policy)
-    hook = TorchRLHook(rl, instrumentation=instrumentation, eval_runner=runner, close_on_shutdown=close_on_shutdown)
+    hook = TorchRLHook(
+        rl, instrumentation=instrumentation, eval_runner=runner, close_on_shutdown=close_on_shutdown
+    )
     hook.register(trainer, name=name)
     return hook
 

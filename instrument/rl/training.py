@@ -11,7 +11,8 @@ key                       meaning
 ``<name>/max``            largest element in the interval (``reduce_stats=True`` only)
 ========================  =================================================================================
 
-``<name>`` is the entry's key; nested keys are joined with ``/`` (``("loss", "actor")`` -> ``loss/actor``), so a
+``<name>`` is the entry's key; nested keys are joined with ``/`` (``("loss", "actor")`` -> ``loss/actor``),
+so a
 name never depends on the shape of the value. Values may be tensors of any shape and dtype (bools count as
 0/1), Python numbers or NumPy scalars; None entries are skipped. Everything stays on the device until commit.
 """
@@ -50,7 +51,9 @@ class TrainMetrics(RLComponent):
         exclude: Sequence[str] = (),
     ) -> None:
         if not group or "/" in group:
-            raise ConfigurationError(f"TrainMetrics.group must be a non-empty name without '/', got {group!r}.")
+            raise ConfigurationError(
+                f"TrainMetrics.group must be a non-empty name without '/', got {group!r}."
+            )
         self.group = group
         self.prefix = f"train/{group}"
         self.reduce_stats = reduce_stats
@@ -126,12 +129,15 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
         if value.numel() == 0:
             return None
         if value.is_complex():
-            raise TypeError(f"training entry {name!r} is a complex tensor; log its abs() or real part instead.")
+            raise TypeError(
+                f"training entry {name!r} is a complex tensor; log its abs() or real part instead."
+            )
         return value if value.is_floating_point() else value.to(torch.float32)
     if isinstance(value, np.ndarray):
         return torch.as_tensor(value, dtype=torch.float64) if value.size else None
     if isinstance(value, (numbers.Real, np.number)):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(
-        f"training entry {name!r} has type {type(value).__name__}; expected a tensor, a number or a nested dict."
+        f"training entry {name!r} has type {type(value).__name__}; expected a tensor, a number or a "
+        f"nested dict."
     )

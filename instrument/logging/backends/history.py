@@ -56,7 +56,9 @@ class RunHistoryBackend(Backend):
     ) -> None:
         for name, cap in (("max_steps", max_steps), ("max_samples", max_samples)):
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-                raise ConfigurationError(f"RunHistoryBackend.{name} must be None or a positive int, got {cap!r}.")
+                raise ConfigurationError(
+                    f"RunHistoryBackend.{name} must be None or a positive int, got {cap!r}."
+                )
         self.sample_key = sample_key
         self.max_steps = max_steps
         self.max_samples = max_samples
@@ -73,7 +75,8 @@ class RunHistoryBackend(Backend):
 
     # ------------------------------------------------------------------ registration
     def add_log(self, key: str) -> None:
-        """Keep the per-item values of histogram tag ``key`` for every batch (not only a histogram of them)."""
+        """Keep the per-item values of histogram tag ``key`` for every batch (not only a histogram of
+        them)."""
         if not key or not isinstance(key, str):
             raise ConfigurationError(f"add_log takes a histogram tag (a non-empty string), got {key!r}.")
         self.batch_log.setdefault(key, collections.deque(maxlen=self.max_steps))
@@ -81,7 +84,8 @@ class RunHistoryBackend(Backend):
     def add_samples(self, step: int, samples: Iterable[Hashable]) -> None:
         """Name the items of the batch logged at ``step`` (any hashable items: ints, strings, tuples).
 
-        Call it before that step is committed; the per-item values committed at ``step`` are aligned with them.
+        Call it before that step is committed; the per-item values committed at ``step`` are aligned with
+        them.
         """
         items = list(samples)
         for item in items:
@@ -101,17 +105,23 @@ class RunHistoryBackend(Backend):
                 series = self.metrics[key] = collections.deque(maxlen=self.max_steps)
             self._append(series, (step, float(value)), "max_steps", f"metric {key!r}")
             if key.startswith(_TIMING):
-                stage, _, stat = key[len(_TIMING):].rpartition("/")
+                stage, _, stat = key[len(_TIMING) :].rpartition("/")
                 if stage:
                     timings.setdefault(stage, {})[stat] = value
         for stage, stats in timings.items():
             if "mean" in stats:
                 series_t = self.timelog.setdefault(stage, collections.deque(maxlen=self.max_steps))
-                self._append(series_t, (step, float(stats["mean"]), int(stats.get("count", 1))), "max_steps",
-                             f"timelog {stage!r}")
+                self._append(
+                    series_t,
+                    (step, float(stats["mean"]), int(stats.get("count", 1))),
+                    "max_steps",
+                    f"timelog {stage!r}",
+                )
         for key, values in record.histograms.items():
             if key in self.batch_log:
-                self._append(self.batch_log[key], (step, np.asarray(values).copy()), "max_steps", f"batch log {key!r}")
+                self._append(
+                    self.batch_log[key], (step, np.asarray(values).copy()), "max_steps", f"batch log {key!r}"
+                )
         samples = self._pending_samples.pop(step, None)
         for stale in [s for s in self._pending_samples if s < step]:
             del self._pending_samples[stale]
@@ -123,14 +133,18 @@ class RunHistoryBackend(Backend):
 
     def _append(self, series: Deque, item: Any, cap: str, what: str) -> None:
         if series.maxlen is not None and len(series) == series.maxlen:
-            self._say_once(cap, f"{what} reached max_steps={series.maxlen}; older steps are dropped from now on")
+            self._say_once(
+                cap, f"{what} reached max_steps={series.maxlen}; older steps are dropped from now on"
+            )
         series.append(item)
 
     def _add_unique(self, samples: Iterable[Hashable]) -> None:
         cap = self.max_samples
         for item in samples:
             if cap is not None and len(self.unique_samples) >= cap and item not in self.unique_samples:
-                self._say_once("max_samples", f"unique samples reached max_samples={cap}; new samples are not added")
+                self._say_once(
+                    "max_samples", f"unique samples reached max_samples={cap}; new samples are not added"
+                )
                 return
             self.unique_samples.add(item)
 
@@ -148,8 +162,10 @@ class RunHistoryBackend(Backend):
         if key not in self.metrics:
             raise KeyError(f"no metric {key!r} in the run history; known keys: {self.keys()[:20]}")
         pairs = self.metrics[key]
-        return (np.fromiter((s for s, _ in pairs), dtype=np.int64, count=len(pairs)),
-                np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)))
+        return (
+            np.fromiter((s for s, _ in pairs), dtype=np.int64, count=len(pairs)),
+            np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)),
+        )
 
     def last(self, key: str) -> float:
         return self.series(key)[1][-1]
@@ -185,7 +201,7 @@ class RunHistoryBackend(Backend):
             raise ConfigurationError("plot_metrics needs at least one metric key.")
         fig = figure_cls(figsize=(6.4, 2.2 * len(keys)), layout="constrained")
         axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
-        for ax, key in zip(axes, keys):
+        for ax, key in zip(axes, keys, strict=True):
             steps, values = self.series(key)
             ax.plot(steps, values, lw=1.2)
             ax.set_ylabel(key.rsplit("/", 1)[-1], fontsize=8)
@@ -212,8 +228,10 @@ class RunHistoryBackend(Backend):
         return fig
 
     def __repr__(self) -> str:
-        return (f"RunHistoryBackend(metrics={len(self.metrics)}, steps_cap={self.max_steps}, "
-                f"samples={len(self.unique_samples)}, samples_cap={self.max_samples})")
+        return (
+            f"RunHistoryBackend(metrics={len(self.metrics)}, steps_cap={self.max_steps}, "
+            f"samples={len(self.unique_samples)}, samples_cap={self.max_samples})"
+        )
 
 
 def _as_id(value: float) -> Hashable:

@@ -205,8 +205,8 @@ def train_cartpole(
 
     ``rl_logging`` (an `instrument.rl.RLLogging`) adds the standard RL metrics: each step's batched episode is
     one collected batch ([time, envs], the alive mask as the collector mask, each env's episode ending at its
-    last alive step), the REINFORCE loss its training metrics, the rollout and the update its timed stages, and
-    its `Evaluation`, when bound, runs the policy in gymnasium's own CartPole-v1.
+    last alive step), the REINFORCE loss its training metrics, the rollout and the update its timed stages,
+    and its `Evaluation`, when bound, runs the policy in gymnasium's own CartPole-v1.
     """
     torch.manual_seed(seed)
     env = CartPole(num_envs=num_envs, generator=torch.Generator().manual_seed(seed))
@@ -218,7 +218,8 @@ def train_cartpole(
     if rl is not None and not rl.attached:
         from instrument.rl.evaluation import GymnasiumRunner
 
-        rl.attach(inst, eval_runner=GymnasiumRunner("CartPole-v1", policy, seed=seed) if rl.evaluation else None)
+        runner = GymnasiumRunner("CartPole-v1", policy, seed=seed) if rl.evaluation is not None else None
+        rl.attach(inst, eval_runner=runner)
 
     def stage(name: str):
         return rl.timer(name) if rl is not None else contextlib.nullcontext()

@@ -89,8 +89,13 @@ def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Non
     gin.parse_config_files_and_bindings(list(config_files), list(bindings), finalize_config=False)
 
 
-def operative_config() -> Tuple[Dict[str, Any], str]:
-    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters."""
+def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
+    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
+
+    Empty when nothing was bound: a run configured in plain Python logs only its own hyperparameters.
+    """
+    if not gin.config_str().strip():
+        return {}, None
     text = gin.operative_config_str()
     params: Dict[str, Any] = {}
     parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))

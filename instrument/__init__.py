@@ -27,9 +27,11 @@ from instrument.errors import (
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
+from instrument.logging.reduce import CrossRankReducer
 from instrument.logging.timer import Timer
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
@@ -41,12 +43,14 @@ __all__ = [
     "Backend",
     "ConfigurationError",
     "ConsoleBackend",
+    "CrossRankReducer",
     "InstrumentError",
     "Instrumentation",
     "IterationStats",
     "JsonlBackend",
     "Logger",
     "MissingExtraError",
+    "MlflowBackend",
     "Observer",
     "ProbeError",
     "RunInfo",

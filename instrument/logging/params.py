@@ -54,5 +54,8 @@ def redact_config_text(text: str) -> str:
 
 
 def _is_secret(name: str) -> bool:
-    leaf = re.split(r"[/.]", name)[-1].lower()
-    return leaf in _SECRET_NAMES or any(part in _SECRET_PARTS for part in re.split(r"[_\-]", leaf))
+    leaf = re.split(r"[/.]", name)[-1].lower().replace("-", "_")
+    if leaf in _SECRET_NAMES or any(part in _SECRET_PARTS for part in leaf.split("_")):
+        return True
+    # "wandb_api_key", "aws_secret_access_key": a credential compound at the end of a longer name.
+    return any(leaf.endswith("_" + n) for n in _SECRET_NAMES if "_" in n or n == "apikey")

@@ -33,6 +33,7 @@ from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
 from instrument.logging.reduce import CrossRankReducer
 from instrument.logging.timer import Timer
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation, StepScope, WatchHandle
@@ -59,6 +60,7 @@ __all__ = [
     "StepOrderError",
     "StepRecord",
     "StepScope",
+    "SystemMonitor",
     "TensorBoardBackend",
     "Timer",
     "UpdateNorm",

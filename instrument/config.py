@@ -21,9 +21,11 @@ from instrument.core.observer import Observer
 from instrument.logging.backends.base import Backend
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.observers.iteration_stats import IterationStats
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation
 
@@ -32,7 +34,7 @@ __all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
 GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
-             JsonlBackend):
+             JsonlBackend, MlflowBackend, SystemMonitor):
     gin.external_configurable(_cls, name=_cls.__name__)
 
 

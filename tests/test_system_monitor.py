@@ -101,7 +101,7 @@ def test_memory_is_bounded_when_nothing_flushes():
     sink = Sink()
     monitor.start(sink)
     time.sleep(0.15)
-    assert len(monitor._buffer) <= 3
+    assert monitor.buffered <= 3
     monitor.stop()
     assert 1 <= len(sink.records) <= 3  # the last samples are flushed at stop
 
@@ -127,3 +127,23 @@ def test_only_started_once():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         SystemMonitor(**kwargs)
+
+
+def test_bound_in_gin_with_the_mlflow_backend(tmp_path):
+    from instrument import MlflowBackend
+    from instrument.config import backend_set, parse
+
+    config = tmp_path / "exp.gin"
+    config.write_text(
+        "include 'system_monitor.gin'\ninclude 'backends/mlflow.gin'\n"
+        "SystemMonitor.collection_interval = 0.05\nSystemMonitor.flush_interval = 0.05\n"
+        "MlflowBackend.experiment_name = 'nca'\n"
+    )
+    parse([str(config)])
+    (mlflow_backend,) = backend_set()
+    assert isinstance(mlflow_backend, MlflowBackend) and mlflow_backend.experiment_name == "nca"
+    inst = Instrumentation(backends=[JsonlBackend()], log_dir=str(tmp_path), run_name="r")
+    assert isinstance(inst.system_monitor, SystemMonitor) and inst.system_monitor.running
+    assert inst.system_monitor.collection_interval == 0.05
+    inst.close()
+    assert not inst.system_monitor.running

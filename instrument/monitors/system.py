@@ -102,6 +102,11 @@ class SystemMonitor:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def buffered(self) -> int:
+        """Samples collected and not yet flushed (at most ``max_buffered``)."""
+        return len(self._buffer)
+
     def start(self, logger: Any) -> None:
         """Start sampling into ``logger`` (anything with ``write_system(record)``). Once per monitor."""
         if self._thread is not None:

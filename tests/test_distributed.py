@@ -198,6 +198,7 @@ def test_allreduce_strategy_uses_one_collective_per_reduction_kind(ranks):
     results, _ = ranks
     for r in results:
         assert r["ar_steady_count"] == 2
+        assert r["ar_first_count"] == 4  # MAX header, key exchange, SUM + MAX
         assert r["ar_kinds"] == {"_all_reduce": 2}
         _assert_close(r["ar_first"], _expected())
         _assert_close(r["ar_steady"], _expected())

@@ -87,11 +87,11 @@ class Instrumentation:
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
-        system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by `close`;
-            it writes ``system/...`` metrics on its own wall-clock axis.
+        system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
+            `close`; it writes ``system/...`` metrics on its own wall-clock axis.
 
-    Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in the
-    reduction at each commit, and the first step checks that all ranks hold the same operative config.
+    Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
+    the reduction at each commit, and the first step checks that all ranks hold the same operative config.
     """
 
     def __init__(

@@ -7,8 +7,6 @@ computed over the union of the data.
 
 import datetime
 import json
-import math
-import os
 import time
 from pathlib import Path
 
@@ -40,10 +38,10 @@ def _install_counter(counts):
 
 def _log_interval(logger, rank, step0, step1):
     """Log one interval's metrics: two batches at step0 and step1, per-rank totals at step1."""
-    for step, batch in zip((step0, step1), BATCHES[rank]):
+    for step, batch in zip((step0, step1), BATCHES[rank], strict=True):
         t = torch.tensor(batch)
         logger.log_metrics({"loss": t.mean()}, step=step, prefix="train", weights=float(len(batch)))
-    for step, acc in zip((step0, step1), ACC[rank]):
+    for step, acc in zip((step0, step1), ACC[rank], strict=True):
         logger.log_metrics({"acc": acc}, step=step, prefix="train")
     x = torch.tensor([v for b in BATCHES[rank] for v in b], dtype=torch.float64)
     logger.log_metrics(
@@ -68,7 +66,11 @@ def _worker(rank, store_path, out_dir):
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        store=dist.FileStore(store_path, 2),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
     )
     out: dict = {"rank": rank}
     counts: dict = {}
@@ -124,7 +126,9 @@ def _worker(rank, store_path, out_dir):
             out["config_error"] = str(exc)
 
         # A whole session: only rank 0 opens backends and creates files.
-        inst = Instrumentation(backends=[JsonlBackend()], log_interval=2, log_dir=str(Path(out_dir) / f"runs{rank}"))
+        inst = Instrumentation(
+            backends=[JsonlBackend()], log_interval=2, log_dir=str(Path(out_dir) / f"runs{rank}")
+        )
         for step in range(4):
             with inst.step(step):
                 inst.logger.log_metrics({"x": float(rank + step)}, step=step)
@@ -299,7 +303,9 @@ def test_bad_reduce_arguments_are_rejected(kwargs, match):
 def test_one_metric_keeps_one_op_within_an_interval():
     logger = Logger([])
     logger.log_metrics({"a": 1.0}, step=0, reduce="sum")
-    with pytest.raises(ConfigurationError, match=r"metric 'a' was logged with reduce='sum' and now with reduce='max'"):
+    with pytest.raises(
+        ConfigurationError, match=r"metric 'a' was logged with reduce='sum' and now with reduce='max'"
+    ):
         logger.log_metrics({"a": 1.0}, step=0, reduce="max")
     with pytest.raises(ConfigurationError, match=r"always with or always without a weight"):
         logger.log_metrics({"b": 1.0}, step=0, weights=2.0)
@@ -317,5 +323,7 @@ def test_timer_reduce_op_is_fixed_per_timer():
     logger = Logger([])
     assert logger.timer("t").reduce == "max"
     assert logger.timer("u", reduce="mean").reduce == "mean"
-    with pytest.raises(ConfigurationError, match=r"timer 't' already exists with reduce='max', asked for 'sum'"):
+    with pytest.raises(
+        ConfigurationError, match=r"timer 't' already exists with reduce='max', asked for 'sum'"
+    ):
         logger.timer("t", reduce="sum")

@@ -18,8 +18,9 @@ def _run_through(backend, tmp_path):
         config_text="Model.width = 64\nWandbBackend.api_key = 'abc123'\n",
     )
     for step in (0, 10):
-        logger.log_metrics({"loss": torch.tensor(1.0 / (step + 1)), "acc[top1]": 0.5 + step / 100}, step=step,
-                           prefix="train")
+        logger.log_metrics(
+            {"loss": torch.tensor(1.0 / (step + 1)), "acc[top1]": 0.5 + step / 100}, step=step, prefix="train"
+        )
     logger.log_image("state/rgb", np.full((4, 5, 3), 0.5), step=10)
     logger.log_text("note", "hello", step=10)
     logger.log_samples("val", [{"input": "a", "output": "b", "score": torch.tensor(0.25)}], step=10)
@@ -81,6 +82,9 @@ def test_bound_tracking_uri_experiment_and_run_name(tmp_path, monkeypatch):
     backend = MlflowBackend(tracking_uri=uri, experiment_name="nca", run_name="demo-run", tags={"team": "x"})
     _run_through(backend, tmp_path)
     client = MlflowClient(tracking_uri=uri)
-    assert client.get_run(backend.run_id).info.experiment_id == client.get_experiment_by_name("nca").experiment_id
+    assert (
+        client.get_run(backend.run_id).info.experiment_id
+        == client.get_experiment_by_name("nca").experiment_id
+    )
     assert client.get_run(backend.run_id).data.tags["team"] == "x"
     _check(client, backend.run_id)

@@ -1,4 +1,4 @@
-"""Validation samples: selection, console panels (rich), TensorBoard text, W&B table, JSONL; and hyperparameters."""
+"""Validation samples: selection, console panels, TensorBoard text, W&B table, JSONL; hyperparameters."""
 
 import io
 import json
@@ -28,7 +28,10 @@ def _rows():
 def test_selection_mixes_best_and_worst():
     chosen = select_samples(_rows(), 4)
     assert [(label, row["input"]) for label, row in chosen] == [
-        ("best #1", "prompt 1"), ("worst #1", "prompt 5"), ("best #2", "prompt 3"), ("worst #2", "prompt 2")
+        ("best #1", "prompt 1"),
+        ("worst #1", "prompt 5"),
+        ("best #2", "prompt 3"),
+        ("worst #2", "prompt 2"),
     ]
     assert [label for label, _ in select_samples(_rows(), 3)] == ["best #1", "worst #1", "best #2"]
     assert len(select_samples(_rows(), 100)) == 6  # never repeats a sample
@@ -84,8 +87,12 @@ def test_tensorboard_text_and_jsonl_list(tmp_path):
     assert "| input | output | score | length |" in text and "| prompt 1 | answer 1 | 0.9 | 1 |" in text
     line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["step"] == 5
-    assert line["samples"]["val/samples"][1] == {"input": "prompt 1", "output": "answer 1",
-                                                 "score": pytest.approx(0.9), "length": 1}
+    assert line["samples"]["val/samples"][1] == {
+        "input": "prompt 1",
+        "output": "answer 1",
+        "score": pytest.approx(0.9),
+        "length": 1,
+    }
 
 
 def test_wandb_table_and_system_metrics_on_their_own_axis(tmp_path):
@@ -106,8 +113,10 @@ def test_wandb_table_and_system_metrics_on_their_own_axis(tmp_path):
 
 @pytest.mark.parametrize(
     "samples, match",
-    [({"input": "x"}, r"log_samples\('val'\) takes a list of dicts, got dict"),
-     (["x"], r"sample 0 is a str; each sample must be a dict")],
+    [
+        ({"input": "x"}, r"log_samples\('val'\) takes a list of dicts, got dict"),
+        (["x"], r"sample 0 is a str; each sample must be a dict"),
+    ],
 )
 def test_bad_samples(samples, match):
     with pytest.raises(TypeError, match=match):
@@ -116,22 +125,42 @@ def test_bad_samples(samples, match):
 
 # ---------------------------------------------------------------------- hyperparameters
 def test_flatten_and_redact():
-    flat = redact_secrets(flatten_params({
-        "model": {"width": 64, "layers": [1, 2]},
-        "wandb": {"api_key": "k1", "project": "p"},
-        "hf_token": "t", "db_password": "p", "client_secret": "s", "key": "k2", "aws_secret_access_key": "a",
-        "wandb_api_key": "w", "reward_key": "reward", "keys_to_log": ["a"],
-    }))
+    flat = redact_secrets(
+        flatten_params(
+            {
+                "model": {"width": 64, "layers": [1, 2]},
+                "wandb": {"api_key": "k1", "project": "p"},
+                "hf_token": "t",
+                "db_password": "p",
+                "client_secret": "s",
+                "key": "k2",
+                "aws_secret_access_key": "a",
+                "wandb_api_key": "w",
+                "reward_key": "reward",
+                "keys_to_log": ["a"],
+            }
+        )
+    )
     assert flat == {
-        "model/width": 64, "model/layers": "[1, 2]", "wandb/api_key": REDACTED, "wandb/project": "p",
-        "hf_token": REDACTED, "db_password": REDACTED, "client_secret": REDACTED, "key": REDACTED,
-        "aws_secret_access_key": REDACTED, "wandb_api_key": REDACTED, "reward_key": "reward",
+        "model/width": 64,
+        "model/layers": "[1, 2]",
+        "wandb/api_key": REDACTED,
+        "wandb/project": "p",
+        "hf_token": REDACTED,
+        "db_password": REDACTED,
+        "client_secret": REDACTED,
+        "key": REDACTED,
+        "aws_secret_access_key": REDACTED,
+        "wandb_api_key": REDACTED,
+        "reward_key": "reward",
         "keys_to_log": "['a']",
     }
 
 
 def test_redact_config_text():
-    text = "Model.width = 64\nWandbBackend.api_key = 'abc'\nscope/Auth.token = \"xyz\"\nEnv.reward_key = 'r'\n"
+    text = (
+        "Model.width = 64\nWandbBackend.api_key = 'abc'\nscope/Auth.token = \"xyz\"\nEnv.reward_key = 'r'\n"
+    )
     assert redact_config_text(text) == (
         f"Model.width = 64\nWandbBackend.api_key = '{REDACTED}'\nscope/Auth.token = '{REDACTED}'\n"
         "Env.reward_key = 'r'\n"
@@ -140,8 +169,10 @@ def test_redact_config_text():
 
 def test_no_backend_sees_a_secret(tmp_path):
     logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
-    logger.log_hyperparams({"train": {"lr": 0.1}, "hub": {"token": "hf_secret"}},
-                           config_text="Hub.token = 'hf_secret'\nTrain.lr = 0.1")
+    logger.log_hyperparams(
+        {"train": {"lr": 0.1}, "hub": {"token": "hf_secret"}},
+        config_text="Hub.token = 'hf_secret'\nTrain.lr = 0.1",
+    )
     logger.close()
     raw = (tmp_path / "r" / "metrics.jsonl").read_text()
     assert "hf_secret" not in raw

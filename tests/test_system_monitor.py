@@ -6,7 +6,15 @@ import time
 
 import pytest
 
-from instrument import ConfigurationError, Instrumentation, JsonlBackend, Logger, RunInfo, SystemMonitor, TensorBoardBackend
+from instrument import (
+    ConfigurationError,
+    Instrumentation,
+    JsonlBackend,
+    Logger,
+    RunInfo,
+    SystemMonitor,
+    TensorBoardBackend,
+)
 
 pytest.importorskip("psutil")
 
@@ -21,8 +29,9 @@ def _lines(path):
 
 def test_starts_and_stops_with_the_instrumentation(tmp_path):
     monitor = SystemMonitor(collection_interval=0.05, flush_interval=0.1)
-    inst = Instrumentation(backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r",
-                           system_monitor=monitor)
+    inst = Instrumentation(
+        backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r", system_monitor=monitor
+    )
     assert monitor.running and len(_monitor_threads()) == 1
     for step in range(3):
         with inst.step(step):
@@ -120,7 +129,10 @@ def test_only_started_once():
     "kwargs, match",
     [
         ({"collection_interval": 0}, r"collection_interval must be a positive number of seconds, got 0"),
-        ({"collection_interval": 5.0, "flush_interval": 1.0}, r"flush_interval \(1.0\) must be >= collection_interval"),
+        (
+            {"collection_interval": 5.0, "flush_interval": 1.0},
+            r"flush_interval \(1.0\) must be >= collection_interval",
+        ),
         ({"max_buffered": 0}, r"max_buffered must be a positive int"),
     ],
 )

@@ -61,10 +61,12 @@ class _Accumulator:
 
     def add(self, name: str, op: str, value: Union[float, Tensor], weight: Any = None) -> None:
         if op != self.op or (weight is None) != (self.weight is None):
+            before = " and a weight" if self.weight is not None else ""
+            now = " and a weight" if weight is not None else ""
             raise ConfigurationError(
-                f"metric {name!r} was logged with reduce={self.op!r}{' and a weight' if self.weight is not None else ''} "
-                f"and now with reduce={op!r}{' and a weight' if weight is not None else ''} in one logging interval; "
-                f"log each metric with one reduce op, always with or always without a weight."
+                f"metric {name!r} was logged with reduce={self.op!r}{before} and now with reduce={op!r}{now} "
+                f"in one logging interval; log each metric with one reduce op, always with or always without "
+                f"a weight."
             )
         self.total = self.total + (value if weight is None else value * weight)
         if weight is not None:
@@ -194,7 +196,9 @@ class Logger:
             return
         self._videos[tag] = (_detach(frames), int(fps))
 
-    def log_samples(self, tag: str, samples: Sequence[Mapping[str, Any]], step: int, score_key: str = "score") -> None:
+    def log_samples(
+        self, tag: str, samples: Sequence[Mapping[str, Any]], step: int, score_key: str = "score"
+    ) -> None:
         """Stage validation samples: dicts such as ``{"input": ..., "output": ..., "score": ..., **extra}``.
 
         The console prints a few as panels, best and worst by ``score_key`` mixed (``ConsoleBackend(
@@ -223,7 +227,9 @@ class Logger:
         if timer is None:
             timer = self._timers[name] = Timer(name, reduce=reduce or "max")
         elif reduce is not None and reduce != timer.reduce:
-            raise ConfigurationError(f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}.")
+            raise ConfigurationError(
+                f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}."
+            )
         return timer
 
     def write_system(self, record: StepRecord) -> None:
@@ -381,9 +387,8 @@ class Logger:
         return record
 
     def _discard(self) -> None:
-        for staged in (
-            self._scalars, self._images, self._heatmaps, self._histograms, self._texts, self._videos, self._samples
-        ):
+        staged_kinds = (self._scalars, self._images, self._heatmaps, self._histograms, self._texts, self._videos)
+        for staged in staged_kinds + (self._samples,):
             staged.clear()
 
     def _host_image(self, key: str, value: Any, convert) -> Optional[np.ndarray]:
@@ -445,8 +450,8 @@ def _check_samples(tag: str, samples: Sequence[Mapping[str, Any]]) -> List[Dict[
     for i, row in enumerate(samples):
         if not isinstance(row, Mapping):
             raise TypeError(
-                f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict such as "
-                f"{{'input': ..., 'output': ..., 'score': ...}}."
+                f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict "
+                f"such as {{'input': ..., 'output': ..., 'score': ...}}."
             )
         rows.append({str(k): (v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()})
     return rows

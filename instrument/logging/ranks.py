@@ -30,14 +30,16 @@ def is_distributed(group: Optional[Any] = None) -> bool:
 
 
 def rank(group: Optional[Any] = None) -> int:
-    """This process's rank: from the process group when initialised, else ``$RANK`` (set by torchrun), else 0."""
+    """This process's rank: from the process group when initialised, else ``$RANK`` (torchrun), else 0."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group)
     value = os.environ.get("RANK", "0")
     try:
         return int(value)
     except ValueError:
-        raise ConfigurationError(f"the RANK environment variable must be an integer, got {value!r}.") from None
+        raise ConfigurationError(
+            f"the RANK environment variable must be an integer, got {value!r}."
+        ) from None
 
 
 def world_size(group: Optional[Any] = None) -> int:

@@ -1,23 +1,24 @@
 """Reducing a commit's scalars across `torch.distributed` ranks with one collective.
 
-Each metric names how ranks combine (``reduce=``): ``mean`` (optionally weighted), ``sum``, ``min``, ``max`` or
-``l2`` (square root of the sum of squares, e.g. a gradient norm over shards). Lightning's ``sync_dist`` issues one
-collective per metric; here every scalar of a commit is packed into one float64 vector laid out as
+Each metric names how ranks combine (``reduce=``): ``mean`` (optionally weighted), ``sum``, ``min``, ``max``
+or ``l2`` (square root of the sum of squares, e.g. a gradient norm over shards). Lightning's ``sync_dist``
+issues one collective per metric; here every scalar of a commit is packed into one float64 vector laid out as
 
-    sum segment   numerators (mean, weighted mean, sum; squares for l2) | denominators (means) | presence counts
+    sum segment   numerators (mean, weighted mean, sum; squares for l2) | denominators (means) | counts
     max segment   header [misfit, layout hash, -layout hash] | values (max) and negated values (min)
 
 and exchanged with ONE ``all_gather`` (every rank then sums the first segment and takes the maximum of the
 second locally: min is the max of negated values). When ``world_size x length`` exceeds ``gather_limit`` the
-bandwidth-optimal form is used instead: one SUM and one MAX ``all_reduce`` (one collective per reduction kind).
+bandwidth-optimal form is used instead: one SUM and one MAX ``all_reduce`` (one collective per reduction
+kind).
 Both forms give every rank the same result, so each rank takes the same branch afterwards.
 
 Ranks need not log the same keys. The layout (the sorted union of every ``(key, op)`` seen on any rank) is
 agreed once and kept; each commit packs its values into the current layout, absent keys contribute neutral
 values and a zero presence count, and keys no rank logged this time are dropped. A rank whose keys do not all
-fit the layout sets the header's misfit flag; then, on every rank at once, the key lists are exchanged with one
-``all_gather_object``, the layout grows to the union, and the vector is exchanged again. That slow path runs
-only when a new key appears (the first commit, and rarely later); a steady commit costs one collective.
+fit the layout sets the header's misfit flag; then, on every rank at once, the key lists are exchanged with
+one ``all_gather_object``, the layout grows to the union, and the vector is exchanged again. That slow path
+runs only when a new key appears (the first commit, and rarely later); a steady commit costs one collective.
 
 Nothing here transfers to the host: `CrossRankReducer.start` returns the reduced vector on the collective
 device and the logger brings it over with everything else of the commit in its one batched transfer.
@@ -91,13 +92,16 @@ def resolve_ops(
     if isinstance(weights, Mapping):
         unknown = sorted(set(weights) - set(keys))
         if unknown:
-            raise ConfigurationError(f"weights= names {unknown}, which are not among the logged metrics {sorted(keys)}.")
+            raise ConfigurationError(
+                f"weights= names {unknown}, which are not among the logged metrics {sorted(keys)}."
+            )
         chosen = dict(weights)
     else:
         chosen = {k: weights for k, op in ops.items() if op == "mean"}
         if not chosen and keys:
             raise ConfigurationError(
-                f"weights= was given but no metric is reduced with 'mean' (ops: {sorted(set(ops.values()))}); "
+                f"weights= was given but no metric is reduced with 'mean' "
+                f"(ops: {sorted(set(ops.values()))}); "
                 f"weights apply only to 'mean' (a weighted mean, e.g. weighted by batch size)."
             )
     for k in chosen:
@@ -119,10 +123,19 @@ def _check_op(op: Any, key: str) -> str:
 def _check_weight(key: str, weight: Any) -> None:
     if isinstance(weight, Tensor):
         if weight.numel() != 1:
-            raise ConfigurationError(f"the weight of {key!r} must be one number, got a tensor of shape {tuple(weight.shape)}.")
+            raise ConfigurationError(
+                f"the weight of {key!r} must be one number, got a tensor of shape {tuple(weight.shape)}."
+            )
         return
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight < 0:
-        raise ConfigurationError(f"the weight of {key!r} must be a finite number >= 0 (e.g. a batch size), got {weight!r}.")
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, numbers.Real)
+        or not math.isfinite(weight)
+        or weight < 0
+    ):
+        raise ConfigurationError(
+            f"the weight of {key!r} must be a finite number >= 0 (e.g. a batch size), got {weight!r}."
+        )
 
 
 # ---------------------------------------------------------------------- collectives (one place, countable)
@@ -228,7 +241,9 @@ class CrossRankReducer:
         gather_limit: elements a rank may receive in the gather form (default 65536, 512 KiB of float64).
     """
 
-    def __init__(self, group: Optional[Any] = None, strategy: str = "auto", gather_limit: int = 1 << 16) -> None:
+    def __init__(
+        self, group: Optional[Any] = None, strategy: str = "auto", gather_limit: int = 1 << 16
+    ) -> None:
         if strategy not in _STRATEGIES:
             raise ConfigurationError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}.")
         self.group = group
@@ -251,7 +266,9 @@ class CrossRankReducer:
         misfit = any(layout.kinds.get(e.key) != e.kind for e in entries)
         sums: List[Scalar] = [0.0] * layout.n_sum
         extremes: List[Scalar] = [misfit * 1.0, layout.hash, layout.hash]
-        extremes += [math.inf if kind == "min" else -math.inf for _, kind in layout.items if kind not in _SUM_KINDS]
+        extremes += [
+            math.inf if kind == "min" else -math.inf for _, kind in layout.items if kind not in _SUM_KINDS
+        ]
         for e in entries:
             if layout.kinds.get(e.key) != e.kind:
                 continue
@@ -283,7 +300,8 @@ class CrossRankReducer:
         if header[1] != layout.hash or -header[2] != layout.hash:
             raise InstrumentError(
                 "instrument's metric layouts differ across ranks: every rank must create its Logger the same "
-                "way and commit at the same steps (commit is a collective when a process group is initialised)."
+                "way and commit at the same steps (commit is a collective when a process group is "
+                "initialised)."
             )
         if header[0] > 0:
             return None
@@ -302,18 +320,22 @@ class CrossRankReducer:
         conflicts = {k: v for k, v in by_key.items() if len(v) > 1}
         if conflicts:
             detail = "; ".join(
-                f"{k!r}: " + ", ".join(f"{_op_name(kind)} on ranks {ranks or 'earlier'}" for kind, ranks in v.items())
+                f"{k!r}: "
+                + ", ".join(f"{_op_name(kind)} on ranks {ranks or 'earlier'}" for kind, ranks in v.items())
                 for k, v in sorted(conflicts.items())
             )
             raise ConfigurationError(
-                f"metrics are logged with different reduce ops across ranks or steps ({detail}); give each metric "
+                f"metrics are logged with different reduce ops across ranks or steps ({detail}); "
+                f"give each metric "
                 f"one reduce op (and use weights= consistently) on every rank."
             )
         self._layout = _Layout([(k, next(iter(v))) for k, v in by_key.items()])
         pending = self.start(entries)
         values = self.finish(pending, to_host([pending.result])[0])
         if values is None:  # cannot happen: every rank's keys are in the union
-            raise InstrumentError("instrument: ranks did not agree on the metric layout after exchanging keys.")
+            raise InstrumentError(
+                "instrument: ranks did not agree on the metric layout after exchanging keys."
+            )
         return values
 
     def _use_gather(self, length: int) -> bool:

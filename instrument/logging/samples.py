@@ -12,7 +12,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 __all__ = ["select_samples", "columns", "cell", "markdown_table"]
 
 
-def select_samples(rows: Sequence[Dict[str, Any]], n: int, score_key: str = "score") -> List[Tuple[str, Dict[str, Any]]]:
+def select_samples(
+    rows: Sequence[Dict[str, Any]], n: int, score_key: str = "score"
+) -> List[Tuple[str, Dict[str, Any]]]:
     """Up to ``n`` rows labelled ``"best #k"`` / ``"worst #k"``, interleaved best, worst, best, ...
 
     Rows without a finite numeric score are shown only when fewer than ``n`` rows have one (label ``"#i"``).

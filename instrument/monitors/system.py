@@ -74,14 +74,18 @@ class SystemMonitor:
     ) -> None:
         for name, value in (("collection_interval", collection_interval), ("flush_interval", flush_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigurationError(f"SystemMonitor.{name} must be a positive number of seconds, got {value!r}.")
+                raise ConfigurationError(
+                    f"SystemMonitor.{name} must be a positive number of seconds, got {value!r}."
+                )
         if flush_interval < collection_interval:
             raise ConfigurationError(
                 f"SystemMonitor.flush_interval ({flush_interval}) must be >= collection_interval "
                 f"({collection_interval}): a flush writes the samples collected since the last one."
             )
         if isinstance(max_buffered, bool) or not isinstance(max_buffered, int) or max_buffered < 1:
-            raise ConfigurationError(f"SystemMonitor.max_buffered must be a positive int, got {max_buffered!r}.")
+            raise ConfigurationError(
+                f"SystemMonitor.max_buffered must be a positive int, got {max_buffered!r}."
+            )
         self._psutil = require("psutil", "monitor", "SystemMonitor")
         self.collection_interval = float(collection_interval)
         self.flush_interval = float(flush_interval)
@@ -220,7 +224,9 @@ class SystemMonitor:
     def _flush(self) -> None:
         while self._buffer:
             seconds, wall, values = self._buffer.popleft()
-            record = StepRecord(step=int(seconds), scalars={**values, "system/seconds": seconds}, wall_time=wall)
+            record = StepRecord(
+                step=int(seconds), scalars={**values, "system/seconds": seconds}, wall_time=wall
+            )
             try:
                 self._logger.write_system(record)
             except Exception as exc:
@@ -228,6 +234,7 @@ class SystemMonitor:
 
     def __repr__(self) -> str:
         return (
-            f"SystemMonitor(collection_interval={self.collection_interval}, flush_interval={self.flush_interval}, "
+            f"SystemMonitor(collection_interval={self.collection_interval}, "
+            f"flush_interval={self.flush_interval}, "
             f"gpu={self.gpu})"
         )

@@ -38,7 +38,7 @@ class RunInfo:
 
 @dataclasses.dataclass
 class SampleTable:
-    """Validation samples of one tag: rows such as ``{"input", "output", "score", ...extra}`` (host values)."""
+    """Validation samples of one tag: rows like ``{"input", "output", "score", ...extra}`` (host values)."""
 
     rows: List[Dict[str, Any]]
     score_key: str = "score"
@@ -69,7 +69,9 @@ class StepRecord:
     wall_time: float = dataclasses.field(default_factory=time.time)
 
     def is_empty(self) -> bool:
-        return not (self.scalars or self.images or self.histograms or self.texts or self.videos or self.samples)
+        return not (
+            self.scalars or self.images or self.histograms or self.texts or self.videos or self.samples
+        )
 
 
 class Backend:

@@ -57,7 +57,8 @@ class JsonlBackend(Backend):
             line["texts"] = dict(record.texts)
         if record.samples:
             line["samples"] = {
-                tag: [{k: cell(v) for k, v in row.items()} for row in table.rows] for tag, table in record.samples.items()
+                tag: [{k: cell(v) for k, v in row.items()} for row in table.rows]
+                for tag, table in record.samples.items()
             }
         self._write_line(line)
 

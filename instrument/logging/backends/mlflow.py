@@ -31,7 +31,8 @@ class MlflowBackend(Backend):
         experiment_name: created when missing.
         run_name: None means the instrument run's name.
         tags: extra run tags.
-        artifact_location: where a newly created experiment stores artifacts; None means ``<run dir>/mlartifacts``
+        artifact_location: where a newly created experiment stores artifacts; None means
+            ``<run dir>/mlartifacts``
             with the default tracking URI and the server's default otherwise.
 
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
@@ -82,7 +83,9 @@ class MlflowBackend(Backend):
                 experiment_id = experiment.experiment_id
         else:
             experiment_id = experiment.experiment_id
-        self.run_id = client.create_run(experiment_id, run_name=self.run_name or run.name, tags=self.tags).info.run_id
+        self.run_id = client.create_run(
+            experiment_id, run_name=self.run_name or run.name, tags=self.tags
+        ).info.run_id
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         Param = self._entities.Param
@@ -104,12 +107,17 @@ class MlflowBackend(Backend):
         self._log_metrics(record.scalars, step, record.wall_time)
         for key, image in record.images.items():
             if image is not None:
-                self.client.log_image(self.run_id, image, artifact_file=f"images/{_safe_name(key)}/step_{step:08d}.png")
+                self.client.log_image(
+                    self.run_id, image, artifact_file=f"images/{_safe_name(key)}/step_{step:08d}.png"
+                )
         for key, text in record.texts.items():
             self.client.log_text(self.run_id, text, f"text/{_safe_name(key)}/step_{step:08d}.txt")
         for tag, table in record.samples.items():
             columns = _columns(table.rows)
-            data = {"columns": columns, "data": [[_jsonable(row.get(c)) for c in columns] for row in table.rows]}
+            data = {
+                "columns": columns,
+                "data": [[_jsonable(row.get(c)) for c in columns] for row in table.rows],
+            }
             self.client.log_dict(self.run_id, data, f"samples/{_safe_name(tag)}/step_{step:08d}.json")
 
     def write_system(self, record: StepRecord) -> None:

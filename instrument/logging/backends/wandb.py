@@ -25,9 +25,9 @@ class WandbBackend(Backend):
         entity, group, tags, notes: passed to ``wandb.init``.
         dir: where W&B writes its files; None means the run directory.
 
-    Step axes: training metrics use ``step=`` (the training step). System-monitor metrics (``system/...``) are
-    plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they ride on
-    the next training row (the newest sample wins) instead of advancing W&B's step, which would make W&B drop
+    Step axes: training metrics use ``step=`` (the training step). System-monitor metrics (``system/...``)
+    are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
+    ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make W&B drop
     the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
     """
 

@@ -387,8 +387,8 @@ class Logger:
         return record
 
     def _discard(self) -> None:
-        staged_kinds = (self._scalars, self._images, self._heatmaps, self._histograms, self._texts, self._videos)
-        for staged in staged_kinds + (self._samples,):
+        media = (self._images, self._heatmaps, self._histograms, self._texts, self._videos, self._samples)
+        for staged in (self._scalars,) + media:
             staged.clear()
 
     def _host_image(self, key: str, value: Any, convert) -> Optional[np.ndarray]:

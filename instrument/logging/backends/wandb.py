@@ -27,8 +27,8 @@ class WandbBackend(Backend):
 
     Step axes: training metrics use ``step=`` (the training step). System-monitor metrics (``system/...``)
     are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
-    ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make W&B drop
-    the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
+    ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make
+    W&B drop the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
     """
 
     def __init__(

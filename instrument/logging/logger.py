@@ -285,8 +285,9 @@ class Logger:
                 self.commit()
         finally:
             self._closed = True
-            for backend in self.backends:
-                self._guard(backend, "close")
+            with self._write_lock:  # a side-channel write (system monitor) never meets a closing backend
+                for backend in self.backends:
+                    self._guard(backend, "close")
 
     @property
     def failures(self) -> Dict[str, int]:

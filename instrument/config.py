@@ -22,9 +22,11 @@ from instrument.core.observer import Observer
 from instrument.logging.backends.base import Backend
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.observers.iteration_stats import IterationStats
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation
 
@@ -35,7 +37,7 @@ GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 # Registered in place (not as gin's usual subclass copies), so `instrument.Instrumentation()` itself picks up
 # the bindings of a parsed .gin file, as the README's loop shows.
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
-             JsonlBackend):
+             JsonlBackend, MlflowBackend, SystemMonitor):
     gin.configurable(_cls.__name__)(_cls)
 
 

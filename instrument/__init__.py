@@ -30,6 +30,8 @@ from instrument.logging.backends.jsonl import JsonlBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
+from instrument.logging.runlog import RunLog, setup_run_logging
+from instrument.logging.table import Column, StepTable
 from instrument.logging.timer import Timer
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "Column",
     "ConfigurationError",
     "ConsoleBackend",
     "InstrumentError",
@@ -50,15 +53,18 @@ __all__ = [
     "Observer",
     "ProbeError",
     "RunInfo",
+    "RunLog",
     "StepContext",
     "StepObserver",
     "StepOrderError",
     "StepRecord",
     "StepScope",
+    "StepTable",
     "TensorBoardBackend",
     "Timer",
     "UpdateNorm",
     "WandbBackend",
     "WatchHandle",
     "__version__",
+    "setup_run_logging",
 ]

@@ -23,6 +23,8 @@ from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
+from instrument.logging.runlog import setup_run_logging
+from instrument.logging.table import Column
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation
@@ -34,6 +36,11 @@ GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
              JsonlBackend):
     gin.external_configurable(_cls, name=_cls.__name__)
+
+# Console table columns (one scope per column: `loss/Column.key = ...`, then `@loss/Column()`; or plain
+# dict/tuple literals in ConsoleBackend.columns) and run logs (`Instrumentation.run_log = @setup_run_logging`).
+gin.external_configurable(Column, name="Column")
+gin.external_configurable(setup_run_logging, name="setup_run_logging")
 
 
 @gin.configurable

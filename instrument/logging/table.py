@@ -124,7 +124,8 @@ class Column:
         if self.each:
             if "{}" not in self.key:
                 raise ConfigurationError(f"{name}: with each=..., put '{{}}' in the key where the item goes.")
-            return  # header and width are checked per expanded column
+            self._expand_each()  # header and width are checked per item, even when ``when`` is False
+            return
         header = self.header or self.key.rstrip("/").rsplit("/", 1)[-1]
         width = self.width or max(len(header), DEFAULT_WIDTH)
         if len(header) > width:
@@ -143,9 +144,9 @@ class Column:
         """The columns this one stands for: none when ``when`` is False, one per item of ``each``."""
         if not self.when:
             return []
-        if not self.each:
-            return [self]
+        return self._expand_each() if self.each else [self]
 
+    def _expand_each(self) -> List["Column"]:
         def sub(text: str, item: str) -> str:
             return text.replace("{}", item)
 

@@ -179,10 +179,10 @@ def test_column_defaults_and_specs_from_gin_literals():
 
 
 def test_unique_headers_use_the_fewest_distinguishing_segments():
-    keys = ["train/loss", "timing/rollout/mean", "update_norm/l2/mean", "alive"]
+    keys = ["train/loss", "timing/rollout/mean", "update_norm/l2/mean", "a/l2/mean", "alive", "stats/max/c3"]
     assert unique_headers(keys) == {
-        "train/loss": "loss", "timing/rollout/mean": "rollout/mean", "update_norm/l2/mean": "l2/mean",
-        "alive": "alive",
+        "train/loss": "loss", "timing/rollout/mean": "rollout/mean", "update_norm/l2/mean": "update_norm/l2/mean",
+        "a/l2/mean": "a/l2/mean", "alive": "alive", "stats/max/c3": "max/c3",
     }
 
 

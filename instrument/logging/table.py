@@ -407,12 +407,17 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_GENERIC = re.compile(r"^(mean|min|max|std|first|last|count|sum|total|value|c\d+)$")
+
+
 def unique_headers(keys: Sequence[str]) -> Dict[str, str]:
-    """Short, distinct headers for metric keys: the fewest trailing path segments that tell them apart."""
+    """Short, distinct headers for metric keys: the fewest trailing path segments that tell them apart,
+    and at least two when the last one alone says little (``mean``, ``max``, ``c3``)."""
     headers: Dict[str, str] = {}
     for key in keys:
         parts = key.split("/")
-        for n in range(1, len(parts) + 1):
+        start = 2 if len(parts) > 1 and _GENERIC.match(parts[-1]) else 1
+        for n in range(start, len(parts) + 1):
             candidate = "/".join(parts[-n:])
             clash = any(other != key and "/".join(other.split("/")[-n:]) == candidate for other in keys)
             if not clash:

@@ -153,8 +153,8 @@ class ConsoleBackend(Backend):
             value = record.scalars[key]
             whole = math.isfinite(value) and float(value).is_integer()
             fmt = ".6g" if whole else ".4g"
-            width = max(len(headers[key]), len(format(value, fmt)) + 2 if whole else 9, 7)
-            columns.append(Column(key, headers[key], width, fmt, f"{key} (chosen automatically)"))
+            width = max(len(headers[key]), len(format(value, fmt)) + 2, 9)
+            columns.append(Column(key, headers[key], width, fmt))
         table = self._make_table(columns)
         left_out = len(candidates) - len(chosen)
         self._emit(

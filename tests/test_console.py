@@ -15,16 +15,30 @@ from instrument.logging.terminal import tqdm_bar_active, write_line
 
 COLUMNS = [
     Column("train/loss", "loss↓", 8, ".4f", "training loss"),
-    {"key": "eval/solved", "header": "solved↑", "width": 7, "fmt": "frac", "denominator": "eval/episodes",
-     "description": "episodes solved / run"},
+    {
+        "key": "eval/solved",
+        "header": "solved↑",
+        "width": 7,
+        "fmt": "frac",
+        "denominator": "eval/episodes",
+        "description": "episodes solved / run",
+    },
     {"key": "env/{}/alive", "header": "alive_{}", "width": 8, "fmt": ".1%", "each": ["a", "b"]},
 ]
 
 
 def _records():
     return [
-        StepRecord(0, {"train/loss": 0.5, "eval/solved": 3.0, "eval/episodes": 8.0, "env/a/alive": 0.25,
-                       "timing/rollout/mean": 0.01}),
+        StepRecord(
+            0,
+            {
+                "train/loss": 0.5,
+                "eval/solved": 3.0,
+                "eval/episodes": 8.0,
+                "env/a/alive": 0.25,
+                "timing/rollout/mean": 0.01,
+            },
+        ),
         StepRecord(10, {"train/loss": 0.25, "timing/rollout/mean": 0.03}),
         StepRecord(20, {"eval/solved": 8.0, "eval/episodes": 8.0, "env/b/alive": 1.0}),
         StepRecord(30, texts={"notes": "a commit with nothing for the table prints no row"}),
@@ -64,26 +78,40 @@ def test_no_columns_builds_the_table_from_the_first_step_and_says_so_once():
     backend = ConsoleBackend(max_keys=3, stream=out)
     backend.open(RunInfo("auto"))
     assert out.getvalue() == ""  # nothing to show before the first step
-    first = {"train/loss": 0.5, "iteration_stats/mean/c0": 0.1, "timing/rollout/mean": 0.01,
-             "update_norm/l2/mean": 1.0, "counters/frames": 256.0}
+    first = {
+        "train/loss": 0.5,
+        "iteration_stats/mean/c0": 0.1,
+        "timing/rollout/mean": 0.01,
+        "update_norm/l2/mean": 1.0,
+        "counters/frames": 256.0,
+    }
     backend.write(StepRecord(0, first))
-    backend.write(StepRecord(10, {**first, "train/loss": 0.25, "update_norm/l2/mean": 12345.5, "new/metric": 1.0}))
+    backend.write(
+        StepRecord(10, {**first, "train/loss": 0.25, "update_norm/l2/mean": 12345.5, "new/metric": 1.0})
+    )
     lines = out.getvalue().splitlines()
-    assert lines[0] == ("console: no columns declared; showing 3 metrics from step 0 (1 more are in the run log). "
-                        "Bind ConsoleBackend.columns to choose them.")
+    assert lines[0] == (
+        "console: no columns declared; showing 3 metrics from step 0 (1 more are in the run log). "
+        "Bind ConsoleBackend.columns to choose them."
+    )
     assert sum("no columns declared" in line for line in lines) == 1
     assert lines[-3:] == [
         "   step       loss    mean/c0    l2/mean",
         "      0        0.5        0.1          1",
-        "     10       0.25        0.1    12345.5",
+        "     10       0.25        0.1  1.235e+04",
     ]
 
 
-def test_keys_narrow_the_inferred_table():
+def test_keys_choose_and_order_the_inferred_table():
     out = io.StringIO()
-    backend = ConsoleBackend(keys=["update_norm"], legend=False, stream=out)
-    backend.write(StepRecord(0, {"train/loss": 0.5, "update_norm/l2/mean": 2.0, "update_norm/alive": 0.5}))
-    assert out.getvalue().splitlines()[1:] == ["   step    l2/mean      alive", "      0          2        0.5"]
+    backend = ConsoleBackend(keys=["update_norm", "train/loss"], legend=False, stream=out)
+    backend.write(
+        StepRecord(0, {"train/loss": 0.5, "x": 1.0, "update_norm/l2/mean": 2.0, "update_norm/alive": 0.5})
+    )
+    assert out.getvalue().splitlines()[1:] == [
+        "   step    l2/mean      alive       loss",
+        "      0          2        0.5        0.5",
+    ]
 
 
 def test_bad_column_fails_at_construction_before_training():
@@ -98,14 +126,19 @@ def test_wrong_type_for_a_column_is_reported_once_and_training_goes_on(caplog):
         backend.write(StepRecord(0, texts={"eval/mode": "greedy"}))
         backend.write(StepRecord(1, texts={"eval/mode": "greedy"}))
     assert out.getvalue().splitlines()[1:] == ["      0       ?", "      1       ?"]
-    assert [r.getMessage()[:48] for r in caplog.records] == ["instrument: column 'mode' (key 'eval/mode', form"]
+    assert [r.getMessage()[:48] for r in caplog.records] == [
+        "instrument: column 'mode' (key 'eval/mode', form"
+    ]
 
 
 def test_console_in_a_real_session_shows_rows_and_the_timing_summary():
     out = io.StringIO()
     inst = instrument.Instrumentation(
-        backends=[ConsoleBackend(columns=[Column("train/loss", "loss↓", 9, ".4f", "training loss")], stream=out)],
-        log_interval=2, run_name="session",
+        backends=[
+            ConsoleBackend(columns=[Column("train/loss", "loss↓", 9, ".4f", "training loss")], stream=out)
+        ],
+        log_interval=2,
+        run_name="session",
     )
     for step in range(5):
         with inst.step(step):
@@ -115,12 +148,17 @@ def test_console_in_a_real_session_shows_rows_and_the_timing_summary():
     inst.close()
     lines = out.getvalue().splitlines()
     # Steps 0, 2, 4 commit; the loss logged on the other steps is averaged into the next commit.
-    assert lines[lines.index("   step      loss↓") + 1:][:3] == [
-        "      0     1.0000", "      2     0.4167", "      4     0.2250",
+    assert lines[lines.index("   step      loss↓") + 1 :][:3] == [
+        "      0     1.0000",
+        "      2     0.4167",
+        "      4     0.2250",
     ]
-    summary = lines[lines.index("summary of metrics kept out of the table (timing/):") + 2:]
+    summary = lines[lines.index("summary of metrics kept out of the table (timing/):") + 2 :]
     assert [line.split()[0] for line in summary] == [
-        "timing/work/count", "timing/work/max", "timing/work/mean", "timing/work/min",
+        "timing/work/count",
+        "timing/work/max",
+        "timing/work/mean",
+        "timing/work/min",
     ]
     assert summary[0].split()[1:] == ["2", "1.667", "1", "2", "3"]  # counts 1, 2, 2 over three commits
 
@@ -139,7 +177,9 @@ def test_rows_stay_intact_while_a_tqdm_bar_is_active():
         for step in range(0, 40, 10):
             bar.update(10)
             backend.write(StepRecord(step, {"train/loss": 1.0 / (step + 1), "env/a/alive": 0.5}))
-            table_rows.append(backend.table.row({"step": step, "train/loss": 1.0 / (step + 1), "env/a/alive": 0.5}))
+            table_rows.append(
+                backend.table.row({"step": step, "train/loss": 1.0 / (step + 1), "env/a/alive": 0.5})
+            )
     assert not tqdm_bar_active()
     segments = _segments(out.getvalue())
     assert backend.table.header() in segments
@@ -157,3 +197,45 @@ def test_write_line_without_tqdm_bar_is_a_plain_line():
     out = io.StringIO()
     write_line("step 1", out)
     assert out.getvalue() == "step 1\n"
+
+
+# ------------------------------------------------------------------------------------------------ gin
+def test_columns_and_run_log_bound_in_gin(tmp_path):
+    import gin
+    from instrument import config
+
+    (tmp_path / "table.gin").write_text(
+        "EVAL_MODES = ('det', 'sto')\n"
+        "loss/Column.key = 'train/loss'\n"
+        "loss/Column.header = 'loss↓'\n"
+        "loss/Column.fmt = '.3f'\n"
+        "ConsoleBackend.columns = [\n"
+        "    @loss/Column(),\n"
+        "    ('train/lr', 'lr', 8, '.1e', 'learning rate'),\n"
+        "    {'key': 'eval/{}/return', 'header': '{}↑', 'width': 6, 'fmt': '.1f', 'each': %EVAL_MODES},\n"
+        "    {'key': 'train/kl', 'when': False},\n"
+        "]\n"
+        "ConsoleBackend.legend = False\n"
+        "Instrumentation.backends = [@ConsoleBackend()]\n"
+        "Instrumentation.log_interval = 1\n"
+        "Instrumentation.run_log = @setup_run_logging\n"
+        "setup_run_logging.level = 'WARNING'\n",
+        encoding="utf-8",
+    )
+    config.parse([str(tmp_path / "table.gin")])
+    inst = instrument.Instrumentation(run_name="gin", log_dir=str(tmp_path))
+    console = inst.logger.backends[0]
+    out = io.StringIO()
+    console.stream = out
+    with inst.step(0):
+        inst.logger.log_metrics({"loss": 0.5, "lr": 3e-4}, step=0, prefix="train")
+        inst.logger.log_metrics({"return": 12.0}, step=0, prefix="eval/sto")
+    assert inst.run_log.terminal.level == logging.WARNING
+    inst.close()
+    assert out.getvalue().splitlines() == [
+        "   step     loss↓        lr    det↑    sto↑",
+        "      0     0.500   3.0e-04     nan    12.0",
+    ]
+    log_file = inst.run_log.path
+    assert log_file.parent == tmp_path / "gin" and "0.500   3.0e-04" in log_file.read_text(encoding="utf-8")
+    assert gin.query_parameter("setup_run_logging.level") == "WARNING"

@@ -34,7 +34,9 @@ def test_terminal_is_terse_and_the_file_keeps_everything(tmp_path):
     assert run_log.path.parent == tmp_path / "runs" / "r1"
     assert re.fullmatch(r"\d{8}-\d{6}-r1\.log", run_log.path.name)
     assert term.getvalue().splitlines() == [
-        "I hello", "W careful", "E it failed [ValueError: boom; traceback in the run log]",
+        "I hello",
+        "W careful",
+        "E it failed [ValueError: boom; traceback in the run log]",
     ]
     text = run_log.path.read_text(encoding="utf-8")
     assert re.search(rf"^{STAMP} DEBUG    instrument: detail 1$", text, re.M)
@@ -111,9 +113,13 @@ def test_session_run_log_has_table_rows_and_every_scalar(tmp_path):
     table, term = io.StringIO(), io.StringIO()
     inst_before = _state("instrument")
     inst = instrument.Instrumentation(
-        backends=[ConsoleBackend(columns=[Column("train/loss", "loss↓", 9, ".4f", "training loss")], stream=table),
-                  Broken()],
-        log_interval=1, log_dir=str(tmp_path), run_name="demo",
+        backends=[
+            ConsoleBackend(columns=[Column("train/loss", "loss↓", 9, ".4f", "training loss")], stream=table),
+            Broken(),
+        ],
+        log_interval=1,
+        log_dir=str(tmp_path),
+        run_name="demo",
         run_log=functools.partial(setup_run_logging, stream=term),
     )
     for step in range(2):
@@ -128,8 +134,11 @@ def test_session_run_log_has_table_rows_and_every_scalar(tmp_path):
     assert file_rows == table.getvalue().splitlines()
     assert "      1     0.2500" in file_rows
     # What the table leaves out (train/lr) is kept at DEBUG.
-    assert re.search(rf"^{STAMP} DEBUG    instrument\.console: step 1 scalars: train/loss=0.25, train/lr=0.001$",
-                     text, re.M)
+    assert re.search(
+        rf"^{STAMP} DEBUG    instrument\.console: step 1 scalars: train/loss=0.25, train/lr=0.001$",
+        text,
+        re.M,
+    )
     assert term.getvalue().splitlines()[0] == (
         "E instrument: backend Broken failed in write(); other backends are unaffected "
         "[RuntimeError: boom; traceback in the run log]"

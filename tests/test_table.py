@@ -25,12 +25,28 @@ COLUMNS = [
 
 def test_golden_formats_legend_and_rows():
     table = StepTable(COLUMNS)
-    lines = table.legend() + table.render(
-        {"step": 0, "train/loss": 0.123456, "reward/delta": 1.5, "opt/lr": 3e-4, "eval/solved": (3, 8),
-         "eval/mode": "det"}
-    ) + table.render(
-        {"step": 10, "train/loss": 0.0871, "reward/delta": -0.25, "opt/lr": 3e-4, "eval/solved": (8.0, 8.0),
-         "eval/mode": "sto"}
+    lines = (
+        table.legend()
+        + table.render(
+            {
+                "step": 0,
+                "train/loss": 0.123456,
+                "reward/delta": 1.5,
+                "opt/lr": 3e-4,
+                "eval/solved": (3, 8),
+                "eval/mode": "det",
+            }
+        )
+        + table.render(
+            {
+                "step": 10,
+                "train/loss": 0.0871,
+                "reward/delta": -0.25,
+                "opt/lr": 3e-4,
+                "eval/solved": (8.0, 8.0),
+                "eval/mode": "sto",
+            }
+        )
     )
     assert lines == [
         "columns:",
@@ -92,12 +108,14 @@ def test_frac_takes_pairs_and_refuses_scalars(caplog):
 
 
 def test_overflow_uses_scientific_notation_and_never_widens(caplog):
-    table = StepTable([
-        Column("a", "a", 6, "d"),
-        Column("b", "b", 6, "+.2f"),
-        Column("c", "c", 5, ".1%"),
-        Column("f", "f", 7, "frac"),
-    ])
+    table = StepTable(
+        [
+            Column("a", "a", 6, "d"),
+            Column("b", "b", 6, "+.2f"),
+            Column("c", "c", 5, ".1%"),
+            Column("f", "f", 7, "frac"),
+        ]
+    )
     with caplog.at_level(logging.WARNING, logger="instrument"):
         row = table.row({"a": 1234567, "b": 123456.0, "c": 12.5, "f": (123456, 1000000)})
     assert row == "1.23e6  +1.2e5   1e3%  1e5/1e6"
@@ -112,7 +130,9 @@ def test_overflow_too_narrow_even_for_scientific_fills_hash_and_warns_once(caplo
         assert table.row({"x": -2.5e-300, "s": "deterministic"}) == "###  dete…"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
-    assert any("column 'x' (width 3) is too narrow for -0.00 even in scientific notation" in m for m in messages)
+    assert any(
+        "column 'x' (width 3) is too narrow for -0.00 even in scientific notation" in m for m in messages
+    )
     assert any("column 'name' (width 5) cut the text 'stochastic'" in m for m in messages)
 
 
@@ -136,7 +156,11 @@ def test_conditional_columns_are_decided_once_and_line_up_across_runs():
     with_eval = StepTable(columns(True))
     without = StepTable(columns(False))
     assert [c.key for c in with_eval.columns] == [
-        "step", "eval/det/return", "eval/sto/return", "train/kl", "eval/det/len"
+        "step",
+        "eval/det/return",
+        "eval/sto/return",
+        "train/kl",
+        "eval/det/len",
     ]
     assert [c.key for c in without.columns] == ["step", "eval/det/return", "eval/sto/return"]
     assert with_eval.columns[1].description == "return, det policy"
@@ -149,7 +173,9 @@ def test_conditional_columns_are_decided_once_and_line_up_across_runs():
 
 
 def test_column_validation_says_what_to_fix():
-    with pytest.raises(ConfigurationError, match=r"header 'a long header' is 13 characters, wider than width=6"):
+    with pytest.raises(
+        ConfigurationError, match=r"header 'a long header' is 13 characters, wider than width=6"
+    ):
         Column("x", "a long header", 6)
     with pytest.raises(ConfigurationError, match=r"width must be an int >= 3"):
         Column("x", "x", 2)
@@ -181,12 +207,16 @@ def test_column_defaults_and_specs_from_gin_literals():
 def test_unique_headers_use_the_fewest_distinguishing_segments():
     keys = ["train/loss", "timing/rollout/mean", "update_norm/l2/mean", "a/l2/mean", "alive", "stats/max/c3"]
     assert unique_headers(keys) == {
-        "train/loss": "loss", "timing/rollout/mean": "rollout/mean", "update_norm/l2/mean": "update_norm/l2/mean",
-        "a/l2/mean": "a/l2/mean", "alive": "alive", "stats/max/c3": "max/c3",
+        "train/loss": "loss",
+        "timing/rollout/mean": "rollout/mean",
+        "update_norm/l2/mean": "update_norm/l2/mean",
+        "a/l2/mean": "a/l2/mean",
+        "alive": "alive",
+        "stats/max/c3": "max/c3",
     }
 
 
-# ---------------------------------------------------------------------------------------------------- property
+# ------------------------------------------------------------------------------------------------- property
 _FORMATS = [".4f", "+.2f", ".1e", ".3g", "d", ",d", ".0%", "frac", "str"]
 _values = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
@@ -211,11 +241,11 @@ def test_any_mix_of_values_renders_rows_of_exactly_the_declared_widths(specs, ro
             assert len(line) == table.line_width
             at = 0
             for col in table.columns:
-                cell = line[at: at + col.width]
+                cell = line[at : at + col.width]
                 assert len(cell) == col.width and "\n" not in cell
                 _assert_not_cut(cell.strip(), raw[int(col.key[1:])], col.fmt)
                 at += col.width
-                assert line[at: at + len(table.sep)] in (table.sep, "")
+                assert line[at : at + len(table.sep)] in (table.sep, "")
                 at += len(table.sep)
     finally:
         logging.getLogger("instrument").disabled = False
@@ -223,7 +253,12 @@ def test_any_mix_of_values_renders_rows_of_exactly_the_declared_widths(specs, ro
 
 def _assert_not_cut(text, value, fmt):
     """A shown number is the value rounded, never a truncated prefix of it (1234567 never shows as 12345)."""
-    if fmt in ("str", "frac") or isinstance(value, tuple) or value is None or text in ("nan", "?", "inf", "-inf"):
+    if (
+        fmt in ("str", "frac")
+        or isinstance(value, tuple)
+        or value is None
+        or text in ("nan", "?", "inf", "-inf")
+    ):
         return
     if set(text) == {"#"} or not math.isfinite(value):
         return

@@ -33,7 +33,13 @@ __all__ = ["setup_run_logging", "RunLog", "TerseFormatter", "TerminalHandler", "
 
 FILE_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-8s %(name)s: %(message)s"
 FILE_DATEFMT = "%Y-%m-%d %H:%M:%S"
-_MARKS = {logging.DEBUG: "D", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "C"}
+_MARKS = {
+    logging.DEBUG: "D",
+    logging.INFO: "I",
+    logging.WARNING: "W",
+    logging.ERROR: "E",
+    logging.CRITICAL: "C",
+}
 
 _active: Optional["RunLog"] = None
 
@@ -66,7 +72,7 @@ class TerminalHandler(logging.Handler):
 
 
 class RunLog:
-    """What `setup_run_logging` returns: the log file's ``path`` and ``close()`` (idempotent; also on exit)."""
+    """What `setup_run_logging` returns: the file ``path`` and ``close()`` (idempotent, also on exit)."""
 
     def __init__(self, path: Path, terminal: Optional[TerminalHandler], file: logging.FileHandler) -> None:
         self.path = path
@@ -75,12 +81,16 @@ class RunLog:
         self._restore: List[Tuple[logging.Logger, int, bool, List[logging.Handler]]] = []
         self.closed = False
 
-    def _attach(self, logger: logging.Logger, handlers: List[logging.Handler], propagate: Optional[bool]) -> None:
+    def _attach(
+        self, logger: logging.Logger, handlers: List[logging.Handler], propagate: Optional[bool]
+    ) -> None:
         self._restore.append((logger, logger.level, logger.propagate, handlers))
         for handler in handlers:
             logger.addHandler(handler)
         if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
-            logger.setLevel(logging.DEBUG)  # the file wants DEBUG; the terminal handler filters by its own level
+            logger.setLevel(
+                logging.DEBUG
+            )  # the file wants DEBUG; the terminal handler filters by its own level
         if propagate is not None:
             logger.propagate = propagate
 
@@ -138,7 +148,8 @@ def setup_run_logging(
         resolved = logging.getLevelName(level.upper())
         if not isinstance(resolved, int):
             raise ConfigurationError(
-                f"setup_run_logging level must be a logging level such as 'INFO' or logging.DEBUG, got {level!r}."
+                f"setup_run_logging level must be a logging level such as 'INFO' or logging.DEBUG, "
+                f"got {level!r}."
             )
         level = resolved
     if not run_name or not isinstance(run_name, str):
@@ -161,8 +172,9 @@ def setup_run_logging(
             raise ConfigurationError(f"loggers names your own loggers; {name!r} is covered already.")
         run_log._attach(logging.getLogger(name), both, None)
     _active = run_log
-    logging.getLogger("instrument").debug("instrument: run log %s started (terminal level %s)",
-                                          path, logging.getLevelName(level))
+    logging.getLogger("instrument").debug(
+        "instrument: run log %s started (terminal level %s)", path, logging.getLevelName(level)
+    )
     return run_log
 
 

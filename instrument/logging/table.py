@@ -48,7 +48,16 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["Column", "StepTable", "ColumnSpec", "as_column", "resolve_columns", "MISSING", "WRONG_TYPE", "unique_headers"]
+__all__ = [
+    "Column",
+    "StepTable",
+    "ColumnSpec",
+    "as_column",
+    "resolve_columns",
+    "MISSING",
+    "WRONG_TYPE",
+    "unique_headers",
+]
 
 log = logging.getLogger("instrument")
 
@@ -100,8 +109,11 @@ class Column:
         name = f"Column {self.key!r}"
         if not isinstance(self.header, str):
             raise ConfigurationError(f"{name}: header must be a string, got {self.header!r}.")
-        if isinstance(self.width, bool) or not isinstance(self.width, int) or (0 < self.width < MIN_WIDTH) or (
-            self.width < 0
+        if (
+            isinstance(self.width, bool)
+            or not isinstance(self.width, int)
+            or (0 < self.width < MIN_WIDTH)
+            or (self.width < 0)
         ):
             raise ConfigurationError(
                 f"{name}: width must be an int >= {MIN_WIDTH} (room for 'nan'), or 0 for automatic; "
@@ -109,10 +121,13 @@ class Column:
             )
         _check_fmt(name, self.fmt)
         if self.denominator is not None and self.fmt != "frac":
-            raise ConfigurationError(f"{name}: denominator is only meaningful with fmt='frac', got fmt={self.fmt!r}.")
+            raise ConfigurationError(
+                f"{name}: denominator is only meaningful with fmt='frac', got fmt={self.fmt!r}."
+            )
         if self.denominator is not None and not isinstance(self.denominator, (str, numbers.Real)):
             raise ConfigurationError(
-                f"{name}: denominator must be a metric key or a number, got {type(self.denominator).__name__}."
+                f"{name}: denominator must be a metric key or a number, "
+                f"got {type(self.denominator).__name__}."
             )
         if isinstance(self.each, str) or not all(isinstance(item, str) for item in self.each):
             raise ConfigurationError(
@@ -157,7 +172,9 @@ class Column:
                 width=self.width,
                 fmt=self.fmt,
                 description=sub(self.description, item),
-                denominator=sub(self.denominator, item) if isinstance(self.denominator, str) else self.denominator,
+                denominator=sub(self.denominator, item)
+                if isinstance(self.denominator, str)
+                else self.denominator,
             )
             for item in self.each
         ]
@@ -181,8 +198,8 @@ def as_column(spec: ColumnSpec) -> Column:
             return Column(*spec)
     except TypeError as exc:
         raise ConfigurationError(
-            f"cannot make a Column from {spec!r}: {exc}. Use (key, header, width, fmt, description) or a dict "
-            f"with those names."
+            f"cannot make a Column from {spec!r}: {exc}. Use (key, header, width, fmt, description) "
+            f"or a dict with those names."
         ) from exc
     raise ConfigurationError(
         f"a column must be a Column, a metric key, a dict or a (key, header, width, fmt, description) tuple; "
@@ -209,7 +226,9 @@ class StepTable:
         if not self.columns:
             raise ConfigurationError("a StepTable needs at least one column (all were empty or when=False).")
         if isinstance(header_every, bool) or not isinstance(header_every, int) or header_every < 0:
-            raise ConfigurationError(f"header_every must be an int >= 0 (0: header once), got {header_every!r}.")
+            raise ConfigurationError(
+                f"header_every must be an int >= 0 (0: header once), got {header_every!r}."
+            )
         self.header_every = header_every
         self.sep = sep
         self.rows = 0
@@ -228,7 +247,8 @@ class StepTable:
         hw = max(len(c.header) for c in self.columns)
         kw = max(len(k) for k in keys)
         lines = ["columns:"]
-        lines += [f"  {c.header:<{hw}}  {k:<{kw}}  {c.description}".rstrip() for c, k in zip(self.columns, keys)]
+        for column, key in zip(self.columns, keys, strict=True):
+            lines.append(f"  {column.header:<{hw}}  {key:<{kw}}  {column.description}".rstrip())
         marks = []
         if any("↑" in c.header or "↓" in c.header for c in self.columns):
             marks.append("↑ higher is better, ↓ lower is better")
@@ -282,7 +302,9 @@ class StepTable:
             elif float(value).is_integer():
                 value = int(value)
             else:
-                return self._wrong(column, value, f"a whole number for format {fmt!r} (use '.1f' for fractions)")
+                return self._wrong(
+                    column, value, f"a whole number for format {fmt!r} (use '.1f' for fractions)"
+                )
         try:
             return format(value, fmt)
         except (ValueError, TypeError, OverflowError):
@@ -291,9 +313,15 @@ class StepTable:
     def _overflow(self, column: Column, value: Any, text: str) -> str:
         width = column.width
         if column.fmt == "str":
-            self._once(column, "overflow", logging.WARNING,
-                       "instrument: column %r (width %d) cut the text %r; widen the column to see it whole.",
-                       column.header, width, text)
+            self._once(
+                column,
+                "overflow",
+                logging.WARNING,
+                "instrument: column %r (width %d) cut the text %r; widen the column to see it whole.",
+                column.header,
+                width,
+                text,
+            )
             return text[: width - 1] + "…"
         if column.fmt == "frac":
             n, d = _pair(value)  # type: ignore[misc]
@@ -309,16 +337,32 @@ class StepTable:
                 short = f"{sign}{_sci(x, p)}{suffix}"
                 if len(short) <= width:
                     return short
-        self._once(column, "hash", logging.WARNING,
-                   "instrument: column %r (width %d) is too narrow for %s even in scientific notation; showing "
-                   "'#'. Widen the column.", column.header, width, text)
+        self._once(
+            column,
+            "hash",
+            logging.WARNING,
+            "instrument: column %r (width %d) is too narrow for %s even in scientific notation; showing "
+            "'#'. Widen the column.",
+            column.header,
+            width,
+            text,
+        )
         return "#" * width
 
     def _wrong(self, column: Column, value: Any, expected: str) -> str:
-        self._once(column, "type", logging.ERROR,
-                   "instrument: column %r (key %r, format %r) got %s %s, expected %s; it renders '?' from now on. "
-                   "Fix the value you log or the column's fmt.",
-                   column.header, column.key, column.fmt, type(value).__name__, _short_repr(value), expected)
+        self._once(
+            column,
+            "type",
+            logging.ERROR,
+            "instrument: column %r (key %r, format %r) got %s %s, expected %s; it renders '?' from now on. "
+            "Fix the value you log or the column's fmt.",
+            column.header,
+            column.key,
+            column.fmt,
+            type(value).__name__,
+            _short_repr(value),
+            expected,
+        )
         return WRONG_TYPE
 
     def _once(self, column: Column, what: str, level: int, msg: str, *args: Any) -> None:
@@ -336,7 +380,8 @@ def _check_fmt(name: str, fmt: Any) -> None:
     match = _SPEC.match(fmt)
     if match is None or match["type"] in ("s", "c"):
         raise ConfigurationError(
-            f"{name}: fmt {fmt!r} is not a number format spec; expected e.g. '.4f', '+.2f', '.1e', 'd', '.1%', "
+            f"{name}: fmt {fmt!r} is not a number format spec; expected e.g. '.4f', '+.2f', '.1e', 'd', "
+            f"'.1%', "
             f"or 'frac' / 'str'."
         )
     if match["width"] or match["align"] or match["zero"]:
@@ -369,7 +414,9 @@ def _missing(value: Any) -> bool:
 def _pair(value: Any) -> Optional[Tuple[Any, Any]]:
     if isinstance(value, (tuple, list)) and len(value) == 2:
         n, d = value
-        ok = all(v is None or (isinstance(v, numbers.Real) and not isinstance(v, (str, bytes))) for v in (n, d))
+        ok = all(
+            v is None or (isinstance(v, numbers.Real) and not isinstance(v, (str, bytes))) for v in (n, d)
+        )
         return (n, d) if ok else None
     return None
 

@@ -1,9 +1,9 @@
 """Writing a line to the terminal without breaking a tqdm progress bar.
 
-A bar redraws its line with ``\\r``; a plain ``print`` while it is on screen lands in the middle of the bar and
-both come out garbled. ``tqdm.write`` clears the bars, prints the line and redraws them. We use it only when a
-bar exists: tqdm is optional, and a program that never imported it cannot have a bar on screen, so tqdm is
-never imported here.
+A bar redraws its line with ``\\r``; a plain ``print`` while it is on screen lands in the middle of the bar
+and both come out garbled. ``tqdm.write`` clears the bars, prints the line and redraws them. We use it only
+when a bar exists: tqdm is optional, and a program that never imported it cannot have a bar on screen, so
+tqdm is never imported here.
 """
 
 import sys

@@ -54,8 +54,14 @@ class _Summary:
     def row(self, key: str) -> Dict[str, Any]:
         if not self.count:
             return {"metric": key, "last": self.last, "steps": 0}
-        return {"metric": key, "last": self.last, "mean": self.total / self.count, "min": self.low,
-                "max": self.high, "steps": self.count}
+        return {
+            "metric": key,
+            "last": self.last,
+            "mean": self.total / self.count,
+            "min": self.low,
+            "max": self.high,
+            "steps": self.count,
+        }
 
 
 class ConsoleBackend(Backend):
@@ -109,8 +115,12 @@ class ConsoleBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         if table_log.isEnabledFor(logging.DEBUG):
-            table_log.debug("step %d scalars: %s%s", record.step,
-                            ", ".join(f"{k}={v!r}" for k, v in record.scalars.items()), _media(record))
+            table_log.debug(
+                "step %d scalars: %s%s",
+                record.step,
+                ", ".join(f"{k}={v!r}" for k, v in record.scalars.items()),
+                _media(record),
+            )
         for key, value in record.scalars.items():
             if self._is_summary(key):
                 self._summaries.setdefault(key, _Summary()).add(value)
@@ -128,7 +138,9 @@ class ConsoleBackend(Backend):
             return
         width = max(max(len(k) for k in self._summaries), len("metric"))
         stats = [Column(name, name, 10, ".4g") for name in ("last", "mean", "min", "max")]
-        table = StepTable([Column("metric", "metric", width, "str"), *stats, Column("steps", "steps", 5, "d")])
+        table = StepTable(
+            [Column("metric", "metric", width, "str"), *stats, Column("steps", "steps", 5, "d")]
+        )
         self._emit(f"summary of metrics kept out of the table ({', '.join(self.summary)}):")
         self._emit(table.header())
         for key in sorted(self._summaries):
@@ -141,22 +153,19 @@ class ConsoleBackend(Backend):
         return StepTable(columns, header_every=self.header_every)
 
     def _infer(self, record: StepRecord) -> StepTable:
-        """Columns from the first committed step: its scalars in logged order, widths from their values."""
-        candidates = [
-            k for k in record.scalars
-            if not self._is_summary(k) and (self.keys is None or any(_under(k, want) for want in self.keys))
-        ]
-        chosen = candidates[: self.max_keys]
+        """Columns from the first committed step: its scalars in logged order (or ``keys`` order), '.4g'."""
+        shown = [k for k in record.scalars if not self._is_summary(k)]
+        if self.keys is not None:  # in the order of ``keys``, then logged order under each prefix
+            shown = [k for want in self.keys for k in shown if _under(k, want)]
+            shown = list(dict.fromkeys(shown))
+        chosen = shown[: self.max_keys]
         headers = unique_headers(chosen)
-        columns = []
-        for key in chosen:
-            value = record.scalars[key]
-            whole = math.isfinite(value) and float(value).is_integer()
-            fmt = ".6g" if whole else ".4g"
-            width = max(len(headers[key]), len(format(value, fmt)) + 2, 9)
-            columns.append(Column(key, headers[key], width, fmt))
+        # '.4g' whatever the first value looks like: a metric that starts at 0 or 1 is rarely a whole number
+        # later. Nine characters hold any '.4g' value but a negative one with a 3-digit exponent; those go to
+        # scientific notation like every overflow.
+        columns = [Column(key, headers[key], max(len(headers[key]), 9), ".4g") for key in chosen]
         table = self._make_table(columns)
-        left_out = len(candidates) - len(chosen)
+        left_out = len(shown) - len(chosen)
         self._emit(
             f"console: no columns declared; showing {len(chosen)} metrics from step {record.step}"
             + (f" ({left_out} more are in the run log)" if left_out else "")
@@ -192,7 +201,9 @@ class ConsoleBackend(Backend):
 
     def __repr__(self) -> str:
         shown = None if self.declared is None else [c.key for c in self.declared]
-        return f"ConsoleBackend(columns={shown!r}, header_every={self.header_every}, summary={self.summary!r})"
+        return (
+            f"ConsoleBackend(columns={shown!r}, header_every={self.header_every}, summary={self.summary!r})"
+        )
 
 
 def _under(key: str, want: str) -> bool:

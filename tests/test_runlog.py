@@ -41,6 +41,7 @@ def test_terminal_is_terse_and_the_file_keeps_everything(tmp_path):
     text = run_log.path.read_text(encoding="utf-8")
     assert re.search(rf"^{STAMP} DEBUG    instrument: detail 1$", text, re.M)
     assert re.search(rf"^{STAMP} WARNING  instrument: careful$", text, re.M)
+    assert re.search(rf"^{STAMP} DEBUG    instrument: run log .*r1\.log started", text, re.M)  # name once
     assert "Traceback (most recent call last)" in text and "ValueError: boom" in text
 
 

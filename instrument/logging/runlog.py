@@ -56,6 +56,14 @@ class TerseFormatter(logging.Formatter):
         return text
 
 
+class _FileFormatter(logging.Formatter):
+    """`FILE_FORMAT`, without printing the logger name twice for messages that already start with it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        return text.replace(f" {record.name}: {record.name}: ", f" {record.name}: ", 1)
+
+
 class TerminalHandler(logging.Handler):
     """Writes formatted records with `write_line` (so above any tqdm bar) to ``stream`` or ``sys.stderr``."""
 
@@ -161,7 +169,7 @@ def setup_run_logging(
     path = _unique(folder, f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(run_name)}")
     file_handler = logging.FileHandler(path, encoding="utf-8", delay=False)
     file_handler.setLevel(logging.DEBUG)
-    file_handler.setFormatter(logging.Formatter(FILE_FORMAT, FILE_DATEFMT))
+    file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))
     term = TerminalHandler(stream, level) if terminal else None
     run_log = RunLog(path, term, file_handler)
     both: List[logging.Handler] = [h for h in (term, file_handler) if h is not None]

@@ -161,9 +161,12 @@ class ConsoleBackend(Backend):
         chosen = shown[: self.max_keys]
         headers = unique_headers(chosen)
         # '.4g' whatever the first value looks like: a metric that starts at 0 or 1 is rarely a whole number
-        # later. Nine characters hold any '.4g' value but a negative one with a 3-digit exponent; those go to
-        # scientific notation like every overflow.
-        columns = [Column(key, headers[key], max(len(headers[key]), 9), ".4g") for key in chosen]
+        # later. Nine characters hold most '.4g' values; a wider first value widens its column, and a wider
+        # later one goes to compact scientific notation like every overflow.
+        columns = [
+            Column(key, headers[key], max(len(headers[key]), len(format(record.scalars[key], ".4g")), 9), ".4g")
+            for key in chosen
+        ]
         table = self._make_table(columns)
         left_out = len(shown) - len(chosen)
         self._emit(

@@ -44,6 +44,7 @@ import logging
 import math
 import numbers
 import re
+from decimal import Decimal
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from instrument.errors import ConfigurationError
@@ -273,7 +274,7 @@ class StepTable:
     def cell(self, column: Column, value: Any) -> str:
         """``value`` rendered for ``column``, padded to exactly ``column.width``."""
         text = self._text(column, value)
-        if len(text) > column.width:
+        if len(text) > column.width or _false_inf(column, value, text):
             text = self._overflow(column, value, text)
         return _pad(text, column)
 
@@ -326,11 +327,11 @@ class StepTable:
         if column.fmt == "frac":
             n, d = _pair(value)  # type: ignore[misc]
             for p in range(3, -1, -1):
-                short = f"{_sci(float(n), p)}/{_sci(float(d), p)}"
+                short = f"{_sci(n, p)}/{_sci(d, p)}"
                 if len(short) <= width:
                     return short
-        elif _spec_type(column.fmt) != "c" and math.isfinite(float(value)):
-            x = float(value) * (100.0 if column.fmt.endswith("%") else 1.0)
+        elif _spec_type(column.fmt) != "c" and _decimal(value).is_finite():
+            x = _decimal(value) * (100 if column.fmt.endswith("%") else 1)  # exact: 1e306 * 100 is no inf
             sign = "+" if "+" in column.fmt and x >= 0 else ""
             suffix = "%" if column.fmt.endswith("%") else ""
             for p in range(max(width - 3, 0), -1, -1):
@@ -341,11 +342,11 @@ class StepTable:
             column,
             "hash",
             logging.WARNING,
-            "instrument: column %r (width %d) is too narrow for %s even in scientific notation; showing "
+            "instrument: column %r (width %d) is too narrow for %r even in scientific notation; showing "
             "'#'. Widen the column.",
             column.header,
             width,
-            text,
+            value,
         )
         return "#" * width
 
@@ -431,11 +432,24 @@ def _plain(x: Any) -> str:
     return format(x, ".3g")
 
 
-def _sci(x: float, precision: int) -> str:
+def _false_inf(column: Column, value: Any, text: str) -> bool:
+    """Python's '%' formatting multiplies in floats: ``format(1e307, '.0%')`` is ``'inf%'``. Not for us."""
+    return "inf" in text and column.fmt.endswith("%") and isinstance(value, numbers.Real) and (
+        _decimal(value).is_finite()
+    )
+
+
+def _decimal(x: Any) -> Decimal:
+    """``x`` exactly, with no overflow: a Python int of any size or any float (numpy's too)."""
+    return Decimal(int(x)) if isinstance(x, numbers.Integral) else Decimal(float(x))
+
+
+def _sci(x: Any, precision: int) -> str:
     """Compact scientific notation: ``1.23e6``, ``-4e-7`` (no '+', no leading exponent zeros)."""
-    if not math.isfinite(x):
-        return str(x)
-    mantissa, exponent = f"{x:.{precision}e}".split("e")
+    value = x if isinstance(x, Decimal) else _decimal(x)
+    if not value.is_finite():
+        return str(float(value))
+    mantissa, exponent = f"{value:.{precision}e}".split("e")
     return f"{mantissa}e{int(exponent)}"
 
 

@@ -28,12 +28,15 @@ from instrument.errors import (
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
+from instrument.logging.reduce import CrossRankReducer
 from instrument.logging.runlog import RunLog, setup_run_logging
 from instrument.logging.table import Column, StepTable
 from instrument.logging.timer import Timer
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation, StepScope, WatchHandle
@@ -47,12 +50,14 @@ __all__ = [
     "Column",
     "ConfigurationError",
     "ConsoleBackend",
+    "CrossRankReducer",
     "InstrumentError",
     "Instrumentation",
     "IterationStats",
     "JsonlBackend",
     "Logger",
     "MissingExtraError",
+    "MlflowBackend",
     "Observer",
     "ProbeError",
     "RunInfo",
@@ -63,6 +68,7 @@ __all__ = [
     "StepRecord",
     "StepScope",
     "StepTable",
+    "SystemMonitor",
     "TensorBoardBackend",
     "Timer",
     "UpdateNorm",

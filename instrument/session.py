@@ -18,6 +18,7 @@ from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.errors import ConfigurationError
 from instrument.logging.backends.base import Backend, RunInfo
 from instrument.logging.logger import Logger
+from instrument.logging.ranks import check_same_config
 from instrument.probes.hooks import StateWatch
 
 __all__ = ["Instrumentation", "StepScope", "WatchHandle"]
@@ -86,10 +87,15 @@ class Instrumentation:
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
+        system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
+            `close`; it writes ``system/...`` metrics on its own wall-clock axis.
         run_log: True writes a verbose DEBUG log file into the run folder and terse ``instrument`` messages to
             the terminal (`instrument.logging.runlog.setup_run_logging`); a callable taking
             ``(run_dir=, run_name=)`` (e.g. gin's ``@setup_run_logging``) sets it up its own way. Closed with
             the session.
+
+    Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
+    the reduction at each commit, and the first step checks that all ranks hold the same operative config.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class Instrumentation:
         log_dir: str = "runs",
         hyperparams: Optional[Dict[str, Any]] = None,
         on_step_regression: str = "raise",
+        system_monitor: Optional[Any] = None,
         run_log: Union[bool, Callable[..., Any]] = False,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
@@ -140,6 +147,9 @@ class Instrumentation:
         self._current: Optional[StepScope] = None
         self._config_logged = False
         self._closed = False
+        self.system_monitor = system_monitor
+        if system_monitor is not None and self.logger.is_writer:
+            system_monitor.start(self.logger)
 
     # ------------------------------------------------------------------ public API
     def watch(
@@ -181,10 +191,14 @@ class Instrumentation:
         for watch in self._watches:
             watch.detach()
         try:
-            self.logger.close()
+            if self.system_monitor is not None:
+                self.system_monitor.stop()
         finally:
-            if self.run_log is not None:
-                self.run_log.close()
+            try:
+                self.logger.close()
+            finally:
+                if self.run_log is not None:
+                    self.run_log.close()
 
     def __enter__(self) -> "Instrumentation":
         return self
@@ -236,5 +250,7 @@ class Instrumentation:
 
             gin_params, text = operative_config()
             params = {**gin_params, **params}
+        # A collective under torch.distributed (every rank reaches its first step); a no-op otherwise.
+        check_same_config(text or "", self.logger.reducer.group)
         if params or text:
             self.logger.log_hyperparams(params, text)

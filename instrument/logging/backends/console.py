@@ -1,4 +1,5 @@
-"""Console: one aligned table row per committed step, a legend at start and a summary at the end.
+"""Console: one aligned table row per committed step, a legend at start and a summary at the end; validation
+samples as readable panels (rich).
 
 The layout is decided once and never changes during the run, so a column is always in the same place::
 
@@ -17,15 +18,20 @@ root handlers never print the table a second time; attach a handler to it to get
 the same logger records every scalar of every step, so the log file keeps what the table leaves out.
 
 Rendering (formats, ``nan``, ``?``, overflow into scientific notation) is `StepTable`'s job; see
-`instrument.logging.table`.
+`instrument.logging.table`. Validation samples (``logger.log_samples``) print after their step's row as rich
+panels, rendered to text first so they take the same route (tqdm-safe, into the run log).
 """
 
 import dataclasses
+import io
 import logging
 import math
+import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.errors import require
+from instrument.logging.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.logging.samples import select_samples
 from instrument.logging.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
 from instrument.logging.terminal import write_line
 
@@ -78,6 +84,11 @@ class ConsoleBackend(Backend):
         max_keys: with ``columns=None``, at most this many metric columns (besides ``step``).
         legend: print the legend once at start.
         stream: where the table goes; None means ``sys.stdout`` at write time.
+        num_val_samples_to_print: how many validation samples (``logger.log_samples``) to print per tag and
+            commit, as panels: the best and the worst by score, interleaved. 0 prints none. Needs ``rich``
+            (``pip install 'torch-instrument[rich]'``).
+        show_system: also print a line per system-monitor sample (``system ... s | ...``).
+        width: panel width in characters; None uses the stream's width as rich detects it.
     """
 
     def __init__(
@@ -89,6 +100,9 @@ class ConsoleBackend(Backend):
         max_keys: int = 8,
         legend: bool = True,
         stream: Optional[TextIO] = None,
+        num_val_samples_to_print: int = 4,
+        show_system: bool = False,
+        width: Optional[int] = None,
     ) -> None:
         self.declared: Optional[List[Column]] = None if columns is None else resolve_columns(columns)
         self.header_every = header_every
@@ -97,6 +111,9 @@ class ConsoleBackend(Backend):
         self.max_keys = max_keys
         self.legend = legend
         self.stream = stream
+        self.num_val_samples_to_print = int(num_val_samples_to_print)
+        self.show_system = show_system
+        self.width = width
         self.table: Optional[StepTable] = None
         self._summaries: Dict[str, _Summary] = {}
         if self.declared is not None:
@@ -124,14 +141,21 @@ class ConsoleBackend(Backend):
         for key, value in record.scalars.items():
             if self._is_summary(key):
                 self._summaries.setdefault(key, _Summary()).add(value)
-        if self.table is None:
-            if not record.scalars:
-                return
+        if self.table is None and record.scalars:
             self.table = self._infer(record)
-        values = self._values(record)
-        if not any(values.get(c.key) is not None for c in self.table.columns if c.key != "step"):
-            return  # nothing of this table in the record (e.g. a commit of images only)
-        self._emit_all(self.table.render(values))
+        if self.table is not None:
+            values = self._values(record)
+            # A commit with nothing for this table (e.g. images only) prints no row.
+            if any(values.get(c.key) is not None for c in self.table.columns if c.key != "step"):
+                self._emit_all(self.table.render(values))
+        for tag, samples in record.samples.items():
+            self._print_samples(tag, samples, record.step)
+
+    def write_system(self, record: StepRecord) -> None:
+        if not self.show_system:
+            return
+        items = sorted((k, v) for k, v in record.scalars.items() if k != "system/seconds")
+        self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{k} {_fmt(v)}" for k, v in items]))
 
     def close(self) -> None:
         if not self._summaries:
@@ -147,6 +171,32 @@ class ConsoleBackend(Backend):
             self._emit(table.row(self._summaries[key].row(key)))
 
     # ------------------------------------------------------------------ internals
+    def _print_samples(self, tag: str, table: SampleTable, step: int) -> None:
+        chosen = select_samples(table.rows, self.num_val_samples_to_print, table.score_key)
+        if not chosen:
+            return
+        require("rich", "rich", "printing validation samples on the console")
+        from rich.console import Console
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+
+        width = self.width or Console(file=self.stream or sys.stdout).width
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=width, highlight=False, soft_wrap=False)
+        for label, row in chosen:
+            grid = Table.grid(padding=(0, 1))
+            grid.add_column(style="bold", no_wrap=True)
+            grid.add_column()
+            for field, value in row.items():
+                grid.add_row(Text(str(field)), Text(_fmt(value) if isinstance(value, float) else str(value)))
+            score = row.get(table.score_key)
+            title = f"{tag} | step {step} | {label}"
+            if isinstance(score, (int, float)):
+                title += f" | {table.score_key} {_fmt(float(score))}"
+            console.print(Panel(grid, title=Text(title), title_align="left"))
+        self._emit_all(buffer.getvalue().rstrip("\n").split("\n"))
+
     def _make_table(self, columns: List[Column]) -> StepTable:
         if not any(c.key == "step" for c in columns):
             columns = [Column("step", "step", 7, "d", "training step"), *columns]
@@ -163,14 +213,15 @@ class ConsoleBackend(Backend):
         # '.4g' whatever the first value looks like: a metric that starts at 0 or 1 is rarely a whole number
         # later. Nine characters hold most '.4g' values; a wider first value widens its column, and a wider
         # later one goes to compact scientific notation like every overflow.
-        columns = [
-            Column(key, headers[key], max(len(headers[key]), len(format(record.scalars[key], ".4g")), 9), ".4g")
-            for key in chosen
-        ]
+        columns = []
+        for key in chosen:
+            width = max(len(headers[key]), len(format(record.scalars[key], ".4g")), 9)
+            columns.append(Column(key, headers[key], width, ".4g"))
         table = self._make_table(columns)
         left_out = len(shown) - len(chosen)
         self._emit(
-            f"console: no columns declared; showing {len(chosen)} metrics from step {record.step}"
+            f"console: no columns declared; showing {len(chosen)} metric{'s' if len(chosen) != 1 else ''} "
+            f"from step {record.step}"
             + (f" ({left_out} more are in the run log)" if left_out else "")
             + ". Bind ConsoleBackend.columns to choose them."
         )
@@ -209,10 +260,19 @@ class ConsoleBackend(Backend):
         )
 
 
+def _fmt(value: float) -> str:
+    """A loose number format for panels and system lines (the table has its own, per column)."""
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4g}"
+
+
 def _under(key: str, want: str) -> bool:
     return key == want or key.startswith(want if want.endswith("/") else want + "/")
 
 
 def _media(record: StepRecord) -> str:
-    names = [*record.images, *record.histograms, *record.texts, *record.videos]
+    names = [*record.images, *record.histograms, *record.texts, *record.videos, *record.samples]
     return f"; media: {', '.join(names)}" if names else ""

@@ -239,3 +239,18 @@ def test_columns_and_run_log_bound_in_gin(tmp_path):
     log_file = inst.run_log.path
     assert log_file.parent == tmp_path / "gin" and "0.500   3.0e-04" in log_file.read_text(encoding="utf-8")
     assert gin.query_parameter("setup_run_logging.level") == "WARNING"
+
+
+def test_system_lines_and_sample_panels_take_the_same_route_as_rows():
+    out = io.StringIO()
+    backend = ConsoleBackend(legend=False, stream=out, show_system=True, num_val_samples_to_print=1, width=60)
+    backend.write_system(StepRecord(12, {"system/cpu_percent": 50.0, "system/seconds": 12.0}))
+    samples = instrument.logging.backends.base.SampleTable([{"input": "a", "output": "b", "score": 1.0}])
+    with tqdm(total=2, file=out, mininterval=0, ascii=True) as bar:
+        bar.update(1)
+        backend.write(StepRecord(3, {"val/score": 1.0}, samples={"val": samples}))
+    segments = _segments(out.getvalue())
+    assert "system     12s | system/cpu_percent 50" in segments
+    assert "      3          1" in segments
+    panel = [s for s in segments if s.startswith("╭─ val | step 3 | best #1")]
+    assert len(panel) == 1 and len(panel[0]) == 60

@@ -34,6 +34,8 @@ from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
 from instrument.logging.reduce import CrossRankReducer
+from instrument.logging.runlog import RunLog, setup_run_logging
+from instrument.logging.table import Column, StepTable
 from instrument.logging.timer import Timer
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
@@ -46,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "Column",
     "ConfigurationError",
     "ConsoleBackend",
     "CrossRankReducer",
@@ -60,11 +63,13 @@ __all__ = [
     "ProbeError",
     "RunHistoryBackend",
     "RunInfo",
+    "RunLog",
     "StepContext",
     "StepObserver",
     "StepOrderError",
     "StepRecord",
     "StepScope",
+    "StepTable",
     "SystemMonitor",
     "TensorBoardBackend",
     "Timer",
@@ -72,4 +77,5 @@ __all__ = [
     "WandbBackend",
     "WatchHandle",
     "__version__",
+    "setup_run_logging",
 ]

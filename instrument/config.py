@@ -26,6 +26,8 @@ from instrument.logging.backends.jsonl import JsonlBackend
 from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
+from instrument.logging.runlog import setup_run_logging
+from instrument.logging.table import Column
 from instrument.observers.iteration_stats import IterationStats
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.update_norm import UpdateNorm
@@ -41,6 +43,13 @@ GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
              JsonlBackend, MlflowBackend, SystemMonitor):
     gin.configurable(_cls.__name__)(_cls)
+
+# Console table columns (one scope per column: `loss/Column.key = ...`, then `@loss/Column()`; or plain
+# dict/tuple literals in ConsoleBackend.columns) and run logs (`Instrumentation.run_log = @setup_run_logging`).
+# Column is a gin-side copy, not registered in place: an unscoped `Column.fmt = ...` binding must not change
+# the columns ConsoleBackend builds itself (step, summary).
+gin.external_configurable(Column, name="Column")
+gin.external_configurable(setup_run_logging, name="setup_run_logging")
 
 
 # RL instrumentation (instrument.rl) and the in-memory run history.

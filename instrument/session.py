@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from torch import nn
 
@@ -89,6 +89,10 @@ class Instrumentation:
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
         system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
             `close`; it writes ``system/...`` metrics on its own wall-clock axis.
+        run_log: True writes a verbose DEBUG log file into the run folder and terse ``instrument`` messages to
+            the terminal (`instrument.logging.runlog.setup_run_logging`); a callable taking
+            ``(run_dir=, run_name=)`` (e.g. gin's ``@setup_run_logging``) sets it up its own way. Closed with
+            the session.
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
     the reduction at each commit, and the first step checks that all ranks hold the same operative config.
@@ -104,6 +108,7 @@ class Instrumentation:
         hyperparams: Optional[Dict[str, Any]] = None,
         on_step_regression: str = "raise",
         system_monitor: Optional[Any] = None,
+        run_log: Union[bool, Callable[..., Any]] = False,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -122,7 +127,20 @@ class Instrumentation:
         self.observers: List[ObserverLike] = list(observers)
         self.log_interval = log_interval
         self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
-        self.logger = Logger(backends, self.run, on_step_regression=on_step_regression)
+        self.run_log: Any = None
+        if run_log:  # before the logger, so what backends print while opening is in the file too
+            from instrument.logging.runlog import setup_run_logging
+
+            setup = setup_run_logging if run_log is True else run_log
+            if not callable(setup):
+                raise ConfigurationError(f"run_log must be True, False or a callable, got {run_log!r}.")
+            self.run_log = setup(run_dir=self.run.dir, run_name=self.run.name)
+        try:
+            self.logger = Logger(backends, self.run, on_step_regression=on_step_regression)
+        except BaseException:
+            if self.run_log is not None:
+                self.run_log.close()
+            raise
         self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
         self._watches: List[StateWatch] = []
@@ -181,7 +199,11 @@ class Instrumentation:
             if self.system_monitor is not None:
                 self.system_monitor.stop()
         finally:
-            self.logger.close()
+            try:
+                self.logger.close()
+            finally:
+                if self.run_log is not None:
+                    self.run_log.close()
 
     def __enter__(self) -> "Instrumentation":
         return self

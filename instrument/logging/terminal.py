@@ -1,31 +1,34 @@
-"""Writing lines to the terminal without breaking a progress bar.
+"""Writing a line to the terminal without breaking a tqdm progress bar.
 
-A tqdm bar redraws itself on its line; a plain ``print`` while it is active tears it apart. `write_line` goes
-through ``tqdm.write`` whenever a tqdm bar is open (ours or anyone's, e.g. TorchRL's trainer bar), which
-clears
-the bar, prints the line above it and redraws it; otherwise it writes straight to the stream. Every console
-output of instrument should use it.
+A bar redraws its line with ``\\r``; a plain ``print`` while it is on screen lands in the middle of the bar
+and both come out garbled. ``tqdm.write`` clears the bars, prints the line and redraws them. We use it only
+when a bar exists: tqdm is optional, and a program that never imported it cannot have a bar on screen, so
+tqdm is never imported here.
 """
 
 import sys
 from typing import Optional, TextIO
 
-__all__ = ["write_line", "bar_active"]
+__all__ = ["write_line", "tqdm_bar_active"]
 
 
-def bar_active() -> bool:
-    """Whether a tqdm progress bar is open in this process (tqdm is not imported to find out)."""
+def tqdm_bar_active() -> bool:
+    """Whether a tqdm bar is alive in this process (any ``tqdm.tqdm`` subclass: auto, std, rich...)."""
     tqdm_module = sys.modules.get("tqdm")
     if tqdm_module is None:
         return False
-    return bool(getattr(tqdm_module.tqdm, "_instances", None))
+    instances = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
+    return bool(instances)
 
 
 def write_line(text: str, stream: Optional[TextIO] = None) -> None:
-    """Write ``text`` and a newline to ``stream`` (default: ``sys.stdout`` at call time), then flush."""
-    stream = stream or sys.stdout
-    if bar_active():
-        sys.modules["tqdm"].tqdm.write(text, file=stream)
+    """Write ``text`` and a newline to ``stream`` (``sys.stdout`` at call time when None), then flush.
+
+    Through ``tqdm.write`` when a bar is active, so the line appears above the bar and the bar stays intact.
+    """
+    out = stream if stream is not None else sys.stdout
+    if tqdm_bar_active():
+        sys.modules["tqdm"].tqdm.write(text, file=out)
     else:
-        stream.write(text + "\n")
-    stream.flush()
+        out.write(text + "\n")
+    out.flush()

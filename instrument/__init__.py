@@ -33,6 +33,8 @@ from instrument.logging.logger import Logger
 from instrument.logging.timer import Timer
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
+from instrument.probes.probe import Probe
+from instrument.probes.script import freeze, script
 from instrument.session import Instrumentation, StepScope, WatchHandle
 
 __version__ = "0.1.0"
@@ -48,6 +50,7 @@ __all__ = [
     "Logger",
     "MissingExtraError",
     "Observer",
+    "Probe",
     "ProbeError",
     "RunInfo",
     "StepContext",
@@ -61,4 +64,6 @@ __all__ = [
     "WandbBackend",
     "WatchHandle",
     "__version__",
+    "freeze",
+    "script",
 ]

@@ -278,7 +278,7 @@ class Instrumentation:
 
     def _check_probe_names(self, new: ProbeSet) -> None:
         for probes in self._probe_sets:
-            for name in set(new.probes) & set(probes.probes):
+            for name in sorted(set(new.probes) & set(probes.probes)):
                 if new.probes[name] is not probes.probes[name]:
                     raise ProbeError(
                         f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a probe of "

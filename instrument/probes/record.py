@@ -1,6 +1,6 @@
 """The probe operators and the recorder they write into.
 
-An enabled `Probe` calls ``torch.ops.instrument.probe(value, name, grad)``, a custom operator whose body is
+An enabled `Probe` calls ``torch.ops.instrument.probe(value, name, grad)``, a custom operator whose kernel is
 plain Python. Eager mode, TorchScript (also a module saved with ``torch.jit.save`` and loaded in another process
 that imports instrument) and torch.compile (where the operator stays opaque: no graph break, no recompile per
 call) all call that body at run time, so it can hand the value to the session without tracing or scripting
@@ -82,17 +82,25 @@ def uninstall(recorder: Recorder) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the operators
-@torch.library.custom_op("instrument::probe", mutates_args=())
-def probe(value: Tensor, name: str, grad: bool) -> Tensor:
+# Defined with the low-level torch.library API rather than @torch.library.custom_op: the latter wraps the kernel
+# so that its first call imports torch._dynamo (seconds, even for users who never compile).
+_lib = torch.library.Library("instrument", "DEF")
+_lib.define("probe(Tensor value, str name, bool grad) -> Tensor")
+_lib.define("probe_grad(Tensor gradient, str name) -> Tensor")
+
+
+def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
     recorder = _active
     if recorder is not None and not in_recompute():
         recorder.put(name, value.detach().clone())
     return value.clone()
 
 
-@probe.register_fake
-def _probe_fake(value: Tensor, name: str, grad: bool) -> Tensor:
-    return torch.empty_like(value)
+def _probe_grad(gradient: Tensor, name: str) -> Tensor:
+    recorder = _active
+    if recorder is not None:
+        recorder.put_gradient(name, gradient.detach().clone())
+    return gradient.clone()
 
 
 def _probe_setup(ctx, inputs, output) -> None:
@@ -105,17 +113,8 @@ def _probe_backward(ctx, gradient: Tensor):
     return gradient, None, None
 
 
-probe.register_autograd(_probe_backward, setup_context=_probe_setup)
-
-
-@torch.library.custom_op("instrument::probe_grad", mutates_args=())
-def probe_grad(gradient: Tensor, name: str) -> Tensor:
-    recorder = _active
-    if recorder is not None:
-        recorder.put_gradient(name, gradient.detach().clone())
-    return gradient.clone()
-
-
-@probe_grad.register_fake
-def _probe_grad_fake(gradient: Tensor, name: str) -> Tensor:
-    return torch.empty_like(gradient)
+_lib.impl("probe", _probe, "CompositeExplicitAutograd")
+_lib.impl("probe_grad", _probe_grad, "CompositeExplicitAutograd")
+torch.library.register_fake("instrument::probe", lambda value, name, grad: torch.empty_like(value), lib=_lib)
+torch.library.register_fake("instrument::probe_grad", lambda gradient, name: torch.empty_like(gradient), lib=_lib)
+torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)

@@ -14,15 +14,32 @@ Two facts shape it (measured on torch 2.13, see docs/probes.md):
 
 The copy is made once per ``forward`` function and reused for every later logging step (a new code object
 each step would recompile each step). In eager mode the copy runs exactly like the original.
+
+A third fact: a compiled module's forward hooks are called from inside Dynamo's frame evaluation, and Dynamo
+traces them as frames of their own. An observer's host-side work (``float(tensor)``) would then break graphs.
+`run_eagerly` wraps the session's hook so Dynamo never traces it: values are recorded inside compiled code,
+observers run outside it.
 """
 
+import sys
 import types
 import weakref
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
+import torch
 from torch import nn
 
-__all__ = ["ForwardSwitch", "unwrap"]
+__all__ = ["ForwardSwitch", "run_eagerly", "unwrap"]
+
+
+def run_eagerly(function: Callable) -> Callable:
+    """``function`` as is while torch.compile is unused in this process, else excluded from Dynamo tracing.
+
+    torch.compile imports torch._dynamo, so a process that never compiled pays nothing (not even the import).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return function
+    return torch.compiler.disable(function, recursive=True)
 
 _COPIES: "weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType]" = weakref.WeakKeyDictionary()
 

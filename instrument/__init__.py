@@ -12,7 +12,8 @@ Data flows one way: probe -> observer -> logger -> backend.
             inst.logger.log_metrics({"loss": loss.detach()}, step=step, prefix="train")
     inst.close()
 
-gin configuration lives in `instrument.config` (imported on demand, never by the core).
+gin configuration lives in `instrument.config`, the one module that imports gin; it is imported last here so
+that the public classes are gin-configurable under their own names.
 """
 
 from instrument.core.context import StepContext
@@ -36,6 +37,8 @@ from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
 from instrument.probes.script import freeze, script
 from instrument.session import Instrumentation, StepScope, WatchHandle
+
+from instrument import config  # noqa: E402  (registers the configurables with gin)
 
 __version__ = "0.1.0"
 

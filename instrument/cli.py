@@ -19,11 +19,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from instrument import config
 
-    config.parse(args.config, args.bind)
+    try:
+        config.parse(args.config, args.bind)
+    except (ValueError, FileNotFoundError) as exc:  # gin's messages already name the file and line
+        print(f"instrument: configuration error: {exc}", file=sys.stderr)
+        return 2
     outcome = config.run()
     result = outcome["result"]
     if isinstance(result, dict):
-        summary = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+        summary = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in result.items()
+            if isinstance(v, (int, float, str))
+        )
         print(f"done: {summary}")
     print(f"logs: {outcome['run_dir']}")
     print(f"view them with: tensorboard --logdir {outcome['log_root']}")

@@ -1,6 +1,7 @@
 """gin at the edge: every configurable instrument offers, registered in this one module.
 
-Core modules never import gin. This module registers them under their class names (``Instrumentation``,
+Core modules never import gin; ``import instrument`` imports this module, so the public classes are
+configurable as they are. This module registers them under their class names (``Instrumentation``,
 ``IterationStats``, ``TensorBoardBackend``, ...) so a ``.gin`` file can say::
 
     Instrumentation.observers = [@IterationStats(), @UpdateNorm()]
@@ -31,9 +32,11 @@ __all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
 
 GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 
+# Registered in place (not as gin's usual subclass copies), so `instrument.Instrumentation()` itself picks up
+# the bindings of a parsed .gin file, as the README's loop shows.
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
              JsonlBackend):
-    gin.external_configurable(_cls, name=_cls.__name__)
+    gin.configurable(_cls.__name__)(_cls)
 
 
 @gin.configurable
@@ -70,6 +73,7 @@ def _register_demos() -> None:
 
     gin.external_configurable(train_nca, name="train_nca")
     gin.external_configurable(train_cartpole, name="train_cartpole")
+
 
 
 _register_demos()

@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny update rule, a recording observer, readers for real backend outputs."""
+
+import logging
+from pathlib import Path
+from typing import Dict, List
+
+import gin
+import pytest
+import torch
+from torch import nn
+
+import instrument
+
+
+@pytest.fixture(autouse=True)
+def _isolate(monkeypatch, tmp_path):
+    """Each test runs in its own directory, single-threaded, with W&B offline and a clean gin config."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.set_num_threads(1)
+    yield
+    gin.clear_config()
+    logging.getLogger("instrument").handlers.clear()
+
+
+class TinyRule(nn.Module):
+    """One rollout iteration: x -> x + 0.1 * conv(x)."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.tanh(self.conv(x))
+
+
+class Recorder(instrument.Observer):
+    """Records the lifecycle it goes through, and the contexts it sees."""
+
+    def __init__(self, name: str = "recorder") -> None:
+        super().__init__(name)
+        self.events: List[str] = []
+        self.contexts: List[instrument.StepContext] = []
+        self.grad_enabled: List[bool] = []
+
+    def reset(self) -> None:
+        self.events.append("reset")
+
+    def observe(self, context: instrument.StepContext) -> None:
+        self.events.append(f"observe{context.step_index}")
+        self.contexts.append(context)
+        self.grad_enabled.append(torch.is_grad_enabled())
+
+    def log(self, logger, step: int) -> None:
+        self.events.append(f"log{step}")
+        logger.log_metrics({"seen": float(len(self.contexts))}, step=step, prefix=self.name)
+
+
+@pytest.fixture
+def rule() -> TinyRule:
+    torch.manual_seed(0)
+    return TinyRule()
+
+
+def read_scalars(log_dir: Path) -> Dict[str, Dict[int, float]]:
+    """Scalars from real TensorBoard event files, read with TensorBoard's own EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def event_accumulator(log_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return acc

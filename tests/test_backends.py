@@ -1,0 +1,117 @@
+"""Every backend, written for real and read back with the destination's own reader."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import instrument
+from tests.conftest import Recorder, event_accumulator, read_scalars
+from tests.wandb_reader import read_run
+
+
+def _state_sequence(seed=0, n_iter=4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, 6, 6, generator=g)
+    states = [x]
+    for _ in range(n_iter):
+        x = torch.tanh(x + 0.3 * torch.randn(x.shape, generator=g))
+        states.append(x)
+    return states
+
+
+def _run(backends, log_dir, steps=(0, 1)):
+    inst = instrument.Instrumentation([instrument.IterationStats(), instrument.UpdateNorm(), Recorder()],
+                                      backends=backends, log_interval=1, log_dir=str(log_dir), run_name="r",
+                                      hyperparams={"lr": 0.01, "nested": {"depth": 3}})
+    states = _state_sequence()
+    for step in steps:
+        with inst.step(step) as s:
+            for i in range(len(states) - 1):
+                s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+            inst.logger.log_metrics({"loss": torch.tensor(0.5 * (step + 1))}, step=step, prefix="train")
+    inst.close()
+    return states
+
+
+def test_tensorboard_values_match_a_float64_reference(tmp_path):
+    states = _run([instrument.TensorBoardBackend()], tmp_path)
+    scalars = read_scalars(tmp_path / "r")
+    last = states[-1].double().numpy()
+    per_channel = last.transpose(1, 0, 2, 3).reshape(5, -1)
+    for c in range(5):
+        assert scalars[f"iteration_stats/mean/c{c}"][1] == pytest.approx(per_channel[c].mean(), rel=1e-5, abs=1e-7)
+        assert scalars[f"iteration_stats/std/c{c}"][1] == pytest.approx(per_channel[c].std(), rel=1e-5)
+        assert scalars[f"iteration_stats/min/c{c}"][1] == pytest.approx(per_channel[c].min(), rel=1e-5)
+        assert scalars[f"iteration_stats/max/c{c}"][1] == pytest.approx(per_channel[c].max(), rel=1e-5)
+    norms = [np.linalg.norm((b - a).double().numpy().reshape(3, -1), axis=1).mean() for a, b in zip(states, states[1:])]
+    assert scalars["update_norm/l2/mean"][0] == pytest.approx(np.mean(norms), rel=1e-5)
+    assert scalars["update_norm/l2/last"][0] == pytest.approx(norms[-1], rel=1e-5)
+    assert scalars["train/loss"] == {0: 0.5, 1: 1.0}
+    acc = event_accumulator(tmp_path / "r")
+    tags = acc.Tags()
+    assert {"iteration_stats/mean", "iteration_stats/std", "iteration_stats/min", "iteration_stats/max"} <= set(
+        tags["images"])
+    assert [e.step for e in acc.Images("iteration_stats/mean")] == [0, 1]
+    assert acc.Images("iteration_stats/mean")[0].width > 100
+    assert "update_norm/l2" in tags["histograms"]
+    assert acc.Histograms("update_norm/l2")[0].histogram_value.num == 4
+    texts = {t for t in tags["tensors"]}
+    assert "hyperparameters/text_summary" in texts
+
+
+def test_jsonl_one_object_per_committed_step(tmp_path):
+    _run([instrument.JsonlBackend()], tmp_path, steps=(0, 1, 2))
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["hyperparameters"] == {"lr": 0.01, "nested/depth": 3}
+    steps = [line for line in lines if "step" in line]
+    assert [line["step"] for line in steps] == [0, 1, 2]
+    assert steps[2]["metrics"]["train/loss"] == 1.5
+    assert steps[0]["histograms"]["update_norm/l2"]["count"] == 4
+    assert steps[0]["images"]["iteration_stats/mean"][2] == 3
+
+
+def test_jsonl_keeps_nan_readable(tmp_path):
+    log = instrument.Logger([instrument.JsonlBackend(path=str(tmp_path / "m.jsonl"))])
+    log.log_metrics({"x": float("nan")}, step=0)
+    log.close()
+    line = json.loads((tmp_path / "m.jsonl").read_text())
+    assert line["metrics"]["x"] == "nan"
+
+
+def test_console_prints_one_line_per_commit(capsys):
+    log = instrument.Logger([instrument.ConsoleBackend(keys=["train/"], max_keys=3)])
+    for step in range(3):
+        log.log_metrics({"loss": torch.tensor(0.25), "acc": 0.5}, step=step, prefix="train")
+        log.log_metrics({"hidden": 1.0}, step=step)
+        log.commit()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"step {s:>6} | train/acc 0.5 | train/loss 0.25" for s in range(3)]
+
+
+def test_wandb_offline_run_read_back(tmp_path):
+    pytest.importorskip("wandb")
+    _run([instrument.WandbBackend(project="tests")], tmp_path)
+    rows, config = read_run(tmp_path / "r")
+    by_step = {row["_step"]: row for row in rows}
+    assert sorted(by_step) == [0, 1]
+    assert by_step[1]["train/loss"] == 1.0
+    assert math.isfinite(by_step[0]["update_norm/l2/mean"])
+    image = by_step[0]["iteration_stats/mean"]
+    assert image["_type"] == "image-file" and image["width"] > 100
+    assert config["lr"] == 0.01 and config["nested/depth"] == 3
+
+
+def test_wandb_mode_is_validated():
+    with pytest.raises(instrument.ConfigurationError, match="mode must be one of"):
+        instrument.WandbBackend(mode="offine")
+
+
+def test_missing_wandb_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(instrument.MissingExtraError, match=r"pip install 'torch-instrument\[wandb\]'"):
+        instrument.WandbBackend().open(instrument.RunInfo("x"))

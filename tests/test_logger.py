@@ -1,0 +1,184 @@
+"""The logger: staging, interval means, one batched transfer, step order, backend isolation."""
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import instrument
+from instrument.logging import logger as logger_module
+
+
+class Keep(instrument.Backend):
+    def __init__(self):
+        self.records = []
+        self.params = None
+        self.closed = False
+
+    def log_hyperparams(self, params, config_text=None):
+        self.params = (params, config_text)
+
+    def write(self, record):
+        self.records.append(record)
+
+    def close(self):
+        self.closed = True
+
+
+class Exploding(instrument.Backend):
+    def write(self, record):
+        raise OSError("disk full")
+
+    def close(self):
+        raise OSError("still full")
+
+
+def test_one_batched_transfer_per_commit(monkeypatch):
+    calls = []
+    real = logger_module.to_host
+
+    def counting(tensors):
+        calls.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(logger_module, "to_host", counting)
+    keep = Keep()
+    log = instrument.Logger([keep])
+    metrics = {f"m{i}": torch.tensor(float(i)) for i in range(50)}
+    log.log_metrics(metrics, step=0, prefix="x")
+    log.log_histogram("h", torch.arange(10.0), step=0)
+    log.log_heatmap("hm", torch.rand(6, 3), step=0, x_label="channel", y_label="iter")
+    log.log_metrics({"python": 2.5}, step=0)
+    record = log.commit()
+    assert calls == [52]  # 50 scalars + histogram + heatmap in one call; Python numbers need no transfer
+    assert record.scalars["x/m49"] == 49.0 and record.scalars["python"] == 2.5
+    assert record.images["hm"].dtype == np.uint8 and record.images["hm"].shape[2] == 3
+    np.testing.assert_array_equal(record.histograms["h"], np.arange(10.0))
+
+
+def test_values_logged_between_commits_are_averaged_on_the_device():
+    keep = Keep()
+    log = instrument.Logger([keep])
+    for step in range(4):
+        log.log_metrics({"loss": torch.tensor(float(step)), "lr": 0.1}, step=step, prefix="train")
+    log.commit(3)
+    assert keep.records[0].step == 3
+    assert keep.records[0].scalars == {"train/loss": 1.5, "train/lr": pytest.approx(0.1)}
+    assert log.commit() is None  # nothing staged
+
+
+def test_step_regression_raises_by_default():
+    log = instrument.Logger([Keep()])
+    log.log_metrics({"a": 1.0}, step=10)
+    log.commit()
+    with pytest.raises(instrument.StepOrderError, match="step 5 is lower than step 10"):
+        log.log_metrics({"a": 1.0}, step=5)
+    log.log_metrics({"a": 2.0}, step=10)  # the same step again is fine
+    log.commit()
+
+
+def test_step_regression_can_warn_and_drop(caplog):
+    keep = Keep()
+    log = instrument.Logger([keep], on_step_regression="warn")
+    log.log_metrics({"a": 1.0}, step=10)
+    log.commit()
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        log.log_metrics({"a": 7.0}, step=3)
+    assert "step 3 is lower than step 10" in caplog.text
+    log.log_metrics({"b": 1.0}, step=11)
+    log.commit()
+    assert [r.scalars for r in keep.records] == [{"a": 1.0}, {"b": 1.0}]
+    with pytest.raises(instrument.ConfigurationError, match="on_step_regression must be one of"):
+        instrument.Logger([], on_step_regression="ignore")
+
+
+@pytest.mark.parametrize(
+    "value, error, pattern",
+    [
+        (torch.ones(3), ValueError, r"metric 'bad' is a tensor of shape \(3,\)"),
+        ("high", TypeError, "metric 'bad' has type str"),
+        (np.ones(2), ValueError, "metric 'bad' is an array of shape"),
+    ],
+)
+def test_bad_metric_values_are_explained(value, error, pattern):
+    log = instrument.Logger([])
+    with pytest.raises(error, match=pattern):
+        log.log_metrics({"bad": value}, step=0)
+
+
+def test_bad_step_type():
+    with pytest.raises(TypeError, match="step must be an int, got float"):
+        instrument.Logger([]).log_metrics({"a": 1}, step=1.0)
+
+
+def test_failing_backend_does_not_cost_the_others(caplog):
+    keep = Keep()
+    log = instrument.Logger([Exploding(), keep])
+    with caplog.at_level(logging.DEBUG, logger="instrument"):
+        for step in range(3):
+            log.log_metrics({"a": torch.tensor(1.0)}, step=step)
+            log.commit()
+        log.close()
+    assert len(keep.records) == 3 and keep.closed
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "backend Exploding failed in write()" in warnings[0].getMessage()
+    assert log.failures == {"Exploding": 4}
+
+
+def test_backend_type_checked():
+    with pytest.raises(instrument.ConfigurationError, match="got dict"):
+        instrument.Logger([{}])
+
+
+def test_hyperparams_flattened_and_secrets_redacted():
+    keep = Keep()
+    log = instrument.Logger([keep])
+    log.log_hyperparams({"optim": {"lr": 1e-3, "betas": (0.9, 0.99)}, "wandb": {"api_key": "abc", "project": "p"},
+                         "reward_key": "reward", "hf_token": "xyz"}, "a.b = 1")
+    params, text = keep.params
+    assert params == {"optim/lr": 1e-3, "optim/betas": "[0.9, 0.99]", "wandb/api_key": "<redacted>",
+                      "wandb/project": "p", "reward_key": "reward", "hf_token": "<redacted>"}
+    assert text == "a.b = 1"
+
+
+def test_timer_reports_interval_statistics():
+    keep = Keep()
+    log = instrument.Logger([keep])
+    timer = log.timer("rollout")
+    assert log.timer("rollout") is timer
+    for _ in range(3):
+        with timer:
+            sum(range(1000))
+
+    @log.timer("decorated")
+    def work():
+        return 7
+
+    assert work() == 7
+    record = log.commit(0)
+    assert record.scalars["timing/rollout/count"] == 3.0
+    assert 0 < record.scalars["timing/rollout/min"] <= record.scalars["timing/rollout/mean"]
+    assert record.scalars["timing/rollout/mean"] <= record.scalars["timing/rollout/max"]
+    assert record.scalars["timing/decorated/count"] == 1.0
+    assert not log.has_pending  # timers were drained by the commit
+
+
+def test_images_in_every_layout():
+    log = instrument.Logger([])
+    log.log_image("chw", torch.rand(3, 8, 9), step=0)
+    log.log_image("hwc", np.zeros((8, 9, 4), dtype=np.uint8), step=0)
+    log.log_image("hw", torch.rand(8, 9), step=0)
+    record = log.commit()
+    assert {k: v.shape for k, v in record.images.items()} == {"chw": (8, 9, 3), "hwc": (8, 9, 4), "hw": (8, 9, 3)}
+    log.log_image("bad", torch.rand(2, 3, 8, 9), step=1)
+    with pytest.raises(ValueError, match=r"log_image\('bad'\): expected an image of shape"):
+        log.commit()
+
+
+def test_nan_values_pass_through():
+    log = instrument.Logger([])
+    log.log_metrics({"nan": torch.tensor(float("nan")), "inf": float("inf")}, step=0)
+    record = log.commit()
+    assert math.isnan(record.scalars["nan"]) and record.scalars["inf"] == math.inf

@@ -1,0 +1,202 @@
+"""The session's promises: nothing attached off logging steps, lifecycle order, isolation of failures."""
+
+import logging
+
+import pytest
+import torch
+
+import instrument
+from tests.conftest import Recorder
+
+
+def _hooks(module):
+    # _forward_hooks_with_kwargs only flags entries of _forward_hooks; it must empty with them.
+    assert set(module._forward_hooks_with_kwargs) <= set(module._forward_hooks)
+    return (
+        len(module._forward_hooks) + len(module._forward_pre_hooks) + len(module._backward_hooks)
+        + len(module._backward_pre_hooks)
+    )
+
+
+def _rollout(rule, n_iter=3):
+    x = torch.randn(2, 4, 5, 5)
+    for _ in range(n_iter):
+        x = rule(x)
+    return x
+
+
+def test_nothing_registered_on_non_logging_steps(rule):
+    rec = Recorder()
+    inst = instrument.Instrumentation([rec], backends=[], log_interval=3)
+    inst.watch(rule)
+    seen = []
+    for step in range(7):
+        with inst.step(step) as s:
+            seen.append((s.active, s.observer is None, _hooks(rule)))
+            _rollout(rule)
+        assert _hooks(rule) == 0
+    assert seen == [(True, False, 1), (False, True, 0), (False, True, 0), (True, False, 1),
+                    (False, True, 0), (False, True, 0), (True, False, 1)]
+    assert len(rec.contexts) == 9  # 3 logging steps x 3 iterations, nothing else
+    inst.close()
+
+
+def test_lifecycle_order_and_step_index(rule):
+    rec = Recorder()
+    with instrument.Instrumentation([rec], backends=[], log_interval=2) as inst:
+        inst.watch(rule)
+        for step in range(3):
+            with inst.step(step):
+                _rollout(rule, n_iter=4)
+    assert rec.events == (["reset", "observe0", "observe1", "observe2", "observe3", "log0"]
+                          + ["reset", "observe0", "observe1", "observe2", "observe3", "log2"])
+    assert rec.grad_enabled == [False] * 8
+
+
+def test_context_tensors_are_detached_and_dx_is_the_difference(rule):
+    rec = Recorder()
+    inst = instrument.Instrumentation([rec], backends=[], log_interval=1)
+    inst.watch(rule)
+    with inst.step(0):
+        x0 = torch.randn(2, 4, 5, 5, requires_grad=True)
+        x1 = rule(x0)
+    ctx = rec.contexts[0]
+    assert not ctx.previous_state.requires_grad and not ctx.next_state.requires_grad
+    torch.testing.assert_close(ctx.dx, (x1 - x0).detach(), rtol=0, atol=0)
+    assert ctx.condition is None and ctx.probes == {}
+    inst.close()
+
+
+def test_hooks_removed_when_the_step_raises(rule):
+    inst = instrument.Instrumentation([Recorder()], backends=[], log_interval=1)
+    inst.watch(rule)
+    with pytest.raises(RuntimeError, match="boom"):
+        with inst.step(0):
+            _rollout(rule)
+            raise RuntimeError("boom")
+    assert _hooks(rule) == 0
+    with inst.step(1):  # the session is usable again
+        _rollout(rule)
+    inst.close()
+
+
+def test_watch_handle_remove_restores_module(rule):
+    inst = instrument.Instrumentation([Recorder()], backends=[], log_interval=1)
+    before = dict(rule.__dict__)
+    handle = inst.watch(rule)
+    handle.remove()
+    handle.remove()  # idempotent
+    with inst.step(0):
+        _rollout(rule)
+    assert _hooks(rule) == 0 and rule.__dict__.keys() == before.keys()
+    inst.close()
+
+
+def test_explicit_evolver_style(rule):
+    rec = Recorder()
+    inst = instrument.Instrumentation([rec], backends=[], log_interval=1)
+    with inst.step(0) as s:
+        x = torch.zeros(3, 2)
+        for i in range(5):
+            nxt = x + 1
+            s.observer(instrument.StepContext(previous_state=x, next_state=nxt, condition=torch.ones(3, 1),
+                                              step_index=i))
+            x = nxt
+    assert [c.step_index for c in rec.contexts] == list(range(5))
+    assert torch.equal(rec.contexts[0].condition, torch.ones(3, 1))
+    assert isinstance(s.observer, instrument.StepObserver)
+    inst.close()
+
+
+class Broken(instrument.Observer):
+    def observe(self, context):
+        raise ValueError("observer exploded")
+
+
+def test_failing_observer_is_reported_once_and_skipped(rule, caplog):
+    rec = Recorder()
+    backend_records = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            backend_records.append(record)
+
+    inst = instrument.Instrumentation([Broken(), rec], backends=[Keep()], log_interval=1)
+    inst.watch(rule)
+    with caplog.at_level(logging.DEBUG, logger="instrument"):
+        for step in range(2):
+            with inst.step(step):
+                _rollout(rule, n_iter=3)
+    inst.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and "'broken'" in errors[0].getMessage() and "observe()" in errors[0].getMessage()
+    assert "observer exploded" in caplog.text
+    assert len(rec.contexts) == 6  # the healthy observer saw every iteration
+    assert [r.scalars["recorder/seen"] for r in backend_records] == [3.0, 6.0]
+    assert inst.failures == {"broken": 2}
+
+
+def test_steps_do_not_nest(rule):
+    inst = instrument.Instrumentation([Recorder()], backends=[], log_interval=1)
+    with inst.step(0):
+        with pytest.raises(instrument.ConfigurationError, match="steps do not nest"):
+            with inst.step(1):
+                pass
+    inst.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_log_interval_validated(bad):
+    with pytest.raises(instrument.ConfigurationError, match="log_interval must be a non-negative int"):
+        instrument.Instrumentation(backends=[], log_interval=bad)
+
+
+def test_log_interval_zero_never_logs(rule):
+    rec = Recorder()
+    inst = instrument.Instrumentation([rec], backends=[], log_interval=0)
+    inst.watch(rule)
+    for step in range(3):
+        with inst.step(step) as s:
+            assert not s.active
+            _rollout(rule)
+    assert rec.events == []
+    inst.close()
+
+
+def test_watching_a_module_with_the_wrong_signature_fails_clearly():
+    class NoState(torch.nn.Module):
+        def forward(self):
+            return 3
+
+    inst = instrument.Instrumentation([Recorder()], backends=[], log_interval=1)
+    inst.watch(NoState())
+    with pytest.raises(instrument.ConfigurationError, match="must take the previous state as its first argument"):
+        with inst.step(0):
+            inst._watches[0].module()
+    with pytest.raises(instrument.ConfigurationError, match="expects a torch.nn.Module"):
+        inst.watch(lambda x: x)
+    inst.close()
+
+
+def test_tuple_output_and_condition_argument():
+    class Conditioned(torch.nn.Module):
+        def forward(self, x, action):
+            return x + action, {"aux": 1}
+
+    rec = Recorder()
+    inst = instrument.Instrumentation([rec], backends=[], log_interval=1)
+    module = Conditioned()
+    inst.watch(module)
+    with inst.step(0):
+        module(torch.zeros(2, 3), torch.ones(2, 3))
+    assert torch.equal(rec.contexts[0].next_state, torch.ones(2, 3))
+    assert torch.equal(rec.contexts[0].condition, torch.ones(2, 3))
+    inst.close()
+
+
+def test_closed_session_refuses_steps():
+    inst = instrument.Instrumentation(backends=[], log_interval=1)
+    inst.close()
+    inst.close()
+    with pytest.raises(instrument.ConfigurationError, match="closed"):
+        inst.step(0)

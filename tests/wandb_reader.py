@@ -1,0 +1,62 @@
+"""Reads an offline W&B run file (``run-<id>.wandb``) with W&B's own protobuf record schema.
+
+wandb >= 0.19 no longer ships a Python reader for its transaction log; the container format is LevelDB's log
+(32 KiB blocks, 7-byte record headers: checksum, length, type) after a 7-byte ``:W&B`` file header, and each
+record is a ``wandb.proto.wandb_internal_pb2.Record``.
+"""
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _payloads(data: bytes):
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < 7:
+            pos += left_in_block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == _FULL:
+            yield chunk
+        elif kind in (_FIRST, _MIDDLE):
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+        elif kind == 0:  # zero padding at the end of a block
+            pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
+
+
+def read_run(run_dir: Path) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """History rows and config of the single offline run under ``run_dir``."""
+    from wandb.proto import wandb_internal_pb2
+
+    files = list(Path(run_dir).rglob("*.wandb"))
+    assert len(files) == 1, files
+    rows: List[Dict[str, Any]] = []
+    config: Dict[str, Any] = {}
+    for payload in _payloads(files[0].read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row: Dict[str, Any] = {}
+            for item in record.history.item:
+                keys = [item.key] if item.key else list(item.nested_key)
+                target = row
+                for key in keys[:-1]:  # media values arrive flattened as nested keys: rebuild the dicts
+                    target = target.setdefault(key, {})
+                target[keys[-1]] = json.loads(item.value_json)
+            rows.append(row)
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    return rows, config

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _probe_models import BareRule, Model, Rule, TwoSameNames, reference
+from tests._probe_models import BareRule, Model, Rule, TwoSameNames, reference
 
 import instrument
 from instrument.probes import record

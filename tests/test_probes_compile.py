@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
-from _probe_models import Rule, reference
+from tests._probe_models import Rule, reference
 from torch._dynamo.utils import counters
 
 import instrument

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 from torch import nn
 
-from instrument.errors import ProbeError
+from instrument.errors import ConfigurationError, ProbeError
 from instrument.probes import compiled, script
 from instrument.probes.probe import Probe
 
@@ -27,6 +27,10 @@ class ProbeSet:
     """
 
     def __init__(self, module: nn.Module, label: str = "") -> None:
+        if not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"watch() expects a torch.nn.Module (eager, scripted or compiled), got {type(module).__name__}."
+            )
         self.module = module
         root = compiled.unwrap(module)
         self.label = label or type(root).__name__

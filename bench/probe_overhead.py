@@ -24,7 +24,8 @@ import time
 import warnings
 from typing import Callable, Dict, List
 
-_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296",
+        "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 if any(os.environ.get(k) != v for k, v in _ENV.items()):  # stable timings need these before torch loads
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_ENV})
 
@@ -111,7 +112,7 @@ def build(workload: str, mode: str, args) -> Dict[str, Callable[[], object]]:
         bare, probed = UpdateRule(), ProbedRule()
         seed = make_seed(args.batch, size=args.size)
         for m in (bare, probed):
-            nn.init.normal_(m.conv2.weight, std=0.01)  # a trained-looking rule, not the zero-initialised identity
+            nn.init.normal_(m.conv2.weight, std=0.01)  # a trained-looking rule, not the zero-init identity
         probed.load_state_dict(bare.state_dict())
 
         def run(module, observer=None):
@@ -138,7 +139,7 @@ def build(workload: str, mode: str, args) -> Dict[str, Callable[[], object]]:
             return run(probed_m, s.observer)
 
     with torch.no_grad():  # compile or warm every variant, "on" first (see the module docstring)
-        for fn in (on, on, lambda: run(bare_m), lambda: run(probed_m), lambda: run(bare_m), lambda: run(probed_m)):
+        for fn in (on, on) + (lambda: run(bare_m), lambda: run(probed_m)) * 2:
             fn()
     return {"bare": lambda: run(bare_m), "off": lambda: run(probed_m), "on": on}
 
@@ -160,7 +161,9 @@ def measure(variants: Dict[str, Callable], reps: int) -> Dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile (inductor)")
     parser.add_argument("--batch", type=int, default=4)

@@ -2,8 +2,8 @@
 
 It decides which steps log (``is_logging_step``), attaches hooks to watched modules and turns their embedded
 probes on only for those steps and undoes both afterwards (also when the step raises), runs the observers'
-lifecycle, and commits the logger once per logging step. On every other step it does nothing at all: no hook is registered, no observer runs, no value
-leaves the device.
+lifecycle, and commits the logger once per logging step. On every other step it does nothing at all: no hook
+is registered, no probe is on, no observer runs, no value leaves the device.
 """
 
 import logging
@@ -145,28 +145,31 @@ class Instrumentation:
     ) -> WatchHandle:
         """Observe ``module`` on logging steps: its calls (state hook) and the `Probe`s embedded in it.
 
-        With ``state=True`` a forward hook turns each call into a `StepContext`, so the module's forward must be
-        one rollout iteration. With ``state=False`` only the embedded probes are switched on; their values reach
-        observers through ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that to
-        watch a model whose forward is a whole rollout. ``None`` (the default) means True, except for a
+        With ``state=True`` a forward hook turns each call into a `StepContext`, so the module's forward must
+        be one rollout iteration. With ``state=False`` only the embedded probes are switched on; their values
+        reach observers through ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that
+        to watch a model whose forward is a whole rollout. ``None`` (the default) means True, except for a
         ScriptModule, which cannot take Python hooks. Watching the ``torch.compile`` wrapper or the eager
         module it wraps is the same for probes.
 
         Nothing is registered on the module now: hooks exist and probes are on only inside logging steps.
         """
-        if any(w.module is module for w in self._watches) or any(p.module is module for p in self._probe_sets):
+        watched = [w.module for w in self._watches] + [p.module for p in self._probe_sets]
+        if any(m is module for m in watched):
             raise ConfigurationError(f"{type(module).__name__} is already watched by this Instrumentation.")
         probes = ProbeSet(module, label=name or type(module).__name__)
         if state is None:
             state = not probes.scripted
         if state and probes.scripted:
             raise ConfigurationError(
-                f"{type(module).__name__} is a ScriptModule, which cannot take the forward hook that watching its "
-                f"state needs. Watch it with state=False (its probes still record) and call "
+                f"{type(module).__name__} is a ScriptModule, which cannot take the forward hook that "
+                f"watching its state needs. Watch it with state=False (its probes still record) and call "
                 f"s.observer(StepContext(previous, next)) in your rollout loop."
             )
         self._check_probe_names(probes)
-        watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name) if state else None
+        watch = None
+        if state:
+            watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
         if watch is not None:
             self._watches.append(watch)
         if probes:
@@ -248,8 +251,8 @@ class Instrumentation:
                     if recorder.recorded and not recorder.delivered:
                         log.warning(
                             "instrument: embedded probes recorded values in step %d but no observer call "
-                            "delivered them; watch the module whose forward is one rollout iteration, or call "
-                            "s.observer(StepContext(...)) each iteration", scope.step,
+                            "delivered them; watch the module whose forward is one rollout iteration, or "
+                            "call s.observer(StepContext(...)) each iteration", scope.step,
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
                 self.logger.commit(scope.step)
@@ -281,9 +284,9 @@ class Instrumentation:
             for name in sorted(set(new.probes) & set(probes.probes)):
                 if new.probes[name] is not probes.probes[name]:
                     raise ProbeError(
-                        f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a probe of "
-                        f"already watched {probes.label} (at {probes.paths[name]!r}); probe names must be unique "
-                        f"across the models one Instrumentation watches."
+                        f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a "
+                        f"probe of already watched {probes.label} (at {probes.paths[name]!r}); probe names "
+                        f"must be unique across the models one Instrumentation watches."
                     )
 
     def _check_probe_requests(self) -> None:
@@ -297,8 +300,8 @@ class Instrumentation:
                 from instrument.core.dispatch import observer_name
 
                 raise ProbeError(
-                    f"observer {observer_name(observer)!r} asks for probe(s) {missing}, but no watched model has "
-                    f"a probe of that name (probes found: {sorted(available) or 'none'}). Add "
+                    f"observer {observer_name(observer)!r} asks for probe(s) {missing}, but no watched model "
+                    f"has a probe of that name (probes found: {sorted(available) or 'none'}). Add "
                     f"instrument.Probe({missing[0]!r}) to the model and watch it with inst.watch(model)."
                 )
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests._probe_models import BareRule, Model, Rule, TwoSameNames, reference
 
 import instrument
 from instrument.probes import record
+from tests._probe_models import BareRule, Model, Rule, TwoSameNames, reference
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 
@@ -66,7 +66,7 @@ def assert_untouched(rule: torch.nn.Module) -> None:
 
 def assert_matches(seen, expected) -> None:
     assert len(seen) == len(expected)
-    for got, want in zip(seen, expected):
+    for got, want in zip(seen, expected, strict=True):
         assert set(got) == set(want)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
@@ -189,11 +189,28 @@ def test_gradient_probe_delivers_each_iterations_gradient_before_log():
     x.square().mean().backward()
     assert list(keep.gradients) == ["hidden"]
     assert len(keep.gradients["hidden"]) == N_ITER
-    for got, h in zip(keep.gradients["hidden"], hidden):
+    for got, h in zip(keep.gradients["hidden"], hidden, strict=True):
         torch.testing.assert_close(got, h.grad, rtol=0, atol=0)
     # Pure side channel: parameter gradients are bitwise those of the uninstrumented step.
-    for on, p in zip(grads_on, rule.parameters()):
+    for on, p in zip(grads_on, rule.parameters(), strict=True):
         assert torch.equal(on, p.grad)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recomputation_records_nothing_twice(use_reentrant):
+    rule, keep = new_rule(grad=True), Keep()
+    inst = session(keep, log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state().requires_grad_()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = torch.utils.checkpoint.checkpoint(rule, x, use_reentrant=use_reentrant)
+        x.square().mean().backward()
+    inst.close()
+    assert keep.indices == list(range(N_ITER))
+    assert_matches(keep.seen, reference(rule, x0, N_ITER))
+    assert len(keep.gradients["hidden"]) == N_ITER
 
 
 # ------------------------------------------------------------------------------------------ TorchScript
@@ -283,8 +300,8 @@ def test_save_and_load_in_a_fresh_process_keeps_probes_working(tmp_path):
     script.write_text(textwrap.dedent(SUBPROCESS).replace("{n}", str(N_ITER)))
     repo = Path(instrument.__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    args = [sys.executable, str(script), str(tmp_path / "rule.pt"), str(tmp_path / "x0.pt"), str(tmp_path / "o.pt"),
-            str(torch.get_num_threads())]
+    files = [str(tmp_path / name) for name in ("rule.pt", "x0.pt", "o.pt")]
+    args = [sys.executable, str(script), *files, str(torch.get_num_threads())]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert_matches(torch.load(tmp_path / "o.pt"), reference(rule, x0, N_ITER))
@@ -302,7 +319,8 @@ def test_export_with_probes_off_has_no_probe_op():
 # ------------------------------------------------------------------------------------------------ errors
 def test_duplicate_probe_names_in_one_model_are_refused():
     inst = session()
-    with pytest.raises(instrument.ProbeError, match=r"two probes named 'h' in watched model TwoSameNames: at 'a.1' and 'b'"):
+    with pytest.raises(instrument.ProbeError,
+                       match=r"two probes named 'h' in watched model TwoSameNames: at 'a.1' and 'b'"):
         inst.watch(TwoSameNames())
     inst.close()
 
@@ -310,7 +328,8 @@ def test_duplicate_probe_names_in_one_model_are_refused():
 def test_same_probe_name_in_two_watched_models_is_refused():
     inst = session()
     inst.watch(new_rule())
-    with pytest.raises(instrument.ProbeError, match=r"probe 'hidden' of Rule .* same name as a probe of already watched"):
+    with pytest.raises(instrument.ProbeError,
+                       match=r"probe 'hidden' of Rule .* same name as a probe of already watched"):
         inst.watch(new_rule())
     inst.close()
 
@@ -318,16 +337,17 @@ def test_same_probe_name_in_two_watched_models_is_refused():
 def test_observer_asking_for_a_missing_probe_fails_at_the_first_logging_step():
     inst = session(Keep(("hidden", "hiden")), log_interval=1)
     inst.watch(new_rule())
-    with pytest.raises(instrument.ProbeError, match=r"observer 'keep' asks for probe\(s\) \['hiden'\], but no watched "
-                       r"model has a probe of that name \(probes found: \['hidden', 'update'\]\)"):
+    with pytest.raises(instrument.ProbeError,
+                       match=r"observer 'keep' asks for probe\(s\) \['hiden'\], but no watched model has a "
+                       r"probe of that name \(probes found: \['hidden', 'update'\]\)"):
         with inst.step(0):
             pass
     inst.close()
 
 
 def test_gradient_probe_is_refused_by_scripting():
-    with pytest.raises(instrument.ProbeError, match=r"gradient probe 'hidden' cannot be scripted: TorchScript drops "
-                       r"backward hooks silently"):
+    with pytest.raises(instrument.ProbeError,
+                       match=r"gradient probe 'hidden' cannot be scripted: TorchScript drops backward hooks"):
         torch.jit.script(new_rule(grad=True))
 
 
@@ -339,7 +359,8 @@ def test_gradient_probe_switched_on_in_a_scripted_module_is_refused_by_watch():
 
 
 def test_state_watch_of_a_script_module_is_refused():
-    with pytest.raises(instrument.ConfigurationError, match=r"is a ScriptModule, which cannot take the forward hook"):
+    with pytest.raises(instrument.ConfigurationError,
+                       match=r"is a ScriptModule, which cannot take the forward hook"):
         session().watch(torch.jit.script(new_rule()), state=True)
 
 
@@ -362,8 +383,9 @@ def test_future_annotations_breaking_scripting_is_explained(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     from future_rule import FutureRule
 
-    with pytest.raises(instrument.ProbeError, match=r"module\(s\) \['future_rule'\] start with 'from __future__ import "
-                       r"annotations'.*Unknown type annotation"):
+    with pytest.raises(instrument.ProbeError,
+                       match=r"module\(s\) \['future_rule'\] start with 'from __future__ import annotations'"
+                       r".*Unknown type annotation"):
         instrument.script(FutureRule())
     assert isinstance(instrument.script(new_rule()), torch.jit.ScriptModule)  # no warning, no error
 
@@ -373,5 +395,6 @@ def test_bad_probe_names_and_frozen_probes_without_names_are_refused():
         instrument.Probe("")
     rule = new_rule().eval()
     frozen = torch.jit.freeze(torch.jit.script(rule), preserved_attrs=["p_hidden.enabled"])
-    with pytest.raises(instrument.ProbeError, match=r"has lost its name.*instrument.freeze\(scripted, keep_probes=True\)"):
+    with pytest.raises(instrument.ProbeError,
+                       match=r"has lost its name.*instrument.freeze\(scripted, keep_probes=True\)"):
         session().watch(frozen)

@@ -9,13 +9,15 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
-from tests._probe_models import Rule, reference
 from torch._dynamo.utils import counters
 
 import instrument
+from tests._probe_models import Rule, reference
 
 # Dynamo itself reads .grad of the non-leaf state it is given each iteration (torch's warning, not ours).
-pytestmark = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
+)
 
 N_ITER = 3
 STEPS = 6  # log_interval=2: on, off, on, off, on, off
@@ -38,8 +40,8 @@ class HostSide(instrument.Observer):
 
 
 def seed_state() -> torch.Tensor:
-    # requires_grad like every later state of the rollout, so Dynamo sees one kind of input (else it compiles a
-    # second variant for the first iteration, probes or not).
+    # requires_grad like every later state of the rollout, so Dynamo sees one kind of input (else it compiles
+    # a second variant for the first iteration, probes or not).
     return torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
 
 
@@ -88,10 +90,10 @@ def test_watch_then_compile_two_graphs_no_breaks_and_off_steps_skip_on_guards(fr
     assert "instrument.probe" in on_graph and "instrument" not in off_graph
     # The trap fix: "off" calls run the original forward code, whose cache holds only the "off" variant.
     assert cache_entries(Rule.forward) == 1
-    # Every iteration of the last logging step was recorded, equal to eager, and the observer's host syncs ran.
+    # Every iteration of the last logging step was recorded, equal to eager; the observer's host syncs ran.
     want = reference(rule, x0, N_ITER)
     assert len(observer.seen) == N_ITER and len(observer.sums) == N_ITER
-    for got, ref in zip(observer.seen, want):
+    for got, ref in zip(observer.seen, want, strict=True):
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
 
@@ -111,7 +113,7 @@ def test_compile_then_watch_wrapper_explicit_observer_and_gradient_probe(fresh_d
     assert sum(counters["graph_break"].values()) == 0
     assert backend.frame_count == 2
     want = reference(rule, x0, N_ITER)
-    for got, ref in zip(observer.seen, want):
+    for got, ref in zip(observer.seen, want, strict=True):
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
     # Gradient probe through the compiled backward: equal to eager autograd's gradient of each hidden value.
@@ -123,5 +125,5 @@ def test_compile_then_watch_wrapper_explicit_observer_and_gradient_probe(fresh_d
         x = x + rule.fc1(h)
     x.square().mean().backward()
     assert len(observer.gradients["hidden"]) == N_ITER
-    for got, h in zip(observer.gradients["hidden"], hidden):
+    for got, h in zip(observer.gradients["hidden"], hidden, strict=True):
         torch.testing.assert_close(got, h.grad)

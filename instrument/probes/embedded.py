@@ -29,7 +29,8 @@ class ProbeSet:
     def __init__(self, module: nn.Module, label: str = "") -> None:
         if not isinstance(module, nn.Module):
             raise ConfigurationError(
-                f"watch() expects a torch.nn.Module (eager, scripted or compiled), got {type(module).__name__}."
+                f"watch() expects a torch.nn.Module (eager, scripted or compiled), "
+                f"got {type(module).__name__}."
             )
         self.module = module
         root = compiled.unwrap(module)
@@ -48,7 +49,8 @@ class ProbeSet:
             if name in self.probes:
                 raise ProbeError(
                     f"two probes named {name!r} in watched model {self.label}: at {self.paths[name]!r} and "
-                    f"{path!r}. Probe names must be unique within a watched model; give each Probe its own name."
+                    f"{path!r}. Probe names must be unique within a watched model; give each Probe its own "
+                    f"name."
                 )
             self.probes[name] = probe
             self.paths[name] = path

@@ -11,9 +11,9 @@
 
 Off (every non-logging step) the forward is ``if self.enabled: ...; return x``: one bool test, no op in a
 TorchScript, frozen or compiled graph. The session sets ``enabled`` only for its logging steps; then the value
-goes through the ``instrument::probe`` operator (see `instrument.probes.record`), which records a detached copy
-for the observers. The forward is written so that ``torch.jit.script`` compiles it unchanged: keep this module
-free of ``from __future__ import annotations``.
+goes through the ``instrument::probe`` operator (see `instrument.probes.record`), which records a detached
+copy for the observers. The forward is written so that ``torch.jit.script`` compiles it unchanged: keep this
+module free of ``from __future__ import annotations``.
 """
 
 import torch

@@ -1,11 +1,11 @@
 """The probe operators and the recorder they write into.
 
 An enabled `Probe` calls ``torch.ops.instrument.probe(value, name, grad)``, a custom operator whose kernel is
-plain Python. Eager mode, TorchScript (also a module saved with ``torch.jit.save`` and loaded in another process
-that imports instrument) and torch.compile (where the operator stays opaque: no graph break, no recompile per
-call) all call that body at run time, so it can hand the value to the session without tracing or scripting
-any Python of ours. The body stores a detached copy in the `Recorder` the session installed for the current
-logging step; with no recorder installed it stores nothing. Observers run later, outside compiled code.
+plain Python. Eager mode, TorchScript (also a module saved with ``torch.jit.save`` and loaded in another
+process that imports instrument) and torch.compile (where the operator stays opaque: no graph break, no
+recompile per call) all call that kernel at run time, so it can hand the value to the session without tracing
+or scripting any Python of ours. The kernel stores a detached copy in the `Recorder` the session installed for
+the current logging step; with no recorder installed it stores nothing. Observers run later, outside compiled code.
 
 The operator returns a copy of its input (a custom operator may not return an alias of an input), and its
 autograd formula is the identity. With ``grad=True`` the backward formula passes the incoming gradient through
@@ -82,8 +82,8 @@ def uninstall(recorder: Recorder) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the operators
-# Defined with the low-level torch.library API rather than @torch.library.custom_op: the latter wraps the kernel
-# so that its first call imports torch._dynamo (seconds, even for users who never compile).
+# Defined with the low-level torch.library API rather than @torch.library.custom_op: the latter wraps the
+# kernel so that its first call imports torch._dynamo (seconds, even for users who never compile).
 _lib = torch.library.Library("instrument", "DEF")
 _lib.define("probe(Tensor value, str name, bool grad) -> Tensor")
 _lib.define("probe_grad(Tensor gradient, str name) -> Tensor")
@@ -116,5 +116,5 @@ def _probe_backward(ctx, gradient: Tensor):
 _lib.impl("probe", _probe, "CompositeExplicitAutograd")
 _lib.impl("probe_grad", _probe_grad, "CompositeExplicitAutograd")
 torch.library.register_fake("instrument::probe", lambda value, name, grad: torch.empty_like(value), lib=_lib)
-torch.library.register_fake("instrument::probe_grad", lambda gradient, name: torch.empty_like(gradient), lib=_lib)
+torch.library.register_fake("instrument::probe_grad", lambda grad, name: torch.empty_like(grad), lib=_lib)
 torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)

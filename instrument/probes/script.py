@@ -44,7 +44,7 @@ _PROBE_TYPE = "instrument.probes.probe."
 
 
 def _is_probe_type(qualified_name: str) -> bool:
-    # e.g. __torch__.instrument.probes.probe.Probe or __torch__.instrument.probes.probe.___torch_mangle_3.Probe
+    # __torch__.instrument.probes.probe.Probe, or __torch__.instrument.probes.probe.___torch_mangle_3.Probe
     return _PROBE_TYPE in qualified_name and qualified_name.endswith(".Probe")
 
 
@@ -118,9 +118,9 @@ def check_scriptable(probe: nn.Module) -> None:
     """Called by ``Probe.__prepare_scriptable__`` and when a ScriptModule is watched."""
     if probe.grad:
         raise ProbeError(
-            f"gradient probe {probe.name!r} cannot be scripted: TorchScript drops backward hooks silently, so "
-            f"instrument refuses gradient probes on scripted modules. Use Probe({probe.name!r}) (grad=False) "
-            f"in the model you script, and record gradients in eager mode or with torch.compile."
+            f"gradient probe {probe.name!r} cannot be scripted: TorchScript drops backward hooks silently, "
+            f"so instrument refuses gradient probes on scripted modules. Use Probe({probe.name!r}) "
+            f"(grad=False) in the model you script, and record gradients in eager mode or with torch.compile."
         )
 
 
@@ -151,8 +151,8 @@ def script(module: nn.Module) -> torch.jit.ScriptModule:
         raise ProbeError(
             f"torch.jit.script failed on {type(module).__name__}, and module(s) {offenders} start with "
             f"'from __future__ import annotations'. That import turns every annotation into a string, which "
-            f"TorchScript cannot always resolve. Remove the import from those files (or script modules defined "
-            f"elsewhere). TorchScript said: {str(exc).strip().splitlines()[0]}"
+            f"TorchScript cannot always resolve. Remove the import from those files (or script modules "
+            f"defined elsewhere). TorchScript said: {str(exc).strip().splitlines()[0]}"
         ) from exc
 
 

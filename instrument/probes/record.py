@@ -5,7 +5,8 @@ plain Python. Eager mode, TorchScript (also a module saved with ``torch.jit.save
 process that imports instrument) and torch.compile (where the operator stays opaque: no graph break, no
 recompile per call) all call that kernel at run time, so it can hand the value to the session without tracing
 or scripting any Python of ours. The kernel stores a detached copy in the `Recorder` the session installed for
-the current logging step; with no recorder installed it stores nothing. Observers run later, outside compiled code.
+the current logging step; with no recorder installed it stores nothing. Observers run later, outside compiled
+code.
 
 The operator returns a copy of its input (a custom operator may not return an alias of an input), and its
 autograd formula is the identity. With ``grad=True`` the backward formula passes the incoming gradient through

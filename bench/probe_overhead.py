@@ -4,7 +4,9 @@ For each mode it times three variants of the same rollout:
 
 * ``bare``: the demo module, no probes anywhere;
 * ``off``:  the same module with `instrument.Probe`s embedded, on a non-logging step (target <= 1.01x bare);
-* ``on``:   a logging step: probes record every iteration and a session hands the values to an observer.
+* ``on``:   a logging step: probes record every iteration and a session hands the values to an observer;
+* ``observed``: the bare module in a logging step with the same observer calls, so ``on / observed`` is what
+  the probes themselves add to a logging step.
 
 Every repetition runs each variant once in shuffled order; the report is the median over repetitions of
 ``variant / bare`` within a mode (never absolute times: the machine is shared). For torch.compile the
@@ -133,15 +135,20 @@ def build(workload: str, mode: str, args) -> Dict[str, Callable[[], object]]:
     # Probes only (the loop hands contexts to s.observer), the same in every mode.
     inst = instrument.Instrumentation(observers=[KeepProbes()], backends=[], log_interval=1)
     inst.watch(probed_m, state=False)
+    plain = instrument.Instrumentation(observers=[KeepProbes()], backends=[], log_interval=1)
 
     def on():
         with inst.step(0) as s:
             return run(probed_m, s.observer)
 
+    def observed():
+        with plain.step(0) as s:
+            return run(bare_m, s.observer)
+
     with torch.no_grad():  # compile or warm every variant, "on" first (see the module docstring)
         for fn in (on, on) + (lambda: run(bare_m), lambda: run(probed_m)) * 2:
             fn()
-    return {"bare": lambda: run(bare_m), "off": lambda: run(probed_m), "on": on}
+    return {"bare": lambda: run(bare_m), "off": lambda: run(probed_m), "on": on, "observed": observed}
 
 
 def measure(variants: Dict[str, Callable], reps: int) -> Dict[str, float]:
@@ -175,11 +182,13 @@ def main() -> None:
     torch.set_num_threads(1)
     modes = ["eager", "scripted"] + (["compiled"] if args.compile else [])
     print(f"torch {torch.__version__}, {args.reps} reps, medians of per-rep ratios to the bare module")
-    print(f"{'workload':10} {'mode':9} {'off/bare':>9} {'on/bare':>9}")
+    header = ("workload", "mode", "off/bare", "on/bare", "observed/bare", "on/observed")
+    print("{:10} {:9} {:>9} {:>9} {:>14} {:>12}".format(*header))
     for workload in args.workloads.split(","):
         for mode in modes:
-            result = measure(build(workload, mode, args), args.reps)
-            print(f"{workload:10} {mode:9} {result['off']:9.3f} {result['on']:9.3f}", flush=True)
+            r = measure(build(workload, mode, args), args.reps)
+            print(f"{workload:10} {mode:9} {r['off']:9.3f} {r['on']:9.3f} {r['observed']:14.3f} "
+                  f"{r['on'] / r['observed']:12.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,13 @@ from instrument.errors import (
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
+from instrument.logging.reduce import CrossRankReducer
 from instrument.logging.timer import Timer
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
@@ -46,12 +49,14 @@ __all__ = [
     "Backend",
     "ConfigurationError",
     "ConsoleBackend",
+    "CrossRankReducer",
     "InstrumentError",
     "Instrumentation",
     "IterationStats",
     "JsonlBackend",
     "Logger",
     "MissingExtraError",
+    "MlflowBackend",
     "Observer",
     "Probe",
     "ProbeError",
@@ -61,6 +66,7 @@ __all__ = [
     "StepOrderError",
     "StepRecord",
     "StepScope",
+    "SystemMonitor",
     "TensorBoardBackend",
     "Timer",
     "UpdateNorm",

@@ -22,9 +22,11 @@ from instrument.core.observer import Observer
 from instrument.logging.backends.base import Backend
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.observers.iteration_stats import IterationStats
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation
 
@@ -35,7 +37,7 @@ GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 # Registered in place (not as gin's usual subclass copies), so `instrument.Instrumentation()` itself picks up
 # the bindings of a parsed .gin file, as the README's loop shows.
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
-             JsonlBackend):
+             JsonlBackend, MlflowBackend, SystemMonitor):
     gin.configurable(_cls.__name__)(_cls)
 
 
@@ -89,8 +91,13 @@ def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Non
     gin.parse_config_files_and_bindings(list(config_files), list(bindings), finalize_config=False)
 
 
-def operative_config() -> Tuple[Dict[str, Any], str]:
-    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters."""
+def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
+    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
+
+    Empty when nothing was bound: a run configured in plain Python logs only its own hyperparameters.
+    """
+    if not gin.config_str().strip():
+        return {}, None
     text = gin.operative_config_str()
     params: Dict[str, Any] = {}
     parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))

@@ -18,6 +18,7 @@ from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logging.backends.base import Backend, RunInfo
 from instrument.logging.logger import Logger
+from instrument.logging.ranks import check_same_config
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
@@ -95,6 +96,11 @@ class Instrumentation:
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
+        system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
+            `close`; it writes ``system/...`` metrics on its own wall-clock axis.
+
+    Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
+    the reduction at each commit, and the first step checks that all ranks hold the same operative config.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class Instrumentation:
         log_dir: str = "runs",
         hyperparams: Optional[Dict[str, Any]] = None,
         on_step_regression: str = "raise",
+        system_monitor: Optional[Any] = None,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -133,6 +140,9 @@ class Instrumentation:
         self._current: Optional[StepScope] = None
         self._config_logged = False
         self._closed = False
+        self.system_monitor = system_monitor
+        if system_monitor is not None and self.logger.is_writer:
+            system_monitor.start(self.logger)
 
     # ------------------------------------------------------------------ public API
     def watch(
@@ -208,7 +218,11 @@ class Instrumentation:
         self._closed = True
         for watch in self._watches:
             watch.detach()
-        self.logger.close()
+        try:
+            if self.system_monitor is not None:
+                self.system_monitor.stop()
+        finally:
+            self.logger.close()
 
     def __enter__(self) -> "Instrumentation":
         return self
@@ -314,5 +328,7 @@ class Instrumentation:
 
             gin_params, text = operative_config()
             params = {**gin_params, **params}
+        # A collective under torch.distributed (every rank reaches its first step); a no-op otherwise.
+        check_same_config(text or "", self.logger.reducer.group)
         if params or text:
             self.logger.log_hyperparams(params, text)

@@ -6,6 +6,8 @@ from typing import List
 
 import pytest
 import torch
+
+import instrument
 import torch.nn.functional as F
 
 from instrument.demos.cartpole import CartPole, Policy, discounted_returns, rollout_episode, train_cartpole
@@ -166,7 +168,7 @@ def test_rollout_calls_observer_once_per_iteration_in_order():
     assert [ctx.step_index for ctx in seen] == list(range(6))
     assert torch.equal(seen[0].previous_state, seed)
     assert torch.equal(seen[-1].next_state, out)
-    for a, b in zip(seen, seen[1:]):
+    for a, b in zip(seen, seen[1:], strict=False):
         assert torch.equal(a.next_state, b.previous_state)
     torch.manual_seed(0)
     assert torch.equal(rollout(model, seed, 6), out)  # observing does not change the rollout
@@ -210,7 +212,7 @@ def test_cartpole_single_step_matches_hand_computation():
     obs, reward, done = env.step(torch.tensor(actions))
     # from rest, pushing right: temp = 10/1.1, thetaacc = -temp / (0.5 * (4/3 - 0.1/1.1)), xacc = ...
     assert obs[0].tolist() == pytest.approx([0.0, 0.19512195, 0.0, -0.29268293], abs=1e-7)
-    for row, state, action in zip(obs.tolist(), states, actions):
+    for row, state, action in zip(obs.tolist(), states, actions, strict=True):
         assert row == pytest.approx(_gym_step(state, action), abs=1e-12)
     assert reward.tolist() == [1.0, 1.0, 1.0]
     assert done.tolist() == [False, False, False]
@@ -291,3 +293,47 @@ def test_train_cartpole_short_run_returns_summary():
     assert 1 <= result["final_mean_length"] <= 30
     again = train_cartpole(steps=3, num_envs=16, max_steps=30, seed=1)
     assert again["mean_lengths"] == result["mean_lengths"]  # seeded end to end
+
+
+# ------------------------------------------------------------------------- the instrumentation call pattern
+
+
+class _Keep(instrument.Backend):
+    def __init__(self) -> None:
+        self.records: List[instrument.StepRecord] = []
+
+    def write(self, record):
+        self.records.append(record)
+
+
+class _Counter(instrument.Observer):
+    def reset(self) -> None:
+        self.indices: List[int] = []
+
+    def observe(self, context) -> None:
+        self.indices.append(context.step_index)
+
+    def log(self, logger, step) -> None:
+        logger.log_metrics({"iterations": len(self.indices)}, step=step, prefix="counter")
+
+
+def test_train_nca_drives_the_real_instrumentation():
+    keep, counter = _Keep(), _Counter()
+    inst = instrument.Instrumentation([counter], backends=[keep], log_interval=1)
+    result = train_nca(inst, steps=2, batch_size=1, size=12, n_iter_min=4, n_iter_max=4)
+    inst.close()
+    assert [r.step for r in keep.records] == [0, 1]
+    assert [r.scalars["counter/iterations"] for r in keep.records] == [4.0, 4.0]  # hooks fired inside the steps
+    assert [r.scalars["train/loss"] for r in keep.records] == pytest.approx(result["losses"])
+    assert len(result["model"].update_rule._forward_hooks) == 0  # and were removed afterwards
+
+
+def test_train_cartpole_drives_the_real_instrumentation():
+    keep, counter = _Keep(), _Counter()
+    inst = instrument.Instrumentation([counter], backends=[keep], log_interval=1)
+    result = train_cartpole(inst, steps=2, num_envs=8, max_steps=10)
+    inst.close()
+    assert [r.step for r in keep.records] == [0, 1]
+    assert {"train/loss", "train/episode_length"} <= set(keep.records[0].scalars)
+    assert counter.indices == list(range(len(counter.indices))) and counter.indices
+    assert keep.records[-1].scalars["train/episode_length"] == pytest.approx(result["final_mean_length"])

@@ -45,14 +45,14 @@ def make_target(size: int = 32, radius: float = 0.22, offset: float = 0.12) -> T
 
 
 def make_seed(batch: int, channels: int = 16, size: int = 32) -> Tensor:
-    """The starting state [batch, channels, size, size]: one live cell (channels 3.. set to 1) at the centre."""
+    """The starting state [batch, channels, size, size]: one live cell (channels 3.. = 1) at the centre."""
     x = torch.zeros(batch, channels, size, size)
     x[:, 3:, size // 2, size // 2] = 1.0
     return x
 
 
 def _perception_kernel(channels: int) -> Tensor:
-    """Depthwise kernel [3*channels, 1, 3, 3]: identity, Sobel-x and Sobel-y for every channel, in that order."""
+    """Depthwise kernel [3*channels, 1, 3, 3]: identity, Sobel-x, Sobel-y for each channel, in that order."""
     identity = torch.zeros(3, 3)
     identity[1, 1] = 1.0
     sobel_x = torch.outer(torch.tensor([1.0, 2.0, 1.0]), torch.tensor([-1.0, 0.0, 1.0])) / 8.0
@@ -63,11 +63,11 @@ def _perception_kernel(channels: int) -> Tensor:
 class UpdateRule(nn.Module):
     """One NCA iteration: perceive, per-cell MLP, stochastic update, alive masking.
 
-    Perception is a fixed depthwise conv (identity, Sobel-x, Sobel-y per channel) with ZERO padding: the world
-    is a bounded canvas, not a torus, as in the paper's 'SAME' convolution. The MLP is two 1x1 convs whose last
-    layer starts at zero, so an untrained rule is the identity up to alive masking and training starts from a
-    stable state. Fire masks come from the global RNG (``torch.rand``) so ``torch.manual_seed`` reproduces a
-    rollout exactly, eager or scripted.
+    Perception is a fixed depthwise conv (identity, Sobel-x, Sobel-y per channel) with ZERO padding: the
+    world is a bounded canvas, not a torus, as in the paper's 'SAME' convolution. The MLP is two 1x1 convs
+    whose last layer starts at zero, so an untrained rule is the identity up to alive masking and training
+    starts from a stable state. Fire masks come from the global RNG (``torch.rand``) so ``torch.manual_seed``
+    reproduces a rollout exactly, eager or scripted.
     """
 
     def __init__(
@@ -180,7 +180,7 @@ def rollout(model: NCA, seed: Tensor, n_iter: int, observer: Optional[Callable[[
 
 
 def _normalize_grads(model: nn.Module) -> None:
-    """Per-parameter gradient normalisation (the paper's trick): keeps long-rollout gradients from exploding."""
+    """Per-parameter gradient normalisation (the paper's trick): stops long-rollout gradients exploding."""
     for p in model.parameters():
         if p.grad is not None:
             p.grad.div_(p.grad.norm() + 1e-8)
@@ -234,6 +234,7 @@ def train_nca(
 
     losses: List[Tensor] = []  # kept as tensors: no host sync per step
     start = time.perf_counter()
+    cpu_start = time.process_time()
     for step in range(steps):
         n_iter = int(torch.randint(n_iter_min, n_iter_max + 1, (1,), generator=lengths_rng))
         if inst is None:
@@ -245,6 +246,7 @@ def train_nca(
                     inst.logger.log_metrics({"loss": loss}, step=step, prefix="train")
         losses.append(loss)
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start  # less skewed than wall time on a busy machine
     history = torch.stack(losses).tolist() if losses else []
     return {
         "final_loss": history[-1] if history else float("nan"),
@@ -252,5 +254,6 @@ def train_nca(
         "losses": history,
         "steps": steps,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "model": model,
     }

@@ -40,6 +40,8 @@ from instrument.logging.timer import Timer
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
+from instrument.probes.probe import Probe
+from instrument.probes.script import freeze, script
 from instrument.session import Instrumentation, StepScope, WatchHandle
 
 from instrument import config  # noqa: E402  (registers the configurables with gin)
@@ -60,6 +62,7 @@ __all__ = [
     "MissingExtraError",
     "MlflowBackend",
     "Observer",
+    "Probe",
     "ProbeError",
     "RunHistoryBackend",
     "RunInfo",
@@ -77,5 +80,7 @@ __all__ = [
     "WandbBackend",
     "WatchHandle",
     "__version__",
+    "freeze",
+    "script",
     "setup_run_logging",
 ]

@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from instrument.core.context import StepContext
 from instrument.core.dispatch import in_recompute
 from instrument.errors import ConfigurationError
+from instrument.probes.compiled import run_eagerly
 
 __all__ = ["StateWatch"]
 
@@ -60,7 +61,8 @@ class StateWatch:
         if self._handle is not None:
             return self._handle
         self.iterations = 0
-        self._handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        # run_eagerly: with a compiled module, Dynamo would otherwise trace the hook and the observers it calls.
+        self._handle = self.module.register_forward_hook(run_eagerly(self._hook), with_kwargs=True)
         return self._handle
 
     def detach(self) -> None:

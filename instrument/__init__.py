@@ -12,10 +12,11 @@ Data flows one way: probe -> observer -> logger -> backend.
             inst.logger.log_metrics({"loss": loss.detach()}, step=step, prefix="train")
     inst.close()
 
-gin configuration lives in `instrument.config`, the one module that imports gin; it is imported last here so
-that the public classes are gin-configurable under their own names.
+gin configuration lives in `instrument.config`, the one module that imports gin; importing the package imports it, so
+the public classes are gin-configurable under their own names.
 """
 
+from instrument import config  # noqa: F401  (registers the configurables with gin)
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer, StepObserver
 from instrument.errors import (
@@ -43,8 +44,6 @@ from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
 from instrument.probes.script import freeze, script
 from instrument.session import Instrumentation, StepScope, WatchHandle
-
-from instrument import config  # noqa: E402  (registers the configurables with gin)
 
 __version__ = "0.1.0"
 

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gin
-
-from instrument.core.observer import Observer
 from instrument.logging.backends.base import Backend
 from instrument.logging.backends.console import ConsoleBackend
 from instrument.logging.backends.history import RunHistoryBackend
@@ -28,8 +26,8 @@ from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.runlog import setup_run_logging
 from instrument.logging.table import Column
-from instrument.observers.iteration_stats import IterationStats
 from instrument.monitors.system import SystemMonitor
+from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
 from instrument.rl import CollectionMetrics, Counters, Evaluation, ProgressBar, RLLogging, TrainMetrics
 from instrument.session import Instrumentation

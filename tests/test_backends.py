@@ -46,7 +46,8 @@ def test_tensorboard_values_match_a_float64_reference(tmp_path):
         assert scalars[f"iteration_stats/std/c{c}"][1] == pytest.approx(per_channel[c].std(), rel=1e-5)
         assert scalars[f"iteration_stats/min/c{c}"][1] == pytest.approx(per_channel[c].min(), rel=1e-5)
         assert scalars[f"iteration_stats/max/c{c}"][1] == pytest.approx(per_channel[c].max(), rel=1e-5)
-    norms = [np.linalg.norm((b - a).double().numpy().reshape(3, -1), axis=1).mean() for a, b in zip(states, states[1:])]
+    pairs = zip(states, states[1:], strict=False)
+    norms = [np.linalg.norm((b - a).double().numpy().reshape(3, -1), axis=1).mean() for a, b in pairs]
     assert scalars["update_norm/l2/mean"][0] == pytest.approx(np.mean(norms), rel=1e-5)
     assert scalars["update_norm/l2/last"][0] == pytest.approx(norms[-1], rel=1e-5)
     assert scalars["train/loss"] == {0: 0.5, 1: 1.0}

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gin
 import pytest
 
+import gin
 import instrument
 from instrument import config
 
@@ -54,7 +54,8 @@ def test_observers_and_backends_bound_in_gin_file(tmp_path):
 @pytest.mark.parametrize(
     "text, pattern",
     [
-        ("Instrumentation.log_intervall = 5\n", r"(?s)doesn't have a parameter named 'log_intervall'.*exp.gin\", line 1"),
+        ("Instrumentation.log_intervall = 5\n",
+         r"(?s)doesn't have a parameter named 'log_intervall'.*exp.gin\", line 1"),
         ("\nNoSuchObserver.x = 5\n", r"(?s)No configurable matching 'NoSuchObserver'.*exp.gin\", line 2"),
     ],
 )

@@ -365,7 +365,7 @@ class Logger:
                     stage("sample", f"{tag}\0{i}\0{field}", value)
         if pending is not None:
             stage("reduced", "", pending.result)
-        host = dict(zip(slots, to_host(tensors)))
+        host = dict(zip(slots, to_host(tensors), strict=True))
 
         def value_of(kind: str, key: str, value: Any) -> Any:
             return host[(kind, key)] if isinstance(value, Tensor) else value
@@ -381,7 +381,7 @@ class Logger:
         for key, (value, x_label, y_label) in self._heatmaps.items():
             matrix = value_of("heatmap", key, value)
             record.images[key] = self._host_image(
-                key, matrix, lambda m, k: render_heatmap(m, title=k, x_label=x_label, y_label=y_label)
+                key, matrix, lambda m, k, xl=x_label, yl=y_label: render_heatmap(m, title=k, x_label=xl, y_label=yl)
             )
         for key, value in self._histograms.items():
             record.histograms[key] = np.asarray(value_of("histogram", key, value), dtype=np.float64).reshape(-1)

@@ -33,7 +33,7 @@ class Timer:
         self.reduce = reduce
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self._seconds: List[float] = []
-        self._events: List[Tuple["torch.cuda.Event", "torch.cuda.Event"]] = []
+        self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start: Optional[object] = None
 
     def __enter__(self) -> "Timer":

@@ -12,10 +12,11 @@ Data flows one way: probe -> observer -> logger -> backend.
             inst.logger.log_metrics({"loss": loss.detach()}, step=step, prefix="train")
     inst.close()
 
-gin configuration lives in `instrument.config`, the one module that imports gin; it is imported last here so
-that the public classes are gin-configurable under their own names.
+gin configuration lives in `instrument.config`, the one module that imports gin; importing the package imports it, so
+the public classes are gin-configurable under their own names.
 """
 
+from instrument import config  # noqa: F401  (registers the configurables with gin)
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer, StepObserver
 from instrument.errors import (
@@ -27,41 +28,58 @@ from instrument.errors import (
 )
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
 from instrument.logging.backends.console import ConsoleBackend
+from instrument.logging.backends.history import RunHistoryBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
 from instrument.logging.logger import Logger
+from instrument.logging.reduce import CrossRankReducer
+from instrument.logging.runlog import RunLog, setup_run_logging
+from instrument.logging.table import Column, StepTable
 from instrument.logging.timer import Timer
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
+from instrument.probes.probe import Probe
+from instrument.probes.script import freeze, script
 from instrument.session import Instrumentation, StepScope, WatchHandle
-
-from instrument import config  # noqa: E402  (registers the configurables with gin)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "Column",
     "ConfigurationError",
     "ConsoleBackend",
+    "CrossRankReducer",
     "InstrumentError",
     "Instrumentation",
     "IterationStats",
     "JsonlBackend",
     "Logger",
     "MissingExtraError",
+    "MlflowBackend",
     "Observer",
+    "Probe",
     "ProbeError",
+    "RunHistoryBackend",
     "RunInfo",
+    "RunLog",
     "StepContext",
     "StepObserver",
     "StepOrderError",
     "StepRecord",
     "StepScope",
+    "StepTable",
+    "SystemMonitor",
     "TensorBoardBackend",
     "Timer",
     "UpdateNorm",
     "WandbBackend",
     "WatchHandle",
     "__version__",
+    "freeze",
+    "script",
+    "setup_run_logging",
 ]

@@ -17,15 +17,19 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gin
-
-from instrument.core.observer import Observer
 from instrument.logging.backends.base import Backend
 from instrument.logging.backends.console import ConsoleBackend
+from instrument.logging.backends.history import RunHistoryBackend
 from instrument.logging.backends.jsonl import JsonlBackend
+from instrument.logging.backends.mlflow import MlflowBackend
 from instrument.logging.backends.tensorboard import TensorBoardBackend
 from instrument.logging.backends.wandb import WandbBackend
+from instrument.logging.runlog import setup_run_logging
+from instrument.logging.table import Column
+from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
+from instrument.rl import CollectionMetrics, Counters, Evaluation, ProgressBar, RLLogging, TrainMetrics
 from instrument.session import Instrumentation
 
 __all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
@@ -35,8 +39,31 @@ GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
 # Registered in place (not as gin's usual subclass copies), so `instrument.Instrumentation()` itself picks up
 # the bindings of a parsed .gin file, as the README's loop shows.
 for _cls in (Instrumentation, IterationStats, UpdateNorm, TensorBoardBackend, WandbBackend, ConsoleBackend,
-             JsonlBackend):
+             JsonlBackend, MlflowBackend, SystemMonitor):
     gin.configurable(_cls.__name__)(_cls)
+
+# Console table columns (one scope per column: `loss/Column.key = ...`, then `@loss/Column()`; or plain
+# dict/tuple literals in ConsoleBackend.columns) and run logs (`Instrumentation.run_log = @setup_run_logging`).
+# Column is a gin-side copy, not registered in place: an unscoped `Column.fmt = ...` binding must not change
+# the columns ConsoleBackend builds itself (step, summary).
+gin.external_configurable(Column, name="Column")
+gin.external_configurable(setup_run_logging, name="setup_run_logging")
+
+
+# RL instrumentation (instrument.rl) and the in-memory run history.
+for _cls in (RLLogging, CollectionMetrics, TrainMetrics, Counters, Evaluation, ProgressBar,
+             RunHistoryBackend):
+    gin.configurable(_cls.__name__)(_cls)
+
+
+@gin.configurable("TorchRLHook")
+def torchrl_hook(
+    rl: Optional[RLLogging] = None, instrumentation: Any = None, close_on_shutdown: bool = True
+):
+    """`instrument.rl.torchrl.TorchRLHook`, built on demand so importing this module never imports TorchRL."""
+    from instrument.rl.torchrl import TorchRLHook
+
+    return TorchRLHook(rl, instrumentation=instrumentation, close_on_shutdown=close_on_shutdown)
 
 
 @gin.configurable
@@ -79,6 +106,15 @@ def _register_demos() -> None:
 _register_demos()
 
 
+def _register_rl_demos() -> None:
+    from instrument.demos.torchrl_ppo import train_torchrl_ppo  # imports TorchRL only when it runs
+
+    gin.external_configurable(train_torchrl_ppo, name="train_torchrl_ppo")
+
+
+_register_rl_demos()
+
+
 def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
     """Parse ``.gin`` files and ``Name.param = value`` bindings; includes resolve beside each file and in gin/."""
     for path in config_files:
@@ -89,8 +125,13 @@ def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Non
     gin.parse_config_files_and_bindings(list(config_files), list(bindings), finalize_config=False)
 
 
-def operative_config() -> Tuple[Dict[str, Any], str]:
-    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters."""
+def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
+    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
+
+    Empty when nothing was bound: a run configured in plain Python logs only its own hyperparameters.
+    """
+    if not gin.config_str().strip():
+        return {}, None
     text = gin.operative_config_str()
     params: Dict[str, Any] = {}
     parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))

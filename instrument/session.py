@@ -1,23 +1,26 @@
 """`Instrumentation`: the session that ties probes, observers, the logger and its backends together.
 
-It decides which steps log (``is_logging_step``), attaches hooks to watched modules only for those steps and
-removes them afterwards (also when the step raises), runs the observers' lifecycle, and commits the logger once
-per logging step. On every other step it does nothing at all: no hook is registered, no observer runs, no value
-leaves the device.
+It decides which steps log (``is_logging_step``), attaches hooks to watched modules and turns their embedded
+probes on only for those steps and undoes both afterwards (also when the step raises), runs the observers'
+lifecycle, and commits the logger once per logging step. On every other step it does nothing at all: no hook
+is registered, no probe is on, no observer runs, no value leaves the device.
 """
 
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from torch import nn
 
 from instrument.core.dispatch import Dispatcher, ObserverLike
-from instrument.errors import ConfigurationError
+from instrument.errors import ConfigurationError, ProbeError
 from instrument.logging.backends.base import Backend, RunInfo
 from instrument.logging.logger import Logger
+from instrument.logging.ranks import check_same_config
+from instrument.probes import record
+from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
 
 __all__ = ["Instrumentation", "StepScope", "WatchHandle"]
@@ -32,14 +35,21 @@ def default_run_name() -> str:
 class WatchHandle:
     """Returned by `Instrumentation.watch`; ``remove()`` unwatches (idempotent), also as a context manager."""
 
-    def __init__(self, session: "Instrumentation", watch: StateWatch) -> None:
+    def __init__(
+        self, session: "Instrumentation", watch: Optional[StateWatch], probes: Optional[ProbeSet] = None
+    ) -> None:
         self._session = session
         self.watch = watch
+        self.probes = probes
 
     def remove(self) -> None:
-        self.watch.detach()
-        if self.watch in self._session._watches:
-            self._session._watches.remove(self.watch)
+        if self.watch is not None:
+            self.watch.detach()
+            if self.watch in self._session._watches:
+                self._session._watches.remove(self.watch)
+        if self.probes is not None and self.probes in self._session._probe_sets:
+            self.probes.off()
+            self._session._probe_sets.remove(self.probes)
 
     def __enter__(self) -> "WatchHandle":
         return self
@@ -86,6 +96,15 @@ class Instrumentation:
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
+        system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
+            `close`; it writes ``system/...`` metrics on its own wall-clock axis.
+        run_log: True writes a verbose DEBUG log file into the run folder and terse ``instrument`` messages to
+            the terminal (`instrument.logging.runlog.setup_run_logging`); a callable taking
+            ``(run_dir=, run_name=)`` (e.g. gin's ``@setup_run_logging``) sets it up its own way. Closed with
+            the session.
+
+    Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
+    the reduction at each commit, and the first step checks that all ranks hold the same operative config.
     """
 
     def __init__(
@@ -97,6 +116,8 @@ class Instrumentation:
         log_dir: str = "runs",
         hyperparams: Optional[Dict[str, Any]] = None,
         on_step_regression: str = "raise",
+        system_monitor: Optional[Any] = None,
+        run_log: Union[bool, Callable[..., Any]] = False,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -115,29 +136,82 @@ class Instrumentation:
         self.observers: List[ObserverLike] = list(observers)
         self.log_interval = log_interval
         self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
-        self.logger = Logger(backends, self.run, on_step_regression=on_step_regression)
+        self.run_log: Any = None
+        if run_log:  # before the logger, so what backends print while opening is in the file too
+            from instrument.logging.runlog import setup_run_logging
+
+            setup = setup_run_logging if run_log is True else run_log
+            if not callable(setup):
+                raise ConfigurationError(f"run_log must be True, False or a callable, got {run_log!r}.")
+            self.run_log = setup(run_dir=self.run.dir, run_name=self.run.name)
+        try:
+            self.logger = Logger(backends, self.run, on_step_regression=on_step_regression)
+        except BaseException:
+            if self.run_log is not None:
+                self.run_log.close()
+            raise
         self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
         self._watches: List[StateWatch] = []
+        self._probe_sets: List[ProbeSet] = []
+        self._recorder: Optional[record.Recorder] = None
         self._current: Optional[StepScope] = None
         self._config_logged = False
         self._closed = False
+        self.system_monitor = system_monitor
+        if system_monitor is not None and self.logger.is_writer:
+            system_monitor.start(self.logger)
 
     # ------------------------------------------------------------------ public API
     def watch(
-        self, module: nn.Module, *, freeze_channels: Optional[Sequence[int]] = None, name: str = ""
+        self,
+        module: nn.Module,
+        *,
+        freeze_channels: Optional[Sequence[int]] = None,
+        name: str = "",
+        state: Optional[bool] = None,
     ) -> WatchHandle:
-        """Observe ``module``'s calls on logging steps; its forward must be one rollout iteration.
+        """Observe ``module`` on logging steps: its calls (state hook) and the `Probe`s embedded in it.
 
-        Nothing is registered on the module now: hooks exist only inside logging steps.
+        With ``state=True`` a forward hook turns each call into a `StepContext`, so the module's forward must
+        be one rollout iteration. With ``state=False`` only the embedded probes are switched on; their values
+        reach observers through ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that
+        to watch a model whose forward is a whole rollout. ``None`` (the default) means True, except for a
+        ScriptModule, which cannot take Python hooks. Watching the ``torch.compile`` wrapper or the eager
+        module it wraps is the same for probes.
+
+        Nothing is registered on the module now: hooks exist and probes are on only inside logging steps.
         """
-        if any(w.module is module for w in self._watches):
+        watched = [w.module for w in self._watches] + [p.module for p in self._probe_sets]
+        if any(m is module for m in watched):
             raise ConfigurationError(f"{type(module).__name__} is already watched by this Instrumentation.")
-        watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
-        self._watches.append(watch)
+        probes = ProbeSet(module, label=name or type(module).__name__)
+        if state is None:
+            state = not probes.scripted
+        if state and probes.scripted:
+            raise ConfigurationError(
+                f"{type(module).__name__} is a ScriptModule, which cannot take the forward hook that "
+                f"watching its state needs. Watch it with state=False (its probes still record) and call "
+                f"s.observer(StepContext(previous, next)) in your rollout loop."
+            )
+        self._check_probe_names(probes)
+        watch = None
+        if state:
+            watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
+        if watch is not None:
+            self._watches.append(watch)
+        if probes:
+            self._probe_sets.append(probes)
         if self._current is not None:
-            watch.attach()
-        return WatchHandle(self, watch)
+            self._probes_on()
+            if watch is not None:
+                watch.attach()
+        return WatchHandle(self, watch, probes if probes else None)
+
+    @property
+    def probe_names(self) -> List[str]:
+        """Names of the embedded probes in every watched model."""
+        return [name for probes in self._probe_sets for name in probes.names]
 
     def is_logging_step(self, step: int) -> bool:
         return self.log_interval > 0 and step % self.log_interval == 0
@@ -151,6 +225,11 @@ class Instrumentation:
         return StepScope(self, step, self.is_logging_step(step))
 
     @property
+    def active_step(self) -> Optional[int]:
+        """The logging step whose ``with inst.step(...)`` block is open (it commits on exit), else None."""
+        return self._current.step if self._current is not None else None
+
+    @property
     def failures(self) -> Dict[str, int]:
         """Observer and backend name -> number of failures so far."""
         return {**self._dispatch.failures, **self.logger.failures}
@@ -162,7 +241,15 @@ class Instrumentation:
         self._closed = True
         for watch in self._watches:
             watch.detach()
-        self.logger.close()
+        try:
+            if self.system_monitor is not None:
+                self.system_monitor.stop()
+        finally:
+            try:
+                self.logger.close()
+            finally:
+                if self.run_log is not None:
+                    self.run_log.close()
 
     def __enter__(self) -> "Instrumentation":
         return self
@@ -182,9 +269,11 @@ class Instrumentation:
             raise ConfigurationError(
                 f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
             )
+        self._check_probe_requests()
         self._current = scope
         self._dispatch.begin()
         try:
+            self._probes_on()
             for watch in self._watches:
                 watch.attach()
         except BaseException:
@@ -194,9 +283,19 @@ class Instrumentation:
 
     def _end(self, scope: StepScope, failed: bool) -> None:
         try:
+            recorder = self._recorder
             self._detach_all()
             if not failed:
-                self._dispatch.end(self.logger, scope.step)
+                gradients = None
+                if recorder is not None:
+                    gradients = recorder.gradients_in_forward_order()
+                    if recorder.recorded and not recorder.delivered:
+                        log.warning(
+                            "instrument: embedded probes recorded values in step %d but no observer call "
+                            "delivered them; watch the module whose forward is one rollout iteration, or "
+                            "call s.observer(StepContext(...)) each iteration", scope.step,
+                        )
+                self._dispatch.end(self.logger, scope.step, gradients)
                 self.logger.commit(scope.step)
         finally:
             self._current = None
@@ -204,6 +303,48 @@ class Instrumentation:
     def _detach_all(self) -> None:
         for watch in self._watches:
             watch.detach()
+        for probes in self._probe_sets:
+            probes.off()
+        if self._recorder is not None:
+            record.uninstall(self._recorder)
+            self._recorder = None
+            self._dispatch.recorder = None
+
+    def _probes_on(self) -> None:
+        if not self._probe_sets:
+            return
+        if self._recorder is None:
+            self._recorder = record.Recorder()
+            record.install(self._recorder)
+            self._dispatch.recorder = self._recorder
+        for probes in self._probe_sets:
+            probes.on()
+
+    def _check_probe_names(self, new: ProbeSet) -> None:
+        for probes in self._probe_sets:
+            for name in sorted(set(new.probes) & set(probes.probes)):
+                if new.probes[name] is not probes.probes[name]:
+                    raise ProbeError(
+                        f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a "
+                        f"probe of already watched {probes.label} (at {probes.paths[name]!r}); probe names "
+                        f"must be unique across the models one Instrumentation watches."
+                    )
+
+    def _check_probe_requests(self) -> None:
+        available = set(self.probe_names)
+        for observer in self.observers:
+            wanted = getattr(observer, "probes", ()) or ()
+            if isinstance(wanted, str):
+                wanted = (wanted,)
+            missing = [name for name in wanted if name not in available]
+            if missing:
+                from instrument.core.dispatch import observer_name
+
+                raise ProbeError(
+                    f"observer {observer_name(observer)!r} asks for probe(s) {missing}, but no watched model "
+                    f"has a probe of that name (probes found: {sorted(available) or 'none'}). Add "
+                    f"instrument.Probe({missing[0]!r}) to the model and watch it with inst.watch(model)."
+                )
 
     def _log_config(self) -> None:
         self._config_logged = True
@@ -214,5 +355,7 @@ class Instrumentation:
 
             gin_params, text = operative_config()
             params = {**gin_params, **params}
+        # A collective under torch.distributed (every rank reaches its first step); a no-op otherwise.
+        check_same_config(text or "", self.logger.reducer.group)
         if params or text:
             self.logger.log_hyperparams(params, text)

@@ -6,10 +6,9 @@ from typing import List
 
 import pytest
 import torch
-
-import instrument
 import torch.nn.functional as F
 
+import instrument
 from instrument.demos.cartpole import CartPole, Policy, discounted_returns, rollout_episode, train_cartpole
 from instrument.demos.nca import NCA, UpdateRule, make_seed, make_target, rollout, run_iterations, train_nca
 

@@ -21,7 +21,7 @@ def _observe(observer, states, condition=None):
     log = instrument.Logger([keep])
     observer.reset()
     with torch.no_grad():
-        for i, (a, b) in enumerate(zip(states, states[1:])):
+        for i, (a, b) in enumerate(zip(states, states[1:], strict=False)):
             observer(instrument.StepContext(a, b, condition=condition, step_index=i))
     observer.log(log, step=0)
     log.commit()

@@ -6,5 +6,6 @@ import instrument
 def test_all_names_exist_and_nothing_public_is_missing():
     for name in instrument.__all__:
         assert hasattr(instrument, name), name
-    public = {n for n in vars(instrument) if not n.startswith("_") and not isinstance(getattr(instrument, n), type(instrument))}
+    module = type(instrument)
+    public = {n for n in vars(instrument) if not n.startswith("_") and not isinstance(getattr(instrument, n), module)}
     assert public <= set(instrument.__all__), public - set(instrument.__all__)

@@ -14,6 +14,6 @@ def test_nca_parameters_and_gradients_bitwise_identical_with_observers_on_and_of
     watched = train_nca(inst, **kwargs)["model"]
     inst.close()
     assert inst._dispatch.calls > 0  # the observers really ran
-    for (name, p), q in zip(bare.named_parameters(), watched.parameters()):
+    for (name, p), q in zip(bare.named_parameters(), watched.parameters(), strict=True):
         assert torch.equal(p, q), name
         assert torch.equal(p.grad, q.grad), name

@@ -7,6 +7,7 @@ record is a ``wandb.proto.wandb_internal_pb2.Record``.
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -36,17 +37,31 @@ def _payloads(data: bytes):
             pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
 
 
-def read_run(run_dir: Path) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
-    """History rows and config of the single offline run under ``run_dir``."""
+def read_run(run_dir: Path, timeout: float = 60.0) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """History rows and config of the single offline run under ``run_dir``.
+
+    W&B's service process writes the file asynchronously; under load it can still be writing when
+    ``run.finish()`` returns, so this waits (up to ``timeout`` seconds) for the run's exit record.
+    """
     from wandb.proto import wandb_internal_pb2
 
-    files = list(Path(run_dir).rglob("*.wandb"))
-    assert len(files) == 1, files
+    deadline = time.monotonic() + timeout
+    while True:
+        files = list(Path(run_dir).rglob("*.wandb"))
+        assert len(files) <= 1, files
+        records = []
+        if files:
+            for payload in _payloads(files[0].read_bytes()):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert files, f"no .wandb file under {run_dir}"
     rows: List[Dict[str, Any]] = []
     config: Dict[str, Any] = {}
-    for payload in _payloads(files[0].read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row: Dict[str, Any] = {}

@@ -7,7 +7,6 @@ in it is detached, so an observer can never build autograd graph into the user's
 
 from typing import Dict, Mapping, Optional, Sequence
 
-import torch
 from torch import Tensor
 
 __all__ = ["StepContext"]

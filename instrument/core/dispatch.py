@@ -7,9 +7,10 @@ reported once and skipped for the rest of the step.
 """
 
 import logging
-from typing import Callable, Dict, List, Sequence, Set, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
+from torch import Tensor
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
@@ -44,6 +45,9 @@ class Dispatcher:
         self.failures: Dict[str, int] = {}
         self.calls = 0
         self.guard = RecomputeGuard("s.observer", lambda: [observer_name(o) for o in self.observers])
+        # Set by the session during a logging step with embedded probes: each call hands the observers the
+        # probe values recorded since the previous call (``recorder.drain()``).
+        self.recorder = None
 
     def begin(self) -> None:
         self._skipped.clear()
@@ -59,15 +63,24 @@ class Dispatcher:
             self.guard.skipped()
             return
         self.calls += 1
+        if self.recorder is not None:
+            recorded = self.recorder.drain()
+            if recorded:
+                context.probes = {**recorded, **context.probes}
         with torch.no_grad():
             for index, observer in enumerate(self.observers):
                 if index not in self._skipped:
                     observe = getattr(observer, "observe", observer)
                     self._run(index, observer, "observe", observe, context)
 
-    def end(self, logger, step: int) -> None:
+    def end(self, logger, step: int, gradients: Optional[Mapping[str, List[Tensor]]] = None) -> None:
         self.guard.end(self.calls)
         with torch.no_grad():
+            if gradients:
+                for index, observer in enumerate(self.observers):
+                    observe_gradients = getattr(observer, "observe_gradients", None)
+                    if observe_gradients is not None and index not in self._skipped:
+                        self._run(index, observer, "observe_gradients", observe_gradients, gradients)
             for index, observer in enumerate(self.observers):
                 log_fn = getattr(observer, "log", None)
                 if log_fn is not None and index not in self._skipped:

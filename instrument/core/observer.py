@@ -8,7 +8,8 @@ training loop that `Instrumentation` drives::
             for i in range(n_iter):             # the user's rollout
                 x = update_rule(x)              #   -> for each observer: observe(StepContext(..., step_index=i))
             loss.backward(); opt.step()         #   (never again during checkpoint recomputation)
-        # leaving a logging step                -> for each observer: log(logger, step); logger.commit(step)
+        # leaving a logging step                -> for each observer: observe_gradients(...) if gradient
+        #                                          probes recorded any; log(logger, step); logger.commit(step)
 
 On a non-logging step none of these methods is called and nothing is attached to any module.
 
@@ -23,7 +24,9 @@ Rules an observer follows:
   training and the other observers carry on.
 """
 
-from typing import TYPE_CHECKING, Protocol, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, Tuple, runtime_checkable
+
+from torch import Tensor
 
 from instrument.core.context import StepContext
 
@@ -62,6 +65,13 @@ class Observer:
     def observe(self, context: StepContext) -> None:
         """Look at one rollout iteration. Keep results on the device."""
         raise NotImplementedError(f"{type(self).__name__} must implement observe(context)")
+
+    def observe_gradients(self, gradients: Mapping[str, Sequence[Tensor]]) -> None:
+        """Gradients recorded by gradient probes (``Probe(name, grad=True)``) in this logging step.
+
+        ``gradients[name][i]`` is the gradient of the value the probe recorded at iteration ``i``. Called once
+        after the step's backward, before `log`, and only when some gradient was recorded.
+        """
 
     def log(self, logger: "Logger", step: int) -> None:
         """Hand this step's results to the logger."""

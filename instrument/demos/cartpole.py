@@ -5,6 +5,7 @@ state is [num_envs, 4] and whose condition is the action: the same shape of prob
 observes in an NCA, but with an explicit evolver loop. Plain torch, no gym dependency, seeded end to end.
 """
 
+import contextlib
 import math
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -194,12 +195,18 @@ def train_cartpole(
     gamma: float = 0.99,
     seed: int = 0,
     hidden: int = 64,
+    rl_logging: Any = None,
 ) -> Dict[str, Any]:
     """Train `Policy` on `CartPole` with REINFORCE; returns first/final mean episode length and timings.
 
     ``seed`` fixes the policy init (global RNG), the resets (the env's generator) and the action sampling (a
     second generator), so two runs with the same arguments are identical. With ``instrumentation`` each step
     runs inside ``inst.step(step)`` and the episode is observed through ``s.observer``; the caller closes it.
+
+    ``rl_logging`` (an `instrument.rl.RLLogging`) adds the standard RL metrics: each step's batched episode is
+    one collected batch ([time, envs], the alive mask as the collector mask, each env's episode ending at its
+    last alive step), the REINFORCE loss its training metrics, the rollout and the update its timed stages,
+    and its `Evaluation`, when bound, runs the policy in gymnasium's own CartPole-v1.
     """
     torch.manual_seed(seed)
     env = CartPole(num_envs=num_envs, generator=torch.Generator().manual_seed(seed))
@@ -207,13 +214,29 @@ def train_cartpole(
     policy = Policy(hidden=hidden)
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     inst = instrumentation
+    rl = rl_logging
+    if rl is not None and not rl.attached:
+        from instrument.rl.evaluation import GymnasiumRunner
+
+        runner = GymnasiumRunner("CartPole-v1", policy, seed=seed) if rl.evaluation is not None else None
+        rl.attach(inst, eval_runner=runner)
+
+    def stage(name: str):
+        return rl.timer(name) if rl is not None else contextlib.nullcontext()
 
     def train_step(observer: Optional[Callable[[Any], Any]]) -> Tuple[Tensor, Tensor]:
-        traj = rollout_episode(env, policy, max_steps, observer=observer, generator=actions_rng)
-        loss = _reinforce_loss(traj, gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with stage("collection"):
+            traj = rollout_episode(env, policy, max_steps, observer=observer, generator=actions_rng)
+        with stage("optimization"):
+            loss = _reinforce_loss(traj, gamma)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if rl is not None:
+            # Every env's episode ends at its last alive step (terminated, or truncated at max_steps).
+            ended = traj.alive & ~torch.cat([traj.alive[1:], torch.zeros_like(traj.alive[:1])])
+            rl.observe_batch(reward=traj.rewards, done=ended, mask=traj.alive)
+            rl.observe_losses({"loss": loss.detach()})
         return loss.detach(), traj.lengths
 
     mean_lengths: List[Tensor] = []  # tensors: no host sync per step beyond the rollout's early stop
@@ -221,14 +244,17 @@ def train_cartpole(
     cpu_start = time.process_time()
     for step in range(steps):
         if inst is None:
-            _, lengths = train_step(None)
+            with rl.iteration() if rl is not None else contextlib.nullcontext():
+                _, lengths = train_step(None)
         else:
-            with inst.step(step) as s:
+            with inst.step(step) as s, rl.iteration() if rl is not None else contextlib.nullcontext():
                 loss, lengths = train_step(s.observer)
                 inst.logger.log_metrics(
                     {"loss": loss, "episode_length": lengths.float().mean()}, step=step, prefix="train"
                 )
         mean_lengths.append(lengths.float().mean())
+    if rl is not None:
+        rl.close()
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start  # less skewed than wall time on a busy machine
     history = torch.stack(mean_lengths).tolist() if mean_lengths else []

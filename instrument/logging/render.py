@@ -4,7 +4,6 @@ Runs at commit on values already on the host. Drawn with Pillow and a small colo
 matplotlib, so a heatmap costs about a millisecond instead of a figure's tens of milliseconds.
 """
 
-from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont

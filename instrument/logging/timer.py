@@ -20,16 +20,20 @@ class Timer:
 
     On CUDA (``device`` a CUDA device, or None with CUDA available and ``cuda=True``) it records a pair of
     CUDA events around the stage and reads their elapsed time only at commit, after the logger's one batched
-    transfer; on the CPU it uses ``time.perf_counter``.
+    transfer; on the CPU it uses ``time.perf_counter``. Across ranks each statistic is reduced with
+    ``reduce`` (default ``"max"``: a step is as slow as its slowest rank).
     """
 
-    def __init__(self, name: str, cuda: Optional[bool] = None) -> None:
+    def __init__(self, name: str, cuda: Optional[bool] = None, reduce: str = "max") -> None:
         if not name or not isinstance(name, str):
             raise ValueError(f"Timer needs a non-empty name, got {name!r}.")
+        if reduce not in ("mean", "sum", "min", "max", "l2"):
+            raise ValueError(f"Timer reduce must be one of mean, sum, min, max, l2; got {reduce!r}.")
         self.name = name
+        self.reduce = reduce
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self._seconds: List[float] = []
-        self._events: List[Tuple["torch.cuda.Event", "torch.cuda.Event"]] = []
+        self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start: Optional[object] = None
 
     def __enter__(self) -> "Timer":

@@ -14,6 +14,7 @@ from instrument.core.context import StepContext
 from instrument.core.dispatch import in_recompute, observer_name
 from instrument.core.recompute import RecomputeGuard
 from instrument.errors import ConfigurationError
+from instrument.probes.compiled import run_eagerly
 
 __all__ = ["StateWatch"]
 
@@ -66,7 +67,8 @@ class StateWatch:
             return self._handle
         self.iterations = 0
         self.guard.begin()
-        self._handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        # run_eagerly: with a compiled module, Dynamo would otherwise trace the hook and the observers it calls.
+        self._handle = self.module.register_forward_hook(run_eagerly(self._hook), with_kwargs=True)
         return self._handle
 
     def detach(self) -> None:

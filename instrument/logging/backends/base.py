@@ -6,6 +6,8 @@ Lifecycle, driven by the `Logger`::
     backend.log_hyperparams(params, config)    # at start: flattened params and the operative gin config
     for each logging step:
         backend.write(record)                  # host values only: floats, numpy images, histograms, text
+    now and then, from the system monitor's thread:
+        backend.write_system(record)           # its own axis: record.step is whole seconds since it started
     backend.close()                            # once; flush and release
 
 A backend never sees a device tensor and never has to sync: the logger hands it a `StepRecord` of host
@@ -15,11 +17,11 @@ values. An exception raised by a backend is reported once and the other backends
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-__all__ = ["Backend", "RunInfo", "StepRecord"]
+__all__ = ["Backend", "RunInfo", "SampleTable", "StepRecord"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,14 @@ class RunInfo:
 
 
 @dataclasses.dataclass
+class SampleTable:
+    """Validation samples of one tag: rows like ``{"input", "output", "score", ...extra}`` (host values)."""
+
+    rows: List[Dict[str, Any]]
+    score_key: str = "score"
+
+
+@dataclasses.dataclass
 class StepRecord:
     """Everything committed for one step, on the host.
 
@@ -45,6 +55,7 @@ class StepRecord:
         histograms: tag -> 1-D float64 array of raw values.
         texts: tag -> markdown/plain text.
         videos: tag -> uint8 array [T, H, W, C] and frames per second.
+        samples: tag -> validation samples (`SampleTable`).
         wall_time: seconds since the epoch at commit.
     """
 
@@ -54,10 +65,13 @@ class StepRecord:
     histograms: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     texts: Dict[str, str] = dataclasses.field(default_factory=dict)
     videos: Dict[str, "tuple[np.ndarray, int]"] = dataclasses.field(default_factory=dict)
+    samples: Dict[str, SampleTable] = dataclasses.field(default_factory=dict)
     wall_time: float = dataclasses.field(default_factory=time.time)
 
     def is_empty(self) -> bool:
-        return not (self.scalars or self.images or self.histograms or self.texts or self.videos)
+        return not (
+            self.scalars or self.images or self.histograms or self.texts or self.videos or self.samples
+        )
 
 
 class Backend:
@@ -71,6 +85,11 @@ class Backend:
 
     def write(self, record: StepRecord) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement write(record)")
+
+    def write_system(self, record: StepRecord) -> None:
+        """System-monitor scalars (``system/...``) on their own axis: ``record.step`` is whole seconds since
+        the monitor started, not a training step, so it must not pass through a training-step order check.
+        Called from the monitor's thread (the logger serialises it with `write`). Default: ignored."""
 
     def close(self) -> None:
         """Flush and release. Called once."""

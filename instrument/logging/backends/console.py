@@ -1,15 +1,267 @@
-"""Console: one compact line per committed step."""
+"""Console: one aligned table row per committed step, a legend at start and a summary at the end; validation
+samples as readable panels (rich).
 
+The layout is decided once and never changes during the run, so a column is always in the same place::
+
+    columns:
+      step   step        training step
+      loss↓  train/loss  training loss, mean over the interval
+      ...
+       step     loss↓  alive↑
+          0    0.1234   0.012
+         10    0.0871   0.153
+
+Every line (legend, header, rows, summary) is written to the terminal through `write_line` (it goes through
+``tqdm.write`` when a progress bar is active, so rows stay intact) and to the ``instrument.console`` logger
+at INFO, which `setup_run_logging` sends to the run's log file. That logger does not propagate, so a user's
+root handlers never print the table a second time; attach a handler to it to get rows elsewhere. At DEBUG
+the same logger records every scalar of every step, so the log file keeps what the table leaves out.
+
+Rendering (formats, ``nan``, ``?``, overflow into scientific notation) is `StepTable`'s job; see
+`instrument.logging.table`. Validation samples (``logger.log_samples``) print after their step's row as rich
+panels, rendered to text first so they take the same route (tqdm-safe, into the run log).
+"""
+
+import dataclasses
+import io
+import logging
 import math
 import sys
-from typing import Optional, Sequence, TextIO
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
-from instrument.logging.backends.base import Backend, StepRecord
+from instrument.errors import require
+from instrument.logging.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.logging.samples import select_samples
+from instrument.logging.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
+from instrument.logging.terminal import write_line
 
 __all__ = ["ConsoleBackend"]
 
+table_log = logging.getLogger("instrument.console")
+table_log.propagate = False  # rows are printed by the backend itself; handlers here are files (run logs)
+
+
+@dataclasses.dataclass
+class _Summary:
+    last: float = math.nan
+    total: float = 0.0
+    count: int = 0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, value: float) -> None:
+        self.last = value
+        if not math.isnan(value):
+            self.total += value
+            self.count += 1
+            self.low = min(self.low, value)
+            self.high = max(self.high, value)
+
+    def row(self, key: str) -> Dict[str, Any]:
+        if not self.count:
+            return {"metric": key, "last": self.last, "steps": 0}
+        return {
+            "metric": key,
+            "last": self.last,
+            "mean": self.total / self.count,
+            "min": self.low,
+            "max": self.high,
+            "steps": self.count,
+        }
+
+
+class ConsoleBackend(Backend):
+    """Prints committed steps as a fixed-width table.
+
+    Args:
+        columns: the table's columns in order: `Column` objects, or dicts / ``(key, header, width, fmt,
+            description)`` tuples (gin literals). A ``step`` column is put first unless one is declared.
+            None builds the table from the first committed step and prints that choice once.
+        header_every: reprint the header every this many rows (0: once).
+        summary: key prefixes (or exact keys) kept out of the streaming table; their last/mean/min/max over
+            the run print as a final table at `close`. Default: timings.
+        keys: with ``columns=None``, only metrics equal to or under these keys/prefixes are candidates.
+        max_keys: with ``columns=None``, at most this many metric columns (besides ``step``).
+        legend: print the legend once at start.
+        stream: where the table goes; None means ``sys.stdout`` at write time.
+        num_val_samples_to_print: how many validation samples (``logger.log_samples``) to print per tag and
+            commit, as panels: the best and the worst by score, interleaved. 0 prints none. Needs ``rich``
+            (``pip install 'torch-instrument[rich]'``).
+        show_system: also print a line per system-monitor sample (``system ... s | ...``).
+        width: panel width in characters; None uses the stream's width as rich detects it.
+    """
+
+    def __init__(
+        self,
+        columns: Optional[Sequence[ColumnSpec]] = None,
+        header_every: int = 20,
+        summary: Sequence[str] = ("timing/",),
+        keys: Optional[Sequence[str]] = None,
+        max_keys: int = 8,
+        legend: bool = True,
+        stream: Optional[TextIO] = None,
+        num_val_samples_to_print: int = 4,
+        show_system: bool = False,
+        width: Optional[int] = None,
+    ) -> None:
+        self.declared: Optional[List[Column]] = None if columns is None else resolve_columns(columns)
+        self.header_every = header_every
+        self.summary = tuple(summary)
+        self.keys = list(keys) if keys is not None else None
+        self.max_keys = max_keys
+        self.legend = legend
+        self.stream = stream
+        self.num_val_samples_to_print = int(num_val_samples_to_print)
+        self.show_system = show_system
+        self.width = width
+        self.table: Optional[StepTable] = None
+        self._summaries: Dict[str, _Summary] = {}
+        if self.declared is not None:
+            self.table = self._make_table(self.declared)  # validate now: a bad column fails before training
+
+    # ------------------------------------------------------------------ Backend
+    def open(self, run: RunInfo) -> None:
+        if self.table is not None and self.legend:
+            self._emit_all(self.table.legend())
+
+    def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
+        if table_log.isEnabledFor(logging.DEBUG):
+            table_log.debug("hyperparameters: %s", dict(params))
+            if config_text:
+                table_log.debug("operative config:\n%s", config_text)
+
+    def write(self, record: StepRecord) -> None:
+        if table_log.isEnabledFor(logging.DEBUG):
+            table_log.debug(
+                "step %d scalars: %s%s",
+                record.step,
+                ", ".join(f"{k}={v!r}" for k, v in record.scalars.items()),
+                _media(record),
+            )
+        for key, value in record.scalars.items():
+            if self._is_summary(key):
+                self._summaries.setdefault(key, _Summary()).add(value)
+        if self.table is None and record.scalars:
+            self.table = self._infer(record)
+        if self.table is not None:
+            values = self._values(record)
+            # A commit with nothing for this table (e.g. images only) prints no row.
+            if any(values.get(c.key) is not None for c in self.table.columns if c.key != "step"):
+                self._emit_all(self.table.render(values))
+        for tag, samples in record.samples.items():
+            self._print_samples(tag, samples, record.step)
+
+    def write_system(self, record: StepRecord) -> None:
+        if not self.show_system:
+            return
+        items = sorted((k, v) for k, v in record.scalars.items() if k != "system/seconds")
+        self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{k} {_fmt(v)}" for k, v in items]))
+
+    def close(self) -> None:
+        if not self._summaries:
+            return
+        width = max(max(len(k) for k in self._summaries), len("metric"))
+        stats = [Column(name, name, 10, ".4g") for name in ("last", "mean", "min", "max")]
+        table = StepTable(
+            [Column("metric", "metric", width, "str"), *stats, Column("steps", "steps", 5, "d")]
+        )
+        self._emit(f"summary of metrics kept out of the table ({', '.join(self.summary)}):")
+        self._emit(table.header())
+        for key in sorted(self._summaries):
+            self._emit(table.row(self._summaries[key].row(key)))
+
+    # ------------------------------------------------------------------ internals
+    def _print_samples(self, tag: str, table: SampleTable, step: int) -> None:
+        chosen = select_samples(table.rows, self.num_val_samples_to_print, table.score_key)
+        if not chosen:
+            return
+        require("rich", "rich", "printing validation samples on the console")
+        from rich.console import Console
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+
+        width = self.width or Console(file=self.stream or sys.stdout).width
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=width, highlight=False, soft_wrap=False)
+        for label, row in chosen:
+            grid = Table.grid(padding=(0, 1))
+            grid.add_column(style="bold", no_wrap=True)
+            grid.add_column()
+            for field, value in row.items():
+                grid.add_row(Text(str(field)), Text(_fmt(value) if isinstance(value, float) else str(value)))
+            score = row.get(table.score_key)
+            title = f"{tag} | step {step} | {label}"
+            if isinstance(score, (int, float)):
+                title += f" | {table.score_key} {_fmt(float(score))}"
+            console.print(Panel(grid, title=Text(title), title_align="left"))
+        self._emit_all(buffer.getvalue().rstrip("\n").split("\n"))
+
+    def _make_table(self, columns: List[Column]) -> StepTable:
+        if not any(c.key == "step" for c in columns):
+            columns = [Column("step", "step", 7, "d", "training step"), *columns]
+        return StepTable(columns, header_every=self.header_every)
+
+    def _infer(self, record: StepRecord) -> StepTable:
+        """Columns from the first committed step: its scalars in logged order (or ``keys`` order), '.4g'."""
+        shown = [k for k in record.scalars if not self._is_summary(k)]
+        if self.keys is not None:  # in the order of ``keys``, then logged order under each prefix
+            shown = [k for want in self.keys for k in shown if _under(k, want)]
+            shown = list(dict.fromkeys(shown))
+        chosen = shown[: self.max_keys]
+        headers = unique_headers(chosen)
+        # '.4g' whatever the first value looks like: a metric that starts at 0 or 1 is rarely a whole number
+        # later. Nine characters hold most '.4g' values; a wider first value widens its column, and a wider
+        # later one goes to compact scientific notation like every overflow.
+        columns = []
+        for key in chosen:
+            width = max(len(headers[key]), len(format(record.scalars[key], ".4g")), 9)
+            columns.append(Column(key, headers[key], width, ".4g"))
+        table = self._make_table(columns)
+        left_out = len(shown) - len(chosen)
+        self._emit(
+            f"console: no columns declared; showing {len(chosen)} metric{'s' if len(chosen) != 1 else ''} "
+            f"from step {record.step}"
+            + (f" ({left_out} more are in the run log)" if left_out else "")
+            + ". Bind ConsoleBackend.columns to choose them."
+        )
+        if self.legend:
+            self._emit_all(table.legend())
+        return table
+
+    def _values(self, record: StepRecord) -> Dict[str, Any]:
+        assert self.table is not None
+        values: Dict[str, Any] = {"step": record.step}
+        for col in self.table.columns:
+            if col.key == "step":
+                continue
+            value = record.scalars.get(col.key, record.texts.get(col.key))
+            if col.fmt == "frac" and col.denominator is not None and value is not None:
+                den = col.denominator
+                value = (value, record.scalars.get(den) if isinstance(den, str) else den)
+            values[col.key] = value
+        return values
+
+    def _is_summary(self, key: str) -> bool:
+        return any(_under(key, prefix) for prefix in self.summary)
+
+    def _emit(self, line: str) -> None:
+        write_line(line, self.stream)
+        table_log.info(line)
+
+    def _emit_all(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            self._emit(line)
+
+    def __repr__(self) -> str:
+        shown = None if self.declared is None else [c.key for c in self.declared]
+        return (
+            f"ConsoleBackend(columns={shown!r}, header_every={self.header_every}, summary={self.summary!r})"
+        )
+
 
 def _fmt(value: float) -> str:
+    """A loose number format for panels and system lines (the table has its own, per column)."""
     if math.isnan(value) or math.isinf(value):
         return str(value)
     if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
@@ -17,33 +269,10 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
-class ConsoleBackend(Backend):
-    """Prints ``step N | key value | ...`` for each commit.
+def _under(key: str, want: str) -> bool:
+    return key == want or key.startswith(want if want.endswith("/") else want + "/")
 
-    Args:
-        keys: metric keys (or key prefixes) to show, in order; None shows every scalar, sorted.
-        max_keys: at most this many values per line, so a line stays readable.
-        stream: where to write; None means ``sys.stdout`` at write time.
-    """
 
-    def __init__(self, keys: Optional[Sequence[str]] = None, max_keys: int = 8, stream: Optional[TextIO] = None):
-        self.keys = list(keys) if keys is not None else None
-        self.max_keys = max_keys
-        self.stream = stream
-
-    def _selected(self, record: StepRecord):
-        if self.keys is None:
-            items = sorted(record.scalars.items())
-        else:
-            items = [(k, v) for want in self.keys for k, v in sorted(record.scalars.items())
-                     if k == want or k.startswith(want.rstrip("/") + "/")]
-        return items[: self.max_keys]
-
-    def write(self, record: StepRecord) -> None:
-        parts = [f"step {record.step:>6}"] + [f"{k} {_fmt(v)}" for k, v in self._selected(record)]
-        stream = self.stream or sys.stdout
-        stream.write(" | ".join(parts) + "\n")
-        stream.flush()
-
-    def __repr__(self) -> str:
-        return f"ConsoleBackend(keys={self.keys!r}, max_keys={self.max_keys})"
+def _media(record: StepRecord) -> str:
+    names = [*record.images, *record.histograms, *record.texts, *record.videos, *record.samples]
+    return f"; media: {', '.join(names)}" if names else ""

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.logging.samples import cell
 
 __all__ = ["JsonlBackend"]
 
@@ -19,7 +20,9 @@ class JsonlBackend(Backend):
     """Appends ``{"step", "time", "metrics", ...}`` lines to ``path`` (default ``runs/<run-name>/metrics.jsonl``).
 
     Hyperparameters are written as one ``{"hyperparameters": ..., "config": ...}`` line. Images, videos and
-    histograms are summarised (shape, or count/min/max), not embedded.
+    histograms are summarised (shape, or count/min/max), not embedded; validation samples are written in full
+    under ``"samples"``. System-monitor samples are ``{"system_step": <whole seconds since the monitor
+    started>, "time", "metrics"}`` lines, so a reader tells the two axes apart by the key.
     """
 
     def __init__(self, path: Optional[str] = None) -> None:
@@ -52,7 +55,16 @@ class JsonlBackend(Backend):
             line["images"] = {k: list(v.shape) for k, v in record.images.items() if v is not None}
         if record.texts:
             line["texts"] = dict(record.texts)
+        if record.samples:
+            line["samples"] = {
+                tag: [{k: cell(v) for k, v in row.items()} for row in table.rows]
+                for tag, table in record.samples.items()
+            }
         self._write_line(line)
+
+    def write_system(self, record: StepRecord) -> None:
+        self._write_line({"system_step": record.step, "time": record.wall_time,
+                          "metrics": {k: _json_number(v) for k, v in record.scalars.items()}})
 
     def close(self) -> None:
         if self._file is not None:

@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.logging.samples import markdown_table
 
 __all__ = ["TensorBoardBackend"]
 
@@ -13,6 +14,8 @@ class TensorBoardBackend(Backend):
 
     Args:
         log_dir: where the event files go; None means the run directory (``runs/<run-name>``).
+            Training metrics use the training step as ``global_step``; system-monitor metrics (``system/...``)
+            use whole seconds since the monitor started, with the sample's wall time.
         flush_every_commit: flush after each committed step so ``tensorboard`` shows it at once (one small
             file write per logging step).
     """
@@ -53,8 +56,16 @@ class TensorBoardBackend(Backend):
         for key, (frames, fps) in record.videos.items():
             # add_video wants [N, T, C, H, W]; moviepy is needed for the GIF encoding.
             w.add_video(key, frames.transpose(0, 3, 1, 2)[None], step, fps=fps, walltime=t)
+        for tag, table in record.samples.items():
+            w.add_text(tag, markdown_table(table.rows), step, walltime=t)
         if self.flush_every_commit:
             w.flush()
+
+    def write_system(self, record: StepRecord) -> None:
+        for key, value in record.scalars.items():
+            self._writer.add_scalar(key, value, record.step, walltime=record.wall_time)
+        if self.flush_every_commit:
+            self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:

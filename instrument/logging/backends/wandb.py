@@ -5,6 +5,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from instrument.errors import ConfigurationError, require
 from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.logging.samples import cell, columns
 
 __all__ = ["WandbBackend"]
 
@@ -23,6 +24,11 @@ class WandbBackend(Backend):
             ``"online"``, ``"disabled"`` or ``"shared"``.
         entity, group, tags, notes: passed to ``wandb.init``.
         dir: where W&B writes its files; None means the run directory.
+
+    Step axes: training metrics use ``step=`` (the training step). System-monitor metrics (``system/...``)
+    are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
+    ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make
+    W&B drop the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
     """
 
     def __init__(
@@ -41,6 +47,7 @@ class WandbBackend(Backend):
         self.tags, self.notes, self.dir = list(tags or []), notes, dir
         self.run = None
         self._wandb = None
+        self._system: dict = {}
 
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = require("wandb", "wandb", "WandbBackend")
@@ -52,6 +59,8 @@ class WandbBackend(Backend):
             notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
             settings=wandb.Settings(console="off", silent=True),
         )
+        self.run.define_metric("system/seconds")
+        self.run.define_metric("system/*", step_metric="system/seconds")
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         values = dict(params)
@@ -72,10 +81,22 @@ class WandbBackend(Backend):
             data[key] = wandb.Html(f"<pre>{_escape(text)}</pre>")
         for key, (frames, fps) in record.videos.items():
             data[key] = wandb.Video(frames.transpose(0, 3, 1, 2), fps=fps, format="gif")
+        for tag, table in record.samples.items():
+            cols = columns(table.rows)
+            data[tag] = wandb.Table(columns=cols, data=[[cell(r.get(c)) for c in cols] for r in table.rows])
+        if self._system:
+            data = {**self._system, **data}
+            self._system = {}
         self.run.log(data, step=record.step, commit=True)
+
+    def write_system(self, record: StepRecord) -> None:
+        self._system = {**self._system, **record.scalars}
 
     def close(self) -> None:
         if self.run is not None:
+            if self._system:  # the last samples after the last training step
+                self.run.log(self._system, commit=True)
+                self._system = {}
             self.run.finish()
             self.run = None
 

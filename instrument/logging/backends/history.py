@@ -1,0 +1,239 @@
+"""Run history: a backend that keeps the run in memory and answers questions about it in a notebook.
+
+It stores what the logger commits — host values only, like every backend:
+
+- ``metrics``: every scalar, as ``{key: [(step, value), ...]}``; `series` gives NumPy arrays.
+- ``timelog``: per stage, the durations the logger's timers committed (``timing/<stage>/...``), as
+  ``{stage: [(step, mean_seconds, count), ...]}``.
+- ``batch_log``: per-item values per batch for the histogram tags registered with `add_log` (log them with
+  ``logger.log_histogram(tag, per_item_values, step)``, e.g. each sample's reward), as
+  ``{tag: [(step, values), ...]}``.
+- ``unique_samples``: the set of samples seen: the values of the histogram tag ``sample_key`` (integer ids,
+  e.g. pool indices, logged like any per-item value) or hashable items given to `add_samples`.
+
+`to_dataframe` joins samples and per-item values into a pandas DataFrame, one row per (sample, step);
+`plot_metrics` and `plot_timelog` draw with matplotlib and return the figure, which a notebook shows.
+pandas and matplotlib are imported only there (``pip install 'torch-instrument[analysis]'``).
+
+Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log, ``max_samples``
+caps the set of unique samples. Reaching a cap is reported once through the ``instrument`` logger; after that
+the oldest steps are dropped (samples beyond the cap are not added).
+"""
+
+import collections
+import logging
+import math
+from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from instrument.errors import ConfigurationError, require
+from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+
+__all__ = ["RunHistoryBackend"]
+
+log = logging.getLogger("instrument")
+
+_TIMING = "timing/"
+
+
+class RunHistoryBackend(Backend):
+    """Keeps metrics, per-item batch values, stage timings and unique samples of the run in memory.
+
+    Args:
+        batch_keys: histogram tags whose per-item values are kept per batch (more with `add_log`).
+        sample_key: the histogram tag that holds the ids of a batch's items, aligned with the per-item values.
+        max_steps: keep at most this many most recent steps per series / batch log; None keeps everything.
+        max_samples: keep at most this many unique samples; None keeps every one.
+    """
+
+    def __init__(
+        self,
+        batch_keys: Sequence[str] = (),
+        sample_key: Optional[str] = None,
+        max_steps: Optional[int] = None,
+        max_samples: Optional[int] = None,
+    ) -> None:
+        for name, cap in (("max_steps", max_steps), ("max_samples", max_samples)):
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+                raise ConfigurationError(
+                    f"RunHistoryBackend.{name} must be None or a positive int, got {cap!r}."
+                )
+        self.sample_key = sample_key
+        self.max_steps = max_steps
+        self.max_samples = max_samples
+        self.metrics: Dict[str, Deque[Tuple[int, float]]] = {}
+        self.timelog: Dict[str, Deque[Tuple[int, float, int]]] = {}
+        self.batch_log: Dict[str, Deque[Tuple[int, np.ndarray]]] = {}
+        self.batch_samples: Deque[Tuple[int, Tuple[Hashable, ...]]] = collections.deque(maxlen=max_steps)
+        self.unique_samples: Set[Hashable] = set()
+        self.run: Optional[RunInfo] = None
+        self._pending_samples: Dict[int, List[Hashable]] = {}
+        self._said: Set[str] = set()
+        for key in batch_keys:
+            self.add_log(key)
+
+    # ------------------------------------------------------------------ registration
+    def add_log(self, key: str) -> None:
+        """Keep the per-item values of histogram tag ``key`` for every batch (not only a histogram of
+        them)."""
+        if not key or not isinstance(key, str):
+            raise ConfigurationError(f"add_log takes a histogram tag (a non-empty string), got {key!r}.")
+        self.batch_log.setdefault(key, collections.deque(maxlen=self.max_steps))
+
+    def add_samples(self, step: int, samples: Iterable[Hashable]) -> None:
+        """Name the items of the batch logged at ``step`` (any hashable items: ints, strings, tuples).
+
+        Call it before that step is committed; the per-item values committed at ``step`` are aligned with
+        them.
+        """
+        items = list(samples)
+        for item in items:
+            hash(item)  # an unhashable item fails here, with Python's own message
+        self._pending_samples[int(step)] = items
+
+    # ------------------------------------------------------------------ backend
+    def open(self, run: RunInfo) -> None:
+        self.run = run
+
+    def write(self, record: StepRecord) -> None:
+        step = record.step
+        timings: Dict[str, Dict[str, float]] = {}
+        for key, value in record.scalars.items():
+            series = self.metrics.get(key)
+            if series is None:
+                series = self.metrics[key] = collections.deque(maxlen=self.max_steps)
+            self._append(series, (step, float(value)), "max_steps", f"metric {key!r}")
+            if key.startswith(_TIMING):
+                stage, _, stat = key[len(_TIMING) :].rpartition("/")
+                if stage:
+                    timings.setdefault(stage, {})[stat] = value
+        for stage, stats in timings.items():
+            if "mean" in stats:
+                series_t = self.timelog.setdefault(stage, collections.deque(maxlen=self.max_steps))
+                self._append(
+                    series_t,
+                    (step, float(stats["mean"]), int(stats.get("count", 1))),
+                    "max_steps",
+                    f"timelog {stage!r}",
+                )
+        for key, values in record.histograms.items():
+            if key in self.batch_log:
+                self._append(
+                    self.batch_log[key], (step, np.asarray(values).copy()), "max_steps", f"batch log {key!r}"
+                )
+        samples = self._pending_samples.pop(step, None)
+        for stale in [s for s in self._pending_samples if s < step]:
+            del self._pending_samples[stale]
+        if samples is None and self.sample_key is not None and self.sample_key in record.histograms:
+            samples = [_as_id(v) for v in record.histograms[self.sample_key]]
+        if samples is not None:
+            self._append(self.batch_samples, (step, tuple(samples)), "max_steps", "batch samples")
+            self._add_unique(samples)
+
+    def _append(self, series: Deque, item: Any, cap: str, what: str) -> None:
+        if series.maxlen is not None and len(series) == series.maxlen:
+            self._say_once(
+                cap, f"{what} reached max_steps={series.maxlen}; older steps are dropped from now on"
+            )
+        series.append(item)
+
+    def _add_unique(self, samples: Iterable[Hashable]) -> None:
+        cap = self.max_samples
+        for item in samples:
+            if cap is not None and len(self.unique_samples) >= cap and item not in self.unique_samples:
+                self._say_once(
+                    "max_samples", f"unique samples reached max_samples={cap}; new samples are not added"
+                )
+                return
+            self.unique_samples.add(item)
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.warning("instrument: RunHistoryBackend: %s.", message)
+
+    # ------------------------------------------------------------------ queries
+    def keys(self) -> List[str]:
+        return sorted(self.metrics)
+
+    def series(self, key: str) -> Tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of one metric as NumPy arrays."""
+        if key not in self.metrics:
+            raise KeyError(f"no metric {key!r} in the run history; known keys: {self.keys()[:20]}")
+        pairs = self.metrics[key]
+        return (
+            np.fromiter((s for s, _ in pairs), dtype=np.int64, count=len(pairs)),
+            np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)),
+        )
+
+    def last(self, key: str) -> float:
+        return self.series(key)[1][-1]
+
+    def to_dataframe(self):
+        """A pandas DataFrame with one row per (sample, step): columns ``sample``, ``step`` and each batch-log
+        key's per-item value (NaN where a key was not logged that step)."""
+        pd = require("pandas", "analysis", "RunHistoryBackend.to_dataframe")
+        by_step: Dict[int, Dict[str, np.ndarray]] = {}
+        for key, entries in self.batch_log.items():
+            for step, values in entries:
+                by_step.setdefault(step, {})[key] = values
+        rows: List[Dict[str, Any]] = []
+        keys = list(self.batch_log)
+        for step, samples in self.batch_samples:
+            values = by_step.get(step, {})
+            for i, sample in enumerate(samples):
+                if sample not in self.unique_samples:
+                    continue
+                row: Dict[str, Any] = {"sample": sample, "step": step}
+                for key in keys:
+                    v = values.get(key)
+                    row[key] = float(v[i]) if v is not None and i < len(v) else math.nan
+                rows.append(row)
+        return pd.DataFrame(rows, columns=["sample", "step", *keys])
+
+    def plot_metrics(self, keys: Sequence[str], title: Optional[str] = None):
+        """One panel per key, value against step; returns the matplotlib Figure."""
+        figure_cls = require("matplotlib.figure", "analysis", "RunHistoryBackend.plot_metrics").Figure
+        if isinstance(keys, str):
+            keys = [keys]
+        if not keys:
+            raise ConfigurationError("plot_metrics needs at least one metric key.")
+        fig = figure_cls(figsize=(6.4, 2.2 * len(keys)), layout="constrained")
+        axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+        for ax, key in zip(axes, keys, strict=True):
+            steps, values = self.series(key)
+            ax.plot(steps, values, lw=1.2)
+            ax.set_ylabel(key.rsplit("/", 1)[-1], fontsize=8)
+            ax.set_title(key, fontsize=9, loc="left")
+            ax.grid(alpha=0.3)
+        axes[-1].set_xlabel("step")
+        if title:
+            fig.suptitle(title)
+        return fig
+
+    def plot_timelog(self, title: Optional[str] = None):
+        """Mean seconds per stage against step, one line per stage; returns the matplotlib Figure."""
+        figure_cls = require("matplotlib.figure", "analysis", "RunHistoryBackend.plot_timelog").Figure
+        fig = figure_cls(figsize=(6.4, 3.2), layout="constrained")
+        ax = fig.subplots()
+        for stage, entries in sorted(self.timelog.items()):
+            ax.plot([s for s, _, _ in entries], [m for _, m, _ in entries], label=stage, lw=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds (mean per call)")
+        if self.timelog:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.set_title(title or "stage timings", fontsize=10, loc="left")
+        return fig
+
+    def __repr__(self) -> str:
+        return (
+            f"RunHistoryBackend(metrics={len(self.metrics)}, steps_cap={self.max_steps}, "
+            f"samples={len(self.unique_samples)}, samples_cap={self.max_samples})"
+        )
+
+
+def _as_id(value: float) -> Hashable:
+    """Ids travel through the logger's float64 transfer; integral ones come back as ints."""
+    return int(value) if float(value).is_integer() else float(value)

@@ -1,0 +1,89 @@
+"""Which process is this, and do all processes agree: rank helpers for `torch.distributed` runs.
+
+Under ``torchrun`` every rank runs the same script. Only rank 0 may open backends (files, W&B runs, MLflow
+runs), so the logger asks `rank()` before opening any. The rank comes from the default process group when
+one is initialised, and otherwise from the ``RANK`` variable ``torchrun`` sets, so an `Instrumentation`
+built before ``init_process_group`` still opens nothing on ranks other than 0.
+
+`check_same_config` compares a hash of the operative configuration across ranks, so a rank that parsed
+different gin files or bindings fails loudly at the first step instead of logging a silently different run.
+"""
+
+import hashlib
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from instrument.errors import ConfigurationError
+
+__all__ = ["rank", "world_size", "is_distributed", "collective_device", "config_hash", "check_same_config"]
+
+# Hashes travel as float64 values; 52 bits keep every one exactly representable.
+_HASH_BITS = 52
+
+
+def is_distributed(group: Optional[Any] = None) -> bool:
+    """True when a process group is initialised and has more than one rank (only then is anything reduced)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank(group: Optional[Any] = None) -> int:
+    """This process's rank: from the process group when initialised, else ``$RANK`` (torchrun), else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group)
+    value = os.environ.get("RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"the RANK environment variable must be an integer, got {value!r}."
+        ) from None
+
+
+def world_size(group: Optional[Any] = None) -> int:
+    """Number of ranks in the group; 1 without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def collective_device(group: Optional[Any] = None) -> torch.device:
+    """Where collective buffers must live: the current CUDA device for NCCL, the CPU for gloo and others."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def config_hash(text: str) -> int:
+    """A 52-bit hash of ``text`` (exact as a float64, so it can ride in a collective)."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - _HASH_BITS)
+
+
+def check_same_config(text: str, group: Optional[Any] = None) -> None:
+    """Raise `ConfigurationError` on every rank when ranks hold different configurations; no-op alone.
+
+    One all_gather of one number, once per run. Every rank must call it (it is a collective).
+    """
+    if not is_distributed(group):
+        return
+    n = dist.get_world_size(group)
+    device = collective_device(group)
+    mine = torch.tensor([float(config_hash(text))], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(gathered, mine, group=group)
+    # host sync: once per run, at the first step.
+    hashes = [int(h) for h in torch.cat(gathered).cpu().tolist()]
+    if len(set(hashes)) > 1:
+        by_hash: dict = {}
+        for r, h in enumerate(hashes):
+            by_hash.setdefault(h, []).append(r)
+        groups = "; ".join(f"ranks {ranks} have hash {h:013x}" for h, ranks in by_hash.items())
+        raise ConfigurationError(
+            f"the operative configuration differs across ranks ({groups}). Every rank must parse the same "
+            f".gin files and bindings before building its Instrumentation (e.g. call instrument.config.parse "
+            f"with the same arguments on every rank; do not bind rank-specific values)."
+        )

@@ -1,0 +1,199 @@
+"""Run logs: terse lines on the terminal, everything with timestamps in a file next to the run's outputs.
+
+One call sets both up for the ``instrument`` logger (and any loggers you name)::
+
+    from instrument.logging.runlog import setup_run_logging
+    run_log = setup_run_logging("runs/nca-01", "nca-01")    # or Instrumentation(run_log=True)
+    ...
+    run_log.close()                                         # or use it as a context manager
+
+- Terminal: ``W instrument: backend X failed ...`` -- one level mark (D, I, W, E, C) and the message; an
+  exception adds only its last line. Written through ``tqdm.write`` when a progress bar is active.
+- File: ``runs/nca-01/20250101-120000-nca-01.log`` at DEBUG, with timestamps, levels, logger names and full
+  tracebacks. `ConsoleBackend`'s table rows (logger ``instrument.console``) go there too, and at DEBUG every
+  scalar of every step, so the file keeps what the terminal leaves out.
+
+Your own logging configuration is left alone: no ``basicConfig``, no change to the root logger. The handlers
+are added to the named loggers only and removed by `RunLog.close`, which also restores every level and
+``propagate`` flag it changed. While run logging is on, ``instrument`` does not propagate to the root logger
+(``propagate=False``), so its messages do not print twice when you have root handlers of your own.
+"""
+
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence, TextIO, Tuple, Union
+
+from instrument.errors import ConfigurationError
+from instrument.logging.terminal import write_line
+
+__all__ = ["setup_run_logging", "RunLog", "TerseFormatter", "TerminalHandler", "FILE_FORMAT"]
+
+FILE_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-8s %(name)s: %(message)s"
+FILE_DATEFMT = "%Y-%m-%d %H:%M:%S"
+_MARKS = {
+    logging.DEBUG: "D",
+    logging.INFO: "I",
+    logging.WARNING: "W",
+    logging.ERROR: "E",
+    logging.CRITICAL: "C",
+}
+
+_active: Optional["RunLog"] = None
+
+
+class TerseFormatter(logging.Formatter):
+    """``<mark> <message>``: one character for the level; of an exception, only its last line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        mark = _MARKS.get(record.levelno) or (record.levelname[:1] or "?")
+        text = f"{mark} {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            text += f" [{type(exc).__name__}: {exc}; traceback in the run log]"
+        return text
+
+
+class _FileFormatter(logging.Formatter):
+    """`FILE_FORMAT`, without printing the logger name twice for messages that already start with it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        return text.replace(f" {record.name}: {record.name}: ", f" {record.name}: ", 1)
+
+
+class TerminalHandler(logging.Handler):
+    """Writes formatted records with `write_line` (so above any tqdm bar) to ``stream`` or ``sys.stderr``."""
+
+    def __init__(self, stream: Optional[TextIO] = None, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.stream = stream
+        self.setFormatter(TerseFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_line(self.format(record), self.stream if self.stream is not None else sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+class RunLog:
+    """What `setup_run_logging` returns: the file ``path`` and ``close()`` (idempotent, also on exit)."""
+
+    def __init__(self, path: Path, terminal: Optional[TerminalHandler], file: logging.FileHandler) -> None:
+        self.path = path
+        self.terminal = terminal
+        self.file = file
+        self._restore: List[Tuple[logging.Logger, int, bool, List[logging.Handler]]] = []
+        self.closed = False
+
+    def _attach(
+        self, logger: logging.Logger, handlers: List[logging.Handler], propagate: Optional[bool]
+    ) -> None:
+        self._restore.append((logger, logger.level, logger.propagate, handlers))
+        for handler in handlers:
+            logger.addHandler(handler)
+        if logger.level == logging.NOTSET or logger.level > logging.DEBUG:
+            logger.setLevel(
+                logging.DEBUG
+            )  # the file wants DEBUG; the terminal handler filters by its own level
+        if propagate is not None:
+            logger.propagate = propagate
+
+    def close(self) -> None:
+        """Remove the handlers, restore levels and ``propagate``, close the file."""
+        global _active
+        if self.closed:
+            return
+        self.closed = True
+        for logger, level, propagate, handlers in reversed(self._restore):
+            for handler in handlers:
+                logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+        self.file.close()
+        if _active is self:
+            _active = None
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RunLog(path={str(self.path)!r}, closed={self.closed})"
+
+
+def setup_run_logging(
+    run_dir: Union[str, Path],
+    run_name: str,
+    level: Union[int, str] = "INFO",
+    loggers: Sequence[str] = (),
+    terminal: bool = True,
+    stream: Optional[TextIO] = None,
+    propagate: bool = False,
+) -> RunLog:
+    """Log ``instrument`` (and ``loggers``) tersely to the terminal and verbosely to a file in ``run_dir``.
+
+    Args:
+        run_dir: the run's output folder (created if needed); the file is ``<start time>-<run_name>.log``.
+        run_name: the run's name, part of the file name.
+        level: the terminal's level (the file always gets DEBUG).
+        loggers: more logger names (yours, e.g. ``"myproject"``) to send to the same two places. Their
+            ``propagate`` is left as you set it.
+        terminal: False writes the file only (e.g. when something else already prints to the terminal).
+        stream: the terminal stream; None means ``sys.stderr`` at each write.
+        propagate: whether ``instrument`` keeps propagating to the root logger meanwhile (default False, so
+            nothing prints twice).
+
+    Calling it again closes the previous run log first, so handlers never pile up.
+    """
+    global _active
+    if isinstance(level, str):
+        resolved = logging.getLevelName(level.upper())
+        if not isinstance(resolved, int):
+            raise ConfigurationError(
+                f"setup_run_logging level must be a logging level such as 'INFO' or logging.DEBUG, "
+                f"got {level!r}."
+            )
+        level = resolved
+    if not run_name or not isinstance(run_name, str):
+        raise ConfigurationError(f"setup_run_logging needs a non-empty run_name string, got {run_name!r}.")
+    if _active is not None:
+        _active.close()
+    folder = Path(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = _unique(folder, f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(run_name)}")
+    file_handler = logging.FileHandler(path, encoding="utf-8", delay=False)
+    file_handler.setLevel(logging.DEBUG)
+    file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))
+    term = TerminalHandler(stream, level) if terminal else None
+    run_log = RunLog(path, term, file_handler)
+    both: List[logging.Handler] = [h for h in (term, file_handler) if h is not None]
+    run_log._attach(logging.getLogger("instrument"), both, propagate)
+    run_log._attach(logging.getLogger("instrument.console"), [file_handler], None)  # it prints rows itself
+    for name in loggers:
+        if name == "instrument" or name.startswith("instrument."):
+            raise ConfigurationError(f"loggers names your own loggers; {name!r} is covered already.")
+        run_log._attach(logging.getLogger(name), both, None)
+    _active = run_log
+    logging.getLogger("instrument").debug(
+        "instrument: run log %s started (terminal level %s)", path, logging.getLevelName(level)
+    )
+    return run_log
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
+
+
+def _unique(folder: Path, stem: str) -> Path:
+    path = folder / f"{stem}.log"
+    n = 2
+    while path.exists():
+        path = folder / f"{stem}-{n}.log"
+        n += 1
+    return path

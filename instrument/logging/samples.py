@@ -1,0 +1,79 @@
+"""Validation samples on the host: choosing which to print, and flattening them for tables.
+
+A sample is a dict such as ``{"input": ..., "output": ..., "score": ..., **extra}``. The console shows a few:
+the best and the worst by score, interleaved, because the extremes are what a reader learns from (the best
+shows what works, the worst where the model fails); tables (W&B, TensorBoard, JSONL, MLflow) get them all.
+"""
+
+import math
+import numbers
+from typing import Any, Dict, List, Sequence, Tuple
+
+__all__ = ["select_samples", "columns", "cell", "markdown_table"]
+
+
+def select_samples(
+    rows: Sequence[Dict[str, Any]], n: int, score_key: str = "score"
+) -> List[Tuple[str, Dict[str, Any]]]:
+    """Up to ``n`` rows labelled ``"best #k"`` / ``"worst #k"``, interleaved best, worst, best, ...
+
+    Rows without a finite numeric score are shown only when fewer than ``n`` rows have one (label ``"#i"``).
+    """
+    if n <= 0:
+        return []
+    scored = sorted(
+        ((float(r[score_key]), i) for i, r in enumerate(rows) if _finite_number(r.get(score_key))),
+        key=lambda t: (-t[0], t[1]),
+    )
+    best = scored[: (min(n, len(scored)) + 1) // 2]
+    taken = {i for _, i in best}
+    worst = [t for t in reversed(scored) if t[1] not in taken][: min(n, len(scored)) - len(best)]
+    chosen: List[Tuple[str, Dict[str, Any]]] = []
+    for k in range(max(len(best), len(worst))):
+        if k < len(best):
+            chosen.append((f"best #{k + 1}", rows[best[k][1]]))
+        if k < len(worst):
+            chosen.append((f"worst #{k + 1}", rows[worst[k][1]]))
+    taken |= {i for _, i in worst}
+    for i, row in enumerate(rows):
+        if len(chosen) >= n:
+            break
+        if i not in taken:
+            chosen.append((f"#{i}", row))
+    return chosen
+
+
+def columns(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """Every field name, in first-seen order."""
+    out: List[str] = []
+    for row in rows:
+        out += [c for c in row if c not in out]
+    return out
+
+
+def cell(value: Any) -> Any:
+    """A value a table (W&B, JSON) accepts: str, finite number, bool or None; anything else as its str."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value) if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """A markdown table (TensorBoard renders it) of every row and field."""
+    cols = columns(rows)
+    if not cols:
+        return ""
+
+    def fmt(v: Any) -> str:
+        text = "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(row.get(c)) for c in cols) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

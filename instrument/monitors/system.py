@@ -1,0 +1,240 @@
+"""`SystemMonitor`: process, host and GPU resources sampled by a background thread on a wall-clock axis.
+
+Training steps and wall time are different axes: a monitor that logged at the training step would either wait
+for the loop or push the step ahead (W&B then drops the loop's next step). So the monitor writes through the
+logger's side channel (`Logger.write_system`), which never touches the training step's order check, and its
+records are stamped with whole seconds since the monitor started (``system/seconds`` holds the exact value).
+
+Lifecycle (the `Instrumentation` drives it when given ``system_monitor=``)::
+
+    monitor.start(logger)      # starts a daemon thread on rank 0; samples every collection_interval seconds
+    ...                        # every flush_interval seconds the buffered samples go to the backends
+    monitor.stop()             # wakes the thread, flushes what is buffered, joins it
+
+The training thread never waits on sampling (psutil, NVML): that happens in the monitor's thread, outside any
+lock; the only shared step is the backend write, which the logger serialises with its commits. The buffer is a
+bounded deque, so a stalled backend costs at most ``max_buffered`` samples of memory.
+
+Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process sees it):
+
+| key | meaning |
+|---|---|
+| ``system/seconds`` | seconds since the monitor started (the x axis) |
+| ``system/process_cpu_percent`` | this process's CPU use; 100 = one core |
+| ``system/process_rss_gib`` | this process's resident memory |
+| ``system/host_cpu_percent`` | the whole host's CPU use, 0-100 |
+| ``system/host_memory_percent`` | host memory in use, 0-100 |
+| ``system/host_memory_available_gib`` | host memory available |
+| ``system/gpu<i>/torch_allocated_gib`` | ``torch.cuda.memory_allocated`` (only once CUDA is initialised) |
+| ``system/gpu<i>/torch_reserved_gib`` | ``torch.cuda.memory_reserved`` |
+| ``system/gpu<i>/torch_peak_allocated_gib`` | ``torch.cuda.max_memory_allocated`` |
+| ``system/gpu<i>/utilization_percent`` | NVML GPU utilisation (with ``nvidia-ml-py``) |
+| ``system/gpu<i>/memory_used_gib`` | NVML memory used, all processes |
+| ``system/gpu<i>/memory_used_percent`` | NVML memory used / total |
+"""
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from instrument.errors import ConfigurationError, require
+from instrument.logging.backends.base import StepRecord
+
+__all__ = ["SystemMonitor"]
+
+log = logging.getLogger("instrument")
+_GIB = float(2**30)
+
+
+class SystemMonitor:
+    """Samples resources every ``collection_interval`` seconds and flushes them every ``flush_interval``.
+
+    Args:
+        collection_interval: seconds between samples.
+        flush_interval: seconds between writes to the backends (>= collection_interval).
+        gpu: include GPU memory (torch.cuda stats, once CUDA is initialised) and NVML utilisation/memory
+            (when ``nvidia-ml-py`` is installed); False skips both.
+        max_buffered: most samples kept between flushes; older ones are dropped first.
+
+    Needs ``psutil`` (``pip install 'torch-instrument[monitor]'``). Subclass and extend `sample` to add
+    quantities; keep keys under ``system/``.
+    """
+
+    def __init__(
+        self,
+        collection_interval: float = 10.0,
+        flush_interval: float = 60.0,
+        gpu: bool = True,
+        max_buffered: int = 1024,
+    ) -> None:
+        for name, value in (("collection_interval", collection_interval), ("flush_interval", flush_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigurationError(
+                    f"SystemMonitor.{name} must be a positive number of seconds, got {value!r}."
+                )
+        if flush_interval < collection_interval:
+            raise ConfigurationError(
+                f"SystemMonitor.flush_interval ({flush_interval}) must be >= collection_interval "
+                f"({collection_interval}): a flush writes the samples collected since the last one."
+            )
+        if isinstance(max_buffered, bool) or not isinstance(max_buffered, int) or max_buffered < 1:
+            raise ConfigurationError(
+                f"SystemMonitor.max_buffered must be a positive int, got {max_buffered!r}."
+            )
+        self._psutil = require("psutil", "monitor", "SystemMonitor")
+        self.collection_interval = float(collection_interval)
+        self.flush_interval = float(flush_interval)
+        self.gpu = gpu
+        self.max_buffered = max_buffered
+        self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque(maxlen=max_buffered)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._logger: Any = None
+        self._t0 = 0.0
+        self._process: Any = None
+        self._nvml: Any = None
+        self._nvml_handles: List[Tuple[int, Any]] = []
+        self._failed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def buffered(self) -> int:
+        """Samples collected and not yet flushed (at most ``max_buffered``)."""
+        return len(self._buffer)
+
+    def start(self, logger: Any) -> None:
+        """Start sampling into ``logger`` (anything with ``write_system(record)``). Once per monitor."""
+        if self._thread is not None:
+            raise ConfigurationError("this SystemMonitor was already started; create a new one per run.")
+        self._logger = logger
+        self._process = self._psutil.Process()
+        self._process.cpu_percent(None)  # the first reading is always 0: prime both counters
+        self._psutil.cpu_percent(None)
+        if self.gpu:
+            self._init_nvml()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="instrument-system-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wake the thread, flush what is buffered and join. Idempotent."""
+        if self._thread is None or self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("instrument: the system monitor thread did not stop within %.1f s", timeout)
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self._nvml = None
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self) -> Dict[str, float]:
+        """One sample of every quantity (runs in the monitor's thread)."""
+        ps, proc = self._psutil, self._process
+        vm = ps.virtual_memory()
+        out = {
+            "system/process_cpu_percent": float(proc.cpu_percent(None)),
+            "system/process_rss_gib": proc.memory_info().rss / _GIB,
+            "system/host_cpu_percent": float(ps.cpu_percent(None)),
+            "system/host_memory_percent": float(vm.percent),
+            "system/host_memory_available_gib": vm.available / _GIB,
+        }
+        if self.gpu:
+            out.update(self._torch_cuda())
+            out.update(self._nvml_sample())
+        return out
+
+    def _torch_cuda(self) -> Dict[str, float]:
+        # Never initialise CUDA from this thread: that would create a context the training never asked for.
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return {}
+        out = {}
+        for i in range(torch.cuda.device_count()):
+            out[f"system/gpu{i}/torch_allocated_gib"] = torch.cuda.memory_allocated(i) / _GIB
+            out[f"system/gpu{i}/torch_reserved_gib"] = torch.cuda.memory_reserved(i) / _GIB
+            out[f"system/gpu{i}/torch_peak_allocated_gib"] = torch.cuda.max_memory_allocated(i) / _GIB
+        return out
+
+    def _init_nvml(self) -> None:
+        try:
+            import pynvml  # from nvidia-ml-py
+        except ImportError:
+            return
+        try:
+            pynvml.nvmlInit()
+            physical = list(range(pynvml.nvmlDeviceGetCount()))
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
+                physical = [int(v) for v in visible.split(",") if v.strip() and int(v) in physical]
+            # Key by the index the process sees (torch's), so NVML and torch metrics line up.
+            self._nvml_handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(p)) for i, p in enumerate(physical)]
+            self._nvml = pynvml
+        except Exception as exc:  # no driver, no permission: GPU metrics are simply absent
+            log.info("instrument: NVML unavailable (%s); GPU utilisation is not monitored", exc)
+
+    def _nvml_sample(self) -> Dict[str, float]:
+        if self._nvml is None:
+            return {}
+        out = {}
+        for i, handle in self._nvml_handles:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            out[f"system/gpu{i}/utilization_percent"] = float(util.gpu)
+            out[f"system/gpu{i}/memory_used_gib"] = mem.used / _GIB
+            out[f"system/gpu{i}/memory_used_percent"] = 100.0 * mem.used / mem.total if mem.total else 0.0
+        return out
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        next_sample = next_flush = self._t0
+        next_flush += self.flush_interval
+        while True:
+            self._collect()
+            next_sample += self.collection_interval
+            if time.monotonic() >= next_flush:
+                self._flush()
+                next_flush += self.flush_interval
+            if self._stop.wait(max(0.0, next_sample - time.monotonic())):
+                break
+        self._flush()
+
+    def _collect(self) -> None:
+        try:
+            values = self.sample()
+        except Exception as exc:
+            if not self._failed:  # reported once; the monitor keeps trying
+                self._failed = True
+                log.warning("instrument: system monitor sampling failed: %r", exc)
+            return
+        self._buffer.append((time.monotonic() - self._t0, time.time(), values))
+
+    def _flush(self) -> None:
+        while self._buffer:
+            seconds, wall, values = self._buffer.popleft()
+            record = StepRecord(
+                step=int(seconds), scalars={**values, "system/seconds": seconds}, wall_time=wall
+            )
+            try:
+                self._logger.write_system(record)
+            except Exception as exc:
+                log.warning("instrument: system monitor could not write: %r", exc)
+
+    def __repr__(self) -> str:
+        return (
+            f"SystemMonitor(collection_interval={self.collection_interval}, "
+            f"flush_interval={self.flush_interval}, "
+            f"gpu={self.gpu})"
+        )

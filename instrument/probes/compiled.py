@@ -1,0 +1,92 @@
+"""Everything torch.compile-specific about embedded probes lives here.
+
+Two facts shape it (measured on torch 2.13, see docs/probes.md):
+
+* Dynamo guards on ``Probe.enabled``: the first call with probes off compiles a graph without any probe op,
+  and the first logging step compiles a second graph with the opaque ``instrument::probe`` op. Nothing else
+  recompiles, and the op never breaks the graph.
+* Dynamo keeps its compiled variants per code object and checks them newest first. Once an "on" variant
+  exists, every "off" call would first evaluate the "on" guards and fail them, costing 8-10% on small
+  rollouts. So during a logging step `ForwardSwitch` gives every module on the way from the watched root to
+  a probe an instance-level ``forward`` whose code object is a copy of its class's ``forward``: the "on"
+  graph is cached on the copy, and "off" calls, which run the original code, see only the "off" variant.
+  Leaving the step deletes the instance attributes again, which restores the modules exactly.
+
+The copy is made once per ``forward`` function and reused for every later logging step (a new code object
+each step would recompile each step). In eager mode the copy runs exactly like the original.
+
+A third fact: a compiled module's forward hooks are called from inside Dynamo's frame evaluation, and Dynamo
+traces them as frames of their own. An observer's host-side work (``float(tensor)``) would then break graphs.
+`run_eagerly` wraps the session's hook so Dynamo never traces it: values are recorded inside compiled code,
+observers run outside it.
+"""
+
+import sys
+import types
+import weakref
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["ForwardSwitch", "run_eagerly", "unwrap"]
+
+
+def run_eagerly(function: Callable) -> Callable:
+    """``function`` as is while torch.compile is unused in this process, else excluded from Dynamo tracing.
+
+    torch.compile imports torch._dynamo, so a process that never compiled pays nothing (not even the import).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return function
+    return torch.compiler.disable(function, recursive=True)
+
+_COPIES: "weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType]" = weakref.WeakKeyDictionary()
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The eager module behind a ``torch.compile`` wrapper (``OptimizedModule``), else the module itself."""
+    inner = getattr(module, "_orig_mod", None)
+    while isinstance(inner, nn.Module):
+        module, inner = inner, getattr(inner, "_orig_mod", None)
+    return module
+
+
+def _code_copy(function: types.FunctionType) -> types.FunctionType:
+    copy = _COPIES.get(function)
+    if copy is None:
+        code = function.__code__.replace(co_name=f"{function.__code__.co_name}_instrument_probes_on")
+        copy = types.FunctionType(
+            code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+        )
+        copy.__kwdefaults__ = function.__kwdefaults__
+        copy.__qualname__ = function.__qualname__
+        copy.__module__ = function.__module__
+        _COPIES[function] = copy
+    return copy
+
+
+class ForwardSwitch:
+    """Runs the given modules through copies of their ``forward`` code while probes are on."""
+
+    def __init__(self, modules: List[nn.Module]) -> None:
+        self._targets: List[Tuple[nn.Module, types.FunctionType]] = []
+        seen: Dict[int, nn.Module] = {}
+        for module in modules:
+            forward = getattr(type(module), "forward", None)
+            if id(module) in seen or not isinstance(forward, types.FunctionType):
+                continue
+            seen[id(module)] = module
+            self._targets.append((module, _code_copy(forward)))
+        self._on: List[nn.Module] = []
+
+    def on(self) -> None:
+        for module, copy in self._targets:
+            if "forward" not in module.__dict__:  # a user's own instance-level forward is left alone
+                module.__dict__["forward"] = types.MethodType(copy, module)
+                self._on.append(module)
+
+    def off(self) -> None:
+        for module in self._on:
+            module.__dict__.pop("forward", None)
+        self._on.clear()

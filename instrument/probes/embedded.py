@@ -1,0 +1,94 @@
+"""`ProbeSet`: the embedded probes of one watched model, found once and switched per logging step.
+
+`Instrumentation.watch` builds one per watched module. It finds every `Probe` in an eager module tree, in a
+``torch.compile`` wrapper (through its ``_orig_mod``) and in a ScriptModule (also a loaded or frozen one), and
+checks that names are unique. On a logging step the session calls `on` (set ``enabled``, and for eager and
+compiled models route the forward through `ForwardSwitch`) and `off` when the step ends, also when it raises.
+"""
+
+from typing import Dict, List
+
+from torch import nn
+
+from instrument.errors import ConfigurationError, ProbeError
+from instrument.probes import compiled, script
+from instrument.probes.probe import Probe
+
+__all__ = ["ProbeSet"]
+
+
+class ProbeSet:
+    """Probes of one watched model by name.
+
+    Attributes:
+        probes: name -> probe module (eager `Probe` or its scripted counterpart).
+        paths: name -> dotted path of the probe in the watched model.
+        scripted: whether the model is a ScriptModule.
+    """
+
+    def __init__(self, module: nn.Module, label: str = "") -> None:
+        if not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"watch() expects a torch.nn.Module (eager, scripted or compiled), "
+                f"got {type(module).__name__}."
+            )
+        self.module = module
+        root = compiled.unwrap(module)
+        self.label = label or type(root).__name__
+        self.scripted = script.is_scripted(root)
+        if self.scripted:
+            found = script.scripted_probes(root)
+            for _, probe in found:
+                script.check_scriptable(probe)
+        else:
+            found = [(path, sub) for path, sub in root.named_modules() if isinstance(sub, Probe)]
+        self.probes: Dict[str, nn.Module] = {}
+        self.paths: Dict[str, str] = {}
+        for path, probe in found:
+            name = str(probe.name)
+            if name in self.probes:
+                raise ProbeError(
+                    f"two probes named {name!r} in watched model {self.label}: at {self.paths[name]!r} and "
+                    f"{path!r}. Probe names must be unique within a watched model; give each Probe its own "
+                    f"name."
+                )
+            self.probes[name] = probe
+            self.paths[name] = path
+        self._switch = None if self.scripted or not self.probes else compiled.ForwardSwitch(
+            _ancestors(root, list(self.paths.values()))
+        )
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.probes)
+
+    @property
+    def has_grad(self) -> bool:
+        return any(bool(p.grad) for p in self.probes.values())
+
+    def on(self) -> None:
+        for probe in self.probes.values():
+            probe.enabled = True
+        if self._switch is not None:
+            self._switch.on()
+
+    def off(self) -> None:
+        if self._switch is not None:
+            self._switch.off()
+        for probe in self.probes.values():
+            probe.enabled = False
+
+    def __len__(self) -> int:
+        return len(self.probes)
+
+
+def _ancestors(root: nn.Module, paths: List[str]) -> List[nn.Module]:
+    """Every module on the way from ``root`` to each probe (the probe itself excluded), root first."""
+    out: List[nn.Module] = []
+    for path in paths:
+        module = root
+        out.append(module)
+        for part in path.split(".")[:-1]:
+            module = getattr(module, part)
+            out.append(module)
+    return out

@@ -1,0 +1,69 @@
+"""`Probe`: a named, identity pass-through module users embed anywhere in their own forward.
+
+    class Rule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.perceive = ...; self.mlp = ...
+            self.p_hidden = instrument.Probe("hidden")
+        def forward(self, x):
+            h = self.p_hidden(self.perceive(x))      # any intermediate value, where no hook can reach
+            return x + self.mlp(h)
+
+Off (every non-logging step) the forward is ``if self.enabled: ...; return x``: one bool test, no op in a
+TorchScript, frozen or compiled graph. The session sets ``enabled`` only for its logging steps; then the value
+goes through the ``instrument::probe`` operator (see `instrument.probes.record`), which records a detached
+copy for the observers. The forward is written so that ``torch.jit.script`` compiles it unchanged: keep this
+module free of ``from __future__ import annotations``.
+"""
+
+import torch
+from torch import Tensor, nn
+
+import instrument.probes.record  # noqa: F401  registers torch.ops.instrument.probe
+from instrument.errors import ProbeError
+
+__all__ = ["Probe"]
+
+
+class Probe(nn.Module):
+    """Identity on every step; on logging steps it records its input under ``name`` for observers.
+
+    Observers read the value of the current rollout iteration as ``context.probes[name]``.
+
+    Args:
+        name: unique within a watched model; observers look values up by it.
+        grad: also record the gradient flowing back into this value (eager and torch.compile only;
+            observers get it through ``Observer.observe_gradients``). Scripting refuses it.
+
+    Attributes:
+        enabled: True only during a logging step of a session watching the model; never set it by hand
+            in a training loop.
+    """
+
+    def __init__(self, name: str, grad: bool = False) -> None:
+        super().__init__()
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ProbeError(
+                f"Probe name must be a non-empty string without surrounding spaces, got {name!r}; "
+                f"observers find the value as context.probes[name]."
+            )
+        if not isinstance(grad, bool):
+            raise ProbeError(f"Probe grad must be a bool, got {grad!r}.")
+        self.name = name
+        self.grad = grad
+        self.enabled = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.enabled:
+            return torch.ops.instrument.probe(x, self.name, self.grad)
+        return x
+
+    def __prepare_scriptable__(self) -> "Probe":
+        # torch.jit.script calls this before compiling; the refusal itself lives with the TorchScript code.
+        from instrument.probes.script import check_scriptable
+
+        check_scriptable(self)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}" + (", grad=True" if self.grad else "")

@@ -1,0 +1,29 @@
+"""RL instrumentation: collection, training, counter, timing and evaluation metrics, a progress bar, and the
+`RLLogging` set that composes them for a plain loop or a TorchRL trainer (`instrument.rl.torchrl`, imported
+only when used). Everything goes through the session's `Logger`: values stay on the device until its one
+batched transfer per commit.
+"""
+
+from instrument.rl.collection import CollectionMetrics
+from instrument.rl.component import RLComponent
+from instrument.rl.counters import Counters
+from instrument.rl.evaluation import Episode, EpisodeRunner, Evaluation, GymnasiumRunner, select_action
+from instrument.rl.progress import ProgressBar
+from instrument.rl.rl_logging import RLLogging
+from instrument.rl.timing import StageClock
+from instrument.rl.training import TrainMetrics
+
+__all__ = [
+    "CollectionMetrics",
+    "Counters",
+    "Episode",
+    "EpisodeRunner",
+    "Evaluation",
+    "GymnasiumRunner",
+    "ProgressBar",
+    "RLComponent",
+    "RLLogging",
+    "StageClock",
+    "TrainMetrics",
+    "select_action",
+]

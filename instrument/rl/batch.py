@@ -1,0 +1,132 @@
+"""Reading RL batches: nested keys, batch shape, the time dimension and the collector mask.
+
+A batch is a TensorDict (TorchRL), a nested ``dict`` (``{"next": {"reward": r}}``) or a flat ``dict`` whose
+keys
+may be tuples (``{("next", "reward"): r}``). tensordict is never imported here: a TensorDict is recognised by
+its ``batch_size`` attribute, so plain-tensor users do not need the package.
+
+Shapes follow TorchRL: entries are ``[*batch, *features]``; ``done`` may carry a trailing singleton
+(``[*batch, 1]``). The batch shape is the TensorDict's ``batch_size``; for plain mappings it is inferred from
+``done`` (see `split_batch`). The time dimension is the batch dimension named ``"time"`` when the TensorDict
+has names (TorchRL collectors name it), otherwise the one given.
+"""
+
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from instrument.errors import ConfigurationError
+
+__all__ = [
+    "NestedKey",
+    "lookup",
+    "key_name",
+    "is_tensordict",
+    "batch_shape_of",
+    "infer_batch_shape",
+    "split_features",
+    "resolve_time_dim",
+]
+
+NestedKey = Union[str, Tuple[str, ...]]
+
+
+def _as_tuple(key: NestedKey) -> Tuple[str, ...]:
+    if isinstance(key, str):
+        return (key,)
+    if isinstance(key, (tuple, list)) and key and all(isinstance(k, str) for k in key):
+        return tuple(key)
+    raise ConfigurationError(f"a batch key must be a string or a tuple of strings, got {key!r}.")
+
+
+def key_name(key: NestedKey) -> str:
+    """``("next", "reward")`` -> ``"next/reward"``: the stable metric name of a nested key."""
+    return "/".join(_as_tuple(key))
+
+
+def is_tensordict(batch: Any) -> bool:
+    return hasattr(batch, "batch_size") and hasattr(batch, "get") and not isinstance(batch, Tensor)
+
+
+def lookup(batch: Any, key: NestedKey) -> Optional[Tensor]:
+    """The entry at ``key`` (nested), or None when the batch has none."""
+    parts = _as_tuple(key)
+    if batch is None:
+        return None
+    if is_tensordict(batch):
+        return batch.get(parts if len(parts) > 1 else parts[0], None)
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"an RL batch must be a TensorDict or a mapping of tensors, got {type(batch).__name__}; "
+            f"pass e.g. {{'next': {{'reward': reward, 'done': done}}}} or use the keyword form."
+        )
+    if parts in batch:
+        return batch[parts]
+    if len(parts) == 1 and parts[0] in batch:
+        return batch[parts[0]]
+    node: Any = batch
+    for part in parts:
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def batch_shape_of(batch: Any) -> Optional[torch.Size]:
+    """A TensorDict's batch size; None for plain mappings (inferred from ``done`` instead)."""
+    return torch.Size(batch.batch_size) if is_tensordict(batch) else None
+
+
+def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tensor:
+    """Reshape ``value`` of shape ``[*batch, *features]`` to ``[*batch, K]`` (K = product of the features)."""
+    batch_shape = tuple(batch_shape)
+    n = len(batch_shape)
+    if tuple(value.shape[:n]) != batch_shape:
+        raise ConfigurationError(
+            f"{name} has shape {tuple(value.shape)}, which does not start with the batch shape "
+            f"{batch_shape}; "
+            f"entries must be shaped [*batch, *features] like done / the TensorDict batch size."
+        )
+    return value.reshape(*batch_shape, -1) if value.dim() > n else value.reshape(*batch_shape, 1)
+
+
+def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:
+    """The batch shape of a plain-tensor batch, from ``done`` and another entry (e.g. the reward).
+
+    TorchRL style: ``done`` ``[*B, 1]`` with an entry of the same rank (``[*B, K]``) or of shape ``B`` ->
+    batch
+    ``B``. Otherwise ``done``'s own shape is the batch shape (an entry ``[*done.shape, K]`` has K features).
+    """
+    if done.dim() >= 2 and done.shape[-1] == 1:
+        if other is None or other.dim() == done.dim() or tuple(other.shape) == tuple(done.shape[:-1]):
+            return done.shape[:-1]
+    return done.shape
+
+
+def resolve_time_dim(
+    batch: Any, time_dim: Union[int, str, None], batch_shape: Sequence[int]
+) -> Optional[int]:
+    """The non-negative index of the time dimension in ``batch_shape``, or None when there is none.
+
+    ``"auto"`` uses the TensorDict dimension named ``"time"`` when there is one, else the last batch dimension
+    (TorchRL collectors put time last). ``None`` means every call holds one time step of every environment.
+    """
+    n = len(batch_shape)
+    if time_dim is None:
+        return None
+    if time_dim == "auto":
+        names = getattr(batch, "names", None) if is_tensordict(batch) else None
+        if names is not None and "time" in list(names):
+            return list(names).index("time")
+        time_dim = -1
+    if isinstance(time_dim, bool) or not isinstance(time_dim, int):
+        raise ConfigurationError(f"time_dim must be an int, 'auto' or None, got {time_dim!r}.")
+    if n == 0:
+        return None
+    if not -n <= time_dim < n:
+        raise ConfigurationError(
+            f"time_dim={time_dim} is out of range for a batch of shape {tuple(batch_shape)}."
+        )
+    return time_dim % n

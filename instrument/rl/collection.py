@@ -1,0 +1,288 @@
+"""Collection metrics: rewards and finished episodes of the collected batches.
+
+Keys (under ``collection/<group>/``; ``<stat>`` is ``mean``, ``min``, ``max`` with ``reduce_stats=True``,
+else only ``mean``). Every statistic covers the whole logging interval, not only the last batch.
+
+==============================  ===========================================================================
+key                             meaning
+==============================  ===========================================================================
+``reward/<stat>``               per-step reward (scalarised with ``reward_weights`` when it is a vector),
+                                over the steps the collector mask keeps
+``reward/<objective>/<stat>``   each objective of a vector reward, unweighted
+``episode/return/<stat>``       return of each episode that ended in the interval (scalarised)
+``episode/return/<obj>/<stat>`` each objective's episode return (vector rewards only)
+``episode/length/<stat>``       length in steps of each episode that ended in the interval
+``episode/count``               number of episodes that ended in the interval
+``<name>/<stat>``               any extra batch entry bound in ``keys`` (all its elements, masked)
+==============================  ===========================================================================
+
+Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist;
+TensorBoard
+and W&B draw a gap); ``episode/count`` says 0 then.
+
+Episode returns come from ``episode_reward_key`` when the batch has it (TorchRL's ``RewardSum`` writes
+``("next", "episode_reward")``); otherwise they are summed from the rewards, carrying unfinished episodes over
+to the next batch, vectorised over time (differences of cumulative sums; no Python loop over steps).
+"""
+
+import logging
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from instrument.errors import ConfigurationError
+from instrument.rl.batch import (
+    NestedKey,
+    batch_shape_of,
+    infer_batch_shape,
+    lookup,
+    resolve_time_dim,
+    split_features,
+)
+from instrument.rl.component import RLComponent
+from instrument.rl.reduce import STATS, RunningStats, episode_segments
+
+__all__ = ["CollectionMetrics"]
+
+log = logging.getLogger("instrument")
+
+
+class CollectionMetrics(RLComponent):
+    """Reward and episode statistics of collected batches, on plain tensors or TensorDicts.
+
+    Args:
+        group: the ``<group>`` in ``collection/<group>/`` (e.g. one per environment or agent group).
+        reward_key, done_key, mask_key: where the per-step reward, the end-of-episode flag and the collector
+            mask (steps that count; padded steps are False) live in a batch.
+        episode_reward_key: the running episode return (TorchRL ``RewardSum``); used at ``done`` when present.
+        step_count_key: the running episode length (TorchRL ``StepCounter``); used at ``done`` when present.
+        reward_weights: weights that scalarise a vector reward ``[*batch, K]``; required when K > 1.
+        objective_names: names of the K objectives in metric keys (default ``obj0``, ``obj1``, ...).
+        keys: extra batch entries to reduce, ``{metric name: batch key}``.
+        reduce_stats: log mean, min and max (True) or only the mean (False).
+        time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
+            the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one
+            step
+            of every environment.
+    """
+
+    def __init__(
+        self,
+        group: str = "main",
+        reward_key: NestedKey = ("next", "reward"),
+        done_key: NestedKey = ("next", "done"),
+        mask_key: Optional[NestedKey] = ("collector", "mask"),
+        episode_reward_key: Optional[NestedKey] = ("next", "episode_reward"),
+        step_count_key: Optional[NestedKey] = ("next", "step_count"),
+        reward_weights: Optional[Sequence[float]] = None,
+        objective_names: Optional[Sequence[str]] = None,
+        keys: Optional[Mapping[str, NestedKey]] = None,
+        reduce_stats: bool = True,
+        time_dim: Union[int, str, None] = "auto",
+    ) -> None:
+        if not group or "/" in group:
+            raise ConfigurationError(
+                f"CollectionMetrics.group must be a non-empty name without '/', got {group!r}."
+            )
+        if reward_weights is not None and len(reward_weights) == 0:
+            raise ConfigurationError(
+                "CollectionMetrics.reward_weights is empty; bind one weight per objective."
+            )
+        if (
+            objective_names is not None
+            and reward_weights is not None
+            and len(objective_names) != len(reward_weights)
+        ):
+            raise ConfigurationError(
+                f"CollectionMetrics got {len(objective_names)} objective_names for {len(reward_weights)} "
+                f"reward_weights; bind one name per objective."
+            )
+        self.group = group
+        self.prefix = f"collection/{group}"
+        self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
+        self.episode_reward_key, self.step_count_key = episode_reward_key, step_count_key
+        self.reward_weights = list(reward_weights) if reward_weights is not None else None
+        self.objective_names = list(objective_names) if objective_names is not None else None
+        self.keys = dict(keys or {})
+        self.reduce_stats = reduce_stats
+        self.time_dim = time_dim
+        self._reward = RunningStats()
+        self._objectives = RunningStats()
+        self._ep_return = RunningStats()
+        self._ep_objectives = RunningStats()
+        self._ep_length = RunningStats()
+        self._extra: Dict[str, RunningStats] = {name: RunningStats(flatten=True) for name in self.keys}
+        self._episodes: Optional[Tensor] = None
+        self._carry_return: Optional[Tensor] = None
+        self._carry_length: Optional[Tensor] = None
+        self._warned_reset = False
+
+    # ------------------------------------------------------------------ input
+    def on_batch(self, batch: Any = None, frames: Optional[int] = None) -> None:
+        self.update(batch)
+
+    def update(
+        self,
+        batch: Any = None,
+        *,
+        reward: Optional[Tensor] = None,
+        done: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        episode_reward: Optional[Tensor] = None,
+    ) -> None:
+        """Add one batch: a TensorDict / mapping, or the tensors as keywords (keywords win over the batch)."""
+        reward = reward if reward is not None else lookup(batch, self.reward_key)
+        done = done if done is not None else lookup(batch, self.done_key)
+        mask = mask if mask is not None else (lookup(batch, self.mask_key) if self.mask_key else None)
+        if episode_reward is None and self.episode_reward_key is not None:
+            episode_reward = lookup(batch, self.episode_reward_key)
+        if reward is None:
+            raise ConfigurationError(
+                f"CollectionMetrics found no reward at {self.reward_key!r} in the batch; pass "
+                f"reward=... or bind "
+                f"CollectionMetrics.reward_key to where your batch keeps it."
+            )
+        shape = batch_shape_of(batch)
+        if shape is None:
+            shape = infer_batch_shape(done, reward) if done is not None else reward.shape
+        rewards = split_features(reward.detach(), shape, f"reward at {self.reward_key!r}")
+        valid = (
+            None if mask is None else split_features(mask, shape, "the collector mask")[..., 0].to(torch.bool)
+        )
+        scalar = self._scalarise(rewards)
+
+        self._reward.add(scalar, valid)
+        if rewards.shape[-1] > 1:
+            self._objectives.add(rewards, valid)
+        for name, key in self.keys.items():
+            value = lookup(batch, key)
+            if value is None:
+                raise ConfigurationError(f"CollectionMetrics.keys[{name!r}] = {key!r} is not in the batch.")
+            self._extra[name].add(split_features(value.detach(), shape, f"{key!r}"), valid)
+        if done is not None:
+            self._add_episodes(batch, shape, rewards, done, valid, episode_reward)
+
+    def _scalarise(self, rewards: Tensor) -> Tensor:
+        k = rewards.shape[-1]
+        if k == 1:
+            return rewards
+        if self.reward_weights is None:
+            raise ConfigurationError(
+                f"the reward at {self.reward_key!r} has {k} objectives (shape {tuple(rewards.shape)}); bind "
+                f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each "
+                f"objective is also "
+                f"logged on its own)."
+            )
+        if len(self.reward_weights) != k:
+            raise ConfigurationError(
+                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the "
+                f"reward has {k} "
+                f"objectives; bind exactly one weight per objective."
+            )
+        weights = torch.as_tensor(
+            self.reward_weights,
+            dtype=rewards.dtype if rewards.is_floating_point() else torch.float32,
+            device=rewards.device,
+        )
+        return (rewards * weights).sum(dim=-1, keepdim=True)
+
+    def _add_episodes(self, batch, shape, rewards, done, valid, episode_reward) -> None:
+        ended = split_features(done, shape, f"done at {self.done_key!r}").to(torch.bool).any(dim=-1)
+        ended_valid = ended if valid is None else ended & valid
+        count = ended_valid.sum(dtype=torch.int64)
+        self._episodes = count if self._episodes is None else self._episodes + count
+        step_count = lookup(batch, self.step_count_key) if self.step_count_key else None
+        returns = lengths = None
+        if episode_reward is not None:  # running returns in the batch (TorchRL RewardSum): read them at done
+            returns = split_features(
+                episode_reward.detach(), shape, f"episode reward at {self.episode_reward_key!r}"
+            )
+        if step_count is not None:  # running lengths in the batch (TorchRL StepCounter)
+            lengths = split_features(step_count, shape, f"step count at {self.step_count_key!r}")[..., 0]
+        if returns is None or lengths is None:
+            seg_returns, seg_lengths = self._segments(
+                rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape)
+            )
+            returns = seg_returns if returns is None else returns
+            lengths = seg_lengths if lengths is None else lengths
+        self._ep_return.add(self._scalarise(returns), ended_valid)
+        if returns.shape[-1] > 1:
+            self._ep_objectives.add(returns, ended_valid)
+        self._ep_length.add(lengths.unsqueeze(-1), ended_valid)
+
+    def _segments(self, rewards: Tensor, ended: Tensor, valid: Optional[Tensor], t: Optional[int]):
+        squeeze = t is None
+        if squeeze:  # one step of every environment per call
+            rewards, ended = rewards.unsqueeze(0), ended.unsqueeze(0)
+            valid = None if valid is None else valid.unsqueeze(0)
+            t = 0
+        r = rewards.movedim(t, 0)
+        d = ended.movedim(t, 0)
+        v = None if valid is None else valid.movedim(t, 0)
+        carry_r, carry_n = self._carry_return, self._carry_length
+        if carry_r is not None and (carry_r.shape != r.shape[1:] or carry_r.device != r.device):
+            if not self._warned_reset:
+                log.warning(
+                    "instrument: %s: the batch layout changed from %s to %s environments; "
+                    "unfinished episodes "
+                    "from earlier batches are dropped.",
+                    self.prefix,
+                    tuple(carry_r.shape[:-1]),
+                    tuple(r.shape[1:-1]),
+                )
+                self._warned_reset = True
+            carry_r = carry_n = None
+        returns, lengths, _, self._carry_return, self._carry_length = episode_segments(
+            r, d, v, carry_r, carry_n
+        )
+        if squeeze:
+            return returns[0], lengths[0]
+        return returns.movedim(0, t), lengths.movedim(0, t)
+
+    # ------------------------------------------------------------------ output
+    def log(self, logger, step: int) -> None:
+        metrics: Dict[str, Tensor] = {}
+        stats = STATS if self.reduce_stats else ("mean",)
+
+        def emit(name: str, acc: RunningStats, names: Optional[Sequence[str]] = None) -> None:
+            if acc.empty:
+                return
+            summary = acc.summary()
+            for stat in stats:
+                value = summary[stat]
+                if names is None:
+                    metrics[f"{name}/{stat}"] = value.reshape(-1)[0] if value.dim() else value
+                else:
+                    for i, obj in enumerate(names):
+                        metrics[f"{name}/{obj}/{stat}"] = value[i]
+            acc.reset()
+
+        emit("reward", self._reward)
+        emit("reward", self._objectives, self._names(self._objectives))
+        emit("episode/return", self._ep_return)
+        emit("episode/return", self._ep_objectives, self._names(self._ep_objectives))
+        emit("episode/length", self._ep_length)
+        if self._episodes is not None:
+            metrics["episode/count"] = self._episodes
+            self._episodes = None
+        for name, acc in self._extra.items():
+            emit(name, acc)
+        if metrics:
+            logger.log_metrics(metrics, step=step, prefix=self.prefix)
+
+    def _names(self, acc: RunningStats) -> Sequence[str]:
+        if acc.empty:
+            return []
+        k = acc.total.shape[-1]
+        return self.objective_names if self.objective_names is not None else [f"obj{i}" for i in range(k)]
+
+    def reset_episodes(self) -> None:
+        """Forget unfinished episodes (e.g. after the environments were reset outside the collector)."""
+        self._carry_return = self._carry_length = None
+
+    def __repr__(self) -> str:
+        return (
+            f"CollectionMetrics(group={self.group!r}, reward_key={self.reward_key!r}, "
+            f"done_key={self.done_key!r})"
+        )

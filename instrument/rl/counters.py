@@ -1,0 +1,176 @@
+"""Counters: frames, iterations and episodes since the run began, carried across resumes.
+
+Keys (under ``counters/``):
+
+================  ==========================================================================================
+key               meaning
+================  ==========================================================================================
+``frames``        environment frames collected (steps kept by the collector mask, times ``frame_skip``)
+``iterations``    training iterations completed
+``episodes``      episodes that ended
+================  ==========================================================================================
+
+Frames are counted from shapes (no device work) unless the batch has a collector mask, whose sum stays on the
+device; reading `Counters.frames` then costs one host sync (the progress bar and frame-based schedules read
+it,
+logging does not). Episodes stay on the device until commit. `state_dict` returns plain ints, read in one
+batched transfer, so a checkpoint stores them in any format and a resumed run continues counting exactly.
+"""
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from instrument.errors import ConfigurationError
+from instrument.logging.transfer import to_host
+from instrument.rl.batch import NestedKey, batch_shape_of, infer_batch_shape, lookup, split_features
+from instrument.rl.component import RLComponent
+
+__all__ = ["Counters"]
+
+_STATE_KEYS = ("frames", "iterations", "episodes")
+
+
+class Counters(RLComponent):
+    """Counts frames (with ``frame_skip``), iterations and episodes.
+
+    Args:
+        frame_skip: environment frames per collected step (an action repeated ``frame_skip`` times).
+        done_key, mask_key: where a batch keeps the end-of-episode flag and the collector mask.
+    """
+
+    prefix = "counters"
+
+    def __init__(
+        self,
+        frame_skip: int = 1,
+        done_key: NestedKey = ("next", "done"),
+        mask_key: Optional[NestedKey] = ("collector", "mask"),
+    ) -> None:
+        if isinstance(frame_skip, bool) or not isinstance(frame_skip, int) or frame_skip < 1:
+            raise ConfigurationError(f"Counters.frame_skip must be a positive int, got {frame_skip!r}.")
+        self.frame_skip = frame_skip
+        self.done_key, self.mask_key = done_key, mask_key
+        self.iterations = 0
+        self._frames = 0
+        self._episodes = 0
+        self._frames_device: Optional[Tensor] = None
+        self._episodes_device: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ counting
+    def on_batch(
+        self,
+        batch: Any = None,
+        frames: Optional[int] = None,
+        *,
+        done: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+    ) -> None:
+        """Count one batch. ``frames`` (already including frame_skip), when given, is taken as it is."""
+        done = done if done is not None else lookup(batch, self.done_key)
+        mask = mask if mask is not None else (lookup(batch, self.mask_key) if self.mask_key else None)
+        shape = batch_shape_of(batch)
+        if shape is None and done is not None:
+            shape = infer_batch_shape(done, None)
+        if frames is not None:
+            if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
+                raise ConfigurationError(f"frames must be a non-negative int, got {frames!r}.")
+            self._frames += frames
+        elif mask is not None:
+            kept = mask.to(torch.bool).sum(dtype=torch.int64) * self.frame_skip
+            self._frames_device = kept if self._frames_device is None else self._frames_device + kept
+        elif shape is not None:
+            self._frames += _numel(shape) * self.frame_skip
+        else:
+            raise ConfigurationError(
+                "Counters cannot tell how many frames this batch holds: pass frames=..., a "
+                "TensorDict, or a batch "
+                f"with done at {self.done_key!r}."
+            )
+        if done is not None:
+            ended = (
+                split_features(done, shape, "done").to(torch.bool).any(dim=-1) if shape is not None else done
+            )
+            if mask is not None:
+                ended = ended & split_features(mask, shape, "mask")[..., 0].to(torch.bool)
+            count = ended.sum(dtype=torch.int64)
+            self._episodes_device = count if self._episodes_device is None else self._episodes_device + count
+
+    def end_iteration(self) -> None:
+        self.iterations += 1
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def frames(self) -> int:
+        """Frames so far, as an int (one host sync when a collector mask was counted since the last read)."""
+        self._fold()
+        return self._frames
+
+    @property
+    def episodes(self) -> int:
+        """Episodes so far, as an int (one host sync when episodes were counted since the last read)."""
+        self._fold()
+        return self._episodes
+
+    @property
+    def frames_known(self) -> bool:
+        """Whether `frames` can be read without a host sync."""
+        return self._frames_device is None
+
+    def _fold(self) -> None:
+        pending = [t for t in (self._frames_device, self._episodes_device) if t is not None]
+        if not pending:
+            return
+        # host sync: the device counts are read once here (checkpoints, frame schedules), never per metric.
+        host = iter(to_host(pending))
+        if self._frames_device is not None:
+            self._frames += int(next(host))
+        if self._episodes_device is not None:
+            self._episodes += int(next(host))
+        self._frames_device = self._episodes_device = None
+
+    def log(self, logger, step: int) -> None:
+        logger.log_metrics(
+            {
+                "frames": _total(self._frames, self._frames_device),
+                "iterations": self.iterations,
+                "episodes": _total(self._episodes, self._episodes_device),
+            },
+            step=step,
+            prefix=self.prefix,
+        )
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> Dict[str, Any]:
+        self._fold()
+        return {"frames": self._frames, "iterations": self.iterations, "episodes": self._episodes}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ConfigurationError(
+                f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}."
+            )
+        self._frames = int(state["frames"])
+        self.iterations = int(state["iterations"])
+        self._episodes = int(state["episodes"])
+        self._frames_device = self._episodes_device = None
+
+    def __repr__(self) -> str:
+        return f"Counters(frame_skip={self.frame_skip}, iterations={self.iterations})"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _total(host: int, device: Optional[Tensor]):
+    if device is None:
+        return host
+    # float64 keeps counts exact to 2**53 through the logger's transfer (float32 stops at 2**24).
+    wide = torch.float32 if device.device.type == "mps" else torch.float64
+    return device.to(wide) + host

@@ -1,0 +1,185 @@
+"""Device-side reductions the RL metrics share: masked running statistics and episode segmentation.
+
+Nothing here leaves the device. Statistics accumulate over a logging interval (count, sum, min, max) and are
+handed to the logger as tensors, which moves them to the host in its one batched transfer at commit.
+Reductions use ``sum``/``amin``/``amax`` (``aminmax`` and ``std_mean`` are many times slower on CPU, see
+FINDINGS.md).
+"""
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["RunningStats", "episode_segments", "STATS"]
+
+STATS = ("mean", "min", "max")
+
+
+def _float(values: Tensor) -> Tensor:
+    return values if values.is_floating_point() else values.to(torch.float32)
+
+
+class RunningStats:
+    """Count, sum, min and max of masked values, merged over calls, kept on the device.
+
+    ``add(values, mask)`` takes values shaped ``[*batch, K]`` and an optional boolean mask shaped
+    ``[*batch]``;
+    it reduces over the batch dimensions, so the statistics have shape ``[K]`` (one per feature, e.g. per
+    objective). With ``flatten=True`` everything (batch and features) is reduced to one value.
+
+    ``summary()`` gives ``{"mean", "min", "max"}`` tensors; where nothing was counted they are NaN, because a
+    mean of zero values does not exist (logged as NaN, drawn as a gap).
+    """
+
+    __slots__ = ("flatten", "count", "total", "low", "high")
+
+    def __init__(self, flatten: bool = False) -> None:
+        self.flatten = flatten
+        self.reset()
+
+    def reset(self) -> None:
+        self.count: Optional[Tensor] = None
+        self.total: Optional[Tensor] = None
+        self.low: Optional[Tensor] = None
+        self.high: Optional[Tensor] = None
+
+    @property
+    def empty(self) -> bool:
+        return self.count is None
+
+    def add(self, values: Tensor, mask: Optional[Tensor] = None) -> None:
+        values = _float(values.detach())
+        if values.dim() == 0:
+            values = values.reshape(1)
+        batch_dims = tuple(range(values.dim() - 1))
+        if mask is None:
+            keep = None
+            count = torch.full((), _numel(values.shape[:-1]), dtype=torch.int64, device=values.device)
+        else:
+            keep = mask.to(torch.bool).unsqueeze(-1)
+            count = keep.sum(dtype=torch.int64)
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        inf = torch.full((), math.inf, dtype=values.dtype, device=values.device)
+        masked = values if keep is None else torch.where(keep, values, zero)
+        low_in = values if keep is None else torch.where(keep, values, inf)
+        high_in = values if keep is None else torch.where(keep, values, -inf)
+        if values.numel() == 0:
+            total = torch.zeros(values.shape[-1:], dtype=values.dtype, device=values.device)
+            low = torch.full(values.shape[-1:], math.inf, dtype=values.dtype, device=values.device)
+            high = -low
+        else:
+            total = masked.sum(dim=batch_dims) if batch_dims else masked
+            low = low_in.amin(dim=batch_dims) if batch_dims else low_in
+            high = high_in.amax(dim=batch_dims) if batch_dims else high_in
+        if self.flatten:
+            count = count * values.shape[-1]
+            total, low, high = total.sum(), low.amin(), high.amax()
+        if self.count is None:
+            self.count, self.total, self.low, self.high = count, total, low, high
+        else:
+            self.count = self.count + count
+            self.total = self.total + total
+            self.low = torch.minimum(self.low, low)
+            self.high = torch.maximum(self.high, high)
+
+    def merge(self, other: "RunningStats") -> None:
+        """Fold another accumulator in (as if its values had been added here)."""
+        if other.count is None:
+            return
+        if self.count is None:
+            self.count, self.total, self.low, self.high = other.count, other.total, other.low, other.high
+            return
+        self.count = self.count + other.count
+        self.total = self.total + other.total
+        self.low = torch.minimum(self.low, other.low)
+        self.high = torch.maximum(self.high, other.high)
+
+    def summary(self) -> Dict[str, Tensor]:
+        if self.count is None:
+            raise RuntimeError("RunningStats.summary() called before any add().")
+        nan = torch.full((), math.nan, dtype=self.total.dtype, device=self.total.device)
+        seen = self.count > 0
+        return {
+            "mean": self.total / self.count,  # 0/0 is NaN: nothing counted
+            "min": torch.where(seen, self.low, nan),
+            "max": torch.where(seen, self.high, nan),
+        }
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def episode_segments(
+    reward: Tensor,
+    done: Tensor,
+    valid: Optional[Tensor],
+    carry_return: Optional[Tensor],
+    carry_length: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Episode returns and lengths at every step where an episode ends, with no Python loop over time.
+
+    Args:
+        reward: ``[T, *envs, K]`` rewards (time first).
+        done: ``[T, *envs]`` bool: the transition at t ended an episode.
+        valid: ``[T, *envs]`` bool or None: steps that count (a collector mask); invalid steps add nothing and
+            their ``done`` is ignored.
+        carry_return, carry_length: ``[*envs, K]`` / ``[*envs]`` partial episodes from earlier batches, or
+        None.
+
+    Returns:
+        ``(returns [T, *envs, K], lengths [T, *envs], ended [T, *envs], carry_return, carry_length)``;
+        returns and
+        lengths are meaningful where ``ended`` is true; the carries are the partial episodes after this batch.
+
+    A step's return is the cumulative reward since the previous episode end (exclusive) — or since the batch
+    start plus the carried partial return when there is none — computed as a difference of cumulative sums.
+    """
+    t_len = reward.shape[0]
+    envs = reward.shape[1:-1]
+    reward = _float(reward)
+    if valid is None:
+        valid = torch.ones(done.shape, dtype=torch.bool, device=done.device)
+    valid = valid.to(torch.bool)
+    ended = done.to(torch.bool) & valid
+    if carry_return is None:
+        carry_return = torch.zeros(reward.shape[1:], dtype=reward.dtype, device=reward.device)
+    if carry_length is None:
+        carry_length = torch.zeros(envs, dtype=torch.int64, device=reward.device)
+    if t_len == 0:
+        empty = done.to(torch.bool)
+        return (
+            reward,
+            torch.zeros(done.shape, dtype=torch.int64, device=done.device),
+            empty,
+            carry_return,
+            carry_length,
+        )
+
+    cs_r = torch.cumsum(
+        torch.where(valid.unsqueeze(-1), reward, torch.zeros((), dtype=reward.dtype, device=reward.device)),
+        dim=0,
+    )
+    cs_n = torch.cumsum(valid.to(torch.int64), dim=0)
+    idx = torch.arange(t_len, device=done.device).view(t_len, *([1] * len(envs))).expand(done.shape)
+    minus_one = torch.full((), -1, dtype=idx.dtype, device=idx.device)
+    last_end = torch.cummax(torch.where(ended, idx, minus_one), dim=0).values  # last end at or before t
+    prev_end = torch.cat([torch.full_like(last_end[:1], -1), last_end[:-1]], dim=0)  # strictly before t
+
+    def since(prev: Tensor, t_slice: slice) -> Tuple[Tensor, Tensor]:
+        has = prev >= 0
+        at = prev.clamp(min=0)
+        base_r = torch.gather(cs_r, 0, at.unsqueeze(-1).expand(*at.shape, cs_r.shape[-1]))
+        base_n = torch.gather(cs_n, 0, at)
+        ret = torch.where(has.unsqueeze(-1), cs_r[t_slice] - base_r, cs_r[t_slice] + carry_return)
+        length = torch.where(has, cs_n[t_slice] - base_n, cs_n[t_slice] + carry_length)
+        return ret, length
+
+    returns, lengths = since(prev_end, slice(None))
+    new_return, new_length = since(last_end[-1:], slice(t_len - 1, t_len))
+    return returns, lengths, ended, new_return[0], new_length[0]

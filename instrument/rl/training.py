@@ -1,0 +1,143 @@
+"""Training metrics: any dict or TensorDict of losses and statistics, reduced to scalars with stable names.
+
+Keys (under ``train/<group>/``):
+
+========================  =================================================================================
+key                       meaning
+========================  =================================================================================
+``<name>``                mean over every element of every value logged under that name in the interval
+                          (a scalar loss logged once per update: the mean over the updates)
+``<name>/min``            smallest element in the interval (``reduce_stats=True`` only)
+``<name>/max``            largest element in the interval (``reduce_stats=True`` only)
+========================  =================================================================================
+
+``<name>`` is the entry's key; nested keys are joined with ``/`` (``("loss", "actor")`` -> ``loss/actor``),
+so a
+name never depends on the shape of the value. Values may be tensors of any shape and dtype (bools count as
+0/1), Python numbers or NumPy scalars; None entries are skipped. Everything stays on the device until commit.
+"""
+
+import numbers
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from instrument.errors import ConfigurationError
+from instrument.rl.batch import is_tensordict
+from instrument.rl.component import RLComponent
+from instrument.rl.reduce import RunningStats
+
+__all__ = ["TrainMetrics"]
+
+
+class TrainMetrics(RLComponent):
+    """Reduces losses and training statistics to scalars under ``train/<group>/``.
+
+    Args:
+        group: the ``<group>`` in ``train/<group>/``.
+        reduce_stats: also log min and max of every entry.
+        include: names (or name prefixes) to keep; None keeps every entry.
+        exclude: names (or name prefixes) to drop.
+    """
+
+    def __init__(
+        self,
+        group: str = "main",
+        reduce_stats: bool = False,
+        include: Optional[Sequence[str]] = None,
+        exclude: Sequence[str] = (),
+    ) -> None:
+        if not group or "/" in group:
+            raise ConfigurationError(
+                f"TrainMetrics.group must be a non-empty name without '/', got {group!r}."
+            )
+        self.group = group
+        self.prefix = f"train/{group}"
+        self.reduce_stats = reduce_stats
+        self.include = list(include) if include is not None else None
+        self.exclude = list(exclude)
+        self._stats: Dict[str, RunningStats] = {}
+
+    def on_losses(self, losses: Any) -> None:
+        self.update(losses)
+
+    def update(self, losses: Any) -> None:
+        """Add one dict / TensorDict of values (e.g. the loss module's output for one update)."""
+        for name, value in _flatten(losses):
+            if not self._wanted(name):
+                continue
+            tensor = _as_tensor(name, value)
+            if tensor is None:
+                continue
+            acc = self._stats.get(name)
+            if acc is None:
+                acc = self._stats[name] = RunningStats(flatten=True)
+            acc.add(tensor.detach().reshape(-1, 1))
+
+    def _wanted(self, name: str) -> bool:
+        def matches(pattern: str) -> bool:
+            return name == pattern or name.startswith(pattern.rstrip("/") + "/")
+
+        if any(matches(p) for p in self.exclude):
+            return False
+        return self.include is None or any(matches(p) for p in self.include)
+
+    def log(self, logger, step: int) -> None:
+        metrics: Dict[str, Tensor] = {}
+        for name, acc in self._stats.items():
+            if acc.empty:
+                continue
+            summary = acc.summary()
+            metrics[name] = summary["mean"]
+            if self.reduce_stats:
+                metrics[f"{name}/min"] = summary["min"]
+                metrics[f"{name}/max"] = summary["max"]
+            acc.reset()
+        if metrics:
+            logger.log_metrics(metrics, step=step, prefix=self.prefix)
+
+    def __repr__(self) -> str:
+        return f"TrainMetrics(group={self.group!r}, reduce_stats={self.reduce_stats})"
+
+
+def _flatten(losses: Any, prefix: Tuple[str, ...] = ()) -> Iterator[Tuple[str, Any]]:
+    if is_tensordict(losses):
+        for key, value in losses.items(include_nested=True, leaves_only=True):
+            key = key if isinstance(key, tuple) else (key,)
+            yield "/".join(prefix + key), value
+        return
+    if not isinstance(losses, Mapping):
+        raise TypeError(
+            f"TrainMetrics takes a dict or TensorDict of losses/statistics, got {type(losses).__name__}; "
+            f"wrap a single loss as {{'loss': loss}}."
+        )
+    for key, value in losses.items():
+        parts = key if isinstance(key, tuple) else (str(key),)
+        if isinstance(value, Mapping) or is_tensordict(value):
+            yield from _flatten(value, prefix + parts)
+        else:
+            yield "/".join(prefix + parts), value
+
+
+def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.numel() == 0:
+            return None
+        if value.is_complex():
+            raise TypeError(
+                f"training entry {name!r} is a complex tensor; log its abs() or real part instead."
+            )
+        return value if value.is_floating_point() else value.to(torch.float32)
+    if isinstance(value, np.ndarray):
+        return torch.as_tensor(value, dtype=torch.float64) if value.size else None
+    if isinstance(value, (numbers.Real, np.number)):
+        return torch.tensor(float(value), dtype=torch.float64)
+    raise TypeError(
+        f"training entry {name!r} has type {type(value).__name__}; expected a tensor, a number or a "
+        f"nested dict."
+    )

@@ -1,0 +1,80 @@
+"""Small NCA-like update rules with and without embedded probes, shared by the probe tests.
+
+Kept in a real file (not defined inside tests) because TorchScript compiles from source.
+"""
+
+from typing import List
+
+import torch
+from torch import Tensor, nn
+
+import instrument
+
+CHANNELS = 4
+
+
+class Rule(nn.Module):
+    """One NCA iteration: depthwise 3x3 perception, 1x1-conv MLP, residual update; two probes inside."""
+
+    def __init__(self, channels: int = CHANNELS, hidden: int = 8, grad: bool = False) -> None:
+        super().__init__()
+        self.perceive = nn.Conv2d(channels, 3 * channels, 3, padding=1, groups=channels, bias=False)
+        self.fc0 = nn.Conv2d(3 * channels, hidden, 1)
+        self.fc1 = nn.Conv2d(hidden, channels, 1)
+        self.p_hidden = instrument.Probe("hidden", grad=grad)
+        self.p_update = instrument.Probe("update")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.p_hidden(torch.relu(self.fc0(self.perceive(x))))
+        return x + self.p_update(self.fc1(h))
+
+
+class BareRule(nn.Module):
+    """`Rule` without probes; same parameter names, so ``load_state_dict`` moves weights between them."""
+
+    def __init__(self, channels: int = CHANNELS, hidden: int = 8) -> None:
+        super().__init__()
+        self.perceive = nn.Conv2d(channels, 3 * channels, 3, padding=1, groups=channels, bias=False)
+        self.fc0 = nn.Conv2d(3 * channels, hidden, 1)
+        self.fc1 = nn.Conv2d(hidden, channels, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.fc0(self.perceive(x)))
+        return x + self.fc1(h)
+
+
+class Model(nn.Module):
+    """A whole rollout in one forward: not one iteration, so it is watched with ``state=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rule = Rule()
+        self.encoder_probe = instrument.Probe("seed")
+
+    def forward(self, x: Tensor, n: int) -> Tensor:
+        x = self.encoder_probe(x)
+        for _ in range(n):
+            x = self.rule(x)
+        return x
+
+
+class TwoSameNames(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Identity(), instrument.Probe("h"))
+        self.b = instrument.Probe("h")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+def reference(rule: nn.Module, x: Tensor, n: int) -> List[dict]:
+    """What each iteration's probes must hold, computed from the rule's layers directly."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            h = torch.relu(rule.fc0(rule.perceive(x)))
+            update = rule.fc1(h)
+            out.append({"hidden": h, "update": update})
+            x = x + update
+    return out

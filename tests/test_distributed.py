@@ -1,0 +1,329 @@
+"""Cross-rank reduction with real 2-process gloo groups (torch.multiprocessing spawn, FileStore rendezvous).
+
+Starting processes is slow on a shared machine, so one spawn runs every scenario and writes what each rank saw
+to a JSON file; the tests below each check one aspect of those results against single-process references
+computed over the union of the data.
+"""
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from instrument import JsonlBackend, Logger
+from instrument.errors import ConfigurationError
+
+# Rank r's data: two batches per logging interval.
+BATCHES = {0: [[0.5, 1.5], [-2.0]], 1: [[3.0, -1.0, 0.25], [2.0, 4.5]]}
+ACC = {0: [0.5, 0.7], 1: [0.9, 0.9]}
+
+
+def _install_counter(counts):
+    """Count the collectives instrument's reduction issues by wrapping its own collective functions."""
+    import instrument.logging.reduce as reduce_mod
+
+    for name in ("_all_gather", "_all_reduce", "_all_gather_object"):
+        original = getattr(reduce_mod, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(reduce_mod, name, counted)
+
+
+def _log_interval(logger, rank, step0, step1):
+    """Log one interval's metrics: two batches at step0 and step1, per-rank totals at step1."""
+    for step, batch in zip((step0, step1), BATCHES[rank], strict=True):
+        t = torch.tensor(batch)
+        logger.log_metrics({"loss": t.mean()}, step=step, prefix="train", weights=float(len(batch)))
+    for step, acc in zip((step0, step1), ACC[rank], strict=True):
+        logger.log_metrics({"acc": acc}, step=step, prefix="train")
+    x = torch.tensor([v for b in BATCHES[rank] for v in b], dtype=torch.float64)
+    logger.log_metrics(
+        {"total": x.sum(), "lo": x.min(), "hi": float(x.max()), "norm": torch.linalg.vector_norm(x)},
+        step=step1,
+        reduce={"total": "sum", "lo": "min", "hi": "max", "norm": "l2"},
+    )
+
+
+def _commit_counted(logger, counts, step):
+    counts.clear()
+    record = logger.commit(step)
+    return (record.scalars if record is not None else None), sum(counts.values())
+
+
+def _worker(rank, store_path, out_dir):
+    import torch.distributed as dist
+
+    from instrument import Instrumentation
+    from instrument.logging.ranks import check_same_config
+    from instrument.logging.reduce import CrossRankReducer
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, 2),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    out: dict = {"rank": rank}
+    counts: dict = {}
+    _install_counter(counts)
+    try:
+        # One all_gather per steady commit, whatever the number of metrics.
+        logger = Logger([JsonlBackend(path=str(Path(out_dir) / f"rank{rank}" / "m.jsonl"))])
+        out["opened"] = len(logger.backends)
+        _log_interval(logger, rank, 0, 1)
+        with logger.timer("work"):
+            time.sleep(0.05 if rank == 1 else 0.0)
+        out["first"], out["first_count"] = _commit_counted(logger, counts, 1)
+        _log_interval(logger, rank, 2, 3)
+        out["steady"], out["steady_count"] = _commit_counted(logger, counts, 3)
+        _log_interval(logger, rank, 4, 5)
+        if rank == 1:
+            logger.log_metrics({"only_r1": 7.0}, step=5, reduce="sum")
+        out["new_key"], out["new_key_count"] = _commit_counted(logger, counts, 5)
+        _log_interval(logger, rank, 6, 7)
+        if rank == 1:
+            logger.log_metrics({"only_r1": 7.0}, step=7, reduce="sum")
+        out["known_key"], out["known_key_count"] = _commit_counted(logger, counts, 7)
+        _log_interval(logger, rank, 8, 9)
+        out["absent_key"], out["absent_key_count"] = _commit_counted(logger, counts, 9)
+        # A rank with nothing staged still takes part.
+        if rank == 0:
+            logger.log_metrics({"solo": 2.0}, step=10)
+        out["one_sided"], _ = _commit_counted(logger, counts, 10)
+        logger.close()
+
+        # The bandwidth-optimal form: one SUM and one MAX all_reduce.
+        logger = Logger([], reducer=CrossRankReducer(strategy="allreduce"))
+        _log_interval(logger, rank, 0, 1)
+        out["ar_first"], out["ar_first_count"] = _commit_counted(logger, counts, 1)
+        _log_interval(logger, rank, 2, 3)
+        out["ar_steady"], out["ar_steady_count"] = _commit_counted(logger, counts, 3)
+        out["ar_kinds"] = dict(counts)
+        logger.close()
+
+        # Conflicting ops for one key fail on every rank (no hang).
+        logger = Logger([])
+        logger.log_metrics({"c": 1.0}, step=0, reduce="mean" if rank == 0 else "max")
+        try:
+            logger.commit(0)
+        except ConfigurationError as exc:
+            out["conflict_error"] = str(exc)
+
+        # Operative config hash check.
+        check_same_config("same text")
+        try:
+            check_same_config(f"rank {rank} text")
+        except ConfigurationError as exc:
+            out["config_error"] = str(exc)
+
+        # A whole session: only rank 0 opens backends and creates files.
+        inst = Instrumentation(
+            backends=[JsonlBackend()], log_interval=2, log_dir=str(Path(out_dir) / f"runs{rank}")
+        )
+        for step in range(4):
+            with inst.step(step):
+                inst.logger.log_metrics({"x": float(rank + step)}, step=step)
+        inst.close()
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"result{rank}.json").write_text(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
+    results = [json.loads((tmp / f"result{r}.json").read_text()) for r in range(2)]
+    return results, tmp
+
+
+# ---------------------------------------------------------------------- single-process references
+def _union():
+    return np.array([v for r in (0, 1) for b in BATCHES[r] for v in b], dtype=np.float64)
+
+
+def _expected():
+    x = _union()
+    return {
+        "train/loss": x.mean(),
+        "train/acc": np.mean([np.mean(ACC[0]), np.mean(ACC[1])]),
+        "total": x.sum(),
+        "lo": x.min(),
+        "hi": x.max(),
+        "norm": np.sqrt((x**2).sum()),
+    }
+
+
+def _assert_close(got, want):
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_reduced_values_equal_single_process_over_union(ranks):
+    results, _ = ranks
+    for r in results:
+        _assert_close(r["first"], _expected())
+        _assert_close(r["steady"], _expected())
+        assert r["first"] == results[0]["first"]  # every rank gets the same values
+
+
+def test_weighted_mean_matches_a_single_process_logger_over_the_union():
+    logger = Logger([])
+    batches = [b for r in (0, 1) for b in BATCHES[r]]
+    for b in batches:
+        logger.log_metrics({"loss": torch.tensor(b).mean()}, step=0, prefix="train", weights=len(b))
+    record = logger.commit(0)
+    assert record.scalars["train/loss"] == pytest.approx(_union().mean(), rel=1e-6)
+
+
+def test_one_collective_per_steady_commit(ranks):
+    results, _ = ranks
+    for r in results:
+        assert r["steady_count"] == 1
+        assert r["known_key_count"] == 1
+        assert r["absent_key_count"] == 1
+        # First commit and a new key: agree on the layout (header, key exchange, data).
+        assert r["first_count"] == 3
+        assert r["new_key_count"] == 3
+
+
+def test_allreduce_strategy_uses_one_collective_per_reduction_kind(ranks):
+    results, _ = ranks
+    for r in results:
+        assert r["ar_steady_count"] == 2
+        assert r["ar_first_count"] == 4  # MAX header, key exchange, SUM + MAX
+        assert r["ar_kinds"] == {"_all_reduce": 2}
+        _assert_close(r["ar_first"], _expected())
+        _assert_close(r["ar_steady"], _expected())
+
+
+def test_keys_logged_on_some_ranks_only(ranks):
+    results, _ = ranks
+    for r in results:
+        assert r["new_key"]["only_r1"] == 7.0
+        assert r["known_key"]["only_r1"] == 7.0
+        assert "only_r1" not in r["absent_key"]
+        assert r["one_sided"] == {"solo": 2.0}
+
+
+def test_timers_reduce_with_max_across_ranks(ranks):
+    results, _ = ranks
+    for r in results:
+        assert r["first"]["timing/work/max"] >= 0.05
+        assert r["first"]["timing/work/mean"] >= 0.05  # the slow rank's mean, not the average of ranks
+        assert r["first"]["timing/work/count"] == 1.0
+        assert "timing/work/max" not in r["steady"]
+
+
+def test_conflicting_ops_fail_on_every_rank(ranks):
+    results, _ = ranks
+    for r in results:
+        assert "different reduce ops across ranks" in r["conflict_error"]
+        assert "'c'" in r["conflict_error"] and "max on ranks [1]" in r["conflict_error"]
+
+
+def test_different_operative_configs_fail_on_every_rank(ranks):
+    results, _ = ranks
+    for r in results:
+        assert "operative configuration differs across ranks" in r["config_error"]
+        assert "ranks [0]" in r["config_error"] and "ranks [1]" in r["config_error"]
+
+
+def test_only_rank_zero_opens_backends_and_writes(ranks):
+    results, tmp = ranks
+    assert results[0]["opened"] == 1 and results[1]["opened"] == 0
+    assert (tmp / "rank0" / "m.jsonl").is_file()
+    assert not (tmp / "rank1").exists()
+    assert not (tmp / "runs1").exists()
+    runs = list((tmp / "runs0").iterdir())
+    assert len(runs) == 1
+    lines = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "step" in line]
+    # x = rank + step: mean over the interval on each rank, then over ranks; close() commits step 3.
+    assert [(s["step"], s["metrics"]["x"]) for s in steps] == [(0, 0.5), (2, 2.0), (3, 3.5)]
+    jsonl = [json.loads(line) for line in (tmp / "rank0" / "m.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in jsonl] == [1, 3, 5, 7, 9, 10]
+
+
+# ---------------------------------------------------------------------- no process group
+def test_without_process_group_nothing_is_reduced(monkeypatch):
+    import instrument.logging.reduce as reduce_mod
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("no collective may run without a process group")
+
+    monkeypatch.setattr(reduce_mod, "_all_gather", forbidden)
+    monkeypatch.setattr(reduce_mod, "_all_reduce", forbidden)
+    logger = Logger([])
+    logger.log_metrics({"a": torch.tensor(2.0), "b": 3.0}, step=0, reduce={"a": "max", "b": "l2"})
+    assert logger.commit(0).scalars == {"a": 2.0, "b": 3.0}
+    assert logger.commit(1) is None  # nothing staged, no process group: nothing to do
+
+
+def test_rank_from_torchrun_environment_keeps_other_ranks_from_opening(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "1")
+    backend = JsonlBackend(path=str(tmp_path / "m.jsonl"))
+    logger = Logger([backend])
+    assert not logger.is_writer and logger.backends == []
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.log_image("img", np.zeros((2, 2)), step=0)  # media are rank 0's: not even staged here
+    assert logger.commit(0).scalars == {"a": 1.0}
+    logger.close()
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"reduce": "median"}, r"unknown reduce op 'median' for metric 'a'; expected one of"),
+        ({"reduce": {"z": "sum"}}, r"reduce= names \['z'\], which are not among the logged metrics"),
+        ({"reduce": "max", "weights": 2.0}, r"no metric is reduced with 'mean' \(ops: \['max'\]\)"),
+        ({"reduce": {"a": "sum"}, "weights": {"a": 2.0}}, r"metric 'a' has a weight but reduce op 'sum'"),
+        ({"weights": -1.0}, r"weight of 'a' must be a finite number >= 0"),
+        ({"weights": {"b": 1.0}}, r"weights= names \['b'\]"),
+        ({"weights": torch.ones(3)}, r"weight of 'a' must be one number"),
+    ],
+)
+def test_bad_reduce_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        Logger([]).log_metrics({"a": 1.0}, step=0, **kwargs)
+
+
+def test_one_metric_keeps_one_op_within_an_interval():
+    logger = Logger([])
+    logger.log_metrics({"a": 1.0}, step=0, reduce="sum")
+    with pytest.raises(
+        ConfigurationError, match=r"metric 'a' was logged with reduce='sum' and now with reduce='max'"
+    ):
+        logger.log_metrics({"a": 1.0}, step=0, reduce="max")
+    with pytest.raises(ConfigurationError, match=r"always with or always without a weight"):
+        logger.log_metrics({"b": 1.0}, step=0, weights=2.0)
+        logger.log_metrics({"b": 1.0}, step=0)
+
+
+def test_weighted_mean_over_time_on_one_process():
+    logger = Logger([])
+    logger.log_metrics({"a": torch.tensor(1.0)}, step=0, weights=torch.tensor(3.0))
+    logger.log_metrics({"a": 5.0}, step=1, weights=1)
+    assert logger.commit(1).scalars["a"] == pytest.approx((3 * 1 + 5) / 4)
+
+
+def test_timer_reduce_op_is_fixed_per_timer():
+    logger = Logger([])
+    assert logger.timer("t").reduce == "max"
+    assert logger.timer("u", reduce="mean").reduce == "mean"
+    with pytest.raises(
+        ConfigurationError, match=r"timer 't' already exists with reduce='max', asked for 'sum'"
+    ):
+        logger.timer("t", reduce="sum")

@@ -1,0 +1,114 @@
+"""RunHistoryBackend: metrics, timelog, per-item batch values, unique samples, DataFrame, plots, caps."""
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import instrument
+from instrument import ConfigurationError, Logger, RunHistoryBackend
+
+
+def test_metrics_and_timelog_per_step():
+    history = RunHistoryBackend()
+    logger = Logger([history])
+    for step in range(3):
+        logger.log_metrics({"loss": torch.tensor(float(step) / 2)}, step=step, prefix="train")
+        with logger.timer("rollout"):
+            pass
+        with logger.timer("rollout"):
+            pass
+        logger.commit(step)
+    steps, values = history.series("train/loss")
+    assert steps.tolist() == [0, 1, 2] and values.tolist() == [0.0, 0.5, 1.0]
+    assert history.last("train/loss") == 1.0
+    assert [(s, c) for s, _, c in history.timelog["rollout"]] == [(0, 2), (1, 2), (2, 2)]
+    assert all(m >= 0 for _, m, _ in history.timelog["rollout"])
+    with pytest.raises(KeyError, match="no metric 'nope'.*known keys"):
+        history.series("nope")
+
+
+def test_batch_log_samples_and_dataframe():
+    history = RunHistoryBackend(sample_key="batch/ids")
+    history.add_log("batch/reward")
+    logger = Logger([history])
+    logger.log_histogram("batch/ids", torch.tensor([3, 7, 3]), step=0)
+    logger.log_histogram("batch/reward", torch.tensor([1.0, 2.0, 3.0]), step=0)
+    logger.commit(0)
+    history.add_samples(1, ["seed-a", ("env", 2)])  # any hashable items, named before the commit
+    logger.log_histogram("batch/reward", torch.tensor([5.0, 6.0]), step=1)
+    logger.log_histogram("batch/other", torch.tensor([9.0]), step=1)  # not registered: not kept per item
+    logger.commit(1)
+    assert [(s, v.tolist()) for s, v in history.batch_log["batch/reward"]] == [
+        (0, [1.0, 2.0, 3.0]),
+        (1, [5.0, 6.0]),
+    ]
+    assert "batch/other" not in history.batch_log
+    assert history.unique_samples == {3, 7, "seed-a", ("env", 2)}
+    frame = history.to_dataframe()
+    assert list(frame.columns) == ["sample", "step", "batch/reward"]
+    assert frame.to_dict("records") == [
+        {"sample": 3, "step": 0, "batch/reward": 1.0},
+        {"sample": 7, "step": 0, "batch/reward": 2.0},
+        {"sample": 3, "step": 0, "batch/reward": 3.0},
+        {"sample": "seed-a", "step": 1, "batch/reward": 5.0},
+        {"sample": ("env", 2), "step": 1, "batch/reward": 6.0},
+    ]
+    assert frame.groupby("sample", sort=False)["batch/reward"].mean()[3] == 2.0
+
+
+def test_caps_bound_memory_and_are_said_once(caplog):
+    history = RunHistoryBackend(max_steps=5, max_samples=4, sample_key="ids", batch_keys=["value"])
+    logger = Logger([history])
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(50):
+            logger.log_metrics({"a": step, "b": -step}, step=step)
+            logger.log_histogram("ids", torch.arange(step, step + 3), step=step)
+            logger.log_histogram("value", torch.ones(3), step=step)
+            logger.commit(step)
+    assert [s for s, _ in history.metrics["a"]] == [45, 46, 47, 48, 49]
+    assert len(history.batch_log["value"]) == 5 and len(history.batch_samples) == 5
+    assert history.unique_samples == {0, 1, 2, 3}
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("max_steps=5" in m for m in messages) == 1
+    assert sum("max_samples=4" in m for m in messages) == 1
+    # the DataFrame holds only the kept samples of the kept steps
+    assert history.to_dataframe().empty
+
+
+def test_plots_return_figures():
+    from matplotlib.figure import Figure
+
+    history = RunHistoryBackend()
+    logger = Logger([history])
+    for step in range(4):
+        logger.log_metrics({"x": step, "y": math.sin(step)}, step=step)
+        with logger.timer("collect"):
+            pass
+        logger.commit(step)
+    fig = history.plot_metrics(["x", "y"], title="run")
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    assert np.allclose(fig.axes[1].lines[0].get_ydata(), [math.sin(s) for s in range(4)])
+    timing = history.plot_timelog()
+    assert [line.get_label() for line in timing.axes[0].lines] == ["collect"]
+    with pytest.raises(ConfigurationError, match="at least one metric key"):
+        history.plot_metrics([])
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigurationError, match="max_samples must be None or a positive int"):
+        RunHistoryBackend(max_samples=0)
+    with pytest.raises(TypeError, match="unhashable"):
+        RunHistoryBackend().add_samples(0, [[1, 2]])
+
+
+def test_it_is_a_gin_configurable_backend(tmp_path):
+    import gin
+
+    gin.parse_config(["backend_set.extra = [@RunHistoryBackend()]", "RunHistoryBackend.max_steps = 3"])
+    from instrument.config import backend_set
+
+    (history,) = backend_set()
+    assert isinstance(history, instrument.RunHistoryBackend) and history.max_steps == 3

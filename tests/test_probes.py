@@ -1,0 +1,400 @@
+"""Embedded probes in eager mode and TorchScript (scripted, frozen, saved and loaded in a fresh process).
+
+torch.compile is tested in test_probes_compile.py (compiles are slow on this machine).
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import instrument
+from instrument.probes import record
+from tests._probe_models import BareRule, Model, Rule, TwoSameNames, reference
+
+pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+
+N_ITER = 3
+
+
+class Keep(instrument.Observer):
+    """Keeps every context's probes (cloned) and the gradients it is given."""
+
+    def __init__(self, probes=("hidden", "update")) -> None:
+        super().__init__("keep")
+        self.probes = tuple(probes)
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen, self.indices, self.gradients = [], [], None
+
+    def observe(self, context) -> None:
+        self.seen.append({k: v.clone() for k, v in context.probes.items()})
+        self.indices.append(context.step_index)
+
+    def observe_gradients(self, gradients) -> None:
+        self.gradients = {k: list(v) for k, v in gradients.items()}
+
+
+def session(*observers, **kw) -> instrument.Instrumentation:
+    return instrument.Instrumentation(observers=list(observers), backends=kw.pop("backends", []), **kw)
+
+
+def seed_state() -> torch.Tensor:
+    return torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+
+
+def new_rule(**kw) -> Rule:
+    torch.manual_seed(0)
+    return Rule(**kw)
+
+
+def assert_untouched(rule: torch.nn.Module) -> None:
+    for module in rule.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+        assert "forward" not in module.__dict__
+        if isinstance(module, instrument.Probe):
+            assert module.enabled is False
+    assert record.active_recorder() is None
+
+
+def assert_matches(seen, expected) -> None:
+    assert len(seen) == len(expected)
+    for got, want in zip(seen, expected, strict=True):
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ eager
+def test_eager_watched_rule_gives_each_iteration_its_probe_values_on_logging_steps_only():
+    rule, keep = new_rule(), Keep()
+    inst = session(keep, log_interval=2)
+    inst.watch(rule)
+    x0 = seed_state()
+    for step in range(3):
+        with inst.step(step) as s:
+            x = x0
+            for _ in range(N_ITER):
+                x = rule(x)
+            if not s.active:
+                assert_untouched(rule)
+        assert_untouched(rule)
+        if step == 0:
+            assert keep.indices == list(range(N_ITER))
+            assert_matches(keep.seen, reference(rule, x0, N_ITER))
+            assert all(not v.requires_grad for d in keep.seen for v in d.values())
+            first = keep.seen
+    assert len(first) == N_ITER  # step 1 did not log; step 2 logged again with reset()
+    assert_matches(keep.seen, reference(rule, x0, N_ITER))
+    inst.close()
+
+
+def test_off_probe_is_identity_and_on_probe_returns_equal_values():
+    probe = instrument.Probe("p")
+    x = torch.randn(3, requires_grad=True)
+    assert probe(x) is x
+    probe.enabled = True
+    y = probe(x)
+    assert y is not x and torch.equal(y, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3))  # identity gradient
+
+
+def test_whole_rollout_model_watched_for_probes_only_with_explicit_observer_calls():
+    torch.manual_seed(0)
+    model, keep = Model(), Keep(("hidden", "update", "seed"))
+    inst = session(keep, log_interval=1)
+    handle = inst.watch(model, state=False)
+    assert handle.watch is None and sorted(inst.probe_names) == ["hidden", "seed", "update"]
+    x0 = seed_state()
+    with inst.step(0) as s:
+        x = model.encoder_probe(x0)
+        for _ in range(N_ITER):
+            nxt = model.rule(x)
+            s.observer(instrument.StepContext(x, nxt))
+            x = nxt
+    expected = reference(model.rule, x0, N_ITER)
+    expected[0]["seed"] = x0  # recorded before the first observer call, so delivered with it
+    assert_matches(keep.seen, expected)
+    assert_untouched(model)
+    inst.close()
+
+
+def test_probe_values_reach_a_backend(tmp_path):
+    class HiddenMean(instrument.Observer):
+        probes = ("hidden",)
+
+        def reset(self):
+            self.means = []
+
+        def observe(self, context):
+            self.means.append(context.probes["hidden"].mean())
+
+        def log(self, logger, step):
+            logger.log_metrics({f"{self.name}/hidden_mean": torch.stack(self.means).mean()}, step=step)
+
+    rule, path = new_rule(), tmp_path / "m.jsonl"
+    inst = session(HiddenMean(), backends=[instrument.JsonlBackend(path=str(path))], log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = rule(x)
+    inst.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    want = torch.stack([r["hidden"].mean() for r in reference(rule, x0, N_ITER)]).mean()
+    assert rows[-1]["metrics"]["hidden_mean/hidden_mean"] == pytest.approx(float(want), rel=1e-6)
+
+
+def test_undelivered_probe_values_are_reported(caplog):
+    torch.manual_seed(0)
+    model = Model()
+    inst = session(Keep(()), log_interval=1)
+    inst.watch(model, state=False)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        model(seed_state(), 2)
+    assert "no observer call delivered them" in caplog.text
+    inst.close()
+
+
+# ------------------------------------------------------------------------------------------- gradients
+def test_gradient_probe_delivers_each_iterations_gradient_before_log():
+    rule, keep = new_rule(grad=True), Keep()
+    inst = session(keep, log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = rule(x)
+        x.square().mean().backward()
+    grads_on = [p.grad.clone() for p in rule.parameters()]
+    inst.close()
+    # Reference: the same rollout without instrumentation, keeping the hidden activations' gradients.
+    hidden, x = [], x0
+    for _ in range(N_ITER):
+        h = torch.relu(rule.fc0(rule.perceive(x)))
+        h.retain_grad()
+        hidden.append(h)
+        x = x + rule.fc1(h)
+    rule.zero_grad()
+    x.square().mean().backward()
+    assert list(keep.gradients) == ["hidden"]
+    assert len(keep.gradients["hidden"]) == N_ITER
+    for got, h in zip(keep.gradients["hidden"], hidden, strict=True):
+        torch.testing.assert_close(got, h.grad, rtol=0, atol=0)
+    # Pure side channel: parameter gradients are bitwise those of the uninstrumented step.
+    for on, p in zip(grads_on, rule.parameters(), strict=True):
+        assert torch.equal(on, p.grad)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recomputation_records_nothing_twice(use_reentrant):
+    rule, keep = new_rule(grad=True), Keep()
+    inst = session(keep, log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state().requires_grad_()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = torch.utils.checkpoint.checkpoint(rule, x, use_reentrant=use_reentrant)
+        x.square().mean().backward()
+    inst.close()
+    assert keep.indices == list(range(N_ITER))
+    assert_matches(keep.seen, reference(rule, x0, N_ITER))
+    assert len(keep.gradients["hidden"]) == N_ITER
+
+
+# ------------------------------------------------------------------------------------------ TorchScript
+def scripted_rollout(inst, module, x0):
+    with inst.step(0) as s:
+        x = x0
+        for _ in range(N_ITER):
+            nxt = module(x)
+            s.observer(instrument.StepContext(x, nxt))
+            x = nxt
+    return x
+
+
+def test_scripted_model_records_the_same_values_as_eager():
+    rule = new_rule()
+    scripted = torch.jit.script(rule)
+    keep = Keep()
+    inst = session(keep, log_interval=1)
+    handle = inst.watch(scripted)
+    assert handle.watch is None  # a ScriptModule takes no Python hooks: probes only
+    x0 = seed_state()
+    scripted_rollout(inst, scripted, x0)
+    assert_matches(keep.seen, reference(rule, x0, N_ITER))
+    assert not scripted.p_hidden.enabled and not scripted.p_update.enabled
+    inst.close()
+
+
+def test_freeze_without_probes_has_the_ops_of_the_probe_free_model():
+    rule = new_rule().eval()
+    bare = BareRule().eval()
+    bare.load_state_dict(rule.state_dict())
+    frozen = instrument.freeze(torch.jit.script(rule))
+    frozen_bare = torch.jit.freeze(torch.jit.script(bare))
+
+    def kinds(module):
+        return sorted(node.kind() for node in module.graph.nodes())
+
+    assert kinds(frozen) == kinds(frozen_bare)
+    assert "instrument::probe" not in str(frozen.graph)
+    x = seed_state()
+    assert torch.equal(frozen(x), frozen_bare(x))
+
+
+def test_freeze_keeping_probes_stays_toggleable():
+    rule = new_rule().eval()
+    scripted = torch.jit.script(rule)
+    frozen = instrument.freeze(scripted, keep_probes=True)
+    keep = Keep()
+    inst = session(keep, log_interval=1)
+    inst.watch(frozen)
+    x0 = seed_state()
+    scripted_rollout(inst, frozen, x0)
+    assert_matches(keep.seen, reference(rule, x0, N_ITER))
+    inst.close()
+
+
+SUBPROCESS = """
+import sys, warnings, torch
+warnings.simplefilter("ignore", DeprecationWarning)
+import instrument                                   # registers torch.ops.instrument.probe
+torch.set_num_threads(int(sys.argv[4]))             # same kernels, same bits as the parent process
+loaded = torch.jit.load(sys.argv[1])
+class Keep(instrument.Observer):
+    probes = ("hidden", "update")
+    def reset(self): self.seen = []
+    def observe(self, context): self.seen.append({k: v.clone() for k, v in context.probes.items()})
+keep = Keep()
+inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+inst.watch(loaded)
+x = torch.load(sys.argv[2])
+with inst.step(0) as s:
+    for _ in range({n}):
+        nxt = loaded(x)
+        s.observer(instrument.StepContext(x, nxt))
+        x = nxt
+inst.close()
+torch.save(keep.seen, sys.argv[3])
+"""
+
+
+def test_save_and_load_in_a_fresh_process_keeps_probes_working(tmp_path):
+    rule = new_rule()
+    torch.jit.save(torch.jit.script(rule), str(tmp_path / "rule.pt"))
+    x0 = seed_state()
+    torch.save(x0, tmp_path / "x0.pt")
+    script = tmp_path / "load.py"
+    script.write_text(textwrap.dedent(SUBPROCESS).replace("{n}", str(N_ITER)))
+    repo = Path(instrument.__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    files = [str(tmp_path / name) for name in ("rule.pt", "x0.pt", "o.pt")]
+    args = [sys.executable, str(script), *files, str(torch.get_num_threads())]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_matches(torch.load(tmp_path / "o.pt"), reference(rule, x0, N_ITER))
+
+
+# ------------------------------------------------------------------------------------------------ export
+def test_export_with_probes_off_has_no_probe_op():
+    rule = new_rule()
+    x = seed_state()
+    exported = torch.export.export(rule, (x,))
+    assert "instrument" not in str(exported.graph)
+    assert torch.equal(exported.module()(x), rule(x))
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_duplicate_probe_names_in_one_model_are_refused():
+    inst = session()
+    with pytest.raises(instrument.ProbeError,
+                       match=r"two probes named 'h' in watched model TwoSameNames: at 'a.1' and 'b'"):
+        inst.watch(TwoSameNames())
+    inst.close()
+
+
+def test_same_probe_name_in_two_watched_models_is_refused():
+    inst = session()
+    inst.watch(new_rule())
+    with pytest.raises(instrument.ProbeError,
+                       match=r"probe 'hidden' of Rule .* same name as a probe of already watched"):
+        inst.watch(new_rule())
+    inst.close()
+
+
+def test_observer_asking_for_a_missing_probe_fails_at_the_first_logging_step():
+    inst = session(Keep(("hidden", "hiden")), log_interval=1)
+    inst.watch(new_rule())
+    with pytest.raises(instrument.ProbeError,
+                       match=r"observer 'keep' asks for probe\(s\) \['hiden'\], but no watched model has a "
+                       r"probe of that name \(probes found: \['hidden', 'update'\]\)"):
+        with inst.step(0):
+            pass
+    inst.close()
+
+
+def test_gradient_probe_is_refused_by_scripting():
+    with pytest.raises(instrument.ProbeError,
+                       match=r"gradient probe 'hidden' cannot be scripted: TorchScript drops backward hooks"):
+        torch.jit.script(new_rule(grad=True))
+
+
+def test_gradient_probe_switched_on_in_a_scripted_module_is_refused_by_watch():
+    scripted = torch.jit.script(new_rule())
+    scripted.p_update.grad = True
+    with pytest.raises(instrument.ProbeError, match=r"gradient probe 'update' cannot be scripted"):
+        session().watch(scripted)
+
+
+def test_state_watch_of_a_script_module_is_refused():
+    with pytest.raises(instrument.ConfigurationError,
+                       match=r"is a ScriptModule, which cannot take the forward hook"):
+        session().watch(torch.jit.script(new_rule()), state=True)
+
+
+def test_future_annotations_breaking_scripting_is_explained(tmp_path, monkeypatch):
+    (tmp_path / "future_rule.py").write_text(textwrap.dedent("""
+        from __future__ import annotations
+        from typing import List
+        from torch import Tensor, nn
+        import instrument
+
+        class FutureRule(nn.Module):
+            history: List[Tensor]
+            def __init__(self):
+                super().__init__()
+                self.probe = instrument.Probe("h")
+                self.history = []
+            def forward(self, x: Tensor) -> Tensor:
+                return self.probe(x)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from future_rule import FutureRule
+
+    with pytest.raises(instrument.ProbeError,
+                       match=r"module\(s\) \['future_rule'\] start with 'from __future__ import annotations'"
+                       r".*Unknown type annotation"):
+        instrument.script(FutureRule())
+    assert isinstance(instrument.script(new_rule()), torch.jit.ScriptModule)  # no warning, no error
+
+
+def test_bad_probe_names_and_frozen_probes_without_names_are_refused():
+    with pytest.raises(instrument.ProbeError, match=r"Probe name must be a non-empty string"):
+        instrument.Probe("")
+    rule = new_rule().eval()
+    frozen = torch.jit.freeze(torch.jit.script(rule), preserved_attrs=["p_hidden.enabled"])
+    with pytest.raises(instrument.ProbeError,
+                       match=r"has lost its name.*instrument.freeze\(scripted, keep_probes=True\)"):
+        session().watch(frozen)

@@ -1,0 +1,129 @@
+"""Embedded probes under torch.compile: values, graph counts, graph breaks, the on/off guard trap.
+
+Cold compiles take 10+ s on this machine, so there are two tests on a tiny rule, compiled with the
+``aot_eager`` backend: Dynamo (guards, graph breaks, recompiles) and AOT autograd (the fake kernel, the
+autograd formula) behave as with inductor, without inductor's code generation time.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch._dynamo.utils import counters
+
+import instrument
+from tests._probe_models import Rule, reference
+
+# Dynamo itself reads .grad of the non-leaf state it is given each iteration (torch's warning, not ours).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
+)
+
+N_ITER = 3
+STEPS = 6  # log_interval=2: on, off, on, off, on, off
+
+
+class HostSide(instrument.Observer):
+    """Does what must never happen inside compiled code: host syncs on every observed iteration."""
+
+    probes = ("hidden", "update")
+
+    def reset(self) -> None:
+        self.seen, self.sums, self.gradients = [], [], None
+
+    def observe(self, context) -> None:
+        self.sums.append(float(context.probes["hidden"].sum()))  # host sync, on purpose
+        self.seen.append({k: v.clone() for k, v in context.probes.items()})
+
+    def observe_gradients(self, gradients) -> None:
+        self.gradients = {k: list(v) for k, v in gradients.items()}
+
+
+def seed_state() -> torch.Tensor:
+    # requires_grad like every later state of the rollout, so Dynamo sees one kind of input (else it compiles
+    # a second variant for the first iteration, probes or not).
+    return torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+def cache_entries(function) -> int:
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__))
+
+
+@pytest.fixture()
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def run_steps(inst, call, x0, explicit=False, backward=False):
+    logged = []
+    for step in range(STEPS):
+        with inst.step(step) as s:
+            x = x0
+            for _ in range(N_ITER):
+                nxt = call(x)
+                if explicit and s.observer is not None:
+                    s.observer(instrument.StepContext(x, nxt))
+                x = nxt
+            if backward:
+                x.square().mean().backward()
+        logged.append(s.active)
+    return logged
+
+
+def test_watch_then_compile_two_graphs_no_breaks_and_off_steps_skip_on_guards(fresh_dynamo):
+    torch.manual_seed(0)
+    rule, observer = Rule(), HostSide()
+    inst = instrument.Instrumentation(observers=[observer], backends=[], log_interval=2)
+    inst.watch(rule)                                        # hook style, on the eager module
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(rule, backend=backend)
+    x0 = seed_state()
+    assert run_steps(inst, compiled, x0) == [True, False] * 3
+    inst.close()
+
+    assert sum(counters["graph_break"].values()) == 0
+    assert backend.frame_count == 2                         # one graph with probes on, one with them off
+    on_graph, off_graph = (g.code for g in backend.graphs)  # step 0 logs, so "on" compiled first
+    assert "instrument.probe" in on_graph and "instrument" not in off_graph
+    # The trap fix: "off" calls run the original forward code, whose cache holds only the "off" variant.
+    assert cache_entries(Rule.forward) == 1
+    # Every iteration of the last logging step was recorded, equal to eager; the observer's host syncs ran.
+    want = reference(rule, x0, N_ITER)
+    assert len(observer.seen) == N_ITER and len(observer.sums) == N_ITER
+    for got, ref in zip(observer.seen, want, strict=True):
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
+
+
+def test_compile_then_watch_wrapper_explicit_observer_and_gradient_probe(fresh_dynamo):
+    torch.manual_seed(0)
+    rule, observer = Rule(grad=True), HostSide()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(rule, backend=backend)
+    x0 = seed_state()
+    compiled(x0)                                            # compiled before anything is watched
+    inst = instrument.Instrumentation(observers=[observer], backends=[], log_interval=2)
+    inst.watch(compiled, state=False)                       # probes found through _orig_mod
+    run_steps(inst, compiled, x0, explicit=True, backward=True)
+    inst.close()
+
+    assert sum(counters["graph_break"].values()) == 0
+    assert backend.frame_count == 2
+    want = reference(rule, x0, N_ITER)
+    for got, ref in zip(observer.seen, want, strict=True):
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
+    # Gradient probe through the compiled backward: equal to eager autograd's gradient of each hidden value.
+    hidden, x = [], x0
+    for _ in range(N_ITER):
+        h = torch.relu(rule.fc0(rule.perceive(x)))
+        h.retain_grad()
+        hidden.append(h)
+        x = x + rule.fc1(h)
+    x.square().mean().backward()
+    assert len(observer.gradients["hidden"]) == N_ITER
+    for got, h in zip(observer.gradients["hidden"], hidden, strict=True):
+        torch.testing.assert_close(got, h.grad)

@@ -1,0 +1,165 @@
+"""CollectionMetrics on hand-made batches with known answers: masks, episodes ending mid-batch and across
+batches, vector rewards with weights, TorchRL and plain-tensor layouts."""
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from instrument import ConfigurationError, Logger
+from instrument.rl import CollectionMetrics
+
+P = "collection/main/"
+
+# Two environments, four steps, time last (TorchRL layout). Env 0 ends an episode at t=1 (return 1+2,
+# length 2)
+# and carries 3+4 into the next batch; env 1 ends at t=3 (return 100, length 4).
+REWARD = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
+DONE = torch.tensor([[False, True, False, False], [False, False, False, True]])
+
+
+def logged(component, step: int = 0):
+    logger = Logger([])
+    component.log(logger, step)
+    record = logger.commit(step)
+    return {} if record is None else record.scalars
+
+
+def torchrl_batch(reward=REWARD, done=DONE, **extra):
+    td = TensorDict(
+        {"next": {"reward": reward.unsqueeze(-1), "done": done.unsqueeze(-1)}, **extra},
+        batch_size=reward.shape,
+    )
+    return td.refine_names(None, "time")
+
+
+def test_rewards_and_episodes_of_one_torchrl_batch():
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch())
+    got = logged(metrics)
+    assert got[P + "reward/mean"] == pytest.approx(110 / 8)
+    assert got[P + "reward/min"] == 1.0 and got[P + "reward/max"] == 40.0
+    assert got[P + "episode/return/mean"] == pytest.approx(51.5)
+    assert got[P + "episode/return/min"] == 3.0 and got[P + "episode/return/max"] == 100.0
+    assert got[P + "episode/length/mean"] == 3.0
+    assert got[P + "episode/length/min"] == 2.0 and got[P + "episode/length/max"] == 4.0
+    assert got[P + "episode/count"] == 2.0
+
+
+def test_an_episode_spanning_two_batches_is_carried_over():
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch())
+    logged(metrics)
+    second_reward = torch.tensor([[5.0, 5.0, 5.0, 5.0], [1.0, 1.0, 1.0, 1.0]])
+    second_done = torch.tensor([[True, False, False, False], [False, False, False, False]])
+    metrics.update(torchrl_batch(second_reward, second_done))
+    got = logged(metrics, step=1)
+    assert got[P + "episode/return/mean"] == 12.0  # 3 + 4 carried, + 5
+    assert got[P + "episode/length/mean"] == 3.0
+    assert got[P + "episode/count"] == 1.0
+
+
+def test_masked_steps_never_count():
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch(collector={"mask": mask}))
+    got = logged(metrics)
+    assert got[P + "reward/mean"] == pytest.approx((1 + 2 + 3 + 10 + 20) / 5)
+    assert got[P + "reward/max"] == 20.0
+    # env 1's done sits on a padded step: no episode ends there
+    assert got[P + "episode/count"] == 1.0
+    assert got[P + "episode/return/mean"] == 3.0
+
+
+def test_statistics_cover_the_whole_logging_interval():
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch())
+    metrics.update(torchrl_batch(REWARD * 2, torch.zeros_like(DONE)))
+    got = logged(metrics)
+    assert got[P + "reward/max"] == 80.0 and got[P + "reward/min"] == 1.0
+    assert got[P + "reward/mean"] == pytest.approx(330 / 16)
+    assert got[P + "episode/count"] == 2.0
+
+
+def test_vector_rewards_are_scalarised_with_weights_and_each_objective_logged():
+    reward = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])  # one env, three steps, two objectives
+    done = torch.tensor([[[False], [False], [True]]])
+    metrics = CollectionMetrics(reward_weights=[1.0, -0.5], objective_names=["speed", "energy"])
+    metrics.update({"next": {"reward": reward, "done": done}})
+    got = logged(metrics)
+    assert [got[P + f"reward/{s}"] for s in ("mean", "min", "max")] == [1.0, 0.0, 2.0]
+    assert [got[P + f"reward/speed/{s}"] for s in ("mean", "min", "max")] == [3.0, 1.0, 5.0]
+    assert [got[P + f"reward/energy/{s}"] for s in ("mean", "min", "max")] == [4.0, 2.0, 6.0]
+    assert got[P + "episode/return/mean"] == 3.0
+    assert got[P + "episode/return/speed/mean"] == 9.0 and got[P + "episode/return/energy/mean"] == 12.0
+
+
+def test_vector_rewards_without_weights_fail_with_the_fix():
+    reward = torch.ones(1, 3, 2)
+    done = torch.zeros(1, 3, 1, dtype=torch.bool)
+    with pytest.raises(ConfigurationError, match=r"has 2 objectives.*reward_weights = \[w_1, \.\.\., w_2\]"):
+        CollectionMetrics().update({"next": {"reward": reward, "done": done}})
+    with pytest.raises(ConfigurationError, match="has 3 weights but the reward has 2 objectives"):
+        CollectionMetrics(reward_weights=[1, 1, 1]).update({"next": {"reward": reward, "done": done}})
+
+
+def test_running_returns_in_the_batch_are_read_at_done():
+    # RewardSum / StepCounter style: the batch carries the running return and length; they win over a re-sum.
+    td = torchrl_batch()
+    td.set(
+        ("next", "episode_reward"),
+        torch.tensor([[7.0, 70.0, 0.0, 0.0], [1.0, 2.0, 3.0, 500.0]]).unsqueeze(-1),
+    )
+    td.set(("next", "step_count"), torch.tensor([[1, 9, 1, 2], [1, 2, 3, 40]]).unsqueeze(-1))
+    metrics = CollectionMetrics()
+    metrics.update(td)
+    got = logged(metrics)
+    assert got[P + "episode/return/min"] == 70.0 and got[P + "episode/return/max"] == 500.0
+    assert got[P + "episode/length/min"] == 9.0 and got[P + "episode/length/max"] == 40.0
+
+
+def test_plain_tensors_time_first_and_one_step_per_call_agree_with_the_batch():
+    first = CollectionMetrics(time_dim=0)
+    first.update(reward=REWARD.T, done=DONE.T)  # [T, envs]
+    per_step = CollectionMetrics(time_dim=None)
+    for t in range(REWARD.shape[1]):
+        per_step.update(reward=REWARD[:, t], done=DONE[:, t])
+    reference = CollectionMetrics()
+    reference.update(torchrl_batch())
+    expected = logged(reference)
+    assert logged(first) == expected
+    assert logged(per_step) == expected
+
+
+def test_no_finished_episode_logs_nan_and_a_zero_count():
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch(done=torch.zeros_like(DONE)))
+    got = logged(metrics)
+    assert math.isnan(got[P + "episode/return/mean"]) and math.isnan(got[P + "episode/length/max"])
+    assert got[P + "episode/count"] == 0.0
+    assert got[P + "reward/mean"] == pytest.approx(110 / 8)
+
+
+def test_extra_keys_and_mean_only():
+    td = torchrl_batch(action=torch.tensor([[[0.0, 1.0]] * 4, [[2.0, 3.0]] * 4]))
+    metrics = CollectionMetrics(group="cartpole", keys={"action": "action"}, reduce_stats=False)
+    metrics.update(td)
+    got = logged(metrics)
+    assert got["collection/cartpole/action/mean"] == 1.5
+    assert "collection/cartpole/reward/min" not in got and "collection/cartpole/reward/mean" in got
+
+
+def test_missing_reward_and_bad_shapes_are_explained():
+    with pytest.raises(ConfigurationError, match=r"found no reward at \('next', 'reward'\)"):
+        CollectionMetrics().update({"next": {"done": DONE}})
+    with pytest.raises(ConfigurationError, match=r"does not start with the batch shape \(2, 4\)"):
+        CollectionMetrics().update(reward=torch.ones(3, 4), done=DONE)
+    with pytest.raises(ConfigurationError, match="group must be a non-empty name"):
+        CollectionMetrics(group="a/b")
+
+
+def test_nothing_leaves_the_device_before_commit():
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch())
+    assert isinstance(metrics._reward.total, torch.Tensor) and isinstance(metrics._episodes, torch.Tensor)

@@ -1,0 +1,123 @@
+"""Counters and resume: a run resumed from state_dict continues counting and logs every step exactly once."""
+
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import instrument
+from instrument import ConfigurationError, Logger, StepOrderError
+from instrument.rl import CollectionMetrics, Counters, RLLogging
+
+
+def batch(t: int = 4, envs: int = 2, done_at=((0, 1),), mask=None):
+    done = torch.zeros(envs, t, 1, dtype=torch.bool)
+    for e, s in done_at:
+        done[e, s] = True
+    data = {"next": {"reward": torch.ones(envs, t, 1), "done": done}}
+    if mask is not None:
+        data["collector"] = {"mask": mask}
+    return TensorDict(data, batch_size=[envs, t]).refine_names(None, "time")
+
+
+def test_frames_with_frame_skip_mask_and_episodes():
+    counters = Counters(frame_skip=4)
+    counters.on_batch(batch())
+    assert counters.frames_known and counters.frames == 32
+    counters.on_batch(
+        batch(
+            mask=torch.tensor([[True, True, False, False], [True, False, False, False]]),
+            done_at=((0, 1), (1, 3)),
+        )
+    )
+    assert not counters.frames_known  # the mask sum is still on the device
+    assert counters.frames == 32 + 3 * 4
+    assert counters.episodes == 2  # (1, 3) is a padded step
+    counters.on_batch(frames=100, done=torch.tensor([True, False, True]))
+    counters.end_iteration()
+    assert counters.state_dict() == {"frames": 44 + 100, "iterations": 1, "episodes": 4}
+
+
+def test_counters_are_logged_as_exact_floats():
+    counters = Counters()
+    counters.load_state_dict({"frames": 2**30 + 1, "iterations": 3, "episodes": 5})
+    counters.on_batch(batch(mask=torch.ones(2, 4, dtype=torch.bool)))
+    logger = Logger([])
+    counters.log(logger, 0)
+    assert logger.commit(0).scalars["counters/frames"] == 2**30 + 1 + 8  # float32 would round this
+
+
+def test_bad_counter_input():
+    with pytest.raises(ConfigurationError, match="cannot tell how many frames"):
+        Counters().on_batch({"next": {"reward": torch.ones(3)}})
+    with pytest.raises(ConfigurationError, match="frame_skip must be a positive int"):
+        Counters(frame_skip=0)
+    with pytest.raises(ConfigurationError, match=r"the state lacks \['episodes'\]"):
+        Counters().load_state_dict({"frames": 1, "iterations": 1})
+
+
+def run_iterations(rl: RLLogging, n: int) -> None:
+    for _ in range(n):
+        with rl.iteration():
+            rl.observe_batch(batch())
+            rl.observe_losses({"loss": torch.tensor(float(rl.iteration_index))})
+
+
+def jsonl_steps(path):
+    return [json.loads(line) for line in open(path) if '"step"' in line]
+
+
+def test_resume_from_state_dict_continues_steps_exactly(tmp_path):
+    # One run of 7 iterations, logging every 2nd ...
+    straight = Logger([instrument.JsonlBackend(str(tmp_path / "straight.jsonl"))])
+    rl = RLLogging(log_interval=2, progress=None).attach(straight)
+    run_iterations(rl, 7)
+    rl.close()
+    straight.close()
+    # ... against 3 iterations, a checkpoint, and a fresh process-like restart writing to the same file.
+    path = str(tmp_path / "resumed.jsonl")
+    first = Logger([instrument.JsonlBackend(path)])
+    rl1 = RLLogging(log_interval=2, progress=None).attach(first)
+    run_iterations(rl1, 3)
+    state = json.loads(json.dumps(rl1.state_dict()))  # plain values: survives any checkpoint format
+    rl1.close()
+    first.close()
+    second = Logger([instrument.JsonlBackend(path)])
+    rl2 = RLLogging(log_interval=2, progress=None).attach(second)
+    rl2.load_state_dict(state)
+    run_iterations(rl2, 4)
+    rl2.close()
+    second.close()
+
+    def strip(
+        rows,
+    ):  # the counters are what a resume guarantees; interval statistics restart with the process
+        return [
+            (r["step"], {k: v for k, v in r["metrics"].items() if k.startswith("counters/")}) for r in rows
+        ]
+
+    resumed = strip(jsonl_steps(path))
+    assert [s for s, _ in resumed] == [0, 2, 4, 6]  # every step once, none re-logged
+    assert resumed == strip(jsonl_steps(tmp_path / "straight.jsonl"))
+    assert resumed[-1][1] == {"counters/frames": 7 * 8, "counters/iterations": 7, "counters/episodes": 7}
+
+
+def test_loading_an_older_state_into_a_live_logger_is_refused():
+    logger = Logger([])
+    rl = RLLogging(log_interval=1, progress=None).attach(logger)
+    run_iterations(rl, 1)
+    early = rl.state_dict()
+    run_iterations(rl, 3)
+    rl.load_state_dict(early)  # going back in time on the same logger ...
+    with pytest.raises(StepOrderError, match="step 1 is lower than step 3"):
+        run_iterations(rl, 1)  # ... would re-log step 1: the logger refuses
+
+
+def test_state_dict_version_is_checked():
+    with pytest.raises(ConfigurationError, match="expects a state from RLLogging.state_dict"):
+        RLLogging(progress=None).load_state_dict({"counters": {}})
+
+
+def test_collection_carry_is_not_part_of_the_checkpoint():
+    assert CollectionMetrics().state_dict() == {}

@@ -1,0 +1,233 @@
+"""RLLogging in a plain loop: schedule, commits inside inst.step, failure isolation, progress bar beside the
+console, evaluation with video read back from TensorBoard, W&B offline and disabled."""
+
+import io
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+import instrument
+from instrument import ConfigurationError, Logger
+from instrument.logging.terminal import tqdm_bar_active as bar_active
+from instrument.rl import Evaluation, GymnasiumRunner, ProgressBar, RLComponent, RLLogging
+from tests.conftest import event_accumulator, read_scalars
+from tests.wandb_reader import read_run
+
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering, moviepy) without a sound card
+
+
+def batch(t: int = 4, envs: int = 2):
+    done = torch.zeros(t, envs, dtype=torch.bool)
+    done[1, 0] = True
+    return {"reward": torch.ones(t, envs), "done": done}
+
+
+def loop(rl: RLLogging, n: int, **observe) -> None:
+    for _ in range(n):
+        with rl.iteration():
+            with rl.timer("collection"):
+                data = batch()
+            rl.observe_batch(reward=data["reward"], done=data["done"], **observe)
+            with rl.timer("optimization"):
+                loss = torch.tensor(1.0)
+            rl.observe_losses({"loss": loss})
+
+
+def test_a_plain_loop_logs_every_family_of_keys_to_tensorboard(tmp_path):
+    inst = instrument.Instrumentation(
+        backends=[instrument.TensorBoardBackend()], log_interval=2, log_dir=str(tmp_path)
+    )
+    rl = RLLogging(progress=None).attach(inst)
+    loop(rl, 5)
+    rl.close()
+    inst.close()
+    scalars = read_scalars(inst.run.dir)
+    assert sorted(scalars["counters/frames"]) == [0, 2, 4]  # follows inst.log_interval
+    assert scalars["counters/frames"][4] == 40.0 and scalars["counters/iterations"][4] == 5.0
+    assert scalars["train/main/loss"][2] == 1.0
+    assert scalars["collection/main/reward/mean"][0] == 1.0
+    for stage in ("collection", "optimization", "iteration"):
+        assert scalars[f"timing/{stage}/count"][2] == 2.0  # iterations 1 and 2 since the commit at step 0
+        assert scalars[f"timing/{stage}/mean"][2] >= 0.0
+
+
+def test_inside_inst_step_the_step_is_committed_once_by_the_scope():
+    history = instrument.RunHistoryBackend()
+    inst = instrument.Instrumentation(backends=[history], log_interval=1)
+    rl = RLLogging(progress=None).attach(inst)
+    for i in range(3):
+        with inst.step(i):
+            rl.observe_batch(reward=torch.ones(2), done=torch.zeros(2, dtype=torch.bool))
+            inst.logger.log_metrics({"user/value": float(i)}, step=i)
+            assert rl.end_iteration() is None  # the open scope commits, not RLLogging
+    inst.close()
+    assert [s for s, _ in history.metrics["counters/frames"]] == [0, 1, 2]
+    assert [s for s, _ in history.metrics["user/value"]] == [0, 1, 2]
+
+
+def test_frame_steps_inside_iteration_scopes_are_refused_with_the_fix():
+    inst = instrument.Instrumentation(backends=[], log_interval=1)
+    rl = RLLogging(progress=None, step_unit="frames").attach(inst)
+    with pytest.raises(ConfigurationError, match=r"at step 2 \(frames\) inside `with inst.step\(0\)`"):
+        with inst.step(0):
+            rl.observe_batch(reward=torch.ones(2), done=torch.zeros(2, dtype=torch.bool))
+            rl.end_iteration()
+
+
+def test_frame_steps_standalone():
+    history = instrument.RunHistoryBackend()
+    rl = RLLogging(progress=None, step_unit="frames").attach(Logger([history]))
+    loop(rl, 3)
+    assert [s for s, _ in history.metrics["counters/frames"]] == [8, 16, 24]
+
+
+class Broken(RLComponent):
+    def log(self, logger, step):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_component_is_reported_once_and_the_rest_is_logged(caplog):
+    history = instrument.RunHistoryBackend()
+    rl = RLLogging(progress=None, components=[Broken()]).attach(Logger([history]))
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        loop(rl, 3)
+    assert rl.failures == {"extra0": 3}
+    assert sum("RL component 'extra0' failed" in r.message for r in caplog.records) == 1
+    assert len(history.metrics["counters/frames"]) == 3
+
+
+def test_progress_bar_and_console_lines_coexist():
+    stream = io.StringIO()  # one terminal for both, as in real life
+    console = instrument.ConsoleBackend(keys=["counters/frames"], stream=stream)
+    progress = ProgressBar(
+        total_frames=40, enabled=True, stream=stream, reward_keys=["collection/main/reward/mean"]
+    )
+    rl = RLLogging(progress=progress).attach(Logger([console]))
+    loop(rl, 5)
+    assert bar_active()
+    assert progress.bar.n == 40 and progress.recent_reward == pytest.approx(1.0)
+    rl.close()
+    assert not bar_active()
+    screen = stream.getvalue().replace("\r", "\n").splitlines()
+    # Each console line stands on its own line: written with tqdm.write, which clears the bar first. A plain
+    # write would glue it to the end of the bar's last drawing.
+    rows = [row.split() for row in screen]
+    for frames in (8, 16, 24, 32, 40):
+        assert [str(frames // 8 - 1), str(frames)] in rows, screen  # a whole table row: step, frames
+    assert any("100%" in row and "40.0/40.0" in row and "reward 1" in row for row in screen)
+
+
+def test_progress_bar_is_off_without_a_terminal_unless_bound_on():
+    progress = ProgressBar(stream=io.StringIO())
+    RLLogging(progress=progress).attach(Logger([]))
+    assert progress.bar is None
+
+
+class Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, obs):
+        return self.net(obs)
+
+
+class VideoKeeper(instrument.Backend):
+    """Keeps the videos of each committed step (the GIF in TensorBoard merges frames, so count them here)."""
+
+    def __init__(self) -> None:
+        self.records = {}
+
+    def write(self, record) -> None:
+        if record.videos:
+            self.records[record.step] = dict(record.videos)
+
+
+def test_evaluation_runs_both_modes_on_the_frame_schedule_and_writes_a_readable_video(tmp_path):
+    pytest.importorskip("moviepy")
+    videos = VideoKeeper()
+    inst = instrument.Instrumentation(
+        backends=[instrument.TensorBoardBackend(), videos], log_interval=100, log_dir=str(tmp_path)
+    )
+    runner = GymnasiumRunner("CartPole-v1", Policy(), seed=3)
+    evaluation = Evaluation(every_frames=16, max_steps=30, video=True, video_stride=5, fps=10)
+    rl = RLLogging(progress=None, evaluation=evaluation).attach(inst, eval_runner=runner)
+    torch.manual_seed(1)
+    loop(rl, 4)  # 8 frames per iteration: evaluations after iterations 1 and 3 (16 and 32 frames)
+    after = torch.rand(3)
+    rl.close()
+    inst.close()
+    scalars = read_scalars(inst.run.dir)
+    assert sorted(scalars["eval/deterministic/return"]) == [1, 3]
+    assert sorted(scalars["eval/stochastic/length"]) == [1, 3]
+    assert sorted(scalars["counters/frames"]) == [0, 1, 3]  # evaluation iterations commit, besides step 0
+    assert 1 <= scalars["eval/deterministic/length"][1] <= 30
+    assert scalars["eval/deterministic/return"][1] == scalars["eval/deterministic/length"][1]  # +1 per step
+    assert scalars["timing/evaluation/count"][3] == 1.0
+
+    images = event_accumulator(inst.run.dir).Images("eval/deterministic/video")
+    assert [e.step for e in images] == [1, 3]
+    gif = Image.open(io.BytesIO(images[0].encoded_image_string))
+    assert gif.format == "GIF" and gif.size == (120, 80)  # 600x400 CartPole frames, every 5th pixel
+    assert gif.n_frames > 1
+    # what the backends received: every state of the episode, the last one included, every 5th pixel
+    frames, fps = videos.records[1]["eval/deterministic/video"]
+    assert frames.shape == (scalars["eval/deterministic/length"][1] + 1, 80, 120, 3) and fps == 10
+    assert frames.dtype == np.uint8 and 0 < frames.mean() < 255
+    # evaluation ran inside fork_rng: the loop's random stream is the one it would have been without it
+    torch.manual_seed(1)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_evaluation_without_a_runner_says_how_to_set_one():
+    rl = RLLogging(progress=None, evaluation=Evaluation(every_frames=1)).attach(Logger([]))
+    with pytest.raises(
+        ConfigurationError, match=r"no episode runner; set evaluation.runner = GymnasiumRunner"
+    ):
+        loop(rl, 1)
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_wandb_is_flushed_per_iteration_and_finished_at_close(tmp_path, mode):
+    wandb_backend = instrument.WandbBackend(mode=mode)
+    inst = instrument.Instrumentation(backends=[wandb_backend], log_interval=1, log_dir=str(tmp_path))
+    rl = RLLogging(progress=None).attach(inst)
+    loop(rl, 3)
+    rl.close_session()
+    assert wandb_backend.run is None and inst.failures == {}
+    if mode == "offline":
+        rows, _ = read_run(inst.run.dir)
+        frames = [r["counters/frames"] for r in rows if "counters/frames" in r]
+        assert frames == [8.0, 16.0, 24.0]
+    else:
+        assert not list(tmp_path.rglob("*.wandb"))
+
+
+def test_attach_and_misuse_errors():
+    with pytest.raises(ConfigurationError, match="takes an Instrumentation or a Logger, got int"):
+        RLLogging(progress=None).attach(3)
+    rl = RLLogging(progress=None)
+    with pytest.raises(ConfigurationError, match="not attached"):
+        rl.end_iteration()
+    with pytest.raises(ConfigurationError, match="step_unit must be one of"):
+        RLLogging(step_unit="episodes")
+    rl.attach(Logger([]))
+    rl.close()
+    with pytest.raises(ConfigurationError, match="closed"):
+        rl.observe_losses({"loss": 1.0})
+
+
+def test_gymnasium_runner_accepts_distributions_and_numpy_frames():
+    runner = GymnasiumRunner(
+        "CartPole-v1", lambda obs: torch.distributions.Categorical(logits=torch.zeros(1, 2))
+    )
+    episode = runner(False, 5, True)
+    assert 1 <= episode.length <= 5 and isinstance(episode.frames, np.ndarray)
+    assert episode.frames.shape[1:] == (400, 600, 3) and episode.frames.dtype == np.uint8
+    runner.close()

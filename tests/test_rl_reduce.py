@@ -1,0 +1,104 @@
+"""Property tests of the RL reductions against plain NumPy / Python references."""
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from instrument.rl.reduce import RunningStats, episode_segments
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def masked_values(draw):
+    n = draw(st.integers(0, 12))
+    k = draw(st.integers(1, 3))
+    values = draw(st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=n * k, max_size=n * k))
+    mask = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=3)))
+    return np.array(values, dtype=np.float32).reshape(n, k), np.array(mask, dtype=bool), cuts
+
+
+@SETTINGS
+@given(masked_values(), st.booleans())
+def test_running_stats_over_chunks_equal_numpy_over_the_kept_values(case, flatten):
+    values, mask, cuts = case
+    acc = RunningStats(flatten=flatten)
+    bounds = [0, *cuts, len(values)]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        part = RunningStats(flatten=flatten)  # merged in, as an interval's batches are
+        part.add(torch.from_numpy(values[lo:hi]), torch.from_numpy(mask[lo:hi]))
+        acc.merge(part)
+    if acc.empty:  # no chunk at all: nothing to summarise
+        assert len(bounds) == 2 and len(values) == 0
+        return
+    got = {k: v.numpy() for k, v in acc.summary().items()}
+    kept = values[mask]
+    if flatten:
+        kept = kept.reshape(-1, 1)
+    for j in range(kept.shape[1] if kept.ndim == 2 else 1):
+        column = kept[:, j] if kept.size else np.empty(0)
+        if column.size == 0:
+            assert all(math.isnan(float(got[s].reshape(-1)[j])) for s in ("mean", "min", "max"))
+            continue
+        # float32 sums: equal to the float64 mean up to rounding
+        assert math.isclose(
+            float(got["mean"].reshape(-1)[j]), column.astype(np.float64).mean(), rel_tol=1e-5, abs_tol=1e-3
+        )
+        assert float(got["min"].reshape(-1)[j]) == column.min()
+        assert float(got["max"].reshape(-1)[j]) == column.max()
+
+
+def naive_episodes(reward, done, valid):
+    """(env, t) -> (return, length) by stepping through time, one env at a time."""
+    out = {}
+    t_len, envs = done.shape
+    for e in range(envs):
+        total, length = 0.0, 0
+        for t in range(t_len):
+            if not valid[t, e]:
+                continue
+            total += float(reward[t, e])
+            length += 1
+            if done[t, e]:
+                out[(e, t)] = (total, length)
+                total, length = 0.0, 0
+    return out
+
+
+@st.composite
+def trajectories(draw):
+    t_len = draw(st.integers(1, 14))
+    envs = draw(st.integers(1, 3))
+    reward = np.array(
+        draw(st.lists(st.integers(-5, 5), min_size=t_len * envs, max_size=t_len * envs)), dtype=np.float32
+    ).reshape(t_len, envs)
+    done = np.array(draw(st.lists(st.booleans(), min_size=t_len * envs, max_size=t_len * envs))).reshape(
+        t_len, envs
+    )
+    valid = np.array(draw(st.lists(st.booleans(), min_size=t_len * envs, max_size=t_len * envs))).reshape(
+        t_len, envs
+    )
+    cuts = sorted(set(draw(st.lists(st.integers(1, t_len - 1), max_size=3)))) if t_len > 1 else []
+    return reward, done, valid, cuts
+
+
+@SETTINGS
+@given(trajectories())
+def test_episode_segments_over_any_batch_split_match_a_step_by_step_loop(case):
+    reward, done, valid, cuts = case
+    expected = naive_episodes(reward, done, valid)
+    got = {}
+    carry_r = carry_n = None
+    bounds = [0, *cuts, reward.shape[0]]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        r = torch.from_numpy(reward[lo:hi]).unsqueeze(-1)
+        returns, lengths, ended, carry_r, carry_n = episode_segments(
+            r, torch.from_numpy(done[lo:hi]), torch.from_numpy(valid[lo:hi]), carry_r, carry_n
+        )
+        for t, e in zip(*np.nonzero(ended.numpy()), strict=True):
+            got[(int(e), int(lo + t))] = (float(returns[t, e, 0]), int(lengths[t, e]))
+    assert got == expected

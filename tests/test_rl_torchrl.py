@@ -1,0 +1,104 @@
+"""TorchRL end to end: a real Collector over gymnasium CartPole-v1 and a real Trainer running a short PPO,
+metrics read back from TensorBoard; a trainer resumed from its state_dict continues the step numbering."""
+
+import pytest
+
+pytest.importorskip("torchrl")
+
+import instrument  # noqa: E402
+from instrument import config  # noqa: E402
+from instrument.rl import CollectionMetrics, Evaluation, RLLogging  # noqa: E402
+from tests.conftest import event_accumulator  # noqa: E402
+
+
+def steps_of(acc, tag):
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def test_gin_bound_ppo_logs_every_family_through_the_trainer_hooks(tmp_path):
+    config.parse(
+        [str(config.GIN_DIR / "rl_torchrl_ppo.gin")],
+        [
+            "train_torchrl_ppo.total_frames = 256",
+            "train_torchrl_ppo.frames_per_batch = 128",
+            "train_torchrl_ppo.epochs = 1",
+            "Evaluation.every_frames = 256",
+            "Evaluation.max_steps = 50",
+            f"Instrumentation.log_dir = '{tmp_path}'",
+            "backend_set.console = None",
+        ],
+    )
+    outcome = config.run()
+    assert outcome["result"] == {"frames": 256, "episodes": outcome["result"]["episodes"], "iterations": 2}
+    acc = event_accumulator(outcome["run_dir"])
+    tags = set(acc.Tags()["scalars"])
+    for key in (
+        "collection/main/reward/mean",
+        "collection/main/episode/return/mean",
+        "collection/main/episode/count",
+        "counters/frames",
+        "counters/episodes",
+        "train/main/loss_objective",
+        "train/main/loss_critic",
+        "eval/deterministic/return",
+        "eval/stochastic/length",
+        "timing/collection/mean",
+        "timing/optimization/mean",
+        "timing/iteration/mean",
+        "timing/evaluation/mean",
+    ):
+        assert key in tags, key
+    assert steps_of(acc, "counters/frames") == [0, 1]
+    assert [e.value for e in acc.Scalars("counters/frames")] == [128.0, 256.0]
+    assert steps_of(acc, "eval/deterministic/return") == [1]  # at 256 frames
+    episodes = sum(e.value for e in acc.Scalars("collection/main/episode/count"))
+    assert episodes == acc.Scalars("counters/episodes")[-1].value == outcome["result"]["episodes"] > 0
+    returns = [e.value for e in acc.Scalars("collection/main/episode/return/mean")]
+    assert all(8 <= r <= 500 for r in returns)  # CartPole episodes last 8+ steps, reward 1 per step
+
+
+def test_trainer_state_dict_resumes_counters_and_steps(tmp_path):
+    from instrument.demos.torchrl_ppo import build_ppo_trainer, run_trainer
+
+    def session():
+        return instrument.Instrumentation(
+            backends=[instrument.TensorBoardBackend()], log_interval=1, log_dir=str(tmp_path), run_name="ppo"
+        )
+
+    checkpoint = str(tmp_path / "trainer.pt")
+
+    def build(total):
+        rl = RLLogging(collection=CollectionMetrics(group="cartpole"), progress=None)
+        return build_ppo_trainer(
+            instrumentation=session(),
+            rl_logging=rl,
+            total_frames=total,
+            frames_per_batch=64,
+            epochs=1,
+            seed=1,
+            save_trainer_file=checkpoint,
+        )
+
+    first, first_hook = build(128)
+    run_trainer(
+        first
+    )  # TorchRL saves the trainer, our hook's state_dict included, when it reaches total_frames
+    second, hook = build(256)
+    second.load_from_file(checkpoint)
+    assert hook.rl.counters.iterations == 2 and hook.rl.counters.frames == 128
+    run_trainer(second)
+    acc = event_accumulator(tmp_path / "ppo")
+    assert steps_of(acc, "counters/frames") == [0, 1, 2, 3]  # each step once, the resumed run goes on at 2
+    assert [e.value for e in acc.Scalars("counters/frames")] == [64.0, 128.0, 192.0, 256.0]
+    assert [e.value for e in acc.Scalars("counters/iterations")] == [1.0, 2.0, 3.0, 4.0]
+    assert "collection/cartpole/episode/return/mean" in acc.Tags()["scalars"]
+    assert first_hook.rl.evaluation is None and isinstance(hook, type(first_hook))
+
+
+def test_the_hook_is_a_torchrl_trainer_hook():
+    from torchrl.trainers import TrainerHookBase
+
+    from instrument.rl.torchrl import TorchRLHook
+
+    hook = config.torchrl_hook(rl=RLLogging(progress=None, evaluation=Evaluation()))
+    assert isinstance(hook, TorchRLHook) and isinstance(hook, TrainerHookBase)

@@ -1,0 +1,148 @@
+"""Run logs: terse terminal lines, a verbose timestamped file per run, the user's logging left alone."""
+
+import functools
+import io
+import logging
+import re
+
+import pytest
+from tqdm import tqdm
+
+import instrument
+from instrument import Backend, Column, ConsoleBackend, setup_run_logging
+from instrument.errors import ConfigurationError
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}"
+
+
+def _state(name: str):
+    logger = logging.getLogger(name)
+    return list(logger.handlers), logger.level, logger.propagate
+
+
+def test_terminal_is_terse_and_the_file_keeps_everything(tmp_path):
+    term = io.StringIO()
+    with setup_run_logging(tmp_path / "runs" / "r1", "r1", stream=term) as run_log:
+        log = logging.getLogger("instrument")
+        log.debug("detail %d", 1)
+        log.info("hello")
+        log.warning("careful")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("it failed")
+    assert run_log.path.parent == tmp_path / "runs" / "r1"
+    assert re.fullmatch(r"\d{8}-\d{6}-r1\.log", run_log.path.name)
+    assert term.getvalue().splitlines() == [
+        "I hello",
+        "W careful",
+        "E it failed [ValueError: boom; traceback in the run log]",
+    ]
+    text = run_log.path.read_text(encoding="utf-8")
+    assert re.search(rf"^{STAMP} DEBUG    instrument: detail 1$", text, re.M)
+    assert re.search(rf"^{STAMP} WARNING  instrument: careful$", text, re.M)
+    assert re.search(rf"^{STAMP} DEBUG    instrument: run log .*r1\.log started", text, re.M)  # name once
+    assert "Traceback (most recent call last)" in text and "ValueError: boom" in text
+
+
+def test_the_users_logging_configuration_is_left_alone(tmp_path):
+    root = logging.getLogger()
+    user_out = io.StringIO()
+    user_handler = logging.StreamHandler(user_out)
+    root.addHandler(user_handler)
+    try:
+        root_before, inst_before = _state(""), _state("instrument")
+        run_log = setup_run_logging(tmp_path, "mine", stream=io.StringIO())
+        assert _state("") == root_before  # no basicConfig, no handler added to or removed from root
+        logging.getLogger("instrument").warning("printed once, by the run log")
+        logging.getLogger("myapp").warning("the user's own message")
+        run_log.close()
+        run_log.close()  # idempotent
+        assert _state("instrument") == inst_before and _state("") == root_before
+        logging.getLogger("instrument").warning("after close, propagation is back")
+    finally:
+        root.removeHandler(user_handler)
+    assert user_out.getvalue().splitlines() == ["the user's own message", "after close, propagation is back"]
+
+
+def test_chosen_user_loggers_go_to_both_places_and_are_restored(tmp_path):
+    term = io.StringIO()
+    before = _state("myapp.train")
+    run_log = setup_run_logging(tmp_path, "mine", loggers=["myapp.train"], stream=term)
+    logging.getLogger("myapp.train").info("epoch 1 done")
+    run_log.close()
+    assert term.getvalue() == "I epoch 1 done\n"
+    assert "INFO     myapp.train: epoch 1 done" in run_log.path.read_text(encoding="utf-8")
+    assert _state("myapp.train") == before
+    with pytest.raises(ConfigurationError, match=r"'instrument.console' is covered already"):
+        setup_run_logging(tmp_path, "mine", loggers=["instrument.console"])
+
+
+def test_setting_up_again_closes_the_previous_run_log(tmp_path):
+    first = setup_run_logging(tmp_path / "a", "a", stream=io.StringIO())
+    count = len(logging.getLogger("instrument").handlers)
+    second = setup_run_logging(tmp_path / "b", "b", stream=io.StringIO())
+    assert first.closed and not second.closed
+    assert len(logging.getLogger("instrument").handlers) == count
+    second.close()
+
+
+def test_bad_arguments_say_what_was_expected(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"level must be a logging level such as 'INFO'.*got 'LOUD'"):
+        setup_run_logging(tmp_path, "x", level="LOUD")
+    with pytest.raises(ConfigurationError, match=r"needs a non-empty run_name string, got ''"):
+        setup_run_logging(tmp_path, "")
+
+
+def test_terminal_lines_do_not_break_a_tqdm_bar(tmp_path):
+    out = io.StringIO()
+    with setup_run_logging(tmp_path, "bar", stream=out):
+        with tqdm(total=3, file=out, mininterval=0, ascii=True) as bar:
+            for i in range(3):
+                bar.update(1)
+                logging.getLogger("instrument").warning("slow step %d", i)
+    segments = set(re.split(r"[\r\n]", out.getvalue()))
+    assert {"W slow step 0", "W slow step 1", "W slow step 2"} <= segments
+
+
+class Broken(Backend):
+    def write(self, record):
+        raise RuntimeError("boom")
+
+
+def test_session_run_log_has_table_rows_and_every_scalar(tmp_path):
+    table, term = io.StringIO(), io.StringIO()
+    inst_before = _state("instrument")
+    inst = instrument.Instrumentation(
+        backends=[
+            ConsoleBackend(columns=[Column("train/loss", "loss↓", 9, ".4f", "training loss")], stream=table),
+            Broken(),
+        ],
+        log_interval=1,
+        log_dir=str(tmp_path),
+        run_name="demo",
+        run_log=functools.partial(setup_run_logging, stream=term),
+    )
+    for step in range(2):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": 0.5 / (step + 1), "lr": 1e-3}, step=step, prefix="train")
+    inst.close()
+    logs = list((tmp_path / "demo").glob("*-demo.log"))
+    assert logs == [inst.run_log.path]
+    text = logs[0].read_text(encoding="utf-8")
+    # Every table line is in the file, after a timestamp, in the same order as on the terminal.
+    file_rows = re.findall(rf"^{STAMP} INFO     instrument\.console: (.*)$", text, re.M)
+    assert file_rows == table.getvalue().splitlines()
+    assert "      1     0.2500" in file_rows
+    # What the table leaves out (train/lr) is kept at DEBUG.
+    assert re.search(
+        rf"^{STAMP} DEBUG    instrument\.console: step 1 scalars: train/loss=0.25, train/lr=0.001$",
+        text,
+        re.M,
+    )
+    assert term.getvalue().splitlines()[0] == (
+        "E instrument: backend Broken failed in write(); other backends are unaffected "
+        "[RuntimeError: boom; traceback in the run log]"
+    )
+    assert "RuntimeError: boom" in text and "Traceback" in text
+    assert _state("instrument") == inst_before

@@ -1,0 +1,181 @@
+"""Validation samples: selection, console panels, TensorBoard text, W&B table, JSONL; hyperparameters."""
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+import instrument
+from instrument import ConsoleBackend, JsonlBackend, Logger, MissingExtraError, RunInfo, TensorBoardBackend
+from instrument.logging.backends.base import SampleTable, StepRecord
+from instrument.logging.params import REDACTED, flatten_params, redact_config_text, redact_secrets
+from instrument.logging.samples import markdown_table, select_samples
+from tests.conftest import event_accumulator
+from tests.wandb_reader import read_run
+
+SAMPLES = [
+    {"input": f"prompt {i}", "output": f"answer {i}", "score": torch.tensor(s), "length": i}
+    for i, s in enumerate([0.5, 0.9, 0.1, 0.7, 0.3, 0.0])
+]
+
+
+def _rows():
+    return [{**s, "score": float(s["score"])} for s in SAMPLES]
+
+
+def test_selection_mixes_best_and_worst():
+    chosen = select_samples(_rows(), 4)
+    assert [(label, row["input"]) for label, row in chosen] == [
+        ("best #1", "prompt 1"),
+        ("worst #1", "prompt 5"),
+        ("best #2", "prompt 3"),
+        ("worst #2", "prompt 2"),
+    ]
+    assert [label for label, _ in select_samples(_rows(), 3)] == ["best #1", "worst #1", "best #2"]
+    assert len(select_samples(_rows(), 100)) == 6  # never repeats a sample
+    assert select_samples(_rows(), 0) == []
+
+
+def test_selection_without_scores_keeps_order():
+    rows = [{"input": "a"}, {"input": "b", "score": float("nan")}, {"input": "c", "score": 1.0}]
+    assert [(label, r["input"]) for label, r in select_samples(rows, 2)] == [("best #1", "c"), ("#0", "a")]
+
+
+def test_logger_moves_tensor_fields_in_the_batched_transfer():
+    logger = Logger([])
+    logger.log_samples("val", SAMPLES, step=3)
+    record = logger.commit(3)
+    rows = record.samples["val"].rows
+    assert rows[1] == {"input": "prompt 1", "output": "answer 1", "score": pytest.approx(0.9), "length": 1}
+    assert isinstance(rows[1]["score"], float)
+
+
+def test_console_prints_best_and_worst_as_panels():
+    stream = io.StringIO()
+    logger = Logger([ConsoleBackend(stream=stream, num_val_samples_to_print=2, width=80)])
+    logger.log_metrics({"val/score": 0.4}, step=7)
+    logger.log_samples("val", SAMPLES, step=7)
+    logger.commit(7)
+    out = stream.getvalue()
+    assert "\n      7        0.4\n" in out  # the step's table row (step, val/score), then the panels
+    assert "val | step 7 | best #1 | score 0.9" in out and "prompt 1" in out and "answer 1" in out
+    assert "val | step 7 | worst #1 | score 0" in out and "prompt 5" in out
+    assert "prompt 3" not in out  # only two panels
+    assert "length" in out  # extra fields are shown too
+    assert logger.failures == {}
+
+
+def test_console_without_rich_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich", None)
+    record = StepRecord(step=0, samples={"val": SampleTable(_rows())})
+    with pytest.raises(MissingExtraError, match=r"pip install 'torch-instrument\[rich\]'"):
+        ConsoleBackend(stream=io.StringIO()).write(record)
+
+
+def test_tensorboard_text_and_jsonl_list(tmp_path):
+    logger = Logger([TensorBoardBackend(), JsonlBackend()], RunInfo("r", tmp_path))
+    logger.log_samples("val/samples", SAMPLES[:2], step=5)
+    logger.commit(5)
+    logger.close()
+    acc = event_accumulator(tmp_path / "r")
+    events = acc.Tensors("val/samples/text_summary")
+    assert [e.step for e in events] == [5]
+    text = events[0].tensor_proto.string_val[0].decode()
+    assert text == markdown_table(_rows()[:2])
+    assert "| input | output | score | length |" in text and "| prompt 1 | answer 1 | 0.9 | 1 |" in text
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["step"] == 5
+    assert line["samples"]["val/samples"][1] == {
+        "input": "prompt 1",
+        "output": "answer 1",
+        "score": pytest.approx(0.9),
+        "length": 1,
+    }
+
+
+def test_wandb_table_and_system_metrics_on_their_own_axis(tmp_path):
+    logger = Logger([instrument.WandbBackend()], RunInfo("r", tmp_path))
+    logger.log_metrics({"loss": 1.0}, step=100)
+    logger.commit(100)
+    logger.write_system(StepRecord(step=2, scalars={"system/process_rss_gib": 0.5, "system/seconds": 2.5}))
+    logger.log_samples("val", SAMPLES[:3], step=200)
+    logger.commit(200)
+    logger.close()
+    assert logger.failures == {}
+    rows, _ = read_run(tmp_path / "r")
+    by_step = {row["_step"]: row for row in rows}
+    assert sorted(by_step) == [100, 200]  # the system sample did not add a step
+    assert by_step[200]["val"]["_type"] == "table-file" and by_step[200]["val"]["nrows"] == 3
+    assert by_step[200]["system/process_rss_gib"] == 0.5 and by_step[200]["system/seconds"] == 2.5
+
+
+@pytest.mark.parametrize(
+    "samples, match",
+    [
+        ({"input": "x"}, r"log_samples\('val'\) takes a list of dicts, got dict"),
+        (["x"], r"sample 0 is a str; each sample must be a dict"),
+    ],
+)
+def test_bad_samples(samples, match):
+    with pytest.raises(TypeError, match=match):
+        Logger([]).log_samples("val", samples, step=0)
+
+
+# ---------------------------------------------------------------------- hyperparameters
+def test_flatten_and_redact():
+    flat = redact_secrets(
+        flatten_params(
+            {
+                "model": {"width": 64, "layers": [1, 2]},
+                "wandb": {"api_key": "k1", "project": "p"},
+                "hf_token": "t",
+                "db_password": "p",
+                "client_secret": "s",
+                "key": "k2",
+                "aws_secret_access_key": "a",
+                "wandb_api_key": "w",
+                "reward_key": "reward",
+                "keys_to_log": ["a"],
+            }
+        )
+    )
+    assert flat == {
+        "model/width": 64,
+        "model/layers": "[1, 2]",
+        "wandb/api_key": REDACTED,
+        "wandb/project": "p",
+        "hf_token": REDACTED,
+        "db_password": REDACTED,
+        "client_secret": REDACTED,
+        "key": REDACTED,
+        "aws_secret_access_key": REDACTED,
+        "wandb_api_key": REDACTED,
+        "reward_key": "reward",
+        "keys_to_log": "['a']",
+    }
+
+
+def test_redact_config_text():
+    text = (
+        "Model.width = 64\nWandbBackend.api_key = 'abc'\nscope/Auth.token = \"xyz\"\nEnv.reward_key = 'r'\n"
+    )
+    assert redact_config_text(text) == (
+        f"Model.width = 64\nWandbBackend.api_key = '{REDACTED}'\nscope/Auth.token = '{REDACTED}'\n"
+        "Env.reward_key = 'r'\n"
+    )
+
+
+def test_no_backend_sees_a_secret(tmp_path):
+    logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
+    logger.log_hyperparams(
+        {"train": {"lr": 0.1}, "hub": {"token": "hf_secret"}},
+        config_text="Hub.token = 'hf_secret'\nTrain.lr = 0.1",
+    )
+    logger.close()
+    raw = (tmp_path / "r" / "metrics.jsonl").read_text()
+    assert "hf_secret" not in raw
+    line = json.loads(raw.splitlines()[0])
+    assert line["hyperparameters"] == {"train/lr": 0.1, "hub/token": REDACTED}
+    assert line["config"] == f"Hub.token = '{REDACTED}'\nTrain.lr = 0.1"

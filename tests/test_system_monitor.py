@@ -1,0 +1,161 @@
+"""SystemMonitor: a real background thread, real psutil readings, real backends read back."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from instrument import (
+    ConfigurationError,
+    Instrumentation,
+    JsonlBackend,
+    Logger,
+    RunInfo,
+    SystemMonitor,
+    TensorBoardBackend,
+)
+
+pytest.importorskip("psutil")
+
+
+def _monitor_threads():
+    return [t for t in threading.enumerate() if t.name == "instrument-system-monitor"]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_starts_and_stops_with_the_instrumentation(tmp_path):
+    monitor = SystemMonitor(collection_interval=0.05, flush_interval=0.1)
+    inst = Instrumentation(
+        backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r", system_monitor=monitor
+    )
+    assert monitor.running and len(_monitor_threads()) == 1
+    for step in range(3):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        time.sleep(0.1)
+    inst.close()
+    assert not monitor.running and _monitor_threads() == []
+    monitor.stop()  # idempotent
+    lines = _lines(tmp_path / "r" / "metrics.jsonl")
+    system = [line for line in lines if "system_step" in line]
+    steps = [line["step"] for line in lines if "step" in line]
+    assert steps == [0, 1, 2]  # the training axis is untouched by the monitor
+    assert len(system) >= 3
+    seconds = [line["metrics"]["system/seconds"] for line in system]
+    assert seconds == sorted(seconds) and all(s >= 0 for s in seconds)
+    assert all(line["system_step"] == int(line["metrics"]["system/seconds"]) for line in system)
+    first = system[0]["metrics"]
+    assert first["system/process_rss_gib"] > 0.001
+    assert 0 < first["system/host_memory_percent"] < 100
+    assert first["system/host_memory_available_gib"] > 0
+    assert "system/process_cpu_percent" in first and "system/host_cpu_percent" in first
+
+
+def test_slow_sampling_never_blocks_the_training_thread(tmp_path):
+    class SlowMonitor(SystemMonitor):
+        def sample(self):
+            time.sleep(0.5)  # e.g. a stuck NVML call
+            return {"system/slow": 1.0}
+
+    monitor = SlowMonitor(collection_interval=0.01, flush_interval=0.01)
+    logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
+    monitor.start(logger)
+    time.sleep(0.05)  # the thread is now inside sample()
+    worst = 0.0
+    for step in range(20):
+        start = time.perf_counter()
+        logger.log_metrics({"loss": float(step)}, step=step)
+        logger.commit(step)
+        worst = max(worst, time.perf_counter() - start)
+    assert worst < 0.25
+    monitor.stop()
+    logger.close()
+    system = [line for line in _lines(tmp_path / "r" / "metrics.jsonl") if "system_step" in line]
+    assert system and system[0]["metrics"]["system/slow"] == 1.0
+
+
+def test_tensorboard_system_axis_is_seconds(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = SystemMonitor(collection_interval=0.02, flush_interval=0.02)
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    logger.log_metrics({"loss": 1.0}, step=1000)
+    logger.commit(1000)
+    monitor.start(logger)
+    time.sleep(0.1)
+    monitor.stop()
+    logger.log_metrics({"loss": 2.0}, step=1001)  # the training step continues after system steps near 0
+    logger.commit(1001)
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "r"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1000, 1001]
+    rss = acc.Scalars("system/process_rss_gib")
+    assert rss and all(e.step == 0 for e in rss) and all(e.value > 0 for e in rss)
+
+
+def test_memory_is_bounded_when_nothing_flushes():
+    monitor = SystemMonitor(collection_interval=0.01, flush_interval=1000.0, max_buffered=3)
+
+    class Sink:
+        records = []
+
+        def write_system(self, record):
+            self.records.append(record)
+
+    sink = Sink()
+    monitor.start(sink)
+    time.sleep(0.15)
+    assert monitor.buffered <= 3
+    monitor.stop()
+    assert 1 <= len(sink.records) <= 3  # the last samples are flushed at stop
+
+
+def test_only_started_once():
+    monitor = SystemMonitor(collection_interval=1.0, flush_interval=1.0)
+    monitor.start(Logger([]))
+    try:
+        with pytest.raises(ConfigurationError, match="already started; create a new one per run"):
+            monitor.start(Logger([]))
+    finally:
+        monitor.stop()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"collection_interval": 0}, r"collection_interval must be a positive number of seconds, got 0"),
+        (
+            {"collection_interval": 5.0, "flush_interval": 1.0},
+            r"flush_interval \(1.0\) must be >= collection_interval",
+        ),
+        ({"max_buffered": 0}, r"max_buffered must be a positive int"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        SystemMonitor(**kwargs)
+
+
+def test_bound_in_gin_with_the_mlflow_backend(tmp_path):
+    from instrument import MlflowBackend
+    from instrument.config import backend_set, parse
+
+    config = tmp_path / "exp.gin"
+    config.write_text(
+        "include 'system_monitor.gin'\ninclude 'backends/mlflow.gin'\n"
+        "SystemMonitor.collection_interval = 0.05\nSystemMonitor.flush_interval = 0.05\n"
+        "MlflowBackend.experiment_name = 'nca'\n"
+    )
+    parse([str(config)])
+    (mlflow_backend,) = backend_set()
+    assert isinstance(mlflow_backend, MlflowBackend) and mlflow_backend.experiment_name == "nca"
+    inst = Instrumentation(backends=[JsonlBackend()], log_dir=str(tmp_path), run_name="r")
+    assert isinstance(inst.system_monitor, SystemMonitor) and inst.system_monitor.running
+    assert inst.system_monitor.collection_interval == 0.05
+    inst.close()
+    assert not inst.system_monitor.running

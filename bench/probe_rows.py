@@ -1,9 +1,10 @@
-"""Rows for embedded probes (issue 3's `instrument.Probe`) in scripted and compiled models.
+"""Rows for embedded probes (`instrument.Probe`) in scripted and compiled NCA rules.
 
-Written against the API issue 3 describes (``instrument.Probe(name)`` as an identity module inside the
-model, ``inst.watch(model_or_scripted)``, values in ``context.probes[name]``). Each row carries a self-check
-that runs once after warm-up: if observers did not receive one probe value per iteration, the row is reported
-as pending with the reason instead of timing something that is not what its name says.
+Uses the API of docs/probes.md: ``instrument.Probe(name)`` as an identity module inside the model,
+``inst.watch(model, state=False)`` so the loop delivers iterations, values in ``context.probes[name]``. Each
+row carries a self-check that runs once after warm-up: if observers did not receive one probe value per
+iteration, the row is reported as pending with the reason instead of timing something that is not what its
+name says.
 """
 
 import copy
@@ -65,7 +66,7 @@ def _probed_rule_class():
 def probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
     """(fn, check, describe) for ``<workload>/<mode>/probe-off|probe-log``."""
     if workload != "nca":
-        return None, lambda: "pending: no RL probe row yet (the policy is not an iteration rule)", ""
+        raise ValueError(f"probe rows exist for the NCA only, got {workload!r}")
     s = NCA_SIZE
     base_rule, seed, target = _nca_parts()
     rule = _probed_rule_class()(s["channels"], s["hidden"])
@@ -80,11 +81,13 @@ def probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
         run_name=f"probe-{mode}-{kind}",
         log_dir=tmp,
     )
+    # state=False: the probes are switched on for logging steps, and the loop below delivers each iteration
+    # (explicit evolver), as in the script/compile rows without probes.
     if mode == "script":
         model = torch.jit.script(rule)
-        inst.watch(model)
+        inst.watch(model, state=False)
     else:
-        inst.watch(rule)
+        inst.watch(rule, state=False)
         model = torch.compile(rule)
     opt = torch.optim.Adam(rule.parameters(), lr=1e-4)
     state = {"step": 1}

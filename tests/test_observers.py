@@ -49,7 +49,7 @@ def test_iteration_stats_heatmaps_cover_every_iteration_and_channel():
     assert record.scalars["iteration_stats/max/c1"] == pytest.approx(float(states[-1][:, 1].max()))
     # reset forgets the previous step
     observer.reset()
-    assert observer._rows == []
+    assert observer._states.results() is None
 
 
 def test_update_norm_and_alive_fraction():
@@ -93,3 +93,42 @@ def test_step_context_validates_and_detaches():
                                  probes={"h": torch.ones(1, requires_grad=True)})
     assert torch.equal(ctx.dx, torch.full((2,), 5.0)) and ctx.freeze_channels == (0,)
     assert not ctx.probes["h"].requires_grad
+
+
+def test_small_states_are_batched_and_match_per_iteration_values():
+    states = [torch.randn(256, 4) for _ in range(30)]
+    batched = _observe(instrument.IterationStats(channel_dim=-1), states)
+    one_by_one = instrument.IterationStats(channel_dim=-1)
+    one_by_one._states.batched = False
+    eager = _observe(one_by_one, states)
+    assert batched.scalars.keys() == eager.scalars.keys()
+    for key, value in eager.scalars.items():
+        assert batched.scalars[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    np.testing.assert_array_equal(batched.images["iteration_stats/mean"], eager.images["iteration_stats/mean"])
+
+
+def test_memory_cap_drains_early_and_keeps_iteration_order():
+    states = [torch.full((4, 2), float(i)) for i in range(10)]
+    observer = instrument.UpdateNorm(max_elements=40)  # 2 tensors x 8 elements per iteration: drains every 3
+    record = _observe(observer, states)
+    assert record.histograms["update_norm/l2"].shape == (9,)
+    assert record.scalars["update_norm/l2/first"] == pytest.approx(np.sqrt(2.0))
+
+
+def test_in_place_change_after_observe_is_detected_not_logged(caplog):
+
+    keep = Keep()
+    inst = instrument.Instrumentation([instrument.IterationStats(channel_dim=-1)], backends=[keep], log_interval=1)
+    for step in range(2):
+        with inst.step(step) as s:
+            x = torch.zeros(8, 3)
+            for i in range(4):
+                nxt = x + 1
+                s.observer(instrument.StepContext(x, nxt, step_index=i))
+                if step == 0:
+                    nxt.mul_(100.0)  # a rollout that updates its state in place after observing it
+                x = nxt
+    inst.close()
+    assert "modified in place after it was observed" in caplog.text
+    assert [r.step for r in keep.records] == [1]  # the corrupted step logged nothing
+    assert keep.records[0].scalars["iteration_stats/max/c0"] == 4.0  # the next step reduced as it came

@@ -4,6 +4,7 @@ Runs at commit on values already on the host. Drawn with Pillow and a small colo
 matplotlib, so a heatmap costs about a millisecond instead of a figure's tens of milliseconds.
 """
 
+import functools
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -54,6 +55,36 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if np.isfinite(v) else "nan"
 
 
+@functools.lru_cache(maxsize=64)
+def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str, target_size: int):
+    """Everything of a heatmap that does not depend on its values: drawn once per layout, then copied.
+
+    Text drawing is most of a heatmap's cost, and the axes, ticks and colour bar repeat every logging step.
+    """
+    cw = max(1, target_size // cols)
+    ch = max(1, target_size // rows)
+    pw, ph = cw * cols, ch * rows
+    font = _font(11)
+    left, top, bottom, right = 48, 22, 34, 64
+    canvas = Image.new("RGB", (left + pw + right, top + ph + bottom), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    draw.text((left, 4), title, fill=(0, 0, 0), font=font)
+    for c in range(0, cols, max(1, int(np.ceil(cols / 8)))):  # at most ~8 tick labels per axis
+        x = left + c * cw + cw // 2
+        draw.line([(x, top + ph), (x, top + ph + 3)], fill=(0, 0, 0))
+        draw.text((x - 4, top + ph + 4), str(c), fill=(0, 0, 0), font=font)
+    draw.text((left + pw // 2 - 3 * len(x_label), top + ph + 18), x_label, fill=(0, 0, 0), font=font)
+    for r in range(0, rows, max(1, int(np.ceil(rows / 8)))):
+        y = top + r * ch + ch // 2
+        draw.line([(left - 3, y), (left, y)], fill=(0, 0, 0))
+        draw.text((left - 26, y - 6), str(r), fill=(0, 0, 0), font=font)
+    draw.text((2, top + ph // 2), y_label[:7], fill=(0, 0, 0), font=font)
+    bar_x = left + pw + 8
+    bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(10, axis=1)
+    canvas.paste(Image.fromarray(np.ascontiguousarray(bar)), (bar_x, top))
+    return canvas, (left, top), (cw, ch), (bar_x + 13, top - 2), (bar_x + 13, top + ph - 10), font
+
+
 def render_heatmap(
     matrix: np.ndarray,
     title: str = "",
@@ -77,32 +108,10 @@ def render_heatmap(
     idx = np.clip(((np.nan_to_num(m, nan=lo) - lo) / span * 255.0).round(), 0, 255).astype(np.uint8)
     cells = _LUT[idx]
     cells[~np.isfinite(m)] = _NAN_COLOUR
-    cw = max(1, target_size // cols)
-    ch = max(1, target_size // rows)
-    plot = np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)
-    ph, pw = plot.shape[:2]
-
-    font = _font(11)
-    left, top, bottom, right = 48, 22, 34, 64
-    canvas = Image.new("RGB", (left + pw + right, top + ph + bottom), (255, 255, 255))
-    canvas.paste(Image.fromarray(plot), (left, top))
+    frame, origin, (cw, ch), hi_at, lo_at, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size)
+    canvas = frame.copy()
+    canvas.paste(Image.fromarray(np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)), origin)
     draw = ImageDraw.Draw(canvas)
-    draw.text((left, 4), title, fill=(0, 0, 0), font=font)
-    # x ticks: at most ~8 labels.
-    for c in range(0, cols, max(1, int(np.ceil(cols / 8)))):
-        x = left + c * cw + cw // 2
-        draw.line([(x, top + ph), (x, top + ph + 3)], fill=(0, 0, 0))
-        draw.text((x - 4, top + ph + 4), str(c), fill=(0, 0, 0), font=font)
-    draw.text((left + pw // 2 - 3 * len(x_label), top + ph + 18), x_label, fill=(0, 0, 0), font=font)
-    for r in range(0, rows, max(1, int(np.ceil(rows / 8)))):
-        y = top + r * ch + ch // 2
-        draw.line([(left - 3, y), (left, y)], fill=(0, 0, 0))
-        draw.text((left - 26, y - 6), str(r), fill=(0, 0, 0), font=font)
-    draw.text((2, top + ph // 2), y_label[:7], fill=(0, 0, 0), font=font)
-    # colour bar with its range.
-    bar_x = left + pw + 8
-    bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(10, axis=1)
-    canvas.paste(Image.fromarray(np.ascontiguousarray(bar)), (bar_x, top))
-    draw.text((bar_x + 13, top - 2), _fmt(hi), fill=(0, 0, 0), font=font)
-    draw.text((bar_x + 13, top + ph - 10), _fmt(lo), fill=(0, 0, 0), font=font)
+    draw.text(hi_at, _fmt(hi), fill=(0, 0, 0), font=font)
+    draw.text(lo_at, _fmt(lo), fill=(0, 0, 0), font=font)
     return np.asarray(canvas, dtype=np.uint8)

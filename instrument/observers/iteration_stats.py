@@ -1,13 +1,12 @@
 """IterationStats: how every channel of the state evolves over the rollout."""
 
-from typing import List, Optional
-
-import torch
-from torch import Tensor
+import functools
+from typing import Optional
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
-from instrument.observers.stats import channel_stats
+from instrument.observers.buffer import IterationBuffer
+from instrument.observers.stats import iteration_channel_stats
 
 __all__ = ["IterationStats"]
 
@@ -18,7 +17,9 @@ class IterationStats(Observer):
     """Per-channel mean, std, min and max of the state after every rollout iteration.
 
     For a state [B, C, ...] the statistics are over the batch and every dimension but C (``channel_dim``).
-    Each iteration costs four small reductions on the device; nothing is copied until the logger commits.
+    ``observe`` only keeps a reference to the state; all iterations are reduced in one batched call at log time
+    (see `instrument.observers.buffer`: in-place changes are detected, memory is capped by ``max_elements``).
+    Nothing is copied to the host until the logger commits.
 
     Metric keys (``<name>`` defaults to ``iteration_stats``):
 
@@ -35,6 +36,7 @@ class IterationStats(Observer):
         images: log the heatmaps (on by default).
         channel_scalars: log last-iteration scalars per channel; False keeps only the heatmaps.
         max_channels: scalars for at most this many channels (the heatmaps always have all of them).
+        max_elements: reduce early once the kept states hold this many elements (bounds memory).
     """
 
     default_name = "iteration_stats"
@@ -46,25 +48,27 @@ class IterationStats(Observer):
         images: bool = True,
         channel_scalars: bool = True,
         max_channels: Optional[int] = 16,
+        max_elements: Optional[int] = 64 * 2**20,
     ) -> None:
         super().__init__(name)
         self.channel_dim = channel_dim
         self.images = images
         self.channel_scalars = channel_scalars
         self.max_channels = max_channels
-        self._rows: List[Tensor] = []
+        reduce = functools.partial(iteration_channel_stats, channel_dim=channel_dim)
+        self._states = IterationBuffer(reduce, max_elements=max_elements)
 
     def reset(self) -> None:
-        self._rows = []
+        self._states.clear()
 
     def observe(self, context: StepContext) -> None:
-        self._rows.append(channel_stats(context.next_state, self.channel_dim))
+        self._states.append(context.next_state)
 
     def log(self, logger, step: int) -> None:
-        if not self._rows:
+        table = self._states.results()  # [iterations, 4, C]
+        if table is None:
             return
-        table = torch.stack(self._rows)  # [iterations, 4, C]
-        logger.log_metrics({"iterations": len(self._rows)}, step=step, prefix=self.name)
+        logger.log_metrics({"iterations": table.shape[0]}, step=step, prefix=self.name)
         for s, stat in enumerate(STATS):
             if self.images:
                 logger.log_heatmap(f"{self.name}/{stat}", table[:, s], step, x_label="channel", y_label="iter")

@@ -1,12 +1,13 @@
 """UpdateNorm: how much each iteration changes the state, and how much of it is alive."""
 
-from typing import List
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
+from instrument.observers.buffer import IterationBuffer
 
 __all__ = ["UpdateNorm"]
 
@@ -36,33 +37,47 @@ class UpdateNorm(Observer):
 
     default_name = "update_norm"
 
-    def __init__(self, name: str = "", alive_channel: int = 3, alive_threshold: float = 0.1) -> None:
+    def __init__(
+        self,
+        name: str = "",
+        alive_channel: int = 3,
+        alive_threshold: float = 0.1,
+        max_elements: Optional[int] = 64 * 2**20,
+    ) -> None:
         super().__init__(name)
         self.alive_channel = alive_channel
         self.alive_threshold = alive_threshold
-        self._norms: List[Tensor] = []
-        self._alive: List[Tensor] = []
+        self._steps = IterationBuffer(self._reduce, max_elements=max_elements)
+        self._has_alpha = False
 
     def reset(self) -> None:
-        self._norms = []
-        self._alive = []
+        self._steps.clear()
+        self._has_alpha = False
 
     def observe(self, context: StepContext) -> None:
-        dx = context.dx
-        flat = dx.reshape(dx.shape[0], -1) if dx.dim() > 1 else dx.reshape(1, -1)
-        self._norms.append(torch.linalg.vector_norm(flat.float(), dim=1).mean())
+        # Keep references only; all iterations are reduced at once in `log` (see instrument.observers.buffer).
         state = context.next_state
-        if state.dim() == 4 and state.shape[1] > self.alive_channel:
-            alpha = state[:, self.alive_channel]
-            self._alive.append((alpha > self.alive_threshold).float().mean())
+        self._has_alpha = state.dim() == 4 and state.shape[1] > self.alive_channel
+        self._steps.append(context.dx, state)
+
+    def _reduce(self, dx: Tensor, states: Tensor) -> Tensor:
+        """[k, *state] dx and next states -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if none)."""
+        k = dx.shape[0]
+        flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 2 else dx.reshape(k, 1, -1)
+        norms = torch.linalg.vector_norm(flat.float(), dim=2).mean(1)
+        if states.dim() == 5 and states.shape[2] > self.alive_channel:
+            alive = (states[:, :, self.alive_channel] > self.alive_threshold).float().mean(dim=(1, 2, 3))
+        else:
+            alive = torch.full_like(norms, float("nan"))
+        return torch.stack([norms, alive], dim=1)
 
     def log(self, logger, step: int) -> None:
-        if not self._norms:
+        table = self._steps.results()
+        if table is None:
             return
-        norms = torch.stack(self._norms)
+        norms, alive = table[:, 0], table[:, 1]
         metrics = {"l2/mean": norms.mean(), "l2/first": norms[0], "l2/last": norms[-1], "l2/max": norms.amax()}
-        if self._alive:
-            alive = torch.stack(self._alive)
+        if self._has_alpha:  # known from the state's shape: no sync to look at values
             metrics.update({"alive/last": alive[-1], "alive/mean": alive.mean()})
         logger.log_metrics(metrics, step=step, prefix=self.name)
         logger.log_histogram(f"{self.name}/l2", norms, step)

@@ -1,0 +1,94 @@
+"""Per-iteration tensors kept by reference until log time.
+
+Reducing every iteration as it happens costs a dozen small kernel launches per iteration; on small states
+(a [256, 4] CartPole observation) that launch overhead is most of an observer's cost. Keeping a reference and
+reducing all iterations in one batched call at log time costs one ``torch.stack`` instead. A reference costs no
+copy, and the tensor is usually alive anyway: autograd saves it for backward. Larger states are reduced as they
+come: there the reductions are memory-bound and run faster while the state is still in cache (measured on CPU:
+a [4, 16, 24, 24] NCA state reduces 2.6x faster per iteration than batched, a [256, 4] one 5x slower).
+
+A rollout that changes a state in place after it was observed would make the kept reference wrong. Each
+tensor's version counter is remembered and checked at read time, so that case is detected, never silently
+logged; the owner then falls back to reducing as it goes. ``max_elements`` bounds the memory: once the
+buffered tensors hold that many elements, the owner reduces them early and lets them go.
+"""
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from instrument.errors import InstrumentError
+
+__all__ = ["IterationBuffer", "ModifiedInPlaceError"]
+
+
+class ModifiedInPlaceError(InstrumentError, RuntimeError):
+    """A buffered tensor was modified in place after it was observed."""
+
+
+class IterationBuffer:
+    """Holds tuples of tensors (one tuple per iteration) and hands them back stacked.
+
+    Args:
+        reduce: called with the stacked tensors (each [k, ...]) whenever the buffer is drained; its result is
+            kept and returned by `results`.
+        max_elements: drain early once the buffered tensors hold this many elements (None: never).
+        batched: False reduces each iteration as it comes (no references kept). Set to False automatically
+            after an in-place modification was detected.
+        batch_below: only iterations whose tensors hold fewer elements than this are batched; larger ones are
+            reduced as they come.
+    """
+
+    def __init__(
+        self,
+        reduce: Callable[..., Tensor],
+        max_elements: Optional[int] = 64 * 2**20,
+        batched: bool = True,
+        batch_below: int = 16384,
+    ) -> None:
+        self.reduce = reduce
+        self.max_elements = max_elements
+        self.batched = batched
+        self.batch_below = batch_below
+        self._items: List[Tuple[Tuple[Tensor, int], ...]] = []
+        self._elements = 0
+        self._results: List[Tensor] = []
+
+    def clear(self) -> None:
+        self._items, self._results, self._elements = [], [], 0
+
+    def append(self, *tensors: Tensor) -> None:
+        elements = sum(t.numel() for t in tensors)
+        if not self.batched or elements >= self.batch_below:
+            self.drain()  # keep the iterations in order
+            self._results.append(self.reduce(*(t.unsqueeze(0) for t in tensors)))
+            return
+        self._items.append(tuple((t, t._version) for t in tensors))
+        self._elements += elements
+        if self.max_elements is not None and self._elements >= self.max_elements:
+            self.drain()
+
+    def drain(self) -> None:
+        """Reduce what is buffered (one batched call) and release the references."""
+        if not self._items:
+            return
+        items, self._items, self._elements = self._items, [], 0
+        for entry in items:
+            if any(t._version != version for t, version in entry):
+                self.batched = False
+                self._results = []
+                raise ModifiedInPlaceError(
+                    "a state tensor was modified in place after it was observed, so the references kept for the "
+                    "batched reduction no longer hold the observed values; this step's values are dropped and "
+                    "from now on each iteration is reduced as it comes (slower, but correct)"
+                )
+        columns = [torch.stack([entry[i][0] for entry in items]) for i in range(len(items[0]))]
+        self._results.append(self.reduce(*columns))
+
+    def results(self) -> Optional[Tensor]:
+        """Every iteration's reduction so far, concatenated along dim 0; None when nothing was buffered."""
+        self.drain()
+        if not self._results:
+            return None
+        return self._results[0] if len(self._results) == 1 else torch.cat(self._results)

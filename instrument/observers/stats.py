@@ -22,13 +22,11 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1) -> Tensor:
         channel_dim = -1
     if not states.is_floating_point():
         states = states.float()
-    state_dims = states.dim() - 1
-    c = channel_dim % state_dims + 1
-    t, channels = states.shape[0], states.shape[c]
-    flat = states.movedim(c, 1).reshape(t, channels, -1)  # channels contiguous rows: fast reductions
-    mean = flat.mean(-1, keepdim=True)
-    var = (flat - mean).square().mean(-1)
-    return torch.stack([mean.squeeze(-1), var.sqrt(), flat.amin(-1), flat.amax(-1)], dim=1)
+    c = channel_dim % (states.dim() - 1) + 1
+    dims = tuple(d for d in range(1, states.dim()) if d != c)  # reduce in place: no transposed copy
+    mean = states.mean(dim=dims, keepdim=True)
+    var = (states - mean).square().mean(dim=dims)
+    return torch.stack([mean.reshape(var.shape), var.sqrt(), states.amin(dim=dims), states.amax(dim=dims)], dim=1)
 
 
 def channel_stats(x: Tensor, channel_dim: int = 1) -> Tensor:

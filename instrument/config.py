@@ -13,6 +13,7 @@ and `parse` loads such files with helpful errors: a misspelt parameter or an unk
 training starts, with gin's message naming the file and line.
 """
 
+import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -122,7 +123,23 @@ def parse(config_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Non
             raise FileNotFoundError(f"gin config {path!r} does not exist (looked from {Path.cwd()}).")
         gin.add_config_file_search_path(str(Path(path).resolve().parent))
     gin.add_config_file_search_path(str(GIN_DIR))
-    gin.parse_config_files_and_bindings(list(config_files), list(bindings), finalize_config=False)
+    quiet = _QuietIncludeProbes()
+    logging.getLogger().addFilter(quiet)
+    try:
+        gin.parse_config_files_and_bindings(list(config_files), list(bindings), finalize_config=False)
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+class _QuietIncludeProbes(logging.Filter):
+    """Drops gin's "Path not found" errors while it tries each search path for an include.
+
+    gin logs one at ERROR on the root logger for every search path that does not hold an included file, even
+    when a later path does; a file that is really missing still raises, naming the file and line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and record.msg == "Path not found: %s")
 
 
 def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:

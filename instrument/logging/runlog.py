@@ -139,7 +139,8 @@ def setup_run_logging(
     """Log ``instrument`` (and ``loggers``) tersely to the terminal and verbosely to a file in ``run_dir``.
 
     Args:
-        run_dir: the run's output folder (created if needed); the file is ``<start time>-<run_name>.log``.
+        run_dir: the run's output folder (created if needed); the file is ``<start time>-<run_name>.log``
+            (just ``<start time>.log`` when the run is named by its start time, the default).
         run_name: the run's name, part of the file name.
         level: the terminal's level (the file always gets DEBUG).
         loggers: more logger names (yours, e.g. ``"myproject"``) to send to the same two places. Their
@@ -166,7 +167,10 @@ def setup_run_logging(
         _active.close()
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path = _unique(folder, f"{time.strftime('%Y%m%d-%H%M%S')}-{_safe(run_name)}")
+    started = time.strftime("%Y%m%d-%H%M%S")
+    # A run named by its start time (the default) would otherwise get the time twice in its file name.
+    stem = started if _safe(run_name) == started else f"{started}-{_safe(run_name)}"
+    path = _unique(folder, stem)
     file_handler = logging.FileHandler(path, encoding="utf-8", delay=False)
     file_handler.setLevel(logging.DEBUG)
     file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))

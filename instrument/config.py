@@ -103,14 +103,14 @@ def _register_demos() -> None:
     gin.external_configurable(train_cartpole, name="train_cartpole")
 
 
-
 _register_demos()
 
 
 def _register_rl_demos() -> None:
-    from instrument.demos.torchrl_ppo import train_torchrl_ppo  # imports TorchRL only when it runs
+    from instrument.demos.torchrl_ppo import build_ppo_trainer, train_torchrl_ppo  # TorchRL only when run
 
     gin.external_configurable(train_torchrl_ppo, name="train_torchrl_ppo")
+    gin.external_configurable(build_ppo_trainer, name="build_ppo_trainer")
 
 
 _register_rl_demos()

@@ -19,9 +19,9 @@ def test_gin_bound_ppo_logs_every_family_through_the_trainer_hooks(tmp_path):
     config.parse(
         [str(config.GIN_DIR / "rl_torchrl_ppo.gin")],
         [
-            "train_torchrl_ppo.total_frames = 256",
-            "train_torchrl_ppo.frames_per_batch = 128",
-            "train_torchrl_ppo.epochs = 1",
+            "build_ppo_trainer.total_frames = 256",
+            "build_ppo_trainer.frames_per_batch = 128",
+            "build_ppo_trainer.epochs = 1",
             "Evaluation.every_frames = 256",
             "Evaluation.max_steps = 50",
             f"Instrumentation.log_dir = '{tmp_path}'",

@@ -6,7 +6,7 @@ hook (`instrument.rl.torchrl.TorchRLHook`). Needs ``pip install 'torch-instrumen
 """
 
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -124,26 +124,14 @@ def build_ppo_trainer(
 def train_torchrl_ppo(
     instrumentation: Any = None,
     rl_logging: Any = None,
-    env_name: str = "CartPole-v1",
-    total_frames: int = 4096,
-    frames_per_batch: int = 256,
-    epochs: int = 4,
-    minibatch_size: int = 64,
-    hidden: int = 64,
-    lr: float = 3e-3,
-    gamma: float = 0.99,
-    lmbda: float = 0.95,
-    clip_epsilon: float = 0.2,
-    entropy_coef: float = 0.01,
-    eval_pixels: bool = False,
-    seed: int = 0,
-    num_threads: Optional[int] = 1,
-    save_trainer_file: Optional[str] = None,
+    build: Callable[..., Tuple[Any, Any]] = build_ppo_trainer,
 ) -> Dict[str, Any]:
-    """Train PPO for ``total_frames`` frames (arguments as `build_ppo_trainer`); returns the final
-    counters."""
-    arguments = dict(locals())
-    trainer, hook = build_ppo_trainer(**arguments)
+    """Build the trainer with ``build`` and train it; returns the final counters.
+
+    The trainer's settings are ``build_ppo_trainer``'s arguments: bind them in gin as
+    ``build_ppo_trainer.total_frames = 8192`` and so on.
+    """
+    trainer, hook = build(instrumentation=instrumentation, rl_logging=rl_logging)
     run_trainer(trainer)
     counters = hook.rl.counters.state_dict()
     return {

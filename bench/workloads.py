@@ -166,6 +166,32 @@ def naive_stats(prev: Tensor, x: Tensor, sink: List[object], dims=(0, 2, 3)) -> 
             sink.append((x[:, 3] > 0.1).float().mean().item())
 
 
+def _is_instrumented(kind: str) -> bool:
+    return kind in ("off", "log", "log-tb") or kind.startswith("log[")
+
+
+def _instrumented(kind: str, workload: str, train, tmp: str, hooks_on: Optional[nn.Module] = None):
+    """The training step inside ``inst.step``: hooks on ``hooks_on``, or ``s.observer`` handed to ``train``.
+
+    Returns the step function and its description for the table.
+    """
+    names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
+    session = Session(names, workload, kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp)
+    if hooks_on is not None:
+        session.inst.watch(hooks_on)
+
+    def fn():
+        inst = session.inst
+        step = session.next_step()
+        with inst.step(step) as scope:
+            loss = train(None if hooks_on is not None else scope.observer)
+            inst.logger.log_metrics({"loss": loss}, step=step, prefix="train")
+
+    style = "hooks" if hooks_on is not None else "explicit evolver"
+    when = ", non-logging step" if kind == "off" else f", logging step: {', '.join(names) or 'no observer'}"
+    return fn, style + when
+
+
 def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -> List[Variant]:
     from instrument.demos.nca import run_iterations
 
@@ -186,19 +212,6 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
             return loss.detach()
 
         return train
-
-    def instrumented(train, session: Session, hooks_on: Optional[nn.Module]):
-        if hooks_on is not None:
-            session.inst.watch(hooks_on)
-
-        def fn():
-            inst = session.inst
-            step = session.next_step()
-            with inst.step(step) as scope:
-                loss = train(None if hooks_on is not None else scope.observer)
-                inst.logger.log_metrics({"loss": loss}, step=step, prefix="train")
-
-        return fn
 
     for mode in modes:
         keys = [f"nca/{mode}/{kind}" for kind in KINDS[mode]]
@@ -227,17 +240,8 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
             v = Variant(key=key, baseline=baseline)
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
-            elif kind in ("off", "log", "log-tb") or kind.startswith("log["):
-                names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
-                session = Session(
-                    names, "nca", kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp
-                )
-                v.fn = instrumented(train, session, hooks_on)
-                v.describe = ("hooks" if hooks_on is not None else "explicit evolver") + (
-                    ", non-logging step"
-                    if kind == "off"
-                    else f", logging step: {', '.join(names) or 'no observer'}"
-                )
+            elif _is_instrumented(kind):
+                v.fn, v.describe = _instrumented(kind, "nca", train, tmp, hooks_on)
             elif kind == "naive":
                 sink: List[object] = []
 
@@ -318,16 +322,6 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
 
         return train
 
-    def instrumented(train, session: Session):
-        def fn():
-            inst = session.inst
-            step = session.next_step()
-            with inst.step(step) as scope:
-                loss = train(scope.observer)
-                inst.logger.log_metrics({"loss": loss}, step=step, prefix="train")
-
-        return fn
-
     for mode in modes:
         keys = [f"rl/{mode}/{kind}" for kind in KINDS[mode]]
         if not any(wanted(key) for key in keys):
@@ -348,17 +342,8 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
             v = Variant(key=key, baseline=baseline)
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
-            elif kind in ("off", "log", "log-tb") or kind.startswith("log["):
-                names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
-                session = Session(
-                    names, "rl", kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp
-                )
-                v.fn = instrumented(train, session)
-                v.describe = "explicit evolver" + (
-                    ", non-logging step"
-                    if kind == "off"
-                    else f", logging step: {', '.join(names) or 'no observer'}"
-                )
+            elif _is_instrumented(kind):
+                v.fn, v.describe = _instrumented(kind, "rl", train, tmp)
             elif kind == "naive":
                 v.fn = trainer(policy, act, naive=True)
                 v.describe = "per-iteration .tolist()/.item() of the same stats"

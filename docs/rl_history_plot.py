@@ -3,16 +3,18 @@
 Run from the repository root: `python docs/rl_history_plot.py docs/rl_history.png` (about 2 CPU-minutes).
 """
 
+import functools
 import sys
 
 import instrument
-from instrument.demos.torchrl_ppo import train_torchrl_ppo
+from instrument.demos.torchrl_ppo import build_ppo_trainer, train_torchrl_ppo
 from instrument.rl import Evaluation, RLLogging
 
 history = instrument.RunHistoryBackend()
 inst = instrument.Instrumentation(backends=[history], log_interval=1, log_dir="runs")
 rl = RLLogging(evaluation=Evaluation(every_frames=2048, max_steps=500), progress=None)
-train_torchrl_ppo(instrumentation=inst, rl_logging=rl, total_frames=12288, frames_per_batch=512, seed=0)
+build = functools.partial(build_ppo_trainer, total_frames=12288, frames_per_batch=512, seed=0)
+train_torchrl_ppo(instrumentation=inst, rl_logging=rl, build=build)
 inst.close()
 fig = history.plot_metrics(
     [

@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m instrument run gin/nca.gin
+	$(PY) -m instrument run instrument/configs/nca.gin
 
 demo-rl: install
-	$(PY) -m instrument run gin/rl_cartpole.gin
+	$(PY) -m instrument run instrument/configs/rl_cartpole.gin
 
 test: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 import instrument
 from bench.harness import Variant
 from instrument import Instrumentation, IterationStats, StepContext, UpdateNorm
-from instrument.logging.backends.base import Backend
+from instrument.backends.base import Backend
 
 __all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS"]
 

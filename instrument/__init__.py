@@ -26,18 +26,18 @@ from instrument.errors import (
     ProbeError,
     StepOrderError,
 )
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
-from instrument.logging.backends.console import ConsoleBackend
-from instrument.logging.backends.history import RunHistoryBackend
-from instrument.logging.backends.jsonl import JsonlBackend
-from instrument.logging.backends.mlflow import MlflowBackend
-from instrument.logging.backends.tensorboard import TensorBoardBackend
-from instrument.logging.backends.wandb import WandbBackend
-from instrument.logging.logger import Logger
-from instrument.logging.reduce import CrossRankReducer
-from instrument.logging.runlog import RunLog, setup_run_logging
-from instrument.logging.table import Column, StepTable
-from instrument.logging.timer import Timer
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.console import ConsoleBackend
+from instrument.backends.history import RunHistoryBackend
+from instrument.backends.jsonl import JsonlBackend
+from instrument.backends.mlflow import MlflowBackend
+from instrument.backends.tensorboard import TensorBoardBackend
+from instrument.backends.wandb import WandbBackend
+from instrument.logger.logger import Logger
+from instrument.logger.reduce import CrossRankReducer
+from instrument.terminal.runlog import RunLog, setup_run_logging
+from instrument.terminal.table import Column, StepTable
+from instrument.logger.timer import Timer
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm

@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gin
-from instrument.logging.backends.base import Backend
-from instrument.logging.backends.console import ConsoleBackend
-from instrument.logging.backends.history import RunHistoryBackend
-from instrument.logging.backends.jsonl import JsonlBackend
-from instrument.logging.backends.mlflow import MlflowBackend
-from instrument.logging.backends.tensorboard import TensorBoardBackend
-from instrument.logging.backends.wandb import WandbBackend
-from instrument.logging.runlog import setup_run_logging
-from instrument.logging.table import Column
+from instrument.backends.base import Backend
+from instrument.backends.console import ConsoleBackend
+from instrument.backends.history import RunHistoryBackend
+from instrument.backends.jsonl import JsonlBackend
+from instrument.backends.mlflow import MlflowBackend
+from instrument.backends.tensorboard import TensorBoardBackend
+from instrument.backends.wandb import WandbBackend
+from instrument.terminal.runlog import setup_run_logging
+from instrument.terminal.table import Column
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
@@ -35,7 +35,7 @@ from instrument.session import Instrumentation
 
 __all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
 
-GIN_DIR = Path(__file__).resolve().parent.parent / "gin"
+GIN_DIR = Path(__file__).resolve().parent / "configs"
 
 # Registered in place (not as gin's usual subclass copies), so `instrument.Instrumentation()` itself picks up
 # the bindings of a parsed .gin file, as the README's loop shows.

@@ -16,9 +16,9 @@ from torch import nn
 
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.errors import ConfigurationError, ProbeError
-from instrument.logging.backends.base import Backend, RunInfo
-from instrument.logging.logger import Logger
-from instrument.logging.ranks import check_same_config
+from instrument.backends.base import Backend, RunInfo
+from instrument.logger.logger import Logger
+from instrument.logger.ranks import check_same_config
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
@@ -99,7 +99,7 @@ class Instrumentation:
         system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
             `close`; it writes ``system/...`` metrics on its own wall-clock axis.
         run_log: True writes a verbose DEBUG log file into the run folder and terse ``instrument`` messages to
-            the terminal (`instrument.logging.runlog.setup_run_logging`); a callable taking
+            the terminal (`instrument.terminal.runlog.setup_run_logging`); a callable taking
             ``(run_dir=, run_name=)`` (e.g. gin's ``@setup_run_logging``) sets it up its own way. Closed with
             the session.
 
@@ -130,7 +130,7 @@ class Instrumentation:
                     f"got {type(obs).__name__}."
                 )
         if backends is None:
-            from instrument.logging.backends.tensorboard import TensorBoardBackend
+            from instrument.backends.tensorboard import TensorBoardBackend
 
             backends = [TensorBoardBackend()]
         self.observers: List[ObserverLike] = list(observers)
@@ -138,7 +138,7 @@ class Instrumentation:
         self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
         self.run_log: Any = None
         if run_log:  # before the logger, so what backends print while opening is in the file too
-            from instrument.logging.runlog import setup_run_logging
+            from instrument.terminal.runlog import setup_run_logging
 
             setup = setup_run_logging if run_log is True else run_log
             if not callable(setup):

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import instrument
 from instrument import Instrumentation, IterationStats, Observer, StepContext, UpdateNorm
-from instrument.logging.backends.base import Backend
+from instrument.backends.base import Backend
 
 N_ITER = 7
 CHANNELS = 6

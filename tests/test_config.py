@@ -78,7 +78,7 @@ def _cli(*args, cwd):
 
 
 def test_cli_runs_the_nca_demo_and_says_where_the_logs_are(tmp_path):
-    out = _cli("run", str(REPO / "gin" / "nca.gin"), "--bind", "train_nca.steps = 3",
+    out = _cli("run", str(REPO / "instrument" / "configs" / "nca.gin"), "--bind", "train_nca.steps = 3",
                "--bind", "train_nca.batch_size = 2", "--bind", "Instrumentation.log_interval = 2",
                "--bind", "Instrumentation.run_name = 'cli'", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -90,7 +90,7 @@ def test_cli_runs_the_nca_demo_and_says_where_the_logs_are(tmp_path):
 
 
 def test_cli_reports_a_misspelt_binding_without_training(tmp_path):
-    out = _cli("run", str(REPO / "gin" / "nca.gin"), "--bind", "train_nca.stepz = 3", cwd=tmp_path)
+    out = _cli("run", str(REPO / "instrument" / "configs" / "nca.gin"), "--bind", "train_nca.stepz = 3", cwd=tmp_path)
     assert out.returncode == 2
     assert "configuration error" in out.stderr and "stepz" in out.stderr
     assert not (tmp_path / "runs").exists()

@@ -11,7 +11,7 @@ from tqdm import tqdm
 import instrument
 from instrument import Column, ConsoleBackend, RunInfo, StepRecord
 from instrument.errors import ConfigurationError
-from instrument.logging.terminal import tqdm_bar_active, write_line
+from instrument.terminal.output import tqdm_bar_active, write_line
 
 COLUMNS = [
     Column("train/loss", "loss↓", 8, ".4f", "training loss"),
@@ -245,7 +245,7 @@ def test_system_lines_and_sample_panels_take_the_same_route_as_rows():
     out = io.StringIO()
     backend = ConsoleBackend(legend=False, stream=out, show_system=True, num_val_samples_to_print=1, width=60)
     backend.write_system(StepRecord(12, {"system/cpu_percent": 50.0, "system/seconds": 12.0}))
-    samples = instrument.logging.backends.base.SampleTable([{"input": "a", "output": "b", "score": 1.0}])
+    samples = instrument.backends.base.SampleTable([{"input": "a", "output": "b", "score": 1.0}])
     with tqdm(total=2, file=out, mininterval=0, ascii=True) as bar:
         bar.update(1)
         backend.write(StepRecord(3, {"val/score": 1.0}, samples={"val": samples}))

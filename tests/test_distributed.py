@@ -24,7 +24,7 @@ ACC = {0: [0.5, 0.7], 1: [0.9, 0.9]}
 
 def _install_counter(counts):
     """Count the collectives instrument's reduction issues by wrapping its own collective functions."""
-    import instrument.logging.reduce as reduce_mod
+    import instrument.logger.reduce as reduce_mod
 
     for name in ("_all_gather", "_all_reduce", "_all_gather_object"):
         original = getattr(reduce_mod, name)
@@ -61,8 +61,8 @@ def _worker(rank, store_path, out_dir):
     import torch.distributed as dist
 
     from instrument import Instrumentation
-    from instrument.logging.ranks import check_same_config
-    from instrument.logging.reduce import CrossRankReducer
+    from instrument.logger.ranks import check_same_config
+    from instrument.logger.reduce import CrossRankReducer
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -258,7 +258,7 @@ def test_only_rank_zero_opens_backends_and_writes(ranks):
 
 # ---------------------------------------------------------------------- no process group
 def test_without_process_group_nothing_is_reduced(monkeypatch):
-    import instrument.logging.reduce as reduce_mod
+    import instrument.logger.reduce as reduce_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("no collective may run without a process group")

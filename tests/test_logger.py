@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import instrument
-from instrument.logging import logger as logger_module
+from instrument.logger import logger as logger_module
 
 
 class Keep(instrument.Backend):

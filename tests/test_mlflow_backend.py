@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from instrument import Logger, MlflowBackend, RunInfo
-from instrument.logging.backends.base import StepRecord
+from instrument.backends.base import StepRecord
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402

@@ -13,7 +13,7 @@ from torch import nn
 
 import instrument
 from instrument import ConfigurationError, Logger
-from instrument.logging.terminal import tqdm_bar_active as bar_active
+from instrument.terminal.output import tqdm_bar_active as bar_active
 from instrument.rl import Evaluation, GymnasiumRunner, ProgressBar, RLComponent, RLLogging
 from tests.conftest import event_accumulator, read_scalars
 from tests.wandb_reader import read_run

@@ -9,9 +9,9 @@ import torch
 
 import instrument
 from instrument import ConsoleBackend, JsonlBackend, Logger, MissingExtraError, RunInfo, TensorBoardBackend
-from instrument.logging.backends.base import SampleTable, StepRecord
-from instrument.logging.params import REDACTED, flatten_params, redact_config_text, redact_secrets
-from instrument.logging.samples import markdown_table, select_samples
+from instrument.backends.base import SampleTable, StepRecord
+from instrument.logger.params import REDACTED, flatten_params, redact_config_text, redact_secrets
+from instrument.terminal.samples import markdown_table, select_samples
 from tests.conftest import event_accumulator
 from tests.wandb_reader import read_run
 

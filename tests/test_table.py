@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from instrument.errors import ConfigurationError
-from instrument.logging.table import Column, StepTable, as_column, resolve_columns, unique_headers
+from instrument.terminal.table import Column, StepTable, as_column, resolve_columns, unique_headers
 
 NAN = float("nan")
 

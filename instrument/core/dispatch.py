@@ -13,23 +13,15 @@ import torch
 from torch import Tensor
 
 from instrument.core.context import StepContext
+from instrument.core.failures import FailureLedger
 from instrument.core.observer import Observer
-from instrument.core.recompute import RecomputeGuard
+from instrument.core.recompute import RecomputeGuard, in_recompute
 
-__all__ = ["Dispatcher", "in_recompute"]
+__all__ = ["Dispatcher", "observer_name"]
 
 log = logging.getLogger("instrument")
 
 ObserverLike = Union[Observer, Callable[[StepContext], None]]
-
-
-def in_recompute() -> bool:
-    """True while autograd runs a backward pass: forward code seen then is checkpoint recomputation.
-
-    Holds for reentrant and non-reentrant ``torch.utils.checkpoint`` alike (measured on torch 2.13; see
-    docs/checkpointing.md); ``torch.is_grad_enabled()`` cannot tell the two apart.
-    """
-    return torch._C._current_graph_task_id() != -1
 
 
 def observer_name(observer: ObserverLike) -> str:
@@ -42,12 +34,19 @@ class Dispatcher:
     def __init__(self, observers: Sequence[ObserverLike]) -> None:
         self.observers: List[ObserverLike] = list(observers)
         self._skipped: Set[int] = set()
-        self.failures: Dict[str, int] = {}
+        self.ledger = FailureLedger(
+            "observer", "it is skipped for the rest of this step; training and the other observers go on"
+        )
         self.calls = 0
         self.guard = RecomputeGuard("s.observer", lambda: [observer_name(o) for o in self.observers])
         # Set by the session during a logging step with embedded probes: each call hands the observers the
         # probe values recorded since the previous call (``recorder.drain()``).
         self.recorder = None
+
+    @property
+    def failures(self) -> Dict[str, int]:
+        """Observer name -> number of failures so far."""
+        return self.ledger.counts()
 
     def begin(self) -> None:
         self._skipped.clear()
@@ -87,17 +86,5 @@ class Dispatcher:
                     self._run(index, observer, "log", log_fn, logger, step)
 
     def _run(self, index: int, observer: ObserverLike, method: str, fn: Callable, *args) -> None:
-        try:
-            fn(*args)
-        except Exception:
+        if not self.ledger.call(observer_name(observer), method, fn, *args):
             self._skipped.add(index)
-            name = observer_name(observer)
-            count = self.failures.get(name, 0) + 1
-            self.failures[name] = count
-            if count == 1:
-                log.exception(
-                    "instrument: observer %r failed in %s(); it is skipped for the rest of this step, "
-                    "training and the other observers go on", name, method,
-                )
-            else:
-                log.debug("instrument: observer %r failed again in %s() (%d failures)", name, method, count)

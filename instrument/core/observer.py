@@ -31,7 +31,7 @@ from torch import Tensor
 from instrument.core.context import StepContext
 
 if TYPE_CHECKING:
-    from instrument.logging.logger import Logger
+    from instrument.logger.logger import Logger
 
 __all__ = ["Observer", "StepObserver"]
 

@@ -21,11 +21,21 @@ import logging
 import weakref
 from typing import Callable, Dict, Sequence
 
+import torch
 from torch import Tensor
 
-__all__ = ["RecomputeGuard"]
+__all__ = ["RecomputeGuard", "in_recompute"]
 
 log = logging.getLogger("instrument")
+
+
+def in_recompute() -> bool:
+    """True while autograd runs a backward pass: forward code seen then is checkpoint recomputation.
+
+    Holds for reentrant and non-reentrant ``torch.utils.checkpoint`` alike (measured on torch 2.13; see
+    docs/checkpointing.md); ``torch.is_grad_enabled()`` cannot tell the two apart.
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 class RecomputeGuard:

@@ -43,7 +43,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 
 from instrument.errors import ConfigurationError, require
-from instrument.logging.backends.base import StepRecord
+from instrument.backends.base import StepRecord
 
 __all__ = ["SystemMonitor"]
 

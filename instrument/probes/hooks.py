@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from instrument.core.context import StepContext
-from instrument.core.dispatch import in_recompute, observer_name
+from instrument.core.dispatch import observer_name
+from instrument.core.recompute import in_recompute
 from instrument.core.recompute import RecomputeGuard
 from instrument.errors import ConfigurationError
 from instrument.probes.compiled import run_eagerly

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from instrument.core.dispatch import in_recompute
+from instrument.core.recompute import in_recompute
 from instrument.errors import ProbeError
 
 __all__ = ["Recorder", "active_recorder", "install", "uninstall"]

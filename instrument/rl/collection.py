@@ -41,7 +41,7 @@ from instrument.rl.batch import (
     split_features,
 )
 from instrument.rl.component import RLComponent
-from instrument.rl.reduce import STATS, RunningStats, episode_segments
+from instrument.rl.running_stats import STATS, RunningStats, episode_segments
 
 __all__ = ["CollectionMetrics"]
 

@@ -27,7 +27,7 @@ Rules a component follows:
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 if TYPE_CHECKING:
-    from instrument.logging.logger import Logger
+    from instrument.logger.logger import Logger
 
 __all__ = ["RLComponent"]
 

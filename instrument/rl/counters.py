@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from instrument.errors import ConfigurationError
-from instrument.logging.transfer import to_host
+from instrument.logger.transfer import to_host
 from instrument.rl.batch import NestedKey, batch_shape_of, infer_batch_shape, lookup, split_features
 from instrument.rl.component import RLComponent
 

@@ -34,14 +34,14 @@ import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from instrument.errors import ConfigurationError
-from instrument.logging.backends.base import StepRecord
-from instrument.logging.logger import Logger
-from instrument.logging.timer import Timer
+from instrument.backends.base import StepRecord
+from instrument.logger.logger import Logger
+from instrument.logger.timer import Timer
 from instrument.rl.collection import CollectionMetrics
 from instrument.rl.component import RLComponent
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
-from instrument.rl.progress import ProgressBar
+from instrument.backends.progress import ProgressBar
 from instrument.rl.timing import StageClock
 from instrument.rl.training import TrainMetrics
 

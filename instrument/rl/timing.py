@@ -21,8 +21,8 @@ it in another, which is what `StageClock` adds: ``start(name)`` / ``stop(name)``
 from typing import TYPE_CHECKING, Dict
 
 if TYPE_CHECKING:
-    from instrument.logging.logger import Logger
-    from instrument.logging.timer import Timer
+    from instrument.logger.logger import Logger
+    from instrument.logger.timer import Timer
 
 __all__ = ["StageClock", "STAGES"]
 

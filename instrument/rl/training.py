@@ -28,7 +28,7 @@ from torch import Tensor
 from instrument.errors import ConfigurationError
 from instrument.rl.batch import is_tensordict
 from instrument.rl.component import RLComponent
-from instrument.rl.reduce import RunningStats
+from instrument.rl.running_stats import RunningStats
 
 __all__ = ["TrainMetrics"]
 

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from instrument.errors import ConfigurationError, InstrumentError
-from instrument.logging.ranks import collective_device, config_hash, is_distributed
-from instrument.logging.transfer import to_host
+from instrument.logger.ranks import collective_device, config_hash, is_distributed
+from instrument.logger.transfer import to_host
 
 __all__ = ["OPS", "Entry", "CrossRankReducer", "PendingReduction", "resolve_ops", "local_value"]
 

@@ -2,7 +2,7 @@
 
 The bar is a backend: it reads the frame counter and the reward from each `StepRecord` the logger commits, so
 it costs no device sync of its own and moves at every logging iteration. While it is open, console lines go
-through ``tqdm.write`` (`instrument.logging.terminal.write_line`), so the bar and the console table coexist.
+through ``tqdm.write`` (`instrument.terminal.output.write_line`), so the bar and the console table coexist.
 
 It is off when stderr is not a terminal (CI logs, redirected output) unless bound on with ``enabled=True``.
 """
@@ -13,7 +13,7 @@ import sys
 from typing import Deque, Optional, Sequence, TextIO
 
 from instrument.errors import require
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import Backend, RunInfo, StepRecord
 
 __all__ = ["ProgressBar"]
 

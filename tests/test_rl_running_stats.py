@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from instrument.rl.reduce import RunningStats, episode_segments
+from instrument.rl.running_stats import RunningStats, episode_segments
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

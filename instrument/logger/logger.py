@@ -12,7 +12,7 @@ get it. A step lower than one already committed raises `StepOrderError` (``on_st
 default), or is dropped with a warning (``"warn"``).
 
 Under `torch.distributed` (see docs/distributed.md) only rank 0 opens backends and writes; at each commit the
-scalars of every rank are reduced with one collective (`instrument.logging.reduce`) before the one transfer,
+scalars of every rank are reduced with one collective (`instrument.logger.reduce`) before the one transfer,
 so `commit` is a collective: every rank commits at the same steps. Images, histograms, text, videos and
 samples are rank 0's. Without a process group nothing changes.
 """
@@ -28,13 +28,13 @@ import torch
 from torch import Tensor
 
 from instrument.errors import ConfigurationError, StepOrderError
-from instrument.logging.backends.base import Backend, RunInfo, SampleTable, StepRecord
-from instrument.logging.params import flatten_params, redact_config_text, redact_secrets
-from instrument.logging.ranks import rank
-from instrument.logging.reduce import CrossRankReducer, Entry, local_value, resolve_ops
-from instrument.logging.render import render_heatmap, to_hwc_uint8
-from instrument.logging.timer import Timer
-from instrument.logging.transfer import to_host
+from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
+from instrument.logger.ranks import rank
+from instrument.logger.reduce import CrossRankReducer, Entry, local_value, resolve_ops
+from instrument.logger.render import render_heatmap, to_hwc_uint8
+from instrument.logger.timer import Timer
+from instrument.logger.transfer import to_host
 
 __all__ = ["Logger"]
 

@@ -18,7 +18,7 @@ root handlers never print the table a second time; attach a handler to it to get
 the same logger records every scalar of every step, so the log file keeps what the table leaves out.
 
 Rendering (formats, ``nan``, ``?``, overflow into scientific notation) is `StepTable`'s job; see
-`instrument.logging.table`. Validation samples (``logger.log_samples``) print after their step's row as rich
+`instrument.terminal.table`. Validation samples (``logger.log_samples``) print after their step's row as rich
 panels, rendered to text first so they take the same route (tqdm-safe, into the run log).
 """
 
@@ -30,10 +30,10 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
 from instrument.errors import require
-from instrument.logging.backends.base import Backend, RunInfo, SampleTable, StepRecord
-from instrument.logging.samples import select_samples
-from instrument.logging.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
-from instrument.logging.terminal import write_line
+from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.terminal.samples import select_samples
+from instrument.terminal.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
+from instrument.terminal.output import write_line
 
 __all__ = ["ConsoleBackend"]
 

@@ -28,7 +28,7 @@ from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequenc
 import numpy as np
 
 from instrument.errors import ConfigurationError, require
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import Backend, RunInfo, StepRecord
 
 __all__ = ["RunHistoryBackend"]
 

@@ -4,8 +4,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from instrument.errors import ConfigurationError, require
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
-from instrument.logging.samples import cell, columns
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.terminal.samples import cell, columns
 
 __all__ = ["WandbBackend"]
 

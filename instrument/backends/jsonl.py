@@ -5,8 +5,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
-from instrument.logging.samples import cell
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.terminal.samples import cell
 
 __all__ = ["JsonlBackend"]
 

@@ -2,7 +2,7 @@
 
 One call sets both up for the ``instrument`` logger (and any loggers you name)::
 
-    from instrument.logging.runlog import setup_run_logging
+    from instrument.terminal.runlog import setup_run_logging
     run_log = setup_run_logging("runs/nca-01", "nca-01")    # or Instrumentation(run_log=True)
     ...
     run_log.close()                                         # or use it as a context manager
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, TextIO, Tuple, Union
 
 from instrument.errors import ConfigurationError
-from instrument.logging.terminal import write_line
+from instrument.terminal.output import write_line
 
 __all__ = ["setup_run_logging", "RunLog", "TerseFormatter", "TerminalHandler", "FILE_FORMAT"]
 

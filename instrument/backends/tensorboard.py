@@ -3,8 +3,8 @@
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
-from instrument.logging.samples import markdown_table
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.terminal.samples import markdown_table
 
 __all__ = ["TensorBoardBackend"]
 

@@ -6,7 +6,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional
 
 from instrument.errors import require
-from instrument.logging.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import Backend, RunInfo, StepRecord
 
 __all__ = ["MlflowBackend"]
 

@@ -1,0 +1,68 @@
+"""One failure ledger for every plug-in: observers, backends and RL components.
+
+A plug-in that raises must never stop training or cost another plug-in its step. The ledger is the one place
+that decides what happens then: the first failure of a name is reported with its traceback (one message per
+plug-in, not one per step), later ones are counted quietly at DEBUG, and the counts are what
+``Instrumentation.failures`` shows. Safe to use from several threads (the training thread and the logger's
+writer thread record into the same ledger).
+
+    ledger = FailureLedger("backend")
+    ok = ledger.call("TensorBoardBackend", "write", backend.write, record)   # False: raised, reported
+
+Only ``Exception`` is caught: ``KeyboardInterrupt`` and ``SystemExit`` always propagate.
+"""
+
+import logging
+import threading
+from typing import Any, Callable, Dict, Optional
+
+__all__ = ["FailureLedger"]
+
+log = logging.getLogger("instrument")
+
+
+class FailureLedger:
+    """Counts failures per plug-in name and reports the first of each once.
+
+    Args:
+        kind: what the plug-ins are, used in messages (``"observer"``, ``"backend"``, ``"RL component"``).
+        consequence: what happens to the failing plug-in, appended to the first report.
+    """
+
+    def __init__(self, kind: str, consequence: str = "training and the others go on") -> None:
+        self.kind = kind
+        self.consequence = consequence
+        self._counts: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def call(self, name: str, method: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Run ``fn(*args, **kwargs)``; True if it returned, False if it raised (recorded and reported)."""
+        try:
+            fn(*args, **kwargs)
+            return True
+        except Exception as exc:
+            self.record(name, method, exc)
+            return False
+
+    def record(self, name: str, method: str, exc: Optional[BaseException] = None) -> int:
+        """Count one failure of ``name`` in ``method``; report it if it is the first. Returns the count."""
+        with self._lock:
+            count = self._counts.get(name, 0) + 1
+            self._counts[name] = count
+        if count == 1:
+            log.error(
+                "instrument: %s %r failed in %s(); %s", self.kind, name, method, self.consequence,
+                exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
+            )
+        else:
+            log.debug("instrument: %s %r failed again in %s() (%d failures)", self.kind, name, method, count)
+        return count
+
+    def counts(self) -> Dict[str, int]:
+        """Name -> number of failures so far (a copy)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)

@@ -1,0 +1,1 @@
+"""Terminal rendering: the console step table, validation-sample panels, run logs and tqdm-safe output."""

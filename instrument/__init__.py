@@ -17,6 +17,13 @@ the public classes are gin-configurable under their own names.
 """
 
 from instrument import config  # noqa: F401  (registers the configurables with gin)
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.console import ConsoleBackend
+from instrument.backends.history import RunHistoryBackend
+from instrument.backends.jsonl import JsonlBackend
+from instrument.backends.mlflow import MlflowBackend
+from instrument.backends.tensorboard import TensorBoardBackend
+from instrument.backends.wandb import WandbBackend
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer, StepObserver
 from instrument.errors import (
@@ -26,17 +33,8 @@ from instrument.errors import (
     ProbeError,
     StepOrderError,
 )
-from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.backends.console import ConsoleBackend
-from instrument.backends.history import RunHistoryBackend
-from instrument.backends.jsonl import JsonlBackend
-from instrument.backends.mlflow import MlflowBackend
-from instrument.backends.tensorboard import TensorBoardBackend
-from instrument.backends.wandb import WandbBackend
 from instrument.logger.logger import Logger
 from instrument.logger.reduce import CrossRankReducer
-from instrument.terminal.runlog import RunLog, setup_run_logging
-from instrument.terminal.table import Column, StepTable
 from instrument.logger.timer import Timer
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
@@ -44,6 +42,8 @@ from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
 from instrument.probes.script import freeze, script
 from instrument.session import Instrumentation, StepScope, WatchHandle
+from instrument.terminal.runlog import RunLog, setup_run_logging
+from instrument.terminal.table import Column, StepTable
 
 __version__ = "0.1.0"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gin
+
 from instrument.backends.base import Backend
 from instrument.backends.console import ConsoleBackend
 from instrument.backends.history import RunHistoryBackend
@@ -25,13 +26,13 @@ from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.mlflow import MlflowBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.backends.wandb import WandbBackend
-from instrument.terminal.runlog import setup_run_logging
-from instrument.terminal.table import Column
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
 from instrument.rl import CollectionMetrics, Counters, Evaluation, ProgressBar, RLLogging, TrainMetrics
 from instrument.session import Instrumentation
+from instrument.terminal.runlog import setup_run_logging
+from instrument.terminal.table import Column
 
 __all__ = ["parse", "operative_config", "backend_set", "run", "GIN_DIR"]
 

@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from torch import nn
 
+from instrument.backends.base import Backend, RunInfo
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.errors import ConfigurationError, ProbeError
-from instrument.backends.base import Backend, RunInfo
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
 from instrument.probes import record

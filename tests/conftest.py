@@ -4,11 +4,11 @@ import logging
 from pathlib import Path
 from typing import Dict, List
 
+import gin
 import pytest
 import torch
 from torch import nn
 
-import gin
 import instrument
 
 

@@ -370,6 +370,7 @@ def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
     """gin/nca_checkpointed.gin = gin/nca.gin + checkpointing every k iterations; observers see the same."""
     pytest.importorskip("instrument.demos.nca", reason="the NCA demo is not on this branch yet")
     import gin
+
     from instrument import config
 
     tiny = [

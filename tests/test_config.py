@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gin
 import pytest
 
-import gin
 import instrument
 from instrument import config
 

@@ -202,6 +202,7 @@ def test_write_line_without_tqdm_bar_is_a_plain_line():
 # ------------------------------------------------------------------------------------------------ gin
 def test_columns_and_run_log_bound_in_gin(tmp_path):
     import gin
+
     from instrument import config
 
     (tmp_path / "table.gin").write_text(

@@ -13,8 +13,8 @@ from torch import nn
 
 import instrument
 from instrument import ConfigurationError, Logger
-from instrument.terminal.output import tqdm_bar_active as bar_active
 from instrument.rl import Evaluation, GymnasiumRunner, ProgressBar, RLComponent, RLLogging
+from instrument.terminal.output import tqdm_bar_active as bar_active
 from tests.conftest import event_accumulator, read_scalars
 from tests.wandb_reader import read_run
 

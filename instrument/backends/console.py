@@ -29,11 +29,11 @@ import math
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
-from instrument.errors import require
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.errors import require
+from instrument.terminal.output import write_line
 from instrument.terminal.samples import select_samples
 from instrument.terminal.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
-from instrument.terminal.output import write_line
 
 __all__ = ["ConsoleBackend"]
 

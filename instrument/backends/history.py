@@ -27,8 +27,8 @@ from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequenc
 
 import numpy as np
 
-from instrument.errors import ConfigurationError, require
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.errors import ConfigurationError, require
 
 __all__ = ["RunHistoryBackend"]
 

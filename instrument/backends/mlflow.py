@@ -5,8 +5,8 @@ import math
 import re
 from typing import Any, Dict, List, Mapping, Optional
 
-from instrument.errors import require
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.errors import require
 
 __all__ = ["MlflowBackend"]
 

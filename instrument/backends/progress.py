@@ -12,8 +12,8 @@ import math
 import sys
 from typing import Deque, Optional, Sequence, TextIO
 
-from instrument.errors import require
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.errors import require
 
 __all__ = ["ProgressBar"]
 

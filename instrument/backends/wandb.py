@@ -3,8 +3,8 @@
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from instrument.errors import ConfigurationError, require
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
 __all__ = ["WandbBackend"]

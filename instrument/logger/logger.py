@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from instrument.errors import ConfigurationError, StepOrderError
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.errors import ConfigurationError, StepOrderError
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
 from instrument.logger.reduce import CrossRankReducer, Entry, local_value, resolve_ops

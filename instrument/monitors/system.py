@@ -42,8 +42,8 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from instrument.errors import ConfigurationError, require
 from instrument.backends.base import StepRecord
+from instrument.errors import ConfigurationError, require
 
 __all__ = ["SystemMonitor"]
 

@@ -12,8 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from instrument.core.context import StepContext
 from instrument.core.dispatch import observer_name
-from instrument.core.recompute import in_recompute
-from instrument.core.recompute import RecomputeGuard
+from instrument.core.recompute import RecomputeGuard, in_recompute
 from instrument.errors import ConfigurationError
 from instrument.probes.compiled import run_eagerly
 

@@ -4,11 +4,11 @@ only when used). Everything goes through the session's `Logger`: values stay on 
 batched transfer per commit.
 """
 
+from instrument.backends.progress import ProgressBar
 from instrument.rl.collection import CollectionMetrics
 from instrument.rl.component import RLComponent
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import Episode, EpisodeRunner, Evaluation, GymnasiumRunner, select_action
-from instrument.backends.progress import ProgressBar
 from instrument.rl.rl_logging import RLLogging
 from instrument.rl.timing import StageClock
 from instrument.rl.training import TrainMetrics

@@ -33,15 +33,15 @@ import contextlib
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from instrument.errors import ConfigurationError
 from instrument.backends.base import StepRecord
+from instrument.backends.progress import ProgressBar
+from instrument.errors import ConfigurationError
 from instrument.logger.logger import Logger
 from instrument.logger.timer import Timer
 from instrument.rl.collection import CollectionMetrics
 from instrument.rl.component import RLComponent
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
-from instrument.backends.progress import ProgressBar
 from instrument.rl.timing import StageClock
 from instrument.rl.training import TrainMetrics
 

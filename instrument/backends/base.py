@@ -56,7 +56,11 @@ class StepRecord:
         texts: tag -> markdown/plain text.
         videos: tag -> uint8 array [T, H, W, C] and frames per second.
         samples: tag -> validation samples (`SampleTable`).
+        timings: timer name -> ``{"mean", "min", "max", "count"}`` in seconds (`Logger.timer`).
         wall_time: seconds since the epoch at commit.
+
+    Timings travel as their own field; backends that only know scalars write `flat_scalars`, which names
+    them ``timing/<name>/<stat>``.
     """
 
     step: int
@@ -66,12 +70,22 @@ class StepRecord:
     texts: Dict[str, str] = dataclasses.field(default_factory=dict)
     videos: Dict[str, "tuple[np.ndarray, int]"] = dataclasses.field(default_factory=dict)
     samples: Dict[str, SampleTable] = dataclasses.field(default_factory=dict)
+    timings: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
     wall_time: float = dataclasses.field(default_factory=time.time)
 
     def is_empty(self) -> bool:
         return not (
             self.scalars or self.images or self.histograms or self.texts or self.videos or self.samples
+            or self.timings
         )
+
+    def flat_scalars(self) -> Dict[str, float]:
+        """The scalars and the timings as one dict, timings keyed ``timing/<name>/<stat>``."""
+        out = dict(self.scalars)
+        for name, stats in self.timings.items():
+            for stat, value in stats.items():
+                out[f"timing/{name}/{stat}"] = value
+        return out
 
 
 class Backend:
@@ -90,6 +104,14 @@ class Backend:
         """System-monitor scalars (``system/...``) on their own axis: ``record.step`` is whole seconds since
         the monitor started, not a training step, so it must not pass through a training-step order check.
         Called from the monitor's thread (the logger serialises it with `write`). Default: ignored."""
+
+    def on_exit(self, status: str) -> None:
+        """The run is ending abnormally; called once, just before `close`. Default: nothing.
+
+        ``status`` is ``"killed"`` (SIGTERM or SIGINT reached the process) or ``"failed"`` (an exception
+        ended it). A backend with a notion of run status records it here (MLflow ends the run KILLED or
+        FAILED, W&B finishes with a non-zero exit code); `close` still follows and must flush.
+        """
 
     def close(self) -> None:
         """Flush and release. Called once."""

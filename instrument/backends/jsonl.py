@@ -44,7 +44,7 @@ class JsonlBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         line: dict = {"step": record.step, "time": record.wall_time,
-                      "metrics": {k: _json_number(v) for k, v in record.scalars.items()}}
+                      "metrics": {k: _json_number(v) for k, v in record.flat_scalars().items()}}
         if record.histograms:
             line["histograms"] = {
                 k: {"count": int(v.size), "min": _json_number(float(v.min())), "max": _json_number(float(v.max()))}

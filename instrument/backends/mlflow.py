@@ -104,7 +104,7 @@ class MlflowBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         step = record.step
-        self._log_metrics(record.scalars, step, record.wall_time)
+        self._log_metrics(record.flat_scalars(), step, record.wall_time)
         for key, image in record.images.items():
             if image is not None:
                 self.client.log_image(

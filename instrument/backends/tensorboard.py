@@ -43,7 +43,7 @@ class TensorBoardBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         w, step, t = self._writer, record.step, record.wall_time
-        for key, value in record.scalars.items():
+        for key, value in record.flat_scalars().items():
             w.add_scalar(key, value, step, walltime=t)
         for key, image in record.images.items():
             if image is not None:

@@ -70,7 +70,7 @@ class WandbBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         wandb = self._wandb
-        data: dict = dict(record.scalars)
+        data: dict = record.flat_scalars()
         for key, image in record.images.items():
             if image is not None:
                 data[key] = wandb.Image(image)

@@ -9,7 +9,8 @@ bench/results/latest.{json,md} and printed; with INSTRUMENT_BENCH_CHECK=1 an exc
 Environment: INSTRUMENT_BENCH_REPS (repetitions, default 30), INSTRUMENT_BENCH_WARMUP (untimed calls per
 variant, default 2), INSTRUMENT_BENCH_CLOCK (``wall``, the default, or ``cpu``: process CPU time, steadier on
 a shared machine but blind to work done in other processes such as wandb's service), INSTRUMENT_BENCH_CHECK=1
-(enforce budgets).
+(enforce budgets), INSTRUMENT_BENCH_QUICK=1 (a smoke test: 3 repetitions and 1 warm-up call unless set
+explicitly, results to bench/results/quick.{json,md} so real figures are never replaced).
 """
 
 import os
@@ -40,9 +41,14 @@ def check_mode() -> bool:
     return os.environ.get("INSTRUMENT_BENCH_CHECK", "") not in ("", "0")
 
 
+def quick_mode() -> bool:
+    return os.environ.get("INSTRUMENT_BENCH_QUICK", "") not in ("", "0")
+
+
 def pytest_configure(config) -> None:
-    _STATE["reps"] = _int_env("INSTRUMENT_BENCH_REPS", 30, 1)
-    _STATE["warmup"] = _int_env("INSTRUMENT_BENCH_WARMUP", 2, 1)
+    _STATE["quick"] = quick_mode()
+    _STATE["reps"] = _int_env("INSTRUMENT_BENCH_REPS", 3 if _STATE["quick"] else 30, 1)
+    _STATE["warmup"] = _int_env("INSTRUMENT_BENCH_WARMUP", 1 if _STATE["quick"] else 2, 1)
     _STATE["clock"] = os.environ.get("INSTRUMENT_BENCH_CLOCK", "wall") or "wall"
     if _STATE["clock"] not in CLOCKS:
         raise pytest.UsageError(
@@ -92,7 +98,7 @@ def matrix(request):
         )
     finally:
         finish_peers()
-    result = bench_report.build_report(variants, measured, _STATE["limits"], load_before)
+    result = bench_report.build_report(variants, measured, _STATE["limits"], load_before, quick=_STATE["quick"])
     _STATE["report"] = result
     return {row["key"]: row for row in result["rows"]}
 
@@ -112,7 +118,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if result is None:
         return
     tr = terminalreporter
-    tr.section("instrument: ratios vs bare (interleaved)")
+    quick = " -- QUICK MODE, smoke test only" if result.get("quick") else ""
+    tr.section(f"instrument: ratios vs bare (interleaved){quick}")
     tr.write(bench_report.markdown(result))
     paths = _STATE.get("paths", {})
     if paths:

@@ -42,6 +42,12 @@ class Variant:
         describe: one line for the table.
         check: an optional self-check run once after warm-up; returns an error string or None. A variant
             whose check fails is reported as pending with that reason rather than timed.
+        settle: optional, run untimed right after every call of ``fn`` (warm-up included), e.g.
+            ``logger.flush()``: work a call handed to a background thread is finished before the next variant
+            is timed, so it is never charged to another row. Its duration is kept (``Measurement.settle``).
+        thread_clock: time this variant's ``cpu`` samples with the calling thread's CPU time
+            (`time.thread_time`) instead of the process's, so background threads (a logger's writer,
+            SummaryWriter's) are not counted: the figure is the training thread's own time.
     """
 
     key: str
@@ -50,6 +56,8 @@ class Variant:
     pending: Optional[str] = None
     describe: str = ""
     check: Optional[Callable[[], Optional[str]]] = None
+    settle: Optional[Callable[[], object]] = None
+    thread_clock: bool = False
 
     @property
     def workload(self) -> str:
@@ -77,11 +85,13 @@ CLOCKS = {
 class Measurement:
     """Per-variant seconds, one entry per repetition (index r of every variant is the same repetition).
 
-    ``samples`` are on the ``clock`` the ratios use; ``other`` holds the other clock's samples.
+    ``samples`` are on the ``clock`` the ratios use; ``other`` holds the other clock's samples. ``settle``
+    holds the wall seconds of each untimed ``Variant.settle`` call, for variants that have one.
     """
 
     samples: Dict[str, List[float]]
     other: Dict[str, List[float]]
+    settle: Dict[str, List[float]]
     clock: str
     repetitions: int
     warmup: int
@@ -101,7 +111,8 @@ def run_interleaved(
     Warm-up calls (compilation, allocator growth, lazy imports) are not timed. The garbage collector runs
     untimed before each repetition, so a collection triggered by one variant's garbage is not charged to the
     next; collections a variant triggers itself stay in its time, as they would in training. Both clocks are
-    read around every call; ``clock`` names the one the ratios use.
+    read around every call; ``clock`` names the one the ratios use. A variant's ``settle`` runs untimed after
+    each of its calls.
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
@@ -110,6 +121,8 @@ def run_interleaved(
     for v in runnable:
         for _ in range(warmup):
             v.fn()
+            if v.settle is not None:
+                v.settle()
     for v in runnable:
         if v.check is not None:
             problem = v.check()
@@ -118,22 +131,27 @@ def run_interleaved(
     runnable = [v for v in runnable if v.pending is None]
     wall: Dict[str, List[float]] = {v.key: [] for v in runnable}
     cpu: Dict[str, List[float]] = {v.key: [] for v in runnable}
+    settled: Dict[str, List[float]] = {v.key: [] for v in runnable if v.settle is not None}
     rng = random.Random(seed)
-    wall_clock, cpu_clock = CLOCKS["wall"], CLOCKS["cpu"]
+    wall_clock = CLOCKS["wall"]
     for rep in range(repetitions):
         order = list(runnable)
         rng.shuffle(order)
         gc.collect()
         for v in order:
+            cpu_clock = time.thread_time if v.thread_clock else CLOCKS["cpu"]
             w0, c0 = wall_clock(), cpu_clock()
             v.fn()
             c1, w1 = cpu_clock(), wall_clock()
             wall[v.key].append(w1 - w0)
             cpu[v.key].append(c1 - c0)
+            if v.settle is not None:
+                v.settle()
+                settled[v.key].append(wall_clock() - w1)
         if progress is not None and (rep + 1) % max(1, repetitions // 10) == 0:
             progress(f"repetition {rep + 1}/{repetitions}")
     samples, other = (wall, cpu) if clock == "wall" else (cpu, wall)
-    return Measurement(samples, other, clock, repetitions, warmup, time.perf_counter() - start)
+    return Measurement(samples, other, settled, clock, repetitions, warmup, time.perf_counter() - start)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -11,12 +11,15 @@ import tomllib
 import torch
 
 from bench.harness import Measurement, Variant, paired_ratios, summary
-from bench.workloads import MODES, observer_costs
+from bench.scalar_rows import BASELINE as SCALARS_BASELINE
+from bench.scalar_rows import SCALAR_WORKLOAD
+from bench.workloads import HEADLINE, MODES, observer_costs
 
 __all__ = [
     "BUDGETS_FILE",
     "RESULTS_DIR",
     "load_budgets",
+    "target_of",
     "build_report",
     "check_budgets",
     "markdown",
@@ -32,13 +35,53 @@ def load_budgets(path: Path = BUDGETS_FILE) -> Dict[str, Dict[str, float]]:
     with open(path, "rb") as f:
         data = tomllib.load(f)
     for section, keys in {
-        "budgets": ("nonlogging", "checkpointed_nonlogging", "checkpointed_logging_excess"),
-        "targets": ("nonlogging", "logging"),
+        "budgets": (
+            "nonlogging",
+            "checkpointed_nonlogging",
+            "checkpointed_logging_excess",
+            "tensorboard_logging_excess",
+            "scalars_vs_summarywriter",
+        ),
+        "targets": ("nonlogging", "logging_tensorboard", "logging", "probe_logging", "scalars_us", "staging_us"),
     }.items():
         missing = [k for k in keys if k not in data.get(section, {})]
         if missing:
             raise ValueError(f"{path}: [{section}] lacks {missing}; every budget lives in this one file.")
     return data
+
+
+# Targets per row kind (issue 13's Targets table): (name in the report, [targets] entry, unit).
+_RATIO_TARGETS = {
+    "off": ("target: non-logging", "nonlogging"),
+    "probe-off": ("target: non-logging", "nonlogging"),
+    HEADLINE: ("target: logging step, real TensorBoard", "logging_tensorboard"),
+    "log": ("target: logging step, sink backend", "logging"),
+    "probe-log": ("target: probe on a logging step", "probe_logging"),
+}
+_US_TARGETS = {
+    "tb+jsonl+console": ("target: training thread, 100 scalars", "scalars_us"),
+    "tb+jsonl+console[tensor]": ("target: training thread, 100 scalars", "scalars_us"),
+    "staging": ("target: staging + commit, 100 floats", "staging_us"),
+}
+
+
+def target_of(key: str, targets: Dict[str, float]) -> Optional[Dict[str, Any]]:
+    """The issue-13 target that applies to row ``key`` (name, limit, unit ``x`` or ``us``), or None."""
+    workload, mode, kind = key.split("/", 2)
+    if workload == SCALAR_WORKLOAD:
+        found, unit = _US_TARGETS.get(kind), "us"
+    else:
+        found, unit = (None if mode == "ckpt" else _RATIO_TARGETS.get(kind)), "x"
+    if found is None:
+        return None
+    return {"name": found[0], "limit": float(targets[found[1]]), "unit": unit}
+
+
+def measured_value(row: Dict[str, Any], unit: str) -> Optional[float]:
+    """A row's median in the unit of its target: ratio (``x``) or training-thread microseconds (``us``)."""
+    if "ratio" not in row:
+        return None
+    return row["ratio"]["median"] if unit == "x" else row["seconds"]["median"] * 1e6
 
 
 def rows(variants: Sequence[Variant], measured: Measurement) -> List[Dict[str, Any]]:
@@ -54,6 +97,8 @@ def rows(variants: Sequence[Variant], measured: Measurement) -> List[Dict[str, A
             row["seconds"] = summary(samples)
             row["samples_s"] = samples
             row["ratio_other_clock"] = summary(paired_ratios(measured.other, v.key, v.baseline))
+            if measured.settle.get(v.key):
+                row["settle_s"] = summary(measured.settle[v.key])
         out.append(row)
     return out
 
@@ -69,7 +114,9 @@ def check_budgets(table: List[Dict[str, Any]], limits: Dict[str, Dict[str, float
     budgets, targets = limits["budgets"], limits["targets"]
     checks: List[Dict[str, Any]] = []
 
-    def add(name: str, key: str, value: Optional[float], limit: float, enforced: bool, rule: str) -> None:
+    def add(
+        name: str, key: str, value: Optional[float], limit: float, enforced: bool, rule: str, unit: str = "x"
+    ) -> None:
         if value is None:
             return
         checks.append(
@@ -78,6 +125,7 @@ def check_budgets(table: List[Dict[str, Any]], limits: Dict[str, Dict[str, float
                 "key": key,
                 "value": value,
                 "limit": limit,
+                "unit": unit,
                 "enforced": enforced,
                 "ok": value <= limit,
                 "rule": rule,
@@ -90,11 +138,17 @@ def check_budgets(table: List[Dict[str, Any]], limits: Dict[str, Dict[str, float
                 continue
             for kind in ("off", "probe-off"):
                 key = f"{workload}/{mode}/{kind}"
-                ratio = _ratio(by_key, key)
-                add("budget: non-logging", key, ratio, budgets["nonlogging"], True, "<= bare x budget")
-                add("target: non-logging", key, ratio, targets["nonlogging"], False, "<= bare x target")
-            key = f"{workload}/{mode}/log"
-            add("target: logging", key, _ratio(by_key, key), targets["logging"], False, "<= bare x target")
+                add("budget: non-logging", key, _ratio(by_key, key), budgets["nonlogging"], True, "<= bare x budget")
+            tb, sink = _ratio(by_key, f"{workload}/{mode}/{HEADLINE}"), _ratio(by_key, f"{workload}/{mode}/log")
+            if sink is not None:
+                add(
+                    "budget: TensorBoard over sink",
+                    f"{workload}/{mode}/{HEADLINE}",
+                    tb,
+                    sink + budgets["tensorboard_logging_excess"],
+                    True,
+                    f"<= ({workload}/{mode}/log ratio) + excess",
+                )
     add(
         "budget: checkpointed non-logging",
         "nca/ckpt/off",
@@ -113,6 +167,22 @@ def check_budgets(table: List[Dict[str, Any]], limits: Dict[str, Dict[str, float
             True,
             "<= (nca/eager/log ratio) + excess",
         )
+    for kind in ("tb+jsonl+console", "tb+jsonl+console[tensor]"):
+        key = f"{SCALAR_WORKLOAD}/x100/{kind}"
+        add(
+            "budget: training thread vs SummaryWriter",
+            key,
+            _ratio(by_key, key),
+            budgets["scalars_vs_summarywriter"],
+            True,
+            f"<= {SCALARS_BASELINE} x budget",
+        )
+    for row in table:
+        target = target_of(row["key"], targets)
+        if target is not None:
+            unit = target["unit"]
+            rule = "<= bare x target" if unit == "x" else "training-thread us per logging step <= target"
+            add(target["name"], row["key"], measured_value(row, unit), target["limit"], False, rule, unit)
     return checks
 
 
@@ -124,10 +194,13 @@ def _load() -> Dict[str, float]:
         return {}
 
 
-def build_report(variants: Sequence[Variant], measured: Measurement, limits, load_before) -> Dict[str, Any]:
+def build_report(
+    variants: Sequence[Variant], measured: Measurement, limits, load_before, quick: bool = False
+) -> Dict[str, Any]:
     table = rows(variants, measured)
     return {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": quick,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -145,6 +218,7 @@ def build_report(variants: Sequence[Variant], measured: Measurement, limits, loa
         "repetitions": measured.repetitions,
         "warmup": measured.warmup,
         "harness_seconds": measured.seconds,
+        "targets": dict(limits["targets"]),
         "rows": table,
         "observer_costs": observer_costs(measured.samples),
         "checks": check_budgets(table, limits),
@@ -155,12 +229,46 @@ def _fmt_ratio(r: Dict[str, float]) -> str:
     return f"{r['median']:.3f} ({r['p25']:.3f}-{r['p75']:.3f})"
 
 
+def _fmt_us(r: Dict[str, float]) -> str:
+    return f"{r['median'] * 1e6:,.0f} ({r['p25'] * 1e6:,.0f}-{r['p75'] * 1e6:,.0f})"
+
+
+def _fmt_value(value: float, unit: str) -> str:
+    return f"{value:.3f}x" if unit == "x" else f"{value:,.0f} us"
+
+
+def _target_cell(row: Dict[str, Any], targets: Dict[str, float]) -> str:
+    """``<= 1.06x: met`` / ``<= 50 us: missed``; blank for rows without an issue-13 target."""
+    target = target_of(row["key"], targets)
+    if target is None:
+        return ""
+    limit = target["limit"]
+    text = f"<= {limit:g}x" if target["unit"] == "x" else f"<= {limit:g} us"
+    value = measured_value(row, target["unit"])
+    if value is None:
+        return text
+    return f"{text}: {'met' if value <= limit else '**missed**'}"
+
+
+def _label(row: Dict[str, Any]) -> str:
+    key = f"`{row['key']}`"
+    return f"{key} **headline**" if row["key"].endswith("/" + HEADLINE) else key
+
+
 def markdown(report: Dict[str, Any]) -> str:
     m = report["machine"]
     load = m.get("load_before", {})
-    lines = [
-        f"# instrument benchmark ({report['created']})",
-        "",
+    targets = report.get("targets", {})
+    matrix = [row for row in report["rows"] if not row["key"].startswith(SCALAR_WORKLOAD + "/")]
+    scalars = [row for row in report["rows"] if row["key"].startswith(SCALAR_WORKLOAD + "/")]
+    lines = [f"# instrument benchmark ({report['created']})", ""]
+    if report.get("quick"):
+        lines += [
+            "**QUICK MODE** (`INSTRUMENT_BENCH_QUICK=1`): a smoke test of the bench with few repetitions. "
+            "The figures are noisy and not for comparison; run `make bench` for them.",
+            "",
+        ]
+    lines += [
         f"CPU, {m['cpus']} cores, torch {m['torch']} ({m['torch_threads']} thread), Python {m['python']}; "
         f"{report['repetitions']} repetitions, variants interleaved in shuffled order, "
         f"{report['clock']} clock; "
@@ -168,18 +276,45 @@ def markdown(report: Dict[str, Any]) -> str:
         f"after: {m.get('load_after', {}).get('load1', float('nan')):.2f}.",
         "",
         "Ratio = median over repetitions of (variant time / baseline time in the same repetition), "
-        "25th-75th percentile in brackets. Baseline: the `bare` row of the same workload and mode.",
+        "25th-75th percentile in brackets. Baseline: the `bare` row of the same workload and mode. "
+        f"The **headline** logging row is `{HEADLINE}` (a real TensorBoard backend); `log` is the same step "
+        "with a sink backend. Target: issue 13's target for that row, and whether this run met it.",
         "",
-        "| variant | ratio vs bare | median step | what it is |",
-        "|---|---|---|---|",
+        "| variant | ratio vs bare | median step | target | what it is |",
+        "|---|---|---|---|---|",
     ]
-    for row in report["rows"]:
+    for row in matrix:
         if "pending" in row:
-            lines.append(f"| `{row['key']}` | {row['pending']} | | {row['describe']} |")
+            lines.append(f"| {_label(row)} | {row['pending']} | | {_target_cell(row, targets)} | {row['describe']} |")
         else:
             ms = row["seconds"]["median"] * 1e3
             ratio = _fmt_ratio(row["ratio"])
-            lines.append(f"| `{row['key']}` | {ratio} | {ms:.1f} ms | {row['describe']} |")
+            lines.append(
+                f"| {_label(row)} | {ratio} | {ms:.1f} ms | {_target_cell(row, targets)} | {row['describe']} |"
+            )
+    if scalars:
+        lines += [
+            "",
+            "## Training-thread time per logging step: 100 scalars",
+            "",
+            "Microseconds the calling thread spends per logging step handing over 100 scalars, median "
+            "(25th-75th percentile); ratio vs `SummaryWriter.add_scalar` x100 in the same repetition. "
+            "Drain: the untimed `flush()` after the step (work left to a background writer thread), "
+            "for orientation.",
+            "",
+            "| row | us per logging step | vs SummaryWriter x100 | target | drain after the step (untimed) "
+            "| what it is |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in scalars:
+            if "pending" in row:
+                lines.append(f"| `{row['key']}` | {row['pending']} | | {_target_cell(row, targets)} | | |")
+                continue
+            drain = _fmt_us(row["settle_s"]) + " us" if "settle_s" in row else "-"
+            lines.append(
+                f"| `{row['key']}` | {_fmt_us(row['seconds'])} | {_fmt_ratio(row['ratio'])} | "
+                f"{_target_cell(row, targets)} | {drain} | {row['describe']} |"
+            )
     if report["observer_costs"]:
         lines += [
             "",
@@ -201,18 +336,24 @@ def markdown(report: Dict[str, Any]) -> str:
             "",
             "## Budgets (enforced by `make bench-check`) and targets (reported)",
             "",
-            "| check | variant | ratio | limit | result |",
+            "| check | variant | measured | limit | result |",
             "|---|---|---|---|---|",
         ]
         for c in report["checks"]:
             verdict = "ok" if c["ok"] else ("EXCEEDED" if c["enforced"] else "missed")
-            lines.append(f"| {c['name']} | `{c['key']}` | {c['value']:.3f} | {c['limit']:.3f} | {verdict} |")
+            unit = c.get("unit", "x")
+            lines.append(
+                f"| {c['name']} | `{c['key']}` | {_fmt_value(c['value'], unit)} | {_fmt_value(c['limit'], unit)} "
+                f"| {verdict} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def write(report: Dict[str, Any], directory: Path = RESULTS_DIR) -> Dict[str, Path]:
+    """``latest.{json,md}``; a quick-mode run writes ``quick.{json,md}`` so it never replaces real figures."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = {"json": directory / "latest.json", "md": directory / "latest.md"}
+    stem = "quick" if report.get("quick") else "latest"
+    paths = {"json": directory / f"{stem}.json", "md": directory / f"{stem}.md"}
     paths["json"].write_text(json.dumps(report, indent=1, default=float))
     paths["md"].write_text(markdown(report))
     return paths

@@ -6,14 +6,21 @@ Rows (``workload/mode/kind``):
   ``torch.compile``-d); ``ckpt`` (NCA only: eager, every ``checkpoint_every`` iterations one
   ``torch.utils.checkpoint`` segment, non-reentrant).
 - kinds: ``bare`` (no instrument at all: the baseline of its mode); ``off`` (instrumented, non-logging step);
-  ``log`` (logging step with IterationStats + UpdateNorm; the backend is a sink, so the figure is the
-  pipeline's cost: observers, one batched host transfer, heatmap drawing); ``log-tb`` (the same with a real
-  TensorBoard backend writing event files); ``log[]`` (a logging step with no observer: the base from which
-  each observer's own cost is taken); ``log[IterationStats]``, ``log[UpdateNorm]`` (one observer each);
-  ``naive`` (the common hand-written pattern: the same statistics with ``.tolist()``/``.item()`` every
-  iteration); ``wandb-watch`` (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log``
-  of the loss each step); ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or
-  compiled model; pending until the Probe module exists).
+  ``log-tb`` (the headline logging row: a logging step with IterationStats + UpdateNorm and a real
+  TensorBoard backend writing event files); ``log`` (the same with a sink backend, so the figure is the
+  pipeline's own cost: observers, one batched host transfer, handing the record over); ``log[]`` (a
+  logging step with no observer: the base from which each observer's own cost is taken);
+  ``log[IterationStats]``, ``log[UpdateNorm]`` (one observer each); ``naive`` (the common hand-written
+  pattern: the same statistics with ``.tolist()``/``.item()`` every iteration); ``wandb-watch``
+  (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step);
+  ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or compiled model; pending until
+  the Probe module exists).
+- ``scalars/x100/*``: the training thread's time per logging step of 100 scalars handed to
+  TensorBoard + JSONL + console, vs ``SummaryWriter.add_scalar`` x100 and offline ``wandb.log``
+  (bench/scalar_rows.py).
+
+Instrumented rows settle after every timed call: ``logger.flush()`` (when the Logger has one) runs untimed,
+so what a background writer thread still does for that step is never charged to the next row timed.
 
 How instrumented rows observe: the eager and checkpointed NCA watch the update rule with forward hooks
 (``inst.watch``); scripted and compiled models cannot carry hooks added at run time, so those rows (and all RL
@@ -35,10 +42,11 @@ from torch import Tensor, nn
 
 import instrument
 from bench.harness import Variant
+from bench.scalar_rows import SCALAR_KEYS, finish_scalar_rows, scalar_variants
 from instrument import Instrumentation, IterationStats, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
-__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS"]
+__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run"]
 
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
@@ -51,23 +59,27 @@ KINDS = {
     "eager": (
         "bare",
         "off",
-        "log",
         "log-tb",
+        "log",
         "log[]",
         "log[IterationStats]",
         "log[UpdateNorm]",
         "naive",
         "wandb-watch",
     ),
-    "script": ("bare", "off", "log", "probe-off", "probe-log"),
-    "compile": ("bare", "off", "log", "probe-off", "probe-log"),
+    "script": ("bare", "off", "log-tb", "log", "probe-off", "probe-log"),
+    "compile": ("bare", "off", "log-tb", "log", "probe-off", "probe-log"),
     "ckpt": ("bare", "off", "log"),
 }
 
 
+# The headline logging row of each workload and mode: a logging step as a user runs it (real TensorBoard).
+HEADLINE = "log-tb"
+
+
 def all_keys() -> List[str]:
-    """Every row of the matrix, in table order."""
-    return [f"{w}/{m}/{k}" for w, modes in MODES.items() for m in modes for k in KINDS[m]]
+    """Every row of the matrix, in table order, then the ``scalars/x100`` rows."""
+    return [f"{w}/{m}/{k}" for w, modes in MODES.items() for m in modes for k in KINDS[m]] + SCALAR_KEYS
 
 
 class SinkBackend(Backend):
@@ -173,7 +185,7 @@ def _is_instrumented(kind: str) -> bool:
 def _instrumented(kind: str, workload: str, train, tmp: str, hooks_on: Optional[nn.Module] = None):
     """The training step inside ``inst.step``: hooks on ``hooks_on``, or ``s.observer`` handed to ``train``.
 
-    Returns the step function and its description for the table.
+    Returns the step function, its description for the table, and its untimed settle (the logger's flush).
     """
     names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
     session = Session(names, workload, kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp)
@@ -189,7 +201,15 @@ def _instrumented(kind: str, workload: str, train, tmp: str, hooks_on: Optional[
 
     style = "hooks" if hooks_on is not None else "explicit evolver"
     when = ", non-logging step" if kind == "off" else f", logging step: {', '.join(names) or 'no observer'}"
-    return fn, style + when
+    describe = style + when
+    if kind == HEADLINE:
+        describe = f"**headline** logging step: {', '.join(names)}, real TensorBoardBackend ({style})"
+    return fn, describe, _flush(session.inst.logger)
+
+
+def _flush(logger) -> Optional[Callable[[], object]]:
+    """The logger's ``flush`` (a background writer's drain), or None where the Logger has none."""
+    return getattr(logger, "flush", None)
 
 
 def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -> List[Variant]:
@@ -241,7 +261,7 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
             elif _is_instrumented(kind):
-                v.fn, v.describe = _instrumented(kind, "nca", train, tmp, hooks_on)
+                v.fn, v.describe, v.settle = _instrumented(kind, "nca", train, tmp, hooks_on)
             elif kind == "naive":
                 sink: List[object] = []
 
@@ -343,7 +363,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
             elif _is_instrumented(kind):
-                v.fn, v.describe = _instrumented(kind, "rl", train, tmp)
+                v.fn, v.describe, v.settle = _instrumented(kind, "rl", train, tmp)
             elif kind == "naive":
                 v.fn = trainer(policy, act, naive=True)
                 v.describe = "per-iteration .tolist()/.item() of the same stats"
@@ -361,18 +381,27 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
 _WANDB_RUNS: List[object] = []
 
 
-def _wandb_variant(model: nn.Module, workload: str, tmp: str, make_train):
-    """``wandb.watch(model, log="all", log_freq=1)`` in offline mode, plus ``wandb.log`` of the loss."""
+def wandb_run(tmp: str):
+    """(run, None): the one offline W&B run every peer row logs to; (None, why) when wandb cannot be used.
+
+    One run for the whole session: wandb.watch's hooks log through the global ``wandb.run``.
+    """
     try:
         import wandb
     except ImportError:
-        return None, "pending: wandb is not installed (pip install 'torch-instrument[wandb]')", ""
+        return None, "skipped: wandb is not importable (pip install 'torch-instrument[wandb]')"
     os.environ.setdefault("WANDB_SILENT", "true")
-    if (
-        not _WANDB_RUNS
-    ):  # one run for every watched model: wandb.watch's hooks log through the global wandb.run
+    os.environ.setdefault("WANDB_MODE", "offline")
+    if not _WANDB_RUNS:
         _WANDB_RUNS.append(wandb.init(mode="offline", dir=tmp, project="instrument-bench", name="peers"))
-    run = _WANDB_RUNS[0]
+    return _WANDB_RUNS[0], None
+
+
+def _wandb_variant(model: nn.Module, workload: str, tmp: str, make_train):
+    """``wandb.watch(model, log="all", log_freq=1)`` in offline mode, plus ``wandb.log`` of the loss."""
+    run, problem = wandb_run(tmp)
+    if run is None:
+        return None, problem, ""
     run.watch(model, log="all", log_freq=1)
     train = make_train(model)
 
@@ -387,6 +416,8 @@ def _wandb_variant(model: nn.Module, workload: str, tmp: str, make_train):
 
 
 def finish_peers() -> None:
+    """Close what the rows opened, after the measurement: the scalar rows' writers, then the W&B run."""
+    finish_scalar_rows()
     while _WANDB_RUNS:
         run = _WANDB_RUNS.pop()
         with contextlib.suppress(Exception):
@@ -411,6 +442,7 @@ def build_variants(selected: Optional[Sequence[str]] = None, tmp: Optional[str] 
         return key in chosen
 
     variants = nca_variants(MODES["nca"], wanted, tmp) + rl_variants(MODES["rl"], wanted, tmp)
+    variants += scalar_variants(wanted, tmp)
     order = {key: i for i, key in enumerate(all_keys())}
     return sorted(variants, key=lambda v: order[v.key])
 

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
 BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
-.PHONY: install demo demo-rl test lint bench bench-check bench-probes clean
+.PHONY: install demo demo-rl test lint bench bench-check bench-quick bench-probes clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ bench: install
 
 bench-check: install
 	$(BENCH_ENV) INSTRUMENT_BENCH_CHECK=1 $(PY) -m pytest bench -p no:randomly --benchmark-only -q -s
+
+# A smoke test of the whole bench (3 repetitions): noisy figures, written to bench/results/quick.{json,md}.
+bench-quick: install
+	$(BENCH_ENV) INSTRUMENT_BENCH_QUICK=1 $(PY) -m pytest bench -p no:randomly --benchmark-only -q -s
 
 # Embedded probes: off/on vs a probe-free model, eager/scripted/compiled (docs/probes.md).
 bench-probes: install

@@ -70,8 +70,10 @@ def target_of(key: str, targets: Dict[str, float]) -> Optional[Dict[str, Any]]:
     workload, mode, kind = key.split("/", 2)
     if workload == SCALAR_WORKLOAD:
         found, unit = _US_TARGETS.get(kind), "us"
+    elif mode == "ckpt" or (kind.startswith("probe-") and workload != "nca"):
+        found, unit = None, "x"  # not in issue 13's table; RL probe rows are not in this matrix
     else:
-        found, unit = (None if mode == "ckpt" else _RATIO_TARGETS.get(kind)), "x"
+        found, unit = _RATIO_TARGETS.get(kind), "x"
     if found is None:
         return None
     return {"name": found[0], "limit": float(targets[found[1]]), "unit": unit}
@@ -243,7 +245,7 @@ def _target_cell(row: Dict[str, Any], targets: Dict[str, float]) -> str:
     if target is None:
         return ""
     limit = target["limit"]
-    text = f"<= {limit:g}x" if target["unit"] == "x" else f"<= {limit:g} us"
+    text = f"<= {limit:.2f}x" if target["unit"] == "x" else f"<= {limit:g} us"
     value = measured_value(row, target["unit"])
     if value is None:
         return text

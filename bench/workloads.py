@@ -203,7 +203,7 @@ def _instrumented(kind: str, workload: str, train, tmp: str, hooks_on: Optional[
     when = ", non-logging step" if kind == "off" else f", logging step: {', '.join(names) or 'no observer'}"
     describe = style + when
     if kind == HEADLINE:
-        describe = f"**headline** logging step: {', '.join(names)}, real TensorBoardBackend ({style})"
+        describe = f"headline logging step: {', '.join(names)}, real TensorBoardBackend ({style})"
     return fn, describe, _flush(session.inst.logger)
 
 

@@ -1,0 +1,125 @@
+"""Backends under real faults: a file-size limit, a run directory that goes away, a server that never answers.
+
+Each test drives a backend directly (open/write/close with `StepRecord`s), so what it proves does not depend
+on the logger's writer thread, and reads the result back with the destination's own reader.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from instrument import JsonlBackend, RunInfo
+from instrument.backends.base import StepRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lines(path: Path):
+    """Every line of a JSONL file, parsed: fails on a torn or otherwise unparsable line."""
+    data = path.read_bytes()
+    assert data.endswith(b"\n"), data[-80:]
+    return [json.loads(line) for line in data.decode("utf-8").splitlines()]
+
+
+# --- JSONL -----------------------------------------------------------------------------------------------
+
+_LIMITED_WRITER = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from instrument import JsonlBackend, RunInfo
+    from instrument.backends.base import StepRecord
+
+    path, limit = sys.argv[1], int(sys.argv[2])
+    # A real file-size limit (RLIMIT_FSIZE binds root too). Ignoring SIGXFSZ turns the write past the limit
+    # into a short write followed by EFBIG, which is what a full disk looks like to the writer.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    backend = JsonlBackend(path=path)
+    backend.open(RunInfo("limited"))
+    failed = []
+    for step in range(200):
+        try:
+            backend.write(StepRecord(step=step, scalars={"loss": 1.0 / (step + 1), "pad": 0.123456789 * step}))
+        except OSError as exc:
+            failed.append((step, exc.errno))
+    backend.close()
+    print(len(failed), failed[0][1] if failed else None)
+    """
+)
+
+
+def test_jsonl_under_a_file_size_limit_leaves_only_whole_lines(tmp_path):
+    import errno
+
+    path = tmp_path / "metrics.jsonl"
+    limit = 4000  # not a multiple of the line length: some write is cut in the middle of a line
+    out = subprocess.run([sys.executable, "-c", _LIMITED_WRITER, str(path), str(limit)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    n_failed, first_errno = int(out[0]), int(out[1])
+    assert n_failed > 0 and first_errno == errno.EFBIG  # the limit was really hit, and every write past it
+    assert path.stat().st_size <= limit
+    lines = _lines(path)
+    steps = [line["step"] for line in lines]
+    assert steps == list(range(len(steps))) and len(steps) == 200 - n_failed
+    assert lines[-1]["metrics"]["loss"] == 1.0 / len(steps)
+
+    # Reopened without the limit, the file takes more whole lines after the old ones.
+    backend = JsonlBackend(path=str(path))
+    backend.open(RunInfo("again"))
+    for step in (500, 501):
+        backend.write(StepRecord(step=step, scalars={"loss": 0.5}))
+    backend.flush()
+    backend.flush()  # repeated flushes are harmless
+    backend.close()
+    assert [line["step"] for line in _lines(path)] == steps + [500, 501]
+
+
+def test_jsonl_retries_after_a_failed_write(tmp_path):
+    """The run directory disappears (as root, chmod would not stop us; a missing directory does): the write
+    raises, and once the directory is back the next record is written to a new file there."""
+    run_dir = tmp_path / "run"
+    backend = JsonlBackend()
+    backend.open(RunInfo("run", tmp_path))
+    backend.write(StepRecord(step=0, scalars={"x": 0.0}))
+    path = run_dir / "metrics.jsonl"
+    path.rename(tmp_path / "kept.jsonl")
+    run_dir.rmdir()
+    run_dir.write_text("a file where the directory was")  # every open below it now fails: ENOTDIR
+    backend.close()  # the old descriptor still points at kept.jsonl; close it so the next write reopens
+    with pytest.raises(OSError):
+        backend.write(StepRecord(step=1, scalars={"x": 1.0}))
+    with pytest.raises(OSError):
+        backend.write(StepRecord(step=2, scalars={"x": 2.0}))
+    run_dir.unlink()
+    run_dir.mkdir()
+    backend.write(StepRecord(step=3, scalars={"x": 3.0}))
+    backend.close()
+    assert [line["step"] for line in _lines(tmp_path / "kept.jsonl")] == [0]
+    assert [line["step"] for line in _lines(path)] == [3]
+
+
+def test_jsonl_removes_a_partial_last_line_on_open(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    whole = json.dumps({"step": 0, "metrics": {"x": 1.0}}) + "\n"
+    path.write_bytes(whole.encode() + b'{"step": 1, "metr')  # a process died in the middle of this line
+    backend = JsonlBackend(path=str(path))
+    with caplog.at_level("WARNING", logger="instrument"):
+        backend.open(RunInfo("resumed"))
+    assert "partial line (17 bytes" in caplog.text
+    backend.write(StepRecord(step=1, scalars={"x": 2.0}))
+    backend.close()
+    assert [(line["step"], line["metrics"]["x"]) for line in _lines(path)] == [(0, 1.0), (1, 2.0)]
+
+
+def test_jsonl_partial_file_without_any_newline_is_emptied(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 0, "me')
+    backend = JsonlBackend(path=str(path))
+    backend.open(RunInfo("resumed"))
+    backend.write(StepRecord(step=0, scalars={"x": 2.0}))
+    backend.close()
+    assert [line["step"] for line in _lines(path)] == [0]

@@ -123,3 +123,70 @@ def test_jsonl_partial_file_without_any_newline_is_emptied(tmp_path):
     backend.write(StepRecord(step=0, scalars={"x": 2.0}))
     backend.close()
     assert [line["step"] for line in _lines(path)] == [0]
+
+
+# --- TensorBoard -----------------------------------------------------------------------------------------
+
+
+def _break_dir(run_dir: Path, aside: Path) -> None:
+    """Make ``run_dir`` unwritable in a way that binds root too: chmod does not stop root, so the directory
+    is moved aside and a plain file takes its name (every write below it fails with ENOTDIR, and creating
+    the directory again fails with EEXIST)."""
+    run_dir.rename(aside)
+    run_dir.write_text("not a directory")
+
+
+def _restore_dir(run_dir: Path, aside: Path) -> None:
+    run_dir.unlink()
+    aside.rename(run_dir)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # TB's writer thread dies
+def test_tensorboard_reopens_a_new_event_file_when_the_directory_is_back(tmp_path):
+    from tests.conftest import read_scalars
+    from instrument import TensorBoardBackend
+
+    run_dir, aside = tmp_path / "run", tmp_path / "aside"
+    backend = TensorBoardBackend()
+    backend.open(RunInfo("run", tmp_path))
+    backend.log_hyperparams({"lr": 0.1})
+    for step in range(3):
+        backend.write(StepRecord(step=step, scalars={"loss": float(step)}))
+
+    _break_dir(run_dir, aside)
+    failed = []
+    for step in range(3, 6):
+        try:
+            backend.write(StepRecord(step=step, scalars={"loss": float(step)}))
+        except OSError:
+            failed.append(step)
+    assert failed == [3, 4, 5]  # the dead writer raises once, then every attempt to reopen raises
+    _restore_dir(run_dir, aside)
+
+    for step in range(6, 10):
+        backend.write(StepRecord(step=step, scalars={"loss": float(step)}))
+    backend.write_system(StepRecord(step=7, scalars={"system/cpu_percent": 50.0}))
+    backend.flush()
+    backend.close()
+
+    assert backend.reopened == 1
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
+    scalars = read_scalars(run_dir)
+    assert scalars["loss"] == {s: float(s) for s in (0, 1, 2, 6, 7, 8, 9)}
+    assert scalars["system/cpu_percent"] == {7: 50.0}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_tensorboard_close_raises_a_write_it_could_not_make(tmp_path):
+    from instrument import TensorBoardBackend
+
+    run_dir, aside = tmp_path / "run", tmp_path / "aside"
+    backend = TensorBoardBackend(flush_every_commit=False)
+    backend.open(RunInfo("run", tmp_path))
+    backend.flush()
+    _break_dir(run_dir, aside)
+    backend.write(StepRecord(step=0, scalars={"loss": 0.0}))  # only queued: TensorBoard writes it later
+    with pytest.raises(OSError):
+        backend.close()
+    backend.close()  # a second close has nothing left to do
+    _restore_dir(run_dir, aside)

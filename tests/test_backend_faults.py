@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from instrument import JsonlBackend, RunInfo
+from instrument import JsonlBackend, RunInfo, TensorBoardBackend
 from instrument.backends.base import StepRecord
+from tests.conftest import read_scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,9 +144,6 @@ def _restore_dir(run_dir: Path, aside: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # TB's writer thread dies
 def test_tensorboard_reopens_a_new_event_file_when_the_directory_is_back(tmp_path):
-    from tests.conftest import read_scalars
-    from instrument import TensorBoardBackend
-
     run_dir, aside = tmp_path / "run", tmp_path / "aside"
     backend = TensorBoardBackend()
     backend.open(RunInfo("run", tmp_path))
@@ -178,8 +176,6 @@ def test_tensorboard_reopens_a_new_event_file_when_the_directory_is_back(tmp_pat
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_tensorboard_close_raises_a_write_it_could_not_make(tmp_path):
-    from instrument import TensorBoardBackend
-
     run_dir, aside = tmp_path / "run", tmp_path / "aside"
     backend = TensorBoardBackend(flush_every_commit=False)
     backend.open(RunInfo("run", tmp_path))

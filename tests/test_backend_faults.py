@@ -5,6 +5,8 @@ on the logger's writer thread, and reads the result back with the destination's 
 """
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from instrument import JsonlBackend, RunInfo, TensorBoardBackend
+from instrument import JsonlBackend, MlflowBackend, RunInfo, TensorBoardBackend
 from instrument.backends.base import StepRecord
 from tests.conftest import read_scalars
 
@@ -186,3 +188,71 @@ def test_tensorboard_close_raises_a_write_it_could_not_make(tmp_path):
         backend.close()
     backend.close()  # a second close has nothing left to do
     _restore_dir(run_dir, aside)
+
+
+# --- MLflow ----------------------------------------------------------------------------------------------
+
+_HTTP_SETTINGS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed on return: nothing listens there now
+
+
+def test_mlflow_refused_connection_raises_and_later_records_retry_the_open(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "77")  # the user's own setting comes back afterwards
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    uri = f"http://127.0.0.1:{_free_port()}"
+    backend = MlflowBackend(tracking_uri=uri, timeout=1, max_retries=1, backoff_factor=0, retry_after=0)
+    with pytest.raises(Exception, match="127.0.0.1"):  # returns at all: MLflow's defaults wait ~4 minutes
+        backend.open(RunInfo("unreachable", tmp_path))
+    assert backend.run_id is None
+    with pytest.raises(Exception, match="127.0.0.1"):  # the next record tries to open the run again
+        backend.write(StepRecord(step=0, scalars={"loss": 1.0}))
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+    backend.close()  # nothing was created, nothing to end
+
+
+def test_mlflow_server_that_never_answers_is_given_up_and_then_skipped(tmp_path):
+    pytest.importorskip("mlflow")
+    # A loopback socket that listens but never accepts: the kernel completes the TCP handshake, the HTTP
+    # request is sent, and no answer ever comes. Only the read timeout ends the wait.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        backend = MlflowBackend(tracking_uri=uri, timeout=1, max_retries=0, retry_after=3600)
+        with pytest.raises(Exception, match="timeout|timed out|Read"):
+            backend.open(RunInfo("silent", tmp_path))
+        # Within retry_after the next call does not wait for the same dead server again.
+        with pytest.raises(ConnectionError, match="skipped"):
+            backend.write(StepRecord(step=0, scalars={"loss": 1.0}))
+    assert not any(k in os.environ for k in _HTTP_SETTINGS)
+
+
+def test_mlflow_open_that_failed_is_retried_by_the_next_record(tmp_path):
+    """A sqlite store whose directory is a plain file cannot be opened (MLflow would create a missing one);
+    once the directory is there the next record opens the run and is written, read back with MlflowClient."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path / "later" / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    db.parent.write_text("not a directory")
+    backend = MlflowBackend(tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri())
+    with pytest.raises(Exception):  # noqa: B017 - sqlalchemy's OperationalError, wrapped by MLflow
+        backend.open(RunInfo("late", tmp_path))
+    db.parent.unlink()
+    db.parent.mkdir()
+    backend.write(StepRecord(step=4, scalars={"loss": 0.25}))
+    backend.on_exit("failed")
+    backend.close()
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(backend.run_id)
+    assert run.info.status == "FAILED" and run.info.run_name == "late"
+    assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "loss")] == [(4, 0.25)]

@@ -6,17 +6,20 @@ on the logger's writer thread, and reads the result back with the destination's 
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from instrument import JsonlBackend, MlflowBackend, RunInfo, TensorBoardBackend
+from instrument import ConfigurationError, JsonlBackend, MlflowBackend, RunInfo, TensorBoardBackend, WandbBackend
 from instrument.backends.base import StepRecord
 from tests.conftest import read_scalars
+from tests.wandb_reader import _payloads, read_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,3 +259,90 @@ def test_mlflow_open_that_failed_is_retried_by_the_next_record(tmp_path):
     run = client.get_run(backend.run_id)
     assert run.info.status == "FAILED" and run.info.run_name == "late"
     assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "loss")] == [(4, 0.25)]
+
+
+# --- W&B -------------------------------------------------------------------------------------------------
+
+
+def _exit_codes(run_dir: Path):
+    """The exit codes in the exit records of the one offline ``.wandb`` file under ``run_dir``."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = list(run_dir.rglob("*.wandb"))
+    codes = []
+    for payload in _payloads(path.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "exit":
+            codes.append(record.exit.exit_code)
+    return codes
+
+
+@pytest.mark.parametrize("status, code", [(None, 0), ("killed", 1), ("failed", 1)])
+def test_wandb_run_ends_with_the_exit_code_of_how_it_ended(tmp_path, status, code):
+    pytest.importorskip("wandb")
+    backend = WandbBackend(project="tests")
+    backend.open(RunInfo("ended", tmp_path))
+    for step in range(3):
+        backend.write(StepRecord(step=step, scalars={"loss": float(step)}))
+    backend.flush()
+    if status:
+        backend.on_exit(status)
+    backend.close()
+    rows, _ = read_run(tmp_path / "ended")
+    assert [(row["_step"], row["loss"]) for row in rows] == [(s, float(s)) for s in range(3)]
+    assert _exit_codes(tmp_path / "ended") == [code]
+
+
+_WANDB_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from instrument import RunInfo, WandbBackend
+    from instrument.backends.base import StepRecord
+
+    backend = WandbBackend(project="tests", flush_secs=0.5)
+    backend.open(RunInfo("killed", sys.argv[1]))
+    for step in range(300):
+        backend.write(StepRecord(step=step, scalars={f"m{i}": step + i / 100 for i in range(10)}))
+    print("logged", flush=True)
+    time.sleep(300)  # killed long before this ends; close() never runs
+    """
+)
+
+
+def test_wandb_steps_reach_the_file_without_close_and_survive_sigkill(tmp_path):
+    """W&B keeps the last partial block of its ``.wandb`` file in memory; with ``flush_secs`` its service
+    writes it while the run is still going, so a process killed without close keeps every step."""
+    pytest.importorskip("wandb")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    child = subprocess.Popen([sys.executable, "-c", _WANDB_WRITER, str(tmp_path)], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "logged"
+        run_dir = tmp_path / "killed"
+        steps = []
+        for _ in range(600):  # wait (at most a minute) for the service to write the buffered block
+            try:
+                steps = [row["_step"] for row in read_run(run_dir, timeout=0)[0]]
+            except Exception:  # noqa: BLE001 - the file may be mid-write; read it again
+                steps = []
+            if len(steps) == 300:
+                break
+            time.sleep(0.1)
+        assert steps == list(range(300))
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the child and W&B's service, which it started in its group
+        child.wait()
+    rows, _ = read_run(run_dir, timeout=0)
+    assert [row["_step"] for row in rows] == list(range(300))
+    assert rows[-1]["m9"] == pytest.approx(299.09)
+    assert _exit_codes(run_dir) == []  # it really ended without close
+
+
+def test_wandb_bad_options_name_what_was_expected():
+    with pytest.raises(ConfigurationError, match=r"mode must be one of .*got 'offine'; 'offline' needs no"):
+        WandbBackend(mode="offine")
+    with pytest.raises(ConfigurationError, match=r"flush_secs must be a number of seconds >= 0, got -1"):
+        WandbBackend(flush_secs=-1)
+    with pytest.raises(ConfigurationError, match=r"on_exit got status 'ok'"):
+        WandbBackend().on_exit("ok")

@@ -346,3 +346,14 @@ def test_wandb_bad_options_name_what_was_expected():
         WandbBackend(flush_secs=-1)
     with pytest.raises(ConfigurationError, match=r"on_exit got status 'ok'"):
         WandbBackend().on_exit("ok")
+
+
+def test_jsonl_file_deleted_during_the_run_is_created_again(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    backend = JsonlBackend(path=str(path))
+    backend.open(RunInfo("deleted"))
+    backend.write(StepRecord(step=0, scalars={"x": 0.0}))
+    path.unlink()  # e.g. a cleanup job; an open descriptor would go on writing to the deleted file
+    backend.write(StepRecord(step=1, scalars={"x": 1.0}))
+    backend.close()
+    assert [line["step"] for line in _lines(path)] == [1]

@@ -31,9 +31,9 @@ class JsonlBackend(Backend):
     Every line parses. Each line goes to an ``O_APPEND`` descriptor in one ``os.write``, so a killed process
     leaves whole lines (the kernel has the bytes once the call returns). A write cut short (a full disk, a
     file-size limit) is cut back to the last whole line before the error is raised, and the next record is
-    tried again on a fresh descriptor. A file that already ends in a partial line when it is opened (a
-    process died mid-write on a filesystem without that guarantee) has that partial line removed, with a
-    warning naming how many bytes.
+    tried again on a fresh descriptor; so is a file deleted while the run writes it. A file that already
+    ends in a partial line when it is opened (a process died mid-write on a filesystem without that
+    guarantee) has that partial line removed, with a warning naming how many bytes.
     """
 
     def __init__(self, path: Optional[str] = None) -> None:
@@ -59,7 +59,13 @@ class JsonlBackend(Backend):
     def _write_line(self, obj: Mapping[str, Any]) -> None:
         data = (json.dumps(obj, sort_keys=False) + "\n").encode("utf-8")
         fd = self._fd if self._fd is not None else self._open()  # a failed write dropped the old descriptor
-        start = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if stat.st_nlink == 0:  # the file was deleted under us: lines written to it would be lost unseen
+            self._fd = None
+            os.close(fd)
+            fd = self._open()
+            stat = os.fstat(fd)
+        start = stat.st_size
         try:
             written = os.write(fd, data)
             while written < len(data):  # a short write: the rest raises (EFBIG, ENOSPC) or completes the line

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import instrument
 from instrument import Logger, MlflowBackend, RunInfo
 from instrument.backends.base import StepRecord
 
@@ -88,3 +89,48 @@ def test_bound_tracking_uri_experiment_and_run_name(tmp_path, monkeypatch):
     )
     assert client.get_run(backend.run_id).data.tags["team"] == "x"
     _check(client, backend.run_id)
+
+
+@pytest.mark.parametrize("status, expected", [("killed", "KILLED"), ("failed", "FAILED")])
+def test_on_exit_ends_the_run_killed_or_failed(tmp_path, status, expected):
+    backend = MlflowBackend()
+    backend.open(RunInfo("ended", tmp_path))
+    backend.write(StepRecord(step=0, scalars={"loss": 1.0}))
+    backend.flush()
+    backend.on_exit(status)
+    backend.close()
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    run = client.get_run(backend.run_id)
+    assert run.info.status == expected and run.info.end_time is not None
+    assert [m.value for m in client.get_metric_history(backend.run_id, "loss")] == [1.0]
+
+
+def test_on_exit_rejects_an_unknown_status(tmp_path):
+    with pytest.raises(instrument.ConfigurationError, match=r"got status 'crashed'; expected one of \('killed'"):
+        MlflowBackend().on_exit("crashed")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tracking_uri": "htp://localhost:5000"}, r"scheme 'htp' .*expected one of \['file', 'http'"),
+        ({"tracking_uri": "localhost:5000"}, r"scheme 'localhost'"),
+        ({"tracking_uri": ""}, r"tracking_uri must be a non-empty string or None, got ''"),
+        ({"timeout": -1}, r"timeout must be an int >= 1 .*got -1"),
+        ({"timeout": 0}, r"timeout must be an int >= 1 .*got 0"),
+        ({"timeout": 2.5}, r"timeout must be an int >= 1 \(MLflow reads it as whole seconds\), got 2.5"),
+        ({"max_retries": 11}, r"max_retries must be an int from 0 to 10 .*got 11"),
+        ({"max_retries": -1}, r"max_retries must be an int from 0 to 10 .*got -1"),
+        ({"backoff_factor": True}, r"backoff_factor must be an int from 0 to 120 .*got True"),
+        ({"retry_after": -1}, r"retry_after must be a number of seconds >= 0, got -1"),
+    ],
+)
+def test_bad_options_are_rejected_at_construction(kwargs, match):
+    with pytest.raises(instrument.ConfigurationError, match=match):
+        MlflowBackend(**kwargs)
+
+
+@pytest.mark.parametrize("uri", ["http://h:5000", "https://h", "sqlite:///x.db", "postgresql+psycopg2://u@h/db",
+                                 "file:/tmp/mlruns", "/tmp/mlruns", "databricks", "databricks-uc"])
+def test_uris_mlflow_serves_are_accepted(uri):
+    assert MlflowBackend(tracking_uri=uri).tracking_uri == uri

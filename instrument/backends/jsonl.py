@@ -1,7 +1,9 @@
 """JSONL: an append-only local record, one JSON object per committed step, flushed at each commit."""
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -9,6 +11,8 @@ from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.terminal.samples import cell
 
 __all__ = ["JsonlBackend"]
+
+log = logging.getLogger("instrument")
 
 
 def _json_number(value: float) -> Any:
@@ -23,21 +27,56 @@ class JsonlBackend(Backend):
     histograms are summarised (shape, or count/min/max), not embedded; validation samples are written in full
     under ``"samples"``. System-monitor samples are ``{"system_step": <whole seconds since the monitor
     started>, "time", "metrics"}`` lines, so a reader tells the two axes apart by the key.
+
+    Every line parses. Each line goes to an ``O_APPEND`` descriptor in one ``os.write``, so a killed process
+    leaves whole lines (the kernel has the bytes once the call returns). A write cut short (a full disk, a
+    file-size limit) is cut back to the last whole line before the error is raised, and the next record is
+    tried again on a fresh descriptor; so is a file deleted while the run writes it. A file that already
+    ends in a partial line when it is opened (a process died mid-write on a filesystem without that
+    guarantee) has that partial line removed, with a warning naming how many bytes.
     """
 
     def __init__(self, path: Optional[str] = None) -> None:
         self.path = path
-        self._file = None
+        self._fd: Optional[int] = None
 
     def open(self, run: RunInfo) -> None:
         path = Path(self.path) if self.path else run.dir / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
-        self._file = open(path, "a", encoding="utf-8")
+        self._open()
+
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            _drop_partial_line(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return fd
 
     def _write_line(self, obj: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(obj, sort_keys=False) + "\n")
-        self._file.flush()
+        data = (json.dumps(obj, sort_keys=False) + "\n").encode("utf-8")
+        fd = self._fd if self._fd is not None else self._open()  # a failed write dropped the old descriptor
+        stat = os.fstat(fd)
+        if stat.st_nlink == 0:  # the file was deleted under us: lines written to it would be lost unseen
+            self._fd = None
+            os.close(fd)
+            fd = self._open()
+            stat = os.fstat(fd)
+        start = stat.st_size
+        try:
+            written = os.write(fd, data)
+            while written < len(data):  # a short write: the rest raises (EFBIG, ENOSPC) or completes the line
+                written += os.write(fd, data[written:])
+        except OSError:
+            self._fd = None
+            try:
+                os.ftruncate(fd, start)  # never leave a torn line behind
+            finally:
+                os.close(fd)
+            raise
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._write_line({"hyperparameters": dict(params), "config": config_text})
@@ -66,10 +105,37 @@ class JsonlBackend(Backend):
         self._write_line({"system_step": record.step, "time": record.wall_time,
                           "metrics": {k: _json_number(v) for k, v in record.scalars.items()}})
 
+    def flush(self) -> None:
+        """Every line is in the kernel once written; this also asks the disk to keep it (``fsync``)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def __repr__(self) -> str:
         return f"JsonlBackend(path={self.path!r})"
+
+
+def _drop_partial_line(fd: int, path: str) -> None:
+    """Cut a trailing partial line (no final newline) so that every line of the file parses."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    end = size
+    while end > 0:  # find the last newline, reading backwards in blocks
+        begin = max(0, end - 65536)
+        block = os.pread(fd, end - begin, begin)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            end = begin + newline + 1
+            break
+        end = begin
+    os.ftruncate(fd, end)
+    log.warning("instrument: %s ended in a partial line (%d bytes, left by an interrupted write); removed it "
+                "so that every line parses", path, size - end)

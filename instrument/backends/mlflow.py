@@ -1,12 +1,17 @@
 """MLflow: a local tracking store under the run directory by default, so no server is needed."""
 
+import contextlib
 import json
 import math
+import os
 import re
-from typing import Any, Dict, List, Mapping, Optional
+import threading
+import time
+import urllib.parse
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.errors import require
+from instrument.errors import ConfigurationError, require
 
 __all__ = ["MlflowBackend"]
 
@@ -15,6 +20,18 @@ _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _MAX_PARAM_VALUE = 6000
 _MAX_KEY = 250
+
+# Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
+# through the ``mlflow.tracking_store`` entry point group. "" is a local path (a file store).
+_SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc", "sqlite", "postgresql", "mysql",
+            "mssql")
+# MLflow's own bounds on these settings (mlflow/environment_variables.py, _validate_max_retries/backoff).
+_MAX_RETRIES_LIMIT = 10
+_MAX_BACKOFF_LIMIT = 120
+_END_STATUS = {"killed": "KILLED", "failed": "FAILED"}
+# MLflow reads its HTTP settings from the environment at every request (rest_utils.http_request). They are
+# set only around this module's own calls; the lock keeps two backends from restoring each other's values.
+_ENV_LOCK = threading.RLock()
 
 
 class MlflowBackend(Backend):
@@ -34,6 +51,22 @@ class MlflowBackend(Backend):
         artifact_location: where a newly created experiment stores artifacts; None means
             ``<run dir>/mlartifacts``
             with the default tracking URI and the server's default otherwise.
+        timeout: seconds one HTTP request to a tracking server may take (connect, and then each read) before
+            MLflow gives it up. MLflow's own default is 120.
+        max_retries: retries of a failed request (connection refused, timeout, HTTP 429/5xx); MLflow's own
+            default is 7, with backoff that reaches minutes.
+        backoff_factor: seconds; retry ``n`` (n >= 2) first waits ``backoff_factor * 2 ** (n - 1)`` (plus up to
+            a second of jitter). MLflow's own default is 2.
+        retry_after: seconds during which, after a call failed to reach the server, later calls fail at once
+            instead of waiting for the same dead server again (0 turns this off).
+
+    Faults: every MLflow call of this backend runs with ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
+    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` set from the options above,
+    so one call against an unreachable server gives up after about ``(max_retries + 1) * timeout`` seconds
+    plus backoff and raises. MLflow reads these from the process environment at each request, so they are set
+    just around this backend's calls (another thread's MLflow calls made at that moment see them too). If
+    opening the run failed, the next record tries again. `on_exit` ("killed"/"failed") makes `close` end the
+    run KILLED or FAILED instead of FINISHED.
 
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
@@ -49,7 +82,21 @@ class MlflowBackend(Backend):
         run_name: Optional[str] = None,
         tags: Optional[Mapping[str, str]] = None,
         artifact_location: Optional[str] = None,
+        timeout: int = 10,
+        max_retries: int = 2,
+        backoff_factor: int = 1,
+        retry_after: float = 30.0,
     ) -> None:
+        _check_uri(tracking_uri)
+        self.timeout = _check_int("timeout", timeout, 1, None, "MLflow reads it as whole seconds")
+        self.max_retries = _check_int("max_retries", max_retries, 0, _MAX_RETRIES_LIMIT, "MLflow's limit")
+        self.backoff_factor = _check_int("backoff_factor", backoff_factor, 0, _MAX_BACKOFF_LIMIT, "MLflow's limit")
+        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) or not retry_after >= 0:
+            raise ConfigurationError(
+                f"MlflowBackend.retry_after must be a number of seconds >= 0, got {retry_after!r}; "
+                "use 0 to try the server on every call."
+            )
+        self.retry_after = float(retry_after)
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
@@ -58,19 +105,67 @@ class MlflowBackend(Backend):
         self.client = None
         self.run_id: Optional[str] = None
         self._entities = None
+        self._run: Optional[RunInfo] = None
+        self._artifacts: Optional[str] = None
+        self._end_status = "FINISHED"
+        self._unreachable_until = 0.0
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[None]:
+        """MLflow's HTTP timeout, retries and backoff set to this backend's options for one call."""
+        if time.monotonic() < self._unreachable_until:
+            raise ConnectionError(
+                f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s ago; "
+                "this call was skipped (retry_after)"
+            )
+        settings = {
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(self.timeout),
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(self.max_retries),
+            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": str(self.backoff_factor),
+        }
+        with _ENV_LOCK:
+            saved = {k: os.environ.get(k) for k in settings}
+            os.environ.update(settings)
+            try:
+                yield
+            except Exception as exc:
+                if _is_unreachable(exc):
+                    self._unreachable_until = time.monotonic() + self.retry_after
+                raise
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
     def open(self, run: RunInfo) -> None:
         require("mlflow", "mlflow", "MlflowBackend")
+        self._run = run
+        self._artifacts = self.artifact_location
+        if self.tracking_uri is None:
+            run.dir.mkdir(parents=True, exist_ok=True)
+            self.tracking_uri = f"sqlite:///{(run.dir / 'mlflow.db').resolve()}"
+            if self._artifacts is None:
+                self._artifacts = (run.dir / "mlartifacts").resolve().as_uri()
+        self._start()
+
+    def _ensure_open(self) -> None:
+        if self.run_id is None:
+            if self._run is None:
+                raise RuntimeError("MlflowBackend: open(run) must be called before anything else")
+            self._start()  # opening failed before (server unreachable): try again, bounded
+
+    def _start(self) -> None:
+        with self._bounded():
+            self._create_run(self._run)
+
+    def _create_run(self, run: RunInfo) -> None:
         from mlflow import entities
         from mlflow.tracking import MlflowClient
 
         self._entities = entities
-        artifacts = self.artifact_location
-        if self.tracking_uri is None:
-            run.dir.mkdir(parents=True, exist_ok=True)
-            self.tracking_uri = f"sqlite:///{(run.dir / 'mlflow.db').resolve()}"
-            if artifacts is None:
-                artifacts = (run.dir / "mlartifacts").resolve().as_uri()
+        artifacts = self._artifacts
         self.client = client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.experiment_name)
         if experiment is None:
@@ -88,12 +183,14 @@ class MlflowBackend(Backend):
         ).info.run_id
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
+        self._ensure_open()
         Param = self._entities.Param
         items = [Param(_safe_name(k), str(v)[:_MAX_PARAM_VALUE]) for k, v in params.items()]
-        for i in range(0, len(items), _PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_BATCH])
-        if config_text:
-            self.client.log_text(self.run_id, config_text, "config/operative_config.gin")
+        with self._bounded():
+            for i in range(0, len(items), _PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_BATCH])
+            if config_text:
+                self.client.log_text(self.run_id, config_text, "config/operative_config.gin")
 
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
         Metric = self._entities.Metric
@@ -103,6 +200,11 @@ class MlflowBackend(Backend):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
 
     def write(self, record: StepRecord) -> None:
+        self._ensure_open()
+        with self._bounded():
+            self._write(record)
+
+    def _write(self, record: StepRecord) -> None:
         step = record.step
         self._log_metrics(record.flat_scalars(), step, record.wall_time)
         for key, image in record.images.items():
@@ -121,18 +223,74 @@ class MlflowBackend(Backend):
             self.client.log_dict(self.run_id, data, f"samples/{_safe_name(tag)}/step_{step:08d}.json")
 
     def write_system(self, record: StepRecord) -> None:
-        self._log_metrics(record.scalars, record.step, record.wall_time)
+        self._ensure_open()
+        with self._bounded():
+            self._log_metrics(record.scalars, record.step, record.wall_time)
+
+    def flush(self) -> None:
+        """Nothing to do: every call above has reached the store (or raised) when it returns."""
+
+    def on_exit(self, status: str) -> None:
+        """Make `close` end the run KILLED (``"killed"``) or FAILED (``"failed"``) instead of FINISHED."""
+        if status not in _END_STATUS:
+            raise ConfigurationError(
+                f"MlflowBackend.on_exit got status {status!r}; expected one of {tuple(_END_STATUS)}."
+            )
+        self._end_status = _END_STATUS[status]
 
     def close(self) -> None:
-        if self.client is not None and self.run_id is not None:
-            self.client.set_terminated(self.run_id, "FINISHED")
-            self.client = None
+        client, run_id = self.client, self.run_id
+        self.client = None
+        self._run = None  # no reopening after close
+        if client is not None and run_id is not None:
+            self._unreachable_until = 0.0  # the end status is worth one more bounded try
+            with self._bounded():
+                client.set_terminated(run_id, self._end_status)
 
     def __repr__(self) -> str:
         return (
             f"MlflowBackend(tracking_uri={self.tracking_uri!r}, experiment_name={self.experiment_name!r}, "
             f"run_name={self.run_name!r})"
         )
+
+
+def _check_uri(uri: Optional[str]) -> None:
+    if uri is None:
+        return
+    if not isinstance(uri, str) or not uri:
+        raise ConfigurationError(
+            f"MlflowBackend.tracking_uri must be a non-empty string or None, got {uri!r}; e.g. "
+            "'http://localhost:5000' or 'sqlite:///runs/mlflow.db'."
+        )
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    base = scheme.split("+", 1)[0]  # postgresql+psycopg2://, mysql+pymysql://
+    if base in _SCHEMES or scheme in _plugin_schemes():
+        return
+    raise ConfigurationError(
+        f"MlflowBackend.tracking_uri has the scheme {scheme!r} ({uri!r}), which MLflow does not serve; "
+        f"expected one of {[s for s in _SCHEMES if s]} (or a plain local path, or a scheme registered by an "
+        "installed MLflow plugin), e.g. 'http://localhost:5000'."
+    )
+
+
+def _plugin_schemes() -> List[str]:
+    from importlib.metadata import entry_points
+
+    return [ep.name for ep in entry_points(group="mlflow.tracking_store")]
+
+
+def _check_int(option: str, value: Any, low: int, high: Optional[int], why: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        expected = f"an int >= {low}" if high is None else f"an int from {low} to {high}"
+        raise ConfigurationError(f"MlflowBackend.{option} must be {expected} ({why}), got {value!r}.")
+    return value
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server could not be reached, not that it refused the request: MLflow wraps a
+    transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
+    text = str(exc)
+    return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
 
 
 def _safe_name(name: str) -> str:

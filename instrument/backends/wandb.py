@@ -10,6 +10,7 @@ from instrument.terminal.samples import cell, columns
 __all__ = ["WandbBackend"]
 
 _MODES = ("offline", "online", "disabled", "shared")
+_EXIT_STATUSES = ("killed", "failed")
 
 
 class WandbBackend(Backend):
@@ -24,6 +25,14 @@ class WandbBackend(Backend):
             ``"online"``, ``"disabled"`` or ``"shared"``.
         entity, group, tags, notes: passed to ``wandb.init``.
         dir: where W&B writes its files; None means the run directory.
+        flush_secs: how often W&B's service writes its buffered data to the run's ``.wandb`` file (W&B's
+            ``x_transaction_log_flush_interval`` setting; W&B's default is 15). 0 writes only when a 32 KiB
+            block fills or the run finishes.
+
+    Durability: W&B's service keeps the last partial block of the ``.wandb`` file in memory and writes it
+    every ``flush_secs``; W&B has no call that forces it sooner, so a process killed without `close` loses
+    at most the last ``flush_secs`` of steps. `close` calls ``run.finish``, which writes everything; after
+    `on_exit` ("killed"/"failed") it finishes with exit code 1, so W&B marks the run failed, not finished.
 
     Step axes: training metrics use ``step=`` (the training step). System-monitor metrics (``system/...``)
     are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
@@ -40,9 +49,18 @@ class WandbBackend(Backend):
         tags: Optional[Sequence[str]] = None,
         notes: Optional[str] = None,
         dir: Optional[str] = None,
+        flush_secs: float = 2.0,
     ) -> None:
         if mode not in _MODES:
-            raise ConfigurationError(f"WandbBackend.mode must be one of {_MODES}, got {mode!r}.")
+            raise ConfigurationError(
+                f"WandbBackend.mode must be one of {_MODES}, got {mode!r}; 'offline' needs no account."
+            )
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs >= 0:
+            raise ConfigurationError(
+                f"WandbBackend.flush_secs must be a number of seconds >= 0, got {flush_secs!r}."
+            )
+        self.flush_secs = float(flush_secs)
+        self._exit_code = 0
         self.project, self.mode, self.entity, self.group = project, mode, entity, group
         self.tags, self.notes, self.dir = list(tags or []), notes, dir
         self.run = None
@@ -54,10 +72,13 @@ class WandbBackend(Backend):
         path = Path(self.dir) if self.dir else run.dir
         path.mkdir(parents=True, exist_ok=True)
         self.dir = str(path)
+        # Older W&B (before the setting existed) writes on its own fixed schedule.
+        flush_field = "x_transaction_log_flush_interval"
+        flush = {flush_field: self.flush_secs} if flush_field in getattr(wandb.Settings, "model_fields", {}) else {}
         self.run = wandb.init(
             project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
             notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
-            settings=wandb.Settings(console="off", silent=True),
+            settings=wandb.Settings(console="off", silent=True, **flush),
         )
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
@@ -92,13 +113,26 @@ class WandbBackend(Backend):
     def write_system(self, record: StepRecord) -> None:
         self._system = {**self._system, **record.scalars}
 
+    def flush(self) -> None:
+        """W&B has no call that writes its buffer sooner; its service does so every ``flush_secs``."""
+
+    def on_exit(self, status: str) -> None:
+        """Make `close` finish the run with exit code 1: W&B then marks it failed instead of finished."""
+        if status not in _EXIT_STATUSES:
+            raise ConfigurationError(
+                f"WandbBackend.on_exit got status {status!r}; expected one of {_EXIT_STATUSES}."
+            )
+        self._exit_code = 1
+
     def close(self) -> None:
-        if self.run is not None:
-            if self._system:  # the last samples after the last training step
-                self.run.log(self._system, commit=True)
-                self._system = {}
-            self.run.finish()
-            self.run = None
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                if self._system:  # the last samples after the last training step
+                    run.log(self._system, commit=True)
+                    self._system = {}
+            finally:
+                run.finish(exit_code=self._exit_code)  # writes the buffered block and the exit record
 
     def __repr__(self) -> str:
         return f"WandbBackend(project={self.project!r}, mode={self.mode!r})"

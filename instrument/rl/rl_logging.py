@@ -130,7 +130,8 @@ class RLLogging:
                 )
         self.extra: List[RLComponent] = list(components)
         self.timing = StageTiming()
-        self._bar = ProgressComponent(self.progress) if self.progress is not None else None
+        # the component that drives the progress bar backend through the set's lifecycle
+        self.progress_component = ProgressComponent(self.progress) if self.progress is not None else None
         self.log_interval = log_interval
         self.step_unit = step_unit
         self.total_frames = total_frames
@@ -172,11 +173,11 @@ class RLLogging:
             )
         if eval_runner is not None:
             self._set_runner(eval_runner)
-        if self._bar is not None:  # the bar's key templates follow this set's prefixes
-            self._bar.total_frames = self.total_frames
-            self._bar.prefixes = {"counters": self.counters.prefix}
+        if self.progress_component is not None:  # the bar's key templates follow this set's prefixes
+            self.progress_component.total_frames = self.total_frames
+            self.progress_component.prefixes = {"counters": self.counters.prefix}
             if self.collection is not None:
-                self._bar.prefixes["collection"] = self.collection.prefix
+                self.progress_component.prefixes["collection"] = self.collection.prefix
         members = self.members
         if target is not logger:
             handles = [target.add_component(comp, name, logs) for name, comp, logs in members]
@@ -199,7 +200,7 @@ class RLLogging:
             ("counters", self.counters, self.log_counters),
         ]
         named += [(f"extra{i}", c, True) for i, c in enumerate(self.extra)]
-        named += [("timing", self.timing, False), ("progress", self._bar, False)]
+        named += [("timing", self.timing, False), ("progress", self.progress_component, False)]
         return [(n, c, logs) for n, c, logs in named if c is not None]
 
     @property

@@ -16,8 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.core.components import ComponentHandle, StepComponents
 from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config

@@ -40,7 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from instrument.backends.base import StepRecord
 from instrument.backends.progress import ProgressBar
-from instrument.core.components import ComponentHandle, StepComponents
+from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError
 from instrument.logger.logger import Logger
 from instrument.logger.timer import Timer

@@ -81,6 +81,21 @@ def test_one_cadence_the_sessions_logging_steps_each_committed_once(framed):
             assert record.scalars["user/value"] == float(record.step)
 
 
+def test_closing_inside_the_last_logging_step_keeps_its_values():
+    keeper = StepKeeper()
+    inst = instrument.Instrumentation(backends=[keeper], log_interval=1)
+    rl = RLLogging(progress=None).attach(inst)
+    with inst.step(0), rl.iteration():
+        observe(rl)
+    with inst.step(1):
+        with rl.iteration():
+            observe(rl)
+        rl.close()
+    inst.close()
+    assert keeper.steps == [0, 1]
+    assert keeper.records[1].scalars["counters/iterations"] == 2.0
+
+
 def test_a_log_interval_that_disagrees_with_the_session_is_refused():
     inst = instrument.Instrumentation(backends=[], log_interval=5)
     with pytest.raises(ConfigurationError, match="one session has one cadence"):
@@ -265,3 +280,19 @@ def test_progress_bar_default_keys_follow_the_collection_group_and_plain_lists_k
         ProgressBar(reward_keys={"reward": "{colection}/reward"})
     with pytest.raises(ConfigurationError, match="mapping label -> key or a list of keys"):
         ProgressBar(reward_keys="collection/main/reward/mean")
+
+
+def test_frames_without_a_batch_are_counted_and_measure_nothing():
+    keeper = StepKeeper()
+    rl = RLLogging(progress=None).attach(Logger([keeper]))
+    with rl.iteration():
+        rl.observe_batch(None, frames=5)  # asynchronous collection: TorchRLHook passes only the frames
+    with rl.iteration():
+        observe(rl)
+    assert [r.scalars["counters/frames"] for r in keeper.records] == [5.0, 13.0]
+    assert "collection/main/reward/mean" not in keeper.records[0].scalars
+    assert rl.failures == {}
+    with pytest.raises(ConfigurationError, match="found no reward"):
+        rl.observe_batch()  # neither a batch nor frames: a mistake, said so
+    with pytest.raises(ConfigurationError, match=r"unknown batch keyword\(s\) \['rewards'\]"):
+        rl.observe_batch(rewards=torch.ones(2))

@@ -374,7 +374,11 @@ class RLLogging:
         for handle in timing:  # stages still running are dropped before anything is committed
             handle.call("close")
         inst = self.instrumentation
-        if (inst is None or inst.active_step is None) and self._logger.has_pending:
+        if inst is not None and inst.active_step is not None:
+            for handle in self._handles:  # closing inside a logging step: stage now, the block commits
+                if handle.logs:
+                    handle.call("log", self._logger, inst.active_step)
+        elif self._logger.has_pending:
             self._logger.commit()
         for handle in self._handles:
             if handle.component is not self.timing:

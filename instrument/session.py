@@ -2,9 +2,9 @@
 
 It decides which steps log (``is_logging_step``), attaches hooks to watched modules and turns their embedded
 probes on only for those steps and undoes both afterwards (also when the step raises), runs the observers'
-lifecycle, runs the registered step components (`add_component`: the RL metrics are ones) and commits the
-logger once per logging step. On every other step it does nothing at all: no hook
-is registered, no probe is on, no observer runs, no value leaves the device.
+lifecycle, runs the registered step components (`add_component`; the RL metrics are ones) and commits the
+logger once per logging step. On every other step it does nothing at all: no hook is registered, no probe is
+on, no observer runs, no value leaves the device.
 """
 
 import logging

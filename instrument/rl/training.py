@@ -138,6 +138,6 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
     if isinstance(value, (numbers.Real, np.number)):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(
-        f"training entry {name!r} has type {type(value).__name__}; expected a tensor, a number or a nested "
-        f"dict."
+        f"training entry {name!r} has type {type(value).__name__}; "
+        f"expected a tensor, a number or a nested dict."
     )

@@ -296,3 +296,13 @@ def test_frames_without_a_batch_are_counted_and_measure_nothing():
         rl.observe_batch()  # neither a batch nor frames: a mistake, said so
     with pytest.raises(ConfigurationError, match=r"unknown batch keyword\(s\) \['rewards'\]"):
         rl.observe_batch(rewards=torch.ones(2))
+
+
+def test_progress_bar_total_can_be_set_while_drawing():
+    stream = io.StringIO()
+    bar = ProgressBar(enabled=True, stream=stream)
+    rl = RLLogging(progress=bar).attach(Logger([]))
+    bar.set_total(16)
+    loop(rl, 2)
+    rl.close()
+    assert "16/16" in stream.getvalue().replace(".0", "")

@@ -126,6 +126,13 @@ class ProgressBar(Backend):
             self.bar.set_postfix_str(f"{self._reward_key} {mean:.4g}", refresh=False)
         self.bar.refresh()
 
+    def set_total(self, total_frames: Optional[int]) -> None:
+        """Set the run's length, also on a bar already drawing (a trainer knows it only when registered)."""
+        self.total_frames = total_frames
+        if self.bar is not None:
+            self.bar.total = total_frames
+            self.bar.refresh()
+
     @property
     def recent_reward(self) -> Optional[float]:
         """The mean the bar shows, or None before any reward was committed."""

@@ -75,9 +75,7 @@ class TorchRLHook(TrainerHookBase):
         elif self._eval_runner is not None and self.rl.evaluation is not None:
             self.rl.evaluation.runner = self._eval_runner
         if self.rl.progress is not None and self.rl.progress.total_frames is None:
-            self.rl.progress.total_frames = trainer.total_frames
-            if self.rl.progress.bar is not None:
-                self.rl.progress.bar.total = trainer.total_frames
+            self.rl.progress.set_total(trainer.total_frames)
         self._trainer = trainer
         self._trainer_frames = int(trainer.collected_frames)
         trainer.register_module(name, self)

@@ -101,6 +101,10 @@ def test_a_log_interval_that_disagrees_with_the_session_is_refused():
     with pytest.raises(ConfigurationError, match="one session has one cadence"):
         RLLogging(log_interval=2, progress=None).attach(inst)
     RLLogging(log_interval=5, progress=None).attach(inst)  # the same cadence is fine
+    second = RLLogging(progress=None, collection=None)
+    with pytest.raises(ConfigurationError, match="'training' is already registered"):
+        second.attach(inst)  # one set per session; further metrics go in RLLogging(components=[...])
+    assert not second.attached
     inst.close()
 
 

@@ -178,12 +178,17 @@ class RLLogging:
             self.progress_component.prefixes = {"counters": self.counters.prefix}
             if self.collection is not None:
                 self.progress_component.prefixes["collection"] = self.collection.prefix
-        members = self.members
+        register = target.add_component if target is not logger else self._own.add
+        handles: List[ComponentHandle] = []
+        try:
+            for name, comp, logs in self.members:
+                handles.append(register(comp, name, logs))
+        except BaseException:  # e.g. a second RLLogging on one session: leave the session as it was
+            for handle in handles:
+                handle.remove()
+            raise
         if target is not logger:
-            handles = [target.add_component(comp, name, logs) for name, comp, logs in members]
             self.instrumentation = target
-        else:
-            handles = [self._own.add(comp, name, logs) for name, comp, logs in members]
         self._logger = logger
         self._handles = handles
         for handle in handles:

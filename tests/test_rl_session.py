@@ -310,3 +310,11 @@ def test_progress_bar_total_can_be_set_while_drawing():
     loop(rl, 2)
     rl.close()
     assert "16/16" in stream.getvalue().replace(".0", "")
+
+
+def test_evaluation_is_set_before_attach():
+    rl = RLLogging(progress=None)
+    rl.evaluation = Evaluation()
+    rl.attach(Logger([]))
+    with pytest.raises(ConfigurationError, match="set after attach"):
+        rl.evaluation = Evaluation()

@@ -108,6 +108,7 @@ class RLLogging:
             )
         self.collection = CollectionMetrics() if collection is DEFAULT else collection
         self.training = TrainMetrics() if training is DEFAULT else training
+        self._logger: Optional[Logger] = None
         self.log_counters = counters is not None
         self.counters = Counters() if counters is DEFAULT or counters is None else counters
         self.evaluation = evaluation
@@ -136,7 +137,6 @@ class RLLogging:
         self.step_unit = step_unit
         self.total_frames = total_frames
         self.instrumentation = None
-        self._logger: Optional[Logger] = None
         self._owns_session = False
         self._own = StepComponents("RL component")  # the guard when no session is attached
         self._handles: List[ComponentHandle] = []
@@ -194,6 +194,19 @@ class RLLogging:
         for handle in handles:
             handle.call("attach", logger)
         return self
+
+    @property
+    def evaluation(self) -> Optional[Evaluation]:
+        """The `Evaluation` component, or None; set it before `attach` (attaching registers the components)."""
+        return self._evaluation
+
+    @evaluation.setter
+    def evaluation(self, evaluation: Optional[Evaluation]) -> None:
+        if self._logger is not None:
+            raise ConfigurationError(
+                "RLLogging.evaluation is set after attach(); set it before, so the session drives it."
+            )
+        self._evaluation = evaluation
 
     @property
     def members(self) -> List[Tuple[str, RLComponent, bool]]:

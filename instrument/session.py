@@ -2,8 +2,9 @@
 
 It decides which steps log (``is_logging_step``), attaches hooks to watched modules and turns their embedded
 probes on only for those steps and undoes both afterwards (also when the step raises), runs the observers'
-lifecycle, and commits the logger once per logging step. On every other step it does nothing at all: no hook
-is registered, no probe is on, no observer runs, no value leaves the device.
+lifecycle, runs the registered step components (`add_component`; the RL metrics are ones) and commits the
+logger once per logging step. On every other step it does nothing at all: no hook is registered, no probe is
+on, no observer runs, no value leaves the device.
 """
 
 import logging
@@ -14,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from torch import nn
 
-from instrument.backends.base import Backend, RunInfo
+from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
@@ -152,6 +154,7 @@ class Instrumentation:
             raise
         self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
+        self._components = StepComponents()
         self._watches: List[StateWatch] = []
         self._probe_sets: List[ProbeSet] = []
         self._recorder: Optional[record.Recorder] = None
@@ -224,6 +227,37 @@ class Instrumentation:
             self._log_config()
         return StepScope(self, step, self.is_logging_step(step))
 
+    def add_component(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
+        """Register end-of-step work: ``component.log(logger, step)`` runs at the end of every logging step,
+        right before the commit, and ``component.close()`` when the session closes.
+
+        ``name`` (default: the class name) keys the component in `failures`; a component that raises there is
+        reported once and skipped, the other components and the commit go on. With ``logs=False`` only its
+        ``close`` and the handle's guarded ``call`` are used. Returns a `ComponentHandle`: ``remove()``
+        unregisters it; ``call(method, ...)`` runs another of its methods under the same guard.
+        """
+        return self._components.add(component, name, logs)
+
+    def commit_step(self, step: int) -> Optional[StepRecord]:
+        """End logging step ``step`` where no ``with inst.step(...)`` block frames it: the components stage
+        their values and the logger commits once. For loops whose step is known only at its end (`RLLogging`
+        with ``step_unit="frames"``, an evaluation off the cadence).
+
+        Inside the open block of the same step it does nothing and returns None: the block's exit does both,
+        once (W&B drops a second write to a committed step). Returns the committed record.
+        """
+        if self._closed:
+            raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
+        if self._current is not None:
+            if self._current.step != step:
+                raise ConfigurationError(
+                    f"commit_step({step}) inside the open `with inst.step({self._current.step})` block; "
+                    f"commit the block's own step, or end the block first."
+                )
+            return None
+        self._components.log(self.logger, step)
+        return self.logger.commit(step)
+
     @property
     def active_step(self) -> Optional[int]:
         """The logging step whose ``with inst.step(...)`` block is open (it commits on exit), else None."""
@@ -231,8 +265,8 @@ class Instrumentation:
 
     @property
     def failures(self) -> Dict[str, int]:
-        """Observer and backend name -> number of failures so far."""
-        return {**self._dispatch.failures, **self.logger.failures}
+        """Observer, backend and component name -> number of failures so far."""
+        return {**self._dispatch.failures, **self.logger.failures, **self._components.failures}
 
     def close(self) -> None:
         """Commit anything still staged and close every backend. Idempotent."""
@@ -242,6 +276,7 @@ class Instrumentation:
         for watch in self._watches:
             watch.detach()
         try:
+            self._components.close()
             if self.system_monitor is not None:
                 self.system_monitor.stop()
         finally:
@@ -296,6 +331,7 @@ class Instrumentation:
                             "call s.observer(StepContext(...)) each iteration", scope.step,
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
+                self._components.log(self.logger, scope.step)
                 self.logger.commit(scope.step)
         finally:
             self._current = None

@@ -1,7 +1,9 @@
 """RL instrumentation: collection, training, counter, timing and evaluation metrics, a progress bar, and the
 `RLLogging` set that composes them for a plain loop or a TorchRL trainer (`instrument.rl.torchrl`, imported
-only when used). Everything goes through the session's `Logger`: values stay on the device until its one
-batched transfer per commit.
+only when used). Each part is an `RLComponent`, called only through that interface; attached to an
+`Instrumentation`, they are that one session's components (its cadence, its commit, its failure ledger).
+Everything goes through the session's `Logger`: values stay on the device until its one batched transfer per
+commit.
 """
 
 from instrument.backends.progress import ProgressBar

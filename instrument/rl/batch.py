@@ -1,9 +1,10 @@
 """Reading RL batches: nested keys, batch shape, the time dimension and the collector mask.
 
-A batch is a TensorDict (TorchRL), a nested ``dict`` (``{"next": {"reward": r}}``) or a flat ``dict`` whose
-keys
-may be tuples (``{("next", "reward"): r}``). tensordict is never imported here: a TensorDict is recognised by
-its ``batch_size`` attribute, so plain-tensor users do not need the package.
+A batch is a TensorDict (TorchRL), a nested ``dict`` (``{"next": {"reward": r}}``), a flat ``dict`` whose keys
+may be tuples (``{("next", "reward"): r}``), or a `KeywordBatch`: tensors given by role
+(``rl.observe_batch(reward=r, done=d, mask=m)``), which win over the keys the components are bound to read.
+tensordict is never imported here: a TensorDict is recognised by its ``batch_size`` attribute, so
+plain-tensor users do not need the package.
 
 Shapes follow TorchRL: entries are ``[*batch, *features]``; ``done`` may carry a trailing singleton
 (``[*batch, 1]``). The batch shape is the TensorDict's ``batch_size``; for plain mappings it is inferred from
@@ -21,6 +22,8 @@ from instrument.errors import ConfigurationError
 
 __all__ = [
     "NestedKey",
+    "KeywordBatch",
+    "entry",
     "lookup",
     "key_name",
     "is_tensordict",
@@ -46,6 +49,39 @@ def key_name(key: NestedKey) -> str:
     return "/".join(_as_tuple(key))
 
 
+ROLES = ("reward", "done", "mask", "episode_reward")
+
+
+class KeywordBatch:
+    """A batch given as tensors by role (``reward``, ``done``, ``mask``, ``episode_reward``), optionally over
+    a batch (``data``) whose other entries stay readable: every component reads the same object through
+    `entry` and `lookup`, whatever keys it is bound to."""
+
+    __slots__ = ("data", "roles")
+
+    def __init__(self, data: Any = None, **roles: Optional[Tensor]) -> None:
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown:
+            raise ConfigurationError(
+                f"unknown batch keyword(s) {unknown}; observe_batch takes {list(ROLES)} as keywords, and any "
+                f"other entry inside a TensorDict or mapping."
+            )
+        self.data = data.data if isinstance(data, KeywordBatch) else data
+        inherited = dict(data.roles) if isinstance(data, KeywordBatch) else {}
+        inherited.update({k: v for k, v in roles.items() if v is not None})
+        self.roles = inherited
+
+    def __repr__(self) -> str:
+        return f"KeywordBatch(roles={sorted(self.roles)}, data={type(self.data).__name__})"
+
+
+def entry(batch: Any, role: str, key: Optional[NestedKey]) -> Optional[Tensor]:
+    """The tensor of ``role`` given as a keyword, else the batch's entry at ``key`` (None when neither)."""
+    if isinstance(batch, KeywordBatch) and role in batch.roles:
+        return batch.roles[role]
+    return lookup(batch, key) if key is not None else None
+
+
 def is_tensordict(batch: Any) -> bool:
     return hasattr(batch, "batch_size") and hasattr(batch, "get") and not isinstance(batch, Tensor)
 
@@ -53,6 +89,8 @@ def is_tensordict(batch: Any) -> bool:
 def lookup(batch: Any, key: NestedKey) -> Optional[Tensor]:
     """The entry at ``key`` (nested), or None when the batch has none."""
     parts = _as_tuple(key)
+    if isinstance(batch, KeywordBatch):
+        batch = batch.data
     if batch is None:
         return None
     if is_tensordict(batch):
@@ -76,6 +114,8 @@ def lookup(batch: Any, key: NestedKey) -> Optional[Tensor]:
 
 def batch_shape_of(batch: Any) -> Optional[torch.Size]:
     """A TensorDict's batch size; None for plain mappings (inferred from ``done`` instead)."""
+    if isinstance(batch, KeywordBatch):
+        batch = batch.data
     return torch.Size(batch.batch_size) if is_tensordict(batch) else None
 
 
@@ -86,8 +126,7 @@ def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tens
     if tuple(value.shape[:n]) != batch_shape:
         raise ConfigurationError(
             f"{name} has shape {tuple(value.shape)}, which does not start with the batch shape "
-            f"{batch_shape}; "
-            f"entries must be shaped [*batch, *features] like done / the TensorDict batch size."
+            f"{batch_shape}; entries must be shaped [*batch, *features] like done / the TensorDict batch size."
         )
     return value.reshape(*batch_shape, -1) if value.dim() > n else value.reshape(*batch_shape, 1)
 
@@ -95,8 +134,7 @@ def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tens
 def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:
     """The batch shape of a plain-tensor batch, from ``done`` and another entry (e.g. the reward).
 
-    TorchRL style: ``done`` ``[*B, 1]`` with an entry of the same rank (``[*B, K]``) or of shape ``B`` ->
-    batch
+    TorchRL style: ``done`` ``[*B, 1]`` with an entry of the same rank (``[*B, K]``) or of shape ``B`` -> batch
     ``B``. Otherwise ``done``'s own shape is the batch shape (an entry ``[*done.shape, K]`` has K features).
     """
     if done.dim() >= 2 and done.shape[-1] == 1:
@@ -114,6 +152,8 @@ def resolve_time_dim(
     (TorchRL collectors put time last). ``None`` means every call holds one time step of every environment.
     """
     n = len(batch_shape)
+    if isinstance(batch, KeywordBatch):
+        batch = batch.data
     if time_dim is None:
         return None
     if time_dim == "auto":

@@ -16,8 +16,7 @@ key                             meaning
 ``<name>/<stat>``               any extra batch entry bound in ``keys`` (all its elements, masked)
 ==============================  ===========================================================================
 
-Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist;
-TensorBoard
+Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist; TensorBoard
 and W&B draw a gap); ``episode/count`` says 0 then.
 
 Episode returns come from ``episode_reward_key`` when the batch has it (TorchRL's ``RewardSum`` writes
@@ -33,8 +32,10 @@ from torch import Tensor
 
 from instrument.errors import ConfigurationError
 from instrument.rl.batch import (
+    KeywordBatch,
     NestedKey,
     batch_shape_of,
+    entry,
     infer_batch_shape,
     lookup,
     resolve_time_dim,
@@ -62,8 +63,7 @@ class CollectionMetrics(RLComponent):
         keys: extra batch entries to reduce, ``{metric name: batch key}``.
         reduce_stats: log mean, min and max (True) or only the mean (False).
         time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
-            the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one
-            step
+            the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one step
             of every environment.
     """
 
@@ -119,9 +119,6 @@ class CollectionMetrics(RLComponent):
         self._warned_reset = False
 
     # ------------------------------------------------------------------ input
-    def on_batch(self, batch: Any = None, frames: Optional[int] = None) -> None:
-        self.update(batch)
-
     def update(
         self,
         batch: Any = None,
@@ -131,17 +128,25 @@ class CollectionMetrics(RLComponent):
         mask: Optional[Tensor] = None,
         episode_reward: Optional[Tensor] = None,
     ) -> None:
-        """Add one batch: a TensorDict / mapping, or the tensors as keywords (keywords win over the batch)."""
-        reward = reward if reward is not None else lookup(batch, self.reward_key)
-        done = done if done is not None else lookup(batch, self.done_key)
-        mask = mask if mask is not None else (lookup(batch, self.mask_key) if self.mask_key else None)
-        if episode_reward is None and self.episode_reward_key is not None:
-            episode_reward = lookup(batch, self.episode_reward_key)
+        """Add one batch: a TensorDict / mapping, or the tensors as keywords (keywords win over the batch).
+        For a loop without `RLLogging`; the set itself calls `on_batch`."""
+        self.on_batch(
+            KeywordBatch(batch, reward=reward, done=done, mask=mask, episode_reward=episode_reward)
+        )
+
+    def on_batch(self, batch: Any = None, frames: Optional[int] = None) -> None:
+        """Add one batch (a TensorDict, a mapping or a `KeywordBatch`). Frames counted without a batch
+        (``batch=None, frames=n``: asynchronous collection) leave nothing to measure."""
+        if batch is None and frames is not None:
+            return
+        reward = entry(batch, "reward", self.reward_key)
+        done = entry(batch, "done", self.done_key)
+        mask = entry(batch, "mask", self.mask_key)
+        episode_reward = entry(batch, "episode_reward", self.episode_reward_key)
         if reward is None:
             raise ConfigurationError(
-                f"CollectionMetrics found no reward at {self.reward_key!r} in the batch; pass "
-                f"reward=... or bind "
-                f"CollectionMetrics.reward_key to where your batch keeps it."
+                f"CollectionMetrics found no reward at {self.reward_key!r} in the batch; pass reward=... or "
+                f"bind CollectionMetrics.reward_key to where your batch keeps it."
             )
         shape = batch_shape_of(batch)
         if shape is None:
@@ -170,15 +175,13 @@ class CollectionMetrics(RLComponent):
         if self.reward_weights is None:
             raise ConfigurationError(
                 f"the reward at {self.reward_key!r} has {k} objectives (shape {tuple(rewards.shape)}); bind "
-                f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each "
-                f"objective is also "
-                f"logged on its own)."
+                f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each objective is "
+                f"also logged on its own)."
             )
         if len(self.reward_weights) != k:
             raise ConfigurationError(
-                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the "
-                f"reward has {k} "
-                f"objectives; bind exactly one weight per objective."
+                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the reward "
+                f"has {k} objectives; bind exactly one weight per objective."
             )
         weights = torch.as_tensor(
             self.reward_weights,
@@ -224,9 +227,8 @@ class CollectionMetrics(RLComponent):
         if carry_r is not None and (carry_r.shape != r.shape[1:] or carry_r.device != r.device):
             if not self._warned_reset:
                 log.warning(
-                    "instrument: %s: the batch layout changed from %s to %s environments; "
-                    "unfinished episodes "
-                    "from earlier batches are dropped.",
+                    "instrument: %s: the batch layout changed from %s to %s environments; unfinished "
+                    "episodes from earlier batches are dropped.",
                     self.prefix,
                     tuple(carry_r.shape[:-1]),
                     tuple(r.shape[1:-1]),

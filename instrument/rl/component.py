@@ -1,9 +1,10 @@
-"""The RL component extension point: batch-level metrics driven by the training iteration.
+"""The RL component interface: batch-level metrics driven by the training iteration and the one session.
 
 An RL component sees whole collected batches and loss dictionaries, not rollout iterations (that is what
-`instrument.Observer` is for). `RLLogging` drives every component through one training iteration::
+`instrument.Observer` is for). Every RL part (collection, training, counters, timing, evaluation, the
+progress bar) is one, and `RLLogging` calls each only through these methods::
 
-    rl.attach(inst)                               # components get nothing yet
+    rl.attach(inst)                               # -> component.attach(logger); registered with the session
     for iteration in range(n):
         with rl.timer("collection"):
             batch = collect()                     # the user's collector / rollout
@@ -11,15 +12,20 @@ An RL component sees whole collected batches and loss dictionaries, not rollout 
         with rl.timer("optimization"):
             losses = update(batch)
         rl.observe_losses(losses)                 # -> component.on_losses(losses)   (any number of times)
-        rl.end_iteration()                        # evaluation when due; on logging iterations:
-                                                  # -> component.log(logger, step); logger.commit(step)
+        rl.end_iteration()                        # -> component.end_iteration(counters): True asks for a log
+                                                  # on a logging step (the session's cadence) or when asked:
+                                                  # -> component.log(logger, step); one commit
     rl.close()                                    # -> component.close()
+
+The session (`Instrumentation.add_component`) calls ``log`` right before its one commit per logging step,
+under its one failure ledger; a component that raises is counted in ``inst.failures`` and skipped.
 
 Rules a component follows:
 
 - ``on_batch`` and ``on_losses`` keep results on the device and accumulate them over the logging interval;
   no ``.item()``: the logger moves everything to the host in one batched transfer at commit.
 - ``log`` hands tensors to the logger under the component's key prefix and starts a new interval.
+- ``end_iteration`` reads the counters only when it needs them (``counters.frames`` may cost a host sync).
 - ``state_dict``/``load_state_dict`` hold what a resumed run needs to continue exactly (counters, schedules);
   they return plain Python values so any checkpoint format (torch.save, JSON, TorchRL's) can store them.
 """
@@ -28,12 +34,13 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 if TYPE_CHECKING:
     from instrument.logger.logger import Logger
+    from instrument.rl.counters import Counters
 
 __all__ = ["RLComponent"]
 
 
 class RLComponent:
-    """Base class of the RL metrics; every hook defaults to doing nothing.
+    """Base class of the RL components; every hook defaults to doing nothing.
 
     Attributes:
         prefix: the key prefix this component logs under (e.g. ``collection/main``).
@@ -41,11 +48,21 @@ class RLComponent:
 
     prefix: str = ""
 
+    def attach(self, logger: "Logger") -> None:
+        """The set was attached: ``logger`` is where values will go (a component that adds a backend or
+        starts timers does it here)."""
+
     def on_batch(self, batch: Any = None, frames: Optional[int] = None) -> None:
-        """Look at one collected batch (TensorDict or mapping of tensors)."""
+        """Look at one collected batch (TensorDict, mapping of tensors or `KeywordBatch`); ``frames``, when
+        known, is its frame count including frame skip."""
 
     def on_losses(self, losses: Any) -> None:
         """Look at one dict / TensorDict of losses and training statistics."""
+
+    def end_iteration(self, counters: "Counters") -> bool:
+        """The iteration is over; ``counters`` hold the run's totals after it. Return True to have this
+        iteration logged although it is not a logging step (an evaluation that is due does)."""
+        return False
 
     def log(self, logger: "Logger", step: int) -> None:
         """Stage this interval's values with the logger and start a new interval."""

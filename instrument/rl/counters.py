@@ -11,9 +11,8 @@ key               meaning
 ================  ==========================================================================================
 
 Frames are counted from shapes (no device work) unless the batch has a collector mask, whose sum stays on the
-device; reading `Counters.frames` then costs one host sync (the progress bar and frame-based schedules read
-it,
-logging does not). Episodes stay on the device until commit. `state_dict` returns plain ints, read in one
+device; reading `Counters.frames` then costs one host sync (frame-based schedules and ``step_unit="frames"``
+read it, logging does not). Episodes stay on the device until commit. `state_dict` returns plain ints, read in one
 batched transfer, so a checkpoint stores them in any format and a resumed run continues counting exactly.
 """
 
@@ -24,7 +23,14 @@ from torch import Tensor
 
 from instrument.errors import ConfigurationError
 from instrument.logger.transfer import to_host
-from instrument.rl.batch import NestedKey, batch_shape_of, infer_batch_shape, lookup, split_features
+from instrument.rl.batch import (
+    KeywordBatch,
+    NestedKey,
+    batch_shape_of,
+    entry,
+    infer_batch_shape,
+    split_features,
+)
 from instrument.rl.component import RLComponent
 
 __all__ = ["Counters"]
@@ -67,9 +73,12 @@ class Counters(RLComponent):
         done: Optional[Tensor] = None,
         mask: Optional[Tensor] = None,
     ) -> None:
-        """Count one batch. ``frames`` (already including frame_skip), when given, is taken as it is."""
-        done = done if done is not None else lookup(batch, self.done_key)
-        mask = mask if mask is not None else (lookup(batch, self.mask_key) if self.mask_key else None)
+        """Count one batch. ``frames`` (already including frame_skip), when given, is taken as it is;
+        ``done``/``mask`` keywords win over the batch's entries (as in a `KeywordBatch`)."""
+        if done is not None or mask is not None:
+            batch = KeywordBatch(batch, done=done, mask=mask)
+        done = entry(batch, "done", self.done_key)
+        mask = entry(batch, "mask", self.mask_key)
         shape = batch_shape_of(batch)
         if shape is None and done is not None:
             shape = infer_batch_shape(done, None)
@@ -84,9 +93,8 @@ class Counters(RLComponent):
             self._frames += _numel(shape) * self.frame_skip
         else:
             raise ConfigurationError(
-                "Counters cannot tell how many frames this batch holds: pass frames=..., a "
-                "TensorDict, or a batch "
-                f"with done at {self.done_key!r}."
+                "Counters cannot tell how many frames this batch holds: pass frames=..., a TensorDict, or a "
+                f"batch with done at {self.done_key!r}."
             )
         if done is not None:
             ended = (
@@ -97,8 +105,10 @@ class Counters(RLComponent):
             count = ended.sum(dtype=torch.int64)
             self._episodes_device = count if self._episodes_device is None else self._episodes_device + count
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, counters: Optional["Counters"] = None) -> bool:
+        """One more iteration completed (``counters`` is this object when `RLLogging` calls it)."""
         self.iterations += 1
+        return False
 
     # ------------------------------------------------------------------ reading
     @property

@@ -12,6 +12,9 @@ key           meaning
 ============  ===================================================================================
 
 Both modes run on the same schedule: when `Counters.frames` reaches the next multiple of ``every_frames``.
+`Evaluation` is an RL component: at the end of an iteration (``end_iteration``) it checks the schedule and, when
+an evaluation is due, asks for that iteration to be logged; it runs the episodes when the step is logged
+(``log``), timed as ``timing/evaluation``, and closes its runner with the set.
 An *episode runner* does the work, so any environment fits: a callable
 ``runner(deterministic: bool, max_steps: int, render: bool) -> Episode``. `GymnasiumRunner` runs a torch
 policy in a gymnasium environment (``render_mode="rgb_array"`` needs no display); TorchRL users get
@@ -30,6 +33,7 @@ import torch
 from torch import Tensor
 
 from instrument.errors import ConfigurationError, require
+from instrument.rl.component import RLComponent
 
 __all__ = ["Episode", "EpisodeRunner", "Evaluation", "GymnasiumRunner", "select_action"]
 
@@ -48,7 +52,7 @@ class Episode:
 EpisodeRunner = Callable[[bool, int, bool], Episode]
 
 
-class Evaluation:
+class Evaluation(RLComponent):
     """Runs evaluation episodes on a frame schedule and logs them under ``eval/<mode>/``.
 
     Args:
@@ -101,20 +105,44 @@ class Evaluation:
         self.runner = runner
         self.next_due = 0 if at_start else every_frames
         self.runs = 0
+        self._due_at: Optional[int] = None  # the frame count of an evaluation that is due, until it runs
 
     def due(self, frames: int) -> bool:
         return frames >= self.next_due
 
+    # ------------------------------------------------------------------ RLComponent
+    def end_iteration(self, counters) -> bool:
+        """Check the schedule (one read of ``counters.frames``); True when an evaluation is due."""
+        frames = counters.frames
+        if self.due(frames):
+            self._due_at = frames
+        return self._due_at is not None
+
+    def log(self, logger, step: int) -> None:
+        """Run the evaluation that is due, if any, and stage its results at ``step``."""
+        frames, self._due_at = self._due_at, None
+        if frames is None:
+            return
+        with logger.timer("evaluation"):
+            self.run(logger, step, frames)
+
+    def close(self) -> None:
+        """Close the runner (its environment) when it has a ``close``."""
+        close = getattr(self.runner, "close", None)
+        if callable(close):
+            close()
+
     def run(
         self, logger, step: int, frames: int, runner: Optional[EpisodeRunner] = None
     ) -> Dict[str, Episode]:
-        """Run every mode now, stage the results at ``step``, and schedule the next evaluation after
-        ``frames``."""
+        """Run every mode now, stage the results at ``step``, and schedule the next evaluation after ``frames``.
+
+        `log` calls this when an evaluation is due; call it yourself to evaluate outside the schedule."""
         runner = runner or self.runner
         if runner is None:
             raise ConfigurationError(
                 "Evaluation has no episode runner; set evaluation.runner = GymnasiumRunner(env, policy) (or "
-                "TorchRLRunner) once the policy exists, or pass runner=... to RLLogging.attach()."
+                "TorchRLRunner) once the policy exists, or pass eval_runner=... to RLLogging.attach()."
             )
         self.next_due = (frames // self.every_frames + 1) * self.every_frames
         self.runs += 1
@@ -167,8 +195,7 @@ def _mean(values: Sequence[Any]) -> Union[float, Tensor]:
 
 
 def select_action(output: Any, deterministic: bool) -> Tensor:
-    """The action from a policy's output: a torch Distribution (its mode, or a sample), or logits (argmax,
-    or a
+    """The action from a policy's output: a torch Distribution (its mode, or a sample), or logits (argmax, or a
     sample of the categorical distribution they define). A tuple's first element is used."""
     if isinstance(output, (tuple, list)):
         output = output[0]
@@ -179,9 +206,8 @@ def select_action(output: Any, deterministic: bool) -> Tensor:
             return output.argmax(dim=-1)
         return torch.distributions.Categorical(logits=output).sample()
     raise TypeError(
-        f"the policy returned {type(output).__name__}; GymnasiumRunner expects a torch Distribution "
-        f"or a tensor "
-        f"of logits (optionally as the first element of a tuple)."
+        f"the policy returned {type(output).__name__}; GymnasiumRunner expects a torch Distribution or a "
+        f"tensor of logits (optionally as the first element of a tuple)."
     )
 
 
@@ -190,8 +216,7 @@ class GymnasiumRunner:
 
     Args:
         env: an environment id (made with ``render_mode="rgb_array"``), a ``gymnasium.Env`` made with that
-        render
-            mode, or a callable returning one.
+            render mode, or a callable returning one.
         policy: ``policy(observation[1, ...]) -> Distribution | logits``; see `select_action`.
         seed: the first episode's reset seed; each later episode adds one, so evaluations are reproducible.
         device: where observations go before the policy sees them.

@@ -1,4 +1,4 @@
-"""`RLLogging`: the standard RL logging set, composed from the RL components and driven per iteration.
+"""`RLLogging`: the standard RL logging set, composed from the RL components and driven by the session.
 
 One object (one gin binding) turns on collection, training, counter, timing, evaluation and progress logging::
 
@@ -14,15 +14,21 @@ One object (one gin binding) turns on collection, training, counter, timing, eva
             rl.observe_losses(losses)
     rl.close()
 
-Steps: the logger step of iteration k is k (``step_unit="iterations"``, the same numbering as
-``inst.step(k)``) or the frame count after its batch (``step_unit="frames"``). A logging iteration (every
-``log_interval``-th, and every iteration that ran an evaluation) stages every component's values and commits
-them in one batched transfer — unless it runs inside an open ``with inst.step(k)`` block, which commits on
-exit,
-so each step is committed once (W&B drops a second write to a committed step).
+One session: `attach` registers every component with the `Instrumentation` (`Instrumentation.add_component`),
+so the session's failure ledger guards them (their failures are in ``inst.failures``), the session's cadence
+decides which iterations log (``inst.is_logging_step(iteration)``), and the session commits: at the exit of
+an open ``with inst.step(k)`` block, or through ``inst.commit_step(step)`` when no block frames the
+iteration. Each component is called only through the `RLComponent` methods.
 
-Resume: `state_dict` holds the counters and the evaluation schedule; after `load_state_dict` the next
-iteration
+Steps: the logger step of iteration k is k (``step_unit="iterations"``, the same numbering as ``inst.step(k)``)
+or the frame count after its batch (``step_unit="frames"``). A logging iteration (a logging step of the
+session, and every iteration whose evaluation was due) stages every component's values and commits them in
+one batched transfer, once per step (W&B drops a second write to a committed step).
+
+Attached to a bare `Logger` (no session), the set guards its components with a ledger of its own, logs every
+``log_interval``-th iteration (default 1) and commits the logger itself.
+
+Resume: `state_dict` holds the counters and the evaluation schedule; after `load_state_dict` the next iteration
 continues the numbering, so no step is logged twice.
 
 A component that raises is reported once and skipped; the other components and the commit still happen
@@ -30,24 +36,24 @@ A component that raises is reported once and skipped; the other components and t
 """
 
 import contextlib
-import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from instrument.backends.base import StepRecord
 from instrument.backends.progress import ProgressBar
+from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError
 from instrument.logger.logger import Logger
 from instrument.logger.timer import Timer
+from instrument.rl.bar import ProgressComponent
+from instrument.rl.batch import KeywordBatch
 from instrument.rl.collection import CollectionMetrics
 from instrument.rl.component import RLComponent
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
-from instrument.rl.timing import StageClock
+from instrument.rl.timing import StageClock, StageTiming
 from instrument.rl.training import TrainMetrics
 
 __all__ = ["RLLogging", "DEFAULT"]
-
-log = logging.getLogger("instrument")
 
 _STEP_UNITS = ("iterations", "frames")
 _STATE_VERSION = 1
@@ -73,8 +79,9 @@ class RLLogging:
         evaluation: `Evaluation`, or None (the default) for no evaluation.
         progress: `ProgressBar` (default: one that shows only on a terminal); None turns it off.
         components: further `RLComponent` instances, driven like the built-in ones.
-        log_interval: log every n-th iteration; None follows the attached Instrumentation's ``log_interval``
-            (1 when attached to a bare Logger); 0 logs only evaluations.
+        log_interval: for a bare `Logger`: log every n-th iteration (None: 1; 0 logs only evaluations).
+            Attached to an `Instrumentation`, its ``log_interval`` decides (one session, one cadence): leave
+            this None or give the same value.
         step_unit: ``"iterations"`` or ``"frames"``: what the logger's step counts.
         total_frames: the run's length, shown by the progress bar.
     """
@@ -101,6 +108,7 @@ class RLLogging:
             )
         self.collection = CollectionMetrics() if collection is DEFAULT else collection
         self.training = TrainMetrics() if training is DEFAULT else training
+        self._logger: Optional[Logger] = None
         self.log_counters = counters is not None
         self.counters = Counters() if counters is DEFAULT or counters is None else counters
         self.evaluation = evaluation
@@ -122,58 +130,101 @@ class RLLogging:
                     f"RLLogging.components must be RLComponent instances, got {type(comp).__name__}."
                 )
         self.extra: List[RLComponent] = list(components)
+        self.timing = StageTiming()
+        # the component that drives the progress bar backend through the set's lifecycle
+        self.progress_component = ProgressComponent(self.progress) if self.progress is not None else None
         self.log_interval = log_interval
         self.step_unit = step_unit
         self.total_frames = total_frames
         self.instrumentation = None
-        self._logger: Optional[Logger] = None
         self._owns_session = False
-        self._clock: Optional[StageClock] = None
-        self._failed: Dict[str, int] = {}
+        self._own = StepComponents("RL component")  # the guard when no session is attached
+        self._handles: List[ComponentHandle] = []
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":
-        """Log through ``target``: an `Instrumentation`, a `Logger`, or None for a new default
-        Instrumentation.
+        """Log through ``target``: an `Instrumentation` (its components from now on), a bare `Logger`, or None
+        for a new default Instrumentation (closed with this set).
 
         Returns self, so ``rl = RLLogging(...).attach(inst)`` reads as one line.
         """
         if self._logger is not None:
-            raise ConfigurationError(
-                "this RLLogging is already attached; create another one for another run."
-            )
+            raise ConfigurationError("this RLLogging is already attached; create another one for another run.")
         if target is None:
             from instrument.session import Instrumentation
 
-            target = Instrumentation()
+            interval = {} if self.log_interval is None else {"log_interval": self.log_interval}
+            target = Instrumentation(**interval)
             self._owns_session = True
         if isinstance(target, Logger):
-            self._logger = target
-        elif isinstance(getattr(target, "logger", None), Logger):
-            self.instrumentation = target
-            self._logger = target.logger
+            logger = target
+        elif isinstance(getattr(target, "logger", None), Logger) and hasattr(target, "add_component"):
+            logger = target.logger
+            if self.log_interval is not None and self.log_interval != target.log_interval:
+                raise ConfigurationError(
+                    f"RLLogging.log_interval={self.log_interval} but the Instrumentation it is attached to "
+                    f"logs every {target.log_interval} steps; one session has one cadence: bind "
+                    f"Instrumentation.log_interval and leave RLLogging.log_interval None."
+                )
         else:
             raise ConfigurationError(
                 f"RLLogging.attach takes an Instrumentation or a Logger, got {type(target).__name__}."
             )
-        self._clock = StageClock(self._logger)
         if eval_runner is not None:
-            if self.evaluation is None:
-                raise ConfigurationError(
-                    "an eval_runner was given but RLLogging.evaluation is None; bind an Evaluation."
-                )
-            self.evaluation.runner = eval_runner
-        if self.progress is not None:
-            if self.progress.total_frames is None:
-                self.progress.total_frames = self.total_frames
-            if self.collection is not None and self.collection.group != "main":
-                self.progress.reward_keys = tuple(
-                    k.replace("collection/main/", f"{self.collection.prefix}/")
-                    for k in self.progress.reward_keys
-                )
-            self._logger.add_backend(self.progress)
+            self._set_runner(eval_runner)
+        if self.progress_component is not None:  # the bar's key templates follow this set's prefixes
+            self.progress_component.total_frames = self.total_frames
+            self.progress_component.prefixes = {"counters": self.counters.prefix}
+            if self.collection is not None:
+                self.progress_component.prefixes["collection"] = self.collection.prefix
+        register = target.add_component if target is not logger else self._own.add
+        handles: List[ComponentHandle] = []
+        try:
+            for name, comp, logs in self.members:
+                handles.append(register(comp, name, logs))
+        except BaseException:  # e.g. a second RLLogging on one session: leave the session as it was
+            for handle in handles:
+                handle.remove()
+            raise
+        if target is not logger:
+            self.instrumentation = target
+        self._logger = logger
+        self._handles = handles
+        for handle in handles:
+            handle.call("attach", logger)
         return self
+
+    @property
+    def evaluation(self) -> Optional[Evaluation]:
+        """The `Evaluation` component, or None; set it before `attach` (attaching registers the components)."""
+        return self._evaluation
+
+    @evaluation.setter
+    def evaluation(self, evaluation: Optional[Evaluation]) -> None:
+        if self._logger is not None:
+            raise ConfigurationError(
+                "RLLogging.evaluation is set after attach(); set it before, so the session drives it."
+            )
+        self._evaluation = evaluation
+
+    @property
+    def members(self) -> List[Tuple[str, RLComponent, bool]]:
+        """``(name, component, logs)`` of every component of the set, in the order they are called."""
+        named: List[Tuple[str, Any, bool]] = [
+            ("evaluation", self.evaluation, True),
+            ("collection", self.collection, True),
+            ("training", self.training, True),
+            ("counters", self.counters, self.log_counters),
+        ]
+        named += [(f"extra{i}", c, True) for i, c in enumerate(self.extra)]
+        named += [("timing", self.timing, False), ("progress", self.progress_component, False)]
+        return [(n, c, logs) for n, c, logs in named if c is not None]
+
+    @property
+    def components(self) -> List[Tuple[str, RLComponent]]:
+        """``(name, component)`` of the components whose values are logged."""
+        return [(n, c) for n, c, logs in self.members if logs]
 
     @property
     def attached(self) -> bool:
@@ -181,8 +232,7 @@ class RLLogging:
 
     def close_session(self) -> None:
         """Close everything this set logs through: the Instrumentation (or bare Logger) it is attached to,
-        which
-        closes every backend (W&B ``finish`` included). Idempotent, like the closes it calls."""
+        which closes every backend (W&B ``finish`` included). Idempotent, like the closes it calls."""
         self.close()
         if self.instrumentation is not None:
             self.instrumentation.close()
@@ -196,14 +246,6 @@ class RLLogging:
         return self._logger
 
     @property
-    def components(self) -> List[Tuple[str, RLComponent]]:
-        named: List[Tuple[str, Any]] = [("collection", self.collection), ("training", self.training)]
-        if self.log_counters:
-            named.append(("counters", self.counters))
-        named += [(f"extra{i}", c) for i, c in enumerate(self.extra)]
-        return [(n, c) for n, c in named if c is not None]
-
-    @property
     def iteration_index(self) -> int:
         """The index of the iteration in progress (iterations completed so far)."""
         return self.counters.iterations
@@ -213,14 +255,6 @@ class RLLogging:
         """The logger step of the iteration in progress."""
         return self.counters.iterations if self.step_unit == "iterations" else self.counters.frames
 
-    def is_logging_iteration(self, index: int) -> bool:
-        interval = self.log_interval
-        if interval is None:
-            interval = (
-                getattr(self.instrumentation, "log_interval", 1) if self.instrumentation is not None else 1
-            )
-        return interval > 0 and index % interval == 0
-
     # ------------------------------------------------------------------ the iteration
     def timer(self, name: str) -> Timer:
         """The logger's timer ``name`` (``timing/<name>/...``): ``with rl.timer("collection"): ...``."""
@@ -228,9 +262,8 @@ class RLLogging:
 
     @property
     def clock(self) -> StageClock:
-        if self._clock is None:
-            raise ConfigurationError("RLLogging is not attached; call rl.attach(instrumentation) first.")
-        return self._clock
+        """The timing component's clock: ``start(stage)`` / ``stop(stage)`` from different call sites."""
+        return self.timing.clock
 
     @contextlib.contextmanager
     def iteration(self, eval_runner: Optional[EpisodeRunner] = None) -> Iterator["RLLogging"]:
@@ -247,58 +280,61 @@ class RLLogging:
 
     def observe_batch(self, batch: Any = None, *, frames: Optional[int] = None, **tensors: Any) -> None:
         """Count and measure one collected batch (a TensorDict, a mapping, or ``reward=``/``done=``/``mask=``
-        tensors as keywords). ``frames``, when given, is the batch's frame count including frame skip."""
-        self._check_open()
-        self.counters.on_batch(batch, frames, done=tensors.get("done"), mask=tensors.get("mask"))
-        if self.collection is not None:
-            self._guard("collection", self.collection.update, batch, **tensors)
-        for i, comp in enumerate(self.extra):
-            self._guard(f"extra{i}", comp.on_batch, batch, frames)
+        tensors as keywords). ``frames``, when given, is the batch's frame count including frame skip; with
+        no batch at all (asynchronous collection) only the frames are counted."""
+        self._check_attached()
+        data = KeywordBatch(batch, **tensors) if tensors else batch
+        for handle in self._handles:
+            handle.call("on_batch", data, frames)
 
     def observe_losses(self, losses: Any) -> None:
-        """Reduce one dict / TensorDict of losses and statistics (call it once per update, or once per
-        batch)."""
-        self._check_open()
-        if self.training is not None:
-            self._guard("training", self.training.update, losses)
-        for i, comp in enumerate(self.extra):
-            self._guard(f"extra{i}", comp.on_losses, losses)
+        """Reduce one dict / TensorDict of losses and statistics (once per update, or once per batch)."""
+        self._check_attached()
+        for handle in self._handles:
+            handle.call("on_losses", losses)
 
     def end_iteration(self, eval_runner: Optional[EpisodeRunner] = None) -> Optional[StepRecord]:
-        """Close the iteration: evaluate when due, and on logging iterations stage everything and commit.
+        """Close the iteration; on a logging iteration (the session's cadence, or a component asking, as a due
+        evaluation does) every component stages its values and the step is committed once.
 
-        Returns the committed record, or None when nothing was committed here.
+        ``eval_runner``, when given, becomes the evaluation's runner. Returns the committed record, or None
+        when nothing was committed here (also when an open ``with inst.step(k)`` block commits at its exit).
         """
-        self._check_open()
-        logger = self.logger
+        self._check_attached()
+        if eval_runner is not None:
+            self._set_runner(eval_runner)
         index = self.counters.iterations
         step = self.step
-        evaluated = False
-        if self.evaluation is not None:
-            frames = self.counters.frames
-            if self.evaluation.due(frames):
-                with logger.timer("evaluation"):
-                    self.evaluation.run(logger, step, frames, eval_runner)
-                evaluated = True
-        self.counters.end_iteration()
-        if not (evaluated or self.is_logging_iteration(index)):
+        asked = False
+        for handle in self._handles:
+            asked = bool(handle.call("end_iteration", self.counters)) or asked
+        if not (asked or self._is_logging_iteration(index)):
             return None
-        for name, comp in self.components:
-            self._guard(name, comp.log, logger, step)
-        return self._commit(step)
-
-    def _commit(self, step: int) -> Optional[StepRecord]:
-        open_step = getattr(self.instrumentation, "active_step", None)
-        if open_step is None:
-            return self.logger.commit(step)
-        if open_step != step:
+        inst = self.instrumentation
+        if inst is None:
+            self._own.log(self._logger, step)
+            return self._logger.commit(step)
+        open_step = inst.active_step
+        if open_step is not None and open_step != step:
             raise ConfigurationError(
-                f"RLLogging logs iteration {self.counters.iterations - 1} at step {step} "
-                f"({self.step_unit}) inside "
+                f"RLLogging logs iteration {index} at step {step} ({self.step_unit}) inside "
                 f"`with inst.step({open_step})`; the two must agree: use step_unit='iterations' and "
                 f"inst.step(iteration), or end the inst.step block before rl.end_iteration()."
             )
-        return None  # the open inst.step block commits this step when it exits
+        return inst.commit_step(step)  # inside the open block: None, the block commits at its exit
+
+    def _is_logging_iteration(self, index: int) -> bool:
+        if self.instrumentation is not None:
+            return self.instrumentation.is_logging_step(index)
+        interval = 1 if self.log_interval is None else self.log_interval
+        return interval > 0 and index % interval == 0
+
+    def _set_runner(self, runner: EpisodeRunner) -> None:
+        if self.evaluation is None:
+            raise ConfigurationError(
+                "an eval_runner was given but RLLogging.evaluation is None; bind an Evaluation."
+            )
+        self.evaluation.runner = runner
 
     # ------------------------------------------------------------------ resume and shutdown
     def state_dict(self) -> Dict[str, Any]:
@@ -306,7 +342,11 @@ class RLLogging:
         state: Dict[str, Any] = {"version": _STATE_VERSION, "counters": self.counters.state_dict()}
         if self.evaluation is not None:
             state["evaluation"] = self.evaluation.state_dict()
-        comps = {name: comp.state_dict() for name, comp in self.components if name != "counters"}
+        comps = {
+            name: comp.state_dict()
+            for name, comp, _ in self.members
+            if name not in ("counters", "evaluation", "timing", "progress")
+        }
         state["components"] = {k: v for k, v in comps.items() if v}
         return state
 
@@ -315,63 +355,62 @@ class RLLogging:
         if version != _STATE_VERSION:
             raise ConfigurationError(
                 f"RLLogging.load_state_dict expects a state from RLLogging.state_dict() (version "
-                f"{_STATE_VERSION}), "
-                f"got {type(state).__name__} with version {version!r}."
+                f"{_STATE_VERSION}), got {type(state).__name__} with version {version!r}."
             )
         self.counters.load_state_dict(state["counters"])
         if self.evaluation is not None and "evaluation" in state:
             self.evaluation.load_state_dict(state["evaluation"])
-        named = dict(self.components)
+        named = {name: comp for name, comp, _ in self.members}
         for name, comp_state in state.get("components", {}).items():
             if name in named:
                 named[name].load_state_dict(comp_state)
 
     @property
     def failures(self) -> Dict[str, int]:
-        """Component name -> number of calls that raised."""
-        return dict(self._failed)
+        """Component name -> number of calls that raised (also in ``inst.failures`` when attached to one)."""
+        counts = self.instrumentation.failures if self.instrumentation is not None else self._own.failures
+        names = {name for name, _, _ in self.members}
+        return {name: n for name, n in counts.items() if name in names}
 
     def close(self) -> None:
-        """Commit what is still staged and release the components; closes the session if it made one.
+        """Commit what is still staged and close the components; closes the session if it made one.
 
-        Idempotent. The progress bar closes here; the other backends (W&B ``finish`` included) close with the
-        logger, i.e. in ``Instrumentation.close()`` — or here, when this RLLogging created its own session.
+        Idempotent. The progress bar closes here (it ends with the loop); the other backends (W&B ``finish``
+        included) close with the logger, i.e. in ``Instrumentation.close()`` — or here, when this RLLogging
+        created its own session.
         """
         if self._closed:
             return
         self._closed = True
-        if self._clock is not None:
-            self._clock.cancel_all()
-        for name, comp in self.components:
-            self._guard(name, comp.close)
-        runner = getattr(self.evaluation, "runner", None)
-        if runner is not None and hasattr(runner, "close"):
-            self._guard("evaluation", runner.close)
-        if self._logger is None:
+        if self._logger is None:  # never attached: only the components' own resources
+            unattached = StepComponents("RL component")
+            for name, comp, logs in self.members:
+                unattached.add(comp, name, logs)
+            unattached.close()
             return
+        timing = [h for h in self._handles if h.component is self.timing]
+        for handle in timing:  # stages still running are dropped before anything is committed
+            handle.call("close")
+        inst = self.instrumentation
+        if inst is not None and inst.active_step is not None:
+            for handle in self._handles:  # closing inside a logging step: stage now, the block commits
+                if handle.logs:
+                    handle.call("log", self._logger, inst.active_step)
+        elif self._logger.has_pending:
+            self._logger.commit()
+        for handle in self._handles:
+            if handle.component is not self.timing:
+                handle.call("close")
+            handle.remove()
         if self._owns_session:
-            self.instrumentation.close()
-            return
-        if self.instrumentation is None or self.instrumentation.active_step is None:
-            if self._logger.has_pending:
-                self._logger.commit()
-        if self.progress is not None:
-            self.progress.close()  # the bar ends with the loop; the logger's own close() finds it closed
+            inst.close()
 
-    def _check_open(self) -> None:
+    def _check_attached(self) -> None:
         if self._closed:
             raise ConfigurationError("this RLLogging is closed; create a new one for another run.")
-
-    def _guard(self, name: str, fn, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except ConfigurationError:
-            raise
-        except Exception:
-            count = self._failed[name] = self._failed.get(name, 0) + 1
-            if count == 1:
-                log.exception("instrument: RL component %r failed; it is skipped, the others carry on", name)
+        if self._logger is None:
+            raise ConfigurationError("RLLogging is not attached; call rl.attach(instrumentation) first.")
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{n}={c!r}" for n, c in self.components)
+        parts = ", ".join(f"{n}={c!r}" for n, c in self.components if n != "evaluation")
         return f"RLLogging({parts}, evaluation={self.evaluation!r}, step_unit={self.step_unit!r})"

@@ -2,8 +2,8 @@
 
 Nothing here leaves the device. Statistics accumulate over a logging interval (count, sum, min, max) and are
 handed to the logger as tensors, which moves them to the host in its one batched transfer at commit.
-Reductions use ``sum``/``amin``/``amax`` (``aminmax`` and ``std_mean`` are many times slower on CPU, see
-FINDINGS.md).
+Reductions use ``sum``/``amin``/``amax``: measured with torch 2.13, ``aminmax`` and ``std_mean`` over
+``[16, 4096]`` are 9-13x slower on CPU than the separate passes.
 """
 
 import math
@@ -24,8 +24,7 @@ def _float(values: Tensor) -> Tensor:
 class RunningStats:
     """Count, sum, min and max of masked values, merged over calls, kept on the device.
 
-    ``add(values, mask)`` takes values shaped ``[*batch, K]`` and an optional boolean mask shaped
-    ``[*batch]``;
+    ``add(values, mask)`` takes values shaped ``[*batch, K]`` and an optional boolean mask shaped ``[*batch]``;
     it reduces over the batch dimensions, so the statistics have shape ``[K]`` (one per feature, e.g. per
     objective). With ``flatten=True`` everything (batch and features) is reduced to one value.
 
@@ -129,13 +128,11 @@ def episode_segments(
         done: ``[T, *envs]`` bool: the transition at t ended an episode.
         valid: ``[T, *envs]`` bool or None: steps that count (a collector mask); invalid steps add nothing and
             their ``done`` is ignored.
-        carry_return, carry_length: ``[*envs, K]`` / ``[*envs]`` partial episodes from earlier batches, or
-        None.
+        carry_return, carry_length: ``[*envs, K]`` / ``[*envs]`` partial episodes from earlier batches, or None.
 
     Returns:
-        ``(returns [T, *envs, K], lengths [T, *envs], ended [T, *envs], carry_return, carry_length)``;
-        returns and
-        lengths are meaningful where ``ended`` is true; the carries are the partial episodes after this batch.
+        ``(returns [T, *envs, K], lengths [T, *envs], ended [T, *envs], carry_return, carry_length)``; returns
+        and lengths are meaningful where ``ended`` is true; the carries are the partial episodes after this batch.
 
     A step's return is the cumulative reward since the previous episode end (exclusive) — or since the batch
     start plus the carried partial return when there is none — computed as a difference of cumulative sums.

@@ -1,7 +1,6 @@
 """TorchRL integration: `RLLogging` as a `torchrl.trainers.Trainer` hook, and a TorchRL evaluation runner.
 
-Needs ``pip install 'torch-instrument[torchrl]'``; this module is imported only when used, so instrument
-itself
+Needs ``pip install 'torch-instrument[torchrl]'``; this module is imported only when used, so instrument itself
 never pays for importing TorchRL. One call adds the standard RL logging to a trainer::
 
     from instrument.rl.torchrl import instrument_trainer
@@ -24,8 +23,7 @@ trainer stage                  what runs
 ``shutdown``                   commit what is left, close the bar and (by default) the session
 =============================  =====================================================================
 
-Registering also calls ``trainer.register_module(name, hook)``, so ``trainer.state_dict()`` carries the
-counters
+Registering also calls ``trainer.register_module(name, hook)``, so ``trainer.state_dict()`` carries the counters
 and evaluation schedule, and ``trainer.load_state_dict()`` resumes them: the step numbering continues.
 """
 
@@ -77,9 +75,7 @@ class TorchRLHook(TrainerHookBase):
         elif self._eval_runner is not None and self.rl.evaluation is not None:
             self.rl.evaluation.runner = self._eval_runner
         if self.rl.progress is not None and self.rl.progress.total_frames is None:
-            self.rl.progress.total_frames = trainer.total_frames
-            if self.rl.progress.bar is not None:
-                self.rl.progress.bar.total = trainer.total_frames
+            self.rl.progress.set_total(trainer.total_frames)
         self._trainer = trainer
         self._trainer_frames = int(trainer.collected_frames)
         trainer.register_module(name, self)
@@ -111,10 +107,7 @@ class TorchRLHook(TrainerHookBase):
     def on_pre_steps_log(self, batch) -> None:
         collected = int(self._trainer.collected_frames)
         frames, self._trainer_frames = max(collected - self._trainer_frames, 0), collected
-        if batch is None:  # asynchronous collection: no batch reaches the trainer
-            self.rl.counters.on_batch(frames=frames)
-            return None
-        self.rl.observe_batch(batch, frames=frames)
+        self.rl.observe_batch(batch, frames=frames)  # None with asynchronous collection: frames only
         return None
 
     def on_pre_optim_steps(self) -> None:
@@ -148,11 +141,9 @@ class TorchRLHook(TrainerHookBase):
 class TorchRLRunner:
     """Runs a TorchRL policy for one evaluation episode with ``env.rollout``.
 
-    Deterministic episodes run under ``ExplorationType.DETERMINISTIC`` (the distribution's mode),
-    stochastic ones
-    under ``ExplorationType.RANDOM`` (samples). With ``render``, the frames are the rollout's
-    ``pixels_key`` entry
-    (e.g. ``GymEnv(..., from_pixels=True, pixels_only=False)``); the return stays on the device.
+    Deterministic episodes run under ``ExplorationType.DETERMINISTIC`` (the distribution's mode), stochastic
+    ones under ``ExplorationType.RANDOM`` (samples). With ``render``, the frames are the rollout's
+    ``pixels_key`` entry (e.g. ``GymEnv(..., from_pixels=True, pixels_only=False)``); the return stays on the device.
     """
 
     def __init__(self, env, policy, pixels_key: Any = "pixels") -> None:

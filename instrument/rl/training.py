@@ -11,9 +11,8 @@ key                       meaning
 ``<name>/max``            largest element in the interval (``reduce_stats=True`` only)
 ========================  =================================================================================
 
-``<name>`` is the entry's key; nested keys are joined with ``/`` (``("loss", "actor")`` -> ``loss/actor``),
-so a
-name never depends on the shape of the value. Values may be tensors of any shape and dtype (bools count as
+``<name>`` is the entry's key; nested keys are joined with ``/`` (``("loss", "actor")`` -> ``loss/actor``), so
+a name never depends on the shape of the value. Values may be tensors of any shape and dtype (bools count as
 0/1), Python numbers or NumPy scalars; None entries are skipped. Everything stays on the device until commit.
 """
 
@@ -61,10 +60,11 @@ class TrainMetrics(RLComponent):
         self.exclude = list(exclude)
         self._stats: Dict[str, RunningStats] = {}
 
-    def on_losses(self, losses: Any) -> None:
-        self.update(losses)
-
     def update(self, losses: Any) -> None:
+        """`on_losses` under its older name, for a loop without `RLLogging`."""
+        self.on_losses(losses)
+
+    def on_losses(self, losses: Any) -> None:
         """Add one dict / TensorDict of values (e.g. the loss module's output for one update)."""
         for name, value in _flatten(losses):
             if not self._wanted(name):
@@ -138,6 +138,6 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
     if isinstance(value, (numbers.Real, np.number)):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(
-        f"training entry {name!r} has type {type(value).__name__}; expected a tensor, a number or a "
-        f"nested dict."
+        f"training entry {name!r} has type {type(value).__name__}; "
+        f"expected a tensor, a number or a nested dict."
     )

@@ -1,0 +1,122 @@
+"""Step components: work the session runs at the end of every logging step, right before its one commit.
+
+An observer sees the rollout iterations inside a step; a *component* sees the step as a whole. It has
+accumulated values of its own (batch statistics, losses, counters, an evaluation that is due) and stages them
+when the step is logged::
+
+    component.log(logger, step)     # at the end of every logging step, before logger.commit(step)
+    component.close()               # once, when the session closes (or the component is removed)
+
+Any object with those two methods is a component; the RL metrics (`instrument.rl.RLComponent`) are the ones
+the library ships. `Instrumentation.add_component` registers one and returns a `ComponentHandle`: the handle
+also calls the component's other methods under the same failure guard, so whoever feeds it data (e.g.
+`RLLogging` with collected batches) shares the session's one ledger.
+
+A component that raises is recorded in the `FailureLedger` (reported once, then counted; the counts are in
+``Instrumentation.failures``) and skipped; the other components and the commit still happen. A
+`ConfigurationError` propagates: it needs fixing, not skipping.
+"""
+
+from typing import Any, Dict, List, Optional
+
+from instrument.core.failures import FailureLedger
+from instrument.errors import ConfigurationError
+
+__all__ = ["ComponentHandle", "StepComponents"]
+
+
+class ComponentHandle:
+    """One registered component. ``call(method, ...)`` runs one of its methods under the failure guard;
+    ``remove()`` unregisters it (idempotent), also as a context manager.
+
+    Attributes:
+        name: the component's name in the failure counts.
+        component: the registered object.
+        logs: whether the session calls its ``log`` at the end of logging steps.
+    """
+
+    def __init__(self, registry: "StepComponents", component: Any, name: str, logs: bool) -> None:
+        self._registry = registry
+        self.component = component
+        self.name = name
+        self.logs = logs
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``component.<method>(*args, **kwargs)``; its result, or None when it raised (recorded, skipped)."""
+        return self._registry.call(self.name, method, getattr(self.component, method), *args, **kwargs)
+
+    def remove(self) -> None:
+        if self in self._registry._handles:
+            self._registry._handles.remove(self)
+
+    def __enter__(self) -> "ComponentHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"ComponentHandle({self.name!r}, {self.component!r})"
+
+
+class StepComponents:
+    """The ordered set of components of one session, and their failure ledger.
+
+    Args:
+        kind: what the components are, in failure messages (``"component"``, ``"RL component"``).
+    """
+
+    def __init__(self, kind: str = "component") -> None:
+        self.ledger = FailureLedger(kind, "it is skipped, the others carry on")
+        self._handles: List[ComponentHandle] = []
+
+    def add(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
+        """Register ``component`` under ``name`` (default: its class name); its ``log`` runs at the end of
+        every logging step when ``logs`` is True. Names are unique: they key the failure counts."""
+        if logs and not callable(getattr(component, "log", None)):
+            raise ConfigurationError(
+                f"a step component needs a log(logger, step) method; {type(component).__name__} has none."
+            )
+        name = name or type(component).__name__
+        if any(h.name == name for h in self._handles):
+            raise ConfigurationError(
+                f"a component named {name!r} is already registered with this session; pass another name."
+            )
+        handle = ComponentHandle(self, component, name, logs)
+        self._handles.append(handle)
+        return handle
+
+    @property
+    def handles(self) -> List[ComponentHandle]:
+        return list(self._handles)
+
+    def call(self, name: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            self.ledger.record(name, method, exc)
+            return None
+
+    def log(self, logger: Any, step: int) -> None:
+        """Every logging component stages its values at ``step``, in registration order."""
+        for handle in list(self._handles):
+            if handle.logs:
+                handle.call("log", logger, step)
+
+    def close(self) -> None:
+        """Close every component (each under the guard, so one failing close costs the others nothing) and
+        unregister them all."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            if callable(getattr(handle.component, "close", None)):  # closing never raises, whatever failed
+                self.ledger.call(handle.name, "close", handle.component.close)
+
+    @property
+    def failures(self) -> Dict[str, int]:
+        """Component name -> number of calls that raised."""
+        return self.ledger.counts()
+
+    def __len__(self) -> int:
+        return len(self._handles)

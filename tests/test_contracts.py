@@ -234,8 +234,9 @@ def _read_jsonl(path: Path) -> Dict[int, Dict[str, Any]]:
 
 @pytest.mark.parametrize("cls", OBSERVERS, ids=_id)
 def test_observer_lifecycle_logs_exactly_its_documented_keys(cls: Type[Observer], tmp_path):
-    """reset -> observe(StepContext) x n -> log(logger, step), twice; the keys staged are the ones its docstring
-    documents (each of them, of the documented kind, and nothing else), and reset forgets the previous step."""
+    """reset -> observe(StepContext) x n [-> observe_gradients] -> log(logger, step), twice; the keys staged are the
+    ones its docstring documents (each of them, of the documented kind, and nothing else), and reset forgets the
+    previous step."""
     observer = build(cls, tmp_path)
     assert isinstance(observer, Observer) and observer.name
     documented = documented_keys(cls, observer.name)
@@ -246,11 +247,15 @@ def test_observer_lifecycle_logs_exactly_its_documented_keys(cls: Type[Observer]
     path = tmp_path / "metrics.jsonl"
     logger = Logger([JsonlBackend(path=str(path))], RunInfo("contract", tmp_path))
     states = _states()
+    wanted = tuple(observer.probes)  # embedded probes it reads: each gets a tensor of the state's shape
     for step in (0, 1):
         observer.reset()
         with torch.no_grad():  # as the dispatcher calls it
             for i in range(len(states) - 1):
-                observer.observe(StepContext(states[i], states[i + 1], step_index=i))
+                probes = {name: states[i + 1] * (k + 1) for k, name in enumerate(wanted)}
+                observer.observe(StepContext(states[i], states[i + 1], step_index=i, probes=probes))
+            if wanted:  # as if each probe were a gradient probe: one gradient per iteration
+                observer.observe_gradients({name: [s.neg() for s in states[1:]] for name in wanted})
         observer.log(logger, step)
         logger.commit(step)
     logger.close()
@@ -264,7 +269,10 @@ def test_observer_lifecycle_logs_exactly_its_documented_keys(cls: Type[Observer]
         if not any(p.match(key) and s == section for p, s in documented.items())
     )
     assert not undocumented, f"{cls.__qualname__} logs keys its docstring does not document: {undocumented}"
-    never = sorted(p.pattern for p, s in documented.items() if not any(p.match(k) and s == sec for k, sec in staged))
+    never = sorted(
+        p.pattern.replace("\\", "").removesuffix("Z") for p, s in documented.items()
+        if not any(p.match(k) and s == sec for k, sec in staged)
+    )
     assert not never, f"{cls.__qualname__} documents keys it did not log: {never}"
     assert all(key.startswith(observer.name + "/") for key, _ in staged)
     for section in KINDS.values():  # the same rollout twice: reset forgot step 0 entirely

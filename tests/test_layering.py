@@ -338,3 +338,12 @@ def test_rules_catch_what_they_should():
     assert _strongly_connected({"a": {"b"}, "b": set()}) == []
     lazy = imports_of("instrument.probes.probe")
     assert ("instrument.probes.script", "lazy") in {(target, kind) for target, kind, _ in lazy}
+
+
+MAX_LINES = 500
+
+
+def test_no_module_over_500_lines():
+    """One concept per module, a few hundred lines at most (DEVELOPERS.md)."""
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"

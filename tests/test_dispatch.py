@@ -1,5 +1,6 @@
 """The dispatcher hands observers the recorded probe values without touching the caller's StepContext."""
 
+import pytest
 import torch
 
 import instrument
@@ -25,7 +26,16 @@ class KeepProbes(instrument.Observer):
         self.contexts.append(context)
 
 
-def test_callers_context_keeps_its_own_probes_while_observers_get_the_recorded_ones():
+class TaggedContext(instrument.StepContext):
+    """A user's subclass with an attribute of its own (copied along, not through the slots)."""
+
+    def __init__(self, *args, tag: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+@pytest.mark.parametrize("context_type", [instrument.StepContext, TaggedContext])
+def test_callers_context_keeps_its_own_probes_while_observers_get_the_recorded_ones(context_type):
     torch.manual_seed(0)
     model, keep = Model(), KeepProbes()
     inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
@@ -37,7 +47,9 @@ def test_callers_context_keeps_its_own_probes_while_observers_get_the_recorded_o
         x = model.encoder_probe(x0)
         for i in range(N_ITER):
             nxt = model.rule(x)
-            context = instrument.StepContext(x, nxt, step_index=i, probes={"mine": own})
+            context = context_type(x, nxt, step_index=i, probes={"mine": own})
+            if context_type is TaggedContext:
+                context.tag = f"iteration {i}"
             s.observer(context)
             mine.append(context)
             x = nxt
@@ -52,6 +64,9 @@ def test_callers_context_keeps_its_own_probes_while_observers_get_the_recorded_o
     assert all(seen is not given for seen, given in zip(keep.contexts, mine, strict=True))
     assert [c.step_index for c in keep.contexts] == list(range(N_ITER))
     assert torch.equal(keep.contexts[-1].next_state, mine[-1].next_state)
+    assert all(type(seen) is context_type for seen in keep.contexts)
+    if context_type is TaggedContext:
+        assert [c.tag for c in keep.contexts] == [f"iteration {i}" for i in range(N_ITER)]
 
 
 def test_without_recorded_probes_the_callers_context_is_passed_through():

@@ -66,7 +66,10 @@ class StepScope:
     Attributes:
         step: the training step.
         active: whether this is a logging step.
-        observer: the callable an explicit evolver calls with a `StepContext` each iteration; None when inactive.
+        observer: on a logging step, the session's `Dispatcher` (``instrument.core.dispatch``): the callable
+            an explicit evolver calls once per rollout iteration, ``s.observer(StepContext(previous, next))``,
+            which runs every observer's ``observe`` under ``no_grad`` and isolates their failures. None on a
+            non-logging step, so ``if s.observer is not None:`` skips building the context entirely.
     """
 
     __slots__ = ("step", "active", "observer", "_session")

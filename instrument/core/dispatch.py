@@ -6,6 +6,7 @@ tensors), never during checkpoint recomputation in backward, and isolates failur
 reported once and skipped for the rest of the step.
 """
 
+import copy
 import logging
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
 
@@ -65,7 +66,9 @@ class Dispatcher:
         if self.recorder is not None:
             recorded = self.recorder.drain()
             if recorded:
-                context.probes = {**recorded, **context.probes}
+                # The caller's context is theirs: observers get a shallow copy that adds the recorded probe
+                # values (the caller's own probes win on a name clash); the tensors are shared, not copied.
+                context = _with_probes(context, {**recorded, **context.probes})
         with torch.no_grad():
             for index, observer in enumerate(self.observers):
                 if index not in self._skipped:
@@ -88,3 +91,15 @@ class Dispatcher:
     def _run(self, index: int, observer: ObserverLike, method: str, fn: Callable, *args) -> None:
         if not self.ledger.call(observer_name(observer), method, fn, *args):
             self._skipped.add(index)
+
+
+def _with_probes(context: StepContext, probes: Dict[str, Tensor]) -> StepContext:
+    """A shallow copy of ``context`` whose ``probes`` is ``probes``; ``context`` itself is left as it was."""
+    if type(context) is StepContext:  # copying the slots directly is ~4x cheaper than copy.copy
+        copied = StepContext.__new__(StepContext)
+        for name in StepContext.__slots__:
+            setattr(copied, name, getattr(context, name))
+    else:
+        copied = copy.copy(context)
+    copied.probes = probes
+    return copied

@@ -1,1 +1,6 @@
 """Built-in observers. Each documents the metric keys it emits."""
+
+from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.update_norm import UpdateNorm
+
+__all__ = ["IterationStats", "UpdateNorm"]

@@ -1,9 +1,10 @@
 """Writing a line to the terminal without breaking a tqdm progress bar.
 
 A bar redraws its line with ``\\r``; a plain ``print`` while it is on screen lands in the middle of the bar
-and both come out garbled. ``tqdm.write`` clears the bars, prints the line and redraws them. We use it only
-when a bar exists: tqdm is optional, and a program that never imported it cannot have a bar on screen, so
-tqdm is never imported here.
+and both come out garbled. ``tqdm.write`` (tqdm's public API for exactly this) clears the bars on the same
+stream, prints the line and redraws them; with no bar on screen it is a plain write. We go through it
+whenever tqdm is loaded: tqdm is optional, and a program that never imported it cannot have a bar on screen,
+so tqdm is never imported here.
 """
 
 import sys
@@ -12,23 +13,31 @@ from typing import Optional, TextIO
 __all__ = ["write_line", "tqdm_bar_active"]
 
 
+def _loaded_tqdm():
+    """The ``tqdm.tqdm`` class when tqdm has been imported (by anyone), else None."""
+    module = sys.modules.get("tqdm")
+    return getattr(module, "tqdm", None) if module is not None else None
+
+
 def tqdm_bar_active() -> bool:
-    """Whether a tqdm bar is alive in this process (any ``tqdm.tqdm`` subclass: auto, std, rich...)."""
-    tqdm_module = sys.modules.get("tqdm")
-    if tqdm_module is None:
-        return False
-    instances = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
-    return bool(instances)
+    """Whether a tqdm bar is alive in this process (any ``tqdm.tqdm`` subclass: auto, std, rich...).
+
+    A diagnostic for tests and debugging only: tqdm has no public API for its live bars, so this reads its
+    registry. `write_line` does not depend on it.
+    """
+    bar_class = _loaded_tqdm()
+    return bool(getattr(bar_class, "_instances", None)) if bar_class is not None else False
 
 
 def write_line(text: str, stream: Optional[TextIO] = None) -> None:
     """Write ``text`` and a newline to ``stream`` (``sys.stdout`` at call time when None), then flush.
 
-    Through ``tqdm.write`` when a bar is active, so the line appears above the bar and the bar stays intact.
+    Through ``tqdm.write`` once tqdm is loaded, so the line appears above any bar and the bar stays intact.
     """
     out = stream if stream is not None else sys.stdout
-    if tqdm_bar_active():
-        sys.modules["tqdm"].tqdm.write(text, file=out)
+    bar_class = _loaded_tqdm()
+    if bar_class is not None:
+        bar_class.write(text, file=out)
     else:
         out.write(text + "\n")
     out.flush()

@@ -66,6 +66,10 @@ class JsonlBackend(Backend):
         self._write_line({"system_step": record.step, "time": record.wall_time,
                           "metrics": {k: _json_number(v) for k, v in record.scalars.items()}})
 
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -67,6 +67,10 @@ class TensorBoardBackend(Backend):
         if self.flush_every_commit:
             self._writer.flush()
 
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()

@@ -107,7 +107,8 @@ class Logger:
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order
         self._totals: Dict[str, Any] = {}  # scalar name -> sum over the interval (float or device tensor)
-        self._counts: Dict[str, int] = {}
+        self._counts: Dict[str, int] = {}  # only names logged more than once in the interval
+        self._on_device: Dict[str, None] = {}  # names whose value is a device tensor (ordered set)
         self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
         self._weights: Dict[str, Any] = {}  # only weighted names: sum of weights
         self._media: Dict[Tuple[str, str], Tuple[Any, Any]] = {}  # (kind, tag) -> (staged value, extra)
@@ -160,26 +161,28 @@ class Logger:
         plain = weights is None and type(reduce) is str and reduce == "mean"
         ops = None if plain else resolve_ops(list(metrics), reduce, weights)
         head = prefix.rstrip("/") + "/" if prefix else ""
-        values = []
-        for key, value in metrics.items():
-            name = head + key if type(key) is str else head + str(key)
-            kind = type(value)
-            values.append((key, name, float(value) if kind is float or kind is int else _as_scalar(name, value)))
         with self._lock:
             if not self._accept(step):
                 return
-            totals, counts = self._totals, self._counts
-            if plain and not (self._ops or self._weights):
-                for _, name, value in values:
+            if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
+                totals, counts, on_device = self._totals, self._counts, self._on_device
+                for key, value in metrics.items():
+                    name = head + key if type(key) is str else head + str(key)
+                    kind = type(value)
+                    if kind is not float:
+                        value = float(value) if kind is int else _as_scalar(name, value)
+                        if type(value) is not float:
+                            on_device[name] = None
                     if name in totals:
                         totals[name] = totals[name] + value
-                        counts[name] += 1
+                        counts[name] = counts.get(name, 1) + 1
                     else:
                         totals[name] = value
-                        counts[name] = 1
                 return
-            for key, name, value in values:
+            for key, value in metrics.items():
+                name = head + key if type(key) is str else head + str(key)
                 op, weight = ("mean", None) if ops is None else ops[key]
+                value = _as_scalar(name, value)
                 if weight is not None:
                     weight = _as_scalar(f"weight of {name}", weight)
                 self._stage_scalar(name, value, op, weight)
@@ -198,13 +201,16 @@ class Logger:
             self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
             if weight is not None:
                 self._weights[name] = self._weights[name] + weight
-            self._counts[name] += 1
-            return
-        self._totals[name] = value if weight is None else value * weight
-        self._counts[name] = 1
+            self._counts[name] = self._counts.get(name, 1) + 1
+        else:
+            self._totals[name] = value if weight is None else value * weight
+        if type(self._totals[name]) is not float:
+            self._on_device[name] = None
+        if weight is not None and type(self._weights[name]) is not float:
+            self._on_device[name] = None
         if op != "mean":
             self._ops[name] = op
-        if weight is not None:
+        if weight is not None and name not in self._weights:
             self._weights[name] = weight
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
@@ -389,13 +395,13 @@ class Logger:
     def _swap(self) -> tuple:
         """Take the staged table and leave an empty one (under the lock)."""
         timers = {name: (t.reduce, t.take()) for name, t in self._timers.items() if t.count}
-        staged = (self._totals, self._counts, self._ops, self._weights, self._media, timers)
-        self._totals, self._counts, self._ops, self._weights, self._media = {}, {}, {}, {}, {}
+        staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers)
+        self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}
         return staged
 
     def _handover(self, step: int, staged: tuple, collective: bool) -> Optional[tuple]:
         """On the committing thread: local means (device ops), the reduction if any, the transfer started."""
-        totals, counts, ops, weights, media, timers = staged
+        totals, counts, ops, weights, on_device, media, timers = staged
         timings: Any = timers
         if collective:
             scalars = self._reduce(totals, counts, ops, weights, timers)
@@ -408,15 +414,14 @@ class Logger:
             tensor_keys: List[str] = []
             tensors: List[Tensor] = []
         else:
-            scalars = {}
-            tensor_keys, tensors = [], []
-            for name, total in totals.items():
-                weight = weights.get(name) if weights else None
-                value = total / weight if weight is not None else (total / counts[name] if counts[name] > 1 else total)
-                scalars[name] = value
-                if type(value) is not float:
-                    tensor_keys.append(name)
-                    tensors.append(value)
+            scalars = totals  # the staged table is ours now: turn sums into means in place
+            for name, count in counts.items():
+                if name not in weights:
+                    scalars[name] = scalars[name] / count
+            for name, weight in weights.items():
+                scalars[name] = scalars[name] / weight
+            tensor_keys = list(on_device)
+            tensors = [scalars[name] for name in tensor_keys]
         for value, _ in media.values():
             tensors.extend(tensors_of(value))
         batch = start_transfer(tensors) if tensors else None
@@ -429,7 +434,7 @@ class Logger:
             if name in weights:
                 entries.append(Entry(name, "wmean", total, weights[name]))
             else:
-                entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if counts[name] > 1 else total))
+                entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
         for name, (reduce, taken) in timers.items():
             for key, value in _timing(name, elapsed(*taken)).items():
                 entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))

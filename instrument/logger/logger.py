@@ -26,7 +26,6 @@ samples are rank 0's. Without a process group nothing changes.
 """
 
 import logging
-import math
 import numbers
 import threading
 import time
@@ -40,6 +39,7 @@ from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
+from instrument.logger.assemble import build_record, describe, timing_stats
 from instrument.logger.media import KINDS, tensors_of
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
@@ -436,7 +436,7 @@ class Logger:
             else:
                 entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
         for name, (reduce, taken) in timers.items():
-            for key, value in _timing(name, elapsed(*taken)).items():
+            for key, value in timing_stats(elapsed(*taken)).items():
                 entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
         pending = self.reducer.start(entries)
         # host sync: the reduced vector is needed here when some rank's keys did not fit (a second collective).
@@ -444,35 +444,8 @@ class Logger:
         return dict(reduced if reduced is not None else self.reducer.resolve(entries))
 
     def _build(self, payload: tuple) -> StepRecord:
-        """On the writer thread: wait for the transfer, convert every value; a failing value is dropped alone."""
-        step, wall_time, scalars, tensor_keys, media, timings, batch, tensors = payload
-        arrays = batch.arrays() if batch is not None else []
-        by_id = {id(t): a for t, a in zip(tensors, arrays)}
-
-        def host(value: Any) -> Any:
-            return by_id.get(id(value), value) if isinstance(value, Tensor) else value
-
-        record = StepRecord(step=step, wall_time=wall_time)
-        for i, key in enumerate(tensor_keys):
-            scalars[key] = float(arrays[i])
-        record.scalars = scalars
-        for (kind, tag), (value, extra) in media.items():
-            spec = KINDS[kind]
-            try:
-                getattr(record, spec.field)[tag] = spec.convert(tag, value, extra, host)
-            except Exception as exc:  # a value that cannot be converted costs that value only
-                self._value_failed(kind, tag, step, value, spec.expected, exc)
-        for name, stats in timings.items():
-            if isinstance(stats, tuple):  # (reduce, taken measurements): read here, off the training thread
-                try:
-                    seconds = elapsed(*stats[1])
-                except Exception as exc:
-                    self._value_failed("timer", name, step, stats[1], "completed timings", exc)
-                    continue
-                stats = _timing(name, seconds) if seconds else None
-            if stats:
-                record.timings[name] = stats
-        return record
+        """On the writer thread: the `StepRecord` of a handed-over step (`instrument.logger.assemble`)."""
+        return build_record(payload, self._value_failed)
 
     def _value_failed(self, kind: str, tag: str, step: int, value: Any, expected: str, exc: Exception) -> None:
         key = f"{kind} {tag}"
@@ -483,18 +456,10 @@ class Logger:
             log.error(
                 "instrument: dropped %s %r at step %d: received %s, expected %s (%s: %s). The rest of the step "
                 "and later steps are written; later failures of this value are counted in Logger.failures.",
-                kind, tag, step, _describe(value), expected, type(exc).__name__, exc,
+                kind, tag, step, describe(value), expected, type(exc).__name__, exc,
             )
         else:
             log.debug("instrument: dropped %s %r again at step %d (%d times)", kind, tag, step, count)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a {value.device.type} tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    if isinstance(value, np.ndarray):
-        return f"an array of shape {value.shape} and dtype {value.dtype}"
-    return f"a {type(value).__name__}"
 
 
 def _as_scalar(name: str, value: Any) -> Union[float, Tensor]:
@@ -517,12 +482,3 @@ def _as_scalar(name: str, value: Any) -> Union[float, Tensor]:
     raise InvalidValueError(
         f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
     )
-
-
-def _timing(name: str, seconds: List[float]) -> Dict[str, float]:
-    return {
-        "mean": math.fsum(seconds) / len(seconds),
-        "min": min(seconds),
-        "max": max(seconds),
-        "count": float(len(seconds)),
-    }

@@ -1,7 +1,8 @@
 """Per-logger timers: wall time on the CPU, CUDA events on a GPU, no sync until commit.
 
 A timer accumulates every interval measured between two commits and reports mean, min, max and count in
-``StepRecord.timings[name]`` (``timing/<name>/<stat>`` for scalar-only backends). Timers belong to one `Logger`; there is no global registry.
+``StepRecord.timings[name]`` (``timing/<name>/<stat>`` for scalar-only backends). Timers belong to one
+`Logger`; there is no global registry.
 """
 
 import functools

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from instrument.backends.base import SampleTable
@@ -51,8 +52,12 @@ def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
                 f"log_{kind}({tag!r}): got a meta tensor of shape {tuple(value.shape)}, which has no data; "
                 f"expected {expected}. Log a materialised tensor."
             )
-        if value.is_complex():
-            raise InvalidValueError(f"log_{kind}({tag!r}): got a complex tensor; expected {expected}.")
+        if value.is_complex() or value.layout != torch.strided:
+            what = "complex" if value.is_complex() else f"{value.layout}"
+            raise InvalidValueError(
+                f"log_{kind}({tag!r}): got a {what} tensor; expected {expected} as a dense real tensor "
+                f"(e.g. value.to_dense())."
+            )
         return value.detach()
     try:
         array = np.asarray(value)
@@ -91,12 +96,12 @@ def _convert_image(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
     return to_hwc_uint8(host(value), tag)
 
 
-_HEATMAP = "a 2-D matrix [rows, cols]"
+_HEATMAP = "a 2-D matrix [rows, cols] (1-D: one column)"
 
 
 def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:
     value = _array_like("heatmap", tag, value, _HEATMAP)
-    if len(_shape(value)) != 2 or 0 in _shape(value):
+    if len(_shape(value)) not in (1, 2) or 0 in _shape(value):
         raise InvalidValueError(
             f"log_heatmap({tag!r}): expected {_HEATMAP}, got shape {_shape(value)}; reduce or reshape it first, "
             f"e.g. value.mean(0) or value.flatten(1)."
@@ -154,6 +159,12 @@ def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
                 f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict "
                 f"such as {{'input': ..., 'output': ..., 'score': ...}}."
             )
+        for k, v in row.items():
+            if isinstance(v, Tensor) and (v.is_meta or v.is_complex()):
+                raise InvalidValueError(
+                    f"log_samples({tag!r}): field {k!r} of sample {i} is a {'meta' if v.is_meta else 'complex'} "
+                    f"tensor; expected numbers, strings or real tensors."
+                )
         rows.append({str(k): (v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()})
     return rows
 

@@ -178,7 +178,7 @@ def test_full_queue_drop_mode_drops_the_oldest_counts_and_warns_once(tmp_path, c
     assert [h.dropped for h in handles] == [True] * 7 + [False, False]
     assert first.scalars == {"a": 0.0} and handles[-1].result().scalars == {"a": 9.0}
     with pytest.raises(LookupError, match="step 1 was dropped"):
-        handles[0].scalars
+        _ = handles[0].scalars
     logger.close()
 
 

@@ -45,12 +45,12 @@ class HostBatch:
     the training thread goes on at once and `arrays` (called on the writer thread) waits on that event.
     """
 
-    __slots__ = ("_shapes", "_parts", "_event")
+    __slots__ = ("_shapes", "_parts", "_events")
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self._shapes = [tuple(t.shape) for t in tensors]
         self._parts: List[tuple] = []  # (host buffer, indices)
-        self._event = None
+        self._events: List[torch.cuda.Event] = []  # one per CUDA device, recorded after its copy
         by_device: Dict[torch.device, List[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
@@ -61,19 +61,20 @@ class HostBatch:
                     pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                     pinned.copy_(flat, non_blocking=True)  # no host sync: the writer waits on the event
                     self._parts.append((pinned, indices))
+                    with torch.cuda.device(device):
+                        event = torch.cuda.Event()
+                        event.record()
+                        self._events.append(event)
                 elif device.type == "cpu":
                     self._parts.append((flat, indices))  # torch.cat made a copy the caller cannot change
                 else:
                     # host sync: a device without pinned non-blocking copies (e.g. MPS) copies here.
                     self._parts.append((flat.to("cpu"), indices))
-            if any(t.device.type == "cuda" for t in tensors):
-                self._event = torch.cuda.Event()
-                self._event.record()
 
     def arrays(self) -> List[np.ndarray]:
         """Float64 numpy copies of the tensors, same shapes and order; waits for the copy on CUDA."""
-        if self._event is not None:
-            self._event.synchronize()  # host sync: on the writer thread, never on the training thread
+        for event in self._events:
+            event.synchronize()  # host sync: on the writer thread, never on the training thread
         out: List[np.ndarray] = [np.empty(0)] * len(self._shapes)
         for buffer, indices in self._parts:
             host = buffer.numpy().astype(np.float64, copy=False)

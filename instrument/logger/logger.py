@@ -188,6 +188,7 @@ class Logger:
                 self._stage_scalar(name, value, op, weight)
 
     def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
+        """The general path: a reduce op other than mean, or a weight (under the lock)."""
         if name in self._totals:
             before_op, before_w = self._ops.get(name, "mean"), name in self._weights
             if op != before_op or (weight is not None) != before_w:
@@ -204,14 +205,12 @@ class Logger:
             self._counts[name] = self._counts.get(name, 1) + 1
         else:
             self._totals[name] = value if weight is None else value * weight
-        if type(self._totals[name]) is not float:
+            if weight is not None:
+                self._weights[name] = weight
+            if op != "mean":
+                self._ops[name] = op
+        if type(self._totals[name]) is not float or (weight is not None and type(self._weights[name]) is not float):
             self._on_device[name] = None
-        if weight is not None and type(self._weights[name]) is not float:
-            self._on_device[name] = None
-        if op != "mean":
-            self._ops[name] = op
-        if weight is not None and name not in self._weights:
-            self._weights[name] = weight
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
         """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1] or uint8."""

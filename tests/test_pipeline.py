@@ -401,3 +401,43 @@ def test_a_cuda_commit_makes_no_host_sync_and_the_writer_reads_the_values(tmp_pa
     assert handle.scalars == {"mean": 49.5, "max": 99.0}
     logger.close()
     assert lines(path)[0]["images"]["hm"][2] == 3
+
+
+INTERRUPTED_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import instrument
+    from instrument.backends.base import Backend
+    from instrument.backends.jsonl import JsonlBackend
+
+    class Status(Backend):
+        def write(self, record):
+            pass
+
+        def on_exit(self, status):
+            print("on_exit", status, flush=True)
+
+    try:
+        with instrument.Instrumentation(
+            backends=[JsonlBackend(), Status()], log_interval=1, run_name="child", log_dir=sys.argv[1]
+        ) as inst:
+            for step in range(5):
+                with inst.step(step):
+                    inst.logger.log_metrics({"a": float(step)}, step=step)
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+    """
+)
+
+
+def test_sigint_still_raises_keyboard_interrupt_and_marks_the_run_killed(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(INTERRUPTED_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=WAIT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["on_exit killed", "KeyboardInterrupt"]
+    assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2, 3, 4]

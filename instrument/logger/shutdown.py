@@ -5,9 +5,9 @@ Every live `Logger` is registered here (weakly). What happens:
 - SIGTERM: every live logger writes and flushes what was handed over, calls ``backend.on_exit("killed")`` and
   closes its backends (bounded by ``TIMEOUT`` seconds per logger); then the previous handler runs, or, when
   there was none, the default action is re-delivered so the process still ends by the signal.
-- SIGINT: every live logger flushes (bounded), then the previous handler runs (by default it raises
-  `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A KeyboardInterrupt that ends
-  the process marks the run ``"killed"``.
+- SIGINT: every live logger flushes (at most ``INTERRUPT_TIMEOUT`` seconds each), then the previous handler
+  runs (by default it raises `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A
+  KeyboardInterrupt that ends the process marks the run ``"killed"``.
 - An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
 - ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked).
 
@@ -28,12 +28,13 @@ __all__ = ["register", "unregister", "mark", "install", "TIMEOUT"]
 
 log = logging.getLogger("instrument")
 
-TIMEOUT = 30.0  # seconds a signal or exit waits for one logger's backends
+TIMEOUT = 30.0  # seconds SIGTERM or exit waits for one logger's backends
+INTERRUPT_TIMEOUT = 5.0  # seconds SIGINT waits for one logger's flush (a second Ctrl-C skips the wait)
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.Lock()
 _previous: Dict[int, Any] = {}
-_state = {"installed": False, "atexit": False, "excepthook": None}
+_state: Dict[str, Any] = {"installed": False, "atexit": False, "excepthook": None, "interrupting": False}
 
 
 def register(logger: Any) -> None:
@@ -86,11 +87,16 @@ def _loggers() -> list:
 def _on_signal(signum: int, frame: Optional[Any]) -> None:
     loggers = _loggers()
     if signum == signal.SIGINT:
-        for logger in loggers:
+        if not _state["interrupting"]:
+            _state["interrupting"] = True
             try:
-                logger.flush(TIMEOUT)
-            except Exception:
-                log.exception("instrument: flushing a logger on SIGINT failed")
+                for logger in loggers:
+                    try:
+                        logger.flush(INTERRUPT_TIMEOUT)
+                    except Exception:
+                        log.exception("instrument: flushing a logger on SIGINT failed")
+            finally:
+                _state["interrupting"] = False
     else:
         for logger in loggers:
             try:

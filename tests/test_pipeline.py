@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import instrument
-from instrument.backends.base import Backend, RunInfo
+from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.errors import InvalidValueError
@@ -128,6 +128,57 @@ def test_flush_makes_every_record_readable_in_tensorboard_and_jsonl(tmp_path):
     assert steps_of(run.dir / "metrics.jsonl") == [0, 1, 2, 3, 4]
     logger.close()
     assert logger.flush() is False  # closed: nothing more to flush
+    assert not logger._writer.alive  # close joined the writer thread
+
+
+def test_every_backend_call_runs_on_the_one_writer_thread_one_at_a_time(tmp_path):
+    class Where(Backend):
+        def __init__(self) -> None:
+            self.calls = []
+            self.busy = False
+            self.overlap = False
+
+        def _note(self, method):
+            self.overlap |= self.busy
+            self.busy = True
+            self.calls.append((method, threading.current_thread().name))
+            time.sleep(0.0005)
+            self.busy = False
+
+        def open(self, run):
+            self._note("open")
+
+        def log_hyperparams(self, params, config_text=None):
+            self._note("log_hyperparams")
+
+        def write(self, record):
+            self._note("write")
+
+        def write_system(self, record):
+            self._note("write_system")
+
+        def flush(self):
+            self._note("flush")
+
+        def close(self):
+            self._note("close")
+
+    backend = Where()
+    logger = Logger([backend], RunInfo("w", tmp_path))
+    logger.log_hyperparams({"lr": 0.1})
+    monitor = threading.Thread(
+        target=lambda: [logger.write_system(StepRecord(i, {"system/x": 1.0})) for i in range(20)]
+    )
+    monitor.start()
+    for step in range(20):
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.commit(step)
+    monitor.join()
+    logger.close()
+    assert {thread for _, thread in backend.calls} == {"instrument-writer-w"}
+    methods = [m for m, _ in backend.calls]
+    assert methods[:2] == ["open", "log_hyperparams"] and methods[-1] == "close"
+    assert methods.count("write") == 20 and methods.count("write_system") == 20 and not backend.overlap
 
 
 def test_a_record_reaches_disk_within_flush_secs_without_flush_or_close(tmp_path):

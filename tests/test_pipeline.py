@@ -492,3 +492,18 @@ def test_sigint_still_raises_keyboard_interrupt_and_marks_the_run_killed(tmp_pat
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["on_exit killed", "KeyboardInterrupt"]
     assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2, 3, 4]
+
+
+def test_bad_input_errors_are_instrument_errors_and_keep_their_old_types():
+    from instrument.errors import InstrumentError
+    from instrument.logger.timer import Timer
+
+    logger = Logger([])
+    for bad, old in ((lambda: logger.log_metrics({"a": "x"}, 0), TypeError),
+                     (lambda: logger.log_metrics({"a": torch.ones(2)}, 0), ValueError),
+                     (lambda: Timer(""), ValueError),
+                     (lambda: Timer("t", reduce="median"), ValueError)):
+        with pytest.raises(old) as caught:
+            bad()
+        assert isinstance(caught.value, InstrumentError)
+    logger.close()

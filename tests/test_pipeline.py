@@ -507,3 +507,41 @@ def test_bad_input_errors_are_instrument_errors_and_keep_their_old_types():
             bad()
         assert isinstance(caught.value, InstrumentError)
     logger.close()
+
+
+FAILING_CHILD = textwrap.dedent(
+    """
+    import sys
+    from instrument.backends.base import Backend, RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+
+    class Status(Backend):
+        def write(self, record):
+            pass
+
+        def on_exit(self, status):
+            print("on_exit", status, flush=True)
+
+        def close(self):
+            print("close", flush=True)
+
+    logger = Logger([JsonlBackend(), Status()], RunInfo("child", sys.argv[1]))  # never closed by the script
+    for step in range(3):
+        logger.log_metrics({"a": float(step)}, step=step)
+        logger.commit(step)
+    raise RuntimeError("diverged")
+    """
+)
+
+
+def test_an_uncaught_exception_marks_the_run_failed_and_exit_closes_the_logger(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(FAILING_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=WAIT
+    )
+    assert done.returncode == 1 and "RuntimeError: diverged" in done.stderr
+    assert done.stdout.splitlines() == ["on_exit failed", "close"]
+    assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2]

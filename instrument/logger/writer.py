@@ -200,6 +200,14 @@ class Writer:
 
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # however the thread ends, nobody waits for it forever
+            with self._cond:
+                self._stopped = self._closing = True
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._queue:
@@ -220,7 +228,7 @@ class Writer:
             kind, seq, payload = item
             try:
                 self._process(kind, payload)
-            except Exception:  # never let the writer die: later steps must still be written
+            except BaseException:  # never let the writer die (not even by a backend's sys.exit)
                 log.exception("instrument: the logger's writer failed on a %s item; it goes on", kind)
             finally:
                 with self._cond:

@@ -6,13 +6,15 @@ The hierarchy::
     ├── ConfigurationError (ValueError) a bad argument, binding or combination, caught before training
     │   └── ProbeError                  a probe misuse: duplicate or unknown names, unsupported modes
     ├── StepOrderError (ValueError)     a step lower than one a backend already committed
+    ├── InvalidValueError (ValueError, TypeError)  a logged value that can never be written (shape, type)
     └── MissingExtraError (ImportError) an optional SDK is not installed; names the pip extra
 
 Failures inside observers and backends are not raised: they are reported once through the
 ``instrument`` logger and the run goes on.
 """
 
-__all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderError", "MissingExtraError"]
+__all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderError", "InvalidValueError",
+           "MissingExtraError"]
 
 
 class InstrumentError(Exception):
@@ -29,6 +31,13 @@ class ProbeError(ConfigurationError):
 
 class StepOrderError(InstrumentError, ValueError):
     """A step lower than one already committed to a backend (W&B would silently drop it)."""
+
+
+class InvalidValueError(InstrumentError, ValueError, TypeError):
+    """A logged value that can never be written: wrong type, shape or dtype, a meta tensor, a bad timer name.
+
+    Catchable as ValueError and as TypeError, which is what these checks raised before.
+    """
 
 
 class MissingExtraError(InstrumentError, ImportError):

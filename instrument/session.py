@@ -107,6 +107,9 @@ class Instrumentation:
             the terminal (`instrument.terminal.runlog.setup_run_logging`); a callable taking
             ``(run_dir=, run_name=)`` (e.g. gin's ``@setup_run_logging``) sets it up its own way. Closed with
             the session.
+        queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
+            writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
+            written step is flushed to disk (docs/backends.md).
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
     the reduction at each commit, and the first step checks that all ranks hold the same operative config.
@@ -123,6 +126,9 @@ class Instrumentation:
         on_step_regression: str = "raise",
         system_monitor: Optional[Any] = None,
         run_log: Union[bool, Callable[..., Any]] = False,
+        queue_size: int = 64,
+        on_full: str = "block",
+        flush_secs: float = 2.0,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -150,7 +156,10 @@ class Instrumentation:
                 raise ConfigurationError(f"run_log must be True, False or a callable, got {run_log!r}.")
             self.run_log = setup(run_dir=self.run.dir, run_name=self.run.name)
         try:
-            self.logger = Logger(backends, self.run, on_step_regression=on_step_regression)
+            self.logger = Logger(
+                backends, self.run, on_step_regression=on_step_regression, queue_size=queue_size,
+                on_full=on_full, flush_secs=flush_secs,
+            )
         except BaseException:
             if self.run_log is not None:
                 self.run_log.close()
@@ -271,8 +280,16 @@ class Instrumentation:
         """Observer, backend and component name -> number of failures so far."""
         return {**self._dispatch.failures, **self.logger.failures, **self._components.failures}
 
-    def close(self) -> None:
-        """Commit anything still staged and close every backend. Idempotent."""
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every committed step is written and flushed by every backend (`Logger.flush`)."""
+        return self.logger.flush(timeout)
+
+    def close(self, status: Optional[str] = None) -> None:
+        """Commit anything still staged, write and flush it, and close every backend. Idempotent.
+
+        ``status`` ``"killed"`` or ``"failed"`` tells the backends the run ended abnormally (`Backend.on_exit`);
+        leaving a ``with`` block by an exception does that.
+        """
         if self._closed:
             return
         self._closed = True
@@ -284,7 +301,7 @@ class Instrumentation:
                 self.system_monitor.stop()
         finally:
             try:
-                self.logger.close()
+                self.logger.close(status)
             finally:
                 if self.run_log is not None:
                     self.run_log.close()
@@ -292,8 +309,14 @@ class Instrumentation:
     def __enter__(self) -> "Instrumentation":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        status = None
+        if exc_type is not None:
+            if issubclass(exc_type, KeyboardInterrupt):
+                status = "killed"
+            elif not (issubclass(exc_type, SystemExit) and exc.code in (None, 0)):
+                status = "failed"
+        self.close(status)
 
     def __repr__(self) -> str:
         return (

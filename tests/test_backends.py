@@ -88,6 +88,7 @@ def test_console_prints_one_row_per_commit(capsys):
         log.log_metrics({"loss": torch.tensor(0.25), "acc": 0.5}, step=step, prefix="train")
         log.log_metrics({"hidden": 1.0}, step=step)
         log.commit()
+    log.flush()  # rows are printed on the logger's writer thread
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == ["   step       loss        acc"] + [f"{s:>7}       0.25        0.5" for s in range(3)]
 

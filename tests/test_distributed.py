@@ -54,7 +54,7 @@ def _log_interval(logger, rank, step0, step1):
 def _commit_counted(logger, counts, step):
     counts.clear()
     record = logger.commit(step)
-    return (record.scalars if record is not None else None), sum(counts.values())
+    return (record.flat_scalars() if record is not None else None), sum(counts.values())
 
 
 def _worker(rank, store_path, out_dir):

@@ -21,6 +21,7 @@ def test_metrics_and_timelog_per_step():
         with logger.timer("rollout"):
             pass
         logger.commit(step)
+    logger.flush()  # backends are written on the logger's writer thread
     steps, values = history.series("train/loss")
     assert steps.tolist() == [0, 1, 2] and values.tolist() == [0.0, 0.5, 1.0]
     assert history.last("train/loss") == 1.0
@@ -41,6 +42,7 @@ def test_batch_log_samples_and_dataframe():
     logger.log_histogram("batch/reward", torch.tensor([5.0, 6.0]), step=1)
     logger.log_histogram("batch/other", torch.tensor([9.0]), step=1)  # not registered: not kept per item
     logger.commit(1)
+    logger.flush()
     assert [(s, v.tolist()) for s, v in history.batch_log["batch/reward"]] == [
         (0, [1.0, 2.0, 3.0]),
         (1, [5.0, 6.0]),
@@ -68,6 +70,7 @@ def test_caps_bound_memory_and_are_said_once(caplog):
             logger.log_histogram("ids", torch.arange(step, step + 3), step=step)
             logger.log_histogram("value", torch.ones(3), step=step)
             logger.commit(step)
+        logger.flush()  # the caps are met (and said) on the writer thread
     assert [s for s, _ in history.metrics["a"]] == [45, 46, 47, 48, 49]
     assert len(history.batch_log["value"]) == 5 and len(history.batch_samples) == 5
     assert history.unique_samples == {0, 1, 2, 3}

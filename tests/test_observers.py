@@ -25,6 +25,7 @@ def _observe(observer, states, condition=None):
             observer(instrument.StepContext(a, b, condition=condition, step_index=i))
     observer.log(log, step=0)
     log.commit()
+    log.flush()  # backends are written on the logger's writer thread
     return keep.records[0]
 
 

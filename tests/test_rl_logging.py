@@ -36,6 +36,7 @@ def loop(rl: RLLogging, n: int, **observe) -> None:
             with rl.timer("optimization"):
                 loss = torch.tensor(1.0)
             rl.observe_losses({"loss": loss})
+    rl.logger.flush()  # backends are written on the logger's writer thread
 
 
 def test_a_plain_loop_logs_every_family_of_keys_to_tensorboard(tmp_path):

@@ -141,8 +141,8 @@ def test_session_run_log_has_table_rows_and_every_scalar(tmp_path):
         re.M,
     )
     assert term.getvalue().splitlines()[0] == (
-        "E instrument: backend Broken failed in write(); other backends are unaffected "
-        "[RuntimeError: boom; traceback in the run log]"
+        "E instrument: backend 'Broken' failed in write(); it gets the next record again; training and the "
+        "other backends go on [RuntimeError: boom; traceback in the run log]"
     )
     assert "RuntimeError: boom" in text and "Traceback" in text
     assert _state("instrument") == inst_before

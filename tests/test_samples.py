@@ -58,6 +58,7 @@ def test_console_prints_best_and_worst_as_panels():
     logger.log_metrics({"val/score": 0.4}, step=7)
     logger.log_samples("val", SAMPLES, step=7)
     logger.commit(7)
+    logger.flush()
     out = stream.getvalue()
     assert "\n      7        0.4\n" in out  # the step's table row (step, val/score), then the panels
     assert "val | step 7 | best #1 | score 0.9" in out and "prompt 1" in out and "answer 1" in out

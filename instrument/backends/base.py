@@ -1,17 +1,23 @@
 """The backend extension point: one destination for committed steps.
 
-Lifecycle, driven by the `Logger`::
+Lifecycle, driven by the `Logger`'s writer thread::
 
     backend.open(run)                          # once, before anything else: create files / runs here
     backend.log_hyperparams(params, config)    # at start: flattened params and the operative gin config
-    for each logging step:
+    for each logging step, in step order:
         backend.write(record)                  # host values only: floats, numpy images, histograms, text
-    now and then, from the system monitor's thread:
+    now and then (system monitor samples):
         backend.write_system(record)           # its own axis: record.step is whole seconds since it started
+    at most flush_secs after a write, and on Logger.flush():
+        backend.flush()                        # make what was written durable
+    backend.on_exit(status)                    # only when the run ends abnormally ("killed" / "failed")
     backend.close()                            # once; flush and release
 
-A backend never sees a device tensor and never has to sync: the logger hands it a `StepRecord` of host
-values. An exception raised by a backend is reported once and the other backends still get the step.
+Every method is called on the logger's one writer thread, one call at a time, never concurrently with
+another method of the same backend, so a backend needs no lock of its own. A backend never sees a device
+tensor and never has to sync: it gets a `StepRecord` of host values. An exception raised by a backend is
+reported once (and counted in ``Logger.failures``); the other backends still get the step, and the failing
+one gets the next record again.
 """
 
 import dataclasses
@@ -103,7 +109,11 @@ class Backend:
     def write_system(self, record: StepRecord) -> None:
         """System-monitor scalars (``system/...``) on their own axis: ``record.step`` is whole seconds since
         the monitor started, not a training step, so it must not pass through a training-step order check.
-        Called from the monitor's thread (the logger serialises it with `write`). Default: ignored."""
+        Called on the writer thread, like `write`. Default: ignored."""
+
+    def flush(self) -> None:
+        """Make what was written so far durable (flush files, sync buffers). Called on the writer thread at
+        most ``flush_secs`` after a write and on `Logger.flush`. Default: nothing."""
 
     def on_exit(self, status: str) -> None:
         """The run is ending abnormally; called once, just before `close`. Default: nothing.

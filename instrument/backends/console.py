@@ -138,13 +138,14 @@ class ConsoleBackend(Backend):
                 ", ".join(f"{k}={v!r}" for k, v in record.scalars.items()),
                 _media(record),
             )
-        for key, value in record.scalars.items():
+        scalars = record.flat_scalars() if record.timings else record.scalars  # timings as timing/<name>/<stat>
+        for key, value in scalars.items():
             if self._is_summary(key):
                 self._summaries.setdefault(key, _Summary()).add(value)
-        if self.table is None and record.scalars:
-            self.table = self._infer(record)
+        if self.table is None and scalars:
+            self.table = self._infer(record, scalars)
         if self.table is not None:
-            values = self._values(record)
+            values = self._values(record, scalars)
             # A commit with nothing for this table (e.g. images only) prints no row.
             if any(values.get(c.key) is not None for c in self.table.columns if c.key != "step"):
                 self._emit_all(self.table.render(values))
@@ -202,9 +203,9 @@ class ConsoleBackend(Backend):
             columns = [Column("step", "step", 7, "d", "training step"), *columns]
         return StepTable(columns, header_every=self.header_every)
 
-    def _infer(self, record: StepRecord) -> StepTable:
+    def _infer(self, record: StepRecord, scalars: Mapping[str, float]) -> StepTable:
         """Columns from the first committed step: its scalars in logged order (or ``keys`` order), '.4g'."""
-        shown = [k for k in record.scalars if not self._is_summary(k)]
+        shown = [k for k in scalars if not self._is_summary(k)]
         if self.keys is not None:  # in the order of ``keys``, then logged order under each prefix
             shown = [k for want in self.keys for k in shown if _under(k, want)]
             shown = list(dict.fromkeys(shown))
@@ -229,16 +230,16 @@ class ConsoleBackend(Backend):
             self._emit_all(table.legend())
         return table
 
-    def _values(self, record: StepRecord) -> Dict[str, Any]:
+    def _values(self, record: StepRecord, scalars: Mapping[str, float]) -> Dict[str, Any]:
         assert self.table is not None
         values: Dict[str, Any] = {"step": record.step}
         for col in self.table.columns:
             if col.key == "step":
                 continue
-            value = record.scalars.get(col.key, record.texts.get(col.key))
+            value = scalars.get(col.key, record.texts.get(col.key))
             if col.fmt == "frac" and col.denominator is not None and value is not None:
                 den = col.denominator
-                value = (value, record.scalars.get(den) if isinstance(den, str) else den)
+                value = (value, scalars.get(den) if isinstance(den, str) else den)
             values[col.key] = value
         return values
 

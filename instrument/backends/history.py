@@ -3,7 +3,7 @@
 It stores what the logger commits — host values only, like every backend:
 
 - ``metrics``: every scalar, as ``{key: [(step, value), ...]}``; `series` gives NumPy arrays.
-- ``timelog``: per stage, the durations the logger's timers committed (``timing/<stage>/...``), as
+- ``timelog``: per stage, the durations the logger's timers committed (``record.timings``), as
   ``{stage: [(step, mean_seconds, count), ...]}``.
 - ``batch_log``: per-item values per batch for the histogram tags registered with `add_log` (log them with
   ``logger.log_histogram(tag, per_item_values, step)``, e.g. each sample's reward), as
@@ -33,9 +33,6 @@ from instrument.errors import ConfigurationError, require
 __all__ = ["RunHistoryBackend"]
 
 log = logging.getLogger("instrument")
-
-_TIMING = "timing/"
-
 
 class RunHistoryBackend(Backend):
     """Keeps metrics, per-item batch values, stage timings and unique samples of the run in memory.
@@ -98,17 +95,12 @@ class RunHistoryBackend(Backend):
 
     def write(self, record: StepRecord) -> None:
         step = record.step
-        timings: Dict[str, Dict[str, float]] = {}
-        for key, value in record.scalars.items():
+        for key, value in record.flat_scalars().items():  # timings too, as timing/<stage>/<stat> series
             series = self.metrics.get(key)
             if series is None:
                 series = self.metrics[key] = collections.deque(maxlen=self.max_steps)
             self._append(series, (step, float(value)), "max_steps", f"metric {key!r}")
-            if key.startswith(_TIMING):
-                stage, _, stat = key[len(_TIMING) :].rpartition("/")
-                if stage:
-                    timings.setdefault(stage, {})[stat] = value
-        for stage, stats in timings.items():
+        for stage, stats in record.timings.items():
             if "mean" in stats:
                 series_t = self.timelog.setdefault(stage, collections.deque(maxlen=self.max_steps))
                 self._append(

@@ -1,40 +1,52 @@
-"""The logger: stages values on the device, commits them to every backend in one batched transfer.
+"""The logger: stages values on the device; at commit hands one immutable record to its writer thread.
 
 Observers and the training loop call ``log_*`` with Python numbers or device tensors. Nothing leaves the
-device until `commit`, which runs once per logging step: every staged tensor is copied to the host in one
-batched transfer per device, heatmaps are drawn, and the resulting `StepRecord` is written to each backend.
+device until `commit`, which runs once per logging step and does only three things on the calling thread:
+validate, start the one batched device->host transfer (non-blocking into pinned memory on CUDA), and hand the
+staged values over to the logger's writer thread (`instrument.logger.writer`). Rendering, conversion,
+serialisation, file and network I/O and every backend call happen there, in step order.
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
 mean over the interval at the next commit, so logging a loss every step is cheap and still honest.
 
-The logger only routes: a backend that raises is reported once and skipped for that step; the others still
-get it. A step lower than one already committed raises `StepOrderError` (``on_step_regression="raise"``, the
-default), or is dropped with a warning (``"warn"``).
+Media kinds (images, heatmaps, histograms, text, videos, samples) are one table (`instrument.logger.media`):
+a cheap check on the caller, a conversion on the writer. A value that fails its conversion is dropped with
+one message naming it; the rest of the step and every later step are written. A backend that raises is
+reported once, counted in `failures`, and gets the next record again.
+
+Thread safety: ``log_*``, `commit`, `flush` and `close` may be called from several threads; every accepted
+value is committed exactly once, by the first commit that follows it. A step lower than one already
+committed raises `StepOrderError` (``on_step_regression="raise"``, the default), or is dropped with a warning
+(``"warn"``).
 
 Under `torch.distributed` (see docs/distributed.md) only rank 0 opens backends and writes; at each commit the
-scalars of every rank are reduced with one collective (`instrument.logger.reduce`) before the one transfer,
+scalars of every rank are reduced with one collective (`instrument.logger.reduce`) on the committing thread,
 so `commit` is a collective: every rank commits at the same steps. Images, histograms, text, videos and
 samples are rank 0's. Without a process group nothing changes.
 """
 
 import logging
-import math
 import numbers
 import threading
+import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
-from instrument.errors import ConfigurationError, StepOrderError
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.core.failures import FailureLedger
+from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
+from instrument.logger import shutdown
+from instrument.logger.assemble import build_record, describe, timing_stats
+from instrument.logger.media import KINDS, tensors_of
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
-from instrument.logger.reduce import CrossRankReducer, Entry, local_value, resolve_ops
-from instrument.logger.render import render_heatmap, to_hwc_uint8
-from instrument.logger.timer import Timer
-from instrument.logger.transfer import to_host
+from instrument.logger.reduce import CrossRankReducer, Entry, resolve_ops
+from instrument.logger.timer import Timer, elapsed
+from instrument.logger.transfer import start_transfer, to_host
+from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
 __all__ = ["Logger"]
 
@@ -42,55 +54,23 @@ log = logging.getLogger("instrument")
 
 Value = Union[float, int, bool, Tensor, np.ndarray, np.number]
 _STEP_POLICIES = ("raise", "warn")
-
-
-class _Accumulator:
-    """Sum and count of one metric over a logging interval; the sum stays on the device for tensors.
-
-    With a weight it keeps sum(weight * value) and sum(weight) instead, so the interval's value is the
-    weighted mean over time, and across ranks too.
-    """
-
-    __slots__ = ("op", "total", "count", "weight")
-
-    def __init__(self, op: str, value: Union[float, Tensor], weight: Any = None) -> None:
-        self.op = op
-        self.total = value if weight is None else value * weight
-        self.weight = weight
-        self.count = 1
-
-    def add(self, name: str, op: str, value: Union[float, Tensor], weight: Any = None) -> None:
-        if op != self.op or (weight is None) != (self.weight is None):
-            before = " and a weight" if self.weight is not None else ""
-            now = " and a weight" if weight is not None else ""
-            raise ConfigurationError(
-                f"metric {name!r} was logged with reduce={self.op!r}{before} and now with reduce={op!r}{now} "
-                f"in one logging interval; log each metric with one reduce op, always with or always without "
-                f"a weight."
-            )
-        self.total = self.total + (value if weight is None else value * weight)
-        if weight is not None:
-            self.weight = self.weight + weight
-        self.count += 1
-
-    def mean(self) -> Union[float, Tensor]:
-        return self.total / self.count if self.count > 1 else self.total
-
-    def entry(self, key: str) -> Entry:
-        if self.weight is not None:
-            return Entry(key, "wmean", self.total, self.weight)
-        return Entry(key, self.op, self.mean())
+_TIMING = "timing/"
 
 
 class Logger:
-    """Routes staged values to backends; one batched host transfer per commit.
+    """Stages values, commits them with one batched host transfer, writes them on one background thread.
 
     Args:
-        backends: destinations; each is opened here with ``run``.
+        backends: destinations; each is opened with ``run`` on the writer thread.
         run: where local outputs of the run go (``runs/<name>``).
         on_step_regression: ``"raise"`` (default) or ``"warn"`` when a step goes backwards.
         reducer: how scalars are reduced across ranks; None means a `CrossRankReducer` on the default group
             (a no-op without a process group). Backends are opened only on rank 0 of its group.
+        queue_size: how many committed steps may wait for the writer at once.
+        on_full: when that many wait: ``"block"`` (default: the committing thread waits, nothing is lost) or
+            ``"drop"`` (the oldest waiting step is dropped, counted in `dropped`, warned about once).
+        flush_secs: a written step is flushed to disk (`Backend.flush`) at most this many seconds later, also
+            when training stalls.
     """
 
     def __init__(
@@ -99,11 +79,20 @@ class Logger:
         run: Optional[RunInfo] = None,
         on_step_regression: str = "raise",
         reducer: Optional[CrossRankReducer] = None,
+        queue_size: int = 64,
+        on_full: str = "block",
+        flush_secs: float = 2.0,
     ) -> None:
         if on_step_regression not in _STEP_POLICIES:
             raise ConfigurationError(
                 f"on_step_regression must be one of {_STEP_POLICIES}, got {on_step_regression!r}."
             )
+        if on_full not in ON_FULL:
+            raise ConfigurationError(f"on_full must be one of {ON_FULL}, got {on_full!r}.")
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigurationError(f"queue_size must be a positive int, got {queue_size!r}.")
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
+            raise ConfigurationError(f"flush_secs must be a positive number of seconds, got {flush_secs!r}.")
         for b in backends:
             if not isinstance(b, Backend):
                 raise ConfigurationError(
@@ -114,34 +103,43 @@ class Logger:
         self.on_step_regression = on_step_regression
         self.reducer = reducer if reducer is not None else CrossRankReducer()
         self.is_writer = rank(self.reducer.group) == 0  # only rank 0 opens backends and writes
-        self._write_lock = threading.Lock()  # commits and side-channel writes (system monitor) take turns
-        self.backends: List[Backend] = []
-        self._failed: Dict[str, int] = {}
-        self._last_step: Optional[int] = None
-        self._scalars: Dict[str, _Accumulator] = {}
-        self._images: Dict[str, Any] = {}
-        self._heatmaps: Dict[str, Tuple[Any, str, str]] = {}
-        self._histograms: Dict[str, Any] = {}
-        self._texts: Dict[str, str] = {}
-        self._videos: Dict[str, Tuple[Any, int]] = {}
-        self._samples: Dict[str, Tuple[List[Dict[str, Any]], str]] = {}
+        self.ledger = FailureLedger("backend", "it gets the next record again; training and the other backends go on")
+        self._lock = threading.RLock()  # staging and the swap of the staged table
+        self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order
+        self._totals: Dict[str, Any] = {}  # scalar name -> sum over the interval (float or device tensor)
+        self._counts: Dict[str, int] = {}  # only names logged more than once in the interval
+        self._on_device: Dict[str, None] = {}  # names whose value is a device tensor (ordered set)
+        self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
+        self._weights: Dict[str, Any] = {}  # only weighted names: sum of weights
+        self._media: Dict[Tuple[str, str], Tuple[Any, Any]] = {}  # (kind, tag) -> (staged value, extra)
         self._timers: Dict[str, Timer] = {}
+        self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._closed = False
-        for backend in backends if self.is_writer else ():
-            if self._guard(backend, "open", self.run):
-                self.backends.append(backend)
+        self._exit_status: Optional[str] = None
+        self._value_failures: Dict[str, int] = {}
+        self.backends: List[Backend] = list(backends) if self.is_writer else []
+        self._writer = Writer(
+            self.backends, self._build, self.ledger, queue_size, on_full, float(flush_secs),
+            name=f"instrument-writer-{self.run.name}",
+        )
+        for backend in self.backends:
+            self._writer.call("open", self.run, backend=backend)
+        shutdown.register(self)
 
     def add_backend(self, backend: Backend) -> bool:
-        """Open ``backend`` with this run and route later commits to it too; False (reported) if opening failed."""
+        """Route later commits to ``backend`` too; it is opened with this run on the writer thread first.
+
+        Returns True once queued; a failure to open is reported, counted, and removes it from `backends`.
+        """
         if not isinstance(backend, Backend):
             raise ConfigurationError(f"add_backend takes an instrument Backend, got {type(backend).__name__}.")
         if backend in self.backends:
             return True
-        if self._guard(backend, "open", self.run):
-            self.backends.append(backend)
-            return True
-        return False
+        if not self.is_writer:
+            return False
+        self.backends.append(backend)
+        return self._writer.call("open", self.run, backend=backend) > 0
 
     # ------------------------------------------------------------------ staging
     def log_metrics(
@@ -160,52 +158,81 @@ class Logger:
         a one-element tensor, or a dict key -> weight) makes a mean weighted, e.g. by batch size: the result
         is sum(weight * value) / sum(weight) over the interval and over ranks.
         """
-        ops = resolve_ops(list(metrics), reduce, weights)
-        if not self._accept(step):
-            return
-        for key, value in metrics.items():
-            name = _join(prefix, key)
-            scalar = _as_scalar(name, value)
-            op, weight = ops[key]
+        plain = weights is None and type(reduce) is str and reduce == "mean"
+        ops = None if plain else resolve_ops(list(metrics), reduce, weights)
+        head = prefix.rstrip("/") + "/" if prefix else ""
+        with self._lock:
+            if not self._accept(step):
+                return
+            if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
+                totals, counts, on_device = self._totals, self._counts, self._on_device
+                for key, value in metrics.items():
+                    name = head + key if type(key) is str else head + str(key)
+                    kind = type(value)
+                    if kind is not float:
+                        value = float(value) if kind is int else _as_scalar(name, value)
+                        if type(value) is not float:
+                            on_device[name] = None
+                    if name in totals:
+                        totals[name] = totals[name] + value
+                        counts[name] = counts.get(name, 1) + 1
+                    else:
+                        totals[name] = value
+                return
+            for key, value in metrics.items():
+                name = head + key if type(key) is str else head + str(key)
+                op, weight = ("mean", None) if ops is None else ops[key]
+                value = _as_scalar(name, value)
+                if weight is not None:
+                    weight = _as_scalar(f"weight of {name}", weight)
+                self._stage_scalar(name, value, op, weight)
+
+    def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
+        """The general path: a reduce op other than mean, or a weight (under the lock)."""
+        if name in self._totals:
+            before_op, before_w = self._ops.get(name, "mean"), name in self._weights
+            if op != before_op or (weight is not None) != before_w:
+                before = " and a weight" if before_w else ""
+                now = " and a weight" if weight is not None else ""
+                raise ConfigurationError(
+                    f"metric {name!r} was logged with reduce={before_op!r}{before} and now with reduce={op!r}"
+                    f"{now} in one logging interval; log each metric with one reduce op, always with or always "
+                    f"without a weight."
+                )
+            self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
             if weight is not None:
-                weight = _as_scalar(f"weight of {name}", weight)
-            acc = self._scalars.get(name)
-            if acc is None:
-                self._scalars[name] = _Accumulator(op, scalar, weight)
-            else:
-                acc.add(name, op, scalar, weight)
+                self._weights[name] = self._weights[name] + weight
+            self._counts[name] = self._counts.get(name, 1) + 1
+        else:
+            self._totals[name] = value if weight is None else value * weight
+            if weight is not None:
+                self._weights[name] = weight
+            if op != "mean":
+                self._ops[name] = op
+        if type(self._totals[name]) is not float or (weight is not None and type(self._weights[name]) is not float):
+            self._on_device[name] = None
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
         """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1] or uint8."""
-        if not self._accept_media(step):
-            return
-        self._images[tag] = _detach(image)
+        self._stage("image", tag, image, step)
 
     def log_heatmap(
         self, tag: str, matrix: Union[Tensor, np.ndarray], step: int, x_label: str = "", y_label: str = ""
     ) -> None:
-        """Stage a 2-D matrix; at commit it is drawn colour-mapped with axes and logged as an image."""
-        if not self._accept_media(step):
-            return
-        self._heatmaps[tag] = (_detach(matrix), x_label, y_label)
+        """Stage a 2-D matrix; on the writer thread it is drawn colour-mapped with axes and logged as an image."""
+        self._stage("heatmap", tag, matrix, step, (x_label, y_label))
 
     def log_histogram(self, tag: str, values: Union[Tensor, np.ndarray, Sequence[float]], step: int) -> None:
         """Stage raw values for a histogram (any shape; flattened)."""
-        if not self._accept_media(step):
-            return
-        self._histograms[tag] = _detach(values) if isinstance(values, (Tensor, np.ndarray)) else np.asarray(values)
+        self._stage("histogram", tag, values, step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
         """Stage text (markdown where the backend renders it)."""
-        if not self._accept_media(step):
-            return
-        self._texts[tag] = str(text)
+        self._stage("text", tag, text, step)
 
     def log_video(self, tag: str, frames: Union[Tensor, np.ndarray], step: int, fps: int = 30) -> None:
         """Stage a video: uint8 or [0,1] float frames shaped [T, H, W, C] (C in 1, 3, 4)."""
-        if not self._accept_media(step):
-            return
-        self._videos[tag] = (_detach(frames), int(fps))
+        self._stage("video", tag, frames, step, int(fps))
 
     def log_samples(
         self, tag: str, samples: Sequence[Mapping[str, Any]], step: int, score_key: str = "score"
@@ -216,112 +243,143 @@ class Logger:
         num_val_samples_to_print=N)``); W&B gets them all as a table, TensorBoard as a markdown table, JSONL
         as a list. Tensor values (e.g. a score on the device) join the commit's one batched transfer.
         """
-        rows = _check_samples(tag, samples)
-        if not self._accept_media(step):
-            return
-        self._samples[tag] = (rows, score_key)
+        self._stage("samples", tag, samples, step, score_key)
+
+    def _stage(self, kind: str, tag: str, value: Any, step: int, extra: Any = None) -> None:
+        """Check a media value on the caller (cheap: metadata only) and stage it; rank 0 only."""
+        staged = KINDS[kind].check(tag, value, extra)
+        with self._lock:
+            if self._accept(step) and self.is_writer:  # other ranks validate the step but stage no media
+                self._media[(kind, tag)] = (staged, extra)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
-        """Flatten nested params, redact secret-looking keys, and send them to every backend now."""
+        """Flatten nested params, redact secret-looking keys, and queue them for every backend."""
         flat = redact_secrets(flatten_params(params))
         text = redact_config_text(config_text) if config_text else config_text
-        for backend in self.backends:
-            self._guard(backend, "log_hyperparams", flat, text)
+        self._writer.call("log_hyperparams", flat, text)
 
     def timer(self, name: str, reduce: Optional[str] = None) -> Timer:
         """A named timer owned by this logger: ``with logger.timer("rollout"): ...`` or as a decorator.
 
-        Its durations are committed as ``timing/<name>/{mean,min,max,count}`` (seconds); across ranks each is
-        reduced with ``reduce`` (default ``"max"``: the slowest rank sets the pace).
+        Its durations are committed as ``record.timings[name]`` = ``{mean, min, max, count}`` (seconds;
+        scalar-only backends write them as ``timing/<name>/<stat>``); across ranks each is reduced with
+        ``reduce`` (default ``"max"``: the slowest rank sets the pace).
         """
-        timer = self._timers.get(name)
-        if timer is None:
-            timer = self._timers[name] = Timer(name, reduce=reduce or "max")
-        elif reduce is not None and reduce != timer.reduce:
-            raise ConfigurationError(
-                f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}."
-            )
-        return timer
+        with self._lock:
+            timer = self._timers.get(name)
+            if timer is None:
+                timer = self._timers[name] = Timer(name, reduce=reduce or "max")
+            elif reduce is not None and reduce != timer.reduce:
+                raise ConfigurationError(
+                    f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}."
+                )
+            return timer
 
     def write_system(self, record: StepRecord) -> None:
         """Side channel for the system monitor: its own step axis, never the training step's order check.
 
-        ``record.step`` is whole seconds since the monitor started. Safe to call from another thread.
+        ``record.step`` is whole seconds since the monitor started. Safe to call from any thread; written on
+        the writer thread between training records.
         """
-        with self._write_lock:
-            for backend in self.backends:
-                self._guard(backend, "write_system", record)
+        self._writer.call("write_system", record)
 
     # ------------------------------------------------------------------ commit
     @property
     def has_pending(self) -> bool:
-        return bool(
-            self._scalars or self._images or self._heatmaps or self._histograms or self._texts or self._videos
-            or self._samples or any(t.count for t in self._timers.values())
-        )
+        return bool(self._totals or self._media or any(t.count for t in self._timers.values()))
 
-    def commit(self, step: Optional[int] = None) -> Optional[StepRecord]:
-        """Transfer everything staged to the host once and write it to every backend.
+    def commit(self, step: Optional[int] = None) -> Optional[CommittedStep]:
+        """Hand everything staged over to the writer thread, with one batched host transfer started.
 
-        Returns the committed record, or None when nothing was staged. With a process group this is a
-        collective: every rank calls it at the same steps, also ranks with nothing staged.
+        Returns a `CommittedStep` (its ``step`` at once; reading ``scalars``, ``images``... waits for the
+        writer to build the `StepRecord`), or None when nothing was staged. With a process group this is a
+        collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
+        cleared whatever happens.
         """
-        if step is None:
-            step = self._pending_step
         collective = self.reducer.active()
-        if not collective and (step is None or not self.has_pending):
-            self._pending_step = None
-            return None
-        if step is None:
-            step = self._last_step if self._last_step is not None else 0
-        if not self._accept(step):
-            self._discard()
-            return None
-        record = self._build_record(int(step))
-        self._pending_step = None
-        self._last_step = record.step
-        if record.is_empty():
-            return None
-        with self._write_lock:
-            for backend in self.backends:
-                self._guard(backend, "write", record)
-        return record
+        with self._commit_lock:
+            with self._lock:
+                if step is None:
+                    step = self._pending_step
+                if not collective and (step is None or not self.has_pending):
+                    self._pending_step = None
+                    return None
+                if step is None:
+                    step = self._last_step if self._last_step is not None else 0
+                staged = self._swap()
+                self._pending_step = None
+                if not self._accept(step, pending=False):
+                    return None
+                step = int(step)
+                self._last_step = step
+            payload = self._handover(step, staged, collective)
+            if payload is None:
+                return None
+            handle = CommittedStep(step, self._writer)
+            if not self._writer.submit(handle, payload):
+                log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
+                return None
+            return handle
 
-    def close(self) -> None:
-        """Commit what is still staged, then close every backend (each failure reported, none fatal)."""
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every step handed over so far is written and flushed by every backend.
+
+        Returns True, or False when ``timeout`` (seconds) passed first or the logger is closed.
+        """
+        return self._writer.flush(timeout)
+
+    def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """Commit what is still staged, write and flush everything, then close every backend (on the writer
+        thread) and stop it. ``status`` ``"killed"``/``"failed"`` calls `Backend.on_exit` first. Idempotent;
+        failures are reported, never raised."""
+        with self._commit_lock:
+            if self._closed:
+                return
+            try:
+                if self.has_pending or self.reducer.active():
+                    self.commit()
+            except Exception:
+                log.exception("instrument: the final commit failed while closing the logger")
+            finally:
+                self._closed = True
+                self._writer.close(status or self._exit_status, timeout)
+                shutdown.unregister(self)
+
+    def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
+        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged."""
         if self._closed:
             return
-        try:
-            if self.has_pending or self.reducer.active():
-                self.commit()
-        finally:
-            self._closed = True
-            with self._write_lock:  # a side-channel write (system monitor) never meets a closing backend
-                for backend in self.backends:
-                    self._guard(backend, "close")
+        if commit and not self.reducer.active():
+            self.close(status, timeout)
+            return
+        self._closed = True
+        self._writer.close(status or self._exit_status, timeout)
+        shutdown.unregister(self)
 
     @property
     def failures(self) -> Dict[str, int]:
-        """Backend name -> number of calls that raised."""
-        return dict(self._failed)
+        """Backend name -> number of calls that raised; ``"<kind> <tag>"`` -> values dropped on the writer."""
+        with self._lock:
+            dropped = dict(self._value_failures)
+        return {**self.ledger.counts(), **dropped}
+
+    @property
+    def dropped(self) -> int:
+        """Committed steps dropped because the queue was full (``on_full="drop"``)."""
+        return self._writer.dropped
 
     # ------------------------------------------------------------------ internals
-    def _accept(self, step: int) -> bool:
-        """Validate ``step``; False when it goes backwards under the "warn" policy (values are dropped)."""
+    def _accept(self, step: int, pending: bool = True) -> bool:
+        """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-            raise TypeError(f"step must be an int, got {type(step).__name__} ({step!r}).")
-        step = int(step)
+            raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
         last = self._last_step
         if last is not None and step < last:
-            self._step_regressed(step, last)
+            self._step_regressed(int(step), last)
             return False
-        if self._pending_step is None or step > self._pending_step:
-            self._pending_step = step
+        if pending and (self._pending_step is None or step > self._pending_step):
+            self._pending_step = int(step)
         return True
-
-    def _accept_media(self, step: int) -> bool:
-        # Other ranks validate the step but stage nothing: only rank 0 writes media.
-        return self._accept(step) and self.is_writer
 
     def _step_regressed(self, step: int, last: int) -> None:
         message = (
@@ -333,155 +391,93 @@ class Logger:
             raise StepOrderError(message)
         log.warning("instrument: %s", message)
 
-    def _build_record(self, step: int) -> StepRecord:
-        entries = [acc.entry(k) for k, acc in self._scalars.items()]
-        for name, timer in self._timers.items():
-            seconds = timer.drain()
-            if seconds:
-                entries += [Entry(k, timer.reduce, v) for k, v in _timing(name, seconds).items()]
-        pending = self.reducer.start(entries) if self.reducer.active() else None
-        scalar_items = [] if pending is not None else [(e.key, local_value(e)) for e in entries]
-        tensors: List[Tensor] = []
-        slots: List[Tuple[str, str]] = []
+    def _swap(self) -> tuple:
+        """Take the staged table and leave an empty one (under the lock)."""
+        timers = {name: (t.reduce, t.take()) for name, t in self._timers.items() if t.count}
+        staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers)
+        self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}
+        return staged
 
-        def stage(kind: str, key: str, value: Any) -> None:
-            if isinstance(value, Tensor):
-                slots.append((kind, key))
-                tensors.append(value)
+    def _handover(self, step: int, staged: tuple, collective: bool) -> Optional[tuple]:
+        """On the committing thread: local means (device ops), the reduction if any, the transfer started."""
+        totals, counts, ops, weights, on_device, media, timers = staged
+        timings: Any = timers
+        if collective:
+            scalars = self._reduce(totals, counts, ops, weights, timers)
+            timings = {}
+            for key in [k for k in scalars if k.startswith(_TIMING)]:
+                name, _, stat = key[len(_TIMING):].rpartition("/")
+                timings.setdefault(name, {})[stat] = scalars.pop(key)
+            if not (scalars or media or timings):
+                return None
+            tensor_keys: List[str] = []
+            tensors: List[Tensor] = []
+        else:
+            scalars = totals  # the staged table is ours now: turn sums into means in place
+            for name, count in counts.items():
+                if name not in weights:
+                    scalars[name] = scalars[name] / count
+            for name, weight in weights.items():
+                scalars[name] = scalars[name] / weight
+            tensor_keys = list(on_device)
+            tensors = [scalars[name] for name in tensor_keys]
+        for value, _ in media.values():
+            tensors.extend(tensors_of(value))
+        batch = start_transfer(tensors) if tensors else None
+        return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors)
 
-        for key, value in scalar_items:
-            stage("scalar", key, value)
-        for key, value in self._images.items():
-            stage("image", key, value)
-        for key, (value, _, _) in self._heatmaps.items():
-            stage("heatmap", key, value)
-        for key, value in self._histograms.items():
-            stage("histogram", key, value)
-        for key, (value, _) in self._videos.items():
-            stage("video", key, value)
-        for tag, (rows, _) in self._samples.items():
-            for i, row in enumerate(rows):
-                for field, value in row.items():
-                    stage("sample", f"{tag}\0{i}\0{field}", value)
-        if pending is not None:
-            stage("reduced", "", pending.result)
-        host = dict(zip(slots, to_host(tensors), strict=True))
-
-        def value_of(kind: str, key: str, value: Any) -> Any:
-            return host[(kind, key)] if isinstance(value, Tensor) else value
-
-        record = StepRecord(step=step)
-        for key, value in scalar_items:
-            record.scalars[key] = float(value_of("scalar", key, value))
-        if pending is not None:
-            reduced = self.reducer.finish(pending, host[("reduced", "")])
-            record.scalars.update(reduced if reduced is not None else self.reducer.resolve(entries))
-        for key, value in self._images.items():
-            record.images[key] = self._host_image(key, value_of("image", key, value), to_hwc_uint8)
-        for key, (value, x_label, y_label) in self._heatmaps.items():
-            matrix = value_of("heatmap", key, value)
-            record.images[key] = self._host_image(
-                key, matrix, lambda m, k, xl=x_label, yl=y_label: render_heatmap(m, title=k, x_label=xl, y_label=yl)
-            )
-        for key, value in self._histograms.items():
-            record.histograms[key] = np.asarray(value_of("histogram", key, value), dtype=np.float64).reshape(-1)
-        for key, (value, fps) in self._videos.items():
-            frames = np.asarray(value_of("video", key, value))
-            record.videos[key] = (np.stack([to_hwc_uint8(f, key) for f in frames]), fps)
-        record.texts.update(self._texts)
-        for tag, (rows, score_key) in self._samples.items():
-            host_rows = [
-                {f: _host_field(value_of("sample", f"{tag}\0{i}\0{f}", v)) for f, v in row.items()}
-                for i, row in enumerate(rows)
-            ]
-            record.samples[tag] = SampleTable(host_rows, score_key)
-        self._discard()
-        return record
-
-    def _discard(self) -> None:
-        media = (self._images, self._heatmaps, self._histograms, self._texts, self._videos, self._samples)
-        for staged in (self._scalars,) + media:
-            staged.clear()
-
-    def _host_image(self, key: str, value: Any, convert) -> Optional[np.ndarray]:
-        try:
-            return convert(value, key)
-        except ValueError:
-            raise
-        except Exception as exc:  # a drawing failure must not cost the other metrics of the step
-            log.warning("instrument: could not render image %r: %s", key, exc)
-            return None
-
-    def _guard(self, backend: Backend, method: str, *args: Any) -> bool:
-        try:
-            getattr(backend, method)(*args)
-            return True
-        except Exception:
-            name = backend.name
-            count = self._failed.get(name, 0) + 1
-            self._failed[name] = count
-            if count == 1:
-                log.exception("instrument: backend %s failed in %s(); other backends are unaffected", name, method)
+    def _reduce(self, totals, counts, ops, weights, timers) -> Dict[str, float]:
+        """The cross-rank reduction: a collective, so it runs here, on the committing thread."""
+        entries = []
+        for name, total in totals.items():
+            if name in weights:
+                entries.append(Entry(name, "wmean", total, weights[name]))
             else:
-                log.debug("instrument: backend %s failed again in %s() (%d failures)", name, method, count)
-            return False
+                entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
+        for name, (reduce, taken) in timers.items():
+            for key, value in timing_stats(elapsed(*taken)).items():
+                entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
+        pending = self.reducer.start(entries)
+        # host sync: the reduced vector is needed here when some rank's keys did not fit (a second collective).
+        reduced = self.reducer.finish(pending, to_host([pending.result])[0])
+        return dict(reduced if reduced is not None else self.reducer.resolve(entries))
 
+    def _build(self, payload: tuple) -> StepRecord:
+        """On the writer thread: the `StepRecord` of a handed-over step (`instrument.logger.assemble`)."""
+        return build_record(payload, self._value_failed)
 
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix.rstrip('/')}/{key}" if prefix else str(key)
-
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, Tensor) else np.asarray(value)
+    def _value_failed(self, kind: str, tag: str, step: int, value: Any, expected: str, exc: Exception) -> None:
+        key = f"{kind} {tag}"
+        with self._lock:
+            count = self._value_failures.get(key, 0) + 1
+            self._value_failures[key] = count
+        if count == 1:
+            log.error(
+                "instrument: dropped %s %r at step %d: received %s, expected %s (%s: %s). The rest of the step "
+                "and later steps are written; later failures of this value are counted in Logger.failures.",
+                kind, tag, step, describe(value), expected, type(exc).__name__, exc,
+            )
+        else:
+            log.debug("instrument: dropped %s %r again at step %d (%d times)", kind, tag, step, count)
 
 
 def _as_scalar(name: str, value: Any) -> Union[float, Tensor]:
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(
+            raise InvalidValueError(
                 f"metric {name!r} is a tensor of shape {tuple(value.shape)}; log_metrics takes scalars "
                 f"(one-element tensors or numbers). Reduce it first, e.g. value.mean(), or log_histogram it."
             )
+        if value.is_meta:
+            raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
         value = value.detach().reshape(())
         return value if value.is_floating_point() else value.to(torch.float32)
     if isinstance(value, np.ndarray):
         if value.size != 1:
-            raise ValueError(f"metric {name!r} is an array of shape {value.shape}; log a scalar instead.")
+            raise InvalidValueError(f"metric {name!r} is an array of shape {value.shape}; log a scalar instead.")
         return float(value.reshape(()))
     if isinstance(value, (numbers.Real, np.number)):
         return float(value)
-    raise TypeError(
+    raise InvalidValueError(
         f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
     )
-
-
-def _check_samples(tag: str, samples: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
-    if isinstance(samples, Mapping) or not isinstance(samples, Sequence):
-        raise TypeError(f"log_samples({tag!r}) takes a list of dicts, got {type(samples).__name__}.")
-    rows = []
-    for i, row in enumerate(samples):
-        if not isinstance(row, Mapping):
-            raise TypeError(
-                f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict "
-                f"such as {{'input': ..., 'output': ..., 'score': ...}}."
-            )
-        rows.append({str(k): (v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()})
-    return rows
-
-
-def _host_field(value: Any) -> Any:
-    """A sample field as the backends want it: numbers as floats, small arrays as lists, the rest as is."""
-    if isinstance(value, np.ndarray):
-        return float(value) if value.size == 1 else value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def _timing(name: str, seconds: List[float]) -> Dict[str, float]:
-    return {
-        f"timing/{name}/mean": math.fsum(seconds) / len(seconds),
-        f"timing/{name}/min": min(seconds),
-        f"timing/{name}/max": max(seconds),
-        f"timing/{name}/count": float(len(seconds)),
-    }

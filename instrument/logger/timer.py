@@ -1,7 +1,8 @@
 """Per-logger timers: wall time on the CPU, CUDA events on a GPU, no sync until commit.
 
-A timer accumulates every interval measured between two commits and reports mean, min, max and count under
-``timing/<name>/``. Timers belong to one `Logger`; there is no global registry.
+A timer accumulates every interval measured between two commits and reports mean, min, max and count in
+``StepRecord.timings[name]`` (``timing/<name>/<stat>`` for scalar-only backends). Timers belong to one
+`Logger`; there is no global registry.
 """
 
 import functools
@@ -10,7 +11,9 @@ from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
-__all__ = ["Timer"]
+from instrument.errors import InvalidValueError
+
+__all__ = ["Timer", "elapsed"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -26,9 +29,9 @@ class Timer:
 
     def __init__(self, name: str, cuda: Optional[bool] = None, reduce: str = "max") -> None:
         if not name or not isinstance(name, str):
-            raise ValueError(f"Timer needs a non-empty name, got {name!r}.")
+            raise InvalidValueError(f"Timer needs a non-empty name, got {name!r}.")
         if reduce not in ("mean", "sum", "min", "max", "l2"):
-            raise ValueError(f"Timer reduce must be one of mean, sum, min, max, l2; got {reduce!r}.")
+            raise InvalidValueError(f"Timer reduce must be one of mean, sum, min, max, l2; got {reduce!r}.")
         self.name = name
         self.reduce = reduce
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -66,12 +69,25 @@ class Timer:
     def count(self) -> int:
         return len(self._seconds) + len(self._events)
 
+    def take(self) -> Tuple[List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
+        """The raw measurements since the last take (CPU seconds, CUDA event pairs); empties the timer.
+
+        The logger takes them on the training thread at commit and reads them with `elapsed` on its writer
+        thread, so CUDA event times never make the training thread wait.
+        """
+        taken = (self._seconds, self._events)
+        self._seconds, self._events = [], []
+        return taken
+
     def drain(self) -> List[float]:
         """Durations in seconds measured since the last drain; empties the timer."""
-        seconds = self._seconds
-        if self._events:
-            # host sync: CUDA event times are read at commit, after the logger's batched transfer.
-            self._events[-1][1].synchronize()
-            seconds = seconds + [s.elapsed_time(e) / 1000.0 for s, e in self._events]
-        self._seconds, self._events = [], []
-        return seconds
+        return elapsed(*self.take())
+
+
+def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cuda.Event]]) -> List[float]:
+    """Durations in seconds of taken measurements (waits for CUDA events to complete)."""
+    if events:
+        # host sync: CUDA event times (on the writer thread, or at a distributed commit).
+        events[-1][1].synchronize()
+        seconds = seconds + [s.elapsed_time(e) / 1000.0 for s, e in events]
+    return seconds

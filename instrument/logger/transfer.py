@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["to_host"]
+__all__ = ["HostBatch", "start_transfer", "to_host"]
 
 
 def _wire_dtype(device: torch.device) -> torch.dtype:
@@ -35,3 +35,58 @@ def to_host(tensors: Sequence[Tensor]) -> List[np.ndarray]:
             out[i] = host[offset : offset + n].reshape(tuple(tensors[i].shape))
             offset += n
     return out
+
+
+class HostBatch:
+    """The host side of one commit's transfer, started on the training thread and read on the writer.
+
+    On the CPU the copy is done when this is built. On CUDA each device's values are packed on the device and
+    copied with ``non_blocking=True`` into pinned host memory, and one CUDA event is recorded after the copies:
+    the training thread goes on at once and `arrays` (called on the writer thread) waits on that event.
+    """
+
+    __slots__ = ("_shapes", "_parts", "_events")
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self._shapes = [tuple(t.shape) for t in tensors]
+        self._parts: List[tuple] = []  # (host buffer, indices)
+        self._events: List[torch.cuda.Event] = []  # one per CUDA device, recorded after its copy
+        by_device: Dict[torch.device, List[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        with torch.no_grad():
+            for device, indices in by_device.items():
+                flat = torch.cat([tensors[i].detach().reshape(-1).to(_wire_dtype(device)) for i in indices])
+                if device.type == "cuda":
+                    pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    pinned.copy_(flat, non_blocking=True)  # no host sync: the writer waits on the event
+                    self._parts.append((pinned, indices))
+                    with torch.cuda.device(device):
+                        event = torch.cuda.Event()
+                        event.record()
+                        self._events.append(event)
+                elif device.type == "cpu":
+                    self._parts.append((flat, indices))  # torch.cat made a copy the caller cannot change
+                else:
+                    # host sync: a device without pinned non-blocking copies (e.g. MPS) copies here.
+                    self._parts.append((flat.to("cpu"), indices))
+
+    def arrays(self) -> List[np.ndarray]:
+        """Float64 numpy copies of the tensors, same shapes and order; waits for the copy on CUDA."""
+        for event in self._events:
+            event.synchronize()  # host sync: on the writer thread, never on the training thread
+        out: List[np.ndarray] = [np.empty(0)] * len(self._shapes)
+        for buffer, indices in self._parts:
+            host = buffer.numpy().astype(np.float64, copy=False)
+            offset = 0
+            for i in indices:
+                shape = self._shapes[i]
+                n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+                out[i] = host[offset : offset + n].reshape(shape)
+                offset += n
+        return out
+
+
+def start_transfer(tensors: Sequence[Tensor]) -> HostBatch:
+    """Start the one batched device->host copy of a commit; read it later with `HostBatch.arrays`."""
+    return HostBatch(tensors)

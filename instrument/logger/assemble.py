@@ -1,0 +1,72 @@
+"""Building a `StepRecord` on the writer thread from a step the training thread handed over.
+
+The training thread hands over ``(step, wall_time, scalars, tensor_keys, media, timings, batch, tensors)``:
+scalar means (device tensors for ``tensor_keys``), staged media by ``(kind, tag)``, timer measurements, and
+the started transfer of ``tensors``. Here the transfer is waited for and every value converted by its
+`MediaKind`; a value whose conversion fails is reported through ``on_failure`` and left out, alone.
+"""
+
+import math
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+from torch import Tensor
+
+from instrument.backends.base import StepRecord
+from instrument.logger.media import KINDS
+from instrument.logger.timer import elapsed
+
+__all__ = ["build_record", "describe", "timing_stats"]
+
+OnFailure = Callable[[str, str, int, Any, str, Exception], None]
+
+
+def build_record(payload: tuple, on_failure: OnFailure) -> StepRecord:
+    """Wait for the transfer and convert every value; a value that fails is dropped alone."""
+    step, wall_time, scalars, tensor_keys, media, timings, batch, tensors = payload
+    arrays = batch.arrays() if batch is not None else []
+    by_id = {id(t): a for t, a in zip(tensors, arrays, strict=True)}
+
+    def host(value: Any) -> Any:
+        return by_id.get(id(value), value) if isinstance(value, Tensor) else value
+
+    record = StepRecord(step=step, wall_time=wall_time)
+    for i, key in enumerate(tensor_keys):
+        scalars[key] = float(arrays[i])
+    record.scalars = scalars
+    for (kind, tag), (value, extra) in media.items():
+        spec = KINDS[kind]
+        try:
+            getattr(record, spec.field)[tag] = spec.convert(tag, value, extra, host)
+        except Exception as exc:  # a value that cannot be converted costs that value only
+            on_failure(kind, tag, step, value, spec.expected, exc)
+    for name, stats in timings.items():
+        if isinstance(stats, tuple):  # (reduce, taken measurements): read here, off the training thread
+            try:
+                seconds = elapsed(*stats[1])
+            except Exception as exc:
+                on_failure("timer", name, step, stats[1], "completed timings", exc)
+                continue
+            stats = timing_stats(seconds) if seconds else None
+        if stats:
+            record.timings[name] = stats
+    return record
+
+
+def describe(value: Any) -> str:
+    """What a value is, for messages: its type, and shape and dtype when it has them."""
+    if isinstance(value, Tensor):
+        return f"a {value.device.type} tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+def timing_stats(seconds: List[float]) -> Dict[str, float]:
+    """A timer's durations as ``{mean, min, max, count}`` (seconds)."""
+    return {
+        "mean": math.fsum(seconds) / len(seconds),
+        "min": min(seconds),
+        "max": max(seconds),
+        "count": float(len(seconds)),
+    }

@@ -1,0 +1,204 @@
+"""The table of media kinds the logger stages: how each is checked on the caller and converted on the writer.
+
+A media kind is one `MediaKind` entry: ``check`` runs on the calling (training) thread and must be cheap
+(shape, dtype, device: metadata only, never a host sync); it raises `InvalidValueError` for a value that can
+never be written. ``convert`` runs on the logger's writer thread, on host values, and builds what the backends
+get in the `StepRecord` field named ``field``. Device tensors inside a staged value travel in the commit's one
+batched transfer; ``convert`` reads their host copies through ``host(tensor)``.
+
+Adding a kind is one entry here and one ``log_<kind>`` method on the `Logger`.
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from instrument.backends.base import SampleTable
+from instrument.errors import InvalidValueError
+from instrument.logger.render import render_heatmap, to_hwc_uint8
+
+__all__ = ["MediaKind", "KINDS", "tensors_of"]
+
+Host = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaKind:
+    """One kind of staged media.
+
+    Attributes:
+        name: the kind (``"image"``), used in messages.
+        field: the `StepRecord` attribute the converted value goes to (``"images"``).
+        check: ``(tag, value, extra) -> staged value``; on the caller; raises `InvalidValueError`.
+        convert: ``(tag, staged value, extra, host) -> record value``; on the writer thread.
+        expected: what a valid value looks like, for messages.
+    """
+
+    name: str
+    field: str
+    check: Callable[[str, Any, Any], Any]
+    convert: Callable[[str, Any, Any, Host], Any]
+    expected: str
+
+
+def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
+    """Detach a tensor (refusing meta tensors and non-numeric dtypes) or make an ndarray; metadata checks only."""
+    if isinstance(value, Tensor):
+        if value.is_meta:
+            raise InvalidValueError(
+                f"log_{kind}({tag!r}): got a meta tensor of shape {tuple(value.shape)}, which has no data; "
+                f"expected {expected}. Log a materialised tensor."
+            )
+        if value.is_complex() or value.layout != torch.strided:
+            what = "complex" if value.is_complex() else f"{value.layout}"
+            raise InvalidValueError(
+                f"log_{kind}({tag!r}): got a {what} tensor; expected {expected} as a dense real tensor "
+                f"(e.g. value.to_dense())."
+            )
+        return value.detach()
+    try:
+        array = np.asarray(value)
+    except Exception as exc:
+        raise InvalidValueError(
+            f"log_{kind}({tag!r}): got {type(value).__name__}, which is not array-like ({exc}); expected {expected}."
+        ) from exc
+    if array.dtype.kind not in "biuf":
+        raise InvalidValueError(
+            f"log_{kind}({tag!r}): got an array of dtype {array.dtype}; expected {expected} (numbers)."
+        )
+    return array
+
+
+def _shape(value: Any) -> tuple:
+    return tuple(value.shape)
+
+
+def _is_image_shape(shape: tuple) -> bool:
+    if len(shape) == 2:
+        return True
+    return len(shape) == 3 and (shape[-1] in (1, 3, 4) or shape[0] in (1, 3, 4))
+
+
+_IMAGE = "an image of shape [H,W], [C,H,W] or [H,W,C] with C in 1, 3 or 4 (floats in [0,1] or uint8)"
+
+
+def _check_image(tag: str, value: Any, extra: Any) -> Any:
+    value = _array_like("image", tag, value, _IMAGE)
+    if not _is_image_shape(_shape(value)):
+        raise InvalidValueError(f"log_image({tag!r}): expected {_IMAGE}, got shape {_shape(value)}.")
+    return value
+
+
+def _convert_image(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
+    return to_hwc_uint8(host(value), tag)
+
+
+_HEATMAP = "a 2-D matrix [rows, cols] (1-D: one column)"
+
+
+def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:
+    value = _array_like("heatmap", tag, value, _HEATMAP)
+    if len(_shape(value)) not in (1, 2) or 0 in _shape(value):
+        raise InvalidValueError(
+            f"log_heatmap({tag!r}): expected {_HEATMAP}, got shape {_shape(value)}; reduce or reshape it first, "
+            f"e.g. value.mean(0) or value.flatten(1)."
+        )
+    return value
+
+
+def _convert_heatmap(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
+    x_label, y_label = extra
+    return render_heatmap(np.asarray(host(value)), title=tag, x_label=x_label, y_label=y_label)
+
+
+_HISTOGRAM = "numbers of any shape (flattened)"
+
+
+def _check_histogram(tag: str, value: Any, extra: Any) -> Any:
+    return _array_like("histogram", tag, value, _HISTOGRAM)
+
+
+def _convert_histogram(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
+    return np.asarray(host(value), dtype=np.float64).reshape(-1)
+
+
+def _check_text(tag: str, value: Any, extra: Any) -> str:
+    return str(value)
+
+
+def _convert_text(tag: str, value: Any, extra: Any, host: Host) -> str:
+    return value
+
+
+_VIDEO = "frames shaped [T, H, W, C] with C in 1, 3 or 4 (uint8 or floats in [0,1])"
+
+
+def _check_video(tag: str, value: Any, extra: Any) -> Any:
+    value = _array_like("video", tag, value, _VIDEO)
+    shape = _shape(value)
+    if len(shape) != 4 or shape[-1] not in (1, 3, 4) or shape[0] == 0:
+        raise InvalidValueError(f"log_video({tag!r}): expected {_VIDEO}, got shape {shape}.")
+    return value
+
+
+def _convert_video(tag: str, value: Any, extra: Any, host: Host) -> tuple:
+    frames = np.asarray(host(value))
+    return np.stack([to_hwc_uint8(f, tag) for f in frames]), extra
+
+
+def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
+    if isinstance(samples, Mapping) or not isinstance(samples, Sequence):
+        raise InvalidValueError(f"log_samples({tag!r}) takes a list of dicts, got {type(samples).__name__}.")
+    rows = []
+    for i, row in enumerate(samples):
+        if not isinstance(row, Mapping):
+            raise InvalidValueError(
+                f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict "
+                f"such as {{'input': ..., 'output': ..., 'score': ...}}."
+            )
+        for k, v in row.items():
+            if isinstance(v, Tensor) and (v.is_meta or v.is_complex()):
+                raise InvalidValueError(
+                    f"log_samples({tag!r}): field {k!r} of sample {i} is a {'meta' if v.is_meta else 'complex'} "
+                    f"tensor; expected numbers, strings or real tensors."
+                )
+        rows.append({str(k): (v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()})
+    return rows
+
+
+def _host_field(value: Any) -> Any:
+    """A sample field as the backends want it: numbers as floats, small arrays as lists, the rest as is."""
+    if isinstance(value, np.ndarray):
+        return float(value) if value.size == 1 else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _convert_samples(tag: str, rows: Any, score_key: Any, host: Host) -> SampleTable:
+    return SampleTable([{f: _host_field(host(v)) for f, v in row.items()} for row in rows], score_key)
+
+
+KINDS: Dict[str, MediaKind] = {
+    kind.name: kind
+    for kind in (
+        MediaKind("image", "images", _check_image, _convert_image, _IMAGE),
+        MediaKind("heatmap", "images", _check_heatmap, _convert_heatmap, _HEATMAP),
+        MediaKind("histogram", "histograms", _check_histogram, _convert_histogram, _HISTOGRAM),
+        MediaKind("text", "texts", _check_text, _convert_text, "text"),
+        MediaKind("video", "videos", _check_video, _convert_video, _VIDEO),
+        MediaKind("samples", "samples", _check_samples, _convert_samples, "a list of dicts"),
+    )
+}
+
+
+def tensors_of(value: Any) -> List[Tensor]:
+    """The device tensors inside a staged value (a tensor, or the rows of a samples table)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, list):
+        return [v for row in value for v in row.values() if isinstance(v, Tensor)]
+    return []

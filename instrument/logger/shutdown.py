@@ -1,0 +1,126 @@
+"""Ending a run cleanly when the process ends: SIGTERM, SIGINT, an uncaught exception, or plain exit.
+
+Every live `Logger` is registered here (weakly). What happens:
+
+- SIGTERM: every live logger writes and flushes what was handed over, calls ``backend.on_exit("killed")`` and
+  closes its backends (bounded by ``TIMEOUT`` seconds per logger); then the previous handler runs, or, when
+  there was none, the default action is re-delivered so the process still ends by the signal.
+- SIGINT: every live logger flushes (at most ``INTERRUPT_TIMEOUT`` seconds each), then the previous handler
+  runs (by default it raises `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A
+  KeyboardInterrupt that ends the process marks the run ``"killed"``.
+- An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
+- ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked).
+
+Handlers are installed once, from the main thread only (Python allows no other), and chain whatever handler
+was installed before; a signal that was ignored (``SIG_IGN``) stays ignored.
+"""
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import weakref
+from typing import Any, Dict, Optional
+
+__all__ = ["register", "unregister", "mark", "install", "TIMEOUT"]
+
+log = logging.getLogger("instrument")
+
+TIMEOUT = 30.0  # seconds SIGTERM or exit waits for one logger's backends
+INTERRUPT_TIMEOUT = 5.0  # seconds SIGINT waits for one logger's flush (a second Ctrl-C skips the wait)
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_lock = threading.Lock()
+_previous: Dict[int, Any] = {}
+_state: Dict[str, Any] = {"installed": False, "atexit": False, "excepthook": None, "interrupting": False}
+
+
+def register(logger: Any) -> None:
+    """Track ``logger`` (weakly) and install the handlers if this is the main thread and they are not yet."""
+    with _lock:
+        _live.add(logger)
+    install()
+
+
+def unregister(logger: Any) -> None:
+    with _lock:
+        _live.discard(logger)
+
+
+def mark(status: str) -> None:
+    """Set the exit status (``"killed"``/``"failed"``) every live logger reports when it closes."""
+    for logger in _loggers():
+        if logger._exit_status is None:
+            logger._exit_status = status
+
+
+def install() -> None:
+    """Install the signal handlers, the excepthook and the atexit hook once (signals: main thread only)."""
+    with _lock:
+        if not _state["atexit"]:
+            atexit.register(_at_exit)
+            previous_hook = sys.excepthook
+            _state["excepthook"] = previous_hook
+            sys.excepthook = _excepthook
+            _state["atexit"] = True
+        if _state["installed"] or threading.current_thread() is not threading.main_thread():
+            return
+        _state["installed"] = True
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                current = signal.getsignal(signum)
+                if current is signal.SIG_IGN or current is None:
+                    continue  # ignored on purpose, or installed outside Python: leave it alone
+                _previous[signum] = current
+                signal.signal(signum, _on_signal)
+            except (ValueError, OSError) as exc:  # e.g. an embedded interpreter
+                log.debug("instrument: could not install a handler for signal %d: %s", signum, exc)
+
+
+def _loggers() -> list:
+    with _lock:
+        return list(_live)
+
+
+def _on_signal(signum: int, frame: Optional[Any]) -> None:
+    loggers = _loggers()
+    if signum == signal.SIGINT:
+        if not _state["interrupting"]:
+            _state["interrupting"] = True
+            try:
+                for logger in loggers:
+                    try:
+                        logger.flush(INTERRUPT_TIMEOUT)
+                    except Exception:
+                        log.exception("instrument: flushing a logger on SIGINT failed")
+            finally:
+                _state["interrupting"] = False
+    else:
+        for logger in loggers:
+            try:
+                logger._shutdown("killed", TIMEOUT, commit=False)
+            except Exception:
+                log.exception("instrument: closing a logger on signal %d failed", signum)
+    previous = _previous.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    # The default action: restore it and deliver the signal again, so the process ends by it.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    mark("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+    previous = _state["excepthook"] or sys.__excepthook__
+    previous(exc_type, exc, tb)
+
+
+def _at_exit() -> None:
+    for logger in _loggers():
+        try:
+            logger._shutdown(None, TIMEOUT, commit=True)
+        except Exception:
+            log.exception("instrument: closing a logger at exit failed")

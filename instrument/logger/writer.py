@@ -1,0 +1,276 @@
+"""The logger's writer thread: the one place where backends are called.
+
+The training thread hands each committed step over as an immutable record of staged values (plus the
+started device->host transfer); this thread waits for the transfer, converts and renders, and calls every
+backend, one call at a time and in the order things were handed over. Backend calls are isolated by the
+shared `FailureLedger`: a backend that raises is reported once, counted, and still gets the next record.
+
+Backpressure: at most ``queue_size`` step records wait here. When the queue is full, ``on_full="block"``
+makes the committing thread wait for room (nothing is lost); ``"drop"`` drops the oldest waiting record,
+counts it in ``dropped`` and warns once. Control calls (open, hyperparameters, system samples, flush, close)
+are never dropped and do not count toward the bound.
+
+Durability: whatever was written is flushed (`Backend.flush`) at the latest ``flush_secs`` later, also when
+nothing else arrives; `flush` returns once everything handed over before it is written and flushed.
+"""
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable, Deque, List, Optional, Tuple
+
+from instrument.backends.base import Backend, StepRecord
+from instrument.core.failures import FailureLedger
+
+__all__ = ["Writer", "CommittedStep", "ON_FULL"]
+
+log = logging.getLogger("instrument")
+
+ON_FULL = ("block", "drop")
+_RECORD, _CALL, _FLUSH, _CLOSE = "record", "call", "flush", "close"
+
+
+class CommittedStep:
+    """What `Logger.commit` returns: the step at once, the `StepRecord` once the writer has built it.
+
+    Reading a `StepRecord` attribute (``scalars``, ``images``, ...) waits until the writer thread has
+    converted this step (not until the backends wrote it; use `Logger.flush` for that). ``result(timeout)``
+    does the same explicitly and returns None if the step was dropped (``on_full="drop"``) or not built in time.
+    """
+
+    __slots__ = ("step", "seq", "record", "dropped", "_writer")
+
+    def __init__(self, step: int, writer: "Writer") -> None:
+        self.step = step
+        self.seq = 0
+        self.record: Optional[StepRecord] = None
+        self.dropped = False
+        self._writer = writer
+
+    def result(self, timeout: Optional[float] = None) -> Optional[StepRecord]:
+        self._writer.wait(self.seq, timeout)
+        return self.record
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in StepRecord.__dataclass_fields__ and name not in (
+            "flat_scalars", "is_empty"
+        ):
+            raise AttributeError(name)
+        record = self.result()
+        if record is None:
+            raise LookupError(f"step {self.step} was dropped before it was written (on_full='drop').")
+        return getattr(record, name)
+
+    def __repr__(self) -> str:
+        state = "dropped" if self.dropped else ("built" if self.record is not None else "pending")
+        return f"CommittedStep(step={self.step}, {state})"
+
+
+class Writer:
+    """One background thread per `Logger` that builds records and calls the backends in order.
+
+    Args:
+        backends: the logger's list of backends; each is driven once its ``open`` (queued with
+            ``call("open", run, backend=b)``) succeeded, and one whose ``open`` fails is removed from it.
+        build: ``payload -> StepRecord``; the logger's conversion of a handed-over step, run here.
+        ledger: where backend failures are counted and reported.
+        queue_size: most step records waiting at once.
+        on_full: ``"block"`` or ``"drop"`` (the oldest waiting record).
+        flush_secs: the longest a written record waits before the backends are flushed.
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        backends: List[Backend],
+        build: Callable[[Any], Optional[StepRecord]],
+        ledger: FailureLedger,
+        queue_size: int,
+        on_full: str,
+        flush_secs: float,
+        name: str = "instrument-writer",
+    ) -> None:
+        self.backends = backends
+        self._active: List[Backend] = []  # opened, in order; touched only on the writer thread
+        self._build = build
+        self.ledger = ledger
+        self.queue_size = queue_size
+        self.on_full = on_full
+        self.flush_secs = flush_secs
+        self.dropped = 0
+        self._queue: Deque[Tuple[str, int, Any]] = collections.deque()
+        self._records = 0
+        self._cond = threading.Condition(threading.RLock())
+        self._submitted = 0
+        self._done = 0
+        self._closing = False
+        self._stopped = False
+        self._dirty = False
+        self._last_flush = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producer side
+    def submit(self, handle: CommittedStep, payload: Any) -> bool:
+        """Hand a step over; False when the writer is closed (the step is not written)."""
+        with self._cond:
+            if self._closing:
+                return False
+            if self._records >= self.queue_size and threading.current_thread() is not self._thread:
+                if self.on_full == "drop":
+                    self._drop_oldest()
+                else:
+                    while self._records >= self.queue_size and not self._closing:
+                        self._cond.wait()
+                    if self._closing:
+                        return False
+            self._submitted += 1
+            handle.seq = self._submitted
+            self._queue.append((_RECORD, self._submitted, (handle, payload)))
+            self._records += 1
+            self._cond.notify_all()
+            return True
+
+    def call(self, method: str, *args: Any, backend: Optional[Backend] = None) -> int:
+        """Queue ``backend.method(*args)`` (every backend when None); returns its sequence number (0: closed)."""
+        return self._put(_CALL, (method, args, backend))
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until everything handed over so far is written and flushed; False on timeout or when closed."""
+        if threading.current_thread() is self._thread:
+            return False
+        seq = self._put(_FLUSH, None)
+        return seq > 0 and self.wait(seq, timeout)
+
+    def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+        """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop."""
+        seq = self._put(_CLOSE, status, closing=True)
+        if threading.current_thread() is self._thread:
+            return False
+        done = seq > 0 and self.wait(seq, timeout)
+        self._thread.join(timeout if not done else 5.0)
+        return done
+
+    def wait(self, seq: int, timeout: Optional[float] = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._done < seq and not self._stopped:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return self._done >= seq
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._records
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _put(self, kind: str, payload: Any, closing: bool = False) -> int:
+        with self._cond:
+            if self._closing:
+                return 0
+            self._closing = closing
+            self._submitted += 1
+            self._queue.append((kind, self._submitted, payload))
+            self._cond.notify_all()
+            return self._submitted
+
+    def _drop_oldest(self) -> None:
+        for index, (kind, _, payload) in enumerate(self._queue):
+            if kind == _RECORD:
+                del self._queue[index]
+                self._records -= 1
+                handle = payload[0]
+                handle.dropped = True
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning(
+                        "instrument: the logger's queue is full (queue_size=%d): dropped the oldest waiting step "
+                        "(%d) and will drop more while the backends are this slow (counted in "
+                        "Logger.dropped); use on_full='block' to lose nothing, or a larger queue_size",
+                        self.queue_size, handle.step,
+                    )
+                return
+
+    # ------------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # however the thread ends, nobody waits for it forever
+            with self._cond:
+                self._stopped = self._closing = True
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._dirty:
+                        remaining = self.flush_secs - (time.monotonic() - self._last_flush)
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
+                    else:
+                        self._cond.wait()
+                item = self._queue.popleft() if self._queue else None
+                if item is not None and item[0] == _RECORD:
+                    self._records -= 1
+                    self._cond.notify_all()
+            if item is None:
+                self._flush_backends()
+                continue
+            kind, seq, payload = item
+            try:
+                self._process(kind, payload)
+            except BaseException:  # never let the writer die (not even by a backend's sys.exit)
+                log.exception("instrument: the logger's writer failed on a %s item; it goes on", kind)
+            finally:
+                with self._cond:
+                    self._done = seq
+                    if kind == _CLOSE:
+                        self._stopped = True
+                    self._cond.notify_all()
+            if kind == _CLOSE:
+                return
+            if self._dirty and time.monotonic() - self._last_flush >= self.flush_secs:
+                self._flush_backends()
+
+    def _process(self, kind: str, payload: Any) -> None:
+        if kind == _RECORD:
+            handle, data = payload
+            record = self._build(data)
+            handle.record = record
+            if record is not None and not record.is_empty():
+                for backend in self._active:
+                    self.ledger.call(backend.name, "write", backend.write, record)
+                self._dirty = True
+        elif kind == _CALL:
+            method, args, only = payload
+            for backend in [only] if only is not None else list(self._active):
+                ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
+                if method == "open":
+                    if ok:
+                        self._active.append(backend)
+                    elif backend in self.backends:
+                        self.backends.remove(backend)
+            self._dirty = True
+        elif kind == _FLUSH:
+            self._flush_backends()
+        elif kind == _CLOSE:
+            self._flush_backends()
+            for backend in self._active:
+                if payload:
+                    self.ledger.call(backend.name, "on_exit", backend.on_exit, payload)
+                self.ledger.call(backend.name, "close", backend.close)
+
+    def _flush_backends(self) -> None:
+        for backend in self._active:
+            self.ledger.call(backend.name, "flush", backend.flush)
+        self._dirty = False
+        self._last_flush = time.monotonic()

@@ -1,0 +1,547 @@
+"""The commit pipeline: one writer thread per Logger, backpressure, durability, faults, threads, signals.
+
+Everything is read back from real backends (JSONL lines, TensorBoard event files with EventAccumulator);
+nothing is timed: waits poll with a generous bound.
+"""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import instrument
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.jsonl import JsonlBackend
+from instrument.backends.tensorboard import TensorBoardBackend
+from instrument.errors import InvalidValueError
+from instrument.logger.logger import Logger
+from tests.conftest import read_scalars
+
+WAIT = 60.0  # seconds: only a bound for polling, never a timing assertion
+
+
+def poll(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def lines(path: Path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def steps_of(path: Path):
+    return [line["step"] for line in lines(path) if "step" in line]
+
+
+class Blocking(Backend):
+    """Blocks in `write` until released; records the steps it wrote."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.steps = []
+
+    def write(self, record):
+        self.entered.set()
+        self.release.wait(WAIT)
+        self.steps.append(record.step)
+
+
+class Raising(Backend):
+    def write(self, record):
+        raise RuntimeError("disk on fire")
+
+
+class Buffered(Backend):
+    """Keeps lines in memory until `flush`: only the logger's periodic flush puts them on disk."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.buffer = []
+
+    def write(self, record):
+        self.buffer.append(json.dumps({"step": record.step}))
+
+    def flush(self):
+        if self.buffer:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self.buffer) + "\n")
+            self.buffer.clear()
+
+
+def test_step_order_and_exactly_once_across_threads_and_the_system_monitor(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    monitor = instrument.SystemMonitor(collection_interval=0.05, flush_interval=0.05, gpu=False)
+    logger = Logger([JsonlBackend(str(path))], RunInfo("t", tmp_path), queue_size=8)
+    monitor.start(logger)
+    counter = [0]
+    step_lock = threading.Lock()
+    per_thread = 2500
+
+    def work(i: int) -> None:
+        for n in range(per_thread):
+            with step_lock:  # steps are taken in order; staging happens with the step it took
+                step = counter[0]
+                counter[0] += 1
+                logger.log_metrics({f"t{i}/{n}": float(n)}, step=step)
+            logger.commit()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.2)  # let the monitor sample at least once more while training idles
+    monitor.stop()
+    logger.close()
+    records = lines(path)
+    steps = [r["step"] for r in records if "step" in r]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # step order, each step once
+    seen = [key for r in records if "step" in r for key in r["metrics"]]
+    assert len(seen) == 4 * per_thread and set(seen) == {f"t{i}/{n}" for i in range(4) for n in range(per_thread)}
+    assert all(r["metrics"][k] == float(k.split("/")[1]) for r in records if "step" in r for k in r["metrics"])
+    assert any("system_step" in r for r in records)  # the monitor's side channel was written in between
+    assert logger.failures == {} and logger.dropped == 0
+
+
+def test_flush_makes_every_record_readable_in_tensorboard_and_jsonl(tmp_path):
+    run = RunInfo("flush", tmp_path)
+    logger = Logger([TensorBoardBackend(flush_every_commit=False), JsonlBackend()], run)
+    for step in range(5):
+        logger.log_metrics({"loss": torch.tensor(float(step))}, step=step)
+        logger.commit(step)
+    assert logger.flush(timeout=WAIT) is True
+    assert read_scalars(run.dir)["loss"] == {s: float(s) for s in range(5)}
+    assert steps_of(run.dir / "metrics.jsonl") == [0, 1, 2, 3, 4]
+    logger.close()
+    assert logger.flush() is False  # closed: nothing more to flush
+    assert not logger._writer.alive  # close joined the writer thread
+
+
+def test_every_backend_call_runs_on_the_one_writer_thread_one_at_a_time(tmp_path):
+    class Where(Backend):
+        def __init__(self) -> None:
+            self.calls = []
+            self.busy = False
+            self.overlap = False
+
+        def _note(self, method):
+            self.overlap |= self.busy
+            self.busy = True
+            self.calls.append((method, threading.current_thread().name))
+            time.sleep(0.0005)
+            self.busy = False
+
+        def open(self, run):
+            self._note("open")
+
+        def log_hyperparams(self, params, config_text=None):
+            self._note("log_hyperparams")
+
+        def write(self, record):
+            self._note("write")
+
+        def write_system(self, record):
+            self._note("write_system")
+
+        def flush(self):
+            self._note("flush")
+
+        def close(self):
+            self._note("close")
+
+    backend = Where()
+    logger = Logger([backend], RunInfo("w", tmp_path))
+    logger.log_hyperparams({"lr": 0.1})
+    monitor = threading.Thread(
+        target=lambda: [logger.write_system(StepRecord(i, {"system/x": 1.0})) for i in range(20)]
+    )
+    monitor.start()
+    for step in range(20):
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.commit(step)
+    monitor.join()
+    logger.close()
+    assert {thread for _, thread in backend.calls} == {"instrument-writer-w"}
+    methods = [m for m, _ in backend.calls]
+    assert methods[:2] == ["open", "log_hyperparams"] and methods[-1] == "close"
+    assert methods.count("write") == 20 and methods.count("write_system") == 20 and not backend.overlap
+
+
+def test_a_record_reaches_disk_within_flush_secs_without_flush_or_close(tmp_path):
+    path = tmp_path / "buffered.jsonl"
+    logger = Logger([Buffered(path)], RunInfo("fs", tmp_path), flush_secs=0.2)
+    logger.log_metrics({"a": 1.0}, step=7)
+    logger.commit(7)
+    poll(lambda: path.exists() and steps_of(path) == [7], "the periodic flush")  # training stalls meanwhile
+    logger.close()
+
+
+def test_full_queue_blocks_by_default_and_loses_nothing(tmp_path):
+    backend = Blocking()
+    logger = Logger([backend], RunInfo("b", tmp_path), queue_size=2)
+
+    def train():
+        for step in range(10):
+            logger.log_metrics({"a": float(step)}, step=step)
+            logger.commit(step)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    poll(lambda: backend.entered.is_set() and logger._writer.pending == 2, "a full queue")
+    assert trainer.is_alive()  # blocked in commit, waiting for room
+    backend.release.set()
+    trainer.join(WAIT)
+    assert logger.flush(WAIT)
+    assert backend.steps == list(range(10)) and logger.dropped == 0
+    logger.close()
+
+
+def test_full_queue_drop_mode_drops_the_oldest_counts_and_warns_once(tmp_path, caplog):
+    backend = Blocking()
+    logger = Logger([backend], RunInfo("d", tmp_path), queue_size=2, on_full="drop")
+    logger.log_metrics({"a": 0.0}, step=0)
+    first = logger.commit(0)
+    poll(backend.entered.is_set, "the writer to take step 0")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        handles = []
+        for step in range(1, 10):
+            logger.log_metrics({"a": float(step)}, step=step)
+            handles.append(logger.commit(step))  # never waits
+    assert logger.dropped == 7
+    assert sum("queue is full" in r.getMessage() for r in caplog.records) == 1
+    backend.release.set()
+    assert logger.flush(WAIT)
+    assert backend.steps == [0, 8, 9]
+    assert [h.dropped for h in handles] == [True] * 7 + [False, False]
+    assert first.scalars == {"a": 0.0} and handles[-1].result().scalars == {"a": 9.0}
+    with pytest.raises(LookupError, match="step 1 was dropped"):
+        _ = handles[0].scalars
+    logger.close()
+
+
+class Poisoner(instrument.Observer):
+    """Stages one poisoned value at step 3; a scalar every step."""
+
+    def __init__(self, name, poison) -> None:
+        self.name = name
+        self.poison = poison
+
+    def log(self, logger, step):
+        logger.log_metrics({f"{self.name}/ok": float(step)}, step=step)
+        if step == 3:
+            self.poison(logger, step)
+
+
+POISONS = {
+    "meta": lambda lg, s: lg.log_heatmap("meta", torch.empty(4, 4, device="meta"), s),
+    "heatmap3d": lambda lg, s: lg.log_heatmap("hm3", torch.rand(2, 3, 4), s),
+    "image877": lambda lg, s: lg.log_image("img", np.zeros((8, 8, 7)), s),
+}
+
+
+def test_poisoned_values_at_step_3_cost_that_value_only(tmp_path, caplog):
+    good = []
+
+    class Good(instrument.Observer):
+        name = "good"
+
+        def log(self, logger, step):
+            logger.log_metrics({"good/loss": float(step)}, step=step)
+            logger.log_heatmap("good/hm", torch.rand(3, 5), step)
+            good.append(step)
+
+    observers = [Poisoner(name, poison) for name, poison in POISONS.items()] + [Good()]
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        with instrument.Instrumentation(
+            observers, backends=[TensorBoardBackend(), JsonlBackend()], log_interval=1, run_name="p",
+            log_dir=str(tmp_path),
+        ) as inst:
+            for step in range(10):
+                with inst.step(step):
+                    pass
+    run = tmp_path / "p"
+    scalars = read_scalars(run)
+    for key in ["good/loss"] + [f"{name}/ok" for name in POISONS]:
+        assert scalars[key] == {s: float(s) for s in range(10)}, key
+    by_step = {r["step"]: r for r in lines(run / "metrics.jsonl") if "step" in r}
+    assert sorted(by_step) == list(range(10))
+    assert all("good/hm" in by_step[s]["images"] for s in range(10))
+    assert set(by_step[3]["images"]) == {"good/hm"}
+    assert inst.failures == {name: 1 for name in POISONS}  # each poisoned observer, once; no backend
+    text = caplog.text  # each observer's failure is reported once, with the value's own message
+    assert "log_heatmap('meta'): got a meta tensor of shape (4, 4)" in text
+    assert "log_heatmap('hm3'): expected a 2-D matrix [rows, cols] (1-D: one column), got shape (2, 3, 4)" in text
+    assert "log_image('img'): expected an image of shape" in text and "got shape (8, 8, 7)" in text
+
+
+@pytest.mark.parametrize("name", sorted(POISONS))
+def test_poisoned_values_raise_on_the_caller_and_the_rest_is_committed(name, tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("c", tmp_path))
+    logger.log_metrics({"a": 1.0}, step=3)
+    with pytest.raises(InvalidValueError) as caught:
+        POISONS[name](logger, 3)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, TypeError)
+    logger.log_metrics({"b": 2.0}, step=3)
+    logger.commit(3)
+    for step in range(4, 10):
+        logger.log_metrics({"a": float(step)}, step=step)
+        logger.commit(step)
+    logger.close()  # does not raise
+    records = lines(path)
+    assert records[0]["metrics"] == {"a": 1.0, "b": 2.0} and [r["step"] for r in records] == list(range(3, 10))
+
+
+def test_a_value_failing_on_the_writer_is_dropped_alone_and_said_once(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("w", tmp_path))
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        for step in range(3):
+            logger.log_metrics({"a": float(step)}, step=step)
+            logger.log_histogram("h", [1.0, 2.0], step)
+            with logger._lock:  # a value the caller's cheap checks let through; it fails to render on the writer
+                logger._media[("heatmap", "hm3")] = (torch.rand(2, 3, 4), ("", ""))
+            logger.commit(step)
+        logger.close()
+    records = lines(path)
+    assert [r["metrics"]["a"] for r in records] == [0.0, 1.0, 2.0]
+    assert all("images" not in r and r["histograms"]["h"]["count"] == 2 for r in records)
+    dropped = [r.getMessage() for r in caplog.records if "dropped heatmap 'hm3'" in r.getMessage()]
+    assert len(dropped) == 1 and "received a cpu tensor of shape (2, 3, 4)" in dropped[0]
+    assert "expected a 2-D matrix" in dropped[0]
+    assert logger.failures == {"heatmap hm3": 3}
+
+
+def test_sparse_and_meta_values_are_refused_on_the_caller():
+    logger = Logger([])
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(InvalidValueError, match="log_heatmap\\('s'\\): got a torch.sparse_coo tensor"):
+        logger.log_heatmap("s", sparse, 0)
+    with pytest.raises(InvalidValueError, match="field 'score' of sample 0 is a meta tensor"):
+        logger.log_samples("v", [{"score": torch.empty((), device="meta")}], 0)
+    with pytest.raises(ValueError, match="metric 'm' is a meta tensor"):
+        logger.log_metrics({"m": torch.empty((), device="meta")}, 0)
+    assert not logger.has_pending
+    logger.close()
+
+
+def test_a_backend_raising_on_every_write_costs_the_others_nothing(tmp_path, caplog):
+    run = RunInfo("r", tmp_path)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        logger = Logger([Raising(), TensorBoardBackend(), JsonlBackend()], run)
+        for step in range(10):
+            logger.log_metrics({"x": float(step)}, step=step)
+            logger.commit(step)
+        logger.close()
+    assert read_scalars(run.dir)["x"] == {s: float(s) for s in range(10)}
+    assert steps_of(run.dir / "metrics.jsonl") == list(range(10))
+    reports = [r for r in caplog.records if "Raising" in r.getMessage()]
+    assert len(reports) == 1 and "backend 'Raising' failed in write()" in reports[0].getMessage()
+    assert logger.failures == {"Raising": 10}
+
+
+def test_staged_values_are_cleared_when_a_commit_raises():
+    logger = Logger([])
+    logger.log_metrics({"a": 1.0}, step=5)
+    logger.commit(5)
+    logger.log_metrics({"b": 1.0}, step=5)
+    with pytest.raises(instrument.StepOrderError):
+        logger.commit(4)
+    assert not logger.has_pending
+    logger.close()
+
+
+def test_instrumentation_passes_queue_settings_and_an_exception_marks_the_run_failed(tmp_path):
+    seen = []
+
+    class Status(Backend):
+        def write(self, record):
+            pass
+
+        def on_exit(self, status):
+            seen.append(status)
+
+    with pytest.raises(RuntimeError, match="diverged"):
+        with instrument.Instrumentation(
+            backends=[Status()], log_dir=str(tmp_path), queue_size=3, on_full="drop", flush_secs=0.5
+        ) as inst:
+            assert inst.logger._writer.queue_size == 3 and inst.logger._writer.on_full == "drop"
+            raise RuntimeError("diverged")
+    assert seen == ["failed"]
+    with pytest.raises(instrument.ConfigurationError, match="on_full must be one of"):
+        Logger([], on_full="never")
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.backends.tensorboard import TensorBoardBackend
+    from instrument.logger.logger import Logger
+
+    run = RunInfo("child", sys.argv[1])
+    logger = Logger([TensorBoardBackend(flush_every_commit=False), JsonlBackend()], run, flush_secs=3600)
+    step = 0
+    while True:
+        logger.log_metrics({"loss": torch.tensor(float(step))}, step=step)
+        logger.commit(step)
+        print(step, flush=True)
+        step += 1
+        time.sleep(0.01)
+    """
+)
+
+
+def test_sigterm_keeps_every_committed_step_and_the_child_dies_by_the_signal(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    wanted = 20
+    committed = -1
+    try:
+        for line in child.stdout:
+            committed = int(line)
+            if committed + 1 >= wanted:
+                break
+        os.kill(child.pid, signal.SIGTERM)
+        child.communicate(timeout=WAIT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGTERM
+    run = tmp_path / "child"
+    jsonl = steps_of(run / "metrics.jsonl")
+    tb = sorted(read_scalars(run)["loss"])
+    # Every step printed (committed) before the signal is on disk; a step committed after the last print
+    # and before the signal arrived may be there too.
+    assert jsonl[: committed + 1] == list(range(committed + 1)) and jsonl == list(range(len(jsonl)))
+    assert tb == jsonl
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_commit_makes_no_host_sync_and_the_writer_reads_the_values(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("cuda", tmp_path))
+    x = torch.arange(100.0, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logger.log_metrics({"mean": x.mean(), "max": x.max()}, step=0)
+        logger.log_heatmap("hm", x.view(10, 10), 0)
+        handle = logger.commit(0)  # non-blocking copy into pinned memory; the writer waits on the event
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert handle.scalars == {"mean": 49.5, "max": 99.0}
+    logger.close()
+    assert lines(path)[0]["images"]["hm"][2] == 3
+
+
+INTERRUPTED_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import instrument
+    from instrument.backends.base import Backend
+    from instrument.backends.jsonl import JsonlBackend
+
+    class Status(Backend):
+        def write(self, record):
+            pass
+
+        def on_exit(self, status):
+            print("on_exit", status, flush=True)
+
+    try:
+        with instrument.Instrumentation(
+            backends=[JsonlBackend(), Status()], log_interval=1, run_name="child", log_dir=sys.argv[1]
+        ) as inst:
+            for step in range(5):
+                with inst.step(step):
+                    inst.logger.log_metrics({"a": float(step)}, step=step)
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+    """
+)
+
+
+def test_sigint_still_raises_keyboard_interrupt_and_marks_the_run_killed(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(INTERRUPTED_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=WAIT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["on_exit killed", "KeyboardInterrupt"]
+    assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2, 3, 4]
+
+
+def test_bad_input_errors_are_instrument_errors_and_keep_their_old_types():
+    from instrument.errors import InstrumentError
+    from instrument.logger.timer import Timer
+
+    logger = Logger([])
+    for bad, old in ((lambda: logger.log_metrics({"a": "x"}, 0), TypeError),
+                     (lambda: logger.log_metrics({"a": torch.ones(2)}, 0), ValueError),
+                     (lambda: Timer(""), ValueError),
+                     (lambda: Timer("t", reduce="median"), ValueError)):
+        with pytest.raises(old) as caught:
+            bad()
+        assert isinstance(caught.value, InstrumentError)
+    logger.close()
+
+
+FAILING_CHILD = textwrap.dedent(
+    """
+    import sys
+    from instrument.backends.base import Backend, RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+
+    class Status(Backend):
+        def write(self, record):
+            pass
+
+        def on_exit(self, status):
+            print("on_exit", status, flush=True)
+
+        def close(self):
+            print("close", flush=True)
+
+    logger = Logger([JsonlBackend(), Status()], RunInfo("child", sys.argv[1]))  # never closed by the script
+    for step in range(3):
+        logger.log_metrics({"a": float(step)}, step=step)
+        logger.commit(step)
+    raise RuntimeError("diverged")
+    """
+)
+
+
+def test_an_uncaught_exception_marks_the_run_failed_and_exit_closes_the_logger(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(FAILING_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=WAIT
+    )
+    assert done.returncode == 1 and "RuntimeError: diverged" in done.stderr
+    assert done.stdout.splitlines() == ["on_exit failed", "close"]
+    assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2]

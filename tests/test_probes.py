@@ -148,7 +148,7 @@ def _in_place_run(model, steps=2, n=4):
     runs = []
     for step in range(steps):
         model.seen.clear()
-        with inst.step(step) as s:
+        with inst.step(step):
             x = x0
             for _ in range(n):
                 x = model(x)

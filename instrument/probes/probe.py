@@ -12,8 +12,9 @@
 Off (every non-logging step) the forward is ``if self.enabled: ...; return x``: one bool test, no op in a
 TorchScript, frozen or compiled graph. The session sets ``enabled`` only for its logging steps; then the value
 is handed to the ``instrument::record`` operator (see `instrument.probes.record`), which keeps it for the
-observers (copied only when it has to be) and returns nothing: the probe returns ``x`` itself. The forward is written so that ``torch.jit.script`` compiles it unchanged: keep this
-module free of ``from __future__ import annotations``.
+observers (copied only when it has to be) and returns nothing: the probe returns ``x`` itself. The forward is
+written so that ``torch.jit.script`` compiles it unchanged: keep this module free of
+``from __future__ import annotations``.
 """
 
 import torch

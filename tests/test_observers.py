@@ -230,3 +230,19 @@ def test_large_mean_state_read_back_from_tensorboard_matches_float64(tmp_path):
         assert scalars[f"iteration_stats/min/c{c}"][0] == pytest.approx(want[2, c], rel=1e-7)
         assert scalars[f"iteration_stats/max/c{c}"][0] == pytest.approx(want[3, c], rel=1e-7)
     assert scalars["iteration_stats/iterations"][0] == 8.0
+
+
+def test_states_made_under_inference_mode_are_reduced_as_they_come():
+    with torch.inference_mode():
+        states = [torch.randn(8, 3) + i for i in range(4)]
+    keep = Keep()
+    inst = instrument.Instrumentation([instrument.IterationStats(channel_dim=-1), instrument.UpdateNorm()],
+                                      backends=[keep], log_interval=1)
+    with inst.step(0) as s, torch.inference_mode():
+        for i in range(3):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    assert not inst.failures
+    want = states[-1].double().numpy()
+    assert keep.records[0].scalars["iteration_stats/std/c1"] == pytest.approx(want[:, 1].std(), rel=1e-5)
+    assert keep.records[0].scalars["iteration_stats/iterations"] == 3.0

@@ -16,7 +16,7 @@ import torch
 
 import instrument
 from instrument.probes import record
-from tests._probe_models import BareRule, Model, Rule, TwoSameNames, reference
+from tests._probe_models import BareRule, InPlaceRule, Model, Rule, TwoSameNames, reference
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 
@@ -333,6 +333,55 @@ def test_scripted_model_records_the_same_values_as_eager():
     assert_matches(keep.seen, reference(rule, x0, N_ITER))
     assert not scripted.p_hidden.enabled and not scripted.p_update.enabled
     inst.close()
+
+
+def test_scripted_probes_copy_once_per_step_unless_the_value_is_changed_in_place(fresh_copied):
+    rule = new_rule()
+    scripted = torch.jit.script(rule)
+    inst = session(Keep(), log_interval=1)
+    inst.watch(scripted)
+    with inst.step(0) as s:
+        x = seed_state()
+        for _ in range(N_ITER):
+            nxt = scripted(x)
+            s.observer(instrument.StepContext(x, nxt))
+            x = nxt
+        recorder = inst._recorder
+    assert (recorder.recorded, recorder.delivered, recorder.copies) == (2 * N_ITER, 2 * N_ITER, 2)
+    inst.close()
+
+    changed = torch.jit.script(InPlaceRule())  # relu_ on the probed value after the probe
+    keep = Keep(("h",))
+    inst = session(keep, log_interval=1)
+    inst.watch(changed)
+    inputs = []
+    with inst.step(0) as s:
+        x = torch.randn(2, 5, generator=torch.Generator().manual_seed(4))
+        for _ in range(N_ITER):
+            inputs.append(x)
+            nxt = changed(x)
+            s.observer(instrument.StepContext(x, nxt))
+            x = nxt
+    inst.close()
+    for x, seen in zip(inputs, keep.seen, strict=True):
+        assert bool((torch.sin(3.0 * x) < 0).any())
+        assert torch.equal(seen["h"], torch.sin(3.0 * x))  # the value before relu_
+
+
+def test_probe_values_under_inference_mode_are_copied(fresh_copied):
+    model = InPlaceAfterProbe(from_call=10**6)
+    keep = KeepRefs("keep")
+    inst = session(keep, log_interval=1)
+    inst.watch(model)
+    with torch.inference_mode(), inst.step(0):
+        x = torch.randn(2, 3)
+        for _ in range(3):
+            x = model(x)
+        recorder = inst._recorder
+    inst.close()
+    assert recorder.copies == recorder.recorded == 6  # no version counter to rely on
+    for (before, _), values in zip(model.seen, keep.values, strict=True):
+        assert torch.equal(values["h"], before)
 
 
 def test_freeze_without_probes_has_the_ops_of_the_probe_free_model():

@@ -11,8 +11,9 @@ state reduces about 4x faster batched than per iteration, a [4, 16, 64, 64] one 
 
 A rollout that changes a state in place after it was observed would make the kept reference wrong. Each
 tensor's version counter is remembered and checked at read time, so that case is detected, never silently
-logged; the owner then falls back to reducing as it goes. ``max_elements`` bounds the memory: once the
-buffered tensors hold that many elements, the owner reduces them early and lets them go.
+logged; the owner then falls back to reducing as it goes. Inference tensors have no version counter, so they
+are always reduced as they come. ``max_elements`` bounds the memory: once the buffered tensors hold that many
+elements, the owner reduces them early and lets them go.
 """
 
 from typing import Callable, List, Optional, Tuple
@@ -63,7 +64,8 @@ class IterationBuffer:
 
     def append(self, *tensors: Tensor) -> None:
         elements = sum(t.numel() for t in tensors)
-        if not self.batched or elements >= self.batch_below:
+        # Inference tensors (torch.inference_mode) have no version counter to check: never keep them.
+        if not self.batched or elements >= self.batch_below or any(t.is_inference() for t in tensors):
             self.drain()  # keep the iterations in order
             self._results.append(self.reduce(*(t.unsqueeze(0) for t in tensors), scratch=False))
             return

@@ -56,7 +56,7 @@ class UpdateNorm(Observer):
 
     def observe(self, context: StepContext) -> None:
         # Keep references only; all iterations are reduced at once in `log` (see instrument.observers.buffer).
-        # Of the state only the alpha channel is kept: stacking the whole state would copy 1/C of it C times.
+        # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
         state = context.next_state
         self._has_alpha = state.dim() == 4 and state.shape[1] > self.alive_channel
         if self._has_alpha:

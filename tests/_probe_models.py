@@ -78,3 +78,16 @@ def reference(rule: nn.Module, x: Tensor, n: int) -> List[dict]:
             out.append({"hidden": h, "update": update})
             x = x + update
     return out
+
+
+class InPlaceRule(nn.Module):
+    """Changes the probed value in place right after the probe (an in-place activation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p_h = instrument.Probe("h")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.p_h(torch.sin(3.0 * x))
+        h.relu_()
+        return h + 1.0

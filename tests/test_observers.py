@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import instrument
-from instrument.observers.stats import channel_stats
+from instrument.observers.buffer import IterationBuffer
+from instrument.observers.stats import channel_stats, iteration_channel_stats
+from tests.conftest import read_scalars
 
 
 class Keep(instrument.Backend):
@@ -110,7 +112,7 @@ def test_small_states_are_batched_and_match_per_iteration_values():
 
 def test_memory_cap_drains_early_and_keeps_iteration_order():
     states = [torch.full((4, 2), float(i)) for i in range(10)]
-    observer = instrument.UpdateNorm(max_elements=40)  # 2 tensors x 8 elements per iteration: drains every 3
+    observer = instrument.UpdateNorm(max_elements=20)  # dx of 8 elements per iteration (no alpha): drains every 3
     record = _observe(observer, states)
     assert record.histograms["update_norm/l2"].shape == (9,)
     assert record.scalars["update_norm/l2/first"] == pytest.approx(np.sqrt(2.0))
@@ -133,3 +135,115 @@ def test_in_place_change_after_observe_is_detected_not_logged(caplog):
     assert "modified in place after it was observed" in caplog.text
     assert [r.step for r in keep.records] == [1]  # the corrupted step logged nothing
     assert keep.records[0].scalars["iteration_stats/max/c0"] == 4.0  # the next step reduced as it came
+
+
+def _numpy_stats(states: np.ndarray, channel_axis: int) -> np.ndarray:
+    """[T, *state] float64 -> [T, 4, C] population mean/std/min/max per iteration and channel."""
+    t = states.shape[0]
+    per_channel = np.moveaxis(states, channel_axis + 1, 1).reshape(t, states.shape[channel_axis + 1], -1)
+    return np.stack([per_channel.mean(2), per_channel.std(2), per_channel.min(2), per_channel.max(2)], axis=1)
+
+
+@pytest.mark.parametrize("shape, channel_dim", [((3, 5, 8, 8), 1), ((512, 6), -1), ((2, 4, 260), 1)])
+def test_stats_kernel_is_exact_for_a_large_mean_with_a_small_spread(shape, channel_dim):
+    torch.manual_seed(1)
+    states = (1e4 + 1e-2 * torch.randn(7, *shape)).float()
+    want = _numpy_stats(states.double().numpy(), channel_dim % len(shape))
+    for scratch in (False, True):
+        got = iteration_channel_stats(states.clone(), channel_dim, scratch=scratch).double().numpy()
+        np.testing.assert_allclose(got[:, 1], want[:, 1], rtol=1e-5)  # std
+        np.testing.assert_allclose(got[:, 0], want[:, 0], rtol=1e-7)  # mean: float32 rounding of 1e4 only
+        np.testing.assert_array_equal(got[:, 2:], want[:, 2:])  # min and max are exact
+    # The check can fail: E[x^2] - E[x]^2 in float32, without the shift, is wrong by orders of magnitude here.
+    x = states
+    c = channel_dim % len(shape) + 1
+    dims = tuple(d for d in range(1, x.dim()) if d != c)
+    naive = (x.square().mean(dims) - x.mean(dims).square()).clamp_min(0).sqrt().double().numpy()
+    assert np.max(np.abs(naive - want[:, 1]) / want[:, 1]) > 1e-2
+
+
+def test_stats_kernel_integer_half_and_empty_states():
+    ints = torch.randint(-50, 50, (4, 3, 10), dtype=torch.int32)
+    want = _numpy_stats(ints.double().numpy(), 1)
+    np.testing.assert_allclose(iteration_channel_stats(ints).double().numpy(), want, rtol=1e-6, atol=1e-6)
+    half = torch.randn(4, 3, 10).half()
+    want = _numpy_stats(half.double().numpy(), 1)
+    got = iteration_channel_stats(half)
+    assert got.dtype == torch.float32  # accumulated in float32, not in half
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5, atol=1e-6)
+    empty = iteration_channel_stats(torch.zeros(2, 0, 3, 4))
+    assert empty.shape == (2, 4, 3) and bool(empty.isnan().all())
+
+
+def test_buffer_reduces_large_states_as_they_come_and_small_ones_batched():
+    calls = []
+
+    def reduce(x, scratch):
+        calls.append((x.shape[0], scratch))
+        return iteration_channel_stats(x, scratch=scratch)
+
+    small = IterationBuffer(reduce, batch_below=100)
+    for _ in range(5):
+        small.append(torch.randn(2, 3, 4))
+    assert small.results().shape == (5, 4, 3) and calls == [(5, True)]  # one batched call on its own stack
+    calls.clear()
+    large = IterationBuffer(reduce, batch_below=10)
+    state = torch.randn(2, 3, 4)
+    for _ in range(3):
+        large.append(state)
+    assert large.results().shape == (3, 4, 3) and calls == [(1, False)] * 3  # views of the caller's state
+
+
+@pytest.mark.parametrize("shape, channel_dim", [((64, 4), -1), ((2, 3, 4), 1), ((1, 5, 1), 1), ((6, 1), -1)])
+@pytest.mark.parametrize("batched", [True, False])
+def test_observing_never_changes_the_callers_state(shape, channel_dim, batched):
+    states = [torch.randn(shape) + 5 for _ in range(4)]
+    before = [s.clone() for s in states]
+    observer = instrument.IterationStats(channel_dim=channel_dim)
+    observer._states.batched = batched
+    record = _observe(observer, states)
+    for s, b in zip(states, before, strict=True):
+        assert torch.equal(s, b)
+    last = states[-1].double().numpy()
+    per_channel = np.moveaxis(last, channel_dim % len(shape), 0).reshape(shape[channel_dim], -1)
+    assert record.scalars["iteration_stats/std/c0"] == pytest.approx(per_channel[0].std(), rel=1e-5)
+
+
+def test_large_mean_state_read_back_from_tensorboard_matches_float64(tmp_path):
+    """A real run: IterationStats -> Logger -> TensorBoard event file -> EventAccumulator vs float64 NumPy."""
+    torch.manual_seed(2)
+    channels = 4
+    offsets = torch.tensor([1e4, -3e3, 5e2, 0.0]).reshape(1, channels, 1, 1)
+    states = [(offsets + 1e-2 * torch.randn(3, channels, 12, 12)).float() for _ in range(9)]
+    inst = instrument.Instrumentation(
+        [instrument.IterationStats()], backends=[instrument.TensorBoardBackend()], log_interval=1,
+        log_dir=str(tmp_path), run_name="r",
+    )
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    want = _numpy_stats(states[-1].double().numpy()[None], 1)[0]  # [4, C]
+    for c in range(channels):
+        assert scalars[f"iteration_stats/std/c{c}"][0] == pytest.approx(want[1, c], rel=1e-5)
+        assert scalars[f"iteration_stats/mean/c{c}"][0] == pytest.approx(want[0, c], rel=2e-7, abs=1e-6)
+        assert scalars[f"iteration_stats/min/c{c}"][0] == pytest.approx(want[2, c], rel=1e-7)
+        assert scalars[f"iteration_stats/max/c{c}"][0] == pytest.approx(want[3, c], rel=1e-7)
+    assert scalars["iteration_stats/iterations"][0] == 8.0
+
+
+def test_states_made_under_inference_mode_are_reduced_as_they_come():
+    with torch.inference_mode():
+        states = [torch.randn(8, 3) + i for i in range(4)]
+    keep = Keep()
+    inst = instrument.Instrumentation([instrument.IterationStats(channel_dim=-1), instrument.UpdateNorm()],
+                                      backends=[keep], log_interval=1)
+    with inst.step(0) as s, torch.inference_mode():
+        for i in range(3):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    assert not inst.failures
+    want = states[-1].double().numpy()
+    assert keep.records[0].scalars["iteration_stats/std/c1"] == pytest.approx(want[:, 1].std(), rel=1e-5)
+    assert keep.records[0].scalars["iteration_stats/iterations"] == 3.0

@@ -16,7 +16,7 @@ import torch
 
 import instrument
 from instrument.probes import record
-from tests._probe_models import BareRule, Model, Rule, TwoSameNames, reference
+from tests._probe_models import BareRule, InPlaceRule, Model, Rule, TwoSameNames, reference
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 
@@ -96,15 +96,112 @@ def test_eager_watched_rule_gives_each_iteration_its_probe_values_on_logging_ste
     inst.close()
 
 
-def test_off_probe_is_identity_and_on_probe_returns_equal_values():
+def test_off_probe_is_identity_and_on_probe_returns_its_input():
     probe = instrument.Probe("p")
     x = torch.randn(3, requires_grad=True)
     assert probe(x) is x
     probe.enabled = True
-    y = probe(x)
-    assert y is not x and torch.equal(y, x)
+    assert probe(x) is x  # nothing copied on the data path
+    grad_probe = instrument.Probe("g", grad=True)
+    grad_probe.enabled = True
+    y = grad_probe(x)
+    assert y is not x and torch.equal(y, x)  # a custom op's output may not alias its input
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones(3))  # identity gradient
+
+
+class InPlaceAfterProbe(torch.nn.Module):
+    """Changes the probed value in place after the probe, on every call or only from ``from_call`` on."""
+
+    def __init__(self, from_call: int = 0) -> None:
+        super().__init__()
+        self.p_h = instrument.Probe("h")
+        self.p_out = instrument.Probe("out")
+        self.from_call, self.calls = from_call, 0
+        self.seen = []  # the tensors the probes were given, as the model holds them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.p_h(torch.sin(3.0 * x))  # both signs, every call
+        self.seen.append((h.clone(), h))
+        if self.calls >= self.from_call:
+            h.relu_()  # the common pattern: an in-place activation right after the probe
+        self.calls += 1
+        return self.p_out(h + 1.0)
+
+
+class KeepRefs(instrument.Observer):
+    probes = ("h", "out")
+
+    def reset(self) -> None:
+        self.values = []
+
+    def observe(self, context) -> None:
+        self.values.append(dict(context.probes))
+
+
+def _in_place_run(model, steps=2, n=4):
+    keep = KeepRefs("keep")
+    inst = session(keep, log_interval=1)
+    inst.watch(model)
+    recorders = []
+    x0 = torch.randn(2, 3, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for step in range(steps):
+        model.seen.clear()
+        with inst.step(step):
+            x = x0
+            for _ in range(n):
+                x = model(x)
+            recorders.append(inst._recorder)
+        runs.append((list(model.seen), list(keep.values)))
+    inst.close()
+    return runs, recorders
+
+
+@pytest.fixture()
+def fresh_copied():
+    """Which probes are copied at recording is learned per probe name for the process: isolate each test."""
+    saved = set(record._copied)
+    record._copied.clear()
+    yield
+    record._copied.clear()
+    record._copied.update(saved)
+
+
+def test_probe_value_changed_in_place_after_the_probe_delivers_the_value_it_saw(fresh_copied):
+    runs, _ = _in_place_run(InPlaceAfterProbe())
+    for seen, delivered in runs:
+        assert len(delivered) == len(seen) == 4
+        for (before, held), values in zip(seen, delivered, strict=True):
+            assert bool((before < 0).any())  # relu_ really changed it...
+            assert torch.equal(values["h"], before)  # ...and the probe still delivers the value it saw
+            assert values["h"].data_ptr() != held.data_ptr()
+
+
+def test_unmodified_probe_value_is_delivered_without_a_copy(fresh_copied):
+    runs, recorders = _in_place_run(InPlaceAfterProbe(from_call=10**6))  # never changed in place
+    for seen, delivered in runs:
+        for (before, held), values in zip(seen, delivered, strict=True):
+            assert values["h"] is not None and torch.equal(values["h"], before)
+            assert values["h"].data_ptr() == held.data_ptr()  # the model's own tensor: no copy
+    # 2 probes x 4 calls per step: one copy per probe per step (its first value, kept until delivery shows
+    # it was not needed), none for the other calls.
+    assert [(r.recorded, r.delivered, r.copies) for r in recorders] == [(8, 8, 2), (8, 8, 2)]
+
+
+def test_probe_changed_only_on_a_later_call_drops_that_value_and_copies_from_then_on(fresh_copied, caplog):
+    runs, _ = _in_place_run(InPlaceAfterProbe(from_call=2), steps=2, n=4)
+    (seen, delivered), (seen2, delivered2) = runs
+    # Step 0: calls 0-1 unchanged (delivered by reference); call 2 changed after a by-reference record:
+    # its value is dropped, never delivered wrong; call 3 is copied at recording.
+    assert [("h" in v) for v in delivered] == [True, True, False, True]
+    for (before, _), values in zip(seen, delivered, strict=True):
+        if "h" in values:
+            assert torch.equal(values["h"], before)
+    assert "modified in place after the probe" in caplog.text
+    # Step 1: every call is copied at recording, every value is the one the probe saw.
+    for (before, _), values in zip(seen2, delivered2, strict=True):
+        assert torch.equal(values["h"], before)
 
 
 def test_whole_rollout_model_watched_for_probes_only_with_explicit_observer_calls():
@@ -238,6 +335,55 @@ def test_scripted_model_records_the_same_values_as_eager():
     inst.close()
 
 
+def test_scripted_probes_copy_once_per_step_unless_the_value_is_changed_in_place(fresh_copied):
+    rule = new_rule()
+    scripted = torch.jit.script(rule)
+    inst = session(Keep(), log_interval=1)
+    inst.watch(scripted)
+    with inst.step(0) as s:
+        x = seed_state()
+        for _ in range(N_ITER):
+            nxt = scripted(x)
+            s.observer(instrument.StepContext(x, nxt))
+            x = nxt
+        recorder = inst._recorder
+    assert (recorder.recorded, recorder.delivered, recorder.copies) == (2 * N_ITER, 2 * N_ITER, 2)
+    inst.close()
+
+    changed = torch.jit.script(InPlaceRule())  # relu_ on the probed value after the probe
+    keep = Keep(("h",))
+    inst = session(keep, log_interval=1)
+    inst.watch(changed)
+    inputs = []
+    with inst.step(0) as s:
+        x = torch.randn(2, 5, generator=torch.Generator().manual_seed(4))
+        for _ in range(N_ITER):
+            inputs.append(x)
+            nxt = changed(x)
+            s.observer(instrument.StepContext(x, nxt))
+            x = nxt
+    inst.close()
+    for x, seen in zip(inputs, keep.seen, strict=True):
+        assert bool((torch.sin(3.0 * x) < 0).any())
+        assert torch.equal(seen["h"], torch.sin(3.0 * x))  # the value before relu_
+
+
+def test_probe_values_under_inference_mode_are_copied(fresh_copied):
+    model = InPlaceAfterProbe(from_call=10**6)
+    keep = KeepRefs("keep")
+    inst = session(keep, log_interval=1)
+    inst.watch(model)
+    with torch.inference_mode(), inst.step(0):
+        x = torch.randn(2, 3)
+        for _ in range(3):
+            x = model(x)
+        recorder = inst._recorder
+    inst.close()
+    assert recorder.copies == recorder.recorded == 6  # no version counter to rely on
+    for (before, _), values in zip(model.seen, keep.values, strict=True):
+        assert torch.equal(values["h"], before)
+
+
 def test_freeze_without_probes_has_the_ops_of_the_probe_free_model():
     rule = new_rule().eval()
     bare = BareRule().eval()
@@ -249,7 +395,7 @@ def test_freeze_without_probes_has_the_ops_of_the_probe_free_model():
         return sorted(node.kind() for node in module.graph.nodes())
 
     assert kinds(frozen) == kinds(frozen_bare)
-    assert "instrument::probe" not in str(frozen.graph)
+    assert "instrument::" not in str(frozen.graph)
     x = seed_state()
     assert torch.equal(frozen(x), frozen_bare(x))
 

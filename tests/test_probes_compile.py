@@ -87,7 +87,10 @@ def test_watch_then_compile_two_graphs_no_breaks_and_off_steps_skip_on_guards(fr
     assert sum(counters["graph_break"].values()) == 0
     assert backend.frame_count == 2                         # one graph with probes on, one with them off
     on_graph, off_graph = (g.code for g in backend.graphs)  # step 0 logs, so "on" compiled first
-    assert "instrument.probe" in on_graph and "instrument" not in off_graph
+    assert "instrument.record" in on_graph and "instrument" not in off_graph
+    # Compiled code may reuse an intermediate's memory after its last use, unseen by version counters: the
+    # probe passes copy=True there (recorded values are copies), and the eager True/False test was folded away.
+    assert "'hidden', True)" in on_graph and "'update', True)" in on_graph and "is_compiling" not in on_graph
     # The trap fix: "off" calls run the original forward code, whose cache holds only the "off" variant.
     assert cache_entries(Rule.forward) == 1
     # Every iteration of the last logging step was recorded, equal to eager; the observer's host syncs ran.

@@ -76,6 +76,7 @@ class IterationStats(Observer):
                 last = table[-1, s]
                 count = last.numel() if self.max_channels is None else min(last.numel(), self.max_channels)
                 width = len(str(max(count - 1, 0)))
+                values = last[:count].unbind()  # one call for all the 0-d views, not one index op each
                 logger.log_metrics(
-                    {f"{stat}/c{k:0{width}d}": last[k] for k in range(count)}, step=step, prefix=self.name
+                    {f"{stat}/c{k:0{width}d}": values[k] for k in range(count)}, step=step, prefix=self.name
                 )

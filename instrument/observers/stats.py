@@ -1,8 +1,23 @@
-"""Fast per-channel statistics kernels.
+"""Per-channel statistics of many iterations in a few large reductions.
 
-``torch.std_mean`` and ``torch.aminmax`` over a [C, N] view are 9-13x slower on CPU than a two-pass mean and
-variance with ``amin``/``amax`` (same values to 1e-7; measured on torch 2.13, see docs/observers.md), so the
-observers use these instead. Batched over iterations, one call replaces a dozen small launches per iteration.
+An observer's cost per logging step should be close to what reading the buffered states costs. The states of
+all buffered iterations are stacked ([T, *state]) and seen as a [T, B, C, N] view (B: everything before the
+channel dimension, N: everything after it), and each statistic is one reduction over N (the contiguous last
+dim), then B, of that view: min, max, an in-place shift, the shifted sum and the shifted sum of squares. No
+per-iteration launch, and a transposed copy only for channels-last states with few elements after C.
+
+Why not the obvious kernels (measured on CPU, torch 2.13, one thread, 32 iterations of a [4, 16, 24, 24]
+state): ``torch.var_mean`` (Welford) over the last dim runs at about 0.5 GB/s and ``torch.aminmax`` at about
+1.3 GB/s, while ``sum``/``amin``/``amax`` run at 35-45 GB/s; ``std_mean`` and ``aminmax`` over [16, 4096] are
+9-13x slower than separate passes.
+
+Numerics: the variance is ``E[d^2] - E[d]^2`` of ``d = x - r``, where ``r`` is a per-iteration, per-channel
+reference taken from the data (the mean of a strided sample of the channel: up to 4 batch rows x 32 values).
+Subtracting ``r`` removes the channel's offset before anything is squared, so a state whose mean is large
+relative to its spread (values ``1e4 + N(0, 1e-2)`` in float32) keeps its precision: there ``x - r`` is exact,
+and ``E[d]^2`` is of the order of the variance itself instead of ``1e8`` times it, as it would be without the
+shift. The error is that of a float32 sum of N values (pairwise on CPU), well under 1e-5 relative for the std.
+min and max are taken from ``x`` itself, so they are exact.
 """
 
 import torch
@@ -10,23 +25,56 @@ from torch import Tensor
 
 __all__ = ["channel_stats", "iteration_channel_stats"]
 
+_SAMPLE = 32  # elements per row averaged for the shift reference
+_ROWS = 4  # rows of the batch dimension sampled
 
-def iteration_channel_stats(states: Tensor, channel_dim: int = 1) -> Tensor:
+
+def _channel_view(states: Tensor, channel_dim: int) -> Tensor:
+    """[T, *state] -> [T, B, C, N] (a view when ``states`` is contiguous)."""
+    if states.dim() < 3:  # [T, N]: one channel
+        return states.reshape(states.shape[0], states.shape[1], 1, 1)
+    c = channel_dim % (states.dim() - 1) + 1
+    before = after = 1
+    for size in states.shape[1:c]:
+        before *= size
+    for size in states.shape[c + 1:]:
+        after *= size
+    return states.reshape(states.shape[0], before, states.shape[c], after)
+
+
+def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool = False) -> Tensor:
     """Per-iteration, per-channel [mean, std, min, max] of ``states`` [T, *state], shape [T, 4, C].
 
     ``channel_dim`` indexes the state's own dimensions (1 for [B, C, H, W], -1 for [N, features]). std is the
-    population standard deviation (divisor N), two-pass for accuracy.
+    population standard deviation (divisor N), from shifted sums (see the module docstring). ``scratch=True``
+    lets the function overwrite ``states`` (a stacked copy the caller owns) instead of allocating a temporary.
     """
-    if states.dim() < 3:  # [T, N]: one channel
-        states = states.unsqueeze(-1)
-        channel_dim = -1
-    if not states.is_floating_point():
-        states = states.float()
-    c = channel_dim % (states.dim() - 1) + 1
-    dims = tuple(d for d in range(1, states.dim()) if d != c)  # reduce in place: no transposed copy
-    mean = states.mean(dim=dims, keepdim=True)
-    var = (states - mean).square().mean(dim=dims)
-    return torch.stack([mean.reshape(var.shape), var.sqrt(), states.amin(dim=dims), states.amax(dim=dims)], dim=1)
+    if states.dtype not in (torch.float32, torch.float64):  # half precision or integers: accumulate in float32
+        states, scratch = states.float(), True
+    x = _channel_view(states, channel_dim)  # [T, B, C, N]
+    if x.shape[3] < 16 and x.shape[1] > x.shape[3] and x.shape[2] > 1:
+        # Channels (nearly) last, e.g. [N, features]: reductions over a strided middle dim are several times
+        # slower than over the last one, so pay one copy into [T, 1, C, B * N]. (reshape may return a view
+        # here, so the copy is explicit: never shift the caller's tensor in place.)
+        x = x.transpose(1, 2).contiguous().reshape(x.shape[0], 1, x.shape[2], x.shape[1] * x.shape[3])
+        scratch = True
+    count = x.shape[1] * x.shape[3]
+    if count == 0:
+        return torch.full((x.shape[0], 4, x.shape[2]), float("nan"), dtype=x.dtype, device=x.device)
+    # A reference near the channel's mean: the mean of a strided sample over a few batch rows and N.
+    sample = x[:, :: max(1, x.shape[1] // _ROWS), :, :: max(1, x.shape[3] // _SAMPLE)]
+    reference = sample[:, :_ROWS, :, :_SAMPLE].mean(dim=(1, 3), keepdim=True)  # [T, 1, C, 1]
+    # Reduce the contiguous last dim first, then the (small) batch dim: several times faster than one
+    # reduction over both on CPU.
+    low = x.amin(dim=3).amin(dim=1)
+    high = x.amax(dim=3).amax(dim=1)
+    shifted = x.sub_(reference) if scratch else x - reference
+    total = shifted.sum(dim=3).sum(dim=1)
+    squares = shifted.square_().sum(dim=3).sum(dim=1)
+    mean_shifted = total / count
+    var = (squares / count - mean_shifted.square()).clamp_min_(0.0)
+    mean = reference.reshape(mean_shifted.shape) + mean_shifted
+    return torch.stack([mean, var.sqrt_(), low, high], dim=1)
 
 
 def channel_stats(x: Tensor, channel_dim: int = 1) -> Tensor:

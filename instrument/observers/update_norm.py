@@ -56,17 +56,22 @@ class UpdateNorm(Observer):
 
     def observe(self, context: StepContext) -> None:
         # Keep references only; all iterations are reduced at once in `log` (see instrument.observers.buffer).
+        # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
         state = context.next_state
         self._has_alpha = state.dim() == 4 and state.shape[1] > self.alive_channel
-        self._steps.append(context.dx, state)
+        if self._has_alpha:
+            self._steps.append(context.dx, state[:, self.alive_channel])
+        else:
+            self._steps.append(context.dx)
 
-    def _reduce(self, dx: Tensor, states: Tensor) -> Tensor:
-        """[k, *state] dx and next states -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if none)."""
+    def _reduce(self, dx: Tensor, alpha: Optional[Tensor] = None, scratch: bool = False) -> Tensor:
+        """[k, *state] dx and [k, B, H, W] alpha -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if
+        no alpha)."""
         k = dx.shape[0]
         flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 2 else dx.reshape(k, 1, -1)
         norms = torch.linalg.vector_norm(flat.float(), dim=2).mean(1)
-        if states.dim() == 5 and states.shape[2] > self.alive_channel:
-            alive = (states[:, :, self.alive_channel] > self.alive_threshold).float().mean(dim=(1, 2, 3))
+        if alpha is not None:
+            alive = (alpha > self.alive_threshold).float().mean(dim=(1, 2, 3))
         else:
             alive = torch.full_like(norms, float("nan"))
         return torch.stack([norms, alive], dim=1)

@@ -3,7 +3,7 @@
 Two facts shape it (measured on torch 2.13, see docs/probes.md):
 
 * Dynamo guards on ``Probe.enabled``: the first call with probes off compiles a graph without any probe op,
-  and the first logging step compiles a second graph with the opaque ``instrument::probe`` op. Nothing else
+  and the first logging step compiles a second graph with the opaque ``instrument::record`` op. Nothing else
   recompiles, and the op never breaks the graph.
 * Dynamo keeps its compiled variants per code object and checks them newest first. Once an "on" variant
   exists, every "off" call would first evaluate the "on" guards and fail them, costing 8-10% on small

@@ -11,15 +11,16 @@
 
 Off (every non-logging step) the forward is ``if self.enabled: ...; return x``: one bool test, no op in a
 TorchScript, frozen or compiled graph. The session sets ``enabled`` only for its logging steps; then the value
-goes through the ``instrument::probe`` operator (see `instrument.probes.record`), which records a detached
-copy for the observers. The forward is written so that ``torch.jit.script`` compiles it unchanged: keep this
-module free of ``from __future__ import annotations``.
+is handed to the ``instrument::record`` operator (see `instrument.probes.record`), which keeps it for the
+observers (copied only when it has to be) and returns nothing: the probe returns ``x`` itself. The forward is
+written so that ``torch.jit.script`` compiles it unchanged: keep this module free of
+``from __future__ import annotations``.
 """
 
 import torch
 from torch import Tensor, nn
 
-import instrument.probes.record  # noqa: F401  registers torch.ops.instrument.probe
+import instrument.probes.record  # noqa: F401  registers torch.ops.instrument.record
 from instrument.errors import ProbeError
 
 __all__ = ["Probe"]
@@ -55,7 +56,10 @@ class Probe(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.enabled:
-            return torch.ops.instrument.probe(x, self.name, self.grad)
+            # Compiled code may overwrite x's memory after its last use, unseen by version counters: copy there.
+            torch.ops.instrument.record(x, self.name, torch.compiler.is_compiling())
+            if self.grad:
+                return torch.ops.instrument.watch_grad(x, self.name)
         return x
 
     def __prepare_scriptable__(self) -> "Probe":

@@ -1,22 +1,43 @@
 """The probe operators and the recorder they write into.
 
-An enabled `Probe` calls ``torch.ops.instrument.probe(value, name, grad)``, a custom operator whose kernel is
-plain Python. Eager mode, TorchScript (also a module saved with ``torch.jit.save`` and loaded in another
-process that imports instrument) and torch.compile (where the operator stays opaque: no graph break, no
-recompile per call) all call that kernel at run time, so it can hand the value to the session without tracing
-or scripting any Python of ours. The kernel stores a detached copy in the `Recorder` the session installed for
-the current logging step; with no recorder installed it stores nothing. Observers run later, outside compiled
-code.
+An enabled `Probe` calls ``torch.ops.instrument.record(value, name, copy)``, a custom operator whose kernel is
+plain Python and which returns nothing. Eager mode, TorchScript (also a module saved with ``torch.jit.save`` and
+loaded in another process that imports instrument) and torch.compile (where the operator stays opaque: no graph
+break, no recompile per call) all call that kernel at run time, so it can hand the value to the session without
+tracing or scripting any Python of ours. With no recorder installed it stores nothing. Observers run later,
+outside compiled code. The probe then returns its input itself: nothing is copied on the data path.
 
-The operator returns a copy of its input (a custom operator may not return an alias of an input), and its
-autograd formula is the identity. With ``grad=True`` the backward formula passes the incoming gradient through
-a second opaque operator, ``instrument::probe_grad``, whose body records it: gradient probes need no tensor
-hook, so nothing has to be registered or removed.
+What the recorder keeps (a probe must deliver the value it saw, never one changed later, and copy as little as
+it can):
 
-Both operators are registered when this module is imported (``import instrument`` does it).
+* Eager and TorchScript: a reference and the tensor's version counter, which every in-place operation bumps.
+  The value is delivered at the next observer call; if the version is unchanged then, the reference is
+  delivered, no copy made. The first value of each probe in a logging step is also copied, so that a probe
+  whose value the model changes in place (``h = probe(h); h.relu_()``) still delivers the value it saw; that
+  probe is then copied at recording from then on. A probe that was unchanged on its first call but changed on a
+  later one loses that value (never a wrong one: it is dropped with a warning) and is copied from then on.
+* torch.compile (``copy=True``, which the probe passes when Dynamo traces it): a copy. Inductor reuses and
+  overwrites the memory of intermediate tensors after their last use in the graph without touching version
+  counters, so a reference could silently change.
+* Inference tensors (``torch.inference_mode``) have no version counter: a copy.
+
+The operator has no output, so TorchScript and FX would drop it as dead code; it is declared with conservative
+alias analysis (TorchScript keeps such nodes) and registered as side-effecting with torch.fx.
+
+Gradient probes (``grad=True``) additionally pass the value through ``instrument::watch_grad``, an identity
+whose backward records the incoming gradient through a second opaque operator, ``instrument::probe_grad``:
+gradient probes need no tensor hook, so nothing has to be registered or removed. A custom operator may not
+return an alias of its input, so ``watch_grad`` returns a copy (gradient probes run in eager mode and under
+torch.compile only).
+
+``instrument::probe`` is the operator of earlier versions (it records a copy and returns a copy); it stays
+registered so that modules saved with ``torch.jit.save`` by them still load and record.
+
+All operators are registered when this module is imported (``import instrument`` does it).
 """
 
-from typing import Dict, List, Optional
+import logging
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -26,27 +47,58 @@ from instrument.errors import ProbeError
 
 __all__ = ["Recorder", "active_recorder", "install", "uninstall"]
 
+log = logging.getLogger("instrument")
+
 
 class Recorder:
     """What embedded probes record during one logging step.
 
     ``pending`` holds the latest value of each probe since the last `drain` (the dispatcher drains it at every
     observer call, so a context gets the values recorded during its iteration). ``gradients`` holds each
-    gradient probe's gradients in the order backward delivered them.
+    gradient probe's gradients in the order backward delivered them. ``copies`` counts the copies made.
     """
 
     def __init__(self) -> None:
-        self.pending: Dict[str, Tensor] = {}
+        self.pending: Dict[str, Tuple[Tensor, int, Optional[Tensor]]] = {}
         self.gradients: Dict[str, List[Tensor]] = {}
         self.recorded = 0
         self.delivered = 0
+        self.copies = 0
+        self._checked: Set[str] = set()  # probes whose first value this step was unchanged at delivery
 
-    def put(self, name: str, value: Tensor) -> None:
-        self.pending[name] = value
+    def put(self, name: str, value: Tensor, copy: bool = False) -> None:
+        """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
+        value = value.detach()
         self.recorded += 1
+        if copy or name in _copied or value.is_inference():
+            self.copies += 1
+            self.pending[name] = (value.clone(), _UNTRACKED, None)
+            return
+        backup = None
+        if name not in self._checked:
+            backup = value.clone()
+            self.copies += 1
+        self.pending[name] = (value, value._version, backup)
 
     def drain(self) -> Dict[str, Tensor]:
-        values, self.pending = self.pending, {}
+        """The values recorded since the last call, each exactly as it was when recorded."""
+        pending, self.pending = self.pending, {}
+        values: Dict[str, Tensor] = {}
+        for name, (value, version, backup) in pending.items():
+            if version == _UNTRACKED or value._version == version:
+                values[name] = value
+                if backup is not None:
+                    self._checked.add(name)
+            elif backup is not None:
+                values[name] = backup
+                _copied.add(name)
+            else:
+                _copied.add(name)
+                log.warning(
+                    "instrument: the value of probe %r was modified in place after the probe, on a call where "
+                    "earlier calls had left it unchanged; that value is dropped rather than logged wrong, and "
+                    "this probe's values are copied from now on", name,
+                )
         self.delivered += len(values)
         return values
 
@@ -57,6 +109,10 @@ class Recorder:
         """Backward visits a chained rollout's iterations last to first; reverse to index by iteration."""
         return {name: values[::-1] for name, values in self.gradients.items()}
 
+
+_UNTRACKED = -1  # no version to compare: the recorder holds its own copy
+# Names of probes whose value the model was seen to change in place after the probe: copied at recording.
+_copied: Set[str] = set()
 
 _active: Optional[Recorder] = None
 
@@ -86,14 +142,24 @@ def uninstall(recorder: Recorder) -> None:
 # Defined with the low-level torch.library API rather than @torch.library.custom_op: the latter wraps the
 # kernel so that its first call imports torch._dynamo (seconds, even for users who never compile).
 _lib = torch.library.Library("instrument", "DEF")
+_lib.define("record(Tensor value, str name, bool copy) -> ()", alias_analysis="CONSERVATIVE")
+_lib.define("watch_grad(Tensor value, str name) -> Tensor")
 _lib.define("probe(Tensor value, str name, bool grad) -> Tensor")
 _lib.define("probe_grad(Tensor gradient, str name) -> Tensor")
 
 
-def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
+def _record(value: Tensor, name: str, copy: bool) -> None:
     recorder = _active
     if recorder is not None and not in_recompute():
-        recorder.put(name, value.detach().clone())
+        recorder.put(name, value, copy)
+
+
+def _watch_grad(value: Tensor, name: str) -> Tensor:
+    return value.clone()
+
+
+def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
+    _record(value, name, True)
     return value.clone()
 
 
@@ -102,6 +168,14 @@ def _probe_grad(gradient: Tensor, name: str) -> Tensor:
     if recorder is not None:
         recorder.put_gradient(name, gradient.detach().clone())
     return gradient.clone()
+
+
+def _watch_grad_setup(ctx, inputs, output) -> None:
+    ctx.probe_name = inputs[1]
+
+
+def _watch_grad_backward(ctx, gradient: Tensor):
+    return torch.ops.instrument.probe_grad(gradient, ctx.probe_name), None
 
 
 def _probe_setup(ctx, inputs, output) -> None:
@@ -114,8 +188,17 @@ def _probe_backward(ctx, gradient: Tensor):
     return gradient, None, None
 
 
+_lib.impl("record", _record, "CompositeExplicitAutograd")
+_lib.impl("watch_grad", _watch_grad, "CompositeExplicitAutograd")
 _lib.impl("probe", _probe, "CompositeExplicitAutograd")
 _lib.impl("probe_grad", _probe_grad, "CompositeExplicitAutograd")
+torch.library.register_fake("instrument::record", lambda value, name, copy: None, lib=_lib)
+torch.library.register_fake("instrument::watch_grad", lambda value, name: torch.empty_like(value), lib=_lib)
 torch.library.register_fake("instrument::probe", lambda value, name, grad: torch.empty_like(value), lib=_lib)
 torch.library.register_fake("instrument::probe_grad", lambda grad, name: torch.empty_like(grad), lib=_lib)
+torch.library.register_autograd(
+    "instrument::watch_grad", _watch_grad_backward, setup_context=_watch_grad_setup, lib=_lib
+)
 torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)
+# No output: without this, FX's dead-code elimination (Dynamo, AOT autograd) would drop the call.
+torch.fx.node.has_side_effect(torch.ops.instrument.record.default)

@@ -137,6 +137,7 @@ def test_a_bad_value_found_while_building_is_reported_briefly(tmp_path, capsys):
     assert len(stderr.splitlines()) <= 6, stderr
 
 
+@pytest.mark.slow
 def test_an_installed_wheel_carries_the_shipped_configs(tmp_path):
     """Build the wheel, install it into a folder of its own, and run from a directory outside the checkout."""
     source = tmp_path / "source"

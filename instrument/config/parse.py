@@ -23,6 +23,7 @@ __all__ = [
     "ConfigFileError",
     "ConfigImportError",
     "ConfigSyntaxError",
+    "AmbiguousNameError",
     "GinConfigError",
     "ShippedConfig",
     "operative_config",
@@ -74,6 +75,10 @@ class ConfigSyntaxError(GinConfigError, SyntaxError):
 
 class ConfigImportError(GinConfigError, ImportError):
     """An ``import`` line naming a module that cannot be imported."""
+
+
+class AmbiguousNameError(GinConfigError, KeyError):
+    """A short name that several registered configurables share (gin raises a KeyError for it)."""
 
 
 class ShippedConfig:
@@ -135,12 +140,11 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             f"write parse_config(['exp.gin'], ['Instrumentation.log_interval = 5'])."
         )
     paths = [resolve_config(str(f)) for f in files]
-    for path in paths:
-        _search_first(str(path.resolve().parent))
     quiet = _QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
     try:
         for path in paths:
+            _search_first(str(path.resolve().parent))  # this file's includes look beside it first
             try:
                 gin.parse_config_file(str(path))
             except _GIN_ERRORS as exc:
@@ -167,7 +171,7 @@ def _search_first(directory: str) -> None:
     _searched.add(directory)
 
 
-_GIN_ERRORS = (ValueError, SyntaxError, tokenize.TokenError, OSError, ImportError, TypeError)
+_GIN_ERRORS = (ValueError, KeyError, SyntaxError, tokenize.TokenError, OSError, ImportError, TypeError)
 _WHERE = re.compile(r'\n  In file "(?P<file>[^"]+)", line (?P<line>\d+)\n    (?P<stmt>[^\n]*)')
 _BINDING_WHERE = re.compile(r"\n  In bindings string line \d+\n    (?P<stmt>[^\n]*)")
 
@@ -189,7 +193,7 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
         return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
                     "(values are Python literals, references are @Name or @Name()).")
     locations = list(_WHERE.finditer(text))
-    problem = text.split("\n  In ", 1)[0].strip()
+    problem = text.split("\n  In ", 1)[0].strip().strip("\"'")
     if locations:
         inner = locations[0]
         where = f"{inner['file']}, line {inner['line']}"
@@ -201,7 +205,11 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
         where = source
         match = _BINDING_WHERE.search(text)
         statement = match["stmt"].strip() if match else (binding or "")
-    if isinstance(exc, ImportError):
+    if isinstance(exc, KeyError):  # gin's selector lookup: a short name that several modules register
+        kind = AmbiguousNameError
+        fix = ("write the name qualified by its module, as listed (e.g. instrument.Instrumentation.log_interval)."
+               if "Ambiguous selector" in problem else _fix_for(problem))
+    elif isinstance(exc, ImportError):
         kind = ConfigImportError
         fix = "install the package that provides the module, or correct the name in the import line."
     elif isinstance(exc, OSError):

@@ -71,8 +71,9 @@ def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
                          else f"MLflow: mlflow ui --backend-store-uri {uri}")
         elif isinstance(backend, WandbBackend):
             if backend.mode == "offline":
-                runs = sorted(glob.glob(str(Path(backend.dir or log_root) / "wandb" / "offline-run-*")))
-                target = runs[-1] if runs else str(Path(backend.dir or log_root) / "wandb" / "offline-run-*")
+                pattern = str(Path(backend.dir or log_root).resolve() / "wandb" / "offline-run-*")
+                runs = sorted(glob.glob(pattern))
+                target = runs[-1] if runs else pattern
                 hints.append(f"W&B (offline): wandb sync {target}")
             elif backend.mode == "online":
                 hints.append(f"W&B: logged online to project {backend.project!r} (wandb.ai)")

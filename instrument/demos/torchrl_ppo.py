@@ -1,6 +1,6 @@
 """A short PPO run on gymnasium CartPole-v1 with a real TorchRL collector and Trainer, logged by `RLLogging`.
 
-``python -m instrument run gin/rl_torchrl_ppo.gin`` runs it. The trainer is TorchRL's own
+``instrument run rl_torchrl_ppo`` runs it. The trainer is TorchRL's own
 (``torchrl.trainers.Trainer`` with GAE, a sub-batch sampler and a clipped PPO loss); instrument only adds one
 hook (`instrument.rl.torchrl.TorchRLHook`). Needs ``pip install 'torch-instrument[torchrl]'``.
 """

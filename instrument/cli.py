@@ -5,6 +5,7 @@ The module docstring is not the help text: `_DESCRIPTION` is plain text, as a te
 
 import argparse
 import glob
+import os
 import sys
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
@@ -101,7 +102,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "list" or args.list:
-        print(list_configs())
+        try:
+            print(list_configs(), flush=True)
+        except BrokenPipeError:  # `instrument list | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if not args.config:
         parser.error("run needs a config: a shipped name (instrument list shows them) or a path to a .gin file")

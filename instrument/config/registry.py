@@ -1,4 +1,5 @@
-"""The gin registrations of instrument's own classes, and nothing else.
+"""The gin registrations of instrument's own classes, and nothing else (plus the hook that hands the session
+gin's operative config).
 
 Every name is registered under the ``instrument`` module, so a ``.gin`` file may write it qualified
 (``instrument.Instrumentation.log_interval = 25``) or, while unambiguous, short::

@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m instrument run instrument/configs/nca.gin
+	$(PY) -m instrument run nca
 
 demo-rl: install
-	$(PY) -m instrument run instrument/configs/rl_cartpole.gin
+	$(PY) -m instrument run rl_cartpole
 
 test: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest

@@ -12,8 +12,10 @@ Data flows one way: probe -> observer -> logger -> backend.
             inst.logger.log_metrics({"loss": loss.detach()}, step=step, prefix="train")
     inst.close()
 
-gin configuration lives in `instrument.config`, the one module that imports gin; importing the package imports it, so
-the public classes are gin-configurable under their own names.
+gin configuration lives at the edge, in `instrument.config`: importing the package registers the public classes
+under their own names (``Instrumentation.log_interval``, or ``instrument.Instrumentation.log_interval``), and
+`parse_config` parses ``.gin`` files or shipped configs by name (``instrument list``) with errors naming the file
+and line. Importing the package imports neither the demos, nor `instrument.rl`, nor any optional SDK.
 """
 
 from instrument import config  # noqa: F401  (registers the configurables with gin)
@@ -24,6 +26,7 @@ from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.mlflow import MlflowBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.backends.wandb import WandbBackend
+from instrument.config.parse import parse_config
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer, StepObserver
 from instrument.errors import (
@@ -80,6 +83,7 @@ __all__ = [
     "WatchHandle",
     "__version__",
     "freeze",
+    "parse_config",
     "script",
     "setup_run_logging",
 ]

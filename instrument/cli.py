@@ -1,30 +1,87 @@
-"""``instrument run CONFIG.gin [--bind 'Name.param = value' ...]``: run any gin-bound experiment."""
+"""The command line: run a gin-configured experiment, list the shipped configs, say where the logs are.
+
+The module docstring is not the help text: `_DESCRIPTION` is plain text, as a terminal shows it.
+"""
 
 import argparse
+import glob
+import os
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+_DESCRIPTION = """\
+Run a gin-configured experiment and log it with instrument.
+
+examples:
+  instrument run nca                                   a shipped config, by name
+  instrument run nca --bind 'train_nca.steps = 50'     override any binding
+  instrument run my.gin other.gin                      your own files (later ones override earlier ones)
+  instrument list                                      the shipped configs, with what each does
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="instrument", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the experiment bound in a .gin file")
-    run.add_argument("config", nargs="+", help="one or more .gin files (later ones override earlier ones)")
+    from instrument import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="instrument", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"instrument {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,list}")
+    run = sub.add_parser(
+        "run", help="run the experiment a config binds", description="Run the experiment a config binds "
+        "(run.experiment), then say where its logs are and how to view them."
+    )
+    run.add_argument("config", nargs="*", help="a shipped config's name (see: instrument list) or a path to a "
+                     ".gin file; several are parsed in order, later ones override earlier ones")
     run.add_argument("--bind", action="append", default=[], metavar="BINDING",
-                     help="an extra gin binding, e.g. 'train_nca.steps = 50' (repeatable)")
+                     help="an extra gin binding, e.g. 'train_nca.steps = 50' (repeatable; applied after the files)")
+    run.add_argument("--list", action="store_true", help="list the shipped configs and exit")
+    run.add_argument("--debug", action="store_true", help="show the full traceback of a configuration error")
+    sub.add_parser("list", help="list the shipped configs", description="List the shipped configs.")
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    from instrument import config
+def list_configs() -> str:
+    """The shipped configs by name with their one-line descriptions: experiments, then fragments to include."""
+    from instrument.config import shipped_configs
 
-    try:
-        config.parse(args.config, args.bind)
-    except (ValueError, FileNotFoundError) as exc:  # gin's messages already name the file and line
-        print(f"instrument: configuration error: {exc}", file=sys.stderr)
-        return 2
-    outcome = config.run()
+    configs = shipped_configs()
+    width = max(len(c.name) for c in configs) + 2
+    lines = ["Shipped configs (instrument run NAME [--bind 'Name.param = value' ...]):"]
+    lines += [f"  {c.name:<{width}}{c.description}" for c in configs if c.runnable]
+    lines += ["", "Fragments to include from your own .gin file (include 'NAME.gin'):"]
+    lines += [f"  {c.name:<{width}}{c.description}" for c in configs if not c.runnable]
+    return "\n".join(lines)
+
+
+def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
+    """How to look at what each backend wrote: one command per backend that was used, in the order used."""
+    from instrument.backends.mlflow import MlflowBackend
+    from instrument.backends.tensorboard import TensorBoardBackend
+    from instrument.backends.wandb import WandbBackend
+
+    hints: List[str] = []
+    for backend in backends:
+        if isinstance(backend, TensorBoardBackend):
+            hints.append(f"TensorBoard: tensorboard --logdir {log_root}")
+        elif isinstance(backend, MlflowBackend) and backend.tracking_uri:
+            uri = backend.tracking_uri
+            hints.append(f"MLflow: open {uri}" if uri.startswith(("http://", "https://"))
+                         else f"MLflow: mlflow ui --backend-store-uri {uri}")
+        elif isinstance(backend, WandbBackend):
+            if backend.mode == "offline":
+                pattern = str(Path(backend.dir or log_root).resolve() / "wandb" / "offline-run-*")
+                runs = sorted(glob.glob(pattern))
+                target = runs[-1] if runs else pattern
+                hints.append(f"W&B (offline): wandb sync {target}")
+            elif backend.mode == "online":
+                hints.append(f"W&B: logged online to project {backend.project!r} (wandb.ai)")
+    return list(dict.fromkeys(hints))
+
+
+def _print_result(outcome: dict) -> None:
     result = outcome["result"]
     if isinstance(result, dict):
         summary = ", ".join(
@@ -34,7 +91,46 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         print(f"done: {summary}")
     print(f"logs: {outcome['run_dir']}")
-    print(f"view them with: tensorboard --logdir {outcome['log_root']}")
+    hints = viewer_hints(outcome.get("backends", ()), outcome["log_root"])
+    if hints:
+        print("view them with:")
+        for hint in hints:
+            print(f"  {hint}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "list" or args.list:
+        try:
+            print(list_configs(), flush=True)
+        except BrokenPipeError:  # `instrument list | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if not args.config:
+        parser.error("run needs a config: a shipped name (instrument list shows them) or a path to a .gin file")
+
+    from instrument import config
+    from instrument.errors import InstrumentError
+
+    try:
+        config.parse_config(args.config, args.bind)
+    except InstrumentError as exc:
+        if args.debug:
+            raise
+        lead = " in " if getattr(exc, "where", "") else ": "
+        print(f"instrument: configuration error{lead}{exc}", file=sys.stderr)
+        print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
+        return 2
+    try:
+        outcome = config.run()
+    except InstrumentError as exc:  # bad input found while building or running (gin adds where it was bound)
+        if args.debug:
+            raise
+        print(f"instrument: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
+        return 2
+    _print_result(outcome)
     return 0
 
 

@@ -8,10 +8,9 @@ on, no observer runs, no value leaves the device.
 """
 
 import logging
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
@@ -28,6 +27,20 @@ from instrument.probes.hooks import StateWatch
 __all__ = ["Instrumentation", "StepScope", "WatchHandle"]
 
 log = logging.getLogger("instrument")
+
+ConfigSource = Callable[[], Tuple[Dict[str, Any], Optional[str]]]
+_config_source: Optional[ConfigSource] = None
+
+
+def set_config_source(source: Optional[ConfigSource]) -> None:
+    """Install the provider of the operative config that each session logs at its first step.
+
+    ``source()`` returns ``({"Configurable.param": value}, config_text)``. `instrument.config` installs gin's
+    operative config here when it is imported, so the session logs it without importing gin itself; None
+    removes it (a run configured in plain Python then logs only its own hyperparameters).
+    """
+    global _config_source
+    _config_source = source
 
 
 def default_run_name() -> str:
@@ -412,10 +425,8 @@ class Instrumentation:
         self._config_logged = True
         params = dict(self.hyperparams)
         text = None
-        if "gin" in sys.modules:  # only when the user configures with gin; the core never imports it
-            from instrument.config import operative_config
-
-            gin_params, text = operative_config()
+        if _config_source is not None:  # installed by instrument.config; the session never imports gin
+            gin_params, text = _config_source()
             params = {**gin_params, **params}
         # A collective under torch.distributed (every rank reaches its first step); a no-op otherwise.
         check_same_config(text or "", self.logger.reducer.group)

@@ -367,7 +367,7 @@ def test_embedded_probe_inside_checkpointed_module_records_once(mode):
 
 # ------------------------------------------------------------------------------------------ the NCA demo
 def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
-    """gin/nca_checkpointed.gin = gin/nca.gin + checkpointing every k iterations; observers see the same."""
+    """Shipped config nca_checkpointed = nca + checkpointing every k iterations; observers see the same."""
     pytest.importorskip("instrument.demos.nca", reason="the NCA demo is not on this branch yet")
     import gin
 
@@ -387,8 +387,8 @@ def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
 
     def metrics(name: str) -> List[Dict[str, float]]:
         gin.clear_config()
-        config.parse([str(config.GIN_DIR / name)], tiny + [f"JsonlBackend.path = '{tmp_path / name}.jsonl'"])
-        if name == "nca_checkpointed.gin":
+        config.parse_config([name], tiny + [f"JsonlBackend.path = '{tmp_path / name}.jsonl'"])
+        if name == "nca_checkpointed":
             assert gin.query_parameter("train_nca.checkpoint_every") > 0
         config.run()
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
@@ -399,6 +399,6 @@ def test_nca_checkpointed_gin_observes_the_same_iterations_as_nca_gin(tmp_path):
             {k: v for k, v in m.items() if k.startswith(("iteration_stats/", "update_norm/"))} for m in lines
         ]
 
-    plain, checkpointed = metrics("nca.gin"), metrics("nca_checkpointed.gin")
+    plain, checkpointed = metrics("nca"), metrics("nca_checkpointed")
     assert [m["iteration_stats/iterations"] for m in checkpointed] == [10, 10]  # chunks of 8 + 2
     assert observed(plain)[0] and observed(plain) == observed(checkpointed)

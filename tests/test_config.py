@@ -1,8 +1,8 @@
-"""gin at the edge: stable names, errors before training, operative config logged, the CLI."""
+"""gin at the edge: stable names (short and qualified), lazy RL and demo registration, shipped configs by name,
+errors before training that name the file and line, the operative config reaching the session."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +12,7 @@ import pytest
 
 import instrument
 from instrument import config
+from instrument.errors import ConfigurationError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,7 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
      "JsonlBackend.path = None", "backend_set.extra = []", "train_nca.steps = 1", "train_cartpole.steps = 1"],
 )
 def test_every_component_is_configurable_under_its_stable_name(binding):
-    config.parse([], [binding])  # raises "No configurable matching ..." for an unknown name
+    import instrument.demos.cartpole  # noqa: F401  (a demo registers its own functions when imported)
+    import instrument.demos.nca  # noqa: F401
+
+    instrument.parse_config([], [binding])  # raises "No configurable matching ..." for an unknown name
     name, value = binding.split(" = ")
     assert repr(gin.query_parameter(name)) == value or gin.query_parameter(name) == eval(value)
 
@@ -37,7 +41,7 @@ def test_observers_and_backends_bound_in_gin_file(tmp_path):
         "Instrumentation.log_interval = 5\n"
         "IterationStats.channel_scalars = False\n"
     )
-    config.parse([str(gin_file)])
+    instrument.parse_config([str(gin_file)])
     inst = instrument.Instrumentation(log_dir=str(tmp_path), run_name="g")
     assert [type(o).__name__ for o in inst.observers] == ["IterationStats", "UpdateNorm"]
     assert isinstance(inst.observers[0], instrument.IterationStats)
@@ -52,45 +56,188 @@ def test_observers_and_backends_bound_in_gin_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "text, pattern",
+    "qualified, short",
+    [("instrument.Instrumentation.log_interval", "Instrumentation.log_interval"),
+     ("instrument.IterationStats.channel_dim", "IterationStats.channel_dim"),
+     ("instrument.backend_set.extra", "backend_set.extra"),
+     ("instrument.RLLogging.evaluation", "RLLogging.evaluation")],
+)
+def test_a_binding_may_be_qualified_under_the_instrument_module(qualified, short):
+    import instrument.rl  # noqa: F401  (registers the RL classes)
+
+    instrument.parse_config([], [f"{qualified} = None"])
+    assert gin.query_parameter(short) is None and gin.query_parameter(qualified) is None
+
+
+def test_qualified_bindings_reach_the_class_itself(tmp_path):
+    instrument.parse_config([], ["instrument.Instrumentation.log_interval = 7", "IterationStats.channel_dim = 2"])
+    inst = instrument.Instrumentation(backends=[], log_dir=str(tmp_path), run_name="q")
+    assert inst.log_interval == 7 and instrument.IterationStats().channel_dim == 2
+    inst.close()
+
+
+def test_rl_classes_bind_in_place_once_rl_is_imported(tmp_path):
+    from instrument.rl import Evaluation, RLLogging
+
+    instrument.parse_config([], ["RLLogging.evaluation = @Evaluation()", "Evaluation.every_frames = 123"])
+    rl = RLLogging()
+    assert isinstance(rl.evaluation, Evaluation) and rl.evaluation.every_frames == 123
+
+
+_IMPORT_PROBE = """
+import sys
+import torch
+before = set(sys.modules)
+import instrument
+new = sorted(set(sys.modules) - before)
+leaks = [m for m in new if m.startswith(("instrument.demos", "instrument.rl"))
+         or m.split(".")[0] in ("torchrl", "tensordict", "gymnasium", "wandb", "mlflow", "tqdm", "rich", "moviepy")]
+print("LEAKS", leaks)
+import gin
+try:
+    instrument.parse_config([], ["RLLogging.evaluation = None"])
+except instrument.ConfigurationError as exc:
+    print("BEFORE", exc)
+import instrument.rl
+instrument.parse_config([], ["RLLogging.evaluation = None"])
+print("AFTER ok")
+# Another library's `Instrumentation`: the short name is now ambiguous, the qualified one is not.
+gin.external_configurable(lambda log_interval=0: None, name="Instrumentation", module="otherlib")
+instrument.parse_config([], ["instrument.Instrumentation.log_interval = 3"])
+print("QUALIFIED", gin.query_parameter("instrument.Instrumentation.log_interval"))
+try:
+    instrument.parse_config([], ["Instrumentation.log_interval = 4"])
+except KeyError as exc:
+    assert isinstance(exc, instrument.ConfigurationError)
+    print("AMBIGUOUS", exc)
+"""
+
+
+def test_import_instrument_imports_no_demo_no_rl_and_no_optional_sdk():
+    """In a fresh interpreter: the demos, instrument.rl and the optional SDKs stay unimported until used."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=str(REPO.parent))
+    assert out.returncode == 0, out.stderr
+    assert "LEAKS []" in out.stdout, out.stdout
+    assert "No configurable matching 'RLLogging'" in out.stdout
+    assert "import instrument.rl" in out.stdout  # the error says how to fix it
+    assert "AFTER ok" in out.stdout
+    assert "QUALIFIED 3" in out.stdout and "AMBIGUOUS" in out.stdout and "Ambiguous" in out.stdout, out.stdout
+
+
+def test_the_session_gets_the_operative_config_through_the_installed_source(tmp_path):
+    from instrument import session
+
+    assert session._config_source is config.operative_config  # installed by instrument.config.registry
+    instrument.parse_config([], ["Instrumentation.log_interval = 1", "JsonlBackend.path = None"])
+    session.set_config_source(None)
+    try:  # without a source, a gin-configured run logs only its own hyperparameters
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_dir=str(tmp_path),
+                                          run_name="n", hyperparams={"lr": 0.1})
+        with inst.step(0):
+            pass
+        inst.close()
+    finally:
+        session.set_config_source(config.operative_config)
+    first = json.loads((tmp_path / "n" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["hyperparameters"] == {"lr": 0.1} and not first.get("config")
+
+
+# --------------------------------------------------------------------------------------- shipped configs
+def test_a_shipped_config_resolves_by_name_and_by_file_name():
+    assert config.resolve_config("nca") == config.CONFIG_DIR / "nca.gin"
+    assert config.resolve_config("backends/tensorboard.gin") == config.CONFIG_DIR / "backends" / "tensorboard.gin"
+    paths = instrument.parse_config(["nca"], ["train_nca.steps = 2"])
+    assert paths == [config.CONFIG_DIR / "nca.gin"] and gin.query_parameter("train_nca.steps") == 2
+
+
+def test_every_shipped_config_parses_and_has_a_description():
+    shipped = config.shipped_configs()
+    names = {c.name for c in shipped}
+    assert {"nca", "nca_checkpointed", "rl_cartpole", "rl_torchrl_ppo", "backends/tensorboard"} <= names
+    assert {c.name for c in shipped if c.runnable} >= {"nca", "nca_checkpointed", "rl_cartpole", "rl_torchrl_ppo"}
+    for c in shipped:
+        assert c.description.endswith(".") and "gin/" not in c.path.read_text(), c.name
+        gin.clear_config()  # parsing imports the demo and instrument.rl, never TorchRL itself
+        instrument.parse_config([c.name])
+
+
+def test_a_file_of_your_own_includes_shipped_configs_and_its_neighbours_win(tmp_path):
+    """A user's file anywhere includes shipped fragments by name; a same-named file beside it takes precedence."""
+    own = tmp_path / "exp"
+    (own / "tables").mkdir(parents=True)
+    (own / "tables" / "nca.gin").write_text("ConsoleBackend.max_keys = 2\n")
+    (own / "exp.gin").write_text(
+        "include 'backends/jsonl.gin'\ninclude 'backends/console.gin'\ninclude 'tables/nca.gin'\n"
+        "Instrumentation.backends = @backend_set()\n"
+    )
+    instrument.parse_config([str(own / "exp.gin")])
+    assert gin.query_parameter("ConsoleBackend.max_keys") == 2  # the user's tables/nca.gin, not the shipped one
+    assert [type(b).__name__ for b in config.backend_set()] == ["ConsoleBackend", "JsonlBackend"]
+
+
+def test_gins_own_parser_finds_the_shipped_configs_too(tmp_path):
+    (tmp_path / "mine.gin").write_text("include 'backends/tensorboard.gin'\n")
+    gin.parse_config_files_and_bindings([str(tmp_path / "mine.gin")], [], finalize_config=False)
+    assert [type(b).__name__ for b in config.backend_set()] == ["TensorBoardBackend"]
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "text, kind, where, fix",
     [
-        ("Instrumentation.log_intervall = 5\n",
-         r"(?s)doesn't have a parameter named 'log_intervall'.*exp.gin\", line 1"),
-        ("\nNoSuchObserver.x = 5\n", r"(?s)No configurable matching 'NoSuchObserver'.*exp.gin\", line 2"),
+        ("Instrumentation.log_intervall = 5\n", ValueError, "exp.gin, line 1", "did you mean 'log_interval'?"),
+        ("\nNoSuchObserver.x = 5\n", ValueError, "exp.gin, line 2", "check the spelling"),
+        ("\n\nInstrumentation.log_interval = 5 +\n", SyntaxError, "exp.gin, line 3", "quoting, brackets"),
+        ("include 'nope/x.gin'\n", FileNotFoundError, "exp.gin, line 1", "shipped config: nca"),
+        ("import instrument.nosuch\n", ImportError, "exp.gin, line 1", "import line"),
+        ("Instrumentation.observers = [\n", SyntaxError, "exp.gin", "close the bracket"),
     ],
 )
-def test_misspelt_names_fail_before_training_naming_file_and_line(tmp_path, text, pattern):
+def test_bad_files_fail_before_training_naming_file_line_and_fix(tmp_path, text, kind, where, fix):
     gin_file = tmp_path / "exp.gin"
     gin_file.write_text(text)
-    with pytest.raises(ValueError, match=pattern):
-        config.parse([str(gin_file)])
+    with pytest.raises(config.GinConfigError) as info:
+        instrument.parse_config([str(gin_file)])
+    exc = info.value
+    assert isinstance(exc, ConfigurationError) and isinstance(exc, kind) and isinstance(exc, ValueError)
+    assert where in exc.where and fix in exc.fix and fix in str(exc)
+    assert len(str(exc).splitlines()) <= 4, str(exc)
 
 
-def test_missing_config_file_is_explained(tmp_path):
-    with pytest.raises(FileNotFoundError, match="gin config 'nope.gin' does not exist"):
-        config.parse(["nope.gin"])
+def test_an_included_file_error_names_both_files(tmp_path):
+    (tmp_path / "inner.gin").write_text("UpdateNorm.alive_chanel = 3\n")
+    (tmp_path / "outer.gin").write_text("\ninclude 'inner.gin'\n")
+    with pytest.raises(ValueError) as info:
+        instrument.parse_config([str(tmp_path / "outer.gin")])
+    assert "inner.gin, line 1 (included from" in str(info.value) and "outer.gin, line 2" in str(info.value)
+    assert "did you mean 'alive_channel'?" in str(info.value)
 
 
-def _cli(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "instrument", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=240)
+def test_a_bad_binding_names_the_binding():
+    with pytest.raises(config.GinConfigError, match=r"--bind 'Instrumentation.log_intervall = 5'") as info:
+        instrument.parse_config([], ["Instrumentation.log_interval = 5", "Instrumentation.log_intervall = 5"])
+    assert info.value.statement == "Instrumentation.log_intervall = 5"
 
 
-def test_cli_runs_the_nca_demo_and_says_where_the_logs_are(tmp_path):
-    out = _cli("run", str(REPO / "instrument" / "configs" / "nca.gin"), "--bind", "train_nca.steps = 3",
-               "--bind", "train_nca.batch_size = 2", "--bind", "Instrumentation.log_interval = 2",
-               "--bind", "Instrumentation.run_name = 'cli'", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "logs: runs/cli" in out.stdout and "tensorboard --logdir runs" in out.stdout
-    assert re.search(r"^ +step +loss", out.stdout, re.M) and re.search(r"^ +0 +0\.\d+ ", out.stdout, re.M)
-    lines = [json.loads(x) for x in (tmp_path / "runs" / "cli" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if "step" in x] == [0, 2]
-    assert list((tmp_path / "runs" / "cli").glob("events.out.tfevents.*"))
+def test_missing_config_file_is_explained_with_the_shipped_names():
+    with pytest.raises(FileNotFoundError, match="no config file 'ncaa'") as info:
+        instrument.parse_config(["ncaa"])
+    assert isinstance(info.value, ConfigurationError) and "did you mean 'nca'?" in str(info.value)
 
 
-def test_cli_reports_a_misspelt_binding_without_training(tmp_path):
-    out = _cli("run", str(REPO / "instrument" / "configs" / "nca.gin"), "--bind", "train_nca.stepz = 3", cwd=tmp_path)
-    assert out.returncode == 2
-    assert "configuration error" in out.stderr and "stepz" in out.stderr
-    assert not (tmp_path / "runs").exists()
+def test_parse_config_wants_lists():
+    with pytest.raises(ConfigurationError, match="takes lists"):
+        instrument.parse_config("exp.gin")
+
+
+def test_backend_set_rejects_a_non_backend_as_a_type_error():
+    with pytest.raises(TypeError, match="backend_set got type") as info:
+        config.backend_set(tensorboard=instrument.TensorBoardBackend)  # the class, not an instance
+    assert isinstance(info.value, ConfigurationError)
+
+
+def test_run_without_an_experiment_says_what_to_bind():
+    with pytest.raises(config.MissingExperimentError, match="run.experiment = @train_nca"):
+        config.run()

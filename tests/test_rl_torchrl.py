@@ -16,8 +16,8 @@ def steps_of(acc, tag):
 
 
 def test_gin_bound_ppo_logs_every_family_through_the_trainer_hooks(tmp_path):
-    config.parse(
-        [str(config.GIN_DIR / "rl_torchrl_ppo.gin")],
+    instrument.parse_config(
+        ["rl_torchrl_ppo"],
         [
             "build_ppo_trainer.total_frames = 256",
             "build_ppo_trainer.frames_per_batch = 128",

@@ -10,6 +10,7 @@ import math
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import gin
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -267,3 +268,8 @@ def train_cartpole(
         "cpu_seconds": cpu_seconds,
         "policy": policy,
     }
+
+
+# gin at the edge: a config that imports this module (`import instrument.demos.cartpole`) can bind these;
+# registered as copies, so calling them from Python ignores bindings.
+gin.external_configurable(train_cartpole, name="train_cartpole")

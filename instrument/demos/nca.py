@@ -9,6 +9,7 @@ once per iteration so a forward hook on ``update_rule`` sees every iteration.
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+import gin
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -257,3 +258,8 @@ def train_nca(
         "cpu_seconds": cpu_seconds,
         "model": model,
     }
+
+
+# gin at the edge: a config that imports this module (`import instrument.demos.nca`) can bind these;
+# registered as copies, so calling them from Python ignores bindings.
+gin.external_configurable(train_nca, name="train_nca")

@@ -1,6 +1,6 @@
 """A short PPO run on gymnasium CartPole-v1 with a real TorchRL collector and Trainer, logged by `RLLogging`.
 
-``python -m instrument run gin/rl_torchrl_ppo.gin`` runs it. The trainer is TorchRL's own
+``instrument run rl_torchrl_ppo`` runs it. The trainer is TorchRL's own
 (``torchrl.trainers.Trainer`` with GAE, a sub-batch sampler and a clipped PPO loss); instrument only adds one
 hook (`instrument.rl.torchrl.TorchRLHook`). Needs ``pip install 'torch-instrument[torchrl]'``.
 """
@@ -8,6 +8,7 @@ hook (`instrument.rl.torchrl.TorchRLHook`). Needs ``pip install 'torch-instrumen
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import gin
 import torch
 from torch import nn
 
@@ -145,3 +146,9 @@ def run_trainer(trainer: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchRL's notices about its own future hook API
         trainer.train()
+
+
+# gin at the edge: a config that imports this module (`import instrument.demos.torchrl_ppo`) can bind these;
+# registered as copies, so calling them from Python ignores bindings.
+gin.external_configurable(train_torchrl_ppo, name="train_torchrl_ppo")
+gin.external_configurable(build_ppo_trainer, name="build_ppo_trainer")

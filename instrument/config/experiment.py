@@ -1,0 +1,71 @@
+"""What a ``.gin`` file binds to run an experiment: `run`, `backend_set` and the `TorchRLHook` factory.
+
+Plain functions: `instrument.config.registry` makes them configurable (``run.experiment = @train_nca``,
+``backend_set.tensorboard = @TensorBoardBackend()``), so they can also be called, and tested, without gin.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from instrument.backends.base import Backend
+from instrument.errors import ConfigurationError
+from instrument.session import Instrumentation
+
+__all__ = ["run", "backend_set", "torchrl_hook", "BackendTypeError", "MissingExperimentError"]
+
+
+class BackendTypeError(ConfigurationError, TypeError):
+    """`backend_set` got something that is not a `Backend` (still a TypeError, as it always was)."""
+
+
+class MissingExperimentError(ConfigurationError, TypeError):
+    """`run` has no experiment to run: the config binds no ``run.experiment``."""
+
+
+def backend_set(
+    tensorboard: Optional[Backend] = None,
+    wandb: Optional[Backend] = None,
+    console: Optional[Backend] = None,
+    jsonl: Optional[Backend] = None,
+    mlflow: Optional[Backend] = None,
+    extra: Sequence[Backend] = (),
+) -> List[Backend]:
+    """The backends bound one by one, so each shipped ``backends/<name>.gin`` adds its own by being included."""
+    chosen = [b for b in (tensorboard, wandb, console, jsonl, mlflow) if b is not None] + list(extra)
+    for b in chosen:
+        if not isinstance(b, Backend):
+            raise BackendTypeError(
+                f"backend_set got {type(b).__name__} ({b!r}); expected a backend instance. "
+                f"Bind one, e.g. backend_set.tensorboard = @TensorBoardBackend() (note the @ and the ())."
+            )
+    return chosen
+
+
+def run(
+    experiment: Optional[Callable[..., Any]] = None, instrumentation: Optional[Instrumentation] = None
+) -> Dict[str, Any]:
+    """Run ``experiment(instrumentation=...)`` and close the session afterwards.
+
+    Returns the experiment's result, the run directory, the log root and the backends that were open (the CLI
+    names a viewer for each).
+    """
+    if experiment is None:
+        raise MissingExperimentError(
+            "run has no experiment: the config binds no run.experiment. Bind the function that trains, e.g. "
+            "run.experiment = @train_nca (with `import instrument.demos.nca` at the top of the file), or run a "
+            "shipped config: instrument run nca."
+        )
+    inst = instrumentation if instrumentation is not None else Instrumentation()
+    backends = list(inst.logger.backends)
+    try:
+        result = experiment(instrumentation=inst)
+    finally:
+        backends += [b for b in inst.logger.backends if not any(b is seen for seen in backends)]
+        inst.close()
+    return {"result": result, "run_dir": str(inst.run.dir), "log_root": str(inst.run.root), "backends": backends}
+
+
+def torchrl_hook(rl: Any = None, instrumentation: Any = None, close_on_shutdown: bool = True) -> Any:
+    """`instrument.rl.torchrl.TorchRLHook`, built on demand so that registering it never imports TorchRL."""
+    from instrument.rl.torchrl import TorchRLHook
+
+    return TorchRLHook(rl, instrumentation=instrumentation, close_on_shutdown=close_on_shutdown)

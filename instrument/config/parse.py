@@ -1,0 +1,297 @@
+"""Parse ``.gin`` files and bindings: shipped configs by name, and errors a user can act on.
+
+`parse_config` resolves a config given by path or by the name of a shipped one (``nca``, ``rl_cartpole``,
+``backends/tensorboard``: the files in ``instrument/configs``, which the wheel carries as package data), lets
+``include`` lines find the shipped files from anywhere, and turns gin's exceptions into a `GinConfigError` that
+says where (file and line, or which ``--bind``), what was wrong and how to fix it, in a few lines.
+`operative_config` gives the session the bound values to log as hyperparameters.
+"""
+
+import difflib
+import logging
+import re
+import tokenize
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import gin
+
+from instrument.errors import ConfigurationError
+
+__all__ = [
+    "CONFIG_DIR",
+    "ConfigFileError",
+    "ConfigImportError",
+    "ConfigSyntaxError",
+    "AmbiguousNameError",
+    "GinConfigError",
+    "ShippedConfig",
+    "operative_config",
+    "parse_config",
+    "resolve_config",
+    "shipped_configs",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# Where the shipped files are found by `include`, also for users who call gin's own parse functions: after
+# gin's '' (a path as written, from the working directory), so a user's own file of the same name wins.
+gin.add_config_file_search_path(str(CONFIG_DIR))
+_searched = {str(CONFIG_DIR)}
+
+# Names a config may use before the module that registers them is imported: the fix is that import.
+_REGISTERED_ON_IMPORT = {
+    "instrument.rl": ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation"),
+    "instrument.demos.nca": ("train_nca",),
+    "instrument.demos.cartpole": ("train_cartpole",),
+    "instrument.demos.torchrl_ppo": ("train_torchrl_ppo", "build_ppo_trainer"),
+}
+
+
+class GinConfigError(ConfigurationError):
+    """A bad ``.gin`` file or binding: ``where`` it is, the ``statement``, the ``problem`` and a ``fix``."""
+
+    def __init__(self, problem: str, where: str = "", statement: str = "", fix: str = "") -> None:
+        self.problem, self.where, self.statement, self.fix = problem, where, statement, fix
+        lines = [f"{where}: {problem}" if where else problem]
+        if statement:
+            lines.append(f"    {statement}")
+        if fix:
+            lines.append(f"  fix: {fix}")
+        self.message = "\n".join(lines)
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigFileError(GinConfigError, FileNotFoundError):
+    """A config file or an ``include`` that exists neither as a path nor as a shipped config."""
+
+
+class ConfigSyntaxError(GinConfigError, SyntaxError):
+    """A line gin cannot parse."""
+
+
+class ConfigImportError(GinConfigError, ImportError):
+    """An ``import`` line naming a module that cannot be imported."""
+
+
+class AmbiguousNameError(GinConfigError, KeyError):
+    """A short name that several registered configurables share (gin raises a KeyError for it)."""
+
+
+class ShippedConfig:
+    """One file of ``instrument/configs``: its ``name`` (``nca``, ``backends/tensorboard``), path, description."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.name = path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
+        text = path.read_text(encoding="utf-8")
+        first = next((line for line in text.splitlines() if line.startswith("#")), "#")
+        self.description = first.lstrip("#").strip().split(". ", 1)[0].rstrip(".") + "."
+        self.binds_experiment = re.search(r"^run\.experiment\s*=", text, re.M) is not None
+        self.includes = re.findall(r"^include\s+['\"]([^'\"]+)\.gin['\"]", text, re.M)
+        self.runnable = self.binds_experiment
+
+    def __repr__(self) -> str:
+        return f"ShippedConfig({self.name!r})"
+
+
+def shipped_configs() -> List[ShippedConfig]:
+    """The shipped configs: runnable experiments first, then the fragments meant to be included."""
+    found = [ShippedConfig(p) for p in sorted(CONFIG_DIR.rglob("*.gin"))]
+    by_name = {c.name: c for c in found}
+    for _ in found:  # runnable: binds run.experiment itself or includes a shipped config that does
+        for c in found:
+            c.runnable = c.runnable or any(by_name[i].runnable for i in c.includes if i in by_name)
+    return sorted(found, key=lambda c: (not c.runnable, "/" in c.name, c.name))
+
+
+def resolve_config(name_or_path: str) -> Path:
+    """A path to a ``.gin`` file as given, else the shipped config of that name (``nca`` or ``nca.gin``)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / (name_or_path if name_or_path.endswith(".gin") else f"{name_or_path}.gin")
+    if shipped.is_file() and not Path(name_or_path).is_absolute():
+        return shipped
+    names = [c.name for c in shipped_configs() if c.runnable]
+    close = difflib.get_close_matches(Path(name_or_path).stem, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigFileError(
+        f"no config file {name_or_path!r} (looked in {Path.cwd()}) and no shipped config of that name.",
+        fix=f"{hint}give a path to a .gin file, or a shipped config: {', '.join(names)} "
+        f"(`instrument list` describes them).",
+    )
+
+
+def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[Path]:
+    """Parse ``.gin`` files (paths or shipped names) and then ``Name.param = value`` bindings, in order.
+
+    Later files and bindings override earlier ones. An ``include`` resolves beside the file that includes it,
+    from the working directory and among the shipped configs. Raises a `GinConfigError` (a ValueError; the
+    file kinds are also FileNotFoundError, SyntaxError or ImportError) naming the file and line or binding.
+    Returns the resolved paths of ``files``.
+    """
+    if isinstance(files, (str, Path)) or isinstance(bindings, str):
+        raise ConfigurationError(
+            f"parse_config takes lists: files={files!r}, bindings={bindings!r}; "
+            f"write parse_config(['exp.gin'], ['Instrumentation.log_interval = 5'])."
+        )
+    paths = [resolve_config(str(f)) for f in files]
+    quiet = _QuietIncludeProbes()
+    logging.getLogger().addFilter(quiet)
+    try:
+        for path in paths:
+            _search_first(str(path.resolve().parent))  # this file's includes look beside it first
+            try:
+                gin.parse_config_file(str(path))
+            except _GIN_ERRORS as exc:
+                raise _explain(exc, source=str(path)) from exc
+        for binding in bindings:
+            try:
+                gin.parse_config(binding)
+            except _GIN_ERRORS as exc:
+                raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
+    finally:
+        logging.getLogger().removeFilter(quiet)
+    return paths
+
+
+def _search_first(directory: str) -> None:
+    """Search ``directory`` for includes right after the working directory, before the shipped configs."""
+    prefixes = getattr(gin.config, "_LOCATION_PREFIXES", None)
+    if isinstance(prefixes, list):  # gin's own search list; a user's directory must win over a shipped name
+        if directory in prefixes:
+            prefixes.remove(directory)
+        prefixes.insert(1 if prefixes[:1] == [""] else 0, directory)
+    elif directory not in _searched:
+        gin.add_config_file_search_path(directory)
+    _searched.add(directory)
+
+
+_GIN_ERRORS = (ValueError, KeyError, SyntaxError, tokenize.TokenError, OSError, ImportError, TypeError)
+_WHERE = re.compile(r'\n  In file "(?P<file>[^"]+)", line (?P<line>\d+)\n    (?P<stmt>[^\n]*)')
+_BINDING_WHERE = re.compile(r"\n  In bindings string line \d+\n    (?P<stmt>[^\n]*)")
+
+
+def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> GinConfigError:
+    """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
+    text = str(exc)
+    kind = GinConfigError
+    if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
+        return ConfigSyntaxError(f"syntax error: {exc.args[0]}", source, binding or "",
+                                 "close the bracket or quote that this statement opens.")
+    if isinstance(exc, SyntaxError):
+        kind = ConfigSyntaxError
+        problem = f"syntax error: {exc.msg}"
+        where = f"{exc.filename or source}, line {exc.lineno}" if exc.lineno else source
+        if binding is not None:
+            where = source
+        statement = (exc.text or binding or "").strip()
+        return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
+                    "(values are Python literals, references are @Name or @Name()).")
+    locations = list(_WHERE.finditer(text))
+    problem = text.split("\n  In ", 1)[0].strip().strip("\"'")
+    if locations:
+        inner = locations[0]
+        where = f"{inner['file']}, line {inner['line']}"
+        statement = inner["stmt"].strip()
+        outer = [f"{m['file']}, line {m['line']}" for m in locations[1:]]
+        if outer:
+            where += " (included from " + ", ".join(outer) + ")"
+    else:
+        where = source
+        match = _BINDING_WHERE.search(text)
+        statement = match["stmt"].strip() if match else (binding or "")
+    if isinstance(exc, KeyError):  # gin's selector lookup: a short name that several modules register
+        kind = AmbiguousNameError
+        fix = ("write the name qualified by its module, as listed (e.g. instrument.Instrumentation.log_interval)."
+               if "Ambiguous selector" in problem else _fix_for(problem))
+    elif isinstance(exc, ImportError):
+        kind = ConfigImportError
+        fix = "install the package that provides the module, or correct the name in the import line."
+    elif isinstance(exc, OSError):
+        kind = ConfigFileError
+        problem = problem.split(" Searched config paths", 1)[0]
+        names = ", ".join(c.name for c in shipped_configs())
+        fix = f"give the path relative to the including file or the working directory, or a shipped config: {names}."
+    else:
+        fix = _fix_for(problem)
+    return kind(problem, where, statement, fix)
+
+
+def _fix_for(problem: str) -> str:
+    """A hint for gin's ValueErrors: a misspelt parameter, an unknown or unimported configurable."""
+    match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", problem)
+    if match:
+        name, param = match.groups()
+        params = _parameters(name)
+        close = difflib.get_close_matches(param, params, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"{hint}{name} takes: {', '.join(params)}." if params else "check the parameter's spelling."
+    match = re.search(r"No configurable matching (?:reference )?'@?([^'(]+)", problem)
+    if match:
+        name = match.group(1).split("/")[-1]
+        short = name.split(".")[-1]
+        for module, names in _REGISTERED_ON_IMPORT.items():
+            if short in names:
+                return f"add the line `import {module}` at the top of the .gin file; it registers {short}."
+        close = difflib.get_close_matches(short, _known_names(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return (f"{hint}check the spelling, or import the module that registers it with an `import "
+                f"package.module` line at the top of the .gin file.")
+    return "see gin's message above; `instrument list` shows the shipped configs to start from."
+
+
+def _parameters(name: str) -> List[str]:
+    """The parameter names of a registered configurable (empty when gin's registry cannot tell)."""
+    import inspect
+
+    try:
+        configurable = gin.config._REGISTRY.get_match(name)  # gin has no public lookup by name
+        fn = configurable.wrapped
+        sig = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+    except Exception:  # noqa: BLE001  (only a hint: a failure here must not hide the user's error)
+        return []
+    return [p for p in sig.parameters if p != "self" and sig.parameters[p].kind not in (
+        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+
+
+def _known_names() -> List[str]:
+    try:
+        return sorted({selector.split(".")[-1] for selector, _ in gin.config._REGISTRY.items()})
+    except Exception:  # noqa: BLE001  (only a hint)
+        return []
+
+
+class _QuietIncludeProbes(logging.Filter):
+    """Drops gin's "Path not found" errors while it tries each search path for an include.
+
+    gin logs one at ERROR on the root logger for every search path that does not hold an included file, even
+    when a later path does; a file that is really missing still raises, naming the file and line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and record.msg == "Path not found: %s")
+
+
+def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
+    """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
+
+    Empty when nothing was bound: a run configured in plain Python logs only its own hyperparameters.
+    """
+    if not gin.config_str().strip():
+        return {}, None
+    text = gin.operative_config_str()
+    params: Dict[str, Any] = {}
+    parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))
+    for statement in parser:
+        if isinstance(statement, gin.config_parser.BindingStatement):
+            scope = f"{statement.scope}/" if statement.scope else ""
+            value = statement.value
+            params[f"{scope}{statement.selector}.{statement.arg_name}"] = (
+                value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+            )
+    return params, text

@@ -1,0 +1,190 @@
+"""The command line as a user meets it: shipped configs by name from any directory (and from an installed
+wheel), `instrument list`, `--version`, plain `--help`, short configuration errors, and a closing hint that
+names the viewer of every backend the run used. Real subprocesses, outputs read back from the run folder."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import instrument
+from instrument import cli, config
+from tests.wandb_reader import read_run
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--bind", "train_nca.steps = 3", "--bind", "train_nca.batch_size = 2", "--bind", "train_nca.size = 12",
+        "--bind", "Instrumentation.log_interval = 2"]
+
+
+def _cli(*args, cwd, pythonpath=str(REPO)):
+    env = {**os.environ, "PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "instrument", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_run_a_shipped_config_by_name_outside_the_checkout(tmp_path):
+    out = _cli("run", "nca", *TINY, "--bind", "Instrumentation.run_name = 'cli'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "logs: runs/cli" in out.stdout
+    assert "TensorBoard: tensorboard --logdir runs" in out.stdout
+    assert "mlflow" not in out.stdout and "wandb" not in out.stdout  # only the viewers of backends used
+    assert re.search(r"^ +step +loss", out.stdout, re.M) and re.search(r"^ +0 +0\.\d+ ", out.stdout, re.M)
+    lines = [json.loads(x) for x in (tmp_path / "runs" / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "step" in x] == [0, 2]
+    assert list((tmp_path / "runs" / "cli").glob("events.out.tfevents.*"))
+
+
+def test_run_a_path_to_a_gin_file_of_your_own(tmp_path):
+    (tmp_path / "my.gin").write_text(
+        "import instrument.demos.nca\ninclude 'nca.gin'\nbackend_set.tensorboard = None\n"
+        "backend_set.console = None\nInstrumentation.run_name = 'mine'\n"
+    )
+    out = _cli("run", "my.gin", *TINY, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "runs" / "mine" / "metrics.jsonl").is_file() and "view them with" not in out.stdout
+
+
+def _main(capsys, *args):
+    """The CLI in this process (the same `main` the script calls): return code, stdout, stderr."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's --version / --help
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_hint_names_the_viewer_of_each_backend_used(tmp_path, capsys):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    # An absolute log_dir: W&B's service process outlives a run and resolves a relative dir against its own
+    # working directory, which in this long-lived test process is an earlier test's.
+    code, stdout, stderr = _main(
+        capsys, "run", "nca", *TINY, "--bind", "Instrumentation.run_name = 'v'",
+        "--bind", f"Instrumentation.log_dir = '{tmp_path / 'runs'}'", "--bind",
+        "backend_set.mlflow = @MlflowBackend()", "--bind", "backend_set.wandb = @WandbBackend()",
+        "--bind", "backend_set.console = None")
+    assert code == 0, stderr
+    hints = stdout.split("view them with:\n", 1)[1].splitlines()
+    db = (tmp_path / "runs" / "v" / "mlflow.db").resolve()
+    assert hints[0] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'runs'}"
+    assert f"  MLflow: mlflow ui --backend-store-uri sqlite:///{db}" in hints and db.is_file()
+    (wandb_hint,) = [h for h in hints if h.startswith("  W&B (offline): wandb sync ")]
+    offline_run = Path(wandb_hint.split("wandb sync ", 1)[1])
+    rows, _ = read_run(offline_run)  # the folder `wandb sync` uploads holds this run's steps
+    assert [row["_step"] for row in rows if "train/loss" in row] == [0, 2]
+
+
+def test_list_names_every_shipped_config_with_its_description(capsys):
+    code, stdout, _ = _main(capsys, "list")
+    assert code == 0
+    for shipped in config.shipped_configs():
+        assert re.search(rf"^  {re.escape(shipped.name)} +{re.escape(shipped.description)}$", stdout, re.M)
+    assert stdout.index("rl_cartpole") < stdout.index("Fragments") < stdout.index("backends/wandb")
+    assert _main(capsys, "run", "--list")[1] == stdout
+
+
+def test_version_and_plain_help(tmp_path, capsys):
+    out = _cli("--version", cwd=tmp_path)  # the installed entry point's module, in a fresh interpreter
+    assert out.returncode == 0 and out.stdout.strip() == f"instrument {instrument.__version__}"
+    for args in (["--help"], ["run", "--help"]):
+        code, stdout, _ = _main(capsys, *args)
+        assert code == 0 and "usage: instrument" in stdout
+        assert "``" not in stdout and "`instrument" not in stdout, stdout
+
+
+@pytest.mark.parametrize(
+    "args, where, fix",
+    [
+        (["run", "nca", "--bind", "train_nca.stepz = 3"], "in --bind 'train_nca.stepz = 3'", "did you mean 'steps'?"),
+        (["run", "rl.gin"], "in rl.gin, line 1", "add the line `import instrument.rl`"),  # a fresh interpreter
+    ],
+)
+def test_a_bad_config_exits_with_a_few_lines_and_no_traceback(tmp_path, args, where, fix):
+    (tmp_path / "rl.gin").write_text("RLLogging.evaluation = None\n")
+    out = _cli(*args, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"instrument: configuration error {where}") and fix in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 5, out.stderr
+    assert not (tmp_path / "runs").exists()  # nothing trained
+
+
+@pytest.mark.parametrize(
+    "args, where, fix",
+    [
+        (["run", "bad.gin"], "bad.gin, line 2", "did you mean 'log_interval'?"),
+        (["run", "ncaa"], "no config file 'ncaa'", "did you mean 'nca'?"),
+        (["run", "nca", "--bind", "Instrumentation.observers = ["], "--bind 'Instrumentation.observers = ['",
+         "close the bracket"),
+    ],
+)
+def test_a_bad_config_is_reported_in_a_few_lines(tmp_path, capsys, args, where, fix):
+    (tmp_path / "bad.gin").write_text("include 'nca.gin'\nInstrumentation.log_intervall = 5\n")
+    code, stdout, stderr = _main(capsys, *args)
+    assert code == 2 and stdout == ""
+    assert stderr.startswith("instrument: configuration error") and where in stderr and fix in stderr
+    assert len(stderr.splitlines()) <= 5, stderr
+    assert not (tmp_path / "runs").exists()  # nothing trained
+
+
+def test_debug_raises_the_error_itself(tmp_path):
+    (tmp_path / "bad.gin").write_text("Instrumentation.log_intervall = 5\n")
+    with pytest.raises(config.GinConfigError, match="log_intervall"):
+        cli.main(["run", "bad.gin", "--debug"])
+    out = _cli("run", "bad.gin", "--debug", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback (most recent call last)" in out.stderr
+
+
+def test_a_bad_value_found_while_building_is_reported_briefly(tmp_path, capsys):
+    code, _, stderr = _main(capsys, "run", "nca", "--bind", "Instrumentation.log_interval = -1")
+    assert code == 2 and "log_interval must be a non-negative int" in stderr and "ConfigurationError" in stderr
+    assert len(stderr.splitlines()) <= 6, stderr
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_carries_the_shipped_configs(tmp_path):
+    """Build the wheel, install it into a folder of its own, and run from a directory outside the checkout."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copytree(REPO / "instrument", source / "instrument", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+         str(source)], capture_output=True, text=True, timeout=240)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("torch_instrument-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for shipped in config.shipped_configs():
+        assert f"instrument/configs/{shipped.name}.gin" in names
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                              str(wheel)], capture_output=True, text=True, timeout=240)
+    assert install.returncode == 0, install.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = _cli("list", cwd=elsewhere, pythonpath=str(site))
+    assert out.returncode == 0 and re.search(r"^  nca +The growing", out.stdout, re.M), out.stderr
+    (elsewhere / "mine.gin").write_text("include 'backends/tensorboard.gin'\ninclude 'tables/nca.gin'\n")
+    probe = (
+        "import instrument\n"
+        "from instrument import config\n"
+        "paths = instrument.parse_config(['nca', 'mine.gin'])\n"
+        "print(instrument.__file__, paths[0])\n"
+        "print([type(b).__name__ for b in config.backend_set()])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first.startswith(str(site)) and first.split()[1] == str(site / "instrument" / "configs" / "nca.gin")
+    assert second == "['TensorBoardBackend', 'ConsoleBackend', 'JsonlBackend']"

@@ -32,6 +32,7 @@ from instrument.core.observer import Observer, StepObserver
 from instrument.errors import (
     ConfigurationError,
     InstrumentError,
+    InvalidValueError,
     MissingExtraError,
     ProbeError,
     StepOrderError,
@@ -58,6 +59,7 @@ __all__ = [
     "CrossRankReducer",
     "InstrumentError",
     "Instrumentation",
+    "InvalidValueError",
     "IterationStats",
     "JsonlBackend",
     "Logger",

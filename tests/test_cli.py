@@ -103,7 +103,7 @@ def test_version_and_plain_help(tmp_path, capsys):
     "args, where, fix",
     [
         (["run", "nca", "--bind", "train_nca.stepz = 3"], "in --bind 'train_nca.stepz = 3'", "did you mean 'steps'?"),
-        (["run", "rl.gin"], "in rl.gin, line 1", "add the line `import instrument.rl`"),  # a fresh interpreter
+        (["run", "rl.gin"], "in rl.gin, line 1", "add the line `import instrument.config.rl`"),  # a fresh interpreter
     ],
 )
 def test_a_bad_config_exits_with_a_few_lines_and_no_traceback(tmp_path, args, where, fix):

@@ -63,7 +63,7 @@ def test_observers_and_backends_bound_in_gin_file(tmp_path):
      ("instrument.RLLogging.evaluation", "RLLogging.evaluation")],
 )
 def test_a_binding_may_be_qualified_under_the_instrument_module(qualified, short):
-    import instrument.rl  # noqa: F401  (registers the RL classes)
+    import instrument.config.rl  # noqa: F401  (registers the RL classes)
 
     instrument.parse_config([], [f"{qualified} = None"])
     assert gin.query_parameter(short) is None and gin.query_parameter(qualified) is None
@@ -121,7 +121,7 @@ def test_import_instrument_imports_no_demo_no_rl_and_no_optional_sdk():
     assert out.returncode == 0, out.stderr
     assert "LEAKS []" in out.stdout, out.stdout
     assert "No configurable matching 'RLLogging'" in out.stdout
-    assert "import instrument.rl" in out.stdout  # the error says how to fix it
+    assert "import instrument.config.rl" in out.stdout  # the error says how to fix it
     assert "AFTER ok" in out.stdout
     assert "QUALIFIED 3" in out.stdout and "AMBIGUOUS" in out.stdout and "Ambiguous" in out.stdout, out.stdout
 

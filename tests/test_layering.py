@@ -59,21 +59,9 @@ GIN_EDGE = {"config", "demos", "cli", "__main__"}
 # deliberately deferred to call time. Add one only with the reason it cannot be broken.
 ALLOWED_LAZY_CYCLE_EDGES: Dict[Tuple[str, str], str] = {}
 
-# Violations on this branch that other issue-12 branches remove (gin at the edge: config becomes a package that
-# imports no demo, and the operative config reaches the session through a hook instead of `import config`).
-# Delete each entry once merged: its strict xfail below fails as soon as the violation is gone.
-KNOWN_VIOLATIONS: Dict[Tuple[str, ...], str] = {
-    ("demos", "instrument.config", "instrument.demos.cartpole"): "gin helper: demos register themselves",
-    ("demos", "instrument.config", "instrument.demos.nca"): "gin helper: demos register themselves",
-    ("demos", "instrument.config", "instrument.demos.torchrl_ppo"): "gin helper: demos register themselves",
-    ("layer", "instrument.session", "instrument.config"): "gin helper: operative config through a hook",
-    (
-        "cycle",
-        "instrument.config, instrument.demos.cartpole, instrument.demos.torchrl_ppo, instrument.rl, "
-        "instrument.rl.rl_logging, instrument.rl.torchrl, instrument.session",
-    ): "gin helper: config -> demos -> rl -> session -> config",
-    ("runtime", "import instrument", "instrument.demos"): "gin helper: import instrument imports no demo",
-}
+# Violations known and accepted for now, each a strict xfail below (it fails once the violation is gone, so the
+# entry is deleted then). Empty: the layering holds.
+KNOWN_VIOLATIONS: Dict[Tuple[str, ...], str] = {}
 
 
 # ------------------------------------------------------------------------------------------------ the graph

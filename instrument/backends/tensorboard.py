@@ -110,10 +110,6 @@ class TensorBoardBackend(Backend):
         if self._writer is not None:
             self._guarded(lambda w: w.flush())
 
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
     def close(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:

@@ -12,7 +12,7 @@ import logging
 import re
 import tokenize
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 
@@ -41,11 +41,15 @@ _searched = {str(CONFIG_DIR)}
 
 # Names a config may use before the module that registers them is imported: the fix is that import.
 _REGISTERED_ON_IMPORT = {
-    "instrument.rl": ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation"),
+    "instrument.config.rl": ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation"),
     "instrument.demos.nca": ("train_nca",),
     "instrument.demos.cartpole": ("train_cartpole",),
     "instrument.demos.torchrl_ppo": ("train_torchrl_ppo", "build_ppo_trainer"),
 }
+
+
+# Called before every parse_config; the registry adds the RL registration here (when `instrument.rl` was imported).
+BEFORE_PARSE: List[Callable[[], None]] = []
 
 
 class GinConfigError(ConfigurationError):
@@ -140,6 +144,8 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             f"write parse_config(['exp.gin'], ['Instrumentation.log_interval = 5'])."
         )
     paths = [resolve_config(str(f)) for f in files]
+    for prepare in BEFORE_PARSE:
+        prepare()
     quiet = _QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
     try:

@@ -9,9 +9,10 @@ Every name is registered under the ``instrument`` module, so a ``.gin`` file may
     backend_set.tensorboard = @TensorBoardBackend()     # one line per backend; configs/backends/*.gin hold them
 
 The classes are registered in place (not as gin's usual subclass copies), so ``instrument.Instrumentation()``
-itself picks up the bindings of a parsed file. The RL classes register when `instrument.rl` is first imported
-(`register_rl`, called at the end of its ``__init__``), so ``import instrument`` does not import the RL package;
-a config binding them starts with ``import instrument.rl``. The demos register their own functions.
+itself picks up the bindings of a parsed file. The RL classes register when `instrument.config.rl` is imported
+(a config binding them starts with ``import instrument.config.rl``), or at `parse_config` once the user's code
+has imported `instrument.rl`; so ``import instrument`` does not import the RL package, and `instrument.rl` never
+imports gin. The demos register their own functions.
 """
 
 import sys
@@ -27,7 +28,7 @@ from instrument.backends.progress import ProgressBar
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.backends.wandb import WandbBackend
 from instrument.config import experiment
-from instrument.config.parse import operative_config
+from instrument.config.parse import BEFORE_PARSE, operative_config
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.update_norm import UpdateNorm
@@ -63,10 +64,10 @@ session.set_config_source(operative_config)
 def register_rl() -> None:
     """Make `instrument.rl`'s classes bindable (``RLLogging.evaluation = @Evaluation()``), in place, once.
 
-    Called at the end of ``instrument/rl/__init__.py``, so importing the RL package (a ``.gin`` file's
-    ``import instrument.rl`` line, or a user's ``from instrument.rl import RLLogging``) registers them.
+    Called by `instrument.config.rl` (a ``.gin`` file's ``import instrument.config.rl`` line) and by
+    `parse_config` when the user's code has already imported `instrument.rl`.
     """
-    rl = sys.modules["instrument.rl"]
+    import instrument.rl as rl
     for name in RL_CLASSES:
         if name not in _rl_registered:
             gin.configurable(name, module=MODULE)(getattr(rl, name))
@@ -74,3 +75,12 @@ def register_rl() -> None:
 
 
 _rl_registered: set = set()
+
+
+def _register_rl_if_imported() -> None:
+    """A user's code imported `instrument.rl` and now parses a config that binds its classes."""
+    if "instrument.rl" in sys.modules:
+        register_rl()
+
+
+BEFORE_PARSE.append(_register_rl_if_imported)

@@ -30,7 +30,3 @@ __all__ = [
     "select_action",
 ]
 
-# gin at the edge: the RL classes become bindable (RLLogging.evaluation = ...) when this package is imported.
-from instrument.config.registry import register_rl  # noqa: E402
-
-register_rl()

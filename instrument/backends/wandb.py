@@ -69,7 +69,7 @@ class WandbBackend(Backend):
 
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = require("wandb", "wandb", "WandbBackend")
-        path = Path(self.dir) if self.dir else run.dir
+        path = (Path(self.dir) if self.dir else run.dir).resolve()  # absolute: W&B's service has its own cwd
         path.mkdir(parents=True, exist_ok=True)
         self.dir = str(path)
         # Older W&B (before the setting existed) writes on its own fixed schedule.

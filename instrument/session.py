@@ -237,6 +237,15 @@ class Instrumentation:
         return WatchHandle(self, watch, probes if probes else None)
 
     @property
+    def watched_modules(self) -> List[nn.Module]:
+        """The modules watched with `watch`, in watch order (each once); observers get them in ``attach``."""
+        modules: List[nn.Module] = []
+        for module in [w.module for w in self._watches] + [p.module for p in self._probe_sets]:
+            if not any(m is module for m in modules):
+                modules.append(module)
+        return modules
+
+    @property
     def probe_names(self) -> List[str]:
         """Names of the embedded probes in every watched model."""
         return [name for probes in self._probe_sets for name in probes.names]
@@ -345,7 +354,7 @@ class Instrumentation:
             )
         self._check_probe_requests()
         self._current = scope
-        self._dispatch.begin()
+        self._dispatch.begin(self.watched_modules)
         try:
             self._probes_on()
             for watch in self._watches:
@@ -376,6 +385,7 @@ class Instrumentation:
             self._current = None
 
     def _detach_all(self) -> None:
+        self._dispatch.finish()
         for watch in self._watches:
             watch.detach()
         for probes in self._probe_sets:

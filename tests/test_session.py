@@ -200,3 +200,45 @@ def test_closed_session_refuses_steps():
     inst.close()
     with pytest.raises(instrument.ConfigurationError, match="closed"):
         inst.step(0)
+
+
+class Attaching(instrument.Observer):
+    """Records the observer's per-step calls: attach(modules) after reset, detach always, log when not failed."""
+
+    def __init__(self):
+        super().__init__("attaching")
+        self.calls = []
+
+    def reset(self):
+        self.calls.append("reset")
+
+    def attach(self, modules):
+        self.calls.append(("attach", [type(m).__name__ for m in modules]))
+
+    def observe(self, context):
+        self.calls.append("observe")
+
+    def detach(self):
+        self.calls.append("detach")
+
+    def log(self, logger, step):
+        self.calls.append(("log", step))
+
+
+def test_observers_attach_to_the_watched_modules_on_logging_steps_and_always_detach(rule):
+    obs = Attaching()
+    inst = instrument.Instrumentation([obs], backends=[], log_interval=2)
+    inst.watch(rule)
+    assert inst.watched_modules == [rule]
+    for step in range(3):
+        with inst.step(step):
+            _rollout(rule, n_iter=1)
+    name = type(rule).__name__
+    assert obs.calls == ["reset", ("attach", [name]), "observe", "detach", ("log", 0),
+                         "reset", ("attach", [name]), "observe", "detach", ("log", 2)]  # nothing at step 1
+    obs.calls.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        with inst.step(4):
+            raise RuntimeError("boom")
+    assert obs.calls == ["reset", ("attach", [name]), "detach"]  # detached although the step raised; no log
+    inst.close()

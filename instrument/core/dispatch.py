@@ -8,7 +8,7 @@ reported once and skipped for the rest of the step.
 
 import copy
 import logging
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
 from torch import Tensor
@@ -49,7 +49,8 @@ class Dispatcher:
         """Observer name -> number of failures so far."""
         return self.ledger.counts()
 
-    def begin(self) -> None:
+    def begin(self, modules: Sequence[Any] = ()) -> None:
+        """A logging step starts: each observer's ``reset()``, then ``attach(modules)`` (the watched modules)."""
         self._skipped.clear()
         self.calls = 0
         self.guard.begin()
@@ -57,6 +58,17 @@ class Dispatcher:
             reset = getattr(observer, "reset", None)
             if reset is not None:
                 self._run(index, observer, "reset", reset)
+            attach = getattr(observer, "attach", None)
+            if attach is not None and index not in self._skipped:
+                self._run(index, observer, "attach", attach, list(modules))
+
+    def finish(self) -> None:
+        """The logging step is over (also when it raised): each observer's ``detach()``, before ``log``."""
+        for index, observer in enumerate(self.observers):
+            detach = getattr(observer, "detach", None)
+            if detach is not None:
+                if not self.ledger.call(observer_name(observer), "detach", detach):
+                    self._skipped.add(index)
 
     def __call__(self, context: StepContext) -> None:
         if in_recompute():

@@ -4,11 +4,12 @@ An observer is a small diagnostic that watches a rollout on logging steps only. 
 training loop that `Instrumentation` drives::
 
     for step in range(n_steps):
-        with inst.step(step) as s:              # logging step?  -> for each observer: reset()
+        with inst.step(step) as s:              # logging step?  -> for each observer: reset(); attach(modules)
             for i in range(n_iter):             # the user's rollout
                 x = update_rule(x)              #   -> for each observer: observe(StepContext(..., step_index=i))
             loss.backward(); opt.step()         #   (never again during checkpoint recomputation)
-        # leaving a logging step                -> for each observer: observe_gradients(...) if gradient
+        # leaving a logging step                -> for each observer: detach() (always, also if the step raised);
+        #                                          then, if it did not raise: observe_gradients(...) if gradient
         #                                          probes recorded any; log(logger, step); logger.commit(step)
 
 On a non-logging step none of these methods is called and nothing is attached to any module.
@@ -26,7 +27,7 @@ Rules an observer follows:
 
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, Tuple, runtime_checkable
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from instrument.core.context import StepContext
 
@@ -61,6 +62,14 @@ class Observer:
 
     def reset(self) -> None:
         """Forget everything from the previous logging step."""
+
+    def attach(self, modules: Sequence[nn.Module]) -> None:
+        """A logging step starts (after `reset`): ``modules`` are the ones watched with ``inst.watch``, in
+        watch order. An observer that needs hooks or snapshots of its own takes them here, and only here, so
+        non-logging steps stay untouched; whatever it registers it removes in `detach`."""
+
+    def detach(self) -> None:
+        """The logging step is over, also when it raised; called before `log`. Remove what `attach` added."""
 
     def observe(self, context: StepContext) -> None:
         """Look at one rollout iteration. Keep results on the device."""

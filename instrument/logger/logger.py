@@ -107,6 +107,7 @@ class Logger:
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order
         self._totals: Dict[str, Any] = {}  # scalar name -> sum over the interval (float or device tensor)
+        self._names: Dict[str, Dict[Any, str]] = {}  # prefix -> key -> "prefix/key"
         self._counts: Dict[str, int] = {}  # only names logged more than once in the interval
         self._on_device: Dict[str, None] = {}  # names whose value is a device tensor (ordered set)
         self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
@@ -166,8 +167,13 @@ class Logger:
                 return
             if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
                 totals, counts, on_device = self._totals, self._counts, self._on_device
+                names = self._names.get(head)  # prefixed key names, built once per (prefix, key)
+                if names is None or len(names) > 4096:  # bounded: keys made up on the fly do not pile up
+                    names = self._names[head] = {}
                 for key, value in metrics.items():
-                    name = head + key if type(key) is str else head + str(key)
+                    name = names.get(key)
+                    if name is None:
+                        name = names[key] = head + key if type(key) is str else head + str(key)
                     kind = type(value)
                     if kind is not float:
                         value = float(value) if kind is int else _as_scalar(name, value)

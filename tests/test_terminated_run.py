@@ -1,0 +1,96 @@
+"""A run terminated by SIGTERM keeps every committed step in every backend, and says it was killed.
+
+A real child process trains with TensorBoard, JSONL, W&B (offline) and MLflow (a local sqlite store), prints
+each step after committing it, and is sent a real SIGTERM once N steps are committed. Every backend is then
+read back as a user would: EventAccumulator, the JSONL lines, W&B's own transaction log, `MlflowClient`.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from tests.wandb_reader import read_run  # noqa: E402
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    import instrument
+
+    root, uri = sys.argv[1], sys.argv[2]
+    inst = instrument.Instrumentation(
+        backends=[
+            instrument.TensorBoardBackend(flush_every_commit=False),
+            instrument.JsonlBackend(),
+            instrument.WandbBackend(mode="offline", project="sigterm"),
+            instrument.MlflowBackend(tracking_uri=uri, run_name="sigterm"),
+        ],
+        log_interval=1, run_name="child", log_dir=root, flush_secs=3600,
+    )
+    step = 0
+    while True:
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": torch.tensor(float(step) / 2)}, step=step)
+        print(step, flush=True)
+        step += 1
+        time.sleep(0.005)
+    """
+)
+
+
+def test_sigterm_leaves_every_committed_step_in_tensorboard_jsonl_wandb_and_mlflow(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {
+        **os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+    }
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), uri], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    )
+    wanted, committed = 12, -1
+    try:
+        for line in child.stdout:
+            committed = int(line)
+            if committed + 1 >= wanted:
+                break
+        os.kill(child.pid, signal.SIGTERM)
+        child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert committed + 1 == wanted, "the child stopped before committing the steps it was asked for"
+    assert child.returncode == -signal.SIGTERM  # it still dies by the signal
+
+    run = tmp_path / "child"
+    jsonl = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "step" in json.loads(line)]
+    # Every committed step is there; a step committed after the last print and before the signal may be too.
+    assert jsonl[:wanted] == list(range(wanted)) and jsonl == list(range(len(jsonl)))
+
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert tb == [(s, s / 2) for s in jsonl]
+
+    rows, _ = read_run(run)
+    assert [(r["_step"], r["loss"]) for r in rows if "loss" in r] == [(s, s / 2) for s in jsonl]
+
+    client = MlflowClient(tracking_uri=uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
+    (mlrun,) = client.search_runs([experiment.experiment_id])
+    assert mlrun.info.status == "KILLED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss"))
+    assert history == [(s, s / 2) for s in jsonl]

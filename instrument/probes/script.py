@@ -34,8 +34,8 @@ from instrument.errors import ProbeError
 from instrument.probes import record
 
 __all__ = [
-    "CallBoundary", "ScriptedProbe", "check_scriptable", "freeze", "has_call_boundary", "is_scripted",
-    "observe_calls", "quiet", "script", "scripted_probes",
+    "CallBoundary", "ScriptedProbe", "check_scriptable", "drop_python_boundaries", "freeze", "has_call_boundary",
+    "is_scripted", "observe_calls", "quiet", "script", "scripted_probes",
 ]
 
 log = logging.getLogger("instrument")
@@ -169,8 +169,7 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     module.add_module(_BOUNDARY, CallBoundary())
     handle = module.register_forward_hook(hook)
     try:
-        with quiet():
-            return torch.jit.script(module)
+        return _script_with_boundary(module)
     except Exception as exc:  # a signature our generated hook does not type right: plain scripting still works
         log.warning(
             "instrument.script: could not compile the call boundary into %s (%s); its calls are observed only "
@@ -180,6 +179,13 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     finally:
         handle.remove()
         delattr(module, _BOUNDARY)
+
+
+def _script_with_boundary(module: nn.Module) -> torch.jit.ScriptModule:
+    with quiet():
+        scripted = torch.jit.script(module)
+    drop_python_boundaries(scripted)
+    return scripted
 
 
 def _script(module: nn.Module) -> torch.jit.ScriptModule:
@@ -337,6 +343,61 @@ class _BoundaryHandle:
             self._boundary = None
 
 
+def drop_python_boundaries(module: nn.Module) -> None:
+    """Make Python calls of ``module`` (and its submodules) skip the compiled boundary hook.
+
+    TorchScript mirrors a ScriptModule's compiled forward hooks into its Python ``_forward_hooks`` (also when
+    loading), so every call from Python would run the boundary hook as a separate TorchScript function (a few
+    microseconds, even when off) and fail on keyword arguments. Python calls are observed from Python instead
+    (`observe_calls`); calls from TorchScript code keep the hook compiled into the caller's graph.
+    """
+    for sub in module.modules():
+        hooks = getattr(sub, "_forward_hooks", None)
+        if not hooks:
+            continue
+        for key, hook in list(hooks.items()):
+            if isinstance(hook, torch.jit.ScriptFunction) and hook.name.startswith(_HOOK_PREFIX):
+                del hooks[key]
+
+
+# A ScriptModule's mirrored compiled hooks are keyed 0, 1, ... in its Python _forward_hooks, and
+# Module._call_impl treats a key as "takes kwargs" when a global hook with the same handle id does (torch 2.13):
+# a global hook registered with a small id would make such a hook be called with the wrong arguments.
+_MIN_GLOBAL_HOOK_ID = 64
+
+
+def _register_global_hook(hook: Callable) -> Any:
+    from torch.nn.modules import module as module_impl
+
+    while True:
+        handle = module_impl.register_module_forward_hook(hook, with_kwargs=True)
+        if handle.id >= _MIN_GLOBAL_HOOK_ID:
+            return _GlobalHandle(handle)
+        _GlobalHandle(handle).remove()
+
+
+class _GlobalHandle:
+    """Removes a global forward hook entirely: torch's own handle leaves its ``with_kwargs`` flag behind."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def remove(self) -> None:
+        from torch.nn.modules import module as module_impl
+
+        self._handle.remove()
+        module_impl._global_forward_hooks_with_kwargs.pop(self._handle.id, None)
+
+
+class _Handles:
+    def __init__(self, *handles: Any) -> None:
+        self._handles = [h for h in handles if h is not None]
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+
 def observe_calls(
     module: nn.Module,
     python_hook: Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], None],
@@ -344,21 +405,23 @@ def observe_calls(
 ) -> Any:
     """Observe every forward call of ScriptModule ``module`` until the returned handle's ``remove()``.
 
-    With a compiled-in boundary, ``call_end(previous, next, condition)`` runs after each call, also when
-    TorchScript code calls the module. Without one (``torch.jit.script``, a module saved before boundaries
-    existed, a frozen module), ``python_hook`` runs for each call made from Python, through a global forward
-    hook that exists only until ``remove()``.
+    Calls from Python run ``python_hook`` through a global forward hook (a ScriptModule refuses hooks of its
+    own) that exists only until ``remove()`` and ignores every other module. Calls from TorchScript code run
+    ``call_end(previous, next, condition)`` through the compiled-in boundary, where the module has one (made
+    by `script`; not ``torch.jit.script``, modules saved before boundaries existed, or frozen modules).
     """
+    drop_python_boundaries(module)
     boundary = _call_boundary(module)
+    boundary_handle = None
     if boundary is not None:
         token = next(_tokens)
         record.on_call_end(token, call_end)
         boundary.setattr("token", token)
         boundary.setattr("enabled", True)
-        return _BoundaryHandle(boundary, token)
+        boundary_handle = _BoundaryHandle(boundary, token)
 
     def on_module_call(called: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if called is module:
             python_hook(called, args, kwargs, output)
 
-    return torch.nn.modules.module.register_module_forward_hook(on_module_call, with_kwargs=True)
+    return _Handles(boundary_handle, _register_global_hook(on_module_call))

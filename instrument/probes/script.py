@@ -6,12 +6,14 @@
   without probes) or kept toggleable (``keep_probes=True`` preserves each probe's ``enabled`` attribute).
 * `scripted_probes`: finds `Probe` submodules of a ScriptModule, also one loaded with ``torch.jit.load``;
   the session toggles their ``enabled`` attribute from Python like on an eager module.
-* Call boundaries: `script` compiles into the module a forward hook that, while its ``CallBoundary``
-  submodule is enabled, calls ``instrument::call_end(previous, next, condition, token)`` after every forward
-  call, also when the module is called from other TorchScript code or loaded in another process.
-  `observe_calls` is how a session's state watch observes a ScriptModule's calls during a logging step: through
-  that boundary where it exists, else through a Python forward hook on every module call (a ScriptModule
-  refuses hooks of its own) that picks out the watched module's calls from Python.
+* Watching calls (`observe_calls`, used by the session's state watch during a logging step): a ScriptModule
+  refuses Python hooks of its own, so calls made from Python are picked out by a global forward hook that
+  exists only during the logging step. Calls made by TorchScript code (a scripted rollout loop calling the
+  rule) never reach Python: for those, `script` compiles a call boundary into the module, a typed forward
+  hook that, while its ``CallBoundary`` submodule is enabled, calls
+  ``instrument::call_end(previous, next, condition, token)``; it survives ``torch.jit.save``/``load`` and is
+  removed by freezing. Its Python mirror is dropped (`drop_python_boundaries`), so calls from Python never
+  run it.
 * `check_scriptable`: refuses gradient probes before scripting. TorchScript drops backward hooks silently,
   and instrument would rather refuse than risk a gradient probe that quietly records nothing.
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 import instrument
 from instrument.probes import record
 from instrument.probes import script as scripting
-from tests._probe_models import CondRule, Loop, Rule, reference
+from tests._probe_models import BareRule, CondRule, Loop, Rule, reference
 from tests.conftest import read_scalars
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
@@ -277,3 +278,32 @@ def test_loaded_rules_in_a_fresh_process_deliver_what_eager_does(tmp_path):
     assert [out[name][0] for name in ("plain", "boundary", "loop")] == [False, True, True]
     for name in ("plain", "boundary", "loop"):
         assert_same(out[name][1], eager)
+
+
+def _users_own_hook(module: BareRule, input: Tuple[torch.Tensor], output: torch.Tensor) -> None:
+    return None
+
+
+def test_the_python_hook_never_breaks_another_script_modules_compiled_hooks(monkeypatch):
+    """TorchScript keys a module's compiled hooks 0, 1, ... in its Python hook table, and torch calls such a
+    hook with keyword arguments when a global hook with the same id takes them: the session's global hook must
+    never get a small id, even in a process that has registered no hook yet."""
+    from torch.utils.hooks import RemovableHandle
+
+    bare = BareRule()
+    handle = bare.register_forward_hook(_users_own_hook)
+    users = torch.jit.script(bare)  # a ScriptModule with a compiled hook of its own, mirrored under key 0
+    handle.remove()
+    assert 0 in users._forward_hooks
+    monkeypatch.setattr(RemovableHandle, "next_id", 0)  # as in a fresh process
+    rule, x0 = new_rule(), seed_state()
+    scripted = torch.jit.script(rule)
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+    inst.watch(scripted)
+    with inst.step(0):
+        x = scripted(x0)
+        users(x)  # would be called with (module, args, kwargs, output) and fail if ids collided
+    inst.close()
+    assert len(keep.contexts) == 1
+    assert not torch.nn.modules.module._global_forward_hooks_with_kwargs  # nothing left behind

@@ -165,7 +165,7 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     plain = _script(module)
     if not call_boundary or is_scripted(module) or _BOUNDARY in module._modules or hasattr(module, _BOUNDARY):
         return plain
-    hook = _boundary_hook(plain.forward.schema)
+    hook = _boundary_hook(plain.forward.schema) if plain._c._has_method("forward") else None
     if hook is None:
         return plain
     module.add_module(_BOUNDARY, CallBoundary())

@@ -203,8 +203,9 @@ class Instrumentation:
 
         With ``state=True`` (the default; ``None`` means True) each call becomes a `StepContext` with the
         probe values recorded during it, so the module's forward must be one rollout iteration. Eager and
-        compiled modules get a forward hook; a ScriptModule the call boundary `instrument.script` compiled into
-        it (which fires also when TorchScript code calls it), else a hook on its calls from Python. With
+        compiled modules get a forward hook. A ScriptModule's calls from Python are seen by a global forward
+        hook (logging steps only); its calls from TorchScript code only through the call boundary that
+        `instrument.script` compiles in (docs/probes.md, "Watching scripted and loaded models"). With
         ``state=False`` only the embedded probes are switched on; their values reach observers through
         ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that to watch a model whose
         forward is a whole rollout, or whose loop calls ``s.observer`` itself. Watching the ``torch.compile``
@@ -371,8 +372,9 @@ class Instrumentation:
                     if recorder.recorded and not recorder.delivered:
                         log.warning(
                             "instrument: embedded probes recorded values in step %d but no observer call "
-                            "delivered them; watch the module whose forward is one rollout iteration, or "
-                            "call s.observer(StepContext(...)) each iteration", scope.step,
+                            "delivered them; watch the module whose forward is one rollout iteration (called "
+                            "from TorchScript code, it must be scripted with instrument.script), or call "
+                            "s.observer(StepContext(...)) each iteration", scope.step,
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
                 self._components.log(self.logger, scope.step)

@@ -307,3 +307,17 @@ def test_the_python_hook_never_breaks_another_script_modules_compiled_hooks(monk
     inst.close()
     assert len(keep.contexts) == 1
     assert not torch.nn.modules.module._global_forward_hooks_with_kwargs  # nothing left behind
+
+
+def test_a_logging_step_that_raises_leaves_nothing_switched_on():
+    scripted = instrument.script(new_rule())
+    inst = instrument.Instrumentation(observers=[Keep()], backends=[], log_interval=1)
+    inst.watch(scripted)
+    with pytest.raises(RuntimeError, match="boom"), inst.step(0):
+        scripted(seed_state())
+        assert scripted.instrument_call.enabled and torch.nn.modules.module._global_forward_hooks
+        raise RuntimeError("boom")
+    assert not scripted.instrument_call.enabled and not scripted.p_hidden.enabled
+    assert not torch.nn.modules.module._global_forward_hooks and not record._call_ends
+    assert record.active_recorder() is None
+    inst.close()

@@ -201,12 +201,15 @@ class Instrumentation:
     ) -> WatchHandle:
         """Observe ``module`` on logging steps: its calls (state hook) and the `Probe`s embedded in it.
 
-        With ``state=True`` a forward hook turns each call into a `StepContext`, so the module's forward must
-        be one rollout iteration. With ``state=False`` only the embedded probes are switched on; their values
-        reach observers through ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that
-        to watch a model whose forward is a whole rollout. ``None`` (the default) means True, except for a
-        ScriptModule, which cannot take Python hooks. Watching the ``torch.compile`` wrapper or the eager
-        module it wraps is the same for probes.
+        With ``state=True`` (the default; ``None`` means True) each call becomes a `StepContext` with the
+        probe values recorded during it, so the module's forward must be one rollout iteration. Eager and
+        compiled modules get a forward hook. A ScriptModule's calls from Python are seen by a global forward
+        hook (logging steps only); its calls from TorchScript code only through the call boundary that
+        `instrument.script` compiles in (docs/probes.md, "Watching scripted and loaded models"). With
+        ``state=False`` only the embedded probes are switched on; their values reach observers through
+        ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that to watch a model whose
+        forward is a whole rollout, or whose loop calls ``s.observer`` itself. Watching the ``torch.compile``
+        wrapper or the eager module it wraps is the same for probes.
 
         Nothing is registered on the module now: hooks exist and probes are on only inside logging steps.
         """
@@ -215,13 +218,7 @@ class Instrumentation:
             raise ConfigurationError(f"{type(module).__name__} is already watched by this Instrumentation.")
         probes = ProbeSet(module, label=name or type(module).__name__)
         if state is None:
-            state = not probes.scripted
-        if state and probes.scripted:
-            raise ConfigurationError(
-                f"{type(module).__name__} is a ScriptModule, which cannot take the forward hook that "
-                f"watching its state needs. Watch it with state=False (its probes still record) and call "
-                f"s.observer(StepContext(previous, next)) in your rollout loop."
-            )
+            state = True
         self._check_probe_names(probes)
         watch = None
         if state:
@@ -375,8 +372,9 @@ class Instrumentation:
                     if recorder.recorded and not recorder.delivered:
                         log.warning(
                             "instrument: embedded probes recorded values in step %d but no observer call "
-                            "delivered them; watch the module whose forward is one rollout iteration, or "
-                            "call s.observer(StepContext(...)) each iteration", scope.step,
+                            "delivered them; watch the module whose forward is one rollout iteration (called "
+                            "from TorchScript code, it must be scripted with instrument.script), or call "
+                            "s.observer(StepContext(...)) each iteration", scope.step,
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
                 self._components.log(self.logger, scope.step)

@@ -3,7 +3,7 @@
 Kept in a real file (not defined inside tests) because TorchScript compiles from source.
 """
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -91,3 +91,29 @@ class InPlaceRule(nn.Module):
         h = self.p_h(torch.sin(3.0 * x))
         h.relu_()
         return h + 1.0
+
+
+class Loop(nn.Module):
+    """A rollout loop around an update rule, for scripting whole: TorchScript calls the rule, not Python."""
+
+    def __init__(self, rule: nn.Module) -> None:
+        super().__init__()
+        self.rule = rule
+
+    def forward(self, x: Tensor, n: int) -> Tensor:
+        for _ in range(n):
+            x = self.rule(x)
+        return x
+
+
+class CondRule(nn.Module):
+    """A conditioned iteration returning a tuple: ``(next, hidden)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(CHANNELS, CHANNELS)
+        self.p_h = instrument.Probe("h")
+
+    def forward(self, x: Tensor, condition: Tensor) -> Tuple[Tensor, Tensor]:
+        h = self.p_h(torch.tanh(self.fc(x) + condition))
+        return x + h, h

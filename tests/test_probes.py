@@ -326,8 +326,8 @@ def test_scripted_model_records_the_same_values_as_eager():
     scripted = torch.jit.script(rule)
     keep = Keep()
     inst = session(keep, log_interval=1)
-    handle = inst.watch(scripted)
-    assert handle.watch is None  # a ScriptModule takes no Python hooks: probes only
+    handle = inst.watch(scripted, state=False)  # the loop delivers (watched with no loop code: test_script_watch)
+    assert handle.watch is None
     x0 = seed_state()
     scripted_rollout(inst, scripted, x0)
     assert_matches(keep.seen, reference(rule, x0, N_ITER))
@@ -339,7 +339,7 @@ def test_scripted_probes_copy_once_per_step_unless_the_value_is_changed_in_place
     rule = new_rule()
     scripted = torch.jit.script(rule)
     inst = session(Keep(), log_interval=1)
-    inst.watch(scripted)
+    inst.watch(scripted, state=False)
     with inst.step(0) as s:
         x = seed_state()
         for _ in range(N_ITER):
@@ -353,7 +353,7 @@ def test_scripted_probes_copy_once_per_step_unless_the_value_is_changed_in_place
     changed = torch.jit.script(InPlaceRule())  # relu_ on the probed value after the probe
     keep = Keep(("h",))
     inst = session(keep, log_interval=1)
-    inst.watch(changed)
+    inst.watch(changed, state=False)
     inputs = []
     with inst.step(0) as s:
         x = torch.randn(2, 5, generator=torch.Generator().manual_seed(4))
@@ -398,6 +398,14 @@ def test_freeze_without_probes_has_the_ops_of_the_probe_free_model():
     assert "instrument::" not in str(frozen.graph)
     x = seed_state()
     assert torch.equal(frozen(x), frozen_bare(x))
+    # instrument.script compiles a call boundary (a forward hook) in; freezing removes it with the probes,
+    # by instrument.freeze and by plain torch.jit.freeze alike.
+    with_boundary = instrument.script(rule)
+    assert "instrument::call_end" in str(with_boundary._c._get_forward_hooks()[0].graph)
+    for frozen in (instrument.freeze(with_boundary), torch.jit.freeze(with_boundary)):
+        assert kinds(frozen) == kinds(frozen_bare)
+        assert "instrument::" not in str(frozen.graph) and not frozen._c._get_forward_hooks()
+        assert torch.equal(frozen(x), frozen_bare(x))
 
 
 def test_freeze_keeping_probes_stays_toggleable():
@@ -406,7 +414,7 @@ def test_freeze_keeping_probes_stays_toggleable():
     frozen = instrument.freeze(scripted, keep_probes=True)
     keep = Keep()
     inst = session(keep, log_interval=1)
-    inst.watch(frozen)
+    inst.watch(frozen, state=False)
     x0 = seed_state()
     scripted_rollout(inst, frozen, x0)
     assert_matches(keep.seen, reference(rule, x0, N_ITER))
@@ -425,7 +433,7 @@ class Keep(instrument.Observer):
     def observe(self, context): self.seen.append({k: v.clone() for k, v in context.probes.items()})
 keep = Keep()
 inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
-inst.watch(loaded)
+inst.watch(loaded, state=False)
 x = torch.load(sys.argv[2])
 with inst.step(0) as s:
     for _ in range({n}):
@@ -502,12 +510,6 @@ def test_gradient_probe_switched_on_in_a_scripted_module_is_refused_by_watch():
     scripted.p_update.grad = True
     with pytest.raises(instrument.ProbeError, match=r"gradient probe 'update' cannot be scripted"):
         session().watch(scripted)
-
-
-def test_state_watch_of_a_script_module_is_refused():
-    with pytest.raises(instrument.ConfigurationError,
-                       match=r"is a ScriptModule, which cannot take the forward hook"):
-        session().watch(torch.jit.script(new_rule()), state=True)
 
 
 def test_future_annotations_breaking_scripting_is_explained(tmp_path, monkeypatch):

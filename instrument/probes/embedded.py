@@ -37,6 +37,7 @@ class ProbeSet:
         self.label = label or type(root).__name__
         self.scripted = script.is_scripted(root)
         if self.scripted:
+            script.drop_python_boundaries(root)  # Python calls are observed from Python (script.observe_calls)
             found = script.scripted_probes(root)
             for _, probe in found:
                 script.check_scriptable(probe)

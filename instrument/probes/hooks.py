@@ -3,18 +3,20 @@
 A watched module is one whose forward is one rollout iteration: it receives the previous state as its first
 argument and returns the next state (or a tuple whose first element is it). The hook exists only during a
 logging step: `attach` registers it and returns the handle whose ``remove()`` restores the module exactly.
+A ScriptModule takes no hook of its own: its calls are observed through the call boundary that
+`instrument.script` compiles into it, or from Python (`instrument.probes.script.observe_calls`).
 """
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from instrument.core.context import StepContext
 from instrument.core.dispatch import observer_name
 from instrument.core.recompute import RecomputeGuard, in_recompute
 from instrument.errors import ConfigurationError
-from instrument.probes.compiled import run_eagerly
+from instrument.probes import script
+from instrument.probes.compiled import run_eagerly, unwrap
 
 __all__ = ["StateWatch"]
 
@@ -51,7 +53,7 @@ class StateWatch:
         self.freeze_channels = tuple(freeze_channels) if freeze_channels is not None else None
         self.name = name or type(module).__name__
         self.iterations = 0
-        self._handle: Optional[RemovableHandle] = None
+        self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
             lambda: [observer_name(o) for o in getattr(deliver, "observers", ())],
@@ -61,14 +63,19 @@ class StateWatch:
     def attached(self) -> bool:
         return self._handle is not None
 
-    def attach(self) -> RemovableHandle:
+    def attach(self) -> Any:
         """Register the hook for one logging step; iteration indices start again at 0."""
         if self._handle is not None:
             return self._handle
         self.iterations = 0
         self.guard.begin()
         # run_eagerly: with a compiled module, Dynamo would otherwise trace the hook and the observers it calls.
-        self._handle = self.module.register_forward_hook(run_eagerly(self._hook), with_kwargs=True)
+        hook = run_eagerly(self._hook)
+        root = unwrap(self.module)
+        if script.is_scripted(root):
+            self._handle = script.observe_calls(root, hook, self._call_end)
+        else:
+            self._handle = self.module.register_forward_hook(hook, with_kwargs=True)
         return self._handle
 
     def detach(self) -> None:
@@ -93,6 +100,16 @@ class StateWatch:
         condition = kwargs.get("condition")
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
+        self._deliver(previous, current, condition)
+
+    def _call_end(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
+        """A scripted module's compiled-in call boundary fired (`instrument.probes.script`)."""
+        if in_recompute():
+            self.guard.skipped()
+            return
+        self._deliver(previous, current, condition)
+
+    def _deliver(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
         self.guard.check_input(previous, current)
         index = self.iterations
         self.iterations += 1

@@ -30,6 +30,12 @@ gradient probes need no tensor hook, so nothing has to be registered or removed.
 return an alias of its input, so ``watch_grad`` returns a copy (gradient probes run in eager mode and under
 torch.compile only).
 
+``instrument::call_end(previous, current, condition, token)`` marks the end of one forward call of a module
+scripted with `instrument.script`, which compiles a forward hook calling it into the module (see
+`instrument.probes.script`). Its kernel hands the call's state to the callback the session registered for
+``token`` with `on_call_end` (for one logging step): the probes recorded during that call are then delivered
+with it, exactly as a Python forward hook does for an eager module.
+
 ``instrument::probe`` is the operator of earlier versions (it records a copy and returns a copy); it stays
 registered so that modules saved with ``torch.jit.save`` by them still load and record.
 
@@ -37,7 +43,7 @@ All operators are registered when this module is imported (``import instrument``
 """
 
 import logging
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -45,7 +51,7 @@ from torch import Tensor
 from instrument.core.recompute import in_recompute
 from instrument.errors import ProbeError
 
-__all__ = ["Recorder", "active_recorder", "install", "uninstall"]
+__all__ = ["Recorder", "active_recorder", "install", "on_call_end", "uninstall"]
 
 log = logging.getLogger("instrument")
 
@@ -138,11 +144,27 @@ def uninstall(recorder: Recorder) -> None:
         _active = None
 
 
+CallEnd = Callable[[Tensor, Tensor, Optional[Tensor]], None]
+# token -> what to do when a compiled-in call boundary with that token fires (only during logging steps).
+_call_ends: Dict[int, CallEnd] = {}
+
+
+def on_call_end(token: int, callback: Optional[CallEnd]) -> None:
+    """Route ``instrument::call_end`` calls carrying ``token`` to ``callback``; None removes the route."""
+    if callback is None:
+        _call_ends.pop(token, None)
+    else:
+        _call_ends[token] = callback
+
+
 # ---------------------------------------------------------------------------------------------- the operators
 # Defined with the low-level torch.library API rather than @torch.library.custom_op: the latter wraps the
 # kernel so that its first call imports torch._dynamo (seconds, even for users who never compile).
 _lib = torch.library.Library("instrument", "DEF")
 _lib.define("record(Tensor value, str name, bool copy) -> ()", alias_analysis="CONSERVATIVE")
+_lib.define(
+    "call_end(Tensor previous, Tensor current, Tensor? condition, int token) -> ()", alias_analysis="CONSERVATIVE"
+)
 _lib.define("watch_grad(Tensor value, str name) -> Tensor")
 _lib.define("probe(Tensor value, str name, bool grad) -> Tensor")
 _lib.define("probe_grad(Tensor gradient, str name) -> Tensor")
@@ -152,6 +174,12 @@ def _record(value: Tensor, name: str, copy: bool) -> None:
     recorder = _active
     if recorder is not None and not in_recompute():
         recorder.put(name, value, copy)
+
+
+def _call_end(previous: Tensor, current: Tensor, condition: Optional[Tensor], token: int) -> None:
+    callback = _call_ends.get(token)
+    if callback is not None:
+        callback(previous, current, condition)
 
 
 def _watch_grad(value: Tensor, name: str) -> Tensor:
@@ -189,10 +217,12 @@ def _probe_backward(ctx, gradient: Tensor):
 
 
 _lib.impl("record", _record, "CompositeExplicitAutograd")
+_lib.impl("call_end", _call_end, "CompositeExplicitAutograd")
 _lib.impl("watch_grad", _watch_grad, "CompositeExplicitAutograd")
 _lib.impl("probe", _probe, "CompositeExplicitAutograd")
 _lib.impl("probe_grad", _probe_grad, "CompositeExplicitAutograd")
 torch.library.register_fake("instrument::record", lambda value, name, copy: None, lib=_lib)
+torch.library.register_fake("instrument::call_end", lambda previous, current, condition, token: None, lib=_lib)
 torch.library.register_fake("instrument::watch_grad", lambda value, name: torch.empty_like(value), lib=_lib)
 torch.library.register_fake("instrument::probe", lambda value, name, grad: torch.empty_like(value), lib=_lib)
 torch.library.register_fake("instrument::probe_grad", lambda grad, name: torch.empty_like(grad), lib=_lib)
@@ -202,3 +232,4 @@ torch.library.register_autograd(
 torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)
 # No output: without this, FX's dead-code elimination (Dynamo, AOT autograd) would drop the call.
 torch.fx.node.has_side_effect(torch.ops.instrument.record.default)
+torch.fx.node.has_side_effect(torch.ops.instrument.call_end.default)

@@ -6,6 +6,14 @@
   without probes) or kept toggleable (``keep_probes=True`` preserves each probe's ``enabled`` attribute).
 * `scripted_probes`: finds `Probe` submodules of a ScriptModule, also one loaded with ``torch.jit.load``;
   the session toggles their ``enabled`` attribute from Python like on an eager module.
+* Watching calls (`observe_calls`, used by the session's state watch during a logging step): a ScriptModule
+  refuses Python hooks of its own, so calls made from Python are picked out by a global forward hook that
+  exists only during the logging step. Calls made by TorchScript code (a scripted rollout loop calling the
+  rule) never reach Python: for those, `script` compiles a call boundary into the module, a typed forward
+  hook that, while its ``CallBoundary`` submodule is enabled, calls
+  ``instrument::call_end(previous, next, condition, token)``; it survives ``torch.jit.save``/``load`` and is
+  removed by freezing. Its Python mirror is dropped (`drop_python_boundaries`), so calls from Python never
+  run it.
 * `check_scriptable`: refuses gradient probes before scripting. TorchScript drops backward hooks silently,
   and instrument would rather refuse than risk a gradient probe that quietly records nothing.
 
@@ -14,16 +22,25 @@ exactly that warning.
 """
 
 import contextlib
+import itertools
+import linecache
+import logging
 import sys
 import warnings
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from instrument.errors import ProbeError
+from instrument.probes import record
 
-__all__ = ["ScriptedProbe", "check_scriptable", "freeze", "is_scripted", "script", "scripted_probes", "quiet"]
+__all__ = [
+    "CallBoundary", "ScriptedProbe", "check_scriptable", "drop_python_boundaries", "freeze", "has_call_boundary",
+    "is_scripted", "observe_calls", "quiet", "script", "scripted_probes",
+]
+
+log = logging.getLogger("instrument")
 
 _DEPRECATION = r"`torch\.jit\.\w+` is deprecated"
 
@@ -136,9 +153,44 @@ def _future_annotation_modules(module: nn.Module) -> List[str]:
     return found
 
 
-def script(module: nn.Module) -> torch.jit.ScriptModule:
-    """``torch.jit.script(module)`` without the deprecation warning and with a clearer error for
-    ``from __future__ import annotations`` (it turns annotations into strings TorchScript cannot resolve)."""
+def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptModule:
+    """``torch.jit.script(module)`` without the deprecation warning, with a clearer error for
+    ``from __future__ import annotations`` (it turns annotations into strings TorchScript cannot resolve), and
+    with a call boundary compiled in (`CallBoundary`): a watched module then delivers one `StepContext` per
+    forward call even when other TorchScript code calls it. ``module`` itself is left as it was.
+
+    The boundary needs a forward whose first argument is a Tensor and which returns a Tensor or a tuple starting
+    with one; any other module (or ``call_boundary=False``) is scripted as ``torch.jit.script`` does it.
+    """
+    plain = _script(module)
+    if not call_boundary or is_scripted(module) or _BOUNDARY in module._modules or hasattr(module, _BOUNDARY):
+        return plain
+    hook = _boundary_hook(plain.forward.schema) if plain._c._has_method("forward") else None
+    if hook is None:
+        return plain
+    module.add_module(_BOUNDARY, CallBoundary())
+    handle = module.register_forward_hook(hook)
+    try:
+        return _script_with_boundary(module)
+    except Exception as exc:  # a signature our generated hook does not type right: plain scripting still works
+        log.warning(
+            "instrument.script: could not compile the call boundary into %s (%s); its calls are observed only "
+            "when Python calls it", type(module).__name__, str(exc).strip().splitlines()[0],
+        )
+        return plain
+    finally:
+        handle.remove()
+        delattr(module, _BOUNDARY)
+
+
+def _script_with_boundary(module: nn.Module) -> torch.jit.ScriptModule:
+    with quiet():
+        scripted = torch.jit.script(module)
+    drop_python_boundaries(scripted)
+    return scripted
+
+
+def _script(module: nn.Module) -> torch.jit.ScriptModule:
     offenders = _future_annotation_modules(module)
     try:
         with quiet():
@@ -186,3 +238,192 @@ def freeze(
     finally:
         for probe, was in saved:
             probe.enabled = was
+
+
+# ----------------------------------------------------------------------------------------------- call boundaries
+_BOUNDARY = "instrument_call"
+_BOUNDARY_TYPE = "instrument.probes.script.CallBoundary"
+_HOOK_PREFIX = "_instrument_call_end_"
+
+
+class CallBoundary(nn.Module):
+    """The switch of a compiled-in call boundary (a submodule named ``instrument_call``).
+
+    Off (every non-logging step) the compiled hook is one bool test, like a probe that is off, and
+    `freeze` removes it entirely. ``token`` tells the session which watch a call belongs to.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = False
+        self.token = 0
+
+
+_HOOK_GLOBALS: Dict[str, Any] = {
+    "__name__": __name__, "torch": torch, "Tensor": Tensor, "Tuple": Tuple, "Optional": Optional, "List": List,
+    "Dict": Dict,
+}
+_hooks: Dict[str, Callable] = {}
+_TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+
+
+def _boundary_hook(schema: Any) -> Optional[Callable]:
+    """A top-level forward hook typed for ``schema`` (TorchScript compiles only exactly typed hooks), or None.
+
+    TorchScript compiles from source, so the hook is written out and its source registered with linecache;
+    one function per signature, each uniquely named (hooks are compiled by name).
+    """
+    args = list(schema.arguments)[1:]
+    if len(schema.returns) != 1 or not args or args[0].type.annotation_str != "Tensor":
+        return None
+    out = schema.returns[0].type
+    if out.annotation_str == "Tensor":
+        current = "output"
+    elif isinstance(out, torch._C.TupleType) and out.elements() and out.elements()[0].annotation_str == "Tensor":
+        current = "output[0]"
+    else:
+        return None
+    # The condition, as the eager state hook finds it: a `condition` argument, else a second tensor argument.
+    named = [i for i, a in enumerate(args) if a.name == "condition" and a.type.annotation_str in _TENSOR_TYPES]
+    if named:
+        condition = f"input[{named[0]}]"
+    elif len(args) > 1 and args[1].type.annotation_str in _TENSOR_TYPES:
+        condition = "input[1]"
+    else:
+        condition = "None"
+    signature = f"input: Tuple[{', '.join(a.type.annotation_str for a in args)}], output: {out.annotation_str}"
+    key = f"{signature}|{current}|{condition}"
+    if key not in _hooks:
+        name = f"{_HOOK_PREFIX}{len(_hooks)}"
+        source = (
+            f"def {name}(module, {signature}) -> None:\n"
+            f"    boundary = module.{_BOUNDARY}\n"
+            f"    if boundary.enabled:\n"
+            f"        torch.ops.instrument.call_end(input[0], {current}, {condition}, boundary.token)\n"
+        )
+        filename = f"<instrument call boundary {name}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        try:
+            exec(compile(source, filename, "exec"), _HOOK_GLOBALS)  # noqa: S102  our own source, from a schema
+        except Exception:  # an annotation Python cannot name here (a TorchScript class, say)
+            return None
+        _hooks[key] = _HOOK_GLOBALS[name]
+    return _hooks[key]
+
+
+def _call_boundary(module: nn.Module) -> Optional[Any]:
+    """The C++ `CallBoundary` of a ScriptModule whose boundary hook is compiled in, else None.
+
+    Freezing drops forward hooks: a frozen module has no boundary even when the submodule was preserved.
+    """
+    c_module = module._c
+    if not c_module.hasattr(_BOUNDARY):
+        return None
+    boundary = c_module.getattr(_BOUNDARY)
+    if not isinstance(boundary, torch._C.ScriptModule) or _BOUNDARY_TYPE not in boundary.qualified_name:
+        return None
+    if not any(hook.name.startswith(_HOOK_PREFIX) for hook in c_module._get_forward_hooks()):
+        return None
+    return boundary
+
+
+def has_call_boundary(module: nn.Module) -> bool:
+    return is_scripted(module) and _call_boundary(module) is not None
+
+
+_tokens = itertools.count(1)
+
+
+class _BoundaryHandle:
+    def __init__(self, boundary: Any, token: int) -> None:
+        self._boundary, self._token = boundary, token
+
+    def remove(self) -> None:
+        if self._boundary is not None:
+            self._boundary.setattr("enabled", False)
+            record.on_call_end(self._token, None)
+            self._boundary = None
+
+
+def drop_python_boundaries(module: nn.Module) -> None:
+    """Make Python calls of ``module`` (and its submodules) skip the compiled boundary hook.
+
+    TorchScript mirrors a ScriptModule's compiled forward hooks into its Python ``_forward_hooks`` (also when
+    loading), so every call from Python would run the boundary hook as a separate TorchScript function (a few
+    microseconds, even when off) and fail on keyword arguments. Python calls are observed from Python instead
+    (`observe_calls`); calls from TorchScript code keep the hook compiled into the caller's graph.
+    """
+    for sub in module.modules():
+        hooks = getattr(sub, "_forward_hooks", None)
+        if not hooks:
+            continue
+        for key, hook in list(hooks.items()):
+            if isinstance(hook, torch.jit.ScriptFunction) and hook.name.startswith(_HOOK_PREFIX):
+                del hooks[key]
+
+
+# A ScriptModule's mirrored compiled hooks are keyed 0, 1, ... in its Python _forward_hooks, and
+# Module._call_impl treats a key as "takes kwargs" when a global hook with the same handle id does (torch 2.13):
+# a global hook registered with a small id would make such a hook be called with the wrong arguments.
+_MIN_GLOBAL_HOOK_ID = 64
+
+
+def _register_global_hook(hook: Callable) -> Any:
+    from torch.nn.modules import module as module_impl
+
+    while True:
+        handle = module_impl.register_module_forward_hook(hook, with_kwargs=True)
+        if handle.id >= _MIN_GLOBAL_HOOK_ID:
+            return _GlobalHandle(handle)
+        _GlobalHandle(handle).remove()
+
+
+class _GlobalHandle:
+    """Removes a global forward hook entirely: torch's own handle leaves its ``with_kwargs`` flag behind."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def remove(self) -> None:
+        from torch.nn.modules import module as module_impl
+
+        self._handle.remove()
+        module_impl._global_forward_hooks_with_kwargs.pop(self._handle.id, None)
+
+
+class _Handles:
+    def __init__(self, *handles: Any) -> None:
+        self._handles = [h for h in handles if h is not None]
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+
+def observe_calls(
+    module: nn.Module,
+    python_hook: Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], None],
+    call_end: Callable[[Tensor, Tensor, Optional[Tensor]], None],
+) -> Any:
+    """Observe every forward call of ScriptModule ``module`` until the returned handle's ``remove()``.
+
+    Calls from Python run ``python_hook`` through a global forward hook (a ScriptModule refuses hooks of its
+    own) that exists only until ``remove()`` and ignores every other module. Calls from TorchScript code run
+    ``call_end(previous, next, condition)`` through the compiled-in boundary, where the module has one (made
+    by `script`; not ``torch.jit.script``, modules saved before boundaries existed, or frozen modules).
+    """
+    drop_python_boundaries(module)
+    boundary = _call_boundary(module)
+    boundary_handle = None
+    if boundary is not None:
+        token = next(_tokens)
+        record.on_call_end(token, call_end)
+        boundary.setattr("token", token)
+        boundary.setattr("enabled", True)
+        boundary_handle = _BoundaryHandle(boundary, token)
+
+    def on_module_call(called: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        if called is module:
+            python_hook(called, args, kwargs, output)
+
+    return _Handles(boundary_handle, _register_global_hook(on_module_call))

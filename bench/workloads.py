@@ -10,7 +10,8 @@ Rows (``workload/mode/kind``):
   TensorBoard backend writing event files); ``log`` (the same with a sink backend, so the figure is the
   pipeline's own cost: observers, one batched host transfer, handing the record over); ``log[]`` (a
   logging step with no observer: the base from which each observer's own cost is taken);
-  ``log[IterationStats]``, ``log[UpdateNorm]`` (one observer each); ``naive`` (the common hand-written
+  ``log[IterationStats]``, ``log[UpdateNorm]``, ``log[RolloutVideo]`` (one observer each; RolloutVideo on the NCA
+  only: RL observations have no grid to render); ``naive`` (the common hand-written
   pattern: the same statistics with ``.tolist()``/``.item()`` every iteration); ``wandb-watch``
   (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step);
   ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or compiled model; pending until
@@ -43,14 +44,16 @@ from torch import Tensor, nn
 import instrument
 from bench.harness import Variant
 from bench.scalar_rows import SCALAR_KEYS, finish_scalar_rows, scalar_variants
-from instrument import Instrumentation, IterationStats, StepContext, UpdateNorm
+from instrument import Instrumentation, IterationStats, RolloutVideo, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
 __all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run"]
 
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
-OBSERVERS = ("IterationStats", "UpdateNorm")
+OBSERVERS = ("IterationStats", "UpdateNorm")  # the headline rows' observers
+OWN_COST = OBSERVERS + ("RolloutVideo",)  # observers with a log[X] own-cost row
+NOT_APPLICABLE = {("rl", "RolloutVideo"): "not applicable: RL observations have no grid to render"}
 PROBE_PENDING = "pending: needs instrument.Probe (issue 3)"
 RL_PROBE_PENDING = "not in this matrix: RL probe costs are in bench/probe_overhead.py (make bench-probes)"
 
@@ -64,6 +67,7 @@ KINDS = {
         "log[]",
         "log[IterationStats]",
         "log[UpdateNorm]",
+        "log[RolloutVideo]",
         "naive",
         "wandb-watch",
     ),
@@ -99,7 +103,11 @@ class SinkBackend(Backend):
 
 def make_observers(names: Sequence[str], workload: str) -> List[instrument.Observer]:
     channel_dim = 1 if workload == "nca" else -1
-    made = {"IterationStats": lambda: IterationStats(channel_dim=channel_dim), "UpdateNorm": UpdateNorm}
+    made = {
+        "IterationStats": lambda: IterationStats(channel_dim=channel_dim),
+        "UpdateNorm": UpdateNorm,
+        "RolloutVideo": RolloutVideo,
+    }
     return [made[n]() for n in names]
 
 
@@ -362,6 +370,8 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
             v = Variant(key=key, baseline=baseline)
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
+            elif ("rl", kind[4:-1]) in NOT_APPLICABLE:
+                v.pending = NOT_APPLICABLE[("rl", kind[4:-1])]
             elif _is_instrumented(kind):
                 v.fn, v.describe, v.settle = _instrumented(kind, "rl", train, tmp)
             elif kind == "naive":
@@ -456,7 +466,7 @@ def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float
         base, empty = f"{workload}/eager/bare", f"{workload}/eager/log[]"
         if base not in samples or empty not in samples:
             continue
-        for name in OBSERVERS:
+        for name in OWN_COST:
             key = f"{workload}/eager/log[{name}]"
             if key not in samples:
                 continue

@@ -42,6 +42,7 @@ from instrument.logger.reduce import CrossRankReducer
 from instrument.logger.timer import Timer
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.rollout_video import RolloutVideo
 from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
 from instrument.probes.script import freeze, script
@@ -68,6 +69,7 @@ __all__ = [
     "Observer",
     "Probe",
     "ProbeError",
+    "RolloutVideo",
     "RunHistoryBackend",
     "RunInfo",
     "RunLog",

@@ -152,12 +152,15 @@ def test_a_new_subclass_without_defaults_or_factory_fails_with_instructions(tmp_
 def _record(step: int) -> StepRecord:
     image = np.zeros((8, 10, 3), dtype=np.uint8)
     image[:, :, 0] = np.arange(10, dtype=np.uint8) * 25
+    video = np.zeros((3, 8, 10, 3), dtype=np.uint8)
+    video[:, :, :, 1] = np.arange(3, dtype=np.uint8)[:, None, None] * 100
     return StepRecord(
         step=step,
         scalars={"train/loss": 1.0 / (step + 1), "train/acc": 0.5, "counters/frames": 8.0 * (step + 1)},
         images={"state/rgb": image},
         histograms={"update_norm/l2": np.linspace(0.0, 1.0, 17)},
         texts={"note": f"step {step}: hello"},
+        videos={"rollout/video": (video, 5)},
         samples={"val": SampleTable(rows=[{"input": "a", "output": "b", "score": 0.25}])},
         timings={"rollout": {"mean": 0.1, "min": 0.05, "max": 0.2, "count": 3.0}},
     )
@@ -204,7 +207,7 @@ def test_backend_abnormal_exit(cls: Type[Backend], tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ observers
-KINDS = {"scalar": "metrics", "image": "images", "histogram": "histograms", "text": "texts"}
+KINDS = {"scalar": "metrics", "image": "images", "histogram": "histograms", "text": "texts", "video": "videos"}
 _KEY_ROW = re.compile(r"^\s*``(?P<key>[^`]+)``\s+(?P<kind>[a-z]+)\b", re.MULTILINE)
 
 

@@ -92,6 +92,8 @@ class JsonlBackend(Backend):
             }
         if record.images:
             line["images"] = {k: list(v.shape) for k, v in record.images.items() if v is not None}
+        if record.videos:
+            line["videos"] = {k: {"shape": list(v.shape), "fps": fps} for k, (v, fps) in record.videos.items()}
         if record.texts:
             line["texts"] = dict(record.texts)
         if record.samples:

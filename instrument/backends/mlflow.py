@@ -5,12 +5,14 @@ import json
 import math
 import os
 import re
+import tempfile
 import threading
 import time
 import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.errors import ConfigurationError, require
 
 __all__ = ["MlflowBackend"]
@@ -71,8 +73,10 @@ class MlflowBackend(Backend):
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
     ``config/operative_config.gin``; images -> ``images/<key>/step_<step>.png``; text ->
-    ``text/<key>/step_<step>.txt``; validation samples -> ``samples/<tag>/step_<step>.json``. Histograms and
-    videos are not logged (MLflow has no such type). Names are sanitised to MLflow's allowed characters.
+    ``text/<key>/step_<step>.txt``; validation samples -> ``samples/<tag>/step_<step>.json``; videos ->
+    animated GIFs ``videos/<key>/step_<step>.gif`` (encoded with Pillow; a video that cannot be written costs
+    that video only). Histograms are not logged (MLflow has no such type). Names are sanitised to MLflow's
+    allowed characters.
     """
 
     def __init__(
@@ -214,6 +218,7 @@ class MlflowBackend(Backend):
                 )
         for key, text in record.texts.items():
             self.client.log_text(self.run_id, text, f"text/{_safe_name(key)}/step_{step:08d}.txt")
+        failed = write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
         for tag, table in record.samples.items():
             columns = _columns(table.rows)
             data = {
@@ -221,6 +226,15 @@ class MlflowBackend(Backend):
                 "data": [[_jsonable(row.get(c)) for c in columns] for row in table.rows],
             }
             self.client.log_dict(self.run_id, data, f"samples/{_safe_name(tag)}/step_{step:08d}.json")
+        raise_failures(self.name, step, failed)
+
+    def _log_video(self, key: str, frames, fps: int, step: int) -> None:
+        """The video as an animated GIF artifact ``videos/<key>/step_<step>.gif`` (MLflow has no video type)."""
+        with tempfile.TemporaryDirectory(prefix="instrument-video-") as tmp:
+            path = os.path.join(tmp, f"step_{step:08d}.gif")
+            with open(path, "wb") as f:
+                f.write(encode_gif(frames, fps))
+            self.client.log_artifact(self.run_id, path, artifact_path=f"videos/{_safe_name(key)}")
 
     def write_system(self, record: StepRecord) -> None:
         self._ensure_open()

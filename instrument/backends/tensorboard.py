@@ -5,15 +5,19 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
+from instrument.errors import ConfigurationError
 from instrument.terminal.samples import markdown_table
 
 __all__ = ["TensorBoardBackend"]
+
+_VIDEO_FORMATS = ("gif", "filmstrip")
 
 log = logging.getLogger("instrument")
 
 
 class TensorBoardBackend(Backend):
-    """Writes scalars, images, histograms, text and video with ``torch.utils.tensorboard.SummaryWriter``.
+    """Writes scalars, images, histograms, text and videos with ``torch.utils.tensorboard.SummaryWriter``.
 
     Args:
         log_dir: where the event files go; None means the run directory (``runs/<run-name>``).
@@ -21,6 +25,11 @@ class TensorBoardBackend(Backend):
             use whole seconds since the monitor started, with the sample's wall time.
         flush_every_commit: flush after each committed step so ``tensorboard`` shows it at once (one small
             file write per logging step), and so a failed write is raised by the record that hit it.
+        video_format: ``"gif"`` (default): each video is an animated GIF in the Images tab, with a step slider
+            (the summary ``add_video`` writes, encoded with Pillow: no extra needed, the frame rate kept);
+            ``"filmstrip"``: a PNG of the frames side by side, 8 per row (a still overview of each video).
+            A video that cannot be written costs that video only: the rest of the step is written first, then
+            the failure is raised (and reported once, counted in ``Logger.failures``).
 
     Faults: TensorBoard's own writer thread stops for good at its first I/O error (a full disk, a directory
     that went away or became unwritable) and re-raises that error on every later call. This backend raises
@@ -29,7 +38,14 @@ class TensorBoardBackend(Backend):
     of a directory, so the steps before and after the fault show as one run; the records that raised are lost.
     """
 
-    def __init__(self, log_dir: Optional[str] = None, flush_every_commit: bool = True) -> None:
+    def __init__(
+        self, log_dir: Optional[str] = None, flush_every_commit: bool = True, video_format: str = "gif"
+    ) -> None:
+        if video_format not in _VIDEO_FORMATS:
+            raise ConfigurationError(
+                f"TensorBoardBackend.video_format must be one of {_VIDEO_FORMATS}, got {video_format!r}."
+            )
+        self.video_format = video_format
         self.log_dir = log_dir
         self.flush_every_commit = flush_every_commit
         self._writer = None
@@ -88,13 +104,24 @@ class TensorBoardBackend(Backend):
                 w.add_histogram(key, values, step, walltime=t)
         for key, text in record.texts.items():
             w.add_text(key, text, step, walltime=t)
-        for key, (frames, fps) in record.videos.items():
-            # add_video wants [N, T, C, H, W]; moviepy is needed for the GIF encoding.
-            w.add_video(key, frames.transpose(0, 3, 1, 2)[None], step, fps=fps, walltime=t)
+        failed = write_each(record.videos, lambda key, frames, fps: self._write_video(w, key, frames, fps, step, t))
         for tag, table in record.samples.items():
             w.add_text(tag, markdown_table(table.rows), step, walltime=t)
         if self.flush_every_commit:
             w.flush()
+        raise_failures(self.name, step, failed)
+
+    def _write_video(self, w, key: str, frames, fps: int, step: int, t: float) -> None:
+        if self.video_format == "filmstrip":
+            w.add_image(key, filmstrip(frames), step, walltime=t, dataformats="HWC")
+            return
+        # What add_video writes (an image summary holding a GIF), encoded with Pillow: add_video needs moviepy,
+        # whose GIFs lose the frame rate (instrument.backends.video).
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        _, h, w_, c = frames.shape
+        image = Summary.Image(height=h, width=w_, colorspace=c, encoded_image_string=encode_gif(frames, fps))
+        w._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step, t)
 
     def write_system(self, record: StepRecord) -> None:
         def log(w) -> None:

@@ -1,9 +1,11 @@
 """Weights & Biases: offline by default, so no account or network is needed until a user binds ``mode``."""
 
+import io
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
@@ -17,6 +19,8 @@ class WandbBackend(Backend):
     """Logs each committed step with ``run.log(..., step=step, commit=True)``.
 
     Images are logged as ``wandb.Image`` under the same key every step, so the W&B UI shows a step slider.
+    Videos are logged as ``wandb.Video`` GIFs (encoded with Pillow, so no extra is needed; the files land in
+    the run's ``media/videos``); a video that cannot be encoded costs that video only.
     Needs ``pip install 'torch-instrument[wandb]'``; the SDK is imported only when the run opens.
 
     Args:
@@ -100,8 +104,7 @@ class WandbBackend(Backend):
                 data[key] = wandb.Histogram(values)
         for key, text in record.texts.items():
             data[key] = wandb.Html(f"<pre>{_escape(text)}</pre>")
-        for key, (frames, fps) in record.videos.items():
-            data[key] = wandb.Video(frames.transpose(0, 3, 1, 2), fps=fps, format="gif")
+        failed = write_each(record.videos, lambda key, frames, fps: data.__setitem__(key, _video(wandb, frames, fps)))
         for tag, table in record.samples.items():
             cols = columns(table.rows)
             data[tag] = wandb.Table(columns=cols, data=[[cell(r.get(c)) for c in cols] for r in table.rows])
@@ -109,6 +112,7 @@ class WandbBackend(Backend):
             data = {**self._system, **data}
             self._system = {}
         self.run.log(data, step=record.step, commit=True)
+        raise_failures(self.name, record.step, failed)
 
     def write_system(self, record: StepRecord) -> None:
         self._system = {**self._system, **record.scalars}
@@ -136,6 +140,11 @@ class WandbBackend(Backend):
 
     def __repr__(self) -> str:
         return f"WandbBackend(project={self.project!r}, mode={self.mode!r})"
+
+
+def _video(wandb, frames, fps: int):
+    """A ``wandb.Video`` from GIF bytes encoded with Pillow: W&B's own encoding of raw frames needs moviepy."""
+    return wandb.Video(io.BytesIO(encode_gif(frames, fps)), format="gif")
 
 
 def _escape(text: str) -> str:

@@ -92,8 +92,17 @@ def _check_image(tag: str, value: Any, extra: Any) -> Any:
     return value
 
 
+def _host_pixels(value: Any, host: Host) -> np.ndarray:
+    """The host copy of an image or video; a uint8 tensor stays uint8 (the transfer carries float64, and
+    floats mean [0, 1] to `to_hwc_uint8`: a uint8 tensor sent as 0..255 floats would come out all white)."""
+    array = np.asarray(host(value))
+    if isinstance(value, Tensor) and value.dtype == torch.uint8 and array.dtype != np.uint8:
+        array = array.astype(np.uint8)  # exact: float64 holds every uint8
+    return array
+
+
 def _convert_image(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
-    return to_hwc_uint8(host(value), tag)
+    return to_hwc_uint8(_host_pixels(value, host), tag)
 
 
 _HEATMAP = "a 2-D matrix [rows, cols] (1-D: one column)"
@@ -145,7 +154,7 @@ def _check_video(tag: str, value: Any, extra: Any) -> Any:
 
 
 def _convert_video(tag: str, value: Any, extra: Any, host: Host) -> tuple:
-    frames = np.asarray(host(value))
+    frames = _host_pixels(value, host)
     return np.stack([to_hwc_uint8(f, tag) for f in frames]), extra
 
 

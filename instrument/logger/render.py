@@ -9,20 +9,10 @@ import functools
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["to_hwc_uint8", "render_heatmap"]
+from instrument.core.colormap import NAN_COLOUR as _NAN_COLOUR
+from instrument.core.colormap import VIRIDIS_LUT as _LUT
 
-# viridis, sampled at 9 evenly spaced points and interpolated linearly.
-_VIRIDIS = np.array(
-    [
-        [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-        [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37],
-    ],
-    dtype=np.float64,
-)
-_LUT = np.stack(
-    [np.interp(np.linspace(0, 1, 256), np.linspace(0, 1, len(_VIRIDIS)), _VIRIDIS[:, c]) for c in range(3)], axis=1
-).astype(np.uint8)
-_NAN_COLOUR = np.array([128, 128, 128], dtype=np.uint8)
+__all__ = ["to_hwc_uint8", "render_heatmap"]
 
 
 def to_hwc_uint8(image: np.ndarray, tag: str = "image") -> np.ndarray:

@@ -1,6 +1,7 @@
 """Built-in observers. Each documents the metric keys it emits."""
 
 from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.rollout_video import RolloutVideo
 from instrument.observers.update_norm import UpdateNorm
 
-__all__ = ["IterationStats", "UpdateNorm"]
+__all__ = ["IterationStats", "RolloutVideo", "UpdateNorm"]

@@ -1,0 +1,83 @@
+"""Videos on the host: GIF encoding with Pillow, a PNG filmstrip, and per-video fault isolation.
+
+Every backend that writes videos encodes them here, with Pillow (a core dependency), so no backend needs an
+extra to show a video and the frame rate is the one asked for. (moviepy 1.0.3, which ``SummaryWriter.add_video``
+and ``wandb.Video`` use for raw frames, hands imageio >= 2.28 the frame delay in seconds where milliseconds
+are expected: its GIFs carry a delay of 0 and browsers play them at their own default rate.)
+
+GIF facts that shape what a reader gets back: frame delays are whole centiseconds (so at most 50 fps plays as
+asked; browsers slow delays under 20 ms to 100 ms); each frame is quantised to its own palette of at most 256
+colours (exact when a frame has no more colours than that); and Pillow merges a frame identical to the one
+before it into that frame's delay, so a video that holds still has fewer, longer frames and the same duration.
+"""
+
+import io
+from typing import Callable, List, Tuple
+
+import numpy as np
+
+__all__ = ["encode_gif", "filmstrip", "write_each", "raise_failures", "VideoWriteError"]
+
+class VideoWriteError(RuntimeError):
+    """Some videos of a record could not be written; everything else of that record was."""
+
+
+def encode_gif(frames: np.ndarray, fps: int) -> bytes:
+    """[T, H, W, C] uint8 (C in 3, 4; 4 is composited over white) -> the bytes of a looping animated GIF."""
+    from PIL import Image
+
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] not in (3, 4) or frames.dtype != np.uint8 or not len(frames):
+        raise ValueError(
+            f"encode_gif expects uint8 frames [T, H, W, 3 or 4], got shape {frames.shape} and dtype {frames.dtype}."
+        )
+    if frames.shape[-1] == 4:  # GIF has 1-bit transparency only: show alpha over white
+        alpha = frames[..., 3:].astype(np.float64) / 255.0
+        frames = (frames[..., :3] * alpha + 255.0 * (1.0 - alpha) + 0.5).astype(np.uint8)
+    images = [Image.fromarray(np.ascontiguousarray(f)) for f in frames]
+    delay = max(10, int(round(1000.0 / max(int(fps), 1))))
+    buffer = io.BytesIO()
+    images[0].save(
+        buffer, format="GIF", save_all=True, append_images=images[1:], duration=delay, loop=0, optimize=False
+    )
+    return buffer.getvalue()
+
+
+def filmstrip(frames: np.ndarray, columns: int = 8, gap: int = 2) -> np.ndarray:
+    """[T, H, W, C] uint8 -> one [rows*(H+gap)-gap, cols*(W+gap)-gap, C] image: frames left to right, then the
+    next row, on white. A still picture of a whole video, for where a video cannot be shown."""
+    frames = np.asarray(frames)
+    t, h, w, c = frames.shape
+    cols = max(1, min(columns, t))
+    rows = -(-t // cols)
+    sheet = np.full((rows * (h + gap) - gap, cols * (w + gap) - gap, c), 255, dtype=np.uint8)
+    for i, frame in enumerate(frames):
+        r, k = divmod(i, cols)
+        sheet[r * (h + gap): r * (h + gap) + h, k * (w + gap): k * (w + gap) + w] = frame
+    return sheet
+
+
+def write_each(videos: dict, write: Callable[[str, np.ndarray, int], None]) -> List[Tuple[str, Exception]]:
+    """Call ``write(key, frames, fps)`` for every video; a video that raises costs that video only.
+
+    Returns the failures; the caller writes the rest of its record and then calls `raise_failures`, so the
+    logger's failure ledger reports and counts them like any other backend fault.
+    """
+    failures: List[Tuple[str, Exception]] = []
+    for key, (frames, fps) in videos.items():
+        try:
+            write(key, frames, fps)
+        except Exception as exc:
+            failures.append((key, exc))
+    return failures
+
+
+def raise_failures(backend: str, step: int, failures: List[Tuple[str, Exception]]) -> None:
+    """Raise one `VideoWriteError` naming every video of the step that failed (chained from the first)."""
+    if not failures:
+        return
+    named = "; ".join(f"{key!r}: {type(exc).__name__}: {exc}" for key, exc in failures)
+    raise VideoWriteError(
+        f"{backend}: {len(failures)} video(s) of step {step} could not be written ({named}); the rest of the "
+        f"step was written."
+    ) from failures[0][1]

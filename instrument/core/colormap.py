@@ -1,0 +1,27 @@
+"""The one colour map: viridis as a 256-entry lookup table, shared by the logger's heatmaps (drawn on the host)
+and observers that colour a channel on the device (`instrument.observers.rollout_video`).
+
+It lives in ``core`` because both layers may import it and neither may import the other.
+"""
+
+import numpy as np
+
+__all__ = ["VIRIDIS_LUT", "NAN_COLOUR"]
+
+# viridis, sampled at 9 evenly spaced points and interpolated linearly.
+_VIRIDIS = np.array(
+    [
+        [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+        [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37],
+    ],
+    dtype=np.float64,
+)
+VIRIDIS_LUT = np.stack(
+    [np.interp(np.linspace(0, 1, 256), np.linspace(0, 1, len(_VIRIDIS)), _VIRIDIS[:, c]) for c in range(3)], axis=1
+).astype(np.uint8)
+"""[256, 3] uint8: entry i is the colour of the value i/255 of the colour range."""
+VIRIDIS_LUT.setflags(write=False)
+
+NAN_COLOUR = np.array([128, 128, 128], dtype=np.uint8)
+"""Grey: where a value is NaN or infinite."""
+NAN_COLOUR.setflags(write=False)

@@ -1,0 +1,245 @@
+"""RolloutVideo: watch the automaton grow, one video per logging step."""
+
+import numbers
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
+from instrument.core.context import StepContext
+from instrument.core.observer import Observer
+from instrument.errors import ConfigurationError, InvalidValueError
+
+__all__ = ["RolloutVideo", "render_frames"]
+
+# GIF frame delays are whole centiseconds and browsers play delays under 20 ms at 10 fps: 50 fps is the top.
+MAX_FPS = 50
+
+
+class RolloutVideo(Observer):
+    """Renders chosen channels of one batch element at every rollout iteration into a video.
+
+    Frame 0 is the state the first observed iteration started from (the seed); frame ``t`` is the state after
+    iteration ``t * every - 1``. On every logging step the frames are logged once with ``logger.log_video``:
+    TensorBoard shows an animated GIF with a step slider, W&B a ``wandb.Video``, MLflow a GIF artifact per step
+    (docs/backends.md). How channels become colours:
+
+    - 4 channels (default ``(0, 1, 2, 3)``): RGBA composited over white as the growing-NCA papers draw it,
+      ``clip(1 - a + rgb, 0, 1)`` with ``a = clip(alpha, 0, 1)`` (RGB premultiplied by alpha); with
+      ``premultiplied=False``, ``clip(rgb, 0, 1) * a + 1 - a``.
+    - 3 channels: RGB, clipped to [0, 1].
+    - 1 channel: through the viridis colour map, over ``value_range`` or (None) the finite min..max of that
+      channel over the whole video, so a colour means the same value in every frame of it.
+
+    A pixel with a NaN or infinite value in any rendered channel is grey (128, 128, 128). ``observe`` copies
+    only the rendered channels of the chosen sample (a [k, H, W] slice per kept iteration, on the device);
+    ``log`` renders all frames in a few batched tensor ops on that device. Nothing is copied to the host until
+    the logger's one transfer at commit. Works with the watched-module and the explicit-evolver styles, and
+    under gradient checkpointing (each iteration is observed once); scripted and compiled rules work with the
+    explicit-evolver style (they cannot carry forward hooks added at run time).
+
+    Metric keys (``<name>`` defaults to ``rollout``):
+
+    =============================== ======== ==========================================================
+    key                             kind     meaning
+    =============================== ======== ==========================================================
+    ``<name>/video``                video    the rollout of sample ``sample``: [T, H*upscale, W*upscale, 3]
+                                             uint8 frames at ``fps``
+    =============================== ======== ==========================================================
+
+    Args:
+        channels: the channels to render: 4 (RGBA), 3 (RGB) or 1 (colour-mapped) indices along ``channel_dim``.
+        sample: which batch element (index along dimension 0) to render.
+        every: keep every k-th state (the seed and the states after iterations k-1, 2k-1, ...).
+        fps: frames per second of the video, 1 to 50 (GIF delays are whole centiseconds).
+        upscale: nearest-neighbour upscale factor (a 32x32 grid is small on screen; 4 makes it 128x128).
+        max_frames: keep at most this many frames (later iterations are not rendered; raise ``every`` to cover
+            a longer rollout). Bounds memory: each frame is ``len(channels) * H * W`` floats.
+        channel_dim: which dimension of the state holds channels: 1 for [B, C, H, W] (default), -1 for
+            channels-last [B, H, W, C]. The state is [B, C, H, W] or [B, C, L] in either layout (a 1-D state
+            renders as a one-pixel-high strip).
+        premultiplied: for 4 channels, whether RGB is premultiplied by alpha (as in the growing-NCA papers).
+        value_range: for 1 channel, the (low, high) mapped to the ends of the colour map; None: per video.
+        name: the key prefix.
+    """
+
+    default_name = "rollout"
+
+    def __init__(
+        self,
+        channels: Sequence[int] = (0, 1, 2, 3),
+        sample: int = 0,
+        every: int = 1,
+        fps: int = 10,
+        upscale: int = 4,
+        max_frames: Optional[int] = 256,
+        channel_dim: int = 1,
+        premultiplied: bool = True,
+        value_range: Optional[Tuple[float, float]] = None,
+        name: str = "",
+    ) -> None:
+        super().__init__(name)
+        self.channels = _check_channels(channels)
+        self.sample = _check_int("sample", sample, None, "an index along the batch dimension")
+        self.every = _check_int("every", every, 1, "keep every k-th state")
+        self.fps = _check_int("fps", fps, 1, f"frames per second, at most {MAX_FPS}", high=MAX_FPS)
+        self.upscale = _check_int("upscale", upscale, 1, "a whole nearest-neighbour factor")
+        self.max_frames = None if max_frames is None else _check_int("max_frames", max_frames, 1, "a frame count")
+        self.channel_dim = _check_int("channel_dim", channel_dim, None, "1 for [B, C, H, W], -1 for channels-last")
+        if self.channel_dim == 0:
+            raise ConfigurationError(
+                "RolloutVideo.channel_dim must not be 0: dimension 0 is the batch (see `sample`); "
+                "use 1 for [B, C, H, W] or -1 for channels-last [B, H, W, C]."
+            )
+        self.premultiplied = bool(premultiplied)
+        self.value_range = _check_range(value_range)
+        if self.value_range is not None and len(self.channels) != 1:
+            raise ConfigurationError(
+                f"RolloutVideo.value_range applies to a single colour-mapped channel, but channels="
+                f"{self.channels} renders {len(self.channels)}; drop value_range or pick one channel."
+            )
+        self._frames: List[Tensor] = []
+        self._index = torch.tensor(self.channels)
+        self._luts: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
+
+    def reset(self) -> None:
+        self._frames = []
+
+    def observe(self, context: StepContext) -> None:
+        if not self._frames and context.step_index % self.every == 0:
+            self._keep(context.previous_state)
+        if (context.step_index + 1) % self.every == 0:
+            self._keep(context.next_state)
+
+    def _keep(self, state: Tensor) -> None:
+        if self.max_frames is not None and len(self._frames) >= self.max_frames:
+            return
+        self._frames.append(self._slice(state))
+
+    def _slice(self, state: Tensor) -> Tensor:
+        """[k, H, W] copy of the rendered channels of the chosen sample (metadata checks only, no host sync)."""
+        shape = tuple(state.shape)
+        if state.dim() not in (3, 4):
+            raise InvalidValueError(
+                f"RolloutVideo({self.name!r}) renders states shaped [B, C, H, W] or [B, C, L] (channels at "
+                f"channel_dim={self.channel_dim}), got shape {shape}; render a 2-D slice of a volume yourself."
+            )
+        batch = shape[0]
+        if not -batch <= self.sample < batch:
+            raise InvalidValueError(
+                f"RolloutVideo({self.name!r}): sample={self.sample} but the state's batch dimension has {batch} "
+                f"elements (shape {shape}); choose a sample index below {batch}."
+            )
+        x = state.select(0, self.sample).movedim(self.channel_dim - 1 if self.channel_dim > 0 else self.channel_dim, 0)
+        count = x.shape[0]
+        bad = [c for c in self.channels if not -count <= c < count]
+        if bad:
+            raise InvalidValueError(
+                f"RolloutVideo({self.name!r}): channels {bad} do not exist in a state with {count} channels along "
+                f"channel_dim={self.channel_dim} (shape {shape}); check channels and channel_dim."
+            )
+        if x.dim() == 2:  # [C, L] -> [C, 1, L]
+            x = x.unsqueeze(1)
+        index = self._index if self._index.device == x.device else self._index.to(x.device, non_blocking=True)
+        self._index = index
+        return x.index_select(0, index)  # a copy: later in-place changes of the state do not reach it
+
+    def log(self, logger, step: int) -> None:
+        if not self._frames:
+            return
+        stack = torch.stack(self._frames)  # [T, k, H, W]
+        lut, nan = self._lut(stack.device)
+        frames = render_frames(stack, self.premultiplied, self.value_range, lut, nan)
+        if self.upscale > 1:
+            frames = frames.repeat_interleave(self.upscale, 1).repeat_interleave(self.upscale, 2)
+        logger.log_video(f"{self.name}/video", frames, step, fps=self.fps)
+
+    def _lut(self, device: torch.device) -> Tuple[Tensor, Tensor]:
+        cached = self._luts.get(device)
+        if cached is None:
+            cached = self._luts[device] = (
+                torch.from_numpy(VIRIDIS_LUT.copy()).to(device), torch.from_numpy(NAN_COLOUR.copy()).to(device)
+            )
+        return cached
+
+
+def render_frames(
+    stack: Tensor,
+    premultiplied: bool = True,
+    value_range: Optional[Tuple[float, float]] = None,
+    lut: Optional[Tensor] = None,
+    nan_colour: Optional[Tensor] = None,
+) -> Tensor:
+    """[T, k, H, W] channel values (k in 1, 3, 4) -> [T, H, W, 3] uint8 frames, on the input's device."""
+    if lut is None:
+        lut = torch.from_numpy(VIRIDIS_LUT.copy()).to(stack.device)
+    if nan_colour is None:
+        nan_colour = torch.from_numpy(NAN_COLOUR.copy()).to(stack.device)
+    x = stack.float()
+    bad = ~torch.isfinite(x).all(dim=1)  # [T, H, W]
+    if x.shape[1] == 1:
+        v = x[:, 0]
+        if value_range is None:
+            finite = torch.isfinite(v)
+            lo = torch.where(finite, v, torch.inf).amin()
+            hi = torch.where(finite, v, -torch.inf).amax()
+            lo = torch.where(torch.isfinite(lo), lo, 0.0)
+            hi = torch.where(torch.isfinite(hi), hi, 1.0)
+            span = torch.where(hi > lo, hi - lo, 1.0)
+        else:  # Python numbers: nothing to copy to the device
+            lo, span = value_range[0], value_range[1] - value_range[0]
+        index = ((torch.nan_to_num(v) - lo) / span * 255.0).round().clamp(0, 255).long()
+        frames = lut[index]  # [T, H, W, 3] uint8
+    else:
+        if x.shape[1] == 4:
+            alpha = x[:, 3:4].clamp(0.0, 1.0)
+            rgb = x[:, :3] if premultiplied else x[:, :3].clamp(0.0, 1.0) * alpha
+            rgb = (1.0 - alpha + rgb).clamp(0.0, 1.0)
+        else:
+            rgb = x.clamp(0.0, 1.0)
+        frames = (torch.nan_to_num(rgb).movedim(1, -1) * 255.0 + 0.5).floor().to(torch.uint8)
+    return torch.where(bad.unsqueeze(-1), nan_colour, frames)
+
+
+def _check_channels(channels) -> Tuple[int, ...]:
+    try:
+        values = tuple(channels)
+    except TypeError:
+        values = None
+    if (
+        values is None
+        or len(values) not in (1, 3, 4)
+        or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in values)
+    ):
+        raise ConfigurationError(
+            f"RolloutVideo.channels must be 1, 3 or 4 channel indices (colour-mapped, RGB, RGBA), got "
+            f"{channels!r}; e.g. (0, 1, 2, 3) for an NCA's RGBA or (4,) for one hidden channel."
+        )
+    return tuple(int(c) for c in values)
+
+
+def _check_int(option: str, value, low: Optional[int], what: str, high: Optional[int] = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or (low is not None and value < low)
+        or (high is not None and value > high)
+    ):
+        bound = "" if low is None else f" >= {low}" if high is None else f" from {low} to {high}"
+        raise ConfigurationError(f"RolloutVideo.{option} must be an int{bound} ({what}), got {value!r}.")
+    return int(value)
+
+
+def _check_range(value_range) -> Optional[Tuple[float, float]]:
+    if value_range is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in value_range)
+    except (TypeError, ValueError):
+        lo = hi = float("nan")
+    if not lo < hi:  # also catches NaN
+        raise ConfigurationError(
+            f"RolloutVideo.value_range must be None or (low, high) numbers with low < high, got {value_range!r}."
+        )
+    return lo, hi

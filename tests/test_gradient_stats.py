@@ -275,3 +275,30 @@ def test_gin_binds_it(tmp_path):
         assert stats.per == "module" and stats.histograms
     finally:
         gin.clear_config()
+
+
+@pytest.mark.parametrize("per", ["param", "module", "global"])
+def test_no_host_read_before_the_logger_transfer(per, tmp_path):
+    """attach, detach and log read nothing back to the host (on a GPU: no sync); the values still arrive."""
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+    from tests.conftest import NoHostSync
+
+    rule = make()
+    opt = torch.optim.SGD(rule.parameters(), lr=0.1)
+    stats = GradientStats(per=per, histograms=True)
+    logger = Logger([JsonlBackend(path=str(tmp_path / "m.jsonl"))], RunInfo("sync", tmp_path))
+    stats.reset()
+    with NoHostSync():
+        stats.attach([rule])
+    rule(torch.rand(1, 4, 5, 5)).square().sum().backward()
+    opt.step()
+    with NoHostSync(), torch.no_grad():
+        stats.detach()
+        stats.log(logger, 0)
+    record = logger.commit(0).result()
+    logger.close()
+    assert record.scalars["grad_stats/norm/global"] > 0
+    with pytest.raises(AssertionError, match="host read item"), NoHostSync():
+        torch.ones(1).item()  # the guard itself works

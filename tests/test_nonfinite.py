@@ -200,3 +200,28 @@ def test_bad_arguments():
         NonFinite(module=[])
     with pytest.raises(ConfigurationError, match="not a valid regex"):
         NonFinite(include="[")
+
+
+def test_no_host_read_before_the_logger_transfer(tmp_path):
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+    from tests.conftest import NoHostSync
+
+    states = rollout()
+    layer = nn.Linear(2, 2)
+    layer(torch.ones(1, 2)).sum().backward()
+    observer = NonFinite(module=layer)
+    logger = Logger([JsonlBackend(path=str(tmp_path / "m.jsonl"))], RunInfo("sync", tmp_path))
+    observer.reset()
+    with NoHostSync(), torch.no_grad():
+        observer.attach([])
+        for i in range(len(states) - 1):
+            observer.observe(StepContext(states[i], states[i + 1], step_index=i, probes={"p": states[i + 1]}))
+        observer.detach()
+        observer.log(logger, 0)
+    record = logger.commit(0).result()
+    logger.close()
+    assert record.scalars["nonfinite/first_iteration"] == 3.0
+    assert record.scalars["nonfinite/count/probe.p"] == record.scalars["nonfinite/count/state"] > 0
+    assert record.scalars["nonfinite/grad_count"] == 0.0

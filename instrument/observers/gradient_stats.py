@@ -64,6 +64,7 @@ def select_parameters(
     out: List[Tuple[str, nn.Parameter]] = []
     labels: Dict[str, int] = {}
     for module in modules:
+        module = getattr(module, "_orig_mod", module)  # a torch.compile wrapper: its module's own names
         label = ""
         if len(modules) > 1:
             label = type(module).__name__

@@ -141,7 +141,8 @@ class GradientStats(Observer):
             (``<module>`` is its path, ``""`` for the root written as its class name); ``"global"`` only
             ``norm/global``: one fused norm pass over the gradients and nothing else.
         update_ratio: snapshot the weights at the start of each logging step for ``update_ratio`` (a copy of
-            the covered parameters, held only during the logging step).
+            the covered parameters, held only during the logging step). The optimizer step must run inside
+            the ``with inst.step(...)`` block, or the ratio is 0.
         weight_norm: log ``weight_norm``.
         histograms: log gradient and weight histograms per parameter (host work on the writer thread).
         include, exclude: regular expressions (a str or a list) searched in parameter names: only names
@@ -203,9 +204,9 @@ class GradientStats(Observer):
         if before is None or not self._params:
             return
         with torch.no_grad():
-            after = [p.detach() for _, p in self._params]
-            diff = torch._foreach_sub(after, before)
-            self._update = (torch._foreach_norm(diff, 2.0), torch._foreach_norm(before, 2.0))
+            base = torch._foreach_norm(before, 2.0)
+            torch._foreach_sub_(before, [p.detach() for _, p in self._params])  # the snapshot is ours: in place
+            self._update = (torch._foreach_norm(before, 2.0), base)
 
     def observe(self, context) -> None:
         """Nothing per iteration: gradients exist only after backward."""

@@ -225,3 +225,30 @@ def test_no_host_read_before_the_logger_transfer(tmp_path):
     assert record.scalars["nonfinite/first_iteration"] == 3.0
     assert record.scalars["nonfinite/count/probe.p"] == record.scalars["nonfinite/count/state"] > 0
     assert record.scalars["nonfinite/grad_count"] == 0.0
+
+
+def test_a_failing_committed_hook_is_reported_and_training_goes_on(caplog):
+    class Broken(instrument.Observer):
+        def observe(self, context):
+            pass
+
+        def committed(self, record):
+            raise ValueError("broken hook")
+
+    closed = []
+
+    class Closing(instrument.Observer):
+        def observe(self, context):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    inst = Instrumentation([Broken("broken"), Closing("closing"), NonFinite()], backends=[Sink()], log_interval=1)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        run_steps(inst, rollout(bad_iteration=N_ITER), steps=(0, 1))
+        inst.close()
+    assert inst.failures == {"broken": 2}  # counted at each logging step (tried again), reported once
+    assert closed == [True]
+    reports = [r for r in caplog.records if "'broken'" in r.getMessage() and r.levelno >= logging.ERROR]
+    assert len(reports) == 1 and "committed" in reports[0].getMessage()

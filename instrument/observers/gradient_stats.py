@@ -229,35 +229,42 @@ class GradientStats(Observer):
         return keys, members
 
     @staticmethod
-    def _grouped(norms: Sequence[Tensor], members: List[List[int]]) -> List[Tensor]:
-        """One L2 norm per key from per-parameter norms: the norm of the norms of its members."""
-        return [
-            norms[m[0]].float() if len(m) == 1 else torch.linalg.vector_norm(torch.stack([norms[i] for i in m]).float())
-            for m in members
-        ]
+    def _per_key(values: Tensor, members: List[List[int]], positions: List[int]) -> Tensor:
+        """One L2 norm per key, as float: ``values[j]`` is the norm of parameter ``positions[j]``.
+
+        With one parameter per key (``per="param"``) that is ``values`` itself; a module's key is the norm of
+        its parameters' norms. A few vectorised ops, never one op per parameter in the common cases.
+        """
+        values = values.float()
+        flat = [i for m in members for i in m]
+        if flat != positions:  # keys over a subset, or grouped out of order: pick the members first
+            where = {p: j for j, p in enumerate(positions)}
+            values = torch.stack([values[where[i]] for i in flat])
+        if len(members) == len(flat):
+            return values
+        sums = torch.split(values.square(), [len(m) for m in members])
+        return torch.stack([part.sum() for part in sums]).sqrt_()
 
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
-        every = [True] * len(self._params)
-        has_grad = [p.grad is not None for _, p in self._params]
-        if any(has_grad):
-            with_grad = [i for i, ok in enumerate(has_grad) if ok]
+        everything = list(range(len(self._params)))
+        with_grad = [i for i, (_, p) in enumerate(self._params) if p.grad is not None]
+        if with_grad:
             norms, total = grad_norms([self._params[i][1].grad.detach() for i in with_grad])
             metrics["norm/global"] = total
             if self.per != "global":
-                full: List[Tensor] = [norms[0]] * len(self._params)  # placeholders never read
-                for i, norm in zip(with_grad, norms.unbind(), strict=True):
-                    full[i] = norm
-                keys, members = self._keys(has_grad)
-                metrics.update(zip([f"norm/{k}" for k in keys], self._grouped(full, members), strict=True))
-        keys, members = self._keys(every)
+                keys, members = self._keys([p.grad is not None for _, p in self._params])
+                per_key = self._per_key(norms, members, with_grad)
+                metrics.update(zip([f"norm/{k}" for k in keys], per_key.unbind(), strict=True))
+        keys, members = self._keys([True] * len(self._params))
         if self.weight_norm and self._params:
-            weights = torch._foreach_norm([p.detach() for _, p in self._params], 2.0)
-            metrics.update(zip([f"weight_norm/{k}" for k in keys], self._grouped(weights, members), strict=True))
+            weights = torch.stack(torch._foreach_norm([p.detach() for _, p in self._params], 2.0))
+            per_key = self._per_key(weights, members, everything)
+            metrics.update(zip([f"weight_norm/{k}" for k in keys], per_key.unbind(), strict=True))
         if self._update is not None:
-            change, base = self._update
-            ratios = [c / b for c, b in zip(self._grouped(change, members), self._grouped(base, members), strict=True)]
-            metrics.update(zip([f"update_ratio/{k}" for k in keys], ratios, strict=True))
+            change, base = (torch.stack(norms) for norms in self._update)
+            ratios = self._per_key(change, members, everything) / self._per_key(base, members, everything)
+            metrics.update(zip([f"update_ratio/{k}" for k in keys], ratios.unbind(), strict=True))
             self._update = None
         if metrics:
             logger.log_metrics(metrics, step=step, prefix=self.name)

@@ -10,8 +10,10 @@ Rows (``workload/mode/kind``):
   TensorBoard backend writing event files); ``log`` (the same with a sink backend, so the figure is the
   pipeline's own cost: observers, one batched host transfer, handing the record over); ``log[]`` (a
   logging step with no observer: the base from which each observer's own cost is taken);
-  ``log[IterationStats]``, ``log[UpdateNorm]``, ``log[RolloutVideo]`` (one observer each; RolloutVideo on the NCA
-  only: RL observations have no grid to render); ``naive`` (the common hand-written
+  ``log[IterationStats]``, ``log[UpdateNorm]``, ``log[GradientStats]``, ``log[GradientStats.global]``
+  (``per="global"``: only the global gradient norm, one fused pass), ``log[NonFinite]``, ``log[RolloutVideo]``
+  (one observer each: the own-cost rows; RolloutVideo on the NCA only: RL observations have no grid to
+  render); ``naive`` (the common hand-written
   pattern: the same statistics with ``.tolist()``/``.item()`` every iteration); ``wandb-watch``
   (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step);
   ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or compiled model; pending until
@@ -44,7 +46,7 @@ from torch import Tensor, nn
 import instrument
 from bench.harness import Variant
 from bench.scalar_rows import SCALAR_KEYS, finish_scalar_rows, scalar_variants
-from instrument import Instrumentation, IterationStats, RolloutVideo, StepContext, UpdateNorm
+from instrument import GradientStats, Instrumentation, IterationStats, NonFinite, RolloutVideo, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
 __all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run"]
@@ -52,7 +54,8 @@ __all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HE
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
 OBSERVERS = ("IterationStats", "UpdateNorm")  # the headline rows' observers
-OWN_COST = OBSERVERS + ("RolloutVideo",)  # observers with a log[X] own-cost row
+# One own-cost row each (``log[X]`` minus ``log[]``); GradientStats.global is GradientStats(per="global").
+OWN_COST = OBSERVERS + ("GradientStats", "GradientStats.global", "NonFinite", "RolloutVideo")
 NOT_APPLICABLE = {("rl", "RolloutVideo"): "not applicable: RL observations have no grid to render"}
 PROBE_PENDING = "pending: needs instrument.Probe (issue 3)"
 RL_PROBE_PENDING = "not in this matrix: RL probe costs are in bench/probe_overhead.py (make bench-probes)"
@@ -67,6 +70,9 @@ KINDS = {
         "log[]",
         "log[IterationStats]",
         "log[UpdateNorm]",
+        "log[GradientStats]",
+        "log[GradientStats.global]",
+        "log[NonFinite]",
         "log[RolloutVideo]",
         "naive",
         "wandb-watch",
@@ -101,12 +107,18 @@ class SinkBackend(Backend):
         pass
 
 
-def make_observers(names: Sequence[str], workload: str) -> List[instrument.Observer]:
+def make_observers(
+    names: Sequence[str], workload: str, model: Optional[nn.Module] = None
+) -> List[instrument.Observer]:
+    """``model``: whose parameters GradientStats and NonFinite cover (the RL rows watch nothing)."""
     channel_dim = 1 if workload == "nca" else -1
     made = {
         "IterationStats": lambda: IterationStats(channel_dim=channel_dim),
         "UpdateNorm": UpdateNorm,
         "RolloutVideo": RolloutVideo,
+        "GradientStats": lambda: GradientStats(module=model),
+        "GradientStats.global": lambda: GradientStats(module=model, per="global"),
+        "NonFinite": lambda: NonFinite(channel_dim=channel_dim, module=model),
     }
     return [made[n]() for n in names]
 
@@ -115,7 +127,8 @@ class Session:
     """One Instrumentation driven like a training loop: each call is the next step (logging or not)."""
 
     def __init__(
-        self, observers: Sequence[str], workload: str, logging: bool, backend: str, tmp: str
+        self, observers: Sequence[str], workload: str, logging: bool, backend: str, tmp: str,
+        model: Optional[nn.Module] = None,
     ) -> None:
         backends: List[Backend]
         if backend == "tensorboard":
@@ -123,7 +136,7 @@ class Session:
         else:
             backends = [SinkBackend()]
         self.inst = Instrumentation(
-            observers=make_observers(observers, workload),
+            observers=make_observers(observers, workload, model),
             backends=backends,
             log_interval=1 if logging else 10**12,
             run_name=f"{workload}-{backend}-{len(observers)}",
@@ -190,13 +203,18 @@ def _is_instrumented(kind: str) -> bool:
     return kind in ("off", "log", "log-tb") or kind.startswith("log[")
 
 
-def _instrumented(kind: str, workload: str, train, tmp: str, hooks_on: Optional[nn.Module] = None):
+def _instrumented(
+    kind: str, workload: str, train, tmp: str, hooks_on: Optional[nn.Module] = None,
+    model: Optional[nn.Module] = None,
+):
     """The training step inside ``inst.step``: hooks on ``hooks_on``, or ``s.observer`` handed to ``train``.
 
     Returns the step function, its description for the table, and its untimed settle (the logger's flush).
     """
     names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
-    session = Session(names, workload, kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp)
+    session = Session(
+        names, workload, kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp, model=model
+    )
     if hooks_on is not None:
         session.inst.watch(hooks_on)
 
@@ -269,7 +287,7 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
             elif _is_instrumented(kind):
-                v.fn, v.describe, v.settle = _instrumented(kind, "nca", train, tmp, hooks_on)
+                v.fn, v.describe, v.settle = _instrumented(kind, "nca", train, tmp, hooks_on, model=rule)
             elif kind == "naive":
                 sink: List[object] = []
 
@@ -373,7 +391,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
             elif ("rl", kind[4:-1]) in NOT_APPLICABLE:
                 v.pending = NOT_APPLICABLE[("rl", kind[4:-1])]
             elif _is_instrumented(kind):
-                v.fn, v.describe, v.settle = _instrumented(kind, "rl", train, tmp)
+                v.fn, v.describe, v.settle = _instrumented(kind, "rl", train, tmp, model=policy)
             elif kind == "naive":
                 v.fn = trainer(policy, act, naive=True)
                 v.describe = "per-iteration .tolist()/.item() of the same stats"

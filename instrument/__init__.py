@@ -34,6 +34,7 @@ from instrument.errors import (
     InstrumentError,
     InvalidValueError,
     MissingExtraError,
+    NonFiniteError,
     ProbeError,
     StepOrderError,
 )
@@ -41,7 +42,9 @@ from instrument.logger.logger import Logger
 from instrument.logger.reduce import CrossRankReducer
 from instrument.logger.timer import Timer
 from instrument.monitors.system import SystemMonitor
+from instrument.observers.gradient_stats import GradientStats
 from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.nonfinite import NonFinite
 from instrument.observers.rollout_video import RolloutVideo
 from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
@@ -58,6 +61,7 @@ __all__ = [
     "ConfigurationError",
     "ConsoleBackend",
     "CrossRankReducer",
+    "GradientStats",
     "InstrumentError",
     "Instrumentation",
     "InvalidValueError",
@@ -66,6 +70,8 @@ __all__ = [
     "Logger",
     "MissingExtraError",
     "MlflowBackend",
+    "NonFinite",
+    "NonFiniteError",
     "Observer",
     "Probe",
     "ProbeError",

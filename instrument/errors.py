@@ -7,14 +7,15 @@ The hierarchy::
     │   └── ProbeError                  a probe misuse: duplicate or unknown names, unsupported modes
     ├── StepOrderError (ValueError)     a step lower than one a backend already committed
     ├── InvalidValueError (ValueError, TypeError)  a logged value that can never be written (shape, type)
-    └── MissingExtraError (ImportError) an optional SDK is not installed; names the pip extra
+    ├── MissingExtraError (ImportError) an optional SDK is not installed; names the pip extra
+    └── NonFiniteError (FloatingPointError)  NonFinite(raise_on_nonfinite=True) found a NaN/Inf
 
-Failures inside observers and backends are not raised: they are reported once through the
-``instrument`` logger and the run goes on.
+Failures inside observers and backends are not raised: they are reported once through the ``instrument``
+logger and the run goes on. NonFiniteError is the one exception: the user asked for it to stop training.
 """
 
 __all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderError", "InvalidValueError",
-           "MissingExtraError"]
+           "MissingExtraError", "NonFiniteError"]
 
 
 class InstrumentError(Exception):
@@ -60,3 +61,11 @@ def require(package: str, extra: str, feature: str):
         return importlib.import_module(package)
     except ImportError as exc:
         raise MissingExtraError(package, extra, feature) from exc
+
+
+class NonFiniteError(InstrumentError, FloatingPointError):
+    """`instrument.NonFinite` with ``raise_on_nonfinite=True`` found a NaN or Inf; raised at the step's commit.
+
+    The message names the step, the rollout iteration, the channel(s) and where the value was seen. It is the
+    one error an observer may raise into training (the dispatcher lets it through): the user asked to stop.
+    """

@@ -321,6 +321,7 @@ class Instrumentation:
         finally:
             try:
                 self.logger.close(status)
+                self._dispatch.close()
             finally:
                 if self.run_log is not None:
                     self.run_log.close()
@@ -378,7 +379,7 @@ class Instrumentation:
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
                 self._components.log(self.logger, scope.step)
-                self.logger.commit(scope.step)
+                self._dispatch.committed(self.logger.commit(scope.step))
         finally:
             self._current = None
 

@@ -78,3 +78,31 @@ def event_accumulator(log_dir: Path):
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
     return acc
+
+
+class NoHostSync:
+    """A TorchFunctionMode that fails on every tensor-to-host read (``.item()``, ``bool(t)``, ``.tolist()``,
+    ``.cpu()``, ``.numpy()``...) made on this thread while it is active: on a GPU each would be a host sync,
+    so code run under it provably makes none (the mode is thread-local: the logger's writer thread is free)."""
+
+    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero"}
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        reads = self.READS
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in reads:
+                    raise AssertionError(f"host read {func.__name__} on the training thread")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = _Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

@@ -91,6 +91,16 @@ def build(cls: type, tmp_path: Path) -> Any:
     return cls()
 
 
+def _model_with_gradients(nan: bool = False) -> torch.nn.Module:
+    """A small model whose parameters hold gradients (what GradientStats and NonFinite read)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model(torch.randn(5, 3)).square().sum().backward()
+    if nan:
+        model[0].weight.grad[0, 0] = float("nan")
+    return model
+
+
 def _fixed_episode_runner(deterministic: bool, max_steps: int, render: bool):
     """An episode runner (the user-supplied callable Evaluation calls): a fixed 3-step episode."""
     from instrument.rl.evaluation import Episode
@@ -112,6 +122,9 @@ FACTORIES: Dict[str, Callable[[Path], Any]] = {
         instrument.rl.ProgressBar(enabled=True, total_frames=100, stream=io.StringIO()), total_frames=100
     ),
     "Evaluation": lambda tmp: instrument.rl.Evaluation(every_frames=4, at_start=True, runner=_fixed_episode_runner),
+    # observers of a model's parameters: one with gradients (NaN in one, for NonFinite's gradient keys)
+    "GradientStats": lambda tmp: instrument.GradientStats(module=_model_with_gradients(), histograms=True),
+    "NonFinite": lambda tmp: instrument.NonFinite(module=_model_with_gradients(nan=True)),
 }
 
 # RL components that log nothing from batches and losses alone, and why (they still run the whole lifecycle).
@@ -263,12 +276,14 @@ def test_observer_lifecycle_logs_exactly_its_documented_keys(cls: Type[Observer]
     wanted = tuple(observer.probes)  # embedded probes it reads: each gets a tensor of the state's shape
     for step in (0, 1):
         observer.reset()
+        observer.attach([])  # as the session does at the start of a logging step (nothing watched here)
         with torch.no_grad():  # as the dispatcher calls it
             for i in range(len(states) - 1):
                 probes = {name: states[i + 1] * (k + 1) for k, name in enumerate(wanted)}
                 observer.observe(StepContext(states[i], states[i + 1], step_index=i, probes=probes))
             if wanted:  # as if each probe were a gradient probe: one gradient per iteration
                 observer.observe_gradients({name: [s.neg() for s in states[1:]] for name in wanted})
+        observer.detach()  # the session detaches before log
         observer.log(logger, step)
         logger.commit(step)
     logger.close()

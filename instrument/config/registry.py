@@ -30,7 +30,9 @@ from instrument.backends.wandb import WandbBackend
 from instrument.config import experiment
 from instrument.config.parse import BEFORE_PARSE, operative_config
 from instrument.monitors.system import SystemMonitor
+from instrument.observers.gradient_stats import GradientStats
 from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.nonfinite import NonFinite
 from instrument.observers.rollout_video import RolloutVideo
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation
@@ -42,7 +44,8 @@ __all__ = ["MODULE", "RL_CLASSES", "backend_set", "register_rl", "run", "torchrl
 MODULE = "instrument"
 RL_CLASSES = ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation")
 
-for _cls in (Instrumentation, IterationStats, UpdateNorm, RolloutVideo, TensorBoardBackend, WandbBackend,
+for _cls in (Instrumentation, IterationStats, UpdateNorm, RolloutVideo, GradientStats, NonFinite,
+             TensorBoardBackend, WandbBackend,
              ConsoleBackend, JsonlBackend, MlflowBackend, RunHistoryBackend, ProgressBar, SystemMonitor):
     gin.configurable(_cls.__name__, module=MODULE)(_cls)
 

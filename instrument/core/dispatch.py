@@ -17,6 +17,7 @@ from instrument.core.context import StepContext
 from instrument.core.failures import FailureLedger
 from instrument.core.observer import Observer
 from instrument.core.recompute import RecomputeGuard, in_recompute
+from instrument.errors import NonFiniteError
 
 __all__ = ["Dispatcher", "observer_name"]
 
@@ -99,6 +100,28 @@ class Dispatcher:
                 log_fn = getattr(observer, "log", None)
                 if log_fn is not None and index not in self._skipped:
                     self._run(index, observer, "log", log_fn, logger, step)
+
+    def committed(self, record: Any) -> None:
+        """After the logger's commit: each observer's ``committed(record)``. `NonFiniteError` propagates (the
+        user asked ``NonFinite`` to stop training); any other failure is reported and skipped as usual."""
+        for index, observer in enumerate(self.observers):
+            committed = getattr(observer, "committed", None)
+            if committed is None or index in self._skipped:
+                continue
+            try:
+                committed(record)
+            except NonFiniteError:
+                raise
+            except Exception as exc:
+                self.ledger.record(observer_name(observer), "committed", exc)
+                self._skipped.add(index)
+
+    def close(self) -> None:
+        """The session closed: each observer's ``close()``."""
+        for observer in self.observers:
+            close = getattr(observer, "close", None)
+            if close is not None:
+                self.ledger.call(observer_name(observer), "close", close)
 
     def _run(self, index: int, observer: ObserverLike, method: str, fn: Callable, *args) -> None:
         if not self.ledger.call(observer_name(observer), method, fn, *args):

@@ -10,7 +10,9 @@ training loop that `Instrumentation` drives::
             loss.backward(); opt.step()         #   (never again during checkpoint recomputation)
         # leaving a logging step                -> for each observer: detach() (always, also if the step raised);
         #                                          then, if it did not raise: observe_gradients(...) if gradient
-        #                                          probes recorded any; log(logger, step); logger.commit(step)
+        #                                          probes recorded any; log(logger, step); logger.commit(step);
+        #                                          then committed(record)
+    inst.close()                                # -> for each observer: close()
 
 On a non-logging step none of these methods is called and nothing is attached to any module.
 
@@ -25,7 +27,7 @@ Rules an observer follows:
   training and the other observers carry on.
 """
 
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Tuple, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -84,6 +86,15 @@ class Observer:
 
     def log(self, logger: "Logger", step: int) -> None:
         """Hand this step's results to the logger."""
+
+    def committed(self, record: Any) -> None:
+        """The logging step was committed; ``record`` is what ``logger.commit`` returned (a `CommittedStep`:
+        its ``record`` attribute is the built `StepRecord` once the writer thread has converted it, None
+        before; ``result()`` waits for it, which is a host sync), or None when nothing was staged. For work
+        that needs the step's host values (a message, a decision); most observers need nothing here."""
+
+    def close(self) -> None:
+        """The session closed (every committed step's record is built). Release what the observer holds."""
 
     def __call__(self, context: StepContext) -> None:
         self.observe(context)

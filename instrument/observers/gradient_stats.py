@@ -1,0 +1,275 @@
+"""GradientStats: gradient, weight and update norms per parameter, what ``wandb.watch`` shows, on logging steps only.
+
+Why it is cheap: nothing is registered on a module (gradients are read where they are, after backward, at the
+end of the ``inst.step`` block), norms are computed with ``torch._foreach_norm`` (one fused kernel per device
+and dtype for all parameters, not one per parameter), and every result stays on the device until the logger's
+one batched transfer. The only copy is the weight snapshot for the update ratio, taken in ``attach`` (logging
+steps only) and released in ``detach`` (also when the step raised), so non-logging steps hold no copy.
+
+The global norm is computed exactly as ``torch.nn.utils.clip_grad_norm_`` computes it before clipping
+(grouped by device and dtype, ``_foreach_norm`` per group, then the vector norm of the stacked norms), so it is
+bitwise equal to what that function returns when the same gradients are given in the same order.
+"""
+
+import re
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from instrument.core.observer import Observer
+from instrument.errors import ConfigurationError
+
+__all__ = ["GradientStats", "grad_norms", "select_parameters"]
+
+_PER = ("param", "module", "global")
+Patterns = Union[None, str, Sequence[str]]
+
+try:  # the grouping clip_grad_norm_ itself uses; private, so fall back to one group per tensor without it
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+except ImportError:  # pragma: no cover - depends on the torch version
+    _group_tensors_by_device_and_dtype = None
+
+
+def _compile(patterns: Patterns, what: str) -> List["re.Pattern[str]"]:
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ConfigurationError(
+                f"GradientStats {what} takes regular expressions (a str or a list of str), got "
+                f"{type(pattern).__name__} ({pattern!r})."
+            )
+        try:
+            out.append(re.compile(pattern))
+        except re.error as exc:
+            raise ConfigurationError(f"GradientStats {what} pattern {pattern!r} is not a valid regex: {exc}.") from exc
+    return out
+
+
+def select_parameters(
+    modules: Sequence[nn.Module], include: Patterns = None, exclude: Patterns = None
+) -> List[Tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the trainable parameters of ``modules``, each parameter once.
+
+    Names are as in ``named_parameters()`` of their module (``.`` kept); with several modules each name gets the
+    module's class name in front (``Rule.conv.weight``), and a running index where class names repeat.
+    ``include``/``exclude`` are regular expressions searched (``re.search``) in that name.
+    """
+    keep, drop = _compile(include, "include"), _compile(exclude, "exclude")
+    seen = set()
+    out: List[Tuple[str, nn.Parameter]] = []
+    labels: Dict[str, int] = {}
+    for module in modules:
+        module = getattr(module, "_orig_mod", module)  # a torch.compile wrapper: its module's own names
+        label = ""
+        if len(modules) > 1:
+            label = type(module).__name__
+            labels[label] = labels.get(label, 0) + 1
+            if labels[label] > 1:
+                label = f"{label}{labels[label] - 1}"
+            label += "."
+        for name, param in module.named_parameters():
+            name = label + name
+            if not param.requires_grad or id(param) in seen:
+                continue
+            if keep and not any(p.search(name) for p in keep):
+                continue
+            if any(p.search(name) for p in drop):
+                continue
+            seen.add(id(param))
+            out.append((name, param))
+    return out
+
+
+def grad_norms(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(per-tensor L2 norms [n], global L2 norm)`` with the global one computed as ``clip_grad_norm_`` does.
+
+    One ``_foreach_norm`` per (device, dtype) group; the per-tensor norms come back in the order given, on the
+    first tensor's device.
+    """
+    first = tensors[0].device
+    if _group_tensors_by_device_and_dtype is not None:
+        groups = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
+        ordered: List[Tensor] = []
+        positions: List[int] = []
+        for (device, _), ([group], indices) in groups.items():
+            if device.type in ("cpu", "cuda"):
+                ordered.extend(torch._foreach_norm(group, 2.0))
+            else:
+                ordered.extend(torch.linalg.vector_norm(g, 2.0) for g in group)
+            positions.extend(indices)
+    else:  # pragma: no cover
+        ordered, positions = [torch.linalg.vector_norm(g, 2.0) for g in tensors], list(range(len(tensors)))
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in ordered]), 2.0)
+    in_order: List[Tensor] = [ordered[0]] * len(ordered)
+    for position, norm in zip(positions, ordered, strict=True):
+        in_order[position] = norm.to(first)
+    return torch.stack(in_order), total
+
+
+class GradientStats(Observer):
+    """Gradient, weight and update norms of a model's parameters, read at the end of each logging step.
+
+    It answers "is it learning, and is it stable?": exploding or vanishing gradients (``norm``), weights that
+    grow without bound (``weight_norm``), and learning rates too large or too small for a layer
+    (``update_ratio``: around 1e-3 per step is the usual healthy order of magnitude). Gradients are read after
+    backward and before they are zeroed, at the end of the ``with inst.step(...)`` block: zero them at the start
+    of the step (``opt.zero_grad()`` before ``loss.backward()``), as usual.
+
+    Metric keys (``<name>`` defaults to ``grad_stats``; ``<param>`` as in ``named_parameters()`` of the watched
+    module, or ``<module>`` with ``per="module"``):
+
+    =================================== ========= ================================================================
+    key                                 kind      meaning
+    =================================== ========= ================================================================
+    ``<name>/norm/global``              scalar    L2 norm over all gradients (what ``clip_grad_norm_`` returns)
+    ``<name>/norm/<param>``             scalar    L2 norm of the parameter's gradient
+    ``<name>/weight_norm/<param>``      scalar    L2 norm of the parameter after the optimizer step
+    ``<name>/update_ratio/<param>``     scalar    ``||w_after - w_before|| / ||w_before||`` over the step
+    ``<name>/grad_hist/<param>``        histogram the gradient's values (``histograms=True``)
+    ``<name>/weight_hist/<param>``      histogram the parameter's values (``histograms=True``)
+    =================================== ========= ================================================================
+
+    Args:
+        module: the model whose parameters are covered; None (default) covers the modules watched with
+            ``inst.watch`` (each parameter once).
+        per: ``"param"`` (default) one key per parameter; ``"module"`` one per module that owns parameters
+            (``<module>`` is its path, ``""`` for the root written as its class name); ``"global"`` only
+            ``norm/global``: one fused norm pass over the gradients and nothing else.
+        update_ratio: snapshot the weights at the start of each logging step for ``update_ratio`` (a copy of
+            the covered parameters, held only during the logging step). The optimizer step must run inside
+            the ``with inst.step(...)`` block, or the ratio is 0.
+        weight_norm: log ``weight_norm``.
+        histograms: log gradient and weight histograms per parameter (host work on the writer thread).
+        include, exclude: regular expressions (a str or a list) searched in parameter names: only names
+            matching some ``include`` (default: all) and no ``exclude`` are covered.
+        name: the key prefix.
+
+    Parameters without a gradient in the step (``p.grad is None``) are left out of every norm, as
+    ``clip_grad_norm_`` leaves them out. Works with scripted and compiled models alike (only parameters are
+    read); under gradient checkpointing the gradients are the same, so the keys are too.
+    """
+
+    default_name = "grad_stats"
+
+    def __init__(
+        self,
+        module: Optional[nn.Module] = None,
+        per: str = "param",
+        update_ratio: bool = True,
+        weight_norm: bool = True,
+        histograms: bool = False,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        name: str = "",
+    ) -> None:
+        super().__init__(name)
+        if module is not None and not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"GradientStats(module=...) takes a torch.nn.Module, got {type(module).__name__}; pass the "
+                f"model itself, or leave it out to cover the modules watched with inst.watch."
+            )
+        if per not in _PER:
+            raise ConfigurationError(f"GradientStats per must be one of {_PER}, got {per!r}.")
+        self.module = module
+        self.per = per
+        self.update_ratio = update_ratio and per != "global"
+        self.weight_norm = weight_norm and per != "global"
+        self.histograms = histograms
+        self.include, self.exclude = include, exclude
+        _compile(include, "include"), _compile(exclude, "exclude")  # fail at construction, not at the first step
+        self._params: List[Tuple[str, nn.Parameter]] = []
+        self._before: Optional[List[Tensor]] = None
+        self._update: Optional[Tuple[List[Tensor], List[Tensor]]] = None
+        self._modules: List[nn.Module] = []
+
+    def reset(self) -> None:
+        self._params, self._before, self._update = [], None, None
+
+    def attach(self, modules: Sequence[nn.Module]) -> None:
+        self._modules = [self.module] if self.module is not None else list(modules)
+        self._params = select_parameters(self._modules, self.include, self.exclude)
+        if self.update_ratio and self._params:
+            with torch.no_grad():
+                # x * 1 is a bitwise copy; the foreach form is one fused kernel per group instead of one each.
+                self._before = list(torch._foreach_mul([p.detach() for _, p in self._params], 1.0))
+
+    def detach(self) -> None:
+        """The optimizer step is done: the update norms now, and the snapshot is released in any case."""
+        before, self._before = self._before, None
+        if before is None or not self._params:
+            return
+        with torch.no_grad():
+            base = torch._foreach_norm(before, 2.0)
+            torch._foreach_sub_(before, [p.detach() for _, p in self._params])  # the snapshot is ours: in place
+            self._update = (torch._foreach_norm(before, 2.0), base)
+
+    def observe(self, context) -> None:
+        """Nothing per iteration: gradients exist only after backward."""
+
+    def _keys(self, present: Sequence[bool]) -> Tuple[List[str], List[List[int]]]:
+        """Key names and the parameter positions behind each, over the parameters marked ``present``."""
+        if self.per != "module":
+            positions = [i for i, ok in enumerate(present) if ok]
+            return [self._params[i][0] for i in positions], [[i] for i in positions]
+        keys: List[str] = []
+        members: List[List[int]] = []
+        for i, (name, _) in enumerate(self._params):
+            if not present[i]:
+                continue
+            owner = name.rpartition(".")[0] or type(self._modules[0]).__name__
+            if owner not in keys:
+                keys.append(owner)
+                members.append([])
+            members[keys.index(owner)].append(i)
+        return keys, members
+
+    @staticmethod
+    def _per_key(values: Tensor, members: List[List[int]], positions: List[int]) -> Tensor:
+        """One L2 norm per key, as float: ``values[j]`` is the norm of parameter ``positions[j]``.
+
+        With one parameter per key (``per="param"``) that is ``values`` itself; a module's key is the norm of
+        its parameters' norms. A few vectorised ops, never one op per parameter in the common cases.
+        """
+        values = values.float()
+        flat = [i for m in members for i in m]
+        if flat != positions:  # keys over a subset, or grouped out of order: pick the members first
+            where = {p: j for j, p in enumerate(positions)}
+            values = torch.stack([values[where[i]] for i in flat])
+        if len(members) == len(flat):
+            return values
+        sums = torch.split(values.square(), [len(m) for m in members])
+        return torch.stack([part.sum() for part in sums]).sqrt_()
+
+    def log(self, logger, step: int) -> None:
+        metrics: Dict[str, Tensor] = {}
+        everything = list(range(len(self._params)))
+        with_grad = [i for i, (_, p) in enumerate(self._params) if p.grad is not None]
+        if with_grad:
+            norms, total = grad_norms([self._params[i][1].grad.detach() for i in with_grad])
+            metrics["norm/global"] = total
+            if self.per != "global":
+                keys, members = self._keys([p.grad is not None for _, p in self._params])
+                per_key = self._per_key(norms, members, with_grad)
+                metrics.update(zip([f"norm/{k}" for k in keys], per_key.unbind(), strict=True))
+        keys, members = self._keys([True] * len(self._params))
+        if self.weight_norm and self._params:
+            weights = torch.stack(torch._foreach_norm([p.detach() for _, p in self._params], 2.0))
+            per_key = self._per_key(weights, members, everything)
+            metrics.update(zip([f"weight_norm/{k}" for k in keys], per_key.unbind(), strict=True))
+        if self._update is not None:
+            change, base = (torch.stack(norms) for norms in self._update)
+            ratios = self._per_key(change, members, everything) / self._per_key(base, members, everything)
+            metrics.update(zip([f"update_ratio/{k}" for k in keys], ratios.unbind(), strict=True))
+            self._update = None
+        if metrics:
+            logger.log_metrics(metrics, step=step, prefix=self.name)
+        if self.histograms:
+            for name, p in self._params:
+                if p.grad is not None:
+                    logger.log_histogram(f"{self.name}/grad_hist/{name}", p.grad.detach(), step)
+                logger.log_histogram(f"{self.name}/weight_hist/{name}", p.detach(), step)

@@ -1,0 +1,286 @@
+"""NonFinite: where the first NaN/Inf of a rollout came from, found without a host sync per iteration.
+
+Why this shape: testing ``torch.isfinite(x).all()`` each iteration and branching on it costs one host sync per
+iteration, which stalls the device pipeline. Instead each iteration's tensors are kept by reference (see
+`instrument.observers.buffer`) and, at log time, reduced in one batched pass to per-iteration, per-channel
+counts of non-finite elements; the first iteration, the first channel and the totals are found with device
+ops and handed to the logger like any metric. The human-readable message needs those values on the host, so it
+is written from the committed record (`committed`), after the logger's own transfer: in warn mode from a record
+the writer thread has already built (checked without waiting, at the next commit or when the session closes),
+so the training thread never waits; with ``raise_on_nonfinite=True`` the commit waits for its record (the one
+deliberate host sync, after the transfer has started) and raises `NonFiniteError`.
+"""
+
+import logging
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from instrument.core.context import StepContext
+from instrument.core.observer import Observer
+from instrument.errors import ConfigurationError, NonFiniteError
+from instrument.observers.buffer import IterationBuffer
+from instrument.observers.gradient_stats import Patterns, select_parameters
+
+__all__ = ["NonFinite", "nonfinite_counts"]
+
+log = logging.getLogger("instrument")
+
+
+def nonfinite_counts(states: Tensor, channel_dim: int = 1, scratch: bool = False) -> Tensor:
+    """Non-finite elements per iteration and channel of ``states`` [T, *state]: an int64 [T, C] tensor.
+
+    ``channel_dim`` indexes the state's own dimensions; a state with fewer dimensions than that has one channel.
+    ``scratch=True`` lets it overwrite ``states`` (a stacked copy the caller owns).
+
+    How: ``x - x`` is 0 for a finite value and NaN for NaN and +-Inf; ``nan_to_num(nan=1)`` turns that into
+    a 0/1 indicator whose sum is the count. On CPU (torch 2.13, one thread, 1.2M float32 values) that is 0.8 ms
+    against 5 ms for ``isfinite(x).sum()``, whose kernels are not vectorised there; on a GPU both are one
+    bandwidth-bound pass.
+    """
+    if not (states.is_floating_point() or states.is_complex()):
+        return torch.zeros(states.shape[0], 1, dtype=torch.long, device=states.device)
+    dims = states.dim() - 1
+    if dims < 2 or not -dims <= channel_dim < dims:
+        x = states.reshape(states.shape[0], 1, 1, -1)
+    else:
+        c = channel_dim % dims + 1
+        before = after = 1
+        for size in states.shape[1:c]:
+            before *= size
+        for size in states.shape[c + 1:]:
+            after *= size
+        x = states.reshape(states.shape[0], before, states.shape[c], after)
+    if x.is_complex():
+        per_channel = x.shape[1] * x.shape[3]
+        return per_channel - torch.isfinite(x).sum(dim=3).sum(dim=1)
+    # float32 sums of 0/1 are exact below 2**24 terms; half precision would overflow at 65504
+    wide = x.dtype == torch.float64 or x.shape[3] >= 2**24
+    indicator = x.sub_(x) if scratch and x.data_ptr() == states.data_ptr() else x - x
+    torch.nan_to_num_(indicator, nan=1.0)
+    rows = indicator.sum(dim=3, dtype=torch.float64 if wide else torch.float32)
+    return rows.long().sum(dim=1)
+
+
+class NonFinite(Observer):
+    """Finds the first NaN/Inf of each logged rollout: the iteration, the channel and where it was seen.
+
+    It answers "where did the NaN come from?". On logging steps it checks, for every iteration, the state
+    (``next_state``), ``dx`` and every probe value the iteration delivered, and at the end of the step the
+    gradients of the covered model. When something is non-finite the ``instrument`` logger says so once per
+    run, naming the step, the rollout iteration, the channel(s) and the sources (state, dx, probe, parameter);
+    with ``raise_on_nonfinite=True`` the step's commit raises `instrument.NonFiniteError` with that message
+    instead (the step's values are committed first, so they are written).
+
+    Sources (``<source>`` below): ``state``, ``dx`` and ``probe.<probe>``. Iterations are 0-based and count the
+    observer calls of the rollout (a probe recorded only in some iterations counts its own recordings).
+
+    Metric keys (``<name>`` defaults to ``nonfinite``):
+
+    ===================================== ======== ==============================================================
+    key                                   kind     meaning
+    ===================================== ======== ==============================================================
+    ``<name>/first_iteration``            scalar   first iteration with a non-finite value anywhere; -1 if none
+    ``<name>/count``                      scalar   non-finite elements over the rollout, all sources together
+    ``<name>/count/<source>``             scalar   non-finite elements of one source over the rollout
+    ``<name>/first_iteration/<source>``   scalar   that source's first iteration with a non-finite value; -1
+    ``<name>/first_channel/<source>``     scalar   lowest non-finite channel at that iteration; -1 if none
+    ``<name>/channels/<source>``          scalar   how many channels were non-finite at that iteration
+    ``<name>/grad_count``                 scalar   non-finite gradient elements (when gradients are checked)
+    ``<name>/grad_count/<param>``         scalar   non-finite elements of one parameter's gradient
+    ===================================== ======== ==============================================================
+
+    Args:
+        channel_dim: which dimension of a state (and of a probe value) holds channels (1 for [B, C, H, W]; -1
+            for [N, features]); values with fewer dimensions count as one channel.
+        gradients: check gradients at the end of the step (of ``module``, or of the watched modules).
+        module: the model whose gradients are checked; None: the modules watched with ``inst.watch``.
+        include, exclude: parameter-name regular expressions, as `GradientStats` takes them.
+        dx: check ``dx`` (computed as ``next_state - previous_state`` when the caller did not give it).
+        probes: check the probe values each iteration delivers.
+        raise_on_nonfinite: raise `NonFiniteError` at the commit of a step with a non-finite value, instead of
+            warning once.
+        max_elements: reduce the kept tensors early once they hold this many elements (bounds memory).
+        name: the key prefix.
+
+    Under ``torch.distributed`` counts are summed over ranks and first iterations/channels take the largest
+    rank's value (still -1 only when every rank was finite).
+    """
+
+    default_name = "nonfinite"
+
+    def __init__(
+        self,
+        channel_dim: int = 1,
+        gradients: bool = True,
+        module: Optional[nn.Module] = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        dx: bool = True,
+        probes: bool = True,
+        raise_on_nonfinite: bool = False,
+        max_elements: Optional[int] = 64 * 2**20,
+        name: str = "",
+    ) -> None:
+        super().__init__(name)
+        if isinstance(channel_dim, bool) or not isinstance(channel_dim, int):
+            raise ConfigurationError(f"NonFinite channel_dim must be an int, got {channel_dim!r}.")
+        if module is not None and not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"NonFinite(module=...) takes a torch.nn.Module, got {type(module).__name__}; pass the model "
+                f"whose gradients to check, or leave it out to check the modules watched with inst.watch."
+            )
+        select_parameters([], include, exclude)  # bad patterns fail here, not at the first step
+        self.channel_dim = channel_dim
+        self.gradients = gradients
+        self.module = module
+        self.include, self.exclude = include, exclude
+        self.check_dx = dx
+        self.check_probes = probes
+        self.raise_on_nonfinite = raise_on_nonfinite
+        self.max_elements = max_elements
+        self._buffers: Dict[str, IterationBuffer] = {}
+        self._params: List[Tuple[str, nn.Parameter]] = []
+        self._pending: List[Any] = []  # committed steps whose record has not been read yet (warn mode)
+        self.reported = False  # the once-per-run message was given
+
+    # ------------------------------------------------------------------ per logging step
+    def reset(self) -> None:
+        self._buffers = {}
+        self._params = []
+
+    def attach(self, modules: Sequence[nn.Module]) -> None:
+        if self.gradients:
+            covered = [self.module] if self.module is not None else list(modules)
+            self._params = select_parameters(covered, self.include, self.exclude)
+
+    def _append(self, source: str, value: Tensor) -> None:
+        buffer = self._buffers.get(source)
+        if buffer is None:
+            buffer = self._buffers[source] = IterationBuffer(self._reduce, max_elements=self.max_elements)
+        buffer.append(value)
+
+    def _reduce(self, states: Tensor, scratch: bool = False) -> Tensor:
+        return nonfinite_counts(states, self.channel_dim, scratch)
+
+    def observe(self, context: StepContext) -> None:
+        self._append("state", context.next_state)
+        if self.check_dx:
+            self._append("dx", context.dx)
+        if self.check_probes:
+            for probe, value in context.probes.items():
+                self._append(f"probe.{probe}", value)
+
+    def log(self, logger, step: int) -> None:
+        metrics: Dict[str, Tensor] = {}
+        firsts: List[Tensor] = []
+        counts: List[Tensor] = []
+        for source, buffer in self._buffers.items():
+            table = buffer.results()  # [T, C] non-finite counts
+            if table is None:
+                continue
+            per_iteration = table.sum(dim=1)
+            bad = per_iteration > 0
+            found = bad.any()
+            first = torch.where(found, bad.to(torch.int8).argmax(), -1)
+            row = table.index_select(0, first.clamp_min(0).reshape(1))[0] > 0
+            first_channel = torch.where(row.any(), row.to(torch.int8).argmax(), -1)
+            count = per_iteration.sum()
+            metrics[f"count/{source}"] = count
+            metrics[f"first_iteration/{source}"] = first
+            metrics[f"first_channel/{source}"] = first_channel
+            metrics[f"channels/{source}"] = row.sum()
+            firsts.append(first)
+            counts.append(count)
+        if firsts:
+            stacked = torch.stack(firsts)
+            none = torch.iinfo(stacked.dtype).max
+            earliest = torch.where(stacked >= 0, stacked, none).amin()
+            metrics["first_iteration"] = torch.where(earliest == none, -1, earliest)
+            metrics["count"] = torch.stack(counts).sum()
+        grads = [(name, p.grad.detach()) for name, p in self._params if p.grad is not None]
+        if grads:
+            per_param = torch.stack([
+                g.numel() - torch.isfinite(g).sum().to(grads[0][1].device) for _, g in grads
+            ])
+            metrics["grad_count"] = per_param.sum()
+            metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
+        if metrics:
+            reduce = {key: ("sum" if key.startswith(("count", "grad_count")) else "max") for key in metrics}
+            logger.log_metrics(metrics, step=step, prefix=self.name, reduce=reduce)
+        self._buffers = {}
+
+    # ------------------------------------------------------------------ after the commit (host values)
+    def committed(self, record: Any) -> None:
+        """The step was committed; ``record`` is the logger's `CommittedStep` (or None: nothing was staged)."""
+        if self.raise_on_nonfinite:
+            if record is None:
+                return
+            # host sync: raising at this step needs its values; the logger's transfer has started, and this
+            # waits for the writer thread to have built the step's record from it.
+            built = record.result()
+            message = self.message(built.scalars, built.step) if built is not None else None
+            if message is not None:
+                self.reported = True
+                raise NonFiniteError(message)
+            return
+        if self.reported:
+            return
+        if record is not None:
+            self._pending.append(record)
+        self._report([r for r in self._pending if r.record is not None or r.dropped])
+
+    def close(self) -> None:
+        """The session closed (every committed record is built): report what is still pending."""
+        if not self.reported:
+            self._report([r for r in self._pending if r.result(timeout=0) is not None or r.dropped])
+        self._pending = []
+
+    def _report(self, ready: List[Any]) -> None:
+        for handle in ready:
+            self._pending.remove(handle)
+            built = handle.record
+            if self.reported or built is None:
+                continue
+            message = self.message(built.scalars, built.step)
+            if message is not None:
+                self.reported = True
+                log.warning("instrument: %s (reported once per run)", message)
+        if self.reported:
+            self._pending = []
+
+    def message(self, scalars: Mapping[str, float], step: int) -> Optional[str]:
+        """The report for one committed step's host scalars, or None when every checked value was finite."""
+        head = self.name + "/"
+        count = scalars.get(head + "count", 0.0)
+        grad_count = scalars.get(head + "grad_count", 0.0)
+        if not (count > 0 or grad_count > 0):
+            return None
+        parts = []
+        if count > 0:
+            first = int(scalars[head + "first_iteration"])
+            where = []
+            for key, value in scalars.items():
+                if key.startswith(head + "first_iteration/") and int(value) == first:
+                    source = key[len(head + "first_iteration/"):]
+                    channel = int(scalars.get(f"{head}first_channel/{source}", -1))
+                    channels = int(scalars.get(f"{head}channels/{source}", 0))
+                    more = f" ({channels} channels non-finite there)" if channels > 1 else ""
+                    where.append(f"{source} channel {channel}{more}")
+            also = [
+                key[len(head + "count/"):] for key, value in scalars.items()
+                if key.startswith(head + "count/") and value > 0
+                and int(scalars.get(head + "first_iteration/" + key[len(head + "count/"):], -1)) != first
+            ]
+            parts.append(
+                f"first at rollout iteration {first} in {', '.join(where)}; {int(count)} non-finite elements "
+                f"over the rollout" + (f" (later also in {', '.join(also)})" if also else "")
+            )
+        if grad_count > 0:
+            bad = [
+                f"{key[len(head + 'grad_count/'):]} ({int(value)})" for key, value in scalars.items()
+                if key.startswith(head + "grad_count/") and value > 0
+            ]
+            parts.append(f"{int(grad_count)} non-finite gradient elements in {', '.join(bad)}")
+        return f"non-finite values at step {step}: " + "; ".join(parts)

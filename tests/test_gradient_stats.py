@@ -1,0 +1,304 @@
+"""GradientStats: norms read back from real TensorBoard files against a float64 reference, equal to
+``clip_grad_norm_``, a pure side channel (bitwise-equal parameters and gradients on and off), under gradient
+checkpointing, in the watched-module and explicit-evolver styles, with its filters and groupings."""
+
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import instrument
+from instrument import GradientStats, Instrumentation, StepContext
+from instrument.errors import ConfigurationError
+from tests.conftest import event_accumulator, read_scalars
+from tests.test_checkpointing import Sink, fresh_rule, train_step
+
+
+class Rule(nn.Module):
+    """One NCA-like iteration with a nested submodule, so parameter names have dots at two depths."""
+
+    def __init__(self, channels: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.perceive = nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.mlp = nn.Sequential(nn.Conv2d(2 * channels, hidden, 1), nn.ReLU(), nn.Conv2d(hidden, channels, 1))
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.scale * self.mlp(self.perceive(x))
+
+
+def make(seed: int = 0) -> Rule:
+    torch.manual_seed(seed)
+    return Rule()
+
+
+def train(rule: Rule, inst, steps: int, n_iter: int = 4, evolver: bool = False, clip: bool = False):
+    """Adam on a growth-like loss; returns, per step, float64 host copies of weights before/after and grads."""
+    opt = torch.optim.Adam(rule.parameters(), lr=1e-2)
+    seen: List[Dict[str, Dict[str, np.ndarray]]] = []
+    totals = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        x = torch.rand(2, 4, 6, 6)
+        before = {n: p.detach().double().numpy().copy() for n, p in rule.named_parameters()}
+        with (inst.step(step) if inst is not None else _null()) as s:
+            opt.zero_grad()
+            for i in range(n_iter):
+                nxt = rule(x)
+                if evolver and s is not None and s.observer is not None:
+                    s.observer(StepContext(x, nxt, step_index=i))
+                x = nxt
+            F.mse_loss(x, torch.full_like(x, 0.25)).backward()
+            if clip:  # max_norm=inf: returns the norm and scales by exactly 1.0 (gradients unchanged)
+                totals.append(torch.nn.utils.clip_grad_norm_(rule.parameters(), float("inf")))
+            grads = {n: p.grad.detach().double().numpy().copy() for n, p in rule.named_parameters()}
+            opt.step()
+        after = {n: p.detach().double().numpy().copy() for n, p in rule.named_parameters()}
+        seen.append({"before": before, "after": after, "grad": grads})
+    return seen, totals
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_tensorboard_values_match_a_float64_reference_and_clip_grad_norm(tmp_path):
+    rule = make()
+    inst = Instrumentation([GradientStats()], backends=[instrument.TensorBoardBackend()], log_interval=2,
+                           log_dir=str(tmp_path), run_name="r")
+    inst.watch(rule)
+    seen, totals = train(rule, inst, steps=5, clip=True)
+    inst.close()
+    assert not inst.failures
+    scalars = read_scalars(tmp_path / "r")
+    names = [n for n, _ in rule.named_parameters()]
+    assert {"perceive.weight", "mlp.0.bias", "mlp.2.weight", "scale"} <= set(names)
+    for step in (0, 2, 4):
+        ref = seen[step]
+        grad_norms = {n: np.linalg.norm(ref["grad"][n].ravel()) for n in names}
+        total = np.sqrt(sum(v**2 for v in grad_norms.values()))
+        assert scalars["grad_stats/norm/global"][step] == pytest.approx(total, rel=1e-6)
+        # what clip_grad_norm_ returned on the same gradients, bit for bit (TensorBoard stores float32)
+        assert scalars["grad_stats/norm/global"][step] == totals[step].item()
+        for n in names:
+            w0, w1 = ref["before"][n].ravel(), ref["after"][n].ravel()
+            assert scalars[f"grad_stats/norm/{n}"][step] == pytest.approx(grad_norms[n], rel=1e-6)
+            assert scalars[f"grad_stats/weight_norm/{n}"][step] == pytest.approx(np.linalg.norm(w1), rel=1e-6)
+            ratio = np.linalg.norm(w1 - w0) / np.linalg.norm(w0)
+            assert scalars[f"grad_stats/update_ratio/{n}"][step] == pytest.approx(ratio, rel=1e-4)
+    assert set(scalars["grad_stats/norm/global"]) == {0, 2, 4}  # logging steps only
+
+
+def test_global_norm_is_bitwise_what_clip_grad_norm_returns_in_memory():
+    rule = make(3)
+    sink = Sink()
+    inst = Instrumentation([GradientStats(per="global")], backends=[sink], log_interval=1)
+    inst.watch(rule)
+    _, totals = train(rule, inst, steps=2, clip=True)
+    inst.close()
+    for record, total in zip(sink.records, totals, strict=True):
+        assert record.scalars["grad_stats/norm/global"] == float(total)
+        assert set(record.scalars) == {"grad_stats/norm/global"}  # per="global": one fused pass, one key
+
+
+def test_histograms_in_tensorboard(tmp_path):
+    rule = make()
+    inst = Instrumentation([GradientStats(histograms=True, update_ratio=False)],
+                           backends=[instrument.TensorBoardBackend()], log_interval=1, log_dir=str(tmp_path),
+                           run_name="h")
+    inst.watch(rule)
+    seen, _ = train(rule, inst, steps=1)
+    inst.close()
+    acc = event_accumulator(tmp_path / "h")
+    tags = set(acc.Tags()["histograms"])
+    for n, p in rule.named_parameters():
+        assert f"grad_stats/grad_hist/{n}" in tags and f"grad_stats/weight_hist/{n}" in tags
+        (grad_hist,) = acc.Histograms(f"grad_stats/grad_hist/{n}")
+        assert grad_hist.histogram_value.num == p.numel()
+        g = seen[0]["grad"][n]
+        assert grad_hist.histogram_value.min == pytest.approx(g.min(), rel=1e-6, abs=1e-12)
+        assert grad_hist.histogram_value.max == pytest.approx(g.max(), rel=1e-6, abs=1e-12)
+        (weight_hist,) = acc.Histograms(f"grad_stats/weight_hist/{n}")
+        assert weight_hist.histogram_value.sum == pytest.approx(seen[0]["after"][n].sum(), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("evolver", [False, True])
+def test_pure_side_channel_parameters_and_gradients_bitwise_equal(evolver):
+    off = make()
+    seen_off, _ = train(off, None, steps=3, evolver=evolver)
+    on = make()
+    observers = [GradientStats(module=on if evolver else None, histograms=True, per="module"),
+                 instrument.NonFinite(module=on if evolver else None)]
+    inst = Instrumentation(observers, backends=[Sink()], log_interval=1)
+    if not evolver:
+        inst.watch(on)
+    seen_on, _ = train(on, inst, steps=3, evolver=evolver)
+    inst.close()
+    assert not inst.failures
+    for a, b in zip(seen_off, seen_on, strict=True):
+        for part in ("grad", "after"):
+            for n in a[part]:
+                assert np.array_equal(a[part][n], b[part][n]), (part, n)
+    for (n, p_off), (_, p_on) in zip(off.named_parameters(), on.named_parameters(), strict=True):
+        assert torch.equal(p_off, p_on) and torch.equal(p_off.grad, p_on.grad), n
+
+
+def test_explicit_evolver_style_names_the_module():
+    rule = make()
+    sink = Sink()
+    inst = Instrumentation([GradientStats(module=rule)], backends=[sink], log_interval=1)
+    seen, _ = train(rule, inst, steps=1, evolver=True)  # nothing watched: module= says which parameters
+    inst.close()
+    want = np.linalg.norm(seen[0]["grad"]["mlp.2.weight"].ravel())
+    assert sink.records[0].scalars["grad_stats/norm/mlp.2.weight"] == pytest.approx(want, rel=1e-6)
+
+
+def test_nothing_kept_or_registered_on_non_logging_steps():
+    rule = make()
+    stats = GradientStats()
+    inst = Instrumentation([stats], backends=[Sink()], log_interval=3)
+    inst.watch(rule)
+    opt = torch.optim.SGD(rule.parameters(), lr=0.1)
+    for step in range(4):
+        with inst.step(step):
+            opt.zero_grad()
+            rule(torch.rand(1, 4, 5, 5)).sum().backward()
+            opt.step()
+            if step in (1, 2):  # a non-logging step: no snapshot, no hook
+                assert stats._before is None and stats._update is None
+            if step == 3:  # a logging step holds its snapshot until detach
+                assert stats._before is not None
+        assert stats._before is None  # released at the end of every logging step
+        assert not any(m._forward_hooks or m._backward_hooks for m in rule.modules())
+    inst.close()
+
+
+def test_snapshot_released_when_the_step_raises():
+    rule = make()
+    stats = GradientStats()
+    inst = Instrumentation([stats], backends=[Sink()], log_interval=1)
+    inst.watch(rule)
+    with pytest.raises(RuntimeError, match="boom"):
+        with inst.step(0):
+            raise RuntimeError("boom")
+    assert stats._before is None
+    inst.close()
+
+
+def test_per_module_groups_and_filters():
+    rule = make()
+    sink = Sink()
+    inst = Instrumentation(
+        [GradientStats(per="module", name="by_module"), GradientStats(include=r"^mlp\.", exclude=r"bias$")],
+        backends=[sink], log_interval=1,
+    )
+    inst.watch(rule)
+    seen, _ = train(rule, inst, steps=1)
+    inst.close()
+    scalars = sink.records[0].scalars
+    grads = seen[0]["grad"]
+    for module, members in {"perceive": ["perceive.weight", "perceive.bias"],
+                            "mlp.0": ["mlp.0.weight", "mlp.0.bias"], "Rule": ["scale"]}.items():
+        want = np.sqrt(sum(np.sum(grads[m] ** 2) for m in members))
+        assert scalars[f"by_module/norm/{module}"] == pytest.approx(want, rel=1e-6)
+        assert f"by_module/update_ratio/{module}" in scalars
+    filtered = {k for k in scalars if k.startswith("grad_stats/norm/")}
+    assert filtered == {"grad_stats/norm/global", "grad_stats/norm/mlp.0.weight", "grad_stats/norm/mlp.2.weight"}
+    want = np.sqrt(np.sum(grads["mlp.0.weight"] ** 2) + np.sum(grads["mlp.2.weight"] ** 2))
+    assert scalars["grad_stats/norm/global"] == pytest.approx(want, rel=1e-6)
+
+
+def test_under_gradient_checkpointing_values_and_gradients_unchanged():
+    """The checkpointed step gives the norms of the plain step, and gradients bitwise equal to observers off."""
+    values = {}
+    for mode in ("none", "reentrant", "nonreentrant", "chunked"):
+        _, grads_off = train_step(fresh_rule(), mode)
+        rule = fresh_rule()
+        sink = Sink()
+        inst = Instrumentation([GradientStats(), instrument.NonFinite()], backends=[sink], log_interval=1)
+        inst.watch(rule)
+        with inst.step(0):
+            _, grads_on = train_step(rule, mode)
+        inst.close()
+        assert not inst.failures
+        for n in grads_off:
+            assert torch.equal(grads_off[n], grads_on[n]), (mode, n)
+        values[mode] = sink.records[0].scalars
+        assert values[mode]["nonfinite/count"] == 0.0 and values[mode]["nonfinite/first_iteration"] == -1.0
+    for mode, scalars in values.items():
+        for key, value in values["none"].items():
+            if key.startswith("grad_stats/norm/"):
+                assert scalars[key] == pytest.approx(value, rel=1e-5), (mode, key)
+
+
+def test_parameters_without_gradients_are_left_out():
+    rule = make()
+    sink = Sink()
+    inst = Instrumentation([GradientStats()], backends=[sink], log_interval=1)
+    inst.watch(rule)
+    with inst.step(0):
+        rule.mlp(torch.rand(1, 8, 3, 3)).sum().backward()  # perceive and scale get no gradient
+    inst.close()
+    norms = {k for k in sink.records[0].scalars if k.startswith("grad_stats/norm/")}
+    assert norms == {"grad_stats/norm/global"} | {f"grad_stats/norm/mlp.{i}.{w}" for i in (0, 2)
+                                                   for w in ("weight", "bias")}
+    assert "grad_stats/weight_norm/scale" in sink.records[0].scalars
+
+
+def test_bad_arguments_say_what_was_received():
+    with pytest.raises(ConfigurationError, match="per must be one of"):
+        GradientStats(per="layer")
+    with pytest.raises(ConfigurationError, match="torch.nn.Module, got str"):
+        GradientStats(module="model")
+    with pytest.raises(ConfigurationError, match="not a valid regex"):
+        GradientStats(include="(")
+    with pytest.raises(ConfigurationError, match="got int"):
+        GradientStats(exclude=[3])
+
+
+def test_gin_binds_it(tmp_path):
+    import gin
+
+    import instrument.config  # noqa: F401  (registers the configurables)
+
+    gin.clear_config()
+    try:
+        instrument.parse_config(bindings=["GradientStats.per = 'module'", "GradientStats.histograms = True"])
+        stats = gin.get_configurable("instrument.GradientStats")()
+        assert stats.per == "module" and stats.histograms
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("per", ["param", "module", "global"])
+def test_no_host_read_before_the_logger_transfer(per, tmp_path):
+    """attach, detach and log read nothing back to the host (on a GPU: no sync); the values still arrive."""
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+    from tests.conftest import NoHostSync
+
+    rule = make()
+    opt = torch.optim.SGD(rule.parameters(), lr=0.1)
+    stats = GradientStats(per=per, histograms=True)
+    logger = Logger([JsonlBackend(path=str(tmp_path / "m.jsonl"))], RunInfo("sync", tmp_path))
+    stats.reset()
+    with NoHostSync():
+        stats.attach([rule])
+    rule(torch.rand(1, 4, 5, 5)).square().sum().backward()
+    opt.step()
+    with NoHostSync(), torch.no_grad():
+        stats.detach()
+        stats.log(logger, 0)
+    record = logger.commit(0).result()
+    logger.close()
+    assert record.scalars["grad_stats/norm/global"] > 0
+    with pytest.raises(AssertionError, match="host read item"), NoHostSync():
+        torch.ones(1).item()  # the guard itself works

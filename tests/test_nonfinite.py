@@ -1,0 +1,254 @@
+"""NonFinite: NaN/Inf injected at a known iteration and channel is found there, counted right against a float64
+NumPy reference read back from real TensorBoard files, reported once per run with where it was seen, raised
+at the commit on request; a pure side channel, also under gradient checkpointing."""
+
+import logging
+from typing import List
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+import instrument
+from instrument import Instrumentation, NonFinite, NonFiniteError, StepContext
+from instrument.errors import ConfigurationError, InstrumentError
+from tests._probe_models import Rule as ProbedRule
+from tests.conftest import read_scalars
+from tests.test_checkpointing import Sink, fresh_rule, train_step
+
+N_ITER = 8
+
+
+def rollout(bad_iteration: int = 3, bad_channel: int = 2) -> List[Tensor]:
+    """States [2, 5, 4, 4]: finite until ``bad_iteration``'s output, where channel ``bad_channel`` gets a NaN in
+    one cell; two iterations later channel 4 gets an Inf, and the NaN spreads in its channel."""
+    torch.manual_seed(0)
+    x = torch.rand(2, 5, 4, 4)
+    states = [x]
+    for i in range(N_ITER):
+        x = torch.tanh(x + 0.1 * torch.randn_like(x))
+        if i >= bad_iteration:
+            x[0, bad_channel, 1, 1 + (i - bad_iteration) % 3] = float("nan")
+        if i == bad_iteration + 2:
+            x[1, 4, 0, 0] = float("inf")
+        states.append(x)
+    return states
+
+
+def reference(states: List[Tensor]):
+    """float64 NumPy: non-finite counts of states and dx, first iteration, first channel there."""
+    s = [t.double().numpy() for t in states]
+    bad_state = [~np.isfinite(s[i + 1]) for i in range(len(s) - 1)]
+    bad_dx = [~np.isfinite(s[i + 1] - s[i]) for i in range(len(s) - 1)]
+    first = next((i for i, b in enumerate(bad_state) if b.any()), -1)
+    channel = int(np.flatnonzero(bad_state[first].any(axis=(0, 2, 3)))[0]) if first >= 0 else -1
+    return sum(int(b.sum()) for b in bad_state), sum(int(b.sum()) for b in bad_dx), first, channel
+
+
+def run_steps(inst, states, steps=(0,)):
+    for step in steps:
+        with inst.step(step) as s:
+            if s.observer is not None:
+                for i in range(len(states) - 1):
+                    s.observer(StepContext(states[i], states[i + 1], step_index=i))
+
+
+def test_first_iteration_channel_and_counts_in_tensorboard(tmp_path, caplog):
+    states = rollout(bad_iteration=3, bad_channel=2)
+    inst = Instrumentation([NonFinite()], backends=[instrument.TensorBoardBackend()], log_interval=1,
+                           log_dir=str(tmp_path), run_name="r")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        run_steps(inst, states, steps=(0, 1, 2))
+        inst.close()
+    assert not inst.failures
+    scalars = read_scalars(tmp_path / "r")
+    n_state, n_dx, first, channel = reference(states)
+    assert (first, channel) == (3, 2) and n_state > 1 and n_dx > 1
+    for step in (0, 1, 2):
+        assert scalars["nonfinite/first_iteration"][step] == 3.0
+        assert scalars["nonfinite/count"][step] == float(n_state + n_dx)
+        assert scalars["nonfinite/count/state"][step] == float(n_state)
+        assert scalars["nonfinite/count/dx"][step] == float(n_dx)
+        assert scalars["nonfinite/first_iteration/state"][step] == 3.0
+        assert scalars["nonfinite/first_channel/state"][step] == 2.0
+        assert scalars["nonfinite/channels/state"][step] == 1.0
+    messages = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert len(messages) == 1, messages  # once per run, although all three steps were non-finite
+    assert "step 0" in messages[0] and "iteration 3" in messages[0]
+    assert "state channel 2" in messages[0] and "dx channel 2" in messages[0]
+
+
+def test_all_finite_logs_minus_one_and_says_nothing(tmp_path, caplog):
+    torch.manual_seed(1)
+    states = [torch.rand(2, 3, 4, 4) for _ in range(5)]
+    inst = Instrumentation([NonFinite()], backends=[instrument.TensorBoardBackend()], log_interval=1,
+                           log_dir=str(tmp_path), run_name="ok")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        run_steps(inst, states)
+        inst.close()
+    scalars = read_scalars(tmp_path / "ok")
+    assert scalars["nonfinite/first_iteration"][0] == -1.0
+    assert scalars["nonfinite/count"][0] == 0.0
+    assert scalars["nonfinite/first_channel/state"][0] == -1.0
+    assert not [r for r in caplog.records if "non-finite" in r.getMessage()]
+
+
+def test_raise_mode_raises_at_the_commit_after_writing_the_step(tmp_path):
+    states = rollout(bad_iteration=5, bad_channel=1)
+    inst = Instrumentation([NonFinite(raise_on_nonfinite=True)], backends=[instrument.TensorBoardBackend()],
+                           log_interval=1, log_dir=str(tmp_path), run_name="raise")
+    run_steps(inst, rollout(bad_iteration=N_ITER), steps=(0,))  # finite (bad_iteration past the end): no raise
+    with pytest.raises(NonFiniteError, match=r"step 1: first at rollout iteration 5 in state channel 1") as info:
+        run_steps(inst, states, steps=(1,))
+    assert isinstance(info.value, InstrumentError) and isinstance(info.value, FloatingPointError)
+    inst.close()
+    scalars = read_scalars(tmp_path / "raise")
+    assert scalars["nonfinite/first_iteration"] == {0: -1.0, 1: 5.0}
+
+
+def test_channels_last_layout_and_a_channel_dim():
+    torch.manual_seed(2)
+    states = [torch.rand(6, 5) for _ in range(4)]
+    states[2] = states[2].clone()
+    states[2][3, 4] = float("-inf")  # iteration 1's output, feature 4
+    sink = Sink()
+    inst = Instrumentation([NonFinite(channel_dim=-1, dx=False, name="nf")], backends=[sink], log_interval=1)
+    run_steps(inst, states)
+    inst.close()
+    scalars = sink.records[0].scalars
+    assert scalars["nf/first_iteration"] == 1.0 and scalars["nf/first_channel/state"] == 4.0
+    assert scalars["nf/count"] == 1.0 and "nf/count/dx" not in scalars
+
+
+def test_probe_values_and_gradients_are_checked_and_named(caplog):
+    """Watched-module style: the rule's embedded probe ``hidden`` goes non-finite first (its input is poisoned
+    through a weight), the gradient of that weight too; the message names both."""
+    torch.manual_seed(0)
+    rule = ProbedRule()
+    with torch.no_grad():
+        rule.fc0.bias[1] = float("nan")
+    sink = Sink()
+    inst = Instrumentation([NonFinite()], backends=[sink], log_interval=1)
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0):
+            x = torch.rand(1, 4, 5, 5)
+            for _ in range(3):
+                x = rule(x)
+            x.sum().backward()
+        inst.close()
+    scalars = sink.records[0].scalars
+    assert scalars["nonfinite/first_iteration/probe.hidden"] == 0.0
+    assert scalars["nonfinite/first_channel/probe.hidden"] == 1.0
+    # iteration 0: channel 1 of the hidden layer (25 cells); the state is NaN from then on, so iterations 1
+    # and 2 have every hidden cell non-finite (8 channels x 25 cells each)
+    assert scalars["nonfinite/count/probe.hidden"] == 25.0 + 2 * 8 * 25.0
+    for name, p in rule.named_parameters():
+        want = int((~np.isfinite(p.grad.double().numpy())).sum())
+        assert scalars[f"nonfinite/grad_count/{name}"] == float(want), name
+    assert scalars["nonfinite/grad_count"] > 0
+    (message,) = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert "probe.hidden channel 1" in message and "fc0.weight" in message and "iteration 0" in message
+
+
+@pytest.mark.parametrize("mode", ["none", "reentrant", "nonreentrant", "chunked"])
+@pytest.mark.parametrize("style", ["hook", "evolver"])
+def test_each_iteration_once_under_checkpointing_and_bitwise_equal_gradients(mode, style):
+    _, grads_off = train_step(fresh_rule(), mode)
+    rule = fresh_rule()
+    sink = Sink()
+    inst = Instrumentation([NonFinite(module=rule)], backends=[sink], log_interval=1)
+    if style == "hook":
+        inst.watch(rule)
+    with inst.step(0) as s:
+        # a finite run: nothing counted, under every checkpointing mode and in both styles
+        _, grads_on = train_step(rule, mode, observer=s.observer if style == "evolver" else None)
+    inst.close()
+    assert not inst.failures
+    for name in grads_off:
+        assert torch.equal(grads_off[name], grads_on[name]), name
+    scalars = sink.records[0].scalars
+    assert scalars["nonfinite/count"] == 0.0 and scalars["nonfinite/first_iteration"] == -1.0
+    assert scalars["nonfinite/grad_count"] == 0.0
+
+
+def test_counted_once_per_iteration_under_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    sink = Sink()
+    inst = Instrumentation([NonFinite(channel_dim=-1)], backends=[sink], log_interval=1)
+    inst.watch(layer)
+    with inst.step(0):
+        x = torch.ones(3, 4, requires_grad=True)
+        for _ in range(5):
+            x = checkpoint(lambda t: layer(t) * torch.tensor([1.0, 1.0, float("nan"), 1.0]), x, use_reentrant=False)
+        x.nan_to_num().sum().backward()  # recomputation runs the layer again: it must not be counted again
+    inst.close()
+    scalars = sink.records[0].scalars
+    # the layer's output feeds a NaN into channel 2 from iteration 1 on: iteration 0's output is finite
+    assert scalars["nonfinite/first_iteration/state"] == 1.0
+    assert scalars["nonfinite/count/state"] == 4 * 3 * 4.0  # iterations 1..4, every element: counted once each
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigurationError, match="channel_dim must be an int"):
+        NonFinite(channel_dim="1")
+    with pytest.raises(ConfigurationError, match="torch.nn.Module, got list"):
+        NonFinite(module=[])
+    with pytest.raises(ConfigurationError, match="not a valid regex"):
+        NonFinite(include="[")
+
+
+def test_no_host_read_before_the_logger_transfer(tmp_path):
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+    from tests.conftest import NoHostSync
+
+    states = rollout()
+    layer = nn.Linear(2, 2)
+    layer(torch.ones(1, 2)).sum().backward()
+    observer = NonFinite(module=layer)
+    logger = Logger([JsonlBackend(path=str(tmp_path / "m.jsonl"))], RunInfo("sync", tmp_path))
+    observer.reset()
+    with NoHostSync(), torch.no_grad():
+        observer.attach([])
+        for i in range(len(states) - 1):
+            observer.observe(StepContext(states[i], states[i + 1], step_index=i, probes={"p": states[i + 1]}))
+        observer.detach()
+        observer.log(logger, 0)
+    record = logger.commit(0).result()
+    logger.close()
+    assert record.scalars["nonfinite/first_iteration"] == 3.0
+    assert record.scalars["nonfinite/count/probe.p"] == record.scalars["nonfinite/count/state"] > 0
+    assert record.scalars["nonfinite/grad_count"] == 0.0
+
+
+def test_a_failing_committed_hook_is_reported_and_training_goes_on(caplog):
+    class Broken(instrument.Observer):
+        def observe(self, context):
+            pass
+
+        def committed(self, record):
+            raise ValueError("broken hook")
+
+    closed = []
+
+    class Closing(instrument.Observer):
+        def observe(self, context):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    inst = Instrumentation([Broken("broken"), Closing("closing"), NonFinite()], backends=[Sink()], log_interval=1)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        run_steps(inst, rollout(bad_iteration=N_ITER), steps=(0, 1))
+        inst.close()
+    assert inst.failures == {"broken": 2}  # counted at each logging step (tried again), reported once
+    assert closed == [True]
+    reports = [r for r in caplog.records if "'broken'" in r.getMessage() and r.levelno >= logging.ERROR]
+    assert len(reports) == 1 and "committed" in reports[0].getMessage()

@@ -10,7 +10,7 @@ on, no observer runs, no value leaves the device.
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
@@ -96,9 +96,11 @@ class StepScope:
     def __enter__(self) -> "StepScope":
         if self.active:
             self._session._begin(self)
+        self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._session._scope = None
         if self.active:
             self._session._end(self, failed=exc_type is not None)
 
@@ -184,6 +186,7 @@ class Instrumentation:
         self._probe_sets: List[ProbeSet] = []
         self._recorder: Optional[record.Recorder] = None
         self._current: Optional[StepScope] = None
+        self._scope: Optional[StepScope] = None  # the open `with inst.step(n)` block, logging or not
         self._config_logged = False
         self._closed = False
         self.system_monitor = system_monitor
@@ -260,6 +263,23 @@ class Instrumentation:
         if not self._config_logged:
             self._log_config()
         return StepScope(self, step, self.is_logging_step(step))
+
+    def log(self, metrics: Mapping[str, Any], prefix: str = "", **options: Any) -> None:
+        """Log scalars at the step of the open ``with inst.step(n)`` block: the ``wandb.log`` habit.
+
+        ``inst.log({"loss": loss})`` is ``inst.logger.log_metrics({"loss": loss}, step=n)``; ``options``
+        (``reduce``, ``weights``) pass to `Logger.log_metrics`. On a non-logging step the value is staged on
+        the device like any other (no sync) and committed as its mean over the interval at the next logging
+        step. Outside a step block it raises `ConfigurationError`: there is no step to log at.
+        """
+        scope = self._scope
+        if scope is None:
+            raise ConfigurationError(
+                "inst.log(...) was called outside a `with inst.step(n):` block, so there is no step to log at. "
+                "Call it inside the block of the step it belongs to, or pass the step explicitly: "
+                "inst.logger.log_metrics(metrics, step=n)."
+            )
+        self.logger.log_metrics(metrics, scope.step, prefix=prefix, **options)
 
     def add_component(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register end-of-step work: ``component.log(logger, step)`` runs at the end of every logging step,

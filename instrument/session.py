@@ -16,6 +16,7 @@ from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logger.logger import Logger
@@ -125,6 +126,9 @@ class Instrumentation:
         queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
             writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
             written step is flushed to disk (docs/backends.md).
+        overhead_budget: logging steps measure their own cost, logged as ``instrument/overhead/...`` with the
+            next logging step (`instrument.core.overhead`); the first time the fraction exceeds this budget one
+            warning names the costliest observer. None turns both off; 1.0 keeps the keys, never warns.
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
     the reduction at each commit, and the first step checks that all ranks hold the same operative config.
@@ -144,7 +148,9 @@ class Instrumentation:
         queue_size: int = 64,
         on_full: str = "block",
         flush_secs: float = 2.0,
+        overhead_budget: Optional[float] = 0.1,
     ) -> None:
+        overhead = OverheadMeter.for_budget(overhead_budget)  # None when off; raises on a bad budget first
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
                 f"log_interval must be a non-negative int (0 turns logging off), got {log_interval!r}."
@@ -189,6 +195,9 @@ class Instrumentation:
         self._scope: Optional[StepScope] = None  # the open `with inst.step(n)` block, logging or not
         self._config_logged = False
         self._closed = False
+        self.overhead_budget = overhead_budget
+        self._overhead = overhead
+        self._overhead_warned = False
         self.system_monitor = system_monitor
         if system_monitor is not None and self.logger.is_writer:
             system_monitor.start(self.logger)
@@ -265,13 +274,10 @@ class Instrumentation:
         return StepScope(self, step, self.is_logging_step(step))
 
     def log(self, metrics: Mapping[str, Any], prefix: str = "", **options: Any) -> None:
-        """Log scalars at the step of the open ``with inst.step(n)`` block: the ``wandb.log`` habit.
-
-        ``inst.log({"loss": loss})`` is ``inst.logger.log_metrics({"loss": loss}, step=n)``; ``options``
-        (``reduce``, ``weights``) pass to `Logger.log_metrics`. On a non-logging step the value is staged on
-        the device like any other (no sync) and committed as its mean over the interval at the next logging
-        step. Outside a step block it raises `ConfigurationError`: there is no step to log at.
-        """
+        """Log scalars at the step of the open ``with inst.step(n)`` block (the ``wandb.log`` habit):
+        ``inst.logger.log_metrics(metrics, step=n, prefix=prefix, **options)`` (``reduce``, ``weights``). On a
+        non-logging step it is staged on the device and committed as the interval's mean at the next logging
+        step. Outside a step block it raises `ConfigurationError`: there is no step to log at."""
         scope = self._scope
         if scope is None:
             raise ConfigurationError(
@@ -373,6 +379,10 @@ class Instrumentation:
                 f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
             )
         self._check_probe_requests()
+        meter = self._overhead
+        if meter is not None:
+            meter.enter(scope.step)
+            self._dispatch.clock = meter
         self._current = scope
         self._dispatch.begin(self.watched_modules)
         try:
@@ -382,9 +392,15 @@ class Instrumentation:
         except BaseException:
             self._detach_all()
             self._current = None
+            self._stop_clock(failed=True)
             raise
+        if meter is not None:
+            meter.begun()
 
     def _end(self, scope: StepScope, failed: bool) -> None:
+        meter = self._overhead
+        if meter is not None:
+            meter.ending()
         try:
             recorder = self._recorder
             self._detach_all()
@@ -399,10 +415,30 @@ class Instrumentation:
                             "call s.observer(StepContext(...)) each iteration", scope.step,
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
+                if meter is not None:
+                    self._report_overhead(meter, scope.step)
                 self._components.log(self.logger, scope.step)
+                started = time.perf_counter()
                 self.logger.commit(scope.step)
+                if meter is not None:
+                    meter.commit_seconds(time.perf_counter() - started)
         finally:
             self._current = None
+            self._stop_clock(failed)
+
+    def _stop_clock(self, failed: bool) -> None:
+        self._dispatch.clock = None
+        if self._overhead is not None:
+            self._overhead.discard() if failed else self._overhead.exit()
+
+    def _report_overhead(self, meter: OverheadMeter, step: int) -> None:
+        """Log the overhead of the logging steps measured before this one; warn once over the budget."""
+        for measured, scalars in meter.ready():
+            self.logger.log_metrics(scalars, step)
+            message = over_budget(measured, scalars, self.overhead_budget, self.log_interval)
+            if message and not self._overhead_warned:
+                self._overhead_warned = True
+                log.warning("instrument: %s", message)
 
     def _detach_all(self) -> None:
         self._dispatch.finish()

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.errors import ConfigurationError
 from instrument.backends.hparams import order_params
+from instrument.errors import ConfigurationError
 from instrument.terminal.samples import markdown_table
 
 __all__ = ["TensorBoardBackend"]

@@ -433,10 +433,10 @@ class Instrumentation:
 
     def _report_overhead(self, meter: OverheadMeter, step: int) -> None:
         """Log the overhead of the logging steps measured before this one; warn once over the budget."""
-        for measured, scalars in meter.ready():
+        for measured, scalars, warm in meter.ready():
             self.logger.log_metrics(scalars, step)
             message = over_budget(measured, scalars, self.overhead_budget, self.log_interval)
-            if message and not self._overhead_warned:
+            if message and warm and not self._overhead_warned:
                 self._overhead_warned = True
                 log.warning("instrument: %s", message)
 

@@ -26,7 +26,8 @@ span is a pair of CUDA events instead, so the time is what the stream took, kern
 included; the events are read only at the next logging step and only once ``query()`` says they completed,
 never with a sync (a step whose events are still pending is logged at a later logging step). The commit is
 always training-thread (CPU) time. Non-logging steps run none of this. The budget warning
-(``Instrumentation(overhead_budget=...)``) stays quiet while a logging step spends under 5 ms in instrument.
+(``Instrumentation(overhead_budget=...)``) judges the second measured logging step on (the first pays one-time
+costs: imports, first renders, opening files) and stays quiet while a step spends under 5 ms in instrument.
 """
 
 import time
@@ -81,6 +82,7 @@ class OverheadMeter:
     def __init__(self) -> None:
         self._sheet: Optional[_Sheet] = None
         self._done: List[_Sheet] = []
+        self._read = 0
         self.steps_measured = 0
 
     # ---------------------------------------------------------------- marks (training thread)
@@ -136,12 +138,15 @@ class OverheadMeter:
         self._sheet = None
 
     # ---------------------------------------------------------------- reading (next logging step)
-    def ready(self) -> List[Tuple[int, Dict[str, float]]]:
-        """``(measured step, scalars)`` of every finished step whose clocks can be read without waiting."""
+    def ready(self) -> List[Tuple[int, Dict[str, float], bool]]:
+        """``(measured step, scalars, warm)`` of every finished step whose clocks can be read without waiting;
+        ``warm`` is False for the first measured step, which pays one-time costs (lazy imports, first
+        renders, opening files) that later steps do not."""
         out = []
         while self._done and _complete(self._done[0]):
             sheet = self._done.pop(0)
-            out.append((sheet.step, _scalars(sheet)))
+            self._read += 1
+            out.append((sheet.step, _scalars(sheet), self._read > 1))
         return out
 
 

@@ -120,3 +120,31 @@ def test_a_failed_step_is_not_reported(tmp_path):
             raise RuntimeError("training failed")
     assert inst._overhead.steps_measured == 0 and inst._overhead.ready() == []
     inst.close()
+
+
+def test_console_shows_the_fraction_as_a_column(tmp_path):
+    import io
+
+    out = io.StringIO()
+    column = instrument.Column("instrument/overhead/fraction", "inst%", 5, ".0%", "share of the step in instrument")
+    console = instrument.ConsoleBackend(columns=[column], legend=False, stream=out)
+    inst = instrument.Instrumentation([Sleeper()], backends=[console], log_interval=1, log_dir=str(tmp_path),
+                                      overhead_budget=1.0)
+    for step in range(3):
+        with inst.step(step) as s:
+            s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1)))
+    inst.close()
+    rows = [line.split() for line in out.getvalue().splitlines() if line.strip()[:1].isdigit()]
+    # Step 0 has no measurement yet, and a row with nothing for the table is not printed.
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert all(r[1].endswith("%") and 0 <= int(r[1][:-1]) <= 100 for r in rows), rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_spans_are_events_read_without_a_sync(tmp_path):
+    torch.zeros(1, device="cuda")  # the run uses CUDA: spans become CUDA events
+    inst, sleeper = _train(tmp_path, steps=6, body_seconds=0.01, overhead_budget=1.0)
+    scalars = read_scalars(tmp_path / "r")
+    own = scalars["instrument/overhead/sleeper"]
+    assert sorted(own) == [2, 4] and all(v >= 4 * SLEEP for v in own.values())
+    assert all(0 < f <= 1 for f in scalars["instrument/overhead/fraction"].values())

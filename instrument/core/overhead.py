@@ -44,6 +44,7 @@ PREFIX = "instrument/overhead/"
 # a millisecond is "over budget" at any share, and a warning there would only teach users to ignore it.
 QUIET_SECONDS = 0.005
 _RESERVED = ("commit", "fraction", "instrument")
+_MAX_PENDING = 8  # measured steps whose CUDA events have not completed yet
 
 
 class _Sheet:
@@ -62,7 +63,7 @@ class _Sheet:
 class OverheadMeter:
     """Times one logging step at a time; `ready` returns the scalars of the steps measured before.
 
-    The session calls ``enter`` / ``begun`` around its start of the step, the dispatcher ``start`` /
+    The session calls ``enter`` / ``begun`` around its start of the step, the dispatcher ``mark`` /
     ``stop`` around each observer call and ``call_start`` / ``call_stop`` around each fan-out, the session
     ``ending``, ``commit_seconds`` and ``exit`` around its end of the step, or ``discard`` when it raised.
     """
@@ -132,6 +133,8 @@ class OverheadMeter:
             sheet.exit = end
             self._done.append(sheet)
             self.steps_measured += 1
+            if len(self._done) > _MAX_PENDING:  # a GPU that never catches up: keep the newest, never wait
+                self._done.pop(0)
 
     def discard(self) -> None:
         """The step raised: its measurement is incomplete and is not reported."""

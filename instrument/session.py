@@ -10,12 +10,13 @@ on, no observer runs, no value leaves the device.
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logger.logger import Logger
@@ -96,9 +97,11 @@ class StepScope:
     def __enter__(self) -> "StepScope":
         if self.active:
             self._session._begin(self)
+        self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._session._scope = None
         if self.active:
             self._session._end(self, failed=exc_type is not None)
 
@@ -123,6 +126,9 @@ class Instrumentation:
         queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
             writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
             written step is flushed to disk (docs/backends.md).
+        overhead_budget: logging steps measure their own cost, logged as ``instrument/overhead/...`` with the
+            next logging step (`instrument.core.overhead`); the first time the fraction exceeds this budget one
+            warning names the costliest observer. None turns both off; 1.0 keeps the keys, never warns.
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
     the reduction at each commit, and the first step checks that all ranks hold the same operative config.
@@ -142,7 +148,9 @@ class Instrumentation:
         queue_size: int = 64,
         on_full: str = "block",
         flush_secs: float = 2.0,
+        overhead_budget: Optional[float] = 0.1,
     ) -> None:
+        overhead = OverheadMeter.for_budget(overhead_budget)  # None when off; raises on a bad budget first
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
                 f"log_interval must be a non-negative int (0 turns logging off), got {log_interval!r}."
@@ -184,8 +192,12 @@ class Instrumentation:
         self._probe_sets: List[ProbeSet] = []
         self._recorder: Optional[record.Recorder] = None
         self._current: Optional[StepScope] = None
+        self._scope: Optional[StepScope] = None  # the open `with inst.step(n)` block, logging or not
         self._config_logged = False
         self._closed = False
+        self.overhead_budget = overhead_budget
+        self._overhead = overhead
+        self._overhead_warned = False
         self.system_monitor = system_monitor
         if system_monitor is not None and self.logger.is_writer:
             system_monitor.start(self.logger)
@@ -257,6 +269,20 @@ class Instrumentation:
         if not self._config_logged:
             self._log_config()
         return StepScope(self, step, self.is_logging_step(step))
+
+    def log(self, metrics: Mapping[str, Any], prefix: str = "", **options: Any) -> None:
+        """Log scalars at the step of the open ``with inst.step(n)`` block (the ``wandb.log`` habit):
+        ``inst.logger.log_metrics(metrics, step=n, prefix=prefix, **options)`` (``reduce``, ``weights``). On a
+        non-logging step it is staged on the device and committed as the interval's mean at the next logging
+        step. Outside a step block it raises `ConfigurationError`: there is no step to log at."""
+        scope = self._scope
+        if scope is None:
+            raise ConfigurationError(
+                "inst.log(...) was called outside a `with inst.step(n):` block, so there is no step to log at. "
+                "Call it inside the block of the step it belongs to, or pass the step explicitly: "
+                "inst.logger.log_metrics(metrics, step=n)."
+            )
+        self.logger.log_metrics(metrics, scope.step, prefix=prefix, **options)
 
     def add_component(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register end-of-step work: ``component.log(logger, step)`` runs at the end of every logging step,
@@ -351,6 +377,10 @@ class Instrumentation:
                 f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
             )
         self._check_probe_requests()
+        meter = self._overhead
+        if meter is not None:
+            meter.enter(scope.step)
+            self._dispatch.clock = meter
         self._current = scope
         self._dispatch.begin(self.watched_modules)
         try:
@@ -360,9 +390,15 @@ class Instrumentation:
         except BaseException:
             self._detach_all()
             self._current = None
+            self._stop_clock(failed=True)
             raise
+        if meter is not None:
+            meter.begun()
 
     def _end(self, scope: StepScope, failed: bool) -> None:
+        meter = self._overhead
+        if meter is not None:
+            meter.ending()
         try:
             recorder = self._recorder
             self._detach_all()
@@ -378,10 +414,31 @@ class Instrumentation:
                             "s.observer(StepContext(...)) each iteration", scope.step,
                         )
                 self._dispatch.end(self.logger, scope.step, gradients)
+                if meter is not None:
+                    self._report_overhead(meter, scope.step)
                 self._components.log(self.logger, scope.step)
-                self._dispatch.committed(self.logger.commit(scope.step))
+                started = time.perf_counter()
+                handle = self.logger.commit(scope.step)
+                if meter is not None:
+                    meter.commit_seconds(time.perf_counter() - started)
+                self._dispatch.committed(handle)
         finally:
             self._current = None
+            self._stop_clock(failed)
+
+    def _stop_clock(self, failed: bool) -> None:
+        self._dispatch.clock = None
+        if self._overhead is not None:
+            self._overhead.discard() if failed else self._overhead.exit()
+
+    def _report_overhead(self, meter: OverheadMeter, step: int) -> None:
+        """Log the overhead of the logging steps measured before this one; warn once over the budget."""
+        for measured, scalars, warm in meter.ready():
+            self.logger.log_metrics(scalars, step)
+            message = over_budget(measured, scalars, self.overhead_budget, self.log_interval)
+            if message and warm and not self._overhead_warned:
+                self._overhead_warned = True
+                log.warning("instrument: %s", message)
 
     def _detach_all(self) -> None:
         self._dispatch.finish()

@@ -103,7 +103,7 @@ def test_wandb_offline_run_read_back(tmp_path):
     assert math.isfinite(by_step[0]["update_norm/l2/mean"])
     image = by_step[0]["iteration_stats/mean"]
     assert image["_type"] == "image-file" and image["width"] > 100
-    assert config["lr"] == 0.01 and config["nested/depth"] == 3
+    assert config["lr"] == 0.01 and config["nested"] == {"depth": 3}  # nested: W&B groups it
 
 
 def test_wandb_mode_is_validated():

@@ -50,8 +50,11 @@ def _check(client, run_id):
     params = run.data.params
     assert params["model/width"] == "64" and params["model/depth"] == "2" and params["train.lr"] == "0.01"
     assert params["wandb_api_key"] == "<redacted>"
-    assert _artifacts(client, run_id) == {
-        "images/state/rgb/step_00000010.png",
+    artifacts = _artifacts(client, run_id)
+    # log_image(key=, step=): MLflow names the files "<key with / as ~>+step+<step>+timestamp+...".
+    images = sorted(a for a in artifacts if a.startswith("images/") and a.endswith(".png"))
+    assert len(images) == 1 and images[0].startswith("images/state~rgb+step+10+"), images
+    assert {a for a in artifacts if not a.startswith("images/")} == {
         "text/note/step_00000010.txt",
         "samples/val/step_00000010.json",
         "config/operative_config.gin",
@@ -61,7 +64,7 @@ def _check(client, run_id):
     assert "Model.width = 64" in text and "abc123" not in text and "<redacted>" in text
     table = mlflow.artifacts.load_dict(client.download_artifacts(run_id, "samples/val/step_00000010.json"))
     assert table == {"columns": ["input", "output", "score"], "data": [["a", "b", 0.25]]}
-    image = client.download_artifacts(run_id, "images/state/rgb/step_00000010.png")
+    image = client.download_artifacts(run_id, images[0])
     from PIL import Image
 
     assert np.asarray(Image.open(image)).shape == (4, 5, 3)

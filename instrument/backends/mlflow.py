@@ -72,11 +72,11 @@ class MlflowBackend(Backend):
 
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
-    ``config/operative_config.gin``; images -> ``images/<key>/step_<step>.png``; text ->
-    ``text/<key>/step_<step>.txt``; validation samples -> ``samples/<tag>/step_<step>.json``; videos ->
-    animated GIFs ``videos/<key>/step_<step>.gif`` (encoded with Pillow; a video that cannot be written costs
-    that video only). Histograms are not logged (MLflow has no such type). Names are sanitised to MLflow's
-    allowed characters.
+    ``config/operative_config.gin``; images -> ``log_image(key=, step=)`` (one image card per key, with a step
+    slider; MLflow stores them under ``images/``); text -> ``text/<key>/step_<step>.txt``; validation samples ->
+    ``samples/<tag>/step_<step>.json``; videos -> animated GIFs ``videos/<key>/step_<step>.gif`` (encoded with
+    Pillow; a video that cannot be written costs that video only). Histograms are not logged (MLflow has no such
+    type). Names are sanitised to MLflow's allowed characters.
     """
 
     def __init__(
@@ -213,8 +213,9 @@ class MlflowBackend(Backend):
         self._log_metrics(record.flat_scalars(), step, record.wall_time)
         for key, image in record.images.items():
             if image is not None:
+                # key + step (not artifact_file): MLflow's UI then shows one image card per key with a step slider.
                 self.client.log_image(
-                    self.run_id, image, artifact_file=f"images/{_safe_name(key)}/step_{step:08d}.png"
+                    self.run_id, image, key=_safe_name(key), step=step, timestamp=int(record.wall_time * 1000)
                 )
         for key, text in record.texts.items():
             self.client.log_text(self.run_id, text, f"text/{_safe_name(key)}/step_{step:08d}.txt")

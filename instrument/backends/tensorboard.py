@@ -1,10 +1,12 @@
 """TensorBoard: the default backend; event files under ``runs/<run-name>``, no account needed."""
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.hparams import order_params
 from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
 from instrument.errors import ConfigurationError
 from instrument.terminal.samples import markdown_table
@@ -30,6 +32,10 @@ class TensorBoardBackend(Backend):
             ``"filmstrip"``: a PNG of the frames side by side, 8 per row (a still overview of each video).
             A video that cannot be written costs that video only: the rest of the step is written first, then
             the failure is raised (and reported once, counted in ``Logger.failures``).
+        writer: a ``SummaryWriter`` you already have: instrument writes into it (its ``log_dir``) and flushes
+            it, but never closes it; you do, after `Instrumentation.close`. Not together with ``log_dir``.
+            It is written from the logger's writer thread (``SummaryWriter`` queues events under its own lock,
+            so your own ``add_scalar`` calls may go on).
 
     Faults: TensorBoard's own writer thread stops for good at its first I/O error (a full disk, a directory
     that went away or became unwritable) and re-raises that error on every later call. This backend raises
@@ -39,19 +45,40 @@ class TensorBoardBackend(Backend):
     """
 
     def __init__(
-        self, log_dir: Optional[str] = None, flush_every_commit: bool = True, video_format: str = "gif"
+        self,
+        log_dir: Optional[str] = None,
+        flush_every_commit: bool = True,
+        video_format: str = "gif",
+        writer: Any = None,
     ) -> None:
         if video_format not in _VIDEO_FORMATS:
             raise ConfigurationError(
                 f"TensorBoardBackend.video_format must be one of {_VIDEO_FORMATS}, got {video_format!r}."
             )
         self.video_format = video_format
+        if writer is not None:
+            if log_dir is not None:
+                raise ConfigurationError(
+                    f"TensorBoardBackend got both log_dir={log_dir!r} and a writer; the writer's own log_dir is "
+                    f"used, so pass only one of them."
+                )
+            missing = [m for m in ("add_scalar", "add_text", "flush", "get_logdir") if not hasattr(writer, m)]
+            if missing:
+                raise ConfigurationError(
+                    f"TensorBoardBackend(writer=...) takes a torch.utils.tensorboard.SummaryWriter, got "
+                    f"{type(writer).__name__} (it has no {', '.join(missing)})."
+                )
+            log_dir = str(writer.get_logdir())
         self.log_dir = log_dir
         self.flush_every_commit = flush_every_commit
+        self._external = writer  # the user's: flushed, never closed
         self._writer = None
         self.reopened = 0  # new event files opened after a fault
 
     def open(self, run: RunInfo) -> None:
+        if self._external is not None:
+            self._writer = self._external
+            return
         path = Path(self.log_dir) if self.log_dir else run.dir
         self.log_dir = str(path)
         self._writer = self._new_writer()
@@ -74,14 +101,18 @@ class TensorBoardBackend(Backend):
         except Exception:
             if not _alive(writer):
                 self._writer = None
-                _close_quietly(writer)
+                if writer is not self._external:  # the user's dead writer is theirs to close
+                    _close_quietly(writer)
             raise
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
+        """A markdown table (``hyperparameters``), the operative config verbatim (``config/operative``) and
+        the HParams plugin's session-start data, so runs can be compared in TensorBoard's HParams tab."""
+
         def log(w) -> None:
             if params:
-                rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
-                w.add_text("hyperparameters", "| parameter | value |\n|---|---|\n" + rows, 0)
+                w.add_text("hyperparameters", hyperparameter_table(params), 0)
+                w._get_file_writer().add_summary(hparams_summary(params, Path(self.log_dir).name), 0)
             if config_text:
                 # Four leading spaces make TensorBoard's markdown show the config verbatim.
                 w.add_text("config/operative", "\n".join("    " + line for line in config_text.splitlines()), 0)
@@ -138,8 +169,11 @@ class TensorBoardBackend(Backend):
             self._guarded(lambda w: w.flush())
 
     def close(self) -> None:
+        """Flush and close the event file; a writer passed in as ``writer=`` is flushed and left open."""
         writer, self._writer = self._writer, None
-        if writer is not None:
+        if writer is not None and writer is self._external:
+            writer.flush()
+        elif writer is not None:
             try:
                 writer.flush()  # SummaryWriter.close drops a write error of its thread; flush raises it
             except Exception:
@@ -165,3 +199,35 @@ def _close_quietly(writer) -> None:
         writer.close()
     except Exception:  # it already failed, and that failure was raised; closing it only releases its thread
         pass
+
+
+def hyperparameter_table(params: Mapping[str, Any]) -> str:
+    """A markdown table of the hyperparameters: training settings first, backend plumbing last.
+
+    A flat name ``section/Configurable.param`` is shown as two cells, where (``section/Configurable``) and
+    what (``param``), so a narrow column wraps between them, never inside a name.
+    """
+    rows = []
+    for name in order_params(list(params)):
+        where, _, leaf = _split_last(name)
+        value = str(params[name]).replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {where} | {leaf} | {value} |")
+    return "| where | parameter | value |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def hparams_summary(params: Mapping[str, Any], trial: str) -> Any:
+    """The HParams plugin's session-start summary: every (flat, redacted) hyperparameter as an hparam.
+
+    Only the session-start info is written, no experiment summary: TensorBoard expects at most one of those
+    in a whole log directory, and without one its HParams tab builds the experiment from every run's
+    session-start info and takes each run's scalar tags as its metrics, which is what lets runs be compared.
+    """
+    from tensorboard.plugins.hparams import summary_v2
+
+    values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
+    return summary_v2.hparams_pb(values, trial_id=trial, start_time_secs=time.time())
+
+
+def _split_last(name: str):
+    cut = max(name.rfind("/"), name.rfind("."))
+    return (name[:cut], name[cut], name[cut + 1 :]) if cut > 0 else ("", "", name)

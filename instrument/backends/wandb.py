@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
@@ -32,6 +33,11 @@ class WandbBackend(Backend):
         flush_secs: how often W&B's service writes its buffered data to the run's ``.wandb`` file (W&B's
             ``x_transaction_log_flush_interval`` setting; W&B's default is 15). 0 writes only when a 32 KiB
             block fills or the run finishes.
+        run: a W&B run already started (``wandb.run`` in a sweep agent or a notebook, or what your own
+            ``wandb.init`` returned): instrument logs into it and never finishes it; you do, after
+            `Instrumentation.close`. The other arguments, which only configure ``wandb.init``, are then
+            unused. W&B drops a row whose ``step`` is below the run's current step, so if you also call
+            ``run.log`` yourself, pass the same ``step=``.
 
     Durability: W&B's service keeps the last partial block of the ``.wandb`` file in memory and writes it
     every ``flush_secs``; W&B has no call that forces it sooner, so a process killed without `close` loses
@@ -54,7 +60,13 @@ class WandbBackend(Backend):
         notes: Optional[str] = None,
         dir: Optional[str] = None,
         flush_secs: float = 2.0,
+        run: Any = None,
     ) -> None:
+        if run is not None and not (hasattr(run, "log") and hasattr(run, "config") and hasattr(run, "finish")):
+            raise ConfigurationError(
+                f"WandbBackend(run=...) takes a started W&B run (wandb.run or the result of wandb.init), got "
+                f"{type(run).__name__}; start one with wandb.init(...) first, or leave run=None."
+            )
         if mode not in _MODES:
             raise ConfigurationError(
                 f"WandbBackend.mode must be one of {_MODES}, got {mode!r}; 'offline' needs no account."
@@ -68,11 +80,18 @@ class WandbBackend(Backend):
         self.project, self.mode, self.entity, self.group = project, mode, entity, group
         self.tags, self.notes, self.dir = list(tags or []), notes, dir
         self.run = None
+        self._external = run  # the user's run: logged into, never finished
         self._wandb = None
         self._system: dict = {}
 
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = require("wandb", "wandb", "WandbBackend")
+        if self._external is not None:
+            self.run = self._external
+            self.dir = getattr(self.run, "dir", self.dir)
+            self.run.define_metric("system/seconds")
+            self.run.define_metric("system/*", step_metric="system/seconds")
+            return
         path = (Path(self.dir) if self.dir else run.dir).resolve()  # absolute: W&B's service has its own cwd
         path.mkdir(parents=True, exist_ok=True)
         self.dir = str(path)
@@ -88,7 +107,10 @@ class WandbBackend(Backend):
         self.run.define_metric("system/*", step_metric="system/seconds")
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
-        values = dict(params)
+        """The run's config, nested (``optim/lr`` -> ``{"optim": {"lr": ...}}``, ``Model.depth`` ->
+        ``{"Model": {"depth": ...}}``) so W&B's config panel and its run table group it; the operative gin
+        config verbatim under ``operative_config``."""
+        values = unflatten_params(params)
         if config_text:
             values["operative_config"] = config_text
         self.run.config.update(values, allow_val_change=True)
@@ -129,6 +151,7 @@ class WandbBackend(Backend):
         self._exit_code = 1
 
     def close(self) -> None:
+        """Finish the run instrument started (a ``run=`` passed in is left running: it is the caller's)."""
         run, self.run = self.run, None
         if run is not None:
             try:
@@ -136,7 +159,8 @@ class WandbBackend(Backend):
                     run.log(self._system, commit=True)
                     self._system = {}
             finally:
-                run.finish(exit_code=self._exit_code)  # writes the buffered block and the exit record
+                if run is not self._external:
+                    run.finish(exit_code=self._exit_code)  # writes the buffered block and the exit record
 
     def __repr__(self) -> str:
         return f"WandbBackend(project={self.project!r}, mode={self.mode!r})"

@@ -44,6 +44,9 @@ class Dispatcher:
         # Set by the session during a logging step with embedded probes: each call hands the observers the
         # probe values recorded since the previous call (``recorder.drain()``).
         self.recorder = None
+        # Set by the session during a logging step (`instrument.core.overhead.OverheadMeter`): each observer
+        # call is timed. None otherwise, and then nothing is timed.
+        self.clock = None
 
     @property
     def failures(self) -> Dict[str, int]:
@@ -68,14 +71,20 @@ class Dispatcher:
         for index, observer in enumerate(self.observers):
             detach = getattr(observer, "detach", None)
             if detach is not None:
-                if not self.ledger.call(observer_name(observer), "detach", detach):
+                name, clock = observer_name(observer), self.clock
+                start = clock.mark() if clock is not None else None
+                if not self.ledger.call(name, "detach", detach):
                     self._skipped.add(index)
+                if clock is not None:
+                    clock.stop(name, start)
 
     def __call__(self, context: StepContext) -> None:
         if in_recompute():
             self.guard.skipped()
             return
         self.calls += 1
+        clock = self.clock
+        start = clock.call_start() if clock is not None else None
         if self.recorder is not None:
             recorded = self.recorder.drain()
             if recorded:
@@ -87,6 +96,8 @@ class Dispatcher:
                 if index not in self._skipped:
                     observe = getattr(observer, "observe", observer)
                     self._run(index, observer, "observe", observe, context)
+        if clock is not None:
+            clock.call_stop(start)
 
     def end(self, logger, step: int, gradients: Optional[Mapping[str, List[Tensor]]] = None) -> None:
         self.guard.end(self.calls)
@@ -124,8 +135,17 @@ class Dispatcher:
                 self.ledger.call(observer_name(observer), "close", close)
 
     def _run(self, index: int, observer: ObserverLike, method: str, fn: Callable, *args) -> None:
-        if not self.ledger.call(observer_name(observer), method, fn, *args):
-            self._skipped.add(index)
+        name, clock = observer_name(observer), self.clock
+        if clock is None:
+            if not self.ledger.call(name, method, fn, *args):
+                self._skipped.add(index)
+            return
+        start = clock.mark()
+        try:
+            if not self.ledger.call(name, method, fn, *args):
+                self._skipped.add(index)
+        finally:
+            clock.stop(name, start)
 
 
 def _with_probes(context: StepContext, probes: Dict[str, Tensor]) -> StepContext:

@@ -1,0 +1,204 @@
+"""What instrumentation costs, measured in every run on its logging steps: `OverheadMeter`.
+
+Users cannot tell from a benchmark of someone else's workload what instrument costs in theirs, so each
+logging step measures itself and the next logging step logs the result:
+
+===================================  ==============================================================
+key                                  meaning
+===================================  ==============================================================
+``instrument/overhead/<observer>``   seconds the observer took in that logging step: ``reset``,
+                                     ``attach``, every ``observe`` call, ``observe_gradients``,
+                                     ``detach`` and ``log``, summed (observers of one name add up)
+``instrument/overhead/commit``       seconds the training thread spent in ``Logger.commit``
+``instrument/overhead/fraction``     share (0-1) of the logging step, from entering
+                                     ``with inst.step(n)`` to leaving it, spent in instrument:
+                                     starting and ending the step (hooks, probes, observer
+                                     lifecycle, components, the commit) and every observer call
+``instrument/overhead/instrument``   those seconds themselves (the numerator of the fraction)
+===================================  ==============================================================
+
+The step, the commit and the fraction of logging step ``n`` are known only after its commit, so they are
+logged with the record of the NEXT logging step (the keys at step ``n + log_interval`` describe step
+``n``); the last logging step of a run is measured but not logged.
+
+Clocks: on the CPU ``time.perf_counter``. When the run uses CUDA (CUDA initialised in this process) every
+span is a pair of CUDA events instead, so the time is what the stream took, kernels launched asynchronously
+included; the events are read only at the next logging step and only once ``query()`` says they completed,
+never with a sync (a step whose events are still pending is logged at a later logging step). The commit is
+always training-thread (CPU) time. Non-logging steps run none of this. The budget warning
+(``Instrumentation(overhead_budget=...)``) judges the second measured logging step on (the first pays one-time
+costs: imports, first renders, opening files) and stays quiet while a step spends under 5 ms in instrument.
+"""
+
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from instrument.errors import ConfigurationError
+
+__all__ = ["OverheadMeter", "PREFIX", "costliest", "over_budget"]
+
+PREFIX = "instrument/overhead/"
+# Below this much instrument time in a logging step the budget warning stays quiet: a toy loop whose step is
+# a millisecond is "over budget" at any share, and a warning there would only teach users to ignore it.
+QUIET_SECONDS = 0.005
+_RESERVED = ("commit", "fraction", "instrument")
+_MAX_PENDING = 8  # measured steps whose CUDA events have not completed yet
+
+
+class _Sheet:
+    """The raw marks of one logging step (floats on the CPU, recorded CUDA events on a GPU)."""
+
+    __slots__ = ("step", "cuda", "enter", "begun", "ending", "exit", "calls", "observers", "commit")
+
+    def __init__(self, step: int, cuda: bool, enter: Any) -> None:
+        self.step, self.cuda, self.enter = step, cuda, enter
+        self.begun = self.ending = self.exit = None
+        self.calls: List[Tuple[Any, Any]] = []
+        self.observers: Dict[str, List[Tuple[Any, Any]]] = {}
+        self.commit = 0.0
+
+
+class OverheadMeter:
+    """Times one logging step at a time; `ready` returns the scalars of the steps measured before.
+
+    The session calls ``enter`` / ``begun`` around its start of the step, the dispatcher ``mark`` /
+    ``stop`` around each observer call and ``call_start`` / ``call_stop`` around each fan-out, the session
+    ``ending``, ``commit_seconds`` and ``exit`` around its end of the step, or ``discard`` when it raised.
+    """
+
+    @classmethod
+    def for_budget(cls, budget: Optional[float]) -> Optional["OverheadMeter"]:
+        """A meter for ``Instrumentation(overhead_budget=budget)``; None (no measuring at all) for None."""
+        if budget is None:
+            return None
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise ConfigurationError(
+                f"overhead_budget must be a share of the logging step > 0 (e.g. 0.1), or None to turn the "
+                f"overhead report off; got {budget!r}."
+            )
+        return cls()
+
+    def __init__(self) -> None:
+        self._sheet: Optional[_Sheet] = None
+        self._done: List[_Sheet] = []
+        self._read = 0
+        self.steps_measured = 0
+
+    # ---------------------------------------------------------------- marks (training thread)
+    def mark(self) -> Any:
+        if self._sheet is not None and self._sheet.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def enter(self, step: int) -> None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._sheet = _Sheet(step, cuda, None)
+        self._sheet.enter = self.mark()
+
+    def begun(self) -> None:
+        if self._sheet is not None:
+            self._sheet.begun = self.mark()
+
+    def call_start(self) -> Any:
+        return self.mark()
+
+    def call_stop(self, start: Any) -> None:
+        if self._sheet is not None:
+            self._sheet.calls.append((start, self.mark()))
+
+    def stop(self, name: str, start: Any) -> None:
+        """End an observer's span begun with ``start = meter.mark()``."""
+        if self._sheet is not None:
+            self._sheet.observers.setdefault(name, []).append((start, self.mark()))
+
+    def ending(self) -> None:
+        if self._sheet is not None:
+            self._sheet.ending = self.mark()
+
+    def commit_seconds(self, seconds: float) -> None:
+        if self._sheet is not None:
+            self._sheet.commit += seconds
+
+    def exit(self) -> None:
+        sheet = self._sheet
+        if sheet is None:
+            return
+        end = self.mark()
+        self._sheet = None
+        if sheet.begun is not None and sheet.ending is not None:
+            sheet.exit = end
+            self._done.append(sheet)
+            self.steps_measured += 1
+            if len(self._done) > _MAX_PENDING:  # a GPU that never catches up: keep the newest, never wait
+                self._done.pop(0)
+
+    def discard(self) -> None:
+        """The step raised: its measurement is incomplete and is not reported."""
+        self._sheet = None
+
+    # ---------------------------------------------------------------- reading (next logging step)
+    def ready(self) -> List[Tuple[int, Dict[str, float], bool]]:
+        """``(measured step, scalars, warm)`` of every finished step whose clocks can be read without waiting;
+        ``warm`` is False for the first measured step, which pays one-time costs (lazy imports, first
+        renders, opening files) that later steps do not."""
+        out = []
+        while self._done and _complete(self._done[0]):
+            sheet = self._done.pop(0)
+            self._read += 1
+            out.append((sheet.step, _scalars(sheet), self._read > 1))
+        return out
+
+
+def _complete(sheet: _Sheet) -> bool:
+    # CUDA events complete in stream order: the exit event is the last one recorded.
+    return not sheet.cuda or sheet.exit.query()
+
+
+def _seconds(start: Any, end: Any) -> float:
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1000.0  # both completed (checked by query), so this does not wait
+
+
+def _scalars(sheet: _Sheet) -> Dict[str, float]:
+    out = {}
+    for name, spans in sheet.observers.items():
+        key = PREFIX + (f"{name}_observer" if name in _RESERVED else name)  # an observer named "commit"
+        out[key] = out.get(key, 0.0) + sum(_seconds(a, b) for a, b in spans)
+    out[PREFIX + "commit"] = sheet.commit
+    inside = _seconds(sheet.enter, sheet.begun) + _seconds(sheet.ending, sheet.exit)
+    inside += sum(_seconds(a, b) for a, b in sheet.calls)
+    total = _seconds(sheet.enter, sheet.exit)
+    out[PREFIX + "fraction"] = min(1.0, max(0.0, inside / total)) if total > 0 else 0.0
+    out[PREFIX + "instrument"] = inside
+    return out
+
+
+def costliest(scalars: Dict[str, float]) -> Tuple[str, float]:
+    """The observer (or ``commit``) that took the most time in a measured step."""
+    costs = {k[len(PREFIX):]: v for k, v in scalars.items() if k not in (PREFIX + "fraction", PREFIX + "instrument")}
+    name = max(costs, key=costs.get)
+    return name, costs[name]
+
+
+def over_budget(step: int, scalars: Dict[str, float], budget: Optional[float], log_interval: int) -> Optional[str]:
+    """The warning for a measured step whose fraction exceeds ``budget`` (None when it does not)."""
+    fraction = scalars[PREFIX + "fraction"]
+    if budget is None or fraction <= budget or scalars[PREFIX + "instrument"] < QUIET_SECONDS:
+        return None
+    name, seconds = costliest(scalars)
+    if name == "commit":
+        advice = f"log fewer values or images per step, or raise log_interval (now {log_interval})"
+    else:
+        advice = (f"raise log_interval (now {log_interval}), drop that observer, or turn its images off "
+                  f"(e.g. IterationStats(images=False))")
+    return (
+        f"logging step {step} spent {100 * fraction:.0f}% of its time in instrument, over overhead_budget="
+        f"{budget:g}; the costliest is {name!r} ({seconds:.4f} s in that step). To spend less: {advice}. The share "
+        f"of the whole run is about this divided by log_interval. Instrumentation(overhead_budget=None) turns "
+        f"this report off; this warning is given once per run."
+    )

@@ -1,0 +1,129 @@
+"""Hyperparameters users can compare: TensorBoard's HParams plugin data (read back with TensorBoard's own loader
+and its HParams backend), W&B's nested config (offline run read back), MLflow flat params and stepped images."""
+
+import numpy as np
+import pytest
+
+import instrument
+from instrument.backends.hparams import order_params, unflatten_params
+from instrument.backends.tensorboard import hyperparameter_table
+from tests.conftest import event_accumulator
+from tests.wandb_reader import read_run
+
+HYPERPARAMS = {"optim": {"lr": 0.003, "betas": (0.9, 0.99)}, "seed": 7, "hub_token": "secret!", "tags": None}
+
+
+def _run(tmp_path, name, backends, lr=0.003, steps=2):
+    instrument.parse_config([], ["Instrumentation.log_interval = 1", "Instrumentation.observers = [@IterationStats()]",
+                                 "IterationStats.channel_scalars = False", "IterationStats.images = False"])
+    params = {**HYPERPARAMS, "optim": {**HYPERPARAMS["optim"], "lr": lr}}
+    inst = instrument.Instrumentation(backends=backends, log_dir=str(tmp_path), run_name=name,
+                                      hyperparams=params, overhead_budget=None)
+    for step in range(steps):
+        with inst.step(step):
+            inst.log({"loss": lr * (step + 1)}, prefix="train")
+    inst.close()
+    assert inst.failures == {}
+    return inst
+
+
+def _session_start(run_dir):
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    content = event_accumulator(run_dir).PluginTagToContent("hparams")
+    assert set(content) == {metadata.SESSION_START_INFO_TAG}  # no experiment summary (see hparams_summary)
+    data = plugin_data_pb2.HParamsPluginData.FromString(content[metadata.SESSION_START_INFO_TAG])
+    hparams = {}
+    for name, value in data.session_start_info.hparams.items():
+        hparams[name] = getattr(value, value.WhichOneof("kind"))
+    return data.session_start_info, hparams
+
+
+def test_tensorboard_hparams_plugin_data_read_back(tmp_path):
+    _run(tmp_path, "a", [instrument.TensorBoardBackend()])
+    info, hparams = _session_start(tmp_path / "a")
+    assert info.group_name == "a"
+    assert hparams["optim/lr"] == pytest.approx(0.003) and hparams["seed"] == 7.0
+    assert hparams["optim/betas"] == "[0.9, 0.99]" and hparams["tags"] == "None"
+    assert hparams["hub_token"] == "<redacted>"
+    # The operative gin bindings are hparams too.
+    assert hparams["Instrumentation.log_interval"] == 1.0
+    assert hparams["IterationStats.channel_scalars"] is False
+
+
+def test_tensorboard_hparams_tab_compares_runs_with_their_metrics(tmp_path):
+    """TensorBoard's own HParams backend (what its tab asks) sees both runs, their hparams and metrics."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment
+
+    _run(tmp_path, "a", [instrument.TensorBoardBackend()], lr=0.003)
+    _run(tmp_path, "b", [instrument.TensorBoardBackend()], lr=0.01)
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    provider = data_provider.MultiplexerDataProvider(mux, str(tmp_path))
+    backend = backend_context.Context(base_plugin.TBContext(logdir=str(tmp_path), multiplexer=mux,
+                                                             data_provider=provider))
+    request = context.RequestContext()
+    experiment = get_experiment.Handler(request, backend, "", api_pb2.GetExperimentRequest()).run()
+    names = {h.name for h in experiment.hparam_infos}
+    assert {"optim/lr", "seed", "Instrumentation.log_interval"} <= names
+    metrics = {m.name.tag for m in experiment.metric_infos}
+    assert "train/loss" in metrics
+    lr = next(h for h in experiment.hparam_infos if h.name == "optim/lr")
+    assert lr.differs and (lr.domain_interval.min_value, lr.domain_interval.max_value) == (0.003, 0.01)
+
+
+def test_hyperparameter_table_puts_training_settings_first_and_never_splits_a_name():
+    params = {"WandbBackend.project": "p", "Model.depth": 3, "optim/lr": 0.1, "seed": 1, "log_dir": "runs",
+              "train/total_steps": 100, "Instrumentation.log_interval": 10, "note": "a|b"}
+    order = order_params(list(params))
+    assert order[:3] == ["optim/lr", "seed", "train/total_steps"]
+    assert order.index("Model.depth") < order.index("WandbBackend.project")
+    assert set(order[-3:]) == {"WandbBackend.project", "log_dir", "Instrumentation.log_interval"}
+    rows = hyperparameter_table(params).splitlines()
+    assert rows[0] == "| where | parameter | value |"
+    assert rows[2] == "| optim | lr | 0.1 |" and "| Model | depth | 3 |" in rows
+    assert "|  | note | a\\|b |" in rows  # a pipe in a value does not open a column
+
+
+def test_unflatten_nests_and_loses_nothing():
+    flat = {"optim/lr": 1, "Model.depth": 3, "train/Adam.lr": 2, "a": 1, "a/b": 2, "x/y": 3, "x": 4}
+    nested = unflatten_params(flat)
+    assert nested["optim"] == {"lr": 1} and nested["Model"] == {"depth": 3}
+    assert nested["train"] == {"Adam": {"lr": 2}}
+    assert nested["a"] == 1 and nested["a/b"] == 2  # a leaf already there: the other is kept whole
+    assert nested["x"] == {"y": 3} and nested["x/"] == 4  # a subtree already there
+
+
+def test_wandb_config_is_nested(tmp_path):
+    pytest.importorskip("wandb")
+    _run(tmp_path, "w", [instrument.WandbBackend(dir=str(tmp_path / "wandb"))])
+    _, config = read_run(tmp_path / "wandb")
+    assert config["optim"] == {"lr": 0.003, "betas": "[0.9, 0.99]"}
+    assert config["seed"] == 7 and config["hub_token"] == "<redacted>"
+    assert config["Instrumentation"]["log_interval"] == 1
+    assert config["IterationStats"]["channel_scalars"] is False
+    assert "Instrumentation.log_interval = 1" in config["operative_config"]
+
+
+def test_mlflow_params_flat_and_images_have_steps(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    backend = instrument.MlflowBackend()
+    logger = instrument.Logger([backend], instrument.RunInfo("m", tmp_path))
+    logger.log_hyperparams({"optim": {"lr": 0.1}, "Model.depth": 3})
+    for step in (0, 5):
+        logger.log_image("state/rgb", np.full((4, 5, 3), step / 10), step=step)
+        logger.commit(step)
+    logger.close()
+    assert logger.failures == {}
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    params = client.get_run(backend.run_id).data.params
+    assert params == {"optim/lr": "0.1", "Model.depth": "3"}
+    pngs = [a.path for a in client.list_artifacts(backend.run_id, "images") if a.path.endswith(".png")]
+    steps = sorted(int(p.split("+step+")[1].split("+")[0]) for p in pngs)
+    assert steps == [0, 5] and all(p.startswith("images/state~rgb+step+") for p in pngs)

@@ -1,0 +1,150 @@
+"""A run reports its own overhead: per-observer time, commit time and the share of the logging step, read back
+from the TensorBoard event file; measured on logging steps only; one warning over the budget."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+import instrument
+from tests.conftest import TinyRule, read_scalars
+
+SLEEP = 0.005  # per observe call; 4 calls per logging step -> at least 20 ms per logging step
+
+
+class Sleeper(instrument.Observer):
+    """An observer whose cost is known: it sleeps in every observe call."""
+
+    def __init__(self) -> None:
+        super().__init__("sleeper")
+        self.calls = 0
+
+    def observe(self, context: instrument.StepContext) -> None:
+        self.calls += 1
+        time.sleep(SLEEP)
+
+    def log(self, logger, step: int) -> None:
+        logger.log_metrics({"calls": float(self.calls)}, step=step, prefix=self.name)
+
+
+def _train(tmp_path, steps=6, body_seconds=0.0, **options):
+    rule = TinyRule()
+    sleeper = Sleeper()
+    inst = instrument.Instrumentation(
+        [sleeper, instrument.IterationStats(images=False)], backends=[instrument.TensorBoardBackend()],
+        log_interval=2, log_dir=str(tmp_path), run_name="r", **options,
+    )
+    inst.watch(rule)
+    x = torch.randn(2, 4, 8, 8)
+    for step in range(steps):
+        with inst.step(step):
+            y = x
+            for _ in range(4):
+                y = rule(y)
+            time.sleep(body_seconds)
+    inst.close()
+    return inst, sleeper
+
+
+def test_overhead_keys_are_plausible_and_only_on_logging_steps(tmp_path):
+    inst, sleeper = _train(tmp_path, steps=6, body_seconds=0.05, overhead_budget=1.0)
+    assert sleeper.calls == 3 * 4  # observers ran on logging steps 0, 2, 4 only
+    assert inst._overhead.steps_measured == 3
+    scalars = read_scalars(tmp_path / "r")
+    own = scalars["instrument/overhead/sleeper"]
+    # The keys at step n describe the logging step before it: 0 -> logged at 2, 2 -> logged at 4.
+    assert sorted(own) == [2, 4]
+    assert all(v >= 4 * SLEEP for v in own.values())
+    assert sorted(scalars["instrument/overhead/iteration_stats"]) == [2, 4]
+    assert all(v > 0 for v in scalars["instrument/overhead/iteration_stats"].values())
+    assert sorted(scalars["instrument/overhead/commit"]) == [2, 4]
+    assert all(0 < v < 1 for v in scalars["instrument/overhead/commit"].values())
+    fractions = scalars["instrument/overhead/fraction"]
+    assert sorted(fractions) == [2, 4]
+    assert all(0 < f <= 1 for f in fractions.values())
+    inside = scalars["instrument/overhead/instrument"]
+    assert all(inside[n] >= own[n] + scalars["instrument/overhead/commit"][n] for n in (2, 4))
+
+
+def test_non_logging_steps_run_no_clock(tmp_path, monkeypatch):
+    rule = TinyRule()
+    inst = instrument.Instrumentation([Sleeper()], backends=[], log_interval=10, log_dir=str(tmp_path))
+    inst.watch(rule)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the overhead meter ran on a non-logging step")
+
+    with inst.step(0):
+        rule(torch.randn(1, 4, 4, 4))
+    for method in ("mark", "enter", "begun", "call_start", "call_stop", "stop", "ending", "exit", "ready"):
+        monkeypatch.setattr(inst._overhead, method, boom)
+    for step in range(1, 10):
+        with inst.step(step) as s:
+            assert s.observer is None
+            rule(torch.randn(1, 4, 4, 4))
+    assert inst._dispatch.clock is None
+    monkeypatch.undo()
+    inst.close()
+
+
+def test_over_budget_warns_once_naming_the_costliest_observer(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        _train(tmp_path, steps=10)  # nothing but instrument in the step: far over the default budget of 0.1
+    warnings = [r.getMessage() for r in caplog.records if "overhead_budget" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    message = warnings[0]
+    assert "'sleeper'" in message and "log_interval (now 2)" in message and "images off" in message
+    assert "overhead_budget=0.1" in message and "overhead_budget=None" in message
+
+
+def test_budget_none_turns_the_report_off(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        inst, _ = _train(tmp_path, steps=6, overhead_budget=None)
+    assert inst._overhead is None
+    assert not [r for r in caplog.records if "overhead" in r.getMessage()]
+    assert not [k for k in read_scalars(tmp_path / "r") if k.startswith("instrument/overhead/")]
+
+
+@pytest.mark.parametrize("budget", [0, -0.5, "0.1", True])
+def test_bad_budget_is_refused_before_anything_opens(tmp_path, budget):
+    with pytest.raises(instrument.ConfigurationError, match="overhead_budget must be"):
+        instrument.Instrumentation([], backends=[], overhead_budget=budget, log_dir=str(tmp_path))
+
+
+def test_a_failed_step_is_not_reported(tmp_path):
+    inst = instrument.Instrumentation([Sleeper()], backends=[], log_interval=1, log_dir=str(tmp_path))
+    with pytest.raises(RuntimeError):
+        with inst.step(0) as s:
+            s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1)))
+            raise RuntimeError("training failed")
+    assert inst._overhead.steps_measured == 0 and inst._overhead.ready() == []
+    inst.close()
+
+
+def test_console_shows_the_fraction_as_a_column(tmp_path):
+    import io
+
+    out = io.StringIO()
+    column = instrument.Column("instrument/overhead/fraction", "inst%", 5, ".0%", "share of the step in instrument")
+    console = instrument.ConsoleBackend(columns=[column], legend=False, stream=out)
+    inst = instrument.Instrumentation([Sleeper()], backends=[console], log_interval=1, log_dir=str(tmp_path),
+                                      overhead_budget=1.0)
+    for step in range(3):
+        with inst.step(step) as s:
+            s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1)))
+    inst.close()
+    rows = [line.split() for line in out.getvalue().splitlines() if line.strip()[:1].isdigit()]
+    # Step 0 has no measurement yet, and a row with nothing for the table is not printed.
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert all(r[1].endswith("%") and 0 <= int(r[1][:-1]) <= 100 for r in rows), rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_spans_are_events_read_without_a_sync(tmp_path):
+    torch.zeros(1, device="cuda")  # the run uses CUDA: spans become CUDA events
+    inst, sleeper = _train(tmp_path, steps=6, body_seconds=0.01, overhead_budget=1.0)
+    scalars = read_scalars(tmp_path / "r")
+    own = scalars["instrument/overhead/sleeper"]
+    assert sorted(own) == [2, 4] and all(v >= 4 * SLEEP for v in own.values())
+    assert all(0 < f <= 1 for f in scalars["instrument/overhead/fraction"].values())

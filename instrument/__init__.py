@@ -41,7 +41,9 @@ from instrument.logger.logger import Logger
 from instrument.logger.reduce import CrossRankReducer
 from instrument.logger.timer import Timer
 from instrument.monitors.system import SystemMonitor
+from instrument.observers.activation_stats import ActivationStats
 from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.state_histogram import StateHistogram
 from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
 from instrument.probes.script import freeze, script
@@ -52,6 +54,7 @@ from instrument.terminal.table import Column, StepTable
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationStats",
     "Backend",
     "Column",
     "ConfigurationError",
@@ -71,6 +74,7 @@ __all__ = [
     "RunHistoryBackend",
     "RunInfo",
     "RunLog",
+    "StateHistogram",
     "StepContext",
     "StepObserver",
     "StepOrderError",

@@ -15,6 +15,7 @@ import pytest
 import instrument
 
 EXPECTED_ALL = [
+    "ActivationStats",
     "Backend",
     "Column",
     "ConfigurationError",
@@ -34,6 +35,7 @@ EXPECTED_ALL = [
     "RunHistoryBackend",
     "RunInfo",
     "RunLog",
+    "StateHistogram",
     "StepContext",
     "StepObserver",
     "StepOrderError",
@@ -59,6 +61,7 @@ ADDED_BY_OPEN_BRANCHES: dict = {}
 
 # Where each public name lives: its ``__module__`` must be this package or a module inside it.
 HOMES = {
+    "ActivationStats": "instrument.observers",
     "Backend": "instrument.backends",
     "Column": "instrument.terminal",
     "ConfigurationError": "instrument.errors",
@@ -78,6 +81,7 @@ HOMES = {
     "RunHistoryBackend": "instrument.backends",
     "RunInfo": "instrument.backends",
     "RunLog": "instrument.terminal",
+    "StateHistogram": "instrument.observers",
     "StepContext": "instrument.core",
     "StepObserver": "instrument.core",
     "StepOrderError": "instrument.errors",
@@ -120,7 +124,7 @@ SUBPACKAGE_ALL = {
         "in_recompute",
     ],
     "instrument.logger": ["CrossRankReducer", "Logger", "Timer"],
-    "instrument.observers": ["IterationStats", "UpdateNorm"],
+    "instrument.observers": ["ActivationStats", "IterationStats", "StateHistogram", "UpdateNorm"],
     "instrument.probes": ["Probe", "freeze"],
     "instrument.terminal": ["Column", "RunLog", "StepTable", "setup_run_logging", "write_line"],
 }

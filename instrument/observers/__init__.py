@@ -1,6 +1,8 @@
 """Built-in observers. Each documents the metric keys it emits."""
 
+from instrument.observers.activation_stats import ActivationStats
 from instrument.observers.iteration_stats import IterationStats
+from instrument.observers.state_histogram import StateHistogram
 from instrument.observers.update_norm import UpdateNorm
 
-__all__ = ["IterationStats", "UpdateNorm"]
+__all__ = ["ActivationStats", "IterationStats", "StateHistogram", "UpdateNorm"]

@@ -120,8 +120,8 @@ def _nice_step(span: float, count: int = 4) -> float:
     """A step of 1, 2 or 5 times a power of ten giving about ``count`` intervals over ``span``."""
     raw = span / count
     power = 10.0 ** np.floor(np.log10(raw))
-    for factor in (1.0, 2.0, 5.0, 10.0):
-        if raw <= factor * power:
+    for factor, below in ((1.0, 1.5), (2.0, 3.0), (5.0, 7.0)):
+        if raw / power < below:
             return factor * power
     return 10.0 * power
 

@@ -10,7 +10,8 @@ Rows (``workload/mode/kind``):
   TensorBoard backend writing event files); ``log`` (the same with a sink backend, so the figure is the
   pipeline's own cost: observers, one batched host transfer, handing the record over); ``log[]`` (a
   logging step with no observer: the base from which each observer's own cost is taken);
-  ``log[IterationStats]``, ``log[UpdateNorm]`` (one observer each); ``naive`` (the common hand-written
+  ``log[IterationStats]``, ``log[UpdateNorm]``, ``log[ActivationStats]``, ``log[StateHistogram]`` (one
+  observer each: its own cost is ``log[X] - log[]``); ``naive`` (the common hand-written
   pattern: the same statistics with ``.tolist()``/``.item()`` every iteration); ``wandb-watch``
   (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step);
   ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or compiled model; pending until
@@ -51,6 +52,8 @@ __all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HE
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
 OBSERVERS = ("IterationStats", "UpdateNorm")
+# Observers timed on their own only (log[X] rows and observer_costs), not part of the headline logging rows.
+CATALOGUE = ("ActivationStats", "StateHistogram")
 PROBE_PENDING = "pending: needs instrument.Probe (issue 3)"
 RL_PROBE_PENDING = "not in this matrix: RL probe costs are in bench/probe_overhead.py (make bench-probes)"
 
@@ -64,6 +67,8 @@ KINDS = {
         "log[]",
         "log[IterationStats]",
         "log[UpdateNorm]",
+        "log[ActivationStats]",
+        "log[StateHistogram]",
         "naive",
         "wandb-watch",
     ),
@@ -97,9 +102,15 @@ class SinkBackend(Backend):
         pass
 
 
-def make_observers(names: Sequence[str], workload: str) -> List[instrument.Observer]:
+def make_observers(names: Sequence[str], workload: str, model: Optional[nn.Module] = None) -> List[instrument.Observer]:
+    """``model``: the module ActivationStats hooks where nothing is watched (the explicit-evolver rows)."""
     channel_dim = 1 if workload == "nca" else -1
-    made = {"IterationStats": lambda: IterationStats(channel_dim=channel_dim), "UpdateNorm": UpdateNorm}
+    made = {
+        "IterationStats": lambda: IterationStats(channel_dim=channel_dim),
+        "UpdateNorm": UpdateNorm,
+        "ActivationStats": lambda: instrument.ActivationStats(module=model),
+        "StateHistogram": lambda: instrument.StateHistogram(channel_dim=channel_dim),
+    }
     return [made[n]() for n in names]
 
 
@@ -107,7 +118,8 @@ class Session:
     """One Instrumentation driven like a training loop: each call is the next step (logging or not)."""
 
     def __init__(
-        self, observers: Sequence[str], workload: str, logging: bool, backend: str, tmp: str
+        self, observers: Sequence[str], workload: str, logging: bool, backend: str, tmp: str,
+        model: Optional[nn.Module] = None,
     ) -> None:
         backends: List[Backend]
         if backend == "tensorboard":
@@ -115,7 +127,7 @@ class Session:
         else:
             backends = [SinkBackend()]
         self.inst = Instrumentation(
-            observers=make_observers(observers, workload),
+            observers=make_observers(observers, workload, model),
             backends=backends,
             log_interval=1 if logging else 10**12,
             run_name=f"{workload}-{backend}-{len(observers)}",
@@ -182,13 +194,16 @@ def _is_instrumented(kind: str) -> bool:
     return kind in ("off", "log", "log-tb") or kind.startswith("log[")
 
 
-def _instrumented(kind: str, workload: str, train, tmp: str, hooks_on: Optional[nn.Module] = None):
-    """The training step inside ``inst.step``: hooks on ``hooks_on``, or ``s.observer`` handed to ``train``.
+def _instrumented(
+    kind: str, workload: str, train, tmp: str, hooks_on: Optional[nn.Module] = None, model: Optional[nn.Module] = None
+):
+    """The training step inside ``inst.step``: hooks on ``hooks_on``, or ``s.observer`` handed to ``train``
+    (``model``: the eager module ActivationStats hooks in that style).
 
     Returns the step function, its description for the table, and its untimed settle (the logger's flush).
     """
     names = OBSERVERS if kind in ("off", "log", "log-tb") else tuple(filter(None, [kind[4:-1]]))
-    session = Session(names, workload, kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp)
+    session = Session(names, workload, kind != "off", "tensorboard" if kind == "log-tb" else "sink", tmp, model)
     if hooks_on is not None:
         session.inst.watch(hooks_on)
 
@@ -363,7 +378,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
             if kind == "bare":
                 v.fn, v.describe = train, "no instrument"
             elif _is_instrumented(kind):
-                v.fn, v.describe, v.settle = _instrumented(kind, "rl", train, tmp)
+                v.fn, v.describe, v.settle = _instrumented(kind, "rl", train, tmp, model=policy)
             elif kind == "naive":
                 v.fn = trainer(policy, act, naive=True)
                 v.describe = "per-iteration .tolist()/.item() of the same stats"
@@ -456,7 +471,7 @@ def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float
         base, empty = f"{workload}/eager/bare", f"{workload}/eager/log[]"
         if base not in samples or empty not in samples:
             continue
-        for name in OBSERVERS:
+        for name in OBSERVERS + CATALOGUE:
             key = f"{workload}/eager/log[{name}]"
             if key not in samples:
                 continue

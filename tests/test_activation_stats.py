@@ -236,3 +236,23 @@ def test_half_precision_outputs_accumulate_in_float32():
     got = _finish(output_moments(x)).double().numpy()
     ref = x.double().numpy()
     np.testing.assert_allclose(got, [ref.mean(), ref.std(), np.abs(ref).max(), np.mean(ref == 0)], rtol=1e-5)
+
+
+def test_a_failing_hook_never_reaches_training_and_is_reported_once(monkeypatch, caplog):
+    import instrument.observers.activation_stats as module
+
+    def broken(x):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(module, "output_moments", broken)
+    rule = _rule()
+    inst = instrument.Instrumentation([instrument.ActivationStats()], backends=[], log_interval=1)
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            with inst.step(step):
+                out = rule(_seed())  # the forward completes
+    inst.close()
+    assert out.shape == (3, 4, 8, 8)
+    assert inst.failures == {"activations": 2}
+    assert "a forward hook failed in this logging step (ValueError('boom'))" in caplog.text

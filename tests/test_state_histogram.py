@@ -106,3 +106,37 @@ def test_nothing_is_kept_for_iterations_not_chosen():
     for i in range(6):
         observer.observe(instrument.StepContext(states[i], states[i + 1]))
     assert sorted(observer._kept) == [1] and len(observer._recent) == 2
+
+
+def test_the_nca_demo_trains_bitwise_identically_with_both_new_observers(tmp_path):
+    """Watched-module style on the real demo, plain and checkpointed: parameters and gradients bitwise equal with
+    ActivationStats and StateHistogram on and off, and the checkpointed histograms equal the plain ones."""
+    from instrument.demos.nca import train_nca
+
+    kwargs = dict(steps=2, batch_size=2, size=12, n_iter_min=6, n_iter_max=6, seed=3)
+    bare = train_nca(None, **kwargs)["model"]
+    class Keep(instrument.Backend):
+        def __init__(self):
+            self.records = []
+
+        def write(self, record):
+            self.records.append(record)
+
+    for every in (0, 3):
+        backend = Keep()
+        keep = backend.records
+        inst = instrument.Instrumentation(
+            [instrument.ActivationStats(), instrument.StateHistogram()], backends=[backend], log_interval=1,
+        )
+        watched = train_nca(inst, checkpoint_every=every, **kwargs)["model"]
+        inst.close()
+        assert inst.failures == {}
+        for (name, p), q in zip(bare.named_parameters(), watched.parameters(), strict=True):
+            assert torch.equal(p, q), name
+            assert torch.equal(p.grad, q.grad), name
+        assert {"activations/conv1/std", "activations/conv2/std"} <= set(keep[-1].scalars)
+        if every == 0:
+            plain = keep[-1].histograms
+        else:
+            assert plain.keys() == keep[-1].histograms.keys()
+            assert all(np.array_equal(plain[k], keep[-1].histograms[k]) for k in plain)

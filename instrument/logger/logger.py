@@ -112,8 +112,7 @@ class Logger:
         self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
         self._weights: Dict[str, Any] = {}  # only weighted names: sum of weights
         self._media: Dict[Tuple[str, str], Tuple[Any, Any]] = {}  # (kind, tag) -> (staged value, extra)
-        # color_range="running": heatmap tag -> (lo, hi) seen so far; used on the writer thread only.
-        self._heatmap_ranges: Dict[str, Tuple[float, float]] = {}
+        self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
         self._timers: Dict[str, Timer] = {}
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
@@ -218,25 +217,17 @@ class Logger:
         """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1] or uint8."""
         self._stage("image", tag, image, step)
 
-    def log_heatmap(
-        self,
-        tag: str,
-        matrix: Union[Tensor, np.ndarray],
-        step: int,
-        x_label: str = "",
-        y_label: str = "",
-        x_ticks: Optional[Sequence[str]] = None,
-        color_range: Union[None, str, Sequence[float]] = None,
-    ) -> None:
+    def log_heatmap(self, tag: str, matrix: Union[Tensor, np.ndarray], step: int, x_label: str = "",
+                    y_label: str = "", x_ticks: Optional[Sequence[str]] = None, color_range: Any = None) -> None:
         """Stage a 2-D matrix; on the writer thread it is drawn colour-mapped with axes and logged as an image.
 
         ``x_ticks`` names the columns. ``color_range`` fixes what colours mean across steps: ``(lo, hi)``, or
         ``"running"`` (the range of every matrix of this tag so far, tracked on the writer thread: no host
         sync); None scales each image to its own values. The colour bar has round intermediate ticks.
         """
-        color_range = check_color_range(f"log_heatmap({tag!r})", color_range)
         ticks = None if x_ticks is None else tuple(str(t) for t in x_ticks)
-        self._stage("heatmap", tag, matrix, step, (x_label, y_label, ticks, color_range, self._heatmap_ranges))
+        extra = (x_label, y_label, ticks, check_color_range(f"log_heatmap({tag!r})", color_range), self._ranges)
+        self._stage("heatmap", tag, matrix, step, extra)
 
     def log_histogram(self, tag: str, values: Union[Tensor, np.ndarray, Sequence[float]], step: int) -> None:
         """Stage raw values for a histogram (any shape; flattened)."""

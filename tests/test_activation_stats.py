@@ -256,3 +256,13 @@ def test_a_failing_hook_never_reaches_training_and_is_reported_once(monkeypatch,
     assert out.shape == (3, 4, 8, 8)
     assert inst.failures == {"activations": 2}
     assert "a forward hook failed in this logging step (ValueError('boom'))" in caplog.text
+
+
+def test_several_watched_modules_are_named_apart_and_max_modules_is_said(caplog):
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert [n for n, _ in instrument.ActivationStats().select([a, nn.Sequential(b)])] == ["Linear", "Sequential.0"]
+    assert [n for n, _ in instrument.ActivationStats().select([a, b])] == ["Linear0", "Linear1"]
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        chosen = instrument.ActivationStats(max_modules=1).select([a, b])
+    assert [m for _, m in chosen] == [a]
+    assert "matched 2 modules and hooks the first max_modules=1" in caplog.text

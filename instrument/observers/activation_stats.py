@@ -88,10 +88,10 @@ class ActivationStats(Observer):
     expression searched in the module's qualified name, e.g. ``"^mlp\\."``); a module must match both when both
     are given. Default: every leaf module with parameters of its own. Modules are looked up in ``module`` if
     given, else in the modules watched with ``inst.watch`` (names then start with the watched module's class
-    name when more than one is watched). ``torch.compile`` wrappers are unwrapped; TorchScript modules cannot
-    take Python forward hooks and are skipped with one warning (so a scripted model needs its eager original).
-    A compiled model never calls hooks registered after its first compiled call: use the eager model on
-    logging steps, or explicit probes (`instrument.Probe`).
+    name when more than one is watched, plus its position when two share a class). ``torch.compile`` wrappers
+    are unwrapped; TorchScript modules cannot take Python forward hooks and are skipped with one warning (so a
+    scripted model needs its eager original). A compiled model never calls hooks registered after its first
+    compiled call: use the eager model on logging steps, or embedded probes (`instrument.Probe`).
 
     Metric keys (``<name>`` defaults to ``activations``; ``<module>`` is the qualified name, e.g. ``mlp.0``):
 
@@ -173,8 +173,9 @@ class ActivationStats(Observer):
         """The (qualified name, module) pairs this observer hooks under ``roots``, each module once."""
         roots = [unwrap(r) for r in roots]
         seen, chosen, scripted = set(), [], []
-        for root in roots:
-            prefix = type(root).__name__ if len(roots) > 1 else ""
+        classes = [type(r).__name__ for r in roots]
+        for i, root in enumerate(roots):
+            prefix = "" if len(roots) == 1 else classes[i] + (str(i) if classes.count(classes[i]) > 1 else "")
             for qualified, module in root.named_modules():
                 if isinstance(module, torch.jit.ScriptModule):
                     scripted.append(qualified or type(module).__name__)
@@ -190,7 +191,14 @@ class ActivationStats(Observer):
                 f"instrument: ActivationStats({self.name!r}) skips TorchScript submodules {scripted[:4]}: Python "
                 f"forward hooks cannot be registered on ScriptModules.",
             )
-        return chosen if self.max_modules is None else chosen[: self.max_modules]
+        if self.max_modules is not None and len(chosen) > self.max_modules:
+            self._warn_once(
+                "max_modules",
+                f"instrument: ActivationStats({self.name!r}) matched {len(chosen)} modules and hooks the first "
+                f"max_modules={self.max_modules}; narrow types/pattern or raise max_modules.",
+            )
+            chosen = chosen[: self.max_modules]
+        return chosen
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
@@ -260,7 +268,7 @@ class ActivationStats(Observer):
         rows = max(len(self._sums[m]) for m in present)
         flat = [s for m in present for s in self._sums[m]]
         device, dtype = flat[0].device, flat[0].dtype
-        finished = _finish(torch.stack([s.to(dtype) for s in flat]))  # [calls, 4]; .to is a no-op when equal
+        finished = _finish(torch.stack([s.to(device, dtype) for s in flat]))  # [calls, 4]; .to: no-op when equal
         table = torch.full((rows, len(present), 4), float("nan"), dtype=dtype, device=device)
         offset = 0
         for column, m in enumerate(present):

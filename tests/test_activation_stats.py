@@ -169,7 +169,7 @@ def test_checkpointing_sees_each_iteration_once_with_the_same_values(tmp_path, r
     plain, ckpt = instrument.ActivationStats(), instrument.ActivationStats()
     _run(tmp_path / "plain", plain, _rule(), checkpointed=None)
     _run(tmp_path / "ckpt", ckpt, _rule(), checkpointed=reentrant)
-    assert [len(rows) for rows in ckpt._sums] == [N_ITER, N_ITER]  # recomputation in backward skipped
+    assert ckpt._calls == [N_ITER, N_ITER]  # recomputation in backward skipped
     a, b = read_scalars(tmp_path / "plain" / "r"), read_scalars(tmp_path / "ckpt" / "r")
     assert a.keys() == b.keys() and all(a[k][0] == pytest.approx(b[k][0], rel=1e-6, abs=1e-7) for k in a)
 
@@ -198,7 +198,7 @@ def test_a_module_called_less_often_gets_grey_rows_and_its_own_last_value(tmp_pa
     scalars = read_scalars(tmp_path / "r")
     assert scalars["activations/b/mean"][0] == pytest.approx(want_b.mean(), rel=1e-6)
     assert scalars["activations/a/absmax"][0] == pytest.approx(np.abs(want_a).max(), rel=1e-6)
-    assert [len(rows) for rows in observer._sums] == [4, 2]  # heatmap rows 2 and 3 of b are grey (NaN)
+    assert observer._calls == [4, 2]  # heatmap rows 2 and 3 of b are grey (NaN)
 
 
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
@@ -241,10 +241,10 @@ def test_half_precision_outputs_accumulate_in_float32():
 def test_a_failing_hook_never_reaches_training_and_is_reported_once(monkeypatch, caplog):
     import instrument.observers.activation_stats as module
 
-    def broken(x):
+    def broken(output):
         raise ValueError("boom")
 
-    monkeypatch.setattr(module, "output_moments", broken)
+    monkeypatch.setattr(module, "_first_tensor", broken)  # the first thing each hook call does
     rule = _rule()
     inst = instrument.Instrumentation([instrument.ActivationStats()], backends=[], log_interval=1)
     inst.watch(rule)
@@ -266,3 +266,47 @@ def test_several_watched_modules_are_named_apart_and_max_modules_is_said(caplog)
         chosen = instrument.ActivationStats(max_modules=1).select([a, b])
     assert [m for _, m in chosen] == [a]
     assert "matched 2 modules and hooks the first max_modules=1" in caplog.text
+
+
+def test_an_output_modified_in_place_is_dropped_once_then_reduced_as_it_comes(tmp_path, caplog):
+    """nn.ReLU(inplace=True) after a conv changes the conv's output after its hook ran: the kept reference no longer
+    holds what the conv returned. Step 0 drops the conv's values (reported), step 1 reduces them as they come."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(6, 4, 1))
+    x = _seed()
+    inst = instrument.Instrumentation(
+        [instrument.ActivationStats(module=model)], backends=[instrument.TensorBoardBackend()], log_interval=1,
+        log_dir=str(tmp_path), run_name="r",
+    )
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            with inst.step(step), torch.no_grad():
+                for _ in range(3):
+                    model(x)
+    inst.close()
+    assert "the outputs of ['0'] were modified in place after their hooks ran" in caplog.text
+    scalars = read_scalars(tmp_path / "r")
+    assert sorted(scalars["activations/2/mean"]) == [0, 1]
+    assert sorted(scalars["activations/0/mean"]) == [1]  # step 0's values of the conv were dropped, not falsified
+    with torch.no_grad():
+        pre = model[0](x).double().numpy()  # what the conv returned, before the ReLU changed it
+    assert scalars["activations/0/mean"][1] == pytest.approx(pre.mean(), rel=1e-5, abs=1e-7)
+    assert scalars["activations/0/zero_frac"][1] == 0.0
+
+
+def test_large_outputs_are_reduced_as_they_come_with_the_same_values():
+    from instrument.observers.activation_stats import _finish, batched_moments
+
+    x = torch.randn(3, 2, 64, 32, 32) * 2 + 5  # each output 2**17 elements
+    batched = _finish(batched_moments(x)).double().numpy()
+    ref = x.double().numpy().reshape(3, -1)
+    want = np.stack([ref.mean(1), ref.std(1), np.abs(ref).max(1), (ref == 0).mean(1)], 1)
+    np.testing.assert_allclose(batched, want, rtol=1e-5, atol=1e-7)
+    observer = instrument.ActivationStats(module=nn.Identity(), types=[nn.Identity])
+    observer.attach([])
+    with torch.no_grad():
+        for out in x:
+            observer.module(out)
+    observer.detach()
+    assert not observer._sums[0]._items  # nothing kept: each large output was reduced in its hook
+    np.testing.assert_allclose(_finish(observer._sums[0].results()).double().numpy(), want, rtol=1e-5, atol=1e-7)

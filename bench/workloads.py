@@ -11,9 +11,9 @@ Rows (``workload/mode/kind``):
   pipeline's own cost: observers, one batched host transfer, handing the record over); ``log[]`` (a
   logging step with no observer: the base from which each observer's own cost is taken);
   ``log[IterationStats]``, ``log[UpdateNorm]``, ``log[GradientStats]``, ``log[GradientStats.global]``
-  (``per="global"``: only the global gradient norm, one fused pass), ``log[NonFinite]``, ``log[RolloutVideo]``
-  (one observer each: the own-cost rows; RolloutVideo on the NCA only: RL observations have no grid to
-  render); ``naive`` (the common hand-written
+  (``per="global"``: only the global gradient norm, one fused pass), ``log[NonFinite]``, ``log[RolloutVideo]``,
+  ``log[ActivationStats]``, ``log[StateHistogram]`` (one observer each: the own-cost rows, ``log[X] - log[]``;
+  RolloutVideo on the NCA only: RL observations have no grid to render); ``naive`` (the common hand-written
   pattern: the same statistics with ``.tolist()``/``.item()`` every iteration); ``wandb-watch``
   (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step);
   ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or compiled model; pending until
@@ -55,7 +55,9 @@ NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32,
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
 OBSERVERS = ("IterationStats", "UpdateNorm")  # the headline rows' observers
 # One own-cost row each (``log[X]`` minus ``log[]``); GradientStats.global is GradientStats(per="global").
-OWN_COST = OBSERVERS + ("GradientStats", "GradientStats.global", "NonFinite", "RolloutVideo")
+OWN_COST = OBSERVERS + (
+    "GradientStats", "GradientStats.global", "NonFinite", "RolloutVideo", "ActivationStats", "StateHistogram"
+)
 NOT_APPLICABLE = {("rl", "RolloutVideo"): "not applicable: RL observations have no grid to render"}
 PROBE_PENDING = "pending: needs instrument.Probe (issue 3)"
 RL_PROBE_PENDING = "not in this matrix: RL probe costs are in bench/probe_overhead.py (make bench-probes)"
@@ -74,6 +76,8 @@ KINDS = {
         "log[GradientStats.global]",
         "log[NonFinite]",
         "log[RolloutVideo]",
+        "log[ActivationStats]",
+        "log[StateHistogram]",
         "naive",
         "wandb-watch",
     ),
@@ -110,7 +114,7 @@ class SinkBackend(Backend):
 def make_observers(
     names: Sequence[str], workload: str, model: Optional[nn.Module] = None
 ) -> List[instrument.Observer]:
-    """``model``: whose parameters GradientStats and NonFinite cover (the RL rows watch nothing)."""
+    """``model``: whose parameters GradientStats and NonFinite cover, and ActivationStats hooks (the RL rows watch nothing)."""
     channel_dim = 1 if workload == "nca" else -1
     made = {
         "IterationStats": lambda: IterationStats(channel_dim=channel_dim),
@@ -119,6 +123,8 @@ def make_observers(
         "GradientStats": lambda: GradientStats(module=model),
         "GradientStats.global": lambda: GradientStats(module=model, per="global"),
         "NonFinite": lambda: NonFinite(channel_dim=channel_dim, module=model),
+        "ActivationStats": lambda: instrument.ActivationStats(module=model),
+        "StateHistogram": lambda: instrument.StateHistogram(channel_dim=channel_dim),
     }
     return [made[n]() for n in names]
 

@@ -42,10 +42,12 @@ from instrument.logger.logger import Logger
 from instrument.logger.reduce import CrossRankReducer
 from instrument.logger.timer import Timer
 from instrument.monitors.system import SystemMonitor
+from instrument.observers.activation_stats import ActivationStats
 from instrument.observers.gradient_stats import GradientStats
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.nonfinite import NonFinite
 from instrument.observers.rollout_video import RolloutVideo
+from instrument.observers.state_histogram import StateHistogram
 from instrument.observers.update_norm import UpdateNorm
 from instrument.probes.probe import Probe
 from instrument.probes.script import freeze, script
@@ -56,6 +58,7 @@ from instrument.terminal.table import Column, StepTable
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationStats",
     "Backend",
     "Column",
     "ConfigurationError",
@@ -79,6 +82,7 @@ __all__ = [
     "RunHistoryBackend",
     "RunInfo",
     "RunLog",
+    "StateHistogram",
     "StepContext",
     "StepObserver",
     "StepOrderError",

@@ -125,6 +125,8 @@ FACTORIES: Dict[str, Callable[[Path], Any]] = {
     # observers of a model's parameters: one with gradients (NaN in one, for NonFinite's gradient keys)
     "GradientStats": lambda tmp: instrument.GradientStats(module=_model_with_gradients(), histograms=True),
     "NonFinite": lambda tmp: instrument.NonFinite(module=_model_with_gradients(nan=True)),
+    # observers: every documented key logged (the suffixed keys of the non-last iterations included)
+    "StateHistogram": lambda tmp: instrument.StateHistogram(iterations=(0, -1)),
 }
 
 # RL components that log nothing from batches and losses alone, and why (they still run the whole lifecycle).
@@ -253,6 +255,12 @@ def _states(n_iter: int = 4) -> List[torch.Tensor]:
     return states
 
 
+def _watched_rule() -> torch.nn.Module:
+    """The module an observer's ``attach`` gets, as if watched: [2, 5, 6, 6] -> same shape, deterministic."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(5, 8, 1), torch.nn.ReLU(), torch.nn.Conv2d(8, 5, 1))
+
+
 def _read_jsonl(path: Path) -> Dict[int, Dict[str, Any]]:
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     return {line["step"]: line for line in lines if "step" in line}
@@ -260,7 +268,8 @@ def _read_jsonl(path: Path) -> Dict[int, Dict[str, Any]]:
 
 @pytest.mark.parametrize("cls", OBSERVERS, ids=_id)
 def test_observer_lifecycle_logs_exactly_its_documented_keys(cls: Type[Observer], tmp_path):
-    """reset -> observe(StepContext) x n [-> observe_gradients] -> log(logger, step), twice; the keys staged are the
+    """reset -> attach([module]) -> observe(StepContext) x n [-> observe_gradients] -> detach -> log(logger, step),
+    twice (the module runs each iteration, as a watched one does); the keys staged are the
     ones its docstring documents (each of them, of the documented kind, and nothing else), and reset forgets the
     previous step."""
     observer = build(cls, tmp_path)
@@ -273,17 +282,22 @@ def test_observer_lifecycle_logs_exactly_its_documented_keys(cls: Type[Observer]
     path = tmp_path / "metrics.jsonl"
     logger = Logger([JsonlBackend(path=str(path))], RunInfo("contract", tmp_path))
     states = _states()
+    rule = _watched_rule()
     wanted = tuple(observer.probes)  # embedded probes it reads: each gets a tensor of the state's shape
     for step in (0, 1):
         observer.reset()
-        observer.attach([])  # as the session does at the start of a logging step (nothing watched here)
-        with torch.no_grad():  # as the dispatcher calls it
-            for i in range(len(states) - 1):
-                probes = {name: states[i + 1] * (k + 1) for k, name in enumerate(wanted)}
-                observer.observe(StepContext(states[i], states[i + 1], step_index=i, probes=probes))
-            if wanted:  # as if each probe were a gradient probe: one gradient per iteration
-                observer.observe_gradients({name: [s.neg() for s in states[1:]] for name in wanted})
-        observer.detach()  # the session detaches before log
+        observer.attach([rule])  # as if `rule` were watched with inst.watch
+        try:
+            with torch.no_grad():  # as the dispatcher calls it
+                for i in range(len(states) - 1):
+                    rule(states[i])  # the watched module runs each iteration: hooks an observer attached see it
+                    probes = {name: states[i + 1] * (k + 1) for k, name in enumerate(wanted)}
+                    observer.observe(StepContext(states[i], states[i + 1], step_index=i, probes=probes))
+                if wanted:  # as if each probe were a gradient probe: one gradient per iteration
+                    observer.observe_gradients({name: [s.neg() for s in states[1:]] for name in wanted})
+        finally:
+            observer.detach()
+        assert not rule._forward_hooks and not rule[0]._forward_hooks, "detach() left hooks registered"
         observer.log(logger, step)
         logger.commit(step)
     logger.close()

@@ -247,3 +247,113 @@ def test_states_made_under_inference_mode_are_reduced_as_they_come():
     want = states[-1].double().numpy()
     assert keep.records[0].scalars["iteration_stats/std/c1"] == pytest.approx(want[:, 1].std(), rel=1e-5)
     assert keep.records[0].scalars["iteration_stats/iterations"] == 3.0
+
+
+# ------------------------------------------------------------------ heatmaps people can compare, channel names
+def _pngs(log_dir, tag):
+    """The heatmap images of ``tag`` as TensorBoard stored them, decoded: {step: [H, W, 3] uint8}."""
+    import io
+
+    from PIL import Image
+
+    from tests.conftest import event_accumulator
+
+    acc = event_accumulator(log_dir)
+    return {e.step: np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB"))
+            for e in acc.Images(tag)}
+
+
+def _cell(image, rows, cols, r, c):
+    from instrument.logger.render import heatmap_geometry
+
+    left, top, cw, ch = heatmap_geometry(rows, cols)
+    return tuple(image[top + r * ch + ch // 2, left + c * cw + cw // 2])
+
+
+def _log_two_heatmaps(tmp_path, color_range):
+    steps = {0: np.array([[0.0, 0.5], [1.0, -1.0]]), 1: np.array([[0.0, 0.5], [3.0, -5.0]])}
+    logger = instrument.Logger([instrument.TensorBoardBackend(log_dir=str(tmp_path))])
+    for step, matrix in steps.items():
+        logger.log_heatmap("hm", torch.from_numpy(matrix), step, x_ticks=("a", "b"), color_range=color_range)
+        logger.commit(step)
+    logger.close()
+    return _pngs(tmp_path, "hm")
+
+
+def test_fixed_color_range_gives_a_value_the_same_colour_at_every_step(tmp_path):
+    from instrument.logger.render import _LUT
+
+    fixed = _log_two_heatmaps(tmp_path / "fixed", (-1.0, 1.0))
+    for r, c, value in ((0, 0, 0.0), (0, 1, 0.5)):
+        assert _cell(fixed[0], 2, 2, r, c) == _cell(fixed[1], 2, 2, r, c)
+        assert _cell(fixed[0], 2, 2, r, c) == tuple(_LUT[round((value + 1.0) / 2.0 * 255)])
+    assert _cell(fixed[1], 2, 2, 1, 0) == tuple(_LUT[255])  # 3.0 lies above the range: the top colour
+    own = _log_two_heatmaps(tmp_path / "own", None)  # each image scaled to its own values: colours drift
+    assert _cell(own[0], 2, 2, 0, 0) != _cell(own[1], 2, 2, 0, 0)
+
+
+def test_running_color_range_is_the_range_seen_so_far(tmp_path):
+    from instrument.logger.render import _LUT
+
+    running = _log_two_heatmaps(tmp_path, "running")
+    assert _cell(running[0], 2, 2, 0, 0) == tuple(_LUT[round(1.0 / 2.0 * 255)])  # step 0: range (-1, 1)
+    assert _cell(running[1], 2, 2, 0, 0) == tuple(_LUT[round(5.0 / 8.0 * 255)])  # step 1: range (-5, 3)
+
+
+def test_color_bar_has_round_intermediate_ticks():
+    from instrument.logger.render import colorbar_ticks
+
+    values = sorted(v for v, _ in colorbar_ticks(-1.0, 1.0, 256))
+    assert values == [-1.0, -0.5, 0.0, 0.5, 1.0]
+    ticks = colorbar_ticks(0.013, 0.97, 256)
+    assert len(ticks) > 3 and all(round(v, 6) == round(v, 1) for v, _ in ticks[2:])
+    assert colorbar_ticks(0.0, 1.0, 20) == [(1.0, 0), (0.0, 19)]  # too short for more
+
+
+def test_bad_color_range_and_x_ticks_are_refused_clearly():
+    logger = instrument.Logger([])
+    with pytest.raises(instrument.InvalidValueError, match=r"lo < hi, got \(1, 0\)"):
+        logger.log_heatmap("hm", torch.zeros(2, 2), 0, color_range=(1, 0))
+    with pytest.raises(instrument.InvalidValueError, match="'running' \\(the range seen so far\\)"):
+        logger.log_heatmap("hm", torch.zeros(2, 2), 0, color_range="auto")
+    with pytest.raises(instrument.InvalidValueError, match="got 1 x_ticks for a matrix of 2 columns"):
+        logger.log_heatmap("hm", torch.zeros(2, 2), 0, x_ticks=["a"])
+    with pytest.raises(instrument.ConfigurationError, match="not among its heatmaps"):
+        instrument.IterationStats(color_range={"median": (0, 1)})
+    logger.close()
+
+
+def test_iteration_stats_channel_names_and_fixed_range_read_back_from_tensorboard(tmp_path):
+    names = ("x", "v", "theta", "omega")
+    g = torch.Generator().manual_seed(3)
+    inst = instrument.Instrumentation(
+        [instrument.IterationStats(channel_dim=-1, channel_names=names, color_range={"mean": (-4.0, 4.0)})],
+        backends=[instrument.TensorBoardBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r",
+    )
+    last = {}
+    for step in (0, 1):
+        states = [torch.randn(32, 4, generator=g) * (step + 1) for _ in range(5)]
+        for s in states:
+            s[:, 0] = 0.25  # channel x: the same mean at every iteration and step
+        with inst.step(step) as scope:
+            for i in range(4):
+                scope.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+        last[step] = states[-1].double().numpy()
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    for k, n in enumerate(names):
+        assert scalars[f"iteration_stats/std/{n}"][1] == pytest.approx(last[1][:, k].std(), rel=1e-5)
+    assert not any("/c0" in key for key in scalars)
+    images = _pngs(tmp_path / "r", "iteration_stats/mean")
+    assert _cell(images[0], 4, 4, 2, 0) == _cell(images[1], 4, 4, 2, 0)  # fixed range: x's colour holds
+    assert images[0].shape == images[1].shape
+
+
+def test_channel_names_of_the_wrong_length_say_so():
+    observer = instrument.IterationStats(channel_dim=-1, channel_names=("x", "v"))
+    with pytest.raises(instrument.ConfigurationError, match=r"got 2 channel_names \['x', 'v'\] for a state with 4"):
+        _observe(observer, [torch.randn(8, 4) for _ in range(3)])
+    with pytest.raises(instrument.ConfigurationError, match="must be unique"):
+        instrument.IterationStats(channel_names=("x", "x"))
+    with pytest.raises(instrument.ConfigurationError, match="list or tuple of strings"):
+        instrument.IterationStats(channel_names="xv")

@@ -15,6 +15,7 @@ import pytest
 import instrument
 
 EXPECTED_ALL = [
+    "ActivationStats",
     "Backend",
     "Column",
     "ConfigurationError",
@@ -38,6 +39,7 @@ EXPECTED_ALL = [
     "RunHistoryBackend",
     "RunInfo",
     "RunLog",
+    "StateHistogram",
     "StepContext",
     "StepObserver",
     "StepOrderError",
@@ -63,6 +65,7 @@ ADDED_BY_OPEN_BRANCHES: dict = {}
 
 # Where each public name lives: its ``__module__`` must be this package or a module inside it.
 HOMES = {
+    "ActivationStats": "instrument.observers",
     "Backend": "instrument.backends",
     "Column": "instrument.terminal",
     "ConfigurationError": "instrument.errors",
@@ -86,6 +89,7 @@ HOMES = {
     "RunHistoryBackend": "instrument.backends",
     "RunInfo": "instrument.backends",
     "RunLog": "instrument.terminal",
+    "StateHistogram": "instrument.observers",
     "StepContext": "instrument.core",
     "StepObserver": "instrument.core",
     "StepOrderError": "instrument.errors",
@@ -128,7 +132,10 @@ SUBPACKAGE_ALL = {
         "in_recompute",
     ],
     "instrument.logger": ["CrossRankReducer", "Logger", "Timer"],
-    "instrument.observers": ["GradientStats", "IterationStats", "NonFinite", "RolloutVideo", "UpdateNorm"],
+    "instrument.observers": [
+        "ActivationStats", "GradientStats", "IterationStats", "NonFinite", "RolloutVideo", "StateHistogram",
+        "UpdateNorm",
+    ],
     "instrument.probes": ["Probe", "freeze"],
     "instrument.terminal": ["Column", "RunLog", "StepTable", "setup_run_logging", "write_line"],
 }

@@ -30,10 +30,12 @@ from instrument.backends.wandb import WandbBackend
 from instrument.config import experiment
 from instrument.config.parse import BEFORE_PARSE, operative_config
 from instrument.monitors.system import SystemMonitor
+from instrument.observers.activation_stats import ActivationStats
 from instrument.observers.gradient_stats import GradientStats
 from instrument.observers.iteration_stats import IterationStats
 from instrument.observers.nonfinite import NonFinite
 from instrument.observers.rollout_video import RolloutVideo
+from instrument.observers.state_histogram import StateHistogram
 from instrument.observers.update_norm import UpdateNorm
 from instrument.session import Instrumentation
 from instrument.terminal.runlog import setup_run_logging
@@ -47,6 +49,8 @@ RL_CLASSES = ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Eva
 for _cls in (Instrumentation, IterationStats, UpdateNorm, RolloutVideo, GradientStats, NonFinite,
              TensorBoardBackend, WandbBackend,
              ConsoleBackend, JsonlBackend, MlflowBackend, RunHistoryBackend, ProgressBar, SystemMonitor):
+    gin.configurable(_cls.__name__, module=MODULE)(_cls)
+for _cls in (ActivationStats, StateHistogram):
     gin.configurable(_cls.__name__, module=MODULE)(_cls)
 
 # Console table columns (one scope per column: `loss/Column.key = ...`, then `@loss/Column()`; or plain

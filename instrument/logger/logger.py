@@ -40,7 +40,7 @@ from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe, timing_stats
-from instrument.logger.media import KINDS, tensors_of
+from instrument.logger.media import KINDS, check_color_range, tensors_of
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
 from instrument.logger.reduce import CrossRankReducer, Entry, resolve_ops
@@ -113,6 +113,7 @@ class Logger:
         self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
         self._weights: Dict[str, Any] = {}  # only weighted names: sum of weights
         self._media: Dict[Tuple[str, str], Tuple[Any, Any]] = {}  # (kind, tag) -> (staged value, extra)
+        self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
         self._timers: Dict[str, Timer] = {}
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
@@ -222,11 +223,17 @@ class Logger:
         """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1] or uint8."""
         self._stage("image", tag, image, step)
 
-    def log_heatmap(
-        self, tag: str, matrix: Union[Tensor, np.ndarray], step: int, x_label: str = "", y_label: str = ""
-    ) -> None:
-        """Stage a 2-D matrix; on the writer thread it is drawn colour-mapped with axes and logged as an image."""
-        self._stage("heatmap", tag, matrix, step, (x_label, y_label))
+    def log_heatmap(self, tag: str, matrix: Union[Tensor, np.ndarray], step: int, x_label: str = "",
+                    y_label: str = "", x_ticks: Optional[Sequence[str]] = None, color_range: Any = None) -> None:
+        """Stage a 2-D matrix; on the writer thread it is drawn colour-mapped with axes and logged as an image.
+
+        ``x_ticks`` names the columns. ``color_range`` fixes what colours mean across steps: ``(lo, hi)``, or
+        ``"running"`` (the range of every matrix of this tag so far, tracked on the writer thread: no host
+        sync); None scales each image to its own values. The colour bar has round intermediate ticks.
+        """
+        ticks = None if x_ticks is None else tuple(str(t) for t in x_ticks)
+        extra = (x_label, y_label, ticks, check_color_range(f"log_heatmap({tag!r})", color_range), self._ranges)
+        self._stage("heatmap", tag, matrix, step, extra)
 
     def log_histogram(self, tag: str, values: Union[Tensor, np.ndarray, Sequence[float]], step: int) -> None:
         """Stage raw values for a histogram (any shape; flattened)."""

@@ -20,7 +20,7 @@ from instrument.backends.base import SampleTable
 from instrument.errors import InvalidValueError
 from instrument.logger.render import render_heatmap, to_hwc_uint8
 
-__all__ = ["MediaKind", "KINDS", "tensors_of"]
+__all__ = ["MediaKind", "KINDS", "check_color_range", "tensors_of"]
 
 Host = Callable[[Any], Any]
 
@@ -108,19 +108,56 @@ def _convert_image(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
 _HEATMAP = "a 2-D matrix [rows, cols] (1-D: one column)"
 
 
+def check_color_range(where: str, color_range: Any) -> Any:
+    """None, ``"running"`` or ``(lo, hi)`` with finite ``lo < hi`` (returned as a tuple of floats); else a clear
+    `InvalidValueError`."""
+    if color_range is None or (isinstance(color_range, str) and color_range == "running"):
+        return color_range
+    try:
+        lo, hi = (float(v) for v in color_range)
+    except (TypeError, ValueError):
+        raise InvalidValueError(
+            f"{where}: color_range must be None (each image scaled to its own values), 'running' (the range seen "
+            f"so far) or a pair (lo, hi) of numbers, got {color_range!r}."
+        ) from None
+    if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
+        raise InvalidValueError(
+            f"{where}: color_range (lo, hi) needs finite numbers with lo < hi, got {color_range!r}."
+        )
+    return (lo, hi)
+
+
 def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:
     value = _array_like("heatmap", tag, value, _HEATMAP)
-    if len(_shape(value)) not in (1, 2) or 0 in _shape(value):
+    shape = _shape(value)
+    if len(shape) not in (1, 2) or 0 in shape:
         raise InvalidValueError(
-            f"log_heatmap({tag!r}): expected {_HEATMAP}, got shape {_shape(value)}; reduce or reshape it first, "
+            f"log_heatmap({tag!r}): expected {_HEATMAP}, got shape {shape}; reduce or reshape it first, "
             f"e.g. value.mean(0) or value.flatten(1)."
+        )
+    x_ticks = extra[2]
+    cols = shape[1] if len(shape) == 2 else 1
+    if x_ticks is not None and len(x_ticks) != cols:
+        raise InvalidValueError(
+            f"log_heatmap({tag!r}): got {len(x_ticks)} x_ticks for a matrix of {cols} columns; give one label per "
+            f"column, or None to number them."
         )
     return value
 
 
 def _convert_heatmap(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
-    x_label, y_label = extra
-    return render_heatmap(np.asarray(host(value)), title=tag, x_label=x_label, y_label=y_label)
+    x_label, y_label, x_ticks, color_range, running = extra
+    matrix = np.asarray(host(value), dtype=np.float64)
+    if color_range == "running":  # the range of every matrix drawn under this tag so far (this thread only)
+        finite = matrix[np.isfinite(matrix)]
+        seen = running.get(tag)
+        if finite.size:
+            lo, hi = float(finite.min()), float(finite.max())
+            seen = (min(lo, seen[0]), max(hi, seen[1])) if seen else (lo, hi)
+            running[tag] = seen
+        color_range = seen if seen and seen[1] > seen[0] else None
+    return render_heatmap(matrix, title=tag, x_label=x_label, y_label=y_label, color_range=color_range,
+                          x_ticks=x_ticks)
 
 
 _HISTOGRAM = "numbers of any shape (flattened)"

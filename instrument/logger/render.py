@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw, ImageFont
 from instrument.core.colormap import NAN_COLOUR as _NAN_COLOUR
 from instrument.core.colormap import VIRIDIS_LUT as _LUT
 
-__all__ = ["to_hwc_uint8", "render_heatmap"]
+__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks"]
 
 
 def to_hwc_uint8(image: np.ndarray, tag: str = "image") -> np.ndarray:
@@ -45,34 +45,91 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if np.isfinite(v) else "nan"
 
 
+# Layout of a heatmap canvas, in pixels: margins around the cells.
+LEFT, TOP, RIGHT = 48, 22, 64
+_BAR_WIDTH = 10
+
+
+def heatmap_geometry(rows: int, cols: int, target_size: int = 256):
+    """Where the cells of a ``rows`` x ``cols`` heatmap are drawn: ``(left, top, cell_width, cell_height)``.
+
+    Cell ``(r, c)`` covers ``x`` in ``[left + c * cell_width, left + (c + 1) * cell_width)`` and the same for
+    rows; its centre is the pixel to read back when checking colours.
+    """
+    return LEFT, TOP, max(1, target_size // cols), max(1, target_size // rows)
+
+
+def _vertical_text(text: str, font, fill=(0, 0, 0)) -> Image.Image:
+    """``text`` drawn bottom to top (rotated 90 degrees), on white, for x tick labels too wide to lie flat."""
+    box = font.getbbox(text)
+    img = Image.new("RGB", (max(1, box[2]) + 2, max(1, box[3]) + 2), (255, 255, 255))
+    ImageDraw.Draw(img).text((1, 0), text, fill=fill, font=font)
+    return img.rotate(90, expand=True)
+
+
 @functools.lru_cache(maxsize=64)
-def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str, target_size: int):
+def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str, target_size: int, x_ticks):
     """Everything of a heatmap that does not depend on its values: drawn once per layout, then copied.
 
-    Text drawing is most of a heatmap's cost, and the axes, ticks and colour bar repeat every logging step.
+    Text drawing is most of a heatmap's cost, and the axes, tick labels and colour bar repeat every logging step.
     """
-    cw = max(1, target_size // cols)
-    ch = max(1, target_size // rows)
+    left, top, cw, ch = heatmap_geometry(rows, cols, target_size)
     pw, ph = cw * cols, ch * rows
     font = _font(11)
-    left, top, bottom, right = 48, 22, 34, 64
-    canvas = Image.new("RGB", (left + pw + right, top + ph + bottom), (255, 255, 255))
+    labels = list(x_ticks) if x_ticks is not None else [str(c) for c in range(cols)]
+    widths = [font.getbbox(label)[2] for label in labels]
+    # Names (channel or module names) wider than their cell are written vertically, every one that fits.
+    vertical = x_ticks is not None and max(widths) > cw - 2
+    stride = max(1, int(np.ceil(12 / cw))) if vertical else max(1, int(np.ceil(cols / 8)))
+    label_height = max(widths) + 4 if vertical else 14
+    bottom = 6 + label_height + 16
+    canvas = Image.new("RGB", (left + pw + RIGHT, top + ph + bottom), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     draw.text((left, 4), title, fill=(0, 0, 0), font=font)
-    for c in range(0, cols, max(1, int(np.ceil(cols / 8)))):  # at most ~8 tick labels per axis
+    for c in range(0, cols, stride):  # at most ~8 index labels per axis; names as many as fit
         x = left + c * cw + cw // 2
         draw.line([(x, top + ph), (x, top + ph + 3)], fill=(0, 0, 0))
-        draw.text((x - 4, top + ph + 4), str(c), fill=(0, 0, 0), font=font)
-    draw.text((left + pw // 2 - 3 * len(x_label), top + ph + 18), x_label, fill=(0, 0, 0), font=font)
+        if vertical:
+            text = _vertical_text(labels[c], font)
+            canvas.paste(text, (x - text.width // 2, top + ph + 5))
+        else:
+            draw.text((x - widths[c] // 2, top + ph + 4), labels[c], fill=(0, 0, 0), font=font)
+    draw.text((left + pw // 2 - 3 * len(x_label), top + ph + 6 + label_height), x_label, fill=(0, 0, 0), font=font)
     for r in range(0, rows, max(1, int(np.ceil(rows / 8)))):
         y = top + r * ch + ch // 2
         draw.line([(left - 3, y), (left, y)], fill=(0, 0, 0))
         draw.text((left - 26, y - 6), str(r), fill=(0, 0, 0), font=font)
     draw.text((2, top + ph // 2), y_label[:7], fill=(0, 0, 0), font=font)
     bar_x = left + pw + 8
-    bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(10, axis=1)
+    bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(_BAR_WIDTH, axis=1)
     canvas.paste(Image.fromarray(np.ascontiguousarray(bar)), (bar_x, top))
-    return canvas, (left, top), (cw, ch), (bar_x + 13, top - 2), (bar_x + 13, top + ph - 10), font
+    return canvas, (left, top), (cw, ch), bar_x, font
+
+
+def _nice_step(span: float, count: int = 4) -> float:
+    """A step of 1, 2 or 5 times a power of ten giving about ``count`` intervals over ``span``."""
+    raw = span / count
+    power = 10.0 ** np.floor(np.log10(raw))
+    for factor, below in ((1.0, 1.5), (2.0, 3.0), (5.0, 7.0)):
+        if raw / power < below:
+            return factor * power
+    return 10.0 * power
+
+
+def colorbar_ticks(lo: float, hi: float, height: int):
+    """The colour bar's labelled values: ``lo`` and ``hi`` at its ends and round values between them that leave
+    at least 14 pixels to their neighbours. Returns ``[(value, y offset from the bar's top)]``."""
+    ticks = [(hi, 0), (lo, height - 1)]
+    if not (np.isfinite(lo) and np.isfinite(hi)) or hi <= lo or height < 42:
+        return ticks
+    step = _nice_step(hi - lo)
+    value = np.ceil(lo / step) * step
+    while value < hi:
+        y = int(round((hi - value) / (hi - lo) * (height - 1)))
+        if all(abs(y - other) >= 14 for _, other in ticks):
+            ticks.append((0.0 if abs(value) < step * 1e-9 else float(value), y))
+        value += step
+    return ticks
 
 
 def render_heatmap(
@@ -81,10 +138,15 @@ def render_heatmap(
     x_label: str = "",
     y_label: str = "",
     target_size: int = 256,
+    color_range=None,
+    x_ticks=None,
 ) -> np.ndarray:
     """Draw ``matrix`` [rows, cols] as a colour-mapped image with tick labels, axis names and a colour bar.
 
-    Rows run top to bottom (row 0 at the top), which reads naturally for "iteration" axes.
+    Rows run top to bottom (row 0 at the top), which reads naturally for "iteration" axes. ``color_range``
+    ``(lo, hi)`` fixes the scale (values outside it get the end colours), so the same value has the same colour
+    in every image drawn with that range; None scales each matrix to its own finite min and max. ``x_ticks``
+    names the columns (one string per column) instead of numbering them. NaN and infinite cells are grey.
     """
     m = np.asarray(matrix, dtype=np.float64)
     if m.ndim == 1:
@@ -92,16 +154,26 @@ def render_heatmap(
     if m.ndim != 2 or m.size == 0:
         raise ValueError(f"log_heatmap({title!r}): expected a non-empty 2-D matrix, got shape {m.shape}.")
     rows, cols = m.shape
-    finite = m[np.isfinite(m)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if x_ticks is not None and len(x_ticks) != cols:
+        raise ValueError(f"log_heatmap({title!r}): {len(x_ticks)} x_ticks for {cols} columns; give one per column.")
+    if color_range is None:
+        finite = m[np.isfinite(m)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    else:
+        lo, hi = float(color_range[0]), float(color_range[1])
     span = hi - lo if hi > lo else 1.0
-    idx = np.clip(((np.nan_to_num(m, nan=lo) - lo) / span * 255.0).round(), 0, 255).astype(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = (np.nan_to_num(m, nan=lo, posinf=hi, neginf=lo) - lo) / span * 255.0
+    idx = np.clip(scaled.round(), 0, 255).astype(np.uint8)
     cells = _LUT[idx]
     cells[~np.isfinite(m)] = _NAN_COLOUR
-    frame, origin, (cw, ch), hi_at, lo_at, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size)
+    ticks = tuple(x_ticks) if x_ticks is not None else None
+    frame, origin, (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
     canvas = frame.copy()
     canvas.paste(Image.fromarray(np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)), origin)
     draw = ImageDraw.Draw(canvas)
-    draw.text(hi_at, _fmt(hi), fill=(0, 0, 0), font=font)
-    draw.text(lo_at, _fmt(lo), fill=(0, 0, 0), font=font)
+    for value, y in colorbar_ticks(lo, hi, ch * rows):
+        y += origin[1]
+        draw.line([(bar_x + _BAR_WIDTH, y), (bar_x + _BAR_WIDTH + 3, y)], fill=(0, 0, 0))
+        draw.text((bar_x + _BAR_WIDTH + 5, y - 6), _fmt(value), fill=(0, 0, 0), font=font)
     return np.asarray(canvas, dtype=np.uint8)

@@ -1,11 +1,12 @@
 """IterationStats: how every channel of the state evolves over the rollout."""
 
 import functools
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.observers.buffer import IterationBuffer
+from instrument.observers.options import channel_labels, check_channel_names, color_ranges
 from instrument.observers.stats import iteration_channel_stats
 
 __all__ = ["IterationStats"]
@@ -31,12 +32,20 @@ class IterationStats(Observer):
     ``<name>/iterations``           scalar   number of iterations observed
     =============================== ======== ==========================================================
 
+    ``k`` is zero-padded to the width of the largest index shown (``c00`` .. ``c15``). With ``channel_names``
+    the channel's name replaces ``c<k>`` in the keys (``iteration_stats/mean/x``) and on the heatmaps' x axis.
+
     Args:
         channel_dim: which dimension of the state holds channels (1 for [B, C, H, W]; -1 for [N, features]).
         images: log the heatmaps (on by default).
         channel_scalars: log last-iteration scalars per channel; False keeps only the heatmaps.
         max_channels: scalars for at most this many channels (the heatmaps always have all of them).
         max_elements: reduce early once the kept states hold this many elements (bounds memory).
+        color_range: the heatmaps' colour scale: None (each image scaled to its own values), ``(lo, hi)``
+            (fixed: a colour means the same value at every logging step), ``"running"`` (the range seen so far
+            under that heatmap's key), or a dict ``{stat: one of these}`` (unnamed stats: None).
+        channel_names: one name per channel (``("x", "v", "theta", "omega")`` for CartPole observations),
+            used instead of ``c<k>``; a state with another channel count is reported as an error.
     """
 
     default_name = "iteration_stats"
@@ -49,8 +58,13 @@ class IterationStats(Observer):
         channel_scalars: bool = True,
         max_channels: Optional[int] = 16,
         max_elements: Optional[int] = 64 * 2**20,
+        color_range: Any = None,
+        channel_names: Optional[Sequence[str]] = None,
     ) -> None:
         super().__init__(name)
+        owner = f"IterationStats({self.name!r})"
+        self.color_range = color_ranges(owner, color_range, STATS)
+        self.channel_names = check_channel_names(owner, channel_names)
         self.channel_dim = channel_dim
         self.images = images
         self.channel_scalars = channel_scalars
@@ -68,15 +82,18 @@ class IterationStats(Observer):
         table = self._states.results()  # [iterations, 4, C]
         if table is None:
             return
+        channels = table.shape[2]
+        count = channels if self.max_channels is None else min(channels, self.max_channels)
+        labels = channel_labels(f"IterationStats({self.name!r})", self.channel_names, channels, count)
         logger.log_metrics({"iterations": table.shape[0]}, step=step, prefix=self.name)
         for s, stat in enumerate(STATS):
             if self.images:
-                logger.log_heatmap(f"{self.name}/{stat}", table[:, s], step, x_label="channel", y_label="iter")
+                logger.log_heatmap(
+                    f"{self.name}/{stat}", table[:, s], step, x_label="channel", y_label="iter",
+                    x_ticks=self.channel_names, color_range=self.color_range[stat],
+                )
             if self.channel_scalars:
-                last = table[-1, s]
-                count = last.numel() if self.max_channels is None else min(last.numel(), self.max_channels)
-                width = len(str(max(count - 1, 0)))
-                values = last[:count].unbind()  # one call for all the 0-d views, not one index op each
+                values = table[-1, s, :count].unbind()  # one call for all the 0-d views, not one index op each
                 logger.log_metrics(
-                    {f"{stat}/c{k:0{width}d}": values[k] for k in range(count)}, step=step, prefix=self.name
+                    {f"{stat}/{label}": values[k] for k, label in enumerate(labels)}, step=step, prefix=self.name
                 )

@@ -1,0 +1,144 @@
+"""StateHistogram: the distribution of each channel's values, after the last iteration or at chosen ones.
+
+A mean and a std hide what a histogram shows at once: a channel saturating at the ends of its range, a
+bimodal alive/dead split, a long tail growing over training. ``observe`` keeps a reference to the states of
+the chosen iterations only (no copy, no reduction); at log time each channel's values go to the logger as one
+histogram, copied to the host with the step's other values and binned there by the backend.
+"""
+
+from collections import deque
+from typing import Deque, Dict, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+from instrument.core.context import StepContext
+from instrument.core.observer import Observer
+from instrument.errors import ConfigurationError
+from instrument.observers.buffer import ModifiedInPlaceError
+from instrument.observers.options import channel_labels, check_channel_names
+
+__all__ = ["StateHistogram"]
+
+
+class StateHistogram(Observer):
+    """Per-channel value histograms of the state after the last rollout iteration (and at chosen iterations).
+
+    For a state [B, C, ...] channel k's histogram holds every value of ``state.select(channel_dim, k)`` (the
+    whole batch and every position). ``iterations`` picks which states: ``-1`` is the state after the last
+    iteration, ``0`` after the first, ``-2`` after the one before the last; indices count the iterations
+    observed in the logging step. A rollout too short for an index logs nothing for it. The kept states are
+    references, checked at log time for in-place changes (then this step's histograms are dropped with an
+    error and later steps copy the chosen states); inference-mode states are copied.
+
+    Metric keys (``<name>`` defaults to ``state_hist``):
+
+    =============================== ========== ==========================================================
+    key                             kind       meaning
+    =============================== ========== ==========================================================
+    ``<name>/c<k>``                 histogram  channel k's values after the last iteration (``-1``)
+    ``<name>/c<k>/it<i>``           histogram  channel k's values after iteration ``i``, for each other
+                                               entry ``i`` of ``iterations`` (written as given: ``it0``,
+                                               ``it-2``)
+    =============================== ========== ==========================================================
+
+    ``k`` is zero-padded as in `IterationStats` (``c00`` .. ``c15`` for 16 channels); with ``channel_names``
+    the channel's name replaces ``c<k>``.
+
+    Args:
+        channel_dim: which dimension of the state holds channels (1 for [B, C, H, W]; -1 for [N, features]).
+            A 0-d or 1-d state is one channel.
+        iterations: which iterations' states to histogram (default ``(-1,)``: the last one only).
+        max_channels: histograms for at most this many channels (the first ones); None: all.
+        channel_names: one name per channel, used instead of ``c<k>``.
+    """
+
+    default_name = "state_hist"
+
+    def __init__(
+        self,
+        name: str = "",
+        channel_dim: int = 1,
+        iterations: Sequence[int] = (-1,),
+        max_channels: Optional[int] = 16,
+        channel_names: Optional[Sequence[str]] = None,
+    ) -> None:
+        super().__init__(name)
+        owner = f"StateHistogram({self.name!r})"
+        if isinstance(iterations, int):
+            iterations = (iterations,)
+        if (
+            isinstance(iterations, str)
+            or not iterations
+            or any(type(i) is not int for i in iterations)
+            or len(set(iterations)) != len(iterations)
+        ):
+            raise ConfigurationError(
+                f"{owner}: iterations must be a non-empty sequence of distinct ints such as (0, -1) (-1: the last "
+                f"iteration), got {iterations!r}."
+            )
+        if max_channels is not None and max_channels < 1:
+            raise ConfigurationError(f"{owner}: max_channels must be at least 1 or None, got {max_channels!r}.")
+        self.channel_dim = channel_dim
+        self.iterations: Tuple[int, ...] = tuple(iterations)
+        self.max_channels = max_channels
+        self.channel_names = check_channel_names(owner, channel_names)
+        self._from_start = {i for i in self.iterations if i >= 0}
+        self._from_end = max((-i for i in self.iterations if i < 0), default=0)
+        self._copy = False  # set once an in-place change was caught: keep copies from then on
+        self.reset()
+
+    def reset(self) -> None:
+        self._count = 0
+        self._kept: Dict[int, Tuple[Tensor, int]] = {}  # iteration (from the start) -> (state, version)
+        self._recent: Deque[Tuple[int, Tensor, int]] = deque(maxlen=max(self._from_end, 1))
+
+    def _keep(self, state: Tensor) -> Tuple[Tensor, int]:
+        if self._copy or state.is_inference():  # inference tensors have no version counter to check
+            return state.clone(), -1
+        return state, state._version
+
+    def observe(self, context: StepContext) -> None:
+        index = self._count
+        self._count += 1
+        if index in self._from_start or self._from_end:
+            kept = self._keep(context.next_state)
+            if index in self._from_start:
+                self._kept[index] = kept
+            if self._from_end:
+                self._recent.append((index, *kept))
+
+    def _state(self, iteration: int) -> Optional[Tensor]:
+        index = iteration if iteration >= 0 else self._count + iteration
+        if index < 0 or index >= self._count:
+            return None
+        kept = self._kept.get(index) if iteration >= 0 else next(
+            ((t, v) for i, t, v in self._recent if i == index), None
+        )
+        if kept is None:
+            return None
+        state, version = kept
+        if version != -1 and state._version != version:
+            self._copy = True
+            raise ModifiedInPlaceError(
+                f"StateHistogram({self.name!r}): the state of iteration {index} was modified in place after it "
+                f"was observed, so the reference kept for its histogram no longer holds the observed values; "
+                f"this step's histograms are dropped and from now on the chosen states are copied."
+            )
+        return state
+
+    def log(self, logger, step: int) -> None:
+        states = {i: self._state(i) for i in self.iterations}  # all checked before anything is staged
+        for iteration, state in states.items():
+            if state is None:
+                continue
+            if state.dim() < 2:
+                state = state.reshape(-1, 1)
+                dim = 1
+            else:
+                dim = self.channel_dim % state.dim()
+            channels = state.shape[dim]
+            count = channels if self.max_channels is None else min(channels, self.max_channels)
+            labels = channel_labels(f"StateHistogram({self.name!r})", self.channel_names, channels, count)
+            suffix = "" if iteration == -1 else f"/it{iteration}"
+            for k, label in enumerate(labels):
+                logger.log_histogram(f"{self.name}/{label}{suffix}", state.select(dim, k), step)

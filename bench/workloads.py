@@ -114,7 +114,7 @@ class SinkBackend(Backend):
 def make_observers(
     names: Sequence[str], workload: str, model: Optional[nn.Module] = None
 ) -> List[instrument.Observer]:
-    """``model``: whose parameters GradientStats and NonFinite cover, and ActivationStats hooks (the RL rows watch nothing)."""
+    """``model``: whose parameters GradientStats and NonFinite cover and whose layers ActivationStats hooks."""
     channel_dim = 1 if workload == "nca" else -1
     made = {
         "IterationStats": lambda: IterationStats(channel_dim=channel_dim),

@@ -3,10 +3,18 @@
 A watched module is one whose forward is one rollout iteration: it receives the previous state as its first
 argument and returns the next state (or a tuple whose first element is it). The hook exists only during a
 logging step: `attach` registers it and returns the handle whose ``remove()`` restores the module exactly.
+
+A module whose forward runs the whole rollout (a loop over its own submodule) is called once per step, so
+observers would see one iteration and log ``iterations = 1`` for a 20-iteration rollout. At the first logging
+step only, `StateWatch` also counts the calls of the module's submodules (plain counting hooks, removed at the
+end of that step; not for compiled or scripted modules): a module called once whose submodule ran several
+times gets a warning naming that submodule, and a module called once without such evidence an INFO message.
 """
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -17,6 +25,9 @@ from instrument.errors import ConfigurationError
 from instrument.probes.compiled import run_eagerly
 
 __all__ = ["StateWatch"]
+
+log = logging.getLogger("instrument")
+_MAX_COUNTED = 256  # submodules counted at the first logging step
 
 
 def _first_tensor(value: Any) -> Optional[Tensor]:
@@ -52,6 +63,9 @@ class StateWatch:
         self.name = name or type(module).__name__
         self.iterations = 0
         self._handle: Optional[RemovableHandle] = None
+        self._check_rollout = True  # the first logging step counts submodule calls (`_rollout_report`)
+        self._counted: List[Tuple[str, nn.Module, RemovableHandle]] = []
+        self._calls: Dict[int, int] = {}
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
             lambda: [observer_name(o) for o in getattr(deliver, "observers", ())],
@@ -69,6 +83,8 @@ class StateWatch:
         self.guard.begin()
         # run_eagerly: with a compiled module, Dynamo would otherwise trace the hook and the observers it calls.
         self._handle = self.module.register_forward_hook(run_eagerly(self._hook), with_kwargs=True)
+        if self._check_rollout:
+            self._count_submodules()
         return self._handle
 
     def detach(self) -> None:
@@ -76,6 +92,48 @@ class StateWatch:
             self._handle.remove()
             self._handle = None
             self.guard.end(self.iterations)
+            if self._check_rollout:
+                self._check_rollout = False
+                self._rollout_report()
+
+    def _count_submodules(self) -> None:
+        modules = list(self.module.named_modules())[1 : _MAX_COUNTED + 1]
+        if hasattr(self.module, "_orig_mod") or isinstance(self.module, torch.jit.ScriptModule) or any(
+            hasattr(m, "_orig_mod") for _, m in modules
+        ):
+            return  # a hook on a compiled module is not called, or makes it recompile: no evidence there
+        calls = self._calls
+
+        def count(module: nn.Module, args: Any, output: Any) -> None:
+            if not in_recompute():
+                calls[id(module)] = calls.get(id(module), 0) + 1
+
+        self._counted = [(path, m, m.register_forward_hook(count)) for path, m in modules]
+
+    def _rollout_report(self) -> None:
+        """After the first logging step: say it when one call of the module was all that was observed."""
+        counted, self._counted = self._counted, []
+        for _, _, handle in counted:
+            handle.remove()
+        calls, self._calls = self._calls, {}
+        if self.iterations != 1:
+            return
+        repeated = [(calls.get(id(m), 0), path, m) for path, m, _ in counted if calls.get(id(m), 0) > 1]
+        if repeated:
+            times, path, sub = max(repeated, key=lambda r: r[0])
+            log.warning(
+                "instrument: watched module %s was called once in the first logging step while its submodule "
+                "%r (%s) ran %d times: its forward looks like a whole rollout, so observers see 1 iteration "
+                "(iterations = 1) instead of %d. Watch the per-iteration module, inst.watch(model.%s), or watch "
+                "this one with state=False and call s.observer(StepContext(previous, next)) in its loop.",
+                self.name, path, type(sub).__name__, times, times, path,
+            )
+        else:
+            log.info(
+                "instrument: watched module %s was called once in the first logging step, so observers see 1 "
+                "iteration. If its forward runs the whole rollout, watch the per-iteration module instead (or "
+                "state=False and s.observer(StepContext(...)) in its loop).", self.name,
+            )
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():

@@ -361,3 +361,22 @@ def test_keys_mlflow_would_merge_stay_apart(tmp_path, caplog):
     assert first == [(0, 0.5), (1, 1.5)] and second == [(0, 0.25), (1, 1.25)]
     said = [r.getMessage() for r in caplog.records if "sanitises to" in r.getMessage()]
     assert len(said) == 1 and "'acc_top1_'" in said[0] and "'acc[top1]'" in said[0]
+
+
+# ---------------------------------------------------------------------------------------------------- loop numbering
+def test_a_one_based_loop_is_told_how_to_fix_it():
+    from instrument.rl import RLLogging
+
+    keeper = _Keep()
+    inst = instrument.Instrumentation(backends=[keeper], log_interval=1)
+    rl = RLLogging(progress=None).attach(inst)
+    with pytest.raises(instrument.ConfigurationError, match=r"loop looks 1-based.*range\(n\).*inst.step\(rl.step\)"):
+        with inst.step(1), rl.iteration():
+            inst.logger.log_metrics({"user": 1.0}, step=1)
+    for _ in range(1, 3):  # the suggested fix: the loop variable stays 1-based, the step is RLLogging's
+        with inst.step(rl.step), rl.iteration():
+            inst.logger.log_metrics({"user": 2.0}, step=rl.step)
+    rl.close()
+    inst.close()
+    assert [r.step for r in keeper.records] == [1, 2]
+    assert all(r.scalars["user"] == 2.0 for r in keeper.records)  # the failed step's 1.0 was discarded

@@ -74,7 +74,8 @@ class MlflowBackend(Backend):
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
     ``config/operative_config.gin``; images -> ``images/<key>/step_<step>.png``; text ->
     ``text/<key>/step_<step>.txt``; validation samples -> ``samples/<tag>/step_<step>.json``. Histograms and
-    videos are not logged (MLflow has no such type). Names are sanitised to MLflow's allowed characters.
+    videos are not logged (MLflow has no such type). Names are sanitised to MLflow's allowed characters;
+    two metric keys that would share a name are kept apart (`_metric_name`).
     """
 
     def __init__(

@@ -57,11 +57,11 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             )
         if value.is_meta:
             raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
-        if value.is_complex():
-            raise _complex(name, f"a complex tensor ({value.dtype})")
         value = value.detach().reshape(())
         if value.is_floating_point():
             return value
+        if value.is_complex():
+            raise _complex(name, f"a complex tensor ({value.dtype})")
         if value.dtype == torch.bool or value.device.type == "mps":  # MPS has no float64
             return value.to(torch.float32)
         return value.to(torch.float64)  # integers: exact up to 2**53 (float32 would round above 2**24)

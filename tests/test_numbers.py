@@ -271,8 +271,21 @@ def test_a_module_that_runs_the_whole_rollout_is_said_once(tmp_path, caplog):
     inst.close()
     said = [r.getMessage() for r in caplog.records if "whole rollout" in r.getMessage()]
     assert len(said) == 1
-    assert "'rule' (Conv2d) ran 20 times" in said[0] and "inst.watch(model.rule)" in said[0]
+    assert "its submodule 'rule' (Conv2d) in a loop" in said[0] and "inst.watch(model.rule)" in said[0]
     assert not model.rule._forward_hooks and not model._forward_hooks  # nothing left registered
+
+
+def test_a_single_call_without_a_loop_is_said_at_info_level(caplog):
+    rule = nn.Conv2d(4, 4, 3, padding=1)
+    inst = instrument.Instrumentation(observers=[IterationStats(images=False)], backends=[], log_interval=1)
+    inst.watch(rule)
+    with caplog.at_level(logging.INFO, logger="instrument"), torch.no_grad():
+        for step in range(2):
+            with inst.step(step):
+                rule(torch.zeros(1, 4, 6, 6))
+    inst.close()
+    said = [r for r in caplog.records if "called once" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
 
 
 def test_a_per_iteration_module_is_not_flagged(caplog):

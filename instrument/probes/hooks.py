@@ -5,16 +5,18 @@ argument and returns the next state (or a tuple whose first element is it). The 
 logging step: `attach` registers it and returns the handle whose ``remove()`` restores the module exactly.
 
 A module whose forward runs the whole rollout (a loop over its own submodule) is called once per step, so
-observers would see one iteration and log ``iterations = 1`` for a 20-iteration rollout. At the first logging
-step only, `StateWatch` also counts the calls of the module's submodules (plain counting hooks, removed at the
-end of that step; not for compiled or scripted modules): a module called once whose submodule ran several
-times gets a warning naming that submodule, and a module called once without such evidence an INFO message.
+observers would see one iteration and log ``iterations = 1`` for a 20-iteration rollout. After the first
+logging step, a module that was called once is checked for that: when the source of its ``forward`` calls one
+of its submodules inside a ``for`` or ``while`` loop it gets a warning naming that submodule, otherwise an INFO
+message. The check reads the source (`ast`), registers nothing, so compiled graphs are untouched.
 """
 
+import ast
+import inspect
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import textwrap
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -27,7 +29,6 @@ from instrument.probes.compiled import run_eagerly
 __all__ = ["StateWatch"]
 
 log = logging.getLogger("instrument")
-_MAX_COUNTED = 256  # submodules counted at the first logging step
 
 
 def _first_tensor(value: Any) -> Optional[Tensor]:
@@ -63,9 +64,7 @@ class StateWatch:
         self.name = name or type(module).__name__
         self.iterations = 0
         self._handle: Optional[RemovableHandle] = None
-        self._check_rollout = True  # the first logging step counts submodule calls (`_rollout_report`)
-        self._counted: List[Tuple[str, nn.Module, RemovableHandle]] = []
-        self._calls: Dict[int, int] = {}
+        self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
             lambda: [observer_name(o) for o in getattr(deliver, "observers", ())],
@@ -83,8 +82,6 @@ class StateWatch:
         self.guard.begin()
         # run_eagerly: with a compiled module, Dynamo would otherwise trace the hook and the observers it calls.
         self._handle = self.module.register_forward_hook(run_eagerly(self._hook), with_kwargs=True)
-        if self._check_rollout:
-            self._count_submodules()
         return self._handle
 
     def detach(self) -> None:
@@ -96,37 +93,19 @@ class StateWatch:
                 self._check_rollout = False
                 self._rollout_report()
 
-    def _count_submodules(self) -> None:
-        modules = list(self.module.named_modules())[1 : _MAX_COUNTED + 1]
-        if hasattr(self.module, "_orig_mod") or isinstance(self.module, torch.jit.ScriptModule) or any(
-            hasattr(m, "_orig_mod") for _, m in modules
-        ):
-            return  # a hook on a compiled module is not called, or makes it recompile: no evidence there
-        calls = self._calls
-
-        def count(module: nn.Module, args: Any, output: Any) -> None:
-            if not in_recompute():
-                calls[id(module)] = calls.get(id(module), 0) + 1
-
-        self._counted = [(path, m, m.register_forward_hook(count)) for path, m in modules]
-
     def _rollout_report(self) -> None:
         """After the first logging step: say it when one call of the module was all that was observed."""
-        counted, self._counted = self._counted, []
-        for _, _, handle in counted:
-            handle.remove()
-        calls, self._calls = self._calls, {}
         if self.iterations != 1:
             return
-        repeated = [(calls.get(id(m), 0), path, m) for path, m, _ in counted if calls.get(id(m), 0) > 1]
-        if repeated:
-            times, path, sub = max(repeated, key=lambda r: r[0])
+        looped = _looped_submodule(self.module)
+        if looped is not None:
+            path, sub = looped
             log.warning(
-                "instrument: watched module %s was called once in the first logging step while its submodule "
-                "%r (%s) ran %d times: its forward looks like a whole rollout, so observers see 1 iteration "
-                "(iterations = 1) instead of %d. Watch the per-iteration module, inst.watch(model.%s), or watch "
-                "this one with state=False and call s.observer(StepContext(previous, next)) in its loop.",
-                self.name, path, type(sub).__name__, times, times, path,
+                "instrument: watched module %s was called once in the first logging step, and its forward calls "
+                "its submodule %r (%s) in a loop: it looks like a whole rollout, so observers see 1 iteration "
+                "(iterations = 1). Watch the per-iteration module, inst.watch(model.%s), or watch this one with "
+                "state=False and call s.observer(StepContext(previous, next)) in its loop.",
+                self.name, path, type(sub).__name__, path,
             )
         else:
             log.info(
@@ -163,3 +142,21 @@ class StateWatch:
                 freeze_channels=self.freeze_channels,
             )
         )
+
+
+def _looped_submodule(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """``(name, child)`` of a child module that ``module.forward`` calls as ``self.<name>(...)`` inside a loop."""
+    module = getattr(module, "_orig_mod", module)  # a torch.compile wrapper: read the module it wraps
+    children = dict(module.named_children())
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):  # no source (built-in, scripted, generated): no evidence
+        return None
+    for loop in ast.walk(tree):
+        if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
+            for node in ast.walk(loop):
+                func = node.func if isinstance(node, ast.Call) else None
+                if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+                        and func.attr in children):
+                    return func.attr, children[func.attr]
+    return None

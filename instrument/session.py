@@ -8,6 +8,7 @@ on, no observer runs, no value leaves the device.
 """
 
 import logging
+import numbers
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -18,7 +19,7 @@ from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.core.step_components import ComponentHandle, StepComponents
-from instrument.errors import ConfigurationError, ProbeError
+from instrument.errors import ConfigurationError, InvalidValueError, ProbeError
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
 from instrument.probes import record
@@ -86,17 +87,20 @@ class StepScope:
             non-logging step, so ``if s.observer is not None:`` skips building the context entirely.
     """
 
-    __slots__ = ("step", "active", "observer", "_session")
+    __slots__ = ("step", "active", "observer", "_session", "_mark")
 
     def __init__(self, session: "Instrumentation", step: int, active: bool) -> None:
         self.step = step
         self.active = active
         self.observer = session._dispatch if active else None
         self._session = session
+        self._mark: Optional[tuple] = None
 
     def __enter__(self) -> "StepScope":
         if self.active:
             self._session._begin(self)
+        elif self._session.log_interval:  # what this step stages is dropped if its body raises
+            self._mark = self._session.logger.mark()
         self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
         return self
 
@@ -104,6 +108,8 @@ class StepScope:
         self._session._scope = None
         if self.active:
             self._session._end(self, failed=exc_type is not None)
+        elif exc_type is not None and self._mark is not None:
+            self._session._discard(self)
 
 
 class Instrumentation:
@@ -129,6 +135,13 @@ class Instrumentation:
         overhead_budget: logging steps measure their own cost, logged as ``instrument/overhead/...`` with the
             next logging step (`instrument.core.overhead`); the first time the fraction exceeds this budget one
             warning names the costliest observer. None turns both off; 1.0 keeps the keys, never warns.
+        channel_dim: the dimension of the watched states that holds channels, said once for every observer
+            (1 for ``[B, C, H, W]``, -1 for channels-last ``[B, H, W, C]``). An observer's own ``channel_dim``
+            wins; observers whose ``channel_dim`` is None take this one; with neither, each observer's
+            documented default applies (docs/observers.md).
+
+    A step whose body raises commits nothing: the values staged inside it (``log_metrics``, timers, media)
+    are discarded, never carried to a later step, and no observer logs.
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
     the reduction at each commit, and the first step checks that all ranks hold the same operative config.
@@ -149,7 +162,12 @@ class Instrumentation:
         on_full: str = "block",
         flush_secs: float = 2.0,
         overhead_budget: Optional[float] = 0.1,
+        channel_dim: Optional[int] = None,
     ) -> None:
+        if channel_dim is not None and (isinstance(channel_dim, bool) or not isinstance(channel_dim, int)):
+            raise ConfigurationError(
+                f"channel_dim must be an int (1 for [B, C, H, W], -1 for [B, H, W, C]) or None, got {channel_dim!r}."
+            )
         overhead = OverheadMeter.for_budget(overhead_budget)  # None when off; raises on a bad budget first
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -166,6 +184,10 @@ class Instrumentation:
 
             backends = [TensorBoardBackend()]
         self.observers: List[ObserverLike] = list(observers)
+        self.channel_dim = channel_dim
+        for obs in self.observers:  # observers whose own channel_dim is None fall back to the session's
+            if hasattr(obs, "channel_dim"):
+                obs.session_channel_dim = channel_dim
         self.log_interval = log_interval
         self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
         self.run_log: Any = None
@@ -198,6 +220,7 @@ class Instrumentation:
         self.overhead_budget = overhead_budget
         self._overhead = overhead
         self._overhead_warned = False
+        self._discard_reported = False
         self.system_monitor = system_monitor
         if system_monitor is not None and self.logger.is_writer:
             system_monitor.start(self.logger)
@@ -266,6 +289,12 @@ class Instrumentation:
         """Context manager for one training step; on logging steps it runs the observer lifecycle."""
         if self._closed:
             raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
+        if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+            raise InvalidValueError(f"inst.step takes an int step, got {type(step).__name__} ({step!r}).")
+        if step < 0:
+            raise InvalidValueError(
+                f"inst.step({step}): steps must be >= 0; number the loop from 0 (for step in range(n))."
+            )
         if not self._config_logged:
             self._log_config()
         return StepScope(self, step, self.is_logging_step(step))
@@ -381,6 +410,7 @@ class Instrumentation:
         if meter is not None:
             meter.enter(scope.step)
             self._dispatch.clock = meter
+        scope._mark = self.logger.mark()
         self._current = scope
         self._dispatch.begin(self.watched_modules)
         try:
@@ -422,6 +452,8 @@ class Instrumentation:
                 if meter is not None:
                     meter.commit_seconds(time.perf_counter() - started)
                 self._dispatch.committed(handle)
+            else:
+                self._discard(scope)
         finally:
             self._current = None
             self._stop_clock(failed)
@@ -439,6 +471,18 @@ class Instrumentation:
             if message and warm and not self._overhead_warned:
                 self._overhead_warned = True
                 log.warning("instrument: %s", message)
+
+    def _discard(self, scope: StepScope) -> None:
+        """The body of step ``scope.step`` raised: what it staged is dropped (said once per session)."""
+        dropped = self.logger.discard_staged(scope._mark) if scope._mark is not None else []
+        if dropped:
+            report = log.debug if self._discard_reported else log.warning
+            self._discard_reported = True
+            report(
+                "instrument: step %d raised; the %d value(s) staged in it (%s) are discarded, not carried to a "
+                "later step. Later discards are logged at DEBUG level.",
+                scope.step, len(dropped), ", ".join(sorted(dropped)[:5]),
+            )
 
     def _detach_all(self) -> None:
         self._dispatch.finish()

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,7 @@ _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _MAX_PARAM_VALUE = 6000
 _MAX_KEY = 250
+log = logging.getLogger("instrument")
 
 # Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
 # through the ``mlflow.tracking_store`` entry point group. "" is a local path (a file store).
@@ -76,7 +78,8 @@ class MlflowBackend(Backend):
     slider; MLflow stores them under ``images/``); text -> ``text/<key>/step_<step>.txt``; validation samples ->
     ``samples/<tag>/step_<step>.json``; videos -> animated GIFs ``videos/<key>/step_<step>.gif`` (encoded with
     Pillow; a video that cannot be written costs that video only). Histograms are not logged (MLflow has no such
-    type). Names are sanitised to MLflow's allowed characters.
+    type). Names are sanitised to MLflow's allowed characters; two metric keys that would share a name are kept
+    apart (`_metric_name`).
     """
 
     def __init__(
@@ -113,6 +116,8 @@ class MlflowBackend(Backend):
         self._artifacts: Optional[str] = None
         self._end_status = "FINISHED"
         self._unreachable_until = 0.0
+        self._names: Dict[str, str] = {}  # metric key -> MLflow name (`_metric_name`)
+        self._owners: Dict[str, str] = {}  # MLflow name -> the key that has it
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -199,9 +204,31 @@ class MlflowBackend(Backend):
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
         Metric = self._entities.Metric
         timestamp = int(wall_time * 1000)
-        items = [Metric(_safe_name(k), float(v), timestamp, int(step)) for k, v in scalars.items()]
+        names = self._names
+        items = [
+            Metric(names.get(k) or self._metric_name(k), float(v), timestamp, int(step)) for k, v in scalars.items()
+        ]
         for i in range(0, len(items), _METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
+
+    def _metric_name(self, key: str) -> str:
+        """A metric's MLflow name for the whole run. Sanitising can map two keys to one name (``acc[top1]`` and
+        ``acc_top1_`` both to ``acc_top1_``), which would merge two series into one: the later key gets a
+        numbered name (``acc_top1__2``) and one warning naming both keys."""
+        name = safe = _safe_name(key)
+        number = 1
+        while name in self._owners:
+            number += 1
+            name = f"{safe[: _MAX_KEY - 8]}_{number}"
+        if number > 1:
+            log.warning(
+                "instrument: MLflow metric key %r sanitises to %r, the MLflow name of key %r; it is logged as %r "
+                "instead, so the two series stay apart. Rename one of the keys to avoid this.",
+                key, safe, self._owners[safe], name,
+            )
+        self._names[key] = name
+        self._owners[name] = key
+        return name
 
     def write(self, record: StepRecord) -> None:
         self._ensure_open()

@@ -11,7 +11,9 @@ training loop that `Instrumentation` drives::
         # leaving a logging step                -> for each observer: detach() (always, also if the step raised);
         #                                          then, if it did not raise: observe_gradients(...) if gradient
         #                                          probes recorded any; log(logger, step); logger.commit(step);
-        #                                          then committed(record)
+        #                                          then committed(record).
+        #                                          If it raised: nothing is committed, and what the step staged
+        #                                          (log_metrics, timers, media) is discarded (Logger.mark)
     inst.close()                                # -> for each observer: close()
 
 On a non-logging step none of these methods is called and nothing is attached to any module.

@@ -8,6 +8,8 @@ serialisation, file and network I/O and every backend call happen there, in step
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
 mean over the interval at the next commit, so logging a loss every step is cheap and still honest.
+``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
+each kind of number becomes is in `instrument.logger.values`.
 
 Media kinds (images, heatmaps, histograms, text, videos, samples) are one table (`instrument.logger.media`):
 a cheap check on the caller, a conversion on the writer. A value that fails its conversion is dropped with
@@ -32,7 +34,6 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
@@ -44,8 +45,10 @@ from instrument.logger.media import KINDS, check_color_range, tensors_of
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
 from instrument.logger.reduce import CrossRankReducer, Entry, resolve_ops
+from instrument.logger.steps import LAZY, StepRecords
 from instrument.logger.timer import Timer, elapsed
 from instrument.logger.transfer import start_transfer, to_host
+from instrument.logger.values import EXACT_INT, as_scalar, check_keys
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
 __all__ = ["Logger"]
@@ -57,7 +60,7 @@ _STEP_POLICIES = ("raise", "warn")
 _TIMING = "timing/"
 
 
-class Logger:
+class Logger(StepRecords):
     """Stages values, commits them with one batched host transfer, writes them on one background thread.
 
     Args:
@@ -120,6 +123,9 @@ class Logger:
         self._closed = False
         self._exit_status: Optional[str] = None
         self._value_failures: Dict[str, int] = {}
+        self._warned: Dict[str, None] = {}  # keys (or "step <n>") already warned about once
+        self._mark = 0  # the live `mark` (0: none)
+        self._snapshot: Any = None  # the staged table as it was at the mark; LAZY: not taken yet
         self.backends: List[Backend] = list(backends) if self.is_writer else []
         self._writer = Writer(
             self.backends, self._build, self.ledger, queue_size, on_full, float(flush_secs),
@@ -151,21 +157,29 @@ class Logger:
         prefix: str = "",
         reduce: Union[str, Mapping[str, str]] = "mean",
         weights: Any = None,
-    ) -> None:
+        commit: bool = False,
+    ) -> Optional[CommittedStep]:
         """Stage scalar metrics (numbers or one-element tensors) under ``prefix/key``.
 
-        A metric logged several times before a commit is committed as its mean over the interval. ``reduce``
+        A metric logged several times before a commit is committed as its mean over the interval, at the step
+        of that commit. ``commit=True`` writes these values now as a record of their own at ``step`` and leaves
+        the rest staged (returns the `CommittedStep`; with a process group a collective, like `commit`). ``reduce``
         says how ranks combine it at commit: ``"mean"``, ``"sum"``, ``"min"``, ``"max"`` or ``"l2"`` (root of
         the sum of squares), for all keys or as a dict key -> op (unnamed keys: mean). ``weights`` (a number,
         a one-element tensor, or a dict key -> weight) makes a mean weighted, e.g. by batch size: the result
         is sum(weight * value) / sum(weight) over the interval and over ranks.
         """
+        check_keys(metrics)
         plain = weights is None and type(reduce) is str and reduce == "mean"
         ops = None if plain else resolve_ops(list(metrics), reduce, weights)
         head = prefix.rstrip("/") + "/" if prefix else ""
+        if commit:
+            return self._commit_own(metrics, step, head, ops)
         with self._lock:
             if not self._accept(step):
-                return
+                return None
+            if self._snapshot is LAZY:
+                self._take_snapshot()
             if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
                 totals, counts, on_device = self._totals, self._counts, self._on_device
                 names = self._names.get(head)  # prefixed key names, built once per (prefix, key)
@@ -177,7 +191,10 @@ class Logger:
                         name = names[key] = head + key if type(key) is str else head + str(key)
                     kind = type(value)
                     if kind is not float:
-                        value = float(value) if kind is int else _as_scalar(name, value)
+                        if kind is int and -EXACT_INT <= value <= EXACT_INT:
+                            value = float(value)
+                        else:
+                            value = as_scalar(name, value, self._warn_once)
                         if type(value) is not float:
                             on_device[name] = None
                     if name in totals:
@@ -185,14 +202,15 @@ class Logger:
                         counts[name] = counts.get(name, 1) + 1
                     else:
                         totals[name] = value
-                return
+                return None
             for key, value in metrics.items():
                 name = head + key if type(key) is str else head + str(key)
                 op, weight = ("mean", None) if ops is None else ops[key]
-                value = _as_scalar(name, value)
+                value = as_scalar(name, value, self._warn_once)
                 if weight is not None:
-                    weight = _as_scalar(f"weight of {name}", weight)
+                    weight = as_scalar(f"weight of {name}", weight, self._warn_once)
                 self._stage_scalar(name, value, op, weight)
+        return None
 
     def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
         """The general path: a reduce op other than mean, or a weight (under the lock)."""
@@ -260,9 +278,13 @@ class Logger:
 
     def _stage(self, kind: str, tag: str, value: Any, step: int, extra: Any = None) -> None:
         """Check a media value on the caller (cheap: metadata only) and stage it; rank 0 only."""
+        if not tag:
+            raise InvalidValueError(f"log_{kind} got the empty tag ''; give the {kind} a non-empty tag.")
         staged = KINDS[kind].check(tag, value, extra)
         with self._lock:
             if self._accept(step) and self.is_writer:  # other ranks validate the step but stage no media
+                if self._snapshot is LAZY:
+                    self._take_snapshot()
                 self._media[(kind, tag)] = (staged, extra)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
@@ -324,15 +346,19 @@ class Logger:
                 if not self._accept(step, pending=False):
                     return None
                 step = int(step)
+                self._check_repeat(step, staged[0])
                 self._last_step = step
-            payload = self._handover(step, staged, collective)
-            if payload is None:
-                return None
-            handle = CommittedStep(step, self._writer)
-            if not self._writer.submit(handle, payload):
-                log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
-                return None
-            return handle
+            return self._submit(step, staged, collective)
+
+    def _submit(self, step: int, staged: tuple, collective: bool) -> Optional[CommittedStep]:
+        payload = self._handover(step, staged, collective)
+        if payload is None:
+            return None
+        handle = CommittedStep(step, self._writer)
+        if not self._writer.submit(handle, payload):
+            log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
+            return None
+        return handle
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every step handed over so far is written and flushed by every backend.
@@ -386,6 +412,11 @@ class Logger:
         """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
+        if step < 0:
+            raise InvalidValueError(
+                f"step must be >= 0, got {step}: steps count from 0 and backends plot them as a non-negative "
+                f"axis. Number the loop from 0 (or offset it)."
+            )
         last = self._last_step
         if last is not None and step < last:
             self._step_regressed(int(step), last)
@@ -393,6 +424,11 @@ class Logger:
         if pending and (self._pending_step is None or step > self._pending_step):
             self._pending_step = int(step)
         return True
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned[key] = None
+            log.warning("instrument: %s (Said once per key.)", message)
 
     def _step_regressed(self, step: int, last: int) -> None:
         message = (
@@ -409,6 +445,8 @@ class Logger:
         timers = {name: (t.reduce, t.take()) for name, t in self._timers.items() if t.count}
         staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers)
         self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}
+        if self._snapshot is not None:  # a live mark: all that is staged from now on is newer than it
+            self._snapshot = LAZY
         return staged
 
     def _handover(self, step: int, staged: tuple, collective: bool) -> Optional[tuple]:
@@ -473,24 +511,3 @@ class Logger:
         else:
             log.debug("instrument: dropped %s %r again at step %d (%d times)", kind, tag, step, count)
 
-
-def _as_scalar(name: str, value: Any) -> Union[float, Tensor]:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise InvalidValueError(
-                f"metric {name!r} is a tensor of shape {tuple(value.shape)}; log_metrics takes scalars "
-                f"(one-element tensors or numbers). Reduce it first, e.g. value.mean(), or log_histogram it."
-            )
-        if value.is_meta:
-            raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
-        value = value.detach().reshape(())
-        return value if value.is_floating_point() else value.to(torch.float32)
-    if isinstance(value, np.ndarray):
-        if value.size != 1:
-            raise InvalidValueError(f"metric {name!r} is an array of shape {value.shape}; log a scalar instead.")
-        return float(value.reshape(()))
-    if isinstance(value, (numbers.Real, np.number)):
-        return float(value)
-    raise InvalidValueError(
-        f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
-    )

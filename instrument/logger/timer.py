@@ -69,6 +69,25 @@ class Timer:
     def count(self) -> int:
         return len(self._seconds) + len(self._events)
 
+    def position(self) -> tuple:
+        """Where the timer stands now, for `rewind` (a failed step's measurements are discarded)."""
+        return (self._seconds, len(self._seconds), self._events, len(self._events))
+
+    def rewind(self, position: tuple) -> int:
+        """Forget the measurements taken since ``position``; returns how many. After a `take` everything
+        now held is newer than ``position``."""
+        seconds, n_seconds, events, n_events = position
+        before = self.count
+        if self._seconds is seconds:
+            del self._seconds[n_seconds:]
+        else:
+            self._seconds.clear()
+        if self._events is events:
+            del self._events[n_events:]
+        else:
+            self._events.clear()
+        return before - self.count
+
     def take(self) -> Tuple[List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
         """The raw measurements since the last take (CPU seconds, CUDA event pairs); empties the timer.
 

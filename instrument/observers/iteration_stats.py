@@ -1,11 +1,11 @@
 """IterationStats: how every channel of the state evolves over the rollout."""
 
-import functools
 from typing import Any, Optional, Sequence
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.observers.buffer import IterationBuffer
+from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
 from instrument.observers.options import channel_labels, check_channel_names, color_ranges
 from instrument.observers.stats import iteration_channel_stats
 
@@ -36,7 +36,9 @@ class IterationStats(Observer):
     the channel's name replaces ``c<k>`` in the keys (``iteration_stats/mean/x``) and on the heatmaps' x axis.
 
     Args:
-        channel_dim: which dimension of the state holds channels (1 for [B, C, H, W]; -1 for [N, features]).
+        channel_dim: which dimension of the state holds channels (1 for [B, C, H, W]; -1 for [B, H, W, C] or
+            [N, features]). None (the default) takes the session's (``Instrumentation(channel_dim=...)``),
+            else 1; a 4-D state that looks channels-last under that default gets a one-time warning.
         images: log the heatmaps (on by default).
         channel_scalars: log last-iteration scalars per channel; False keeps only the heatmaps.
         max_channels: scalars for at most this many channels (the heatmaps always have all of them).
@@ -53,7 +55,7 @@ class IterationStats(Observer):
     def __init__(
         self,
         name: str = "",
-        channel_dim: int = 1,
+        channel_dim: Optional[int] = None,
         images: bool = True,
         channel_scalars: bool = True,
         max_channels: Optional[int] = 16,
@@ -66,17 +68,29 @@ class IterationStats(Observer):
         self.color_range = color_ranges(owner, color_range, STATS)
         self.channel_names = check_channel_names(owner, channel_names)
         self.channel_dim = channel_dim
+        self.session_channel_dim: Optional[int] = None  # set by Instrumentation(channel_dim=...)
+        self._dim: Optional[int] = None  # resolved at the first observe of each step
         self.images = images
         self.channel_scalars = channel_scalars
         self.max_channels = max_channels
-        reduce = functools.partial(iteration_channel_stats, channel_dim=channel_dim)
-        self._states = IterationBuffer(reduce, max_elements=max_elements)
+        self._states = IterationBuffer(self._reduce, max_elements=max_elements)
 
     def reset(self) -> None:
         self._states.clear()
+        self._dim = None
 
     def observe(self, context: StepContext) -> None:
-        self._states.append(context.next_state)
+        state = context.next_state
+        if self._dim is None:  # the layout, once per step: metadata only
+            said = said_channel_dim(self)
+            self._dim = check_channel_dim(self.name, said, state.shape) if said is not None and state.dim() > 2 else 1
+            if said is None and infer_channel_dim(state.shape) == -1:
+                warn_layout_once(self, f"the state has shape {list(state.shape)}, which looks channels-last "
+                                 f"[B, H, W, C], but channel_dim defaults to 1: channel k is read as grid row k.")
+        self._states.append(state)
+
+    def _reduce(self, states, scratch: bool = False):
+        return iteration_channel_stats(states, channel_dim=self._dim, scratch=scratch)
 
     def log(self, logger, step: int) -> None:
         table = self._states.results()  # [iterations, 4, C]

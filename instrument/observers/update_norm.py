@@ -8,6 +8,7 @@ from torch import Tensor
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.observers.buffer import IterationBuffer
+from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
 
 __all__ = ["UpdateNorm"]
 
@@ -15,10 +16,18 @@ __all__ = ["UpdateNorm"]
 class UpdateNorm(Observer):
     """L2 norm of ``dx`` per iteration, and the alive fraction for states with an alpha channel.
 
-    The norm is taken per sample over every non-batch dimension, then averaged over the batch. The alive
-    fraction is the share of cells whose alpha channel (``alive_channel``, default 3: RGBA first) exceeds
-    ``alive_threshold``; it is computed only for [B, C, H, W] states with more than ``alive_channel``
-    channels.
+    The norm is taken per sample over every non-batch dimension, then averaged over the batch (it does not
+    depend on the layout). The alive fraction is the share of cells (batch x grid) whose alpha channel
+    (``alive_channel``, default 3: RGBA first) exceeds ``alive_threshold``; it needs to know which dimension
+    holds the channels:
+
+    - ``channel_dim`` (1 for ``[B, C, H, W]``, -1 for channels-last ``[B, H, W, C]``, as in the original
+      growing-NCA notebook), else the session's (``Instrumentation(channel_dim=...)``);
+    - with neither, a 4-D state on a square grid says it: ``[B, C, S, S]`` or ``[B, S, S, C]`` with C != S.
+      A shape that fits both or neither (``[B, 16, 16, 16]``, a non-square grid) gets one warning and no
+      alive fraction: never a number read from the wrong dimension.
+
+    The alive fraction is logged only when the channel dimension has more than ``alive_channel`` entries.
 
     Metric keys (``<name>`` defaults to ``update_norm``):
 
@@ -43,35 +52,62 @@ class UpdateNorm(Observer):
         alive_channel: int = 3,
         alive_threshold: float = 0.1,
         max_elements: Optional[int] = 64 * 2**20,
+        channel_dim: Optional[int] = None,
     ) -> None:
         super().__init__(name)
         self.alive_channel = alive_channel
         self.alive_threshold = alive_threshold
+        self.channel_dim = channel_dim
+        self.session_channel_dim: Optional[int] = None  # set by Instrumentation(channel_dim=...)
         self._steps = IterationBuffer(self._reduce, max_elements=max_elements)
         self._has_alpha = False
+        self._alpha_dim: Optional[int] = None
+        self._shape: Optional[tuple] = None
 
     def reset(self) -> None:
         self._steps.clear()
         self._has_alpha = False
+        self._shape = None
 
     def observe(self, context: StepContext) -> None:
         # Keep references only; all iterations are reduced at once in `log` (see instrument.observers.buffer).
         # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
         state = context.next_state
-        self._has_alpha = state.dim() == 4 and state.shape[1] > self.alive_channel
+        if state.shape != self._shape:  # once per step (and when the shape changes): metadata only
+            self._shape = state.shape
+            self._alpha_dim = self._resolve(tuple(state.shape))
+        self._has_alpha = self._alpha_dim is not None
         if self._has_alpha:
-            self._steps.append(context.dx, state[:, self.alive_channel])
+            self._steps.append(context.dx, state.select(self._alpha_dim, self.alive_channel))
         else:
             self._steps.append(context.dx)
 
+    def _resolve(self, shape: tuple) -> Optional[int]:
+        """The dimension holding the alpha channel, or None (no alive fraction)."""
+        said = said_channel_dim(self)
+        if said is not None:
+            dim: Optional[int] = check_channel_dim(self.name, said, shape) if len(shape) > 2 else None
+        else:
+            dim = infer_channel_dim(shape)
+            if dim is None and len(shape) == 4:
+                warn_layout_once(
+                    self, f"a state of shape {list(shape)} could be [B, C, H, W] or [B, H, W, C], so which "
+                    f"dimension holds alive channel {self.alive_channel} is ambiguous; the alive fraction is "
+                    f"not logged until the layout is said.",
+                )
+            dim = None if dim is None else dim % len(shape)
+        if dim is None or shape[dim] <= self.alive_channel:
+            return None
+        return dim
+
     def _reduce(self, dx: Tensor, alpha: Optional[Tensor] = None, scratch: bool = False) -> Tensor:
-        """[k, *state] dx and [k, B, H, W] alpha -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if
+        """[k, *state] dx and [k, B, *grid] alpha -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if
         no alpha)."""
         k = dx.shape[0]
         flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 2 else dx.reshape(k, 1, -1)
         norms = torch.linalg.vector_norm(flat.float(), dim=2).mean(1)
         if alpha is not None:
-            alive = (alpha > self.alive_threshold).float().mean(dim=(1, 2, 3))
+            alive = (alpha > self.alive_threshold).reshape(k, -1).float().mean(dim=1)
         else:
             alive = torch.full_like(norms, float("nan"))
         return torch.stack([norms, alive], dim=1)

@@ -5,8 +5,18 @@ argument and returns the next state (or a tuple whose first element is it). The 
 logging step: `attach` registers it and returns the handle whose ``remove()`` restores the module exactly.
 A ScriptModule takes no hook of its own: its calls are observed through the call boundary that
 `instrument.script` compiles into it, or from Python (`instrument.probes.script.observe_calls`).
+
+A module whose forward runs the whole rollout (a loop over its own submodule) is called once per step, so
+observers would see one iteration and log ``iterations = 1`` for a 20-iteration rollout. After the first
+logging step, a module that was called once is checked for that: when the source of its ``forward`` calls one
+of its submodules inside a ``for`` or ``while`` loop it gets a warning naming that submodule, otherwise an INFO
+message. The check reads the source (`ast`), registers nothing, so compiled graphs are untouched.
 """
 
+import ast
+import inspect
+import logging
+import textwrap
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
@@ -19,6 +29,8 @@ from instrument.probes import script
 from instrument.probes.compiled import run_eagerly, unwrap
 
 __all__ = ["StateWatch"]
+
+log = logging.getLogger("instrument")
 
 
 def _first_tensor(value: Any) -> Optional[Tensor]:
@@ -54,6 +66,7 @@ class StateWatch:
         self.name = name or type(module).__name__
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
+        self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
             lambda: [observer_name(o) for o in getattr(deliver, "observers", ())],
@@ -83,6 +96,30 @@ class StateWatch:
             self._handle.remove()
             self._handle = None
             self.guard.end(self.iterations)
+            if self._check_rollout:
+                self._check_rollout = False
+                self._rollout_report()
+
+    def _rollout_report(self) -> None:
+        """After the first logging step: say it when one call of the module was all that was observed."""
+        if self.iterations != 1:
+            return
+        looped = _looped_submodule(self.module)
+        if looped is not None:
+            path, sub = looped
+            log.warning(
+                "instrument: watched module %s was called once in the first logging step, and its forward calls "
+                "its submodule %r (%s) in a loop: it looks like a whole rollout, so observers see 1 iteration "
+                "(iterations = 1). Watch the per-iteration module, inst.watch(model.%s), or watch this one with "
+                "state=False and call s.observer(StepContext(previous, next)) in its loop.",
+                self.name, path, type(sub).__name__, path,
+            )
+        else:
+            log.info(
+                "instrument: watched module %s was called once in the first logging step, so observers see 1 "
+                "iteration. If its forward runs the whole rollout, watch the per-iteration module instead (or "
+                "state=False and s.observer(StepContext(...)) in its loop).", self.name,
+            )
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():
@@ -122,3 +159,21 @@ class StateWatch:
                 freeze_channels=self.freeze_channels,
             )
         )
+
+
+def _looped_submodule(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """``(name, child)`` of a child module that ``module.forward`` calls as ``self.<name>(...)`` inside a loop."""
+    module = getattr(module, "_orig_mod", module)  # a torch.compile wrapper: read the module it wraps
+    children = dict(module.named_children())
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):  # no source (built-in, scripted, generated): no evidence
+        return None
+    for loop in ast.walk(tree):
+        if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
+            for node in ast.walk(loop):
+                func = node.func if isinstance(node, ast.Call) else None
+                if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+                        and func.attr in children):
+                    return func.attr, children[func.attr]
+    return None

@@ -316,10 +316,17 @@ class RLLogging:
             return self._logger.commit(step)
         open_step = inst.active_step
         if open_step is not None and open_step != step:
+            if self.step_unit == "iterations":
+                fix = (f"RLLogging counts iterations from 0 and this is iteration {index}"
+                       + (", so the loop looks 1-based: loop `for iteration in range(n)` (0-based), or"
+                          if open_step == step + 1 else ";") + " open the block with `inst.step(rl.step)`.")
+            else:
+                fix = ("with step_unit='frames' the step is known only after the batch: drop the `with "
+                       "inst.step(...)` block (RLLogging commits through inst.commit_step), or bind "
+                       "step_unit='iterations' and open it with `inst.step(rl.step)`.")
             raise ConfigurationError(
                 f"RLLogging logs iteration {index} at step {step} ({self.step_unit}) inside "
-                f"`with inst.step({open_step})`; the two must agree: use step_unit='iterations' and "
-                f"inst.step(iteration), or end the inst.step block before rl.end_iteration()."
+                f"`with inst.step({open_step})`; the two must agree. {fix}"
             )
         return inst.commit_step(step)  # inside the open block: None, the block commits at its exit
 

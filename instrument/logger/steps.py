@@ -1,0 +1,111 @@
+"""Records beside the interval commit: values at their own step, a failed step's values, a repeated step.
+
+`Logger` inherits these from `StepRecords`; they work on its staged table under its locks.
+
+- ``log_metrics(..., commit=True)`` (`_commit_own`): the values become one record at their own step; what
+  else is staged stays staged for the next commit.
+- A failed step (`mark` / `discard_staged`): the session marks the start of every step and, when the step's
+  body raised, discards what was staged since, so no value of a failed step reaches a later step.
+- A step committed twice: written again at that step, with a one-time warning (`_check_repeat`).
+"""
+
+import logging
+from typing import Any, Dict, List, Mapping, Optional
+
+from instrument.logger.values import as_scalar
+from instrument.logger.writer import CommittedStep
+
+__all__ = ["LAZY", "StepRecords"]
+
+log = logging.getLogger("instrument")
+
+LAZY = object()  # a mark whose snapshot is taken at the next staging call
+_EMPTY = (None, 0, None, 0)
+_REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
+
+
+class StepRecords:
+    """Mixin of `Logger` (uses its ``_lock``, ``_commit_lock``, staged table and writer)."""
+
+    def _commit_own(
+        self, metrics: Mapping[str, Any], step: int, head: str, ops: Any
+    ) -> Optional[CommittedStep]:
+        """``log_metrics(..., commit=True)``: these values alone, as one record at ``step``."""
+        totals: Dict[str, Any] = {}
+        own_ops: Dict[str, str] = {}
+        weights: Dict[str, Any] = {}
+        on_device: Dict[str, None] = {}
+        for key, value in metrics.items():
+            name = head + key if type(key) is str else head + str(key)
+            op, weight = ("mean", None) if ops is None else ops[key]
+            value = as_scalar(name, value, self._warn_once)
+            if weight is not None:
+                weights[name] = weight = as_scalar(f"weight of {name}", weight, self._warn_once)
+                value = value * weight
+            totals[name] = value
+            if op != "mean":
+                own_ops[name] = op
+            if type(value) is not float or (weight is not None and type(weight) is not float):
+                on_device[name] = None
+        collective = self.reducer.active()
+        if not totals and not collective:
+            return None
+        with self._commit_lock:
+            with self._lock:
+                if not self._accept(step, pending=False):
+                    return None
+                step = int(step)
+                self._check_repeat(step, totals)
+                self._last_step = step
+            return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}), collective)
+
+    def _check_repeat(self, step: int, names: Mapping[str, Any]) -> None:
+        """A second record at the step last committed: written, but said once (W&B keeps only the first)."""
+        if step == self._last_step and names and _REPEAT not in self._warned:
+            self._warned[_REPEAT] = None
+            log.warning(
+                "instrument: step %d is committed a second time (keys %s); TensorBoard, MLflow and JSONL keep "
+                "both records at that step, W&B keeps only the first. Log values that belong to the next "
+                "logging step without commit=True, or commit them at their own step. (Said once per run.)",
+                step, sorted(names)[:5],
+            )
+
+    def mark(self) -> tuple:
+        """Remember what is staged now, so that `discard_staged` can drop what is staged after it.
+
+        The session marks the start of every step and discards when the step's body raised. Cheap: the
+        staged table is copied only when something is staged after the mark (once per mark), timers are
+        noted by position. A new mark replaces the previous one.
+        """
+        with self._lock:
+            self._mark += 1
+            self._snapshot = LAZY
+            return (self._mark, {name: t.position() for name, t in self._timers.items()})
+
+    def discard_staged(self, mark: tuple) -> List[str]:
+        """Drop every value staged (from any thread) since ``mark``: they are never committed, at this step or
+        a later one. Values staged before the mark stay. Returns the names dropped (timers as
+        ``timer <name>``); nothing when a later mark replaced ``mark``."""
+        number, timers = mark
+        with self._lock:
+            if number != self._mark:
+                return []
+            snapshot, self._snapshot, self._mark = self._snapshot, None, 0
+            # A timer created after the mark is rewound to empty: (None, 0, None, 0) matches none of its lists.
+            dropped = [f"timer {name}" for name, t in self._timers.items() if t.rewind(timers.get(name, _EMPTY))]
+            if snapshot is None or snapshot is LAZY:
+                return dropped
+            totals, counts, ops, weights, on_device, media, pending = snapshot
+            dropped += [name for name, value in self._totals.items() if totals.get(name) is not value]
+            dropped += [f"{kind} {tag}" for key, value in self._media.items() if media.get(key) is not value
+                        for kind, tag in [key]]
+            self._totals, self._counts, self._ops, self._weights = totals, counts, ops, weights
+            self._on_device, self._media, self._pending_step = on_device, media, pending
+            return dropped
+
+    def _take_snapshot(self) -> None:
+        """The staged table as it is, before the first value staged after a mark (under the lock)."""
+        self._snapshot = (
+            dict(self._totals), dict(self._counts), dict(self._ops), dict(self._weights), dict(self._on_device),
+            dict(self._media), self._pending_step,
+        )

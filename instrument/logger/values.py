@@ -1,0 +1,105 @@
+"""What a logged scalar becomes on its way to the backends, and what is refused.
+
+Every backend stores a scalar as a floating-point number (TensorBoard as float32, W&B and MLflow as float64),
+so the logger turns every accepted value into a float on the caller and refuses what no float can hold:
+
+===================================== ===================================================================
+received                              logged as
+===================================== ===================================================================
+``float``, NumPy float, NaN, inf      that float (NaN and inf pass through unchanged)
+``int`` / NumPy int, ``|v| <= 2**53`` the exact float
+``int`` / NumPy int, ``|v| > 2**53``  the nearest float64 (relative error <= 2**-53), with a one-time
+                                      warning naming the key: float64 cannot hold every such integer
+``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
+``bool``, ``np.bool_``                1.0 or 0.0
+``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
+one-element tensor                    a float tensor; integer tensors as float64 (exact to 2**53; the
+                                      value is never read on the caller, so larger ones are not checked),
+                                      bool tensors as 1.0/0.0
+one-element NumPy array               as its element
+anything else, empty key ``""``       refused (`InvalidValueError`)
+===================================== ===================================================================
+"""
+
+import numbers
+from typing import Any, Callable, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from instrument.errors import InvalidValueError
+
+__all__ = ["EXACT_INT", "as_scalar", "check_keys"]
+
+EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
+
+Warn = Callable[[str, str], None]
+
+
+def check_keys(metrics: Any) -> None:
+    """Refuse the empty key (one dict lookup, no per-key work): W&B drops it and other backends cannot
+    name it."""
+    if "" in metrics:
+        raise InvalidValueError(
+            "log_metrics got the empty metric key ''; W&B drops such a value and TensorBoard and MLflow show it "
+            "without a name. Give every metric a non-empty key (a prefix alone does not name a metric)."
+        )
+
+
+def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
+    """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise InvalidValueError(
+                f"metric {name!r} is a tensor of shape {tuple(value.shape)}; log_metrics takes scalars "
+                f"(one-element tensors or numbers). Reduce it first, e.g. value.mean(), or log_histogram it."
+            )
+        if value.is_meta:
+            raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
+        value = value.detach().reshape(())
+        if value.is_floating_point():
+            return value
+        if value.is_complex():
+            raise _complex(name, f"a complex tensor ({value.dtype})")
+        if value.dtype == torch.bool or value.device.type == "mps":  # MPS has no float64
+            return value.to(torch.float32)
+        return value.to(torch.float64)  # integers: exact up to 2**53 (float32 would round above 2**24)
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise InvalidValueError(f"metric {name!r} is an array of shape {value.shape}; log a scalar instead.")
+        return as_scalar(name, value.reshape(()).item(), warn)
+    if isinstance(value, (bool, np.bool_)):
+        return 1.0 if value else 0.0
+    if isinstance(value, (complex, np.complexfloating)):
+        raise _complex(name, repr(value))
+    if isinstance(value, numbers.Integral):
+        exact = int(value)
+        try:
+            result = float(exact)
+        except OverflowError:
+            digits = len(str(abs(exact)))
+            raise InvalidValueError(
+                f"metric {name!r} is an integer of {digits} digits, beyond the float range every backend "
+                f"stores (about +-1.8e308); log it scaled (e.g. its log10) or as float('inf')."
+            ) from None
+        if abs(exact) > EXACT_INT and int(result) != exact:
+            warn(
+                name,
+                f"metric {name!r} is the integer {exact}, beyond 2**53, where float64 (what backends store) "
+                f"cannot hold every integer: it is logged as {result!r}. Log a difference or a scaled value "
+                f"if the last digits matter.",
+            )
+        return result
+    if isinstance(value, (numbers.Real, np.number)):
+        return float(value)
+    raise InvalidValueError(
+        f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
+    )
+
+
+def _complex(name: str, received: str) -> InvalidValueError:
+    return InvalidValueError(
+        f"metric {name!r} is complex ({received}); backends store real numbers. Log its parts as two metrics, "
+        f"e.g. {{'{name}/real': z.real, '{name}/imag': z.imag}}, or abs(z)."
+    )

@@ -105,7 +105,7 @@ def test_global_norm_is_bitwise_what_clip_grad_norm_returns_in_memory():
     inst.close()
     for record, total in zip(sink.records, totals, strict=True):
         assert record.scalars["grad_stats/norm/global"] == float(total)
-        assert set(record.scalars) == {"grad_stats/norm/global"}  # per="global": one fused pass, one key
+        assert {k for k in record.scalars if k.startswith("grad_stats")} == {"grad_stats/norm/global"}  # one key
 
 
 def test_histograms_in_tensorboard(tmp_path):

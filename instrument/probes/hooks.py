@@ -19,6 +19,7 @@ import logging
 import textwrap
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from instrument.core.context import StepContext
@@ -98,7 +99,10 @@ class StateWatch:
             self.guard.end(self.iterations)
             if self._check_rollout:
                 self._check_rollout = False
-                self._rollout_report()
+                try:
+                    self._rollout_report()
+                except Exception:  # a diagnostic: it never costs the step
+                    log.debug("instrument: the whole-rollout check of %s failed", self.name, exc_info=True)
 
     def _rollout_report(self) -> None:
         """After the first logging step: say it when one call of the module was all that was observed."""
@@ -164,10 +168,12 @@ class StateWatch:
 def _looped_submodule(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
     """``(name, child)`` of a child module that ``module.forward`` calls as ``self.<name>(...)`` inside a loop."""
     module = getattr(module, "_orig_mod", module)  # a torch.compile wrapper: read the module it wraps
+    if isinstance(module, torch.jit.ScriptModule):  # compiled: no Python source to read
+        return None
     children = dict(module.named_children())
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
-    except (OSError, TypeError, SyntaxError):  # no source (built-in, scripted, generated): no evidence
+    except Exception:  # no source (built-in, generated) or an unusual descriptor: no evidence
         return None
     for loop in ast.walk(tree):
         if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):

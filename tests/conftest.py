@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny update rule, a recording observer, readers for real backend outputs."""
 
 import logging
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -106,3 +107,11 @@ class NoHostSync:
 
     def __exit__(self, *exc):
         return self.mode.__exit__(*exc)
+
+
+def tqdm_bar_active() -> bool:
+    """Whether a tqdm bar is alive in this process (a test diagnostic: tqdm has no public API for its live
+    bars, so this reads its private registry; the library itself never does)."""
+    module = sys.modules.get("tqdm")
+    bar_class = getattr(module, "tqdm", None) if module is not None else None
+    return bool(getattr(bar_class, "_instances", None)) if bar_class is not None else False

@@ -11,7 +11,8 @@ from tqdm import tqdm
 import instrument
 from instrument import Column, ConsoleBackend, RunInfo, StepRecord
 from instrument.errors import ConfigurationError
-from instrument.terminal.output import tqdm_bar_active, write_line
+from instrument.terminal.output import write_line
+from tests.conftest import tqdm_bar_active
 
 COLUMNS = [
     Column("train/loss", "loss↓", 8, ".4f", "training loss"),

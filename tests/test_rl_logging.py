@@ -14,8 +14,8 @@ from torch import nn
 import instrument
 from instrument import ConfigurationError, Logger
 from instrument.rl import Evaluation, GymnasiumRunner, ProgressBar, RLComponent, RLLogging
-from instrument.terminal.output import tqdm_bar_active as bar_active
 from tests.conftest import event_accumulator, read_scalars
+from tests.conftest import tqdm_bar_active as bar_active
 from tests.wandb_reader import read_run
 
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering, moviepy) without a sound card

@@ -10,23 +10,13 @@ so tqdm is never imported here.
 import sys
 from typing import Optional, TextIO
 
-__all__ = ["write_line", "tqdm_bar_active"]
+__all__ = ["write_line"]
 
 
 def _loaded_tqdm():
     """The ``tqdm.tqdm`` class when tqdm has been imported (by anyone), else None."""
     module = sys.modules.get("tqdm")
     return getattr(module, "tqdm", None) if module is not None else None
-
-
-def tqdm_bar_active() -> bool:
-    """Whether a tqdm bar is alive in this process (any ``tqdm.tqdm`` subclass: auto, std, rich...).
-
-    A diagnostic for tests and debugging only: tqdm has no public API for its live bars, so this reads its
-    registry. `write_line` does not depend on it.
-    """
-    bar_class = _loaded_tqdm()
-    return bool(getattr(bar_class, "_instances", None)) if bar_class is not None else False
 
 
 def write_line(text: str, stream: Optional[TextIO] = None) -> None:

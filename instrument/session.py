@@ -8,6 +8,8 @@ on, no observer runs, no value leaves the device.
 """
 
 import logging
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -19,7 +21,7 @@ from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logger.logger import Logger
-from instrument.logger.ranks import check_same_config
+from instrument.logger.ranks import check_same_config, rank, same_on_all_ranks
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
@@ -44,7 +46,28 @@ def set_config_source(source: Optional[ConfigSource]) -> None:
 
 
 def default_run_name() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
+    """The start time plus a short random suffix (``YYYYmmdd-HHMMSS-xxxxxx``): unique even for jobs started
+    in the same second, and still sorted by time in a directory listing."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_run_name(name: Any) -> str:
+    """``name`` if it is one plain folder name; a `ConfigurationError` for anything that could reach outside
+    ``log_dir`` (``..``, a path separator, an absolute path) or is not a usable folder name."""
+    seps = [sep for sep in ("/", "\\", os.sep, os.altsep) if sep]
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigurationError(f"run_name must be a non-empty string, got {name!r}.")
+    if name in (".", "..") or ".." in name or any(sep in name for sep in seps) or os.path.isabs(name) or "\0" in name:
+        raise ConfigurationError(
+            f"run_name {name!r} is not a plain folder name: it must not contain '..', a path separator or be "
+            f"an absolute path (nothing is written outside log_dir). Put the folder part in log_dir instead, "
+            f"e.g. log_dir='runs/project', run_name='trial-1'."
+        )
+    return name
+
+
+def _is_used(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir()) or folder.exists() and not folder.is_dir()
 
 
 class WatchHandle:
@@ -110,7 +133,10 @@ class Instrumentation:
         observers: `Observer` instances (or plain ``callable(context)`` functions) run on logging steps.
         backends: where committed steps go; None means ``[TensorBoardBackend()]`` under ``runs/<run_name>``.
         log_interval: a step logs when ``step % log_interval == 0``; 0 turns logging off entirely.
-        run_name: the run's name; None means the start time, ``YYYYmmdd-HHMMSS``.
+        run_name: the run's folder name; None means the start time plus a random suffix,
+            ``YYYYmmdd-HHMMSS-xxxxxx`` (unique even for jobs started in the same second). A name with ``..``, a
+            path separator or an absolute path is refused, and so is one whose folder is not empty (unless
+            ``resume``): nothing is written outside ``log_dir`` and two runs never share a folder.
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
@@ -123,6 +149,7 @@ class Instrumentation:
         queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
             writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
             written step is flushed to disk (docs/backends.md).
+        resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run").
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
     the reduction at each commit, and the first step checks that all ranks hold the same operative config.
@@ -142,6 +169,7 @@ class Instrumentation:
         queue_size: int = 64,
         on_full: str = "block",
         flush_secs: float = 2.0,
+        resume: bool = False,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -159,7 +187,7 @@ class Instrumentation:
             backends = [TensorBoardBackend()]
         self.observers: List[ObserverLike] = list(observers)
         self.log_interval = log_interval
-        self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
+        self.run = RunInfo(name=self._run_name(run_name, Path(log_dir), resume), root=Path(log_dir))
         self.run_log: Any = None
         if run_log:  # before the logger, so what backends print while opening is in the file too
             from instrument.terminal.runlog import setup_run_logging
@@ -327,6 +355,25 @@ class Instrumentation:
             finally:
                 if self.run_log is not None:
                     self.run_log.close()
+
+    @staticmethod
+    def _run_name(run_name: Optional[str], root: Path, resume: bool) -> str:
+        """The run's folder name: checked, and never one that another run already wrote to (unless resuming)."""
+        if run_name is None:
+            if resume:
+                raise ConfigurationError("resume=True needs the run_name of the run to continue.")
+            name = default_run_name()
+            while _is_used(root / name):  # a suffix collision: vanishingly rare, but never share a folder
+                name = default_run_name()
+            return same_on_all_ranks(name)  # every rank names the run as rank 0 does
+        check_run_name(run_name)
+        if not resume and rank() == 0 and _is_used(root / run_name):  # rank 0 writes; others may see its files
+            raise ConfigurationError(
+                f"run {run_name!r} already exists in {str(root)!r} ({root / run_name} is not empty); a new run "
+                f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
+                f"default, or pass resume=True to continue that run."
+            )
+        return run_name
 
     def __enter__(self) -> "Instrumentation":
         return self

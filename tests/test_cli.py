@@ -72,7 +72,7 @@ def test_the_hint_names_the_viewer_of_each_backend_used(tmp_path, capsys):
         "--bind", "backend_set.console = None")
     assert code == 0, stderr
     hints = stdout.split("view them with:\n", 1)[1].splitlines()
-    db = (tmp_path / "runs" / "v" / "mlflow.db").resolve()
+    db = (tmp_path / "runs" / "mlflow.db").resolve()  # one store per log_dir
     assert hints[0] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'runs'}"
     assert f"  MLflow: mlflow ui --backend-store-uri sqlite:///{db}" in hints and db.is_file()
     (wandb_hint,) = [h for h in hints if h.startswith("  W&B (offline): wandb sync ")]

@@ -1,4 +1,4 @@
-"""MLflow: a local tracking store under the run directory by default, so no server is needed."""
+"""MLflow: a local tracking store per log_dir by default (shared by its runs), so no server is needed."""
 
 import contextlib
 import json
@@ -41,15 +41,16 @@ class MlflowBackend(Backend):
     process do not interfere. Needs ``pip install 'torch-instrument[mlflow]'``; imported when the run opens.
 
     Args:
-        tracking_uri: None means ``sqlite:///<run dir>/mlflow.db`` with artifacts in ``<run dir>/mlartifacts``
-            (no server; browse with ``mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db``). Any
+        tracking_uri: None means one store per ``log_dir``, shared by its runs: ``sqlite:///<log_dir>/mlflow.db``
+            with artifacts in ``<log_dir>/mlartifacts`` (no server; compare the runs with ``mlflow ui
+            --backend-store-uri sqlite:///<log_dir>/mlflow.db``). Any
             MLflow URI works: ``http://host:5000``, ``sqlite:///path.db``, ``file:/path/mlruns`` (MLflow 3
             accepts file stores only with ``MLFLOW_ALLOW_FILE_STORE=true``).
         experiment_name: created when missing.
         run_name: None means the instrument run's name.
         tags: extra run tags.
         artifact_location: where a newly created experiment stores artifacts; None means
-            ``<run dir>/mlartifacts``
+            ``<log_dir>/mlartifacts``
             with the default tracking URI and the server's default otherwise.
         timeout: seconds one HTTP request to a tracking server may take (connect, and then each read) before
             MLflow gives it up. MLflow's own default is 120.
@@ -143,11 +144,12 @@ class MlflowBackend(Backend):
         require("mlflow", "mlflow", "MlflowBackend")
         self._run = run
         self._artifacts = self.artifact_location
-        if self.tracking_uri is None:
-            run.dir.mkdir(parents=True, exist_ok=True)
-            self.tracking_uri = f"sqlite:///{(run.dir / 'mlflow.db').resolve()}"
+        if self.tracking_uri is None:  # one store per log_dir: the runs of a project compare in one `mlflow ui`
+            root = run.root
+            root.mkdir(parents=True, exist_ok=True)
+            self.tracking_uri = f"sqlite:///{(root / 'mlflow.db').resolve()}"
             if self._artifacts is None:
-                self._artifacts = (run.dir / "mlartifacts").resolve().as_uri()
+                self._artifacts = (root / "mlartifacts").resolve().as_uri()
         self._start()
 
     def _ensure_open(self) -> None:

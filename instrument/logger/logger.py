@@ -40,6 +40,7 @@ from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe, timing_stats
+from instrument.logger.lifecycle import closed_use
 from instrument.logger.media import KINDS, tensors_of
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
@@ -116,6 +117,8 @@ class Logger:
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._closed = False
+        self._closed_by = ""  # "close" (explicit: later calls raise) or "shutdown" (a signal or exit: warn once)
+        self._warned_closed = False
         self._exit_status: Optional[str] = None
         self._value_failures: Dict[str, int] = {}
         self.backends: List[Backend] = list(backends) if self.is_writer else []
@@ -254,6 +257,9 @@ class Logger:
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         """Flatten nested params, redact secret-looking keys, and queue them for every backend."""
+        if self._closed:
+            self._closed_use("log_hyperparams")
+            return
         flat = redact_secrets(flatten_params(params))
         text = redact_config_text(config_text) if config_text else config_text
         self._writer.call("log_hyperparams", flat, text)
@@ -299,6 +305,9 @@ class Logger:
         collective = self.reducer.active()
         with self._commit_lock:
             with self._lock:
+                if self._closed:
+                    self._closed_use(f"commit({step})")
+                    return None
                 if step is None:
                     step = self._pending_step
                 if not collective and (step is None or not self.has_pending):
@@ -342,6 +351,7 @@ class Logger:
                 log.exception("instrument: the final commit failed while closing the logger")
             finally:
                 self._closed = True
+                self._closed_by = self._closed_by or "close"
                 self._writer.close(status or self._exit_status, timeout)
                 shutdown.unregister(self)
 
@@ -349,6 +359,7 @@ class Logger:
         """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged."""
         if self._closed:
             return
+        self._closed_by = "shutdown"
         if commit and not self.reducer.active():
             self.close(status, timeout)
             return
@@ -373,6 +384,8 @@ class Logger:
         """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
+        if self._closed and not self._closed_use(f"a value at step {step}"):
+            return False
         last = self._last_step
         if last is not None and step < last:
             self._step_regressed(int(step), last)
@@ -380,6 +393,9 @@ class Logger:
         if pending and (self._pending_step is None or step > self._pending_step):
             self._pending_step = int(step)
         return True
+
+    def _closed_use(self, what: str) -> bool:
+        return closed_use(self, what)
 
     def _step_regressed(self, step: int, last: int) -> None:
         message = (

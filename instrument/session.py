@@ -149,6 +149,10 @@ class Instrumentation:
         queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
             writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
             written step is flushed to disk (docs/backends.md).
+        on_backend_error: a backend that cannot open (a missing extra, a bad option, an unreachable server):
+            ``"raise"`` (default) raises a `ConfigurationError` here naming the backend, the cause and the fix;
+            ``"warn"`` reports it and runs without it. The opens run on the logger's writer thread; this waits
+            for them at most ``open_timeout`` seconds, then warns and goes on.
         resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run").
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
@@ -170,6 +174,8 @@ class Instrumentation:
         on_full: str = "block",
         flush_secs: float = 2.0,
         resume: bool = False,
+        on_backend_error: str = "raise",
+        open_timeout: float = 60.0,
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -199,7 +205,8 @@ class Instrumentation:
         try:
             self.logger = Logger(
                 backends, self.run, on_step_regression=on_step_regression, queue_size=queue_size,
-                on_full=on_full, flush_secs=flush_secs,
+                on_full=on_full, flush_secs=flush_secs, on_backend_error=on_backend_error,
+                open_timeout=open_timeout,
             )
         except BaseException:
             if self.run_log is not None:

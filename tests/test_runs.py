@@ -171,3 +171,74 @@ def _env():
     import os
 
     return {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+class _Unopenable(instrument.Backend):
+    """A real backend whose destination cannot be created: its folder is a plain file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records = []
+
+    def open(self, run) -> None:
+        (self.path / "metrics.txt").open("a").close()
+
+    def write(self, record) -> None:
+        self.records.append(record)
+
+
+def test_a_backend_that_cannot_open_is_an_error_at_start(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    good = JsonlBackend()
+    with pytest.raises(ConfigurationError, match=r"could not open _Unopenable: NotADirectoryError.*"
+                                                  r"on_backend_error='warn'"):
+        instrument.Instrumentation(backends=[good, _Unopenable(blocker)], run_name="r", log_dir=str(tmp_path))
+    assert good._fd is None  # the backend that did open was closed again
+
+
+def test_on_backend_error_warn_runs_without_it(tmp_path, caplog):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    bad = _Unopenable(blocker)
+    inst = instrument.Instrumentation(backends=[JsonlBackend(), bad], run_name="r", log_dir=str(tmp_path),
+                                      on_backend_error="warn")
+    with inst.step(0):
+        inst.logger.log_metrics({"x": 1.0}, 0)
+    inst.close()
+    assert bad.records == [] and inst.failures == {"_Unopenable": 1}
+    assert "_Unopenable" in caplog.text and "open()" in caplog.text
+    assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text())["metrics"] == {"x": 1.0}
+
+
+def test_unreachable_mlflow_server_is_an_error_at_start_naming_the_fix(tmp_path):
+    pytest.importorskip("mlflow")
+    import socket
+
+    from instrument.backends.mlflow import MlflowBackend
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = MlflowBackend(tracking_uri=f"http://127.0.0.1:{port}", timeout=1, max_retries=0)
+    with pytest.raises(ConfigurationError, match=r"MlflowBackend: .*127\.0\.0\.1.*fix: start the server"):
+        instrument.Instrumentation(backends=[backend], run_name="m", log_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("bad", [{"on_backend_error": "ignore"}, {"open_timeout": 0}])
+def test_bad_open_options_are_refused(tmp_path, bad):
+    with pytest.raises(ConfigurationError, match=next(iter(bad))):
+        instrument.Instrumentation(backends=[], log_dir=str(tmp_path), **bad)
+
+
+def test_rl_demo_without_the_rl_extra_fails_at_start_naming_it(tmp_path, monkeypatch):
+    from instrument.demos.cartpole import train_cartpole
+    from instrument.errors import MissingExtraError
+    from instrument.rl import Evaluation, RLLogging
+
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # what Python does when a package is not installed
+    inst = instrument.Instrumentation(backends=[], log_dir=str(tmp_path), log_interval=1)
+    rl = RLLogging(evaluation=Evaluation(every_frames=1000), progress=None)
+    with pytest.raises(MissingExtraError, match=r"torch-instrument\[rl\]"):
+        train_cartpole(instrumentation=inst, steps=1, num_envs=2, max_steps=5, rl_logging=rl)
+    inst.close()

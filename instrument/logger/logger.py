@@ -40,7 +40,7 @@ from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe, timing_stats
-from instrument.logger.lifecycle import closed_use
+from instrument.logger.lifecycle import await_opens, check_open_policy, closed_use
 from instrument.logger.media import KINDS, tensors_of
 from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
 from instrument.logger.ranks import rank
@@ -72,6 +72,10 @@ class Logger:
             ``"drop"`` (the oldest waiting step is dropped, counted in `dropped`, warned about once).
         flush_secs: a written step is flushed to disk (`Backend.flush`) at most this many seconds later, also
             when training stalls.
+        on_backend_error: a backend that cannot open (missing extra, bad option, unreachable server):
+            ``"raise"`` (default: a `ConfigurationError` here naming it, the cause and the fix) or ``"warn"``
+            (reported once; the run goes on without it). The constructor waits for the opens (they run on the
+            writer thread) at most ``open_timeout`` seconds; past that it warns and goes on.
     """
 
     def __init__(
@@ -83,6 +87,8 @@ class Logger:
         queue_size: int = 64,
         on_full: str = "block",
         flush_secs: float = 2.0,
+        on_backend_error: str = "raise",
+        open_timeout: float = 60.0,
     ) -> None:
         if on_step_regression not in _STEP_POLICIES:
             raise ConfigurationError(
@@ -126,8 +132,10 @@ class Logger:
             self.backends, self._build, self.ledger, queue_size, on_full, float(flush_secs),
             name=f"instrument-writer-{self.run.name}",
         )
-        for backend in self.backends:
-            self._writer.call("open", self.run, backend=backend)
+        self._writer.report_open = check_open_policy(on_backend_error, open_timeout) == "warn"
+        opened = [self._writer.call("open", self.run, backend=backend) for backend in self.backends]
+        if opened:
+            await_opens(self, opened[-1], on_backend_error, open_timeout)  # raises if one failed ("raise")
         shutdown.register(self)
 
     def add_backend(self, backend: Backend) -> bool:

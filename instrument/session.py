@@ -8,9 +8,6 @@ on, no observer runs, no value leaves the device.
 """
 
 import logging
-import os
-import secrets
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -21,10 +18,11 @@ from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.logger.logger import Logger
-from instrument.logger.ranks import check_same_config, rank, same_on_all_ranks
+from instrument.logger.ranks import check_same_config
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
+from instrument.run_folder import run_name_for
 
 __all__ = ["Instrumentation", "StepScope", "WatchHandle"]
 
@@ -43,31 +41,6 @@ def set_config_source(source: Optional[ConfigSource]) -> None:
     """
     global _config_source
     _config_source = source
-
-
-def default_run_name() -> str:
-    """The start time plus a short random suffix (``YYYYmmdd-HHMMSS-xxxxxx``): unique even for jobs started
-    in the same second, and still sorted by time in a directory listing."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-
-
-def check_run_name(name: Any) -> str:
-    """``name`` if it is one plain folder name; a `ConfigurationError` for anything that could reach outside
-    ``log_dir`` (``..``, a path separator, an absolute path) or is not a usable folder name."""
-    seps = [sep for sep in ("/", "\\", os.sep, os.altsep) if sep]
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigurationError(f"run_name must be a non-empty string, got {name!r}.")
-    if name in (".", "..") or ".." in name or any(sep in name for sep in seps) or os.path.isabs(name) or "\0" in name:
-        raise ConfigurationError(
-            f"run_name {name!r} is not a plain folder name: it must not contain '..', a path separator or be "
-            f"an absolute path (nothing is written outside log_dir). Put the folder part in log_dir instead, "
-            f"e.g. log_dir='runs/project', run_name='trial-1'."
-        )
-    return name
-
-
-def _is_used(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir()) or folder.exists() and not folder.is_dir()
 
 
 class WatchHandle:
@@ -153,6 +126,10 @@ class Instrumentation:
             ``"raise"`` (default) raises a `ConfigurationError` here naming the backend, the cause and the fix;
             ``"warn"`` reports it and runs without it. The opens run on the logger's writer thread; this waits
             for them at most ``open_timeout`` seconds, then warns and goes on.
+        secret_keys: glob patterns (case-insensitive) of more key names whose values are redacted before
+            anything is written, added to the usual ones (``*token*``, ``*secret*``, ``*password*``,
+            ``*api_key*``, cloud and W&B credential names: `instrument.logger.params.SECRET_PATTERNS`); e.g.
+            ``Instrumentation.secret_keys = ['*cookie*']`` in gin.
         resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run").
 
     Under `torch.distributed`, build it on every rank: only rank 0 opens backends, every rank takes part in
@@ -176,6 +153,7 @@ class Instrumentation:
         resume: bool = False,
         on_backend_error: str = "raise",
         open_timeout: float = 60.0,
+        secret_keys: Sequence[str] = (),
     ) -> None:
         if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
             raise ConfigurationError(
@@ -193,7 +171,7 @@ class Instrumentation:
             backends = [TensorBoardBackend()]
         self.observers: List[ObserverLike] = list(observers)
         self.log_interval = log_interval
-        self.run = RunInfo(name=self._run_name(run_name, Path(log_dir), resume), root=Path(log_dir))
+        self.run = RunInfo(name=run_name_for(run_name, Path(log_dir), resume), root=Path(log_dir))
         self.run_log: Any = None
         if run_log:  # before the logger, so what backends print while opening is in the file too
             from instrument.terminal.runlog import setup_run_logging
@@ -206,7 +184,7 @@ class Instrumentation:
             self.logger = Logger(
                 backends, self.run, on_step_regression=on_step_regression, queue_size=queue_size,
                 on_full=on_full, flush_secs=flush_secs, on_backend_error=on_backend_error,
-                open_timeout=open_timeout,
+                open_timeout=open_timeout, secret_keys=secret_keys,
             )
         except BaseException:
             if self.run_log is not None:
@@ -362,25 +340,6 @@ class Instrumentation:
             finally:
                 if self.run_log is not None:
                     self.run_log.close()
-
-    @staticmethod
-    def _run_name(run_name: Optional[str], root: Path, resume: bool) -> str:
-        """The run's folder name: checked, and never one that another run already wrote to (unless resuming)."""
-        if run_name is None:
-            if resume:
-                raise ConfigurationError("resume=True needs the run_name of the run to continue.")
-            name = default_run_name()
-            while _is_used(root / name):  # a suffix collision: vanishingly rare, but never share a folder
-                name = default_run_name()
-            return same_on_all_ranks(name)  # every rank names the run as rank 0 does
-        check_run_name(run_name)
-        if not resume and rank() == 0 and _is_used(root / run_name):  # rank 0 writes; others may see its files
-            raise ConfigurationError(
-                f"run {run_name!r} already exists in {str(root)!r} ({root / run_name} is not empty); a new run "
-                f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
-                f"default, or pass resume=True to continue that run."
-            )
-        return run_name
 
     def __enter__(self) -> "Instrumentation":
         return self

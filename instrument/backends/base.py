@@ -23,7 +23,7 @@ one gets the next record again.
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class RunInfo:
 
     name: str
     root: Path = Path("runs")
+    argv: Optional[Tuple[str, ...]] = None  # the command line with secrets redacted (set by the Logger)
+    resume: Dict[str, str] = dataclasses.field(default_factory=dict, hash=False)  # backend name -> run id
 
     @property
     def dir(self) -> Path:

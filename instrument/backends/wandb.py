@@ -1,7 +1,10 @@
 """Weights & Biases: offline by default, so no account or network is needed until a user binds ``mode``."""
 
+import contextlib
+import sys
+import threading
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.errors import ConfigurationError, require
@@ -75,11 +78,12 @@ class WandbBackend(Backend):
         # Older W&B (before the setting existed) writes on its own fixed schedule.
         flush_field = "x_transaction_log_flush_interval"
         flush = {flush_field: self.flush_secs} if flush_field in getattr(wandb.Settings, "model_fields", {}) else {}
-        self.run = wandb.init(
-            project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
-            notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
-            settings=wandb.Settings(console="off", silent=True, **flush),
-        )
+        with _argv(run.argv):  # W&B records sys.argv in the run's metadata: let it see the redacted one
+            self.run = wandb.init(
+                project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
+                notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
+                settings=wandb.Settings(console="off", silent=True, **flush),
+            )
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
 
@@ -136,6 +140,27 @@ class WandbBackend(Backend):
 
     def __repr__(self) -> str:
         return f"WandbBackend(project={self.project!r}, mode={self.mode!r})"
+
+
+_ARGV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _argv(argv: Optional[Sequence[str]]) -> Iterator[None]:
+    """``sys.argv`` replaced by ``argv`` (the redacted command line) while W&B reads it, when they differ.
+
+    W&B (``Settings._args``) takes the command line from ``sys.argv`` and has no setting to pass another;
+    the swap lasts only for ``wandb.init`` on the writer thread."""
+    if argv is None or list(argv) == sys.argv:
+        yield
+        return
+    with _ARGV_LOCK:
+        saved = sys.argv[:]
+        sys.argv[:] = list(argv)
+        try:
+            yield
+        finally:
+            sys.argv[:] = saved
 
 
 def _escape(text: str) -> str:

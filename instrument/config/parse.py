@@ -297,7 +297,15 @@ def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
         if isinstance(statement, gin.config_parser.BindingStatement):
             scope = f"{statement.scope}/" if statement.scope else ""
             value = statement.value
-            params[f"{scope}{statement.selector}.{statement.arg_name}"] = (
-                value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
-            )
+            params[f"{scope}{statement.selector}.{statement.arg_name}"] = _structured(value)
     return params, text
+
+
+def _structured(value: Any) -> Any:
+    """Dicts and lists kept as such (so a secret-looking key inside is redacted before anything is
+    rendered); plain values as they are; anything else (references, macros) as its repr."""
+    if isinstance(value, dict):
+        return {str(k): _structured(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_structured(v) for v in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)

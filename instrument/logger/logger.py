@@ -25,8 +25,10 @@ so `commit` is a collective: every rank commits at the same steps. Images, histo
 samples are rank 0's. Without a process group nothing changes.
 """
 
+import dataclasses
 import logging
 import numbers
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -42,10 +44,10 @@ from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe, timing_stats
 from instrument.logger.lifecycle import await_opens, check_open_policy, closed_use
 from instrument.logger.media import KINDS, tensors_of
-from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
+from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import rank
 from instrument.logger.reduce import CrossRankReducer, Entry, resolve_ops
-from instrument.logger.timer import Timer, elapsed
+from instrument.logger.timer import Timer, elapsed, named_timer
 from instrument.logger.transfer import start_transfer, to_host
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
@@ -72,10 +74,8 @@ class Logger:
             ``"drop"`` (the oldest waiting step is dropped, counted in `dropped`, warned about once).
         flush_secs: a written step is flushed to disk (`Backend.flush`) at most this many seconds later, also
             when training stalls.
-        on_backend_error: a backend that cannot open (missing extra, bad option, unreachable server):
-            ``"raise"`` (default: a `ConfigurationError` here naming it, the cause and the fix) or ``"warn"``
-            (reported once; the run goes on without it). The constructor waits for the opens (they run on the
-            writer thread) at most ``open_timeout`` seconds; past that it warns and goes on.
+        on_backend_error, open_timeout, secret_keys: as for `Instrumentation` (a backend that cannot open;
+            how long its open is awaited; more key patterns to redact, `instrument.logger.params`).
     """
 
     def __init__(
@@ -89,6 +89,7 @@ class Logger:
         flush_secs: float = 2.0,
         on_backend_error: str = "raise",
         open_timeout: float = 60.0,
+        secret_keys: Sequence[str] = (),
     ) -> None:
         if on_step_regression not in _STEP_POLICIES:
             raise ConfigurationError(
@@ -106,7 +107,10 @@ class Logger:
                     f"Logger backends must be instrument Backend instances, got {type(b).__name__}; "
                     f"subclass instrument.Backend or use one of the built-in backends."
                 )
+        self.secret_keys = tuple(str(k) for k in secret_keys)
         self.run = run or RunInfo(name="run")
+        if self.run.argv is None:  # the command line, redacted, for backends that record it (W&B)
+            self.run = dataclasses.replace(self.run, argv=tuple(redact_argv(sys.argv, self.secret_keys)))
         self.on_step_regression = on_step_regression
         self.reducer = reducer if reducer is not None else CrossRankReducer()
         self.is_writer = rank(self.reducer.group) == 0  # only rank 0 opens backends and writes
@@ -264,12 +268,11 @@ class Logger:
                 self._media[(kind, tag)] = (staged, extra)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
-        """Flatten nested params, redact secret-looking keys, and queue them for every backend."""
+        """Redact secret-looking keys (at any depth), flatten nested params, queue them for every backend."""
         if self._closed:
-            self._closed_use("log_hyperparams")
+            closed_use(self, "log_hyperparams")
             return
-        flat = redact_secrets(flatten_params(params))
-        text = redact_config_text(config_text) if config_text else config_text
+        flat, text = redact_hyperparams(params, config_text, self.secret_keys)
         self._writer.call("log_hyperparams", flat, text)
 
     def timer(self, name: str, reduce: Optional[str] = None) -> Timer:
@@ -280,14 +283,7 @@ class Logger:
         ``reduce`` (default ``"max"``: the slowest rank sets the pace).
         """
         with self._lock:
-            timer = self._timers.get(name)
-            if timer is None:
-                timer = self._timers[name] = Timer(name, reduce=reduce or "max")
-            elif reduce is not None and reduce != timer.reduce:
-                raise ConfigurationError(
-                    f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}."
-                )
-            return timer
+            return named_timer(self._timers, name, reduce)
 
     def write_system(self, record: StepRecord) -> None:
         """Side channel for the system monitor: its own step axis, never the training step's order check.
@@ -314,7 +310,7 @@ class Logger:
         with self._commit_lock:
             with self._lock:
                 if self._closed:
-                    self._closed_use(f"commit({step})")
+                    closed_use(self, f"commit({step})")
                     return None
                 if step is None:
                     step = self._pending_step
@@ -392,7 +388,7 @@ class Logger:
         """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
-        if self._closed and not self._closed_use(f"a value at step {step}"):
+        if self._closed and not closed_use(self, f"a value at step {step}"):
             return False
         last = self._last_step
         if last is not None and step < last:
@@ -401,9 +397,6 @@ class Logger:
         if pending and (self._pending_step is None or step > self._pending_step):
             self._pending_step = int(step)
         return True
-
-    def _closed_use(self, what: str) -> bool:
-        return closed_use(self, what)
 
     def _step_regressed(self, step: int, last: int) -> None:
         message = (

@@ -142,7 +142,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except InstrumentError as exc:  # bad input found while building or running (gin adds where it was bound)
         if args.debug:
             raise
-        print(f"instrument: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"instrument: {type(exc).__name__}: {_redacted(str(exc), args.bind)}", file=sys.stderr)
+        where = config.where_bound(str(exc), args.config, args.bind)
+        if where:
+            print(f"  bound at {_redacted(where, args.bind)}", file=sys.stderr)
         print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
         return 2
     _print_result(outcome)

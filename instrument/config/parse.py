@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 
-from instrument.errors import ConfigurationError
+from instrument.errors import ConfigurationError, InstrumentError
 
 __all__ = [
     "CONFIG_DIR",
@@ -27,6 +27,7 @@ __all__ = [
     "GinConfigError",
     "ShippedConfig",
     "operative_config",
+    "where_bound",
     "parse_config",
     "resolve_config",
     "shipped_configs",
@@ -187,8 +188,10 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     text = str(exc)
     kind = GinConfigError
     if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
-        return ConfigSyntaxError(f"syntax error: {exc.args[0]}", source, binding or "",
-                                 "close the bracket or quote that this statement opens.")
+        line, statement = _unclosed(binding if binding is not None else _read(source))
+        where = source if binding is not None or not line else f"{source}, line {line}"
+        return ConfigSyntaxError(f"syntax error: {exc.args[0]} (a bracket or quote is never closed)", where,
+                                 statement or binding or "", "close the bracket or quote that this statement opens.")
     if isinstance(exc, SyntaxError):
         kind = ConfigSyntaxError
         problem = f"syntax error: {exc.msg}"
@@ -196,6 +199,12 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
         if binding is not None:
             where = source
         statement = (exc.text or binding or "").strip()
+        if binding is None and exc.lineno:  # an unclosed list runs into the next binding: point at its start
+            line, opened = _unclosed(_read(exc.filename or source))
+            if 0 < line < exc.lineno:
+                return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
+                            f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
+                            "close the bracket or quote that this statement opens.")
         return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
                     "(values are Python literals, references are @Name or @Name()).")
     locations = list(_WHERE.finditer(text))
@@ -226,6 +235,74 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _unclosed(text: str) -> Tuple[int, str]:
+    """The line number and text of the first bracket or quote in ``text`` that is never closed (0, "")."""
+    stack: List[Tuple[str, int]] = []
+    quote, lineno, i = "", 1, 0
+    closers = {")": "(", "]": "[", "}": "{"}
+    while i < len(text):
+        ch = text[i]
+        if ch == "\n":
+            lineno += 1
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                stack.pop()
+                i += len(quote) - 1
+                quote = ""
+        elif ch == "#":
+            while i + 1 < len(text) and text[i + 1] != "\n":
+                i += 1
+        elif ch in "'\"":
+            quote = text[i : i + 3] if text[i : i + 3] in ("'" * 3, '"' * 3) else ch
+            stack.append((quote, lineno))
+            i += len(quote) - 1
+        elif ch in "([{":
+            stack.append((ch, lineno))
+        elif ch in closers and stack and stack[-1][0] == closers[ch]:
+            stack.pop()
+        i += 1
+    if not stack:
+        return 0, ""
+    line = stack[0][1]
+    lines = text.splitlines()
+    return line, lines[line - 1].strip() if line <= len(lines) else ""
+
+
+def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> str:
+    """Where the value an error message complains about was bound: ``file, line N: statement`` (or the
+    ``--bind``), found from gin's ``In call to configurable 'X'`` and a parameter of X the message names.
+    Empty when it cannot tell."""
+    match = re.search(r"In call to configurable '([^']+)'", message)
+    if not match:
+        return ""
+    name = match.group(1).rsplit(".", 1)[-1]
+    head = message.split("\n", 1)[0]
+    binding = re.compile(rf"^\s*(?:[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(\w+)\s*=")
+    sources = []
+    for f in files:
+        try:
+            path = resolve_config(str(f))
+        except InstrumentError:  # it parsed before; nothing to point at
+            continue
+        sources += [(f"{path.name}, line {n}", line) for n, line in enumerate(_read(str(path)).splitlines(), 1)]
+    sources += [(f"--bind {b!r}", b) for b in bindings]
+    found = ""
+    for where, line in sources:  # the last binding wins, as in gin
+        m = binding.match(line)
+        if m and re.search(rf"\b{re.escape(m.group(1))}\b", head):
+            found = f"{where}: {line.strip()}"
+    return found
 
 
 def _fix_for(problem: str) -> str:

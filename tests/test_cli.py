@@ -191,7 +191,8 @@ def test_an_installed_wheel_carries_the_shipped_configs(tmp_path):
 
 
 _BAD_FILES = {
-    "unclosed.gin": "include 'nca.gin'\nInstrumentation.observers = [@IterationStats()\nInstrumentation.log_interval = 5\n",
+    "unclosed.gin": "include 'nca.gin'\nInstrumentation.observers = [@IterationStats()\n"
+                    "Instrumentation.log_interval = 5\n",
     "mismatched.gin": "include 'nca.gin'\nInstrumentation.hyperparams = {'a': [1, 2}\n",
     "unknown.gin": "include 'nca.gin'\nNoSuchThing.x = 1\n",
     "misspelt.gin": "include 'nca.gin'\nInstrumentation.log_intervl = 1\n",

@@ -4,16 +4,17 @@ Everything a run writes locally lives in ``<log_dir>/<run_name>``; this module d
 names that could escape ``log_dir`` or land in another run's folder.
 """
 
+import json
 import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from instrument.errors import ConfigurationError
 from instrument.logger.ranks import rank, same_on_all_ranks
 
-__all__ = ["default_run_name", "check_run_name", "run_name_for"]
+__all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "RUN_FILE"]
 
 
 def default_run_name() -> str:
@@ -58,3 +59,35 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
             f"default, or pass resume=True to continue that run."
         )
     return run_name
+
+
+RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a resumed run continues the same runs
+
+
+def resume_ids(run_dir: Path) -> Dict[str, str]:
+    """The backends' run ids of the run in ``run_dir`` (`RUN_FILE`), to resume it; refuses a missing run."""
+    if not run_dir.is_dir():
+        raise ConfigurationError(
+            f"resume=True, but there is no run {run_dir.name!r} in {str(run_dir.parent)!r} ({run_dir} does not "
+            f"exist); pass the run_name and log_dir of the run to continue, or resume=False to start a new one."
+        )
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return {str(k): str(v) for k, v in data.get("backends", {}).items()}
+    except (ValueError, AttributeError) as exc:
+        raise ConfigurationError(f"{path} is not a run file written by instrument ({exc}); remove it to resume "
+                                 f"without the backends' run ids (W&B and MLflow then start new runs).") from exc
+
+
+def save_ids(run_dir: Path, backends: Sequence[Any]) -> None:
+    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically."""
+    ids = {b.name: b.resume_id for b in backends if getattr(b, "resume_id", None)}
+    if not ids:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps({"backends": ids}, indent=1), encoding="utf-8")
+    os.replace(tmp, run_dir / RUN_FILE)

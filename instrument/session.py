@@ -22,7 +22,7 @@ from instrument.logger.ranks import check_same_config
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
-from instrument.run_folder import run_name_for
+from instrument.run_folder import resume_ids, run_name_for, save_ids
 
 __all__ = ["Instrumentation", "StepScope", "WatchHandle"]
 
@@ -171,7 +171,9 @@ class Instrumentation:
             backends = [TensorBoardBackend()]
         self.observers: List[ObserverLike] = list(observers)
         self.log_interval = log_interval
-        self.run = RunInfo(name=run_name_for(run_name, Path(log_dir), resume), root=Path(log_dir))
+        name = run_name_for(run_name, Path(log_dir), resume)
+        ids = resume_ids(Path(log_dir) / name) if resume else None
+        self.run = RunInfo(name=name, root=Path(log_dir), resume=ids)
         self.run_log: Any = None
         if run_log:  # before the logger, so what backends print while opening is in the file too
             from instrument.terminal.runlog import setup_run_logging
@@ -190,6 +192,8 @@ class Instrumentation:
             if self.run_log is not None:
                 self.run_log.close()
             raise
+        if self.logger.is_writer:
+            save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
         self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()
@@ -314,6 +318,25 @@ class Instrumentation:
     def failures(self) -> Dict[str, int]:
         """Observer, backend and component name -> number of failures so far."""
         return {**self._dispatch.failures, **self.logger.failures, **self._components.failures}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps to resume this run: its name, the last committed step, whether the config
+        was logged. Save it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``."""
+        return {"version": 1, "run_name": self.run.name, "last_step": self.logger._last_step,
+                "config_logged": self._config_logged}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
+        every backend is told that steps after it are written again (`Backend.on_resume`)."""
+        if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
+            raise ConfigurationError(
+                f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
+            )
+        last = state["last_step"]
+        self._config_logged = bool(state.get("config_logged", False))
+        self.logger._last_step = last
+        if self.logger.is_writer:
+            self.logger._writer.call("on_resume", 0 if last is None else int(last) + 1)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every committed step is written and flushed by every backend (`Logger.flush`)."""

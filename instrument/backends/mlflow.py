@@ -110,6 +110,7 @@ class MlflowBackend(Backend):
         self._artifacts: Optional[str] = None
         self._end_status = "FINISHED"
         self._unreachable_until = 0.0
+        self._written: Optional[int] = None  # resumed: the last training step the run already holds
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -180,6 +181,12 @@ class MlflowBackend(Backend):
                 experiment_id = experiment.experiment_id
         else:
             experiment_id = experiment.experiment_id
+        resumed = (run.resume or {}).get(self.name)
+        if resumed:  # continue the same run; steps it already has are not written again
+            client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")
+            self.run_id = resumed
+            self._written = _last_step(client, resumed)
+            return
         self.run_id = client.create_run(
             experiment_id, run_name=self.run_name or run.name, tags=self.tags
         ).info.run_id
@@ -201,8 +208,14 @@ class MlflowBackend(Backend):
         for i in range(0, len(items), _METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
 
+    @property
+    def resume_id(self) -> Optional[str]:
+        return self.run_id
+
     def write(self, record: StepRecord) -> None:
         self._ensure_open()
+        if self._written is not None and record.step <= self._written:
+            return  # a resumed run: MLflow already holds this step from before the crash (it would duplicate)
         with self._bounded():
             self._write(record)
 
@@ -254,6 +267,13 @@ class MlflowBackend(Backend):
             f"MlflowBackend(tracking_uri={self.tracking_uri!r}, experiment_name={self.experiment_name!r}, "
             f"run_name={self.run_name!r})"
         )
+
+
+def _last_step(client: Any, run_id: str) -> Optional[int]:
+    """The highest training step (not ``system/...``) of any metric the run holds; None when it has none."""
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith("system/")]
+    steps = [m.step for k in keys for m in client.get_metric_history(run_id, k)]
+    return max(steps) if steps else None
 
 
 def _check_uri(uri: Optional[str]) -> None:

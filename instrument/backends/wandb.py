@@ -82,10 +82,14 @@ class WandbBackend(Backend):
             self.run = wandb.init(
                 project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
                 notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
-                settings=wandb.Settings(console="off", silent=True, **flush),
+                settings=wandb.Settings(console="off", silent=True, **flush), **_resume(run, self.name),
             )
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
+
+    @property
+    def resume_id(self) -> Optional[str]:
+        return self.run.id if self.run is not None else None
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         values = dict(params)
@@ -94,6 +98,8 @@ class WandbBackend(Backend):
         self.run.config.update(values, allow_val_change=True)
 
     def write(self, record: StepRecord) -> None:
+        if record.step < self.run.step:  # a resumed online run already holds it; W&B would drop it anyway
+            return
         wandb = self._wandb
         data: dict = record.flat_scalars()
         for key, image in record.images.items():
@@ -140,6 +146,12 @@ class WandbBackend(Backend):
 
     def __repr__(self) -> str:
         return f"WandbBackend(project={self.project!r}, mode={self.mode!r})"
+
+
+def _resume(run: RunInfo, name: str) -> dict:
+    """``wandb.init`` arguments that continue the run whose id the run folder kept (offline too)."""
+    run_id = (run.resume or {}).get(name)
+    return {"id": run_id, "resume": "allow"} if run_id else {}
 
 
 _ARGV_LOCK = threading.Lock()

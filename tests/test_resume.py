@@ -120,3 +120,24 @@ def test_state_dict_keeps_the_last_committed_step(tmp_path):
     again.close()
     steps = [json.loads(x).get("step") for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 10, 20]
+
+
+def test_rl_logging_state_carries_the_session_state(tmp_path):
+    from instrument.rl import RLLogging
+
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="rl", log_dir=str(tmp_path))
+    rl = RLLogging(progress=None).attach(inst)
+    for step in range(3):
+        with inst.step(step * 10):
+            inst.logger.log_metrics({"x": 1.0}, step * 10)
+    state = rl.state_dict()
+    rl.close()
+    inst.close()
+    assert state["session"]["last_step"] == 20
+    again = instrument.Instrumentation(backends=[JsonlBackend()], run_name="rl", log_dir=str(tmp_path), resume=True)
+    rl2 = RLLogging(progress=None)
+    rl2.load_state_dict(json.loads(json.dumps(state)))  # a checkpoint round trip; the session comes later
+    rl2.attach(again)
+    assert again.state_dict()["last_step"] == 20
+    rl2.close()
+    again.close()

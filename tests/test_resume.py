@@ -49,7 +49,8 @@ inst.close()
 
 
 def _run(log_dir: Path, phase: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, not ours
+    env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(_TRAIN), str(log_dir), phase], env=env,
                           capture_output=True, text=True, timeout=300, cwd=log_dir.parent)
 

@@ -170,7 +170,9 @@ def test_cli_exits_non_zero_and_mlflow_says_failed_when_the_experiment_raises(tm
 def _env():
     import os
 
-    return {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, not ours
+    env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
+    return env
 
 
 class _Unopenable(instrument.Backend):

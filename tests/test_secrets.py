@@ -56,7 +56,8 @@ def test_no_file_any_backend_wrote_holds_a_secret(tmp_path):
     pytest.importorskip("mlflow")
     (tmp_path / "exp.py").write_text(_EXPERIMENT)
     (tmp_path / "secret.gin").write_text(textwrap.dedent(_CONFIG))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, not ours
+    env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
     proc = subprocess.run(
         [sys.executable, "-m", "instrument", "run", "secret.gin", "--bind", f"experiment.token = '{SECRETS['token']}'",
          "--bind", f"password={SECRETS['cli_password']}"],

@@ -74,8 +74,7 @@ class Logger:
             ``"drop"`` (the oldest waiting step is dropped, counted in `dropped`, warned about once).
         flush_secs: a written step is flushed to disk (`Backend.flush`) at most this many seconds later, also
             when training stalls.
-        on_backend_error, open_timeout, secret_keys: as for `Instrumentation` (a backend that cannot open;
-            how long its open is awaited; more key patterns to redact, `instrument.logger.params`).
+        on_backend_error, open_timeout, secret_keys: as for `Instrumentation`.
     """
 
     def __init__(
@@ -140,6 +139,7 @@ class Logger:
         opened = [self._writer.call("open", self.run, backend=backend) for backend in self.backends]
         if opened:
             await_opens(self, opened[-1], on_backend_error, open_timeout)  # raises if one failed ("raise")
+        self._writer.report_open = True  # a backend added later (add_backend) is reported if it cannot open
         shutdown.register(self)
 
     def add_backend(self, backend: Backend) -> bool:

@@ -78,7 +78,7 @@ def probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
         observers=observers,
         backends=[SinkBackend()],
         log_interval=1 if logging else 10**12,
-        run_name=f"probe-{mode}-{kind}",
+        run_name=None,  # a unique default: several rows log to the same tmp folder
         log_dir=tmp,
     )
     # state=False: the probes are switched on for logging steps, and the loop below delivers each iteration

@@ -145,7 +145,7 @@ class Session:
             observers=make_observers(observers, workload, model),
             backends=backends,
             log_interval=1 if logging else 10**12,
-            run_name=f"{workload}-{backend}-{len(observers)}",
+            run_name=None,  # a unique default: several variants log to the same tmp folder
             log_dir=tmp,
         )
         self.step = 1  # step 0 would be a logging step for any interval

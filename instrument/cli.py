@@ -98,6 +98,21 @@ def _print_result(outcome: dict) -> None:
             print(f"  {hint}")
 
 
+def _redacted(message: str, binds: Sequence[str]) -> str:
+    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out."""
+    import re
+
+    from instrument.logger.params import REDACTED, redact_argv
+
+    for bind, safe in zip(binds, redact_argv(binds), strict=True):
+        if bind != safe:
+            value = bind.split("=", 1)[-1]
+            for piece in sorted({value.strip(), *re.findall(r"[\w-]{4,}", value)}, key=len, reverse=True):
+                if piece:
+                    message = message.replace(piece, REDACTED)
+    return message
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -119,7 +134,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.debug:
             raise
         lead = " in " if getattr(exc, "where", "") else ": "
-        print(f"instrument: configuration error{lead}{exc}", file=sys.stderr)
+        print(f"instrument: configuration error{lead}{_redacted(str(exc), args.bind)}", file=sys.stderr)
         print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
         return 2
     try:
@@ -127,7 +142,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except InstrumentError as exc:  # bad input found while building or running (gin adds where it was bound)
         if args.debug:
             raise
-        print(f"instrument: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"instrument: {type(exc).__name__}: {_redacted(str(exc), args.bind)}", file=sys.stderr)
+        where = config.where_bound(str(exc), args.config, args.bind)
+        if where:
+            print(f"  bound at {_redacted(where, args.bind)}", file=sys.stderr)
         print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
         return 2
     _print_result(outcome)

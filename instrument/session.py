@@ -25,6 +25,7 @@ from instrument.logger.ranks import check_same_config
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet
 from instrument.probes.hooks import StateWatch
+from instrument.run_folder import resume_ids, run_name_for, save_ids
 
 __all__ = ["Instrumentation", "StepScope", "WatchHandle"]
 
@@ -43,10 +44,6 @@ def set_config_source(source: Optional[ConfigSource]) -> None:
     """
     global _config_source
     _config_source = source
-
-
-def default_run_name() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
 
 
 class WatchHandle:
@@ -119,7 +116,10 @@ class Instrumentation:
         observers: `Observer` instances (or plain ``callable(context)`` functions) run on logging steps.
         backends: where committed steps go; None means ``[TensorBoardBackend()]`` under ``runs/<run_name>``.
         log_interval: a step logs when ``step % log_interval == 0``; 0 turns logging off entirely.
-        run_name: the run's name; None means the start time, ``YYYYmmdd-HHMMSS``.
+        run_name: the run's folder name; None means the start time plus a random suffix,
+            ``YYYYmmdd-HHMMSS-xxxxxx`` (unique even for jobs started in the same second). A name with ``..``, a
+            path separator or an absolute path is refused, and so is one whose folder is not empty (unless
+            ``resume``): nothing is written outside ``log_dir`` and two runs never share a folder.
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
@@ -139,6 +139,16 @@ class Instrumentation:
             (1 for ``[B, C, H, W]``, -1 for channels-last ``[B, H, W, C]``). An observer's own ``channel_dim``
             wins; observers whose ``channel_dim`` is None take this one; with neither, each observer's
             documented default applies (docs/observers.md).
+
+        on_backend_error: a backend that cannot open (a missing extra, a bad option, an unreachable server):
+            ``"raise"`` (default) raises a `ConfigurationError` here naming the backend, the cause and the fix;
+            ``"warn"`` reports it and runs without it. The opens run on the logger's writer thread; this waits
+            for them at most ``open_timeout`` seconds, then warns and goes on.
+        secret_keys: glob patterns (case-insensitive) of more key names whose values are redacted before
+            anything is written, added to the usual ones (``*token*``, ``*secret*``, ``*password*``,
+            ``*api_key*``, cloud and W&B credential names: `instrument.logger.params.SECRET_PATTERNS`); e.g.
+            ``Instrumentation.secret_keys = ['*cookie*']`` in gin.
+        resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run").
 
     A step whose body raises commits nothing: the values staged inside it (``log_metrics``, timers, media)
     are discarded, never carried to a later step, and no observer logs.
@@ -163,6 +173,10 @@ class Instrumentation:
         flush_secs: float = 2.0,
         overhead_budget: Optional[float] = 0.1,
         channel_dim: Optional[int] = None,
+        resume: bool = False,
+        on_backend_error: str = "raise",
+        open_timeout: float = 60.0,
+        secret_keys: Sequence[str] = (),
     ) -> None:
         if channel_dim is not None and (isinstance(channel_dim, bool) or not isinstance(channel_dim, int)):
             raise ConfigurationError(
@@ -189,7 +203,9 @@ class Instrumentation:
             if hasattr(obs, "channel_dim"):
                 obs.session_channel_dim = channel_dim
         self.log_interval = log_interval
-        self.run = RunInfo(name=run_name or default_run_name(), root=Path(log_dir))
+        name = run_name_for(run_name, Path(log_dir), resume)
+        ids = resume_ids(Path(log_dir) / name) if resume else None
+        self.run = RunInfo(name=name, root=Path(log_dir), resume=ids)
         self.run_log: Any = None
         if run_log:  # before the logger, so what backends print while opening is in the file too
             from instrument.terminal.runlog import setup_run_logging
@@ -201,12 +217,15 @@ class Instrumentation:
         try:
             self.logger = Logger(
                 backends, self.run, on_step_regression=on_step_regression, queue_size=queue_size,
-                on_full=on_full, flush_secs=flush_secs,
+                on_full=on_full, flush_secs=flush_secs, on_backend_error=on_backend_error,
+                open_timeout=open_timeout, secret_keys=secret_keys,
             )
         except BaseException:
             if self.run_log is not None:
                 self.run_log.close()
             raise
+        if self.logger.is_writer:
+            save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
         self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()
@@ -353,6 +372,25 @@ class Instrumentation:
     def failures(self) -> Dict[str, int]:
         """Observer, backend and component name -> number of failures so far."""
         return {**self._dispatch.failures, **self.logger.failures, **self._components.failures}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps to resume this run: its name, the last committed step, whether the config
+        was logged. Save it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``."""
+        return {"version": 1, "run_name": self.run.name, "last_step": self.logger._last_step,
+                "config_logged": self._config_logged}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
+        every backend is told that steps after it are written again (`Backend.on_resume`)."""
+        if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
+            raise ConfigurationError(
+                f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
+            )
+        last = state["last_step"]
+        self._config_logged = bool(state.get("config_logged", False))
+        self.logger._last_step = last
+        if self.logger.is_writer:
+            self.logger._writer.call("on_resume", 0 if last is None else int(last) + 1)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every committed step is written and flushed by every backend (`Logger.flush`)."""

@@ -72,7 +72,7 @@ def test_the_hint_names_the_viewer_of_each_backend_used(tmp_path, capsys):
         "--bind", "backend_set.console = None")
     assert code == 0, stderr
     hints = stdout.split("view them with:\n", 1)[1].splitlines()
-    db = (tmp_path / "runs" / "v" / "mlflow.db").resolve()
+    db = (tmp_path / "runs" / "mlflow.db").resolve()  # one store per log_dir
     assert hints[0] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'runs'}"
     assert f"  MLflow: mlflow ui --backend-store-uri sqlite:///{db}" in hints and db.is_file()
     (wandb_hint,) = [h for h in hints if h.startswith("  W&B (offline): wandb sync ")]
@@ -188,3 +188,45 @@ def test_an_installed_wheel_carries_the_shipped_configs(tmp_path):
     first, second = out.stdout.splitlines()
     assert first.startswith(str(site)) and first.split()[1] == str(site / "instrument" / "configs" / "nca.gin")
     assert second == "['TensorBoardBackend', 'ConsoleBackend', 'JsonlBackend']"
+
+
+_BAD_FILES = {
+    "unclosed.gin": "include 'nca.gin'\nInstrumentation.observers = [@IterationStats()\n"
+                    "Instrumentation.log_interval = 5\n",
+    "mismatched.gin": "include 'nca.gin'\nInstrumentation.hyperparams = {'a': [1, 2}\n",
+    "unknown.gin": "include 'nca.gin'\nNoSuchThing.x = 1\n",
+    "misspelt.gin": "include 'nca.gin'\nInstrumentation.log_intervl = 1\n",
+    "wrongtype.gin": "include 'nca.gin'\nInstrumentation.log_interval = 'ten'\n",
+    "include.gin": "include 'nca.gin'\ninclude 'missing.gin'\n",
+    "negative.gin": "include 'nca.gin'\n\nInstrumentation.log_interval = -1\n",
+    "mode.gin": "include 'nca.gin'\nWandbBackend.mode = 'offlin'\nbackend_set.wandb = @WandbBackend()\n",
+}
+
+
+@pytest.mark.parametrize(
+    "args, where, what, fix",
+    [
+        (["unclosed.gin"], "unclosed.gin, line 2", "never closed", "close the bracket"),
+        (["mismatched.gin"], "mismatched.gin, line 2", "Expected ',' or ']'", "brackets"),
+        (["unknown.gin"], "unknown.gin, line 2", "No configurable matching 'NoSuchThing'", "import the module"),
+        (["misspelt.gin"], "misspelt.gin, line 2", "log_intervl", "did you mean 'log_interval'?"),
+        (["wrongtype.gin"], "wrongtype.gin, line 2", "Instrumentation.log_interval expects int, got 'ten' (str)",
+         "bind int there"),
+        (["nca", "--bind", "train_nca.steps = 'ten'"], "--bind \"train_nca.steps = 'ten'\"",
+         "train_nca.steps expects int, got 'ten'", "e.g. train_nca.steps = 10"),
+        (["include.gin"], "include.gin, line 2", "missing.gin", "relative to the including file"),
+        (["missing-file.gin"], "no config file 'missing-file.gin'", "no shipped config", "give a path"),
+        (["negative.gin"], "negative.gin, line 3: Instrumentation.log_interval = -1", "got -1", "non-negative"),
+        (["mode.gin"], "mode.gin, line 2: WandbBackend.mode = 'offlin'", "got 'offlin'", "'offline'"),
+        (["nca", "--bind", "Instrumentation.log_interval = -1"], "--bind 'Instrumentation.log_interval = -1'",
+         "got -1", "non-negative"),
+        (["nca", "--bind", "Instrumentation.hyperparams = {'a': [1,"], "--bind", "never closed", "close the bracket"),
+    ],
+)
+def test_every_kind_of_bad_config_names_where_what_and_the_fix(tmp_path, capsys, args, where, what, fix):
+    for name, text in _BAD_FILES.items():
+        (tmp_path / name).write_text(text)
+    code, stdout, stderr = _main(capsys, "run", *args)
+    assert code == 2 and where in stderr and what in stderr and fix in stderr, stderr
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 6, stderr
+    assert not list(tmp_path.rglob("*.jsonl")) and not list(tmp_path.rglob("*tfevents*"))  # nothing trained

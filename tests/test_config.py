@@ -56,17 +56,17 @@ def test_observers_and_backends_bound_in_gin_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "qualified, short",
-    [("instrument.Instrumentation.log_interval", "Instrumentation.log_interval"),
-     ("instrument.IterationStats.channel_dim", "IterationStats.channel_dim"),
-     ("instrument.backend_set.extra", "backend_set.extra"),
-     ("instrument.RLLogging.evaluation", "RLLogging.evaluation")],
+    "qualified, short, value",
+    [("instrument.Instrumentation.log_interval", "Instrumentation.log_interval", 5),
+     ("instrument.IterationStats.channel_dim", "IterationStats.channel_dim", 3),
+     ("instrument.backend_set.extra", "backend_set.extra", None),
+     ("instrument.RLLogging.evaluation", "RLLogging.evaluation", None)],
 )
-def test_a_binding_may_be_qualified_under_the_instrument_module(qualified, short):
+def test_a_binding_may_be_qualified_under_the_instrument_module(qualified, short, value):
     import instrument.config.rl  # noqa: F401  (registers the RL classes)
 
-    instrument.parse_config([], [f"{qualified} = None"])
-    assert gin.query_parameter(short) is None and gin.query_parameter(qualified) is None
+    instrument.parse_config([], [f"{qualified} = {value!r}"])  # a value of the parameter's annotated type
+    assert gin.query_parameter(short) == value and gin.query_parameter(qualified) == value
 
 
 def test_qualified_bindings_reach_the_class_itself(tmp_path):

@@ -70,14 +70,14 @@ def _check(client, run_id):
     assert np.asarray(Image.open(image)).shape == (4, 5, 3)
 
 
-def test_default_is_a_sqlite_store_under_the_run_dir(tmp_path):
+def test_default_is_one_sqlite_store_per_log_dir(tmp_path):
     backend = _run_through(MlflowBackend(), tmp_path)
-    assert backend.tracking_uri == f"sqlite:///{(tmp_path / 'demo-run' / 'mlflow.db').resolve()}"
-    assert (tmp_path / "demo-run" / "mlflow.db").is_file()
+    assert backend.tracking_uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    assert (tmp_path / "mlflow.db").is_file()
     client = MlflowClient(tracking_uri=backend.tracking_uri)
     _check(client, backend.run_id)
     experiment = client.get_experiment_by_name("instrument")
-    assert experiment.artifact_location.startswith((tmp_path / "demo-run" / "mlartifacts").resolve().as_uri())
+    assert experiment.artifact_location.startswith((tmp_path / "mlartifacts").resolve().as_uri())
 
 
 def test_bound_tracking_uri_experiment_and_run_name(tmp_path, monkeypatch):

@@ -60,9 +60,10 @@ def test_gin_bound_ppo_logs_every_family_through_the_trainer_hooks(tmp_path):
 def test_trainer_state_dict_resumes_counters_and_steps(tmp_path):
     from instrument.demos.torchrl_ppo import build_ppo_trainer, run_trainer
 
-    def session():
+    def session(resume):
         return instrument.Instrumentation(
-            backends=[instrument.TensorBoardBackend()], log_interval=1, log_dir=str(tmp_path), run_name="ppo"
+            backends=[instrument.TensorBoardBackend()], log_interval=1, log_dir=str(tmp_path), run_name="ppo",
+            resume=resume,
         )
 
     checkpoint = str(tmp_path / "trainer.pt")
@@ -70,7 +71,7 @@ def test_trainer_state_dict_resumes_counters_and_steps(tmp_path):
     def build(total):
         rl = RLLogging(collection=CollectionMetrics(group="cartpole"), progress=None)
         return build_ppo_trainer(
-            instrumentation=session(),
+            instrumentation=session(resume=total > 128),  # the second one continues the first run
             rl_logging=rl,
             total_frames=total,
             frames_per_batch=64,

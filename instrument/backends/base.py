@@ -10,6 +10,7 @@ Lifecycle, driven by the `Logger`'s writer thread::
         backend.write_system(record)           # its own axis: record.step is whole seconds since it started
     at most flush_secs after a write, and on Logger.flush():
         backend.flush()                        # make what was written durable
+    backend.on_resume(next_step)               # a resumed run: steps from next_step on are written again
     backend.on_exit(status)                    # only when the run ends abnormally ("killed" / "failed")
     backend.close()                            # once; flush and release
 
@@ -23,7 +24,7 @@ one gets the next record again.
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -36,6 +37,9 @@ class RunInfo:
 
     name: str
     root: Path = Path("runs")
+    argv: Optional[Tuple[str, ...]] = None  # the command line with secrets redacted (set by the Logger)
+    # None: a new run. Resuming: backend name -> the run id it kept (`Backend.resume_id`), maybe empty.
+    resume: Optional[Dict[str, str]] = dataclasses.field(default=None, hash=False)
 
     @property
     def dir(self) -> Path:
@@ -125,6 +129,17 @@ class Backend:
 
     def close(self) -> None:
         """Flush and release. Called once."""
+
+    @property
+    def resume_id(self) -> Optional[str]:
+        """The id of the remote run this backend opened (W&B, MLflow), kept in the run folder so that
+        ``Instrumentation(resume=True)`` continues it (``run.resume[self.name]`` at `open`). Default: None."""
+        return None
+
+    def on_resume(self, next_step: int) -> None:
+        """A resumed run goes on from ``next_step`` (`Instrumentation.load_state_dict`): steps from it on
+        that the interrupted run already wrote are overwritten where the backend can (TensorBoard, JSONL) or
+        skipped. Called on the writer thread before the next record. Default: nothing."""
 
     @property
     def name(self) -> str:

@@ -78,6 +78,23 @@ class JsonlBackend(Backend):
                 os.close(fd)
             raise
 
+    def on_resume(self, next_step: int) -> None:
+        """Cut the file before the first step line at ``next_step`` or later (and whatever followed it), so the
+        steps the resumed run writes again replace those of the interrupted run instead of repeating them."""
+        fd = self._fd if self._fd is not None else self._open()
+        offset = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    step = json.loads(line).get("step")
+                except ValueError:
+                    step = None
+                if isinstance(step, int) and step >= next_step:
+                    os.ftruncate(fd, offset)
+                    log.info("instrument: %s cut at step %d for the resumed run", self.path, step)
+                    return
+                offset += len(line)
+
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._write_line({"hyperparameters": dict(params), "config": config_text})
 

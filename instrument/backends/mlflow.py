@@ -1,4 +1,4 @@
-"""MLflow: a local tracking store under the run directory by default, so no server is needed."""
+"""MLflow: a local tracking store per log_dir by default (shared by its runs), so no server is needed."""
 
 import contextlib
 import json
@@ -45,15 +45,16 @@ class MlflowBackend(Backend):
     process do not interfere. Needs ``pip install 'torch-instrument[mlflow]'``; imported when the run opens.
 
     Args:
-        tracking_uri: None means ``sqlite:///<run dir>/mlflow.db`` with artifacts in ``<run dir>/mlartifacts``
-            (no server; browse with ``mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db``). Any
+        tracking_uri: None means one store per ``log_dir``, shared by its runs: ``sqlite:///<log_dir>/mlflow.db``
+            with artifacts in ``<log_dir>/mlartifacts`` (no server; compare the runs with ``mlflow ui
+            --backend-store-uri sqlite:///<log_dir>/mlflow.db``). Any
             MLflow URI works: ``http://host:5000``, ``sqlite:///path.db``, ``file:/path/mlruns`` (MLflow 3
             accepts file stores only with ``MLFLOW_ALLOW_FILE_STORE=true``).
         experiment_name: created when missing.
         run_name: None means the instrument run's name.
         tags: extra run tags.
         artifact_location: where a newly created experiment stores artifacts; None means
-            ``<run dir>/mlartifacts``
+            ``<log_dir>/mlartifacts``
             with the default tracking URI and the server's default otherwise.
         timeout: seconds one HTTP request to a tracking server may take (connect, and then each read) before
             MLflow gives it up. MLflow's own default is 120.
@@ -118,6 +119,7 @@ class MlflowBackend(Backend):
         self._unreachable_until = 0.0
         self._names: Dict[str, str] = {}  # metric key -> MLflow name (`_metric_name`)
         self._owners: Dict[str, str] = {}  # MLflow name -> the key that has it
+        self._written: Optional[int] = None  # resumed: the last training step the run already holds
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -152,11 +154,12 @@ class MlflowBackend(Backend):
         require("mlflow", "mlflow", "MlflowBackend")
         self._run = run
         self._artifacts = self.artifact_location
-        if self.tracking_uri is None:
-            run.dir.mkdir(parents=True, exist_ok=True)
-            self.tracking_uri = f"sqlite:///{(run.dir / 'mlflow.db').resolve()}"
+        if self.tracking_uri is None:  # one store per log_dir: the runs of a project compare in one `mlflow ui`
+            root = run.root
+            root.mkdir(parents=True, exist_ok=True)
+            self.tracking_uri = f"sqlite:///{(root / 'mlflow.db').resolve()}"
             if self._artifacts is None:
-                self._artifacts = (run.dir / "mlartifacts").resolve().as_uri()
+                self._artifacts = (root / "mlartifacts").resolve().as_uri()
         self._start()
 
     def _ensure_open(self) -> None:
@@ -187,6 +190,12 @@ class MlflowBackend(Backend):
                 experiment_id = experiment.experiment_id
         else:
             experiment_id = experiment.experiment_id
+        resumed = (run.resume or {}).get(self.name)
+        if resumed:  # continue the same run; steps it already has are not written again
+            client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")
+            self.run_id = resumed
+            self._written = _last_step(client, resumed)
+            return
         self.run_id = client.create_run(
             experiment_id, run_name=self.run_name or run.name, tags=self.tags
         ).info.run_id
@@ -229,9 +238,14 @@ class MlflowBackend(Backend):
         self._names[key] = name
         self._owners[name] = key
         return name
+    @property
+    def resume_id(self) -> Optional[str]:
+        return self.run_id
 
     def write(self, record: StepRecord) -> None:
         self._ensure_open()
+        if self._written is not None and record.step <= self._written:
+            return  # a resumed run: MLflow already holds this step from before the crash (it would duplicate)
         with self._bounded():
             self._write(record)
 
@@ -294,6 +308,13 @@ class MlflowBackend(Backend):
             f"MlflowBackend(tracking_uri={self.tracking_uri!r}, experiment_name={self.experiment_name!r}, "
             f"run_name={self.run_name!r})"
         )
+
+
+def _last_step(client: Any, run_id: str) -> Optional[int]:
+    """The highest training step (not ``system/...``) of any metric the run holds; None when it has none."""
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith("system/")]
+    steps = [m.step for k in keys for m in client.get_metric_history(run_id, k)]
+    return max(steps) if steps else None
 
 
 def _check_uri(uri: Optional[str]) -> None:

@@ -83,10 +83,18 @@ class TensorBoardBackend(Backend):
         self.log_dir = str(path)
         self._writer = self._new_writer()
 
-    def _new_writer(self):
+    def _new_writer(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=self.log_dir)
+        return SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
+
+    def on_resume(self, next_step: int) -> None:
+        """A new event file in the same directory that starts with TensorBoard's purge marker: TensorBoard hides
+        every event at ``next_step`` or later from the earlier files, so steps written again replace them."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        self._writer = self._new_writer(purge_step=next_step)
 
     def _guarded(self, fn: Callable[[Any], None]) -> None:
         """Run ``fn(writer)``; after a fault, drop a writer that can no longer write and re-raise."""

@@ -1,8 +1,11 @@
 """Weights & Biases: offline by default, so no account or network is needed until a user binds ``mode``."""
 
+import contextlib
 import io
+import sys
+import threading
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.hparams import unflatten_params
@@ -98,13 +101,18 @@ class WandbBackend(Backend):
         # Older W&B (before the setting existed) writes on its own fixed schedule.
         flush_field = "x_transaction_log_flush_interval"
         flush = {flush_field: self.flush_secs} if flush_field in getattr(wandb.Settings, "model_fields", {}) else {}
-        self.run = wandb.init(
-            project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
-            notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
-            settings=wandb.Settings(console="off", silent=True, **flush),
-        )
+        with _argv(run.argv):  # W&B records sys.argv in the run's metadata: let it see the redacted one
+            self.run = wandb.init(
+                project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
+                notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
+                settings=wandb.Settings(console="off", silent=True, **flush), **_resume(run, self.name),
+            )
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
+
+    @property
+    def resume_id(self) -> Optional[str]:
+        return self.run.id if self.run is not None else None
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         """The run's config, nested (``optim/lr`` -> ``{"optim": {"lr": ...}}``, ``Model.depth`` ->
@@ -116,6 +124,8 @@ class WandbBackend(Backend):
         self.run.config.update(values, allow_val_change=True)
 
     def write(self, record: StepRecord) -> None:
+        if record.step < self.run.step:  # a resumed online run already holds it; W&B would drop it anyway
+            return
         wandb = self._wandb
         data: dict = record.flat_scalars()
         for key, image in record.images.items():
@@ -169,6 +179,33 @@ class WandbBackend(Backend):
 def _video(wandb, frames, fps: int):
     """A ``wandb.Video`` from GIF bytes encoded with Pillow: W&B's own encoding of raw frames needs moviepy."""
     return wandb.Video(io.BytesIO(encode_gif(frames, fps)), format="gif")
+
+
+def _resume(run: RunInfo, name: str) -> dict:
+    """``wandb.init`` arguments that continue the run whose id the run folder kept (offline too)."""
+    run_id = (run.resume or {}).get(name)
+    return {"id": run_id, "resume": "allow"} if run_id else {}
+
+
+_ARGV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _argv(argv: Optional[Sequence[str]]) -> Iterator[None]:
+    """``sys.argv`` replaced by ``argv`` (the redacted command line) while W&B reads it, when they differ.
+
+    W&B (``Settings._args``) takes the command line from ``sys.argv`` and has no setting to pass another;
+    the swap lasts only for ``wandb.init`` on the writer thread."""
+    if argv is None or list(argv) == sys.argv:
+        yield
+        return
+    with _ARGV_LOCK:
+        saved = sys.argv[:]
+        sys.argv[:] = list(argv)
+        try:
+            yield
+        finally:
+            sys.argv[:] = saved
 
 
 def _escape(text: str) -> str:

@@ -21,6 +21,7 @@ from instrument.config.parse import (
     parse_config,
     resolve_config,
     shipped_configs,
+    where_bound,
 )
 from instrument.config.registry import backend_set, run, torchrl_hook
 
@@ -46,5 +47,6 @@ __all__ = [
     "resolve_config",
     "run",
     "shipped_configs",
+    "where_bound",
     "torchrl_hook",
 ]

@@ -57,10 +57,10 @@ def run(
     inst = instrumentation if instrumentation is not None else Instrumentation()
     backends = list(inst.logger.backends)
     try:
-        result = experiment(instrumentation=inst)
+        with inst:  # an exception ends the run "failed" ("killed" on Ctrl-C) in every backend, then propagates
+            result = experiment(instrumentation=inst)
     finally:
         backends += [b for b in inst.logger.backends if not any(b is seen for seen in backends)]
-        inst.close()
     return {"result": result, "run_dir": str(inst.run.dir), "log_root": str(inst.run.root), "backends": backends}
 
 

@@ -11,12 +11,13 @@ import difflib
 import logging
 import re
 import tokenize
+import typing
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 
-from instrument.errors import ConfigurationError
+from instrument.errors import ConfigurationError, InstrumentError
 
 __all__ = [
     "CONFIG_DIR",
@@ -27,6 +28,7 @@ __all__ = [
     "GinConfigError",
     "ShippedConfig",
     "operative_config",
+    "where_bound",
     "parse_config",
     "resolve_config",
     "shipped_configs",
@@ -79,6 +81,10 @@ class ConfigSyntaxError(GinConfigError, SyntaxError):
 
 class ConfigImportError(GinConfigError, ImportError):
     """An ``import`` line naming a module that cannot be imported."""
+
+
+class ConfigTypeError(GinConfigError, TypeError):
+    """A bound literal of a type its parameter's annotation rules out (``steps = 'ten'`` for ``steps: int``)."""
 
 
 class AmbiguousNameError(GinConfigError, KeyError):
@@ -162,6 +168,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
                 raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
     finally:
         logging.getLogger().removeFilter(quiet)
+    check_types([str(f) for f in files], bindings)
     return paths
 
 
@@ -187,8 +194,10 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     text = str(exc)
     kind = GinConfigError
     if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
-        return ConfigSyntaxError(f"syntax error: {exc.args[0]}", source, binding or "",
-                                 "close the bracket or quote that this statement opens.")
+        line, statement = _unclosed(binding if binding is not None else _read(source))
+        where = source if binding is not None or not line else f"{source}, line {line}"
+        return ConfigSyntaxError(f"syntax error: {exc.args[0]} (a bracket or quote is never closed)", where,
+                                 statement or binding or "", "close the bracket or quote that this statement opens.")
     if isinstance(exc, SyntaxError):
         kind = ConfigSyntaxError
         problem = f"syntax error: {exc.msg}"
@@ -196,6 +205,12 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
         if binding is not None:
             where = source
         statement = (exc.text or binding or "").strip()
+        if binding is None and exc.lineno:  # an unclosed list runs into the next binding: point at its start
+            line, opened = _unclosed(_read(exc.filename or source))
+            if 0 < line < exc.lineno:
+                return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
+                            f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
+                            "close the bracket or quote that this statement opens.")
         return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
                     "(values are Python literals, references are @Name or @Name()).")
     locations = list(_WHERE.finditer(text))
@@ -226,6 +241,117 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _unclosed(text: str) -> Tuple[int, str]:
+    """The line number and text of the first bracket or quote in ``text`` that is never closed (0, "")."""
+    stack: List[Tuple[str, int]] = []
+    quote, lineno, i = "", 1, 0
+    closers = {")": "(", "]": "[", "}": "{"}
+    while i < len(text):
+        ch = text[i]
+        if ch == "\n":
+            lineno += 1
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                stack.pop()
+                i += len(quote) - 1
+                quote = ""
+        elif ch == "#":
+            while i + 1 < len(text) and text[i + 1] != "\n":
+                i += 1
+        elif ch in "'\"":
+            quote = text[i : i + 3] if text[i : i + 3] in ("'" * 3, '"' * 3) else ch
+            stack.append((quote, lineno))
+            i += len(quote) - 1
+        elif ch in "([{":
+            stack.append((ch, lineno))
+        elif ch in closers and stack and stack[-1][0] == closers[ch]:
+            stack.pop()
+        i += 1
+    if not stack:
+        return 0, ""
+    line = stack[0][1]
+    lines = text.splitlines()
+    return line, lines[line - 1].strip() if line <= len(lines) else ""
+
+
+def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> str:
+    """Where the value an error message complains about was bound: ``file, line N: statement`` (or the
+    ``--bind``), found from gin's ``In call to configurable 'X'`` and a parameter of X the message names.
+    Empty when it cannot tell."""
+    match = re.search(r"In call to configurable '([^']+)'", message)
+    if not match:
+        return ""
+    name = match.group(1).rsplit(".", 1)[-1]
+    head = message.split("\n", 1)[0]
+    binding = re.compile(rf"^\s*(?:[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(\w+)\s*=")
+    sources = []
+    for f in files:
+        try:
+            path = resolve_config(str(f))
+        except InstrumentError:  # it parsed before; nothing to point at
+            continue
+        sources += [(f"{path.name}, line {n}", line) for n, line in enumerate(_read(str(path)).splitlines(), 1)]
+    sources += [(f"--bind {b!r}", b) for b in bindings]
+    found = ""
+    for where, line in sources:  # the last binding wins, as in gin
+        m = binding.match(line)
+        if m and re.search(rf"\b{re.escape(m.group(1))}\b", head):
+            found = f"{where}: {line.strip()}"
+    return found
+
+
+def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Refuse a bound literal whose type contradicts a plain annotation of its parameter (``int``, ``float``,
+    ``str``, ``bool``, or Optional of one): ``train_nca.steps = 'ten'`` fails here, naming the file and line,
+    instead of deep inside the experiment. References, macros and unannotated parameters are not checked."""
+    for (_, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
+        configurable = gin.config._REGISTRY.get_match(selector)
+        if configurable is None:
+            continue
+        fn = configurable.wrapped
+        try:
+            hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+        except Exception:  # noqa: BLE001 - forward references gin's user may leave unresolved: not checked
+            continue
+        for param, value in params.items():
+            expected = _plain_types(hints.get(param))
+            if expected is None or not isinstance(value, (str, int, float, bool, type(None))):
+                continue
+            if isinstance(value, bool) and bool not in expected or not isinstance(value, expected):
+                name = selector.rsplit(".", 1)[-1]
+                wanted = " or ".join("None" if t is type(None) else t.__name__ for t in expected)
+                where = where_bound(f"{param}\nIn call to configurable '{name}'", files, bindings)
+                place, _, statement = where.partition(": ")
+                raise ConfigTypeError(
+                    f"{name}.{param} expects {wanted}, got {value!r} ({type(value).__name__})", place, statement,
+                    f"bind {wanted} there, e.g. {name}.{param} = {_example(expected[0])}.",
+                )
+
+
+def _plain_types(hint: Any) -> Optional[Tuple[type, ...]]:
+    plain = (int, float, str, bool)
+    if hint in plain:
+        return (hint, int) if hint is float else (hint,)
+    if typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        if all(a in plain or a is type(None) for a in args):
+            return tuple(args) + ((int,) if float in args else ())
+    return None
+
+
+def _example(kind: type) -> str:
+    return {int: "10", float: "0.5", str: "'name'", bool: "True"}.get(kind, "None")
 
 
 def _fix_for(problem: str) -> str:
@@ -297,7 +423,15 @@ def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
         if isinstance(statement, gin.config_parser.BindingStatement):
             scope = f"{statement.scope}/" if statement.scope else ""
             value = statement.value
-            params[f"{scope}{statement.selector}.{statement.arg_name}"] = (
-                value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
-            )
+            params[f"{scope}{statement.selector}.{statement.arg_name}"] = _structured(value)
     return params, text
+
+
+def _structured(value: Any) -> Any:
+    """Dicts and lists kept as such (so a secret-looking key inside is redacted before anything is
+    rendered); plain values as they are; anything else (references, macros) as its repr."""
+    if isinstance(value, dict):
+        return {str(k): _structured(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_structured(v) for v in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)

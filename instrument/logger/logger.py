@@ -27,8 +27,10 @@ so `commit` is a collective: every rank commits at the same steps. Images, histo
 samples are rank 0's. Without a process group nothing changes.
 """
 
+import dataclasses
 import logging
 import numbers
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -41,12 +43,13 @@ from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe, timing_stats
+from instrument.logger.lifecycle import await_opens, check_open_policy, closed_use
 from instrument.logger.media import KINDS, check_color_range, tensors_of
-from instrument.logger.params import flatten_params, redact_config_text, redact_secrets
+from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import rank
 from instrument.logger.reduce import CrossRankReducer, Entry, resolve_ops
 from instrument.logger.steps import LAZY, StepRecords
-from instrument.logger.timer import Timer, elapsed
+from instrument.logger.timer import Timer, elapsed, named_timer
 from instrument.logger.transfer import start_transfer, to_host
 from instrument.logger.values import EXACT_INT, as_scalar, check_keys
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
@@ -74,6 +77,7 @@ class Logger(StepRecords):
             ``"drop"`` (the oldest waiting step is dropped, counted in `dropped`, warned about once).
         flush_secs: a written step is flushed to disk (`Backend.flush`) at most this many seconds later, also
             when training stalls.
+        on_backend_error, open_timeout, secret_keys: as for `Instrumentation`.
     """
 
     def __init__(
@@ -85,6 +89,9 @@ class Logger(StepRecords):
         queue_size: int = 64,
         on_full: str = "block",
         flush_secs: float = 2.0,
+        on_backend_error: str = "raise",
+        open_timeout: float = 60.0,
+        secret_keys: Sequence[str] = (),
     ) -> None:
         if on_step_regression not in _STEP_POLICIES:
             raise ConfigurationError(
@@ -102,7 +109,10 @@ class Logger(StepRecords):
                     f"Logger backends must be instrument Backend instances, got {type(b).__name__}; "
                     f"subclass instrument.Backend or use one of the built-in backends."
                 )
+        self.secret_keys = tuple(str(k) for k in secret_keys)
         self.run = run or RunInfo(name="run")
+        if self.run.argv is None:  # the command line, redacted, for backends that record it (W&B)
+            self.run = dataclasses.replace(self.run, argv=tuple(redact_argv(sys.argv, self.secret_keys)))
         self.on_step_regression = on_step_regression
         self.reducer = reducer if reducer is not None else CrossRankReducer()
         self.is_writer = rank(self.reducer.group) == 0  # only rank 0 opens backends and writes
@@ -121,6 +131,8 @@ class Logger(StepRecords):
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._closed = False
+        self._closed_by = ""  # "close" (explicit: later calls raise) or "shutdown" (a signal or exit: warn once)
+        self._warned_closed = False
         self._exit_status: Optional[str] = None
         self._value_failures: Dict[str, int] = {}
         self._warned: Dict[str, None] = {}  # keys (or "step <n>") already warned about once
@@ -131,8 +143,11 @@ class Logger(StepRecords):
             self.backends, self._build, self.ledger, queue_size, on_full, float(flush_secs),
             name=f"instrument-writer-{self.run.name}",
         )
-        for backend in self.backends:
-            self._writer.call("open", self.run, backend=backend)
+        self._writer.report_open = check_open_policy(on_backend_error, open_timeout) == "warn"
+        opened = [self._writer.call("open", self.run, backend=backend) for backend in self.backends]
+        if opened:
+            await_opens(self, opened[-1], on_backend_error, open_timeout)  # raises if one failed ("raise")
+        self._writer.report_open = True  # a backend added later (add_backend) is reported if it cannot open
         shutdown.register(self)
 
     def add_backend(self, backend: Backend) -> bool:
@@ -288,9 +303,11 @@ class Logger(StepRecords):
                 self._media[(kind, tag)] = (staged, extra)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
-        """Flatten nested params, redact secret-looking keys, and queue them for every backend."""
-        flat = redact_secrets(flatten_params(params))
-        text = redact_config_text(config_text) if config_text else config_text
+        """Redact secret-looking keys (at any depth), flatten nested params, queue them for every backend."""
+        if self._closed:
+            closed_use(self, "log_hyperparams")
+            return
+        flat, text = redact_hyperparams(params, config_text, self.secret_keys)
         self._writer.call("log_hyperparams", flat, text)
 
     def timer(self, name: str, reduce: Optional[str] = None) -> Timer:
@@ -301,14 +318,7 @@ class Logger(StepRecords):
         ``reduce`` (default ``"max"``: the slowest rank sets the pace).
         """
         with self._lock:
-            timer = self._timers.get(name)
-            if timer is None:
-                timer = self._timers[name] = Timer(name, reduce=reduce or "max")
-            elif reduce is not None and reduce != timer.reduce:
-                raise ConfigurationError(
-                    f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}."
-                )
-            return timer
+            return named_timer(self._timers, name, reduce)
 
     def write_system(self, record: StepRecord) -> None:
         """Side channel for the system monitor: its own step axis, never the training step's order check.
@@ -334,6 +344,9 @@ class Logger(StepRecords):
         collective = self.reducer.active()
         with self._commit_lock:
             with self._lock:
+                if self._closed:
+                    closed_use(self, f"commit({step})")
+                    return None
                 if step is None:
                     step = self._pending_step
                 if not collective and (step is None or not self.has_pending):
@@ -381,6 +394,7 @@ class Logger(StepRecords):
                 log.exception("instrument: the final commit failed while closing the logger")
             finally:
                 self._closed = True
+                self._closed_by = self._closed_by or "close"
                 self._writer.close(status or self._exit_status, timeout)
                 shutdown.unregister(self)
 
@@ -388,6 +402,7 @@ class Logger(StepRecords):
         """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged."""
         if self._closed:
             return
+        self._closed_by = "shutdown"
         if commit and not self.reducer.active():
             self.close(status, timeout)
             return
@@ -412,6 +427,8 @@ class Logger(StepRecords):
         """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
+        if self._closed and not closed_use(self, f"a value at step {step}"):
+            return False
         if step < 0:
             raise InvalidValueError(
                 f"step must be >= 0, got {step}: steps count from 0 and backends plot them as a non-negative "

@@ -1,16 +1,86 @@
-"""Hyperparameters as backends want them: flat, scalar-valued and free of secrets."""
+"""Hyperparameters as backends want them: flat, scalar-valued and free of secrets.
 
+Redaction works on the structured values before anything is rendered: a secret-looking key is redacted at
+any depth of nested dicts and lists, and every string found under one is then also scrubbed from whatever
+is rendered as text (the operative config, however gin wrapped a value over lines; other string values; the
+command line). Keys are matched case-insensitively, ``-`` read as ``_``, against glob patterns
+(`SECRET_PATTERNS`, extended per run by ``Instrumentation(secret_keys=...)``). Numbers, booleans and None
+are never redacted: ``max_tokens = 512`` or ``use_auth_token = True`` are settings, not credentials.
+"""
+
+import ast
+import fnmatch
+import pprint
 import re
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-__all__ = ["flatten_params", "redact_secrets", "redact_config_text", "REDACTED"]
+__all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_values", "redact_argv",
+           "scrub", "is_secret", "REDACTED", "SECRET_PATTERNS"]
 
 REDACTED = "<redacted>"
-# Matched against the parts of a parameter's last name component: "reward_key" names a dict key, not a
-# credential, so "key" counts only alone or in the usual credential compounds.
-_SECRET_PARTS = {"token", "password", "passwd", "secret", "credential", "credentials"}
-_SECRET_NAMES = {"key", "apikey", "api_key", "access_key", "secret_key", "private_key"}
+# The usual credential names: generic ones, then AWS, GCP, Azure, Hugging Face and W&B. "reward_key" names a
+# dict key, not a credential, so "key" counts only alone or in the credential compounds below.
+SECRET_PATTERNS: Tuple[str, ...] = (
+    "*token*", "*secret*", "*password*", "*passwd*", "*api_key*", "*apikey*", "authorization", "*credential*",
+    "key", "*private_key*", "*access_key*", "*auth_key*", "*connection_string*", "*session_key*",
+    "aws_access_key_id", "*account_key*", "*storage_key*", "*sas_key*", "*service_account*",
+    "google_application_credentials", "hf_token", "hugging_face_hub_token", "wandb_api_key",
+)
 _SCALAR = (str, int, float, bool, type(None))
+_MIN_SCRUB = 4  # shorter strings under a secret key are redacted there, but not hunted for in other text
+
+
+def is_secret(name: Any, extra: Sequence[str] = ()) -> bool:
+    """Whether the last component of ``name`` (``a/b.c`` -> ``c``) matches a secret pattern."""
+    leaf = re.split(r"[/.]", str(name))[-1].lower().replace("-", "_")
+    return any(fnmatch.fnmatchcase(leaf, p.lower()) for p in (*SECRET_PATTERNS, *extra))
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, type(None)))
+
+
+def redact_values(value: Any, extra: Sequence[str] = (), found: Optional[Set[str]] = None) -> Any:
+    """``value`` with everything under a secret-looking key replaced by `REDACTED`, at any depth of dicts,
+    lists and tuples; the strings replaced are added to ``found``."""
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if is_secret(key, extra) and not _plain(item):
+                _strings(item, found)
+                out[key] = REDACTED
+            else:
+                out[key] = redact_values(item, extra, found)
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [redact_values(item, extra, found) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _strings(value: Any, found: Optional[Set[str]]) -> None:
+    if found is None:
+        return
+    if isinstance(value, (str, bytes)):
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        if len(text) >= _MIN_SCRUB:
+            found.add(text)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _strings(item, found)
+    elif isinstance(value, (list, tuple, set)):
+        for item in value:
+            _strings(item, found)
+    elif not _plain(value):
+        _strings(str(value), found)
+
+
+def scrub(text: str, found: Iterable[str]) -> str:
+    """``text`` with every occurrence of a known secret string replaced by `REDACTED` (longest first)."""
+    for secret in sorted(found, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") -> Dict[str, Any]:
@@ -29,33 +99,119 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") 
     return flat
 
 
-def redact_secrets(params: Mapping[str, Any]) -> Dict[str, Any]:
-    """Replace the value of every key that looks like a secret (token, key, password, secret)."""
-    return {k: (REDACTED if _is_secret(k) else v) for k, v in params.items()}
+def redact_secrets(
+    params: Mapping[str, Any], extra: Sequence[str] = (), found: Optional[Set[str]] = None
+) -> Dict[str, Any]:
+    """Flat ``params`` with every secret-looking key redacted, then every known secret string scrubbed from
+    the other string values (a secret that also appears inside another value, e.g. a URL)."""
+    found = set() if found is None else found
+    out = redact_values(dict(params), extra, found)
+    return {k: scrub(v, found) if isinstance(v, str) and v != REDACTED else v for k, v in out.items()}
 
 
-# A gin binding line: optional scope, ``Name.param = value``.
-_BINDING = re.compile(r"^(\s*)([\w./]+)(\s*=\s*)(.+)$")
+# A gin binding's first line: optional scope, ``Name.param = value`` (the value may go on over more lines).
+_BINDING = re.compile(r"^(\s*)([\w./]+)(\s*=\s*)(.*)$")
+# Inside a value gin could not have us evaluate (references, macros): ``'secret_key': 'string'``.
+_DICT_ITEM = re.compile(r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
 
 
-def redact_config_text(text: str) -> str:
-    """Redact the value of every secret-looking binding in a gin config text (``X.api_key = '...'``).
+def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set[str]] = None) -> str:
+    """Redact a gin config text binding by binding (``X.api_key = '...'``, ``X.env = {'WANDB_API_KEY': ...}``,
+    values gin wrapped over several lines), then scrub every known secret string from what is left.
 
     The operative config is logged verbatim to every backend, so a token bound in a .gin file would otherwise
     reach W&B or MLflow in clear.
     """
-    lines = []
-    for line in text.splitlines():
-        match = _BINDING.match(line)
-        if match and _is_secret(match.group(2)):
-            line = f"{match.group(1)}{match.group(2)}{match.group(3)}'{REDACTED}'"
-        lines.append(line)
-    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+    found = set() if found is None else found
+    lines = text.splitlines()
+    out: List[str] = []
+    i = 0
+    while i < len(lines):
+        match = _BINDING.match(lines[i]) if not lines[i].lstrip().startswith("#") else None
+        if not match:
+            out.append(lines[i])
+            i += 1
+            continue
+        j = i + 1  # continuation lines: indented, or after a backslash, up to the next binding or blank line
+        while j < len(lines) and lines[j].strip() and not lines[j].lstrip().startswith("#") and (
+            lines[j][:1].isspace() or lines[j - 1].rstrip().endswith("\\") or lines[j].lstrip()[:1] in ")]}"
+        ):
+            j += 1
+        indent, name, eq, first = match.groups()
+        value = "\n".join([first] + lines[i + 1 : j])
+        out.extend(_redact_binding(indent, name, eq, value, extra, found).split("\n"))
+        i = j
+    result = "\n".join(scrub(line, found) for line in out)
+    return result + ("\n" if text.endswith("\n") else "")
 
 
-def _is_secret(name: str) -> bool:
-    leaf = re.split(r"[/.]", name)[-1].lower().replace("-", "_")
-    if leaf in _SECRET_NAMES or any(part in _SECRET_PARTS for part in leaf.split("_")):
-        return True
-    # "wandb_api_key", "aws_secret_access_key": a credential compound at the end of a longer name.
-    return any(leaf.endswith("_" + n) for n in _SECRET_NAMES if "_" in n or n == "apikey")
+def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence[str], found: Set[str]) -> str:
+    try:
+        parsed = ast.literal_eval(value.replace("\\\n", " ").strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        parsed = _UNPARSED
+    if is_secret(name, extra):
+        if parsed is not _UNPARSED and _plain(parsed):
+            return f"{indent}{name}{eq}{value}"
+        _strings(parsed if parsed is not _UNPARSED else _literal_strings(value), found)
+        return f"{indent}{name}{eq}'{REDACTED}'"
+    if parsed is _UNPARSED:  # a reference or macro: redact the dict items we can see
+        def item(m: "re.Match[str]") -> str:
+            if not is_secret(m.group(2), extra):
+                return m.group(0)
+            _strings(_literal_strings(m.group(4)), found)
+            return f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}'{REDACTED}'"
+
+        return f"{indent}{name}{eq}{_DICT_ITEM.sub(item, value)}"
+    redacted = redact_values(parsed, extra, found)
+    if redacted == parsed:
+        return f"{indent}{name}{eq}{value}"
+    return f"{indent}{name}{eq}{pprint.pformat(redacted, width=100)}"
+
+
+_UNPARSED = object()
+
+
+def _literal_strings(text: str) -> List[str]:
+    """The string literals in ``text`` (their values), or ``text`` itself when it has none."""
+    values = []
+    for literal in re.findall(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*\"""", text):
+        try:
+            values.append(ast.literal_eval(literal))
+        except (ValueError, SyntaxError):
+            values.append(literal[1:-1])
+    return values or [text.strip()]
+
+
+def redact_argv(argv: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
+    """A command line with secrets redacted: gin bindings in it (``--bind 'X.password = "..."'``), and
+    ``--password=...`` / ``--password ...`` options. W&B records the command line of every run."""
+    out: List[str] = []
+    redact_next = False
+    for arg in argv:
+        if redact_next:
+            out.append(REDACTED)
+            redact_next = False
+            continue
+        option = re.match(r"^(--?)([\w.-]+)(=(.*))?$", arg)
+        if option and is_secret(option.group(2), extra):
+            if option.group(3) is None:
+                redact_next = True
+                out.append(arg)
+            else:
+                out.append(f"{option.group(1)}{option.group(2)}={REDACTED}")
+            continue
+        out.append(redact_config_text(arg, extra) if "=" in arg else arg)
+    return out
+
+
+def redact_hyperparams(
+    params: Mapping[str, Any], config_text: Optional[str], extra: Sequence[str] = ()
+) -> Tuple[Dict[str, Any], Optional[str]]:
+    """What `Logger.log_hyperparams` hands to the backends: the structured values redacted first, then the
+    config text (binding by binding), then the flat params with every secret string found scrubbed."""
+    found: Set[str] = set()
+    structured = redact_values(dict(params), extra, found)
+    text = redact_config_text(config_text, extra, found) if config_text else config_text
+    flat = redact_secrets(flatten_params(structured), extra, found)
+    return flat, scrub(text, found) if text else text

@@ -87,3 +87,16 @@ def check_same_config(text: str, group: Optional[Any] = None) -> None:
             f".gin files and bindings before building its Instrumentation (e.g. call instrument.config.parse "
             f"with the same arguments on every rank; do not bind rank-specific values)."
         )
+
+
+def same_on_all_ranks(value: Any, group: Optional[Any] = None) -> Any:
+    """Rank 0's ``value`` on every rank (one broadcast, once per run); ``value`` itself without a group.
+
+    Every rank must call it (a collective). Used for what each rank makes up alone but all must share, such as
+    a default run name with a random suffix.
+    """
+    if not is_distributed(group):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]

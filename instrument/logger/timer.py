@@ -7,11 +7,11 @@ A timer accumulates every interval measured between two commits and reports mean
 
 import functools
 import time
-from typing import Callable, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
-from instrument.errors import InvalidValueError
+from instrument.errors import ConfigurationError, InvalidValueError
 
 __all__ = ["Timer", "elapsed"]
 
@@ -110,3 +110,13 @@ def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cud
         events[-1][1].synchronize()
         seconds = seconds + [s.elapsed_time(e) / 1000.0 for s, e in events]
     return seconds
+
+
+def named_timer(timers: Dict[str, "Timer"], name: str, reduce: Optional[str]) -> "Timer":
+    """``timers[name]``, made with ``reduce`` (default ``"max"``) when missing; a different reduce raises."""
+    timer = timers.get(name)
+    if timer is None:
+        timer = timers[name] = Timer(name, reduce=reduce or "max")
+    elif reduce is not None and reduce != timer.reduce:
+        raise ConfigurationError(f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}.")
+    return timer

@@ -99,6 +99,8 @@ class Writer:
         self.on_full = on_full
         self.flush_secs = flush_secs
         self.dropped = 0
+        self.open_errors: List[Tuple[Backend, Exception]] = []  # backends whose open raised, in order
+        self.report_open = True  # False while the logger waits to raise open failures itself
         self._queue: Deque[Tuple[str, int, Any]] = collections.deque()
         self._records = 0
         self._cond = threading.Condition(threading.RLock())
@@ -253,7 +255,10 @@ class Writer:
         elif kind == _CALL:
             method, args, only = payload
             for backend in [only] if only is not None else list(self._active):
-                ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
+                if method == "open":
+                    ok = self._open(backend, *args)
+                else:
+                    ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
                 if method == "open":
                     if ok:
                         self._active.append(backend)
@@ -268,6 +273,18 @@ class Writer:
                 if payload:
                     self.ledger.call(backend.name, "on_exit", backend.on_exit, payload)
                 self.ledger.call(backend.name, "close", backend.close)
+
+    def _open(self, backend: Backend, *args: Any) -> bool:
+        """``backend.open``; a failure is kept in `open_errors` for the logger to raise at start, and reported
+        through the ledger only when nobody is waiting to raise it (``report_open``)."""
+        try:
+            backend.open(*args)
+            return True
+        except Exception as exc:
+            self.open_errors.append((backend, exc))
+            if self.report_open:
+                self.ledger.record(backend.name, "open", exc)
+            return False
 
     def _flush_backends(self) -> None:
         for backend in self._active:

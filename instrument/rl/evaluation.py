@@ -229,6 +229,8 @@ class GymnasiumRunner:
         seed: Optional[int] = 0,
         device: Union[str, torch.device, None] = None,
     ) -> None:
+        if isinstance(env, str):  # fail at start, naming the extra, not at the first evaluation
+            require("gymnasium", "rl", "GymnasiumRunner")
         self._env_spec = env
         self._env = None
         self.policy = policy

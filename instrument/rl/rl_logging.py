@@ -28,8 +28,9 @@ one batched transfer, once per step (W&B drops a second write to a committed ste
 Attached to a bare `Logger` (no session), the set guards its components with a ledger of its own, logs every
 ``log_interval``-th iteration (default 1) and commits the logger itself.
 
-Resume: `state_dict` holds the counters and the evaluation schedule; after `load_state_dict` the next iteration
-continues the numbering, so no step is logged twice.
+Resume: `state_dict` holds the counters, the evaluation schedule and, when attached to a session, the session's
+state (last committed step); after `load_state_dict` the next iteration continues the numbering, so no step is
+logged twice (with ``Instrumentation(resume=True)``, docs/backends.md).
 
 A component that raises is reported once and skipped; the other components and the commit still happen
 (configuration errors, raised on the first batch, do propagate: they need fixing, not skipping).
@@ -141,6 +142,7 @@ class RLLogging:
         self._own = StepComponents("RL component")  # the guard when no session is attached
         self._handles: List[ComponentHandle] = []
         self._closed = False
+        self._session_state: Optional[Dict[str, Any]] = None  # from load_state_dict, for a later attach
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":
@@ -189,6 +191,9 @@ class RLLogging:
             raise
         if target is not logger:
             self.instrumentation = target
+            if self._session_state is not None:
+                target.load_state_dict(self._session_state)
+                self._session_state = None
         self._logger = logger
         self._handles = handles
         for handle in handles:
@@ -355,6 +360,8 @@ class RLLogging:
             if name not in ("counters", "evaluation", "timing", "progress")
         }
         state["components"] = {k: v for k, v in comps.items() if v}
+        if self.instrumentation is not None:  # the session's last committed step and run name
+            state["session"] = self.instrumentation.state_dict()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -371,6 +378,11 @@ class RLLogging:
         for name, comp_state in state.get("components", {}).items():
             if name in named:
                 named[name].load_state_dict(comp_state)
+        if "session" in state:  # applied to the session now, or when one is attached
+            self._session_state = state["session"]
+            if self.instrumentation is not None:
+                self.instrumentation.load_state_dict(self._session_state)
+                self._session_state = None
 
     @property
     def failures(self) -> Dict[str, int]:

@@ -1,0 +1,76 @@
+"""The logger's start and end as a user sees them: backends that fail to open, calls after close.
+
+Kept apart from the logger's hot path: these run once per run (or once per mistake).
+"""
+
+import logging
+from typing import Any
+
+from instrument.errors import ConfigurationError
+
+__all__ = ["closed_use"]
+
+log = logging.getLogger("instrument")
+
+
+def closed_use(logger: Any, what: str) -> bool:
+    """A call on a closed logger. After an explicit `close` it raises; after a signal or the process exit
+    closed the logger (training may still be winding down on another thread) it warns once and the value is
+    dropped. Returns False (the value is not accepted)."""
+    if logger._closed_by == "close":
+        raise ConfigurationError(
+            f"{what} was logged after this logger was closed (Instrumentation.close / Logger.close); it would "
+            f"not be written. Log before closing, or start a new Instrumentation for another run."
+        )
+    if not logger._warned_closed:
+        logger._warned_closed = True
+        log.warning("instrument: %s was logged after the run was closed at process shutdown; it is not written "
+                    "(further values are dropped silently)", what)
+    return False
+
+
+OPEN_POLICIES = ("raise", "warn")
+
+
+def check_open_policy(policy: Any, timeout: Any) -> str:
+    if policy not in OPEN_POLICIES:
+        raise ConfigurationError(
+            f"on_backend_error must be one of {OPEN_POLICIES}, got {policy!r}: 'raise' stops at start when a "
+            f"backend cannot open, 'warn' goes on without it."
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigurationError(f"open_timeout must be a positive number of seconds, got {timeout!r}.")
+    return policy
+
+
+def await_opens(logger: Any, seq: int, policy: str, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until the writer has opened every backend; under ``"raise"``, raise a
+    `ConfigurationError` for those that failed, after closing the ones that opened."""
+    writer = logger._writer
+    if not writer.wait(seq, timeout):
+        writer.report_open = True  # a failure after this is reported by the writer, as under "warn"
+        log.warning("instrument: the backends did not finish opening within open_timeout=%gs; the run starts "
+                    "anyway and they are written once open (a backend that fails to open is reported then)",
+                    timeout)
+        return
+    if policy != "raise" or not writer.open_errors:
+        return
+    logger._closed, logger._closed_by = True, "close"
+    writer.close("failed", timeout)  # end what did open (e.g. an MLflow run) as failed, not finished
+    raise ConfigurationError(
+        "could not open " + "; ".join(describe_open_error(b, e) for b, e in writer.open_errors)
+        + ". To run without a backend that cannot open, pass on_backend_error='warn' "
+        "(gin: Instrumentation.on_backend_error = 'warn')."
+    ) from writer.open_errors[0][1]
+
+
+def describe_open_error(backend: Any, exc: Exception) -> str:
+    """``Name: what went wrong (fix)``, the fix read from the error where it says one."""
+    from instrument.errors import InstrumentError, MissingExtraError
+
+    text = f"{backend.name}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, MissingExtraError) or isinstance(exc, InstrumentError):
+        return text  # these already say how to fix it
+    if isinstance(exc, (ConnectionError, TimeoutError)) or "API request to" in str(exc):
+        return text + " (fix: start the server or correct its address, e.g. the backend's tracking_uri)"
+    return text + f" (fix: check {backend.name}'s options and that its directory is writable)"

@@ -1,0 +1,93 @@
+"""The run's folder: its name (unique by default, never outside ``log_dir``) and what a resumed run reads back.
+
+Everything a run writes locally lives in ``<log_dir>/<run_name>``; this module decides that name and refuses
+names that could escape ``log_dir`` or land in another run's folder.
+"""
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from instrument.errors import ConfigurationError
+from instrument.logger.ranks import rank, same_on_all_ranks
+
+__all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "RUN_FILE"]
+
+
+def default_run_name() -> str:
+    """The start time plus a short random suffix (``YYYYmmdd-HHMMSS-xxxxxx``): unique even for jobs started
+    in the same second, and still sorted by time in a directory listing."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_run_name(name: Any) -> str:
+    """``name`` if it is one plain folder name; a `ConfigurationError` for anything that could reach outside
+    ``log_dir`` (``..``, a path separator, an absolute path) or is not a usable folder name."""
+    seps = [sep for sep in ("/", "\\", os.sep, os.altsep) if sep]
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigurationError(f"run_name must be a non-empty string, got {name!r}.")
+    if name in (".", "..") or ".." in name or any(sep in name for sep in seps) or os.path.isabs(name) or "\0" in name:
+        raise ConfigurationError(
+            f"run_name {name!r} is not a plain folder name: it must not contain '..', a path separator or be "
+            f"an absolute path (nothing is written outside log_dir). Put the folder part in log_dir instead, "
+            f"e.g. log_dir='runs/project', run_name='trial-1'."
+        )
+    return name
+
+
+def _is_used(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir()) or folder.exists() and not folder.is_dir()
+
+
+def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
+    """The run's folder name: checked, and never one that another run already wrote to (unless resuming)."""
+    if run_name is None:
+        if resume:
+            raise ConfigurationError("resume=True needs the run_name of the run to continue.")
+        name = default_run_name()
+        while _is_used(root / name):  # a suffix collision: vanishingly rare, but never share a folder
+            name = default_run_name()
+        return same_on_all_ranks(name)  # every rank names the run as rank 0 does
+    check_run_name(run_name)
+    if not resume and rank() == 0 and _is_used(root / run_name):  # rank 0 writes; others may see its files
+        raise ConfigurationError(
+            f"run {run_name!r} already exists in {str(root)!r} ({root / run_name} is not empty); a new run "
+            f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
+            f"default, or pass resume=True to continue that run."
+        )
+    return run_name
+
+
+RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a resumed run continues the same runs
+
+
+def resume_ids(run_dir: Path) -> Dict[str, str]:
+    """The backends' run ids of the run in ``run_dir`` (`RUN_FILE`), to resume it; refuses a missing run."""
+    if not run_dir.is_dir():
+        raise ConfigurationError(
+            f"resume=True, but there is no run {run_dir.name!r} in {str(run_dir.parent)!r} ({run_dir} does not "
+            f"exist); pass the run_name and log_dir of the run to continue, or resume=False to start a new one."
+        )
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return {str(k): str(v) for k, v in data.get("backends", {}).items()}
+    except (ValueError, AttributeError) as exc:
+        raise ConfigurationError(f"{path} is not a run file written by instrument ({exc}); remove it to resume "
+                                 f"without the backends' run ids (W&B and MLflow then start new runs).") from exc
+
+
+def save_ids(run_dir: Path, backends: Sequence[Any]) -> None:
+    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically."""
+    ids = {b.name: b.resume_id for b in backends if getattr(b, "resume_id", None)}
+    if not ids:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps({"backends": ids}, indent=1), encoding="utf-8")
+    os.replace(tmp, run_dir / RUN_FILE)

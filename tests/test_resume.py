@@ -1,0 +1,144 @@
+"""Resume: a run killed between checkpoints continues in the same folder and the same backend runs, with no
+duplicate and no missing step, read back from the files a user would open."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import instrument
+from instrument.backends.jsonl import JsonlBackend
+from instrument.errors import ConfigurationError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_TRAIN = """
+import json, os, sys
+import instrument
+from instrument.backends.jsonl import JsonlBackend
+from instrument.backends.mlflow import MlflowBackend
+from instrument.backends.tensorboard import TensorBoardBackend
+from instrument.backends.wandb import WandbBackend
+
+log_dir, phase = sys.argv[1], sys.argv[2]
+resume = phase == "resume"
+inst = instrument.Instrumentation(
+    backends=[TensorBoardBackend(), JsonlBackend(), MlflowBackend(), WandbBackend()], run_name="r",
+    log_dir=log_dir, log_interval=10, resume=resume)
+ckpt = os.path.join(log_dir, "ckpt.json")
+start = 0
+if resume:
+    state = json.load(open(ckpt))
+    inst.load_state_dict(state["inst"])
+    start = state["step"] + 1
+for step in range(start, 60 if resume else 36):
+    with inst.step(step) as s:
+        if s.active:
+            inst.logger.log_metrics({"v": step + (1000 if resume else 0)}, step)
+    if step == 20 and not resume:
+        json.dump({"inst": inst.state_dict(), "step": step}, open(ckpt, "w"))
+if not resume:
+    inst.flush()
+    os._exit(3)  # a crash between checkpoints: steps 30 (and 21..35) were run after the checkpoint at 20
+inst.close()
+"""
+
+
+def _run(log_dir: Path, phase: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own W&B service, not ours
+    env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(_TRAIN), str(log_dir), phase], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=log_dir.parent)
+
+
+def test_a_crashed_run_resumes_with_no_duplicate_and_no_missing_step(tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    first = _run(logs, "first")
+    assert first.returncode == 3, first.stderr
+    ids = json.loads((logs / "r" / "run.json").read_text())["backends"]
+    assert set(ids) == {"MlflowBackend", "WandbBackend"}
+    second = _run(logs, "resume")
+    assert second.returncode == 0, second.stderr
+    assert json.loads((logs / "r" / "run.json").read_text())["backends"] == ids  # the same runs continued
+
+    resumed = [(0, 0.0), (10, 10.0), (20, 20.0), (30, 1030.0), (40, 1040.0), (50, 1050.0)]
+    # TensorBoard: the same directory; steps after the checkpoint are overwritten (purged, then written again)
+    acc = EventAccumulator(str(logs / "r"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("v")] == resumed
+    # JSONL: the file is cut at the first step after the checkpoint, then appended
+    lines = [json.loads(x) for x in (logs / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["metrics"]["v"]) for x in lines if "step" in x] == resumed
+    # MLflow: the same run; steps it already held are not written again
+    client = MlflowClient(tracking_uri=f"sqlite:///{logs / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("instrument").experiment_id])
+    assert run.info.run_id == ids["MlflowBackend"] and run.info.status == "FINISHED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "v"))
+    assert history == [(0, 0.0), (10, 10.0), (20, 20.0), (30, 30.0), (40, 1040.0), (50, 1050.0)]
+    # W&B (offline): the resumed process logs to the same run id
+    offline = sorted(p.name for p in (logs / "r" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(ids["WandbBackend"]) for name in offline)
+
+
+def test_resume_needs_an_existing_run_and_a_name(tmp_path):
+    with pytest.raises(ConfigurationError, match="no run 'nope'"):
+        instrument.Instrumentation(backends=[], run_name="nope", log_dir=str(tmp_path), resume=True)
+    with pytest.raises(ConfigurationError, match="needs the run_name"):
+        instrument.Instrumentation(backends=[], log_dir=str(tmp_path), resume=True)
+
+
+def test_load_state_dict_refuses_what_state_dict_did_not_write(tmp_path):
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="s", log_dir=str(tmp_path))
+    with pytest.raises(ConfigurationError, match="Instrumentation.state_dict"):
+        inst.load_state_dict({"step": 3})
+    inst.close()
+
+
+def test_state_dict_keeps_the_last_committed_step(tmp_path):
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="s", log_dir=str(tmp_path))
+    for step in range(12):
+        with inst.step(step):
+            inst.logger.log_metrics({"x": 1.0}, step)
+    state = inst.state_dict()
+    inst.close()
+    assert state["last_step"] == 10 and state["run_name"] == "s"
+    again = instrument.Instrumentation(backends=[JsonlBackend()], run_name="s", log_dir=str(tmp_path), resume=True)
+    again.load_state_dict(state)
+    with pytest.raises(instrument.StepOrderError):
+        again.logger.log_metrics({"x": 1.0}, 9)  # before the checkpoint: already written
+    with again.step(20):
+        again.logger.log_metrics({"x": 2.0}, 20)
+    again.close()
+    steps = [json.loads(x).get("step") for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 10, 20]
+
+
+def test_rl_logging_state_carries_the_session_state(tmp_path):
+    from instrument.rl import RLLogging
+
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="rl", log_dir=str(tmp_path))
+    rl = RLLogging(progress=None).attach(inst)
+    for step in range(3):
+        with inst.step(step * 10):
+            inst.logger.log_metrics({"x": 1.0}, step * 10)
+    state = rl.state_dict()
+    rl.close()
+    inst.close()
+    assert state["session"]["last_step"] == 20
+    again = instrument.Instrumentation(backends=[JsonlBackend()], run_name="rl", log_dir=str(tmp_path), resume=True)
+    rl2 = RLLogging(progress=None)
+    rl2.load_state_dict(json.loads(json.dumps(state)))  # a checkpoint round trip; the session comes later
+    rl2.attach(again)
+    assert again.state_dict()["last_step"] == 20
+    rl2.close()
+    again.close()

@@ -127,7 +127,7 @@ def test_import_instrument_imports_no_demo_no_rl_and_no_optional_sdk():
 
 
 def test_the_session_gets_the_operative_config_through_the_installed_source(tmp_path):
-    from instrument import session
+    from instrument.session import instrumentation as session
 
     assert session._config_source is config.operative_config  # installed by instrument.config.registry
     instrument.parse_config([], ["Instrumentation.log_interval = 1", "JsonlBackend.path = None"])

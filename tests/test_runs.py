@@ -12,7 +12,7 @@ import instrument
 from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.errors import ConfigurationError
-from instrument.run_folder import default_run_name
+from instrument.session.run_folder import default_run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,7 +32,6 @@ import logging
 import numbers
 import sys
 import threading
-import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -42,15 +41,15 @@ from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
-from instrument.logger.assemble import build_record, describe, timing_stats
+from instrument.logger.assemble import build_record, describe
+from instrument.logger.handover import handover
 from instrument.logger.lifecycle import await_opens, check_open_policy, closed_use
-from instrument.logger.media import KINDS, check_color_range, tensors_of
+from instrument.logger.media import KINDS, check_color_range
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import rank
-from instrument.logger.reduce import CrossRankReducer, Entry, resolve_ops
+from instrument.logger.reduce import CrossRankReducer, resolve_ops
 from instrument.logger.steps import LAZY, StepRecords
-from instrument.logger.timer import Timer, elapsed, named_timer
-from instrument.logger.transfer import start_transfer, to_host
+from instrument.logger.timer import Timer, named_timer
 from instrument.logger.values import EXACT_INT, as_scalar, check_keys
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
@@ -60,7 +59,6 @@ log = logging.getLogger("instrument")
 
 Value = Union[float, int, bool, Tensor, np.ndarray, np.number]
 _STEP_POLICIES = ("raise", "warn")
-_TIMING = "timing/"
 
 
 class Logger(StepRecords):
@@ -364,7 +362,7 @@ class Logger(StepRecords):
             return self._submit(step, staged, collective)
 
     def _submit(self, step: int, staged: tuple, collective: bool) -> Optional[CommittedStep]:
-        payload = self._handover(step, staged, collective)
+        payload = handover(step, staged, self.reducer if collective else None)
         if payload is None:
             return None
         handle = CommittedStep(step, self._writer)
@@ -465,50 +463,6 @@ class Logger(StepRecords):
         if self._snapshot is not None:  # a live mark: all that is staged from now on is newer than it
             self._snapshot = LAZY
         return staged
-
-    def _handover(self, step: int, staged: tuple, collective: bool) -> Optional[tuple]:
-        """On the committing thread: local means (device ops), the reduction if any, the transfer started."""
-        totals, counts, ops, weights, on_device, media, timers = staged
-        timings: Any = timers
-        if collective:
-            scalars = self._reduce(totals, counts, ops, weights, timers)
-            timings = {}
-            for key in [k for k in scalars if k.startswith(_TIMING)]:
-                name, _, stat = key[len(_TIMING):].rpartition("/")
-                timings.setdefault(name, {})[stat] = scalars.pop(key)
-            if not (scalars or media or timings):
-                return None
-            tensor_keys: List[str] = []
-            tensors: List[Tensor] = []
-        else:
-            scalars = totals  # the staged table is ours now: turn sums into means in place
-            for name, count in counts.items():
-                if name not in weights:
-                    scalars[name] = scalars[name] / count
-            for name, weight in weights.items():
-                scalars[name] = scalars[name] / weight
-            tensor_keys = list(on_device)
-            tensors = [scalars[name] for name in tensor_keys]
-        for value, _ in media.values():
-            tensors.extend(tensors_of(value))
-        batch = start_transfer(tensors) if tensors else None
-        return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors)
-
-    def _reduce(self, totals, counts, ops, weights, timers) -> Dict[str, float]:
-        """The cross-rank reduction: a collective, so it runs here, on the committing thread."""
-        entries = []
-        for name, total in totals.items():
-            if name in weights:
-                entries.append(Entry(name, "wmean", total, weights[name]))
-            else:
-                entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
-        for name, (reduce, taken) in timers.items():
-            for key, value in timing_stats(elapsed(*taken)).items():
-                entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
-        pending = self.reducer.start(entries)
-        # host sync: the reduced vector is needed here when some rank's keys did not fit (a second collective).
-        reduced = self.reducer.finish(pending, to_host([pending.result])[0])
-        return dict(reduced if reduced is not None else self.reducer.resolve(entries))
 
     def _build(self, payload: tuple) -> StepRecord:
         """On the writer thread: the `StepRecord` of a handed-over step (`instrument.logger.assemble`)."""

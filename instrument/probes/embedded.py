@@ -6,10 +6,11 @@ checks that names are unique. On a logging step the session calls `on` (set ``en
 compiled models route the forward through `ForwardSwitch`) and `off` when the step ends, also when it raises.
 """
 
-from typing import Dict, List
+from typing import Any, Dict, List, Sequence
 
 from torch import nn
 
+from instrument.core.dispatch import observer_name
 from instrument.errors import ConfigurationError, ProbeError
 from instrument.probes import compiled, script
 from instrument.probes.probe import Probe
@@ -93,3 +94,30 @@ def _ancestors(root: nn.Module, paths: List[str]) -> List[nn.Module]:
             module = getattr(module, part)
             out.append(module)
     return out
+
+
+def check_unique_names(watched: Sequence["ProbeSet"], new: "ProbeSet") -> None:
+    """Probe names are unique across the models one session watches: a value goes to one name."""
+    for probes in watched:
+        for name in sorted(set(new.probes) & set(probes.probes)):
+            if new.probes[name] is not probes.probes[name]:
+                raise ProbeError(
+                    f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a "
+                    f"probe of already watched {probes.label} (at {probes.paths[name]!r}); probe names "
+                    f"must be unique across the models one Instrumentation watches."
+                )
+
+
+def check_probe_requests(observers: Sequence[Any], available: Sequence[str]) -> None:
+    """Every probe an observer asks for (``observer.probes``) exists in a watched model."""
+    for observer in observers:
+        wanted = getattr(observer, "probes", ()) or ()
+        if isinstance(wanted, str):
+            wanted = (wanted,)
+        missing = [name for name in wanted if name not in available]
+        if missing:
+            raise ProbeError(
+                f"observer {observer_name(observer)!r} asks for probe(s) {missing}, but no watched model "
+                f"has a probe of that name (probes found: {sorted(available) or 'none'}). Add "
+                f"instrument.Probe({missing[0]!r}) to the model and watch it with inst.watch(model)."
+            )

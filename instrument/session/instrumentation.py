@@ -19,15 +19,16 @@ from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.core.step_components import ComponentHandle, StepComponents
-from instrument.errors import ConfigurationError, InvalidValueError, ProbeError
+from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
 from instrument.probes import record
-from instrument.probes.embedded import ProbeSet
+from instrument.probes.embedded import ProbeSet, check_probe_requests, check_unique_names
 from instrument.probes.hooks import StateWatch
-from instrument.run_folder import resume_ids, run_name_for, save_ids
+from instrument.session.run_folder import resume_ids, run_name_for, save_ids
+from instrument.session.scope import StepScope, WatchHandle
 
-__all__ = ["Instrumentation", "StepScope", "WatchHandle"]
+__all__ = ["Instrumentation", "set_config_source"]
 
 log = logging.getLogger("instrument")
 
@@ -44,69 +45,6 @@ def set_config_source(source: Optional[ConfigSource]) -> None:
     """
     global _config_source
     _config_source = source
-
-
-class WatchHandle:
-    """Returned by `Instrumentation.watch`; ``remove()`` unwatches (idempotent), also as a context manager."""
-
-    def __init__(
-        self, session: "Instrumentation", watch: Optional[StateWatch], probes: Optional[ProbeSet] = None
-    ) -> None:
-        self._session = session
-        self.watch = watch
-        self.probes = probes
-
-    def remove(self) -> None:
-        if self.watch is not None:
-            self.watch.detach()
-            if self.watch in self._session._watches:
-                self._session._watches.remove(self.watch)
-        if self.probes is not None and self.probes in self._session._probe_sets:
-            self.probes.off()
-            self._session._probe_sets.remove(self.probes)
-
-    def __enter__(self) -> "WatchHandle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-
-class StepScope:
-    """What ``with inst.step(step) as s`` yields.
-
-    Attributes:
-        step: the training step.
-        active: whether this is a logging step.
-        observer: on a logging step, the session's `Dispatcher` (``instrument.core.dispatch``): the callable
-            an explicit evolver calls once per rollout iteration, ``s.observer(StepContext(previous, next))``,
-            which runs every observer's ``observe`` under ``no_grad`` and isolates their failures. None on a
-            non-logging step, so ``if s.observer is not None:`` skips building the context entirely.
-    """
-
-    __slots__ = ("step", "active", "observer", "_session", "_mark")
-
-    def __init__(self, session: "Instrumentation", step: int, active: bool) -> None:
-        self.step = step
-        self.active = active
-        self.observer = session._dispatch if active else None
-        self._session = session
-        self._mark: Optional[tuple] = None
-
-    def __enter__(self) -> "StepScope":
-        if self.active:
-            self._session._begin(self)
-        elif self._session.log_interval:  # what this step stages is dropped if its body raises
-            self._mark = self._session.logger.mark()
-        self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._session._scope = None
-        if self.active:
-            self._session._end(self, failed=exc_type is not None)
-        elif exc_type is not None and self._mark is not None:
-            self._session._discard(self)
 
 
 class Instrumentation:
@@ -273,7 +211,7 @@ class Instrumentation:
         probes = ProbeSet(module, label=name or type(module).__name__)
         if state is None:
             state = True
-        self._check_probe_names(probes)
+        check_unique_names(self._probe_sets, probes)
         watch = None
         if state:
             watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
@@ -443,7 +381,7 @@ class Instrumentation:
             raise ConfigurationError(
                 f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
             )
-        self._check_probe_requests()
+        check_probe_requests(self.observers, self.probe_names)
         meter = self._overhead
         if meter is not None:
             meter.enter(scope.step)
@@ -542,32 +480,6 @@ class Instrumentation:
             self._dispatch.recorder = self._recorder
         for probes in self._probe_sets:
             probes.on()
-
-    def _check_probe_names(self, new: ProbeSet) -> None:
-        for probes in self._probe_sets:
-            for name in sorted(set(new.probes) & set(probes.probes)):
-                if new.probes[name] is not probes.probes[name]:
-                    raise ProbeError(
-                        f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a "
-                        f"probe of already watched {probes.label} (at {probes.paths[name]!r}); probe names "
-                        f"must be unique across the models one Instrumentation watches."
-                    )
-
-    def _check_probe_requests(self) -> None:
-        available = set(self.probe_names)
-        for observer in self.observers:
-            wanted = getattr(observer, "probes", ()) or ()
-            if isinstance(wanted, str):
-                wanted = (wanted,)
-            missing = [name for name in wanted if name not in available]
-            if missing:
-                from instrument.core.dispatch import observer_name
-
-                raise ProbeError(
-                    f"observer {observer_name(observer)!r} asks for probe(s) {missing}, but no watched model "
-                    f"has a probe of that name (probes found: {sorted(available) or 'none'}). Add "
-                    f"instrument.Probe({missing[0]!r}) to the model and watch it with inst.watch(model)."
-                )
 
     def _log_config(self) -> None:
         self._config_logged = True

@@ -1,0 +1,70 @@
+"""The training thread's part of a commit: means of the interval, the cross-rank reduction, the transfer started.
+
+Everything here runs on the committing thread: the reduction is a collective (every rank takes part), and the
+transfer must start before the staged device values can change. What follows (conversion, rendering, writing)
+is the writer thread's (`instrument.logger.assemble`, `instrument.logger.writer`).
+"""
+
+import time
+from typing import Any, Dict, List, Optional
+
+from torch import Tensor
+
+from instrument.logger.assemble import timing_stats
+from instrument.logger.media import tensors_of
+from instrument.logger.reduce import CrossRankReducer, Entry
+from instrument.logger.timer import elapsed
+from instrument.logger.transfer import start_transfer, to_host
+
+__all__ = ["handover"]
+
+_TIMING = "timing/"
+
+
+def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> Optional[tuple]:
+    """The payload handed to the writer for the staged table ``staged``; ``reducer`` when under a process group.
+
+    None when a collective commit leaves nothing to write.
+    """
+    totals, counts, ops, weights, on_device, media, timers = staged
+    timings: Any = timers
+    if reducer is not None:
+        scalars = _reduce(reducer, totals, counts, ops, weights, timers)
+        timings = {}
+        for key in [k for k in scalars if k.startswith(_TIMING)]:
+            name, _, stat = key[len(_TIMING):].rpartition("/")
+            timings.setdefault(name, {})[stat] = scalars.pop(key)
+        if not (scalars or media or timings):
+            return None
+        tensor_keys: List[str] = []
+        tensors: List[Tensor] = []
+    else:
+        scalars = totals  # the staged table is ours now: turn sums into means in place
+        for name, count in counts.items():
+            if name not in weights:
+                scalars[name] = scalars[name] / count
+        for name, weight in weights.items():
+            scalars[name] = scalars[name] / weight
+        tensor_keys = list(on_device)
+        tensors = [scalars[name] for name in tensor_keys]
+    for value, _ in media.values():
+        tensors.extend(tensors_of(value))
+    batch = start_transfer(tensors) if tensors else None
+    return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors)
+
+
+def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers) -> Dict[str, float]:
+    """The cross-rank reduction of the interval's scalars and timings: one collective (two when a key is new)."""
+    entries = []
+    for name, total in totals.items():
+        if name in weights:
+            entries.append(Entry(name, "wmean", total, weights[name]))
+        else:
+            entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
+    for name, (reduce, taken) in timers.items():
+        for key, value in timing_stats(elapsed(*taken)).items():
+            entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
+    pending = reducer.start(entries)
+    # host sync: the reduced vector is needed here when some rank's keys did not fit (a second collective).
+    reduced = reducer.finish(pending, to_host([pending.result])[0])
+    return dict(reduced if reduced is not None else reducer.resolve(entries))

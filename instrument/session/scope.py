@@ -1,0 +1,78 @@
+"""What the session hands the user: `StepScope` (``with inst.step(n) as s``) and `WatchHandle` (``inst.watch``).
+
+Both are thin: they call back into their `Instrumentation`, which owns the lifecycle. A non-logging step's
+scope does nothing on enter and exit but a mark of what the logger holds (so a step that raises drops what it
+staged) and one attribute store (what `Instrumentation.log` logs at).
+"""
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from instrument.probes.embedded import ProbeSet
+    from instrument.probes.hooks import StateWatch
+    from instrument.session.instrumentation import Instrumentation
+
+__all__ = ["StepScope", "WatchHandle"]
+
+
+class WatchHandle:
+    """Returned by `Instrumentation.watch`; ``remove()`` unwatches (idempotent), also as a context manager."""
+
+    def __init__(
+        self, session: "Instrumentation", watch: "Optional[StateWatch]", probes: "Optional[ProbeSet]" = None
+    ) -> None:
+        self._session = session
+        self.watch = watch
+        self.probes = probes
+
+    def remove(self) -> None:
+        if self.watch is not None:
+            self.watch.detach()
+            if self.watch in self._session._watches:
+                self._session._watches.remove(self.watch)
+        if self.probes is not None and self.probes in self._session._probe_sets:
+            self.probes.off()
+            self._session._probe_sets.remove(self.probes)
+
+    def __enter__(self) -> "WatchHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class StepScope:
+    """What ``with inst.step(step) as s`` yields.
+
+    Attributes:
+        step: the training step.
+        active: whether this is a logging step.
+        observer: on a logging step, the session's `Dispatcher` (``instrument.core.dispatch``): the callable
+            an explicit evolver calls once per rollout iteration, ``s.observer(StepContext(previous, next))``,
+            which runs every observer's ``observe`` under ``no_grad`` and isolates their failures. None on a
+            non-logging step, so ``if s.observer is not None:`` skips building the context entirely.
+    """
+
+    __slots__ = ("step", "active", "observer", "_session", "_mark")
+
+    def __init__(self, session: "Instrumentation", step: int, active: bool) -> None:
+        self.step = step
+        self.active = active
+        self.observer = session._dispatch if active else None
+        self._session = session
+        self._mark: Optional[tuple] = None
+
+    def __enter__(self) -> "StepScope":
+        if self.active:
+            self._session._begin(self)
+        elif self._session.log_interval:  # what this step stages is dropped if its body raises
+            self._mark = self._session.logger.mark()
+        self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._session._scope = None
+        if self.active:
+            self._session._end(self, failed=exc_type is not None)
+        elif exc_type is not None and self._mark is not None:
+            self._session._discard(self)

@@ -94,3 +94,35 @@ def test_sigterm_leaves_every_committed_step_in_tensorboard_jsonl_wandb_and_mlfl
     assert mlrun.info.status == "KILLED"
     history = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss"))
     assert history == [(s, s / 2) for s in jsonl]
+
+
+def test_an_mlflow_server_that_never_answers_never_holds_the_training_thread(tmp_path, caplog):
+    """The MLflow open hangs on a silent loopback socket (it listens, never answers) for its whole read timeout,
+    on the writer thread. With on_backend_error="warn", Instrumentation() waits only open_timeout; then every
+    step commits while that open is still hanging (the writer has not caught up), and the other backend gets
+    every step once the open gives up."""
+    import socket
+
+    import torch
+
+    import instrument
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        mlflow_backend = instrument.MlflowBackend(tracking_uri=uri, timeout=20, max_retries=0, retry_after=3600)
+        inst = instrument.Instrumentation(
+            backends=[instrument.JsonlBackend(), mlflow_backend], log_interval=1, log_dir=str(tmp_path),
+            run_name="silent", on_backend_error="warn", open_timeout=0.2,
+        )
+        for step in range(20):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": torch.tensor(float(step))}, step=step)
+        # Every step was handed over; the writer is still inside MLflow's open, so nothing could be written yet.
+        assert not inst.flush(timeout=0.5)
+        inst.close()  # waits for the open to give up (bounded by timeout=20), then writes everything else
+    steps = [json.loads(line)["step"] for line in (tmp_path / "silent" / "metrics.jsonl").read_text().splitlines()
+             if "step" in json.loads(line)]
+    assert steps == list(range(20))
+    assert "MlflowBackend" in inst.failures

@@ -133,8 +133,7 @@ class TensorBoardBackend(Backend):
 
     def _write(self, w, record: StepRecord) -> None:
         step, t = record.step, record.wall_time
-        for key, value in record.flat_scalars().items():
-            w.add_scalar(key, value, step, walltime=t)
+        _add_scalars(w, record.flat_scalars(), step, t)
         for key, image in record.images.items():
             if image is not None:
                 w.add_image(key, image, step, walltime=t, dataformats="HWC")
@@ -164,8 +163,7 @@ class TensorBoardBackend(Backend):
 
     def write_system(self, record: StepRecord) -> None:
         def log(w) -> None:
-            for key, value in record.scalars.items():
-                w.add_scalar(key, value, record.step, walltime=record.wall_time)
+            _add_scalars(w, record.scalars, record.step, record.wall_time)
             if self.flush_every_commit:
                 w.flush()
 
@@ -239,3 +237,16 @@ def hparams_summary(params: Mapping[str, Any], trial: str) -> Any:
 def _split_last(name: str):
     cut = max(name.rfind("/"), name.rfind("."))
     return (name[:cut], name[cut], name[cut + 1 :]) if cut > 0 else ("", "", name)
+
+
+def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float) -> None:
+    """All of a step's scalars as one event (one ``Summary`` with a value per key), as TensorBoard's own
+    summary writers can: ``add_scalar`` builds and queues one event per key (about 27 us each, on the writer
+    thread, under the GIL), while one event with 100 values costs about a tenth of that. TensorBoard reads
+    each value as its own scalar series, exactly as if logged one by one."""
+    if not scalars:
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in scalars.items()]
+    w._get_file_writer().add_summary(Summary(value=values), step, t)

@@ -91,6 +91,7 @@ def test_plots_return_figures():
         with logger.timer("collect"):
             pass
         logger.commit(step)
+    assert logger.flush(timeout=60)  # the writer thread hands records to the history; wait for it
     fig = history.plot_metrics(["x", "y"], title="run")
     assert isinstance(fig, Figure) and len(fig.axes) == 2
     assert np.allclose(fig.axes[1].lines[0].get_ydata(), [math.sin(s) for s in range(4)])

@@ -244,7 +244,7 @@ def test_a_failing_hook_never_reaches_training_and_is_reported_once(monkeypatch,
     def broken(output):
         raise ValueError("boom")
 
-    monkeypatch.setattr(module, "_first_tensor", broken)  # the first thing each hook call does
+    monkeypatch.setattr(module, "first_tensor", broken)  # the first thing each hook call does
     rule = _rule()
     inst = instrument.Instrumentation([instrument.ActivationStats()], backends=[], log_interval=1)
     inst.watch(rule)

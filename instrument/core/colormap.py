@@ -4,9 +4,12 @@ and observers that colour a channel on the device (`instrument.observers.rollout
 It lives in ``core`` because both layers may import it and neither may import the other.
 """
 
+import math
+from typing import Any, Type
+
 import numpy as np
 
-__all__ = ["VIRIDIS_LUT", "NAN_COLOUR"]
+__all__ = ["VIRIDIS_LUT", "NAN_COLOUR", "parse_color_range"]
 
 # viridis, sampled at 9 evenly spaced points and interpolated linearly.
 _VIRIDIS = np.array(
@@ -25,3 +28,21 @@ VIRIDIS_LUT.setflags(write=False)
 NAN_COLOUR = np.array([128, 128, 128], dtype=np.uint8)
 """Grey: where a value is NaN or infinite."""
 NAN_COLOUR.setflags(write=False)
+
+
+def parse_color_range(where: str, value: Any, error: Type[Exception], more: str = "") -> Any:
+    """A colour range as given to a heatmap: None (each image scaled to its own values), ``"running"`` (the
+    range seen so far) or ``(lo, hi)`` with finite ``lo < hi`` (returned as floats); else ``error`` naming
+    ``where``, what was received and what is accepted (``more`` adds accepted forms to the message)."""
+    if value is None or (isinstance(value, str) and value == "running"):
+        return value
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise error(
+            f"{where}: color_range must be None (each image scaled to its own values), 'running' (the range seen "
+            f"so far) or a pair (lo, hi) of numbers{more}, got {value!r}."
+        ) from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise error(f"{where}: color_range (lo, hi) needs finite numbers with lo < hi, got {value!r}.")
+    return (lo, hi)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from instrument.backends.base import SampleTable
+from instrument.core.colormap import parse_color_range
 from instrument.errors import InvalidValueError
 from instrument.logger.render import render_heatmap, to_hwc_uint8
 
@@ -109,22 +110,8 @@ _HEATMAP = "a 2-D matrix [rows, cols] (1-D: one column)"
 
 
 def check_color_range(where: str, color_range: Any) -> Any:
-    """None, ``"running"`` or ``(lo, hi)`` with finite ``lo < hi`` (returned as a tuple of floats); else a clear
-    `InvalidValueError`."""
-    if color_range is None or (isinstance(color_range, str) and color_range == "running"):
-        return color_range
-    try:
-        lo, hi = (float(v) for v in color_range)
-    except (TypeError, ValueError):
-        raise InvalidValueError(
-            f"{where}: color_range must be None (each image scaled to its own values), 'running' (the range seen "
-            f"so far) or a pair (lo, hi) of numbers, got {color_range!r}."
-        ) from None
-    if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
-        raise InvalidValueError(
-            f"{where}: color_range (lo, hi) needs finite numbers with lo < hi, got {color_range!r}."
-        )
-    return (lo, hi)
+    """None, ``"running"`` or ``(lo, hi)`` with finite ``lo < hi``; else a clear `InvalidValueError`."""
+    return parse_color_range(where, color_range, InvalidValueError)
 
 
 def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:

@@ -33,6 +33,7 @@ from instrument.errors import ConfigurationError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
 from instrument.probes.compiled import run_eagerly, unwrap
+from instrument.probes.hooks import first_tensor
 
 __all__ = ["ActivationStats", "output_moments"]
 
@@ -79,14 +80,6 @@ def _finish(moments: Tensor) -> Tensor:
 
 def _module_class(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, nn.Module)
-
-
-def _first_tensor(value: Any) -> Optional[Tensor]:
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
-        return value[0]
-    return None
 
 
 class ActivationStats(Observer):
@@ -257,7 +250,7 @@ class ActivationStats(Observer):
             if in_recompute():  # checkpoint recomputation: this call was already seen in forward
                 return
             try:  # a hook runs inside the user's forward: a fault here must never reach training
-                out = _first_tensor(output)
+                out = first_tensor(output)
                 if out is None or out.is_complex():
                     return
                 self._calls[index] += 1

@@ -8,9 +8,9 @@ image scaled to its own values). An observer with several heatmaps (one per stat
 ``channel_names`` replaces the ``c<k>`` labels of a state's channels, in metric keys and heatmap axes.
 """
 
-import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+from instrument.core.colormap import parse_color_range
 from instrument.errors import ConfigurationError
 
 __all__ = ["ColorRange", "channel_labels", "check_channel_names", "color_ranges"]
@@ -19,18 +19,7 @@ ColorRange = Union[None, str, Tuple[float, float]]
 
 
 def _one_range(owner: str, value: Any) -> ColorRange:
-    if value is None or (isinstance(value, str) and value == "running"):
-        return value
-    try:
-        lo, hi = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ConfigurationError(
-            f"{owner}: color_range must be None (each heatmap scaled to its own values), 'running' (the range "
-            f"seen so far), a pair (lo, hi), or a dict statistic -> one of these; got {value!r}."
-        ) from None
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise ConfigurationError(f"{owner}: color_range (lo, hi) needs finite numbers with lo < hi, got {value!r}.")
-    return (lo, hi)
+    return parse_color_range(owner, value, ConfigurationError, more=", or a dict statistic -> one of these")
 
 
 def color_ranges(owner: str, color_range: Any, stats: Sequence[str]) -> Dict[str, ColorRange]:

@@ -34,7 +34,7 @@ __all__ = ["StateWatch"]
 log = logging.getLogger("instrument")
 
 
-def _first_tensor(value: Any) -> Optional[Tensor]:
+def first_tensor(value: Any) -> Optional[Tensor]:
     if isinstance(value, Tensor):
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
@@ -129,8 +129,8 @@ class StateWatch:
         if in_recompute():
             self.guard.skipped()
             return
-        previous = _first_tensor(args[0]) if args else _first_tensor(next(iter(kwargs.values()), None))
-        current = _first_tensor(output)
+        previous = first_tensor(args[0]) if args else first_tensor(next(iter(kwargs.values()), None))
+        current = first_tensor(output)
         if previous is None or current is None:
             raise ConfigurationError(
                 f"watched module {self.name} must take the previous state as its first argument and return the "

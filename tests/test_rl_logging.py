@@ -18,7 +18,7 @@ from tests.conftest import event_accumulator, read_scalars
 from tests.conftest import tqdm_bar_active as bar_active
 from tests.wandb_reader import read_run
 
-os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering, moviepy) without a sound card
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering) without a sound card
 
 
 def batch(t: int = 4, envs: int = 2):
@@ -151,7 +151,6 @@ class VideoKeeper(instrument.Backend):
 
 
 def test_evaluation_runs_both_modes_on_the_frame_schedule_and_writes_a_readable_video(tmp_path):
-    pytest.importorskip("moviepy")
     videos = VideoKeeper()
     inst = instrument.Instrumentation(
         backends=[instrument.TensorBoardBackend(), videos], log_interval=100, log_dir=str(tmp_path)

@@ -8,7 +8,7 @@ key           meaning
 ``return``    mean return over the evaluation episodes
 ``length``    mean episode length in steps (at most ``max_steps``)
 ``video``     the first episode rendered as a video ([T, H, W, C] uint8), when ``video`` is on and
-              the mode is in ``video_modes``; TensorBoard (GIF, needs moviepy) and W&B show it
+              the mode is in ``video_modes``; TensorBoard, W&B and MLflow show it (GIFs, Pillow)
 ============  ===================================================================================
 
 Both modes run on the same schedule: when `Counters.frames` reaches the next multiple of ``every_frames``.

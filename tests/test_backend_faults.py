@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from instrument import ConfigurationError, JsonlBackend, MlflowBackend, RunInfo, TensorBoardBackend, WandbBackend
 from instrument.backends.base import StepRecord
+from instrument.backends.tensorboard import _event_thread
 from tests.conftest import read_scalars
 from tests.wandb_reader import _payloads, read_run
 
@@ -180,15 +182,25 @@ def test_tensorboard_reopens_a_new_event_file_when_the_directory_is_back(tmp_pat
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_tensorboard_close_raises_a_write_it_could_not_make(tmp_path):
+def test_tensorboard_close_raises_a_write_it_could_not_make(tmp_path, monkeypatch):
     run_dir, aside = tmp_path / "run", tmp_path / "aside"
     backend = TensorBoardBackend(flush_every_commit=False)
     backend.open(RunInfo("run", tmp_path))
     backend.flush()
+    thread = _event_thread(backend._writer)
+    report = threading.excepthook
+
+    def slow_report(args):  # TensorBoard's dying thread reports its error after the caller already saw it
+        time.sleep(0.3)
+        report(args)
+
+    monkeypatch.setattr(threading, "excepthook", slow_report)
     _break_dir(run_dir, aside)
     backend.write(StepRecord(step=0, scalars={"loss": 0.0}))  # only queued: TensorBoard writes it later
     with pytest.raises(OSError):
         backend.close()
+    # close returns once that thread is over: its report belongs to this fault, not to whatever runs next
+    assert thread is not None and not thread.is_alive()
     backend.close()  # a second close has nothing left to do
     _restore_dir(run_dir, aside)
 

@@ -204,7 +204,18 @@ def _close_quietly(writer) -> None:
     try:
         writer.close()
     except Exception:  # it already failed, and that failure was raised; closing it only releases its thread
-        pass
+        # A dead writer's close re-raises before it joins TensorBoard's writer thread, which may still be
+        # reporting its error; wait for it so the fault is over (and reported) before the next record.
+        thread = _event_thread(writer)
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+
+def _event_thread(writer) -> Any:
+    """TensorBoard's own writer thread behind a SummaryWriter (private attributes: None if they moved)."""
+    file_writer = getattr(writer, "file_writer", None)
+    async_writer = getattr(getattr(file_writer, "event_writer", None), "_async_writer", None)
+    return getattr(async_writer, "_worker", None)
 
 
 def hyperparameter_table(params: Mapping[str, Any]) -> str:

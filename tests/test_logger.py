@@ -58,6 +58,33 @@ def test_one_batched_transfer_per_commit(monkeypatch):
     np.testing.assert_array_equal(record.histograms["h"], np.arange(10.0))
 
 
+def test_batched_transfer_keeps_every_dtype_exact_and_in_place():
+    """0-d tensors are stacked per dtype for the copy: mixed dtypes, shapes and a huge integer must each come
+    back as their own float64 value (a float32 stack would round 2**40 + 1), next to arrays and pixels."""
+    keep = Keep()
+    log = instrument.Logger([keep])
+    values = {
+        "f32": torch.tensor(0.1, dtype=torch.float32),
+        "f16": torch.tensor(1.5, dtype=torch.float16),
+        "bf16": torch.tensor(3.0, dtype=torch.bfloat16),
+        "big": torch.tensor(2**40 + 1, dtype=torch.int64),
+        "flag": torch.tensor(True),
+        "one": torch.tensor([7.25], dtype=torch.float64),
+        "grad": (torch.ones(3, requires_grad=True) * 2).sum(),
+        "f32b": torch.tensor(-2.5, dtype=torch.float32),
+    }
+    reference = {k: float(torch.as_tensor(v).detach().double().reshape(())) for k, v in values.items()}
+    log.log_metrics(values, step=0)
+    log.log_histogram("h", torch.arange(5, dtype=torch.int32), step=0)
+    log.log_image("img", torch.full((2, 2, 3), 200, dtype=torch.uint8), step=0)
+    assert not log._totals["grad"].requires_grad  # staged values never hold the caller's autograd graph
+    record = log.commit()
+    assert record.scalars == reference
+    assert record.scalars["big"] == 2**40 + 1
+    np.testing.assert_array_equal(record.histograms["h"], np.arange(5.0))
+    assert record.images["img"].dtype == np.uint8 and (record.images["img"] == 200).all()
+
+
 def test_values_logged_between_commits_are_averaged_on_the_device():
     keep = Keep()
     log = instrument.Logger([keep])

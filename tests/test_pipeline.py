@@ -190,6 +190,21 @@ def test_a_record_reaches_disk_within_flush_secs_without_flush_or_close(tmp_path
     logger.close()
 
 
+def test_a_writer_parked_after_an_idle_spell_wakes_for_the_next_commit(tmp_path):
+    """An idle writer stops polling (it parks) so idle loggers cost nothing; the next commit must wake it,
+    or that record would wait forever. Nothing is timed: the writer's own flag says it parked."""
+    path = tmp_path / "parked.jsonl"
+    logger = Logger([Buffered(path)], RunInfo("park", tmp_path), flush_secs=0.05)
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.commit(1)
+    poll(lambda: path.exists() and steps_of(path) == [1], "the first record")
+    poll(lambda: logger._writer._parked, "the writer to park")
+    logger.log_metrics({"a": 2.0}, step=2)
+    logger.commit(2)  # no flush, no read of the handle: only the commit's own wake can start the writer
+    poll(lambda: steps_of(path) == [1, 2], "the record committed to a parked writer")
+    logger.close()
+
+
 def test_full_queue_blocks_by_default_and_loses_nothing(tmp_path):
     backend = Blocking()
     logger = Logger([backend], RunInfo("b", tmp_path), queue_size=2)
@@ -457,6 +472,9 @@ def test_a_cuda_commit_makes_no_host_sync_and_the_writer_reads_the_values(tmp_pa
 INTERRUPTED_CHILD = textwrap.dedent(
     """
     import os, signal, sys
+    # Python's own Ctrl-C handler, as in a terminal: a parent started in the background (e.g. `make test &`
+    # from a script) hands its children SIGINT ignored, and Python then installs none.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import instrument
     from instrument.backends.base import Backend
     from instrument.backends.jsonl import JsonlBackend

@@ -57,7 +57,10 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             )
         if value.is_meta:
             raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
-        value = value.detach().reshape(())
+        if value.requires_grad:  # only then: a detach per value is a tensor op, 100 of them cost ~0.3 ms
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())
         if value.is_floating_point():
             return value
         if value.is_complex():

@@ -30,6 +30,10 @@ log = logging.getLogger("instrument")
 ON_FULL = ("block", "drop")
 # How often an idle writer looks for records that were handed over without waking it (`submit`).
 _POLL = 0.05
+# Polls with nothing to do before the writer parks: a parked writer sleeps until woken, so a process with
+# many idle loggers (or one that logs rarely) spends no CPU and no GIL on them; the first commit after a
+# pause of about a second pays one wake instead.
+_IDLE_POLLS = 20
 _RECORD, _CALL, _FLUSH, _CLOSE = "record", "call", "flush", "close"
 
 
@@ -111,6 +115,7 @@ class Writer:
         self._closing = False
         self._stopped = False
         self._dirty = False
+        self._parked = False  # idle past _IDLE_POLLS: waits for a wake, not for a poll (read under _cond)
         self._last_flush = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -135,9 +140,9 @@ class Writer:
             self._records += 1
             # Waking a sleeping thread costs the committing thread a futex wake and often a context switch
             # (~50 us on a busy 2-core machine, more than the rest of a commit): records are picked up by the
-            # writer's next poll (at most _POLL seconds later) unless the queue is filling up. flush(), close()
-            # and readers of a CommittedStep wake it at once.
-            if self._records * 2 >= self.queue_size:
+            # writer's next poll (at most _POLL seconds later) unless the queue is filling up or the writer
+            # parked after a long idle spell. flush(), close() and readers of a CommittedStep wake it at once.
+            if self._parked or self._records * 2 >= self.queue_size:
                 self._cond.notify_all()
             return True
 
@@ -221,14 +226,20 @@ class Writer:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                idle = 0
                 while not self._queue:
                     if self._dirty:
                         remaining = self.flush_secs - (time.monotonic() - self._last_flush)
                         if remaining <= 0:
                             break
                         self._cond.wait(min(remaining, _POLL))
-                    else:
+                    elif idle < _IDLE_POLLS:
+                        idle += 1
                         self._cond.wait(_POLL)
+                    else:
+                        self._parked = True  # set under the lock submit takes: no wake can be missed
+                        self._cond.wait()
+                        self._parked = False
                 item = self._queue.popleft() if self._queue else None
                 if item is not None and item[0] == _RECORD:
                     self._records -= 1

@@ -112,6 +112,13 @@ def test_a_resumed_run_that_fails_to_start_keeps_its_folder(tmp_path):
     assert _tree(tmp_path / "r") == before
 
 
+def test_a_failed_start_with_the_default_run_name_leaves_no_folder(tmp_path):
+    bad, names = _unopenable(tmp_path, "tensorboard")
+    with pytest.raises(ConfigurationError, match=names):
+        instrument.Instrumentation(backends=[JsonlBackend(), TensorBoardBackend(), bad], log_dir=str(tmp_path / "runs"))
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
 def test_on_backend_error_warn_changes_nothing(tmp_path):
     bad, _ = _unopenable(tmp_path, "tensorboard")
     inst = instrument.Instrumentation(backends=[JsonlBackend(), bad], run_name="r", log_dir=str(tmp_path / "runs"),

@@ -111,7 +111,8 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
     Only a folder this start made is touched: one that did not exist (removed) or was empty (emptied again),
     on rank 0, when not resuming. Anything that existed before is left alone, and so is everything outside
     the folder (a backend pointed elsewhere, MLflow's store in ``log_dir``). A folder that cannot be removed,
-    or whose writer thread did not stop, is left with a warning; the start's own error is raised either way.
+    or where a writer thread started meanwhile is still running (it may still write there), is left with a
+    warning; the start's own error is raised either way.
     """
     owned = not resume and rank() == 0 and not _is_used(run_dir)  # rank 0 writes; others may see its files
     existed = run_dir.is_dir()

@@ -8,7 +8,7 @@ from typing import Any
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["closed_use"]
+__all__ = ["closed_use", "open_backends"]
 
 log = logging.getLogger("instrument")
 
@@ -41,6 +41,28 @@ def check_open_policy(policy: Any, timeout: Any) -> str:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigurationError(f"open_timeout must be a positive number of seconds, got {timeout!r}.")
     return policy
+
+
+def open_backends(logger: Any, policy: Any, timeout: Any) -> None:
+    """Open the logger's backends on its writer thread and wait for them (`await_opens`).
+
+    Whatever stops the start here (a bad option, a backend that cannot open, Ctrl-C while waiting) leaves no
+    writer running: it is closed, ending what did open ``"failed"`` (``"killed"`` for Ctrl-C), at most
+    ``open_timeout`` seconds, so that the session can then remove the run folder this start created.
+    """
+    writer = logger._writer
+    try:
+        writer.report_open = check_open_policy(policy, timeout) == "warn"
+        opened = [writer.call("open", logger.run, backend=backend) for backend in logger.backends]
+        if opened:
+            await_opens(logger, opened[-1], policy, timeout)
+        writer.report_open = True  # a backend added later (add_backend) is reported if it cannot open
+    except BaseException as exc:
+        if not logger._closed:  # await_opens closes the writer itself before raising an open failure
+            logger._closed, logger._closed_by = True, "close"
+            wait = timeout if isinstance(timeout, (int, float)) and timeout > 0 else 60.0
+            writer.close("killed" if isinstance(exc, KeyboardInterrupt) else "failed", wait)
+        raise
 
 
 def await_opens(logger: Any, seq: int, policy: str, timeout: float) -> None:

@@ -43,7 +43,7 @@ from instrument.errors import ConfigurationError, InvalidValueError, StepOrderEr
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.handover import handover
-from instrument.logger.lifecycle import await_opens, check_open_policy, closed_use
+from instrument.logger.lifecycle import closed_use, open_backends
 from instrument.logger.media import KINDS, check_color_range
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import rank
@@ -141,11 +141,7 @@ class Logger(StepRecords):
             self.backends, self._build, self.ledger, queue_size, on_full, float(flush_secs),
             name=f"instrument-writer-{self.run.name}",
         )
-        self._writer.report_open = check_open_policy(on_backend_error, open_timeout) == "warn"
-        opened = [self._writer.call("open", self.run, backend=backend) for backend in self.backends]
-        if opened:
-            await_opens(self, opened[-1], on_backend_error, open_timeout)  # raises if one failed ("raise")
-        self._writer.report_open = True  # a backend added later (add_backend) is reported if it cannot open
+        open_backends(self, on_backend_error, open_timeout)  # raises if one failed ("raise")
         shutdown.register(self)
 
     def add_backend(self, backend: Backend) -> bool:

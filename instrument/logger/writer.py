@@ -23,7 +23,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 from instrument.backends.base import Backend, StepRecord
 from instrument.core.failures import FailureLedger
 
-__all__ = ["Writer", "CommittedStep", "ON_FULL"]
+__all__ = ["Writer", "CommittedStep", "ON_FULL", "WriterThread", "running_writers"]
 
 log = logging.getLogger("instrument")
 
@@ -35,6 +35,15 @@ _POLL = 0.05
 # pause of about a second pays one wake instead.
 _IDLE_POLLS = 20
 _RECORD, _CALL, _FLUSH, _CLOSE = "record", "call", "flush", "close"
+
+
+class WriterThread(threading.Thread):
+    """The thread type of every `Writer`, so that a failed start can tell whether its writer has stopped."""
+
+
+def running_writers() -> List[threading.Thread]:
+    """The writer threads of this process that are still running."""
+    return [t for t in threading.enumerate() if isinstance(t, WriterThread) and t.is_alive()]
 
 
 class CommittedStep:
@@ -117,7 +126,7 @@ class Writer:
         self._dirty = False
         self._parked = False  # idle past _IDLE_POLLS: waits for a wake, not for a poll (read under _cond)
         self._last_flush = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = WriterThread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ producer side

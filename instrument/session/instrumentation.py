@@ -25,7 +25,7 @@ from instrument.logger.ranks import check_same_config
 from instrument.probes import record
 from instrument.probes.embedded import ProbeSet, check_probe_requests, check_unique_names
 from instrument.probes.hooks import StateWatch
-from instrument.session.run_folder import resume_ids, run_name_for, save_ids
+from instrument.session.run_folder import removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
 
 __all__ = ["Instrumentation", "set_config_source"]
@@ -77,11 +77,12 @@ class Instrumentation:
             (1 for ``[B, C, H, W]``, -1 for channels-last ``[B, H, W, C]``). An observer's own ``channel_dim``
             wins; observers whose ``channel_dim`` is None take this one; with neither, each observer's
             documented default applies (docs/observers.md).
-
         on_backend_error: a backend that cannot open (a missing extra, a bad option, an unreachable server):
             ``"raise"`` (default) raises a `ConfigurationError` here naming the backend, the cause and the fix;
             ``"warn"`` reports it and runs without it. The opens run on the logger's writer thread; this waits
-            for them at most ``open_timeout`` seconds, then warns and goes on.
+            for them at most ``open_timeout`` seconds, then warns and goes on. A start that raises (Ctrl-C
+            too) closes what opened and removes the run folder it made, so ``run_name`` is free again; what
+            existed before, and files a backend wrote outside the folder, stay (docs/backends.md).
         secret_keys: glob patterns (case-insensitive) of more key names whose values are redacted before
             anything is written, added to the usual ones (``*token*``, ``*secret*``, ``*password*``,
             ``*api_key*``, cloud and W&B credential names: `instrument.logger.params.SECRET_PATTERNS`); e.g.
@@ -145,25 +146,6 @@ class Instrumentation:
         ids = resume_ids(Path(log_dir) / name) if resume else None
         self.run = RunInfo(name=name, root=Path(log_dir), resume=ids)
         self.run_log: Any = None
-        if run_log:  # before the logger, so what backends print while opening is in the file too
-            from instrument.terminal.runlog import setup_run_logging
-
-            setup = setup_run_logging if run_log is True else run_log
-            if not callable(setup):
-                raise ConfigurationError(f"run_log must be True, False or a callable, got {run_log!r}.")
-            self.run_log = setup(run_dir=self.run.dir, run_name=self.run.name)
-        try:
-            self.logger = Logger(
-                backends, self.run, on_step_regression=on_step_regression, queue_size=queue_size,
-                on_full=on_full, flush_secs=flush_secs, on_backend_error=on_backend_error,
-                open_timeout=open_timeout, secret_keys=secret_keys,
-            )
-        except BaseException:
-            if self.run_log is not None:
-                self.run_log.close()
-            raise
-        if self.logger.is_writer:
-            save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
         self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()
@@ -179,8 +161,32 @@ class Instrumentation:
         self._overhead_warned = False
         self._discard_reported = False
         self.system_monitor = system_monitor
-        if system_monitor is not None and self.logger.is_writer:
-            system_monitor.start(self.logger)
+        with removed_if_start_fails(self.run.dir, resume, self._abort_start):
+            if run_log:  # before the logger, so what backends print while opening is in the file too
+                from instrument.terminal.runlog import setup_run_logging
+
+                setup = setup_run_logging if run_log is True else run_log
+                if not callable(setup):
+                    raise ConfigurationError(f"run_log must be True, False or a callable, got {run_log!r}.")
+                self.run_log = setup(run_dir=self.run.dir, run_name=self.run.name)
+            self.logger = Logger(
+                backends, self.run, on_step_regression=on_step_regression, queue_size=queue_size,
+                on_full=on_full, flush_secs=flush_secs, on_backend_error=on_backend_error,
+                open_timeout=open_timeout, secret_keys=secret_keys,
+            )
+            if self.logger.is_writer:
+                save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
+                if system_monitor is not None:
+                    system_monitor.start(self.logger)
+
+    def _abort_start(self, status: str) -> None:
+        """The start failed: end what did start (`removed_if_start_fails` then removes the new run folder)."""
+        try:
+            if getattr(self, "logger", None) is not None:
+                self.logger.close(status)
+        finally:
+            if self.run_log is not None:
+                self.run_log.close()
 
     # ------------------------------------------------------------------ public API
     def watch(

@@ -1,20 +1,29 @@
-"""The run's folder: its name (unique by default, never outside ``log_dir``) and what a resumed run reads back.
+"""The run's folder: its name (unique by default, never outside ``log_dir``), what a resumed run reads back,
+and its removal when the start that created it fails.
 
 Everything a run writes locally lives in ``<log_dir>/<run_name>``; this module decides that name and refuses
-names that could escape ``log_dir`` or land in another run's folder.
+names that could escape ``log_dir`` or land in another run's folder. Because a used name is refused, a start
+that fails after some backends wrote there would block its own ``run_name``: `removed_if_start_fails` undoes it.
 """
 
+import contextlib
 import json
+import logging
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from instrument.errors import ConfigurationError
 from instrument.logger.ranks import rank, same_on_all_ranks
+from instrument.logger.writer import running_writers
 
-__all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "RUN_FILE"]
+__all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "RUN_FILE",
+           "removed_if_start_fails"]
+
+log = logging.getLogger("instrument")
 
 
 def default_run_name() -> str:
@@ -91,3 +100,65 @@ def save_ids(run_dir: Path, backends: Sequence[Any]) -> None:
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps({"backends": ids}, indent=1), encoding="utf-8")
     os.replace(tmp, run_dir / RUN_FILE)
+
+
+@contextlib.contextmanager
+def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], None]) -> Iterator[None]:
+    """Around a session's start: if it raises (any exception, Ctrl-C too), ``close(status)`` ends what did
+    open (``"killed"`` for Ctrl-C, else ``"failed"``), then the run folder is put back as it was, and the
+    original exception goes on.
+
+    Only a folder this start made is touched: one that did not exist (removed) or was empty (emptied again),
+    on rank 0, when not resuming. Anything that existed before is left alone, and so is everything outside
+    the folder (a backend pointed elsewhere, MLflow's store in ``log_dir``). A folder that cannot be removed,
+    or where a writer thread started meanwhile is still running (it may still write there), is left with a
+    warning; the start's own error is raised either way.
+    """
+    owned = not resume and rank() == 0 and not _is_used(run_dir)  # rank 0 writes; others may see its files
+    existed = run_dir.is_dir()
+    writers = set(running_writers())
+    try:
+        yield
+    except BaseException as exc:
+        try:
+            close("killed" if isinstance(exc, KeyboardInterrupt) else "failed")
+        except Exception as close_exc:  # the start's own error matters more; say it and go on
+            log.warning("instrument: closing a session whose start failed raised %s: %s",
+                        type(close_exc).__name__, close_exc)
+        if owned and run_dir.exists():
+            _undo_folder(run_dir, existed, [t for t in running_writers() if t not in writers])
+        raise
+
+
+def _undo_folder(run_dir: Path, existed: bool, writers: Sequence[Any]) -> None:
+    name = run_dir.name
+    if writers:  # it may still write there: removing the folder under it would lose or mix files
+        log.warning("instrument: the start of run %r failed; its writer is still closing, so %s was left in "
+                    "place: delete it before starting run_name=%r again", name, str(run_dir), name)
+        return
+    error: Optional[OSError] = None
+    for attempt in range(3):  # a service that closes its files a moment later (W&B) gets another try
+        try:
+            for child in list(run_dir.iterdir()) if existed else [run_dir]:
+                _remove(child)
+            error = None
+            break
+        except OSError as exc:
+            error = exc
+            time.sleep(0.2 * (attempt + 1))
+    if error is not None or _is_used(run_dir):
+        log.warning("instrument: the start of run %r failed and %s could not be removed (%s): delete it before "
+                    "starting run_name=%r again", name, str(run_dir), error or "it is not empty", name)
+    else:
+        log.warning("instrument: the start of run %r failed; removed what it had written to %s, so "
+                    "run_name=%r can be used again", name, str(run_dir), name)
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass  # gone already

@@ -215,6 +215,7 @@ def test_a_folder_that_cannot_be_removed_is_reported_and_the_error_still_raised(
 INTERRUPTED = textwrap.dedent(
     """
     import os, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if SIGINT came ignored
     import instrument
     from instrument.backends.jsonl import JsonlBackend
 

@@ -37,24 +37,50 @@ def _payloads(data: bytes):
             pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
 
 
+def _records(path: Path) -> list:
+    from wandb.proto import wandb_internal_pb2
+
+    records = []
+    for payload in _payloads(Path(path).read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def _row(history) -> Dict[str, Any]:
+    row: Dict[str, Any] = {}
+    for item in history.item:
+        keys = [item.key] if item.key else list(item.nested_key)
+        target = row
+        for key in keys[:-1]:  # media values arrive flattened as nested keys: rebuild the dicts
+            target = target.setdefault(key, {})
+        target[keys[-1]] = json.loads(item.value_json)
+    return row
+
+
+def read_history(path: Path, timeout: float = 0.0) -> List[Dict[str, Any]]:
+    """The history rows of one ``run-<id>.wandb`` file; with a ``timeout``, once it holds the run's exit record
+    (or the timeout passed). Without one: what it holds now (a run killed before `finish` has no exit record)."""
+    deadline = time.monotonic() + timeout
+    records = _records(path)
+    while timeout and time.monotonic() < deadline and not any(r.WhichOneof("record_type") == "exit" for r in records):
+        time.sleep(0.2)
+        records = _records(path)
+    return [_row(r.history) for r in records if r.WhichOneof("record_type") == "history"]
+
+
 def read_run(run_dir: Path, timeout: float = 60.0) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """History rows and config of the single offline run under ``run_dir``.
 
     W&B's service process writes the file asynchronously; under load it can still be writing when
     ``run.finish()`` returns, so this waits (up to ``timeout`` seconds) for the run's exit record.
     """
-    from wandb.proto import wandb_internal_pb2
-
     deadline = time.monotonic() + timeout
     while True:
         files = list(Path(run_dir).rglob("*.wandb"))
         assert len(files) <= 1, files
-        records = []
-        if files:
-            for payload in _payloads(files[0].read_bytes()):
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(payload)
-                records.append(record)
+        records = _records(files[0]) if files else []
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -64,14 +90,7 @@ def read_run(run_dir: Path, timeout: float = 60.0) -> Tuple[List[Dict[str, Any]]
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            row: Dict[str, Any] = {}
-            for item in record.history.item:
-                keys = [item.key] if item.key else list(item.nested_key)
-                target = row
-                for key in keys[:-1]:  # media values arrive flattened as nested keys: rebuild the dicts
-                    target = target.setdefault(key, {})
-                target[keys[-1]] = json.loads(item.value_json)
-            rows.append(row)
+            rows.append(_row(record.history))
         elif kind == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
     return rows, config

@@ -16,6 +16,11 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
 def _payloads(data: bytes):
+    return (payload for _, payload in _framed(data))
+
+
+def _framed(data: bytes):
+    """(offset just past the record's last fragment, record bytes) for each whole record."""
     assert data[:4] == b":W&B", "not a W&B transaction log"
     pos, pending = 7, b""
     while pos + 7 <= len(data):
@@ -27,11 +32,11 @@ def _payloads(data: bytes):
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == _FULL:
-            yield chunk
+            yield pos, chunk
         elif kind in (_FIRST, _MIDDLE):
             pending += chunk
         elif kind == _LAST:
-            yield pending + chunk
+            yield pos, pending + chunk
             pending = b""
         elif kind == 0:  # zero padding at the end of a block
             pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
@@ -46,6 +51,25 @@ def _records(path: Path) -> list:
         record.ParseFromString(payload)
         records.append(record)
     return records
+
+
+def record_ends(path: Path) -> List[Tuple[int, Any]]:
+    """Each record of a whole file with the offset its last byte ends before: cutting the file there keeps it."""
+    from wandb.proto import wandb_internal_pb2
+
+    ends = []
+    for end, payload in _framed(Path(path).read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        ends.append((end, record))
+    return ends
+
+
+def history_step(record) -> Any:
+    """A history record's ``_step`` (None for another record)."""
+    if record.WhichOneof("record_type") != "history":
+        return None
+    return _row(record.history).get("_step")
 
 
 def _row(history) -> Dict[str, Any]:

@@ -13,6 +13,7 @@ checksums are not verified (the standard library has no CRC32C); those two check
 """
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -27,9 +28,16 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
 def run_files(wandb_dir: Path, run_id: str) -> List[Path]:
-    """The transaction logs of run ``run_id`` that earlier processes left under ``wandb_dir`` (W&B's
-    ``<dir>/wandb``): ``offline-run-*-<id>/run-<id>.wandb``."""
-    return sorted(Path(wandb_dir).glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    """The transaction logs of run ``run_id`` under ``wandb_dir`` (W&B's ``<dir>/wandb``):
+    ``offline-run-<time>-<id>[-<n>]/run-<id>.wandb`` (W&B appends ``-1``, ``-2``... to a folder started in
+    the same second as another), in the order they were started."""
+    folder = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for path in Path(wandb_dir).glob(f"offline-run-*/run-{run_id}.wandb"):
+        match = folder.fullmatch(path.parent.name)
+        if match:
+            found.append(((match.group(1), int(match.group(2) or 0)), path))
+    return [path for _, path in sorted(found)]
 
 
 def last_step(path: Path) -> Optional[int]:

@@ -87,3 +87,17 @@ def test_an_earlier_folder_it_cannot_read_costs_a_warning_and_every_step_is_writ
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and run_id in warnings[0] and "not a W&B transaction log" in warnings[0]
     assert _history(second) == [(30, 1030.0), (40, 1040.0)]
+
+
+def test_system_samples_left_at_close_of_a_resumed_offline_run_take_a_step_above_the_held_ones(tmp_path):
+    pytest.importorskip("wandb")
+    first = _write(tmp_path)
+    run_id = first.stem[len("run-"):]
+    backend = WandbBackend(project="tests")
+    backend.open(RunInfo("r", tmp_path, resume={"WandbBackend": run_id}))
+    backend.write(StepRecord(step=30, scalars={"v": 1030.0}))  # held by the first folder: not written
+    backend.write_system(StepRecord(step=3, scalars={"system/cpu": 12.5, "system/seconds": 3.0}))
+    second = Path(backend.run.settings.sync_file)
+    backend.close()
+    rows = read_history(second, timeout=60.0)
+    assert [(row["_step"], row["system/cpu"], "v" in row) for row in rows] == [(41, 12.5, False)]

@@ -55,6 +55,15 @@ class WandbBackend(Backend):
     are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
     ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make
     W&B drop the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
+
+    Resume (``Instrumentation(resume=True)``): ``wandb.init(id=<kept id>, resume="allow")``. Steps the run
+    already holds are not written again (W&B cannot replace a step). Online, W&B knows the run's last step.
+    Offline, each process writes its own ``offline-run-<time>-<id>`` folder and W&B knows nothing of the
+    earlier ones, so `open` reads the last ``_step`` of their ``run-<id>.wandb`` files
+    (`instrument.backends.wandb_log`; a torn last record after a kill is ignored, an unreadable file costs
+    one warning and every step is written). ``wandb sync`` of the folders, oldest first, then gives each
+    step once. The system samples left at `close` take the step after the last one the run holds, and a
+    resume counts that step as written, online and offline alike.
     """
 
     def __init__(

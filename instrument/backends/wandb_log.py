@@ -41,7 +41,8 @@ def run_files(wandb_dir: Path, run_id: str) -> List[Path]:
 
 
 def last_step(path: Path) -> Optional[int]:
-    """The highest ``_step`` of the history records in the file at ``path``; None when it holds none.
+    """The ``_step`` of the last whole history record in the file at ``path`` (W&B writes steps in increasing
+    order); None when it holds none.
 
     Raises ValueError when the file is not a W&B transaction log, OSError when it cannot be read."""
     from wandb.proto import wandb_internal_pb2

@@ -123,7 +123,7 @@ class WandbBackend(Backend):
             )
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
-        if _resume(run, self.name) and self.run.offline:
+        if _resume(run, self.name) and getattr(self.run, "offline", False):
             self._written = _offline_last_step(self.run)
 
     def _holds(self, step: int) -> bool:

@@ -13,21 +13,24 @@ import pytest
 import instrument
 from instrument.backends.jsonl import JsonlBackend
 from instrument.errors import ConfigurationError
+from tests.wandb_reader import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _TRAIN = """
-import json, os, sys
+import json, os, sys, time
 import instrument
 from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.mlflow import MlflowBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.backends.wandb import WandbBackend
+from tests.wandb_reader import read_history
 
 log_dir, phase = sys.argv[1], sys.argv[2]
 resume = phase == "resume"
+wandb_backend = WandbBackend()
 inst = instrument.Instrumentation(
-    backends=[TensorBoardBackend(), JsonlBackend(), MlflowBackend(), WandbBackend()], run_name="r",
+    backends=[TensorBoardBackend(), JsonlBackend(), MlflowBackend(), wandb_backend], run_name="r",
     log_dir=log_dir, log_interval=10, resume=resume)
 ckpt = os.path.join(log_dir, "ckpt.json")
 start = 0
@@ -43,6 +46,17 @@ for step in range(start, 60 if resume else 36):
         json.dump({"inst": inst.state_dict(), "step": step}, open(ckpt, "w"))
 if not resume:
     inst.flush()
+    # W&B's service writes its file every flush_secs: wait until step 30 is on disk, as in a longer run
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if any(row.get("_step") == 30 for row in read_history(wandb_backend.run.settings.sync_file)):
+                break
+        except Exception:  # a record the service is still writing
+            pass
+        if time.monotonic() > deadline:
+            os._exit(4)
+        time.sleep(0.2)
     os._exit(3)  # a crash between checkpoints: steps 30 (and 21..35) were run after the checkpoint at 20
 inst.close()
 """
@@ -85,9 +99,17 @@ def test_a_crashed_run_resumes_with_no_duplicate_and_no_missing_step(tmp_path):
     assert run.info.run_id == ids["MlflowBackend"] and run.info.status == "FINISHED"
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "v"))
     assert history == [(0, 0.0), (10, 10.0), (20, 20.0), (30, 30.0), (40, 1040.0), (50, 1050.0)]
-    # W&B (offline): the resumed process logs to the same run id
-    offline = sorted(p.name for p in (logs / "r" / "wandb").glob("offline-run-*"))
-    assert len(offline) == 2 and all(name.endswith(ids["WandbBackend"]) for name in offline)
+    # W&B (offline): the resumed process logs to the same run id in a second folder, and does not write again
+    # the steps the first folder holds (read back from both files)
+    run_id = ids["WandbBackend"]
+    offline = sorted((logs / "r" / "wandb").glob("offline-run-*"))  # named by start time: in order
+    assert len(offline) == 2 and all(folder.name.endswith(run_id) for folder in offline)
+    crashed = read_history(offline[0] / f"run-{run_id}.wandb")
+    continued = read_history(offline[1] / f"run-{run_id}.wandb", timeout=60.0)
+    assert [(row["_step"], row["v"]) for row in crashed] == resumed[:3] + [(30, 30.0)]
+    assert [(row["_step"], row["v"]) for row in continued] == [(40, 1040.0), (50, 1050.0)]
+    steps = [row["_step"] for row in crashed + continued]
+    assert sorted(steps) == sorted(set(steps)) == [0, 10, 20, 30, 40, 50]  # every step exactly once
 
 
 def test_resume_needs_an_existing_run_and_a_name(tmp_path):

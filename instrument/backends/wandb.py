@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -10,10 +11,13 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
+from instrument.backends.wandb_log import last_step, run_files
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
 __all__ = ["WandbBackend"]
+
+log = logging.getLogger("instrument")
 
 _MODES = ("offline", "online", "disabled", "shared")
 _EXIT_STATUSES = ("killed", "failed")
@@ -51,6 +55,15 @@ class WandbBackend(Backend):
     are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
     ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make
     W&B drop the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
+
+    Resume (``Instrumentation(resume=True)``): ``wandb.init(id=<kept id>, resume="allow")``. Steps the run
+    already holds are not written again (W&B cannot replace a step). Online, W&B knows the run's last step.
+    Offline, each process writes its own ``offline-run-<time>-<id>`` folder and W&B knows nothing of the
+    earlier ones, so `open` reads the last ``_step`` of their ``run-<id>.wandb`` files
+    (`instrument.backends.wandb_log`; a torn last record after a kill is ignored, an unreadable file costs
+    one warning and every step is written). ``wandb sync`` of the folders, oldest first, then gives each
+    step once. The system samples left at `close` take the step after the last one the run holds, and a
+    resume counts that step as written, online and offline alike.
     """
 
     def __init__(
@@ -86,6 +99,7 @@ class WandbBackend(Backend):
         self._external = run  # the user's run: logged into, never finished
         self._wandb = None
         self._system: dict = {}
+        self._written: Optional[int] = None  # a resumed offline run: the last step its earlier folders hold
 
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = require("wandb", "wandb", "WandbBackend")
@@ -109,6 +123,13 @@ class WandbBackend(Backend):
             )
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
+        if _resume(run, self.name) and getattr(self.run, "offline", False):
+            self._written = _offline_last_step(self.run)
+
+    def _holds(self, step: int) -> bool:
+        """Whether the run already holds ``step``: online W&B knows its last step; a resumed offline run
+        learnt it from its earlier folders at `open`."""
+        return step < self.run.step or (self._written is not None and step <= self._written)
 
     @property
     def resume_id(self) -> Optional[str]:
@@ -124,7 +145,7 @@ class WandbBackend(Backend):
         self.run.config.update(values, allow_val_change=True)
 
     def write(self, record: StepRecord) -> None:
-        if record.step < self.run.step:  # a resumed online run already holds it; W&B would drop it anyway
+        if self._holds(record.step):  # a resumed run already holds it: not written again (W&B would drop it)
             return
         wandb = self._wandb
         data: dict = record.flat_scalars()
@@ -165,8 +186,9 @@ class WandbBackend(Backend):
         run, self.run = self.run, None
         if run is not None:
             try:
-                if self._system:  # the last samples after the last training step
-                    run.log(self._system, commit=True)
+                if self._system:  # the last samples, on the step after the last one the run holds
+                    after = -1 if self._written is None else self._written
+                    run.log(self._system, step=max(run.step, after + 1), commit=True)
                     self._system = {}
             finally:
                 if run is not self._external:
@@ -179,6 +201,23 @@ class WandbBackend(Backend):
 def _video(wandb, frames, fps: int):
     """A ``wandb.Video`` from GIF bytes encoded with Pillow: W&B's own encoding of raw frames needs moviepy."""
     return wandb.Video(io.BytesIO(encode_gif(frames, fps)), format="gif")
+
+
+def _offline_last_step(run: Any) -> Optional[int]:
+    """The last step the earlier offline folders of this run hold (None: none, or they could not be read;
+    then every step is written, with one warning)."""
+    try:
+        this = Path(run.settings.sync_dir).resolve()
+        files = [f for f in run_files(this.parent, run.id) if f.parent.resolve() != this]
+        steps = [step for step in map(last_step, files) if step is not None]
+    except Exception as exc:  # a missing or foreign file, a W&B that names its folders differently
+        log.warning(
+            "instrument: WandbBackend could not read the last step of the earlier offline folders of run %s "
+            "(%s: %s); every step is written, so steps logged before the interruption may appear twice after "
+            "`wandb sync`.", run.id, type(exc).__name__, exc,
+        )
+        return None
+    return max(steps) if steps else None
 
 
 def _resume(run: RunInfo, name: str) -> dict:

@@ -1,0 +1,97 @@
+"""The last step an offline W&B run's transaction log holds, so that a resumed offline run does not log it again.
+
+Online, W&B tells a resumed run its last step; offline it cannot, and each resume writes a new
+``offline-run-<time>-<id>`` folder. The step the earlier folders reached is read back from their
+``run-<id>.wandb`` files: LevelDB's log format after a 7-byte ``:W&B`` header (32 KiB blocks; each record
+fragment has a 7-byte header: checksum, little-endian length, type 1 full / 2 first / 3 middle / 4 last; a
+block's tail shorter than a header is padding), each whole record a ``wandb_internal_pb2.Record``. wandb >=
+0.19 ships no Python reader for it.
+
+A process killed mid-write leaves a torn last record: reading stops at the first fragment that runs past the
+end of the file or breaks the fragment sequence, and a record whose protobuf does not parse is skipped. The
+checksums are not verified (the standard library has no CRC32C); those two checks catch a torn tail.
+"""
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+__all__ = ["last_step", "run_files"]
+
+_MAGIC = b":W&B"
+_FILE_HEADER = 7
+_BLOCK = 32768
+_FRAGMENT_HEADER = 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def run_files(wandb_dir: Path, run_id: str) -> List[Path]:
+    """The transaction logs of run ``run_id`` under ``wandb_dir`` (W&B's ``<dir>/wandb``):
+    ``offline-run-<time>-<id>[-<n>]/run-<id>.wandb`` (W&B appends ``-1``, ``-2``... to a folder started in
+    the same second as another), in the order they were started."""
+    folder = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for path in Path(wandb_dir).glob(f"offline-run-*/run-{run_id}.wandb"):
+        match = folder.fullmatch(path.parent.name)
+        if match:
+            found.append(((match.group(1), int(match.group(2) or 0)), path))
+    return [path for _, path in sorted(found)]
+
+
+def last_step(path: Path) -> Optional[int]:
+    """The ``_step`` of the last whole history record in the file at ``path`` (W&B writes steps in increasing
+    order); None when it holds none.
+
+    Raises ValueError when the file is not a W&B transaction log, OSError when it cannot be read."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if len(data) < _FILE_HEADER and _MAGIC.startswith(data[: len(_MAGIC)]):
+        return None  # killed while writing its header: it holds nothing
+    if data[: len(_MAGIC)] != _MAGIC:
+        raise ValueError(f"{path} is not a W&B transaction log: it starts with {data[:4]!r}, not {_MAGIC!r}")
+    for payload in reversed(list(_payloads(data))):  # W&B writes steps in increasing order: the last one wins
+        record = wandb_internal_pb2.Record()
+        try:
+            record.ParseFromString(payload)
+        except Exception:  # a torn or corrupt record: skip it (protobuf's DecodeError)
+            continue
+        if record.WhichOneof("record_type") != "history":
+            continue
+        for item in record.history.item:
+            if item.key == "_step" or list(item.nested_key) == ["_step"]:
+                return int(json.loads(item.value_json))
+    return None
+
+
+def _payloads(data: bytes) -> Iterable[bytes]:
+    """The whole records of a LevelDB log, up to the first truncated or out-of-sequence fragment."""
+    pos, pending = _FILE_HEADER, None
+    while True:
+        left = _BLOCK - pos % _BLOCK
+        if left < _FRAGMENT_HEADER:  # the block's padding
+            pos += left
+        if pos + _FRAGMENT_HEADER > len(data):
+            return
+        _, length, kind = struct.unpack_from("<IHB", data, pos)
+        start = pos + _FRAGMENT_HEADER
+        pos = start + length
+        if kind == 0 and length == 0:  # zeros: padding at the end of a block, or a region never written
+            pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
+            continue
+        if pos > len(data) or start % _BLOCK + length > _BLOCK:  # torn, or a length no writer wrote
+            return
+        chunk = data[start:pos]
+        if kind == _FULL and pending is None:
+            yield chunk
+        elif kind == _FIRST and pending is None:
+            pending = [chunk]
+        elif kind == _MIDDLE and pending is not None:
+            pending.append(chunk)
+        elif kind == _LAST and pending is not None:
+            yield b"".join(pending + [chunk])
+            pending = None
+        else:  # an unknown type, or a fragment out of sequence: a bad record; what follows is not trusted
+            return

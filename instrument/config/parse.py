@@ -18,6 +18,7 @@ import gin
 
 from instrument.config import types
 from instrument.errors import ConfigurationError, InstrumentError
+from instrument.logger.params import scrub
 
 __all__ = [
     "CONFIG_DIR",
@@ -356,7 +357,7 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
             if refused:
                 where = _bound_at(selector, lambda p, param=param: p == param, files, bindings, scope)
                 place, _, statement = where.partition(": ")
-                raise ConfigTypeError(refused[0], place, statement, refused[1])
+                raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
 
 
 def _fix_for(problem: str) -> str:

@@ -18,7 +18,9 @@ import collections.abc as abc
 import inspect
 import types
 import typing
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
+
+from instrument.logger.params import redact_values, scrub
 
 __all__ = ["Mismatch", "describe", "example", "hints_of", "mismatch", "refusal"]
 
@@ -54,8 +56,9 @@ def mismatch(value: Any, hint: Any, where: str = "") -> Optional[Mismatch]:
         found = [mismatch(value, a, where) for a in args]
         if any(m is None for m in found):
             return None
-        deepest = max(found, key=lambda m: len(m.where))  # the member whose shape fits, failing further in
-        return deepest if len(deepest.where) > len(where) else Mismatch(where, value, hint)
+        # the member whose shape fits (failing further in, or on a tuple's length) says more than the Union
+        deepest = max(found, key=lambda m: (len(m.where), bool(m.why)))
+        return deepest if len(deepest.where) > len(where) or deepest.why else Mismatch(where, value, hint)
     if origin is typing.Literal:
         fits = any(a == value and (type(a) is type(value) or not isinstance(a, _SCALARS)) for a in args)
         return None if fits else Mismatch(where, value, hint)
@@ -174,6 +177,8 @@ def example(hint: Any, received: Any = None) -> str:
         return f"({item}, {item})" if base is tuple else f"[{item}, {item}]"
     if _among(base, _MAPPINGS):
         return f"{{{example(args[0])}: {example(args[1])}}}" if len(args) == 2 else "{'name': 10}"
+    if hint is Any or hint is object:
+        return "None"
     return "@Name()"  # a class or anything else a literal cannot be: a reference to a configurable
 
 
@@ -210,10 +215,12 @@ def hints_of(fn: Callable[..., Any]) -> Dict[str, Any]:
 
 
 
-def refusal(fn: Callable[..., Any], name: str, param: str, value: Any) -> Optional[Tuple[str, str]]:
-    """``(problem, fix)`` when the annotation of ``fn``'s ``param`` rules out the bound ``value`` (``name`` is
-    how the config calls ``fn``), else None. A value equal to the parameter's default is never refused: the
-    function already takes it, whatever its annotation says (``x: int = None``)."""
+def refusal(fn: Callable[..., Any], name: str, param: str, value: Any) -> Optional[Tuple[str, str, Set[str]]]:
+    """``(problem, fix, secrets)`` when the annotation of ``fn``'s ``param`` rules out the bound ``value``
+    (``name`` is how the config calls ``fn``), else None. ``secrets`` are the strings of the value that sit under
+    a secret-looking name: the problem leaves them out, and so must whatever else quotes the binding. A value
+    equal to the parameter's default is never refused: the function already takes it, whatever its annotation
+    says (``x: int = None``)."""
     hint = hints_of(fn).get(param, Any)
     try:
         default = inspect.signature(fn).parameters[param].default
@@ -227,6 +234,8 @@ def refusal(fn: Callable[..., Any], name: str, param: str, value: Any) -> Option
         return None
     if found is None:
         return None
+    secrets: Set[str] = set()
+    redact_values({param: value}, found=secrets)
     wanted = describe(hint)
     problem = f"{name}.{param} expects {wanted}, got {value!r} ({type(value).__name__})"
     if found.where:
@@ -236,4 +245,4 @@ def refusal(fn: Callable[..., Any], name: str, param: str, value: Any) -> Option
     fix = example(hint, value)
     if isinstance(value, str) and fix.startswith(("[", "(")):
         problem += ": a string is not a list here (its characters would be the items)"
-    return problem, f"bind {wanted} there, e.g. {name}.{param} = {fix}."
+    return scrub(problem, secrets), scrub(f"bind {wanted} there, e.g. {name}.{param} = {fix}.", secrets), secrets

@@ -19,7 +19,8 @@ T = TypeVar("T")
 def forms(*, counts: List[int] = (), pair: tuple = (), rates: Dict[str, float] = None,
           grid: Sequence[Sequence[int]] = (), modern: list[int] | None = None, ratio: float = 0.5,
           flag: bool = False, steps: int = 1, plain=None, anything: Any = None, fn: Callable[..., Any] = None,
-          path: Path = None, generic: T = None, later: "NotDefinedAnywhere" = None) -> None:  # noqa: F821
+          path: Path = None, generic: T = None, env: Dict[str, str] = None,
+          later: "NotDefinedAnywhere" = None) -> None:  # noqa: F821 - a forward reference that never resolves
     """Annotated with the forms no shipped configurable uses, and with some the check cannot judge."""
 
 
@@ -52,8 +53,11 @@ CASES = [
     # Sequence[int] (RolloutVideo.channels), an item of the wrong type; a tuple fits as well as a list
     ("RolloutVideo.channels = [0, 'one', 2]", ["expects a list of int", "item 1 is 'one' (str), not int"],
      "RolloutVideo.channels = [10, 10]", "RolloutVideo.channels = (0, 1, 2)"),
-    ("StateHistogram.iterations = 8", ["expects a list of int, got 8 (int)"], "StateHistogram.iterations = [8]",
-     "StateHistogram.iterations = [0, 8, 16]"),
+    ("StateHistogram.iterations = 'last'", ["expects int or a list of int, got 'last' (str)"],
+     "StateHistogram.iterations = 10", "StateHistogram.iterations = -1"),
+    ("Evaluation.modes = ['deterministic', 'greedy']",
+     ["expects a list of (one of 'deterministic', 'stochastic')", "item 1 is 'greedy' (str)"],
+     "Evaluation.modes = ['deterministic', 'deterministic']", "Evaluation.modes = ('stochastic',)"),
     # a string where a list of strings is expected (a str is a Sequence of str to Python)
     ("ConsoleBackend.keys = 'loss'", ["expects a list of str or None, got 'loss' (str)", "a string is not a list"],
      "ConsoleBackend.keys = ['loss']", "ConsoleBackend.keys = ['loss', 'lr']"),
@@ -61,15 +65,16 @@ CASES = [
      "RunHistoryBackend.batch_keys = ['loss']", "RunHistoryBackend.batch_keys = ('loss', 'lr')"),
     ("WandbBackend.tags = 'nca'", ["expects a list of str or None"], "WandbBackend.tags = ['nca']",
      "WandbBackend.tags = None"),
+    ("Instrumentation.observers = 'IterationStats'", ["expects a list of (Observer or Callable)", "not a list"],
+     "Instrumentation.observers = [@Name(), @Name()]", "Instrumentation.observers = []"),
     # Tuple[float, float] (RolloutVideo.value_range): length and items; an int fits float, a list fits a tuple
     ("RolloutVideo.value_range = (0, 1, 2)", ["expects a tuple (float, float) or None", "3 items, not 2"],
      "RolloutVideo.value_range = (0.5, 0.5)", "RolloutVideo.value_range = [0, 1.0]"),
     ("RolloutVideo.value_range = (0.0, True)", ["item 1 is True (bool), not float"],
      "RolloutVideo.value_range = (0.5, 0.5)", "RolloutVideo.value_range = (-1, 1)"),
     # Mapping[str, str] (MlflowBackend.tags) and Dict[str, Any] (Instrumentation.hyperparams)
-    ("MlflowBackend.tags = {'team': 3}", ["expects a dict of str to str or None", "value of 'team' is 3 (int)"],
-     "MlflowBackend.tags = {'name': 'name'}", "MlflowBackend.tags = {'team': 'nca'}"),
-    ("MlflowBackend.tags = ['team']", ["got ['team'] (list)"], "{'name': 'name'}", "MlflowBackend.tags = None"),
+    ("MlflowBackend.tags = ['team']", ["expects a dict of str to Any or None, got ['team'] (list)"],
+     "MlflowBackend.tags = {'name': None}", "MlflowBackend.tags = {'team': 'nca', 'epochs': 5}"),
     ("Instrumentation.hyperparams = {1: 'x'}", ["key 1 is 1 (int), not str"], "{'name': ",
      "Instrumentation.hyperparams = {'lr': 0.1, 'layers': [1, 2]}"),
     # nested: Optional[Mapping[str, Union[str, Tuple[str, ...]]]] (CollectionMetrics.keys)
@@ -135,7 +140,7 @@ def test_a_scoped_binding_is_located_by_its_scope(tmp_path):
 
 def test_a_secret_in_a_refused_value_is_left_out_of_the_error(tmp_path):
     secret = "hf_Secret12345678"
-    binding = f"MlflowBackend.tags = {{'hf_token': '{secret}', 'epochs': 5}}"
+    binding = f"forms.env = {{'hf_token': '{secret}', 'epochs': 5}}"
     exc = _refused(tmp_path, binding)
     assert "value of 'epochs' is 5 (int), not str" in exc.problem and "<redacted>" in str(exc)
     assert secret not in str(exc) and exc.where.endswith("exp.gin, line 3")

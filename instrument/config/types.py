@@ -149,7 +149,7 @@ def describe(hint: Any) -> str:
 
 def _grouped(hint: Any) -> str:
     text = describe(hint)
-    return f"({text})" if " or " in text else text
+    return f"({text})" if " or " in text or text.startswith("one of") else text
 
 
 def example(hint: Any, received: Any = None) -> str:
@@ -189,8 +189,17 @@ def _wraps(hint: Any, received: Any) -> bool:
     if not (_among(base, _SEQUENCES) or _among(base, _ITERABLES)) or isinstance(received, (list, tuple, dict)):
         return False
     if base is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-        return len(args) == 1 and mismatch(received, args[0]) is None
-    return mismatch(received, args[0] if args else Any) is None
+        return len(args) == 1 and _known(args[0]) and mismatch(received, args[0]) is None
+    item = args[0] if args else Any
+    return _known(item) and mismatch(received, item) is None
+
+
+def _known(hint: Any) -> bool:
+    """Can a literal be judged against ``hint`` for certain (so "it fits" means it fits, not "cannot tell")?"""
+    hint = _unwrap(hint)
+    if typing.get_origin(hint) in _UNIONS:
+        return all(_known(a) for a in typing.get_args(hint))
+    return hint is Any or typing.get_origin(hint) is typing.Literal or _among(hint, _SCALARS)
 
 
 def hints_of(fn: Callable[..., Any]) -> Dict[str, Any]:

@@ -325,12 +325,13 @@ def _lines(files: Sequence[str], bindings: Sequence[str]) -> Iterator[Tuple[str,
 
 
 def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple[str, str]]:
+    """A file's lines, each included file's lines after its ``include`` line (found where gin finds it)."""
     for n, line in enumerate(_read(str(path)).splitlines(), 1):
         where = f"{path.name}, line {n}"
         yield where + (f" (included from {outer})" if outer else ""), line
         include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
-        if include and depth < 20:  # where gin looks: as written, beside the files, among the shipped configs
-            for base in (Path.cwd(), path.parent, top, CONFIG_DIR):
+        if include and depth < 20:  # where gin looks: as written, beside the file given, among the shipped configs
+            for base in (Path.cwd(), top, CONFIG_DIR, path.parent):
                 if (base / include.group(1)).is_file():
                     yield from _file_lines(base / include.group(1), top, where + (f", {outer}" if outer else ""),
                                            depth + 1)

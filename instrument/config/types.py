@@ -6,10 +6,11 @@ innermost part that contradicts it: ``RolloutVideo.channels = [0, 'one']`` for `
 ``ConsoleBackend.keys = 'loss'`` for ``Sequence[str]`` (a str is a Sequence of str to Python, but a string
 bound where a list is expected is always a mistake: the code would iterate its characters).
 
-It only refuses what the annotation rules out for certain, so a config that runs is never refused: references
-and macros are not judged (they are resolved when the configurable is called), nor are hints it cannot decide
-for a literal (``Any``, ``Callable``, classes such as ``Observer`` or ``Path``, TypeVars, unresolved forward
-references). Within a Union one member that fits, or cannot be judged, is enough. As Python's numbers go, an
+Judged: ``int``, ``float``, ``str``, ``bool``, None, Optional and Union, ``Literal``, sequences, tuples (their
+length too), sets and mappings, nested to any depth. It refuses only what the annotation rules out for certain
+(and a string for a list), never what it cannot decide: references and macros (resolved when the configurable
+is called), ``Any``, ``Callable``, classes such as ``Observer`` or ``Path``, TypeVars, unresolved forward
+references. Within a Union one member that fits, or cannot be judged, is enough. As Python's numbers go, an
 int fits ``float`` but a bool fits neither ``int`` nor ``float``; as gin's literals go, a list or a tuple fits
 ``Sequence``, ``List`` and ``Tuple`` alike (``[1, 2]`` and ``(1, 2)`` are the same to the code that reads them).
 """

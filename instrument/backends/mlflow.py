@@ -88,7 +88,7 @@ class MlflowBackend(Backend):
         tracking_uri: Optional[str] = None,
         experiment_name: str = "instrument",
         run_name: Optional[str] = None,
-        tags: Optional[Mapping[str, str]] = None,
+        tags: Optional[Mapping[str, Any]] = None,
         artifact_location: Optional[str] = None,
         timeout: int = 10,
         max_retries: int = 2,

@@ -3,7 +3,7 @@
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.hparams import order_params
@@ -48,7 +48,7 @@ class TensorBoardBackend(Backend):
         self,
         log_dir: Optional[str] = None,
         flush_every_commit: bool = True,
-        video_format: str = "gif",
+        video_format: Literal["gif", "filmstrip"] = "gif",
         writer: Any = None,
     ) -> None:
         if video_format not in _VIDEO_FORMATS:

@@ -3,6 +3,7 @@
 - `registry`: the gin registrations of instrument's own classes, under the ``instrument`` module.
 - `parse`: `parse_config` (files or shipped names, then bindings), the shipped configs, errors with file and
   line, and `operative_config` (installed into the session as its config source).
+- `types`: the parse-time type check's judge: does a literal gin parsed fit its parameter's annotation.
 - `experiment`: `run` and `backend_set`, the plain functions a config binds to run an experiment.
 
 ``import instrument`` imports this package, so the public classes are configurable as they are.

@@ -27,10 +27,10 @@ def backend_set(
     console: Optional[Backend] = None,
     jsonl: Optional[Backend] = None,
     mlflow: Optional[Backend] = None,
-    extra: Sequence[Backend] = (),
+    extra: Optional[Sequence[Backend]] = (),
 ) -> List[Backend]:
     """The backends bound one by one, so each shipped ``backends/<name>.gin`` adds its own by being included."""
-    chosen = [b for b in (tensorboard, wandb, console, jsonl, mlflow) if b is not None] + list(extra)
+    chosen = [b for b in (tensorboard, wandb, console, jsonl, mlflow) if b is not None] + list(extra or ())
     for b in chosen:
         if not isinstance(b, Backend):
             raise BackendTypeError(

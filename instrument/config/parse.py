@@ -11,13 +11,14 @@ import difflib
 import logging
 import re
 import tokenize
-import typing
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 
+from instrument.config import types
 from instrument.errors import ConfigurationError, InstrumentError
+from instrument.logger.params import scrub
 
 __all__ = [
     "CONFIG_DIR",
@@ -292,66 +293,72 @@ def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> 
     match = re.search(r"In call to configurable '([^']+)'", message)
     if not match:
         return ""
-    name = match.group(1).rsplit(".", 1)[-1]
     head = message.split("\n", 1)[0]
-    binding = re.compile(rf"^\s*(?:[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(\w+)\s*=")
-    sources = []
+    return _bound_at(match.group(1), lambda param: re.search(rf"\b{re.escape(param)}\b", head) is not None,
+                     files, bindings)
+
+
+def _bound_at(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
+              scope: Optional[str] = None) -> str:
+    """The last ``selector.param = ...`` line (in ``scope`` if given) whose param is ``wanted``, in the order
+    gin read them (included files at their ``include`` line): ``where: statement``, or empty."""
+    name = selector.rsplit(".", 1)[-1]
+    binding = re.compile(rf"^\s*(?:(?P<scope>[\w./]*)/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
+    found = ""
+    for where, line in _lines(files, bindings):  # the last binding wins, as in gin
+        m = binding.match(line)
+        if m and wanted(m["param"]) and (scope is None or (m["scope"] or "") == scope):
+            found = f"{where}: {line.strip()}"
+    return found
+
+
+def _lines(files: Sequence[str], bindings: Sequence[str]) -> Iterator[Tuple[str, str]]:
+    """``(where, line)`` for every line gin read, includes expanded in place, then each ``--bind``."""
     for f in files:
         try:
             path = resolve_config(str(f))
         except InstrumentError:  # it parsed before; nothing to point at
             continue
-        sources += [(f"{path.name}, line {n}", line) for n, line in enumerate(_read(str(path)).splitlines(), 1)]
-    sources += [(f"--bind {b!r}", b) for b in bindings]
-    found = ""
-    for where, line in sources:  # the last binding wins, as in gin
-        m = binding.match(line)
-        if m and re.search(rf"\b{re.escape(m.group(1))}\b", head):
-            found = f"{where}: {line.strip()}"
-    return found
+        yield from _file_lines(path, path.parent, "", 0)
+    for b in bindings:
+        yield f"--bind {b!r}", b
+
+
+def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple[str, str]]:
+    """A file's lines, each included file's lines after its ``include`` line (found where gin finds it)."""
+    for n, line in enumerate(_read(str(path)).splitlines(), 1):
+        where = f"{path.name}, line {n}"
+        yield where + (f" (included from {outer})" if outer else ""), line
+        include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
+        if include and depth < 20:  # where gin looks: as written, beside the file given, among the shipped configs
+            for base in (Path.cwd(), top, CONFIG_DIR, path.parent):
+                if (base / include.group(1)).is_file():
+                    yield from _file_lines(base / include.group(1), top, where + (f", {outer}" if outer else ""),
+                                           depth + 1)
+                    break
 
 
 def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
-    """Refuse a bound literal whose type contradicts a plain annotation of its parameter (``int``, ``float``,
-    ``str``, ``bool``, or Optional of one): ``train_nca.steps = 'ten'`` fails here, naming the file and line,
-    instead of deep inside the experiment. References, macros and unannotated parameters are not checked."""
-    for (_, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
+    """Refuse a bound literal that its parameter's annotation rules out, naming the file and line (or the
+    ``--bind``), what was received, what was expected and a binding that fits: ``train_nca.steps = 'ten'``
+    for ``steps: int``, ``RolloutVideo.channels = [0, 'one']`` for ``Sequence[int]``, ``keys = 'loss'`` for
+    ``Sequence[str]``, ``video_format = 'mp4'`` for ``Literal['gif', 'filmstrip']``, ``{'a': 'x'}`` for
+    ``Mapping[str, float]``, a tuple of the wrong length. Plain types, Optional and Union, Literal, lists,
+    tuples, sets and mappings are judged, to any depth (see `instrument.config.types`). Not judged, so never
+    refused: references and macros (``@Name()``, ``%MACRO``), unannotated parameters, ``Any``, ``Callable``,
+    classes, TypeVars and forward references that do not resolve; nor a value equal to the parameter's default.
+    """
+    for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
         configurable = gin.config._REGISTRY.get_match(selector)
         if configurable is None:
             continue
-        fn = configurable.wrapped
-        try:
-            hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
-        except Exception:  # noqa: BLE001 - forward references gin's user may leave unresolved: not checked
-            continue
+        name = selector.rsplit(".", 1)[-1]
         for param, value in params.items():
-            expected = _plain_types(hints.get(param))
-            if expected is None or not isinstance(value, (str, int, float, bool, type(None))):
-                continue
-            if isinstance(value, bool) and bool not in expected or not isinstance(value, expected):
-                name = selector.rsplit(".", 1)[-1]
-                wanted = " or ".join("None" if t is type(None) else t.__name__ for t in expected)
-                where = where_bound(f"{param}\nIn call to configurable '{name}'", files, bindings)
+            refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value)
+            if refused:
+                where = _bound_at(selector, lambda p, param=param: p == param, files, bindings, scope)
                 place, _, statement = where.partition(": ")
-                raise ConfigTypeError(
-                    f"{name}.{param} expects {wanted}, got {value!r} ({type(value).__name__})", place, statement,
-                    f"bind {wanted} there, e.g. {name}.{param} = {_example(expected[0])}.",
-                )
-
-
-def _plain_types(hint: Any) -> Optional[Tuple[type, ...]]:
-    plain = (int, float, str, bool)
-    if hint in plain:
-        return (hint, int) if hint is float else (hint,)
-    if typing.get_origin(hint) is typing.Union:
-        args = typing.get_args(hint)
-        if all(a in plain or a is type(None) for a in args):
-            return tuple(args) + ((int,) if float in args else ())
-    return None
-
-
-def _example(kind: type) -> str:
-    return {int: "10", float: "0.5", str: "'name'", bool: "True"}.get(kind, "None")
+                raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
 
 
 def _fix_for(problem: str) -> str:

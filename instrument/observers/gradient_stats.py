@@ -12,7 +12,7 @@ bitwise equal to what that function returns when the same gradients are given in
 """
 
 import re
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -159,7 +159,7 @@ class GradientStats(Observer):
     def __init__(
         self,
         module: Optional[nn.Module] = None,
-        per: str = "param",
+        per: Literal["param", "module", "global"] = "param",
         update_ratio: bool = True,
         weight_norm: bool = True,
         histograms: bool = False,

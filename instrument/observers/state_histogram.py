@@ -7,7 +7,7 @@ histogram, copied to the host with the step's other values and binned there by t
 """
 
 from collections import deque
-from typing import Deque, Dict, Optional, Sequence, Tuple
+from typing import Deque, Dict, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
@@ -58,7 +58,7 @@ class StateHistogram(Observer):
         self,
         name: str = "",
         channel_dim: int = 1,
-        iterations: Sequence[int] = (-1,),
+        iterations: Union[int, Sequence[int]] = (-1,),
         max_channels: Optional[int] = 16,
         channel_names: Optional[Sequence[str]] = None,
     ) -> None:

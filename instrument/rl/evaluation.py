@@ -26,7 +26,7 @@ not shift the random stream the training loop sees: turning evaluation on does n
 
 import dataclasses
 import numbers
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -75,9 +75,9 @@ class Evaluation(RLComponent):
         every_frames: int = 10_000,
         max_steps: int = 500,
         episodes: int = 1,
-        modes: Sequence[str] = MODES,
+        modes: Sequence[Literal["deterministic", "stochastic"]] = MODES,
         video: bool = False,
-        video_modes: Sequence[str] = ("deterministic",),
+        video_modes: Sequence[Literal["deterministic", "stochastic"]] = ("deterministic",),
         fps: int = 30,
         video_stride: int = 1,
         at_start: bool = False,

@@ -37,7 +37,7 @@ A component that raises is reported once and skipped; the other components and t
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 
 from instrument.backends.base import StepRecord
 from instrument.backends.progress import ProgressBar
@@ -96,7 +96,7 @@ class RLLogging:
         progress: Optional[ProgressBar] = DEFAULT,
         components: Sequence[RLComponent] = (),
         log_interval: Optional[int] = None,
-        step_unit: str = "iterations",
+        step_unit: Literal["iterations", "frames"] = "iterations",
         total_frames: Optional[int] = None,
     ) -> None:
         if step_unit not in _STEP_UNITS:

@@ -11,7 +11,7 @@ import logging
 import numbers
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
@@ -104,16 +104,16 @@ class Instrumentation:
         run_name: Optional[str] = None,
         log_dir: str = "runs",
         hyperparams: Optional[Dict[str, Any]] = None,
-        on_step_regression: str = "raise",
+        on_step_regression: Literal["raise", "warn"] = "raise",
         system_monitor: Optional[Any] = None,
         run_log: Union[bool, Callable[..., Any]] = False,
         queue_size: int = 64,
-        on_full: str = "block",
+        on_full: Literal["block", "drop"] = "block",
         flush_secs: float = 2.0,
         overhead_budget: Optional[float] = 0.1,
         channel_dim: Optional[int] = None,
         resume: bool = False,
-        on_backend_error: str = "raise",
+        on_backend_error: Literal["raise", "warn"] = "raise",
         open_timeout: float = 60.0,
         secret_keys: Sequence[str] = (),
     ) -> None:

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
 BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
-.PHONY: install demo demo-rl test lint bench bench-check bench-quick bench-probes clean
+.PHONY: install demo demo-rl test lint bench bench-check bench-quick bench-probes bench-headline clean
 
 install: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-quick: install
 	$(BENCH_ENV) INSTRUMENT_BENCH_QUICK=1 $(PY) -m pytest bench -p no:randomly --benchmark-only -q -s
 
 # Embedded probes: off/on vs a probe-free model, eager/scripted/compiled (docs/probes.md).
+bench-headline: install
+	$(BENCH_ENV) $(PY) -W "ignore::DeprecationWarning" -m bench.headline
+
 bench-probes: install
 	$(BENCH_ENV) $(PY) bench/probe_overhead.py --compile
 

@@ -14,23 +14,24 @@ SLEEP = 0.005  # per observe call; 4 calls per logging step -> at least 20 ms pe
 
 
 class Sleeper(instrument.Observer):
-    """An observer whose cost is known: it sleeps in every observe call."""
+    """An observer whose cost is known: it sleeps ``seconds`` in every observe call."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float = SLEEP) -> None:
         super().__init__("sleeper")
         self.calls = 0
+        self.seconds = seconds
 
     def observe(self, context: instrument.StepContext) -> None:
         self.calls += 1
-        time.sleep(SLEEP)
+        time.sleep(self.seconds)
 
     def log(self, logger, step: int) -> None:
         logger.log_metrics({"calls": float(self.calls)}, step=step, prefix=self.name)
 
 
-def _train(tmp_path, steps=6, body_seconds=0.0, **options):
+def _train(tmp_path, steps=6, body_seconds=0.0, sleep=SLEEP, **options):
     rule = TinyRule()
-    sleeper = Sleeper()
+    sleeper = Sleeper(sleep)
     inst = instrument.Instrumentation(
         [sleeper, instrument.IterationStats(images=False)], backends=[instrument.TensorBoardBackend()],
         log_interval=2, log_dir=str(tmp_path), run_name="r", **options,
@@ -90,7 +91,9 @@ def test_non_logging_steps_run_no_clock(tmp_path, monkeypatch):
 
 def test_over_budget_warns_once_naming_the_costliest_observer(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="instrument"):
-        _train(tmp_path, steps=10)  # nothing but instrument in the step: far over the default budget of 0.1
+        # Nothing but instrument in the step: far over the default budget of 0.1. The sleeper's 0.4 s per step
+        # outweighs what IterationStats' first logging step may cost on a cold machine (lazy imports, kernels).
+        _train(tmp_path, steps=10, sleep=0.1)
     warnings = [r.getMessage() for r in caplog.records if "overhead_budget" in r.getMessage()]
     assert len(warnings) == 1, warnings
     message = warnings[0]

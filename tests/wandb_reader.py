@@ -29,6 +29,8 @@ def _framed(data: bytes):
             pos += left_in_block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):
+            return  # W&B's service is still writing this record: read_run/read_history wait and read again
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == _FULL:

@@ -192,6 +192,46 @@ def test_a_writer_still_closing_keeps_the_folder_and_the_error_is_raised(tmp_pat
         slow.release.set()
 
 
+class _HangingOpen(instrument.Backend):
+    """A server that never answers the open: only the test lets it go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def open(self, run) -> None:
+        self.release.wait(120)
+
+    def write(self, record) -> None:
+        pass
+
+
+def test_a_start_that_fails_after_a_hanging_open_still_raises(tmp_path, caplog):
+    """open_timeout lets the start go on past an open that hangs; when the start then fails, closing what
+    started must not wait for that open: the error comes, and the folder its writer may still write stays."""
+    monitor = instrument.SystemMonitor(gpu=False)
+    first = instrument.Instrumentation(backends=[], run_name="first", log_dir=str(tmp_path), system_monitor=monitor)
+    hanging = _HangingOpen()
+    raised = []
+
+    def start() -> None:
+        try:  # the monitor already runs for `first`: ConfigurationError, after the logger started
+            instrument.Instrumentation(backends=[JsonlBackend(), hanging], run_name="r", log_dir=str(tmp_path),
+                                       open_timeout=0.5, system_monitor=monitor)
+        except ConfigurationError as exc:
+            raised.append(exc)
+
+    starter = threading.Thread(target=start)
+    try:
+        starter.start()
+        starter.join(60)  # a liveness bound, not a timing: before the fix this waited for the open forever
+        assert not starter.is_alive() and len(raised) == 1
+        assert (tmp_path / "r").exists() and "delete it before starting run_name='r' again" in caplog.text
+    finally:
+        hanging.release.set()
+        starter.join(60)
+        first.close()
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root removes read-only folders")
 def test_a_folder_that_cannot_be_removed_is_reported_and_the_error_still_raised(tmp_path, caplog):
     class Locking(instrument.Backend):

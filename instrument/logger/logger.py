@@ -141,6 +141,7 @@ class Logger(StepRecords):
             self.backends, self._build, self.ledger, queue_size, on_full, float(flush_secs),
             name=f"instrument-writer-{self.run.name}",
         )
+        self.open_timeout = open_timeout  # also bounds the close of a session whose start failed
         open_backends(self, on_backend_error, open_timeout)  # raises if one failed ("raise")
         shutdown.register(self)
 

@@ -171,8 +171,10 @@ class Writer:
         seq = self._put(_CLOSE, status, closing=True)
         if threading.current_thread() is self._thread:
             return False
+        deadline = None if timeout is None else time.monotonic() + timeout
         done = seq > 0 and self.wait(seq, timeout)
-        self._thread.join(timeout if not done else 5.0)
+        # One deadline for both waits: a writer stuck in a backend call is given up on after ``timeout``.
+        self._thread.join(5.0 if done or deadline is None else max(0.0, deadline - time.monotonic()))
         return done
 
     def wait(self, seq: int, timeout: Optional[float] = None) -> bool:

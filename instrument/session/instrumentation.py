@@ -183,7 +183,7 @@ class Instrumentation:
         """The start failed: end what did start (`removed_if_start_fails` then removes the new run folder)."""
         try:
             if getattr(self, "logger", None) is not None:
-                self.logger.close(status)
+                self.logger.close(status, self.logger.open_timeout)  # bounded: an open may hang
         finally:
             if self.run_log is not None:
                 self.run_log.close()

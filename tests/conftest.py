@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny update rule, a recording observer, readers for real backend outputs."""
 
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -115,3 +117,12 @@ def tqdm_bar_active() -> bool:
     module = sys.modules.get("tqdm")
     bar_class = getattr(module, "tqdm", None) if module is not None else None
     return bool(getattr(bar_class, "_instances", None)) if bar_class is not None else False
+
+
+def run_child(tmp_path: Path, source: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script in a fresh Python (this checkout importable, one OMP thread), output captured."""
+    script = tmp_path / "child.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)

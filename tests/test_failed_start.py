@@ -10,8 +10,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -22,7 +20,7 @@ import instrument
 from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.errors import ConfigurationError
-from tests.conftest import read_scalars
+from tests.conftest import read_scalars, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -283,11 +281,7 @@ INTERRUPTED = textwrap.dedent(
 
 
 def test_ctrl_c_during_the_start_leaves_no_folder(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(INTERRUPTED)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = run_child(tmp_path, INTERRUPTED, str(tmp_path / "runs"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["on_exit killed", "KeyboardInterrupt"], done.stdout + done.stderr
     assert not (tmp_path / "runs" / "r").exists()

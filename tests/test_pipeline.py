@@ -25,7 +25,7 @@ from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.errors import InvalidValueError
 from instrument.logger.logger import Logger
-from tests.conftest import read_scalars
+from tests.conftest import read_scalars, run_child
 
 WAIT = 60.0  # seconds: only a bound for polling, never a timing assertion
 
@@ -501,12 +501,7 @@ INTERRUPTED_CHILD = textwrap.dedent(
 
 
 def test_sigint_still_raises_keyboard_interrupt_and_marks_the_run_killed(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(INTERRUPTED_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=WAIT
-    )
+    done = run_child(tmp_path, INTERRUPTED_CHILD, str(tmp_path), timeout=WAIT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["on_exit killed", "KeyboardInterrupt"]
     assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2, 3, 4]
@@ -554,12 +549,7 @@ FAILING_CHILD = textwrap.dedent(
 
 
 def test_an_uncaught_exception_marks_the_run_failed_and_exit_closes_the_logger(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(FAILING_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=WAIT
-    )
+    done = run_child(tmp_path, FAILING_CHILD, str(tmp_path), timeout=WAIT)
     assert done.returncode == 1 and "RuntimeError: diverged" in done.stderr
     assert done.stdout.splitlines() == ["on_exit failed", "close"]
     assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2]

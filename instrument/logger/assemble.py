@@ -1,11 +1,11 @@
 """Building a `StepRecord` on the writer thread from a step the training thread handed over.
 
 The training thread hands over ``(step, wall_time, scalars, tensor_keys, media, timings, batch, tensors)``:
-scalar means (device tensors for ``tensor_keys``), staged media by ``(kind, tag)``, timer measurements, and
-the started transfer of ``tensors``. Here the transfer is waited for and every value converted by its
-`MediaKind`; a value whose conversion fails is reported through ``on_failure`` and left out, alone.
+scalar means (device tensors for ``tensor_keys``) or float blocks whose means are taken here, staged media
+by ``(kind, tag)``, timer measurements, and the started transfer of ``tensors``. Here the transfer is
+waited for and every value converted by its `MediaKind`; a value whose conversion fails is reported through
+``on_failure`` and left out, alone.
 """
-
 import math
 from typing import Any, Callable, Dict, List
 
@@ -13,6 +13,7 @@ import numpy as np
 from torch import Tensor
 
 from instrument.backends.base import StepRecord
+from instrument.logger.blocks import means
 from instrument.logger.media import KINDS
 from instrument.logger.timer import elapsed
 
@@ -31,6 +32,8 @@ def build_record(payload: tuple, on_failure: OnFailure) -> StepRecord:
         return by_id.get(id(value), value) if isinstance(value, Tensor) else value
 
     record = StepRecord(step=step, wall_time=wall_time)
+    if type(scalars) is list:  # float blocks, staged whole by the training thread
+        scalars = means(scalars)
     for i, key in enumerate(tensor_keys):
         scalars[key] = float(arrays[i])
     record.scalars = scalars

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 from torch import Tensor
 
 from instrument.logger.assemble import timing_stats
+from instrument.logger.blocks import fold
 from instrument.logger.media import tensors_of
 from instrument.logger.reduce import CrossRankReducer, Entry
 from instrument.logger.timer import elapsed
@@ -26,9 +27,12 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
 
     None when a collective commit leaves nothing to write.
     """
-    totals, counts, ops, weights, on_device, media, timers = staged
+    totals, counts, ops, weights, on_device, media, timers, blocks = staged
     timings: Any = timers
     if reducer is not None:
+        if blocks:  # the reduction needs every name here (blocks and a per-key table are never staged together)
+            fold(blocks, totals, counts)
+            blocks = []
         scalars = _reduce(reducer, totals, counts, ops, weights, timers)
         timings = {}
         for key in [k for k in scalars if k.startswith(_TIMING)]:
@@ -38,6 +42,9 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
             return None
         tensor_keys: List[str] = []
         tensors: List[Tensor] = []
+    elif blocks:  # plain floats only: names and means are made on the writer (`instrument.logger.blocks`)
+        scalars = blocks
+        tensor_keys, tensors = [], []
     else:
         scalars = totals  # the staged table is ours now: turn sums into means in place
         for name, count in counts.items():

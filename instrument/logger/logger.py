@@ -7,7 +7,8 @@ staged values over to the logger's writer thread (`instrument.logger.writer`). R
 serialisation, file and network I/O and every backend call happen there, in step order.
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
-mean over the interval at the next commit, so logging a loss every step is cheap and still honest.
+mean over the interval at the next commit, so logging a loss every step is cheap and still honest. A call of
+plain Python floats is staged whole, as one block, and summed on the writer (`instrument.logger.blocks`).
 ``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
 each kind of number becomes is in `instrument.logger.values`.
 
@@ -42,6 +43,7 @@ from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
+from instrument.logger.blocks import MAX_BLOCKS, Block, floats_only, fold
 from instrument.logger.handover import handover
 from instrument.logger.lifecycle import closed_use, open_backends
 from instrument.logger.media import KINDS, check_color_range
@@ -118,6 +120,7 @@ class Logger(StepRecords):
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order
         self._totals: Dict[str, Any] = {}  # scalar name -> sum over the interval (float or device tensor)
+        self._blocks: List[Block] = []  # calls of plain floats, staged whole (`instrument.logger.blocks`)
         self._names: Dict[str, Dict[Any, str]] = {}  # prefix -> key -> "prefix/key"
         self._counts: Dict[str, int] = {}  # only names logged more than once in the interval
         self._on_device: Dict[str, None] = {}  # names whose value is a device tensor (ordered set)
@@ -190,6 +193,15 @@ class Logger(StepRecords):
                 return None
             if self._snapshot is LAZY:
                 self._take_snapshot()
+            blocks = self._blocks
+            if plain and not self._totals and len(blocks) < MAX_BLOCKS:
+                copy = dict(metrics)
+                if floats_only(copy):
+                    blocks.append((head, copy))  # the hottest path: no per-key work on this thread
+                    return None
+            if blocks:  # the per-key path from here on, so that it sees (and checks) what the blocks hold
+                fold(blocks, self._totals, self._counts)
+                self._blocks = []
             if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
                 totals, counts, on_device = self._totals, self._counts, self._on_device
                 names = self._names.get(head)  # prefixed key names, built once per (prefix, key)
@@ -326,7 +338,8 @@ class Logger(StepRecords):
     # ------------------------------------------------------------------ commit
     @property
     def has_pending(self) -> bool:
-        return bool(self._totals or self._media or any(t.count for t in self._timers.values()))
+        return bool(self._totals or self._blocks or self._media
+                    or (self._timers and any(t.count for t in self._timers.values())))
 
     def commit(self, step: Optional[int] = None) -> Optional[CommittedStep]:
         """Hand everything staged over to the writer thread, with one batched host transfer started.
@@ -354,7 +367,8 @@ class Logger(StepRecords):
                 if not self._accept(step, pending=False):
                     return None
                 step = int(step)
-                self._check_repeat(step, staged[0])
+                if step == self._last_step:
+                    self._check_repeat(step, [*staged[0], *(head + key for head, d in staged[7] for key in d)])
                 self._last_step = step
             return self._submit(step, staged, collective)
 
@@ -420,7 +434,7 @@ class Logger(StepRecords):
     # ------------------------------------------------------------------ internals
     def _accept(self, step: int, pending: bool = True) -> bool:
         """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
         if self._closed and not closed_use(self, f"a value at step {step}"):
             return False
@@ -454,9 +468,11 @@ class Logger(StepRecords):
 
     def _swap(self) -> tuple:
         """Take the staged table and leave an empty one (under the lock)."""
-        timers = {name: (t.reduce, t.take()) for name, t in self._timers.items() if t.count}
-        staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers)
+        timers = {name: (t.reduce, t.take()) for name, t in self._timers.items() if t.count} if self._timers else {}
+        staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers,
+                  self._blocks)
         self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}
+        self._blocks = []
         if self._snapshot is not None:  # a live mark: all that is staged from now on is newer than it
             self._snapshot = LAZY
         return staged

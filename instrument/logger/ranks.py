@@ -24,9 +24,12 @@ __all__ = ["rank", "world_size", "is_distributed", "collective_device", "config_
 _HASH_BITS = 52
 
 
+_AVAILABLE = dist.is_available()  # fixed by the build; asked once (every commit asks is_distributed)
+
+
 def is_distributed(group: Optional[Any] = None) -> bool:
     """True when a process group is initialised and has more than one rank (only then is anything reduced)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def rank(group: Optional[Any] = None) -> int:

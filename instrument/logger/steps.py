@@ -12,6 +12,7 @@
 import logging
 from typing import Any, Dict, List, Mapping, Optional
 
+from instrument.logger.blocks import contributions
 from instrument.logger.values import as_scalar
 from instrument.logger.writer import CommittedStep
 
@@ -57,7 +58,7 @@ class StepRecords:
                 step = int(step)
                 self._check_repeat(step, totals)
                 self._last_step = step
-            return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}), collective)
+            return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, []), collective)
 
     def _check_repeat(self, step: int, names: Mapping[str, Any]) -> None:
         """A second record at the step last committed: written, but said once (W&B keeps only the first)."""
@@ -95,17 +96,19 @@ class StepRecords:
             dropped = [f"timer {name}" for name, t in self._timers.items() if t.rewind(timers.get(name, _EMPTY))]
             if snapshot is None or snapshot is LAZY:
                 return dropped
-            totals, counts, ops, weights, on_device, media, pending = snapshot
-            dropped += [name for name, value in self._totals.items() if totals.get(name) is not value]
+            totals, counts, ops, weights, on_device, media, pending, blocks = snapshot
+            before = contributions(totals, counts, blocks)
+            now = contributions(self._totals, self._counts, self._blocks)
+            dropped += [name for name, n in now.items() if n != before[name]]
             dropped += [f"{kind} {tag}" for key, value in self._media.items() if media.get(key) is not value
                         for kind, tag in [key]]
             self._totals, self._counts, self._ops, self._weights = totals, counts, ops, weights
-            self._on_device, self._media, self._pending_step = on_device, media, pending
+            self._on_device, self._media, self._pending_step, self._blocks = on_device, media, pending, blocks
             return dropped
 
     def _take_snapshot(self) -> None:
         """The staged table as it is, before the first value staged after a mark (under the lock)."""
         self._snapshot = (
             dict(self._totals), dict(self._counts), dict(self._ops), dict(self._weights), dict(self._on_device),
-            dict(self._media), self._pending_step,
+            dict(self._media), self._pending_step, list(self._blocks),
         )

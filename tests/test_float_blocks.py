@@ -1,0 +1,156 @@
+"""Plain-float calls of log_metrics are staged whole (instrument.logger.blocks): same numbers as the per-key path."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import instrument
+from instrument.errors import ConfigurationError
+from instrument.logger.blocks import MAX_BLOCKS
+
+
+class Keep(instrument.Backend):
+    def __init__(self):
+        self.records = []
+
+    def write(self, record):
+        self.records.append(record)
+
+
+def _floats(seed: int, steps: int, keys: int):
+    rng = np.random.default_rng(seed)
+    # a large mean relative to the spread, and values of very different magnitudes
+    return [{f"k{i}": float(1e6 + rng.normal() * 10.0 ** (i % 5 - 2)) for i in range(keys)} for _ in range(steps)]
+
+
+def _per_key(values):
+    """The same values through the per-key path: one-element float64 tensors are never staged as blocks."""
+    return [{k: torch.tensor(v, dtype=torch.float64) for k, v in row.items()} for row in values]
+
+
+def test_interval_means_match_a_float64_reference_read_back_from_jsonl(tmp_path):
+    run = instrument.RunInfo("blocks", tmp_path)
+    logger = instrument.Logger([instrument.JsonlBackend()], run)
+    rows = _floats(0, 30, 12)
+    for step, row in enumerate(rows):
+        logger.log_metrics(row, step=step, prefix="train/")
+        if step % 10 == 9:
+            logger.commit(step)
+    logger.close()
+    written = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    written = [r for r in written if "step" in r]
+    assert [r["step"] for r in written] == [9, 19, 29]
+    for r, start in zip(written, (0, 10, 20), strict=True):
+        assert list(r["metrics"]) == [f"train/k{i}" for i in range(12)]  # first-logged order, prefixed once
+        for i in range(12):
+            reference = np.mean(np.array([rows[s][f"k{i}"] for s in range(start, start + 10)], dtype=np.float64))
+            assert r["metrics"][f"train/k{i}"] == pytest.approx(reference, rel=1e-12, abs=0)
+
+
+def test_blocks_and_the_per_key_path_give_identical_numbers():
+    rows = _floats(1, 7, 5)
+    results = []
+    for staged in (rows, _per_key(rows)):
+        keep = Keep()
+        logger = instrument.Logger([keep])
+        for step, row in enumerate(staged):
+            logger.log_metrics(row, step=step, prefix="p")
+        logger.commit(6)
+        logger.close()
+        results.append(keep.records[0].scalars)
+    assert results[0] == pytest.approx(results[1], rel=1e-15)
+    assert list(results[0]) == list(results[1])
+
+
+def test_the_dict_is_copied_when_logged():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    metrics = {"loss": 1.0}
+    logger.log_metrics(metrics, step=0)
+    metrics["loss"] = 99.0  # a loop reusing its dict changes nothing already logged
+    metrics["late"] = 5.0
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"loss": 1.0}
+
+
+def test_other_value_types_take_the_per_key_path_and_mix_with_blocks():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": 1.0, "b": 2.0}, step=0)  # a block
+    logger.log_metrics({"a": torch.tensor(3.0), "c": True}, step=0)  # folds the block into the per-key table
+    logger.log_metrics({"b": np.float64(4.0), 7: 1.5}, step=1)  # a float subclass and an int key: per key
+    logger.log_metrics({"a": 5.0}, step=1)  # plain again, but the per-key table is not empty: per key
+    logger.commit(1)
+    logger.close()
+    assert keep.records[0].scalars == {"a": 3.0, "b": 3.0, "c": 1.0, "7": 1.5}
+
+
+def test_a_reduce_conflict_with_a_staged_block_is_still_refused_on_the_caller():
+    logger = instrument.Logger([Keep()])
+    logger.log_metrics({"x": 1.0}, step=0)
+    with pytest.raises(ConfigurationError, match="reduce='mean'.*reduce='max'"):
+        logger.log_metrics({"x": 2.0}, step=0, reduce="max")
+    logger.close()
+
+
+def test_a_long_interval_stays_bounded_and_exact():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    n = 3 * MAX_BLOCKS + 5
+    for step in range(n):
+        logger.log_metrics({"x": float(step), "y": 0.5}, step=step)
+        assert len(logger._blocks) <= MAX_BLOCKS
+    logger.commit(n - 1)
+    logger.close()
+    assert keep.records[0].scalars == {"x": pytest.approx((n - 1) / 2, rel=1e-15), "y": 0.5}
+
+
+def test_a_discarded_step_drops_its_blocks_only_and_names_them():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"x": 1.0}, step=1)
+    mark = logger.mark()
+    logger.log_metrics({"x": 100.0, "y": 5.0}, step=2)
+    logger.log_metrics({"y": torch.tensor(6.0)}, step=2)  # folds: the discard still tells what came after
+    assert sorted(logger.discard_staged(mark)) == ["x", "y"]
+    logger.commit(3)
+    logger.close()
+    assert keep.records[0].scalars == {"x": 1.0}
+
+
+def test_a_repeated_step_names_keys_held_in_blocks(caplog):
+    logger = instrument.Logger([Keep()])
+    logger.log_metrics({"first": 1.0}, step=4)
+    logger.commit(4)
+    with caplog.at_level("WARNING", logger="instrument"):
+        logger.log_metrics({"again": 2.0}, step=4)
+        logger.commit(4)
+    logger.close()
+    assert any("committed a second time" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
+
+
+def test_blocks_logged_from_several_threads_are_committed_exactly_once():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    per_thread = 400
+
+    def work(i: int) -> None:
+        for n in range(per_thread):
+            logger.log_metrics({f"t{i}/{n}": float(n)}, step=0)
+            if n % 7 == 0:
+                logger.commit(0)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    logger.commit(0)
+    logger.close()
+    seen = [(k, v) for r in keep.records for k, v in r.scalars.items()]
+    assert len(seen) == 4 * per_thread
+    assert dict(seen) == {f"t{i}/{n}": float(n) for i in range(4) for n in range(per_thread)}

@@ -6,6 +6,7 @@ by ``(kind, tag)``, timer measurements, and the started transfer of ``tensors``.
 waited for and every value converted by its `MediaKind`; a value whose conversion fails is reported through
 ``on_failure`` and left out, alone.
 """
+
 import math
 from typing import Any, Callable, Dict, List
 

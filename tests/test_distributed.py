@@ -99,6 +99,12 @@ def _worker(rank, store_path, out_dir):
         if rank == 0:
             logger.log_metrics({"solo": 2.0}, step=10)
         out["one_sided"], _ = _commit_counted(logger, counts, 10)
+        # Whole calls staged as blocks (floats, one-element tensors) are reduced like any other value.
+        for step in (11, 12):
+            logger.log_metrics({"tb": torch.tensor(float(10 * rank + step)), "n": torch.tensor(rank + step)},
+                               step=step, prefix="blk")
+            logger.log_metrics({"fb": float(rank * step)}, step=step, prefix="blk")
+        out["blocks"], _ = _commit_counted(logger, counts, 12)
         logger.close()
 
         # The bandwidth-optimal form: one SUM and one MAX all_reduce.
@@ -187,6 +193,18 @@ def test_weighted_mean_matches_a_single_process_logger_over_the_union():
     assert record.scalars["train/loss"] == pytest.approx(_union().mean(), rel=1e-6)
 
 
+def test_whole_calls_staged_as_blocks_are_reduced_across_ranks(ranks):
+    results, _ = ranks
+    # mean over ranks of each rank's interval mean (steps 11 and 12), against a float64 reference
+    expected = {
+        "blk/tb": np.mean([np.mean([10.0 * r + s for s in (11, 12)]) for r in range(2)]),
+        "blk/n": np.mean([np.mean([float(r + s) for s in (11, 12)]) for r in range(2)]),
+        "blk/fb": np.mean([np.mean([float(r * s) for s in (11, 12)]) for r in range(2)]),
+    }
+    for result in results:
+        assert result["blocks"] == pytest.approx(expected, rel=1e-12)
+
+
 def test_one_collective_per_steady_commit(ranks):
     results, _ = ranks
     for r in results:
@@ -253,7 +271,7 @@ def test_only_rank_zero_opens_backends_and_writes(ranks):
     # x = rank + step: mean over the interval on each rank, then over ranks; close() commits step 3.
     assert [(s["step"], s["metrics"]["x"]) for s in steps] == [(0, 0.5), (2, 2.0), (3, 3.5)]
     jsonl = [json.loads(line) for line in (tmp / "rank0" / "m.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in jsonl] == [1, 3, 5, 7, 9, 10]
+    assert [line["step"] for line in jsonl] == [1, 3, 5, 7, 9, 10, 12]
 
 
 # ---------------------------------------------------------------------- no process group

@@ -1,7 +1,7 @@
 """Building a `StepRecord` on the writer thread from a step the training thread handed over.
 
 The training thread hands over ``(step, wall_time, scalars, tensor_keys, media, timings, batch, tensors)``:
-scalar means (device tensors for ``tensor_keys``) or float blocks whose means are taken here, staged media
+scalar means (device tensors for ``tensor_keys``) or blocks whose means are taken here, staged media
 by ``(kind, tag)``, timer measurements, and the started transfer of ``tensors``. Here the transfer is
 waited for and every value converted by its `MediaKind`; a value whose conversion fails is reported through
 ``on_failure`` and left out, alone.
@@ -33,8 +33,8 @@ def build_record(payload: tuple, on_failure: OnFailure) -> StepRecord:
         return by_id.get(id(value), value) if isinstance(value, Tensor) else value
 
     record = StepRecord(step=step, wall_time=wall_time)
-    if type(scalars) is list:  # float blocks, staged whole by the training thread
-        scalars = means(scalars)
+    if type(scalars) is list:  # blocks, each a whole log_metrics call (`instrument.logger.blocks`)
+        scalars = means(scalars, host)
     for i, key in enumerate(tensor_keys):
         scalars[key] = float(arrays[i])
     record.scalars = scalars

@@ -31,7 +31,7 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
     timings: Any = timers
     if reducer is not None:
         if blocks:  # the reduction needs every name here (blocks and a per-key table are never staged together)
-            fold(blocks, totals, counts)
+            fold(blocks, totals, counts, on_device)
             blocks = []
         scalars = _reduce(reducer, totals, counts, ops, weights, timers)
         timings = {}
@@ -42,9 +42,9 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
             return None
         tensor_keys: List[str] = []
         tensors: List[Tensor] = []
-    elif blocks:  # plain floats only: names and means are made on the writer (`instrument.logger.blocks`)
+    elif blocks:  # names and means are made on the writer (`instrument.logger.blocks`)
         scalars = blocks
-        tensor_keys, tensors = [], []
+        tensor_keys, tensors = [], [block[2] for block in blocks if len(block) == 3]
     else:
         scalars = totals  # the staged table is ours now: turn sums into means in place
         for name, count in counts.items():

@@ -8,7 +8,8 @@ serialisation, file and network I/O and every backend call happen there, in step
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
 mean over the interval at the next commit, so logging a loss every step is cheap and still honest. A call of
-plain Python floats is staged whole, as one block, and summed on the writer (`instrument.logger.blocks`).
+plain Python floats, or of one-element tensors of one dtype, is staged whole, as one block, and summed on the
+writer (`instrument.logger.blocks`).
 ``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
 each kind of number becomes is in `instrument.logger.values`.
 
@@ -43,7 +44,7 @@ from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
-from instrument.logger.blocks import MAX_BLOCKS, Block, floats_only, fold
+from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.handover import handover
 from instrument.logger.lifecycle import closed_use, open_backends
 from instrument.logger.media import KINDS, check_color_range
@@ -120,7 +121,7 @@ class Logger(StepRecords):
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order
         self._totals: Dict[str, Any] = {}  # scalar name -> sum over the interval (float or device tensor)
-        self._blocks: List[Block] = []  # calls of plain floats, staged whole (`instrument.logger.blocks`)
+        self._blocks: List[Block] = []  # whole calls of floats or tensors (`instrument.logger.blocks`)
         self._names: Dict[str, Dict[Any, str]] = {}  # prefix -> key -> "prefix/key"
         self._counts: Dict[str, int] = {}  # only names logged more than once in the interval
         self._on_device: Dict[str, None] = {}  # names whose value is a device tensor (ordered set)
@@ -188,19 +189,21 @@ class Logger(StepRecords):
         head = prefix.rstrip("/") + "/" if prefix else ""
         if commit:
             return self._commit_own(metrics, step, head, ops)
+        block = None
+        if plain and metrics:  # the hottest path: the whole call as one block, no per-key work here
+            metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
+            block = float_block(head, metrics) or tensor_block(head, metrics)
         with self._lock:
             if not self._accept(step):
                 return None
             if self._snapshot is LAZY:
                 self._take_snapshot()
             blocks = self._blocks
-            if plain and not self._totals and len(blocks) < MAX_BLOCKS:
-                copy = dict(metrics)
-                if floats_only(copy):
-                    blocks.append((head, copy))  # the hottest path: no per-key work on this thread
-                    return None
+            if block is not None and not self._totals and len(blocks) < MAX_BLOCKS:
+                blocks.append(block)
+                return None
             if blocks:  # the per-key path from here on, so that it sees (and checks) what the blocks hold
-                fold(blocks, self._totals, self._counts)
+                fold(blocks, self._totals, self._counts, self._on_device)
                 self._blocks = []
             if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
                 totals, counts, on_device = self._totals, self._counts, self._on_device
@@ -368,7 +371,7 @@ class Logger(StepRecords):
                     return None
                 step = int(step)
                 if step == self._last_step:
-                    self._check_repeat(step, [*staged[0], *(head + key for head, d in staged[7] for key in d)])
+                    self._check_repeat(step, [*staged[0], *(b[0] + key for b in staged[7] for key in b[1])])
                 self._last_step = step
             return self._submit(step, staged, collective)
 

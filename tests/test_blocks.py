@@ -1,4 +1,5 @@
-"""Plain-float calls of log_metrics are staged whole (instrument.logger.blocks): same numbers as the per-key path."""
+"""Whole log_metrics calls staged as blocks (instrument.logger.blocks): floats and one-element tensors, same
+numbers as the per-key path, and every bad value still refused on the caller."""
 
 import json
 import threading
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import instrument
-from instrument.errors import ConfigurationError
+from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger.blocks import MAX_BLOCKS
 
 
@@ -154,3 +155,75 @@ def test_blocks_logged_from_several_threads_are_committed_exactly_once():
     seen = [(k, v) for r in keep.records for k, v in r.scalars.items()]
     assert len(seen) == 4 * per_thread
     assert dict(seen) == {f"t{i}/{n}": float(n) for i in range(4) for n in range(per_thread)}
+
+
+# ---------------------------------------------------------------------------------------------- tensor blocks
+def test_a_call_of_one_element_tensors_is_one_stacked_copy():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    weight = torch.ones(3, requires_grad=True)
+    values = {"a": torch.tensor(0.1), "b": (weight * 2).sum(), "c": torch.tensor(7.25)}
+    logger.log_metrics(values, step=0, prefix="t")
+    (head, keys, stacked), = logger._blocks
+    assert (head, keys, stacked.shape) == ("t/", ("a", "b", "c"), (3,))
+    assert not stacked.requires_grad  # no autograd graph is kept alive by staging
+    values["a"].fill_(99.0)  # the caller reuses its tensors in place: what was logged stays
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"t/a": float(np.float32(0.1)), "t/b": 6.0, "t/c": 7.25}
+
+
+def test_integer_and_bool_tensor_blocks_stay_exact():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"big": torch.tensor(2**40 + 1), "small": torch.tensor(-3)}, step=0)
+    logger.log_metrics({"on": torch.tensor(True), "off": torch.tensor(False)}, step=0)
+    assert len(logger._blocks) == 2
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"big": float(2**40 + 1), "small": -3.0, "on": 1.0, "off": 0.0}
+
+
+def test_mixed_dtypes_or_shapes_take_the_per_key_path():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    # stacked together these would become float32, which cannot hold 2**40 + 1
+    logger.log_metrics({"big": torch.tensor(2**40 + 1), "f": torch.tensor(0.5)}, step=0)
+    logger.log_metrics({"scalar": torch.tensor(1.5), "one": torch.tensor([[2.5]])}, step=0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"big": float(2**40 + 1), "f": 0.5, "scalar": 1.5, "one": 2.5}
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (torch.zeros(3), "shape \\(3,\\)"),
+        (torch.zeros((), device="meta"), "meta tensor"),
+        (torch.tensor(1 + 2j), "complex"),
+    ],
+)
+def test_bad_tensors_in_a_call_are_refused_by_the_per_key_path(value, match):
+    logger = instrument.Logger([Keep()])
+    with pytest.raises(InvalidValueError, match=match):
+        logger.log_metrics({"good": torch.tensor(1.0), "bad": value}, step=0)
+    with pytest.raises(InvalidValueError, match=match):
+        logger.log_metrics({"bad": value, "bad2": value}, step=0)  # one dtype and shape, still refused
+    logger.close()
+
+
+def test_tensor_blocks_over_an_interval_match_a_float64_reference():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    rng = np.random.default_rng(3)
+    rows = rng.normal(1e3, 1e-2, size=(9, 4))
+    for step, row in enumerate(rows):
+        logger.log_metrics({f"k{i}": torch.tensor(v, dtype=torch.float64) for i, v in enumerate(row)}, step=step)
+        logger.log_metrics({"mixed": torch.tensor(float(step), dtype=torch.float32)}, step=step)
+        logger.log_metrics({"mixed": float(step)}, step=step)  # the same key from a float block
+    logger.commit(8)
+    logger.close()
+    scalars = keep.records[0].scalars
+    for i in range(4):
+        assert scalars[f"k{i}"] == pytest.approx(np.mean(rows[:, i]), rel=1e-14)
+    assert scalars["mixed"] == pytest.approx(4.0, rel=1e-15)

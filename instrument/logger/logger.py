@@ -8,8 +8,9 @@ serialisation, file and network I/O and every backend call happen there, in step
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
 mean over the interval at the next commit, so logging a loss every step is cheap and still honest. A call of
-plain Python floats, or of one-element tensors of one dtype, is staged whole, as one block, and summed on the
-writer (`instrument.logger.blocks`).
+plain Python floats, or of one-element tensors of one dtype, is staged whole, as one block (one stacked copy),
+and summed in float64 on the writer (`instrument.logger.blocks`); past 64 such calls in one interval they are
+folded into the per-key sums on the device.
 ``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
 each kind of number becomes is in `instrument.logger.values`.
 

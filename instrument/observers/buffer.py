@@ -63,13 +63,17 @@ class IterationBuffer:
         self._items, self._results, self._elements = [], [], 0
 
     def append(self, *tensors: Tensor) -> None:
-        elements = sum(t.numel() for t in tensors)
+        # Called on every iteration of a logging step: one plain loop, no generator expressions.
+        elements, inference = 0, False
+        for t in tensors:
+            elements += t.numel()
+            inference = inference or t.is_inference()
         # Inference tensors (torch.inference_mode) have no version counter to check: never keep them.
-        if not self.batched or elements >= self.batch_below or any(t.is_inference() for t in tensors):
+        if inference or not self.batched or elements >= self.batch_below:
             self.drain()  # keep the iterations in order
-            self._results.append(self.reduce(*(t.unsqueeze(0) for t in tensors), scratch=False))
+            self._results.append(self.reduce(*[t.unsqueeze(0) for t in tensors], scratch=False))
             return
-        self._items.append(tuple((t, t._version) for t in tensors))
+        self._items.append(tuple([(t, t._version) for t in tensors]))
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:
             self.drain()

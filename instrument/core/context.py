@@ -67,6 +67,12 @@ class StepContext:
             self._dx = self.next_state - self.previous_state
         return self._dx
 
+    @property
+    def dx_if_known(self) -> Optional[Tensor]:
+        """``dx`` if it was given or already computed, else None: an observer that can take the difference
+        later, batched over many iterations, reads this instead of paying a subtraction per iteration."""
+        return self._dx
+
     def __repr__(self) -> str:
         shape = tuple(self.next_state.shape)
         return f"StepContext(step_index={self.step_index}, state_shape={shape}, probes={sorted(self.probes)})"

@@ -96,6 +96,13 @@ def test_step_context_validates_and_detaches():
                                  probes={"h": torch.ones(1, requires_grad=True)})
     assert torch.equal(ctx.dx, torch.full((2,), 5.0)) and ctx.freeze_channels == (0,)
     assert not ctx.probes["h"].requires_grad
+    # A state in autograd is detached (same memory, no graph); one outside it is handed over as it is.
+    leaf = torch.randn(3, requires_grad=True)
+    state, plain = leaf * 2, torch.zeros(3)
+    ctx = instrument.StepContext(state, plain, condition=plain)
+    assert not ctx.previous_state.requires_grad and ctx.previous_state.data_ptr() == state.data_ptr()
+    assert ctx.next_state is plain and ctx.condition is plain
+    assert ctx.previous_state.grad_fn is None and state.grad_fn is not None
 
 
 def test_small_states_are_batched_and_match_per_iteration_values():

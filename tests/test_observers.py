@@ -96,6 +96,13 @@ def test_step_context_validates_and_detaches():
                                  probes={"h": torch.ones(1, requires_grad=True)})
     assert torch.equal(ctx.dx, torch.full((2,), 5.0)) and ctx.freeze_channels == (0,)
     assert not ctx.probes["h"].requires_grad
+    # A state in autograd is detached (same memory, no graph); one outside it is handed over as it is.
+    leaf = torch.randn(3, requires_grad=True)
+    state, plain = leaf * 2, torch.zeros(3)
+    ctx = instrument.StepContext(state, plain, condition=plain)
+    assert not ctx.previous_state.requires_grad and ctx.previous_state.data_ptr() == state.data_ptr()
+    assert ctx.next_state is plain and ctx.condition is plain
+    assert ctx.previous_state.grad_fn is None and state.grad_fn is not None
 
 
 def test_small_states_are_batched_and_match_per_iteration_values():
@@ -112,10 +119,69 @@ def test_small_states_are_batched_and_match_per_iteration_values():
 
 def test_memory_cap_drains_early_and_keeps_iteration_order():
     states = [torch.full((4, 2), float(i)) for i in range(10)]
-    observer = instrument.UpdateNorm(max_elements=20)  # dx of 8 elements per iteration (no alpha): drains every 3
+    # Both [4, 2] states are kept (dx is taken at log time): 16 elements per iteration, so it drains every 2.
+    observer = instrument.UpdateNorm(max_elements=20)
     record = _observe(observer, states)
     assert record.histograms["update_norm/l2"].shape == (9,)
     assert record.scalars["update_norm/l2/first"] == pytest.approx(np.sqrt(2.0))
+
+
+def _update_norm_observed(contexts):
+    observer = instrument.UpdateNorm()
+    observer.reset()
+    with torch.no_grad():
+        for context in contexts:
+            observer.observe(context)
+    keep = Keep()
+    log = instrument.Logger([keep])
+    observer.log(log, step=0)
+    log.commit()
+    log.flush()
+    return keep.records[0]
+
+
+@pytest.mark.parametrize("shape", [(256, 4), (3, 5, 6, 6)])
+def test_update_norm_is_the_same_whether_dx_is_taken_per_iteration_or_batched_at_log_time(shape):
+    torch.manual_seed(3)
+    states = [(torch.randn(*shape) * 2 + 1e3).float() for _ in range(12)]
+    pairs = list(zip(states, states[1:], strict=False))
+
+    def contexts(previous_copy=False, read_dx=False, given=False):
+        for i, (a, b) in enumerate(pairs):
+            if previous_copy:  # not a chain: each iteration starts from another tensor object and storage
+                a = a.clone()
+            context = instrument.StepContext(a, b, dx=(b - a) if given else None, step_index=i)
+            if read_dx:  # another observer read context.dx first: UpdateNorm uses that one
+                assert context.dx is not None
+            yield context
+
+    # The detached states a rollout hands over are new tensor objects over the same storage: a chain.
+    chain = _update_norm_observed(contexts())
+    for other in (_update_norm_observed(contexts(previous_copy=True)),
+                  _update_norm_observed(contexts(read_dx=True)),
+                  _update_norm_observed(contexts(given=True))):
+        assert other.scalars.keys() == chain.scalars.keys()
+        for key, value in chain.scalars.items():
+            assert float(other.scalars[key]) == float(value), key  # the same elementwise next - previous
+        np.testing.assert_array_equal(other.histograms["update_norm/l2"], chain.histograms["update_norm/l2"])
+    x = np.stack([s.double().numpy() for s in states])
+    norms = np.sqrt(((x[1:] - x[:-1]).reshape(len(pairs), shape[0], -1) ** 2).sum(axis=2)).mean(axis=1)
+    np.testing.assert_allclose(chain.histograms["update_norm/l2"], norms, rtol=1e-5)
+    assert float(chain.scalars["update_norm/l2/mean"]) == pytest.approx(norms.mean(), rel=1e-5)
+    if len(shape) == 4:  # [B, C, S, S] with C != S: the alive fraction of channel 3, read off the next states
+        alive = (x[1:, :, 3] > 0.1).reshape(len(pairs), -1).mean(axis=1)
+        assert float(chain.scalars["update_norm/alive/mean"]) == pytest.approx(alive.mean(), rel=1e-6)
+
+
+def test_update_norm_given_dx_then_deferred_dx_in_one_step_keeps_iteration_order():
+    states = [torch.full((4, 2), float(i * i)) for i in range(7)]
+    contexts = [
+        instrument.StepContext(a, b, dx=(b - a) if i % 3 == 0 else None, step_index=i)
+        for i, (a, b) in enumerate(zip(states, states[1:], strict=False))
+    ]
+    record = _update_norm_observed(contexts)
+    want = [np.sqrt(2.0) * (2 * i + 1) for i in range(6)]  # each of 4 samples: 2 elements of (i+1)^2 - i^2
+    np.testing.assert_allclose(record.histograms["update_norm/l2"], want, rtol=1e-6)
 
 
 def test_in_place_change_after_observe_is_detected_not_logged(caplog):

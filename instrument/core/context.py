@@ -2,7 +2,8 @@
 
 A `StepContext` is built once per observed iteration, either by the hook that `Instrumentation.watch`
 attaches to a module or by an explicit evolver that calls ``observer(StepContext(...))`` itself. Every tensor
-in it is detached, so an observer can never build autograd graph into the user's training step.
+in it is outside autograd (detached, or never in it: then handed over as it is), so an observer can never build
+autograd graph into the user's training step.
 """
 
 from typing import Dict, Mapping, Optional, Sequence
@@ -20,7 +21,9 @@ def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
             f"StepContext.{name} must be a torch.Tensor or None, got {type(value).__name__}; "
             f"pass the state tensor itself (for a tuple output, its first element)."
         )
-    return value.detach()
+    # A tensor outside autograd (no grad required, so no graph: environment observations, actions) is handed
+    # over as it is; detach() would only make another tensor object over the same memory, once per iteration.
+    return value.detach() if value.requires_grad else value
 
 
 class StepContext:
@@ -65,6 +68,12 @@ class StepContext:
     def dx(self) -> Tensor:
         if self._dx is None:
             self._dx = self.next_state - self.previous_state
+        return self._dx
+
+    @property
+    def dx_if_known(self) -> Optional[Tensor]:
+        """``dx`` if it was given or already computed, else None: an observer that can take the difference
+        later, batched over many iterations, reads this instead of paying a subtraction per iteration."""
         return self._dx
 
     def __repr__(self) -> str:

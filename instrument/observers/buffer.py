@@ -16,7 +16,7 @@ are always reduced as they come. ``max_elements`` bounds the memory: once the bu
 elements, the owner reduces them early and lets them go.
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -42,6 +42,8 @@ class IterationBuffer:
             after an in-place modification was detected.
         batch_below: only iterations whose tensors hold fewer elements than this are batched; larger ones are
             reduced as they come.
+        stack: turns the buffered columns (one list of tensors per tuple position, in iteration order) into
+            the tensors handed to ``reduce``; None stacks each column (``torch.stack``).
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class IterationBuffer:
         max_elements: Optional[int] = 64 * 2**20,
         batched: bool = True,
         batch_below: int = 2**17,
+        stack: Optional[Callable[[List[List[Tensor]]], Sequence[Tensor]]] = None,
     ) -> None:
         self.reduce = reduce
+        self.stack = stack
         self.max_elements = max_elements
         self.batched = batched
         self.batch_below = batch_below
@@ -63,13 +67,17 @@ class IterationBuffer:
         self._items, self._results, self._elements = [], [], 0
 
     def append(self, *tensors: Tensor) -> None:
-        elements = sum(t.numel() for t in tensors)
+        # Called on every iteration of a logging step: one plain loop, no generator expressions.
+        elements, inference = 0, False
+        for t in tensors:
+            elements += t.numel()
+            inference = inference or t.is_inference()
         # Inference tensors (torch.inference_mode) have no version counter to check: never keep them.
-        if not self.batched or elements >= self.batch_below or any(t.is_inference() for t in tensors):
+        if inference or not self.batched or elements >= self.batch_below:
             self.drain()  # keep the iterations in order
-            self._results.append(self.reduce(*(t.unsqueeze(0) for t in tensors), scratch=False))
+            self._results.append(self.reduce(*[t.unsqueeze(0) for t in tensors], scratch=False))
             return
-        self._items.append(tuple((t, t._version) for t in tensors))
+        self._items.append(tuple([(t, t._version) for t in tensors]))
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:
             self.drain()
@@ -88,8 +96,9 @@ class IterationBuffer:
                     "batched reduction no longer hold the observed values; this step's values are dropped and "
                     "from now on each iteration is reduced as it comes (slower, but correct)"
                 )
-        columns = [torch.stack([entry[i][0] for entry in items]) for i in range(len(items[0]))]
-        self._results.append(self.reduce(*columns, scratch=True))
+        columns = [[entry[i][0] for entry in items] for i in range(len(items[0]))]
+        stacked = self.stack(columns) if self.stack is not None else [torch.stack(column) for column in columns]
+        self._results.append(self.reduce(*stacked, scratch=True))
 
     def results(self) -> Optional[Tensor]:
         """Every iteration's reduction so far, concatenated along dim 0; None when nothing was buffered."""

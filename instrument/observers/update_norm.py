@@ -1,6 +1,6 @@
 """UpdateNorm: how much each iteration changes the state, and how much of it is alive."""
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -59,28 +59,52 @@ class UpdateNorm(Observer):
         self.alive_threshold = alive_threshold
         self.channel_dim = channel_dim
         self.session_channel_dim: Optional[int] = None  # set by Instrumentation(channel_dim=...)
-        self._steps = IterationBuffer(self._reduce, max_elements=max_elements)
+        self._steps = IterationBuffer(self._reduce, max_elements=max_elements, stack=self._stack)
         self._has_alpha = False
         self._alpha_dim: Optional[int] = None
         self._shape: Optional[tuple] = None
+        # True while the buffer holds (previous_state, next_state) pairs, False while it holds (dx[, alpha]).
+        self._pairs = False
 
     def reset(self) -> None:
         self._steps.clear()
         self._has_alpha = False
         self._shape = None
+        self._pairs = False
 
     def observe(self, context: StepContext) -> None:
         # Keep references only; all iterations are reduced at once in `log` (see instrument.observers.buffer).
-        # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
         state = context.next_state
         if state.shape != self._shape:  # once per step (and when the shape changes): metadata only
+            self._steps.drain()  # what is buffered was resolved for the previous shape
             self._shape = state.shape
             self._alpha_dim = self._resolve(tuple(state.shape))
         self._has_alpha = self._alpha_dim is not None
-        if self._has_alpha:
-            self._steps.append(context.dx, state.select(self._alpha_dim, self.alive_channel))
+        dx = context.dx_if_known
+        pairs = dx is None
+        if pairs != self._pairs:  # the buffer holds one kind of entry at a time
+            self._steps.drain()
+            self._pairs = pairs
+        if pairs:
+            # dx not computed yet: keep both states and take every iteration's difference in one batched
+            # subtraction at log time (the same elementwise next - previous, so the same numbers) instead of
+            # one small subtraction per iteration. The alpha channel is read from the stacked next states.
+            self._steps.append(context.previous_state, state)
+        elif self._has_alpha:
+            # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
+            self._steps.append(dx, state.select(self._alpha_dim, self.alive_channel))
         else:
-            self._steps.append(context.dx)
+            self._steps.append(dx)
+
+    def _stack(self, columns: List[List[Tensor]]) -> List[Tensor]:
+        """Stack the buffered columns; a chain of pairs (each iteration starting from the state the one before
+        produced, as a rollout does) is stacked as one [k + 1, ...] tensor whose shifted views are the pairs."""
+        if self._pairs:
+            previous, following = columns
+            if all(_same_values(previous[i], following[i - 1]) for i in range(1, len(previous))):
+                states = torch.stack([previous[0], *following])
+                return [states[:-1], states[1:]]
+        return [torch.stack(column) for column in columns]
 
     def _resolve(self, shape: tuple) -> Optional[int]:
         """The dimension holding the alpha channel, or None (no alive fraction)."""
@@ -102,7 +126,12 @@ class UpdateNorm(Observer):
 
     def _reduce(self, dx: Tensor, alpha: Optional[Tensor] = None, scratch: bool = False) -> Tensor:
         """[k, *state] dx and [k, B, *grid] alpha -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if
-        no alpha)."""
+        no alpha). While pairs are buffered the arguments are [k, *state] previous and next states instead.
+        Nothing is written in place (``scratch`` is not used): the stacked pairs may be overlapping views."""
+        if self._pairs:
+            previous, following = dx, alpha
+            dx = following - previous
+            alpha = None if self._alpha_dim is None else following.select(self._alpha_dim + 1, self.alive_channel)
         k = dx.shape[0]
         flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 2 else dx.reshape(k, 1, -1)
         norms = torch.linalg.vector_norm(flat.float(), dim=2).mean(1)
@@ -122,3 +151,12 @@ class UpdateNorm(Observer):
             metrics.update({"alive/last": alive[-1], "alive/mean": alive.mean()})
         logger.log_metrics(metrics, step=step, prefix=self.name)
         logger.log_histogram(f"{self.name}/l2", norms, step)
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same memory the same way (a detached copy of a state is another
+    tensor object over the same storage). Both are kept alive by the buffer, so equal views mean equal values."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.device == b.device
+    )

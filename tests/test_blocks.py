@@ -28,8 +28,8 @@ def _floats(seed: int, steps: int, keys: int):
 
 
 def _per_key(values):
-    """The same values through the per-key path: one-element float64 tensors are never staged as blocks."""
-    return [{k: torch.tensor(v, dtype=torch.float64) for k, v in row.items()} for row in values]
+    """The same values through the per-key path: NumPy numbers are never staged as blocks."""
+    return [{k: np.float64(v) for k, v in row.items()} for row in values]
 
 
 def test_interval_means_match_a_float64_reference_read_back_from_jsonl(tmp_path):
@@ -59,6 +59,7 @@ def test_blocks_and_the_per_key_path_give_identical_numbers():
         logger = instrument.Logger([keep])
         for step, row in enumerate(staged):
             logger.log_metrics(row, step=step, prefix="p")
+            assert bool(logger._blocks) == (staged is rows)  # each arm takes the path it is meant to test
         logger.commit(6)
         logger.close()
         results.append(keep.records[0].scalars)
@@ -227,3 +228,58 @@ def test_tensor_blocks_over_an_interval_match_a_float64_reference():
     for i in range(4):
         assert scalars[f"k{i}"] == pytest.approx(np.mean(rows[:, i]), rel=1e-14)
     assert scalars["mixed"] == pytest.approx(4.0, rel=1e-15)
+
+
+# ---------------------------------------------------------------------- review findings
+
+
+@pytest.mark.parametrize("extra", [{"n": 1}, {"n": np.float64(1.0)}, {"n": torch.tensor(1)}])
+def test_a_tensor_changed_in_place_after_the_call_changes_nothing_on_the_per_key_path(extra):
+    # A call that is not a block (mixed types) takes the per-key path; its staged value must not be the
+    # caller's tensor, which the loop may change in place right after (a running sum, an optimizer step).
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    loss, grad = torch.tensor(1.0), torch.tensor([2.0], requires_grad=True) * 1.0
+    logger.log_metrics({"loss": loss, "grad": grad, **extra}, step=0)
+    loss.add_(10.0)
+    with torch.no_grad():
+        grad.add_(10.0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars["loss"] == 1.0 and keep.records[0].scalars["grad"] == 2.0
+
+
+def test_a_weight_tensor_changed_in_place_after_the_call_changes_nothing():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    weight = torch.tensor(2.0)
+    logger.log_metrics({"acc": 0.5}, step=0, weights=weight)
+    weight.add_(100.0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars["acc"] == 0.5
+
+
+@pytest.mark.parametrize("dtype, values", [
+    (torch.float16, [2000.0] * (MAX_BLOCKS + 1)),  # a float16 sum of these overflows to inf
+    (torch.float32, [1e8 + i for i in range(MAX_BLOCKS + 1)]),  # a float32 sum of these rounds
+])
+def test_the_call_past_max_blocks_does_not_change_the_mean_of_the_calls_before(dtype, values):
+    # Up to MAX_BLOCKS calls are summed in float64 on the writer; the next call folds them into the per-key
+    # table, which must keep that precision, or one more call changes (here: falsifies) the interval mean.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    for value in values:
+        logger.log_metrics({"x": torch.tensor(value, dtype=dtype)}, step=0)
+    logger.commit(0)
+    logger.close()
+    reference = np.mean(np.array([torch.tensor(v, dtype=dtype).item() for v in values], dtype=np.float64))
+    assert keep.records[0].scalars["x"] == pytest.approx(reference, rel=1e-12)
+
+
+@pytest.mark.parametrize("metrics", [[("loss", 1.0)], "loss", ("loss",)])
+def test_metrics_that_are_not_a_mapping_are_refused_with_a_clear_error(metrics):
+    logger = instrument.Logger([])
+    with pytest.raises(InvalidValueError, match="a dict"):
+        logger.log_metrics(metrics, step=0)
+    logger.close()

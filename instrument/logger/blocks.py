@@ -70,7 +70,9 @@ def fold(blocks: List[Block], totals: Dict[str, Any], counts: Dict[str, int], on
         if len(block) == 2:
             pairs: Any = block[1].items()
         else:
-            pairs = zip(block[1], block[2].unbind(), strict=True)
+            # in float64 (as `means` sums on the writer), so that folding never changes an interval's mean
+            stacked = block[2].to(torch.float32 if block[2].device.type == "mps" else torch.float64)
+            pairs = zip(block[1], stacked.unbind(), strict=True)
             on_device.update(dict.fromkeys(head + key for key in block[1]))
         for key, value in pairs:
             name = head + key

@@ -10,7 +10,7 @@ Values a loop logs on non-logging steps are accumulated on the device (summed, n
 mean over the interval at the next commit, so logging a loss every step is cheap and still honest. A call of
 plain Python floats, or of one-element tensors of one dtype, is staged whole, as one block (one stacked copy),
 and summed in float64 on the writer (`instrument.logger.blocks`); past 64 such calls in one interval they are
-folded into the per-key sums on the device.
+folded into the per-key sums on the device, still in float64.
 ``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
 each kind of number becomes is in `instrument.logger.values`.
 

@@ -22,6 +22,7 @@ anything else, empty key ``""``       refused (`InvalidValueError`)
 """
 
 import numbers
+from collections.abc import Mapping
 from typing import Any, Callable, Union
 
 import numpy as np
@@ -38,8 +39,13 @@ Warn = Callable[[str, str], None]
 
 
 def check_keys(metrics: Any) -> None:
-    """Refuse the empty key (one dict lookup, no per-key work): W&B drops it and other backends cannot
-    name it."""
+    """Refuse what is not a mapping, and the empty key (one dict lookup, no per-key work): W&B drops it and
+    other backends cannot name it."""
+    if type(metrics) is not dict and not isinstance(metrics, Mapping):
+        raise InvalidValueError(
+            f"log_metrics takes a dict of metric name -> value, got {type(metrics).__name__}; e.g. "
+            f"log_metrics({{'loss': loss}}, step=step)."
+        )
     if "" in metrics:
         raise InvalidValueError(
             "log_metrics got the empty metric key ''; W&B drops such a value and TensorBoard and MLflow show it "
@@ -61,8 +67,8 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             value = value.detach()
         if value.dim():
             value = value.reshape(())
-        if value.is_floating_point():
-            return value
+        if value.is_floating_point():  # a copy: the caller may change its tensor in place right after the call
+            return value.clone()
         if value.is_complex():
             raise _complex(name, f"a complex tensor ({value.dtype})")
         if value.dtype == torch.bool or value.device.type == "mps":  # MPS has no float64

@@ -283,3 +283,22 @@ def test_metrics_that_are_not_a_mapping_are_refused_with_a_clear_error(metrics):
     with pytest.raises(InvalidValueError, match="a dict"):
         logger.log_metrics(metrics, step=0)
     logger.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_per_key_path_sums_an_interval_as_precisely_as_blocks(dtype):
+    # The same tensors, once as blocks and once beside an int (the per-key path): one interval mean, not
+    # float64 on one path and an overflowing (float16: inf) or rounding (float32) device sum on the other.
+    values = [60000.0 if dtype == torch.float16 else 1e8 + i for i in range(10)]
+    results = []
+    for extra in ({}, {"n": 1}):
+        keep = Keep()
+        logger = instrument.Logger([keep])
+        for value in values:
+            logger.log_metrics({"x": torch.tensor(value, dtype=dtype), **extra}, step=0)
+        assert bool(logger._blocks) == (not extra)
+        logger.commit(0)
+        logger.close()
+        results.append(keep.records[0].scalars["x"])
+    reference = np.mean(np.array([torch.tensor(v, dtype=dtype).item() for v in values], dtype=np.float64))
+    assert results == [pytest.approx(reference, rel=1e-12)] * 2

@@ -13,7 +13,7 @@ received                              logged as
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
-one-element tensor                    a float tensor; integer tensors as float64 (exact to 2**53; the
+one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53 (the
                                       value is never read on the caller, so larger ones are not checked),
                                       bool tensors as 1.0/0.0
 one-element NumPy array               as its element
@@ -67,8 +67,10 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             value = value.detach()
         if value.dim():
             value = value.reshape(())
-        if value.is_floating_point():  # a copy: the caller may change its tensor in place right after the call
-            return value.clone()
+        if value.is_floating_point():
+            # A copy (the caller may change its tensor in place right after the call), in float64 as blocks are
+            # summed on the writer: an interval's sum of float16 values does not overflow, nor float32 round.
+            return value.to(torch.float32 if value.device.type == "mps" else torch.float64, copy=True)
         if value.is_complex():
             raise _complex(name, f"a complex tensor ({value.dtype})")
         if value.dtype == torch.bool or value.device.type == "mps":  # MPS has no float64

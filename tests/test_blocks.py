@@ -302,3 +302,20 @@ def test_the_per_key_path_sums_an_interval_as_precisely_as_blocks(dtype):
         results.append(keep.records[0].scalars["x"])
     reference = np.mean(np.array([torch.tensor(v, dtype=dtype).item() for v in values], dtype=np.float64))
     assert results == [pytest.approx(reference, rel=1e-12)] * 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([2.5]).to_sparse(),
+    lambda: torch.tensor([[2.5]]).to_sparse_csr(),
+    lambda: torch.quantize_per_tensor(torch.tensor([2.5]), 0.5, 0, torch.qint8),
+], ids=["sparse_coo", "sparse_csr", "quantized"])
+@pytest.mark.parametrize("extra", [{}, {"n": 1}], ids=["block", "per_key"])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates quantize_per_tensor
+def test_sparse_and_quantized_one_element_tensors_are_logged_as_their_value(make, extra):
+    # Was a bare RuntimeError from deep inside torch (reshape / to), naming no key, on both paths.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": make(), "b": make(), **extra}, step=0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars["a"] == 2.5 and keep.records[0].scalars["b"] == 2.5

@@ -15,7 +15,7 @@ received                              logged as
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
 one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53 (the
                                       value is never read on the caller, so larger ones are not checked),
-                                      bool tensors as 1.0/0.0
+                                      bool tensors as 1.0/0.0; sparse and quantized ones as their value
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
@@ -63,6 +63,10 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             )
         if value.is_meta:
             raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
+        if value.layout != torch.strided:  # sparse (COO, CSR, ...): has no reshape
+            value = value.to_dense()
+        if value.is_quantized:
+            value = value.dequantize()
         if value.requires_grad:  # only then: a detach per value is a tensor op, 100 of them cost ~0.3 ms
             value = value.detach()
         if value.dim():

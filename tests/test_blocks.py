@@ -319,3 +319,17 @@ def test_sparse_and_quantized_one_element_tensors_are_logged_as_their_value(make
     logger.commit(0)
     logger.close()
     assert keep.records[0].scalars["a"] == 2.5 and keep.records[0].scalars["b"] == 2.5
+
+
+def test_a_call_with_nothing_to_log_keeps_the_blocks_staged():
+    # An observer with nothing to report this step logs {}; that must not fold the interval's blocks (every
+    # later call of the interval would take the slower per-key path), and it stages nothing.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.log_metrics({}, step=1)
+    logger.log_metrics({}, step=1, reduce="sum")
+    assert len(logger._blocks) == 1 and not logger._totals
+    logger.commit()
+    logger.close()
+    assert [(r.step, r.scalars) for r in keep.records] == [(1, {"a": 1.0})]  # the step still counts

@@ -195,7 +195,7 @@ class Logger(StepRecords):
             metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
             block = float_block(head, metrics) or tensor_block(head, metrics)
         with self._lock:
-            if not self._accept(step):
+            if not self._accept(step) or not metrics:  # an empty call counts its step and folds no blocks
                 return None
             if self._snapshot is LAZY:
                 self._take_snapshot()

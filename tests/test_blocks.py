@@ -333,3 +333,18 @@ def test_a_call_with_nothing_to_log_keeps_the_blocks_staged():
     logger.commit()
     logger.close()
     assert [(r.step, r.scalars) for r in keep.records] == [(1, {"a": 1.0})]  # the step still counts
+
+
+@pytest.mark.parametrize("options", [{}, {"reduce": "sum"}, {"weights": 2.0}], ids=["mean", "sum", "weighted"])
+@pytest.mark.parametrize("bad", [torch.zeros(3), 10**400, "text"], ids=["shape", "huge_int", "str"])
+def test_a_refused_call_stages_none_of_its_values(options, bad):
+    # The caller is told the call was refused; a loop that catches that and logs again without the bad key
+    # must not find the good values of the refused call counted too.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"good": 1.0}, step=0, **options)
+    with pytest.raises(InvalidValueError, match="'bad'"):
+        logger.log_metrics({"good": torch.tensor(100.0), "n": 1, "bad": bad}, step=0, **options)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"good": 1.0}

@@ -348,3 +348,14 @@ def test_a_refused_call_stages_none_of_its_values(options, bad):
     logger.commit(0)
     logger.close()
     assert keep.records[0].scalars == {"good": 1.0}
+
+
+def test_a_call_refused_for_a_reduce_conflict_stages_none_of_its_values():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": 1.0}, step=0)
+    with pytest.raises(ConfigurationError, match="'a'"):
+        logger.log_metrics({"b": 2.0, "a": 3.0}, step=0, reduce="sum")
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"a": 1.0}

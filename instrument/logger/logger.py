@@ -235,14 +235,15 @@ class Logger(StepRecords):
                 name = head + key if type(key) is str else head + str(key)
                 op, weight = ("mean", None) if ops is None else ops[key]
                 value = as_scalar(name, value, self._warn_once)
-                staged.append((name, value, op, weight if weight is None else as_scalar(
-                    f"weight of {name}", weight, self._warn_once)))
+                weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
+                self._check_op(name, op, weight)
+                staged.append((name, value, op, weight))
             for args in staged:
                 self._stage_scalar(*args)
         return None
 
-    def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
-        """The general path: a reduce op other than mean, or a weight (under the lock)."""
+    def _check_op(self, name: str, op: str, weight: Any) -> None:
+        """One reduce op (and always or never a weight) per metric and interval (under the lock)."""
         if name in self._totals:
             before_op, before_w = self._ops.get(name, "mean"), name in self._weights
             if op != before_op or (weight is not None) != before_w:
@@ -253,6 +254,10 @@ class Logger(StepRecords):
                     f"{now} in one logging interval; log each metric with one reduce op, always with or always "
                     f"without a weight."
                 )
+
+    def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
+        """The general path: a reduce op other than mean, or a weight (under the lock, `_check_op` passed)."""
+        if name in self._totals:
             self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
             if weight is not None:
                 self._weights[name] = self._weights[name] + weight

@@ -28,8 +28,8 @@ def _floats(seed: int, steps: int, keys: int):
 
 
 def _per_key(values):
-    """The same values through the per-key path: one-element float64 tensors are never staged as blocks."""
-    return [{k: torch.tensor(v, dtype=torch.float64) for k, v in row.items()} for row in values]
+    """The same values through the per-key path: NumPy numbers are never staged as blocks."""
+    return [{k: np.float64(v) for k, v in row.items()} for row in values]
 
 
 def test_interval_means_match_a_float64_reference_read_back_from_jsonl(tmp_path):
@@ -59,6 +59,7 @@ def test_blocks_and_the_per_key_path_give_identical_numbers():
         logger = instrument.Logger([keep])
         for step, row in enumerate(staged):
             logger.log_metrics(row, step=step, prefix="p")
+            assert bool(logger._blocks) == (staged is rows)  # each arm takes the path it is meant to test
         logger.commit(6)
         logger.close()
         results.append(keep.records[0].scalars)
@@ -227,3 +228,134 @@ def test_tensor_blocks_over_an_interval_match_a_float64_reference():
     for i in range(4):
         assert scalars[f"k{i}"] == pytest.approx(np.mean(rows[:, i]), rel=1e-14)
     assert scalars["mixed"] == pytest.approx(4.0, rel=1e-15)
+
+
+# ---------------------------------------------------------------------- review findings
+
+
+@pytest.mark.parametrize("extra", [{"n": 1}, {"n": np.float64(1.0)}, {"n": torch.tensor(1)}])
+def test_a_tensor_changed_in_place_after_the_call_changes_nothing_on_the_per_key_path(extra):
+    # A call that is not a block (mixed types) takes the per-key path; its staged value must not be the
+    # caller's tensor, which the loop may change in place right after (a running sum, an optimizer step).
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    loss, grad = torch.tensor(1.0), torch.tensor([2.0], requires_grad=True) * 1.0
+    logger.log_metrics({"loss": loss, "grad": grad, **extra}, step=0)
+    loss.add_(10.0)
+    with torch.no_grad():
+        grad.add_(10.0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars["loss"] == 1.0 and keep.records[0].scalars["grad"] == 2.0
+
+
+def test_a_weight_tensor_changed_in_place_after_the_call_changes_nothing():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    weight = torch.tensor(2.0)
+    logger.log_metrics({"acc": 0.5}, step=0, weights=weight)
+    weight.add_(100.0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars["acc"] == 0.5
+
+
+@pytest.mark.parametrize("dtype, values", [
+    (torch.float16, [2000.0] * (MAX_BLOCKS + 1)),  # a float16 sum of these overflows to inf
+    (torch.float32, [1e8 + i for i in range(MAX_BLOCKS + 1)]),  # a float32 sum of these rounds
+])
+def test_the_call_past_max_blocks_does_not_change_the_mean_of_the_calls_before(dtype, values):
+    # Up to MAX_BLOCKS calls are summed in float64 on the writer; the next call folds them into the per-key
+    # table, which must keep that precision, or one more call changes (here: falsifies) the interval mean.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    for value in values:
+        logger.log_metrics({"x": torch.tensor(value, dtype=dtype)}, step=0)
+    logger.commit(0)
+    logger.close()
+    reference = np.mean(np.array([torch.tensor(v, dtype=dtype).item() for v in values], dtype=np.float64))
+    assert keep.records[0].scalars["x"] == pytest.approx(reference, rel=1e-12)
+
+
+@pytest.mark.parametrize("metrics", [[("loss", 1.0)], "loss", ("loss",)])
+def test_metrics_that_are_not_a_mapping_are_refused_with_a_clear_error(metrics):
+    logger = instrument.Logger([])
+    with pytest.raises(InvalidValueError, match="a dict"):
+        logger.log_metrics(metrics, step=0)
+    logger.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_per_key_path_sums_an_interval_as_precisely_as_blocks(dtype):
+    # The same tensors, once as blocks and once beside an int (the per-key path): one interval mean, not
+    # float64 on one path and an overflowing (float16: inf) or rounding (float32) device sum on the other.
+    values = [60000.0 if dtype == torch.float16 else 1e8 + i for i in range(10)]
+    results = []
+    for extra in ({}, {"n": 1}):
+        keep = Keep()
+        logger = instrument.Logger([keep])
+        for value in values:
+            logger.log_metrics({"x": torch.tensor(value, dtype=dtype), **extra}, step=0)
+        assert bool(logger._blocks) == (not extra)
+        logger.commit(0)
+        logger.close()
+        results.append(keep.records[0].scalars["x"])
+    reference = np.mean(np.array([torch.tensor(v, dtype=dtype).item() for v in values], dtype=np.float64))
+    assert results == [pytest.approx(reference, rel=1e-12)] * 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([2.5]).to_sparse(),
+    lambda: torch.tensor([[2.5]]).to_sparse_csr(),
+    lambda: torch.quantize_per_tensor(torch.tensor([2.5]), 0.5, 0, torch.qint8),
+], ids=["sparse_coo", "sparse_csr", "quantized"])
+@pytest.mark.parametrize("extra", [{}, {"n": 1}], ids=["block", "per_key"])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates quantize_per_tensor
+def test_sparse_and_quantized_one_element_tensors_are_logged_as_their_value(make, extra):
+    # Was a bare RuntimeError from deep inside torch (reshape / to), naming no key, on both paths.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": make(), "b": make(), **extra}, step=0)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars["a"] == 2.5 and keep.records[0].scalars["b"] == 2.5
+
+
+def test_a_call_with_nothing_to_log_keeps_the_blocks_staged():
+    # An observer with nothing to report this step logs {}; that must not fold the interval's blocks (every
+    # later call of the interval would take the slower per-key path), and it stages nothing.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.log_metrics({}, step=1)
+    logger.log_metrics({}, step=1, reduce="sum")
+    assert len(logger._blocks) == 1 and not logger._totals
+    logger.commit()
+    logger.close()
+    assert [(r.step, r.scalars) for r in keep.records] == [(1, {"a": 1.0})]  # the step still counts
+
+
+@pytest.mark.parametrize("options", [{}, {"reduce": "sum"}, {"weights": 2.0}], ids=["mean", "sum", "weighted"])
+@pytest.mark.parametrize("bad", [torch.zeros(3), 10**400, "text"], ids=["shape", "huge_int", "str"])
+def test_a_refused_call_stages_none_of_its_values(options, bad):
+    # The caller is told the call was refused; a loop that catches that and logs again without the bad key
+    # must not find the good values of the refused call counted too.
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"good": 1.0}, step=0, **options)
+    with pytest.raises(InvalidValueError, match="'bad'"):
+        logger.log_metrics({"good": torch.tensor(100.0), "n": 1, "bad": bad}, step=0, **options)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"good": 1.0}
+
+
+def test_a_call_refused_for_a_reduce_conflict_stages_none_of_its_values():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"a": 1.0}, step=0)
+    with pytest.raises(ConfigurationError, match="'a'"):
+        logger.log_metrics({"b": 2.0, "a": 3.0}, step=0, reduce="sum")
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"a": 1.0}

@@ -47,14 +47,14 @@ def tensor_block(head: str, copy: Dict[Any, Any]) -> Optional[Block]:
     for key, value in copy.items():
         if type(value) is not Tensor or type(key) is not str or value.dtype != dtype:
             return None
-    if dtype.is_complex:
+    if dtype.is_complex or values[0].layout != torch.strided or values[0].is_quantized:  # the per-key path converts
         return None
     try:
         with torch.no_grad():  # a copy: the caller may change its tensors, and no autograd graph is kept
             stacked = torch.stack(values)
     except RuntimeError:  # shapes or devices differ: the per-key path tells the caller what is wrong
         return None
-    if stacked.numel() != len(values) or stacked.is_meta:
+    if stacked.numel() != len(values) or stacked.is_meta or stacked.layout != torch.strided:
         return None
     if not dtype.is_floating_point:  # as the per-key path: bools as 1.0/0.0, integers exact as float64
         mps = stacked.device.type == "mps"  # MPS has no float64
@@ -70,7 +70,9 @@ def fold(blocks: List[Block], totals: Dict[str, Any], counts: Dict[str, int], on
         if len(block) == 2:
             pairs: Any = block[1].items()
         else:
-            pairs = zip(block[1], block[2].unbind(), strict=True)
+            # in float64 (as `means` sums on the writer), so that folding never changes an interval's mean
+            stacked = block[2].to(torch.float32 if block[2].device.type == "mps" else torch.float64)
+            pairs = zip(block[1], stacked.unbind(), strict=True)
             on_device.update(dict.fromkeys(head + key for key in block[1]))
         for key, value in pairs:
             name = head + key

@@ -7,10 +7,8 @@ staged values over to the logger's writer thread (`instrument.logger.writer`). R
 serialisation, file and network I/O and every backend call happen there, in step order.
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
-mean over the interval at the next commit, so logging a loss every step is cheap and still honest. A call of
-plain Python floats, or of one-element tensors of one dtype, is staged whole, as one block (one stacked copy),
-and summed in float64 on the writer (`instrument.logger.blocks`); past 64 such calls in one interval they are
-folded into the per-key sums on the device.
+mean over the interval at the next commit, so logging a loss every step is cheap and still honest; a call of
+floats, or of one-element tensors of one dtype on one device, is staged whole (`instrument.logger.blocks`).
 ``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
 each kind of number becomes is in `instrument.logger.values`.
 
@@ -42,7 +40,7 @@ from torch import Tensor
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.failures import FailureLedger
-from instrument.errors import ConfigurationError, InvalidValueError, StepOrderError
+from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
@@ -195,7 +193,7 @@ class Logger(StepRecords):
             metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
             block = float_block(head, metrics) or tensor_block(head, metrics)
         with self._lock:
-            if not self._accept(step):
+            if not self._accept(step) or not metrics:  # an empty call counts its step and folds no blocks
                 return None
             if self._snapshot is LAZY:
                 self._take_snapshot()
@@ -211,6 +209,7 @@ class Logger(StepRecords):
                 names = self._names.get(head)  # prefixed key names, built once per (prefix, key)
                 if names is None or len(names) > 4096:  # bounded: keys made up on the fly do not pile up
                     names = self._names[head] = {}
+                pairs = []  # converted first: a call refused for one value stages none of its values
                 for key, value in metrics.items():
                     name = names.get(key)
                     if name is None:
@@ -221,25 +220,30 @@ class Logger(StepRecords):
                             value = float(value)
                         else:
                             value = as_scalar(name, value, self._warn_once)
-                        if type(value) is not float:
-                            on_device[name] = None
+                    pairs.append((name, value))
+                for name, value in pairs:
+                    if type(value) is not float:
+                        on_device[name] = None
                     if name in totals:
                         totals[name] = totals[name] + value
                         counts[name] = counts.get(name, 1) + 1
                     else:
                         totals[name] = value
                 return None
+            staged = []
             for key, value in metrics.items():
                 name = head + key if type(key) is str else head + str(key)
                 op, weight = ("mean", None) if ops is None else ops[key]
                 value = as_scalar(name, value, self._warn_once)
-                if weight is not None:
-                    weight = as_scalar(f"weight of {name}", weight, self._warn_once)
-                self._stage_scalar(name, value, op, weight)
+                weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
+                self._check_op(name, op, weight)
+                staged.append((name, value, op, weight))
+            for args in staged:
+                self._stage_scalar(*args)
         return None
 
-    def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
-        """The general path: a reduce op other than mean, or a weight (under the lock)."""
+    def _check_op(self, name: str, op: str, weight: Any) -> None:
+        """One reduce op (and always or never a weight) per metric and interval (under the lock)."""
         if name in self._totals:
             before_op, before_w = self._ops.get(name, "mean"), name in self._weights
             if op != before_op or (weight is not None) != before_w:
@@ -250,6 +254,10 @@ class Logger(StepRecords):
                     f"{now} in one logging interval; log each metric with one reduce op, always with or always "
                     f"without a weight."
                 )
+
+    def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
+        """The general path: a reduce op other than mean, or a weight (under the lock, `_check_op` passed)."""
+        if name in self._totals:
             self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
             if weight is not None:
                 self._weights[name] = self._weights[name] + weight
@@ -459,16 +467,6 @@ class Logger(StepRecords):
         if key not in self._warned:
             self._warned[key] = None
             log.warning("instrument: %s (Said once per key.)", message)
-
-    def _step_regressed(self, step: int, last: int) -> None:
-        message = (
-            f"step {step} is lower than step {last}, which was already committed; steps must not go backwards "
-            f"(W&B silently drops such data). Log with monotonically increasing steps, or pass "
-            f"on_step_regression='warn' to drop these values instead."
-        )
-        if self.on_step_regression == "raise":
-            raise StepOrderError(message)
-        log.warning("instrument: %s", message)
 
     def _swap(self) -> tuple:
         """Take the staged table and leave an empty one (under the lock)."""

@@ -7,11 +7,13 @@
 - A failed step (`mark` / `discard_staged`): the session marks the start of every step and, when the step's
   body raised, discards what was staged since, so no value of a failed step reaches a later step.
 - A step committed twice: written again at that step, with a one-time warning (`_check_repeat`).
+- A step lower than one committed: refused or warned about (`_step_regressed`).
 """
 
 import logging
 from typing import Any, Dict, List, Mapping, Optional
 
+from instrument.errors import StepOrderError
 from instrument.logger.blocks import contributions
 from instrument.logger.values import as_scalar
 from instrument.logger.writer import CommittedStep
@@ -70,6 +72,17 @@ class StepRecords:
                 "logging step without commit=True, or commit them at their own step. (Said once per run.)",
                 step, sorted(names)[:5],
             )
+
+    def _step_regressed(self, step: int, last: int) -> None:
+        """A step lower than one committed: `StepOrderError`, or a warning under ``on_step_regression="warn"``."""
+        message = (
+            f"step {step} is lower than step {last}, which was already committed; steps must not go backwards "
+            f"(W&B silently drops such data). Log with monotonically increasing steps, or pass "
+            f"on_step_regression='warn' to drop these values instead."
+        )
+        if self.on_step_regression == "raise":
+            raise StepOrderError(message)
+        log.warning("instrument: %s", message)
 
     def mark(self) -> tuple:
         """Remember what is staged now, so that `discard_staged` can drop what is staged after it.

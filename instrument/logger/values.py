@@ -13,15 +13,16 @@ received                              logged as
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
-one-element tensor                    a float tensor; integer tensors as float64 (exact to 2**53; the
+one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53 (the
                                       value is never read on the caller, so larger ones are not checked),
-                                      bool tensors as 1.0/0.0
+                                      bool tensors as 1.0/0.0; sparse and quantized ones as their value
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
 """
 
 import numbers
+from collections.abc import Mapping
 from typing import Any, Callable, Union
 
 import numpy as np
@@ -38,8 +39,13 @@ Warn = Callable[[str, str], None]
 
 
 def check_keys(metrics: Any) -> None:
-    """Refuse the empty key (one dict lookup, no per-key work): W&B drops it and other backends cannot
-    name it."""
+    """Refuse what is not a mapping, and the empty key (one dict lookup, no per-key work): W&B drops it and
+    other backends cannot name it."""
+    if type(metrics) is not dict and not isinstance(metrics, Mapping):
+        raise InvalidValueError(
+            f"log_metrics takes a dict of metric name -> value, got {type(metrics).__name__}; e.g. "
+            f"log_metrics({{'loss': loss}}, step=step)."
+        )
     if "" in metrics:
         raise InvalidValueError(
             "log_metrics got the empty metric key ''; W&B drops such a value and TensorBoard and MLflow show it "
@@ -57,12 +63,18 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             )
         if value.is_meta:
             raise InvalidValueError(f"metric {name!r} is a meta tensor, which has no value; log a real tensor.")
+        if value.layout != torch.strided:  # sparse (COO, CSR, ...): has no reshape
+            value = value.to_dense()
+        if value.is_quantized:
+            value = value.dequantize()
         if value.requires_grad:  # only then: a detach per value is a tensor op, 100 of them cost ~0.3 ms
             value = value.detach()
         if value.dim():
             value = value.reshape(())
         if value.is_floating_point():
-            return value
+            # A copy (the caller may change its tensor in place right after the call), in float64 as blocks are
+            # summed on the writer: an interval's sum of float16 values does not overflow, nor float32 round.
+            return value.to(torch.float32 if value.device.type == "mps" else torch.float64, copy=True)
         if value.is_complex():
             raise _complex(name, f"a complex tensor ({value.dtype})")
         if value.dtype == torch.bool or value.device.type == "mps":  # MPS has no float64

@@ -117,3 +117,26 @@ class CondRule(nn.Module):
     def forward(self, x: Tensor, condition: Tensor) -> Tuple[Tensor, Tensor]:
         h = self.p_h(torch.tanh(self.fc(x) + condition))
         return x + h, h
+
+
+class ReuseRule(nn.Module):
+    """A rule whose probed intermediates Inductor would overwrite: ``a`` is dead after ``c1`` and ``b`` has
+    the same size, so compiled code may write ``b`` into ``a``'s memory; ``out`` is returned."""
+
+    def __init__(self, channels: int = CHANNELS) -> None:
+        super().__init__()
+        self.c0 = nn.Conv2d(channels, channels, 1)
+        self.c1 = nn.Conv2d(channels, channels, 1)
+        self.c2 = nn.Conv2d(channels, channels, 1)
+        self.p_a = instrument.Probe("a")
+        self.p_out = instrument.Probe("out")
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.p_a(torch.sin(self.c0(x)) * 3)
+        b = torch.cos(self.c1(a)) + 1
+        return self.p_out(torch.tanh(self.c2(b)) * 2 + b)
+
+    def reference(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        a = torch.sin(self.c0(x)) * 3
+        b = torch.cos(self.c1(a)) + 1
+        return a, torch.tanh(self.c2(b)) * 2 + b

@@ -359,3 +359,19 @@ def test_a_call_refused_for_a_reduce_conflict_stages_none_of_its_values():
     logger.commit(0)
     logger.close()
     assert keep.records[0].scalars == {"a": 1.0}
+
+
+def test_counters_and_flags_join_a_float_block_as_the_per_key_path_makes_them():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    logger.log_metrics({"iterations": 32, "done": True, "loss": 0.25, "edge": 2**53, "neg": -(2**53)}, step=0)
+    (head, block), = logger._blocks
+    assert all(type(v) is float for v in block.values())
+    logger.log_metrics({"beyond": 2**53 + 1}, step=0)  # not exactly a float64: the per-key path says so
+    assert not logger._blocks
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {
+        "iterations": 32.0, "done": 1.0, "loss": 0.25, "edge": float(2**53), "neg": -float(2**53),
+        "beyond": float(2**53),
+    }

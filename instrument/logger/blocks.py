@@ -1,18 +1,18 @@
 """Blocks: a whole ``log_metrics`` call staged at once, its names and means made on the writer thread.
 
-The common calls need no per-key work on the training thread. A dict of plain Python floats is staged as
-``(prefix head, a copy of the dict)``; a dict of one-element tensors of one dtype on one device (what an
-observer or a GPU training loop logs) as ``(head, keys, one stacked copy)``, a single tensor op that also
-joins the commit's one batched transfer as a single piece. Either costs one pass over the values instead
-of a Python-level conversion per key: cold, as it is in training after a rollout, 100 floats cost about
-40 us instead of 115 us, 100 0-d tensors about 130 us instead of 650 us. The writer thread turns the blocks
-of an interval into prefixed names and means: values summed in the order logged (in float64), then divided
-by their count; a name logged once is its value, exactly.
+The common calls need no per-key work on the training thread. A dict of plain Python numbers (floats, bools,
+ints that float64 holds exactly) is staged as ``(prefix head, a copy of the dict)``; a dict of one-element
+tensors of one dtype on one device (what an observer or a GPU training loop logs) as ``(head, keys, one
+stacked copy)``, a single tensor op that also joins the commit's batched transfer as one piece. Either costs
+one pass over the values instead of a conversion per key: on a CPU, 100 floats logged and committed right
+after other work (cold caches) take about 85 us instead of 125 us, 100 0-d tensors about 500 us instead of
+700 us. The writer thread turns the blocks of an interval into prefixed names and means: values summed in
+the order logged (in float64), then divided by their count; a name logged once is its value, exactly.
 
 A logger holds blocks only while nothing else is staged in its scalar table; a call that needs the per-key
-path (ints, NumPy numbers, mixed types, reduce ops, weights, or a value the per-key path must refuse with a
-clear message) first folds the blocks into the table (`fold`), so conflicts between calls are still found
-on the caller.
+path (ints beyond 2**53, NumPy numbers, tensors mixed with numbers or of mixed dtypes, reduce ops, weights,
+or a value the per-key path must refuse with a clear message) first folds the blocks into the table
+(`fold`), so conflicts between calls are still found on the caller.
 """
 
 from collections import Counter
@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from instrument.logger.values import EXACT_INT
 
 __all__ = ["Block", "MAX_BLOCKS", "float_block", "tensor_block", "fold", "means", "contributions"]
 
@@ -32,9 +34,19 @@ MAX_BLOCKS = 64
 
 
 def float_block(head: str, copy: Dict[Any, Any]) -> Optional[Block]:
-    """``(head, copy)`` when every key is a ``str`` and every value exactly a Python ``float``."""
+    """``(head, copy)`` when every key is a ``str`` and every value a Python ``float``, ``bool`` or an ``int``
+    that float64 holds exactly (``|v| <= 2**53``); those are turned into floats in ``copy``, as the per-key
+    path does. None otherwise (``copy`` may then hold some converted values: the same numbers)."""
     for key, value in copy.items():  # cold, a plain loop beats two set(map(type, ...)) scans
-        if type(value) is not float or type(key) is not str:
+        kind = type(value)
+        if kind is not float:
+            if kind is int and -EXACT_INT <= value <= EXACT_INT:
+                copy[key] = float(value)  # a counter such as {"iterations": 32}; replacing a value is safe here
+            elif kind is bool:
+                copy[key] = 1.0 if value else 0.0
+            else:
+                return None
+        if type(key) is not str:
             return None
     return (head, copy)
 

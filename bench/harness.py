@@ -48,6 +48,9 @@ class Variant:
         thread_clock: time this variant's ``cpu`` samples with the calling thread's CPU time
             (`time.thread_time`) instead of the process's, so background threads (a logger's writer,
             SummaryWriter's) are not counted: the figure is the training thread's own time.
+        prepare: optional, run untimed right before every call of ``fn``: what a training loop has just
+            done when the timed work starts (e.g. computed the values it is about to log), so that the
+            call finds them where a training loop leaves them rather than evicted by other rows.
     """
 
     key: str
@@ -58,6 +61,7 @@ class Variant:
     check: Optional[Callable[[], Optional[str]]] = None
     settle: Optional[Callable[[], object]] = None
     thread_clock: bool = False
+    prepare: Optional[Callable[[], object]] = None
 
     @property
     def workload(self) -> str:
@@ -111,8 +115,8 @@ def run_interleaved(
     Warm-up calls (compilation, allocator growth, lazy imports) are not timed. The garbage collector runs
     untimed before each repetition, so a collection triggered by one variant's garbage is not charged to the
     next; collections a variant triggers itself stay in its time, as they would in training. Both clocks are
-    read around every call; ``clock`` names the one the ratios use. A variant's ``settle`` runs untimed after
-    each of its calls.
+    read around every call; ``clock`` names the one the ratios use. A variant's ``prepare`` runs untimed
+    before each of its calls, its ``settle`` untimed after.
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
@@ -120,6 +124,8 @@ def run_interleaved(
     start = time.perf_counter()
     for v in runnable:
         for _ in range(warmup):
+            if v.prepare is not None:
+                v.prepare()
             v.fn()
             if v.settle is not None:
                 v.settle()
@@ -140,9 +146,15 @@ def run_interleaved(
         gc.collect()
         for v in order:
             cpu_clock = time.thread_time if v.thread_clock else CLOCKS["cpu"]
-            w0, c0 = wall_clock(), cpu_clock()
+            if v.prepare is not None:
+                v.prepare()
+            # The wall clock is read innermost: a CPU-time read is a system call (several microseconds with
+            # cold caches), which would otherwise be charged to every wall sample.
+            c0 = cpu_clock()
+            w0 = wall_clock()
             v.fn()
-            c1, w1 = cpu_clock(), wall_clock()
+            w1 = wall_clock()
+            c1 = cpu_clock()
             wall[v.key].append(w1 - w0)
             cpu[v.key].append(c1 - c0)
             if v.settle is not None:

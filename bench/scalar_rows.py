@@ -16,7 +16,8 @@ Kinds (baseline: ``summarywriter``, the cost of calling TensorBoard yourself):
 - ``wandb-offline``: ``wandb.log`` of a dict of 100 floats in offline mode (``WANDB_MODE=offline``).
 - ``staging``: ``Logger.log_metrics`` + ``commit`` of 100 floats with no backend at all.
 
-The values differ from step to step (a precomputed cycle of 16 steps), so no backend can skip work.
+Each row's ``prepare`` (untimed, right before each call) makes that step's 100 values, as a training loop
+computes what it logs just before logging it; they differ from step to step, so no backend can skip work.
 """
 
 import contextlib
@@ -37,34 +38,32 @@ SCALAR_WORKLOAD = "scalars"
 BASELINE = "scalars/x100/summarywriter"
 SCALAR_KINDS = ("summarywriter", "tb+jsonl+console", "tb+jsonl+console[tensor]", "wandb-offline", "staging")
 SCALAR_KEYS = [f"scalars/x100/{kind}" for kind in SCALAR_KINDS]
-_CYCLE = 16
+KEYS = tuple(f"m{i:03d}" for i in range(N_SCALARS))  # the metric names, made once as a loop's literals are
 
 _OPEN: List[Callable[[], object]] = []  # closers, run by finish_scalar_rows after the measurement
 
 
-def _values(tensors: bool) -> List[Dict[str, object]]:
-    """A cycle of steps, each ``{"mNNN": value}`` x100; values change from step to step."""
-    gen = torch.Generator().manual_seed(0)
-    steps = []
-    for _ in range(_CYCLE):
-        row = torch.randn(N_SCALARS, generator=gen, dtype=torch.float64)
-        if tensors:
-            steps.append({f"m{i:03d}": row[i].clone().float() for i in range(N_SCALARS)})
-        else:
-            steps.append({f"m{i:03d}": float(row[i]) for i in range(N_SCALARS)})
-    return steps
-
-
 class _Steps:
-    """Hands out increasing step numbers and the values of that step."""
+    """Increasing step numbers, and each step's values made fresh right before the step is timed.
+
+    A training loop logs values it has just computed, under keys written in its code (string constants), so
+    the timed call finds them in the cache. `prepare` does that work untimed; the 100 values differ from step
+    to step (a seeded generator), so no backend can skip work.
+    """
 
     def __init__(self, tensors: bool = False) -> None:
-        self.cycle = _values(tensors)
+        self.generator = torch.Generator().manual_seed(0)
+        self.tensors = tensors
         self.step = 0
+        self.values: Dict[str, object] = {}
 
-    def next(self):
+    def prepare(self) -> None:
+        row = torch.randn(N_SCALARS, generator=self.generator, dtype=torch.float64)
+        if self.tensors:  # 100 separate 0-d float32 tensors, as a loop's ``loss.detach()`` and the like
+            self.values = {key: row[i].float() for i, key in enumerate(KEYS)}
+        else:
+            self.values = dict(zip(KEYS, row.tolist(), strict=True))
         self.step += 1
-        return self.step, self.cycle[self.step % _CYCLE]
 
 
 def _flush_of(obj) -> Optional[Callable[[], object]]:
@@ -79,8 +78,8 @@ def _summarywriter(tmp: Path) -> Variant:
     steps = _Steps()
 
     def fn() -> None:
-        step, values = steps.next()
-        for key, value in values.items():
+        step = steps.step
+        for key, value in steps.values.items():
             writer.add_scalar("train/" + key, value, step)
 
     return Variant(
@@ -88,6 +87,7 @@ def _summarywriter(tmp: Path) -> Variant:
         baseline=BASELINE,
         fn=fn,
         settle=writer.flush,
+        prepare=steps.prepare,
         thread_clock=True,
         describe="SummaryWriter.add_scalar x100 on the caller's thread (default queue of 10)",
     )
@@ -101,8 +101,8 @@ def _logger(key: str, tmp: Path, backends: Sequence, tensors: bool, describe: st
     flush = _flush_of(logger)
 
     def fn() -> None:
-        step, values = steps.next()
-        logger.log_metrics(values, step=step, prefix="train")
+        step = steps.step
+        logger.log_metrics(steps.values, step=step, prefix="train")
         logger.commit(step)
 
     check = None
@@ -125,7 +125,7 @@ def _logger(key: str, tmp: Path, backends: Sequence, tensors: bool, describe: st
     if flush is None:
         describe += "; commit is synchronous (no Logger.flush)"
     return Variant(key=key, baseline=BASELINE, fn=fn, settle=flush, check=check, thread_clock=True,
-                   describe=describe)
+                   prepare=steps.prepare, describe=describe)
 
 
 def _wandb_offline(tmp: Path) -> Variant:
@@ -138,11 +138,10 @@ def _wandb_offline(tmp: Path) -> Variant:
     steps = _Steps()
 
     def fn() -> None:
-        _, values = steps.next()
-        run.log({"scalars/" + k: v for k, v in values.items()})
+        run.log({"scalars/" + k: v for k, v in steps.values.items()})
 
     # wandb has no public flush: its service process writes the offline run; that CPU is not this process's.
-    return Variant(key=key, baseline=BASELINE, fn=fn, thread_clock=True,
+    return Variant(key=key, baseline=BASELINE, fn=fn, thread_clock=True, prepare=steps.prepare,
                    describe="wandb.log(dict of 100 floats), offline, on the caller's thread")
 
 

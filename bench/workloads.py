@@ -354,7 +354,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
                         StepContext(
                             previous_state=obs,
                             next_state=next_obs,
-                            condition=action.unsqueeze(1).to(obs.dtype),
+                            condition=action,  # as the README hands it over: the action tensor as is
                             step_index=t,
                         )
                     )

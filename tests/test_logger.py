@@ -138,6 +138,60 @@ def test_bad_metric_values_are_explained(value, error, pattern):
         log.log_metrics({"bad": value}, step=0)
 
 
+_PATHS = {  # one call per staging path: a float block, a tensor block, the per-key table
+    "floats": lambda: {"a": 1.0},
+    "tensors": lambda: {"a": torch.tensor(1.0)},
+    "per-key": lambda: {"a": np.float32(1.0)},
+}
+
+
+@pytest.mark.parametrize("path", sorted(_PATHS))
+@pytest.mark.parametrize(
+    "step, pattern",
+    [(True, "step must be an int, got bool"), (2.0, "got float"), ("3", "got str"), (-1, "step must be >= 0")],
+)
+def test_a_bad_step_is_refused_on_every_path_and_stages_nothing(path, step, pattern):
+    keep = Keep()
+    log = instrument.Logger([keep])
+    with pytest.raises(instrument.InvalidValueError, match=pattern):
+        log.log_metrics(_PATHS[path](), step=step)
+    assert not log.has_pending
+    log.log_metrics({"b": 2.0}, step=4)
+    with pytest.raises(instrument.InvalidValueError, match=pattern):
+        log.commit(step)
+    assert not log.has_pending  # staged values are cleared whatever happens
+    log.close()
+    assert keep.records == []
+
+
+@pytest.mark.parametrize("path", sorted(_PATHS))
+def test_step_checks_on_every_path(path, caplog):
+    keep = Keep()
+    log = instrument.Logger([keep], on_step_regression="warn")
+    log.log_metrics(_PATHS[path](), step=np.int64(5))  # any integral type is a step
+    assert log.commit().step == 5
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        assert log.log_metrics(_PATHS[path](), step=4) is None  # lower than a committed step: dropped
+        log.log_metrics(_PATHS[path](), step=7)
+        assert log.commit(6).step == 6  # the commit names its step; a staged later step may be committed earlier
+        log.log_metrics(_PATHS[path](), step=8)
+        assert log.commit(3) is None  # lower than a committed step: dropped, and its values with it
+    assert "step 4 is lower than step 5" in caplog.text and "step 3 is lower than step 6" in caplog.text
+    assert not log.has_pending
+    log.close()
+    assert [(type(r.step), r.step, r.scalars) for r in keep.records] == [(int, 5, {"a": 1.0}), (int, 6, {"a": 1.0})]
+    strict = instrument.Logger([])
+    strict.log_metrics(_PATHS[path](), step=5)
+    strict.commit()
+    with pytest.raises(instrument.StepOrderError, match="step 4 is lower than step 5"):
+        strict.log_metrics(_PATHS[path](), step=4)
+    strict.log_metrics(_PATHS[path](), step=5)
+    with pytest.raises(instrument.StepOrderError, match="step 2 is lower than step 5"):
+        strict.commit(2)
+    assert not strict.has_pending
+    strict.close()
+
+
 def test_bad_step_type():
     with pytest.raises(TypeError, match="step must be an int, got float"):
         instrument.Logger([]).log_metrics({"a": 1}, step=1.0)

@@ -43,8 +43,10 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
         tensor_keys: List[str] = []
         tensors: List[Tensor] = []
     elif blocks:  # names and means are made on the writer (`instrument.logger.blocks`)
-        scalars = blocks
-        tensor_keys, tensors = [], [block[2] for block in blocks if len(block) == 3]
+        scalars, tensor_keys, tensors = blocks, [], []
+        for block in blocks:  # a loop, not a comprehension: no extra frame on this hot path
+            if len(block) == 3:
+                tensors.append(block[2])
     else:
         scalars = totals  # the staged table is ours now: turn sums into means in place
         for name, count in counts.items():

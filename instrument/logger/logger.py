@@ -8,9 +8,10 @@ serialisation, file and network I/O and every backend call happen there, in step
 
 Values a loop logs on non-logging steps are accumulated on the device (summed, no sync) and committed as their
 mean over the interval at the next commit, so logging a loss every step is cheap and still honest; a call of
-floats, or of one-element tensors of one dtype on one device, is staged whole (`instrument.logger.blocks`).
-``log_metrics(..., commit=True)`` writes values at their own step instead (`instrument.logger.steps`); what
-each kind of number becomes is in `instrument.logger.values`.
+floats, or of one-element tensors of one dtype on one device, is staged whole (`instrument.logger.blocks`),
+any other call key by key (`instrument.logger.table`). ``log_metrics(..., commit=True)`` writes values at
+their own step instead (`instrument.logger.steps`); what each kind of number becomes is in
+`instrument.logger.values`.
 
 Media kinds (images, heatmaps, histograms, text, videos, samples) are one table (`instrument.logger.media`):
 a cheap check on the caller, a conversion on the writer. A value that fails its conversion is dropped with
@@ -36,6 +37,7 @@ import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+import torch.distributed as dist
 from torch import Tensor
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
@@ -48,11 +50,12 @@ from instrument.logger.handover import handover
 from instrument.logger.lifecycle import closed_use, open_backends
 from instrument.logger.media import KINDS, check_color_range
 from instrument.logger.params import redact_argv, redact_hyperparams
-from instrument.logger.ranks import rank
+from instrument.logger.ranks import DIST_AVAILABLE, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
 from instrument.logger.steps import LAZY, StepRecords
+from instrument.logger.table import StagedTable
 from instrument.logger.timer import Timer, named_timer
-from instrument.logger.values import EXACT_INT, as_scalar, check_keys
+from instrument.logger.values import check_keys
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
 __all__ = ["Logger"]
@@ -63,7 +66,7 @@ Value = Union[float, int, bool, Tensor, np.ndarray, np.number]
 _STEP_POLICIES = ("raise", "warn")
 
 
-class Logger(StepRecords):
+class Logger(StagedTable, StepRecords):
     """Stages values, commits them with one batched host transfer, writes them on one background thread.
 
     Args:
@@ -182,7 +185,8 @@ class Logger(StepRecords):
         a one-element tensor, or a dict key -> weight) makes a mean weighted, e.g. by batch size: the result
         is sum(weight * value) / sum(weight) over the interval and over ranks.
         """
-        check_keys(metrics)
+        if type(metrics) is not dict or "" in metrics:
+            check_keys(metrics)
         plain = weights is None and type(reduce) is str and reduce == "mean"
         ops = None if plain else resolve_ops(list(metrics), reduce, weights)
         head = prefix.rstrip("/") + "/" if prefix else ""
@@ -193,7 +197,13 @@ class Logger(StepRecords):
             metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
             block = float_block(head, metrics) or tensor_block(head, metrics)
         with self._lock:
-            if not self._accept(step) or not metrics:  # an empty call counts its step and folds no blocks
+            last, pending = self._last_step, self._pending_step
+            if type(step) is int and step >= 0 and not self._closed and (last is None or step >= last):
+                if pending is None or step > pending:  # the common case, as `_accept` would decide it
+                    self._pending_step = step
+            elif not self._accept(step):
+                return None
+            if not metrics:  # an empty call counts its step and folds no blocks
                 return None
             if self._snapshot is LAZY:
                 self._take_snapshot()
@@ -204,72 +214,8 @@ class Logger(StepRecords):
             if blocks:  # the per-key path from here on, so that it sees (and checks) what the blocks hold
                 fold(blocks, self._totals, self._counts, self._on_device)
                 self._blocks = []
-            if plain and not (self._ops or self._weights):  # the hot path: no per-key objects
-                totals, counts, on_device = self._totals, self._counts, self._on_device
-                names = self._names.get(head)  # prefixed key names, built once per (prefix, key)
-                if names is None or len(names) > 4096:  # bounded: keys made up on the fly do not pile up
-                    names = self._names[head] = {}
-                pairs = []  # converted first: a call refused for one value stages none of its values
-                for key, value in metrics.items():
-                    name = names.get(key)
-                    if name is None:
-                        name = names[key] = head + key if type(key) is str else head + str(key)
-                    kind = type(value)
-                    if kind is not float:
-                        if kind is int and -EXACT_INT <= value <= EXACT_INT:
-                            value = float(value)
-                        else:
-                            value = as_scalar(name, value, self._warn_once)
-                    pairs.append((name, value))
-                for name, value in pairs:
-                    if type(value) is not float:
-                        on_device[name] = None
-                    if name in totals:
-                        totals[name] = totals[name] + value
-                        counts[name] = counts.get(name, 1) + 1
-                    else:
-                        totals[name] = value
-                return None
-            staged = []
-            for key, value in metrics.items():
-                name = head + key if type(key) is str else head + str(key)
-                op, weight = ("mean", None) if ops is None else ops[key]
-                value = as_scalar(name, value, self._warn_once)
-                weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
-                self._check_op(name, op, weight)
-                staged.append((name, value, op, weight))
-            for args in staged:
-                self._stage_scalar(*args)
+            self._stage_keys(metrics, head, ops, plain)
         return None
-
-    def _check_op(self, name: str, op: str, weight: Any) -> None:
-        """One reduce op (and always or never a weight) per metric and interval (under the lock)."""
-        if name in self._totals:
-            before_op, before_w = self._ops.get(name, "mean"), name in self._weights
-            if op != before_op or (weight is not None) != before_w:
-                before = " and a weight" if before_w else ""
-                now = " and a weight" if weight is not None else ""
-                raise ConfigurationError(
-                    f"metric {name!r} was logged with reduce={before_op!r}{before} and now with reduce={op!r}"
-                    f"{now} in one logging interval; log each metric with one reduce op, always with or always "
-                    f"without a weight."
-                )
-
-    def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
-        """The general path: a reduce op other than mean, or a weight (under the lock, `_check_op` passed)."""
-        if name in self._totals:
-            self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
-            if weight is not None:
-                self._weights[name] = self._weights[name] + weight
-            self._counts[name] = self._counts.get(name, 1) + 1
-        else:
-            self._totals[name] = value if weight is None else value * weight
-            if weight is not None:
-                self._weights[name] = weight
-            if op != "mean":
-                self._ops[name] = op
-        if type(self._totals[name]) is not float or (weight is not None and type(self._weights[name]) is not float):
-            self._on_device[name] = None
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
         """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1] or uint8."""
@@ -361,7 +307,7 @@ class Logger(StepRecords):
         collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
         cleared whatever happens.
         """
-        collective = self.reducer.active()
+        collective = DIST_AVAILABLE and dist.is_initialized() and self.reducer.active()  # one call without a group
         with self._commit_lock:
             with self._lock:
                 if self._closed:
@@ -369,17 +315,19 @@ class Logger(StepRecords):
                     return None
                 if step is None:
                     step = self._pending_step
-                if not collective and (step is None or not self.has_pending):
+                if not collective and (step is None or not (self._blocks or self.has_pending)):
                     self._pending_step = None
                     return None
+                last = self._last_step
                 if step is None:
-                    step = self._last_step if self._last_step is not None else 0
+                    step = last if last is not None else 0
                 staged = self._swap()
                 self._pending_step = None
-                if not self._accept(step, pending=False):
-                    return None
-                step = int(step)
-                if step == self._last_step:
+                if not (type(step) is int and step >= 0 and (last is None or step >= last)):
+                    if not self._accept(step, pending=False):
+                        return None
+                    step = int(step)
+                if step == last:
                     self._check_repeat(step, [*staged[0], *(b[0] + key for b in staged[7] for key in b[1])])
                 self._last_step = step
             return self._submit(step, staged, collective)

@@ -18,18 +18,20 @@ import torch.distributed as dist
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["rank", "world_size", "is_distributed", "collective_device", "config_hash", "check_same_config"]
+__all__ = [
+    "DIST_AVAILABLE", "rank", "world_size", "is_distributed", "collective_device", "config_hash", "check_same_config"
+]
 
 # Hashes travel as float64 values; 52 bits keep every one exactly representable.
 _HASH_BITS = 52
 
 
-_AVAILABLE = dist.is_available()  # fixed by the build; asked once (every commit asks is_distributed)
+DIST_AVAILABLE = dist.is_available()  # fixed by the build; asked once (every commit asks is_distributed)
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
     """True when a process group is initialised and has more than one rank (only then is anything reduced)."""
-    return _AVAILABLE and dist.is_initialized() and dist.get_world_size(group) > 1
+    return DIST_AVAILABLE and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def rank(group: Optional[Any] = None) -> int:

@@ -118,7 +118,8 @@ class Writer:
         self.report_open = True  # False while the logger waits to raise open failures itself
         self._queue: Deque[Tuple[str, int, Any]] = collections.deque()
         self._records = 0
-        self._cond = threading.Condition(threading.RLock())
+        self._mutex = threading.RLock()  # `submit` enters it directly: Condition's own __enter__ is Python
+        self._cond = threading.Condition(self._mutex)
         self._submitted = 0
         self._done = 0
         self._closing = False
@@ -132,7 +133,7 @@ class Writer:
     # ------------------------------------------------------------------ producer side
     def submit(self, handle: CommittedStep, payload: Any) -> bool:
         """Hand a step over; False when the writer is closed (the step is not written)."""
-        with self._cond:
+        with self._mutex:
             if self._closing:
                 return False
             if self._records >= self.queue_size and threading.current_thread() is not self._thread:

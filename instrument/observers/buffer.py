@@ -87,15 +87,19 @@ class IterationBuffer:
         if not self._items:
             return
         items, self._items, self._elements = self._items, [], 0
-        for entry in items:
-            if any(t._version != version for t, version in entry):
-                self.batched = False
-                self._results = []
-                raise ModifiedInPlaceError(
-                    "a state tensor was modified in place after it was observed, so the references kept for the "
-                    "batched reduction no longer hold the observed values; this step's values are dropped and "
-                    "from now on each iteration is reduced as it comes (slower, but correct)"
-                )
+        changed = False
+        for entry in items:  # plain loops: this runs over every buffered iteration of a logging step
+            for t, version in entry:
+                if t._version != version:
+                    changed = True
+        if changed:
+            self.batched = False
+            self._results = []
+            raise ModifiedInPlaceError(
+                "a state tensor was modified in place after it was observed, so the references kept for the "
+                "batched reduction no longer hold the observed values; this step's values are dropped and "
+                "from now on each iteration is reduced as it comes (slower, but correct)"
+            )
         columns = [[entry[i][0] for entry in items] for i in range(len(items[0]))]
         stacked = self.stack(columns) if self.stack is not None else [torch.stack(column) for column in columns]
         self._results.append(self.reduce(*stacked, scratch=True))

@@ -192,6 +192,30 @@ def test_step_checks_on_every_path(path, caplog):
     strict.close()
 
 
+@pytest.mark.parametrize("policy", ["raise", "warn"])
+@pytest.mark.parametrize("end", ["commit", "close"])
+def test_values_staged_before_an_own_step_record_are_not_lost(policy, end, caplog):
+    keep = Keep()
+    log = instrument.Logger([keep], on_step_regression=policy)
+    log.log_metrics({"loss": 1.0}, step=0)
+    log.log_metrics({"eval": 2.0}, step=1, commit=True)  # a record of its own at step 1
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        if end == "commit":
+            assert log.commit().step == 1  # an implicit commit never goes behind a committed step
+        log.close()
+    assert [(r.step, r.scalars) for r in keep.records] == [(1, {"eval": 2.0}), (1, {"loss": 1.0})]
+    assert "lower than" not in caplog.text and "final commit failed" not in caplog.text
+    explicit = instrument.Logger([Keep()], on_step_regression=policy)
+    explicit.log_metrics({"loss": 1.0}, step=0)
+    explicit.log_metrics({"eval": 2.0}, step=1, commit=True)
+    if policy == "raise":  # a step the caller names is still checked
+        with pytest.raises(instrument.StepOrderError, match="step 0 is lower than step 1"):
+            explicit.commit(0)
+    else:
+        assert explicit.commit(0) is None
+    explicit.close()
+
+
 def test_bad_step_type():
     with pytest.raises(TypeError, match="step must be an int, got float"):
         instrument.Logger([]).log_metrics({"a": 1}, step=1.0)

@@ -248,6 +248,24 @@ def test_discard_staged_keeps_what_was_staged_before_the_mark():
     assert backend.records[0].scalars == {"x": 1.0, "z": 1.0}
 
 
+@pytest.mark.parametrize("failed", ["floats", "per-key", "empty", "image"])
+def test_a_discarded_step_gives_its_step_number_back(failed):
+    """A commit without a step (``close``, RL's final commit) writes what survived at the last surviving
+    step, never at the number of a step that failed."""
+    backend = _Keep()
+    logger = instrument.Logger([backend])
+    logger.log_metrics({"loss": 1.0}, step=3)
+    mark = logger.mark()
+    if failed == "image":
+        logger.log_image("frame", torch.zeros(3, 4, 4), step=5)
+    else:
+        logger.log_metrics({"floats": {"loss": 9.0}, "per-key": {"loss": np.float32(9.0)}, "empty": {}}[failed],
+                           step=5)
+    logger.discard_staged(mark)
+    logger.close()
+    assert [(r.step, r.scalars, sorted(r.images)) for r in backend.records] == [(3, {"loss": 1.0}, [])]
+
+
 # ---------------------------------------------------------------------------------------------------- whole rollouts
 class Rollout(nn.Module):
     def __init__(self) -> None:

@@ -197,6 +197,8 @@ class Logger(StagedTable, StepRecords):
             metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
             block = float_block(head, metrics) or tensor_block(head, metrics)
         with self._lock:
+            if self._snapshot is LAZY:  # before the step moves: a discarded step takes its step number back too
+                self._take_snapshot()
             last, pending = self._last_step, self._pending_step
             if type(step) is int and step >= 0 and not self._closed and (last is None or step >= last):
                 if pending is None or step > pending:  # the common case, as `_accept` would decide it
@@ -205,8 +207,6 @@ class Logger(StagedTable, StepRecords):
                 return None
             if not metrics:  # an empty call counts its step and folds no blocks
                 return None
-            if self._snapshot is LAZY:
-                self._take_snapshot()
             blocks = self._blocks
             if block is not None and not self._totals and len(blocks) < MAX_BLOCKS:
                 blocks.append(block)
@@ -262,9 +262,9 @@ class Logger(StagedTable, StepRecords):
             raise InvalidValueError(f"log_{kind} got the empty tag ''; give the {kind} a non-empty tag.")
         staged = KINDS[kind].check(tag, value, extra)
         with self._lock:
+            if self._snapshot is LAZY:  # before the step moves (see log_metrics)
+                self._take_snapshot()
             if self._accept(step) and self.is_writer:  # other ranks validate the step but stage no media
-                if self._snapshot is LAZY:
-                    self._take_snapshot()
                 self._media[(kind, tag)] = (staged, extra)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
@@ -305,7 +305,9 @@ class Logger(StagedTable, StepRecords):
         Returns a `CommittedStep` (its ``step`` at once; reading ``scalars``, ``images``... waits for the
         writer to build the `StepRecord`), or None when nothing was staged. With a process group this is a
         collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
-        cleared whatever happens.
+        cleared whatever happens. Without ``step`` the record goes to the highest step staged since the last
+        commit, or to the last committed step where that is higher (values staged before a
+        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
         """
         collective = DIST_AVAILABLE and dist.is_initialized() and self.reducer.active()  # one call without a group
         with self._commit_lock:
@@ -313,7 +315,8 @@ class Logger(StagedTable, StepRecords):
                 if self._closed:
                     closed_use(self, f"commit({step})")
                     return None
-                if step is None:
+                implicit = step is None
+                if implicit:
                     step = self._pending_step
                 if not collective and (step is None or not (self._blocks or self.has_pending)):
                     self._pending_step = None
@@ -321,6 +324,10 @@ class Logger(StagedTable, StepRecords):
                 last = self._last_step
                 if step is None:
                     step = last if last is not None else 0
+                elif implicit and last is not None and step < last:
+                    # Values staged before a later step was committed on its own (log_metrics(commit=True)): an
+                    # implicit commit (close() included) writes them at that step rather than lose them.
+                    step = last
                 staged = self._swap()
                 self._pending_step = None
                 if not (type(step) is int and step >= 0 and (last is None or step >= last)):

@@ -5,6 +5,8 @@ Cold compiles take 10+ s on this machine, so there are two tests on a tiny rule,
 autograd formula) behave as with inductor, without inductor's code generation time.
 """
 
+import re
+
 import pytest
 import torch
 import torch._dynamo
@@ -150,6 +152,7 @@ def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_neve
     for a later buffer of the same size, and the caller zeroes the returned value (``out``) in place after the
     compiled call. Neither touches version counters; observers must still get what each probe saw."""
     from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
 
     from instrument.probes import record
 
@@ -161,11 +164,15 @@ def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_neve
     compiled = torch.compile(rule)
     x = torch.randn(2, 4, 8, 8)
     copies = []
+    codes = []
     with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
         for step in range(3):
             with inst.step(step) as s:
                 for _ in range(2):
-                    out = compiled(x)
+                    if codes:
+                        out = compiled(x)
+                    else:  # the first call compiles the graph with the probes on: keep its generated code
+                        out, codes = run_and_get_code(compiled, x)
                     saw = out.detach().clone()
                     out.detach().mul_(0)                    # the caller reuses the output's memory in place
                     s.observer(instrument.StepContext(x, out))
@@ -182,3 +189,9 @@ def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_neve
     # Under torch.compile every recorded value is copied at recording (two probes, two calls a step).
     assert copies == [4, 4, 4]
     assert sum(counters["graph_break"].values()) == 0
+    # That copy is the only one: the operator takes Inductor's buffers in whatever layout they have
+    # (flexible_layout), so no kernel converts a probed value to the eager layout first (Inductor names such
+    # a copy after the operator it feeds).
+    code = "\n".join(codes)
+    assert code.count("torch.ops.instrument.record.default(") == 2
+    assert re.findall(r"def (\w*record\w*)|(cpp_fused\w*record\w*)", code) == []

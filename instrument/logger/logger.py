@@ -400,7 +400,11 @@ class Logger(StagedTable, StepRecords):
 
     # ------------------------------------------------------------------ internals
     def _accept(self, step: int, pending: bool = True) -> bool:
-        """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy."""
+        """Validate ``step`` (under the lock); False when it goes backwards under the "warn" policy.
+
+        `log_metrics` and `commit` decide the common case inline (an ``int`` >= 0, not below the last committed
+        step, on an open logger) and call this for everything else: a change to these rules belongs there too.
+        """
         if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
         if self._closed and not closed_use(self, f"a value at step {step}"):

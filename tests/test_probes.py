@@ -293,6 +293,38 @@ def test_gradient_probe_delivers_each_iterations_gradient_before_log():
         assert torch.equal(on, p.grad)
 
 
+class InPlaceAfterGradProbe(torch.nn.Module):
+    """``h = probe(h); h.mul_(2)``: a model may change a gradient probe's output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.p = instrument.Probe("h", grad=True)
+
+    def forward(self, x):
+        h = self.p(torch.tanh(self.lin(x)))
+        h.mul_(2)
+        return x + h
+
+
+def test_gradient_probe_output_may_be_changed_in_place():
+    """The gradient probe returns a copy, not a view made inside an autograd function (which autograd forbids
+    changing in place), so a model that worked without instrument still works on a logging step."""
+    torch.manual_seed(0)
+    model, keep = InPlaceAfterGradProbe(), Keep(("h",))
+    inst = session(keep, log_interval=1)
+    inst.watch(model)
+    x = torch.randn(2, 3, requires_grad=True)
+    with inst.step(0):
+        model(x).sum().backward()
+    inst.close()
+    h = torch.tanh(model.lin(x))
+    h.retain_grad()
+    (x + h * 2).sum().backward()
+    torch.testing.assert_close(keep.seen[0]["h"], h.detach())       # the value the probe saw, before mul_
+    torch.testing.assert_close(keep.gradients["h"][0], h.grad)       # d loss / d h = 2
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_recomputation_records_nothing_twice(use_reentrant):
     rule, keep = new_rule(grad=True), Keep()

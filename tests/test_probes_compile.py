@@ -17,9 +17,12 @@ import instrument
 from tests._probe_models import ReuseRule, Rule, reference
 
 # Dynamo itself reads .grad of the non-leaf state it is given each iteration (torch's warning, not ours).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+    # Dynamo makes a context object for a traced autograd function (the gradient probe's) by instantiating
+    # torch.autograd.Function, which torch itself deprecates (torch's warning, not ours; hidden by default).
+    pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated"),
+]
 
 N_ITER = 3
 STEPS = 6  # log_interval=2: on, off, on, off, on, off
@@ -195,3 +198,55 @@ def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_neve
     code = "\n".join(codes)
     assert code.count("torch.ops.instrument.record.default(") == 2
     assert re.findall(r"def (\w*record\w*)|(cpp_fused\w*record\w*)", code) == []
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_inductor_gradient_probe_adds_one_fused_copy_forward_and_one_recording_backward(fresh_dynamo):
+    """A gradient probe under Inductor (a cold compile): the forward's copy is traced (fused by Inductor), the
+    backward records the gradient through an opaque operator that takes it in whatever layout Inductor made
+    (channels-last after the CPU convolutions); the recorded values and gradients equal eager autograd's."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    rule, observer = Rule(grad=True), HostSide()
+    inst = instrument.Instrumentation(observers=[observer], backends=[], log_interval=1)
+    inst.watch(rule, state=False)
+    compiled = torch.compile(rule)
+    x0 = seed_state()
+
+    def logging_step():
+        with inst.step(0) as s:
+            x = x0
+            for _ in range(N_ITER):
+                nxt = compiled(x)
+                s.observer(instrument.StepContext(x, nxt))
+                x = nxt
+            x.square().mean().backward()
+
+    with inductor_config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(logging_step)
+    inst.close()
+
+    code, forward = "\n".join(codes), codes[0]
+    # The gradient is recorded by an opaque operator in the backward, taken in Inductor's layout: no kernel
+    # converts it first (Inductor names such a kernel after the operator it feeds: cpp_fused_..._record_grad_..).
+    assert code.count("torch.ops.instrument.record_grad.default(") == 1
+    assert re.findall(r"cpp_fused\w*record\w*", code) == []
+    # The forward's copy is a traced clone, not an opaque operator returning one: with an opaque operator
+    # Inductor saved ReLU's mask for the backward as a bool tensor, a kernel 24x slower than the ReLU on AVX2.
+    assert "instrument.watch_grad" not in code and "torch.bool" not in forward
+    want = reference(rule, x0, N_ITER)
+    for got, ref in zip(observer.seen, want, strict=True):
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name])
+    hidden, x = [], x0
+    for _ in range(N_ITER):
+        h = torch.relu(rule.fc0(rule.perceive(x)))
+        h.retain_grad()
+        hidden.append(h)
+        x = x + rule.fc1(h)
+    x.square().mean().backward()
+    assert len(observer.gradients["hidden"]) == N_ITER
+    for got, h in zip(observer.gradients["hidden"], hidden, strict=True):
+        torch.testing.assert_close(got, h.grad)

@@ -20,8 +20,8 @@ written so that ``torch.jit.script`` compiles it unchanged: keep this module fre
 import torch
 from torch import Tensor, nn
 
-import instrument.probes.record  # noqa: F401  registers torch.ops.instrument.record
 from instrument.errors import ProbeError
+from instrument.probes.record import WatchGradient  # the import registers torch.ops.instrument.record
 
 __all__ = ["Probe"]
 
@@ -59,7 +59,8 @@ class Probe(nn.Module):
             # Compiled code may overwrite x's memory after its last use, unseen by version counters: copy there.
             torch.ops.instrument.record(x, self.name, torch.compiler.is_compiling())
             if self.grad:
-                return torch.ops.instrument.watch_grad(x, self.name)
+                if not torch.jit.is_scripting():  # TorchScript skips this branch: it refuses gradient probes
+                    return WatchGradient.apply(x, self.name)
         return x
 
     def __prepare_scriptable__(self) -> "Probe":

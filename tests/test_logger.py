@@ -290,3 +290,33 @@ def test_nan_values_pass_through():
     log.log_metrics({"nan": torch.tensor(float("nan")), "inf": float("inf")}, step=0)
     record = log.commit()
     assert math.isnan(record.scalars["nan"]) and record.scalars["inf"] == math.inf
+
+
+@pytest.mark.xfail(strict=True, reason="Logger.commit() without a step returns early when no log_* call set a "
+                   "pending step (logger.py commit: `if not collective and (step is None or ...)`), so close() "
+                   "never writes timer measurements staged after the last commit")
+@pytest.mark.parametrize("where", ["bare", "session"])
+def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path):
+    if where == "bare":
+        keep = Keep()
+        log = instrument.Logger([keep])
+        log.log_metrics({"a": 1.0}, step=3)
+        log.commit()
+        for _ in range(4):
+            with log.timer("fwd"):
+                pass
+        log.close()
+        counts = [r.timings["fwd"]["count"] for r in keep.records if "fwd" in r.timings]
+        assert sum(counts) == 4
+        return
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_dir=str(tmp_path), run_name="t",
+                                      log_interval=10, overhead_budget=None)
+    for step in range(26):  # logging steps 0, 10, 20; steps 21..25 are measured and left staged at close
+        with inst.step(step):
+            with inst.logger.timer("fwd"):
+                pass
+    inst.close()
+    import json
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    counts = [x["metrics"]["timing/fwd/count"] for x in lines if "step" in x and "timing/fwd/count" in x["metrics"]]
+    assert sum(counts) == 26  # every measured step is in some record, as log_metrics values staged then are

@@ -600,3 +600,34 @@ def test_a_numpy_buffer_reused_after_commit_is_written_as_it_was_at_commit(tmp_p
     logger.close()
     line = next(x for x in lines(tmp_path / "n" / "metrics.jsonl") if x.get("step") == 1)
     assert line["histograms"]["returns"] == {"count": 10, "min": 0.0, "max": 9.0}
+
+
+NEAR_CONSTANT_HEATMAP = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+
+    logger = Logger([JsonlBackend()], RunInfo("h", sys.argv[1]))
+    # e.g. alive fractions that are all 1.0 but for float64 rounding in one cell
+    logger.log_heatmap("alive", np.array([[1.0, 0.9999999999999999], [1.0, 1.0]]), step=0)
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.commit(0)
+    logger.log_metrics({"loss": 0.4}, step=1)
+    logger.commit(1)
+    print("flushed", logger.flush(10.0), flush=True)  # a bound, not a timing check
+    logger.close(timeout=2.0)
+    os._exit(0)  # a writer thread still spinning must not hold this process
+    """
+)
+
+
+@pytest.mark.xfail(strict=True, reason="render.colorbar_ticks loops `while value < hi: value += step` with a step "
+                   "below half an ulp of value when a heatmap's finite values span a few float64 ulps, so value "
+                   "never moves: the writer thread spins forever and no later step is ever written")
+def test_a_heatmap_spanning_a_few_ulps_does_not_stop_the_writer(tmp_path):
+    child = run_child(tmp_path, NEAR_CONSTANT_HEATMAP, str(tmp_path))
+    assert "flushed True" in child.stdout, child.stdout + child.stderr
+    assert steps_of(tmp_path / "h" / "metrics.jsonl") == [0, 1]

@@ -678,3 +678,26 @@ def test_sigterm_during_close_still_lets_the_backends_finish_closing(tmp_path):
             child.kill()
     assert child.returncode == -signal.SIGTERM
     assert (tmp_path / "closed").exists()  # the close in progress was waited for (at most 30 s), not cut off
+
+
+class FailingFlush(Backend):
+    """Writes, but cannot make what it wrote durable (an fsync that fails with EIO, a full disk)."""
+
+    def write(self, record):
+        pass
+
+    def flush(self):
+        raise OSError(5, "Input/output error")
+
+
+@pytest.mark.xfail(strict=True, reason="Writer._flush_backends swallows a backend's flush failure (FailureLedger) "
+                   "and Writer.flush returns True anyway, while docs/backends.md says True means every step was "
+                   "written and flushed by every backend")
+def test_flush_does_not_report_success_when_a_backend_could_not_flush(tmp_path):
+    logger = Logger([FailingFlush(), JsonlBackend()], RunInfo("f", tmp_path))
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.commit(0)
+    flushed = logger.flush(WAIT)
+    logger.close()
+    assert logger.failures.get("FailingFlush", 0) >= 1
+    assert flushed is False

@@ -624,13 +624,22 @@ NEAR_CONSTANT_HEATMAP = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="render.colorbar_ticks loops `while value < hi: value += step` with a step "
-                   "below half an ulp of value when a heatmap's finite values span a few float64 ulps, so value "
-                   "never moves: the writer thread spins forever and no later step is ever written")
 def test_a_heatmap_spanning_a_few_ulps_does_not_stop_the_writer(tmp_path):
     child = run_child(tmp_path, NEAR_CONSTANT_HEATMAP, str(tmp_path))
     assert "flushed True" in child.stdout, child.stdout + child.stderr
     assert steps_of(tmp_path / "h" / "metrics.jsonl") == [0, 1]
+    from instrument.logger.render import _LUT, colorbar_ticks, heatmap_geometry, render_heatmap
+
+    # ranges the tick loop could not step through: a few ulps, subnormal, overflowing, at 2**53
+    for lo, hi in [(0.9999999999999999, 1.0), (0.0, 5e-324), (0.0, 1e-320), (-1.7e308, 1.7e308),
+                   (1e16, 1e16 + 64.0), (-1.0, np.nextafter(-1.0, 0.0))]:
+        ticks = colorbar_ticks(lo, hi, 256)
+        assert ticks[:2] == [(hi, 0), (lo, 255)] and all(lo <= v <= hi for v, _ in ticks)
+    # rounding noise is drawn as the constant image it is (one colour), not as full contrast
+    image = render_heatmap(np.array([[1.0, 0.9999999999999999], [1.0, 1.0]]))
+    left, top, cw, ch = heatmap_geometry(2, 2)
+    cells = {tuple(image[top + r * ch + ch // 2, left + c * cw + cw // 2]) for r in range(2) for c in range(2)}
+    assert cells == {tuple(_LUT[0])}
 
 
 CLOSE_INTERRUPTED = textwrap.dedent(

@@ -19,7 +19,7 @@ from torch import Tensor
 from instrument.backends.base import SampleTable
 from instrument.core.colormap import parse_color_range
 from instrument.errors import InvalidValueError
-from instrument.logger.render import render_heatmap, to_hwc_uint8
+from instrument.logger.render import is_degenerate, render_heatmap, to_hwc_uint8
 
 __all__ = ["MediaKind", "KINDS", "check_color_range", "tensors_of"]
 
@@ -142,7 +142,7 @@ def _convert_heatmap(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray
             lo, hi = float(finite.min()), float(finite.max())
             seen = (min(lo, seen[0]), max(hi, seen[1])) if seen else (lo, hi)
             running[tag] = seen
-        color_range = seen if seen and seen[1] > seen[0] else None
+        color_range = seen if seen and seen[1] > seen[0] and not is_degenerate(*seen) else None
     return render_heatmap(matrix, title=tag, x_label=x_label, y_label=y_label, color_range=color_range,
                           x_ticks=x_ticks)
 

@@ -582,24 +582,43 @@ def test_a_value_logged_while_close_hands_over_its_last_commit_is_written_or_ref
     assert not accepted or "late" in written  # an accepted value is written, never silently lost
 
 
-@pytest.mark.xfail(strict=True, reason="media._array_like keeps a NumPy value by reference (np.asarray, no copy) "
-                   "and the writer converts it after commit() returned, so a buffer the caller reuses is written "
-                   "with its later contents")
 def test_a_numpy_buffer_reused_after_commit_is_written_as_it_was_at_commit(tmp_path):
-    blocking = Blocking()
-    logger = Logger([blocking, JsonlBackend()], RunInfo("n", tmp_path))
+    from instrument.logger.render import render_heatmap, to_hwc_uint8
+
+    class Records(Backend):
+        def __init__(self):
+            self.records = []
+
+        def write(self, record):
+            self.records.append(record)
+
+    blocking, records = Blocking(), Records()
+    logger = Logger([blocking, JsonlBackend(), records], RunInfo("n", tmp_path))
     logger.log_metrics({"a": 0.0}, step=0)
     logger.commit(0)
     poll(blocking.entered.is_set, "the writer inside write(step 0)")  # step 1 is built only after the release
     buffer = np.arange(10, dtype=np.float64)  # e.g. per-episode returns, refilled every logging step
+    frame = np.linspace(0.0, 1.0, 48).reshape(4, 4, 3)  # a render buffer, reused for the next frame
+    matrix = np.arange(6, dtype=np.float64).reshape(3, 2)
+    expected = (to_hwc_uint8(frame.copy()), render_heatmap(matrix.copy(), title="m"))
     logger.log_histogram("returns", buffer, step=1)
     logger.log_samples("val", [{"input": "x", "score": 1.0, "returns": buffer}], step=1)
+    logger.log_image("frame", frame, step=1)
+    logger.log_video("clip", frame[None], step=1)
+    logger.log_heatmap("m", matrix, step=1)
     logger.commit(1)
-    buffer[:] = -1.0  # the next interval starts filling the buffer again
+    buffer[:] = -1.0  # the next interval starts filling the buffers again
+    frame[:] = 0.0
+    matrix[:] = 7.0
     blocking.release.set()
     logger.close()
     line = next(x for x in lines(tmp_path / "n" / "metrics.jsonl") if x.get("step") == 1)
     assert line["histograms"]["returns"] == {"count": 10, "min": 0.0, "max": 9.0}
+    record = next(r for r in records.records if r.step == 1)
+    assert record.samples["val"].rows[0]["returns"] == list(range(10))
+    np.testing.assert_array_equal(record.images["frame"], expected[0])
+    np.testing.assert_array_equal(record.videos["clip"][0][0], expected[0])
+    np.testing.assert_array_equal(record.images["m"], expected[1])
 
 
 NEAR_CONSTANT_HEATMAP = textwrap.dedent(

@@ -46,7 +46,11 @@ class MediaKind:
 
 
 def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
-    """Detach a tensor (refusing meta tensors and non-numeric dtypes) or make an ndarray; metadata checks only."""
+    """Detach a tensor (refusing meta tensors and non-numeric dtypes) or make an ndarray; metadata checks only.
+
+    A NumPy value is copied here (a host copy, cheap next to drawing it): the writer converts it after
+    `commit` returned, and a buffer the caller refills for the next step must be written as it was when
+    logged. Tensors are copied by the commit's transfer (`instrument.logger.transfer`)."""
     if isinstance(value, Tensor):
         if value.is_meta:
             raise InvalidValueError(
@@ -61,7 +65,7 @@ def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
             )
         return value.detach()
     try:
-        array = np.asarray(value)
+        array = np.array(value)  # always a copy (np.asarray would keep the caller's ndarray)
     except Exception as exc:
         raise InvalidValueError(
             f"log_{kind}({tag!r}): got {type(value).__name__}, which is not array-like ({exc}); expected {expected}."
@@ -198,8 +202,18 @@ def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
                     f"log_samples({tag!r}): field {k!r} of sample {i} is a {'meta' if v.is_meta else 'complex'} "
                     f"tensor; expected numbers, strings or real tensors."
                 )
-        rows.append({str(k): (v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()})
+        rows.append({str(k): _staged_field(v) for k, v in row.items()})
     return rows
+
+
+def _staged_field(value: Any) -> Any:
+    """A sample field as staged: tensors detached (the transfer copies them), NumPy arrays copied (the caller
+    may refill its buffer once commit returns), the rest as given."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return value
 
 
 def _host_field(value: Any) -> Any:

@@ -659,6 +659,10 @@ def test_a_heatmap_spanning_a_few_ulps_does_not_stop_the_writer(tmp_path):
     left, top, cw, ch = heatmap_geometry(2, 2)
     cells = {tuple(image[top + r * ch + ch // 2, left + c * cw + cw // 2]) for r in range(2) for c in range(2)}
     assert cells == {tuple(_LUT[0])}
+    # a range wider than float64 holds is drawn too (lowest, highest and middle colours), not refused
+    image = render_heatmap(np.array([[-1e308, 1e308], [0.0, 0.0]]))
+    centre = [tuple(image[top + r * ch + ch // 2, left + c * cw + cw // 2]) for r, c in ((0, 0), (0, 1), (1, 0))]
+    assert centre == [tuple(_LUT[0]), tuple(_LUT[255]), tuple(_LUT[128])]
 
 
 CLOSE_INTERRUPTED = textwrap.dedent(

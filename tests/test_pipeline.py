@@ -602,12 +602,14 @@ def test_a_numpy_buffer_reused_after_commit_is_written_as_it_was_at_commit(tmp_p
     matrix = np.arange(6, dtype=np.float64).reshape(3, 2)
     expected = (to_hwc_uint8(frame.copy()), render_heatmap(matrix.copy(), title="m"))
     logger.log_histogram("returns", buffer, step=1)
-    logger.log_samples("val", [{"input": "x", "score": 1.0, "returns": buffer}], step=1)
+    tokens = [3, 1, 4]  # a Python list refilled in place the same way
+    logger.log_samples("val", [{"input": "x", "score": 1.0, "returns": buffer, "tokens": tokens}], step=1)
     logger.log_image("frame", frame, step=1)
     logger.log_video("clip", frame[None], step=1)
     logger.log_heatmap("m", matrix, step=1)
     logger.commit(1)
     buffer[:] = -1.0  # the next interval starts filling the buffers again
+    tokens[:] = [9]
     frame[:] = 0.0
     matrix[:] = 7.0
     blocking.release.set()
@@ -616,6 +618,7 @@ def test_a_numpy_buffer_reused_after_commit_is_written_as_it_was_at_commit(tmp_p
     assert line["histograms"]["returns"] == {"count": 10, "min": 0.0, "max": 9.0}
     record = next(r for r in records.records if r.step == 1)
     assert record.samples["val"].rows[0]["returns"] == list(range(10))
+    assert record.samples["val"].rows[0]["tokens"] == [3, 1, 4]
     np.testing.assert_array_equal(record.images["frame"], expected[0])
     np.testing.assert_array_equal(record.videos["clip"][0][0], expected[0])
     np.testing.assert_array_equal(record.images["m"], expected[1])

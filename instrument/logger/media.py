@@ -207,12 +207,14 @@ def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
 
 
 def _staged_field(value: Any) -> Any:
-    """A sample field as staged: tensors detached (the transfer copies them), NumPy arrays copied (the caller
-    may refill its buffer once commit returns), the rest as given."""
+    """A sample field as staged: tensors detached (the transfer copies them), NumPy arrays and lists copied
+    (the caller may refill its buffer once commit returns; a list shallowly), the rest as given."""
     if isinstance(value, Tensor):
         return value.detach()
     if isinstance(value, np.ndarray):
         return value.copy()
+    if isinstance(value, list):
+        return [v.copy() if isinstance(v, np.ndarray) else v for v in value]
     return value
 
 

@@ -411,3 +411,30 @@ def test_a_one_based_loop_is_told_how_to_fix_it():
     inst.close()
     assert [r.step for r in keeper.records] == [1, 2]
     assert all(r.scalars["user"] == 2.0 for r in keeper.records)  # the failed step's 1.0 was discarded
+
+
+def test_a_bool_tensor_on_the_per_key_path_keeps_the_interval_mean_in_float64(tmp_path):
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("b", tmp_path))
+    # a bool tensor beside a float: not one dtype, so the per-key path stages it
+    logger.log_metrics({"done": torch.tensor(True), "loss": 0.5}, step=0)
+    logger.log_metrics({"done": 1e-9}, step=0)
+    logger.log_metrics({"done": 0.1}, step=0)
+    logger.commit(0)
+    # the same at its own step (commit=True), with a weight, and as a block of bool tensors folded later
+    logger.log_metrics({"own": torch.tensor(True), "x": 0.5}, step=1, commit=True)
+    logger.log_metrics({"w": torch.tensor(True)}, step=2, weights=3.0)
+    logger.log_metrics({"w": 1e-9}, step=2, weights=1.0)
+    logger.log_metrics({"w": 0.1}, step=2, weights=1.0)
+    logger.log_metrics({"b": torch.tensor(True), "c": torch.tensor(False)}, step=2)
+    logger.log_metrics({"b": np.float64(1e-9)}, step=2)  # a NumPy number: the per-key path folds the block
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    flat = next(row for row in rows if row.get("step") == 0)["metrics"]
+    reference = float(np.mean(np.array([1.0, 1e-9, 0.1], dtype=np.float64)))
+    assert flat["done"] == pytest.approx(reference, rel=1e-15, abs=0)
+    own = next(row for row in rows if row.get("step") == 1)["metrics"]
+    assert own["own"] == 1.0
+    later = next(row for row in rows if row.get("step") == 2)["metrics"]
+    weighted = float(np.sum(np.array([3.0, 1e-9, 0.1], dtype=np.float64)) / 5.0)
+    assert later["w"] == pytest.approx(weighted, rel=1e-15, abs=0)
+    assert later["b"] == pytest.approx((1.0 + 1e-9) / 2.0, rel=1e-15, abs=0) and later["c"] == 0.0

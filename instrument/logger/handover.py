@@ -5,6 +5,7 @@ transfer must start before the staged device values can change. What follows (co
 is the writer thread's (`instrument.logger.assemble`, `instrument.logger.writer`).
 """
 
+import math
 import time
 from typing import Any, Dict, List, Optional
 
@@ -53,7 +54,13 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
             if name not in weights:
                 scalars[name] = scalars[name] / count
         for name, weight in weights.items():
-            scalars[name] = scalars[name] / weight
+            # Every weight is >= 0, so a total of 0 means nothing was weighed: the weighted mean is undefined
+            # and written as NaN, as a device tensor's 0 / 0 and the cross-rank reduction give it (the key
+            # alone; never a ZeroDivisionError that would cost the whole step).
+            if type(weight) is float and weight == 0.0 and type(scalars[name]) is float:
+                scalars[name] = math.nan
+            else:
+                scalars[name] = scalars[name] / weight
         tensor_keys = list(on_device)
         tensors = [scalars[name] for name in tensor_keys]
     for value, _ in media.values():

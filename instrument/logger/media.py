@@ -19,7 +19,7 @@ from torch import Tensor
 from instrument.backends.base import SampleTable
 from instrument.core.colormap import parse_color_range
 from instrument.errors import InvalidValueError
-from instrument.logger.render import render_heatmap, to_hwc_uint8
+from instrument.logger.render import is_degenerate, render_heatmap, to_hwc_uint8
 
 __all__ = ["MediaKind", "KINDS", "check_color_range", "tensors_of"]
 
@@ -46,7 +46,11 @@ class MediaKind:
 
 
 def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
-    """Detach a tensor (refusing meta tensors and non-numeric dtypes) or make an ndarray; metadata checks only."""
+    """Detach a tensor (refusing meta tensors and non-numeric dtypes) or make an ndarray; metadata checks only.
+
+    A NumPy value is copied here (a host copy, cheap next to drawing it): the writer converts it after
+    `commit` returned, and a buffer the caller refills for the next step must be written as it was when
+    logged. Tensors are copied by the commit's transfer (`instrument.logger.transfer`)."""
     if isinstance(value, Tensor):
         if value.is_meta:
             raise InvalidValueError(
@@ -61,7 +65,7 @@ def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
             )
         return value.detach()
     try:
-        array = np.asarray(value)
+        array = np.array(value)  # always a copy (np.asarray would keep the caller's ndarray)
     except Exception as exc:
         raise InvalidValueError(
             f"log_{kind}({tag!r}): got {type(value).__name__}, which is not array-like ({exc}); expected {expected}."
@@ -142,7 +146,7 @@ def _convert_heatmap(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray
             lo, hi = float(finite.min()), float(finite.max())
             seen = (min(lo, seen[0]), max(hi, seen[1])) if seen else (lo, hi)
             running[tag] = seen
-        color_range = seen if seen and seen[1] > seen[0] else None
+        color_range = seen if seen and seen[1] > seen[0] and not is_degenerate(*seen) else None
     return render_heatmap(matrix, title=tag, x_label=x_label, y_label=y_label, color_range=color_range,
                           x_ticks=x_ticks)
 
@@ -198,8 +202,20 @@ def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
                     f"log_samples({tag!r}): field {k!r} of sample {i} is a {'meta' if v.is_meta else 'complex'} "
                     f"tensor; expected numbers, strings or real tensors."
                 )
-        rows.append({str(k): (v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()})
+        rows.append({str(k): _staged_field(v) for k, v in row.items()})
     return rows
+
+
+def _staged_field(value: Any) -> Any:
+    """A sample field as staged: tensors detached (the transfer copies them), NumPy arrays and lists copied
+    (the caller may refill its buffer once commit returns; a list shallowly), the rest as given."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, list):
+        return [v.copy() if isinstance(v, np.ndarray) else v for v in value]
+    return value
 
 
 def _host_field(value: Any) -> Any:

@@ -65,8 +65,13 @@ class Entry:
 
 
 def local_value(entry: Entry) -> Scalar:
-    """The entry's value on this rank alone (what a single process logs)."""
-    return entry.value / entry.weight if entry.kind == "wmean" else entry.value
+    """The entry's value on this rank alone (what a single process logs); a weighted mean of total weight 0
+    is NaN, as `_Layout.decode` gives it across ranks."""
+    if entry.kind != "wmean":
+        return entry.value
+    if isinstance(entry.weight, float) and entry.weight == 0.0 and not isinstance(entry.value, Tensor):
+        return math.nan
+    return entry.value / entry.weight
 
 
 def resolve_ops(

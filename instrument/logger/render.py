@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw, ImageFont
 from instrument.core.colormap import NAN_COLOUR as _NAN_COLOUR
 from instrument.core.colormap import VIRIDIS_LUT as _LUT
 
-__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks"]
+__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks", "is_degenerate"]
 
 
 def to_hwc_uint8(image: np.ndarray, tag: str = "image") -> np.ndarray:
@@ -116,19 +116,42 @@ def _nice_step(span: float, count: int = 4) -> float:
     return 10.0 * power
 
 
+def is_degenerate(lo: float, hi: float) -> bool:
+    """Whether finite ``lo <= hi`` differ by float64 rounding noise only (at most 8 ulps of their magnitude).
+
+    A range taken from the data that narrow (e.g. alive fractions all 1.0 but one 0.9999999999999999) holds
+    one value in every sense a reader cares about: it is drawn as a constant image, not as full contrast.
+    """
+    return hi - lo <= 8.0 * float(np.spacing(max(abs(lo), abs(hi))))
+
+
+_MAX_TICKS = 64  # a bound, whatever the range: drawing never loops on its values
+
+
 def colorbar_ticks(lo: float, hi: float, height: int):
     """The colour bar's labelled values: ``lo`` and ``hi`` at its ends and round values between them that leave
-    at least 14 pixels to their neighbours. Returns ``[(value, y offset from the bar's top)]``."""
+    at least 14 pixels to their neighbours. Returns ``[(value, y offset from the bar's top)]``.
+
+    The round values are computed by index (``i * step``), never by adding ``step`` until ``hi`` is reached:
+    a step below the float spacing at ``lo`` would never move the sum, and the writer thread would spin.
+    """
     ticks = [(hi, 0), (lo, height - 1)]
-    if not (np.isfinite(lo) and np.isfinite(hi)) or hi <= lo or height < 42:
+    if not (np.isfinite(lo) and np.isfinite(hi)) or hi <= lo or height < 42 or is_degenerate(lo, hi):
         return ticks
-    step = _nice_step(hi - lo)
-    value = np.ceil(lo / step) * step
-    while value < hi:
+    if not np.isfinite(hi - lo):  # the span overflows float64
+        return ticks
+    step = float(_nice_step(hi - lo))
+    first, last = np.ceil(lo / step), np.floor(hi / step)
+    if max(abs(first), abs(last)) > 2.0**52 or last - first > _MAX_TICKS:  # indices no longer exact
+        return ticks
+    digits = 1 - int(np.floor(np.log10(step)))  # 3 * 0.2 is 0.6000000000000001: labelled values are round
+    for i in range(int(first), int(last) + 1):
+        value = round(i * step, digits) if digits > 0 else i * step  # Python floats: exact for any digits
+        if not lo <= value < hi:
+            continue
         y = int(round((hi - value) / (hi - lo) * (height - 1)))
         if all(abs(y - other) >= 14 for _, other in ticks):
-            ticks.append((0.0 if abs(value) < step * 1e-9 else float(value), y))
-        value += step
+            ticks.append((float(value), y))
     return ticks
 
 
@@ -161,9 +184,13 @@ def render_heatmap(
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     else:
         lo, hi = float(color_range[0]), float(color_range[1])
-    span = hi - lo if hi > lo else 1.0
+    # A constant image, or one whose range is float rounding noise (`is_degenerate`), is drawn in one colour.
+    span = hi - lo if hi > lo and not (color_range is None and is_degenerate(lo, hi)) else 1.0
+    # A range wider than float64 holds (-1e308 .. 1e308) is scaled in halves: exact, as halving is.
+    half = 1.0 if np.isfinite(span) else 0.5
     with np.errstate(invalid="ignore", over="ignore"):
-        scaled = (np.nan_to_num(m, nan=lo, posinf=hi, neginf=lo) - lo) / span * 255.0
+        finite = np.nan_to_num(m, nan=lo, posinf=hi, neginf=lo)
+        scaled = (finite * half - lo * half) / (hi * half - lo * half if half != 1.0 else span) * 255.0
     idx = np.clip(scaled.round(), 0, 255).astype(np.uint8)
     cells = _LUT[idx]
     cells[~np.isfinite(m)] = _NAN_COLOUR

@@ -6,6 +6,7 @@ A timer accumulates every interval measured between two commits and reports mean
 """
 
 import functools
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
@@ -25,6 +26,10 @@ class Timer:
     CUDA events around the stage and reads their elapsed time only at commit, after the logger's one batched
     transfer; on the CPU it uses ``time.perf_counter``. Across ranks each statistic is reduced with
     ``reduce`` (default ``"max"``: a step is as slow as its slowest rank).
+
+    One timer may be entered again before it exits (a recursive function decorated with it, nested ``with``
+    blocks of one name) and from several threads at once: each thread keeps its own stack of open spans, and
+    every span is measured and counted.
     """
 
     def __init__(self, name: str, cuda: Optional[bool] = None, reduce: str = "max") -> None:
@@ -37,25 +42,41 @@ class Timer:
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self._seconds: List[float] = []
         self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._start: Optional[object] = None
+        self._local = threading.local()  # .starts: this thread's open spans, innermost last
+        self._lock = threading.Lock()  # measurements are appended and taken from different threads
+
+    def _starts(self) -> List[object]:
+        starts = getattr(self._local, "starts", None)
+        if starts is None:
+            starts = self._local.starts = []
+        return starts
 
     def __enter__(self) -> "Timer":
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            self._start = start
+            self._starts().append(start)
         else:
-            self._start = time.perf_counter()
+            self._starts().append(time.perf_counter())
         return self
 
     def __exit__(self, *exc: object) -> None:
+        now = None if self.cuda else time.perf_counter()
+        starts = self._starts()
+        if not starts:
+            raise ConfigurationError(
+                f"timer {self.name!r} exited on a thread where it was not entered; use it as `with timer:` or "
+                f"as a decorator, so that each span starts and ends on one thread."
+            )
+        start = starts.pop()
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((self._start, end))  # type: ignore[arg-type]
+            with self._lock:
+                self._events.append((start, end))  # type: ignore[arg-type]
         else:
-            self._seconds.append(time.perf_counter() - self._start)  # type: ignore[operator]
-        self._start = None
+            with self._lock:
+                self._seconds.append(now - start)  # type: ignore[operator]
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -71,22 +92,24 @@ class Timer:
 
     def position(self) -> tuple:
         """Where the timer stands now, for `rewind` (a failed step's measurements are discarded)."""
-        return (self._seconds, len(self._seconds), self._events, len(self._events))
+        with self._lock:
+            return (self._seconds, len(self._seconds), self._events, len(self._events))
 
     def rewind(self, position: tuple) -> int:
         """Forget the measurements taken since ``position``; returns how many. After a `take` everything
         now held is newer than ``position``."""
         seconds, n_seconds, events, n_events = position
-        before = self.count
-        if self._seconds is seconds:
-            del self._seconds[n_seconds:]
-        else:
-            self._seconds.clear()
-        if self._events is events:
-            del self._events[n_events:]
-        else:
-            self._events.clear()
-        return before - self.count
+        with self._lock:
+            before = self.count
+            if self._seconds is seconds:
+                del self._seconds[n_seconds:]
+            else:
+                self._seconds.clear()
+            if self._events is events:
+                del self._events[n_events:]
+            else:
+                self._events.clear()
+            return before - self.count
 
     def take(self) -> Tuple[List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
         """The raw measurements since the last take (CPU seconds, CUDA event pairs); empties the timer.
@@ -94,8 +117,9 @@ class Timer:
         The logger takes them on the training thread at commit and reads them with `elapsed` on its writer
         thread, so CUDA event times never make the training thread wait.
         """
-        taken = (self._seconds, self._events)
-        self._seconds, self._events = [], []
+        with self._lock:  # a span ending on another thread lands in this take or the next, never in neither
+            taken = (self._seconds, self._events)
+            self._seconds, self._events = [], []
         return taken
 
     def drain(self) -> List[float]:

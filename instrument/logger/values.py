@@ -15,7 +15,8 @@ received                              logged as
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
 one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53 (the
                                       value is never read on the caller, so larger ones are not checked),
-                                      bool tensors as 1.0/0.0; sparse and quantized ones as their value
+                                      bool tensors as 1.0/0.0 (float64 too); sparse and quantized ones as
+                                      their value
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
@@ -77,9 +78,9 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             return value.to(torch.float32 if value.device.type == "mps" else torch.float64, copy=True)
         if value.is_complex():
             raise _complex(name, f"a complex tensor ({value.dtype})")
-        if value.dtype == torch.bool or value.device.type == "mps":  # MPS has no float64
-            return value.to(torch.float32)
-        return value.to(torch.float64)  # integers: exact up to 2**53 (float32 would round above 2**24)
+        # Integers exact up to 2**53 (float32 would round above 2**24), bools as 1.0/0.0: float64, like every
+        # staged sum, so that floats added to this one later in the interval are not rounded to float32.
+        return value.to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS has no float64
     if isinstance(value, np.ndarray):
         if value.size != 1:
             raise InvalidValueError(f"metric {name!r} is an array of shape {value.shape}; log a scalar instead.")

@@ -214,7 +214,11 @@ class Logger(StagedTable, StepRecords):
             if blocks:  # the per-key path from here on, so that it sees (and checks) what the blocks hold
                 fold(blocks, self._totals, self._counts, self._on_device)
                 self._blocks = []
-            self._stage_keys(metrics, head, ops, plain)
+            try:
+                self._stage_keys(metrics, head, ops, plain)
+            except BaseException:  # a refused call stages nothing, not even the step of the next commit()
+                self._pending_step = pending
+                raise
         return None
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:

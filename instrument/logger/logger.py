@@ -311,7 +311,9 @@ class Logger(StagedTable, StepRecords):
         collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
         cleared whatever happens. Without ``step`` the record goes to the highest step staged since the last
         commit, or to the last committed step where that is higher (values staged before a
-        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
+        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards;
+        timer measurements taken since the last commit are staged values too (they carry no step of their
+        own), so ``close()`` writes those taken after the last logging step, at the last committed step.
         """
         collective = DIST_AVAILABLE and dist.is_initialized() and self.reducer.active()  # one call without a group
         with self._commit_lock:
@@ -322,7 +324,7 @@ class Logger(StagedTable, StepRecords):
                 implicit = step is None
                 if implicit:
                     step = self._pending_step
-                if not collective and (step is None or not (self._blocks or self.has_pending)):
+                if not collective and not (self._blocks or self.has_pending):
                     self._pending_step = None
                     return None
                 last = self._last_step

@@ -135,6 +135,7 @@ class Logger(StagedTable, StepRecords):
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._closed = False
+        self._final = False  # close() is committing: its commit closes the logger under the staging lock
         self._closed_by = ""  # "close" (explicit: later calls raise) or "shutdown" (a signal or exit: warn once)
         self._warned_closed = False
         self._exit_status: Optional[str] = None
@@ -321,6 +322,9 @@ class Logger(StagedTable, StepRecords):
                 if self._closed:
                     closed_use(self, f"commit({step})")
                     return None
+                if self._final:  # close()'s commit: closed in the same hold of the lock as the swap, so a value
+                    self._closed = True  # logged from now on is refused (`closed_use`), never staged and lost
+                    self._closed_by = self._closed_by or "close"
                 implicit = step is None
                 if implicit:
                     step = self._pending_step
@@ -369,14 +373,15 @@ class Logger(StagedTable, StepRecords):
         with self._commit_lock:
             if self._closed:
                 return
+            self._final = True
             try:
-                if self.has_pending or self.reducer.active():
-                    self.commit()
+                self.commit()  # also when nothing is staged: it closes the logger under the staging lock
             except Exception:
                 log.exception("instrument: the final commit failed while closing the logger")
             finally:
-                self._closed = True
-                self._closed_by = self._closed_by or "close"
+                with self._lock:
+                    self._closed = True
+                    self._closed_by = self._closed_by or "close"
                 self._writer.close(status or self._exit_status, timeout)
                 shutdown.unregister(self)
 

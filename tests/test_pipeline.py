@@ -657,9 +657,6 @@ CLOSE_INTERRUPTED = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="Logger._shutdown returns at once when _closed is set, and close() sets it "
-                   "before it waits for the writer; so SIGTERM during close() re-delivers the signal without "
-                   "waiting and the process dies before its backends finished closing")
 def test_sigterm_during_close_still_lets_the_backends_finish_closing(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CLOSE_INTERRUPTED)
@@ -698,3 +695,31 @@ def test_flush_does_not_report_success_when_a_backend_could_not_flush(tmp_path):
     logger.close()
     assert logger.failures.get("FailingFlush", 0) >= 1
     assert flushed is False
+
+
+SIGNAL_WHILE_REGISTERING = textwrap.dedent(
+    """
+    import os, signal, sys
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger import shutdown
+    from instrument.logger.logger import Logger
+
+    logger = Logger([JsonlBackend()], RunInfo("r", sys.argv[1]))
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.commit(0)
+    # The main thread holds the registry's lock for a moment whenever a logger is created or closed
+    # (register / unregister); a SIGTERM that arrives then runs its handler on this thread, inside it.
+    with shutdown._lock:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between two of these bytecodes
+            pass
+    print("survived", flush=True)
+    """
+)
+
+
+def test_sigterm_while_the_main_thread_holds_the_logger_registry_lock_does_not_deadlock(tmp_path):
+    done = run_child(tmp_path, SIGNAL_WHILE_REGISTERING, str(tmp_path), timeout=WAIT)  # a deadlock: TimeoutExpired
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+    assert steps_of(tmp_path / "r" / "metrics.jsonl") == [0]

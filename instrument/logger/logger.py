@@ -386,8 +386,14 @@ class Logger(StagedTable, StepRecords):
                 shutdown.unregister(self)
 
     def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
-        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged."""
+        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.
+
+        A close already under way (on another thread, or on this one: the signal handler runs on the main
+        thread, which may be inside `close`) is waited for, at most ``timeout`` seconds, through the writer
+        alone: this thread may hold the logger's locks, so it must not wait for them.
+        """
         if self._closed:
+            self._writer.close(status or self._exit_status, timeout)  # its own close if none was queued yet
             return
         self._closed_by = "shutdown"
         if commit and not self.reducer.active():

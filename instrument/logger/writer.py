@@ -298,7 +298,8 @@ class Writer:
                     ok = self._open(backend, *args)
                 else:
                     ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
-                    self._failed += not ok
+                    if not ok:
+                        self._failed += 1
                 if method == "open":
                     if ok:
                         self._active.append(backend)

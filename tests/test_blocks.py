@@ -377,15 +377,14 @@ def test_counters_and_flags_join_a_float_block_as_the_per_key_path_makes_them():
     }
 
 
-@pytest.mark.xfail(strict=True, reason="log_metrics moves the pending step (inline step check in logger.py "
-                   "log_metrics) before the per-key path converts the values, so a refused call still decides "
-                   "the step of the next commit() without a step")
 def test_a_refused_call_does_not_move_the_step_of_the_next_implicit_commit():
     keep = Keep()
     logger = instrument.Logger([keep])
     logger.log_metrics({"good": 1.0}, step=5)
     with pytest.raises(InvalidValueError, match="'bad'"):
         logger.log_metrics({"bad": "text"}, step=100)
+    with pytest.raises(ConfigurationError, match="'good'"):  # refused for its reduce op, after the blocks fold
+        logger.log_metrics({"good": 3.0}, step=200, reduce="sum")
     logger.commit()
     logger.log_metrics({"good": 2.0}, step=6)  # the next step of the loop is not refused as going backwards
     logger.close()

@@ -293,9 +293,6 @@ def test_nan_values_pass_through():
     assert math.isnan(record.scalars["nan"]) and record.scalars["inf"] == math.inf
 
 
-@pytest.mark.xfail(strict=True, reason="Logger.commit() without a step returns early when no log_* call set a "
-                   "pending step (logger.py commit: `if not collective and (step is None or ...)`), so close() "
-                   "never writes timer measurements staged after the last commit")
 @pytest.mark.parametrize("where", ["bare", "session"])
 def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path):
     if where == "bare":

@@ -135,6 +135,7 @@ class Logger(StagedTable, StepRecords):
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._closed = False
+        self._final = False  # close() is committing: its commit closes the logger under the staging lock
         self._closed_by = ""  # "close" (explicit: later calls raise) or "shutdown" (a signal or exit: warn once)
         self._warned_closed = False
         self._exit_status: Optional[str] = None
@@ -214,7 +215,11 @@ class Logger(StagedTable, StepRecords):
             if blocks:  # the per-key path from here on, so that it sees (and checks) what the blocks hold
                 fold(blocks, self._totals, self._counts, self._on_device)
                 self._blocks = []
-            self._stage_keys(metrics, head, ops, plain)
+            try:
+                self._stage_keys(metrics, head, ops, plain)
+            except BaseException:  # a refused call stages nothing, not even the step of the next commit()
+                self._pending_step = pending
+                raise
         return None
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
@@ -307,7 +312,9 @@ class Logger(StagedTable, StepRecords):
         collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
         cleared whatever happens. Without ``step`` the record goes to the highest step staged since the last
         commit, or to the last committed step where that is higher (values staged before a
-        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
+        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards;
+        timer measurements taken since the last commit are staged values too (they carry no step of their
+        own), so ``close()`` writes those taken after the last logging step, at the last committed step.
         """
         collective = DIST_AVAILABLE and dist.is_initialized() and self.reducer.active()  # one call without a group
         with self._commit_lock:
@@ -315,10 +322,13 @@ class Logger(StagedTable, StepRecords):
                 if self._closed:
                     closed_use(self, f"commit({step})")
                     return None
+                if self._final:  # close()'s commit: closed in the same hold of the lock as the swap, so a value
+                    self._closed = True  # logged from now on is refused (`closed_use`), never staged and lost
+                    self._closed_by = self._closed_by or "close"
                 implicit = step is None
                 if implicit:
                     step = self._pending_step
-                if not collective and (step is None or not (self._blocks or self.has_pending)):
+                if not collective and not (self._blocks or self.has_pending):
                     self._pending_step = None
                     return None
                 last = self._last_step
@@ -352,7 +362,9 @@ class Logger(StagedTable, StepRecords):
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every step handed over so far is written and flushed by every backend.
 
-        Returns True, or False when ``timeout`` (seconds) passed first or the logger is closed.
+        Returns True, or False when ``timeout`` (seconds) passed first, the logger is closed, or a backend
+        failed to write or flush something handed over since the previous flush (reported once and counted in
+        `failures`, as always). Steps dropped under ``on_full="drop"`` are counted in `dropped` instead.
         """
         return self._writer.flush(timeout)
 
@@ -363,20 +375,27 @@ class Logger(StagedTable, StepRecords):
         with self._commit_lock:
             if self._closed:
                 return
+            self._final = True
             try:
-                if self.has_pending or self.reducer.active():
-                    self.commit()
+                self.commit()  # also when nothing is staged: it closes the logger under the staging lock
             except Exception:
                 log.exception("instrument: the final commit failed while closing the logger")
             finally:
-                self._closed = True
-                self._closed_by = self._closed_by or "close"
+                with self._lock:
+                    self._closed = True
+                    self._closed_by = self._closed_by or "close"
                 self._writer.close(status or self._exit_status, timeout)
                 shutdown.unregister(self)
 
     def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
-        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged."""
+        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.
+
+        A close already under way (on another thread, or on this one: the signal handler runs on the main
+        thread, which may be inside `close`) is waited for, at most ``timeout`` seconds, through the writer
+        alone: this thread may hold the logger's locks, so it must not wait for them.
+        """
         if self._closed:
+            self._writer.close(status or self._exit_status, timeout)  # its own close if none was queued yet
             return
         self._closed_by = "shutdown"
         if commit and not self.reducer.active():

@@ -4,7 +4,9 @@ Every live `Logger` is registered here (weakly). What happens:
 
 - SIGTERM: every live logger writes and flushes what was handed over, calls ``backend.on_exit("killed")`` and
   closes its backends (bounded by ``TIMEOUT`` seconds per logger); then the previous handler runs, or, when
-  there was none, the default action is re-delivered so the process still ends by the signal.
+  there was none, the default action is re-delivered so the process still ends by the signal. A logger
+  whose close is under way (also on the main thread the signal interrupted) is waited for, within the same
+  bound.
 - SIGINT: every live logger flushes (at most ``INTERRUPT_TIMEOUT`` seconds each), then the previous handler
   runs (by default it raises `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A
   KeyboardInterrupt that ends the process marks the run ``"killed"``.
@@ -32,7 +34,9 @@ TIMEOUT = 30.0  # seconds SIGTERM or exit waits for one logger's backends
 INTERRUPT_TIMEOUT = 5.0  # seconds SIGINT waits for one logger's flush (a second Ctrl-C skips the wait)
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_lock = threading.Lock()
+# Re-entrant: the signal handler runs on the main thread between any two bytecodes, also while that thread
+# holds this lock (in `register`, `unregister`, `install`), and takes it again (`_loggers`, `unregister`).
+_lock = threading.RLock()
 _previous: Dict[int, Any] = {}
 _state: Dict[str, Any] = {"installed": False, "atexit": False, "excepthook": None, "interrupting": False}
 

@@ -11,7 +11,8 @@ counts it in ``dropped`` and warns once. Control calls (open, hyperparameters, s
 are never dropped and do not count toward the bound.
 
 Durability: whatever was written is flushed (`Backend.flush`) at the latest ``flush_secs`` later, also when
-nothing else arrives; `flush` returns once everything handed over before it is written and flushed.
+nothing else arrives; `flush` returns once everything handed over before it is written and flushed, and
+says whether every backend call since the previous `flush` succeeded.
 """
 
 import collections
@@ -125,6 +126,8 @@ class Writer:
         self._closing = False
         self._stopped = False
         self._dirty = False
+        self._failed = 0  # backend calls (write, control calls, flush) that raised; writer thread only
+        self._failed_at_flush = 0  # `_failed` when the last `flush` was answered
         self._parked = False  # idle past _IDLE_POLLS: waits for a wake, not for a poll (read under _cond)
         self._last_flush = time.monotonic()
         self._thread = WriterThread(target=self._run, name=name, daemon=True)
@@ -161,11 +164,13 @@ class Writer:
         return self._put(_CALL, (method, args, backend))
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until everything handed over so far is written and flushed; False on timeout or when closed."""
+        """Wait until everything handed over so far is written and flushed; False on timeout, when closed, or
+        when a backend failed to write or flush something handed over since the previous `flush`."""
         if threading.current_thread() is self._thread:
             return False
-        seq = self._put(_FLUSH, None)
-        return seq > 0 and self.wait(seq, timeout)
+        answer = [False]  # set by the writer before it marks this flush done
+        seq = self._put(_FLUSH, answer)
+        return seq > 0 and self.wait(seq, timeout) and answer[0]
 
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> bool:
         """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop."""
@@ -282,7 +287,8 @@ class Writer:
             handle.record = record
             if record is not None and not record.is_empty():
                 for backend in self._active:
-                    self.ledger.call(backend.name, "write", backend.write, record)
+                    if not self.ledger.call(backend.name, "write", backend.write, record):
+                        self._failed += 1
                     time.sleep(0)  # let a training thread waiting for the GIL in now, not after 5 ms
                 self._dirty = True
         elif kind == _CALL:
@@ -292,6 +298,8 @@ class Writer:
                     ok = self._open(backend, *args)
                 else:
                     ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
+                    if not ok:
+                        self._failed += 1
                 if method == "open":
                     if ok:
                         self._active.append(backend)
@@ -300,6 +308,8 @@ class Writer:
             self._dirty = True
         elif kind == _FLUSH:
             self._flush_backends()
+            payload[0] = self._failed == self._failed_at_flush
+            self._failed_at_flush = self._failed
         elif kind == _CLOSE:
             self._flush_backends()
             for backend in self._active:
@@ -321,6 +331,7 @@ class Writer:
 
     def _flush_backends(self) -> None:
         for backend in self._active:
-            self.ledger.call(backend.name, "flush", backend.flush)
+            if not self.ledger.call(backend.name, "flush", backend.flush):
+                self._failed += 1
         self._dirty = False
         self._last_flush = time.monotonic()

@@ -321,12 +321,17 @@ def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path):
 
 
 @pytest.mark.parametrize("commit_own", [False, True], ids=["interval", "commit_true"])
-def test_a_zero_weight_costs_at_most_its_own_key(commit_own):
+def test_a_zero_weight_costs_at_most_its_own_key(commit_own, caplog):
     # e.g. a masked-token accuracy weighted by the number of masked tokens, which is 0 in this batch
     keep = Keep()
     log = instrument.Logger([keep])
     log.log_metrics({"loss": 2.0}, step=0)
-    log.log_metrics({"acc": 1.0}, step=0, weights=0.0, commit=commit_own)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        log.log_metrics({"acc": 1.0}, step=0, weights=0.0, commit=commit_own)
+        if not commit_own:
+            log.log_metrics({"acc": 1.0}, step=0, weights=0.0)
+            log.commit(0)
+    assert caplog.text.count("'acc': its weights sum to 0") == 1  # said once, naming the key
     log.log_metrics({"tok": torch.tensor(0.5), "n": 3.0}, step=0, weights={"tok": torch.tensor(0.0)},
                     commit=commit_own)  # a weight on the device: 0 / 0 there, no host sync to look at it
     log.log_metrics({"half": 1.0}, step=0, weights=0.0)

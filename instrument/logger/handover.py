@@ -7,7 +7,7 @@ is the writer thread's (`instrument.logger.assemble`, `instrument.logger.writer`
 
 import math
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from torch import Tensor
 
@@ -23,8 +23,11 @@ __all__ = ["handover"]
 _TIMING = "timing/"
 
 
-def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> Optional[tuple]:
-    """The payload handed to the writer for the staged table ``staged``; ``reducer`` when under a process group.
+def handover(
+    step: int, staged: tuple, reducer: Optional[CrossRankReducer], warn: Optional[Callable[[str, str], None]] = None
+) -> Optional[tuple]:
+    """The payload handed to the writer for the staged table ``staged``; ``reducer`` when under a process group;
+    ``warn(key, message)`` says a weighted mean is undefined (once per key, the logger's `_warn_once`).
 
     None when a collective commit leaves nothing to write.
     """
@@ -59,6 +62,10 @@ def handover(step: int, staged: tuple, reducer: Optional[CrossRankReducer]) -> O
             # alone; never a ZeroDivisionError that would cost the whole step).
             if type(weight) is float and weight == 0.0 and type(scalars[name]) is float:
                 scalars[name] = math.nan
+                if warn is not None:
+                    warn(f"zero weight {name}", f"metric {name!r}: its weights sum to 0 over the interval, so its "
+                         f"weighted mean is undefined and is written as NaN; pass weights > 0 (e.g. the batch "
+                         f"size) or leave weights out for a plain mean")
             else:
                 scalars[name] = scalars[name] / weight
         tensor_keys = list(on_device)

@@ -350,7 +350,7 @@ class Logger(StagedTable, StepRecords):
             return self._submit(step, staged, collective)
 
     def _submit(self, step: int, staged: tuple, collective: bool) -> Optional[CommittedStep]:
-        payload = handover(step, staged, self.reducer if collective else None)
+        payload = handover(step, staged, self.reducer if collective else None, self._warn_once)
         if payload is None:
             return None
         handle = CommittedStep(step, self._writer)

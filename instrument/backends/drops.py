@@ -76,9 +76,9 @@ def finite(drops: Drops, kind: str, key: str, values: Any) -> Optional[np.ndarra
         raise DroppedValue(f"{values.size} values, none finite ({nan} NaN, {inf} inf)",
                            "at least one finite value to bin")
     drops.say(key, "nonfinite", logging.WARNING,
-              "instrument: %s wrote the %s %r without its %d NaN and %d inf values (of %d): they cannot be binned. "
-              "Count, min, max and sum are those of the finite values; later such steps are logged at DEBUG "
-              "only.", drops.backend, kind, key, nan, inf, values.size)
+              "instrument: %s wrote the %s %r without its %d NaN and %d inf values (of %d): they cannot be binned, "
+              "so it shows the finite values only (its count, min, max and sum too); later such steps are logged "
+              "at DEBUG only.", drops.backend, kind, key, nan, inf, values.size)
     return values[keep]
 
 

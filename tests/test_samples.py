@@ -180,3 +180,15 @@ def test_no_backend_sees_a_secret(tmp_path):
     line = json.loads(raw.splitlines()[0])
     assert line["hyperparameters"] == {"train/lr": 0.1, "hub/token": REDACTED}
     assert line["config"] == f"Hub.token = '{REDACTED}'\nTrain.lr = 0.1"
+
+
+def test_table_cells_keep_integers_exact():
+    import numpy as np
+
+    from instrument.terminal.samples import cell
+
+    assert cell(2**60 + 1) == 2**60 + 1 and type(cell(np.int64(7))) is int
+    assert cell(10**400) == str(10**400)  # beyond int64: its digits, never a rounded float
+    assert cell(float("nan")) == "nan" and cell(True) is True and cell(0.25) == 0.25
+    rows = [{"input": "a", "score": 10**400}, {"input": "b", "score": 1.0}]  # no float holds that score
+    assert [(label, r["input"]) for label, r in select_samples(rows, 2)] == [("best #1", "b"), ("#0", "a")]

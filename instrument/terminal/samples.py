@@ -9,7 +9,7 @@ import math
 import numbers
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["select_samples", "columns", "cell", "markdown_table"]
+__all__ = ["select_samples", "columns", "cell", "markdown_table", "finite_number"]
 
 
 def select_samples(
@@ -22,7 +22,7 @@ def select_samples(
     if n <= 0:
         return []
     scored = sorted(
-        ((float(r[score_key]), i) for i, r in enumerate(rows) if _finite_number(r.get(score_key))),
+        ((float(r[score_key]), i) for i, r in enumerate(rows) if finite_number(r.get(score_key))),
         key=lambda t: (-t[0], t[1]),
     )
     best = scored[: (min(n, len(scored)) + 1) // 2]
@@ -98,7 +98,7 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _finite_number(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
     """A real that is a finite float (an int beyond the float range cannot be ranked as a score)."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return False

@@ -34,7 +34,10 @@ class TensorBoardBackend(Backend):
             (the summary ``add_video`` writes, encoded with Pillow: no extra needed, the frame rate kept);
             ``"filmstrip"``: a PNG of the frames side by side, 8 per row (a still overview of each video).
             A video that cannot be written costs that video only: the rest of the step is written first, then
-            the failure is raised (and reported once, counted in ``Logger.failures``).
+            the failure is raised (and reported once, counted in ``Logger.failures``). Any other value that
+            cannot be converted costs that value only, with one warning per key (`instrument.backends.drops`):
+            a histogram is binned from its finite values, one with none is dropped; a text with a lone
+            surrogate is written with it escaped.
         writer: a ``SummaryWriter`` you already have: instrument writes into it (its ``log_dir``) and flushes
             it, but never closes it; you do, after `Instrumentation.close`. Not together with ``log_dir``.
             It is written from the logger's writer thread (``SummaryWriter`` queues events under its own lock,

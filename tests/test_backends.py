@@ -231,3 +231,15 @@ def test_a_text_wandb_cannot_encode_costs_that_text_only(tmp_path):
     (html,) = [row["checkpoint"] for row in rows if "checkpoint" in row]  # written, the surrogate escaped
     (files,) = (tmp_path / "w" / "wandb").glob("offline-run-*/files")
     assert "caf\\udce9.pt" in (files / html["path"]).read_text()
+
+
+def test_a_hyperparameter_with_a_lone_surrogate_costs_tensorboard_nothing(tmp_path):
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("p", tmp_path))
+    logger.log_hyperparams({"data": "/data/caf\udce9", "lr": 0.1}, config_text="Data.path = '/data/caf\udce9'")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.close()
+    assert logger.failures == {}
+    acc = event_accumulator(tmp_path / "p")
+    (table,) = acc.Tensors("hyperparameters/text_summary")
+    assert "/data/caf\\udce9" in table.tensor_proto.string_val[0].decode()
+    assert [e.value for e in acc.Scalars("loss")] == [1.0]

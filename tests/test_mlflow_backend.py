@@ -165,3 +165,14 @@ def test_a_text_with_a_lone_surrogate_and_a_huge_int_sample_cost_mlflow_nothing(
     assert open(text, encoding="utf-8").read() == "saved to /data/caf\\udce9.pt"  # escaped, not lost
     table = mlflow.artifacts.load_dict(client.download_artifacts(backend.run_id, "samples/val/step_00000000.json"))
     assert table["data"] == [["x", str(10**400), 1.0]]
+
+
+def test_a_hyperparameter_with_a_lone_surrogate_costs_mlflow_nothing(tmp_path):
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("param", tmp_path))
+    logger.log_hyperparams({"data": "/data/caf\udce9", "lr": 0.1}, config_text="Data.path = '/data/caf\udce9'")
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.close()
+    assert logger.failures == {}
+    params = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id).data.params
+    assert params == {"data": "/data/caf\\udce9", "lr": "0.1"}

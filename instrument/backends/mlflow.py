@@ -205,12 +205,15 @@ class MlflowBackend(Backend):
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._ensure_open()
         Param = self._entities.Param
-        items = [Param(_safe_name(k), str(v)[:_MAX_PARAM_VALUE]) for k, v in params.items()]
+        drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
+        items = [Param(_safe_name(k), utf8(drops, "hyperparameter", k, str(v))[:_MAX_PARAM_VALUE])
+                 for k, v in params.items()]
         with self._bounded():
             for i in range(0, len(items), _PARAMS_PER_BATCH):
                 self.client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_BATCH])
             if config_text:
-                self.client.log_text(self.run_id, config_text, "config/operative_config.gin")
+                text = utf8(drops, "text", "config/operative_config.gin", config_text)
+                self.client.log_text(self.run_id, text, "config/operative_config.gin")
 
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
         Metric = self._entities.Metric

@@ -129,7 +129,9 @@ class TensorBoardBackend(Backend):
             if params:
                 table = utf8(self._drops, "text", "hyperparameters", hyperparameter_table(params))
                 w.add_text("hyperparameters", table, 0)
-                w._get_file_writer().add_summary(hparams_summary(params, Path(self.log_dir).name), 0)
+                values = {k: utf8(self._drops, "hyperparameter", k, v) if isinstance(v, str) else v
+                          for k, v in params.items()}
+                w._get_file_writer().add_summary(hparams_summary(values, Path(self.log_dir).name), 0)
             if config_text:
                 # Four leading spaces make TensorBoard's markdown show the config verbatim.
                 text = "\n".join("    " + line for line in config_text.splitlines())

@@ -139,9 +139,6 @@ def test_uris_mlflow_serves_are_accepted(uri):
     assert MlflowBackend(tracking_uri=uri).tracking_uri == uri
 
 
-@pytest.mark.xfail(strict=True, reason="mlflow._safe_name cuts a long key at 250 characters after normalising "
-                   "it, so a cut that ends in '/' (or leaves a last component '..') is a name MLflow refuses; "
-                   "log_batch then fails and every scalar of the step is lost in MLflow, at every step")
 def test_a_long_key_cut_at_a_slash_costs_mlflow_nothing_else(tmp_path):
     long_key = "a" * 249 + "/b"  # e.g. a deeply nested prefix: the 250th character is the '/'
     backend = MlflowBackend()
@@ -151,3 +148,31 @@ def test_a_long_key_cut_at_a_slash_costs_mlflow_nothing_else(tmp_path):
     client = MlflowClient(tracking_uri=backend.tracking_uri)
     assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "loss")] == [(0, 0.5)]
     assert logger.failures == {}
+    (name,) = set(client.get_run(backend.run_id).data.metrics) - {"loss"}
+    assert name == "a" * 249 and [m.value for m in client.get_metric_history(backend.run_id, name)] == [1.0]
+
+
+def test_a_text_with_a_lone_surrogate_and_a_huge_int_sample_cost_mlflow_nothing(tmp_path):
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("odd", tmp_path))
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.log_text("checkpoint", "saved to /data/caf\udce9.pt", step=0)  # a non-UTF-8 file name, fsdecoded
+    logger.log_samples("val", [{"input": "x", "seed": 10**400, "score": 1.0}], step=0)
+    logger.close()
+    assert logger.failures == {}
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    text = client.download_artifacts(backend.run_id, "text/checkpoint/step_00000000.txt")
+    assert open(text, encoding="utf-8").read() == "saved to /data/caf\\udce9.pt"  # escaped, not lost
+    table = mlflow.artifacts.load_dict(client.download_artifacts(backend.run_id, "samples/val/step_00000000.json"))
+    assert table["data"] == [["x", str(10**400), 1.0]]
+
+
+def test_a_hyperparameter_with_a_lone_surrogate_costs_mlflow_nothing(tmp_path):
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("param", tmp_path))
+    logger.log_hyperparams({"data": "/data/caf\udce9", "lr": 0.1}, config_text="Data.path = '/data/caf\udce9'")
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.close()
+    assert logger.failures == {}
+    params = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id).data.params
+    assert params == {"data": "/data/caf\\udce9", "lr": "0.1"}

@@ -180,3 +180,28 @@ def test_no_backend_sees_a_secret(tmp_path):
     line = json.loads(raw.splitlines()[0])
     assert line["hyperparameters"] == {"train/lr": 0.1, "hub/token": REDACTED}
     assert line["config"] == f"Hub.token = '{REDACTED}'\nTrain.lr = 0.1"
+
+
+def test_table_cells_keep_integers_exact():
+    import numpy as np
+
+    from instrument.terminal.samples import cell
+
+    assert cell(2**60 + 1) == 2**60 + 1 and type(cell(np.int64(7))) is int
+    assert cell(10**400) == str(10**400)  # beyond int64: its digits, never a rounded float
+    assert cell(float("nan")) == "nan" and cell(True) is True and cell(0.25) == 0.25
+    rows = [{"input": "a", "score": 10**400}, {"input": "b", "score": 1.0}]  # no float holds that score
+    assert [(label, r["input"]) for label, r in select_samples(rows, 2)] == [("best #1", "b"), ("#0", "a")]
+
+
+def test_console_prints_a_sample_with_a_lone_surrogate_and_a_huge_int_score():
+    pytest.importorskip("rich")
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="utf-8", errors="strict", write_through=True)  # a UTF-8 terminal
+    logger = Logger([ConsoleBackend(stream=stream, num_val_samples_to_print=2, width=80, legend=False)])
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.log_samples("val", [{"input": "caf\udce9", "score": 10**400}], step=0)
+    logger.close()
+    out = raw.getvalue().decode("utf-8")
+    assert "caf\\udce9" in out and "1" + "0" * 20 in out  # the escaped name and the exact score
+    assert logger.failures == {}

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
 from instrument.errors import require
 from instrument.terminal.output import write_line
-from instrument.terminal.samples import select_samples
+from instrument.terminal.samples import finite_number, select_samples
 from instrument.terminal.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
 
 __all__ = ["ConsoleBackend"]
@@ -194,7 +194,8 @@ class ConsoleBackend(Backend):
             score = row.get(table.score_key)
             title = f"{tag} | step {step} | {label}"
             if isinstance(score, (int, float)):
-                title += f" | {table.score_key} {_fmt(float(score))}"
+                shown = _fmt(float(score)) if finite_number(score) or isinstance(score, float) else str(score)
+                title += f" | {table.score_key} {shown}"
             console.print(Panel(grid, title=Text(title), title_align="left"))
         self._emit_all(buffer.getvalue().rstrip("\n").split("\n"))
 
@@ -247,7 +248,12 @@ class ConsoleBackend(Backend):
         return any(_under(key, prefix) for prefix in self.summary)
 
     def _emit(self, line: str) -> None:
-        write_line(line, self.stream)
+        try:
+            write_line(line, self.stream)
+        except UnicodeEncodeError:  # a lone surrogate (os.fsdecode), or a character the stream's encoding lacks
+            encoding = getattr(self.stream or sys.stdout, "encoding", None) or "utf-8"
+            line = line.encode(encoding, "backslashreplace").decode(encoding)
+            write_line(line, self.stream)  # the stream encodes a line before it writes any of it
         table_log.info(line)
 
     def _emit_all(self, lines: Sequence[str]) -> None:

@@ -20,6 +20,17 @@ def _json_number(value: float) -> Any:
     return value if math.isfinite(value) else str(value)
 
 
+def _json_value(value: Any) -> Any:
+    """A hyperparameter as JSON holds it: NaN and inf (also inside lists and dicts) as strings, like metrics."""
+    if isinstance(value, float):
+        return _json_number(value)
+    if isinstance(value, Mapping):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
 class JsonlBackend(Backend):
     """Appends ``{"step", "time", "metrics", ...}`` lines to ``path`` (default ``runs/<run-name>/metrics.jsonl``).
 
@@ -57,7 +68,8 @@ class JsonlBackend(Backend):
         return fd
 
     def _write_line(self, obj: Mapping[str, Any]) -> None:
-        data = (json.dumps(obj, sort_keys=False) + "\n").encode("utf-8")
+        # allow_nan=False: a NaN that slipped past the conversions above is an error, never a non-JSON line.
+        data = (json.dumps(obj, sort_keys=False, allow_nan=False) + "\n").encode("utf-8")
         fd = self._fd if self._fd is not None else self._open()  # a failed write dropped the old descriptor
         stat = os.fstat(fd)
         if stat.st_nlink == 0:  # the file was deleted under us: lines written to it would be lost unseen
@@ -96,7 +108,7 @@ class JsonlBackend(Backend):
                 offset += len(line)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
-        self._write_line({"hyperparameters": dict(params), "config": config_text})
+        self._write_line({"hyperparameters": {k: _json_value(v) for k, v in params.items()}, "config": config_text})
 
     def write(self, record: StepRecord) -> None:
         line: dict = {"step": record.step, "time": record.wall_time,

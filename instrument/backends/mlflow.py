@@ -3,7 +3,6 @@
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import tempfile
@@ -13,8 +12,10 @@ import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.drops import Drops, utf8
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.errors import ConfigurationError, require
+from instrument.terminal.samples import cell
 
 __all__ = ["MlflowBackend"]
 
@@ -120,6 +121,7 @@ class MlflowBackend(Backend):
         self._names: Dict[str, str] = {}  # metric key -> MLflow name (`_metric_name`)
         self._owners: Dict[str, str] = {}  # MLflow name -> the key that has it
         self._written: Optional[int] = None  # resumed: the last training step the run already holds
+        self._drops = Drops(self.name)
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -203,12 +205,15 @@ class MlflowBackend(Backend):
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._ensure_open()
         Param = self._entities.Param
-        items = [Param(_safe_name(k), str(v)[:_MAX_PARAM_VALUE]) for k, v in params.items()]
+        drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
+        items = [Param(_safe_name(k), utf8(drops, "hyperparameter", k, str(v))[:_MAX_PARAM_VALUE])
+                 for k, v in params.items()]
         with self._bounded():
             for i in range(0, len(items), _PARAMS_PER_BATCH):
                 self.client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_BATCH])
             if config_text:
-                self.client.log_text(self.run_id, config_text, "config/operative_config.gin")
+                text = utf8(drops, "text", "config/operative_config.gin", config_text)
+                self.client.log_text(self.run_id, text, "config/operative_config.gin")
 
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
         Metric = self._entities.Metric
@@ -258,15 +263,13 @@ class MlflowBackend(Backend):
                 self.client.log_image(
                     self.run_id, image, key=_safe_name(key), step=step, timestamp=int(record.wall_time * 1000)
                 )
-        for key, text in record.texts.items():
+        for key, text in record.texts.items():  # MLflow writes text as UTF-8: lone surrogates escaped
+            text = utf8(self._drops, "text", key, text)
             self.client.log_text(self.run_id, text, f"text/{_safe_name(key)}/step_{step:08d}.txt")
         failed = write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
-        for tag, table in record.samples.items():
-            columns = _columns(table.rows)
-            data = {
-                "columns": columns,
-                "data": [[_jsonable(row.get(c)) for c in columns] for row in table.rows],
-            }
+        tables = self._drops.each("samples table", record.samples.items(), lambda tag, table: _table(table.rows),
+                                  "rows of JSON values")
+        for tag, data in tables.items():
             self.client.log_dict(self.run_id, data, f"samples/{_safe_name(tag)}/step_{step:08d}.json")
         raise_failures(self.name, step, failed)
 
@@ -357,10 +360,26 @@ def _is_unreachable(exc: BaseException) -> bool:
 
 
 def _safe_name(name: str) -> str:
-    """A key MLflow accepts: allowed characters only, and a path that normalises to itself."""
+    """A key MLflow accepts: allowed characters only, at most 250 of them, and a path that normalises to itself.
+
+    The path is normalised again after the cut: a cut that ends in ``/`` (or leaves a last part ``.`` or
+    ``..``) is a name MLflow refuses, which would fail the whole ``log_batch`` of the step."""
     cleaned = re.sub(r"[^/\w.\- ]", "_", str(name))
-    parts = [p if p not in (".", "..") else p.replace(".", "_") for p in cleaned.split("/") if p]
-    return "/".join(parts)[:_MAX_KEY] or "_"
+    return _path(_path(cleaned)[:_MAX_KEY]) or "_"
+
+
+def _path(name: str) -> str:
+    """``name`` without empty parts, with the parts ``.`` and ``..`` written ``_`` and ``__``."""
+    return "/".join(p if p not in (".", "..") else p.replace(".", "_") for p in name.split("/") if p)
+
+
+def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """``{"columns", "data"}`` of a samples table, every cell a JSON value (checked here, so a value JSON
+    cannot hold costs that table only)."""
+    columns = _columns(rows)
+    data = {"columns": columns, "data": [[_jsonable(row.get(c)) for c in columns] for row in rows]}
+    json.dumps(data, allow_nan=False)
+    return data
 
 
 def _columns(rows: List[Dict[str, Any]]) -> List[str]:
@@ -371,10 +390,5 @@ def _columns(rows: List[Dict[str, Any]]) -> List[str]:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return str(value)
+    """A cell as JSON holds it (`instrument.terminal.samples.cell`: ints exact, NaN/inf as strings)."""
+    return cell(value)

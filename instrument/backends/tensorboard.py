@@ -5,7 +5,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional
 
+import numpy as np
+
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.drops import Drops, finite, utf8
 from instrument.backends.hparams import order_params
 from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
 from instrument.errors import ConfigurationError
@@ -31,7 +34,10 @@ class TensorBoardBackend(Backend):
             (the summary ``add_video`` writes, encoded with Pillow: no extra needed, the frame rate kept);
             ``"filmstrip"``: a PNG of the frames side by side, 8 per row (a still overview of each video).
             A video that cannot be written costs that video only: the rest of the step is written first, then
-            the failure is raised (and reported once, counted in ``Logger.failures``).
+            the failure is raised (and reported once, counted in ``Logger.failures``). Any other value that
+            cannot be converted costs that value only, with one warning per key (`instrument.backends.drops`):
+            a histogram is binned from its finite values, one with none is dropped; a text with a lone
+            surrogate is written with it escaped.
         writer: a ``SummaryWriter`` you already have: instrument writes into it (its ``log_dir``) and flushes
             it, but never closes it; you do, after `Instrumentation.close`. Not together with ``log_dir``.
             It is written from the logger's writer thread (``SummaryWriter`` queues events under its own lock,
@@ -74,6 +80,8 @@ class TensorBoardBackend(Backend):
         self._external = writer  # the user's: flushed, never closed
         self._writer = None
         self.reopened = 0  # new event files opened after a fault
+        self._drops = Drops(self.name)
+        self._bin_edges: Optional[list] = None
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
@@ -119,11 +127,15 @@ class TensorBoardBackend(Backend):
 
         def log(w) -> None:
             if params:
-                w.add_text("hyperparameters", hyperparameter_table(params), 0)
-                w._get_file_writer().add_summary(hparams_summary(params, Path(self.log_dir).name), 0)
+                table = utf8(self._drops, "text", "hyperparameters", hyperparameter_table(params))
+                w.add_text("hyperparameters", table, 0)
+                values = {k: utf8(self._drops, "hyperparameter", k, v) if isinstance(v, str) else v
+                          for k, v in params.items()}
+                w._get_file_writer().add_summary(hparams_summary(values, Path(self.log_dir).name), 0)
             if config_text:
                 # Four leading spaces make TensorBoard's markdown show the config verbatim.
-                w.add_text("config/operative", "\n".join("    " + line for line in config_text.splitlines()), 0)
+                text = "\n".join("    " + line for line in config_text.splitlines())
+                w.add_text("config/operative", utf8(self._drops, "text", "config/operative", text), 0)
             w.flush()
 
         self._guarded(log)
@@ -132,22 +144,43 @@ class TensorBoardBackend(Backend):
         self._guarded(lambda w: self._write(w, record))
 
     def _write(self, w, record: StepRecord) -> None:
-        step, t = record.step, record.wall_time
+        """Each image, histogram, text and samples table is converted to its summary on its own, so one that
+        cannot be converted is dropped (`instrument.backends.drops`) and the rest of the step is written."""
+        from torch.utils.tensorboard import summary as tb
+
+        step, t, drops = record.step, record.wall_time, self._drops
         _add_scalars(w, record.flat_scalars(), step, t)
-        for key, image in record.images.items():
-            if image is not None:
-                w.add_image(key, image, step, walltime=t, dataformats="HWC")
-        for key, values in record.histograms.items():
-            if values.size:
-                w.add_histogram(key, values, step, walltime=t)
-        for key, text in record.texts.items():
-            w.add_text(key, text, step, walltime=t)
+        images = ((k, v) for k, v in record.images.items() if v is not None)
+        histograms = ((k, v) for k, v in record.histograms.items() if v.size)
+        bins = self._bins(w)
+        summaries = [
+            *drops.each("image", images, lambda k, v: tb.image(k, v, dataformats="HWC"), "an HWC image").values(),
+            *drops.each("histogram", histograms, lambda k, v: _histogram(drops, k, v, bins),
+                        "real numbers, at least one finite").values(),
+            *drops.each("text", record.texts.items(), lambda k, v: tb.text(k, utf8(drops, "text", k, v)),
+                        "a str").values(),
+        ]
+        file_writer = w._get_file_writer()
+        for summary in summaries:
+            file_writer.add_summary(summary, step, t)
         failed = write_each(record.videos, lambda key, frames, fps: self._write_video(w, key, frames, fps, step, t))
-        for tag, table in record.samples.items():
-            w.add_text(tag, markdown_table(table.rows), step, walltime=t)
+        tables = drops.each("samples table", record.samples.items(),
+                            lambda k, v: tb.text(k, utf8(drops, "samples table", k, markdown_table(v.rows))),
+                            "rows of strings and numbers")
+        for summary in tables.values():
+            file_writer.add_summary(summary, step, t)
         if self.flush_every_commit:
             w.flush()
         raise_failures(self.name, step, failed)
+
+    def _bins(self, w) -> Any:
+        """TensorBoard's own bucket limits (``SummaryWriter.default_bins``, +-1e-12 to +-1e20, 10% apart) with
+        one more bucket on each side reaching the largest float: TensorBoard leaves values beyond +-1e20 out
+        of every bucket, and a histogram of only such values is "empty" to it."""
+        if self._bin_edges is None:
+            big = float(np.finfo(np.float64).max)
+            self._bin_edges = [-big, *getattr(w, "default_bins", []), big]
+        return self._bin_edges
 
     def _write_video(self, w, key: str, frames, fps: int, step: int, t: float) -> None:
         if self.video_format == "filmstrip":
@@ -189,6 +222,16 @@ class TensorBoardBackend(Backend):
 
     def __repr__(self) -> str:
         return f"TensorBoardBackend(log_dir={self.log_dir!r})"
+
+
+def _histogram(drops: Drops, key: str, values: Any, bins: list) -> Any:
+    """The histogram summary of the finite values (NaN and inf left out, with one warning per key: they
+    cannot be binned); none finite raises `DroppedValue`. Sums past the float range are written as inf."""
+    from torch.utils.tensorboard.summary import histogram
+
+    values = finite(drops, "histogram", key, values)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return histogram(key, values, bins)
 
 
 def _alive(writer) -> bool:

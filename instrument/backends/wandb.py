@@ -8,7 +8,10 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+import numpy as np
+
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.drops import Drops, finite, utf8
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.backends.wandb_log import last_step, run_files
@@ -99,6 +102,9 @@ class WandbBackend(Backend):
         self._external = run  # the user's run: logged into, never finished
         self._wandb = None
         self._system: dict = {}
+        self._drops = Drops(self.name)
+        self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
+        self._renamed: dict = {}  # (kind, key) -> the W&B key a media value was moved to
         self._written: Optional[int] = None  # a resumed offline run: the last step its earlier folders hold
 
     def open(self, run: RunInfo) -> None:
@@ -145,27 +151,74 @@ class WandbBackend(Backend):
         self.run.config.update(values, allow_val_change=True)
 
     def write(self, record: StepRecord) -> None:
+        """One row per step. Each media value is converted on its own: one that cannot be converted (a
+        histogram with no finite value, an image W&B refuses) is dropped with one warning per key and the rest
+        of the row is logged. A media value whose key is also a scalar's goes under ``<key>/<kind>``."""
         if self._holds(record.step):  # a resumed run already holds it: not written again (W&B would drop it)
             return
-        wandb = self._wandb
-        data: dict = record.flat_scalars()
-        for key, image in record.images.items():
-            if image is not None:
-                data[key] = wandb.Image(image)
-        for key, values in record.histograms.items():
-            if values.size:
-                data[key] = wandb.Histogram(values)
-        for key, text in record.texts.items():
-            data[key] = wandb.Html(f"<pre>{_escape(text)}</pre>")
-        failed = write_each(record.videos, lambda key, frames, fps: data.__setitem__(key, _video(wandb, frames, fps)))
-        for tag, table in record.samples.items():
-            cols = columns(table.rows)
-            data[tag] = wandb.Table(columns=cols, data=[[cell(r.get(c)) for c in cols] for r in table.rows])
+        wandb, drops = self._wandb, self._drops
+        scalars: dict = record.flat_scalars()
+        self._scalar_keys.update(scalars)
+        images = ((k, v) for k, v in record.images.items() if v is not None)
+        histograms = ((k, v) for k, v in record.histograms.items() if v.size)
+        videos: dict = {}
+        failed = write_each(record.videos, lambda key, frames, fps: videos.__setitem__(key, _video(wandb, frames, fps)))
+        media = {
+            "image": drops.each("image", images, lambda k, v: wandb.Image(v), "an HWC image"),
+            "histogram": drops.each("histogram", histograms, lambda k, v: _histogram(wandb, drops, k, v),
+                                    "real numbers, at least one finite, within the float range"),
+            "text": drops.each("text", record.texts.items(),
+                               lambda k, v: wandb.Html(f"<pre>{_escape(utf8(drops, 'text', k, v))}</pre>"), "a str"),
+            "video": videos,
+            "table": drops.each("samples table", record.samples.items(), lambda k, v: _table(wandb, drops, k, v),
+                                "rows of strings and numbers"),
+        }
+        data = dict(scalars)
+        for kind, values in media.items():
+            for key, value in values.items():
+                data[self._media_key(kind, key, data)] = value
         if self._system:
             data = {**self._system, **data}
-            self._system = {}
-        self.run.log(data, step=record.step, commit=True)
+        self._log(data, scalars, record.step)
+        self._system = {}
         raise_failures(self.name, record.step, failed)
+
+    def _log(self, data: dict, scalars: dict, step: int) -> None:
+        """``run.log`` the row; if W&B refuses it while serialising a media value, log the scalars (and system
+        samples) alone and drop the media, named, so one value never costs the step its numbers."""
+        try:
+            self.run.log(data, step=step, commit=True)
+            return
+        except Exception as exc:
+            plain = {k: v for k, v in data.items() if k in scalars or k in self._system}
+            if len(plain) == len(data):
+                raise
+            error = exc
+        self.run.log(plain, step=step, commit=True)  # raises again when W&B itself is the problem
+        for key in data.keys() - plain.keys():
+            self._drops.drop("media value", key, f"a value run.log refused ({type(error).__name__}: {error})",
+                             "a value W&B can serialise")
+
+    def _media_key(self, kind: str, key: str, data: dict) -> str:
+        """The W&B key of a media value: its own key, unless a scalar of the run (or another value of this row)
+        has it: W&B keeps one value per key in a row, so the media value would silently replace the scalar.
+        Then ``<key>/<kind>`` (e.g. ``reward/histogram``), for the rest of the run, with one warning."""
+        renamed = self._renamed.get((kind, key))
+        if renamed is not None:
+            return renamed
+        if key not in data and key not in self._scalar_keys:
+            return key
+        name, number = f"{key}/{kind}", 1
+        while name in data or name in self._scalar_keys:
+            number += 1
+            name = f"{key}/{kind}_{number}"
+        self._renamed[(kind, key)] = name
+        log.warning(
+            "instrument: WandbBackend logs the %s %r as %r: a scalar (or another value) of the run already has the "
+            "key %r, and W&B keeps one value per key in a row, so one would silently replace the other.",
+            kind, key, name, key,
+        )
+        return name
 
     def write_system(self, record: StepRecord) -> None:
         self._system = {**self._system, **record.scalars}
@@ -201,6 +254,31 @@ class WandbBackend(Backend):
 def _video(wandb, frames, fps: int):
     """A ``wandb.Video`` from GIF bytes encoded with Pillow: W&B's own encoding of raw frames needs moviepy."""
     return wandb.Video(io.BytesIO(encode_gif(frames, fps)), format="gif")
+
+
+def _histogram(wandb, drops: Drops, key: str, values: Any):
+    """A ``wandb.Histogram`` of the finite values (NaN and inf left out with one warning per key; none finite
+    raises `DroppedValue`), binned here in float64: W&B's own ``np.histogram`` refuses a non-finite range."""
+    values = finite(drops, "histogram", key, values)
+    lo, hi = float(values.min()), float(values.max())
+    with np.errstate(over="ignore"):
+        wide = not np.isfinite(hi - lo)
+    # A range wider than the largest float (e.g. -1e308 to 1e308): the edges computed on halves, then doubled.
+    bins = np.linspace(lo / 2, hi / 2, 65) * 2 if wide else 64
+    counts, edges = np.histogram(values, bins=bins)
+    return wandb.Histogram(np_histogram=(counts, edges))
+
+
+def _table(wandb, drops: Drops, tag: str, table: Any):
+    """A ``wandb.Table`` of every sample; text cells UTF-8 cannot encode are written with escapes."""
+    cols = [utf8(drops, "samples table", tag, str(c)) for c in columns(table.rows)]
+    raw = columns(table.rows)
+    rows = [[_text_cell(drops, tag, cell(r.get(c))) for c in raw] for r in table.rows]
+    return wandb.Table(columns=cols, data=rows)
+
+
+def _text_cell(drops: Drops, tag: str, value: Any) -> Any:
+    return utf8(drops, "samples table", tag, value) if isinstance(value, str) else value
 
 
 def _offline_last_step(run: Any) -> Optional[int]:

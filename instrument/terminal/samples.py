@@ -9,7 +9,7 @@ import math
 import numbers
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["select_samples", "columns", "cell", "markdown_table"]
+__all__ = ["select_samples", "columns", "cell", "markdown_table", "finite_number"]
 
 
 def select_samples(
@@ -22,7 +22,7 @@ def select_samples(
     if n <= 0:
         return []
     scored = sorted(
-        ((float(r[score_key]), i) for i, r in enumerate(rows) if _finite_number(r.get(score_key))),
+        ((float(r[score_key]), i) for i, r in enumerate(rows) if finite_number(r.get(score_key))),
         key=lambda t: (-t[0], t[1]),
     )
     best = scored[: (min(n, len(scored)) + 1) // 2]
@@ -52,12 +52,35 @@ def columns(rows: Sequence[Dict[str, Any]]) -> List[str]:
 
 
 def cell(value: Any) -> Any:
-    """A value a table (W&B, JSON) accepts: str, finite number, bool or None; anything else as its str."""
+    """A value a table (W&B, JSON) accepts: str, number, bool or None; anything else as its str.
+
+    Integers stay exact: an int (or NumPy int) is an int up to ``2**63`` in magnitude (what W&B and most JSON
+    readers hold exactly as int64) and its decimal digits as a str beyond that (a float would round a seed or
+    an id past ``2**53``, and one past the float range cannot be a float at all). Other reals are floats, with
+    NaN, inf and those beyond the float range written as their str.
+    """
     if value is None or isinstance(value, (str, bool)):
         return value
+    if isinstance(value, numbers.Integral):
+        number = int(value)
+        return number if -_INT64 <= number < _INT64 else _digits(number)
     if isinstance(value, numbers.Real):
-        return float(value) if math.isfinite(value) else str(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            return str(value)
+        return number if math.isfinite(number) else str(value)
     return str(value)
+
+
+_INT64 = 2**63
+
+
+def _digits(number: int) -> str:
+    try:
+        return str(number)
+    except ValueError:  # more digits than Python converts (sys.set_int_max_str_digits): hex has no such limit
+        return hex(number)
 
 
 def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -75,5 +98,11 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+def finite_number(value: Any) -> bool:
+    """A real that is a finite float (an int beyond the float range cannot be ranked as a score)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

@@ -1,0 +1,107 @@
+"""Per-value fault isolation: a value one backend cannot write costs that value only.
+
+A histogram with no finite value, a text with a lone surrogate, a value some SDK refuses: each is a property
+of one value, not of the backend, so it must never cost the rest of the step or any later step. A backend
+converts each value on its own (`Drops.each`); a value whose conversion raises is dropped with one warning
+naming the backend, the key, what was received and what was expected, and the rest is written. The warning
+is given once per backend and key (a diverged run logs the same NaN histogram every step); later drops of
+that key are logged at DEBUG. Drops are not backend failures (`Logger.failures`): the backend works.
+
+The helpers below also repair what can be repaired instead of dropping it: `finite` keeps the finite values
+of a histogram, `utf8` writes a text with the characters UTF-8 cannot encode escaped.
+"""
+
+import logging
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
+
+import numpy as np
+
+__all__ = ["Drops", "DroppedValue", "finite", "utf8", "describe"]
+
+log = logging.getLogger("instrument")
+
+
+class DroppedValue(ValueError):
+    """Raised by a converter to drop one value with a message that says what was received and expected."""
+
+    def __init__(self, received: str, expected: str) -> None:
+        super().__init__(f"received {received}; expected {expected}")
+        self.received, self.expected = received, expected
+
+
+class Drops:
+    """What one backend dropped or repaired, reported once per key (``counts``: key -> times dropped)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.counts: Dict[str, int] = {}
+        self._said: Set[Tuple[str, str]] = set()
+
+    def each(self, kind: str, items: Iterable[Tuple[str, Any]], convert: Callable[[str, Any], Any],
+             expected: str) -> Dict[str, Any]:
+        """``{key: convert(key, value)}`` for every item whose conversion did not raise; the others dropped."""
+        out: Dict[str, Any] = {}
+        for key, value in items:
+            try:
+                out[key] = convert(key, value)
+            except DroppedValue as exc:
+                self.drop(kind, key, exc.received, exc.expected)
+            except Exception as exc:  # an SDK refusing the value: say what it said
+                self.drop(kind, key, f"{describe(value)} ({type(exc).__name__}: {exc})", expected)
+        return out
+
+    def drop(self, kind: str, key: str, received: str, expected: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.say(key, "drop", logging.WARNING,
+                 "instrument: %s dropped the %s %r: received %s; expected %s. The rest of the step is written; "
+                 "later drops of this key are logged at DEBUG only.", self.backend, kind, key, received, expected)
+
+    def say(self, key: str, what: str, level: int, message: str, *args: Any) -> None:
+        """Log ``message`` at ``level`` the first time (key, what) is seen, at DEBUG after that."""
+        first = (key, what) not in self._said
+        self._said.add((key, what))
+        log.log(level if first else logging.DEBUG, message, *args)
+
+
+def finite(drops: Drops, kind: str, key: str, values: Any) -> Optional[np.ndarray]:
+    """The finite values of a histogram as float64 (one warning per key when some were left out); raises
+    `DroppedValue` when none is finite, since no backend can bin NaN or inf."""
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
+    keep = np.isfinite(values)
+    if keep.all():
+        return values
+    nan = int(np.isnan(values).sum())
+    inf = values.size - int(keep.sum()) - nan
+    if not keep.any():
+        raise DroppedValue(f"{values.size} values, none finite ({nan} NaN, {inf} inf)",
+                           "at least one finite value to bin")
+    drops.say(key, "nonfinite", logging.WARNING,
+              "instrument: %s wrote the %s %r without its %d NaN and %d inf values (of %d): they cannot be binned, "
+              "so it shows the finite values only (its count, min, max and sum too); later such steps are logged "
+              "at DEBUG only.", drops.backend, kind, key, nan, inf, values.size)
+    return values[keep]
+
+
+def utf8(drops: Drops, kind: str, key: str, text: str) -> str:
+    """``text`` as it is when UTF-8 can encode it; otherwise with each character it cannot encode (a lone
+    surrogate, as ``os.fsdecode`` leaves for a non-UTF-8 file name) written as a ``\\udcXX`` escape, with one
+    warning per key. Every backend stores text as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    drops.say(key, "utf8", logging.WARNING,
+              "instrument: %s wrote the %s %r with the characters UTF-8 cannot encode (lone surrogates, e.g. from "
+              "os.fsdecode of a non-UTF-8 name) as backslash escapes.", drops.backend, kind, key)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for a message: its type, and shape and dtype for arrays."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    if isinstance(value, str):
+        return f"a str of {len(value)} characters"
+    return type(value).__name__

@@ -286,6 +286,23 @@ def test_images_in_every_layout():
         log.log_image("bad", torch.rand(2, 3, 8, 9), step=1)  # checked on the caller, from its shape alone
 
 
+def test_integer_pixels_other_than_uint8_are_refused_and_bool_pixels_are_drawn():
+    """0..255 in an int64 tensor would be read as floats, clipped to 1 and drawn almost all white: refused on
+    the caller, from the dtype alone, with the conversion to use. A bool mask is black and white."""
+    log = instrument.Logger([])
+    for value in (torch.full((8, 9), 200, dtype=torch.int64), np.full((8, 9, 3), 200, dtype=np.int32)):
+        with pytest.raises(ValueError, match=r"log_image\('px'\): got pixels of dtype .*int.*\.to\(torch\.uint8\)"):
+            log.log_image("px", value, step=0)
+    with pytest.raises(ValueError, match=r"log_video\('clip'\): got pixels of dtype torch.int16"):
+        log.log_video("clip", torch.zeros(2, 4, 4, 3, dtype=torch.int16), step=0)
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[1, 2] = True
+    log.log_image("mask", mask, step=0)
+    record = log.commit()
+    image = record.images["mask"]
+    assert image.shape == (4, 5, 3) and image[1, 2].tolist() == [255, 255, 255] and image.sum() == 3 * 255
+
+
 def test_nan_values_pass_through():
     log = instrument.Logger([])
     log.log_metrics({"nan": torch.tensor(float("nan")), "inf": float("inf")}, step=0)
@@ -294,7 +311,7 @@ def test_nan_values_pass_through():
 
 
 @pytest.mark.parametrize("where", ["bare", "session"])
-def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path):
+def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path, caplog):
     if where == "bare":
         keep = Keep()
         log = instrument.Logger([keep])
@@ -303,9 +320,12 @@ def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path):
         for _ in range(4):
             with log.timer("fwd"):
                 pass
-        log.close()
+        with caplog.at_level(logging.WARNING, logger="instrument"):
+            log.close()
         counts = [r.timings["fwd"]["count"] for r in keep.records if "fwd" in r.timings]
         assert sum(counts) == 4
+        # a second record at step 3: W&B keeps only the first, and the user is told so (not a silent loss there)
+        assert "step 3 is committed a second time (keys ['timing/fwd'])" in caplog.text
         return
     inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_dir=str(tmp_path), run_name="t",
                                       log_interval=10, overhead_budget=None)

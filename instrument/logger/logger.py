@@ -223,7 +223,8 @@ class Logger(StagedTable, StepRecords):
         return None
 
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
-        """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1] or uint8."""
+        """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1], uint8 or bool; other integer
+        dtypes are refused (0..255 read as floats would be drawn white): convert them to uint8."""
         self._stage("image", tag, image, step)
 
     def log_heatmap(self, tag: str, matrix: Union[Tensor, np.ndarray], step: int, x_label: str = "",
@@ -247,7 +248,7 @@ class Logger(StagedTable, StepRecords):
         self._stage("text", tag, text, step)
 
     def log_video(self, tag: str, frames: Union[Tensor, np.ndarray], step: int, fps: int = 30) -> None:
-        """Stage a video: uint8 or [0,1] float frames shaped [T, H, W, C] (C in 1, 3, 4)."""
+        """Stage a video: uint8, bool or [0,1] float frames shaped [T, H, W, C] (C in 1, 3, 4)."""
         self._stage("video", tag, frames, step, int(fps))
 
     def log_samples(
@@ -345,7 +346,9 @@ class Logger(StagedTable, StepRecords):
                         return None
                     step = int(step)
                 if step == last:
-                    self._check_repeat(step, [*staged[0], *(b[0] + key for b in staged[7] for key in b[1])])
+                    # timer names too: timings measured after the last commit, written by close() at that step
+                    self._check_repeat(step, [*staged[0], *(b[0] + key for b in staged[7] for key in b[1]),
+                                              *("timing/" + name for name in staged[6])])
                 self._last_step = step
             return self._submit(step, staged, collective)
 

@@ -81,17 +81,32 @@ def _shape(value: Any) -> tuple:
     return tuple(value.shape)
 
 
+def _check_pixel_dtype(kind: str, tag: str, value: Any, expected: str) -> None:
+    """Pixels are floats in [0, 1], uint8 or bool. Other integers are refused: read as floats, 0..255 would be
+    clipped to 1 and drawn almost all white, a wrong picture with no error."""
+    if isinstance(value, Tensor):
+        integer = not (value.dtype.is_floating_point or value.dtype in (torch.uint8, torch.bool))
+    else:
+        integer = value.dtype.kind in "iu" and value.dtype != np.uint8
+    if integer:
+        raise InvalidValueError(
+            f"log_{kind}({tag!r}): got pixels of dtype {value.dtype}; expected {expected}. Convert 0..255 values "
+            f"with .to(torch.uint8) (NumPy: .astype(np.uint8)), or divide by 255 for floats in [0, 1]."
+        )
+
+
 def _is_image_shape(shape: tuple) -> bool:
     if len(shape) == 2:
         return True
     return len(shape) == 3 and (shape[-1] in (1, 3, 4) or shape[0] in (1, 3, 4))
 
 
-_IMAGE = "an image of shape [H,W], [C,H,W] or [H,W,C] with C in 1, 3 or 4 (floats in [0,1] or uint8)"
+_IMAGE = "an image of shape [H,W], [C,H,W] or [H,W,C] with C in 1, 3 or 4 (floats in [0,1], uint8 or bool)"
 
 
 def _check_image(tag: str, value: Any, extra: Any) -> Any:
     value = _array_like("image", tag, value, _IMAGE)
+    _check_pixel_dtype("image", tag, value, _IMAGE)
     if not _is_image_shape(_shape(value)):
         raise InvalidValueError(f"log_image({tag!r}): expected {_IMAGE}, got shape {_shape(value)}.")
     return value
@@ -170,11 +185,12 @@ def _convert_text(tag: str, value: Any, extra: Any, host: Host) -> str:
     return value
 
 
-_VIDEO = "frames shaped [T, H, W, C] with C in 1, 3 or 4 (uint8 or floats in [0,1])"
+_VIDEO = "frames shaped [T, H, W, C] with C in 1, 3 or 4 (uint8, bool or floats in [0,1])"
 
 
 def _check_video(tag: str, value: Any, extra: Any) -> Any:
     value = _array_like("video", tag, value, _VIDEO)
+    _check_pixel_dtype("video", tag, value, _VIDEO)
     shape = _shape(value)
     if len(shape) != 4 or shape[-1] not in (1, 3, 4) or shape[0] == 0:
         raise InvalidValueError(f"log_video({tag!r}): expected {_VIDEO}, got shape {shape}.")

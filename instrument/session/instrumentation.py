@@ -337,9 +337,7 @@ class Instrumentation:
             self.logger._writer.call("on_resume", 0 if last is None else int(last) + 1)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every committed step is written and flushed by every backend (`Logger.flush`): False when
-        ``timeout`` passed first, the logger is closed, or a backend failed to write or flush something since the
-        previous flush."""
+        """Wait until every committed step is written and flushed by every backend; see `Logger.flush`."""
         return self.logger.flush(timeout)
 
     def close(self, status: Optional[str] = None) -> None:

@@ -6,6 +6,7 @@ on the logger's writer thread, and reads the result back with the destination's 
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -366,6 +367,18 @@ def test_jsonl_file_deleted_during_the_run_is_created_again(tmp_path):
     backend.open(RunInfo("deleted"))
     backend.write(StepRecord(step=0, scalars={"x": 0.0}))
     path.unlink()  # e.g. a cleanup job; an open descriptor would go on writing to the deleted file
+    backend.write(StepRecord(step=1, scalars={"x": 1.0}))
+    backend.close()
+    assert [line["step"] for line in _lines(path)] == [1]
+
+
+def test_jsonl_folder_removed_during_the_run_is_made_again(tmp_path):
+    """Alone (no other backend re-creating the run folder): the next write makes the folder and the file."""
+    path = tmp_path / "run" / "metrics.jsonl"
+    backend = JsonlBackend(path=str(path))
+    backend.open(RunInfo("removed"))
+    backend.write(StepRecord(step=0, scalars={"x": 0.0}))
+    shutil.rmtree(tmp_path / "run")
     backend.write(StepRecord(step=1, scalars={"x": 1.0}))
     backend.close()
     assert [line["step"] for line in _lines(path)] == [1]

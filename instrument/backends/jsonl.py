@@ -58,7 +58,12 @@ class JsonlBackend(Backend):
         self._open()
 
     def _open(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except FileNotFoundError:  # the run folder was removed under us (a cleanup script): make it again
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, flags, 0o644)
         try:
             _drop_partial_line(fd, self.path)
         except BaseException:

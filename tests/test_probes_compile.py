@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
 import instrument
-from tests._probe_models import ReuseRule, Rule, reference
+from tests._probe_models import ReuseRule, Rule, hidden_gradients, reference
 
 # Dynamo itself reads .grad of the non-leaf state it is given each iteration (torch's warning, not ours).
 pytestmark = [
@@ -125,16 +125,9 @@ def test_compile_then_watch_wrapper_explicit_observer_and_gradient_probe(fresh_d
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
     # Gradient probe through the compiled backward: equal to eager autograd's gradient of each hidden value.
-    hidden, x = [], x0
-    for _ in range(N_ITER):
-        h = torch.relu(rule.fc0(rule.perceive(x)))
-        h.retain_grad()
-        hidden.append(h)
-        x = x + rule.fc1(h)
-    x.square().mean().backward()
     assert len(observer.gradients["hidden"]) == N_ITER
-    for got, h in zip(observer.gradients["hidden"], hidden, strict=True):
-        torch.testing.assert_close(got, h.grad)
+    for got, want_grad in zip(observer.gradients["hidden"], hidden_gradients(rule, x0, N_ITER), strict=True):
+        torch.testing.assert_close(got, want_grad)
 
 
 class Keep(instrument.Observer):
@@ -215,17 +208,8 @@ def test_inductor_gradient_probe_adds_one_fused_copy_forward_and_one_recording_b
     compiled = torch.compile(rule)
     x0 = seed_state()
 
-    def logging_step():
-        with inst.step(0) as s:
-            x = x0
-            for _ in range(N_ITER):
-                nxt = compiled(x)
-                s.observer(instrument.StepContext(x, nxt))
-                x = nxt
-            x.square().mean().backward()
-
     with inductor_config.patch(fx_graph_cache=False):
-        _, codes = run_and_get_code(logging_step)
+        _, codes = run_and_get_code(run_steps, inst, compiled, x0, explicit=True, backward=True)
     inst.close()
 
     code, forward = "\n".join(codes), codes[0]
@@ -240,13 +224,6 @@ def test_inductor_gradient_probe_adds_one_fused_copy_forward_and_one_recording_b
     for got, ref in zip(observer.seen, want, strict=True):
         for name in ref:
             torch.testing.assert_close(got[name], ref[name])
-    hidden, x = [], x0
-    for _ in range(N_ITER):
-        h = torch.relu(rule.fc0(rule.perceive(x)))
-        h.retain_grad()
-        hidden.append(h)
-        x = x + rule.fc1(h)
-    x.square().mean().backward()
     assert len(observer.gradients["hidden"]) == N_ITER
-    for got, h in zip(observer.gradients["hidden"], hidden, strict=True):
-        torch.testing.assert_close(got, h.grad)
+    for got, want_grad in zip(observer.gradients["hidden"], hidden_gradients(rule, x0, N_ITER), strict=True):
+        torch.testing.assert_close(got, want_grad)

@@ -260,3 +260,18 @@ def test_wandb_media_key_is_stable_when_the_scalar_of_that_name_comes_later(tmp_
     scalar_keys = {k for row in rows for k, v in row.items() if isinstance(v, float) and not k.startswith("_")}
     assert len(hist_keys) == 1  # one key for the histogram over the run
     assert not hist_keys & scalar_keys  # and never a key that holds both a histogram and a number
+
+
+@pytest.mark.xfail(strict=True, reason="review: cell() writes ints beyond 2**63 as str and smaller ones as int, so "
+                   "a W&B Table column holds numbers and strings, which W&B refuses: the whole table is dropped "
+                   "(before the change it was written, the big int as a float)")
+def test_wandb_writes_a_samples_table_whose_int_column_has_one_value_beyond_int64(tmp_path):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.log_samples("val", [{"input": "a", "seed": 1, "score": 1.0}, {"input": "b", "seed": 2**64, "score": 0.5}],
+                       step=0)
+    logger.close()
+    (row,) = read_run(tmp_path / "w")[0]
+    assert row["loss"] == 0.5
+    assert row["val"]["nrows"] == 2  # the table is written, both samples in it

@@ -243,3 +243,48 @@ def test_a_hyperparameter_with_a_lone_surrogate_costs_tensorboard_nothing(tmp_pa
     (table,) = acc.Tensors("hyperparameters/text_summary")
     assert "/data/caf\\udce9" in table.tensor_proto.string_val[0].decode()
     assert [e.value for e in acc.Scalars("loss")] == [1.0]
+
+
+@pytest.mark.xfail(strict=True, reason="review: a media key used before a scalar of that name appears is renamed "
+                   "mid-run (WandbBackend._media_key): the histogram changes key and W&B's 'reward' mixes kinds")
+def test_wandb_media_key_is_stable_when_the_scalar_of_that_name_comes_later(tmp_path):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_histogram("reward", np.array([0.1, 0.9]), step=0)  # no scalar "reward" yet: kept as "reward"
+    logger.commit()
+    logger.log_metrics({"reward": 0.5}, step=1)
+    logger.log_histogram("reward", np.array([0.2, 0.8]), step=1)  # now moved to "reward/histogram"
+    logger.close()
+    rows, _ = read_run(tmp_path / "w")
+    hist_keys = {k for row in rows for k, v in row.items() if isinstance(v, dict) and v.get("_type") == "histogram"}
+    scalar_keys = {k for row in rows for k, v in row.items() if isinstance(v, float) and not k.startswith("_")}
+    assert len(hist_keys) == 1  # one key for the histogram over the run
+    assert not hist_keys & scalar_keys  # and never a key that holds both a histogram and a number
+
+
+@pytest.mark.xfail(strict=True, reason="review: cell() writes ints beyond 2**63 as str and smaller ones as int, so "
+                   "a W&B Table column holds numbers and strings, which W&B refuses: the whole table is dropped "
+                   "(before the change it was written, the big int as a float)")
+def test_wandb_writes_a_samples_table_whose_int_column_has_one_value_beyond_int64(tmp_path):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.log_samples("val", [{"input": "a", "seed": 1, "score": 1.0}, {"input": "b", "seed": 2**64, "score": 0.5}],
+                       step=0)
+    logger.close()
+    (row,) = read_run(tmp_path / "w")[0]
+    assert row["loss"] == 0.5
+    assert row["val"]["nrows"] == 2  # the table is written, both samples in it
+
+
+@pytest.mark.xfail(strict=True, reason="review (older than the change): cell() writes a NaN score as the str 'nan', "
+                   "so the column mixes numbers and strings and W&B refuses the whole samples table")
+def test_wandb_writes_a_samples_table_with_a_nan_score(tmp_path):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.log_samples("val", [{"input": "a", "score": 1.0}, {"input": "b", "score": float("nan")}], step=0)
+    logger.close()
+    (row,) = read_run(tmp_path / "w")[0]
+    assert row["loss"] == 0.5
+    assert row["val"]["nrows"] == 2

@@ -245,8 +245,6 @@ def test_a_hyperparameter_with_a_lone_surrogate_costs_tensorboard_nothing(tmp_pa
     assert [e.value for e in acc.Scalars("loss")] == [1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="review: a media key used before a scalar of that name appears is renamed "
-                   "mid-run (WandbBackend._media_key): the histogram changes key and W&B's 'reward' mixes kinds")
 def test_wandb_media_key_is_stable_when_the_scalar_of_that_name_comes_later(tmp_path):
     pytest.importorskip("wandb")
     logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
@@ -262,9 +260,6 @@ def test_wandb_media_key_is_stable_when_the_scalar_of_that_name_comes_later(tmp_
     assert not hist_keys & scalar_keys  # and never a key that holds both a histogram and a number
 
 
-@pytest.mark.xfail(strict=True, reason="review: cell() writes ints beyond 2**63 as str and smaller ones as int, so "
-                   "a W&B Table column holds numbers and strings, which W&B refuses: the whole table is dropped "
-                   "(before the change it was written, the big int as a float)")
 def test_wandb_writes_a_samples_table_whose_int_column_has_one_value_beyond_int64(tmp_path):
     pytest.importorskip("wandb")
     logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
@@ -277,8 +272,6 @@ def test_wandb_writes_a_samples_table_whose_int_column_has_one_value_beyond_int6
     assert row["val"]["nrows"] == 2  # the table is written, both samples in it
 
 
-@pytest.mark.xfail(strict=True, reason="review (older than the change): cell() writes a NaN score as the str 'nan', "
-                   "so the column mixes numbers and strings and W&B refuses the whole samples table")
 def test_wandb_writes_a_samples_table_with_a_nan_score(tmp_path):
     pytest.importorskip("wandb")
     logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))

@@ -312,7 +312,10 @@ def test_nan_values_pass_through():
 
 
 @pytest.mark.parametrize("where", ["bare", "session"])
-def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path, caplog):
+def test_timings_go_with_the_next_record_that_has_a_step(where, tmp_path, caplog):
+    """Timer measurements carry no step. They go with the next record (an interval's timings with its logging
+    step); ``commit(step)`` writes them alone at that step; those taken after the last logging step are not
+    written at close, which would be a second record at a step already written (W&B keeps only the first)."""
     if where == "bare":
         keep = Keep()
         log = instrument.Logger([keep])
@@ -321,24 +324,28 @@ def test_close_writes_timings_measured_after_the_last_commit(where, tmp_path, ca
         for _ in range(4):
             with log.timer("fwd"):
                 pass
+        assert log.commit() is None  # no step to put them at: they stay staged
+        with log.timer("fwd"):
+            pass
+        log.commit(4)  # a step given: written there, all five
+        with log.timer("fwd"):
+            pass
         with caplog.at_level(logging.WARNING, logger="instrument"):
             log.close()
-        counts = [r.timings["fwd"]["count"] for r in keep.records if "fwd" in r.timings]
-        assert sum(counts) == 4
-        # a second record at step 3: W&B keeps only the first, and the user is told so (not a silent loss there)
-        assert "step 3 is committed a second time (keys ['timing/fwd'])" in caplog.text
+        assert [(r.step, r.timings["fwd"]["count"]) for r in keep.records if "fwd" in r.timings] == [(4, 5)]
+        assert [r.step for r in keep.records] == [3, 4] and "a second time" not in caplog.text
         return
     inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_dir=str(tmp_path), run_name="t",
                                       log_interval=10, overhead_budget=None)
-    for step in range(26):  # logging steps 0, 10, 20; steps 21..25 are measured and left staged at close
+    for step in range(26):  # logging steps 0, 10, 20; steps 21..25 are measured after the last one
         with inst.step(step):
             with inst.logger.timer("fwd"):
                 pass
     inst.close()
     import json
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
-    counts = [x["metrics"]["timing/fwd/count"] for x in lines if "step" in x and "timing/fwd/count" in x["metrics"]]
-    assert sum(counts) == 26  # every measured step is in some record, as log_metrics values staged then are
+    counts = [(x["step"], x["metrics"]["timing/fwd/count"]) for x in lines if "timing/fwd/count" in x["metrics"]]
+    assert counts == [(0, 1.0), (10, 10.0), (20, 10.0)]  # every interval with its logging step, once
 
 
 @pytest.mark.parametrize("commit_own", [False, True], ids=["interval", "commit_true"])
@@ -414,9 +421,6 @@ def test_a_timer_used_reentrantly_measures_every_span_and_never_raises():
     assert shared["count"] == 2 and shared["min"] >= 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="review: close() now commits the timer measurements taken after the last "
-                   "logging step at that step again (Logger.close -> commit, _check_repeat on timing/<name>): an "
-                   "ordinary loop gets a second record at its last step and a warning blaming the user")
 def test_an_ordinary_timed_loop_is_not_told_it_committed_a_step_twice_at_close(tmp_path, caplog):
     logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("t", tmp_path))
     timer = logger.timer("train")
@@ -433,9 +437,6 @@ def test_an_ordinary_timed_loop_is_not_told_it_committed_a_step_twice_at_close(t
     assert not any("a second time" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.xfail(strict=True, reason="review: an implicit commit() with timer measurements alone now writes a "
-                   "record (Logger.commit dropped the `step is None` guard): at an invented step 0 before any "
-                   "step was logged, then again at the last step on every call, splitting the interval's timings")
 def test_an_implicit_commit_with_timer_measurements_alone_waits_for_a_step(tmp_path):
     logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("t", tmp_path))
     timer = logger.timer("train")

@@ -18,6 +18,8 @@ from instrument.backends.wandb_log import last_step, run_files
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
+SCALAR = "scalar"  # the kind named in `_renamed` for a scalar moved off a media value's key
+
 __all__ = ["WandbBackend"]
 
 log = logging.getLogger("instrument")
@@ -104,7 +106,8 @@ class WandbBackend(Backend):
         self._system: dict = {}
         self._drops = Drops(self.name)
         self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
-        self._renamed: dict = {}  # (kind, key) -> the W&B key a media value was moved to
+        self._renamed: dict = {}  # (kind, key) -> the W&B key a value of that kind and key is logged under
+        self._media_names: set = set()  # W&B keys media values took under their own name
         self._written: Optional[int] = None  # a resumed offline run: the last step its earlier folders hold
 
     def open(self, run: RunInfo) -> None:
@@ -157,7 +160,7 @@ class WandbBackend(Backend):
         if self._holds(record.step):  # a resumed run already holds it: not written again (W&B would drop it)
             return
         wandb, drops = self._wandb, self._drops
-        scalars: dict = record.flat_scalars()
+        scalars: dict = self._scalar_names(record.flat_scalars())
         self._scalar_keys.update(scalars)
         images = ((k, v) for k, v in record.images.items() if v is not None)
         histograms = ((k, v) for k, v in record.histograms.items() if v.size)
@@ -207,6 +210,8 @@ class WandbBackend(Backend):
         if renamed is not None:
             return renamed
         if key not in data and key not in self._scalar_keys:
+            self._renamed[(kind, key)] = key  # fixed at first use: a later scalar of that name moves instead
+            self._media_names.add(key)
             return key
         name, number = f"{key}/{kind}", 1
         while name in data or name in self._scalar_keys:
@@ -219,6 +224,24 @@ class WandbBackend(Backend):
             kind, key, name, key,
         )
         return name
+
+    def _scalar_names(self, scalars: dict) -> dict:
+        """The scalars under their W&B keys: a scalar whose key a media value of the run already holds goes
+        under ``<key>/scalar`` (one warning), so no W&B key ever holds both a number and a media value."""
+        clash = [key for key in scalars if key in self._media_names]
+        if not clash:
+            return scalars
+        out = {}
+        for key, value in scalars.items():
+            if key in self._media_names:
+                name = f"{key}/scalar"
+                if (SCALAR, key) not in self._renamed:
+                    self._renamed[(SCALAR, key)] = name
+                    log.warning("instrument: WandbBackend logs the scalar %r as %r: a media value of the run "
+                                "already has the key %r, and W&B keeps one kind of value per key.", key, name, key)
+                key = name
+            out[key] = value
+        return out
 
     def write_system(self, record: StepRecord) -> None:
         self._system = {**self._system, **record.scalars}
@@ -270,10 +293,18 @@ def _histogram(wandb, drops: Drops, key: str, values: Any):
 
 
 def _table(wandb, drops: Drops, tag: str, table: Any):
-    """A ``wandb.Table`` of every sample; text cells UTF-8 cannot encode are written with escapes."""
+    """A ``wandb.Table`` of every sample; text cells UTF-8 cannot encode are written with escapes. W&B refuses
+    a column that mixes numbers and text (a NaN score, an int beyond int64, both written as text by `cell`), so
+    such a column is written as text throughout."""
     cols = [utf8(drops, "samples table", tag, str(c)) for c in columns(table.rows)]
     raw = columns(table.rows)
     rows = [[_text_cell(drops, tag, cell(r.get(c))) for c in raw] for r in table.rows]
+    for j in range(len(raw)):
+        kinds = {isinstance(row[j], str) for row in rows if row[j] is not None}
+        if kinds == {True, False}:
+            for row in rows:
+                if row[j] is not None and not isinstance(row[j], str):
+                    row[j] = str(row[j])
     return wandb.Table(columns=cols, data=rows)
 
 

@@ -313,9 +313,8 @@ class Logger(StagedTable, StepRecords):
         collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
         cleared whatever happens. Without ``step`` the record goes to the highest step staged since the last
         commit, or to the last committed step where that is higher (values staged before a
-        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards;
-        timer measurements taken since the last commit are staged values too (they carry no step of their
-        own), so ``close()`` writes those taken after the last logging step, at the last committed step.
+        ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
+        Timer measurements carry no step: they go with the next record, and with ``step`` given they make one.
         """
         collective = DIST_AVAILABLE and dist.is_initialized() and self.reducer.active()  # one call without a group
         with self._commit_lock:
@@ -329,7 +328,9 @@ class Logger(StagedTable, StepRecords):
                 implicit = step is None
                 if implicit:
                     step = self._pending_step
-                if not collective and not (self._blocks or self.has_pending):
+                # Timer measurements alone carry no step: they wait for the next record that has one (and
+                # those taken after the last logging step are not written at close, see docs/backends.md).
+                if not collective and (step is None or not (self._blocks or self.has_pending)):
                     self._pending_step = None
                     return None
                 last = self._last_step

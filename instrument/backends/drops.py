@@ -30,11 +30,10 @@ class DroppedValue(ValueError):
 
 
 class Drops:
-    """What one backend dropped or repaired, reported once per key (``counts``: key -> times dropped)."""
+    """What one backend dropped or repaired, reported once per key."""
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self.counts: Dict[str, int] = {}
         self._said: Set[Tuple[str, str]] = set()
 
     def each(self, kind: str, items: Iterable[Tuple[str, Any]], convert: Callable[[str, Any], Any],
@@ -51,7 +50,6 @@ class Drops:
         return out
 
     def drop(self, kind: str, key: str, received: str, expected: str) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1
         self.say(key, "drop", logging.WARNING,
                  "instrument: %s dropped the %s %r: received %s; expected %s. The rest of the step is written; "
                  "later drops of this key are logged at DEBUG only.", self.backend, kind, key, received, expected)

@@ -377,7 +377,7 @@ def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """``{"columns", "data"}`` of a samples table, every cell a JSON value (checked here, so a value JSON
     cannot hold costs that table only)."""
     columns = _columns(rows)
-    data = {"columns": columns, "data": [[_jsonable(row.get(c)) for c in columns] for row in rows]}
+    data = {"columns": columns, "data": [[cell(row.get(c)) for c in columns] for row in rows]}
     json.dumps(data, allow_nan=False)
     return data
 
@@ -388,7 +388,3 @@ def _columns(rows: List[Dict[str, Any]]) -> List[str]:
         columns += [c for c in row if c not in columns]
     return columns
 
-
-def _jsonable(value: Any) -> Any:
-    """A cell as JSON holds it (`instrument.terminal.samples.cell`: ints exact, NaN/inf as strings)."""
-    return cell(value)

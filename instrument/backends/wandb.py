@@ -228,8 +228,7 @@ class WandbBackend(Backend):
     def _scalar_names(self, scalars: dict) -> dict:
         """The scalars under their W&B keys: a scalar whose key a media value of the run already holds goes
         under ``<key>/scalar`` (one warning), so no W&B key ever holds both a number and a media value."""
-        clash = [key for key in scalars if key in self._media_names]
-        if not clash:
+        if self._media_names.isdisjoint(scalars):
             return scalars
         out = {}
         for key, value in scalars.items():
@@ -296,8 +295,8 @@ def _table(wandb, drops: Drops, tag: str, table: Any):
     """A ``wandb.Table`` of every sample; text cells UTF-8 cannot encode are written with escapes. W&B refuses
     a column that mixes numbers and text (a NaN score, an int beyond int64, both written as text by `cell`), so
     such a column is written as text throughout."""
-    cols = [utf8(drops, "samples table", tag, str(c)) for c in columns(table.rows)]
     raw = columns(table.rows)
+    cols = [utf8(drops, "samples table", tag, str(c)) for c in raw]
     rows = [[_text_cell(drops, tag, cell(r.get(c))) for c in raw] for r in table.rows]
     for j in range(len(raw)):
         kinds = {isinstance(row[j], str) for row in rows if row[j] is not None}

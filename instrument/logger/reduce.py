@@ -38,7 +38,7 @@ from instrument.errors import ConfigurationError, InstrumentError
 from instrument.logger.ranks import collective_device, config_hash, is_distributed
 from instrument.logger.transfer import to_host
 
-__all__ = ["OPS", "Entry", "CrossRankReducer", "PendingReduction", "resolve_ops", "local_value"]
+__all__ = ["OPS", "Entry", "CrossRankReducer", "PendingReduction", "resolve_ops"]
 
 OPS = ("mean", "sum", "min", "max", "l2")
 _STRATEGIES = ("auto", "gather", "allreduce")
@@ -62,16 +62,6 @@ class Entry:
     kind: str
     value: Scalar
     weight: Scalar = 1.0
-
-
-def local_value(entry: Entry) -> Scalar:
-    """The entry's value on this rank alone (what a single process logs); a weighted mean of total weight 0
-    is NaN, as `_Layout.decode` gives it across ranks."""
-    if entry.kind != "wmean":
-        return entry.value
-    if isinstance(entry.weight, float) and entry.weight == 0.0 and not isinstance(entry.value, Tensor):
-        return math.nan
-    return entry.value / entry.weight
 
 
 def resolve_ops(

@@ -186,11 +186,12 @@ def render_heatmap(
         lo, hi = float(color_range[0]), float(color_range[1])
     # A constant image, or one whose range is float rounding noise (`is_degenerate`), is drawn in one colour.
     span = hi - lo if hi > lo and not (color_range is None and is_degenerate(lo, hi)) else 1.0
-    # A range wider than float64 holds (-1e308 .. 1e308) is scaled in halves: exact, as halving is.
-    half = 1.0 if np.isfinite(span) else 0.5
     with np.errstate(invalid="ignore", over="ignore"):
         finite = np.nan_to_num(m, nan=lo, posinf=hi, neginf=lo)
-        scaled = (finite * half - lo * half) / (hi * half - lo * half if half != 1.0 else span) * 255.0
+        if np.isfinite(span):
+            scaled = (finite - lo) / span * 255.0
+        else:  # a range wider than float64 holds (-1e308 .. 1e308): scaled in halves, exact as halving is
+            scaled = (finite / 2 - lo / 2) / (hi / 2 - lo / 2) * 255.0
     idx = np.clip(scaled.round(), 0, 255).astype(np.uint8)
     cells = _LUT[idx]
     cells[~np.isfinite(m)] = _NAN_COLOUR

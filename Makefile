@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
 BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
-.PHONY: install demo demo-rl test lint bench bench-check bench-quick bench-probes bench-headline clean
+.PHONY: install demo demo-rl test test-cuda lint bench bench-check bench-quick bench-probes bench-headline clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ demo-rl: install
 
 test: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest
+
+# The tests marked `cuda` alone (skipped by `make test` without a GPU); on a GPU machine with a CUDA torch:
+# `make TORCH=torch test-cuda`.
+test-cuda: install
+	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest -m cuda -rs
 
 lint: install
 	$(PY) -m ruff check instrument tests bench

@@ -15,6 +15,16 @@ from torch import nn
 import instrument
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped without a CUDA device (``pytest -m cuda`` runs them on a GPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run `pytest -m cuda` on a machine with one")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _isolate(monkeypatch, tmp_path):
     """Each test runs in its own directory, single-threaded, with W&B offline and a clean gin config."""

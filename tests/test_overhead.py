@@ -143,7 +143,7 @@ def test_console_shows_the_fraction_as_a_column(tmp_path):
     assert all(r[1].endswith("%") and 0 <= int(r[1][:-1]) <= 100 for r in rows), rows
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_spans_are_events_read_without_a_sync(tmp_path):
     torch.zeros(1, device="cuda")  # the run uses CUDA: spans become CUDA events
     inst, sleeper = _train(tmp_path, steps=6, body_seconds=0.01, overhead_budget=1.0)

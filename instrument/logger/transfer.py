@@ -65,6 +65,7 @@ class HostBatch:
             # uint8 pixels (images, video frames) travel as uint8, 8x less to copy than float64.
             wire = torch.uint8 if dtype == torch.uint8 else _wire_dtype(device)
             by_device.setdefault((device, wire), []).append(lists)
+        copied: Dict[torch.device, None] = {}  # CUDA devices with a copy under way
         with torch.no_grad():
             for (device, wire), group in by_device.items():
                 flat, indices = _pack(tensors, group, wire)
@@ -72,15 +73,17 @@ class HostBatch:
                     pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                     pinned.copy_(flat, non_blocking=True)  # no host sync: the writer waits on the event
                     self._parts.append((pinned, indices))
-                    with torch.cuda.device(device):
-                        event = torch.cuda.Event()
-                        event.record()
-                        self._events.append(event)
+                    copied[device] = None
                 elif device.type == "cpu":
                     self._parts.append((flat, indices))  # _pack made a copy the caller cannot change
                 else:
                     # host sync: a device without pinned non-blocking copies (e.g. MPS) copies here.
                     self._parts.append((flat.to("cpu"), indices))
+        for device in copied:  # one event per device, after all of its copies (one stream: they run in order)
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()
+                event.record()
+                self._events.append(event)
 
     def arrays(self) -> List[np.ndarray]:
         """Numpy copies of the tensors, same shapes and order (uint8 stays uint8, the rest float64); waits for

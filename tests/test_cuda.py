@@ -1,0 +1,118 @@
+"""CUDA: a logging step makes no host sync inside the rollout, and the commit's copy is non-blocking.
+
+Every test here is marked ``cuda`` and skipped without a CUDA device (see ``tests/conftest.py``); on a GPU
+machine ``pytest -m cuda`` runs them alone. ``torch.cuda.set_sync_debug_mode("error")`` makes every
+synchronising CUDA call (``.item()``, a blocking device->host copy, a stream synchronize) raise, so a test
+that passes under it shows that no such call happened on the training thread.
+"""
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import instrument
+from instrument.logger.transfer import start_transfer
+from tests.conftest import read_scalars
+
+pytestmark = pytest.mark.cuda
+
+ITERATIONS = 4
+
+
+class Grow(nn.Module):
+    """One deterministic NCA-like iteration (channels first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.02 * torch.sin(3.0 * x)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Any synchronising CUDA call inside raises (the debug mode is process-wide, so the writer thread's
+    event wait is covered too: it must not be one of those calls)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _state() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand((2, 5, 16, 16), generator=g) * 0.2 - 0.1
+    x[:, 3] += (torch.rand((2, 16, 16), generator=g) < 0.2) * 0.6  # some alive cells (alpha > 0.1)
+    return x
+
+
+def _reference(x0: torch.Tensor):
+    """float64 NumPy over the same iterations: mean per-sample L2 norm of each update, and the last state's
+    per-channel mean and population std."""
+    x = x0.double().numpy()
+    norms = []
+    for _ in range(ITERATIONS):
+        nxt = x + 0.02 * np.sin(3.0 * x)
+        norms.append(np.sqrt(((nxt - x).reshape(x.shape[0], -1) ** 2).sum(1)).mean())
+        x = nxt
+    per_channel = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1)
+    return np.mean(norms), per_channel.mean(1), per_channel.std(1), x
+
+
+def test_a_logging_step_on_cuda_makes_no_host_sync_and_logs_the_float64_reference(tmp_path):
+    x0 = _state()
+    inst = instrument.Instrumentation(
+        observers=[instrument.IterationStats(images=False), instrument.UpdateNorm()],
+        backends=[instrument.TensorBoardBackend(), instrument.JsonlBackend()], log_interval=2, run_name="r",
+        log_dir=str(tmp_path),
+    )
+    rule = Grow().cuda()
+    inst.watch(rule)
+    for step in range(4):  # logging steps 0 and 2, a non-logging step after each
+        with no_host_sync():
+            with inst.step(step):
+                x = x0.cuda()
+                for _ in range(ITERATIONS):
+                    x = rule(x)
+                inst.logger.log_metrics({"energy": (x.double() ** 2).mean()}, step=step, prefix="train")
+    inst.close()
+    norm, means, stds, last = _reference(x0)
+    scalars = read_scalars(tmp_path / "r")
+    assert set(scalars["update_norm/l2/mean"]) == {0, 2}
+    for step in (0, 2):
+        assert scalars["update_norm/l2/mean"][step] == pytest.approx(norm, rel=1e-5)
+        assert scalars["train/energy"][step] == pytest.approx((last**2).mean(), rel=1e-6)
+        for c in range(5):
+            assert scalars[f"iteration_stats/mean/c{c}"][step] == pytest.approx(means[c], rel=1e-5, abs=1e-7)
+            assert scalars[f"iteration_stats/std/c{c}"][step] == pytest.approx(stds[c], rel=1e-5)
+
+
+def test_the_commit_copies_into_pinned_memory_behind_one_event():
+    values = [torch.arange(6.0, device="cuda").view(2, 3), torch.tensor(2.5, device="cuda"),
+              torch.tensor(7, device="cuda"), torch.full((4,), 9, dtype=torch.uint8, device="cuda")]
+    with no_host_sync():
+        batch = start_transfer(values)  # what commit does on the training thread
+    buffers = [buffer for buffer, _ in batch._parts]
+    assert buffers and all(buffer.device.type == "cpu" and buffer.is_pinned() for buffer in buffers)
+    assert len(batch._events) == 1  # one device: one event, recorded after its copies
+    arrays = batch.arrays()  # what the writer thread does: waits on the event, then reads
+    np.testing.assert_array_equal(arrays[0], np.arange(6.0).reshape(2, 3))
+    assert arrays[1].shape == () and arrays[1] == 2.5 and arrays[2] == 7.0
+    assert arrays[3].dtype == np.uint8 and arrays[3].tolist() == [9, 9, 9, 9]
+
+
+def test_a_cuda_commit_makes_no_host_sync_and_the_writer_reads_the_values(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = instrument.Logger([instrument.JsonlBackend(str(path))], instrument.RunInfo("cuda", tmp_path))
+    x = torch.arange(100.0, device="cuda")
+    with no_host_sync():
+        logger.log_metrics({"mean": x.mean(), "max": x.max()}, step=0)
+        logger.log_heatmap("hm", x.view(10, 10), 0)
+        handle = logger.commit(0)  # non-blocking copy into pinned memory; the writer waits on the event
+    assert handle.scalars == {"mean": 49.5, "max": 99.0}
+    logger.close()
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["metrics"] == {"mean": 49.5, "max": 99.0} and first["images"]["hm"][2] == 3

@@ -116,3 +116,24 @@ def test_a_cuda_commit_makes_no_host_sync_and_the_writer_reads_the_values(tmp_pa
     logger.close()
     first = json.loads(path.read_text().splitlines()[0])
     assert first["metrics"] == {"mean": 49.5, "max": 99.0} and first["images"]["hm"][2] == 3
+
+
+def test_timers_on_two_streams_are_read_on_the_writer_without_a_sync_on_the_caller(tmp_path):
+    logger = instrument.Logger([], instrument.RunInfo("timers", tmp_path))
+    a = torch.randn(1024, 1024, device="cuda")
+    side = torch.cuda.Stream()
+    with no_host_sync():
+        with torch.cuda.stream(side):  # a long span on a side stream, recorded first
+            with logger.timer("side"):
+                for _ in range(20):
+                    a = a @ a / 1024
+        with logger.timer("main"):  # a short one on the default stream, recorded last
+            b = torch.ones(8, device="cuda") * 2
+        logger.log_metrics({"b": b.sum()}, step=0)
+        handle = logger.commit(0)
+    record = handle.result(timeout=60)  # the writer waits for every span's end, whatever its stream
+    assert record is not None and record.scalars == {"b": 16.0}
+    assert record.timings["side"]["count"] == 1 and record.timings["side"]["mean"] > 0
+    assert record.timings["main"]["count"] == 1 and record.timings["main"]["mean"] >= 0
+    side.synchronize()
+    logger.close()

@@ -130,8 +130,8 @@ class Timer:
 def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cuda.Event]]) -> List[float]:
     """Durations in seconds of taken measurements (waits for CUDA events to complete)."""
     if events:
-        # host sync: CUDA event times (on the writer thread, or at a distributed commit).
-        events[-1][1].synchronize()
+        for _, end in events:  # spans on other streams (another thread's, a side stream) end in their own order
+            end.synchronize()  # host sync: CUDA event times (on the writer thread, or at a distributed commit).
         seconds = seconds + [s.elapsed_time(e) / 1000.0 for s, e in events]
     return seconds
 

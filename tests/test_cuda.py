@@ -137,3 +137,42 @@ def test_timers_on_two_streams_are_read_on_the_writer_without_a_sync_on_the_call
     assert record.timings["main"]["count"] == 1 and record.timings["main"]["mean"] >= 0
     side.synchronize()
     logger.close()
+
+
+class KeepProbes(instrument.Observer):
+    """Keeps each iteration's probe values (device copies: no sync)."""
+
+    probes = ("hidden", "update")
+
+    def reset(self) -> None:
+        self.seen = []
+
+    def observe(self, context) -> None:
+        self.seen.append({name: value.clone() for name, value in context.probes.items()})
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("scripted", [False, True])
+def test_embedded_probes_on_cuda_record_without_a_sync(scripted):
+    from tests._probe_models import Rule, reference
+
+    torch.manual_seed(0)
+    rule = Rule().cuda()
+    module = torch.jit.script(rule) if scripted else rule
+    keep = KeepProbes("keep")
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+    inst.watch(module, state=False)
+    x0 = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)).cuda()
+    with no_host_sync():
+        with inst.step(0) as s:
+            x = x0
+            for _ in range(3):
+                nxt = module(x)
+                s.observer(instrument.StepContext(x, nxt))
+                x = nxt
+    inst.close()
+    expected = reference(rule, x0, 3)
+    assert len(keep.seen) == 3
+    for got, want in zip(keep.seen, expected, strict=True):
+        for name in ("hidden", "update"):
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)

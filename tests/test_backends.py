@@ -206,6 +206,24 @@ def test_wandb_keeps_a_scalar_whose_key_is_also_a_histogram_tag(tmp_path, caplog
     assert row["reward"] == 0.5 and row["reward/histogram"]["_type"] == "histogram" and said
 
 
+def test_wandb_keys_that_w_and_b_reserves_are_kept_under_user(tmp_path, caplog):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    for step in range(2):  # W&B would replace _step and _runtime by its own, and take _timestamp as its own
+        logger.log_metrics({"_step": 100.0 + step, "_runtime": 5.0, "_timestamp": 7.0, "loss": float(step)},
+                           step=step)
+        logger.log_histogram("_h", np.array([0.1, 0.9]), step=step)
+        logger.commit()
+    logger.close()
+    rows, _ = read_run(tmp_path / "w")
+    assert [row["_step"] for row in rows] == [0, 1]  # W&B's own step column is the training step
+    assert [row["user/_step"] for row in rows] == [100.0, 101.0]
+    assert all(row["user/_runtime"] == 5.0 and row["user/_timestamp"] == 7.0 for row in rows)
+    assert all(row["_timestamp"] > 1e9 and row["user/_h"]["_type"] == "histogram" for row in rows)
+    said = [r.getMessage() for r in caplog.records if "W&B keeps the keys that start with '_'" in r.getMessage()]
+    assert len(said) == 4  # once per key: _step, _runtime, _timestamp, _h
+
+
 def test_a_text_tensorboard_cannot_encode_costs_that_text_only(tmp_path):
     logger = instrument.Logger([instrument.TensorBoardBackend(), instrument.JsonlBackend()],
                                instrument.RunInfo("t", tmp_path))

@@ -19,6 +19,9 @@ from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
 SCALAR = "scalar"  # the kind named in `_renamed` for a scalar moved off a media value's key
+# W&B keeps the top-level keys that start with "_" for itself (_step, _runtime, _timestamp, _wandb): a value
+# logged under one is silently replaced by W&B's own or replaces it. Such a key of ours goes under this head.
+RESERVED_HEAD = "user/"
 
 __all__ = ["WandbBackend"]
 
@@ -202,22 +205,40 @@ class WandbBackend(Backend):
             self._drops.drop("media value", key, f"a value run.log refused ({type(error).__name__}: {error})",
                              "a value W&B can serialise")
 
+    def _unreserved(self, key: str, taken: Any = ()) -> str:
+        """``key``, or ``user/<key>`` for a key W&B reserves (one that starts with ``_``), with one warning; a
+        number is added while that name is ``taken`` (a key of the row) or another key of the run's."""
+        if key[:1] != "_":
+            return key
+        name = self._renamed.get(("reserved", key))
+        if name is None:
+            name, number = RESERVED_HEAD + key, 1
+            while name in taken or name in self._scalar_keys or name in self._media_names:
+                number += 1
+                name = f"{RESERVED_HEAD}{key}_{number}"
+            self._renamed[("reserved", key)] = name
+            log.warning("instrument: WandbBackend logs %r as %r: W&B keeps the keys that start with '_' (_step, "
+                        "_runtime, _timestamp...) for itself and would silently replace the value.", key, name)
+        return name
+
     def _media_key(self, kind: str, key: str, data: dict) -> str:
-        """The W&B key of a media value: its own key, unless a scalar of the run (or another value of this row)
-        has it: W&B keeps one value per key in a row, so the media value would silently replace the scalar.
-        Then ``<key>/<kind>`` (e.g. ``reward/histogram``), for the rest of the run, with one warning."""
+        """The W&B key of a media value: its own key (``user/<key>`` if W&B reserves it, see `_unreserved`),
+        unless a scalar of the run (or another value of this row) has it: W&B keeps one value per key in a
+        row, so the media value would silently replace the scalar. Then ``<key>/<kind>`` (e.g.
+        ``reward/histogram``), for the rest of the run, with one warning."""
         renamed = self._renamed.get((kind, key))
         if renamed is not None:
             return renamed
+        original, key = key, self._unreserved(key, data)
         if key not in data and key not in self._scalar_keys:
-            self._renamed[(kind, key)] = key  # fixed at first use: a later scalar of that name moves instead
+            self._renamed[(kind, original)] = key  # fixed at first use: a later scalar of that name moves instead
             self._media_names.add(key)
             return key
         name, number = f"{key}/{kind}", 1
         while name in data or name in self._scalar_keys:
             number += 1
             name = f"{key}/{kind}_{number}"
-        self._renamed[(kind, key)] = name
+        self._renamed[(kind, original)] = name
         log.warning(
             "instrument: WandbBackend logs the %s %r as %r: a scalar (or another value) of the run already has the "
             "key %r, and W&B keeps one value per key in a row, so one would silently replace the other.",
@@ -226,12 +247,14 @@ class WandbBackend(Backend):
         return name
 
     def _scalar_names(self, scalars: dict) -> dict:
-        """The scalars under their W&B keys: a scalar whose key a media value of the run already holds goes
-        under ``<key>/scalar`` (one warning), so no W&B key ever holds both a number and a media value."""
-        if self._media_names.isdisjoint(scalars):
+        """The scalars under their W&B keys: ``user/<key>`` for a key W&B reserves (`_unreserved`); a scalar
+        whose key a media value of the run already holds goes under ``<key>/scalar`` (one warning), so no W&B
+        key ever holds both a number and a media value."""
+        if self._media_names.isdisjoint(scalars) and not any(key[:1] == "_" for key in scalars):
             return scalars
         out = {}
         for key, value in scalars.items():
+            key = self._unreserved(key, scalars)
             if key in self._media_names:
                 name = f"{key}/scalar"
                 if (SCALAR, key) not in self._renamed:

@@ -176,3 +176,36 @@ def test_a_hyperparameter_with_a_lone_surrogate_costs_mlflow_nothing(tmp_path):
     assert logger.failures == {}
     params = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id).data.params
     assert params == {"data": "/data/caf\\udce9", "lr": "0.1"}
+
+
+def test_a_changed_hyperparameter_costs_mlflow_no_other_param(tmp_path, caplog):
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("params", tmp_path))
+    logger.log_hyperparams({"lr": 0.1, "acc[top1]": 1})
+    # MLflow refuses to change a param, and one refused param used to fail the whole batch (epochs lost)
+    logger.log_hyperparams({"lr": 0.2, "epochs": 10, "acc_top1_": 2})  # acc_top1_: the MLflow name of acc[top1]
+    logger.log_hyperparams({"lr": 0.3})
+    logger.close()
+    assert logger.failures == {}
+    run = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id)
+    assert run.data.params == {"lr": "0.1", "epochs": "10", "acc_top1_": "1", "acc_top1__2": "2"}
+    assert run.data.tags["instrument.param/lr"] == "0.3"  # the latest value, where a value may change
+    said = [r.getMessage() for r in caplog.records if "cannot change the param 'lr'" in r.getMessage()]
+    assert len(said) == 1 and "'0.1'" in said[0] and "'0.2'" in said[0]
+
+
+def test_a_resumed_mlflow_run_takes_its_params_again_without_a_failure(tmp_path):
+    first = MlflowBackend()
+    logger = Logger([first], RunInfo("resumed", tmp_path))
+    logger.log_hyperparams({"lr": 0.1, "seed": 1})
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.close()
+    again = MlflowBackend()
+    logger = Logger([again], RunInfo("resumed", tmp_path, resume={"MlflowBackend": first.run_id}))
+    logger.log_hyperparams({"lr": 0.1, "seed": 2, "epochs": 3})  # the same lr, a new seed, a new param
+    logger.log_metrics({"loss": 0.5}, step=1)
+    logger.close()
+    assert logger.failures == {} and again.run_id == first.run_id
+    run = MlflowClient(tracking_uri=again.tracking_uri).get_run(again.run_id)
+    assert run.data.params == {"lr": "0.1", "seed": "1", "epochs": "3"}
+    assert run.data.tags["instrument.param/seed"] == "2"

@@ -24,6 +24,7 @@ _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _MAX_PARAM_VALUE = 6000
 _MAX_KEY = 250
+_CHANGED = "instrument.param/"  # run tags holding a param's later values (MLflow params cannot change)
 log = logging.getLogger("instrument")
 
 # Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
@@ -121,6 +122,9 @@ class MlflowBackend(Backend):
         self._names: Dict[str, str] = {}  # metric key -> MLflow name (`_metric_name`)
         self._owners: Dict[str, str] = {}  # MLflow name -> the key that has it
         self._written: Optional[int] = None  # resumed: the last training step the run already holds
+        self._params: Dict[str, str] = {}  # param name -> the value the run holds (MLflow cannot change one)
+        self._param_names: Dict[str, str] = {}  # hyperparameter key -> param name
+        self._param_owners: Dict[str, Optional[str]] = {}  # param name -> its key (None: held before a resume)
         self._drops = Drops(self.name)
 
     @contextlib.contextmanager
@@ -197,6 +201,8 @@ class MlflowBackend(Backend):
             client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")
             self.run_id = resumed
             self._written = _last_step(client, resumed)
+            self._params = dict(client.get_run(resumed).data.params)
+            self._param_owners = dict.fromkeys(self._params)
             return
         self.run_id = client.create_run(
             experiment_id, run_name=self.run_name or run.name, tags=self.tags
@@ -204,13 +210,32 @@ class MlflowBackend(Backend):
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._ensure_open()
-        Param = self._entities.Param
+        """Params MLflow does not hold yet. MLflow refuses to change a param, and one refused param fails its
+        whole batch: a value already held is not sent again, and a changed one goes to the run tag
+        ``instrument.param/<name>`` (tags can change), with one warning; the param keeps its first value."""
+        Param, RunTag = self._entities.Param, self._entities.RunTag
         drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
-        items = [Param(_safe_name(k), utf8(drops, "hyperparameter", k, str(v))[:_MAX_PARAM_VALUE])
-                 for k, v in params.items()]
+        items, changed = {}, []
+        for key, value in params.items():
+            name = self._unique_name(key, self._param_names, self._param_owners, "hyperparameter")
+            text = utf8(drops, "hyperparameter", key, str(value))[:_MAX_PARAM_VALUE]
+            held = self._params.get(name)
+            if held is None:
+                items[name] = text
+            elif held != text:
+                changed.append(RunTag(f"{_CHANGED}{name}"[:_MAX_KEY], text))
+                drops.say(name, "changed param", logging.WARNING,
+                          "instrument: MLflow cannot change the param %r once logged: it keeps %r; the new value %r "
+                          "is set as the run tag %r (later changes of it are logged at DEBUG only).",
+                          name, held, text, changed[-1].key)
         with self._bounded():
-            for i in range(0, len(items), _PARAMS_PER_BATCH):
-                self.client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_BATCH])
+            batch = list(items.items())
+            for i in range(0, len(batch), _PARAMS_PER_BATCH):
+                part = batch[i : i + _PARAMS_PER_BATCH]
+                self.client.log_batch(self.run_id, params=[Param(name, text) for name, text in part])
+                self._params.update(part)  # held from now on (a batch that raised is sent again next time)
+            if changed:
+                self.client.log_batch(self.run_id, tags=changed)
             if config_text:
                 text = utf8(drops, "text", "config/operative_config.gin", config_text)
                 self.client.log_text(self.run_id, text, "config/operative_config.gin")
@@ -226,22 +251,31 @@ class MlflowBackend(Backend):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
 
     def _metric_name(self, key: str) -> str:
-        """A metric's MLflow name for the whole run. Sanitising can map two keys to one name (``acc[top1]`` and
-        ``acc_top1_`` both to ``acc_top1_``), which would merge two series into one: the later key gets a
-        numbered name (``acc_top1__2``) and one warning naming both keys."""
+        return self._unique_name(key, self._names, self._owners, "metric")
+
+    @staticmethod
+    def _unique_name(key: str, names: Dict[str, str], owners: Dict[str, Optional[str]], what: str) -> str:
+        """A key's MLflow name for the whole run. Sanitising can map two keys to one name (``acc[top1]`` and
+        ``acc_top1_`` both to ``acc_top1_``), which would merge two metric series into one, or make MLflow refuse
+        a batch with a duplicate param: the later key gets a numbered name (``acc_top1__2``) and one warning
+        naming both keys. A name the run held before a resume (owner None) is taken by the first key that maps
+        to it."""
+        name = names.get(key)
+        if name is not None:
+            return name
         name = safe = _safe_name(key)
         number = 1
-        while name in self._owners:
+        while name in owners and owners[name] is not None:
             number += 1
             name = f"{safe[: _MAX_KEY - 8]}_{number}"
         if number > 1:
             log.warning(
-                "instrument: MLflow metric key %r sanitises to %r, the MLflow name of key %r; it is logged as %r "
-                "instead, so the two series stay apart. Rename one of the keys to avoid this.",
-                key, safe, self._owners[safe], name,
+                "instrument: MLflow %s key %r sanitises to %r, the MLflow name of key %r; it is logged as %r "
+                "instead, so the two stay apart. Rename one of the keys to avoid this.",
+                what, key, safe, owners[safe], name,
             )
-        self._names[key] = name
-        self._owners[name] = key
+        names[key] = name
+        owners[name] = key
         return name
     @property
     def resume_id(self) -> Optional[str]:

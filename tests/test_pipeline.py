@@ -758,3 +758,43 @@ def test_sigterm_while_the_main_thread_holds_the_logger_registry_lock_does_not_d
     done = run_child(tmp_path, SIGNAL_WHILE_REGISTERING, str(tmp_path), timeout=WAIT)  # a deadlock: TimeoutExpired
     assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
     assert steps_of(tmp_path / "r" / "metrics.jsonl") == [0]
+
+
+FORKED_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    import instrument
+
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=1, run_name="r",
+                                      log_dir=sys.argv[1], queue_size=4)
+    with inst.step(0):
+        inst.logger.log_metrics({"parent": 0.0}, step=0)
+    pid = os.fork()
+    if pid == 0:  # the child inherits the logger, not its writer thread
+        for step in range(1, 20):  # more commits than the queue holds: this used to wait forever
+            try:
+                inst.logger.log_metrics({"child": 1.0}, step=step)
+                inst.logger.commit(step)
+            except instrument.ConfigurationError as exc:
+                print("child:", exc, flush=True)
+        inst.close()
+        sys.exit(0)  # a normal exit runs atexit: it used to wait 30 s for the writer thread it does not have
+    _, status = os.waitpid(pid, 0)
+    print("child status", os.waitstatus_to_exitcode(status), flush=True)
+    for step in (1, 2):
+        with inst.step(step):
+            inst.logger.log_metrics({"parent": float(step)}, step=step)
+    inst.close()
+    """
+)
+
+
+def test_a_forked_child_is_told_to_make_its_own_logger_and_the_parent_loses_nothing(tmp_path):
+    done = run_child(tmp_path, FORKED_CHILD, str(tmp_path), timeout=WAIT)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stdout.splitlines() if line.startswith("child:")]
+    assert len(said) == 19 and all("forked child process" in line and "Create the Logger" in line for line in said)
+    assert done.stdout.splitlines()[-1] == "child status 0"
+    records = lines(tmp_path / "r" / "metrics.jsonl")
+    assert [(r["step"], r["metrics"]["parent"]) for r in records if "step" in r] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert not any("child" in r.get("metrics", {}) for r in records)

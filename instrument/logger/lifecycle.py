@@ -4,11 +4,13 @@ Kept apart from the logger's hot path: these run once per run (or once per mista
 """
 
 import logging
+import os
+import threading
 from typing import Any
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["closed_use", "open_backends"]
+__all__ = ["closed_use", "disown", "open_backends"]
 
 log = logging.getLogger("instrument")
 
@@ -17,6 +19,13 @@ def closed_use(logger: Any, what: str) -> bool:
     """A call on a closed logger. After an explicit `close` it raises; after a signal or the process exit
     closed the logger (training may still be winding down on another thread) it warns once and the value is
     dropped. Returns False (the value is not accepted)."""
+    if logger._closed_by == "fork":
+        raise ConfigurationError(
+            f"{what} was logged in a forked child process (pid {os.getpid()}) through a Logger its parent created: "
+            f"that logger's writer thread and backends stay with the parent, so nothing logged here could be "
+            f"written. Create the Logger (or Instrumentation) in the child, or start the child with the 'spawn' "
+            f"start method of multiprocessing."
+        )
     if logger._closed_by == "close":
         raise ConfigurationError(
             f"{what} was logged after this logger was closed (Instrumentation.close / Logger.close); it would "
@@ -27,6 +36,14 @@ def closed_use(logger: Any, what: str) -> bool:
         log.warning("instrument: %s was logged after the run was closed at process shutdown; it is not written "
                     "(further values are dropped silently)", what)
     return False
+
+
+def disown(logger: Any) -> None:
+    """In a forked child: ``logger`` is its parent's. Closed (calls raise, see `closed_use`), with new locks
+    (another thread of the parent may have held one at the fork) and a writer that takes nothing more."""
+    logger._lock, logger._commit_lock = threading.RLock(), threading.RLock()
+    logger._closed, logger._closed_by = True, "fork"
+    logger._writer.disown()
 
 
 OPEN_POLICIES = ("raise", "warn")

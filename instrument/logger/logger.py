@@ -47,7 +47,7 @@ from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.handover import handover
-from instrument.logger.lifecycle import closed_use, open_backends
+from instrument.logger.lifecycle import closed_use, disown, open_backends
 from instrument.logger.media import KINDS, check_color_range
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import DIST_AVAILABLE, rank
@@ -390,6 +390,9 @@ class Logger(StagedTable, StepRecords):
                     self._closed_by = self._closed_by or "close"
                 self._writer.close(status or self._exit_status, timeout)
                 shutdown.unregister(self)
+
+    def _disown(self) -> None:
+        disown(self)  # in a forked child (`instrument.logger.shutdown`)
 
     def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
         """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.

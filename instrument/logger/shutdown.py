@@ -12,6 +12,8 @@ Every live `Logger` is registered here (weakly). What happens:
   KeyboardInterrupt that ends the process marks the run ``"killed"``.
 - An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
 - ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked).
+- ``os.fork``: the child does not inherit the loggers' writer threads, so it disowns every logger it inherits
+  (a call on one raises, saying to create a Logger in the child); its exit closes nothing of the parent's.
 
 Handlers are installed once, from the main thread only (Python allows no other), and chain whatever handler
 was installed before; a signal that was ignored (``SIG_IGN``) stays ignored.
@@ -120,6 +122,22 @@ def _excepthook(exc_type, exc, tb) -> None:
     mark("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
     previous = _state["excepthook"] or sys.__excepthook__
     previous(exc_type, exc, tb)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits every logger but none of their writer threads, and maybe a lock some other
+    thread held at the fork: each inherited logger is disowned (`instrument.logger.lifecycle.disown`), so a
+    call on it in the child says what is wrong instead of waiting forever, and the child's exit or signal
+    leaves the parent's backends alone."""
+    global _lock
+    _lock = threading.RLock()
+    loggers = list(_live)
+    _live.clear()
+    for logger in loggers:
+        logger._disown()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _at_exit() -> None:

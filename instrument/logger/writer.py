@@ -195,6 +195,15 @@ class Writer:
                 self._cond.wait(remaining)
             return self._done >= seq
 
+    def disown(self) -> None:
+        """In a forked child, where this writer's thread does not exist: new locks, nothing queued, closed (so
+        `submit`, `flush` and `close` return at once instead of waiting for a thread that never comes)."""
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
+        self._queue.clear()
+        self._records = 0
+        self._closing = self._stopped = True
+
     @property
     def pending(self) -> int:
         with self._cond:

@@ -134,7 +134,10 @@ def _after_fork_in_child() -> None:
     loggers = list(_live)
     _live.clear()
     for logger in loggers:
-        logger._disown()
+        try:
+            logger._disown()
+        except Exception:  # never break a child (a DataLoader worker, a multiprocessing pool) over a logger
+            log.debug("instrument: disowning an inherited logger in a forked child failed", exc_info=True)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -153,3 +153,18 @@ def hidden_gradients(rule: nn.Module, x: Tensor, n: int) -> List[Tensor]:
         x = x + rule.fc1(h)
     x.square().mean().backward()
     return [h.grad for h in hidden]
+
+
+class KeepProbes(instrument.Observer):
+    """Keeps each call's probe values, cloned where they are (on a GPU: no host sync)."""
+
+    def __init__(self, probes: Tuple[str, ...] = ("hidden", "update"), name: str = "keep") -> None:
+        super().__init__(name)
+        self.probes = tuple(probes)
+        self.seen: List[dict] = []
+
+    def reset(self) -> None:
+        self.seen = []
+
+    def observe(self, context) -> None:
+        self.seen.append({name: value.clone() for name, value in context.probes.items()})

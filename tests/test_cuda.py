@@ -139,27 +139,15 @@ def test_timers_on_two_streams_are_read_on_the_writer_without_a_sync_on_the_call
     logger.close()
 
 
-class KeepProbes(instrument.Observer):
-    """Keeps each iteration's probe values (device copies: no sync)."""
-
-    probes = ("hidden", "update")
-
-    def reset(self) -> None:
-        self.seen = []
-
-    def observe(self, context) -> None:
-        self.seen.append({name: value.clone() for name, value in context.probes.items()})
-
-
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("scripted", [False, True])
 def test_embedded_probes_on_cuda_record_without_a_sync(scripted):
-    from tests._probe_models import Rule, reference
+    from tests._probe_models import KeepProbes, Rule, reference
 
     torch.manual_seed(0)
     rule = Rule().cuda()
     module = torch.jit.script(rule) if scripted else rule
-    keep = KeepProbes("keep")
+    keep = KeepProbes()
     inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
     inst.watch(module, state=False)
     x0 = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)).cuda()

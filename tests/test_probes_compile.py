@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
 import instrument
-from tests._probe_models import ReuseRule, Rule, hidden_gradients, reference
+from tests._probe_models import KeepProbes, ReuseRule, Rule, hidden_gradients, reference
 
 # Dynamo itself reads .grad of the non-leaf state it is given each iteration (torch's warning, not ours).
 pytestmark = [
@@ -130,16 +130,6 @@ def test_compile_then_watch_wrapper_explicit_observer_and_gradient_probe(fresh_d
         torch.testing.assert_close(got, want_grad)
 
 
-class Keep(instrument.Observer):
-    probes = ("a", "out")
-
-    def reset(self) -> None:
-        self.seen = []
-
-    def observe(self, context) -> None:
-        self.seen.append({k: v.clone() for k, v in context.probes.items()})
-
-
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_never_changes_values(
     fresh_dynamo, monkeypatch
@@ -154,7 +144,7 @@ def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_neve
 
     monkeypatch.setattr(record, "_copied", set())
     torch.manual_seed(0)
-    rule, observer = ReuseRule(), Keep()
+    rule, observer = ReuseRule(), KeepProbes(("a", "out"))
     inst = instrument.Instrumentation(observers=[observer], backends=[], log_interval=1)
     inst.watch(rule, state=False)
     compiled = torch.compile(rule)

@@ -209,10 +209,10 @@ class MlflowBackend(Backend):
         ).info.run_id
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
-        self._ensure_open()
         """Params MLflow does not hold yet. MLflow refuses to change a param, and one refused param fails its
         whole batch: a value already held is not sent again, and a changed one goes to the run tag
         ``instrument.param/<name>`` (tags can change), with one warning; the param keeps its first value."""
+        self._ensure_open()
         Param, RunTag = self._entities.Param, self._entities.RunTag
         drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
         items, changed = {}, []
@@ -277,6 +277,7 @@ class MlflowBackend(Backend):
         names[key] = name
         owners[name] = key
         return name
+
     @property
     def resume_id(self) -> Optional[str]:
         return self.run_id

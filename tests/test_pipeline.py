@@ -778,7 +778,10 @@ FORKED_CHILD = textwrap.dedent(
             except instrument.ConfigurationError as exc:
                 print("child:", exc, flush=True)
         inst.close()
-        sys.exit(0)  # a normal exit runs atexit: it used to wait 30 s for the writer thread it does not have
+        own = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("own", sys.argv[1]))
+        own.log_metrics({"child": 1.0}, step=0)  # what the error says to do: a logger of the child's own
+        own.commit()
+        sys.exit(0)  # a normal exit runs atexit (closing `own`): it used to wait 30 s for the inherited writer
     _, status = os.waitpid(pid, 0)
     print("child status", os.waitstatus_to_exitcode(status), flush=True)
     for step in (1, 2):
@@ -798,3 +801,4 @@ def test_a_forked_child_is_told_to_make_its_own_logger_and_the_parent_loses_noth
     records = lines(tmp_path / "r" / "metrics.jsonl")
     assert [(r["step"], r["metrics"]["parent"]) for r in records if "step" in r] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert not any("child" in r.get("metrics", {}) for r in records)
+    assert [(r["step"], r["metrics"]) for r in lines(tmp_path / "own" / "metrics.jsonl")] == [(0, {"child": 1.0})]

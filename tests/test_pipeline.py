@@ -802,3 +802,35 @@ def test_a_forked_child_is_told_to_make_its_own_logger_and_the_parent_loses_noth
     assert [(r["step"], r["metrics"]["parent"]) for r in records if "step" in r] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert not any("child" in r.get("metrics", {}) for r in records)
     assert [(r["step"], r["metrics"]) for r in lines(tmp_path / "own" / "metrics.jsonl")] == [(0, {"child": 1.0})]
+
+
+class ReadsItsOwnCommit(Backend):
+    """A backend that commits a step from inside ``write`` and reads it back (on the writer thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logger = None
+        self.steps = []
+        self.errors = []
+
+    def write(self, record: StepRecord) -> None:
+        self.steps.append(record.step)
+        if record.step == 0:
+            self.logger.log_metrics({"x": 1.0}, step=1)
+            handle = self.logger.commit()
+            try:
+                self.errors.append(handle.scalars)  # not built yet, nor while this thread waits: it used to hang
+            except LookupError as exc:
+                self.errors.append(str(exc))
+
+
+def test_a_backend_reading_a_step_not_built_yet_gets_an_error_not_a_hang(tmp_path):
+    backend = ReadsItsOwnCommit()
+    logger = Logger([backend], RunInfo("r", tmp_path))
+    backend.logger = logger
+    logger.log_metrics({"x": 0.0}, step=0)
+    logger.commit()
+    assert logger.flush(timeout=WAIT)  # the writer went on: step 1 is written too
+    logger.close(timeout=WAIT)
+    assert backend.steps == [0, 1]
+    assert len(backend.errors) == 1 and "writer thread" in backend.errors[0]

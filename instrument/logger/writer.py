@@ -75,7 +75,8 @@ class CommittedStep:
             raise AttributeError(name)
         record = self.result()
         if record is None:
-            raise LookupError(f"step {self.step} was dropped before it was written (on_full='drop').")
+            raise LookupError(f"step {self.step} was dropped before it was written (on_full='drop'), or was read on "
+                              f"the logger's own writer thread (in a backend) before it was built.")
         return getattr(record, name)
 
     def __repr__(self) -> str:
@@ -184,8 +185,12 @@ class Writer:
         return done
 
     def wait(self, seq: int, timeout: Optional[float] = None) -> bool:
+        """Wait until item ``seq`` is done; False on timeout. On the writer thread itself (a backend reading a
+        `CommittedStep`) an item not yet done can never be done while it waits: False at once, not a hang."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            if self._done < seq and threading.current_thread() is self._thread:
+                return False
             if self._done < seq:
                 self._cond.notify_all()  # a reader waits: the writer need not wait for its next poll
             while self._done < seq and not self._stopped:

@@ -65,6 +65,9 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "filterwarnings", r"ignore:The \.grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
     )
+    # On CUDA (INSTRUMENT_BENCH_DEVICE=cuda) inductor suggests TF32 matmuls; the rows keep torch's default
+    # precision, the same for every row.
+    config.addinivalue_line("filterwarnings", r"ignore:TensorFloat32 tensor cores:UserWarning")
 
 
 def pytest_collection_finish(session) -> None:

@@ -20,6 +20,7 @@ from typing import Dict, List
 import torch
 
 from bench.harness import paired_ratios, run_interleaved, summary
+from bench.report import device_name
 from bench.workloads import build_variants
 
 __all__ = ["GROUPS", "main"]
@@ -57,7 +58,7 @@ def markdown(rows: List[Dict[str, object]], reps: int) -> str:
     lines = [
         "# instrument headline rows (one interleaved group per workload and mode)",
         "",
-        f"CPU, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python "
+        f"{device_name()}; {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python "
         f"{platform.python_version()}; {reps} repetitions per group. Ratio: median of per-repetition ratios "
         "to the group's `bare` step, 25th-75th percentile in brackets.",
         "",

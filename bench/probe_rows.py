@@ -71,6 +71,7 @@ def probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
     base_rule, seed, target = _nca_parts()
     rule = _probed_rule_class()(s["channels"], s["hidden"])
     rule.load_state_dict(copy.deepcopy(base_rule.state_dict()), strict=False)
+    rule.to(seed.device)
     counter = ProbeCounter()
     logging = kind == "probe-log"
     observers: List[Observer] = [IterationStats(), UpdateNorm(), counter] if logging else [IterationStats()]

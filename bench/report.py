@@ -13,7 +13,7 @@ import torch
 from bench.harness import Measurement, Variant, paired_ratios, summary
 from bench.scalar_rows import BASELINE as SCALARS_BASELINE
 from bench.scalar_rows import SCALAR_WORKLOAD
-from bench.workloads import HEADLINE, MODES, observer_costs
+from bench.workloads import HEADLINE, MODES, device, observer_costs
 
 __all__ = [
     "BUDGETS_FILE",
@@ -209,9 +209,12 @@ def build_report(
             "python": platform.python_version(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
+            "device": device_name(),
             "env": {
                 k: os.environ.get(k)
-                for k in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+                for k in (
+                    "OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "INSTRUMENT_BENCH_DEVICE"
+                )
             },
             "load_before": load_before,
             "load_after": _load(),
@@ -271,7 +274,8 @@ def markdown(report: Dict[str, Any]) -> str:
             "",
         ]
     lines += [
-        f"CPU, {m['cpus']} cores, torch {m['torch']} ({m['torch_threads']} thread), Python {m['python']}; "
+        f"{m.get('device', 'cpu')}; CPU, {m['cpus']} cores, torch {m['torch']} ({m['torch_threads']} thread), "
+        f"Python {m['python']}; "
         f"{report['repetitions']} repetitions, variants interleaved in shuffled order, "
         f"{report['clock']} clock; "
         f"load average before: {load.get('load1', float('nan')):.2f} (1 min), "
@@ -359,3 +363,11 @@ def write(report: Dict[str, Any], directory: Path = RESULTS_DIR) -> Dict[str, Pa
     paths["json"].write_text(json.dumps(report, indent=1, default=float))
     paths["md"].write_text(markdown(report))
     return paths
+
+
+def device_name() -> str:
+    """Where the workloads ran: ``cpu``, or e.g. ``cuda (NVIDIA H100 80GB HBM3)``."""
+    dev = device()
+    if dev.type == "cuda":
+        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return str(dev)

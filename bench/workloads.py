@@ -29,6 +29,11 @@ How instrumented rows observe: the eager and checkpointed NCA watch the update r
 (``inst.watch``); scripted and compiled models cannot carry hooks added at run time, so those rows (and all RL
 rows, as the RL demo does) use the explicit-evolver style: the Python loop calls ``s.observer`` itself.
 
+Device: the CPU, or the device ``INSTRUMENT_BENCH_DEVICE`` names (e.g. ``cuda``): models, states and the RL
+environment live there, and on CUDA every timed call ends with ``torch.cuda.synchronize()`` (in every row,
+bare included), so a step's time is the time until its device work is done, not until its kernels are queued.
+The ``scalars/x100`` rows stay on the host (they time the calling thread).
+
 Every variant of a workload does the same work every call: NCA state sizes are fixed, and RL rollouts run a
 fixed number of environment steps (no early stop), so timings do not depend on how far training got.
 """
@@ -49,7 +54,7 @@ from bench.scalar_rows import SCALAR_KEYS, finish_scalar_rows, scalar_variants
 from instrument import GradientStats, Instrumentation, IterationStats, NonFinite, RolloutVideo, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
-__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run"]
+__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run", "device"]
 
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
@@ -85,6 +90,20 @@ KINDS = {
     "compile": ("bare", "off", "log-tb", "log", "probe-off", "probe-log"),
     "ckpt": ("bare", "off", "log"),
 }
+
+
+def device() -> torch.device:
+    """Where the workloads run: ``INSTRUMENT_BENCH_DEVICE`` (default ``cpu``)."""
+    name = os.environ.get("INSTRUMENT_BENCH_DEVICE", "") or "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(
+            f"INSTRUMENT_BENCH_DEVICE must name a torch device such as 'cpu' or 'cuda', got {name!r}"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("INSTRUMENT_BENCH_DEVICE=cuda, but torch.cuda.is_available() is False on this machine")
+    return dev
 
 
 # The headline logging row of each workload and mode: a logging step as a user runs it (real TensorBoard).
@@ -170,7 +189,8 @@ def _nca_parts():
     q = s["size"] // 4
     seed[:, :, q:-q, q:-q] = torch.rand(s["batch"], s["channels"], s["size"] - 2 * q, s["size"] - 2 * q)
     target = make_target(s["size"]).unsqueeze(0).expand(s["batch"], -1, -1, -1)
-    return rule, seed, target
+    dev = device()
+    return rule.to(dev), seed.to(dev), target.to(dev)
 
 
 def _nca_model(rule: nn.Module) -> nn.Module:
@@ -178,7 +198,7 @@ def _nca_model(rule: nn.Module) -> nn.Module:
     from instrument.demos.nca import NCA
 
     s = NCA_SIZE
-    model = NCA(channels=s["channels"], hidden=s["hidden"])
+    model = NCA(channels=s["channels"], hidden=s["hidden"]).to(device())
     model.update_rule = copy.deepcopy(rule)
     return model
 
@@ -329,12 +349,13 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
 
     s = RL_SIZE
     torch.manual_seed(0)
-    base_policy = Policy(hidden=s["hidden"])
+    dev = device()
+    base_policy = Policy(hidden=s["hidden"]).to(dev)
     out: List[Variant] = []
 
     def trainer(policy: nn.Module, act: Callable[[Tensor], Tensor], naive: bool = False):
-        env = CartPole(num_envs=s["envs"], generator=torch.Generator().manual_seed(0))
-        actions_rng = torch.Generator()
+        env = CartPole(num_envs=s["envs"], device=dev, generator=torch.Generator(dev).manual_seed(0))
+        actions_rng = torch.Generator(dev)
         opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
         sink: List[object] = []
 
@@ -343,7 +364,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
             actions_rng.manual_seed(1)
             sink.clear()
             obs = env.reset()
-            alive = torch.ones(s["envs"], dtype=torch.bool)
+            alive = torch.ones(s["envs"], dtype=torch.bool, device=dev)
             log_probs, rewards = [], []
             for t in range(s["steps"]):
                 logp_all = F.log_softmax(act(obs), dim=-1)
@@ -476,9 +497,23 @@ def build_variants(selected: Optional[Sequence[str]] = None, tmp: Optional[str] 
         return key in chosen
 
     variants = nca_variants(MODES["nca"], wanted, tmp) + rl_variants(MODES["rl"], wanted, tmp)
+    if device().type == "cuda":
+        for v in variants:
+            if v.fn is not None:
+                v.fn = _synchronized(v.fn)
     variants += scalar_variants(wanted, tmp)
     order = {key: i for i, key in enumerate(all_keys())}
     return sorted(variants, key=lambda v: order[v.key])
+
+
+def _synchronized(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` then a wait for the device: a CUDA step is timed until its work is done (every row alike)."""
+
+    def step() -> None:
+        fn()
+        torch.cuda.synchronize()  # host sync: the bench's clock, not the library's
+
+    return step
 
 
 def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float]]:

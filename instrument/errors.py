@@ -51,6 +51,7 @@ class MissingExtraError(InstrumentError, ImportError):
         )
         self.package = package
         self.extra = extra
+        self.name = package  # ImportError.name: what is missing, as Python's own ImportError names it
 
 
 def require(package: str, extra: str, feature: str):

@@ -117,8 +117,9 @@ def test_missing_wandb_names_the_extra(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
-    with pytest.raises(instrument.MissingExtraError, match=r"pip install 'torch-instrument\[wandb\]'"):
+    with pytest.raises(instrument.MissingExtraError, match=r"pip install 'torch-instrument\[wandb\]'") as raised:
         instrument.WandbBackend().open(instrument.RunInfo("x"))
+    assert raised.value.name == "wandb"  # as ImportError.name: code that skips a missing SDK by name sees it
 
 
 @pytest.mark.parametrize("values", [[math.nan, math.nan], [math.inf, 1.0, -math.inf], [1e308, -1e308]],

@@ -200,10 +200,14 @@ def test_exactly_once_same_values_and_bitwise_equal_gradients(mode, style, refer
     )
     assert recorder.resets == 1 and recorder.logs == 1
     assert [c["index"] for c in recorder.contexts] == list(range(N_ITER))
+    # The same values, to float32 rounding: a checkpointed forward runs under no_grad (reentrant) or saves
+    # nothing, and on some CPUs (AVX-512, many threads) oneDNN then picks another convolution kernel, whose sums
+    # differ in the last bits. Gradients, observers on vs off in the same mode, are compared bitwise below.
     for seen, ref in zip(recorder.contexts, ref_contexts, strict=True):
-        assert torch.equal(seen["prev"], ref["prev"]), f"iteration {seen['index']}: previous_state differs"
-        assert torch.equal(seen["next"], ref["next"]), f"iteration {seen['index']}: next_state differs"
-    assert committed_scalars(mode, style) == ref_scalars
+        for field in ("prev", "next"):
+            torch.testing.assert_close(seen[field], ref[field], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=seen["index"], f=field: f"iteration {i}, {f}: {m}")
+    assert committed_scalars(mode, style) == pytest.approx(ref_scalars, rel=1e-5, abs=1e-6)
     assert grads_on.keys() == grads_off.keys()
     for name in grads_off:
         assert torch.equal(grads_on[name], grads_off[name]), f"gradient of {name} differs"

@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from instrument import ConfigurationError, Logger
 from instrument.rl import CollectionMetrics
+
+TensorDict = pytest.importorskip("tensordict").TensorDict  # the 'torchrl' extra
 
 P = "collection/main/"
 

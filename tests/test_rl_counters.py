@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 import instrument
 from instrument import ConfigurationError, Logger, StepOrderError
 from instrument.rl import CollectionMetrics, Counters, RLLogging
+
+TensorDict = pytest.importorskip("tensordict").TensorDict  # the 'torchrl' extra
 
 
 def batch(t: int = 4, envs: int = 2, done_at=((0, 1),), mask=None):

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from instrument import Logger
 from instrument.rl import TrainMetrics
+
+TensorDict = pytest.importorskip("tensordict").TensorDict  # the 'torchrl' extra
 
 
 def logged(component, step: int = 0):

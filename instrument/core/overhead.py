@@ -21,11 +21,15 @@ The step, the commit and the fraction of logging step ``n`` are known only after
 logged with the record of the NEXT logging step (the keys at step ``n + log_interval`` describe step
 ``n``); the last logging step of a run is measured but not logged.
 
-Clocks: on the CPU ``time.perf_counter``. When the run uses CUDA (CUDA initialised in this process) every
-span is a pair of CUDA events instead, so the time is what the stream took, kernels launched asynchronously
-included; the events are read only at the next logging step and only once ``query()`` says they completed,
-never with a sync (a step whose events are still pending is logged at a later logging step). The commit is
-always training-thread (CPU) time. Non-logging steps run none of this. The budget warning
+Clocks: every span is training-thread time (``time.perf_counter``): what instrument keeps the loop's thread
+busy, which on a GPU includes launching the observers' kernels but not their run time on the device (that
+overlaps the model's kernels). When the run uses CUDA (CUDA initialised in this process) the step's total
+is also taken from two CUDA events around it, and the larger of the two totals is the fraction's
+denominator: a GPU-bound step is as long as its stream, a launch-bound one as long as its thread. The events
+are read at a later logging step once ``query()`` says they completed, never with a sync (a step whose
+events are still pending is logged at a later logging step). Per-call CUDA events are not used on purpose:
+an event pair around every observer call and fan-out (six per rollout iteration) cost a launch-bound RL loop
+on an H100 more than the observers themselves. Non-logging steps run none of this. The budget warning
 (``Instrumentation(overhead_budget=...)``) judges the second measured logging step on (the first pays one-time
 costs: imports, first renders, opening files) and stays quiet while a step spends under 5 ms in instrument.
 """
@@ -48,15 +52,18 @@ _MAX_PENDING = 8  # measured steps whose CUDA events have not completed yet
 
 
 class _Sheet:
-    """The raw marks of one logging step (floats on the CPU, recorded CUDA events on a GPU)."""
+    """The raw marks of one logging step: ``time.perf_counter`` readings, and on a CUDA run the two events
+    recorded on the current stream at its start and end."""
 
-    __slots__ = ("step", "cuda", "enter", "begun", "ending", "exit", "calls", "observers", "commit")
+    __slots__ = ("step", "events", "enter", "begun", "ending", "exit", "calls", "observers", "commit")
 
-    def __init__(self, step: int, cuda: bool, enter: Any) -> None:
-        self.step, self.cuda, self.enter = step, cuda, enter
-        self.begun = self.ending = self.exit = None
-        self.calls: List[Tuple[Any, Any]] = []
-        self.observers: Dict[str, List[Tuple[Any, Any]]] = {}
+    def __init__(self, step: int, events: Optional[List[Any]], enter: float) -> None:
+        self.step, self.events, self.enter = step, events, enter
+        self.begun: Optional[float] = None
+        self.ending: Optional[float] = None
+        self.exit: Optional[float] = None
+        self.calls: List[Tuple[float, float]] = []
+        self.observers: Dict[str, List[Tuple[float, float]]] = {}
         self.commit = 0.0
 
 
@@ -87,17 +94,12 @@ class OverheadMeter:
         self.steps_measured = 0
 
     # ---------------------------------------------------------------- marks (training thread)
-    def mark(self) -> Any:
-        if self._sheet is not None and self._sheet.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+    def mark(self) -> float:
         return time.perf_counter()
 
     def enter(self, step: int) -> None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self._sheet = _Sheet(step, cuda, None)
-        self._sheet.enter = self.mark()
+        events = [_recorded()] if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._sheet = _Sheet(step, events, time.perf_counter())
 
     def begun(self) -> None:
         if self._sheet is not None:
@@ -127,10 +129,12 @@ class OverheadMeter:
         sheet = self._sheet
         if sheet is None:
             return
-        end = self.mark()
+        end = time.perf_counter()
         self._sheet = None
         if sheet.begun is not None and sheet.ending is not None:
             sheet.exit = end
+            if sheet.events is not None:
+                sheet.events.append(_recorded())
             self._done.append(sheet)
             self.steps_measured += 1
             if len(self._done) > _MAX_PENDING:  # a GPU that never catches up: keep the newest, never wait
@@ -153,26 +157,27 @@ class OverheadMeter:
         return out
 
 
+def _recorded() -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def _complete(sheet: _Sheet) -> bool:
     # CUDA events complete in stream order: the exit event is the last one recorded.
-    return not sheet.cuda or sheet.exit.query()
-
-
-def _seconds(start: Any, end: Any) -> float:
-    if isinstance(start, float):
-        return end - start
-    return start.elapsed_time(end) / 1000.0  # both completed (checked by query), so this does not wait
+    return sheet.events is None or sheet.events[-1].query()
 
 
 def _scalars(sheet: _Sheet) -> Dict[str, float]:
     out = {}
     for name, spans in sheet.observers.items():
         key = PREFIX + (f"{name}_observer" if name in _RESERVED else name)  # an observer named "commit"
-        out[key] = out.get(key, 0.0) + sum(_seconds(a, b) for a, b in spans)
+        out[key] = out.get(key, 0.0) + sum(b - a for a, b in spans)
     out[PREFIX + "commit"] = sheet.commit
-    inside = _seconds(sheet.enter, sheet.begun) + _seconds(sheet.ending, sheet.exit)
-    inside += sum(_seconds(a, b) for a, b in sheet.calls)
-    total = _seconds(sheet.enter, sheet.exit)
+    inside = (sheet.begun - sheet.enter) + (sheet.exit - sheet.ending) + sum(b - a for a, b in sheet.calls)
+    total = sheet.exit - sheet.enter
+    if sheet.events is not None:  # both completed (checked by query), so elapsed_time does not wait
+        total = max(total, sheet.events[0].elapsed_time(sheet.events[1]) / 1000.0)
     out[PREFIX + "fraction"] = min(1.0, max(0.0, inside / total)) if total > 0 else 0.0
     out[PREFIX + "instrument"] = inside
     return out

@@ -61,6 +61,33 @@ def test_one_batched_transfer_per_commit(monkeypatch):
     np.testing.assert_array_equal(record.histograms["h"], np.arange(10.0))
 
 
+def test_the_transfer_packs_a_dtype_in_a_fixed_number_of_tensor_ops():
+    """On a launch-bound GPU step every tensor op is a kernel launch: packing a dozen float32 statistics
+    (0-d, 1-d, non-contiguous 2-d) for the copy must not cost an op per tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from instrument.logger.transfer import start_transfer
+
+    class Count(TorchDispatchMode):
+        ops = 0  # ops that write memory (on a GPU, a kernel each); views are metadata only
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += "view" not in func.__name__ and "alias" not in func.__name__
+            return func(*args, **(kwargs or {}))
+
+    table = torch.rand(32, 4, 16)
+    values = [table[:, s] for s in range(4)] + [torch.rand(6) for _ in range(4)] + [torch.tensor(0.5)] * 4
+    reference = [v.double().numpy().copy() for v in values]
+    with Count():
+        batch = start_transfer(values)
+    # one stack (the 0-d ones), one cat, one conversion to float64, and a flat copy of each of the four
+    # non-contiguous columns: not a conversion per tensor as well (12 more)
+    assert Count.ops <= 3 + 4, Count.ops
+    table.fill_(7.0)  # the caller's tensors change after the commit: what was handed over does not
+    for got, want in zip(batch.arrays(), reference, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_batched_transfer_keeps_every_dtype_exact_and_in_place():
     """0-d tensors are stacked per dtype for the copy: mixed dtypes, shapes and a huge integer must each come
     back as their own float64 value (a float32 stack would round 2**40 + 1), next to arrays and pixels."""

@@ -189,7 +189,10 @@ def _scalars(sheet: _Sheet) -> Dict[str, float]:
     inside = (sheet.begun - sheet.enter) + (sheet.exit - sheet.ending) + sheet.calls
     total = sheet.exit - sheet.enter
     if sheet.events is not None:  # both completed (checked by query), so elapsed_time does not wait
-        total = max(total, sheet.events[0].elapsed_time(sheet.events[1]) / 1000.0)
+        try:
+            total = max(total, sheet.events[0].elapsed_time(sheet.events[1]) / 1000.0)
+        except RuntimeError:  # the current device changed inside the step: the events are on two devices
+            pass
     out[PREFIX + "fraction"] = min(1.0, max(0.0, inside / total)) if total > 0 else 0.0
     out[PREFIX + "instrument"] = inside
     return out

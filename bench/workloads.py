@@ -101,8 +101,10 @@ def device() -> torch.device:
         raise ValueError(
             f"INSTRUMENT_BENCH_DEVICE must name a torch device such as 'cpu' or 'cuda', got {name!r}"
         ) from None
+    if dev.type not in ("cpu", "cuda"):  # e.g. meta (no values) or mps: the rows are written for these two
+        raise ValueError(f"INSTRUMENT_BENCH_DEVICE must be 'cpu' or a CUDA device ('cuda', 'cuda:1'), got {name!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("INSTRUMENT_BENCH_DEVICE=cuda, but torch.cuda.is_available() is False on this machine")
+        raise ValueError(f"INSTRUMENT_BENCH_DEVICE={name}, but torch.cuda.is_available() is False on this machine")
     return dev
 
 
@@ -509,9 +511,11 @@ def build_variants(selected: Optional[Sequence[str]] = None, tmp: Optional[str] 
 def _synchronized(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` then a wait for the device: a CUDA step is timed until its work is done (every row alike)."""
 
+    dev = device()
+
     def step() -> None:
         fn()
-        torch.cuda.synchronize()  # host sync: the bench's clock, not the library's
+        torch.cuda.synchronize(dev)  # host sync: the bench's clock, not the library's (the rows' own device)
 
     return step
 

@@ -3,7 +3,9 @@
 import json
 import logging
 import math
+import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,6 +165,34 @@ def test_a_nan_in_a_histogram_costs_wandb_that_histogram_only(tmp_path):
     assert {row["_step"]: row["loss"] for row in rows} == {0: 1.0, 1: 2.0}
     (grads,) = [row["grads"] for row in rows if "grads" in row]  # binned from its finite values
     assert grads["_type"] == "histogram" and sum(grads["values"]) == 2
+
+
+def test_a_media_value_wandb_cannot_write_costs_that_value_only(tmp_path, caplog):
+    """W&B writes an image into its run's media folder inside run.log; when that fails (here the folder is a
+    file, a fault that root meets too), the step's scalars are still logged and only the image is dropped."""
+    pytest.importorskip("wandb")
+    backend = instrument.WandbBackend(project="tests")
+    logger = instrument.Logger([backend], instrument.RunInfo("w", tmp_path))
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.log_image("img", torch.rand(8, 8), step=0)
+    logger.commit(0)
+    assert logger.flush()
+    media = Path(backend.run.dir) / "media"
+    shutil.rmtree(media)
+    media.write_text("a file where W&B keeps its media folder")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_metrics({"loss": 2.0}, step=1)
+        logger.log_image("img", torch.rand(8, 8), step=1)
+        logger.commit(1)
+        logger.log_metrics({"loss": 3.0}, step=2)
+        logger.log_image("img", torch.rand(8, 8), step=2)
+        logger.commit(2)
+        logger.close()
+    rows, _ = read_run(tmp_path / "w")
+    assert {row["_step"]: row["loss"] for row in rows} == {0: 1.0, 1: 2.0, 2: 3.0}
+    assert [row["_step"] for row in rows if "img" in row] == [0]
+    said = [r.getMessage() for r in caplog.records if "'img'" in r.getMessage()]
+    assert len(said) == 1 and "NotADirectoryError" in said[0], said  # named once, not once per step
 
 
 def _strict_json(line):

@@ -345,3 +345,26 @@ def test_timer_reduce_op_is_fixed_per_timer():
         ConfigurationError, match=r"timer 't' already exists with reduce='max', asked for 'sum'"
     ):
         logger.timer("t", reduce="sum")
+
+
+def test_the_commits_group_check_follows_init_and_destroy_of_a_process_group(tmp_path):
+    """`ranks.initialized` reads torch's default group directly (every commit asks it): it must say what
+    ``dist.is_initialized`` says before, during and after a real gloo group, and the logger's commits with it."""
+    import torch.distributed as dist
+
+    from instrument.logger.ranks import _WORLD, initialized
+
+    assert _WORLD is not None, "torch's layout changed: initialized() fell back to dist.is_initialized"
+    assert initialized() is dist.is_initialized() is False
+    logger = Logger([])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert initialized() is dist.is_initialized() is True
+        logger.log_metrics({"a": 1.0}, step=0)
+        assert logger.commit(0).scalars == {"a": 1.0}  # one rank: nothing to reduce, written as logged
+    finally:
+        dist.destroy_process_group()
+    assert initialized() is dist.is_initialized() is False
+    logger.log_metrics({"a": 2.0}, step=1)
+    assert logger.commit(1).scalars == {"a": 2.0}
+    logger.close()

@@ -37,7 +37,6 @@ import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch.distributed as dist
 from torch import Tensor
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
@@ -50,7 +49,7 @@ from instrument.logger.handover import handover
 from instrument.logger.lifecycle import closed_use, disown, open_backends
 from instrument.logger.media import KINDS, check_color_range
 from instrument.logger.params import redact_argv, redact_hyperparams
-from instrument.logger.ranks import DIST_AVAILABLE, rank
+from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
 from instrument.logger.steps import LAZY, StepRecords
 from instrument.logger.table import StagedTable
@@ -316,7 +315,7 @@ class Logger(StagedTable, StepRecords):
         ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
         Timer measurements carry no step: they go with the next record, and with ``step`` given they make one.
         """
-        collective = DIST_AVAILABLE and dist.is_initialized() and self.reducer.active()  # one call without a group
+        collective = initialized() and self.reducer.active()  # one attribute read without a group
         with self._commit_lock:
             with self._lock:
                 if self._closed:

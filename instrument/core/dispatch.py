@@ -109,17 +109,18 @@ class Dispatcher:
                     except Exception as exc:
                         self._failed(index, name, exc)
             else:
-                begun = clock.mark()
+                # Two clock reads fewer per iteration: the first observer's span begins where the fan-out's does
+                # (unless probe values were handed over first), and the fan-out ends where the last span does.
+                begun = start if self.recorder is None else clock.mark()
                 for index, name, observe in observing:
                     try:
                         observe(context)
                     except Exception as exc:
                         self._failed(index, name, exc)
                     begun = clock.lap(name, begun)  # this observer's span ends where the next one's begins
+                clock.call_stop(start, begun)
         finally:
             torch._C._set_grad_enabled(grad_was)
-        if clock is not None:
-            clock.call_stop(start)
 
     def end(self, logger, step: int, gradients: Optional[Mapping[str, List[Tensor]]] = None) -> None:
         self.guard.end(self.calls)

@@ -111,9 +111,10 @@ class OverheadMeter:
     def call_start(self) -> float:
         return time.perf_counter()
 
-    def call_stop(self, start: float) -> None:
+    def call_stop(self, start: float, end: Optional[float] = None) -> None:
+        """End a fan-out begun at ``start``; ``end``: when it ended, if already read (the last `lap`)."""
         if self._sheet is not None:
-            self._sheet.calls += time.perf_counter() - start
+            self._sheet.calls += (time.perf_counter() if end is None else end) - start
 
     def stop(self, name: str, start: float) -> None:
         """End an observer's span begun with ``start = meter.mark()``."""

@@ -59,7 +59,7 @@ class IterationBuffer:
         self.max_elements = max_elements
         self.batched = batched
         self.batch_below = batch_below
-        self._items: List[Tuple[Tuple[Tensor, int], ...]] = []
+        self._items: List[List[Tuple[Tensor, int]]] = []  # one [(tensor, version), ...] per iteration
         self._elements = 0
         self._results: List[Tensor] = []
 
@@ -67,17 +67,20 @@ class IterationBuffer:
         self._items, self._results, self._elements = [], [], 0
 
     def append(self, *tensors: Tensor) -> None:
-        # Called on every iteration of a logging step: one plain loop, no generator expressions.
-        elements, inference = 0, False
+        # Called on every iteration of a logging step: one plain loop that also builds the entry (a
+        # comprehension is a function call of its own on Python 3.11).
+        elements, entry = 0, []
         for t in tensors:
+            if t.is_inference():  # torch.inference_mode: no version counter to check, so never kept
+                entry = None
+                break
             elements += t.numel()
-            inference = inference or t.is_inference()
-        # Inference tensors (torch.inference_mode) have no version counter to check: never keep them.
-        if inference or not self.batched or elements >= self.batch_below:
+            entry.append((t, t._version))
+        if entry is None or not self.batched or elements >= self.batch_below:
             self.drain()  # keep the iterations in order
             self._results.append(self.reduce(*[t.unsqueeze(0) for t in tensors], scratch=False))
             return
-        self._items.append(tuple([(t, t._version) for t in tensors]))
+        self._items.append(entry)
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:
             self.drain()

@@ -79,7 +79,7 @@ class UpdateNorm(Observer):
             self._steps.drain()  # what is buffered was resolved for the previous shape
             self._shape = state.shape
             self._alpha_dim = self._resolve(tuple(state.shape))
-        self._has_alpha = self._alpha_dim is not None
+            self._has_alpha = self._alpha_dim is not None
         dx = context.dx_if_known
         pairs = dx is None
         if pairs != self._pairs:  # the buffer holds one kind of entry at a time

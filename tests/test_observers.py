@@ -423,3 +423,46 @@ def test_channel_names_of_the_wrong_length_say_so():
         instrument.IterationStats(channel_names=("x", "x"))
     with pytest.raises(instrument.ConfigurationError, match="list or tuple of strings"):
         instrument.IterationStats(channel_names="xv")
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("form", ["hooks", "scripted evolver"])
+def test_the_headline_logging_step_reads_nothing_to_the_host_on_the_training_thread(tmp_path, form):
+    """The bench's headline step (IterationStats with heatmaps, UpdateNorm, TensorBoard, JSONL), watched with
+    hooks or fed by an explicit evolver around a scripted rule, under `NoHostSync`: on a GPU each host read
+    would be a sync. An observer that read a value would be reported and skipped, not raised, so the test also
+    checks that nothing failed and that the step's values were written."""
+    from instrument.demos.nca import UpdateRule
+    from tests.conftest import NoHostSync
+
+    torch.manual_seed(0)
+    rule = UpdateRule(channels=8, hidden=16)
+    with torch.no_grad():
+        for p in rule.parameters():
+            p.normal_(0.0, 0.05)  # the demo's last layer starts at zero, which would make every update zero
+    runner = torch.jit.script(rule) if form == "scripted evolver" else rule
+    inst = instrument.Instrumentation(
+        observers=[instrument.IterationStats(), instrument.UpdateNorm()],
+        backends=[instrument.TensorBoardBackend(), instrument.JsonlBackend()], log_interval=1, run_name="r",
+        log_dir=str(tmp_path),
+    )
+    if form == "hooks":
+        inst.watch(rule)
+    x0 = torch.rand(2, 8, 12, 12, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        with NoHostSync(), inst.step(step) as s:
+            x = x0
+            for i in range(4):
+                nxt = runner(x)
+                if form != "hooks":
+                    s.observer(instrument.StepContext(previous_state=x, next_state=nxt, step_index=i))
+                x = nxt
+            loss = x.square().mean()
+            loss.backward()
+            inst.logger.log_metrics({"loss": loss.detach()}, step=step, prefix="train")
+    assert inst.failures == {}
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    assert scalars["iteration_stats/iterations"] == {0: 4.0, 1: 4.0, 2: 4.0}
+    assert set(scalars["update_norm/l2/mean"]) == {0, 1, 2} and set(scalars["train/loss"]) == {0, 1, 2}
+    assert len(_pngs(tmp_path / "r", "iteration_stats/mean")) == 3

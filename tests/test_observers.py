@@ -466,3 +466,53 @@ def test_the_headline_logging_step_reads_nothing_to_the_host_on_the_training_thr
     assert scalars["iteration_stats/iterations"] == {0: 4.0, 1: 4.0, 2: 4.0}
     assert set(scalars["update_norm/l2/mean"]) == {0, 1, 2} and set(scalars["train/loss"]) == {0, 1, 2}
     assert len(_pngs(tmp_path / "r", "iteration_stats/mean")) == 3
+
+
+def _records_in_pieces(make, states, monkeypatch, piece_bytes):
+    """The record of ``make()`` observing ``states``, with CPU stacks split into ``piece_bytes`` pieces (None:
+    the default, one piece for these small states), and how many pieces its buffers reduced."""
+    import instrument.observers.buffer as buffer_module
+
+    reduced = []
+    original = IterationBuffer.drain
+
+    def counting_drain(self):
+        before = len(self._results)
+        original(self)
+        reduced.append(len(self._results) - before)
+
+    with monkeypatch.context() as patch:
+        if piece_bytes is not None:
+            patch.setattr(buffer_module, "PIECE_BYTES", piece_bytes)
+        patch.setattr(IterationBuffer, "drain", counting_drain)
+        record = _observe(make(), states)
+    return record, sum(reduced)
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: instrument.IterationStats(), (2, 5, 6, 6)),
+        (lambda: instrument.IterationStats(channel_dim=-1), (64, 4)),  # channels last: the transposed copy
+        (lambda: instrument.UpdateNorm(), (2, 5, 6, 6)),  # pairs: the chain of states stacked as one
+        (lambda: instrument.NonFinite(), (2, 5, 6, 6)),  # two buffers: the states and dx
+    ],
+)
+def test_large_cpu_stacks_are_reduced_in_pieces_with_the_same_values(monkeypatch, make, shape):
+    """Every reduction is per iteration, so reducing a stack in cache-sized pieces (`PIECE_BYTES`) must give
+    the same numbers, bit for bit, as one batched call: here with pieces of one, two and three iterations."""
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(shape, generator=g) * 3 + 10 for _ in range(8)]
+    states[5][0, 1] = float("nan")  # NonFinite has something to count
+    whole, buffers = _records_in_pieces(make, states, monkeypatch, None)  # one piece per buffer
+    one_state = states[0].numel() * states[0].element_size()
+    for rows in (1, 2, 3):
+        split, pieces = _records_in_pieces(make, states, monkeypatch, rows * one_state * 2)
+        assert pieces > buffers
+        assert split.scalars.keys() == whole.scalars.keys()
+        for key, value in whole.scalars.items():
+            assert split.scalars[key] == value or (np.isnan(value) and np.isnan(split.scalars[key])), key
+        for tag, image in whole.images.items():
+            np.testing.assert_array_equal(split.images[tag], image)
+        for tag, values in whole.histograms.items():
+            np.testing.assert_array_equal(split.histograms[tag], values)

@@ -507,7 +507,7 @@ def test_large_cpu_stacks_are_reduced_in_pieces_with_the_same_values(monkeypatch
     whole, buffers = _records_in_pieces(make, states, monkeypatch, None)  # one piece per buffer
     one_state = states[0].numel() * states[0].element_size()
     for rows in (1, 2, 3):
-        split, pieces = _records_in_pieces(make, states, monkeypatch, rows * one_state * 2)
+        split, pieces = _records_in_pieces(make, states, monkeypatch, rows * one_state)
         assert pieces > buffers
         assert split.scalars.keys() == whole.scalars.keys()
         for key, value in whole.scalars.items():

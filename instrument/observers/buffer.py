@@ -9,13 +9,14 @@ instead of allocating temporaries. States of ``batch_below`` elements or more ar
 stack of many of them no longer fits in cache (measured on CPU, torch 2.13, 32 iterations: a [4, 16, 24, 24]
 state reduces about 4x faster batched than per iteration, a [4, 16, 64, 64] one 1.3x slower).
 
-On a CPU, a stack of more than `PIECE_BYTES` (4 MB) is built and reduced in pieces of about that size, one after
-the other: each piece and the reduction's temporaries stay in cache instead of streaming through memory, and no
-large buffer is allocated afresh (new pages) at every logging step. The reductions are per iteration, so the
-results are the same. Measured on CPU, torch 2.13, one thread: 200 [256, 64] activations of an RL policy (13 MB)
-reduce in 3.2-4.0 ms in 4 MB pieces instead of 5.8-6.9 ms at once; an 8 MB stack of 32 [4, 16, 32, 32] states
-takes the same time either way. On a GPU the stack is never split: each piece would cost its kernel launches
-again.
+On a CPU, a stack of more than twice `PIECE_BYTES` (4 MB) is built and reduced in pieces of about 4 MB, one
+after the other: each piece and the reduction's temporaries stay in cache instead of streaming through memory,
+and no large buffer is allocated afresh (new pages) at every logging step. The reductions are per iteration, so
+the results are the same. Measured on CPU, torch 2.13, one thread: 200 [256, 64] activations of an RL policy
+(13 MB) reduce in 3.2-4.0 ms in 4 MB pieces instead of 5.8-6.9 ms at once; an 8 MB stack of 32 [4, 16, 32, 32]
+states takes the same time either way, and smaller stacks are faster whole (the demo NCA's 4.7 MB: 0.6-0.9 ms
+whole, about 1 ms in pieces), so they stay whole. On a GPU the stack is never split: each piece would cost its
+kernel launches again.
 
 A rollout that changes a state in place after it was observed would make the kept reference wrong. Each
 tensor's version counter is remembered and checked at read time, so that case is detected, never silently
@@ -118,9 +119,14 @@ class IterationBuffer:
             )
         columns = [[entry[i][0] for entry in items] for i in range(len(items[0]))]
         rows = len(items)
-        if columns[0][0].device.type == "cpu":  # pieces that stay in cache (see the module docstring)
-            size = sum(column[0].numel() * column[0].element_size() for column in columns)
-            rows = max(1, (self.piece_bytes or PIECE_BYTES) // max(1, size))
+        first = columns[0][0]
+        if first.device.type == "cpu":  # pieces that stay in cache (see the module docstring)
+            piece = self.piece_bytes or PIECE_BYTES
+            # The first column sets the size: the state, or the previous state of a chain of pairs, which a
+            # custom ``stack`` stacks as one tensor (the second column then adds nothing to it).
+            size = max(1, first.numel() * first.element_size())
+            if size * len(items) > 2 * piece:
+                rows = max(1, piece // size)
         for start in range(0, len(items), rows):
             part = columns if rows >= len(items) else [column[start:start + rows] for column in columns]
             stacked = self.stack(part) if self.stack is not None else [torch.stack(column) for column in part]

@@ -340,32 +340,6 @@ def test_edge_values_read_back(tmp_path, caplog):
     assert len(said) == 1 and "'big'" in said[0] and str(big) in said[0]
 
 
-def test_integer_tensors_beyond_2_53_are_written_as_the_nearest_float64_and_said_once_per_key(tmp_path, caplog):
-    """The value of an int64 tensor is never read on the caller, so its size is looked at on the writer
-    thread: each key too large for float64 is named once, whichever path staged it (a dict of int64 tensors,
-    a mixed dict, ``commit=True``, uint64), and every value is written as its nearest float64."""
-    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
-    seed, key, own, unsigned = 2**60 + 1, -(2**55) - 3, 2**53 + 1, 2**63 + 5
-    with caplog.at_level(logging.WARNING, logger="instrument"):
-        for step in (0, 2):
-            logger.log_metrics({"seed": torch.tensor(seed), "small": torch.tensor(7)}, step=step)  # one block
-            logger.log_metrics({"hash": torch.tensor(key), "x": 1.5, "i32": torch.tensor(2**31 - 1, dtype=torch.int32),
-                                "f": torch.tensor(1e17, dtype=torch.float64)}, step=step, prefix="mixed")
-            logger.log_metrics({"u": torch.tensor(unsigned, dtype=torch.uint64)}, step=step)
-            logger.commit(step)
-            logger.log_metrics({"own": torch.tensor(own)}, step=step + 1, commit=True)
-    logger.close()
-    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
-    rows = {row["step"]: row["metrics"] for row in map(json.loads, lines) if "metrics" in row}
-    assert rows[0] == rows[2] == {"seed": float(seed), "small": 7.0, "mixed/hash": float(key), "mixed/x": 1.5,
-                                  "mixed/i32": float(2**31 - 1), "mixed/f": 1e17, "u": float(unsigned)}
-    assert rows[1] == rows[3] == {"own": float(own)}
-    said = [r.getMessage() for r in caplog.records if "at or beyond 2**53" in r.getMessage()]
-    named = sorted(message.split("'")[1] for message in said)
-    assert named == ["mixed/hash", "own", "seed", "u"], said  # once each, and none for exact values
-    assert str(float(seed)) in next(m for m in said if "'seed'" in m)
-
-
 @pytest.mark.parametrize(
     "value, pattern",
     [

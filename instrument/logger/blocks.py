@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from instrument.logger.values import EXACT_INT, WIDE_INTS, note_wide
+from instrument.logger.values import EXACT_INT
 
 __all__ = ["Block", "MAX_BLOCKS", "float_block", "tensor_block", "fold", "means", "contributions"]
 
@@ -51,10 +51,9 @@ def float_block(head: str, copy: Dict[Any, Any]) -> Optional[Block]:
     return (head, copy)
 
 
-def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Dict[str, None]] = None) -> Optional[Block]:
+def tensor_block(head: str, copy: Dict[Any, Any]) -> Optional[Block]:
     """``(head, keys, stacked)`` when every key is a ``str`` and every value a one-element tensor, all of one
-    dtype (so that nothing is promoted, e.g. a large int64 to float32) on one device; None otherwise. The names
-    of int64 / uint64 values are noted in ``wide`` (`instrument.logger.values.note_wide`)."""
+    dtype (so that nothing is promoted, e.g. a large int64 to float32) on one device; None otherwise."""
     values = list(copy.values())
     dtype = values[0].dtype if type(values[0]) is Tensor else None
     for key, value in copy.items():
@@ -70,8 +69,6 @@ def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Dict[str, None]
     if stacked.numel() != len(values) or stacked.is_meta or stacked.layout != torch.strided:
         return None
     if not dtype.is_floating_point:  # as the per-key path: bools as 1.0/0.0, integers exact as float64
-        if dtype in WIDE_INTS:
-            note_wide(wide, [head + key for key in copy])
         mps = stacked.device.type == "mps"  # MPS has no float64
         stacked = stacked.to(torch.float32 if dtype == torch.bool or mps else torch.float64)
     return (head, tuple(copy), stacked.reshape(-1))

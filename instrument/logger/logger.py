@@ -54,7 +54,7 @@ from instrument.logger.reduce import CrossRankReducer, resolve_ops
 from instrument.logger.steps import LAZY, StepRecords
 from instrument.logger.table import StagedTable
 from instrument.logger.timer import Timer, named_timer
-from instrument.logger.values import check_keys, wide_int_message
+from instrument.logger.values import check_keys
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
 __all__ = ["Logger"]
@@ -140,7 +140,6 @@ class Logger(StagedTable, StepRecords):
         self._exit_status: Optional[str] = None
         self._value_failures: Dict[str, int] = {}
         self._warned: Dict[str, None] = {}  # keys (or "step <n>") already warned about once
-        self._wide: Dict[str, None] = {}  # names staged from int64 / uint64 tensors (`values.note_wide`)
         self._mark = 0  # the live `mark` (0: none)
         self._snapshot: Any = None  # the staged table as it was at the mark; LAZY: not taken yet
         self.backends: List[Backend] = list(backends) if self.is_writer else []
@@ -196,7 +195,7 @@ class Logger(StagedTable, StepRecords):
         block = None
         if plain and metrics:  # the hottest path: the whole call as one block, no per-key work here
             metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
-            block = float_block(head, metrics) or tensor_block(head, metrics, self._wide)
+            block = float_block(head, metrics) or tensor_block(head, metrics)
         with self._lock:
             if self._snapshot is LAZY:  # before the step moves: a discarded step takes its step number back too
                 self._take_snapshot()
@@ -466,15 +465,7 @@ class Logger(StagedTable, StepRecords):
 
     def _build(self, payload: tuple) -> StepRecord:
         """On the writer thread: the `StepRecord` of a handed-over step (`instrument.logger.assemble`)."""
-        record = build_record(payload, self._value_failed)
-        if self._wide:  # integers from int64 tensors, read here for the first time: too large for float64?
-            scalars = record.scalars
-            for name in list(self._wide):
-                value = scalars.get(name)
-                message = None if value is None else wide_int_message(name, value)
-                if message is not None:
-                    self._warn_once(name, message)
-        return record
+        return build_record(payload, self._value_failed)
 
     def _value_failed(self, kind: str, tag: str, step: int, value: Any, expected: str, exc: Exception) -> None:
         key = f"{kind} {tag}"

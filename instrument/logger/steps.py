@@ -41,7 +41,7 @@ class StepRecords:
         for key, value in metrics.items():
             name = head + key if type(key) is str else head + str(key)
             op, weight = ("mean", None) if ops is None else ops[key]
-            value = as_scalar(name, value, self._warn_once, self._wide)
+            value = as_scalar(name, value, self._warn_once)
             if weight is not None:
                 weights[name] = weight = as_scalar(f"weight of {name}", weight, self._warn_once)
                 value = value * weight

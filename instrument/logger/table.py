@@ -40,7 +40,7 @@ class StagedTable:
                     if kind is int and -EXACT_INT <= value <= EXACT_INT:
                         value = float(value)
                     else:
-                        value = as_scalar(name, value, self._warn_once, self._wide)
+                        value = as_scalar(name, value, self._warn_once)
                 pairs.append((name, value))
             for name, value in pairs:
                 if type(value) is not float:
@@ -55,7 +55,7 @@ class StagedTable:
         for key, value in metrics.items():
             name = head + key if type(key) is str else head + str(key)
             op, weight = ("mean", None) if ops is None else ops[key]
-            value = as_scalar(name, value, self._warn_once, self._wide)
+            value = as_scalar(name, value, self._warn_once)
             weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
             self._check_op(name, op, weight)
             staged.append((name, value, op, weight))

@@ -13,20 +13,18 @@ received                              logged as
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
-one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53,
+one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53 (the
+                                      value is never read on the caller, so larger ones are not checked),
                                       bool tensors as 1.0/0.0 (float64 too); sparse and quantized ones as
                                       their value
-int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warning naming the key, given on
-                                      the writer thread (never read on the caller); uint64 alike
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
 """
 
-import math
 import numbers
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 import torch
@@ -34,15 +32,11 @@ from torch import Tensor
 
 from instrument.errors import InvalidValueError
 
-__all__ = ["EXACT_INT", "WIDE_INTS", "as_scalar", "check_keys", "note_wide", "wide_int_message"]
+__all__ = ["EXACT_INT", "as_scalar", "check_keys"]
 
 EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
-# Integer dtypes whose values float64 may not hold: their names are noted when staged (`as_scalar`'s ``wide``)
-# and each written value is looked at on the writer thread (`wide_int_message`). Narrower ones are exact.
-WIDE_INTS = (torch.int64, torch.uint64)
 
 Warn = Callable[[str, str], None]
-_MAX_WIDE = 4096  # names noted in `note_wide` at most: keys made up on the fly do not pile up
 
 
 def check_keys(metrics: Any) -> None:
@@ -60,34 +54,8 @@ def check_keys(metrics: Any) -> None:
         )
 
 
-def note_wide(wide: Optional[Dict[str, None]], names: Iterable[str]) -> None:
-    """Add ``names`` (metrics staged from int64 / uint64 tensors) to ``wide``, a bounded ordered set."""
-    if wide is not None and len(wide) < _MAX_WIDE:
-        wide.update(dict.fromkeys(names))
-
-
-def wide_int_message(name: str, value: float) -> Optional[str]:
-    """The one-time warning for metric ``name`` staged from an int64 / uint64 tensor and written as ``value``;
-    None when ``value`` is below 2**53 in magnitude (then it was exact).
-
-    Rounding is monotone, so a written value below 2**53 came from an integer below it, which float64 holds;
-    at or beyond it, the integer may have lost its last digits.
-    """
-    if not abs(value) >= EXACT_INT or math.isinf(value):
-        return None
-    return (
-        f"metric {name!r} comes from an integer tensor and is {value!r}, at or beyond 2**53, where float64 (what "
-        f"backends store) cannot hold every integer: its last digits may have been rounded. Log a difference "
-        f"or a scaled value if they matter."
-    )
-
-
-def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Dict[str, None]] = None) -> Union[float, Tensor]:
-    """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once.
-
-    ``wide``: where the names of int64 / uint64 tensors are noted (`note_wide`), so that the writer thread,
-    which reads their values, can say when one is too large for float64 (`wide_int_message`).
-    """
+def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
+    """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise InvalidValueError(
@@ -112,8 +80,6 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Dict[str, None]]
             raise _complex(name, f"a complex tensor ({value.dtype})")
         # Integers exact up to 2**53 (float32 would round above 2**24), bools as 1.0/0.0: float64, like every
         # staged sum, so that floats added to this one later in the interval are not rounded to float32.
-        if value.dtype in WIDE_INTS:
-            note_wide(wide, (name,))
         return value.to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS has no float64
     if isinstance(value, np.ndarray):
         if value.size != 1:

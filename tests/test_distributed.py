@@ -347,16 +347,19 @@ def test_timer_reduce_op_is_fixed_per_timer():
         logger.timer("t", reduce="sum")
 
 
-def test_the_commits_group_check_follows_init_and_destroy_of_a_process_group(tmp_path):
+def test_the_commits_group_check_follows_init_and_destroy_of_a_process_group(tmp_path, monkeypatch):
     """`ranks.initialized` reads torch's default group directly (every commit asks it): it must say what
-    ``dist.is_initialized`` says before, during and after a real gloo group, and the logger's commits with it."""
+    ``dist.is_initialized`` says before, during and after a real gloo group, and the logger's commits with it;
+    also when torch replaces its registry of groups (it is looked up at every call)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    from instrument.logger.ranks import _WORLD, initialized
+    from instrument.logger.ranks import _WORLD_TYPE, initialized
 
-    assert _WORLD is not None, "torch's layout changed: initialized() fell back to dist.is_initialized"
+    assert _WORLD_TYPE is not None, "torch's layout changed: initialized() fell back to dist.is_initialized"
     assert initialized() is dist.is_initialized() is False
     logger = Logger([])
+    monkeypatch.setattr(distributed_c10d, "_world", distributed_c10d._World())  # a new registry, after import
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         assert initialized() is dist.is_initialized() is True
@@ -368,3 +371,43 @@ def test_the_commits_group_check_follows_init_and_destroy_of_a_process_group(tmp
     logger.log_metrics({"a": 2.0}, step=1)
     assert logger.commit(1).scalars == {"a": 2.0}
     logger.close()
+
+
+def test_a_threaded_process_group_is_seen_and_reduced(tmp_path):
+    """torch's threaded process groups (its own distributed tests) install a registry of another type: the
+    commit asks `dist.is_initialized` then, and two ranks' sums are reduced (run in a child: the threaded
+    registry is process-wide)."""
+    pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
+    source = """
+import json, sys, threading
+import torch, torch.distributed as dist
+import instrument
+from instrument.logger.ranks import initialized
+from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+torch._C._distributed_c10d._set_thread_isolation_mode(True)
+_install_threaded_pg()
+store, out, barrier = dist.HashStore(), {}, threading.Barrier(2)
+
+def worker(rank):
+    dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
+    barrier.wait()
+    logger = instrument.Logger([])
+    logger.log_metrics({"x": float(rank + 1)}, step=0, reduce="sum")
+    handle = logger.commit(0)
+    out[rank] = [initialized(), None if handle is None else handle.scalars]
+    logger.close()
+
+threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+print(json.dumps(out))
+"""
+    from tests.conftest import run_child
+
+    done = run_child(tmp_path, source)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["0"] == [True, {"x": 3.0}] and out["1"][0] is True

@@ -11,7 +11,7 @@ different gin files or bindings fails loudly at the first step instead of loggin
 
 import hashlib
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,33 +30,38 @@ _HASH_BITS = 52
 DIST_AVAILABLE = dist.is_available()  # fixed by the build; asked once (every commit asks is_distributed)
 
 
-def _world() -> Optional[Any]:
-    """torch's record of the default process group, where its layout is the one `initialized` reads (torch
-    2.x: ``distributed_c10d._world._default_pg``, the attribute behind ``dist.is_initialized``); else None."""
+def _c10d() -> Tuple[Optional[Any], Optional[type]]:
+    """torch's ``distributed_c10d`` module, where its registry of the default process group (``_world``) lives,
+    and the registry's own type when its ``default_pg`` property reads ``_default_pg`` (torch 2.x); else Nones."""
     if not DIST_AVAILABLE:
-        return None
+        return None, None
     try:
         from torch.distributed import distributed_c10d
     except ImportError:  # pragma: no cover - a build without c10d is not DIST_AVAILABLE
-        return None
+        return None, None
     world = getattr(distributed_c10d, "_world", None)
     if not isinstance(getattr(type(world), "default_pg", None), property) or not hasattr(world, "_default_pg"):
-        return None
-    return world
+        return None, None
+    kind = type(world)
+    return distributed_c10d, kind
 
 
-_WORLD = _world()
+_C10D, _WORLD_TYPE = _c10d()
 
 
 def initialized() -> bool:
-    """``dist.is_initialized()``, in one attribute read where torch's layout allows.
+    """``dist.is_initialized()``, in two attribute reads where torch's layout allows.
 
     Every commit asks it. ``dist.is_initialized`` goes through two Python properties in torch's own modules,
     which right after a training step (cold caches) cost the commit several microseconds; the attribute they
-    read is read here directly, and `dist.is_initialized` is the fallback on any other layout.
+    read (``distributed_c10d._world._default_pg``) is read here directly. The registry is looked up at every
+    call, since torch may replace it (its threaded test process groups install their own); a registry of any
+    other type is asked through `dist.is_initialized`.
     """
-    if _WORLD is not None:
-        return _WORLD._default_pg is not None
+    if _C10D is not None:
+        world = _C10D._world
+        if type(world) is _WORLD_TYPE:
+            return world._default_pg is not None
     return DIST_AVAILABLE and dist.is_initialized()
 
 

@@ -429,9 +429,11 @@ def test_channel_names_of_the_wrong_length_say_so():
 @pytest.mark.parametrize("form", ["hooks", "scripted evolver"])
 def test_the_headline_logging_step_reads_nothing_to_the_host_on_the_training_thread(tmp_path, form):
     """The bench's headline step (IterationStats with heatmaps, UpdateNorm, TensorBoard, JSONL), watched with
-    hooks or fed by an explicit evolver around a scripted rule, under `NoHostSync`: on a GPU each host read
-    would be a sync. An observer that read a value would be reported and skipped, not raised, so the test also
-    checks that nothing failed and that the step's values were written."""
+    hooks or fed by an explicit evolver around a scripted rule, under `NoHostSync` (``.item()``, ``.tolist()``,
+    ``bool()``, ``float()``, ``.cpu()``, ``.numpy()``...; not ``.to("cpu")``, which a CPU run cannot tell from
+    any other ``.to``): on a GPU each such read would be a sync. An observer that read a value would be reported
+    and skipped, not raised, so the test also checks that nothing failed and that the step's values were
+    written."""
     from instrument.demos.nca import UpdateRule
     from tests.conftest import NoHostSync
 

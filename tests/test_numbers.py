@@ -340,6 +340,46 @@ def test_edge_values_read_back(tmp_path, caplog):
     assert len(said) == 1 and "'big'" in said[0] and str(big) in said[0]
 
 
+def test_integer_tensors_beyond_2_53_are_written_as_the_nearest_float64_and_said_once_per_key(tmp_path, caplog):
+    """The value of an int64 tensor is never read on the caller: each staged value is compared with 2**53 on
+    its device, and the writer thread names each key that held such a value once, whichever path staged it (a
+    dict of int64 tensors, a mixed dict, ``reduce=``, ``commit=True``, uint64), also when the interval's mean
+    is below 2**53. A key later logged as a float, values of a failed step and exact integers are not named."""
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    seed, key, own, unsigned = 2**60 + 1, -(2**55) - 3, 2**53 + 1, 2**63 + 5
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in (0, 3):
+            logger.log_metrics({"seed": torch.tensor(seed), "small": torch.tensor(7)}, step=step)  # one block
+            logger.log_metrics({"hash": torch.tensor(key), "x": 1.5, "i32": torch.tensor(2**31 - 1, dtype=torch.int32),
+                                "f": torch.tensor(1e17, dtype=torch.float64)}, step=step, prefix="mixed")
+            logger.log_metrics({"u": torch.tensor(unsigned, dtype=torch.uint64)}, step=step)
+            logger.log_metrics({"mean": torch.tensor(2**53 + 2)}, step=step)  # with the next: a mean below 2**53
+            logger.log_metrics({"mean": torch.tensor(0)}, step=step)
+            logger.log_metrics({"total": torch.tensor(2**54)}, step=step, reduce="sum")
+            logger.commit(step)
+            logger.log_metrics({"own": torch.tensor(own)}, step=step + 1, commit=True)
+        logger.log_metrics({"later": torch.tensor(3)}, step=5)  # an int64 key, exact
+        logger.log_metrics({"later": 2.0**60}, step=5)  # the same key, later in the interval, as a float
+        mark = logger.mark()
+        logger.log_metrics({"failed": torch.tensor(2**60)}, step=5)
+        assert logger.discard_staged(mark) == ["failed"]  # a failed step's values never reach a commit
+        logger.commit(5)
+    logger.close()
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    rows = {row["step"]: row["metrics"] for row in map(json.loads, lines) if "metrics" in row}
+    assert rows[0] == rows[3] == {
+        "seed": float(seed), "small": 7.0, "mixed/hash": float(key), "mixed/x": 1.5,
+        "mixed/i32": float(2**31 - 1), "mixed/f": 1e17, "u": float(unsigned), "mean": float(2**52 + 1),
+        "total": float(2**54),
+    }
+    assert rows[1] == rows[4] == {"own": float(own)}
+    assert rows[5] == {"later": (3.0 + 2.0**60) / 2}
+    said = [r.getMessage() for r in caplog.records if "at or beyond 2**53" in r.getMessage()]
+    named = sorted(message.split("'")[1] for message in said)
+    assert named == ["mean", "mixed/hash", "own", "seed", "total", "u"], said  # once each
+    assert f"written as {float(seed)!r}" in next(m for m in said if "'seed'" in m)
+
+
 @pytest.mark.parametrize(
     "value, pattern",
     [

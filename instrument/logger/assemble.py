@@ -1,14 +1,15 @@
 """Building a `StepRecord` on the writer thread from a step the training thread handed over.
 
-The training thread hands over ``(step, wall_time, scalars, tensor_keys, media, timings, batch, tensors)``:
-scalar means (device tensors for ``tensor_keys``) or blocks whose means are taken here, staged media
-by ``(kind, tag)``, timer measurements, and the started transfer of ``tensors``. Here the transfer is
+The training thread hands over ``(step, wall_time, scalars, tensor_keys, media, timings, batch, tensors,
+wide)``: scalar means (device tensors for ``tensor_keys``) or blocks whose means are taken here, staged media
+by ``(kind, tag)``, timer measurements, the started transfer of ``tensors``, and the flags of int64 values
+beyond 2**53 (`instrument.logger.values.beyond_exact`), read here with the rest of the transfer. Here the transfer is
 waited for and every value converted by its `MediaKind`; a value whose conversion fails is reported through
 ``on_failure`` and left out, alone.
 """
 
 import math
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 from torch import Tensor
@@ -23,9 +24,11 @@ __all__ = ["build_record", "describe", "timing_stats"]
 OnFailure = Callable[[str, str, int, Any, str, Exception], None]
 
 
-def build_record(payload: tuple, on_failure: OnFailure) -> StepRecord:
-    """Wait for the transfer and convert every value; a value that fails is dropped alone."""
-    step, wall_time, scalars, tensor_keys, media, timings, batch, tensors = payload
+def build_record(payload: tuple, on_failure: OnFailure,
+                 on_rounded: Optional[Callable[[str, Any], None]] = None) -> StepRecord:
+    """Wait for the transfer and convert every value; a value that fails is dropped alone. ``on_rounded(name,
+    written value)`` is called for each metric logged from an integer tensor that held a value beyond 2**53."""
+    step, wall_time, scalars, tensor_keys, media, timings, batch, tensors, wide = payload
     arrays = batch.arrays() if batch is not None else []
     by_id = {id(t): a for t, a in zip(tensors, arrays, strict=True)}
 
@@ -38,6 +41,11 @@ def build_record(payload: tuple, on_failure: OnFailure) -> StepRecord:
     for i, key in enumerate(tensor_keys):
         scalars[key] = float(arrays[i])
     record.scalars = scalars
+    if on_rounded is not None:
+        for names, flags in wide:
+            for name, beyond in zip(names, np.asarray(host(flags)).reshape(-1).tolist(), strict=True):
+                if beyond:
+                    on_rounded(name, scalars.get(name))
     for (kind, tag), (value, extra) in media.items():
         spec = KINDS[kind]
         try:

@@ -31,7 +31,7 @@ def handover(
 
     None when a collective commit leaves nothing to write.
     """
-    totals, counts, ops, weights, on_device, media, timers, blocks = staged
+    totals, counts, ops, weights, on_device, media, timers, blocks, wide = staged
     timings: Any = timers
     if reducer is not None:
         if blocks:  # the reduction needs every name here (blocks and a per-key table are never staged together)
@@ -72,8 +72,10 @@ def handover(
         tensors = [scalars[name] for name in tensor_keys]
     for value, _ in media.values():
         tensors.extend(tensors_of(value))
+    for _, flags in wide:  # int64 values beyond 2**53, flagged on their device: read on the writer
+        tensors.append(flags)
     batch = start_transfer(tensors) if tensors else None
-    return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors)
+    return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors, wide)
 
 
 def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers) -> Dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from instrument.errors import StepOrderError
 from instrument.logger.blocks import contributions
-from instrument.logger.values import as_scalar
+from instrument.logger.values import Wide, as_scalar
 from instrument.logger.writer import CommittedStep
 
 __all__ = ["LAZY", "StepRecords"]
@@ -38,10 +38,11 @@ class StepRecords:
         own_ops: Dict[str, str] = {}
         weights: Dict[str, Any] = {}
         on_device: Dict[str, None] = {}
+        wide: Wide = []
         for key, value in metrics.items():
             name = head + key if type(key) is str else head + str(key)
             op, weight = ("mean", None) if ops is None else ops[key]
-            value = as_scalar(name, value, self._warn_once)
+            value = as_scalar(name, value, self._warn_once, wide)
             if weight is not None:
                 weights[name] = weight = as_scalar(f"weight of {name}", weight, self._warn_once)
                 value = value * weight
@@ -60,7 +61,7 @@ class StepRecords:
                 step = int(step)
                 self._check_repeat(step, totals)
                 self._last_step = step
-            return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, []), collective)
+            return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, [], wide), collective)
 
     def _check_repeat(self, step: int, names: Mapping[str, Any]) -> None:
         """A second record at the step last committed: written, but said once (W&B keeps only the first)."""
@@ -109,7 +110,7 @@ class StepRecords:
             dropped = [f"timer {name}" for name, t in self._timers.items() if t.rewind(timers.get(name, _EMPTY))]
             if snapshot is None or snapshot is LAZY:
                 return dropped
-            totals, counts, ops, weights, on_device, media, pending, blocks = snapshot
+            totals, counts, ops, weights, on_device, media, pending, blocks, wide = snapshot
             before = contributions(totals, counts, blocks)
             now = contributions(self._totals, self._counts, self._blocks)
             dropped += [name for name, n in now.items() if n != before[name]]
@@ -117,11 +118,12 @@ class StepRecords:
                         for kind, tag in [key]]
             self._totals, self._counts, self._ops, self._weights = totals, counts, ops, weights
             self._on_device, self._media, self._pending_step, self._blocks = on_device, media, pending, blocks
+            del self._wide[wide:]  # the flags of values staged since the mark go with them
             return dropped
 
     def _take_snapshot(self) -> None:
         """The staged table as it is, before the first value staged after a mark (under the lock)."""
         self._snapshot = (
             dict(self._totals), dict(self._counts), dict(self._ops), dict(self._weights), dict(self._on_device),
-            dict(self._media), self._pending_step, list(self._blocks),
+            dict(self._media), self._pending_step, list(self._blocks), len(self._wide),
         )

@@ -13,14 +13,14 @@ nothing of itself behind.
 from typing import Any, Mapping, Optional
 
 from instrument.errors import ConfigurationError
-from instrument.logger.values import EXACT_INT, as_scalar
+from instrument.logger.values import EXACT_INT, Wide, as_scalar
 
 __all__ = ["StagedTable"]
 
 
 class StagedTable:
-    """Mixin of `Logger` (its ``_totals``, ``_counts``, ``_ops``, ``_weights``, ``_on_device``, ``_names`` and
-    ``_warn_once``); every method runs under the logger's staging lock."""
+    """Mixin of `Logger` (its ``_totals``, ``_counts``, ``_ops``, ``_weights``, ``_on_device``, ``_names``,
+    ``_wide`` and ``_warn_once``); every method runs under the logger's staging lock."""
 
     def _stage_keys(self, metrics: Mapping[Any, Any], head: str, ops: Optional[Mapping[Any, Any]],
                     plain: bool) -> None:
@@ -31,6 +31,7 @@ class StagedTable:
             if names is None or len(names) > 4096:  # bounded: keys made up on the fly do not pile up
                 names = self._names[head] = {}
             pairs = []  # converted first: a call refused for one value stages none of its values
+            wide: Wide = []
             for key, value in metrics.items():
                 name = names.get(key)
                 if name is None:
@@ -40,8 +41,9 @@ class StagedTable:
                     if kind is int and -EXACT_INT <= value <= EXACT_INT:
                         value = float(value)
                     else:
-                        value = as_scalar(name, value, self._warn_once)
+                        value = as_scalar(name, value, self._warn_once, wide)
                 pairs.append((name, value))
+            self._wide.extend(wide)
             for name, value in pairs:
                 if type(value) is not float:
                     on_device[name] = None
@@ -52,13 +54,15 @@ class StagedTable:
                     totals[name] = value
             return
         staged = []
+        wide = []
         for key, value in metrics.items():
             name = head + key if type(key) is str else head + str(key)
             op, weight = ("mean", None) if ops is None else ops[key]
-            value = as_scalar(name, value, self._warn_once)
+            value = as_scalar(name, value, self._warn_once, wide)
             weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
             self._check_op(name, op, weight)
             staged.append((name, value, op, weight))
+        self._wide.extend(wide)
         for args in staged:
             self._stage_scalar(*args)
 

@@ -13,10 +13,12 @@ received                              logged as
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
-one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53 (the
-                                      value is never read on the caller, so larger ones are not checked),
+one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53,
                                       bool tensors as 1.0/0.0 (float64 too); sparse and quantized ones as
                                       their value
+int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warning naming the key: each
+                                      value is compared on its device and the writer thread reads the result
+                                      with the commit's transfer (no host sync); uint64 alike
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
@@ -24,7 +26,7 @@ anything else, empty key ``""``       refused (`InvalidValueError`)
 
 import numbers
 from collections.abc import Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,11 +34,33 @@ from torch import Tensor
 
 from instrument.errors import InvalidValueError
 
-__all__ = ["EXACT_INT", "as_scalar", "check_keys"]
+__all__ = ["EXACT_INT", "WIDE_INTS", "Wide", "as_scalar", "beyond_exact", "check_keys", "rounded_message"]
 
 EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
+# Integer dtypes that can hold values float64 cannot: each staged value of one is flagged on its device when
+# at or beyond 2**53 in magnitude (`beyond_exact`), and the writer thread warns once per key (`rounded_message`).
+WIDE_INTS = (torch.int64, torch.uint64)
 
 Warn = Callable[[str, str], None]
+# Flags of one staging call: (names, a bool tensor with one flag per name, on the values' device).
+Wide = List[Tuple[Tuple[str, ...], Tensor]]
+
+
+def beyond_exact(converted: Tensor) -> Tensor:
+    """Where integers converted to ``converted`` (float64) were at or beyond 2**53 in magnitude, where float64
+    may round them: a bool tensor like it. Rounding is monotone, so the converted value is at or beyond 2**53
+    exactly when the integer was (and below it, the conversion was exact); comparing after the conversion also
+    works for uint64, which torch cannot compare on a CPU."""
+    return converted.abs() >= EXACT_INT
+
+
+def rounded_message(name: str, value: Any) -> str:
+    """The one-time warning for a metric logged from an integer tensor that held a value beyond 2**53."""
+    return (
+        f"metric {name!r} was logged from an integer tensor holding a value at or beyond 2**53 in magnitude, "
+        f"where float64 (what backends store) cannot hold every integer: its last digits may have been rounded "
+        f"(written as {value!r}). Log a difference or a scaled value if they matter."
+    )
 
 
 def check_keys(metrics: Any) -> None:
@@ -54,8 +78,12 @@ def check_keys(metrics: Any) -> None:
         )
 
 
-def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
-    """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once."""
+def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) -> Union[float, Tensor]:
+    """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once.
+
+    ``wide``: where the flag of an int64 / uint64 tensor is appended (`beyond_exact`): its value is not read
+    here, so the writer thread says whether it was too large for float64.
+    """
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise InvalidValueError(
@@ -80,7 +108,10 @@ def as_scalar(name: str, value: Any, warn: Warn) -> Union[float, Tensor]:
             raise _complex(name, f"a complex tensor ({value.dtype})")
         # Integers exact up to 2**53 (float32 would round above 2**24), bools as 1.0/0.0: float64, like every
         # staged sum, so that floats added to this one later in the interval are not rounded to float32.
-        return value.to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS has no float64
+        converted = value.to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS: no float64
+        if wide is not None and value.dtype in WIDE_INTS:
+            wide.append(((name,), beyond_exact(converted.reshape(1))))
+        return converted
     if isinstance(value, np.ndarray):
         if value.size != 1:
             raise InvalidValueError(f"metric {name!r} is an array of shape {value.shape}; log a scalar instead.")

@@ -376,10 +376,10 @@ def test_the_commits_group_check_follows_init_and_destroy_of_a_process_group(tmp
 def test_a_threaded_process_group_is_seen_and_reduced(tmp_path):
     """torch's threaded process groups (its own distributed tests) install a registry of another type: the
     commit asks `dist.is_initialized` then, and two ranks' sums are reduced (run in a child: the threaded
-    registry is process-wide)."""
+    registry is process-wide). An integer beyond 2**53 on rank 1 alone is said by rank 0, which writes it."""
     pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
     source = """
-import json, sys, threading
+import json, logging, sys, threading
 import torch, torch.distributed as dist
 import instrument
 from instrument.logger.ranks import initialized
@@ -389,11 +389,19 @@ torch._C._distributed_c10d._set_thread_isolation_mode(True)
 _install_threaded_pg()
 store, out, barrier = dist.HashStore(), {}, threading.Barrier(2)
 
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("instrument").addHandler(Keep())
+
 def worker(rank):
     dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
     barrier.wait()
     logger = instrument.Logger([])
     logger.log_metrics({"x": float(rank + 1)}, step=0, reduce="sum")
+    # only rank 1 holds an integer beyond 2**53; rank 0 writes the reduced value and must say so
+    logger.log_metrics({"seed": torch.tensor(2**60 + 1 if rank else 5)}, step=0, reduce="max")
     handle = logger.commit(0)
     out[rank] = [initialized(), None if handle is None else handle.scalars]
     logger.close()
@@ -403,11 +411,15 @@ for t in threads:
     t.start()
 for t in threads:
     t.join(60)
-print(json.dumps(out))
+print(json.dumps({"out": out, "said": said}))
 """
     from tests.conftest import run_child
 
     done = run_child(tmp_path, source)
     assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["0"] == [True, {"x": 3.0}] and out["1"][0] is True
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    out = result["out"]
+    assert out["0"] == [True, {"x": 3.0, "seed": float(2**60 + 1)}] and out["1"][0] is True
+    rounded = [m for m in result["said"] if "at or beyond 2**53" in m]
+    # once by each rank's logger: rank 1 for its own value, rank 0 for the reduced one it writes
+    assert len(rounded) == 2 and all("'seed'" in m for m in rounded), result["said"]

@@ -3,6 +3,7 @@ edge values. Every number is checked against a float64 NumPy reference read back
 
 import json
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -378,6 +379,46 @@ def test_integer_tensors_beyond_2_53_are_written_as_the_nearest_float64_and_said
     named = sorted(message.split("'")[1] for message in said)
     assert named == ["mean", "mixed/hash", "own", "seed", "total", "u"], said  # once each
     assert f"written as {float(seed)!r}" in next(m for m in said if "'seed'" in m)
+
+
+
+def test_integer_flags_stay_one_per_key_and_never_hold_the_writer_on_the_staging_lock(tmp_path, caplog):
+    """Each call of an int64 value flags it on its device; an interval keeps one flag per key (OR-ed), not one
+    per call, so a loop logging a counter every micro-batch hands over one. The writer warns without the
+    staging lock: a signal handler's close holds that lock while it waits for the writer (`_shutdown`)."""
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    for i in range(1000):
+        logger.log_metrics({"tokens": torch.tensor(i), "loss": torch.tensor(0.5)}, step=0)  # mixed: per key
+        logger.log_metrics({"seen": torch.tensor(2**60 if i == 500 else i)}, step=0)
+    assert len(logger._wide) == 2 and logger._wide[("tokens",)].shape == (1,)  # one flag per key, 2,000 calls
+    with caplog.at_level(logging.WARNING, logger="instrument"), logger._lock:  # as a signal handler may
+        logger.commit(0)
+        logger.log_metrics({"after": 1.0}, step=1)
+        logger.commit(1)
+        started = time.monotonic()
+        logger._shutdown(None, 10.0, commit=False)
+        assert time.monotonic() - started < 5.0
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    rows = {row["step"]: row["metrics"] for row in map(json.loads, lines) if "metrics" in row}
+    assert rows[1] == {"after": 1.0} and rows[0]["tokens"] == 499.5
+    said = [r.getMessage() for r in caplog.records if "at or beyond 2**53" in r.getMessage()]
+    assert len(said) == 1 and "'seen'" in said[0]
+
+
+def test_on_mps_integers_are_flagged_from_2_24():
+    """MPS converts integer tensors to float32 (it has no float64), exact only up to 2**24: there int32 and
+    uint32 can be rounded too, and the limit is 2**24 (the same ops, run on a CPU)."""
+    from instrument.logger.values import note_beyond, wide_int
+
+    assert wide_int(torch.int32, torch.float32) and wide_int(torch.int64, torch.float32)
+    assert not wide_int(torch.int32, torch.float64) and not wide_int(torch.int16, torch.float32)
+    assert wide_int(torch.uint64, torch.float64) and not wide_int(torch.bool, torch.float32)
+    wide = {}
+    values = torch.tensor([2**24 - 1, 2**24 + 1, -(2**24) - 1, 7], dtype=torch.int32)
+    note_beyond(wide, ("a", "b", "c", "d"), values.to(torch.float32))
+    assert wide[("a", "b", "c", "d")].tolist() == [False, True, True, False]
+    note_beyond(wide, ("a", "b", "c", "d"), torch.zeros(4))  # OR-ed with a later call's flags
+    assert wide[("a", "b", "c", "d")].tolist() == [False, True, True, False]
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def build_record(payload: tuple, on_failure: OnFailure,
         scalars[key] = float(arrays[i])
     record.scalars = scalars
     if on_rounded is not None:
-        for names, flags in wide:
+        for names, flags in wide.items():
             for name, beyond in zip(names, np.asarray(host(flags)).reshape(-1).tolist(), strict=True):
                 if beyond:
                     on_rounded(name, scalars.get(name))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from instrument.logger.values import EXACT_INT, WIDE_INTS, Wide, beyond_exact
+from instrument.logger.values import EXACT_INT, Wide, note_beyond, wide_int
 
 __all__ = ["Block", "MAX_BLOCKS", "float_block", "tensor_block", "fold", "means", "contributions"]
 
@@ -53,8 +53,8 @@ def float_block(head: str, copy: Dict[Any, Any]) -> Optional[Block]:
 
 def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Wide] = None) -> Optional[Block]:
     """``(head, keys, stacked)`` when every key is a ``str`` and every value a one-element tensor, all of one
-    dtype (so that nothing is promoted, e.g. a large int64 to float32) on one device; None otherwise. For int64
-    and uint64 values, their flags (`instrument.logger.values.beyond_exact`) are appended to ``wide``."""
+    dtype (so that nothing is promoted, e.g. a large int64 to float32) on one device; None otherwise. int64 and
+    uint64 values are flagged in ``wide`` (`instrument.logger.values.note_beyond`)."""
     values = list(copy.values())
     dtype = values[0].dtype if type(values[0]) is Tensor else None
     for key, value in copy.items():
@@ -72,8 +72,8 @@ def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Wide] = None) -
     if not dtype.is_floating_point:  # as the per-key path: bools as 1.0/0.0, integers exact as float64
         mps = stacked.device.type == "mps"  # MPS has no float64
         stacked = stacked.to(torch.float32 if dtype == torch.bool or mps else torch.float64)
-        if wide is not None and dtype in WIDE_INTS:
-            wide.append((tuple(head + key for key in copy), beyond_exact(stacked.reshape(-1))))
+        if wide is not None and wide_int(dtype, stacked.dtype):
+            note_beyond(wide, tuple(head + key for key in copy), stacked.reshape(-1))
     return (head, tuple(copy), stacked.reshape(-1))
 
 

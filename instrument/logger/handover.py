@@ -9,6 +9,7 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 from torch import Tensor
 
 from instrument.logger.assemble import timing_stats
@@ -21,6 +22,7 @@ from instrument.logger.transfer import start_transfer, to_host
 __all__ = ["handover"]
 
 _TIMING = "timing/"
+_ROUNDED = "\0rounded/"  # an internal key (NUL first), popped before anything is written
 
 
 def handover(
@@ -37,11 +39,14 @@ def handover(
         if blocks:  # the reduction needs every name here (blocks and a per-key table are never staged together)
             fold(blocks, totals, counts, on_device)
             blocks = []
-        scalars = _reduce(reducer, totals, counts, ops, weights, timers)
+        scalars = _reduce(reducer, totals, counts, ops, weights, timers, wide)
         timings = {}
         for key in [k for k in scalars if k.startswith(_TIMING)]:
             name, _, stat = key[len(_TIMING):].rpartition("/")
             timings.setdefault(name, {})[stat] = scalars.pop(key)
+        # Every rank's flags, reduced with max: rank 0 writes the reduced value, so it says so for any rank.
+        rounded = [key[len(_ROUNDED):] for key in list(scalars) if key.startswith(_ROUNDED) and scalars.pop(key) > 0]
+        wide = {tuple(rounded): np.ones(len(rounded), dtype=bool)} if rounded else {}
         if not (scalars or media or timings):
             return None
         tensor_keys: List[str] = []
@@ -72,14 +77,16 @@ def handover(
         tensors = [scalars[name] for name in tensor_keys]
     for value, _ in media.values():
         tensors.extend(tensors_of(value))
-    for _, flags in wide:  # int64 values beyond 2**53, flagged on their device: read on the writer
-        tensors.append(flags)
+    for flags in wide.values():  # int64 values beyond 2**53, flagged on their device: read on the writer
+        if isinstance(flags, Tensor):
+            tensors.append(flags)
     batch = start_transfer(tensors) if tensors else None
     return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors, wide)
 
 
-def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers) -> Dict[str, float]:
-    """The cross-rank reduction of the interval's scalars and timings: one collective (two when a key is new)."""
+def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers, wide) -> Dict[str, float]:
+    """The cross-rank reduction of the interval's scalars, timings and flags of integers beyond 2**53 (as
+    ``_ROUNDED + name``, max): one collective (two when a key is new)."""
     entries = []
     for name, total in totals.items():
         if name in weights:
@@ -89,6 +96,8 @@ def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers) -> 
     for name, (reduce, taken) in timers.items():
         for key, value in timing_stats(elapsed(*taken)).items():
             entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
+    for names, flags in wide.items():
+        entries.extend(Entry(_ROUNDED + name, "max", flag) for name, flag in zip(names, flags.unbind(), strict=True))
     pending = reducer.start(entries)
     # host sync: the reduced vector is needed here when some rank's keys did not fit (a second collective).
     reduced = reducer.finish(pending, to_host([pending.result])[0])

@@ -54,7 +54,7 @@ from instrument.logger.reduce import CrossRankReducer, resolve_ops
 from instrument.logger.steps import LAZY, StepRecords
 from instrument.logger.table import StagedTable
 from instrument.logger.timer import Timer, named_timer
-from instrument.logger.values import Wide, check_keys, rounded_message
+from instrument.logger.values import Wide, check_keys, merge_wide, rounded_message
 from instrument.logger.writer import ON_FULL, CommittedStep, Writer
 
 __all__ = ["Logger"]
@@ -129,7 +129,7 @@ class Logger(StagedTable, StepRecords):
         self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
         self._weights: Dict[str, Any] = {}  # only weighted names: sum of weights
         self._media: Dict[Tuple[str, str], Tuple[Any, Any]] = {}  # (kind, tag) -> (staged value, extra)
-        self._wide: Wide = []  # flags of int64 values beyond 2**53, read on the writer (`values.beyond_exact`)
+        self._wide: Wide = {}  # flags of int64 values beyond 2**53, read on the writer (`values.note_beyond`)
         self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
         self._timers: Dict[str, Timer] = {}
         self._last_step: Optional[int] = None
@@ -198,7 +198,7 @@ class Logger(StagedTable, StepRecords):
             metrics = dict(metrics)  # a copy: this is what is checked and staged, whatever the caller does next
             block = float_block(head, metrics)
             if block is None:
-                wide = []
+                wide = {}
                 block = tensor_block(head, metrics, wide)
         with self._lock:
             if self._snapshot is LAZY:  # before the step moves: a discarded step takes its step number back too
@@ -215,7 +215,7 @@ class Logger(StagedTable, StepRecords):
             if block is not None and not self._totals and len(blocks) < MAX_BLOCKS:
                 blocks.append(block)
                 if wide:
-                    self._wide.extend(wide)
+                    merge_wide(self._wide, wide)
                 return None
             if blocks:  # the per-key path from here on, so that it sees (and checks) what the blocks hold
                 fold(blocks, self._totals, self._counts, self._on_device)
@@ -464,7 +464,7 @@ class Logger(StagedTable, StepRecords):
         staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers,
                   self._blocks, self._wide)
         self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}
-        self._blocks, self._wide = [], []
+        self._blocks, self._wide = [], {}
         if self._snapshot is not None:  # a live mark: all that is staged from now on is newer than it
             self._snapshot = LAZY
         return staged
@@ -474,11 +474,13 @@ class Logger(StagedTable, StepRecords):
         return build_record(payload, self._value_failed, self._rounded)
 
     def _rounded(self, name: str, value: Any) -> None:
-        """On the writer thread: metric ``name`` was logged from an integer tensor beyond 2**53 (said once)."""
-        with self._lock:
-            said = name in self._warned
+        """On the writer thread: metric ``name`` was logged from an integer tensor beyond 2**53 (said once).
+
+        No lock: a signal handler's close may hold the staging lock while it waits for this thread. Two threads
+        warning about one key at once could both say it; a dict's operations themselves are atomic.
+        """
+        if name not in self._warned:
             self._warned[name] = None
-        if not said:
             log.warning("instrument: %s (Said once per key.)", rounded_message(name, value))
 
     def _value_failed(self, kind: str, tag: str, step: int, value: Any, expected: str, exc: Exception) -> None:

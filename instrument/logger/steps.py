@@ -38,7 +38,7 @@ class StepRecords:
         own_ops: Dict[str, str] = {}
         weights: Dict[str, Any] = {}
         on_device: Dict[str, None] = {}
-        wide: Wide = []
+        wide: Wide = {}
         for key, value in metrics.items():
             name = head + key if type(key) is str else head + str(key)
             op, weight = ("mean", None) if ops is None else ops[key]
@@ -118,12 +118,12 @@ class StepRecords:
                         for kind, tag in [key]]
             self._totals, self._counts, self._ops, self._weights = totals, counts, ops, weights
             self._on_device, self._media, self._pending_step, self._blocks = on_device, media, pending, blocks
-            del self._wide[wide:]  # the flags of values staged since the mark go with them
+            self._wide = wide  # the flags of values staged since the mark go with them
             return dropped
 
     def _take_snapshot(self) -> None:
         """The staged table as it is, before the first value staged after a mark (under the lock)."""
         self._snapshot = (
             dict(self._totals), dict(self._counts), dict(self._ops), dict(self._weights), dict(self._on_device),
-            dict(self._media), self._pending_step, list(self._blocks), len(self._wide),
+            dict(self._media), self._pending_step, list(self._blocks), dict(self._wide),
         )

@@ -13,7 +13,7 @@ nothing of itself behind.
 from typing import Any, Mapping, Optional
 
 from instrument.errors import ConfigurationError
-from instrument.logger.values import EXACT_INT, Wide, as_scalar
+from instrument.logger.values import EXACT_INT, Wide, as_scalar, merge_wide
 
 __all__ = ["StagedTable"]
 
@@ -31,7 +31,7 @@ class StagedTable:
             if names is None or len(names) > 4096:  # bounded: keys made up on the fly do not pile up
                 names = self._names[head] = {}
             pairs = []  # converted first: a call refused for one value stages none of its values
-            wide: Wide = []
+            wide: Wide = {}
             for key, value in metrics.items():
                 name = names.get(key)
                 if name is None:
@@ -43,7 +43,8 @@ class StagedTable:
                     else:
                         value = as_scalar(name, value, self._warn_once, wide)
                 pairs.append((name, value))
-            self._wide.extend(wide)
+            if wide:
+                merge_wide(self._wide, wide)
             for name, value in pairs:
                 if type(value) is not float:
                     on_device[name] = None
@@ -54,7 +55,7 @@ class StagedTable:
                     totals[name] = value
             return
         staged = []
-        wide = []
+        wide: Wide = {}
         for key, value in metrics.items():
             name = head + key if type(key) is str else head + str(key)
             op, weight = ("mean", None) if ops is None else ops[key]
@@ -62,7 +63,8 @@ class StagedTable:
             weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
             self._check_op(name, op, weight)
             staged.append((name, value, op, weight))
-        self._wide.extend(wide)
+        if wide:
+            merge_wide(self._wide, wide)
         for args in staged:
             self._stage_scalar(*args)
 

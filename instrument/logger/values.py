@@ -13,12 +13,13 @@ received                              logged as
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
-one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53,
-                                      bool tensors as 1.0/0.0 (float64 too); sparse and quantized ones as
-                                      their value
+one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53
+                                      (2**24 on MPS), bool tensors as 1.0/0.0 (float64 too); sparse and
+                                      quantized ones as their value
 int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warning naming the key: each
                                       value is compared on its device and the writer thread reads the result
-                                      with the commit's transfer (no host sync); uint64 alike
+                                      with the commit's transfer (no host sync); uint64 alike, and on MPS
+                                      every integer tensor of 32 bits or more from 2**24
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
@@ -26,7 +27,7 @@ anything else, empty key ``""``       refused (`InvalidValueError`)
 
 import numbers
 from collections.abc import Mapping
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -34,32 +35,52 @@ from torch import Tensor
 
 from instrument.errors import InvalidValueError
 
-__all__ = ["EXACT_INT", "WIDE_INTS", "Wide", "as_scalar", "beyond_exact", "check_keys", "rounded_message"]
+__all__ = ["EXACT_INT", "Wide", "as_scalar", "check_keys", "merge_wide", "note_beyond", "rounded_message",
+           "wide_int"]
 
 EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
-# Integer dtypes that can hold values float64 cannot: each staged value of one is flagged on its device when
-# at or beyond 2**53 in magnitude (`beyond_exact`), and the writer thread warns once per key (`rounded_message`).
-WIDE_INTS = (torch.int64, torch.uint64)
+# Integer dtypes that can hold values their conversion cannot: each staged value of one is flagged on its device
+# when at or beyond what the conversion holds exactly (`note_beyond`), and the writer thread warns once per key
+# (`rounded_message`). MPS converts to float32 (no float64 there): exact to 2**24 only.
+_WIDE = {torch.float64: ((torch.int64, torch.uint64), EXACT_INT),
+         torch.float32: ((torch.int32, torch.uint32, torch.int64, torch.uint64), 2**24)}
 
 Warn = Callable[[str, str], None]
-# Flags of one staging call: (names, a bool tensor with one flag per name, on the values' device).
-Wide = List[Tuple[Tuple[str, ...], Tensor]]
+# Flags of an interval: names -> a bool tensor with one flag per name (on the values' device), True where a
+# value logged under that name was beyond what its conversion holds exactly; several calls OR their flags.
+Wide = Dict[Tuple[str, ...], Tensor]
 
 
-def beyond_exact(converted: Tensor) -> Tensor:
-    """Where integers converted to ``converted`` (float64) were at or beyond 2**53 in magnitude, where float64
-    may round them: a bool tensor like it. Rounding is monotone, so the converted value is at or beyond 2**53
-    exactly when the integer was (and below it, the conversion was exact); comparing after the conversion also
-    works for uint64, which torch cannot compare on a CPU."""
-    return converted.abs() >= EXACT_INT
+def wide_int(dtype: torch.dtype, converted: torch.dtype) -> bool:
+    """Whether integers of ``dtype`` converted to ``converted`` may be rounded (then `note_beyond` them)."""
+    wide = _WIDE.get(converted)
+    return wide is not None and dtype in wide[0]
+
+
+def note_beyond(wide: Wide, names: Tuple[str, ...], converted: Tensor) -> None:
+    """Flag, in ``wide``, which of the integers converted to ``converted`` were at or beyond what it holds
+    exactly (2**53 in float64, 2**24 in float32). Rounding is monotone, so a converted value is at or beyond
+    that limit exactly when the integer was, and below it the conversion was exact; comparing after the
+    conversion also works for uint64, which torch cannot compare on a CPU. The flags of earlier calls under the
+    same names are OR-ed out of place, so a snapshot of ``wide`` (a failed step's mark) keeps its own."""
+    flags = converted.abs() >= _WIDE[converted.dtype][1]
+    previous = wide.get(names)
+    wide[names] = flags if previous is None else previous | flags
+
+
+def merge_wide(into: Wide, flags: Wide) -> None:
+    """OR ``flags`` (one call's) into ``into`` (an interval's), out of place."""
+    for names, new in flags.items():
+        previous = into.get(names)
+        into[names] = new if previous is None else previous | new
 
 
 def rounded_message(name: str, value: Any) -> str:
     """The one-time warning for a metric logged from an integer tensor that held a value beyond 2**53."""
     return (
-        f"metric {name!r} was logged from an integer tensor holding a value at or beyond 2**53 in magnitude, "
-        f"where float64 (what backends store) cannot hold every integer: its last digits may have been rounded "
-        f"(written as {value!r}). Log a difference or a scaled value if they matter."
+        f"metric {name!r} was logged from an integer tensor holding a value at or beyond 2**53 in magnitude "
+        f"(2**24 on MPS, which has no float64), where what backends store cannot hold every integer: its last "
+        f"digits may have been rounded (written as {value!r}). Log a difference or a scaled value if they matter."
     )
 
 
@@ -81,8 +102,8 @@ def check_keys(metrics: Any) -> None:
 def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) -> Union[float, Tensor]:
     """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once.
 
-    ``wide``: where the flag of an int64 / uint64 tensor is appended (`beyond_exact`): its value is not read
-    here, so the writer thread says whether it was too large for float64.
+    ``wide``: where an int64 / uint64 tensor is flagged (`note_beyond`): its value is not read here, so the
+    writer thread says whether it was too large for float64.
     """
     if isinstance(value, Tensor):
         if value.numel() != 1:
@@ -109,8 +130,8 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
         # Integers exact up to 2**53 (float32 would round above 2**24), bools as 1.0/0.0: float64, like every
         # staged sum, so that floats added to this one later in the interval are not rounded to float32.
         converted = value.to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS: no float64
-        if wide is not None and value.dtype in WIDE_INTS:
-            wide.append(((name,), beyond_exact(converted.reshape(1))))
+        if wide is not None and wide_int(value.dtype, converted.dtype):
+            note_beyond(wide, (name,), converted.reshape(1))
         return converted
     if isinstance(value, np.ndarray):
         if value.size != 1:

@@ -3,9 +3,9 @@
 The training thread hands over ``(step, wall_time, scalars, tensor_keys, media, timings, batch, tensors,
 wide)``: scalar means (device tensors for ``tensor_keys``) or blocks whose means are taken here, staged media
 by ``(kind, tag)``, timer measurements, the started transfer of ``tensors``, and the flags of int64 values
-beyond 2**53 (`instrument.logger.values.beyond_exact`), read here with the rest of the transfer. Here the transfer is
-waited for and every value converted by its `MediaKind`; a value whose conversion fails is reported through
-``on_failure`` and left out, alone.
+beyond 2**53 (`instrument.logger.values.note_beyond`), read here with the rest of the transfer. Here the
+transfer is waited for and every value converted by its `MediaKind`; a value whose conversion fails is reported
+through ``on_failure`` and left out, alone.
 """
 
 import math

@@ -42,8 +42,7 @@ def _c10d() -> Tuple[Optional[Any], Optional[type]]:
     world = getattr(distributed_c10d, "_world", None)
     if not isinstance(getattr(type(world), "default_pg", None), property) or not hasattr(world, "_default_pg"):
         return None, None
-    kind = type(world)
-    return distributed_c10d, kind
+    return distributed_c10d, type(world)
 
 
 _C10D, _WORLD_TYPE = _c10d()

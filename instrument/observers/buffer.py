@@ -53,7 +53,6 @@ class IterationBuffer:
             after an in-place modification was detected.
         batch_below: only iterations whose tensors hold fewer elements than this are batched; larger ones are
             reduced as they come.
-        piece_bytes: on a CPU, the most bytes stacked and reduced at once (see above); None: `PIECE_BYTES`.
         stack: turns the buffered columns (one list of tensors per tuple position, in iteration order) into
             the tensors handed to ``reduce``; None stacks each column (``torch.stack``).
     """
@@ -65,14 +64,12 @@ class IterationBuffer:
         batched: bool = True,
         batch_below: int = 2**17,
         stack: Optional[Callable[[List[List[Tensor]]], Sequence[Tensor]]] = None,
-        piece_bytes: Optional[int] = None,
     ) -> None:
         self.reduce = reduce
         self.stack = stack
         self.max_elements = max_elements
         self.batched = batched
         self.batch_below = batch_below
-        self.piece_bytes = piece_bytes
         self._items: List[List[Tuple[Tensor, int]]] = []  # one [(tensor, version), ...] per iteration
         self._elements = 0
         self._results: List[Tensor] = []
@@ -121,12 +118,11 @@ class IterationBuffer:
         rows = len(items)
         first = columns[0][0]
         if first.device.type == "cpu":  # pieces that stay in cache (see the module docstring)
-            piece = self.piece_bytes or PIECE_BYTES
             # The first column sets the size: the state, or the previous state of a chain of pairs, which a
             # custom ``stack`` stacks as one tensor (the second column then adds nothing to it).
             size = max(1, first.numel() * first.element_size())
-            if size * len(items) > 2 * piece:
-                rows = max(1, piece // size)
+            if size * len(items) > 2 * PIECE_BYTES:
+                rows = max(1, PIECE_BYTES // size)
         for start in range(0, len(items), rows):
             part = columns if rows >= len(items) else [column[start:start + rows] for column in columns]
             stacked = self.stack(part) if self.stack is not None else [torch.stack(column) for column in part]

@@ -518,3 +518,39 @@ def test_large_cpu_stacks_are_reduced_in_pieces_with_the_same_values(monkeypatch
             np.testing.assert_array_equal(split.images[tag], image)
         for tag, values in whole.histograms.items():
             np.testing.assert_array_equal(split.histograms[tag], values)
+
+
+def test_activation_stats_reduced_in_pieces_gives_the_same_values(monkeypatch):
+    """`ActivationStats` keeps its hooked outputs in the same buffers: reduced in pieces of one, two and three
+    calls, its scalars and heatmaps are the same, bit for bit, as from one batched call."""
+    import instrument.observers.buffer as buffer_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    inputs = [torch.randn(64, 4) * 5 for _ in range(8)]
+
+    def record(piece_bytes):
+        with monkeypatch.context() as patch:
+            if piece_bytes is not None:
+                patch.setattr(buffer_module, "PIECE_BYTES", piece_bytes)
+            observer = instrument.ActivationStats(module=model)
+            keep = Keep()
+            logger = instrument.Logger([keep])
+            observer.attach([])
+            with torch.no_grad():
+                for x in inputs:
+                    model(x)
+            observer.detach()
+            observer.log(logger, step=0)
+            logger.commit()
+            logger.close()
+        return keep.records[0]
+
+    whole = record(None)
+    assert whole.scalars and whole.images
+    one_call = 64 * 8 * 4  # bytes of the larger output, [64, 8] float32
+    for rows in (1, 2, 3):
+        split = record(rows * one_call)
+        assert split.scalars == whole.scalars
+        for tag, image in whole.images.items():
+            np.testing.assert_array_equal(split.images[tag], image)

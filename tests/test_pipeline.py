@@ -24,6 +24,7 @@ from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.errors import InvalidValueError
+from instrument.logger import writer as writer_module
 from instrument.logger.logger import Logger
 from tests.conftest import read_scalars, run_child
 
@@ -190,9 +191,34 @@ def test_a_record_reaches_disk_within_flush_secs_without_flush_or_close(tmp_path
     logger.close()
 
 
-def test_a_writer_parked_after_an_idle_spell_wakes_for_the_next_commit(tmp_path):
+def test_an_idle_writer_backs_off_to_half_of_flush_secs_and_still_finds_the_next_commit(tmp_path):
+    """An idle writer looks for records less and less often (a commit does not wake it), but never less often
+    than every flush_secs / 2: a record committed after a pause is written and flushed without a flush() or a
+    read of its handle. The writer's own interval is read, nothing is timed."""
+    path = tmp_path / "backoff.jsonl"
+    logger = Logger([Buffered(path)], RunInfo("backoff", tmp_path), flush_secs=0.4)
+    writer = logger._writer
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.commit(1)
+    poll(lambda: path.exists() and steps_of(path) == [1], "the first record")
+    seen = set()
+
+    def capped() -> bool:
+        seen.add(writer.interval)
+        return writer.interval == 0.2
+
+    poll(capped, "the poll interval to reach its cap")
+    assert max(seen) == 0.2 and 0.05 in seen and not writer._parked  # backed off from 50 ms, capped at 0.4 / 2
+    logger.log_metrics({"a": 2.0}, step=2)
+    logger.commit(2)  # not woken: found by the writer's next poll
+    poll(lambda: steps_of(path) == [1, 2], "the record committed to a backing-off writer")
+    logger.close()
+
+
+def test_a_writer_parked_after_an_idle_spell_wakes_for_the_next_commit(tmp_path, monkeypatch):
     """An idle writer stops polling (it parks) so idle loggers cost nothing; the next commit must wake it,
     or that record would wait forever. Nothing is timed: the writer's own flag says it parked."""
+    monkeypatch.setattr(writer_module, "_PARK_AFTER", 0.3)  # 30 s by default
     path = tmp_path / "parked.jsonl"
     logger = Logger([Buffered(path)], RunInfo("park", tmp_path), flush_secs=0.05)
     logger.log_metrics({"a": 1.0}, step=1)

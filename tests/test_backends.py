@@ -67,6 +67,25 @@ def test_tensorboard_values_match_a_float64_reference(tmp_path):
     assert "hyperparameters/text_summary" in texts
 
 
+def test_tensorboard_writes_a_steps_scalars_as_one_event_at_its_step_and_wall_time(tmp_path):
+    """One event per step (one protobuf message, see TensorBoardBackend), read back raw with TensorBoard's own
+    loader and proto: every key with its value, the committed step and the record's wall time, not the write's."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("one", tmp_path))
+    metrics = {f"m{i:03d}": i / 7 for i in range(100)}
+    logger.log_metrics(metrics, step=5, prefix="train")
+    record = logger.commit().result(timeout=60)
+    logger.close()
+    (path,) = (tmp_path / "one").glob("events.out.tfevents.*")
+    events = [e for e in map(Event.FromString, RawEventFileLoader(str(path)).Load())
+              if e.HasField("summary") and e.summary.value and e.summary.value[0].tag.startswith("train/")]
+    assert len(events) == 1 and events[0].step == 5 and events[0].wall_time == record.wall_time
+    written = {v.tag: v.simple_value for v in events[0].summary.value}
+    assert written == {f"train/{k}": pytest.approx(v, rel=1e-7) for k, v in metrics.items()}
+
+
 def test_jsonl_one_object_per_committed_step(tmp_path):
     _run([instrument.JsonlBackend()], tmp_path, steps=(0, 1, 2))
     lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]

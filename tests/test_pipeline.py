@@ -208,11 +208,40 @@ def test_an_idle_writer_backs_off_to_half_of_flush_secs_and_still_finds_the_next
         return writer.interval == 0.2
 
     poll(capped, "the poll interval to reach its cap")
-    assert max(seen) == 0.2 and 0.05 in seen and not writer._parked  # backed off from 50 ms, capped at 0.4 / 2
+    assert max(seen) == 0.2 and not writer._parked  # backed off, capped at 0.4 / 2, and not parked (30 s)
     logger.log_metrics({"a": 2.0}, step=2)
     logger.commit(2)  # not woken: found by the writer's next poll
     poll(lambda: steps_of(path) == [1, 2], "the record committed to a backing-off writer")
     logger.close()
+
+
+def test_records_found_together_are_flushed_together_when_the_flush_is_overdue(tmp_path):
+    """Two steps committed back to back after a pause longer than flush_secs (a train and an eval step at the
+    end of an epoch): the writer finds both at one poll and the flush is overdue after the first. Flushing
+    between them would restart the flush clock for the second, which would then reach disk up to flush_secs
+    late; both must go out in one flush. The writer's lock is held while committing so that it finds both."""
+    path = tmp_path / "together.jsonl"
+    groups = []
+
+    class Grouped(Buffered):
+        def flush(self):
+            if self.buffer:
+                groups.append([json.loads(line)["step"] for line in self.buffer])
+            super().flush()
+
+    logger = Logger([Grouped(path)], RunInfo("together", tmp_path), flush_secs=0.2)
+    writer = logger._writer
+    logger.log_metrics({"a": 0.0}, step=0)
+    logger.commit(0)
+    poll(lambda: path.exists() and steps_of(path) == [0], "the first record")
+    poll(lambda: time.monotonic() - writer._last_flush > 0.2, "the flush to become overdue")
+    with writer._cond:  # the writer cannot take the first step before the second is queued
+        for step in (1, 2):
+            logger.log_metrics({"a": float(step)}, step=step)
+            logger.commit(step)
+    poll(lambda: steps_of(path) == [0, 1, 2], "both records")
+    logger.close()
+    assert groups == [[0], [1, 2]]
 
 
 def test_a_writer_parked_after_an_idle_spell_wakes_for_the_next_commit(tmp_path, monkeypatch):

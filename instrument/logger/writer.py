@@ -262,10 +262,13 @@ class Writer:
                 self._cond.notify_all()
 
     def _loop(self) -> None:
+        busy_since = time.monotonic()  # when the writer last found work after waiting for it
         while True:
             with self._cond:
                 interval = _POLL
                 idle_since = None
+                if not self._queue:
+                    busy_since = None
                 while not self._queue:
                     now = time.monotonic()
                     timeout = min(interval, self._max_poll)
@@ -286,6 +289,8 @@ class Writer:
                     self._cond.wait(timeout)
                     interval *= 2
                 self.interval = 0.0
+                if busy_since is None:
+                    busy_since = time.monotonic()
                 item = self._queue.popleft() if self._queue else None
                 if item is not None and item[0] == _RECORD:
                     self._records -= 1
@@ -306,7 +311,14 @@ class Writer:
                     self._cond.notify_all()
             if kind == _CLOSE:
                 return
-            if self._dirty and time.monotonic() - self._last_flush >= self.flush_secs:
+            # An overdue flush waits for the items found queued with this one (records handed over during one
+            # poll, e.g. a train and an eval step): flushing between them would restart the clock for the rest,
+            # which would then reach disk up to flush_secs late. A queue that never empties is still flushed
+            # once the writer has been busy for _max_poll.
+            now = time.monotonic()
+            if self._dirty and now - self._last_flush >= self.flush_secs and (
+                not self._queue or now - busy_since >= self._max_poll
+            ):
                 self._flush_backends()
 
     def _process(self, kind: str, payload: Any) -> None:

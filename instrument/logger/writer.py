@@ -30,10 +30,10 @@ log = logging.getLogger("instrument")
 
 ON_FULL = ("block", "drop")
 # How an idle writer looks for records that were handed over without waking it (`submit`): first after _POLL
-# seconds, then at twice the previous interval, at most every _MAX_POLL seconds (and at most half of
-# flush_secs, but not below 5 ms, so that a record is still on disk within flush_secs). A loop's logging steps, however far apart,
-# then never pay a wake on the committing thread (a futex wake, often a context switch: about 30 us of a
-# 100-float commit on a 2-core machine), and an idle logger wakes about twice a second.
+# seconds, then at twice the previous interval, at most every _MAX_POLL seconds (and at most every
+# flush_secs / 2, but not below 5 ms, so that a record is still on disk within flush_secs). A loop's logging
+# steps, however far apart, then never pay a wake on the committing thread (a futex wake, often a context
+# switch: about 30 us of a 100-float commit on a 2-core machine), and an idle logger wakes about twice a second.
 _POLL = 0.05
 _MAX_POLL = 0.5
 # Seconds with nothing to do before the writer parks: a parked writer sleeps until woken, so a process with

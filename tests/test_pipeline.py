@@ -208,6 +208,9 @@ def test_an_idle_writer_backs_off_to_half_of_flush_secs_and_still_finds_the_next
         return writer.interval == 0.2
 
     poll(capped, "the poll interval to reach its cap")
+    for _ in range(100):  # about five more polls at the cap: an uncapped interval would double to 0.4 next
+        seen.add(writer.interval)
+        time.sleep(0.01)
     assert max(seen) == 0.2 and not writer._parked  # backed off, capped at 0.4 / 2, and not parked (30 s)
     logger.log_metrics({"a": 2.0}, step=2)
     logger.commit(2)  # not woken: found by the writer's next poll

@@ -19,6 +19,11 @@ import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+try:
+    import resource
+except ImportError:  # Windows: no page-fault counts
+    resource = None  # type: ignore[assignment]
+
 __all__ = [
     "CLOCKS",
     "Variant",
@@ -51,6 +56,10 @@ class Variant:
         prepare: optional, run untimed right before every call of ``fn``: what a training loop has just
             done when the timed work starts (e.g. computed the values it is about to log), so that the
             call finds them where a training loop leaves them rather than evicted by other rows.
+        group: empty for the main matrix. A name puts the variant in an interleaved group of its own, timed
+            after the main matrix with the same repetitions, its baseline timed again beside it (the ratio
+            pairs the two): for peers whose side effects on the shared process would otherwise be charged to
+            rows that have nothing to do with them (see `run_interleaved`).
     """
 
     key: str
@@ -62,6 +71,7 @@ class Variant:
     settle: Optional[Callable[[], object]] = None
     thread_clock: bool = False
     prepare: Optional[Callable[[], object]] = None
+    group: str = ""
 
     @property
     def workload(self) -> str:
@@ -90,7 +100,10 @@ class Measurement:
     """Per-variant seconds, one entry per repetition (index r of every variant is the same repetition).
 
     ``samples`` are on the ``clock`` the ratios use; ``other`` holds the other clock's samples. ``settle``
-    holds the wall seconds of each untimed ``Variant.settle`` call, for variants that have one.
+    holds the wall seconds of each untimed ``Variant.settle`` call, for variants that have one. ``faults``
+    holds the calling thread's minor page faults during each timed call (empty where the platform cannot
+    count them). A variant of a named group is paired with its baseline's samples from that group, kept
+    under ``"<baseline>@<group>"``: `baseline_of` gives the key to pair with.
     """
 
     samples: Dict[str, List[float]]
@@ -100,6 +113,12 @@ class Measurement:
     repetitions: int
     warmup: int
     seconds: float
+    faults: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    paired_with: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def baseline_of(self, variant: Variant) -> str:
+        """The samples key of ``variant``'s baseline, timed in the same interleaved group as ``variant``."""
+        return self.paired_with.get(variant.key, variant.baseline)
 
 
 def run_interleaved(
@@ -117,6 +136,12 @@ def run_interleaved(
     next; collections a variant triggers itself stay in its time, as they would in training. Both clocks are
     read around every call; ``clock`` names the one the ratios use. A variant's ``prepare`` runs untimed
     before each of its calls, its ``settle`` untimed after.
+
+    Variants with a ``group`` are timed after the others, each group interleaved on its own with its
+    variants' baselines timed again beside them. Everything shares one process and one heap, and some peers
+    change it for whoever runs next: wandb's protobuf messages make glibc hand all free heap memory back to
+    the kernel (``malloc_trim``) about once per call, so every row timed after one would fault its memory in
+    again, a cost that belongs to wandb and not to the row (docs/benchmarks.md, "Reading the table").
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
@@ -135,35 +160,79 @@ def run_interleaved(
             if problem:
                 v.pending = problem
     runnable = [v for v in runnable if v.pending is None]
-    wall: Dict[str, List[float]] = {v.key: [] for v in runnable}
-    cpu: Dict[str, List[float]] = {v.key: [] for v in runnable}
-    settled: Dict[str, List[float]] = {v.key: [] for v in runnable if v.settle is not None}
+    by_key = {v.key: v for v in runnable}
+    groups: Dict[str, List[Variant]] = {"": []}
+    for v in runnable:
+        groups.setdefault(v.group, []).append(v)
+    measured = Measurement({}, {}, {}, clock, repetitions, warmup, 0.0)
     rng = random.Random(seed)
+    for name, members in groups.items():
+        timed = [(v, v.key) for v in members]
+        if name:  # the baselines again, under their own keys: their main-matrix samples stay as they are
+            for base in dict.fromkeys(v.baseline for v in members if v.baseline != v.key):
+                if base in by_key and by_key[base].group != name:
+                    timed.append((by_key[base], f"{base}@{name}"))
+            keys = {key for _, key in timed}
+            for v in members:
+                if f"{v.baseline}@{name}" in keys:
+                    measured.paired_with[v.key] = f"{v.baseline}@{name}"
+        if timed:
+            label = f"group {name!r}: " if name else ""
+            _time_group(timed, repetitions, rng, measured, clock, label, progress)
+    if clock != "wall":
+        measured.samples, measured.other = measured.other, measured.samples
+    measured.seconds = time.perf_counter() - start
+    return measured
+
+
+def _time_group(
+    timed: Sequence, repetitions: int, rng: random.Random, out: Measurement, clock: str, label: str, progress
+) -> None:
+    """``repetitions`` interleaved rounds over ``timed`` (variant, samples key) pairs: wall samples go to
+    ``out.samples``, the CPU clock's to ``out.other`` (swapped by the caller for ``clock="cpu"``)."""
+    wall, cpu, settled, faults = out.samples, out.other, out.settle, out.faults
+    for v, key in timed:
+        wall[key], cpu[key] = [], []
+        if v.settle is not None:
+            settled[key] = []
+        if resource is not None:
+            faults[key] = []
     wall_clock = CLOCKS["wall"]
+    minor = _minor_faults
     for rep in range(repetitions):
-        order = list(runnable)
+        order = list(timed)
         rng.shuffle(order)
         gc.collect()
-        for v in order:
+        for v, key in order:
             cpu_clock = time.thread_time if v.thread_clock else CLOCKS["cpu"]
             if v.prepare is not None:
                 v.prepare()
-            # The wall clock is read innermost: a CPU-time read is a system call (several microseconds with
-            # cold caches), which would otherwise be charged to every wall sample.
+            # The wall clock is read innermost: a CPU-time read or a fault count is a system call (several
+            # microseconds with cold caches), which would otherwise be charged to every wall sample.
+            f0 = minor()
             c0 = cpu_clock()
             w0 = wall_clock()
             v.fn()
             w1 = wall_clock()
             c1 = cpu_clock()
-            wall[v.key].append(w1 - w0)
-            cpu[v.key].append(c1 - c0)
+            f1 = minor()
+            wall[key].append(w1 - w0)
+            cpu[key].append(c1 - c0)
+            if f0 >= 0:
+                faults[key].append(f1 - f0)
             if v.settle is not None:
                 v.settle()
-                settled[v.key].append(wall_clock() - w1)
+                settled[key].append(wall_clock() - w1)
         if progress is not None and (rep + 1) % max(1, repetitions // 10) == 0:
-            progress(f"repetition {rep + 1}/{repetitions}")
-    samples, other = (wall, cpu) if clock == "wall" else (cpu, wall)
-    return Measurement(samples, other, settled, clock, repetitions, warmup, time.perf_counter() - start)
+            progress(f"{label}repetition {rep + 1}/{repetitions}")
+
+
+def _minor_faults() -> int:
+    """Minor page faults of the calling thread so far (of the process where threads are not counted apart);
+    -1 where they cannot be counted."""
+    if resource is None:
+        return -1
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -90,17 +90,21 @@ def rows(variants: Sequence[Variant], measured: Measurement) -> List[Dict[str, A
     out = []
     for v in variants:
         row: Dict[str, Any] = {"key": v.key, "baseline": v.baseline, "describe": v.describe}
+        if v.group:
+            row["group"] = v.group
         samples = measured.samples.get(v.key)
         if v.pending or not samples:
             row["pending"] = v.pending or "not run"
         else:
-            ratios = paired_ratios(measured.samples, v.key, v.baseline)
-            row["ratio"] = summary(ratios)
+            base = measured.baseline_of(v)
+            row["ratio"] = summary(paired_ratios(measured.samples, v.key, base))
             row["seconds"] = summary(samples)
             row["samples_s"] = samples
-            row["ratio_other_clock"] = summary(paired_ratios(measured.other, v.key, v.baseline))
+            row["ratio_other_clock"] = summary(paired_ratios(measured.other, v.key, base))
             if measured.settle.get(v.key):
                 row["settle_s"] = summary(measured.settle[v.key])
+            if measured.faults.get(v.key):
+                row["faults"] = {**summary(measured.faults[v.key]), "max": max(measured.faults[v.key])}
         out.append(row)
     return out
 
@@ -256,8 +260,13 @@ def _target_cell(row: Dict[str, Any], targets: Dict[str, float]) -> str:
 
 
 def _label(row: Dict[str, Any]) -> str:
-    key = f"`{row['key']}`"
+    key = f"`{row['key']}`" + (" (own group)" if row.get("group") else "")
     return f"{key} **headline**" if row["key"].endswith("/" + HEADLINE) else key
+
+
+def _faults(row: Dict[str, Any]) -> str:
+    f = row.get("faults")
+    return f"{f['median']:,.0f} (max {f['max']:,})" if f else "-"
 
 
 def markdown(report: Dict[str, Any]) -> str:
@@ -284,20 +293,23 @@ def markdown(report: Dict[str, Any]) -> str:
         "Ratio = median over repetitions of (variant time / baseline time in the same repetition), "
         "25th-75th percentile in brackets. Baseline: the `bare` row of the same workload and mode. "
         f"The **headline** logging row is `{HEADLINE}` (a real TensorBoard backend); `log` is the same step "
-        "with a sink backend. Target: issue 13's target for that row, and whether this run met it.",
+        "with a sink backend. Target: issue 13's target for that row, and whether this run met it. "
+        "Page faults: the training thread's minor page faults per step, median (max); a step that faults "
+        "thousands of pages is paying for memory that another row's allocator calls handed back to the "
+        "kernel. Rows marked (own group) are timed in an interleaved group of their own after the rest, "
+        "their baseline timed again beside them (docs/benchmarks.md).",
         "",
-        "| variant | ratio vs bare | median step | target | what it is |",
-        "|---|---|---|---|---|",
+        "| variant | ratio vs bare | median step | page faults | target | what it is |",
+        "|---|---|---|---|---|---|",
     ]
     for row in matrix:
+        target = _target_cell(row, targets)
         if "pending" in row:
-            lines.append(f"| {_label(row)} | {row['pending']} | | {_target_cell(row, targets)} | {row['describe']} |")
+            lines.append(f"| {_label(row)} | {row['pending']} | | | {target} | {row['describe']} |")
         else:
             ms = row["seconds"]["median"] * 1e3
             ratio = _fmt_ratio(row["ratio"])
-            lines.append(
-                f"| {_label(row)} | {ratio} | {ms:.1f} ms | {_target_cell(row, targets)} | {row['describe']} |"
-            )
+            lines.append(f"| {_label(row)} | {ratio} | {ms:.1f} ms | {_faults(row)} | {target} | {row['describe']} |")
     if scalars:
         lines += [
             "",
@@ -314,11 +326,11 @@ def markdown(report: Dict[str, Any]) -> str:
         ]
         for row in scalars:
             if "pending" in row:
-                lines.append(f"| `{row['key']}` | {row['pending']} | | {_target_cell(row, targets)} | | |")
+                lines.append(f"| {_label(row)} | {row['pending']} | | {_target_cell(row, targets)} | | |")
                 continue
             drain = _fmt_us(row["settle_s"]) + " us" if "settle_s" in row else "-"
             lines.append(
-                f"| `{row['key']}` | {_fmt_us(row['seconds'])} | {_fmt_ratio(row['ratio'])} | "
+                f"| {_label(row)} | {_fmt_us(row['seconds'])} | {_fmt_ratio(row['ratio'])} | "
                 f"{_target_cell(row, targets)} | {drain} | {row['describe']} |"
             )
     if report["observer_costs"]:

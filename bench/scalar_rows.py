@@ -13,7 +13,8 @@ Kinds (baseline: ``summarywriter``, the cost of calling TensorBoard yourself):
 - ``tb+jsonl+console``: ``Logger.log_metrics`` (100 Python floats) + ``commit`` with a real
   `TensorBoardBackend`, `JsonlBackend` and `ConsoleBackend` (printing to ``os.devnull``).
 - ``tb+jsonl+console[tensor]``: the same with 100 0-d CPU tensors (they go through the batched transfer).
-- ``wandb-offline``: ``wandb.log`` of a dict of 100 floats in offline mode (``WANDB_MODE=offline``).
+- ``wandb-offline``: ``wandb.log`` of a dict of 100 floats in offline mode (``WANDB_MODE=offline``), timed
+  in the W&B peers' own group with its ``summarywriter`` baseline (`bench.workloads.WANDB_GROUP`).
 - ``staging``: ``Logger.log_metrics`` + ``commit`` of 100 floats with no backend at all.
 
 Each row's ``prepare`` (untimed, right before each call) makes that step's 100 values, as a training loop
@@ -129,19 +130,19 @@ def _logger(key: str, tmp: Path, backends: Sequence, tensors: bool, describe: st
 
 
 def _wandb_offline(tmp: Path) -> Variant:
-    from bench.workloads import wandb_run
+    from bench.workloads import WANDB_GROUP, wandb_run
 
     run, problem = wandb_run(str(tmp))
     key = "scalars/x100/wandb-offline"
     if run is None:
-        return Variant(key=key, baseline=BASELINE, pending=problem)
+        return Variant(key=key, baseline=BASELINE, pending=problem, group=WANDB_GROUP)
     steps = _Steps()
 
     def fn() -> None:
         run.log({"scalars/" + k: v for k, v in steps.values.items()})
 
     # wandb has no public flush: its service process writes the offline run; that CPU is not this process's.
-    return Variant(key=key, baseline=BASELINE, fn=fn, thread_clock=True, prepare=steps.prepare,
+    return Variant(key=key, baseline=BASELINE, fn=fn, thread_clock=True, prepare=steps.prepare, group=WANDB_GROUP,
                    describe="wandb.log(dict of 100 floats), offline, on the caller's thread")
 
 

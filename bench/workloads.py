@@ -15,7 +15,8 @@ Rows (``workload/mode/kind``):
   ``log[ActivationStats]``, ``log[StateHistogram]`` (one observer each: the own-cost rows, ``log[X] - log[]``;
   RolloutVideo on the NCA only: RL observations have no grid to render); ``naive`` (the common hand-written
   pattern: the same statistics with ``.tolist()``/``.item()`` every iteration); ``wandb-watch``
-  (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step);
+  (``wandb.watch(model, log="all", log_freq=1)``, offline, with ``wandb.log`` of the loss each step; timed
+  in the ``wandb`` group, see `WANDB_GROUP`);
   ``probe-off``/``probe-log`` (embedded `instrument.Probe` in a scripted or compiled model; pending until
   the Probe module exists).
 - ``scalars/x100/*``: the training thread's time per logging step of 100 scalars handed to
@@ -54,7 +55,9 @@ from bench.scalar_rows import SCALAR_KEYS, finish_scalar_rows, scalar_variants
 from instrument import GradientStats, Instrumentation, IterationStats, NonFinite, RolloutVideo, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
-__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run", "device"]
+__all__ = [
+    "NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run", "device", "WANDB_GROUP"
+]
 
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
@@ -335,6 +338,7 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
                 v.fn, v.pending, v.describe = _wandb_variant(
                     _nca_model(base_rule), "nca", tmp, lambda m: trainer(m, lambda observer: m(seed, n_iter))
                 )
+                v.group = WANDB_GROUP
             elif kind.startswith("probe-"):
                 v.pending = PROBE_PENDING if not hasattr(instrument, "Probe") else None
                 if v.pending is None:
@@ -428,6 +432,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
                 v.fn, v.pending, v.describe = _wandb_variant(
                     copy.deepcopy(base_policy), "rl", tmp, lambda p: trainer(p, p)
                 )
+                v.group = WANDB_GROUP
             elif kind.startswith("probe-"):
                 v.pending = PROBE_PENDING if not hasattr(instrument, "Probe") else RL_PROBE_PENDING
             out.append(v)
@@ -436,6 +441,13 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
 
 # ------------------------------------------------------------------------------------------------ peers
 _WANDB_RUNS: List[object] = []
+# The W&B peer rows are timed in an interleaved group of their own after the rest (`Variant.group`), their
+# baselines timed again beside them. wandb hands its data to its service as protobuf messages, and protobuf's
+# C implementation calls glibc's malloc_trim(0) after every 10,000 freed messages: the whole free heap goes
+# back to the kernel, about once per wandb.watch call of the RL row. Interleaved with the rest, every row run
+# after one faulted its memory in again (nca/compile/probe-log about 9,800 page faults per step, 0 without
+# the W&B rows): a cost of wandb, charged to rows that do not use it.
+WANDB_GROUP = "wandb"
 
 
 def wandb_run(tmp: str):

@@ -1,0 +1,79 @@
+"""The bench harness's interleaving: rows with a ``group`` are timed after the main matrix, in a group of their
+own, against their baseline timed again beside them; every timed call's page faults are counted."""
+
+import sys
+
+import pytest
+
+from bench.harness import Variant, paired_ratios, run_interleaved
+from bench.report import markdown, rows
+
+
+def _variants(calls):
+    def step(name):
+        return lambda: calls.append(name)
+
+    return [
+        Variant(key="w/m/bare", baseline="w/m/bare", fn=step("bare")),
+        Variant(key="w/m/extra", baseline="w/m/bare", fn=step("extra")),
+        Variant(key="w/m/peer", baseline="w/m/bare", fn=step("peer"), group="peers"),
+        Variant(key="w/m/later", baseline="w/m/bare", fn=step("later"), group="peers", pending="not here"),
+    ]
+
+
+def test_a_grouped_row_is_timed_after_the_main_matrix_against_its_baseline_timed_beside_it():
+    calls = []
+    variants = _variants(calls)
+    measured = run_interleaved(variants, repetitions=7, warmup=1)
+    timed = calls[3:]  # after one warm-up call of each runnable variant
+    first_peer = timed.index("peer")
+    assert sorted(timed[:first_peer]) == ["bare"] * 7 + ["extra"] * 7  # the main matrix, complete, first
+    assert sorted(timed[first_peer:]) == ["bare"] * 7 + ["peer"] * 7  # then the group, its baseline again
+    assert "later" not in calls  # a pending row is never called
+    assert set(measured.samples) == {"w/m/bare", "w/m/extra", "w/m/peer", "w/m/bare@peers"}
+    assert all(len(s) == 7 for s in measured.samples.values())
+    assert measured.baseline_of(variants[2]) == "w/m/bare@peers"
+    assert measured.baseline_of(variants[1]) == "w/m/bare"
+
+
+def test_the_report_pairs_a_grouped_row_with_the_baseline_of_its_own_group():
+    variants = _variants([])
+    measured = run_interleaved(variants, repetitions=5, warmup=1)
+    # Made-up samples, so that pairing with the wrong baseline gives a different figure.
+    measured.samples.update({"w/m/bare": [1.0] * 5, "w/m/bare@peers": [2.0] * 5, "w/m/peer": [3.0] * 5})
+    table = {row["key"]: row for row in rows(variants, measured)}
+    assert table["w/m/peer"]["ratio"]["median"] == 1.5
+    assert paired_ratios(measured.samples, "w/m/peer", "w/m/bare@peers") == [1.5] * 5
+    assert table["w/m/peer"]["group"] == "peers" and "group" not in table["w/m/extra"]
+    assert table["w/m/later"]["pending"] == "not here"
+    report = {
+        "created": "now", "machine": {"cpus": 2, "torch": "x", "torch_threads": 1, "python": "3"},
+        "repetitions": 5, "clock": "wall", "rows": list(table.values()), "observer_costs": {}, "checks": [],
+    }
+    assert "`w/m/peer` (own group)" in markdown(report)
+
+
+def test_the_cpu_clock_swaps_the_samples_of_every_group():
+    variants = _variants([])
+    measured = run_interleaved(variants, repetitions=3, warmup=1, clock="cpu")
+    assert measured.clock == "cpu"
+    assert set(measured.samples) == set(measured.other) == {"w/m/bare", "w/m/extra", "w/m/peer", "w/m/bare@peers"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page faults of one thread: Linux's getrusage")
+def test_the_page_faults_of_a_call_that_touches_new_memory_are_counted_for_it():
+    held = []
+
+    def touch():  # 64 MiB written, and kept, so the pages are new to this process each call
+        block = bytearray(64 << 20)
+        block[::4096] = b"\1" * len(block[::4096])
+        held.append(block)
+
+    variants = [
+        Variant(key="w/m/bare", baseline="w/m/bare", fn=lambda: None),
+        Variant(key="w/m/touch", baseline="w/m/bare", fn=touch),
+    ]
+    measured = run_interleaved(variants, repetitions=3, warmup=1)
+    assert all(f >= 16384 // 2 for f in measured.faults["w/m/touch"])  # 16,384 pages of 4 KiB each call
+    assert all(f < 1000 for f in measured.faults["w/m/bare"])
+    held.clear()

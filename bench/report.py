@@ -97,6 +97,8 @@ def rows(variants: Sequence[Variant], measured: Measurement) -> List[Dict[str, A
             row["pending"] = v.pending or "not run"
         else:
             base = measured.baseline_of(v)
+            if base != v.baseline:  # timed again in the row's own group: those are the samples it pairs with
+                row["baseline_samples_s"] = measured.samples[base]
             row["ratio"] = summary(paired_ratios(measured.samples, v.key, base))
             row["seconds"] = summary(samples)
             row["samples_s"] = samples

@@ -45,6 +45,7 @@ def test_the_report_pairs_a_grouped_row_with_the_baseline_of_its_own_group():
     assert table["w/m/peer"]["ratio"]["median"] == 1.5
     assert paired_ratios(measured.samples, "w/m/peer", "w/m/bare@peers") == [1.5] * 5
     assert table["w/m/peer"]["group"] == "peers" and "group" not in table["w/m/extra"]
+    assert table["w/m/peer"]["baseline_samples_s"] == [2.0] * 5 and "baseline_samples_s" not in table["w/m/extra"]
     assert table["w/m/later"]["pending"] == "not here"
     report = {
         "created": "now", "machine": {"cpus": 2, "torch": "x", "torch_threads": 1, "python": "3"},

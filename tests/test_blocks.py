@@ -389,3 +389,15 @@ def test_a_refused_call_does_not_move_the_step_of_the_next_implicit_commit():
     logger.log_metrics({"good": 2.0}, step=6)  # the next step of the loop is not refused as going backwards
     logger.close()
     assert [(r.step, r.scalars) for r in keep.records] == [(5, {"good": 1.0}), (6, {"good": 2.0})]
+
+
+def test_keys_that_compare_equal_keep_their_own_names_across_calls():
+    # 1, 1.0 and True are one dict key, so a name cached for one must not be reused for another
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    for key, value in ((1, 1.0), (True, 5.0), (1.0, 7.0)):
+        logger.log_metrics({key: value, "z": np.float64(0.0)}, step=1)  # a NumPy value: the per-key path
+    logger.commit()
+    logger.close()
+    assert keep.records[0].scalars == {"1": 1.0, "z": 0.0, "True": 5.0, "1.0": 7.0}
+

@@ -399,11 +399,11 @@ def test_a_value_failing_on_the_writer_is_dropped_alone_and_said_once(tmp_path, 
     assert logger.failures == {"heatmap hm3": 3}
 
 
-def test_sparse_and_meta_values_are_refused_on_the_caller():
+def test_nested_and_meta_values_are_refused_on_the_caller():
     logger = Logger([])
-    sparse = torch.eye(3).to_sparse()
-    with pytest.raises(InvalidValueError, match="log_heatmap\\('s'\\): got a torch.sparse_coo tensor"):
-        logger.log_heatmap("s", sparse, 0)
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)
+    with pytest.raises(InvalidValueError, match="log_heatmap\\('s'\\): got a nested tensor"):
+        logger.log_heatmap("s", nested, 0)  # a sparse one is drawn dense (tests/test_media_values.py)
     with pytest.raises(InvalidValueError, match="field 'score' of sample 0 is a meta tensor"):
         logger.log_samples("v", [{"score": torch.empty((), device="meta")}], 0)
     with pytest.raises(ValueError, match="metric 'm' is a meta tensor"):

@@ -20,6 +20,8 @@ __all__ = ["FailureLedger"]
 
 log = logging.getLogger("instrument")
 
+_LOCK_WAIT = 0.5  # seconds `record` waits for the lock (it is held for a few bytecodes at a time)
+
 
 class FailureLedger:
     """Counts failures per plug-in name and reports the first of each once.
@@ -46,9 +48,16 @@ class FailureLedger:
 
     def record(self, name: str, method: str, exc: Optional[BaseException] = None) -> int:
         """Count one failure of ``name`` in ``method``; report it if it is the first. Returns the count."""
-        with self._lock:
+        # Never an unbounded wait: the training thread may hold this lock when a signal arrives, and the
+        # handler then waits for the logger's writer thread (closing it), which may be recording here. Past
+        # the bound the count is taken without the lock (at worst one lost count), never a deadlock.
+        locked = self._lock.acquire(timeout=_LOCK_WAIT)
+        try:
             count = self._counts.get(name, 0) + 1
             self._counts[name] = count
+        finally:
+            if locked:
+                self._lock.release()
         if count == 1:
             log.error(
                 "instrument: %s %r failed in %s(); %s", self.kind, name, method, self.consequence,

@@ -18,6 +18,7 @@ from instrument.backends.base import StepRecord
 from instrument.logger.blocks import means
 from instrument.logger.media import KINDS
 from instrument.logger.timer import elapsed
+from instrument.logger.transfer import TransferError
 
 __all__ = ["build_record", "describe", "timing_stats"]
 
@@ -33,7 +34,12 @@ def build_record(payload: tuple, on_failure: OnFailure,
     by_id = {id(t): a for t, a in zip(tensors, arrays, strict=True)}
 
     def host(value: Any) -> Any:
-        return by_id.get(id(value), value) if isinstance(value, Tensor) else value
+        if not isinstance(value, Tensor):
+            return value
+        copied = by_id.get(id(value), value)
+        if isinstance(copied, TransferError):  # this tensor alone could not be copied: its value is dropped
+            raise copied
+        return copied
 
     record = StepRecord(step=step, wall_time=wall_time)
     if type(scalars) is list:  # blocks, each a whole log_metrics call (`instrument.logger.blocks`)
@@ -68,6 +74,8 @@ def build_record(payload: tuple, on_failure: OnFailure,
 def describe(value: Any) -> str:
     """What a value is, for messages: its type, and shape and dtype when it has them."""
     if isinstance(value, Tensor):
+        if value.is_nested:  # has no shape
+            return f"a nested {value.device.type} tensor of {value.size(0)} tensors and dtype {value.dtype}"
         return f"a {value.device.type} tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} and dtype {value.dtype}"

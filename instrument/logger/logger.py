@@ -47,7 +47,7 @@ from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.handover import handover
 from instrument.logger.lifecycle import closed_use, disown, open_backends
-from instrument.logger.media import KINDS, check_color_range
+from instrument.logger.media import check_color_range, check_media, refuse_shared_tag
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
@@ -269,10 +269,9 @@ class Logger(StagedTable, StepRecords):
 
     def _stage(self, kind: str, tag: str, value: Any, step: int, extra: Any = None) -> None:
         """Check a media value on the caller (cheap: metadata only) and stage it; rank 0 only."""
-        if not tag:
-            raise InvalidValueError(f"log_{kind} got the empty tag ''; give the {kind} a non-empty tag.")
-        staged = KINDS[kind].check(tag, value, extra)
+        staged = check_media(kind, tag, value, extra)
         with self._lock:
+            refuse_shared_tag(kind, tag, self._media)  # before the step moves: a refused call stages nothing
             if self._snapshot is LAZY:  # before the step moves (see log_metrics)
                 self._take_snapshot()
             if self._accept(step) and self.is_writer:  # other ranks validate the step but stage no media
@@ -484,10 +483,11 @@ class Logger(StagedTable, StepRecords):
             log.warning("instrument: %s (Said once per key.)", rounded_message(name, value))
 
     def _value_failed(self, kind: str, tag: str, step: int, value: Any, expected: str, exc: Exception) -> None:
+        # On the writer thread, its only caller, so no lock: a signal handler may close the logger while the
+        # training thread it interrupted holds the staging lock, and it waits for this thread (see `_rounded`).
         key = f"{kind} {tag}"
-        with self._lock:
-            count = self._value_failures.get(key, 0) + 1
-            self._value_failures[key] = count
+        count = self._value_failures.get(key, 0) + 1
+        self._value_failures[key] = count
         if count == 1:
             log.error(
                 "instrument: dropped %s %r at step %d: received %s, expected %s (%s: %s). The rest of the step "

@@ -10,7 +10,7 @@ Adding a kind is one entry here and one ``log_<kind>`` method on the `Logger`.
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -21,7 +21,8 @@ from instrument.core.colormap import parse_color_range
 from instrument.errors import InvalidValueError
 from instrument.logger.render import is_degenerate, render_heatmap, to_hwc_uint8
 
-__all__ = ["MediaKind", "KINDS", "check_color_range", "tensors_of"]
+__all__ = ["MediaKind", "KINDS", "check_color_range", "check_media", "plain_tensor", "refuse_shared_tag",
+           "tensors_of"]
 
 Host = Callable[[Any], Any]
 
@@ -45,25 +46,70 @@ class MediaKind:
     expected: str
 
 
+# Tensor dtypes whose values the commit's transfer carries: bool, integers (exact, as int64) and floats (as
+# float64). Quantized tensors are dequantized on the caller; the rest (bits, sub-byte and packed float4 types)
+# have no conversion to a number and are refused at the call.
+_INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
+                             torch.uint8, torch.uint16, torch.uint32, torch.uint64})
+_NUMERIC_DTYPES = _INTEGER_DTYPES | frozenset(
+    getattr(torch, name) for name in ("bool", "float16", "bfloat16", "float32", "float64", "float8_e4m3fn",
+                                      "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+
+
+def plain_tensor(where: str, value: Tensor, expected: str) -> Tensor:
+    """``value`` detached as a dense, non-quantized real tensor the commit's transfer can copy; metadata checks
+    and conversions that keep every value exactly (no host sync), as `log_metrics` does for scalars.
+
+    Sparse tensors become dense (``to_dense``), quantized ones their values (``dequantize``); meta, nested,
+    complex tensors and dtypes with no numeric value (bits, sub-byte, packed float4) raise `InvalidValueError`
+    naming ``where`` (e.g. ``"log_histogram('grads')"``)."""
+    if value.is_meta:
+        raise InvalidValueError(
+            f"{where}: got a meta tensor of shape {tuple(value.shape)}, which has no data; expected {expected}. "
+            f"Log a materialised tensor."
+        )
+    if value.is_nested:
+        raise InvalidValueError(
+            f"{where}: got a nested tensor (of {value.size(0)} tensors, {value.layout} layout); expected "
+            f"{expected} as one dense tensor. Log each of its tensors (value.unbind()) on its own, or pad them to "
+            f"one shape first (value.to_padded_tensor(0.0))."
+        )
+    if value.is_complex():
+        raise InvalidValueError(
+            f"{where}: got a complex tensor ({value.dtype}); expected {expected} as real numbers. Log its parts "
+            f"(value.real and value.imag) or its magnitude (value.abs())."
+        )
+    value = value.detach()
+    if value.layout != torch.strided:  # sparse (COO, CSR, CSC, BSR, BSC) or mkldnn: the same values, dense
+        try:
+            value = value.to_dense()
+        except Exception as exc:
+            raise InvalidValueError(
+                f"{where}: got a tensor of layout {value.layout}, which could not be made dense ({exc}); "
+                f"expected {expected} as a dense tensor."
+            ) from exc
+    if value.is_quantized:  # the real values it stands for (scale and zero point applied)
+        value = value.dequantize()
+    if value.layout != torch.strided or value.dtype not in _NUMERIC_DTYPES:
+        raise InvalidValueError(
+            f"{where}: got a tensor of dtype {value.dtype} and layout {value.layout}, which has no numeric value "
+            f"to copy; expected {expected} as a dense tensor of bool, integers or floats (e.g. value.float(), "
+            f"or value.view(torch.uint8) for raw bits)."
+        )
+    return value
+
+
 def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
-    """Detach a tensor (refusing meta tensors and non-numeric dtypes) or make an ndarray; metadata checks only.
+    """A tensor made plain (`plain_tensor`: detached, dense, dequantized; meta, nested, complex and
+    non-numeric tensors refused) or an ndarray; metadata checks only.
 
     A NumPy value is copied here (a host copy, cheap next to drawing it): the writer converts it after
     `commit` returned, and a buffer the caller refills for the next step must be written as it was when
     logged. Tensors are copied by the commit's transfer (`instrument.logger.transfer`)."""
     if isinstance(value, Tensor):
-        if value.is_meta:
-            raise InvalidValueError(
-                f"log_{kind}({tag!r}): got a meta tensor of shape {tuple(value.shape)}, which has no data; "
-                f"expected {expected}. Log a materialised tensor."
-            )
-        if value.is_complex() or value.layout != torch.strided:
-            what = "complex" if value.is_complex() else f"{value.layout}"
-            raise InvalidValueError(
-                f"log_{kind}({tag!r}): got a {what} tensor; expected {expected} as a dense real tensor "
-                f"(e.g. value.to_dense())."
-            )
-        return value.detach()
+        return plain_tensor(f"log_{kind}({tag!r})", value, expected)
     try:
         array = np.array(value)  # always a copy (np.asarray would keep the caller's ndarray)
     except Exception as exc:
@@ -212,21 +258,24 @@ def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
                 f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict "
                 f"such as {{'input': ..., 'output': ..., 'score': ...}}."
             )
-        for k, v in row.items():
-            if isinstance(v, Tensor) and (v.is_meta or v.is_complex()):
-                raise InvalidValueError(
-                    f"log_samples({tag!r}): field {k!r} of sample {i} is a {'meta' if v.is_meta else 'complex'} "
-                    f"tensor; expected numbers, strings or real tensors."
-                )
-        rows.append({str(k): _staged_field(v) for k, v in row.items()})
+        rows.append({str(k): _staged_field(tag, i, k, v) for k, v in row.items()})
     return rows
 
 
-def _staged_field(value: Any) -> Any:
-    """A sample field as staged: tensors detached (the transfer copies them), NumPy arrays and lists copied
-    (the caller may refill its buffer once commit returns; a list shallowly), the rest as given."""
+_FIELD = "numbers, strings or real tensors"
+
+
+def _staged_field(tag: str, i: int, key: Any, value: Any) -> Any:
+    """A sample field as staged: tensors made plain (`plain_tensor`: detached, dense, dequantized; the transfer
+    copies them), NumPy arrays and lists copied (the caller may refill its buffer once commit returns; a list
+    shallowly), the rest as given."""
     if isinstance(value, Tensor):
-        return value.detach()
+        if value.is_meta or value.is_complex():  # the message tests and users know for these two
+            raise InvalidValueError(
+                f"log_samples({tag!r}): field {key!r} of sample {i} is a {'meta' if value.is_meta else 'complex'} "
+                f"tensor; expected {_FIELD}."
+            )
+        return plain_tensor(f"log_samples({tag!r}): field {key!r} of sample {i}", value, _FIELD)
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, list):
@@ -234,17 +283,21 @@ def _staged_field(value: Any) -> Any:
     return value
 
 
-def _host_field(value: Any) -> Any:
-    """A sample field as the backends want it: numbers as floats, small arrays as lists, the rest as is."""
+def _host_field(value: Any, staged: Any) -> Any:
+    """A sample field as the backends want it: a one-element array or tensor as its element, other arrays as
+    lists, the rest as is. Elements keep their kind: integers stay exact Python ints (the transfer carries
+    integer tensors as int64, uint64 as its bits), floats stay floats, bool tensors become True / False."""
     if isinstance(value, np.ndarray):
-        return float(value) if value.size == 1 else value.tolist()
+        if isinstance(staged, Tensor) and staged.dtype == torch.bool and value.dtype != np.bool_:
+            value = value.astype(np.bool_)  # the transfer carries bools as 0.0 / 1.0
+        return value.reshape(()).item() if value.size == 1 else value.tolist()
     if isinstance(value, np.generic):
         return value.item()
     return value
 
 
 def _convert_samples(tag: str, rows: Any, score_key: Any, host: Host) -> SampleTable:
-    return SampleTable([{f: _host_field(host(v)) for f, v in row.items()} for row in rows], score_key)
+    return SampleTable([{f: _host_field(host(v), v) for f, v in row.items()} for row in rows], score_key)
 
 
 KINDS: Dict[str, MediaKind] = {
@@ -258,6 +311,34 @@ KINDS: Dict[str, MediaKind] = {
         MediaKind("samples", "samples", _check_samples, _convert_samples, "a list of dicts"),
     )
 }
+
+
+# The other kinds that write the same `StepRecord` field (image and heatmap both write ``images``).
+_PEERS: Dict[str, Tuple[str, ...]] = {
+    name: tuple(other for other in KINDS if other != name and KINDS[other].field == kind.field)
+    for name, kind in KINDS.items()
+}
+
+
+def check_media(kind: str, tag: str, value: Any, extra: Any) -> Any:
+    """The value to stage for ``log_<kind>(tag, value)``: its kind's ``check`` (on the caller, cheap), after
+    refusing the empty tag."""
+    if not tag:
+        raise InvalidValueError(f"log_{kind} got the empty tag ''; give the {kind} a non-empty tag.")
+    return KINDS[kind].check(tag, value, extra)
+
+
+def refuse_shared_tag(kind: str, tag: str, staged: Mapping[Tuple[str, str], Any]) -> None:
+    """Raise `InvalidValueError` when ``tag`` is staged (in ``staged``, by ``(kind, tag)``) as another kind that
+    writes the same record field: on the writer one would overwrite the other (an image and a heatmap)."""
+    for other in _PEERS[kind]:
+        if (other, tag) in staged:
+            raise InvalidValueError(
+                f"log_{kind}({tag!r}): {'an' if other[0] in 'aeiou' else 'a'} {other} is already staged under the "
+                f"tag {tag!r} since the last commit, and both would be written as "
+                f"record.{KINDS[kind].field}[{tag!r}], one overwriting the other. Use another tag for one of them "
+                f"(e.g. {tag + '/' + kind!r}), or commit in between."
+            )
 
 
 def tensors_of(value: Any) -> List[Tensor]:

@@ -11,7 +11,10 @@ Every live `Logger` is registered here (weakly). What happens:
   runs (by default it raises `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A
   KeyboardInterrupt that ends the process marks the run ``"killed"``.
 - An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
-- ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked).
+- ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked). atexit
+  runs its hooks last registered first, and an SDK registers its own teardown when a backend opens (W&B
+  stops its service process): each successful open moves this hook behind those (`keep_first_at_exit`), so
+  the loggers are closed, and every committed step written, before any SDK a backend opened is torn down.
 - ``os.fork``: the child does not inherit the loggers' writer threads, so it disowns every logger it inherits
   (a call on one raises, saying to create a Logger in the child); its exit closes nothing of the parent's.
 
@@ -28,7 +31,7 @@ import threading
 import weakref
 from typing import Any, Dict, Optional
 
-__all__ = ["register", "unregister", "mark", "install", "TIMEOUT"]
+__all__ = ["register", "unregister", "mark", "install", "keep_first_at_exit", "TIMEOUT"]
 
 log = logging.getLogger("instrument")
 
@@ -40,7 +43,11 @@ _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # holds this lock (in `register`, `unregister`, `install`), and takes it again (`_loggers`, `unregister`).
 _lock = threading.RLock()
 _previous: Dict[int, Any] = {}
-_state: Dict[str, Any] = {"installed": False, "atexit": False, "excepthook": None, "interrupting": False}
+_state: Dict[str, Any] = {
+    "installed": False, "atexit": False, "excepthook": None, "interrupting": False,
+    "exiting": False,  # the interpreter is shutting down: the atexit hook is no longer moved
+    "exited": False,  # the atexit hook ran (it runs once)
+}
 
 
 def register(logger: Any) -> None:
@@ -48,6 +55,7 @@ def register(logger: Any) -> None:
     with _lock:
         _live.add(logger)
     install()
+    keep_first_at_exit()  # its backends opened (the writer moves the hook as each opens; this when none did)
 
 
 def unregister(logger: Any) -> None:
@@ -67,6 +75,7 @@ def install() -> None:
     with _lock:
         if not _state["atexit"]:
             atexit.register(_at_exit)
+            _note_shutdown_start()
             previous_hook = sys.excepthook
             _state["excepthook"] = previous_hook
             sys.excepthook = _excepthook
@@ -83,6 +92,44 @@ def install() -> None:
                 signal.signal(signum, _on_signal)
             except (ValueError, OSError) as exc:  # e.g. an embedded interpreter
                 log.debug("instrument: could not install a handler for signal %d: %s", signum, exc)
+
+
+def keep_first_at_exit() -> None:
+    """Move the atexit hook to the end of atexit's list, so that it runs before every hook registered so far.
+
+    Called on a writer thread each time a backend has opened, and by `register`: an SDK registers its own
+    atexit teardown when first used (W&B's service process at the first ``wandb.init``), and atexit runs hooks
+    last registered first. Without this, a Logger created before the SDK was first used (any earlier Logger
+    installs the hook) is closed at exit after the SDK was torn down, and its last steps are lost. Once the
+    interpreter shuts down (``threading``'s shutdown, which runs before any atexit hook, or this hook itself started)
+    nothing is moved: a hook moved while atexit runs its list would never run. Never raises.
+    """
+    try:
+        with _lock:
+            if not _state["atexit"] or _state["exiting"] or _state["exited"] or sys.is_finalizing():
+                return
+            atexit.unregister(_at_exit)
+            atexit.register(_at_exit)
+    except Exception:  # never fail a backend's open over the order of exit hooks
+        log.debug("instrument: could not move the atexit hook", exc_info=True)
+
+
+def _note_shutdown_start() -> None:
+    """Have ``threading`` say, under `_lock`, when the interpreter starts shutting down: its exit callbacks run
+    on the main thread before it joins the threads and before any atexit hook, so a `keep_first_at_exit` on a
+    writer thread either finished before or sees ``"exiting"`` (no hook moved while atexit runs its list)."""
+    register_threading_exit = getattr(threading, "_register_atexit", None)  # CPython >= 3.9, private
+    if register_threading_exit is None:
+        return
+    try:
+        register_threading_exit(_on_shutdown_start)
+    except RuntimeError:  # the interpreter is already shutting down (a Logger created in an atexit hook)
+        _state["exiting"] = True
+
+
+def _on_shutdown_start() -> None:
+    with _lock:
+        _state["exiting"] = True
 
 
 def _loggers() -> list:
@@ -144,6 +191,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _at_exit() -> None:
+    with _lock:
+        if _state["exited"]:
+            return
+        _state["exiting"] = _state["exited"] = True
     for logger in _loggers():
         try:
             logger._shutdown(None, TIMEOUT, commit=True)

@@ -33,9 +33,12 @@ class StagedTable:
             pairs = []  # converted first: a call refused for one value stages none of its values
             wide: Wide = {}
             for key, value in metrics.items():
-                name = names.get(key)
-                if name is None:
-                    name = names[key] = head + key if type(key) is str else head + str(key)
+                if type(key) is str:
+                    name = names.get(key)
+                    if name is None:
+                        name = names[key] = head + key
+                else:  # never cached: 1, 1.0 and True are one dict key, but three metric names
+                    name = head + str(key)
                 kind = type(value)
                 if kind is not float:
                     if kind is int and -EXACT_INT <= value <= EXACT_INT:

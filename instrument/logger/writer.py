@@ -16,13 +16,15 @@ says whether every backend call since the previous `flush` succeeded.
 """
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from instrument.backends.base import Backend, StepRecord
 from instrument.core.failures import FailureLedger
+from instrument.logger import shutdown
 
 __all__ = ["Writer", "CommittedStep", "ON_FULL", "WriterThread", "running_writers"]
 
@@ -125,6 +127,7 @@ class Writer:
         self.report_open = True  # False while the logger waits to raise open failures itself
         self._queue: Deque[Tuple[str, int, Any]] = collections.deque()
         self._records = 0
+        self._waiting: Dict[int, Tuple[CommittedStep, Any]] = {}  # submits waiting for room (under the lock)
         self._mutex = threading.RLock()  # `submit` enters it directly: Condition's own __enter__ is Python
         self._cond = threading.Condition(self._mutex)
         self._submitted = 0
@@ -143,7 +146,12 @@ class Writer:
 
     # ------------------------------------------------------------------ producer side
     def submit(self, handle: CommittedStep, payload: Any) -> bool:
-        """Hand a step over; False when the writer is closed (the step is not written)."""
+        """Hand a step over; False when the writer is closed (the step is not written).
+
+        A step waiting for room (``on_full="block"``) when the writer is closed, by another thread or by a
+        signal handler that interrupted this wait, was handed over before the close: `_put` queues it ahead
+        of the close, and this returns True.
+        """
         with self._mutex:
             if self._closing:
                 return False
@@ -151,14 +159,29 @@ class Writer:
                 if self.on_full == "drop":
                     self._drop_oldest()
                 else:
+                    key = id(handle)
+                    self._waiting[key] = (handle, payload)
                     while self._records >= self.queue_size and not self._closing:
                         self._cond.wait()
+                    if self._waiting.pop(key, None) is None:
+                        return True  # queued by the close, ahead of it
                     if self._closing:
                         return False
             self._submitted += 1
-            handle.seq = self._submitted
-            self._queue.append((_RECORD, self._submitted, (handle, payload)))
+            seq = self._submitted
+            handle.seq = seq
+            entry = (_RECORD, seq, (handle, payload))
+            self._queue.append(entry)
             self._records += 1
+            if self._closing:
+                # Only a signal handler on this very thread can have closed the writer since the check above
+                # (other threads wait for the lock this thread holds): the close was queued, and written,
+                # before this record, which would never be written. Say so instead of returning a handle.
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(entry)
+                    self._records -= 1
+                handle.seq = 0
+                return False
             # Waking a sleeping thread costs the committing thread a futex wake and often a context switch
             # (about 30 us, as much as the rest of a 100-float commit): records are picked up by the writer's
             # next poll (at most _MAX_POLL seconds later) unless the queue is filling up or the writer parked
@@ -213,6 +236,7 @@ class Writer:
         self._mutex = threading.RLock()
         self._cond = threading.Condition(self._mutex)
         self._queue.clear()
+        self._waiting.clear()
         self._records = 0
         self._closing = self._stopped = True
 
@@ -229,6 +253,15 @@ class Writer:
         with self._cond:
             if self._closing:
                 return 0
+            if closing:
+                # Steps whose commit waits for room were handed over before this close: queue them ahead of
+                # it (past queue_size), so that they are written; their `submit` then returns True.
+                for handle, data in self._waiting.values():
+                    self._submitted += 1
+                    handle.seq = self._submitted
+                    self._queue.append((_RECORD, self._submitted, (handle, data)))
+                    self._records += 1
+                self._waiting.clear()
             self._closing = closing
             self._submitted += 1
             self._queue.append((kind, self._submitted, payload))
@@ -363,6 +396,7 @@ class Writer:
         through the ledger only when nobody is waiting to raise it (``report_open``)."""
         try:
             backend.open(*args)
+            shutdown.keep_first_at_exit()  # before the exit hook an SDK registered as it opened (W&B's)
             return True
         except Exception as exc:
             self.open_errors.append((backend, exc))

@@ -1,0 +1,183 @@
+"""Media values the logger must convert exactly, refuse at the call, or drop alone (docs/backends.md, issue 13):
+quantized, sparse and nested tensors, a tag staged as both an image and a heatmap, integer sample fields."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from instrument import JsonlBackend, Logger, RunInfo
+from instrument.backends.base import Backend
+from instrument.errors import InvalidValueError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # quantized, sparse CSR and nested: prototypes
+
+
+class Keep(Backend):
+    def __init__(self):
+        self.records = []
+
+    def write(self, record):
+        self.records.append(record)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _quantized(values):
+    return torch.quantize_per_tensor(torch.tensor(values), 0.25, 0, torch.qint8)
+
+
+# (kind, make the value, what its JSONL line holds for it)
+EXOTIC = {
+    "quantized histogram": ("histogram", lambda: _quantized([0.5, -1.0, 2.0]), {"count": 3, "min": -1.0, "max": 2.0}),
+    "sparse histogram": ("histogram", lambda: torch.tensor([0.0, 3.0, 0.0, -2.0]).to_sparse(),
+                         {"count": 4, "min": -2.0, "max": 3.0}),
+    "quantized heatmap": ("heatmap", lambda: _quantized([[0.5, 1.0], [1.5, 2.0]]), None),
+    "sparse csr heatmap": ("heatmap", lambda: torch.eye(3).to_sparse_csr(), None),
+    "sparse coo field": ("samples", lambda: [{"x": torch.tensor([[1.0, 0.0], [0.0, 2.5]]).to_sparse()}],
+                         [{"x": "[[1.0, 0.0], [0.0, 2.5]]"}]),
+    "sparse csr field": ("samples", lambda: [{"x": torch.tensor([[0.0, 4.0]]).to_sparse_csr()}],
+                         [{"x": "[[0.0, 4.0]]"}]),
+    "0-d quantized field": ("samples", lambda: [{"score": torch.quantize_per_tensor(torch.tensor(0.75), 0.25, 0,
+                                                                                      torch.qint8)}],
+                            [{"score": 0.75}]),
+}
+
+
+@pytest.mark.parametrize("case", list(EXOTIC))
+def test_quantized_and_sparse_media_are_written_as_their_values_and_cost_the_step_nothing(tmp_path, case):
+    kind, make, want = EXOTIC[case]
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("x", tmp_path))
+    logger.log_metrics({"loss": 0.5}, step=0)
+    getattr(logger, f"log_{kind}")("v", make(), 0)
+    logger.commit(0)  # raised here on the training thread, losing the step's loss with it
+    logger.log_metrics({"loss": 0.25}, step=1)
+    logger.commit(1)
+    logger.close()
+    first, second = _lines(path)
+    assert (first["metrics"], second["metrics"]) == ({"loss": 0.5}, {"loss": 0.25})
+    field = {"histogram": "histograms", "heatmap": "images", "samples": "samples"}[kind]
+    if kind == "histogram":
+        assert {k: first[field]["v"][k] for k in want} == want
+    elif kind == "heatmap":
+        assert len(first[field]["v"]) == 3  # drawn: an RGB image
+    else:
+        assert first[field]["v"] == want
+    assert logger.failures == {}
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.parametrize("kind", ["histogram", "heatmap", "samples"])
+def test_nested_tensors_are_refused_at_the_call_with_what_to_do(kind, layout):
+    keep = Keep()
+    logger = Logger([keep])
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=layout)
+    logger.log_metrics({"loss": 1.0}, step=0)
+    value = [{"x": nested}] if kind == "samples" else nested
+    with pytest.raises(InvalidValueError, match=r"got a nested tensor .*unbind\(\).*to_padded_tensor") as caught:
+        getattr(logger, f"log_{kind}")("v", value, 0)
+    assert "log_" + kind + "('v')" in str(caught.value)
+    logger.commit(0)
+    logger.close()
+    assert [r.scalars for r in keep.records] == [{"loss": 1.0}]
+
+
+def test_bits_dtypes_are_refused_at_the_call():
+    logger = Logger([])
+    with pytest.raises(InvalidValueError, match=r"log_histogram\('b'\): got a tensor of dtype torch.bits8"):
+        logger.log_histogram("b", torch.zeros(4, dtype=torch.uint8).view(torch.bits8), 0)
+    assert not logger.has_pending
+    logger.close()
+
+
+class Uncopyable(torch.Tensor):
+    """A tensor subclass the caller's checks accept and the commit's packing cannot handle."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.stack, torch.cat, torch.Tensor.reshape):
+            raise RuntimeError("this subclass cannot be packed")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_the_transfer_cannot_copy_is_dropped_alone_with_one_message(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("x", tmp_path))
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        for step in range(2):
+            logger.log_metrics({"loss": torch.tensor(0.5 + step), "n": 3.0}, step=step)
+            logger.log_histogram("bad", torch.arange(4.0).as_subclass(Uncopyable), step)
+            logger.log_histogram("good", torch.arange(3.0), step)
+            logger.commit(step)
+        logger.close()
+    records = _lines(path)
+    assert [r["metrics"] for r in records] == [{"loss": 0.5, "n": 3.0}, {"loss": 1.5, "n": 3.0}]
+    assert all(list(r["histograms"]) == ["good"] and r["histograms"]["good"]["count"] == 3 for r in records)
+    messages = [r.getMessage() for r in caplog.records if "dropped histogram 'bad'" in r.getMessage()]
+    assert len(messages) == 1 and "this subclass cannot be packed" in messages[0]
+    assert logger.failures == {"histogram bad": 2}
+
+
+@pytest.mark.parametrize("first", ["image", "heatmap"])
+def test_an_image_and_a_heatmap_under_one_tag_are_refused_at_the_call(first):
+    keep = Keep()
+    logger = Logger([keep])
+    second = "heatmap" if first == "image" else "image"
+    logger.log_metrics({"loss": 1.0}, step=0)
+    getattr(logger, f"log_{first}")("attn", torch.rand(4, 4), 0)
+    with pytest.raises(InvalidValueError, match=rf"log_{second}\('attn'\): an? {first} is already staged under the "
+                                                r"tag 'attn'.*Use another tag"):
+        getattr(logger, f"log_{second}")("attn", torch.rand(4, 4), 0)
+    getattr(logger, f"log_{second}")(f"attn/{second}", torch.rand(4, 4), 0)  # what the message says to do
+    logger.commit(0)
+    getattr(logger, f"log_{second}")("attn", torch.rand(4, 4), 1)  # a later step may use the tag for the other
+    logger.commit(1)
+    logger.close()
+    assert [sorted(r.images) for r in keep.records] == [["attn", f"attn/{second}"], ["attn"]]
+    assert logger.failures == {}
+
+
+def test_integer_tensor_sample_fields_stay_exact_ints(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("x", tmp_path))
+    big = 2**53 + 1
+    logger.log_samples("val", [{"seed": torch.tensor(big), "count": torch.tensor(3), "flag": torch.tensor(True),
+                                "score": torch.tensor(0.5), "py": big, "np": np.int64(big)}], 0)
+    logger.commit(0)
+    logger.close()
+    (written,) = _lines(path)[0]["samples"]["val"]
+    assert written == {"seed": big, "count": 3, "flag": True, "score": 0.5, "py": big, "np": big}
+    # 9007199254740992.0, 3.0 and 1.0 before: what a JSON reader gets is an int, an int and a bool
+    assert [type(written[k]) for k in ("seed", "count", "flag", "score")] == [int, int, bool, float]
+
+
+def test_every_integer_dtype_and_shape_of_a_sample_field_comes_back_exact(tmp_path):
+    keep = Keep()
+    path = tmp_path / "m.jsonl"
+    logger = Logger([keep, JsonlBackend(str(path))], RunInfo("x", tmp_path))
+    big = 2**53 + 1
+    fields = {
+        "one": torch.tensor([big]),  # a one-element 1-d tensor: its element (the whole table was dropped before)
+        "small": torch.tensor(-3, dtype=torch.int8),
+        "u32": torch.tensor(4_000_000_000, dtype=torch.uint32),
+        "u64": torch.tensor(2**63 + 5, dtype=torch.uint64),  # travels as its bits
+        "neg": torch.tensor(-(2**62) - 1),
+        "ids": torch.tensor([big, 2]),
+        "flags": torch.tensor([True, False]),
+        "half": torch.tensor(1.5, dtype=torch.float16),
+        "pixels": torch.tensor([255], dtype=torch.uint8),
+    }
+    logger.log_samples("val", [fields], 0)
+    logger.commit(0)
+    logger.close()
+    (row,) = keep.records[0].samples["val"].rows
+    assert row == {"one": big, "small": -3, "u32": 4_000_000_000, "u64": 2**63 + 5, "neg": -(2**62) - 1,
+                   "ids": [big, 2], "flags": [True, False], "half": 1.5, "pixels": 255}
+    assert type(row["half"]) is float and type(row["pixels"]) is int
+    (written,) = _lines(path)[0]["samples"]["val"]
+    assert written["one"] == big and written["u64"] == str(2**63 + 5)  # beyond int64: its digits (docs)

@@ -181,3 +181,21 @@ def test_every_integer_dtype_and_shape_of_a_sample_field_comes_back_exact(tmp_pa
     assert type(row["half"]) is float and type(row["pixels"]) is int
     (written,) = _lines(path)[0]["samples"]["val"]
     assert written["one"] == big and written["u64"] == str(2**63 + 5)  # beyond int64: its digits (docs)
+
+
+def test_tensors_inside_a_list_field_of_a_sample_are_written_as_their_values(tmp_path):
+    # They used to reach the backends as tensors: a table cell holding the str "[tensor(1.5000), 2, ...]".
+    keep, run = Keep(), RunInfo("r", tmp_path)
+    logger = Logger([keep, JsonlBackend()], run)
+    field = [torch.tensor(1.5), 2, torch.tensor(2**53 + 1), np.float64(3.0), torch.tensor([0.25, 0.5]), "x"]
+    logger.log_samples("val", [{"score": 1.0, "parts": field}], step=0)
+    logger.commit()
+    field[0].fill_(99.0)  # after the commit: what was committed is written, whatever the caller does next
+    logger.close()
+    (row,) = keep.records[0].samples["val"].rows
+    assert row["parts"] == [1.5, 2, 2**53 + 1, 3.0, [0.25, 0.5], "x"]
+    assert [type(v) for v in row["parts"][:4]] == [float, int, int, float]
+    (line,) = [r for r in _lines(run.dir / "metrics.jsonl") if "step" in r]  # a table cell: a list as its str
+    assert line["samples"]["val"] == [{"score": 1.0, "parts": "[1.5, 2, 9007199254740993, 3.0, [0.25, 0.5], 'x']"}]
+    with pytest.raises(InvalidValueError, match="an element of field 'parts' of sample 0"):
+        Logger([]).log_samples("val", [{"parts": [torch.zeros((), device="meta")]}], step=0)

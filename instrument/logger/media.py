@@ -278,8 +278,10 @@ def _staged_field(tag: str, i: int, key: Any, value: Any) -> Any:
         return plain_tensor(f"log_samples({tag!r}): field {key!r} of sample {i}", value, _FIELD)
     if isinstance(value, np.ndarray):
         return value.copy()
-    if isinstance(value, list):
-        return [v.copy() if isinstance(v, np.ndarray) else v for v in value]
+    if isinstance(value, list):  # its tensors go through the transfer too, each written as a field would be
+        where = f"log_samples({tag!r}): an element of field {key!r} of sample {i}"
+        return [v.copy() if isinstance(v, np.ndarray) else plain_tensor(where, v, _FIELD) if isinstance(v, Tensor)
+                else v for v in value]
     return value
 
 
@@ -297,7 +299,10 @@ def _host_field(value: Any, staged: Any) -> Any:
 
 
 def _convert_samples(tag: str, rows: Any, score_key: Any, host: Host) -> SampleTable:
-    return SampleTable([{f: _host_field(host(v), v) for f, v in row.items()} for row in rows], score_key)
+    def field(v: Any) -> Any:
+        return [_host_field(host(e), e) for e in v] if isinstance(v, list) else _host_field(host(v), v)
+
+    return SampleTable([{f: field(v) for f, v in row.items()} for row in rows], score_key)
 
 
 KINDS: Dict[str, MediaKind] = {
@@ -345,6 +350,7 @@ def tensors_of(value: Any) -> List[Tensor]:
     """The device tensors inside a staged value (a tensor, or the rows of a samples table)."""
     if isinstance(value, Tensor):
         return [value]
-    if isinstance(value, list):
-        return [v for row in value for v in row.values() if isinstance(v, Tensor)]
+    if isinstance(value, list):  # the fields of each row, and the tensors in a field that is a list
+        return [t for row in value for v in row.values()
+                for t in ([v] if isinstance(v, Tensor) else v if isinstance(v, list) else ()) if isinstance(t, Tensor)]
     return []

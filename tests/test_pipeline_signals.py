@@ -10,11 +10,10 @@ import threading
 
 import pytest
 
-from instrument.backends.base import Backend
 from instrument.logger import writer as writer_module
 from instrument.logger.logger import Logger
 from tests.conftest import run_child
-from tests.test_pipeline import WAIT, poll, steps_of
+from tests.test_pipeline import WAIT, Blocking, poll, steps_of
 
 # The handler closes the logger while the main thread holds one of its locks; the writer thread then needs
 # that lock to record a failure (a value it cannot convert, a backend that raises). TIMEOUT is cut to 3 s so
@@ -57,20 +56,6 @@ def test_sigterm_while_the_training_thread_holds_a_lock_the_writer_needs_keeps_t
     assert "dropped heatmap 'hm3' at step 1" in done.stderr
 
 
-class Gate(Backend):
-    """Blocks every write until ``gate`` is set; records the steps written."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.steps = []
-
-    def write(self, record):
-        self.entered.set()
-        self.gate.wait(WAIT)
-        self.steps.append(record.step)
-
-
 @pytest.fixture
 def sigusr1():
     previous = signal.getsignal(signal.SIGUSR1)
@@ -80,7 +65,7 @@ def sigusr1():
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_close_from_a_signal_handler_writes_the_step_whose_commit_waited_for_room(sigusr1):
-    backend = Gate()
+    backend = Blocking()
     logger = Logger([backend], queue_size=1)
     signal.signal(signal.SIGUSR1, lambda *_: logger.close())
     logger.log_metrics({"a": 0.0}, step=0)
@@ -93,7 +78,7 @@ def test_a_close_from_a_signal_handler_writes_the_step_whose_commit_waited_for_r
         poll(lambda: logger._writer._waiting, "the commit of step 2 to wait for room")
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs on the main thread, inside that wait
         poll(lambda: logger._writer._closing, "the handler's close")
-        backend.gate.set()
+        backend.release.set()
 
     thread = threading.Thread(target=interrupt)
     thread.start()
@@ -114,8 +99,8 @@ def test_a_close_by_a_signal_handler_inside_submit_never_leaves_a_step_silently_
     """The few bytecodes between a step's sequence number and its place in the queue: a close there (only a
     signal handler on the same thread can, since submit holds the lock) puts the close first. The step can
     then not be written, and the commit says so (None and a warning), never a handle that looks pending."""
-    backend = Gate()
-    backend.gate.set()
+    backend = Blocking()
+    backend.release.set()
     logger = Logger([backend])
     logger.log_metrics({"a": 0.0}, step=0)
     logger.commit()

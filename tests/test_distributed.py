@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from instrument import JsonlBackend, Logger
-from instrument.errors import ConfigurationError
+from instrument.errors import ConfigurationError, InvalidValueError
 
 # Rank r's data: two batches per logging interval.
 BATCHES = {0: [[0.5, 1.5], [-2.0]], 1: [[3.0, -1.0, 0.25], [2.0, 4.5]]}
@@ -123,6 +123,17 @@ def _worker(rank, store_path, out_dir):
             logger.commit(0)
         except ConfigurationError as exc:
             out["conflict_error"] = str(exc)
+
+        # An image and a heatmap under one tag are refused on every rank alike: were rank 0 alone to raise,
+        # the other ranks would wait for it in the next commit's collective.
+        logger = Logger([])
+        logger.log_image("t", torch.rand(8, 8), step=0)
+        try:
+            logger.log_heatmap("t", torch.rand(3, 3), step=0)
+        except InvalidValueError as exc:
+            out["shared_tag_error"] = str(exc)
+        logger.commit(0)
+        logger.close()
 
         # Operative config hash check.
         check_same_config("same text")
@@ -249,6 +260,11 @@ def test_conflicting_ops_fail_on_every_rank(ranks):
     for r in results:
         assert "different reduce ops across ranks" in r["conflict_error"]
         assert "'c'" in r["conflict_error"] and "max on ranks [1]" in r["conflict_error"]
+
+
+def test_an_image_and_a_heatmap_under_one_tag_are_refused_on_every_rank(ranks):
+    results, _ = ranks
+    assert all("is already staged under the tag 't'" in r.get("shared_tag_error", "") for r in results), results
 
 
 def test_different_operative_configs_fail_on_every_rank(ranks):

@@ -3,8 +3,9 @@
 atexit runs hooks last registered first. instrument registers its hook at the first Logger; an SDK registers its
 own teardown when a backend first opens it (W&B stops its service process at exit). A Logger created after an
 earlier one, or a backend added later, would be closed after its SDK was gone, losing every step still to be
-written: each open moves instrument's hook behind the SDK's (`shutdown.keep_first_at_exit`). Each test runs a real
-child process that never calls ``close()`` and reads what its backends kept.
+written: an open that registers an exit hook moves instrument's hook behind it (`shutdown.keep_first_at_exit`);
+hooks registered otherwise, such as a user's own, keep their order. Each test runs a real child process and reads
+what its backends kept.
 """
 
 import os
@@ -141,3 +142,73 @@ def test_exit_keeps_every_committed_step_in_wandb_and_mlflow_and_ends_the_mlflow
     assert mlrun.info.status == "FINISHED"
     history = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "x"))
     assert history == [(s, float(s)) for s in range(STEPS)]
+
+
+USER_HOOK_CHILD = """
+    import atexit, os, sys
+    from instrument.backends.base import RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+
+    root, steps, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    lg = Logger([JsonlBackend()], RunInfo("r", root))
+
+    def final():  # a user's own exit hook, registered after the Logger: it runs first, as atexit promises
+        lg.log_metrics({"a": 999.0}, step=999)
+        lg.commit()
+        lg.close()
+
+    atexit.register(final)
+    if mode == "second-logger":
+        Logger([JsonlBackend()], RunInfo("r2", root)).close()
+    else:  # a backend added later, that registers no exit hook
+        lg.add_backend(JsonlBackend(path=os.path.join(root, "extra.jsonl")))
+        lg.flush()
+"""
+
+
+@pytest.mark.parametrize("mode", ["second-logger", "add-backend"])
+def test_a_users_exit_hook_registered_after_the_logger_still_runs_before_it_closes(tmp_path, mode):
+    done = run_child(tmp_path, USER_HOOK_CHILD, mode)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert any('"step": 999' in line for line in lines), done.stderr
+
+
+SIGTERM_WHILE_AN_SDK_OPENS = """
+    import atexit, os, signal, sys, time
+    from instrument.backends.base import Backend, RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger import shutdown
+    from instrument.logger.logger import Logger
+
+    class SdkLike(Backend):
+        def open(self, run):
+            atexit.register(lambda: None)  # its teardown: instrument's hook is to move behind it
+
+        def write(self, record):
+            pass
+
+    shutdown.TIMEOUT = 3.0
+    root = sys.argv[1]
+    lg = Logger([JsonlBackend()], RunInfo("r", root))
+    lg.log_metrics({"a": 1.0}, step=1)
+    lg.commit()
+    lg.flush()
+    with shutdown._lock:  # where the main thread is for a moment whenever a Logger is created or closed
+        lg.add_backend(SdkLike())  # opens on the writer thread, which then moves the exit hook
+        lg.log_metrics({"a": 2.0}, step=2)
+        lg.commit()
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between two of these bytecodes
+            pass
+    print("survived", flush=True)
+"""
+
+
+def test_sigterm_while_the_main_thread_holds_the_registry_lock_and_an_sdk_opens_keeps_every_step(tmp_path):
+    done = run_child(tmp_path, SIGTERM_WHILE_AN_SDK_OPENS)
+    assert done.returncode == -15, done.stdout + done.stderr
+    steps = [line for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert len(steps) == 2, steps

@@ -1,6 +1,7 @@
 """A signal handler that closes a logger interrupts the training thread anywhere, also inside the logger: it
 must never wait for a lock the interrupted code holds, and a step handed over before the close is written."""
 
+import collections
 import inspect
 import os
 import signal
@@ -127,4 +128,28 @@ def test_a_close_by_a_signal_handler_inside_submit_never_leaves_a_step_silently_
     assert handle is None
     assert "step 1 was committed after the logger closed; it is not written" in caplog.text
     assert backend.steps == [0]
-    assert not logger._writer._queue
+    assert all(item[0] != writer_module._RECORD for item in logger._writer._queue)  # taken back out
+
+
+def test_a_close_by_a_signal_handler_right_after_the_append_writes_the_step_and_says_so():
+    """A close just after the record was queued is queued behind it: the record is written before the close,
+    so the commit returns its handle (not None and "not written")."""
+    backend = Blocking()
+    backend.release.set()
+    logger = Logger([backend])
+    writer = logger._writer
+
+    class CloseAfterAppend(collections.deque):  # a signal handler that runs right after the append
+        armed = True
+
+        def append(self, item):
+            super().append(item)
+            if item[0] == writer_module._RECORD and CloseAfterAppend.armed:
+                CloseAfterAppend.armed = False
+                logger.close()
+
+    writer._queue = CloseAfterAppend(writer._queue)
+    logger.log_metrics({"a": 7.0}, step=7)
+    handle = logger.commit()
+    assert handle is not None and handle.step == 7 and handle.scalars == {"a": 7.0}
+    assert backend.steps == [7]

@@ -129,6 +129,7 @@ class Logger(StagedTable, StepRecords):
         self._ops: Dict[str, str] = {}  # only names whose reduce op is not "mean"
         self._weights: Dict[str, Any] = {}  # only weighted names: sum of weights
         self._media: Dict[Tuple[str, str], Tuple[Any, Any]] = {}  # (kind, tag) -> (staged value, extra)
+        self._tags: Dict[Tuple[str, str], None] = {}  # (kind, tag) logged since the last commit, on every rank
         self._wide: Wide = {}  # flags of int64 values beyond 2**53, read on the writer (`values.note_beyond`)
         self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
         self._timers: Dict[str, Timer] = {}
@@ -271,11 +272,13 @@ class Logger(StagedTable, StepRecords):
         """Check a media value on the caller (cheap: metadata only) and stage it; rank 0 only."""
         staged = check_media(kind, tag, value, extra)
         with self._lock:
-            refuse_shared_tag(kind, tag, self._media)  # before the step moves: a refused call stages nothing
+            refuse_shared_tag(kind, tag, self._tags)  # before the step moves: a refused call stages nothing
             if self._snapshot is LAZY:  # before the step moves (see log_metrics)
                 self._take_snapshot()
-            if self._accept(step) and self.is_writer:  # other ranks validate the step but stage no media
-                self._media[(kind, tag)] = (staged, extra)
+            if self._accept(step):
+                self._tags[(kind, tag)] = None  # on every rank: a refusal must happen on all ranks alike
+                if self.is_writer:  # other ranks validate the step but stage no media
+                    self._media[(kind, tag)] = (staged, extra)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         """Redact secret-looking keys (at any depth), flatten nested params, queue them for every backend."""
@@ -419,9 +422,7 @@ class Logger(StagedTable, StepRecords):
     @property
     def failures(self) -> Dict[str, int]:
         """Backend name -> number of calls that raised; ``"<kind> <tag>"`` -> values dropped on the writer."""
-        with self._lock:
-            dropped = dict(self._value_failures)
-        return {**self.ledger.counts(), **dropped}
+        return {**self.ledger.counts(), **dict(self._value_failures)}  # a dict's copy is atomic: no lock needed
 
     @property
     def dropped(self) -> int:
@@ -463,7 +464,7 @@ class Logger(StagedTable, StepRecords):
         staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers,
                   self._blocks, self._wide)
         self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}
-        self._blocks, self._wide = [], {}
+        self._blocks, self._wide, self._tags = [], {}, {}
         if self._snapshot is not None:  # a live mark: all that is staged from now on is newer than it
             self._snapshot = LAZY
         return staged
@@ -483,8 +484,7 @@ class Logger(StagedTable, StepRecords):
             log.warning("instrument: %s (Said once per key.)", rounded_message(name, value))
 
     def _value_failed(self, kind: str, tag: str, step: int, value: Any, expected: str, exc: Exception) -> None:
-        # On the writer thread, its only caller, so no lock: a signal handler may close the logger while the
-        # training thread it interrupted holds the staging lock, and it waits for this thread (see `_rounded`).
+        # No lock: on the writer, its only writer (a signal handler's close may wait for it; see `_rounded`).
         key = f"{kind} {tag}"
         count = self._value_failures.get(key, 0) + 1
         self._value_failures[key] = count

@@ -13,8 +13,9 @@ Every live `Logger` is registered here (weakly). What happens:
 - An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
 - ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked). atexit
   runs its hooks last registered first, and an SDK registers its own teardown when a backend opens (W&B
-  stops its service process): each successful open moves this hook behind those (`keep_first_at_exit`), so
-  the loggers are closed, and every committed step written, before any SDK a backend opened is torn down.
+  stops its service process): an open that registered an exit hook moves this hook behind it
+  (`keep_first_at_exit`), so the loggers are closed, and every committed step written, before any SDK a
+  backend opened is torn down. Hooks registered otherwise (a user's own) keep their order.
 - ``os.fork``: the child does not inherit the loggers' writer threads, so it disowns every logger it inherits
   (a call on one raises, saying to create a Logger in the child); its exit closes nothing of the parent's.
 
@@ -31,7 +32,7 @@ import threading
 import weakref
 from typing import Any, Dict, Optional
 
-__all__ = ["register", "unregister", "mark", "install", "keep_first_at_exit", "TIMEOUT"]
+__all__ = ["register", "unregister", "mark", "install", "keep_first_at_exit", "exit_hooks", "TIMEOUT"]
 
 log = logging.getLogger("instrument")
 
@@ -55,7 +56,6 @@ def register(logger: Any) -> None:
     with _lock:
         _live.add(logger)
     install()
-    keep_first_at_exit()  # its backends opened (the writer moves the hook as each opens; this when none did)
 
 
 def unregister(logger: Any) -> None:
@@ -97,21 +97,33 @@ def install() -> None:
 def keep_first_at_exit() -> None:
     """Move the atexit hook to the end of atexit's list, so that it runs before every hook registered so far.
 
-    Called on a writer thread each time a backend has opened, and by `register`: an SDK registers its own
+    Called on a writer thread when a backend's open registered an exit hook (`exit_hooks`): an SDK registers its own
     atexit teardown when first used (W&B's service process at the first ``wandb.init``), and atexit runs hooks
     last registered first. Without this, a Logger created before the SDK was first used (any earlier Logger
     installs the hook) is closed at exit after the SDK was torn down, and its last steps are lost. Once the
     interpreter shuts down (``threading``'s shutdown, which runs before any atexit hook, or this hook itself started)
     nothing is moved: a hook moved while atexit runs its list would never run. Never raises.
     """
+    # A bounded wait: on a writer thread, the main thread may hold the lock when a signal arrives, and the
+    # handler then waits for that writer (closing its logger). Not moved then, rather than a deadlock.
+    if not _lock.acquire(timeout=0.1):
+        return
     try:
-        with _lock:
-            if not _state["atexit"] or _state["exiting"] or _state["exited"] or sys.is_finalizing():
-                return
-            atexit.unregister(_at_exit)
-            atexit.register(_at_exit)
+        if not _state["atexit"] or _state["exiting"] or _state["exited"] or sys.is_finalizing():
+            return
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
     except Exception:  # never fail a backend's open over the order of exit hooks
         log.debug("instrument: could not move the atexit hook", exc_info=True)
+    finally:
+        _lock.release()
+
+
+def exit_hooks() -> Optional[int]:
+    """How many atexit hooks are registered (CPython's ``atexit._ncallbacks``), None where that is unknown:
+    the writer compares it around a backend's ``open`` to see whether the open registered one."""
+    count = getattr(atexit, "_ncallbacks", None)
+    return count() if callable(count) else None
 
 
 def _note_shutdown_start() -> None:

@@ -110,7 +110,7 @@ class StepRecords:
             dropped = [f"timer {name}" for name, t in self._timers.items() if t.rewind(timers.get(name, _EMPTY))]
             if snapshot is None or snapshot is LAZY:
                 return dropped
-            totals, counts, ops, weights, on_device, media, pending, blocks, wide = snapshot
+            totals, counts, ops, weights, on_device, media, pending, blocks, wide, tags = snapshot
             before = contributions(totals, counts, blocks)
             now = contributions(self._totals, self._counts, self._blocks)
             dropped += [name for name, n in now.items() if n != before[name]]
@@ -118,12 +118,12 @@ class StepRecords:
                         for kind, tag in [key]]
             self._totals, self._counts, self._ops, self._weights = totals, counts, ops, weights
             self._on_device, self._media, self._pending_step, self._blocks = on_device, media, pending, blocks
-            self._wide = wide  # the flags of values staged since the mark go with them
+            self._wide, self._tags = wide, tags  # the flags and media tags staged since the mark go with them
             return dropped
 
     def _take_snapshot(self) -> None:
         """The staged table as it is, before the first value staged after a mark (under the lock)."""
         self._snapshot = (
             dict(self._totals), dict(self._counts), dict(self._ops), dict(self._weights), dict(self._on_device),
-            dict(self._media), self._pending_step, list(self._blocks), dict(self._wide),
+            dict(self._media), self._pending_step, list(self._blocks), dict(self._wide), dict(self._tags),
         )

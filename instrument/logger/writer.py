@@ -16,7 +16,6 @@ says whether every backend call since the previous `flush` succeeded.
 """
 
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -173,13 +172,13 @@ class Writer:
             entry = (_RECORD, seq, (handle, payload))
             self._queue.append(entry)
             self._records += 1
-            if self._closing:
+            if self._closing and self._behind_close(entry):
                 # Only a signal handler on this very thread can have closed the writer since the check above
-                # (other threads wait for the lock this thread holds): the close was queued, and written,
-                # before this record, which would never be written. Say so instead of returning a handle.
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(entry)
-                    self._records -= 1
+                # (other threads wait for the lock this thread holds), before the append: the record is behind
+                # the close and would never be written. Say so instead of returning a handle. (A close after
+                # the append is behind the record, which is then written first.)
+                self._queue.remove(entry)
+                self._records -= 1
                 handle.seq = 0
                 return False
             # Waking a sleeping thread costs the committing thread a futex wake and often a context switch
@@ -268,6 +267,15 @@ class Writer:
             self._cond.notify_all()
             return self._submitted
 
+    def _behind_close(self, entry: Tuple[str, int, Any]) -> bool:
+        """Whether ``entry`` is queued after a close (under the lock; a close stays queued once taken)."""
+        closed = False
+        for item in self._queue:
+            if item is entry:
+                return closed
+            closed = closed or item[0] == _CLOSE
+        return False
+
     def _drop_oldest(self) -> None:
         for index, (kind, _, payload) in enumerate(self._queue):
             if kind == _RECORD:
@@ -328,6 +336,8 @@ class Writer:
                 if item is not None and item[0] == _RECORD:
                     self._records -= 1
                     self._cond.notify_all()
+                elif item is not None and item[0] == _CLOSE:
+                    self._queue.appendleft(item)  # stays: what is queued after it is never written (`_behind_close`)
             if item is None:
                 self._flush_backends()
                 continue
@@ -395,8 +405,10 @@ class Writer:
         """``backend.open``; a failure is kept in `open_errors` for the logger to raise at start, and reported
         through the ledger only when nobody is waiting to raise it (``report_open``)."""
         try:
+            hooks = shutdown.exit_hooks()
             backend.open(*args)
-            shutdown.keep_first_at_exit()  # before the exit hook an SDK registered as it opened (W&B's)
+            if hooks is None or shutdown.exit_hooks() != hooks:  # it registered an exit hook (W&B: its service's)
+                shutdown.keep_first_at_exit()  # so that the loggers are closed before that hook runs
             return True
         except Exception as exc:
             self.open_errors.append((backend, exc))

@@ -103,6 +103,9 @@ WANDB_CHILD = """
     root, steps, uri = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     first = Logger([JsonlBackend(path=os.path.join(root, "first.jsonl"))])  # installs instrument's hook before W&B's
     first.close()
+    if sys.argv[4:] == ["user-init"]:  # the user starts W&B first: its exit hook exists before the backend opens
+        import tempfile, wandb
+        wandb.init(dir=tempfile.mkdtemp(), mode="offline").finish()
     backends = [WandbBackend(dir=root, mode="offline")]
     if uri:
         from instrument.backends.mlflow import MlflowBackend
@@ -115,11 +118,12 @@ WANDB_CHILD = """
 """
 
 
-def test_exit_keeps_every_committed_step_in_wandb_when_an_earlier_logger_installed_the_exit_hook(tmp_path):
+@pytest.mark.parametrize("user_init", [False, True])
+def test_exit_keeps_every_committed_step_in_wandb_when_an_earlier_logger_installed_the_exit_hook(tmp_path, user_init):
     pytest.importorskip("wandb")
     from tests.wandb_reader import read_run
 
-    child = run_child(tmp_path, WANDB_CHILD, "")
+    child = run_child(tmp_path, WANDB_CHILD, "", *(["user-init"] if user_init else []))
     assert child.returncode == 0, child.stderr
     rows, _ = read_run(tmp_path, timeout=10)
     assert [(r["_step"], r["x"]) for r in rows if "x" in r] == [(s, float(s)) for s in range(STEPS)], child.stderr

@@ -99,7 +99,15 @@ class StepRecord:
 
 
 class Backend:
-    """Base class for destinations. Override `write`; the other methods default to doing nothing."""
+    """Base class for destinations. Override `write`; the other methods default to doing nothing.
+
+    ``sdk_exit_hook``: True for a backend whose SDK tears itself down in an atexit hook, registered once per
+    process, maybe before this backend opened it (W&B's service process). Instrument's exit hook is then
+    moved behind it when the backend opens, so that the logger is closed, and every step written, first. (An
+    ``open`` that registers an exit hook itself is seen without it.)
+    """
+
+    sdk_exit_hook = False
 
     def open(self, run: RunInfo) -> None:
         """Create files or remote runs. Called once, before anything else."""

@@ -74,6 +74,8 @@ class WandbBackend(Backend):
     resume counts that step as written, online and offline alike.
     """
 
+    sdk_exit_hook = True  # wandb stops its service process at exit: close the logger before that
+
     def __init__(
         self,
         project: str = "instrument",

@@ -97,7 +97,8 @@ def install() -> None:
 def keep_first_at_exit() -> None:
     """Move the atexit hook to the end of atexit's list, so that it runs before every hook registered so far.
 
-    Called on a writer thread when a backend's open registered an exit hook (`exit_hooks`): an SDK registers its own
+    Called on a writer thread when a backend's open registered an exit hook (`exit_hooks`), or opened a backend
+    whose SDK has one (`Backend.sdk_exit_hook`, W&B): an SDK registers its own
     atexit teardown when first used (W&B's service process at the first ``wandb.init``), and atexit runs hooks
     last registered first. Without this, a Logger created before the SDK was first used (any earlier Logger
     installs the hook) is closed at exit after the SDK was torn down, and its last steps are lost. Once the

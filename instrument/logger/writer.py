@@ -407,7 +407,7 @@ class Writer:
         try:
             hooks = shutdown.exit_hooks()
             backend.open(*args)
-            if hooks is None or shutdown.exit_hooks() != hooks:  # it registered an exit hook (W&B: its service's)
+            if getattr(backend, "sdk_exit_hook", False) or hooks is None or shutdown.exit_hooks() != hooks:
                 shutdown.keep_first_at_exit()  # so that the loggers are closed before that hook runs
             return True
         except Exception as exc:

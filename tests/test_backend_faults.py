@@ -382,3 +382,17 @@ def test_jsonl_folder_removed_during_the_run_is_made_again(tmp_path):
     backend.write(StepRecord(step=1, scalars={"x": 1.0}))
     backend.close()
     assert [line["step"] for line in _lines(path)] == [1]
+
+
+def test_jsonl_cut_mid_line_by_someone_else_drops_the_partial_line_before_the_next_one(tmp_path, caplog):
+    path = tmp_path / "m.jsonl"
+    backend = JsonlBackend(path=str(path))
+    backend.open(RunInfo("r", tmp_path))
+    for step in range(3):
+        backend.write(StepRecord(step=step, scalars={"loss": float(step)}))
+    os.truncate(path, path.stat().st_size - 10)  # another process cuts the file in the middle of step 2's line
+    for step in range(3, 6):
+        backend.write(StepRecord(step=step, scalars={"loss": float(step)}))
+    backend.close()
+    assert [line["step"] for line in _lines(path)] == [0, 1, 3, 4, 5]  # step 2 was destroyed; 3 is whole
+    assert "ended in a partial line" in caplog.text

@@ -153,3 +153,21 @@ def test_a_close_by_a_signal_handler_right_after_the_append_writes_the_step_and_
     handle = logger.commit()
     assert handle is not None and handle.step == 7 and handle.scalars == {"a": 7.0}
     assert backend.steps == [7]
+
+
+class FailsToOpen(Blocking):
+    def open(self, run):
+        raise OSError("server not answering")
+
+
+def test_flush_says_false_once_after_a_backend_failed_to_open():
+    """A backend whose open failed gets none of the steps: the first flush after it says so."""
+    backend = Blocking()
+    backend.release.set()
+    logger = Logger([backend, FailsToOpen()], on_backend_error="warn")
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.commit()
+    assert logger.flush() is False
+    assert logger.flush() is True
+    assert logger.failures == {"FailsToOpen": 1} and backend.steps == [0]
+    logger.close()

@@ -50,6 +50,7 @@ class JsonlBackend(Backend):
     def __init__(self, path: Optional[str] = None) -> None:
         self.path = path
         self._fd: Optional[int] = None
+        self._end = 0  # where the file ended after our own last write: another size means someone else changed it
 
     def open(self, run: RunInfo) -> None:
         path = Path(self.path) if self.path else run.dir / "metrics.jsonl"
@@ -66,6 +67,7 @@ class JsonlBackend(Backend):
             fd = os.open(self.path, flags, 0o644)
         try:
             _drop_partial_line(fd, self.path)
+            self._end = os.fstat(fd).st_size
         except BaseException:
             os.close(fd)
             raise
@@ -83,10 +85,14 @@ class JsonlBackend(Backend):
             fd = self._open()
             stat = os.fstat(fd)
         start = stat.st_size
+        if start != self._end:  # changed by someone else (cut mid-line, say): a line appended now could be torn
+            _drop_partial_line(fd, self.path)
+            start = os.fstat(fd).st_size
         try:
             written = os.write(fd, data)
             while written < len(data):  # a short write: the rest raises (EFBIG, ENOSPC) or completes the line
                 written += os.write(fd, data[written:])
+            self._end = start + len(data)
         except OSError:
             self._fd = None
             try:

@@ -71,8 +71,9 @@ class MlflowBackend(Backend):
     ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` set from the options above,
     so one call against an unreachable server gives up after about ``(max_retries + 1) * timeout`` seconds
     plus backoff and raises. MLflow reads these from the process environment at each request, so they are set
-    just around this backend's calls (another thread's MLflow calls made at that moment see them too). If
-    opening the run failed, the next record tries again. `on_exit` ("killed"/"failed") makes `close` end the
+    just around this backend's calls (another thread's MLflow calls made at that moment see them too). Driven
+    by a `Logger`, a backend whose opening failed is left out of the run (docs/backends.md); driven directly,
+    the next record tries to open the run again. `on_exit` ("killed"/"failed") makes `close` end the
     run KILLED or FAILED instead of FINISHED.
 
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor

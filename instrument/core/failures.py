@@ -46,8 +46,10 @@ class FailureLedger:
             self.record(name, method, exc)
             return False
 
-    def record(self, name: str, method: str, exc: Optional[BaseException] = None) -> int:
-        """Count one failure of ``name`` in ``method``; report it if it is the first. Returns the count."""
+    def record(self, name: str, method: str, exc: Optional[BaseException] = None,
+               consequence: Optional[str] = None) -> int:
+        """Count one failure of ``name`` in ``method``; report it if it is the first (with ``consequence``, when
+        it differs from the ledger's). Returns the count."""
         # Never an unbounded wait: the training thread may hold this lock when a signal arrives, and the
         # handler then waits for the logger's writer thread (closing it), which may be recording here. Past
         # the bound the count is taken without the lock (at worst one lost count), never a deadlock.
@@ -60,7 +62,7 @@ class FailureLedger:
                 self._lock.release()
         if count == 1:
             log.error(
-                "instrument: %s %r failed in %s(); %s", self.kind, name, method, self.consequence,
+                "instrument: %s %r failed in %s(); %s", self.kind, name, method, consequence or self.consequence,
                 exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
             )
         else:

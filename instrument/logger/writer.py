@@ -382,8 +382,8 @@ class Writer:
                     ok = self._open(backend, *args)
                 else:
                     ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
-                    if not ok:
-                        self._failed += 1
+                if not ok:  # an open that failed too: that backend gets none of the steps, which flush() says
+                    self._failed += 1
                 if method == "open":
                     if ok:
                         self._active.append(backend)
@@ -413,7 +413,8 @@ class Writer:
         except Exception as exc:
             self.open_errors.append((backend, exc))
             if self.report_open:
-                self.ledger.record(backend.name, "open", exc)
+                self.ledger.record(backend.name, "open", exc, "it is left out of this run and gets no steps; "
+                                   "training and the other backends go on")
             return False
 
     def _flush_backends(self) -> None:

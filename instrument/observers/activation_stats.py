@@ -58,6 +58,7 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
         return torch.full((k, 6), float("nan"), dtype=flat.dtype, device=flat.device)
     low, high = flat.amin(1), flat.amax(1)
     reference = flat[:, :: max(1, n // _SAMPLE)][:, :_SAMPLE].mean(1, keepdim=True)
+    reference = torch.where(reference.isfinite(), reference, 0.0)  # an inf in the sample: no inf - inf = NaN
     temp = torch.sign(flat)
     nonzero = temp.square_().mean(1)  # NaN stays NaN
     shifted = torch.sub(flat, reference, out=temp)  # the same buffer

@@ -22,7 +22,9 @@ A rollout that changes a state in place after it was observed would make the kep
 tensor's version counter is remembered and checked at read time, so that case is detected, never silently
 logged; the owner then falls back to reducing as it goes. Inference tensors have no version counter, so they
 are always reduced as they come. ``max_elements`` bounds the memory: once the buffered tensors hold that many
-elements, the owner reduces them early and lets them go.
+elements, the owner reduces them early and lets them go. An iteration whose tensors have another shape than the
+one before (a batch size that changes within a step: a rollout, then minibatches) first reduces what is
+buffered, since one stack holds one shape.
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -91,6 +93,12 @@ class IterationBuffer:
             self.drain()  # keep the iterations in order
             self._results.append(self.reduce(*[t.unsqueeze(0) for t in tensors], scratch=False))
             return
+        if self._items:  # a new shape (a batch size that changed mid-step): the stack needs one shape per column
+            last = self._items[-1]
+            if len(last) != len(entry) or any(
+                t.shape != before.shape for (t, _), (before, _) in zip(entry, last, strict=True)
+            ):
+                self.drain()
         self._items.append(entry)
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:

@@ -31,6 +31,8 @@ _ROWS = 4  # rows of the batch dimension sampled
 
 def _channel_view(states: Tensor, channel_dim: int) -> Tensor:
     """[T, *state] -> [T, B, C, N] (a view when ``states`` is contiguous)."""
+    if states.dim() < 2:  # [T]: a 0-d state, one value of one channel
+        states = states.reshape(-1, 1)
     if states.dim() < 3:  # [T, N]: one channel
         return states.reshape(states.shape[0], states.shape[1], 1, 1)
     c = channel_dim % (states.dim() - 1) + 1
@@ -64,6 +66,8 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     # A reference near the channel's mean: the mean of a strided sample over a few batch rows and N.
     sample = x[:, :: max(1, x.shape[1] // _ROWS), :, :: max(1, x.shape[3] // _SAMPLE)]
     reference = sample[:, :_ROWS, :, :_SAMPLE].mean(dim=(1, 3), keepdim=True)  # [T, 1, C, 1]
+    # An inf or NaN in the sample would make x - reference NaN where x is inf: the shift is only for precision.
+    reference = torch.where(reference.isfinite(), reference, 0.0)
     # Reduce the contiguous last dim first, then the (small) batch dim: several times faster than one
     # reduction over both on CPU.
     low = x.amin(dim=3).amin(dim=1)

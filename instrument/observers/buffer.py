@@ -75,30 +75,29 @@ class IterationBuffer:
         self._items: List[List[Tuple[Tensor, int]]] = []  # one [(tensor, version), ...] per iteration
         self._elements = 0
         self._results: List[Tensor] = []
+        self._shapes: list = []  # the shapes of the buffered iterations' tensors (all alike)
 
     def clear(self) -> None:
-        self._items, self._results, self._elements = [], [], 0
+        self._items, self._results, self._elements, self._shapes = [], [], 0, []
 
     def append(self, *tensors: Tensor) -> None:
         # Called on every iteration of a logging step: one plain loop that also builds the entry (a
         # comprehension is a function call of its own on Python 3.11).
-        elements, entry = 0, []
+        elements, entry, shapes = 0, [], []
         for t in tensors:
             if t.is_inference():  # torch.inference_mode: no version counter to check, so never kept
                 entry = None
                 break
             elements += t.numel()
             entry.append((t, t._version))
+            shapes.append(t.shape)
         if entry is None or not self.batched or elements >= self.batch_below:
             self.drain()  # keep the iterations in order
             self._results.append(self.reduce(*[t.unsqueeze(0) for t in tensors], scratch=False))
             return
-        if self._items:  # a new shape (a batch size that changed mid-step): the stack needs one shape per column
-            last = self._items[-1]
-            if len(last) != len(entry) or any(
-                t.shape != before.shape for (t, _), (before, _) in zip(entry, last, strict=True)
-            ):
-                self.drain()
+        if shapes != self._shapes:  # a new shape (a batch size that changed mid-step): one stack, one shape
+            self.drain()
+            self._shapes = shapes
         self._items.append(entry)
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:

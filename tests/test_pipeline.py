@@ -404,7 +404,7 @@ def test_nested_and_meta_values_are_refused_on_the_caller():
     nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)
     with pytest.raises(InvalidValueError, match="log_heatmap\\('s'\\): got a nested tensor"):
         logger.log_heatmap("s", nested, 0)  # a sparse one is drawn dense (tests/test_media_values.py)
-    with pytest.raises(InvalidValueError, match="field 'score' of sample 0 is a meta tensor"):
+    with pytest.raises(InvalidValueError, match="field 'score' of sample 0: got a meta tensor"):
         logger.log_samples("v", [{"score": torch.empty((), device="meta")}], 0)
     with pytest.raises(ValueError, match="metric 'm' is a meta tensor"):
         logger.log_metrics({"m": torch.empty((), device="meta")}, 0)

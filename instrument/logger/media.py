@@ -270,11 +270,6 @@ def _staged_field(tag: str, i: int, key: Any, value: Any) -> Any:
     copies them), NumPy arrays and lists copied (the caller may refill its buffer once commit returns; a list
     shallowly), the rest as given."""
     if isinstance(value, Tensor):
-        if value.is_meta or value.is_complex():  # the message tests and users know for these two
-            raise InvalidValueError(
-                f"log_samples({tag!r}): field {key!r} of sample {i} is a {'meta' if value.is_meta else 'complex'} "
-                f"tensor; expected {_FIELD}."
-            )
         return plain_tensor(f"log_samples({tag!r}): field {key!r} of sample {i}", value, _FIELD)
     if isinstance(value, np.ndarray):
         return value.copy()

@@ -1,5 +1,5 @@
 """Observer edge cases read back against float64 NumPy references: a batch size that changes within one logging
-step, an inf where the statistics take their shift from, a 0-d state."""
+step, an inf where the statistics take their shift from, a 0-d state, a diverging or vanishing float32 state."""
 
 import numpy as np
 import pytest
@@ -7,6 +7,7 @@ import torch
 
 import instrument
 from instrument.observers.stats import iteration_channel_stats
+from tests.conftest import read_scalars
 
 
 class Keep(instrument.Backend):
@@ -64,3 +65,52 @@ def test_a_0d_state_is_one_channel_of_one_value():
     table = iteration_channel_stats(values)  # three iterations of a 0-d state
     assert table.shape == (3, 4, 1)
     np.testing.assert_array_equal(table[:, :, 0].numpy(), np.stack([values, 0 * values, values, values], 1))
+
+
+@pytest.mark.parametrize("magnitude", [1e30, 1e20, 1e-20, 1e-30])
+@pytest.mark.parametrize("shape, channel_dim", [((4, 3, 12, 12), 1), ((64, 5), -1)])
+def test_the_std_of_a_diverging_or_vanishing_float32_state_is_neither_inf_nor_zero(magnitude, shape, channel_dim):
+    """The squares of d = x - r overflow float32 beyond |d| ~ 1e19 and underflow below ~1e-23: the power-of-two
+    scale keeps them in range while min and max (taken from x) were always right."""
+    generator = torch.Generator().manual_seed(3)
+    states = (magnitude * torch.randn(5, *shape, generator=generator, dtype=torch.float64)).float()
+    table = iteration_channel_stats(states.clone(), channel_dim=channel_dim)
+    x = np.moveaxis(states.double().numpy(), channel_dim % len(shape) + 1, 1)
+    x = x.reshape(x.shape[0], x.shape[1], -1)  # [T, C, everything else]
+    got = table.double().numpy()
+    np.testing.assert_allclose(got[:, 1], x.std(axis=2), rtol=1e-5)
+    np.testing.assert_allclose(got[:, 0], x.mean(axis=2), rtol=1e-4, atol=1e-5 * magnitude)
+    np.testing.assert_array_equal(got[:, 2], x.min(axis=2))
+    np.testing.assert_array_equal(got[:, 3], x.max(axis=2))
+
+
+@pytest.mark.parametrize("magnitude", [1e30, 1e-30])
+def test_activation_stats_of_a_diverging_or_vanishing_layer_match_float64(magnitude):
+    from instrument.observers.activation_stats import _finish, batched_moments
+
+    generator = torch.Generator().manual_seed(4)
+    outputs = (magnitude * (2.0 + torch.randn(3, 16, 40, generator=generator, dtype=torch.float64))).float()
+    got = _finish(batched_moments(outputs.clone())).double().numpy()  # [3, 4]: mean, std, absmax, zero_frac
+    flat = outputs.double().numpy().reshape(3, -1)
+    np.testing.assert_allclose(got[:, 1], flat.std(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(got[:, 0], flat.mean(axis=1), rtol=1e-5)
+    np.testing.assert_array_equal(got[:, 2], np.abs(flat).max(axis=1))
+
+
+def test_a_diverging_nca_state_read_back_from_tensorboard_has_its_float64_std(tmp_path):
+    generator = torch.Generator().manual_seed(5)
+    states = [(1e20 * torch.randn(2, 3, 16, 16, generator=generator)).float() for _ in range(4)]
+    inst = instrument.Instrumentation(
+        [instrument.IterationStats()], backends=[instrument.TensorBoardBackend()], log_interval=1,
+        log_dir=str(tmp_path), run_name="r",
+    )
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    last = states[-1].double().numpy()
+    for c in range(3):
+        want = last[:, c].std()
+        assert np.isfinite(scalars[f"iteration_stats/std/c{c}"][0])
+        assert scalars[f"iteration_stats/std/c{c}"][0] == pytest.approx(want, rel=1e-5)

@@ -14,8 +14,10 @@ it): that step's values of the module are dropped with one report. ``max_element
 Numerics: the variance is ``E[d^2] - E[d]^2`` of ``d = x - r`` with ``r`` the mean of a strided sample of 32
 output values (as in `instrument.observers.stats`), so an output whose mean is large next to its spread keeps
 its precision; means are float32 pairwise sums (float64 outputs stay float64). ``absmax`` comes from the exact
-minimum and maximum. ``zero_frac`` counts exact zeros as the mean of ``sign(x)^2``: about 10x faster on CPU
-than ``count_nonzero`` or ``(x == 0).sum()`` (measured on torch 2.13).
+minimum and maximum. ``d`` is scaled by a power of two first (`instrument.observers.stats.pow2_scale`, exact),
+so a diverging layer's std does not overflow to inf before its values do. ``zero_frac`` counts exact zeros as
+the mean of ``sign(x)^2``: about 10x faster on CPU than ``count_nonzero`` or ``(x == 0).sum()`` (measured on
+torch 2.13).
 """
 
 import logging
@@ -32,6 +34,7 @@ from instrument.core.recompute import in_recompute
 from instrument.errors import ConfigurationError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
+from instrument.observers.stats import pow2_scale
 from instrument.probes.compiled import run_eagerly, unwrap
 from instrument.probes.hooks import first_tensor
 
@@ -44,7 +47,7 @@ _SAMPLE = 32
 
 
 def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
-    """[k, *output] -> [k, 6]: per output [shift r, mean(x - r), mean((x - r)^2), min, max, nonzero fraction].
+    """[k, *output] -> [k, 6]: per output [shift r, mean(x - r), std, min, max, nonzero fraction].
 
     Everything `ActivationStats` reports follows from them (`_finish`). One temporary the size of ``outputs``
     (``scratch`` is accepted for `IterationBuffer` and not needed), no host sync.
@@ -59,12 +62,13 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
     low, high = flat.amin(1), flat.amax(1)
     reference = flat[:, :: max(1, n // _SAMPLE)][:, :_SAMPLE].mean(1, keepdim=True)
     reference = torch.where(reference.isfinite(), reference, 0.0)  # an inf in the sample: no inf - inf = NaN
+    scale = pow2_scale(torch.maximum(high - reference[:, 0], reference[:, 0] - low))  # [k]
     temp = torch.sign(flat)
     nonzero = temp.square_().mean(1)  # NaN stays NaN
-    shifted = torch.sub(flat, reference, out=temp)  # the same buffer
+    shifted = torch.sub(flat, reference, out=temp).mul_(scale[:, None])  # the same buffer
     mean_shift = shifted.mean(1)  # means, not sums: no division kernel
-    mean_square = shifted.square_().mean(1)
-    return torch.stack([reference[:, 0], mean_shift, mean_square, low, high, nonzero], 1)
+    var = (shifted.square_().mean(1) - mean_shift.square()).clamp_min_(0.0)
+    return torch.stack([reference[:, 0], mean_shift / scale, var.sqrt_().div_(scale), low, high, nonzero], 1)
 
 
 def output_moments(x: Tensor) -> Tensor:
@@ -74,9 +78,8 @@ def output_moments(x: Tensor) -> Tensor:
 
 def _finish(moments: Tensor) -> Tensor:
     """[..., 6] `output_moments` -> [..., 4] mean, std (population), absmax, zero_frac."""
-    reference, mean_shift, mean_square, low, high, nonzero = moments.unbind(-1)
-    var = (mean_square - mean_shift.square()).clamp_min(0.0)
-    return torch.stack([reference + mean_shift, var.sqrt(), torch.maximum(-low, high), 1.0 - nonzero], -1)
+    reference, mean_shift, std, low, high, nonzero = moments.unbind(-1)
+    return torch.stack([reference + mean_shift, std, torch.maximum(-low, high), 1.0 - nonzero], -1)
 
 
 def _module_class(value: Any) -> bool:

@@ -18,12 +18,20 @@ relative to its spread (values ``1e4 + N(0, 1e-2)`` in float32) keeps its precis
 and ``E[d]^2`` is of the order of the variance itself instead of ``1e8`` times it, as it would be without the
 shift. The error is that of a float32 sum of N values (pairwise on CPU), well under 1e-5 relative for the std.
 min and max are taken from ``x`` itself, so they are exact.
+
+Range: ``d`` is also multiplied by a power of two ``s`` per iteration and channel (`pow2_scale`) that brings its
+largest magnitude into [0.5, 1). Multiplying by a power of two is exact, so in the usual range no digit changes;
+without it, the float32 squares of a diverging state (std beyond about 1e17) overflow to inf and those of a tiny
+spread (below about 1e-24) underflow to 0, while min and max are still finite and nonzero. It costs one pass over
+the buffered states in the five.
 """
+
+import math
 
 import torch
 from torch import Tensor
 
-__all__ = ["channel_stats", "iteration_channel_stats"]
+__all__ = ["channel_stats", "iteration_channel_stats", "pow2_scale"]
 
 _SAMPLE = 32  # elements per row averaged for the shift reference
 _ROWS = 4  # rows of the batch dimension sampled
@@ -42,6 +50,17 @@ def _channel_view(states: Tensor, channel_dim: int) -> Tensor:
     for size in states.shape[c + 1:]:
         after *= size
     return states.reshape(states.shape[0], before, states.shape[c], after)
+
+
+def pow2_scale(spread: Tensor) -> Tensor:
+    """A power of two ``s`` per element with ``spread * s`` in [0.5, 1); 1 where ``spread`` is 0, inf or NaN.
+
+    The exponent is clamped a few octaves inside the dtype's range, so ``s`` and ``1 / s`` are finite and exact.
+    """
+    _, exponent = torch.frexp(spread)
+    limit = int(math.log2(torch.finfo(spread.dtype).max)) - 8
+    exponent = torch.where(spread.isfinite(), exponent, 0).clamp_(-limit, limit)
+    return torch.pow(2.0, exponent.neg_().to(spread.dtype))
 
 
 def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool = False) -> Tensor:
@@ -72,13 +91,16 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     # reduction over both on CPU.
     low = x.amin(dim=3).amin(dim=1)
     high = x.amax(dim=3).amax(dim=1)
+    centre = reference.reshape(low.shape)  # [T, C]
+    scale = pow2_scale(torch.maximum(high - centre, centre - low))  # no overflow or underflow in the squares
     shifted = x.sub_(reference) if scratch else x - reference
+    shifted.mul_(scale.reshape(reference.shape))
     total = shifted.sum(dim=3).sum(dim=1)
     squares = shifted.square_().sum(dim=3).sum(dim=1)
     mean_shifted = total / count
     var = (squares / count - mean_shifted.square()).clamp_min_(0.0)
-    mean = reference.reshape(mean_shifted.shape) + mean_shifted
-    return torch.stack([mean, var.sqrt_(), low, high], dim=1)
+    mean = centre + mean_shifted / scale
+    return torch.stack([mean, var.sqrt_().div_(scale), low, high], dim=1)
 
 
 def channel_stats(x: Tensor, channel_dim: int = 1) -> Tensor:

@@ -252,3 +252,42 @@ def test_a_failing_committed_hook_is_reported_and_training_goes_on(caplog):
     assert closed == [True]
     reports = [r for r in caplog.records if "'broken'" in r.getMessage() and r.levelno >= logging.ERROR]
     assert len(reports) == 1 and "committed" in reports[0].getMessage()
+
+
+def test_a_state_buffer_reused_in_place_is_dropped_once_then_checked_as_it_comes(tmp_path, caplog):
+    """An environment that writes each observation into the same tensor: the first logging step's state counts
+    (and the totals) are dropped with one report, dx is still logged, and every later step finds the NaN at its
+    iteration, counted against float64 NumPy read back from TensorBoard."""
+    steps, n_iter, bad = 3, 6, 4
+    inst = Instrumentation([NonFinite()], backends=[instrument.TensorBoardBackend()], log_interval=1,
+                           log_dir=str(tmp_path), run_name="r")
+    generator = torch.Generator().manual_seed(1)
+    obs = torch.zeros(8, 3)  # the one buffer, overwritten every iteration
+    want_state, want_dx = 0, 0
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(steps):
+            want_state, want_dx = 0, 0
+            obs.zero_()  # a reset environment: the NaN of the last step does not carry into this one's dx
+            with inst.step(step) as s:
+                for i in range(n_iter):
+                    previous = obs.clone()
+                    obs.copy_(torch.randn(8, 3, generator=generator))
+                    if i >= bad:
+                        obs[i % 8, 1] = float("nan")
+                    want_state += int((~np.isfinite(obs.double().numpy())).sum())
+                    dx = obs - previous
+                    want_dx += int((~np.isfinite(dx.double().numpy())).sum())
+                    s.observer(StepContext(previous, obs, dx=dx, step_index=i))
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    assert set(scalars["nonfinite/count/dx"]) == {0, 1, 2}
+    assert 0 not in scalars["nonfinite/count/state"] and 0 not in scalars["nonfinite/count"]
+    for step in (1, 2):
+        assert scalars["nonfinite/count/state"][step] == float(want_state) == 2.0
+        assert scalars["nonfinite/first_iteration/state"][step] == float(bad)
+        assert scalars["nonfinite/first_channel/state"][step] == 1.0
+        assert scalars["nonfinite/first_iteration"][step] == float(bad)
+        assert scalars["nonfinite/count"][step] == float(want_state + want_dx)
+    assert inst.failures == {"nonfinite": 1}
+    assert caplog.text.count("modified in place") == 1
+    assert "the state tensors were modified in place" in caplog.text and "step 0" in caplog.text

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError, NonFiniteError
-from instrument.observers.buffer import IterationBuffer
+from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.gradient_stats import Patterns, select_parameters
 
 __all__ = ["NonFinite", "nonfinite_counts"]
@@ -106,6 +106,11 @@ class NonFinite(Observer):
 
     Under ``torch.distributed`` counts are summed over ranks and first iterations/channels take the largest
     rank's value (still -1 only when every rank was finite).
+
+    A source whose tensor is changed in place after it was observed (an environment that writes the next
+    observation into the same buffer) is caught at log time: that source's values of the step are dropped, and
+    so are the step's totals (``count``, ``first_iteration``), which would otherwise read as if it were finite;
+    it is reported once, the other sources are logged, and from then on that source is reduced as it comes.
     """
 
     default_name = "nonfinite"
@@ -147,7 +152,9 @@ class NonFinite(Observer):
 
     # ------------------------------------------------------------------ per logging step
     def reset(self) -> None:
-        self._buffers = {}
+        # The buffers outlive the step: one that caught an in-place change stays unbatched (see the class doc).
+        for buffer in self._buffers.values():
+            buffer.clear()
         self._params = []
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
@@ -176,8 +183,13 @@ class NonFinite(Observer):
         metrics: Dict[str, Tensor] = {}
         firsts: List[Tensor] = []
         counts: List[Tensor] = []
+        dropped: List[str] = []
         for source, buffer in self._buffers.items():
-            table = buffer.results()  # [T, C] non-finite counts
+            try:
+                table = buffer.results()  # [T, C] non-finite counts
+            except ModifiedInPlaceError:  # the buffer now reduces as it comes; this step's values of it go
+                dropped.append(source)
+                continue
             if table is None:
                 continue
             per_iteration = table.sum(dim=1)
@@ -193,7 +205,7 @@ class NonFinite(Observer):
             metrics[f"channels/{source}"] = row.sum()
             firsts.append(first)
             counts.append(count)
-        if firsts:
+        if firsts and not dropped:  # totals without a dropped source would read as if it had been finite
             stacked = torch.stack(firsts)
             none = torch.iinfo(stacked.dtype).max
             earliest = torch.where(stacked >= 0, stacked, none).amin()
@@ -209,7 +221,16 @@ class NonFinite(Observer):
         if metrics:
             reduce = {key: ("sum" if key.startswith(("count", "grad_count")) else "max") for key in metrics}
             logger.log_metrics(metrics, step=step, prefix=self.name, reduce=reduce)
-        self._buffers = {}
+        for buffer in self._buffers.values():
+            buffer.clear()
+        if dropped:
+            raise ModifiedInPlaceError(
+                f"NonFinite({self.name!r}): the {', '.join(dropped)} tensors were modified in place after they "
+                f"were observed (an environment or rollout that reuses its buffers), so the references kept for "
+                f"the batched check no longer hold the observed values; their counts of step {step} and the "
+                f"step's totals are dropped (the other sources are logged), and from now on they are checked as "
+                f"they come"
+            )
 
     # ------------------------------------------------------------------ after the commit (host values)
     def committed(self, record: Any) -> None:

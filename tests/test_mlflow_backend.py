@@ -209,3 +209,76 @@ def test_a_resumed_mlflow_run_takes_its_params_again_without_a_failure(tmp_path)
     run = MlflowClient(tracking_uri=again.tracking_uri).get_run(again.run_id)
     assert run.data.params == {"lr": "0.1", "seed": "1", "epochs": "3"}
     assert run.data.tags["instrument.param/seed"] == "2"
+
+
+def test_a_store_that_cannot_open_at_start_is_tried_again_and_gets_the_later_steps_params_and_resume(tmp_path, caplog):
+    """The store's folder is a file at start (MLflow cannot create its database there): under
+    on_backend_error='warn' the backend stays in the run, each record tries again, and once the path is freed
+    the run opens with the kept hyperparameters and every later step, read back with MlflowClient; JSONL has
+    every step all along, and resume=True continues the same MLflow run from the id saved at close."""
+    import json
+    import logging
+
+    store = tmp_path / "store"
+    store.write_text("not a folder yet")
+    uri = f"sqlite:///{store}/mlflow.db"
+
+    def backend():
+        return MlflowBackend(tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri(), retry_after=0)
+
+    logs = tmp_path / "logs"
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        inst = instrument.Instrumentation(
+            backends=[backend(), instrument.JsonlBackend()], run_name="r", log_dir=str(logs),
+            on_backend_error="warn",
+        )
+        inst.logger.log_hyperparams({"lr": 0.25})
+        for step in range(6):
+            if step == 2:
+                assert inst.flush() is False  # MLflow did not get the steps so far, and flush says so
+                store.unlink()
+            inst.logger.log_metrics({"x": float(step)}, step=step)
+            inst.logger.commit(step)
+        inst.close()
+    assert inst.failures["MlflowBackend"] == 4  # the open, the hyperparameters, steps 0 and 1
+    assert "stays in the run and tries to open again" in caplog.text
+    assert caplog.text.count("opened its run") == 1
+    lines = [json.loads(line) for line in (logs / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "x" in line.get("metrics", {})] == list(range(6))
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((logs / "r" / "run.json").read_text())["backends"]["MlflowBackend"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["lr"] == "0.25"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(s, float(s)) for s in range(2, 6)]
+
+    inst = instrument.Instrumentation(backends=[backend()], run_name="r", log_dir=str(logs), resume=True)
+    inst.logger.log_metrics({"x": 6.0}, step=6)
+    inst.logger.commit(6)
+    inst.close()
+    assert inst.failures == {}
+    assert [m.step for m in client.get_metric_history(run_id, "x")] == [2, 3, 4, 5, 6]
+
+
+class _Reopening(instrument.Backend):
+    reopens = True
+
+    def __init__(self, error):
+        self.error, self.records = error, []
+
+    def open(self, run):
+        raise self.error
+
+    def write(self, record):
+        self.records.append(record)
+
+
+def test_a_reopening_backend_whose_open_is_instruments_own_error_is_still_left_out(tmp_path, caplog):
+    from instrument.errors import MissingExtraError
+
+    bad = _Reopening(MissingExtraError("somesdk", "x", "_Reopening"))
+    inst = instrument.Instrumentation(backends=[bad], log_dir=str(tmp_path), run_name="r", on_backend_error="warn")
+    inst.logger.log_metrics({"x": 1.0}, step=0)
+    inst.logger.commit(0)
+    inst.close()
+    assert bad not in inst.logger.backends and bad.records == []
+    assert "left out of this run" in caplog.text

@@ -105,9 +105,16 @@ class Backend:
     process, maybe before this backend opened it (W&B's service process). Instrument's exit hook is then
     moved behind it when the backend opens, so that the logger is closed, and every step written, first. (An
     ``open`` that registers an exit hook itself is seen without it.)
+
+    ``reopens``: True for a backend whose ``open`` may fail for a while (a tracking server that does not
+    answer) and which opens itself again on a later call, bounded by its own timeouts (MLflow). A `Logger`
+    that goes on after a failed open (``on_backend_error="warn"``, or an open that outlasted
+    ``open_timeout``) then keeps it in the run instead of leaving it out; a failure that is instrument's own
+    error (a bad option, a missing extra) still leaves it out, since trying again would only repeat it.
     """
 
     sdk_exit_hook = False
+    reopens = False
 
     def open(self, run: RunInfo) -> None:
         """Create files or remote runs. Called once, before anything else."""

@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.drops import Drops, utf8
@@ -72,9 +72,11 @@ class MlflowBackend(Backend):
     so one call against an unreachable server gives up after about ``(max_retries + 1) * timeout`` seconds
     plus backoff and raises. MLflow reads these from the process environment at each request, so they are set
     just around this backend's calls (another thread's MLflow calls made at that moment see them too). Driven
-    by a `Logger`, a backend whose opening failed is left out of the run (docs/backends.md); driven directly,
-    the next record tries to open the run again. `on_exit` ("killed"/"failed") makes `close` end the
-    run KILLED or FAILED instead of FINISHED.
+    by a `Logger` under ``on_backend_error="warn"``, or when opening outlasted ``open_timeout``, a backend
+    whose opening failed because the store did not answer stays in the run (``reopens``): each later record
+    tries to open the run again, at most once per ``retry_after`` seconds, and the records before it opens are
+    not written to it (docs/backends.md). A bad option or a missing extra is not retried. `on_exit`
+    ("killed"/"failed") makes `close` end the run KILLED or FAILED instead of FINISHED.
 
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
@@ -85,6 +87,8 @@ class MlflowBackend(Backend):
     type). Names are sanitised to MLflow's allowed characters; two metric keys that would share a name are kept
     apart (`_metric_name`).
     """
+
+    reopens = True  # a store that did not answer at open is tried again at later records (class doc)
 
     def __init__(
         self,
@@ -127,6 +131,7 @@ class MlflowBackend(Backend):
         self._param_names: Dict[str, str] = {}  # hyperparameter key -> param name
         self._param_owners: Dict[str, Optional[str]] = {}  # param name -> its key (None: held before a resume)
         self._drops = Drops(self.name)
+        self._held_params: Optional[Tuple[Dict[str, Any], Optional[str]]] = None  # logged before the run opened
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -174,6 +179,12 @@ class MlflowBackend(Backend):
             if self._run is None:
                 raise RuntimeError("MlflowBackend: open(run) must be called before anything else")
             self._start()  # opening failed before (server unreachable): try again, bounded
+            log.warning("instrument: MlflowBackend opened its run %s on a later try; the records before this "
+                        "one were not written to it (the hyperparameters were kept and are logged now)",
+                        self.run_id)
+            held, self._held_params = self._held_params, None
+            if held is not None:
+                self.log_hyperparams(*held)
 
     def _start(self) -> None:
         with self._bounded():
@@ -213,6 +224,9 @@ class MlflowBackend(Backend):
         """Params MLflow does not hold yet. MLflow refuses to change a param, and one refused param fails its
         whole batch: a value already held is not sent again, and a changed one goes to the run tag
         ``instrument.param/<name>`` (tags can change), with one warning; the param keeps its first value."""
+        if self.run_id is None:  # kept until the run opens: a run without its params cannot be compared
+            held_params, held_text = self._held_params or ({}, None)
+            self._held_params = ({**held_params, **params}, config_text if config_text is not None else held_text)
         self._ensure_open()
         Param, RunTag = self._entities.Param, self._entities.RunTag
         drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped

@@ -23,6 +23,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from instrument.backends.base import Backend, StepRecord
 from instrument.core.failures import FailureLedger
+from instrument.errors import InstrumentError
 from instrument.logger import shutdown
 
 __all__ = ["Writer", "CommittedStep", "ON_FULL", "WriterThread", "running_writers"]
@@ -384,11 +385,8 @@ class Writer:
                     ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
                 if not ok:  # an open that failed too: that backend gets none of the steps, which flush() says
                     self._failed += 1
-                if method == "open":
-                    if ok:
-                        self._active.append(backend)
-                    elif backend in self.backends:
-                        self.backends.remove(backend)
+                if method == "open" and backend not in self._active and backend in self.backends:
+                    self.backends.remove(backend)
             self._dirty = True
         elif kind == _FLUSH:
             self._flush_backends()
@@ -402,19 +400,31 @@ class Writer:
                 self.ledger.call(backend.name, "close", backend.close)
 
     def _open(self, backend: Backend, *args: Any) -> bool:
-        """``backend.open``; a failure is kept in `open_errors` for the logger to raise at start, and reported
-        through the ledger only when nobody is waiting to raise it (``report_open``)."""
+        """``backend.open``, and the backend joins the active ones. A failure is kept in `open_errors` for the
+        logger to raise at start, and reported through the ledger only when nobody is waiting to raise it
+        (``report_open``). A backend that ``reopens`` joins anyway, unless the failure was instrument's own
+        error (a bad option, a missing extra), which would only repeat."""
         try:
             hooks = shutdown.exit_hooks()
             backend.open(*args)
             if getattr(backend, "sdk_exit_hook", False) or hooks is None or shutdown.exit_hooks() != hooks:
                 shutdown.keep_first_at_exit()  # so that the loggers are closed before that hook runs
+            self._active.append(backend)
             return True
         except Exception as exc:
             self.open_errors.append((backend, exc))
+            again = getattr(backend, "reopens", False) and not isinstance(exc, InstrumentError)
+            if again:
+                self._active.append(backend)
             if self.report_open:
-                self.ledger.record(backend.name, "open", exc, "it is left out of this run and gets no steps; "
-                                   "training and the other backends go on")
+                consequence = (
+                    "it stays in the run and tries to open again at its next record (bounded by its own "
+                    "timeouts); the records before it opens are not written to it; training and the other "
+                    "backends go on"
+                    if again
+                    else "it is left out of this run and gets no steps; training and the other backends go on"
+                )
+                self.ledger.record(backend.name, "open", exc, consequence)
             return False
 
     def _flush_backends(self) -> None:

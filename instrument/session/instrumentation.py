@@ -341,11 +341,9 @@ class Instrumentation:
         return self.logger.flush(timeout)
 
     def close(self, status: Optional[str] = None) -> None:
-        """Commit anything still staged, write and flush it, and close every backend. Idempotent.
-
-        ``status`` ``"killed"`` or ``"failed"`` tells the backends the run ended abnormally (`Backend.on_exit`);
-        leaving a ``with`` block by an exception does that.
-        """
+        """Commit anything still staged, write and flush it, and close every backend. Idempotent. ``status``
+        ``"killed"`` or ``"failed"`` tells the backends the run ended abnormally (`Backend.on_exit`); leaving a
+        ``with`` block by an exception does that. The backends' run ids are saved again for ``resume=True``."""
         if self._closed:
             return
         self._closed = True
@@ -358,6 +356,8 @@ class Instrumentation:
         finally:
             try:
                 self.logger.close(status)
+                if self.logger.is_writer:  # again: a backend that opened late (`Backend.reopens`) has its id now
+                    save_ids(self.run.dir, self.logger.backends, quiet=True)
                 self._dispatch.close()
             finally:
                 if self.run_log is not None:
@@ -368,11 +368,10 @@ class Instrumentation:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = None
-        if exc_type is not None:
-            if issubclass(exc_type, KeyboardInterrupt):
-                status = "killed"
-            elif not (issubclass(exc_type, SystemExit) and exc.code in (None, 0)):
-                status = "failed"
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            status = "killed"
+        elif exc_type is not None and not (issubclass(exc_type, SystemExit) and exc.code in (None, 0)):
+            status = "failed"
         self.close(status)
 
     def __repr__(self) -> str:

@@ -91,15 +91,27 @@ def resume_ids(run_dir: Path) -> Dict[str, str]:
                                  f"without the backends' run ids (W&B and MLflow then start new runs).") from exc
 
 
-def save_ids(run_dir: Path, backends: Sequence[Any]) -> None:
-    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically."""
+def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False) -> None:
+    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically. ``quiet``: a file
+    that cannot be written (a full disk at close) is said in a warning instead of raised. Ids already in the
+    file are kept unless a backend of that name has one now (a closed W&B backend no longer has its id)."""
     ids = {b.name: b.resume_id for b in backends if getattr(b, "resume_id", None)}
     if not ids:
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps({"backends": ids}, indent=1), encoding="utf-8")
-    os.replace(tmp, run_dir / RUN_FILE)
+    try:
+        ids = {**resume_ids(run_dir), **ids}
+    except (ConfigurationError, OSError):  # no run folder yet, or not a run file of ours (replaced)
+        pass
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps({"backends": ids}, indent=1), encoding="utf-8")
+        os.replace(tmp, run_dir / RUN_FILE)
+    except OSError as exc:
+        if not quiet:
+            raise
+        log.warning("instrument: could not save the backends' run ids to %s (%s); resume=True would start new "
+                    "W&B and MLflow runs", run_dir / RUN_FILE, exc)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,10 @@ shift. The error is that of a float32 sum of N values (pairwise on CPU), well un
 min and max are taken from ``x`` itself, so they are exact.
 
 Range: ``d`` is also multiplied by a power of two ``s`` per iteration and channel (`pow2_scale`) that brings its
-largest magnitude into [0.5, 1). Multiplying by a power of two is exact, so in the usual range no digit changes;
+largest magnitude near 1. Multiplying by a power of two is exact, so in the usual range no digit changes;
 without it, the float32 squares of a diverging state (std beyond about 1e17) overflow to inf and those of a tiny
 spread (below about 1e-24) underflow to 0, while min and max are still finite and nonzero. It costs one pass over
-the buffered states in the five.
+the buffered states (about 0.1 ms for 32 iterations of the demo NCA's state on one CPU thread).
 """
 
 import math
@@ -53,14 +53,16 @@ def _channel_view(states: Tensor, channel_dim: int) -> Tensor:
 
 
 def pow2_scale(spread: Tensor) -> Tensor:
-    """A power of two ``s`` per element with ``spread * s`` in [0.5, 1); 1 where ``spread`` is 0, inf or NaN.
+    """A power of two ``s`` per element with ``spread * s`` in about [0.5, 2): exact to multiply by.
 
-    The exponent is clamped a few octaves inside the dtype's range, so ``s`` and ``1 / s`` are finite and exact.
+    Four small kernels over [T, C] (``log2`` may round to the next integer near a power of two: any power of
+    two is exact, the range only has to stay far from overflow). The exponent is clamped a few octaves inside
+    the dtype's range, so ``s`` and ``1 / s`` are finite: a zero spread (a constant channel) gets a large
+    ``s`` that multiplies zeros, an infinite one a small ``s`` (the channel's mean is then inf and its std NaN,
+    as NumPy says), and NaN stays NaN.
     """
-    _, exponent = torch.frexp(spread)
     limit = int(math.log2(torch.finfo(spread.dtype).max)) - 8
-    exponent = torch.where(spread.isfinite(), exponent, 0).clamp_(-limit, limit)
-    return torch.pow(2.0, exponent.neg_().to(spread.dtype))
+    return spread.log2().floor_().clamp_(-limit, limit).neg_().exp2_()
 
 
 def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool = False) -> Tensor:

@@ -2,6 +2,12 @@
 
 Nothing here leaves the device. Statistics accumulate over a logging interval (count, sum, min, max) and are
 handed to the logger as tensors, which moves them to the host in its one batched transfer at commit.
+
+Sums (running totals, and the cumulative sums episode returns are differences of) are accumulated in float64
+(float32 on MPS, which has no float64), whatever the values' dtype: in float16 the sum of 65,536 rewards of 1.0
+is inf, in bfloat16 a running mean of 3,000 losses in [1, 3] read 0.34, and in float32 the return of an episode
+that follows a reward of 1e6 in the same batch lost all its digits. min and max stay in the values' dtype, where
+they are exact.
 Reductions use ``sum``/``amin``/``amax``: on CPU (torch 2.13) ``aminmax`` and ``std_mean`` over a [16, 4096]
 tensor measured 9-13x slower than ``amin``/``amax`` and a two-pass mean/variance, for the same values.
 """
@@ -19,6 +25,11 @@ STATS = ("mean", "min", "max")
 
 def _float(values: Tensor) -> Tensor:
     return values if values.is_floating_point() else values.to(torch.float32)
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype sums accumulate in (see the module docstring)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 class RunningStats:
@@ -64,12 +75,13 @@ class RunningStats:
         masked = values if keep is None else torch.where(keep, values, zero)
         low_in = values if keep is None else torch.where(keep, values, inf)
         high_in = values if keep is None else torch.where(keep, values, -inf)
+        wide = _wide(values.device)
         if values.numel() == 0:
-            total = torch.zeros(values.shape[-1:], dtype=values.dtype, device=values.device)
+            total = torch.zeros(values.shape[-1:], dtype=wide, device=values.device)
             low = torch.full(values.shape[-1:], math.inf, dtype=values.dtype, device=values.device)
             high = -low
         else:
-            total = masked.sum(dim=batch_dims) if batch_dims else masked
+            total = masked.sum(dim=batch_dims, dtype=wide) if batch_dims else masked.to(wide)
             low = low_in.amin(dim=batch_dims) if batch_dims else low_in
             high = high_in.amax(dim=batch_dims) if batch_dims else high_in
         if self.flatten:
@@ -135,7 +147,8 @@ def episode_segments(
         and lengths are meaningful where ``ended`` is true; the carries are the partial episodes after this batch.
 
     A step's return is the cumulative reward since the previous episode end (exclusive) — or since the batch
-    start plus the carried partial return when there is none — computed as a difference of cumulative sums.
+    start plus the carried partial return when there is none — computed as a difference of cumulative sums,
+    in float64 (see the module docstring). Returns come back in float64 (float32 on MPS).
     """
     t_len = reward.shape[0]
     envs = reward.shape[1:-1]
@@ -144,8 +157,9 @@ def episode_segments(
         valid = torch.ones(done.shape, dtype=torch.bool, device=done.device)
     valid = valid.to(torch.bool)
     ended = done.to(torch.bool) & valid
+    wide = _wide(reward.device)
     if carry_return is None:
-        carry_return = torch.zeros(reward.shape[1:], dtype=reward.dtype, device=reward.device)
+        carry_return = torch.zeros(reward.shape[1:], dtype=wide, device=reward.device)
     if carry_length is None:
         carry_length = torch.zeros(envs, dtype=torch.int64, device=reward.device)
     if t_len == 0:
@@ -158,9 +172,9 @@ def episode_segments(
             carry_length,
         )
 
-    cs_r = torch.cumsum(
+    cs_r = torch.cumsum(  # in float64: a return is a difference of these, after any large earlier reward
         torch.where(valid.unsqueeze(-1), reward, torch.zeros((), dtype=reward.dtype, device=reward.device)),
-        dim=0,
+        dim=0, dtype=wide,
     )
     cs_n = torch.cumsum(valid.to(torch.int64), dim=0)
     idx = torch.arange(t_len, device=done.device).view(t_len, *([1] * len(envs))).expand(done.shape)

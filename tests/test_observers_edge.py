@@ -114,3 +114,28 @@ def test_a_diverging_nca_state_read_back_from_tensorboard_has_its_float64_std(tm
         want = last[:, c].std()
         assert np.isfinite(scalars[f"iteration_stats/std/c{c}"][0])
         assert scalars[f"iteration_stats/std/c{c}"][0] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int64, torch.float16, torch.bool])
+def test_dx_of_integer_bool_and_half_states_is_their_exact_difference(dtype):
+    """uint8 frames going from 100 to 9 read 165 (255 - 90) through UpdateNorm; int8 100 -> -100 read 56;
+    float16 4e4 -> -4e4 read inf. dx is taken in float32 for such states, in StepContext and in UpdateNorm's
+    batched pairs alike, against a float64 NumPy reference."""
+    low, high = {torch.uint8: (9, 100), torch.int8: (-100, 100), torch.int64: (-(2**20), 2**20),
+                 torch.float16: (-4e4, 4e4), torch.bool: (0, 1)}[dtype]
+    generator = torch.Generator().manual_seed(6)
+    picks = torch.randint(0, 2, (4, 3, 8), generator=generator).bool()
+    states = [torch.where(p, torch.tensor(high), torch.tensor(low)).to(dtype) for p in picks]
+    exact = [b.double().numpy() - a.double().numpy() for a, b in zip(states[:-1], states[1:], strict=True)]
+    context = instrument.StepContext(states[0], states[1])
+    np.testing.assert_array_equal(context.dx.double().numpy(), exact[0])
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    norms = [np.linalg.norm(d.reshape(d.shape[0], -1), axis=1).mean() for d in exact]
+    scalars = keep.records[0].scalars
+    assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-6)
+    assert scalars["update_norm/l2/max"] == pytest.approx(max(norms), rel=1e-6)

@@ -8,9 +8,10 @@ autograd graph into the user's training step.
 
 from typing import Dict, Mapping, Optional, Sequence
 
+import torch
 from torch import Tensor
 
-__all__ = ["StepContext"]
+__all__ = ["StepContext", "difference"]
 
 
 def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
@@ -26,6 +27,18 @@ def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
     return value.detach() if value.requires_grad else value
 
 
+def difference(following: Tensor, previous: Tensor) -> Tensor:
+    """``following - previous``, in float32 unless both are float32 or float64 (or complex): a difference of
+    integers wraps around (uint8: 9 - 10 = 255) or overflows (int8), bools do not subtract, and half
+    precision overflows (float16: 4e4 - -4e4 is inf) where float32 holds the exact difference."""
+    if following.dtype in _EXACT and previous.dtype in _EXACT:
+        return following - previous
+    return following.float() - previous.float()
+
+
+_EXACT = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
 class StepContext:
     """One rollout iteration, as observers see it.
 
@@ -33,7 +46,8 @@ class StepContext:
         previous_state: the state the iteration started from.
         next_state: the state it produced.
         dx: ``next_state - previous_state`` unless given explicitly; computed lazily on first access so an
-            observer that never reads it costs nothing.
+            observer that never reads it costs nothing. For integer, bool and half-precision states it is
+            taken in float32 (`difference`): a uint8 frame going from 10 to 9 would otherwise read 255.
         condition: whatever conditioned the iteration (an action, a goal, a class embedding), or None.
         step_index: the index of the iteration within the rollout, 0..n-1.
         freeze_channels: channel indices the update rule must not change (e.g. an NCA's input channels).
@@ -67,7 +81,7 @@ class StepContext:
     @property
     def dx(self) -> Tensor:
         if self._dx is None:
-            self._dx = self.next_state - self.previous_state
+            self._dx = difference(self.next_state, self.previous_state)
         return self._dx
 
     @property

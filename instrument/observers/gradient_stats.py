@@ -235,7 +235,9 @@ class GradientStats(Observer):
         With one parameter per key (``per="param"``) that is ``values`` itself; a module's key is the norm of
         its parameters' norms. A few vectorised ops, never one op per parameter in the common cases.
         """
-        values = values.float()
+        # A module's norm from its parameters' norms squared in float64 (float32 on MPS): a handful of values,
+        # and float16 norms or float32 norms below ~3e-23 would square to inf or 0.
+        values = values.to(torch.float32 if values.device.type == "mps" else torch.float64)
         flat = [i for m in members for i in m]
         if flat != positions:  # keys over a subset, or grouped out of order: pick the members first
             where = {p: j for j, p in enumerate(positions)}

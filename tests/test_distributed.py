@@ -7,6 +7,7 @@ computed over the union of the data.
 
 import datetime
 import json
+import math
 import time
 from pathlib import Path
 
@@ -114,6 +115,12 @@ def _worker(rank, store_path, out_dir):
         _log_interval(logger, rank, 2, 3)
         out["ar_steady"], out["ar_steady_count"] = _commit_counted(logger, counts, 3)
         out["ar_kinds"] = dict(counts)
+        # A NaN on one rank is the min or max over ranks: gloo's MAX all_reduce alone would drop it.
+        for op in ("min", "max"):
+            values = {"nan_on_0": (math.nan, 1.0), "nan_on_1": (1.0, math.nan), "finite": (-2.0, 3.0)}
+            logger.log_metrics({k: torch.tensor(v[rank], dtype=torch.float64) for k, v in values.items()},
+                               step=4, prefix=op, reduce=op)
+        out["ar_nan"] = {k: repr(v) for k, v in logger.commit(4).scalars.items()}
         logger.close()
 
         # Conflicting ops for one key fail on every rank (no hang).
@@ -235,6 +242,15 @@ def test_allreduce_strategy_uses_one_collective_per_reduction_kind(ranks):
         assert r["ar_kinds"] == {"_all_reduce": 2}
         _assert_close(r["ar_first"], _expected())
         _assert_close(r["ar_steady"], _expected())
+
+
+def test_a_nan_on_one_rank_survives_the_allreduce_min_and_max(ranks):
+    results, _ = ranks
+    for r in results:
+        assert r["ar_nan"] == {
+            "min/nan_on_0": "nan", "min/nan_on_1": "nan", "min/finite": "-2.0",
+            "max/nan_on_0": "nan", "max/nan_on_1": "nan", "max/finite": "3.0",
+        }
 
 
 def test_keys_logged_on_some_ranks_only(ranks):

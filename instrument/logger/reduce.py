@@ -5,6 +5,7 @@ or ``l2`` (square root of the sum of squares, e.g. a gradient norm over shards).
 issues one collective per metric; here every scalar of a commit is packed into one float64 vector laid out as
 
     sum segment   numerators (mean, weighted mean, sum; squares for l2) | denominators (means) | counts
+                  | NaN flags of the max segment (a MAX all_reduce need not keep a NaN: gloo's drops it)
     max segment   header [misfit, layout hash, -layout hash] | values (max) and negated values (min)
 
 and exchanged with ONE ``all_gather`` (every rank then sums the first segment and takes the maximum of the
@@ -171,7 +172,7 @@ class _Layout:
         self._masks: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
 
     def __len__(self) -> int:
-        return self.n_sum + self.n_max
+        return self.n_sum + 2 * self.n_max  # the max segment's NaN flags ride in the sum segment
 
     def masks(self, device: torch.device) -> Tuple[Tensor, Tensor]:
         """(which sum slots to square, sign of each max slot) on ``device``; built once per layout."""
@@ -189,7 +190,7 @@ class _Layout:
         return self._masks[device]
 
     def decode(self, host: np.ndarray) -> Dict[str, float]:
-        s, m = host[: self.n_sum], host[self.n_sum :]
+        s, nan, m = host[: self.n_sum], host[self.n_sum : self.n_sum + self.n_max], host[self.n_sum + self.n_max :]
         out: Dict[str, float] = {}
         for key, kind in self.items:
             if s[self.cnt[key]] == 0:
@@ -201,6 +202,8 @@ class _Layout:
                 out[key] = float(s[self.num[key]])
             elif kind == "l2":
                 out[key] = math.sqrt(max(float(s[self.num[key]]), 0.0))
+            elif nan[self.ext[key]] > 0:  # some rank's value was NaN: so is the min or max over ranks
+                out[key] = math.nan
             elif kind == "max":
                 out[key] = float(m[self.ext[key]])
             else:  # min: the max of negated values, negated back
@@ -278,11 +281,13 @@ class CrossRankReducer:
         sum_seg = _assemble(sums, device)
         sum_seg = torch.where(square, sum_seg * sum_seg, sum_seg)
         max_seg = _assemble(extremes, device) * sign
+        sum_seg = torch.cat([sum_seg, max_seg.isnan().to(torch.float64)])  # counted apart: see the module doc
+        summed = layout.n_sum + layout.n_max
         if self._use_gather(len(layout)):
             gathered = _all_gather(torch.cat([sum_seg, max_seg]), self.group)
-            result = torch.cat([gathered[:, : layout.n_sum].sum(0), gathered[:, layout.n_sum :].amax(0)])
+            result = torch.cat([gathered[:, :summed].sum(0), gathered[:, summed:].amax(0)])
         else:
-            if layout.n_sum:
+            if layout.n_sum:  # no key yet (the first commit's header check): its NaN flags are not read
                 _all_reduce(sum_seg, dist.ReduceOp.SUM, self.group)
             _all_reduce(max_seg, dist.ReduceOp.MAX, self.group)
             result = torch.cat([sum_seg, max_seg])
@@ -291,7 +296,7 @@ class CrossRankReducer:
     def finish(self, pending: PendingReduction, host: np.ndarray) -> Optional[Dict[str, float]]:
         """Decode the reduced vector; None when some rank's keys did not fit (call `resolve`)."""
         layout = pending.layout
-        header = host[layout.n_sum : layout.n_sum + _HEADER]
+        header = host[layout.n_sum + layout.n_max : layout.n_sum + layout.n_max + _HEADER]
         if header[1] != layout.hash or -header[2] != layout.hash:
             raise InstrumentError(
                 "instrument's metric layouts differ across ranks: every rank must create its Logger the same "

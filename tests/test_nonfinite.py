@@ -256,14 +256,15 @@ def test_a_failing_committed_hook_is_reported_and_training_goes_on(caplog):
 
 def test_a_state_buffer_reused_in_place_is_dropped_once_then_checked_as_it_comes(tmp_path, caplog):
     """An environment that writes each observation into the same tensor: the first logging step's state counts
-    (and the totals) are dropped with one report, dx is still logged, and every later step finds the NaN at its
-    iteration, counted against float64 NumPy read back from TensorBoard."""
+    are dropped with one warning and nonfinite/incomplete = 1, dx (and the totals over it) are still logged and
+    reported, and every later step finds the NaN at its iteration, counted against float64 NumPy read back
+    from TensorBoard."""
     steps, n_iter, bad = 3, 6, 4
     inst = Instrumentation([NonFinite()], backends=[instrument.TensorBoardBackend()], log_interval=1,
                            log_dir=str(tmp_path), run_name="r")
     generator = torch.Generator().manual_seed(1)
     obs = torch.zeros(8, 3)  # the one buffer, overwritten every iteration
-    want_state, want_dx = 0, 0
+    wanted = []
     with caplog.at_level(logging.WARNING, logger="instrument"):
         for step in range(steps):
             want_state, want_dx = 0, 0
@@ -278,16 +279,100 @@ def test_a_state_buffer_reused_in_place_is_dropped_once_then_checked_as_it_comes
                     dx = obs - previous
                     want_dx += int((~np.isfinite(dx.double().numpy())).sum())
                     s.observer(StepContext(previous, obs, dx=dx, step_index=i))
+            wanted.append((want_state, want_dx))
     inst.close()
     scalars = read_scalars(tmp_path / "r")
-    assert set(scalars["nonfinite/count/dx"]) == {0, 1, 2}
-    assert 0 not in scalars["nonfinite/count/state"] and 0 not in scalars["nonfinite/count"]
+    assert scalars["nonfinite/incomplete"] == {0: 1.0}
+    assert 0 not in scalars["nonfinite/count/state"]
+    assert scalars["nonfinite/count/dx"][0] == float(wanted[0][1]) > 0
+    assert scalars["nonfinite/count"][0] == float(wanted[0][1])  # the sources that were checked
     for step in (1, 2):
+        want_state, want_dx = wanted[step]
         assert scalars["nonfinite/count/state"][step] == float(want_state) == 2.0
         assert scalars["nonfinite/first_iteration/state"][step] == float(bad)
         assert scalars["nonfinite/first_channel/state"][step] == 1.0
         assert scalars["nonfinite/first_iteration"][step] == float(bad)
         assert scalars["nonfinite/count"][step] == float(want_state + want_dx)
-    assert inst.failures == {"nonfinite": 1}
+    assert inst.failures == {}
     assert caplog.text.count("modified in place") == 1
     assert "the state tensors were modified in place" in caplog.text and "step 0" in caplog.text
+    reports = [r.getMessage() for r in caplog.records if "non-finite values at step" in r.getMessage()]
+    assert len(reports) == 1 and "step 0 (incomplete" in reports[0] and "dx channel 1" in reports[0], reports
+
+
+def test_a_dropped_source_still_raises_for_a_nan_in_another_source():
+    """raise_on_nonfinite=True: a step whose state buffer was reused in place still raises for the NaN its
+    dx shows, and the observer's commit hook is not skipped."""
+    inst = Instrumentation([NonFinite(raise_on_nonfinite=True)], backends=[], log_interval=1)
+    obs = torch.zeros(4, 2)
+    with pytest.raises(NonFiniteError, match=r"step 0 \(incomplete.*dx channel 0"):
+        with inst.step(0) as s:
+            for i in range(3):
+                previous = obs.clone()
+                obs.copy_(torch.full((4, 2), float(i)))
+                if i == 2:
+                    obs[0, 0] = float("nan")
+                s.observer(StepContext(previous, obs, dx=obs - previous, step_index=i))
+    inst.close()
+
+
+def _dropped_on_one_rank(rank, store, out, raise_on_nonfinite):
+    """Rank 0 reuses its probe buffer in place (a dropped source); the NaN is in rank 1's state."""
+    import datetime
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    class Keep(instrument.Backend):
+        def write(self, record):
+            result.setdefault("records", []).append(record.scalars)
+
+    result = {"steps": []}
+    inst = Instrumentation([NonFinite(raise_on_nonfinite=raise_on_nonfinite)], backends=[Keep()], log_interval=1)
+    probe = torch.zeros(4)
+    try:
+        for step in range(2):
+            with inst.step(step) as s:
+                x = torch.zeros(2, 3)
+                for i in range(4):
+                    following = torch.ones(2, 3)
+                    if step == 0 and rank == 1 and i == 2:
+                        following[0, 1] = float("nan")
+                    value = probe if rank == 0 else probe.clone()
+                    probe.fill_(float(i))
+                    s.observer(StepContext(x, following, probes={"obs": value}, step_index=i))
+                    x = following
+            result["steps"].append(step)
+    except NonFiniteError as exc:
+        result["raised"] = str(exc)
+    inst.close()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.parametrize("raise_on_nonfinite", [False, True])
+def test_a_source_dropped_on_one_rank_marks_the_step_and_every_rank_decides_alike(tmp_path, raise_on_nonfinite):
+    """2 gloo ranks: the totals are summed over the sources every rank checked, the step is marked incomplete
+    on every rank, and in raise mode every rank raises at the same commit (before, rank 0 skipped its commit
+    hook and waited alone in the next step's collective until the timeout)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dropped_on_one_rank, args=(str(tmp_path / "store"), str(tmp_path), raise_on_nonfinite), nprocs=2)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if raise_on_nonfinite:
+        for result in results:
+            assert result["steps"] == [] and "step 0 (incomplete" in result["raised"]
+        return
+    assert results[0]["steps"] == results[1]["steps"] == [0, 1]
+    for result in results[:1]:  # only rank 0 writes
+        first, second = result["records"]
+        assert first["nonfinite/incomplete"] == 1.0 and "nonfinite/incomplete" not in second
+        assert first["nonfinite/count/state"] == 1.0 and first["nonfinite/count"] == 1.0 + first["nonfinite/count/dx"]
+        assert first["nonfinite/first_iteration"] == 2.0
+        assert second["nonfinite/count"] == 0.0  # rank 0's probe is checked as it comes from then on

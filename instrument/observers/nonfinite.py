@@ -89,6 +89,7 @@ class NonFinite(Observer):
     ``<name>/channels/<source>``          scalar   how many channels were non-finite at that iteration
     ``<name>/grad_count``                 scalar   non-finite gradient elements (when gradients are checked)
     ``<name>/grad_count/<param>``         scalar   non-finite elements of one parameter's gradient
+    ``<name>/incomplete``                 scalar   1 in a step where a source was dropped (below), on any rank
     ===================================== ======== ==============================================================
 
     Args:
@@ -108,9 +109,10 @@ class NonFinite(Observer):
     rank's value (still -1 only when every rank was finite).
 
     A source whose tensor is changed in place after it was observed (an environment that writes the next
-    observation into the same buffer) is caught at log time: that source's values of the step are dropped, and
-    so are the step's totals (``count``, ``first_iteration``), which would otherwise read as if it were finite;
-    it is reported once, the other sources are logged, and from then on that source is reduced as it comes.
+    observation into the same buffer) is caught at log time: that source's values of the step are dropped,
+    ``<name>/incomplete`` is logged as 1 (the totals then cover the other sources only), one warning names the
+    source, and from then on that source is checked as it comes. The other sources, the totals, the report and
+    ``raise_on_nonfinite`` work as in any step, on every rank alike.
     """
 
     default_name = "nonfinite"
@@ -149,12 +151,17 @@ class NonFinite(Observer):
         self._params: List[Tuple[str, nn.Parameter]] = []
         self._pending: List[Any] = []  # committed steps whose record has not been read yet (warn mode)
         self.reported = False  # the once-per-run message was given
+        self._said_dropped: set = set()  # sources whose in-place change was warned about
+        self._dropped: set = set()  # sources caught changed in place in this step
 
     # ------------------------------------------------------------------ per logging step
     def reset(self) -> None:
-        # The buffers outlive the step: one that caught an in-place change stays unbatched (see the class doc).
+        # A buffer that caught an in-place change outlives the step, unbatched (see the class doc); the others
+        # are made again when their source next appears (probe names may change from step to step).
+        self._buffers = {source: buffer for source, buffer in self._buffers.items() if not buffer.batched}
         for buffer in self._buffers.values():
             buffer.clear()
+        self._dropped = set()
         self._params = []
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
@@ -166,7 +173,10 @@ class NonFinite(Observer):
         buffer = self._buffers.get(source)
         if buffer is None:
             buffer = self._buffers[source] = IterationBuffer(self._reduce, max_elements=self.max_elements)
-        buffer.append(value)
+        try:
+            buffer.append(value)
+        except ModifiedInPlaceError:  # caught while draining early: as at log time, this step's values of it go
+            self._dropped.add(source)
 
     def _reduce(self, states: Tensor, scratch: bool = False) -> Tensor:
         return nonfinite_counts(states, self.channel_dim, scratch)
@@ -185,6 +195,9 @@ class NonFinite(Observer):
         counts: List[Tensor] = []
         dropped: List[str] = []
         for source, buffer in self._buffers.items():
+            if source in self._dropped:
+                dropped.append(source)
+                continue
             try:
                 table = buffer.results()  # [T, C] non-finite counts
             except ModifiedInPlaceError:  # the buffer now reduces as it comes; this step's values of it go
@@ -205,7 +218,7 @@ class NonFinite(Observer):
             metrics[f"channels/{source}"] = row.sum()
             firsts.append(first)
             counts.append(count)
-        if firsts and not dropped:  # totals without a dropped source would read as if it had been finite
+        if firsts:
             stacked = torch.stack(firsts)
             none = torch.iinfo(stacked.dtype).max
             earliest = torch.where(stacked >= 0, stacked, none).amin()
@@ -218,18 +231,23 @@ class NonFinite(Observer):
             ])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
+        if dropped:  # max over ranks: marked wherever a rank dropped one (its totals are in the sums)
+            metrics["incomplete"] = 1.0
         if metrics:
             reduce = {key: ("sum" if key.startswith(("count", "grad_count")) else "max") for key in metrics}
             logger.log_metrics(metrics, step=step, prefix=self.name, reduce=reduce)
         for buffer in self._buffers.values():
             buffer.clear()
-        if dropped:
-            raise ModifiedInPlaceError(
-                f"NonFinite({self.name!r}): the {', '.join(dropped)} tensors were modified in place after they "
-                f"were observed (an environment or rollout that reuses its buffers), so the references kept for "
-                f"the batched check no longer hold the observed values; their counts of step {step} and the "
-                f"step's totals are dropped (the other sources are logged), and from now on they are checked as "
-                f"they come"
+        self._dropped = set()
+        new = [source for source in dropped if source not in self._said_dropped]
+        if new:
+            self._said_dropped.update(new)
+            log.warning(
+                "instrument: NonFinite(%r): the %s tensors were modified in place after they were observed (an "
+                "environment or rollout that reuses its buffers), so the references kept for the batched check no "
+                "longer hold the observed values; their counts of step %d are dropped (%s/incomplete = 1, the "
+                "other sources are checked and logged), and from now on they are checked as they come",
+                self.name, ", ".join(new), step, self.name,
             )
 
     # ------------------------------------------------------------------ after the commit (host values)
@@ -274,6 +292,7 @@ class NonFinite(Observer):
     def message(self, scalars: Mapping[str, float], step: int) -> Optional[str]:
         """The report for one committed step's host scalars, or None when every checked value was finite."""
         head = self.name + "/"
+        incomplete = scalars.get(head + "incomplete", 0.0) > 0
         count = scalars.get(head + "count", 0.0)
         grad_count = scalars.get(head + "grad_count", 0.0)
         if not (count > 0 or grad_count > 0):
@@ -304,4 +323,5 @@ class NonFinite(Observer):
                 if key.startswith(head + "grad_count/") and value > 0
             ]
             parts.append(f"{int(grad_count)} non-finite gradient elements in {', '.join(bad)}")
-        return f"non-finite values at step {step}: " + "; ".join(parts)
+        note = " (incomplete: a source changed in place after it was observed is not counted)" if incomplete else ""
+        return f"non-finite values at step {step}{note}: " + "; ".join(parts)

@@ -89,7 +89,7 @@ class NonFinite(Observer):
     ``<name>/channels/<source>``          scalar   how many channels were non-finite at that iteration
     ``<name>/grad_count``                 scalar   non-finite gradient elements (when gradients are checked)
     ``<name>/grad_count/<param>``         scalar   non-finite elements of one parameter's gradient
-    ``<name>/incomplete``                 scalar   1 in a step where a source was dropped (below), on any rank
+    ``<name>/incomplete``                 scalar   1 in a step where a source was dropped (below), on any rank; else 0
     ===================================== ======== ==============================================================
 
     Args:
@@ -231,8 +231,8 @@ class NonFinite(Observer):
             ])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
-        if dropped:  # max over ranks: marked wherever a rank dropped one (its totals are in the sums)
-            metrics["incomplete"] = 1.0
+        if firsts or dropped:  # max over ranks: marked wherever a rank dropped one; every rank logs the key
+            metrics["incomplete"] = 1.0 if dropped else 0.0
         if metrics:
             reduce = {key: ("sum" if key.startswith(("count", "grad_count")) else "max") for key in metrics}
             logger.log_metrics(metrics, step=step, prefix=self.name, reduce=reduce)

@@ -282,3 +282,32 @@ def test_a_reopening_backend_whose_open_is_instruments_own_error_is_still_left_o
     inst.close()
     assert bad not in inst.logger.backends and bad.records == []
     assert "left out of this run" in caplog.text
+
+
+def test_a_failed_open_is_tried_again_at_most_once_per_retry_after(tmp_path, monkeypatch):
+    """Whatever made the open fail (here resume=True with a run id the store does not hold, which never goes
+    away), later records try again at most once per retry_after, not once each."""
+    import json
+    import time
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logs = tmp_path / "logs"
+    inst = instrument.Instrumentation(backends=[MlflowBackend(tracking_uri=uri)], run_name="r", log_dir=str(logs))
+    inst.close()
+    (logs / "r" / "run.json").write_text(json.dumps({"backends": {"MlflowBackend": "0" * 32}}))
+    tries = []
+    create_run = MlflowBackend._create_run
+    monkeypatch.setattr(MlflowBackend, "_create_run", lambda self, run: tries.append(1) or create_run(self, run))
+    backend = MlflowBackend(tracking_uri=uri, retry_after=1.0)
+    inst = instrument.Instrumentation(backends=[backend, instrument.JsonlBackend()], run_name="r",
+                                      log_dir=str(logs), resume=True, on_backend_error="warn")
+    for step in range(20):
+        inst.logger.log_metrics({"x": float(step)}, step=step)
+        inst.logger.commit(step)
+    inst.flush()
+    assert len(tries) == 1  # the open; the 20 records within retry_after did not try again
+    time.sleep(1.1)
+    inst.logger.log_metrics({"x": 20.0}, step=20)
+    inst.logger.commit(20)
+    inst.close()
+    assert len(tries) == 2 and inst.failures["MlflowBackend"] == 22  # the open and every record missed

@@ -126,3 +126,47 @@ def test_an_mlflow_server_that_never_answers_never_holds_the_training_thread(tmp
              if "step" in json.loads(line)]
     assert steps == list(range(20))
     assert "MlflowBackend" in inst.failures
+
+
+REOPEN_CHILD = textwrap.dedent(
+    """
+    import os, signal, socket, sys, time
+    import instrument
+
+    port, root = int(sys.argv[1]), sys.argv[2]
+    mlflow_backend = instrument.MlflowBackend(tracking_uri=f"http://127.0.0.1:{port}", timeout=5, retry_after=0)
+    inst = instrument.Instrumentation(  # nothing listens yet: the open is refused, and MLflow stays to reopen
+        backends=[mlflow_backend, instrument.JsonlBackend()], run_name="r", log_dir=root, on_backend_error="warn",
+    )
+    silent = socket.socket()  # the server comes back, but never answers: each try to open takes its timeout
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    silent.bind(("127.0.0.1", port))
+    silent.listen(64)
+    for step in range(10):
+        inst.logger.log_metrics({"x": float(step)}, step=step)
+        inst.logger.commit(step)
+    print("committed", flush=True)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(120)
+    """
+)
+
+
+def test_sigterm_while_mlflow_tries_to_reopen_costs_the_other_backends_no_step(tmp_path):
+    """A reopening MLflow backend (its open was refused) is written after the others, and not at all once the
+    logger closes: before, JSONL sat behind MLflow's tries against a silent server until SIGTERM's close bound
+    ran out, and lost every step."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "child.py"
+    script.write_text(REOPEN_CHILD)
+    child = subprocess.run([sys.executable, str(script), str(port), str(tmp_path)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert child.returncode == -signal.SIGTERM, child.stderr[-2000:]
+    assert "committed" in child.stdout
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if "x" in json.loads(line).get("metrics", {})] == list(range(10))

@@ -74,8 +74,9 @@ class MlflowBackend(Backend):
     just around this backend's calls (another thread's MLflow calls made at that moment see them too). Driven
     by a `Logger` under ``on_backend_error="warn"``, or when opening outlasted ``open_timeout``, a backend
     whose opening failed because the store did not answer stays in the run (``reopens``): each later record
-    tries to open the run again, at most once per ``retry_after`` seconds, and the records before it opens are
-    not written to it (docs/backends.md). A bad option or a missing extra is not retried. `on_exit`
+    tries to open the run again, at most once per ``retry_after`` seconds and without MLflow's own retries
+    (whatever made the open fail: an unknown resume id too), and the records before it opens are not written
+    to it (docs/backends.md). A bad option or a missing extra is not retried. `on_exit`
     ("killed"/"failed") makes `close` end the run KILLED or FAILED instead of FINISHED.
 
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
@@ -134,8 +135,9 @@ class MlflowBackend(Backend):
         self._held_params: Optional[Tuple[Dict[str, Any], Optional[str]]] = None  # logged before the run opened
 
     @contextlib.contextmanager
-    def _bounded(self) -> Iterator[None]:
-        """MLflow's HTTP timeout, retries and backoff set to this backend's options for one call."""
+    def _bounded(self, retries: Optional[int] = None) -> Iterator[None]:
+        """MLflow's HTTP timeout, retries and backoff set to this backend's options (``retries`` instead of
+        ``max_retries`` when given) for one call."""
         if time.monotonic() < self._unreachable_until:
             raise ConnectionError(
                 f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s ago; "
@@ -143,7 +145,7 @@ class MlflowBackend(Backend):
             )
         settings = {
             "MLFLOW_HTTP_REQUEST_TIMEOUT": str(self.timeout),
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(self.max_retries),
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(self.max_retries if retries is None else retries),
             "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": str(self.backoff_factor),
         }
         with _ENV_LOCK:
@@ -178,7 +180,7 @@ class MlflowBackend(Backend):
         if self.run_id is None:
             if self._run is None:
                 raise RuntimeError("MlflowBackend: open(run) must be called before anything else")
-            self._start()  # opening failed before (server unreachable): try again, bounded
+            self._start(retries=0)  # opening failed before: try again, once per request, bounded
             log.warning("instrument: MlflowBackend opened its run %s on a later try; the records before this "
                         "one were not written to it (the hyperparameters were kept and are logged now)",
                         self.run_id)
@@ -186,9 +188,13 @@ class MlflowBackend(Backend):
             if held is not None:
                 self.log_hyperparams(*held)
 
-    def _start(self) -> None:
-        with self._bounded():
-            self._create_run(self._run)
+    def _start(self, retries: Optional[int] = None) -> None:
+        try:
+            with self._bounded(retries):
+                self._create_run(self._run)
+        except Exception:  # whatever the cause, the next try waits retry_after (calls until then fail at once)
+            self._unreachable_until = max(self._unreachable_until, time.monotonic() + self.retry_after)
+            raise
 
     def _create_run(self, run: RunInfo) -> None:
         from mlflow import entities

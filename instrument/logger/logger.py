@@ -156,7 +156,8 @@ class Logger(StagedTable, StepRecords):
     def add_backend(self, backend: Backend) -> bool:
         """Route later commits to ``backend`` too; it is opened with this run on the writer thread first.
 
-        Returns True once queued; a failure to open is reported, counted, and removes it from `backends`.
+        Returns True once queued; a failure to open is reported, counted, and removes it from `backends`
+        (unless it `Backend.reopens`: then it stays and opens itself on a later record).
         """
         if not isinstance(backend, Backend):
             raise ConfigurationError(f"add_backend takes an instrument Backend, got {type(backend).__name__}.")

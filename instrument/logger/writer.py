@@ -117,6 +117,7 @@ class Writer:
     ) -> None:
         self.backends = backends
         self._active: List[Backend] = []  # opened, in order; touched only on the writer thread
+        self._unopened: List[Backend] = []  # active ones whose open failed, opening themselves again (reopens)
         self._build = build
         self.ledger = ledger
         self.queue_size = queue_size
@@ -133,6 +134,7 @@ class Writer:
         self._submitted = 0
         self._done = 0
         self._closing = False
+        self._close_bound: Optional[float] = None  # the close's timeout (a signal's, a failed start's), if any
         self._stopped = False
         self._dirty = False
         self._failed = 0  # backend calls (write, control calls, flush) that raised; writer thread only
@@ -205,6 +207,8 @@ class Writer:
 
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> bool:
         """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop."""
+        if timeout is not None:  # before the close is queued: the writer reads it once it sees `_closing`
+            self._close_bound = timeout
         seq = self._put(_CLOSE, status, closing=True)
         if threading.current_thread() is self._thread:
             return False
@@ -371,16 +375,24 @@ class Writer:
             record = self._build(data)
             handle.record = record
             if record is not None and not record.is_empty():
+                unopened = self._unopened
                 for backend in self._active:
+                    if unopened and backend in unopened:
+                        continue  # after the others: a slow try to open never holds up their copy
                     if not self.ledger.call(backend.name, "write", backend.write, record):
                         self._failed += 1
                     time.sleep(0)  # let a training thread waiting for the GIL in now, not after 5 ms
+                for backend in list(unopened):
+                    self._reopening_call(backend, "write", record)
                 self._dirty = True
         elif kind == _CALL:
             method, args, only = payload
             for backend in [only] if only is not None else list(self._active):
                 if method == "open":
                     ok = self._open(backend, *args)
+                elif backend in self._unopened and method in ("log_hyperparams", "write_system"):
+                    self._reopening_call(backend, method, *args)
+                    continue
                 else:
                     ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
                 if not ok:  # an open that failed too: that backend gets none of the steps, which flush() says
@@ -416,6 +428,7 @@ class Writer:
             again = getattr(backend, "reopens", False) and not isinstance(exc, InstrumentError)
             if again:
                 self._active.append(backend)
+                self._unopened.append(backend)
             if self.report_open:
                 consequence = (
                     "it stays in the run and tries to open again at its next record (bounded by its own "
@@ -426,6 +439,19 @@ class Writer:
                 )
                 self.ledger.record(backend.name, "open", exc, consequence)
             return False
+
+    def _reopening_call(self, backend: Backend, method: str, *args: Any) -> None:
+        """A call to a backend whose open failed and which opens itself on its next call (`Backend.reopens`).
+        Once a close with a time bound is queued (SIGTERM's, a failed start's) it is not called at all: a try
+        to open may take the backend's whole timeout, which the steps still queued for the other backends must
+        not wait for. The call missed counts as a failure either way."""
+        if self._closing and self._close_bound is not None:
+            self.ledger.record(backend.name, method)
+            self._failed += 1
+        elif self.ledger.call(backend.name, method, getattr(backend, method), *args):
+            self._unopened.remove(backend)  # it opened: called in its place from now on
+        else:
+            self._failed += 1
 
     def _flush_backends(self) -> None:
         for backend in self._active:

@@ -15,7 +15,7 @@ Numerics: the variance is ``E[d^2] - E[d]^2`` of ``d = x - r`` with ``r`` the me
 output values (as in `instrument.observers.stats`), so an output whose mean is large next to its spread keeps
 its precision; means are float32 pairwise sums (float64 outputs stay float64). ``absmax`` comes from the exact
 minimum and maximum. ``d`` is scaled by a power of two first (`instrument.observers.stats.pow2_scale`, exact),
-so a diverging layer's std does not overflow to inf before its values do. ``zero_frac`` counts exact zeros as
+so a diverging layer's std does not overflow while its spread fits the dtype. ``zero_frac`` counts exact zeros as
 the mean of ``sign(x)^2``: about 10x faster on CPU than ``count_nonzero`` or ``(x == 0).sum()`` (measured on
 torch 2.13).
 """

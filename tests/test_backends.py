@@ -349,3 +349,24 @@ def test_wandb_writes_a_samples_table_with_a_nan_score(tmp_path):
     (row,) = read_run(tmp_path / "w")[0]
     assert row["loss"] == 0.5
     assert row["val"]["nrows"] == 2
+
+
+def test_tensorboard_says_once_per_key_when_float32_cannot_hold_a_value(tmp_path, caplog):
+    """TensorBoard stores float32: 1e39 reads inf and 1e-46 reads 0 there, while JSONL keeps both. One warning
+    per key, none for values float32 holds, for zero, inf or NaN."""
+    logger = instrument.Logger([instrument.TensorBoardBackend(), instrument.JsonlBackend()],
+                               instrument.RunInfo("r", tmp_path))
+    values = {"big": 1e39, "tiny": -1e-46, "fine": 3e38, "small": 1e-44, "zero": 0.0, "inf": math.inf,
+              "nan": math.nan}
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in (0, 1):
+            logger.log_metrics(values, step=step)
+            logger.commit(step)
+        logger.close()
+    said = [r.getMessage() for r in caplog.records if "stores scalars as float32" in r.getMessage()]
+    assert len(said) == 2 and "'big' = 1e+39 reads inf" in said[0] + said[1] and "'tiny'" in said[0] + said[1]
+    tb = read_scalars(tmp_path / "r")
+    assert tb["big"][0] == math.inf and tb["tiny"][0] == 0.0 and tb["fine"][0] == pytest.approx(3e38, rel=1e-7)
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    metrics = next(line["metrics"] for line in lines if line.get("step") == 0 and "metrics" in line)
+    assert metrics["big"] == 1e39 and metrics["tiny"] == -1e-46

@@ -369,6 +369,12 @@ def test_weighted_mean_over_time_on_one_process():
     assert logger.commit(1).scalars["a"] == pytest.approx((3 * 1 + 5) / 4)
 
 
+def test_l2_on_one_process_is_the_absolute_value_as_over_one_rank():
+    logger = Logger([])
+    logger.log_metrics({"norm": -3.0, "t": torch.tensor(-4.0)}, step=0, reduce="l2")
+    assert logger.commit(0).scalars == {"norm": 3.0, "t": 4.0}
+
+
 def test_timer_reduce_op_is_fixed_per_timer():
     logger = Logger([])
     assert logger.timer("t").reduce == "max"

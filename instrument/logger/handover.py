@@ -73,6 +73,9 @@ def handover(
                          f"size) or leave weights out for a plain mean")
             else:
                 scalars[name] = scalars[name] / weight
+        for name, op in ops.items():
+            if op == "l2":  # the root of the sum of squares over one rank: |value|, as with several ranks
+                scalars[name] = abs(scalars[name])
         tensor_keys = list(on_device)
         tensors = [scalars[name] for name in tensor_keys]
     for value, _ in media.values():

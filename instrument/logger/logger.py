@@ -184,10 +184,9 @@ class Logger(StagedTable, StepRecords):
         of that commit. ``commit=True`` writes these values now as a record of their own at ``step`` and leaves
         the rest staged (returns the `CommittedStep`; with a process group a collective, like `commit`). ``reduce``
         says how ranks combine it at commit: ``"mean"``, ``"sum"``, ``"min"``, ``"max"`` or ``"l2"`` (root of
-        the sum of squares), for all keys or as a dict key -> op (unnamed keys: mean). ``weights`` (a number,
-        a one-element tensor, or a dict key -> weight) makes a mean weighted, e.g. by batch size: the result
-        is sum(weight * value) / sum(weight) over the interval and over ranks.
-        """
+        the sum of squares), for all keys or as a dict key -> op (unnamed keys: mean). ``weights`` (>= 0: a
+        number, a one-element tensor, whose sign is not checked since reading it would sync, or a dict key ->
+        weight) makes a mean weighted: sum(weight * value) / sum(weight) over the interval and over ranks."""
         if type(metrics) is not dict or "" in metrics:
             check_keys(metrics)
         plain = weights is None and type(reduce) is str and reduce == "mean"

@@ -253,14 +253,15 @@ def test_mlflow_server_that_never_answers_is_given_up_and_then_skipped(tmp_path)
 
 def test_mlflow_open_that_failed_is_retried_by_the_next_record(tmp_path):
     """A sqlite store whose directory is a plain file cannot be opened (MLflow would create a missing one);
-    once the directory is there the next record opens the run and is written, read back with MlflowClient."""
+    once the directory is there the next record (retry_after=0: no wait between tries) opens the run and is
+    written, read back with MlflowClient."""
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     db = tmp_path / "later" / "mlflow.db"
     uri = f"sqlite:///{db}"
     db.parent.write_text("not a directory")
-    backend = MlflowBackend(tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri())
+    backend = MlflowBackend(tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri(), retry_after=0)
     with pytest.raises(Exception):  # noqa: B017 - sqlalchemy's OperationalError, wrapped by MLflow
         backend.open(RunInfo("late", tmp_path))
     db.parent.unlink()

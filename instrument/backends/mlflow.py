@@ -64,8 +64,9 @@ class MlflowBackend(Backend):
             default is 7, with backoff that reaches minutes.
         backoff_factor: seconds; retry ``n`` (n >= 2) first waits ``backoff_factor * 2 ** (n - 1)`` (plus up to
             a second of jitter). MLflow's own default is 2.
-        retry_after: seconds during which, after a call failed to reach the server, later calls fail at once
-            instead of waiting for the same dead server again (0 turns this off).
+        retry_after: seconds during which, after a call failed to reach the server (or opening the run failed,
+            whatever the cause), later calls fail at once instead of waiting for the same dead server again (0
+            turns this off).
 
     Faults: every MLflow call of this backend runs with ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
     ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` set from the options above,

@@ -147,3 +147,26 @@ def test_session_run_log_has_table_rows_and_every_scalar(tmp_path):
     )
     assert "RuntimeError: boom" in text and "Traceback" in text
     assert _state("instrument") == inst_before
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_run_log_on_a_full_disk_is_said_once_and_never_ends_the_run(tmp_path, capsys):
+    """The run log's file is moved to /dev/full mid-run (every write fails with ENOSPC): one line says so, no
+    traceback per record, the console table and the steps go on, and close() returns (its final flush of
+    the file fails too) and restores the logging configuration."""
+    table, term = io.StringIO(), io.StringIO()
+    before = _state("instrument")
+    inst = instrument.Instrumentation(
+        backends=[ConsoleBackend(stream=table)], log_interval=1, log_dir=str(tmp_path), run_name="full",
+        run_log=functools.partial(setup_run_logging, stream=term),
+    )
+    inst.run_log.file.stream = open("/dev/full", "w", encoding="utf-8")  # noqa: SIM115 - closed by the run log
+    for step in range(20):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+    inst.close()
+    said = capsys.readouterr().err
+    assert said.count("cannot be written") == 1 and "No space left on device" in said
+    assert "--- Logging error ---" not in said
+    assert len(table.getvalue().splitlines()) > 20  # every row reached the console (plus its header)
+    assert inst.failures == {} and _state("instrument") == before

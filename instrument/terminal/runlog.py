@@ -19,6 +19,7 @@ are added to the named loggers only and removed by `RunLog.close`, which also re
 (``propagate=False``), so its messages do not print twice when you have root handlers of your own.
 """
 
+import contextlib
 import logging
 import re
 import sys
@@ -79,6 +80,33 @@ class TerminalHandler(logging.Handler):
             self.handleError(record)
 
 
+class _RunLogFile(logging.FileHandler):
+    """The run log's file. A write that fails (a full disk, a removed folder) is said once on the terminal and
+    turns the file off, instead of logging's own traceback for every later record; a failing close is
+    swallowed: losing the run log must never end the run or its close."""
+
+    broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if self.broken:
+            return
+        self.broken = True
+        error = sys.exc_info()[1]
+        with contextlib.suppress(Exception):
+            write_line(f"W instrument: the run log {self.baseFilename} cannot be written ({error!r}); it is "
+                       f"turned off for the rest of the run, and the terminal and the backends go on", sys.stderr)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the flush of what was buffered failed: nothing more can be done for that file
+            self.broken = True
+
+
 class RunLog:
     """What `setup_run_logging` returns: the file ``path`` and ``close()`` (idempotent, also on exit)."""
 
@@ -108,14 +136,16 @@ class RunLog:
         if self.closed:
             return
         self.closed = True
-        for logger, level, propagate, handlers in reversed(self._restore):
-            for handler in handlers:
-                logger.removeHandler(handler)
-            logger.setLevel(level)
-            logger.propagate = propagate
-        self.file.close()
-        if _active is self:
-            _active = None
+        try:
+            for logger, level, propagate, handlers in reversed(self._restore):
+                for handler in handlers:
+                    logger.removeHandler(handler)
+                logger.setLevel(level)
+                logger.propagate = propagate
+            self.file.close()
+        finally:
+            if _active is self:
+                _active = None
 
     def __enter__(self) -> "RunLog":
         return self
@@ -171,7 +201,7 @@ def setup_run_logging(
     # A run named by its start time (the default) would otherwise get the time twice in its file name.
     stem = started if _safe(run_name) == started else f"{started}-{_safe(run_name)}"
     path = _unique(folder, stem)
-    file_handler = logging.FileHandler(path, encoding="utf-8", delay=False)
+    file_handler = _RunLogFile(path, encoding="utf-8", delay=False)
     file_handler.setLevel(logging.DEBUG)
     file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))
     term = TerminalHandler(stream, level) if terminal else None

@@ -1,8 +1,10 @@
 """Run logs: terse terminal lines, a verbose timestamped file per run, the user's logging left alone."""
 
+import contextlib
 import functools
 import io
 import logging
+import os
 import re
 
 import pytest
@@ -149,7 +151,7 @@ def test_session_run_log_has_table_rows_and_every_scalar(tmp_path):
     assert _state("instrument") == inst_before
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
 def test_a_run_log_on_a_full_disk_is_said_once_and_never_ends_the_run(tmp_path, capsys):
     """The run log's file is moved to /dev/full mid-run (every write fails with ENOSPC): one line says so, no
     traceback per record, the console table and the steps go on, and close() returns (its final flush of
@@ -170,3 +172,27 @@ def test_a_run_log_on_a_full_disk_is_said_once_and_never_ends_the_run(tmp_path, 
     assert "--- Logging error ---" not in said
     assert len(table.getvalue().splitlines()) > 20  # every row reached the console (plus its header)
     assert inst.failures == {} and _state("instrument") == before
+
+
+def test_console_rows_reach_the_run_log_after_the_terminal_pipe_closes(tmp_path):
+    """`python train.py | head -1`: the reader of the console's pipe goes away. The first write that fails is
+    reported once (one failure), nothing more is written to the pipe, and every row is still in the run log."""
+    read_end, write_end = os.pipe()
+    pipe = os.fdopen(write_end, "w", buffering=1)
+    inst = instrument.Instrumentation(
+        backends=[ConsoleBackend(columns=[Column("loss", "loss", 9, ".4f", "loss")], stream=pipe)],
+        log_interval=1, log_dir=str(tmp_path), run_name="piped",
+        run_log=functools.partial(setup_run_logging, stream=io.StringIO()),
+    )
+    inst.flush()  # the legend went through
+    os.close(read_end)  # the reader is gone: writes raise BrokenPipeError (Python ignores SIGPIPE)
+    for step in range(30):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": step / 4}, step=step)
+    inst.close()
+    text = inst.run_log.path.read_text(encoding="utf-8")
+    rows = re.findall(rf"^{STAMP} INFO     instrument\.console: +(\d+) +([0-9.]+)$", text, re.M)
+    assert [(int(s), float(v)) for s, v in rows] == [(s, s / 4) for s in range(30)]
+    assert inst.failures == {"ConsoleBackend": 1}
+    with contextlib.suppress(OSError):
+        pipe.close()

@@ -116,6 +116,7 @@ class ConsoleBackend(Backend):
         self.width = width
         self.table: Optional[StepTable] = None
         self._summaries: Dict[str, _Summary] = {}
+        self._pipe_closed = False  # the stream's reader went away (`| head`): rows go to the run log only
         if self.declared is not None:
             self.table = self._make_table(self.declared)  # validate now: a bad column fails before training
 
@@ -248,17 +249,23 @@ class ConsoleBackend(Backend):
         return any(_under(key, prefix) for prefix in self.summary)
 
     def _emit(self, line: str) -> None:
-        try:
-            write_line(line, self.stream)
-        except UnicodeEncodeError:  # a lone surrogate (os.fsdecode), or a character the stream's encoding lacks
-            encoding = getattr(self.stream or sys.stdout, "encoding", None) or "utf-8"
-            line = line.encode(encoding, "backslashreplace").decode(encoding)
-            write_line(line, self.stream)  # the stream encodes a line before it writes any of it
-        table_log.info(line)
+        self._emit_all((line,))
 
     def _emit_all(self, lines: Sequence[str]) -> None:
+        # The run log first: a terminal that breaks (`| head`, a closed window) must not cost it any line.
         for line in lines:
-            self._emit(line)
+            table_log.info(line)
+        if self._pipe_closed:
+            return
+        for line in lines:
+            try:
+                write_line(line, self.stream)
+            except UnicodeEncodeError:  # a lone surrogate (os.fsdecode), or a character the encoding lacks
+                encoding = getattr(self.stream or sys.stdout, "encoding", None) or "utf-8"
+                write_line(line.encode(encoding, "backslashreplace").decode(encoding), self.stream)
+            except BrokenPipeError:  # reported once (it raises); nothing more is written to that pipe
+                self._pipe_closed = True
+                raise
 
     def __repr__(self) -> str:
         shown = None if self.declared is None else [c.key for c in self.declared]

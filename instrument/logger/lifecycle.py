@@ -110,6 +110,9 @@ def describe_open_error(backend: Any, exc: Exception) -> str:
     text = f"{backend.name}: {type(exc).__name__}: {exc}"
     if isinstance(exc, MissingExtraError) or isinstance(exc, InstrumentError):
         return text  # these already say how to fix it
+    if isinstance(exc, BrokenPipeError):  # a ConnectionError, but of a local pipe: the console's reader left
+        return text + f" (fix: {backend.name} writes to a pipe whose reader has exited; keep it open or point " \
+                      f"the backend at another stream)"
     if isinstance(exc, (ConnectionError, TimeoutError)) or "API request to" in str(exc):
         return text + " (fix: start the server or correct its address, e.g. the backend's tracking_uri)"
     return text + f" (fix: check {backend.name}'s options and that its directory is writable)"

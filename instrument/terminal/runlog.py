@@ -92,10 +92,13 @@ class _RunLogFile(logging.FileHandler):
             super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):  # not the file's fault (a record that cannot be formatted)
+            super().handleError(record)
+            return
         if self.broken:
             return
         self.broken = True
-        error = sys.exc_info()[1]
         with contextlib.suppress(Exception):
             write_line(f"W instrument: the run log {self.baseFilename} cannot be written ({error!r}); it is "
                        f"turned off for the rest of the run, and the terminal and the backends go on", sys.stderr)
@@ -201,7 +204,7 @@ def setup_run_logging(
     # A run named by its start time (the default) would otherwise get the time twice in its file name.
     stem = started if _safe(run_name) == started else f"{started}-{_safe(run_name)}"
     path = _unique(folder, stem)
-    file_handler = _RunLogFile(path, encoding="utf-8", delay=False)
+    file_handler = _RunLogFile(path, encoding="utf-8", errors="backslashreplace", delay=False)  # lone surrogates
     file_handler.setLevel(logging.DEBUG)
     file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))
     term = TerminalHandler(stream, level) if terminal else None

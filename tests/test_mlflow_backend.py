@@ -311,3 +311,29 @@ def test_a_failed_open_is_tried_again_at_most_once_per_retry_after(tmp_path, mon
     inst.logger.commit(20)
     inst.close()
     assert len(tries) == 2 and inst.failures["MlflowBackend"] == 22  # the open and every record missed
+
+
+def test_a_failed_open_is_tried_again_under_a_steady_stream_of_records(tmp_path):
+    """Records keep coming faster than retry_after: each one within the wait fails at once without pushing the
+    wait out, so the run opens at the first record after retry_after once the store is back (before, the
+    backend stayed unopened for the whole run)."""
+    import time
+
+    store = tmp_path / "store"
+    store.write_text("not a folder yet")
+    uri = f"sqlite:///{store}/mlflow.db"
+    backend = MlflowBackend(tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri(), retry_after=0.3)
+    inst = instrument.Instrumentation(backends=[backend, instrument.JsonlBackend()], run_name="r",
+                                      log_dir=str(tmp_path / "logs"), on_backend_error="warn")
+    store.unlink()  # the store is back at once; the first try after retry_after opens the run
+    step, deadline = 0, time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        inst.logger.log_metrics({"x": float(step)}, step=step)
+        inst.logger.commit(step)
+        inst.flush()
+        step += 1
+        time.sleep(0.05)
+    inst.close()
+    assert backend.run_id is not None
+    history = MlflowClient(tracking_uri=uri).get_metric_history(backend.run_id, "x")
+    assert len(history) >= step - 12 and history[-1].step == step - 1  # every record from about 0.3 s on

@@ -40,6 +40,10 @@ _END_STATUS = {"killed": "KILLED", "failed": "FAILED"}
 _ENV_LOCK = threading.RLock()
 
 
+class _Waiting(ConnectionError):
+    """A call skipped because the server was unreachable, or the run failed to open, within ``retry_after``."""
+
+
 class MlflowBackend(Backend):
     """Logs metrics with `MlflowClient.log_batch`, params from the operative gin config, images as artifacts.
 
@@ -140,9 +144,9 @@ class MlflowBackend(Backend):
         """MLflow's HTTP timeout, retries and backoff set to this backend's options (``retries`` instead of
         ``max_retries`` when given) for one call."""
         if time.monotonic() < self._unreachable_until:
-            raise ConnectionError(
-                f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s ago; "
-                "this call was skipped (retry_after)"
+            raise _Waiting(
+                f"MlflowBackend: {self.tracking_uri} was unreachable (or the run failed to open) less than "
+                f"{self.retry_after:g} s ago; this call was skipped (retry_after)"
             )
         settings = {
             "MLFLOW_HTTP_REQUEST_TIMEOUT": str(self.timeout),
@@ -193,6 +197,8 @@ class MlflowBackend(Backend):
         try:
             with self._bounded(retries):
                 self._create_run(self._run)
+        except _Waiting:  # not a try: the wait it is in must not be pushed out by every call that meets it
+            raise
         except Exception:  # whatever the cause, the next try waits retry_after (calls until then fail at once)
             self._unreachable_until = max(self._unreachable_until, time.monotonic() + self.retry_after)
             raise

@@ -387,11 +387,12 @@ class Writer:
                 self._dirty = True
         elif kind == _CALL:
             method, args, only = payload
+            later = []  # reopening backends not open yet: after the others, as for records
             for backend in [only] if only is not None else list(self._active):
                 if method == "open":
                     ok = self._open(backend, *args)
                 elif backend in self._unopened and method in ("log_hyperparams", "write_system"):
-                    self._reopening_call(backend, method, *args)
+                    later.append(backend)
                     continue
                 else:
                     ok = self.ledger.call(backend.name, method, getattr(backend, method), *args)
@@ -399,6 +400,8 @@ class Writer:
                     self._failed += 1
                 if method == "open" and backend not in self._active and backend in self.backends:
                     self.backends.remove(backend)
+            for backend in later:
+                self._reopening_call(backend, method, *args)
             self._dirty = True
         elif kind == _FLUSH:
             self._flush_backends()

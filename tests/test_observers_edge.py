@@ -139,3 +139,10 @@ def test_dx_of_integer_bool_and_half_states_is_their_exact_difference(dtype):
     scalars = keep.records[0].scalars
     assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-6)
     assert scalars["update_norm/l2/max"] == pytest.approx(max(norms), rel=1e-6)
+
+
+def test_dx_of_an_integer_next_to_a_float64_state_keeps_float64():
+    previous = torch.tensor([[1e-9 + 1.0]], dtype=torch.float64)
+    following = torch.tensor([[1]], dtype=torch.int32)
+    dx = instrument.StepContext(previous, following).dx
+    assert dx.dtype == torch.float64 and dx.item() == 1.0 - (1e-9 + 1.0)

@@ -154,3 +154,31 @@ def test_an_episode_after_a_large_reward_in_the_same_batch_keeps_its_return(dtyp
     exact = reward.double().numpy()[0]
     assert scalars["collection/main/episode/return/min"] == pytest.approx(exact[5:15].sum(), rel=1e-12)
     assert scalars["collection/main/episode/return/max"] == pytest.approx(exact[:5].sum(), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weighted_vector_rewards_are_scalarised_in_float64(dtype):
+    """(rewards * weights).sum(-1) ran in the reward's dtype: float16 objectives [4e4, 1.5] weighted [1, 1]
+    read inf, bfloat16 lost digits."""
+    from instrument.rl import CollectionMetrics
+
+    reward = torch.tensor([[40000.0, 1.5], [3.0, 0.25]], dtype=dtype)
+    weights = [1.0, 0.1]
+    collection = CollectionMetrics(reward_weights=weights, time_dim=None)
+    collection.update(reward=reward, done=torch.tensor([False, False]))
+    exact = (reward.double().numpy() * np.array(weights)).sum(axis=1).mean()
+    assert _logged(collection)["collection/main/reward/mean"] == pytest.approx(exact, rel=1e-12)
+
+
+def test_integer_training_values_stay_exact_and_one_bad_entry_costs_only_itself():
+    """An int64 count of 2**24 + 1 went through float32 (16777216); an entry that is not a number stopped
+    every entry after it, at every update."""
+    from instrument.rl import TrainMetrics
+
+    train = TrainMetrics(reduce_stats=True)
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"'schedule' has type str.*the other entries were added"):
+            train.update({"loss": torch.tensor(0.5), "schedule": "cosine", "tokens": torch.tensor(2**24 + 1)})
+    scalars = _logged(train)
+    assert scalars["train/main/loss"] == 0.5
+    assert scalars["train/main/tokens"] == scalars["train/main/tokens/max"] == float(2**24 + 1)

@@ -28,12 +28,14 @@ def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
 
 
 def difference(following: Tensor, previous: Tensor) -> Tensor:
-    """``following - previous``, in float32 unless both are float32 or float64 (or complex): a difference of
+    """``following - previous`` in at least float32, unless both are float32 or float64 (or complex): a difference of
     integers wraps around (uint8: 9 - 10 = 255) or overflows (int8), bools do not subtract, and half
     precision overflows (float16: 4e4 - -4e4 is inf) where float32 holds the exact difference."""
     if following.dtype in _EXACT and previous.dtype in _EXACT:
         return following - previous
-    return following.float() - previous.float()
+    # At least float32, and float64 when one side is (an int32 next to a float64 state keeps its digits).
+    dtype = torch.promote_types(torch.result_type(following, previous), torch.float32)
+    return following.to(dtype) - previous.to(dtype)
 
 
 _EXACT = (torch.float32, torch.float64, torch.complex64, torch.complex128)

@@ -42,7 +42,7 @@ from instrument.rl.batch import (
     split_features,
 )
 from instrument.rl.component import RLComponent
-from instrument.rl.running_stats import STATS, RunningStats, episode_segments
+from instrument.rl.running_stats import STATS, RunningStats, episode_segments, wide_dtype
 
 __all__ = ["CollectionMetrics"]
 
@@ -183,12 +183,9 @@ class CollectionMetrics(RLComponent):
                 f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the reward "
                 f"has {k} objectives; bind exactly one weight per objective."
             )
-        weights = torch.as_tensor(
-            self.reward_weights,
-            dtype=rewards.dtype if rewards.is_floating_point() else torch.float32,
-            device=rewards.device,
-        )
-        return (rewards * weights).sum(dim=-1, keepdim=True)
+        wide = wide_dtype(rewards.device)  # as every sum of rewards (instrument.rl.running_stats)
+        weights = torch.as_tensor(self.reward_weights, dtype=wide, device=rewards.device)
+        return (rewards.to(wide) * weights).sum(dim=-1, keepdim=True)
 
     def _add_episodes(self, batch, shape, rewards, done, valid, episode_reward) -> None:
         ended = split_features(done, shape, f"done at {self.done_key!r}").to(torch.bool).any(dim=-1)

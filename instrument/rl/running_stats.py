@@ -18,16 +18,17 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RunningStats", "episode_segments", "STATS"]
+__all__ = ["RunningStats", "episode_segments", "STATS", "wide_dtype"]
 
 STATS = ("mean", "min", "max")
 
 
 def _float(values: Tensor) -> Tensor:
-    return values if values.is_floating_point() else values.to(torch.float32)
+    """Floating values as they are; integers and bools in float64 (float32 on MPS): exact up to 2**53."""
+    return values if values.is_floating_point() else values.to(wide_dtype(values.device))
 
 
-def _wide(device: torch.device) -> torch.dtype:
+def wide_dtype(device: torch.device) -> torch.dtype:
     """The dtype sums accumulate in (see the module docstring)."""
     return torch.float32 if device.type == "mps" else torch.float64
 
@@ -75,7 +76,7 @@ class RunningStats:
         masked = values if keep is None else torch.where(keep, values, zero)
         low_in = values if keep is None else torch.where(keep, values, inf)
         high_in = values if keep is None else torch.where(keep, values, -inf)
-        wide = _wide(values.device)
+        wide = wide_dtype(values.device)
         if values.numel() == 0:
             total = torch.zeros(values.shape[-1:], dtype=wide, device=values.device)
             low = torch.full(values.shape[-1:], math.inf, dtype=values.dtype, device=values.device)
@@ -157,7 +158,7 @@ def episode_segments(
         valid = torch.ones(done.shape, dtype=torch.bool, device=done.device)
     valid = valid.to(torch.bool)
     ended = done.to(torch.bool) & valid
-    wide = _wide(reward.device)
+    wide = wide_dtype(reward.device)
     if carry_return is None:
         carry_return = torch.zeros(reward.shape[1:], dtype=wide, device=reward.device)
     if carry_length is None:
@@ -165,7 +166,7 @@ def episode_segments(
     if t_len == 0:
         empty = done.to(torch.bool)
         return (
-            reward,
+            reward.to(wide),
             torch.zeros(done.shape, dtype=torch.int64, device=done.device),
             empty,
             carry_return,

@@ -27,7 +27,7 @@ from torch import Tensor
 from instrument.errors import ConfigurationError
 from instrument.rl.batch import is_tensordict
 from instrument.rl.component import RLComponent
-from instrument.rl.running_stats import RunningStats
+from instrument.rl.running_stats import RunningStats, wide_dtype
 
 __all__ = ["TrainMetrics"]
 
@@ -65,17 +65,25 @@ class TrainMetrics(RLComponent):
         self.on_losses(losses)
 
     def on_losses(self, losses: Any) -> None:
-        """Add one dict / TensorDict of values (e.g. the loss module's output for one update)."""
+        """Add one dict / TensorDict of values (e.g. the loss module's output for one update). An entry that is
+        not a number is skipped and named in one `TypeError` after the others were added."""
+        refused = []
         for name, value in _flatten(losses):
             if not self._wanted(name):
                 continue
-            tensor = _as_tensor(name, value)
+            try:
+                tensor = _as_tensor(name, value)
+            except TypeError as exc:
+                refused.append(str(exc))
+                continue
             if tensor is None:
                 continue
             acc = self._stats.get(name)
             if acc is None:
                 acc = self._stats[name] = RunningStats(flatten=True)
             acc.add(tensor.detach().reshape(-1, 1))
+        if refused:
+            raise TypeError(" ".join(refused) + " (the other entries were added)")
 
     def _wanted(self, name: str) -> bool:
         def matches(pattern: str) -> bool:
@@ -132,7 +140,7 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
             raise TypeError(
                 f"training entry {name!r} is a complex tensor; log its abs() or real part instead."
             )
-        return value if value.is_floating_point() else value.to(torch.float32)
+        return value if value.is_floating_point() else value.to(wide_dtype(value.device))  # ints exact to 2**53
     if isinstance(value, np.ndarray):
         return torch.as_tensor(value, dtype=torch.float64) if value.size else None
     if isinstance(value, (numbers.Real, np.number)):

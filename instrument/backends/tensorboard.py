@@ -319,8 +319,8 @@ def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Op
         _say_beyond_float32(drops, scalars)
 
 
-_F32_MAX = 3.4028234663852886e38
-_F32_ZERO = 7.006492321624085e-46  # half the smallest float32 subnormal: anything smaller is stored as 0
+_F32_INF = 3.4028235677973366e38  # 2**128 * (1 - 2**-25): float32 rounds this and beyond to inf
+_F32_ZERO = 2.0**-150  # half the smallest float32 subnormal: this and below round to 0
 
 
 def _say_beyond_float32(drops: Drops, scalars: Mapping[str, float]) -> None:
@@ -328,10 +328,10 @@ def _say_beyond_float32(drops: Drops, scalars: Mapping[str, float]) -> None:
     below its smallest subnormal reads 0. Said once per key (JSONL, W&B and MLflow keep such values); the
     usual step costs one pass over the values and two C-level ones (about 5 us for 100, on the writer thread)."""
     magnitudes = [abs(float(v)) for v in scalars.values()]
-    if max(magnitudes) <= _F32_MAX and min(filter(None, magnitudes), default=1.0) >= _F32_ZERO:
+    if max(magnitudes) < _F32_INF and min(filter(None, magnitudes), default=1.0) > _F32_ZERO:
         return  # (inf and NaN go on to the loop, which says nothing of them: they are stored as they are)
     for (key, value), size in zip(scalars.items(), magnitudes, strict=True):
-        if _F32_MAX < size < float("inf") or 0 < size < _F32_ZERO:
+        if _F32_INF <= size < float("inf") or 0 < size <= _F32_ZERO:
             drops.say(key, "float32", logging.WARNING,
                       "instrument: TensorBoard stores scalars as float32: %r = %r reads %s there (JSONL, W&B and "
                       "MLflow keep it); said once per key", key, float(value), "inf" if size > 1 else "0")

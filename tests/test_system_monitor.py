@@ -159,3 +159,34 @@ def test_bound_in_gin_with_the_mlflow_backend(tmp_path):
     assert inst.system_monitor.collection_interval == 0.05
     inst.close()
     assert not inst.system_monitor.running
+
+
+def test_a_stalled_sample_is_not_made_up_by_a_burst_of_samples():
+    """One sample takes 1 s at a 0.05 s interval (an NVML call that blocks, SIGSTOP, a suspended laptop): the
+    missed slots are skipped, so no two samples are closer than the interval (a burst measured CPU percentages
+    over ~0 s, all 0)."""
+
+    class OneSlowSample(SystemMonitor):
+        calls = 0
+
+        def sample(self):
+            OneSlowSample.calls += 1
+            if OneSlowSample.calls == 2:
+                time.sleep(1.0)
+            return super().sample()
+
+    class Sink:
+        def __init__(self):
+            self.records = []
+
+        def write_system(self, record):
+            self.records.append(record)
+
+    sink = Sink()
+    monitor = OneSlowSample(collection_interval=0.05, flush_interval=0.05, gpu=False)
+    monitor.start(sink)
+    time.sleep(1.6)
+    monitor.stop()
+    seconds = [r.scalars["system/seconds"] for r in sink.records]
+    gaps = [b - a for a, b in zip(seconds, seconds[1:], strict=False)]
+    assert len(seconds) >= 5 and min(gaps) >= 0.04, gaps

@@ -55,7 +55,8 @@ class SystemMonitor:
     """Samples resources every ``collection_interval`` seconds and flushes them every ``flush_interval``.
 
     Args:
-        collection_interval: seconds between samples.
+        collection_interval: seconds between samples (after a stall, the missed ones are skipped, not made up
+            in a burst).
         flush_interval: seconds between writes to the backends (>= collection_interval).
         gpu: include GPU memory (torch.cuda stats, once CUDA is initialised) and NVML utilisation/memory
             (when ``nvidia-ml-py`` is installed); False skips both.
@@ -203,10 +204,15 @@ class SystemMonitor:
         next_flush += self.flush_interval
         while True:
             self._collect()
+            # After a stall (a slow sample, SIGSTOP, a suspended laptop) the missed slots are skipped, not made
+            # up in a burst of samples microseconds apart whose CPU percentages would read 0 over ~0 s.
+            now = time.monotonic()
             next_sample += self.collection_interval
+            if next_sample <= now:  # behind: a whole interval from now, so the next sample measures one
+                next_sample = now + self.collection_interval
             if time.monotonic() >= next_flush:
                 self._flush()
-                next_flush += self.flush_interval
+                next_flush = max(next_flush + self.flush_interval, time.monotonic())
             if self._stop.wait(max(0.0, next_sample - time.monotonic())):
                 break
         self._flush()

@@ -275,3 +275,21 @@ def test_overflow_is_exact_for_huge_numbers_python_formats_as_inf(caplog):
     assert table.row({"p": 1.797693134862316e306, "n": 10**400}) == "1.80e308%   1e400"
     assert table.row({"p": math.inf, "n": -(10**400)}) == "     inf%  -1e400"
     assert not caplog.records
+
+
+def test_a_step_too_wide_for_its_column_widens_it_instead_of_rounding():
+    """A frame-counted run passes 10M: the automatic step column (7 wide) showed 1.001e7 for successive rows."""
+    import io
+
+    from instrument.backends.base import StepRecord
+    from instrument.backends.console import ConsoleBackend
+
+    out = io.StringIO()
+    console = ConsoleBackend(stream=out, legend=False)
+    steps = (9_999_000, 10_002_048, 10_006_144, 123_456_789_012)
+    for step in steps:
+        console.write(StepRecord(step=step, scalars={"reward": 1.0}))
+    rows = [line.split() for line in out.getvalue().splitlines() if line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == list(steps)
+    headers = [line for line in out.getvalue().splitlines() if line.split()[0] == "step"]
+    assert len(headers) == 3  # the first, and one each time the column widened

@@ -263,13 +263,26 @@ class StepTable:
         return self.sep.join(self.cell(c, values.get(c.key)) for c in self.columns)
 
     def render(self, values: Mapping[str, Any]) -> List[str]:
-        """The header when one is due (first row, then every ``header_every`` rows), then the row."""
+        """The header when one is due (first row, every ``header_every`` rows, and when a ``step`` too wide for
+        its column widens it: a step is never rounded to ``1.001e7``, as rows of a frame-counted run were)."""
         lines = []
-        if self.rows == 0 or (self.header_every and self.rows % self.header_every == 0):
+        widened = self._fit_step(values.get("step"))
+        if widened or self.rows == 0 or (self.header_every and self.rows % self.header_every == 0):
             lines.append(self.header())
         lines.append(self.row(values))
         self.rows += 1
         return lines
+
+    def _fit_step(self, step: Any) -> bool:
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool):
+            return False
+        digits = len(str(int(step)))
+        for i, column in enumerate(self.columns):
+            if column.key == "step" and column.fmt == "d" and digits > column.width:
+                wider = dataclasses.replace(column, width=digits)
+                self.columns = self.columns[:i] + (wider,) + self.columns[i + 1:]
+                return True
+        return False
 
     def cell(self, column: Column, value: Any) -> str:
         """``value`` rendered for ``column``, padded to exactly ``column.width``."""

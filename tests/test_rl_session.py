@@ -300,7 +300,7 @@ def test_frames_without_a_batch_are_counted_and_measure_nothing():
     assert [r.scalars["counters/frames"] for r in keeper.records] == [5.0, 13.0]
     assert "collection/main/reward/mean" not in keeper.records[0].scalars
     assert rl.failures == {}
-    with pytest.raises(ConfigurationError, match="found no reward"):
+    with pytest.raises(ConfigurationError, match="got neither a batch nor frames"):
         rl.observe_batch()  # neither a batch nor frames: a mistake, said so
     with pytest.raises(ConfigurationError, match=r"unknown batch keyword\(s\) \['rewards'\]"):
         rl.observe_batch(rewards=torch.ones(2))
@@ -322,3 +322,30 @@ def test_evaluation_is_set_before_attach():
     rl.attach(Logger([]))
     with pytest.raises(ConfigurationError, match="set after attach"):
         rl.evaluation = Evaluation()
+
+
+def test_a_later_batch_without_the_reward_key_is_a_fault_not_the_end_of_training(caplog):
+    """The first batches had a reward; iteration 2's lacks it. That batch's collection values are skipped with
+    one report (the first batch's ConfigurationError would still propagate), training goes on, and the
+    counters count every batch's frames."""
+    inst = instrument.Instrumentation(backends=[], log_interval=1)
+    rl = RLLogging(progress=None).attach(inst)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        for iteration in range(4):
+            with rl.iteration():
+                if iteration == 2:
+                    rl.observe_batch(done=torch.zeros(8, dtype=torch.bool))
+                else:
+                    rl.observe_batch(reward=torch.ones(8), done=torch.zeros(8, dtype=torch.bool))
+    assert rl.counters.frames == 32
+    assert inst.failures == {"collection": 1}
+    assert "found no reward" in caplog.text
+    rl.close()
+    inst.close()
+    fresh = instrument.Instrumentation(backends=[], log_interval=1)
+    first = RLLogging(progress=None).attach(fresh)
+    with pytest.raises(ConfigurationError, match="found no reward"):
+        with first.iteration():
+            first.observe_batch(done=torch.zeros(8, dtype=torch.bool))
+    first.close()
+    fresh.close()

@@ -14,10 +14,12 @@ also calls the component's other methods under the same failure guard, so whoeve
 
 A component that raises is recorded in the `FailureLedger` (reported once, then counted; the counts are in
 ``Instrumentation.failures``) and skipped; the other components and the commit still happen. A
-`ConfigurationError` propagates: it needs fixing, not skipping.
+`ConfigurationError` from a method's first call propagates: it needs fixing, not skipping. Once that method has
+worked, one is a fault of the data like any other (a batch that lacks a key the earlier ones had), recorded
+and skipped, so it never ends a run that was set up right.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError
@@ -69,6 +71,7 @@ class StepComponents:
     def __init__(self, kind: str = "component") -> None:
         self.ledger = FailureLedger(kind, "it is skipped, the others carry on")
         self._handles: List[ComponentHandle] = []
+        self._worked: Set[Tuple[str, str]] = set()  # (component, method) calls that returned at least once
 
     def add(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register ``component`` under ``name`` (default: its class name); its ``log`` runs at the end of
@@ -92,12 +95,17 @@ class StepComponents:
 
     def call(self, name: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
-        except ConfigurationError:
-            raise
+            result = fn(*args, **kwargs)
+        except ConfigurationError as exc:
+            if (name, method) not in self._worked:
+                raise
+            self.ledger.record(name, method, exc)
+            return None
         except Exception as exc:
             self.ledger.record(name, method, exc)
             return None
+        self._worked.add((name, method))
+        return result
 
     def log(self, logger: Any, step: int) -> None:
         """Every logging component stages its values at ``step``, in registration order."""

@@ -33,7 +33,8 @@ state (last committed step); after `load_state_dict` the next iteration continue
 logged twice (with ``Instrumentation(resume=True)``, docs/backends.md).
 
 A component that raises is reported once and skipped; the other components and the commit still happen
-(configuration errors, raised on the first batch, do propagate: they need fixing, not skipping).
+(a configuration error from a component's first batch propagates: it needs fixing, not skipping; one from a
+later batch, such as a batch that lacks a key the earlier ones had, is a fault like any other).
 """
 
 import contextlib
@@ -288,6 +289,11 @@ class RLLogging:
         tensors as keywords). ``frames``, when given, is the batch's frame count including frame skip; with
         no batch at all (asynchronous collection) only the frames are counted."""
         self._check_attached()
+        if batch is None and frames is None and not tensors:  # a mistake of the call, whichever batch it is
+            raise ConfigurationError(
+                "observe_batch() got neither a batch nor frames: pass the collected batch (a TensorDict or a "
+                "mapping, or reward=/done= tensors), or frames=N alone for asynchronous collection."
+            )
         data = KeywordBatch(batch, **tensors) if tensors else batch
         for handle in self._handles:
             handle.call("on_batch", data, frames)

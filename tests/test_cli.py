@@ -120,6 +120,7 @@ def test_a_bad_config_exits_with_a_few_lines_and_no_traceback(tmp_path, args, wh
     [
         (["run", "bad.gin"], "bad.gin, line 2", "did you mean 'log_interval'?"),
         (["run", "ncaa"], "no config file 'ncaa'", "did you mean 'nca'?"),
+        (["run", "."], "'.' is a directory; expected a .gin file", "give the .gin file inside it"),
         (["run", "nca", "--bind", "Instrumentation.observers = ["], "--bind 'Instrumentation.observers = ['",
          "close the bracket"),
     ],

@@ -128,10 +128,16 @@ def resolve_config(name_or_path: str) -> Path:
     if shipped.is_file() and not Path(name_or_path).is_absolute():
         return shipped
     names = [c.name for c in shipped_configs() if c.runnable]
+    if path.is_dir():
+        raise ConfigFileError(
+            f"{name_or_path!r} is a directory; expected a .gin file (or the name of a shipped config).",
+            fix=f"give the .gin file inside it, or a shipped config: {', '.join(names)}.",
+        )
     close = difflib.get_close_matches(Path(name_or_path).stem, names, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    where = "" if path.is_absolute() else f" (looked in {Path.cwd()})"
     raise ConfigFileError(
-        f"no config file {name_or_path!r} (looked in {Path.cwd()}) and no shipped config of that name.",
+        f"no config file {name_or_path!r}{where} and no shipped config of that name.",
         fix=f"{hint}give a path to a .gin file, or a shipped config: {', '.join(names)} "
         f"(`instrument list` describes them).",
     )

@@ -349,3 +349,19 @@ def test_a_later_batch_without_the_reward_key_is_a_fault_not_the_end_of_training
             first.observe_batch(done=torch.zeros(8, dtype=torch.bool))
     first.close()
     fresh.close()
+
+
+def test_an_evaluation_without_a_runner_still_stops_the_run_when_it_first_falls_due():
+    """Only data methods (on_batch, on_losses) turn a later ConfigurationError into a fault: Evaluation.log
+    returned early (not due) at iterations 0 and 1, and its missing runner must still stop the run at 2."""
+    from instrument.rl import Evaluation
+
+    inst = instrument.Instrumentation(backends=[], log_interval=1)
+    rl = RLLogging(progress=None, evaluation=Evaluation(every_frames=16)).attach(inst)
+    with pytest.raises(ConfigurationError, match="Evaluation has no episode runner"):
+        for _ in range(6):
+            with rl.iteration():
+                rl.observe_batch(reward=torch.ones(8), done=torch.zeros(8, dtype=torch.bool))
+    assert rl.counters.iterations == 2
+    rl.close()
+    inst.close()

@@ -14,9 +14,10 @@ also calls the component's other methods under the same failure guard, so whoeve
 
 A component that raises is recorded in the `FailureLedger` (reported once, then counted; the counts are in
 ``Instrumentation.failures``) and skipped; the other components and the commit still happen. A
-`ConfigurationError` from a method's first call propagates: it needs fixing, not skipping. Once that method has
-worked, one is a fault of the data like any other (a batch that lacks a key the earlier ones had), recorded
-and skipped, so it never ends a run that was set up right.
+`ConfigurationError` propagates: it needs fixing, not skipping. The exception are the methods that take data
+(`DATA_METHODS`: ``on_batch``, ``on_losses``): once one of them has returned normally for a component, a
+`ConfigurationError` from it is a fault of the data like any other (a batch that lacks a key the earlier ones
+had), recorded and skipped, so it never ends a run that was set up right.
 """
 
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -24,7 +25,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError
 
-__all__ = ["ComponentHandle", "StepComponents"]
+__all__ = ["ComponentHandle", "StepComponents", "DATA_METHODS"]
+
+DATA_METHODS = ("on_batch", "on_losses")  # methods fed with data, see the module docstring
 
 
 class ComponentHandle:
@@ -45,11 +48,12 @@ class ComponentHandle:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``component.<method>(*args, **kwargs)``; its result, or None when it raised (recorded, skipped)."""
-        return self._registry.call(self.name, method, getattr(self.component, method), *args, **kwargs)
+        return self._registry.call(self.name, method, getattr(self.component, method), *args, _handle=self, **kwargs)
 
     def remove(self) -> None:
         if self in self._registry._handles:
             self._registry._handles.remove(self)
+        self._registry._worked = {key for key in self._registry._worked if key[0] != id(self)}
 
     def __enter__(self) -> "ComponentHandle":
         return self
@@ -71,7 +75,7 @@ class StepComponents:
     def __init__(self, kind: str = "component") -> None:
         self.ledger = FailureLedger(kind, "it is skipped, the others carry on")
         self._handles: List[ComponentHandle] = []
-        self._worked: Set[Tuple[str, str]] = set()  # (component, method) calls that returned at least once
+        self._worked: Set[Tuple[int, str]] = set()  # (id of the handle, data method) that returned at least once
 
     def add(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register ``component`` under ``name`` (default: its class name); its ``log`` runs at the end of
@@ -93,18 +97,19 @@ class StepComponents:
     def handles(self) -> List[ComponentHandle]:
         return list(self._handles)
 
-    def call(self, name: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, method: str, fn: Any, *args: Any, _handle: Any = None, **kwargs: Any) -> Any:
         try:
             result = fn(*args, **kwargs)
         except ConfigurationError as exc:
-            if (name, method) not in self._worked:
+            if (id(_handle), method) not in self._worked:
                 raise
             self.ledger.record(name, method, exc)
             return None
         except Exception as exc:
             self.ledger.record(name, method, exc)
             return None
-        self._worked.add((name, method))
+        if method in DATA_METHODS and _handle is not None:
+            self._worked.add((id(_handle), method))
         return result
 
     def log(self, logger: Any, step: int) -> None:

@@ -33,8 +33,9 @@ state (last committed step); after `load_state_dict` the next iteration continue
 logged twice (with ``Instrumentation(resume=True)``, docs/backends.md).
 
 A component that raises is reported once and skipped; the other components and the commit still happen
-(a configuration error from a component's first batch propagates: it needs fixing, not skipping; one from a
-later batch, such as a batch that lacks a key the earlier ones had, is a fault like any other).
+(a configuration error propagates: it needs fixing, not skipping; but once a component's ``on_batch`` or
+``on_losses`` has worked, one from a later batch, such as a batch that lacks a key the earlier ones had, is a
+fault like any other).
 """
 
 import contextlib

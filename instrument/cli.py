@@ -148,7 +148,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"  bound at {_redacted(where, args.bind)}", file=sys.stderr)
         print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
         return 2
-    _print_result(outcome)
+    try:
+        _print_result(outcome)
+    except BrokenPipeError:  # `instrument run ... | head -1`: the reader left; the run itself is done and saved
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's exit flush is quiet
     return 0
 
 

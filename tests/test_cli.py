@@ -231,3 +231,22 @@ def test_every_kind_of_bad_config_names_where_what_and_the_fix(tmp_path, capsys,
     assert code == 2 and where in stderr and what in stderr and fix in stderr, stderr
     assert "Traceback" not in stderr and len(stderr.splitlines()) <= 6, stderr
     assert not list(tmp_path.rglob("*.jsonl")) and not list(tmp_path.rglob("*tfevents*"))  # nothing trained
+
+
+def test_a_run_piped_into_a_reader_that_has_left_ends_quietly_with_its_logs(tmp_path):
+    """`instrument run nca | head -1` where the reader has already exited: the console's legend fails at
+    open (no longer a reason not to train), the run finishes, and the closing summary's broken pipe is not a
+    traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "instrument", "run", "nca", *TINY, "--bind",
+                              "Instrumentation.run_name = 'piped'"], cwd=tmp_path, env=env, stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=240)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    assert list((tmp_path / "runs" / "piped").glob("events.out.tfevents.*"))

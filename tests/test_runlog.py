@@ -174,18 +174,23 @@ def test_a_run_log_on_a_full_disk_is_said_once_and_never_ends_the_run(tmp_path, 
     assert inst.failures == {} and _state("instrument") == before
 
 
-def test_console_rows_reach_the_run_log_after_the_terminal_pipe_closes(tmp_path):
-    """`python train.py | head -1`: the reader of the console's pipe goes away. The first write that fails is
-    reported once (one failure), nothing more is written to the pipe, and every row is still in the run log."""
+@pytest.mark.parametrize("closed_before_start", [False, True])
+def test_console_rows_reach_the_run_log_after_the_terminal_pipe_closes(tmp_path, closed_before_start):
+    """`python train.py | head -1`: the reader of the console's pipe goes away, during the run or before it
+    began (the legend at open then fails: that no longer stops the start). The failure is reported once, nothing
+    more is written to the pipe, and every row is still in the run log."""
     read_end, write_end = os.pipe()
     pipe = os.fdopen(write_end, "w", buffering=1)
+    if closed_before_start:
+        os.close(read_end)
     inst = instrument.Instrumentation(
         backends=[ConsoleBackend(columns=[Column("loss", "loss", 9, ".4f", "loss")], stream=pipe)],
         log_interval=1, log_dir=str(tmp_path), run_name="piped",
         run_log=functools.partial(setup_run_logging, stream=io.StringIO()),
     )
-    inst.flush()  # the legend went through
-    os.close(read_end)  # the reader is gone: writes raise BrokenPipeError (Python ignores SIGPIPE)
+    inst.flush()  # the legend went through, or failed
+    if not closed_before_start:
+        os.close(read_end)  # the reader is gone: writes raise BrokenPipeError (Python ignores SIGPIPE)
     for step in range(30):
         with inst.step(step):
             inst.logger.log_metrics({"loss": step / 4}, step=step)

@@ -117,13 +117,17 @@ class ConsoleBackend(Backend):
         self.table: Optional[StepTable] = None
         self._summaries: Dict[str, _Summary] = {}
         self._pipe_closed = False  # the stream's reader went away (`| head`): rows go to the run log only
+        self._pipe_error: Optional[BaseException] = None  # a broken pipe met while opening, said at the first write
         if self.declared is not None:
             self.table = self._make_table(self.declared)  # validate now: a bad column fails before training
 
     # ------------------------------------------------------------------ Backend
     def open(self, run: RunInfo) -> None:
         if self.table is not None and self.legend:
-            self._emit_all(self.table.legend())
+            try:
+                self._emit_all(self.table.legend())
+            except BrokenPipeError as exc:  # the reader left before the run began: rows go to the run log only,
+                self._pipe_error = exc  # and the first write reports it (a console is no reason not to train)
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         if table_log.isEnabledFor(logging.DEBUG):
@@ -255,17 +259,21 @@ class ConsoleBackend(Backend):
         # The run log first: a terminal that breaks (`| head`, a closed window) must not cost it any line.
         for line in lines:
             table_log.info(line)
+        if self._pipe_error is not None:  # the pipe closed while the backend opened: said at the first write
+            error, self._pipe_error = self._pipe_error, None
+            raise error
         if self._pipe_closed:
             return
-        for line in lines:
-            try:
-                write_line(line, self.stream)
-            except UnicodeEncodeError:  # a lone surrogate (os.fsdecode), or a character the encoding lacks
-                encoding = getattr(self.stream or sys.stdout, "encoding", None) or "utf-8"
-                write_line(line.encode(encoding, "backslashreplace").decode(encoding), self.stream)
-            except BrokenPipeError:  # reported once (it raises); nothing more is written to that pipe
-                self._pipe_closed = True
-                raise
+        try:
+            for line in lines:
+                try:
+                    write_line(line, self.stream)
+                except UnicodeEncodeError:  # a lone surrogate (os.fsdecode), or a character the encoding lacks
+                    encoding = getattr(self.stream or sys.stdout, "encoding", None) or "utf-8"
+                    write_line(line.encode(encoding, "backslashreplace").decode(encoding), self.stream)
+        except BrokenPipeError:  # reported once (it raises); nothing more is written to that pipe
+            self._pipe_closed = True
+            raise
 
     def __repr__(self) -> str:
         shown = None if self.declared is None else [c.key for c in self.declared]

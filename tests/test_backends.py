@@ -357,14 +357,16 @@ def test_tensorboard_says_once_per_key_when_float32_cannot_hold_a_value(tmp_path
     logger = instrument.Logger([instrument.TensorBoardBackend(), instrument.JsonlBackend()],
                                instrument.RunInfo("r", tmp_path))
     values = {"big": 1e39, "tiny": -1e-46, "fine": 3e38, "small": 1e-44, "zero": 0.0, "inf": math.inf,
-              "nan": math.nan, "edge": 3.4028235e38, "half": 2.0**-150}  # float32's max as printed; rounds to 0
+              "nan": math.nan, "edge": 3.4028235e38, "half": 2.0**-150,  # float32's max as printed; rounds to 0
+              "neg": -1e39}
     with caplog.at_level(logging.WARNING, logger="instrument"):
         for step in (0, 1):
             logger.log_metrics(values, step=step)
             logger.commit(step)
         logger.close()
     said = [r.getMessage() for r in caplog.records if "stores scalars as float32" in r.getMessage()]
-    assert len(said) == 3 and "'big' = 1e+39 reads inf" in "".join(said) and "'tiny'" in "".join(said)
+    assert len(said) == 4 and "'big' = 1e+39 reads inf" in "".join(said) and "'tiny'" in "".join(said)
+    assert "'neg' = -1e+39 reads -inf" in "".join(said)
     assert "'half'" in "".join(said) and "'edge'" not in "".join(said)
     tb = read_scalars(tmp_path / "r")
     assert tb["big"][0] == math.inf and tb["tiny"][0] == 0.0 and tb["fine"][0] == pytest.approx(3e38, rel=1e-7)

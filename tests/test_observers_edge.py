@@ -146,3 +146,12 @@ def test_dx_of_an_integer_next_to_a_float64_state_keeps_float64():
     following = torch.tensor([[1]], dtype=torch.int32)
     dx = instrument.StepContext(previous, following).dx
     assert dx.dtype == torch.float64 and dx.item() == 1.0 - (1e-9 + 1.0)
+
+
+def test_dx_of_int64_states_and_of_a_0d_float64_side_is_exact():
+    big = torch.tensor([2**24 + 1], dtype=torch.int64)
+    assert instrument.StepContext(torch.tensor([0]), big).dx.tolist() == [float(2**24 + 1)]
+    following = torch.tensor([1.0], dtype=torch.float16)
+    previous = torch.tensor(1.0 + 1e-9, dtype=torch.float64)  # 0-d: result_type would have ignored it
+    dx = instrument.StepContext(previous, following).dx
+    assert dx.dtype == torch.float64 and dx.item() == 1.0 - (1.0 + 1e-9)

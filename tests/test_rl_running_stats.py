@@ -182,3 +182,12 @@ def test_integer_training_values_stay_exact_and_one_bad_entry_costs_only_itself(
     scalars = _logged(train)
     assert scalars["train/main/loss"] == 0.5
     assert scalars["train/main/tokens"] == scalars["train/main/tokens/max"] == float(2**24 + 1)
+
+
+def test_an_entry_too_large_for_a_float_costs_only_itself_and_is_named():
+    from instrument.rl import TrainMetrics
+
+    train = TrainMetrics()
+    with pytest.raises(TypeError, match=r"training entry 'huge': .*too large.*the other entries were added"):
+        train.update({"a": 1.0, "huge": 10**400, "z": 2.0})
+    assert set(_logged(train)) == {"train/main/a", "train/main/z"}

@@ -334,4 +334,5 @@ def _say_beyond_float32(drops: Drops, scalars: Mapping[str, float]) -> None:
         if _F32_INF <= size < float("inf") or 0 < size <= _F32_ZERO:
             drops.say(key, "float32", logging.WARNING,
                       "instrument: TensorBoard stores scalars as float32: %r = %r reads %s there (JSONL, W&B and "
-                      "MLflow keep it); said once per key", key, float(value), "inf" if size > 1 else "0")
+                      "MLflow keep it); said once per key", key, float(value),
+                      ("inf" if value > 0 else "-inf") if size > 1 else "0")

@@ -30,11 +30,14 @@ def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
 def difference(following: Tensor, previous: Tensor) -> Tensor:
     """``following - previous`` in at least float32, unless both are float32 or float64 (or complex): a difference of
     integers wraps around (uint8: 9 - 10 = 255) or overflows (int8), bools do not subtract, and half
-    precision overflows (float16: 4e4 - -4e4 is inf) where float32 holds the exact difference."""
+    precision overflows (float16: 4e4 - -4e4 is inf); float32 holds those differences exactly, and int64 ones
+    are taken in float64 (exact to 2**53)."""
     if following.dtype in _EXACT and previous.dtype in _EXACT:
         return following - previous
-    # At least float32, and float64 when one side is (an int32 next to a float64 state keeps its digits).
-    dtype = torch.promote_types(torch.result_type(following, previous), torch.float32)
+    # At least float32; float64 when one side is float64 (whatever its shape) or for int64 (beyond 2**24).
+    dtype = torch.promote_types(torch.promote_types(following.dtype, previous.dtype), torch.float32)
+    if torch.int64 in (following.dtype, previous.dtype) and following.device.type != "mps":
+        dtype = torch.float64
     return following.to(dtype) - previous.to(dtype)
 
 

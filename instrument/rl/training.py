@@ -73,17 +73,17 @@ class TrainMetrics(RLComponent):
                 continue
             try:
                 tensor = _as_tensor(name, value)
-            except TypeError as exc:
-                refused.append(str(exc))
-                continue
-            if tensor is None:
-                continue
-            acc = self._stats.get(name)
-            if acc is None:
-                acc = self._stats[name] = RunningStats(flatten=True)
-            acc.add(tensor.detach().reshape(-1, 1))
+                if tensor is None:
+                    continue
+                acc = self._stats.get(name)
+                if acc is None:
+                    acc = self._stats[name] = RunningStats(flatten=True)
+                acc.add(tensor.detach().reshape(-1, 1))
+            except (TypeError, ValueError, OverflowError) as exc:  # that entry only
+                text = str(exc)
+                refused.append(text if text.startswith("training entry") else f"training entry {name!r}: {text}")
         if refused:
-            raise TypeError(" ".join(refused) + " (the other entries were added)")
+            raise TypeError("; ".join(refused) + " (the other entries were added)")
 
     def _wanted(self, name: str) -> bool:
         def matches(pattern: str) -> bool:

@@ -81,7 +81,7 @@ class TerminalHandler(logging.Handler):
 
 
 class _RunLogFile(logging.FileHandler):
-    """The run log's file. A write that fails (a full disk, a removed folder) is said once on the terminal and
+    """The run log's file. A write that fails (a full disk, a quota) is said once on the terminal and
     turns the file off, instead of logging's own traceback for every later record; a failing close is
     swallowed: losing the run log must never end the run or its close."""
 

@@ -578,3 +578,53 @@ def test_bad_probe_names_and_frozen_probes_without_names_are_refused():
     with pytest.raises(instrument.ProbeError,
                        match=r"has lost its name.*instrument.freeze\(scripted, keep_probes=True\)"):
         session().watch(frozen)
+
+
+COPY_IN_A_LOGGING_STEP = textwrap.dedent(
+    """
+    import copy, io, sys
+    import torch
+    import instrument
+    from tests._probe_models import Rule
+
+    seen = []
+
+    class Keep(instrument.Observer):
+        def observe(self, context):
+            seen.append(float(context.probes["hidden"].sum()))
+
+        def log(self, logger, step):
+            pass
+
+    assert "torch._dynamo" not in sys.modules  # the eager path: no torch.compile in this process
+    rule = Rule()
+    inst = instrument.Instrumentation([Keep()], backends=[], log_interval=2)
+    inst.watch(rule)
+    x = torch.randn(2, 4, 6, 6)
+    with inst.step(2):
+        rule(x)
+        twin = copy.deepcopy(rule)        # a checkpoint taken during a logging step
+        torch.save(rule, io.BytesIO())
+        twin(x * 1000)                    # the copy is not watched: nothing of it reaches the observers
+    assert len(seen) == 1, seen
+    for step in (3, 4):
+        with inst.step(step):
+            rule(x)
+            twin(x * 1000)
+    assert len(seen) == 2 and abs(seen[1] - seen[0]) < 1e-3 * max(1.0, abs(seen[0])), seen
+    assert all(not p.enabled for p in twin.modules() if isinstance(p, instrument.Probe))
+    inst.close()
+    print("ok")
+    """
+)
+
+
+def test_a_copy_or_checkpoint_of_a_watched_model_taken_in_a_logging_step_is_inert(tmp_path):
+    """copy.deepcopy and torch.save of the model inside a logging step raised (the session's hook refers to
+    locks), and a copy kept its probes on, recording into the next logging steps under the same names. In a
+    process of its own, so that no other test has imported torch._dynamo."""
+    script = tmp_path / "copy_in_step.py"
+    script.write_text(COPY_IN_A_LOGGING_STEP)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

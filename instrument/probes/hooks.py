@@ -34,6 +34,35 @@ __all__ = ["StateWatch"]
 log = logging.getLogger("instrument")
 
 
+def _inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a step's hook becomes in a copy of the module (see `_StepHook`)."""
+
+
+class _StepHook:
+    """The session's hook on a watched module, for one logging step. It refers to the session (observers,
+    locks), which neither pickles nor should follow a copy: a checkpoint (``torch.save(model)``) or a
+    ``copy.deepcopy(model)`` taken during a logging step gets `_inert_hook` in its place, and the original
+    module is unaffected."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Callable:
+        return _inert_hook
+
+    def __reduce__(self) -> Any:
+        return (_load_inert, ())
+
+
+def _load_inert() -> Callable:
+    return _inert_hook
+
+
 def first_tensor(value: Any) -> Optional[Tensor]:
     if isinstance(value, Tensor):
         return value
@@ -89,7 +118,11 @@ class StateWatch:
         if script.is_scripted(root):
             self._handle = script.observe_calls(root, hook, self._call_end)
         else:
-            self._handle = self.module.register_forward_hook(hook, with_kwargs=True)
+            # Without torch.compile in the process the hook is a bound method: wrapped so that a copy or a pickle
+            # of the module taken during the step gets an inert hook. (Under Dynamo the hook must stay the
+            # disabled function itself, which a copy shares and pickle refuses: save a state_dict there.)
+            wrapped = _StepHook(hook) if hook == self._hook else hook
+            self._handle = self.module.register_forward_hook(wrapped, with_kwargs=True)
         return self._handle
 
     def detach(self) -> None:

@@ -17,6 +17,8 @@ written so that ``torch.jit.script`` compiles it unchanged: keep this module fre
 ``from __future__ import annotations``.
 """
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
@@ -63,12 +65,20 @@ class Probe(nn.Module):
                     return WatchGradient.apply(x, self.name)
         return x
 
+    def __getstate__(self) -> dict:
+        # A copy (copy.deepcopy, torch.save) taken during a logging step must not record into the session: only
+        # the session turns a probe on, and it turns on the ones it watches.
+        state = dict(super().__getstate__())
+        state["enabled"] = False
+        return state
+
     def __prepare_scriptable__(self) -> "Probe":
         # torch.jit.script calls this before compiling; the refusal itself lives with the TorchScript code.
         from instrument.probes.script import check_scriptable
 
         check_scriptable(self)
-        return self
+        # Scripted during a logging step: the compiled copy starts off, like every probe outside one.
+        return copy.copy(self) if self.enabled else self
 
     def extra_repr(self) -> str:
         return f"{self.name!r}" + (", grad=True" if self.grad else "")

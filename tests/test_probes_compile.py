@@ -217,3 +217,35 @@ def test_inductor_gradient_probe_adds_one_fused_copy_forward_and_one_recording_b
     assert len(observer.gradients["hidden"]) == N_ITER
     for got, want_grad in zip(observer.gradients["hidden"], hidden_gradients(rule, x0, N_ITER), strict=True):
         torch.testing.assert_close(got, want_grad)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_watching_a_scripted_model_leaves_an_unrelated_compiled_module_compiled(fullgraph):
+    """The scripted model is observed through a global forward hook during logging steps; Dynamo traced it inside
+    every other compiled module and gave up on it (fullgraph: step 0 raised; otherwise that module ran uncompiled
+    for the whole run)."""
+    torch._dynamo.reset()
+    runs = {"graphs": 0, "calls": 0}
+
+    def backend(gm, example_inputs):
+        runs["graphs"] += 1
+
+        def run(*args):
+            runs["calls"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    scripted = instrument.script(Rule())
+    other = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), fullgraph=fullgraph,
+                          backend=backend)
+    inst = instrument.Instrumentation([KeepProbes()], backends=[], log_interval=2)
+    inst.watch(scripted)
+    x, state = torch.randn(2, 4), torch.randn(2, 4, 6, 6)
+    for step in range(8):
+        with inst.step(step):
+            other(x)
+            scripted(state)
+    inst.close()
+    assert runs["calls"] == 8 and runs["graphs"] <= 2

@@ -423,6 +423,11 @@ def observe_calls(
         boundary_handle = _BoundaryHandle(boundary, token)
 
     def on_module_call(called: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        # A global hook runs for every module, also inside any compiled one, where Dynamo would trace it and give
+        # up on the comparison with a ScriptModule (the other module would then run uncompiled for good). A
+        # ScriptModule's Python call never happens inside compiled code, so there is nothing to see there.
+        if torch.compiler.is_compiling():
+            return
         if called is module:
             python_hook(called, args, kwargs, output)
 

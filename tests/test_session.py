@@ -242,3 +242,16 @@ def test_observers_attach_to_the_watched_modules_on_logging_steps_and_always_det
             raise RuntimeError("boom")
     assert obs.calls == ["reset", ("attach", [name]), "detach"]  # detached although the step raised; no log
     inst.close()
+
+
+@pytest.mark.parametrize("outer, inner", [(0, 1), (1, 0), (1, 3)])
+def test_steps_do_not_nest_whichever_of_them_logs(outer, inner):
+    """Only a logging inner step was refused; a non-logging one inside a logging one (or the other way round)
+    was taken, and its exit closed the outer block's scope."""
+    inst = instrument.Instrumentation(backends=[], log_interval=2)
+    with inst.step(outer):
+        with pytest.raises(instrument.ConfigurationError, match=rf"step\({inner}\) entered while step {outer} is"):
+            with inst.step(inner):
+                pass
+        inst.log({"x": 1.0})  # the outer block is still open
+    inst.close()

@@ -7,6 +7,8 @@ staged) and one attribute store (what `Instrumentation.log` logs at).
 
 from typing import TYPE_CHECKING, Optional
 
+from instrument.errors import ConfigurationError
+
 if TYPE_CHECKING:
     from instrument.probes.embedded import ProbeSet
     from instrument.probes.hooks import StateWatch
@@ -63,6 +65,11 @@ class StepScope:
         self._mark: Optional[tuple] = None
 
     def __enter__(self) -> "StepScope":
+        open_scope = self._session._scope
+        if open_scope is not None:  # whichever of the two is a logging step
+            raise ConfigurationError(
+                f"inst.step({self.step}) entered while step {open_scope.step} is still open; steps do not nest."
+            )
         if self.active:
             self._session._begin(self)
         elif self._session.log_interval:  # what this step stages is dropped if its body raises

@@ -255,3 +255,32 @@ def test_steps_do_not_nest_whichever_of_them_logs(outer, inner):
                 pass
         inst.log({"x": 1.0})  # the outer block is still open
     inst.close()
+
+
+def test_a_keyword_only_call_takes_the_state_from_forwards_first_parameter():
+    """rule(condition=c, x=x) handed `condition` over as the previous state (the first keyword, whatever its
+    name)."""
+    import torch
+
+    class Rule(torch.nn.Module):
+        def forward(self, x, condition=None):
+            return x + (0 if condition is None else condition)
+
+    seen = []
+
+    class Keep(instrument.Observer):
+        def observe(self, context):
+            seen.append((context.previous_state, context.condition))
+
+        def log(self, logger, step):
+            pass
+
+    rule = Rule()
+    inst = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
+    inst.watch(rule)
+    x, c = torch.zeros(2, 3), torch.ones(2, 3)
+    with inst.step(0):
+        rule(condition=c, x=x)
+        rule(x=x, condition=c)
+    inst.close()
+    assert [(p is x, k is c) for p, k in seen] == [(True, True), (True, True)]

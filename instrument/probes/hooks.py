@@ -34,6 +34,9 @@ __all__ = ["StateWatch"]
 log = logging.getLogger("instrument")
 
 
+_UNKNOWN = object()
+
+
 def _inert_hook(*args: Any, **kwargs: Any) -> None:
     """What a step's hook becomes in a copy of the module (see `_StepHook`)."""
 
@@ -97,6 +100,7 @@ class StateWatch:
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
+        self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
             lambda: [observer_name(o) for o in getattr(deliver, "observers", ())],
@@ -162,7 +166,7 @@ class StateWatch:
         if in_recompute():
             self.guard.skipped()
             return
-        previous = first_tensor(args[0]) if args else first_tensor(next(iter(kwargs.values()), None))
+        previous = first_tensor(args[0]) if args else first_tensor(self._state_keyword(kwargs))
         current = first_tensor(output)
         if previous is None or current is None:
             raise ConfigurationError(
@@ -175,6 +179,20 @@ class StateWatch:
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
         self._deliver(previous, current, condition)
+
+    def _state_keyword(self, kwargs: Dict[str, Any]) -> Any:
+        """The previous state of a call made with keywords only: the argument of forward's first parameter
+        (``rule(condition=c, x=x)`` is ``x``), else the first keyword that is not ``condition``."""
+        first = self._first_parameter
+        if first is _UNKNOWN:  # looked up once: inspect.signature costs about 10 us
+            try:
+                first = next(iter(inspect.signature(unwrap(self.module).forward).parameters))
+            except (StopIteration, TypeError, ValueError):
+                first = None
+            self._first_parameter = first
+        if first in kwargs:
+            return kwargs[first]
+        return next((value for key, value in kwargs.items() if key != "condition"), None)
 
     def _call_end(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
         """A scripted module's compiled-in call boundary fired (`instrument.probes.script`)."""

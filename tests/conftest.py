@@ -76,6 +76,20 @@ def rule() -> TinyRule:
     return TinyRule()
 
 
+def iteration_stats_in_tensorboard(log_dir: Path, states: List[torch.Tensor]) -> Dict[str, Dict[int, float]]:
+    """One logging step of `IterationStats` over ``states`` (a rollout), written by a real TensorBoardBackend
+    to ``log_dir/r`` and read back with TensorBoard's reader."""
+    inst = instrument.Instrumentation(
+        [instrument.IterationStats()], backends=[instrument.TensorBoardBackend()], log_interval=1,
+        log_dir=str(log_dir), run_name="r",
+    )
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    return read_scalars(log_dir / "r")
+
+
 def read_scalars(log_dir: Path) -> Dict[str, Dict[int, float]]:
     """Scalars from real TensorBoard event files, read with TensorBoard's own EventAccumulator."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -7,7 +7,7 @@ import torch
 import instrument
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.stats import channel_stats, iteration_channel_stats
-from tests.conftest import read_scalars
+from tests.conftest import iteration_stats_in_tensorboard, read_scalars
 
 
 class Keep(instrument.Backend):
@@ -281,15 +281,7 @@ def test_large_mean_state_read_back_from_tensorboard_matches_float64(tmp_path):
     channels = 4
     offsets = torch.tensor([1e4, -3e3, 5e2, 0.0]).reshape(1, channels, 1, 1)
     states = [(offsets + 1e-2 * torch.randn(3, channels, 12, 12)).float() for _ in range(9)]
-    inst = instrument.Instrumentation(
-        [instrument.IterationStats()], backends=[instrument.TensorBoardBackend()], log_interval=1,
-        log_dir=str(tmp_path), run_name="r",
-    )
-    with inst.step(0) as s:
-        for i in range(len(states) - 1):
-            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
-    inst.close()
-    scalars = read_scalars(tmp_path / "r")
+    scalars = iteration_stats_in_tensorboard(tmp_path, states)
     want = _numpy_stats(states[-1].double().numpy()[None], 1)[0]  # [4, C]
     for c in range(channels):
         assert scalars[f"iteration_stats/std/c{c}"][0] == pytest.approx(want[1, c], rel=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 import instrument
 from instrument.observers.stats import iteration_channel_stats
-from tests.conftest import read_scalars
+from tests.conftest import iteration_stats_in_tensorboard
 
 
 class Keep(instrument.Backend):
@@ -100,15 +100,7 @@ def test_activation_stats_of_a_diverging_or_vanishing_layer_match_float64(magnit
 def test_a_diverging_nca_state_read_back_from_tensorboard_has_its_float64_std(tmp_path):
     generator = torch.Generator().manual_seed(5)
     states = [(1e20 * torch.randn(2, 3, 16, 16, generator=generator)).float() for _ in range(4)]
-    inst = instrument.Instrumentation(
-        [instrument.IterationStats()], backends=[instrument.TensorBoardBackend()], log_interval=1,
-        log_dir=str(tmp_path), run_name="r",
-    )
-    with inst.step(0) as s:
-        for i in range(len(states) - 1):
-            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
-    inst.close()
-    scalars = read_scalars(tmp_path / "r")
+    scalars = iteration_stats_in_tensorboard(tmp_path, states)
     last = states[-1].double().numpy()
     for c in range(3):
         want = last[:, c].std()

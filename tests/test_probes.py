@@ -628,3 +628,33 @@ def test_a_copy_or_checkpoint_of_a_watched_model_taken_in_a_logging_step_is_iner
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_scripting_during_a_logging_step_leaves_the_models_probes_and_starts_the_copy_off():
+    """torch.jit.script puts what Probe.__prepare_scriptable__ returns into the eager model: returning a copy
+    there replaced the watched model's probes, which the session then never saw again."""
+    names = []
+
+    class KeepNames(instrument.Observer):
+        def observe(self, context):
+            names.append(sorted(context.probes))
+
+        def log(self, logger, step):
+            pass
+
+    rule = Rule()
+    inst = instrument.Instrumentation([KeepNames()], backends=[], log_interval=1)
+    inst.watch(rule, state=False)
+    x = torch.randn(2, 4, 6, 6)
+    originals = [rule.p_hidden, rule.p_update]
+    with inst.step(0) as s:
+        scripted = instrument.script(rule)
+        rule(x)
+        s.observer(instrument.StepContext(x, x))
+    with inst.step(1) as s:
+        rule(x)
+        s.observer(instrument.StepContext(x, x))
+    inst.close()
+    assert [rule.p_hidden, rule.p_update] == originals
+    assert names == [["hidden", "update"], ["hidden", "update"]]
+    assert [bool(p.enabled) for _, p in instrument.probes.script.scripted_probes(scripted)] == [False, False]

@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
 import instrument
-from tests._probe_models import KeepProbes, ReuseRule, Rule, hidden_gradients, reference
+from tests._probe_models import BareRule, KeepProbes, ReuseRule, Rule, hidden_gradients, reference
 
 # Dynamo itself reads .grad of the non-leaf state it is given each iteration (torch's warning, not ours).
 pytestmark = [
@@ -249,3 +249,30 @@ def test_watching_a_scripted_model_leaves_an_unrelated_compiled_module_compiled(
             scripted(state)
     inst.close()
     assert runs["calls"] == 8 and runs["graphs"] <= 2
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+@pytest.mark.parametrize("call_boundary", [False, True])
+def test_a_watched_scripted_model_called_inside_a_compiled_function_is_observed(call_boundary):
+    """The global hook's early return inside compiled code keeps a ScriptModule's own call: Dynamo runs a
+    ScriptModule as it is, so its calls are the watched module's (scripted plainly, or with a call boundary)."""
+    torch._dynamo.reset()
+    scripted = instrument.script(BareRule(), call_boundary=call_boundary)
+    compiled = torch.compile(lambda x: scripted(x) * 2, backend="eager")
+    seen = []
+
+    class Count(instrument.Observer):
+        def observe(self, context):
+            seen.append(context.step_index)
+
+        def log(self, logger, step):
+            pass
+
+    inst = instrument.Instrumentation([Count()], backends=[], log_interval=1)
+    inst.watch(scripted)
+    x = torch.randn(2, 4, 6, 6)
+    for step in range(3):
+        with inst.step(step):
+            compiled(x)
+    inst.close()
+    assert seen == [0, 0, 0]

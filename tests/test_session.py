@@ -284,3 +284,29 @@ def test_a_keyword_only_call_takes_the_state_from_forwards_first_parameter():
         rule(x=x, condition=c)
     inst.close()
     assert [(p is x, k is c) for p, k in seen] == [(True, True), (True, True)]
+
+
+def test_a_keyword_only_forward_takes_the_state_from_its_first_keyword_other_than_condition():
+    import torch
+
+    class Rule(torch.nn.Module):
+        def forward(self, *, condition=None, x):
+            return x + condition
+
+    seen = []
+
+    class Keep(instrument.Observer):
+        def observe(self, context):
+            seen.append((context.previous_state, context.condition))
+
+        def log(self, logger, step):
+            pass
+
+    rule = Rule()
+    inst = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
+    inst.watch(rule)
+    x, c = torch.zeros(2, 3), torch.ones(2, 3)
+    with inst.step(0):
+        rule(x=x, condition=c)
+    inst.close()
+    assert [(p is x, k is c) for p, k in seen] == [(True, True)]

@@ -20,7 +20,7 @@ A component that raises is recorded in the `FailureLedger` (reported once, then 
 had), recorded and skipped, so it never ends a run that was set up right.
 """
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set
 
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError
@@ -45,15 +45,15 @@ class ComponentHandle:
         self.component = component
         self.name = name
         self.logs = logs
+        self.worked: Set[str] = set()  # data methods (`DATA_METHODS`) that have returned at least once
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``component.<method>(*args, **kwargs)``; its result, or None when it raised (recorded, skipped)."""
-        return self._registry.call(self.name, method, getattr(self.component, method), *args, _handle=self, **kwargs)
+        return self._registry.guarded(self, method, *args, **kwargs)
 
     def remove(self) -> None:
         if self in self._registry._handles:
             self._registry._handles.remove(self)
-        self._registry._worked = {key for key in self._registry._worked if key[0] != id(self)}
 
     def __enter__(self) -> "ComponentHandle":
         return self
@@ -75,7 +75,6 @@ class StepComponents:
     def __init__(self, kind: str = "component") -> None:
         self.ledger = FailureLedger(kind, "it is skipped, the others carry on")
         self._handles: List[ComponentHandle] = []
-        self._worked: Set[Tuple[int, str]] = set()  # (id of the handle, data method) that returned at least once
 
     def add(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register ``component`` under ``name`` (default: its class name); its ``log`` runs at the end of
@@ -97,19 +96,31 @@ class StepComponents:
     def handles(self) -> List[ComponentHandle]:
         return list(self._handles)
 
-    def call(self, name: str, method: str, fn: Any, *args: Any, _handle: Any = None, **kwargs: Any) -> Any:
+    def call(self, name: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under the guard, for a component without a handle."""
         try:
-            result = fn(*args, **kwargs)
-        except ConfigurationError as exc:
-            if (id(_handle), method) not in self._worked:
-                raise
-            self.ledger.record(name, method, exc)
-            return None
+            return fn(*args, **kwargs)
+        except ConfigurationError:
+            raise
         except Exception as exc:
             self.ledger.record(name, method, exc)
             return None
-        if method in DATA_METHODS and _handle is not None:
-            self._worked.add((id(_handle), method))
+
+    def guarded(self, handle: ComponentHandle, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``handle.component.<method>(...)`` under the guard; a data method that has worked for this handle
+        turns a `ConfigurationError` into a fault (see the module docstring)."""
+        try:
+            result = getattr(handle.component, method)(*args, **kwargs)
+        except ConfigurationError as exc:
+            if method not in handle.worked:
+                raise
+            self.ledger.record(handle.name, method, exc)
+            return None
+        except Exception as exc:
+            self.ledger.record(handle.name, method, exc)
+            return None
+        if method in DATA_METHODS:
+            handle.worked.add(method)
         return result
 
     def log(self, logger: Any, step: int) -> None:

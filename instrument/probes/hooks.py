@@ -186,7 +186,9 @@ class StateWatch:
         first = self._first_parameter
         if first is _UNKNOWN:  # looked up once: inspect.signature costs about 10 us
             try:
-                first = next(iter(inspect.signature(unwrap(self.module).forward).parameters))
+                param = next(iter(inspect.signature(unwrap(self.module).forward).parameters.values()))
+                positional = (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
+                first = param.name if param.kind in positional and param.name != "condition" else None
             except (StopIteration, TypeError, ValueError):
                 first = None
             self._first_parameter = first

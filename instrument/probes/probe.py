@@ -17,8 +17,6 @@ written so that ``torch.jit.script`` compiles it unchanged: keep this module fre
 ``from __future__ import annotations``.
 """
 
-import copy
-
 import torch
 from torch import Tensor, nn
 
@@ -77,8 +75,7 @@ class Probe(nn.Module):
         from instrument.probes.script import check_scriptable
 
         check_scriptable(self)
-        # Scripted during a logging step: the compiled copy starts off, like every probe outside one.
-        return copy.copy(self) if self.enabled else self
+        return self  # (torch.jit.script puts what this returns into the parent: it must be this probe)
 
     def extra_repr(self) -> str:
         return f"{self.name!r}" + (", grad=True" if self.grad else "")

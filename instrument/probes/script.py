@@ -162,7 +162,8 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     The boundary needs a forward whose first argument is a Tensor and which returns a Tensor or a tuple starting
     with one; any other module (or ``call_boundary=False``) is scripted as ``torch.jit.script`` does it.
     """
-    plain = _script(module)
+    _drop_inert_hooks(module)
+    plain = _probes_off(_script(module))
     if not call_boundary or is_scripted(module) or _BOUNDARY in module._modules or hasattr(module, _BOUNDARY):
         return plain
     hook = _boundary_hook(plain.forward.schema) if plain._c._has_method("forward") else None
@@ -171,7 +172,7 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     module.add_module(_BOUNDARY, CallBoundary())
     handle = module.register_forward_hook(hook)
     try:
-        return _script_with_boundary(module)
+        return _probes_off(_script_with_boundary(module))
     except Exception as exc:  # a signature our generated hook does not type right: plain scripting still works
         log.warning(
             "instrument.script: could not compile the call boundary into %s (%s); its calls are observed only "
@@ -181,6 +182,25 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     finally:
         handle.remove()
         delattr(module, _BOUNDARY)
+
+
+def _drop_inert_hooks(module: nn.Module) -> None:
+    """A copy of a model made during a logging step holds the inert stand-in of the session's hook
+    (`instrument.probes.hooks._StepHook`), which TorchScript cannot compile: it does nothing, so it goes."""
+    for sub in module.modules():
+        hooks = getattr(sub, "_forward_hooks", None)
+        for key, hook in list((hooks or {}).items()):
+            if getattr(hook, "__qualname__", "") == "_inert_hook" and hook.__module__ == "instrument.probes.hooks":
+                del hooks[key]
+                sub._forward_hooks_with_kwargs.pop(key, None)
+
+
+def _probes_off(scripted: torch.jit.ScriptModule) -> torch.jit.ScriptModule:
+    """A module scripted during a logging step copies its probes' ``enabled``: the compiled copy starts off, like
+    every probe outside a step, until a session watching it turns it on."""
+    for _, probe in scripted_probes(scripted):
+        probe.enabled = False
+    return scripted
 
 
 def _script_with_boundary(module: nn.Module) -> torch.jit.ScriptModule:
@@ -424,9 +444,9 @@ def observe_calls(
 
     def on_module_call(called: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         # A global hook runs for every module, also inside any compiled one, where Dynamo would trace it and give
-        # up on the comparison with a ScriptModule (the other module would then run uncompiled for good). A
-        # ScriptModule's Python call never happens inside compiled code, so there is nothing to see there.
-        if torch.compiler.is_compiling():
+        # up on the comparison with a ScriptModule (the other module would then run uncompiled for good): inside
+        # compiled code only a ScriptModule's call can be the watched one.
+        if torch.compiler.is_compiling() and not isinstance(called, torch.jit.ScriptModule):
             return
         if called is module:
             python_hook(called, args, kwargs, output)

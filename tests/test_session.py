@@ -257,15 +257,20 @@ def test_steps_do_not_nest_whichever_of_them_logs(outer, inner):
     inst.close()
 
 
-def test_a_keyword_only_call_takes_the_state_from_forwards_first_parameter():
+class _Positional(torch.nn.Module):
+    def forward(self, x, condition=None):
+        return x + (0 if condition is None else condition)
+
+
+class _KeywordOnly(torch.nn.Module):
+    def forward(self, *, condition=None, x):
+        return x + condition
+
+
+@pytest.mark.parametrize("rule", [_Positional(), _KeywordOnly()], ids=["positional", "keyword-only"])
+def test_a_keyword_only_call_takes_the_state_from_forwards_state_parameter(rule):
     """rule(condition=c, x=x) handed `condition` over as the previous state (the first keyword, whatever its
-    name)."""
-    import torch
-
-    class Rule(torch.nn.Module):
-        def forward(self, x, condition=None):
-            return x + (0 if condition is None else condition)
-
+    name); for a keyword-only forward the state is its first keyword other than `condition`."""
     seen = []
 
     class Keep(instrument.Observer):
@@ -275,7 +280,6 @@ def test_a_keyword_only_call_takes_the_state_from_forwards_first_parameter():
         def log(self, logger, step):
             pass
 
-    rule = Rule()
     inst = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
     inst.watch(rule)
     x, c = torch.zeros(2, 3), torch.ones(2, 3)
@@ -284,29 +288,3 @@ def test_a_keyword_only_call_takes_the_state_from_forwards_first_parameter():
         rule(x=x, condition=c)
     inst.close()
     assert [(p is x, k is c) for p, k in seen] == [(True, True), (True, True)]
-
-
-def test_a_keyword_only_forward_takes_the_state_from_its_first_keyword_other_than_condition():
-    import torch
-
-    class Rule(torch.nn.Module):
-        def forward(self, *, condition=None, x):
-            return x + condition
-
-    seen = []
-
-    class Keep(instrument.Observer):
-        def observe(self, context):
-            seen.append((context.previous_state, context.condition))
-
-        def log(self, logger, step):
-            pass
-
-    rule = Rule()
-    inst = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
-    inst.watch(rule)
-    x, c = torch.zeros(2, 3), torch.ones(2, 3)
-    with inst.step(0):
-        rule(x=x, condition=c)
-    inst.close()
-    assert [(p is x, k is c) for p, k in seen] == [(True, True)]

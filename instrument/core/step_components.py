@@ -96,16 +96,6 @@ class StepComponents:
     def handles(self) -> List[ComponentHandle]:
         return list(self._handles)
 
-    def call(self, name: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` under the guard, for a component without a handle."""
-        try:
-            return fn(*args, **kwargs)
-        except ConfigurationError:
-            raise
-        except Exception as exc:
-            self.ledger.record(name, method, exc)
-            return None
-
     def guarded(self, handle: ComponentHandle, method: str, *args: Any, **kwargs: Any) -> Any:
         """``handle.component.<method>(...)`` under the guard; a data method that has worked for this handle
         turns a `ConfigurationError` into a fault (see the module docstring)."""

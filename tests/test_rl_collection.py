@@ -164,3 +164,11 @@ def test_nothing_leaves_the_device_before_commit():
     metrics = CollectionMetrics()
     metrics.update(torchrl_batch())
     assert isinstance(metrics._reward.total, torch.Tensor) and isinstance(metrics._episodes, torch.Tensor)
+
+
+def test_a_bad_time_dim_is_refused_when_built_or_at_the_first_batch_naming_the_binding():
+    with pytest.raises(ConfigurationError, match=r"CollectionMetrics.time_dim must be an int.*got 'last'"):
+        CollectionMetrics(time_dim="last")
+    metrics = CollectionMetrics(time_dim=7)
+    with pytest.raises(ConfigurationError, match=r"CollectionMetrics.time_dim=7 is out of range .* in \[-2, 1\]"):
+        metrics.update(reward=torch.ones(3, 2), done=torch.zeros(3, 2, dtype=torch.bool))

@@ -167,6 +167,8 @@ def resolve_time_dim(
         return None
     if not -n <= time_dim < n:
         raise ConfigurationError(
-            f"time_dim={time_dim} is out of range for a batch of shape {tuple(batch_shape)}."
+            f"CollectionMetrics.time_dim={time_dim} is out of range for a batch of shape {tuple(batch_shape)}; "
+            f"bind a dimension in [{-n}, {n - 1}] (the one that is time), 'auto' (TorchRL: the last) or None "
+            f"(one time step per call)."
         )
     return time_dim % n

@@ -106,6 +106,11 @@ class CollectionMetrics(RLComponent):
         self.objective_names = list(objective_names) if objective_names is not None else None
         self.keys = dict(keys or {})
         self.reduce_stats = reduce_stats
+        if time_dim not in ("auto", None) and (isinstance(time_dim, bool) or not isinstance(time_dim, int)):
+            raise ConfigurationError(
+                f"CollectionMetrics.time_dim must be an int (the batch dimension that is time), 'auto' or None, "
+                f"got {time_dim!r}."
+            )
         self.time_dim = time_dim
         self._reward = RunningStats()
         self._objectives = RunningStats()

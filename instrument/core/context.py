@@ -52,7 +52,7 @@ class StepContext:
         next_state: the state it produced.
         dx: ``next_state - previous_state`` unless given explicitly; computed lazily on first access so an
             observer that never reads it costs nothing. For integer, bool and half-precision states it is
-            taken in float32 (`difference`): a uint8 frame going from 10 to 9 would otherwise read 255.
+            taken in at least float32 (`difference`): a uint8 frame going from 10 to 9 would otherwise read 255.
         condition: whatever conditioned the iteration (an action, a goal, a class embedding), or None.
         step_index: the index of the iteration within the rollout, 0..n-1.
         freeze_channels: channel indices the update rule must not change (e.g. an NCA's input channels).

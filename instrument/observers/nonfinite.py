@@ -12,7 +12,7 @@ deliberate host sync, after the transfer has started) and raises `NonFiniteError
 """
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -151,8 +151,8 @@ class NonFinite(Observer):
         self._params: List[Tuple[str, nn.Parameter]] = []
         self._pending: List[Any] = []  # committed steps whose record has not been read yet (warn mode)
         self.reported = False  # the once-per-run message was given
-        self._said_dropped: set = set()  # sources whose in-place change was warned about
-        self._dropped: set = set()  # sources caught changed in place in this step
+        self._said_dropped: Set[str] = set()  # sources whose in-place change was warned about
+        self._dropped: Set[str] = set()  # sources caught changed in place in this step
 
     # ------------------------------------------------------------------ per logging step
     def reset(self) -> None:

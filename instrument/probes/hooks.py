@@ -41,6 +41,9 @@ def _inert_hook(*args: Any, **kwargs: Any) -> None:
     """What a step's hook becomes in a copy of the module (see `_StepHook`)."""
 
 
+_inert_hook.instrument_inert = True  # how `instrument.probes.script` recognises it (it cannot import this module)
+
+
 class _StepHook:
     """The session's hook on a watched module, for one logging step. It refers to the session (observers,
     locks), which neither pickles nor should follow a copy: a checkpoint (``torch.save(model)``) or a

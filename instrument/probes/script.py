@@ -190,7 +190,7 @@ def _drop_inert_hooks(module: nn.Module) -> None:
     for sub in module.modules():
         hooks = getattr(sub, "_forward_hooks", None)
         for key, hook in list((hooks or {}).items()):
-            if getattr(hook, "__qualname__", "") == "_inert_hook" and hook.__module__ == "instrument.probes.hooks":
+            if getattr(hook, "instrument_inert", False):
                 del hooks[key]
                 sub._forward_hooks_with_kwargs.pop(key, None)
 

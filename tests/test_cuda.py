@@ -168,3 +168,33 @@ def test_embedded_probes_on_cuda_record_without_a_sync(scripted):
     for got, want in zip(keep.seen, expected, strict=True):
         for name in ("hidden", "update"):
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_integer_values_of_every_width_travel_exact_from_cuda_without_a_sync(tmp_path, caplog):
+    """Integer metrics and sample fields on CUDA: int64 and uint64 beyond 2**53 are flagged on the device and
+    named once by the writer, uint64 travels as its bits, and no value is read on the training thread."""
+    big, unsigned = 2**60 + 1, 2**63 + 5
+    cpu = {"seed": torch.tensor(big), "u": torch.tensor(unsigned, dtype=torch.uint64),
+           "i32": torch.tensor(2**31 - 1, dtype=torch.int32), "small": torch.tensor(7)}
+    fields = {"small": torch.tensor(-3, dtype=torch.int8), "u16": torch.tensor(65535, dtype=torch.uint16),
+              "u32": torch.tensor(4_000_000_000, dtype=torch.uint32), "u64": torch.tensor(unsigned, dtype=torch.uint64),
+              "ids": torch.tensor([big, 2]), "flags": torch.tensor([True, False]),
+              "pixels": torch.tensor([255], dtype=torch.uint8)}
+    metrics = {k: v.cuda() for k, v in cpu.items()}
+    row = {k: v.cuda() for k, v in fields.items()}
+    torch.cuda.synchronize()
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    with caplog.at_level("WARNING", logger="instrument"):
+        with no_host_sync():
+            logger.log_metrics(metrics, step=0)
+            logger.log_samples("val", [row], 0)
+            logger.commit(0)
+        logger.close()
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    (first,) = [line for line in lines if "metrics" in line]
+    assert first["metrics"] == {"seed": float(big), "u": float(unsigned), "i32": float(2**31 - 1), "small": 7.0}
+    (written,) = first["samples"]["val"]
+    assert written == {"small": -3, "u16": 65535, "u32": 4_000_000_000, "u64": str(unsigned),
+                       "ids": f"[{big}, 2]", "flags": "[True, False]", "pixels": 255}  # lists: a table cell's str
+    said = sorted(r.getMessage().split("'")[1] for r in caplog.records if "beyond 2**53" in r.getMessage())
+    assert said == ["seed", "u"]

@@ -110,7 +110,9 @@ def event_accumulator(log_dir: Path):
 class NoHostSync:
     """A TorchFunctionMode that fails on every tensor-to-host read (``.item()``, ``bool(t)``, ``.tolist()``,
     ``.cpu()``, ``.numpy()``...) made on this thread while it is active: on a GPU each would be a host sync,
-    so code run under it provably makes none (the mode is thread-local: the logger's writer thread is free)."""
+    so code run under it provably makes none (the mode is thread-local: the logger's writer thread is free).
+    Under a mode, `log_metrics` stacks one-element CPU tensors as it stacks device ones, instead of reading
+    them at once (`instrument.logger.blocks.tensor_block`), so the check sees the path a GPU run takes."""
 
     READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero"}
 

@@ -159,19 +159,35 @@ def test_blocks_logged_from_several_threads_are_committed_exactly_once():
 
 
 # ---------------------------------------------------------------------------------------------- tensor blocks
-def test_a_call_of_one_element_tensors_is_one_stacked_copy():
+def test_a_call_of_one_element_cpu_float_tensors_is_read_at_once():
+    """CPU floats and bools are read on the caller (no sync on a CPU): a float block, nothing to transfer."""
     keep = Keep()
     logger = instrument.Logger([keep])
     weight = torch.ones(3, requires_grad=True)
     values = {"a": torch.tensor(0.1), "b": (weight * 2).sum(), "c": torch.tensor(7.25)}
     logger.log_metrics(values, step=0, prefix="t")
-    (head, keys, stacked), = logger._blocks
-    assert (head, keys, stacked.shape) == ("t/", ("a", "b", "c"), (3,))
-    assert not stacked.requires_grad  # no autograd graph is kept alive by staging
+    logger.log_metrics({"h": torch.tensor(1.0078125, dtype=torch.bfloat16)}, step=0)
+    (head, floats), (_, halves) = logger._blocks
+    assert head == "t/" and all(type(v) is float for v in [*floats.values(), *halves.values()])
+    logger.log_metrics({"g": torch.tensor(0.1, dtype=torch.float16), "on": torch.tensor(True)}, step=0)  # per key
     values["a"].fill_(99.0)  # the caller reuses its tensors in place: what was logged stays
     logger.commit(0)
     logger.close()
-    assert keep.records[0].scalars == {"t/a": float(np.float32(0.1)), "t/b": 6.0, "t/c": 7.25}
+    assert keep.records[0].scalars == {"t/a": float(np.float32(0.1)), "t/b": 6.0, "t/c": 7.25, "h": 1.0078125,
+                                       "g": float(np.float16(0.1)), "on": 1.0}
+
+
+def test_a_call_of_one_element_integer_tensors_is_one_stacked_copy():
+    keep = Keep()
+    logger = instrument.Logger([keep])
+    values = {"a": torch.tensor(2**60 + 1), "b": torch.tensor(-3), "c": torch.tensor(7)}
+    logger.log_metrics(values, step=0, prefix="t")
+    (head, keys, stacked), = logger._blocks
+    assert (head, keys, stacked.shape, stacked.dtype) == ("t/", ("a", "b", "c"), (3,), torch.float64)
+    values["c"].fill_(99)
+    logger.commit(0)
+    logger.close()
+    assert keep.records[0].scalars == {"t/a": float(2**60 + 1), "t/b": -3.0, "t/c": 7.0}
 
 
 def test_integer_and_bool_tensor_blocks_stay_exact():
@@ -401,3 +417,35 @@ def test_keys_that_compare_equal_keep_their_own_names_across_calls():
     logger.close()
     assert keep.records[0].scalars == {"1": 1.0, "z": 0.0, "True": 5.0, "1.0": 7.0}
 
+
+
+def test_cpu_tensors_read_at_once_give_the_numbers_the_stacked_path_gives():
+    """The CPU read path (no torch function mode) and the stacked path (the one device tensors and a mode take)
+    write the same numbers, also over an interval, against a float64 reference."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    rng = np.random.default_rng(5)
+    rows = rng.normal(1e4, 1e-3, size=(7, 5)).astype(np.float32)
+    written = []
+    for mode in (None, Passthrough()):
+        keep = Keep()
+        logger = instrument.Logger([keep])
+        for step, row in enumerate(rows):
+            values = {f"k{i}": torch.tensor(v) for i, v in enumerate(row)}
+            if mode is None:
+                logger.log_metrics(values, step=step)
+                assert len(logger._blocks[-1]) == 2  # read at once: a float block
+            else:
+                with mode:
+                    logger.log_metrics(values, step=step)
+                assert len(logger._blocks[-1]) == 3  # stacked
+        logger.commit(6)
+        logger.close()
+        written.append(keep.records[0].scalars)
+    assert written[0] == written[1]
+    for i in range(5):
+        assert written[0][f"k{i}"] == pytest.approx(np.mean(rows[:, i].astype(np.float64)), rel=1e-15)

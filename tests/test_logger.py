@@ -49,14 +49,17 @@ def test_one_batched_transfer_per_commit(monkeypatch):
     keep = Keep()
     log = instrument.Logger([keep])
     metrics = {f"m{i}": torch.tensor(float(i)) for i in range(50)}
-    log.log_metrics(metrics, step=0, prefix="x")
+    log.log_metrics(metrics, step=0, prefix="x")  # CPU floats: read at once, nothing to transfer
+    log.log_metrics({f"n{i}": torch.tensor(2**53 + i) for i in range(50)}, step=0)  # int64: one stacked block
     log.log_histogram("h", torch.arange(10.0), step=0)
     log.log_heatmap("hm", torch.rand(6, 3), step=0, x_label="channel", y_label="iter")
     log.log_metrics({"python": 2.5}, step=0)
     record = log.commit()
-    # one call: the 50 scalars (one stacked block), the histogram and the heatmap; Python numbers need none
-    assert calls == [3]
+    # one call: the 50 int64 scalars (one stacked block), their flags of values beyond 2**53, the histogram and
+    # the heatmap
+    assert calls == [4]
     assert record.scalars["x/m49"] == 49.0 and record.scalars["python"] == 2.5
+    assert record.scalars["n49"] == float(2**53 + 49)
     assert record.images["hm"].dtype == np.uint8 and record.images["hm"].shape[2] == 3
     np.testing.assert_array_equal(record.histograms["h"], np.arange(10.0))
 

@@ -3,7 +3,8 @@
 The common calls need no per-key work on the training thread. A dict of plain Python numbers (floats, bools,
 ints that float64 holds exactly) is staged as ``(prefix head, a copy of the dict)``; a dict of one-element
 tensors of one dtype on one device (what an observer or a GPU training loop logs) as ``(head, keys, one
-stacked copy)``, a single tensor op that also joins the commit's batched transfer as one piece. Either costs
+stacked copy)``, a single tensor op that also joins the commit's batched transfer as one piece; CPU float and
+bool tensors are read at once into a float block instead (no sync there, and cheaper than the stack). Either costs
 one pass over the values instead of a conversion per key: on a CPU, 100 floats logged and committed right
 after other work (cold caches) take about 85 us instead of 125 us, 100 0-d tensors about 500 us instead of
 700 us. The writer thread turns the blocks of an interval into prefixed names and means: values summed in
@@ -33,6 +34,10 @@ Block = Union[Tuple[str, Dict[str, float]], Tuple[str, Tuple[str, ...], Tensor]]
 MAX_BLOCKS = 64
 
 
+# One-element CPU tensors of these dtypes are read on the caller (`tensor_block`): every value is exact in a float.
+_READ_HERE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool})
+
+
 def float_block(head: str, copy: Dict[Any, Any]) -> Optional[Block]:
     """``(head, copy)`` when every key is a ``str`` and every value a Python ``float``, ``bool`` or an ``int``
     that float64 holds exactly (``|v| <= 2**53``); those are turned into floats in ``copy``, as the per-key
@@ -57,9 +62,21 @@ def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Wide] = None) -
     uint64 values are flagged in ``wide`` (`instrument.logger.values.note_beyond`)."""
     values = list(copy.values())
     dtype = values[0].dtype if type(values[0]) is Tensor else None
+    on_cpu = True
     for key, value in copy.items():
         if type(value) is not Tensor or type(key) is not str or value.dtype != dtype:
             return None
+        on_cpu = on_cpu and value.is_cpu
+    if on_cpu and dtype in _READ_HERE and not torch._C._len_torch_function_stack():
+        # CPU floats and bools: read here, as a float block. Reading a CPU tensor is no sync, the stack would
+        # read it now as well, and 100 reads cost less than one stack (about 16 against 25 us) and leave the
+        # commit nothing to transfer. A tensor of several elements (item() raises) takes the stacking path,
+        # which refuses it. Not under a TorchFunctionMode (fake tensors, tracing, a test's host-read check):
+        # there a read may mean something else, and the stack is what runs on every other device.
+        try:
+            return (head, {key: float(value.item()) for key, value in copy.items()})
+        except RuntimeError:
+            pass
     if dtype.is_complex or values[0].layout != torch.strided or values[0].is_quantized:  # the per-key path converts
         return None
     try:

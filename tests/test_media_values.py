@@ -199,3 +199,29 @@ def test_tensors_inside_a_list_field_of_a_sample_are_written_as_their_values(tmp
     assert line["samples"]["val"] == [{"score": 1.0, "parts": "[1.5, 2, 9007199254740993, 3.0, [0.25, 0.5], 'x']"}]
     with pytest.raises(InvalidValueError, match="an element of field 'parts' of sample 0"):
         Logger([]).log_samples("val", [{"parts": [torch.zeros((), device="meta")]}], step=0)
+
+
+def test_tensors_inside_tuple_dict_and_nested_fields_are_written_as_logged(tmp_path):
+    """A review found tensors inside a tuple, a dict or a nested list neither copied by the commit nor turned
+    into values: the table showed 'tensor(-99.)', the caller's refill after commit()."""
+    keep, run = Keep(), RunInfo("r", tmp_path)
+    logger = Logger([keep, JsonlBackend()], run)
+    buf = torch.tensor([1.0, 2.0])
+    scaled = torch.tensor(0.25, requires_grad=True) * 2
+    logger.log_samples("val", [{"tuple": (buf[0], buf[1]), "dict": {"p": buf[0], "ids": [torch.tensor(2**53 + 1)]},
+                                "nested": [[buf[1]], (np.array([3.0]),)], "grad": (scaled,)}], step=1)
+    logger.commit(1)
+    buf.fill_(-99.0)  # the caller refills its buffer once commit returned
+    logger.close()
+    (row,) = keep.records[0].samples["val"].rows
+    assert row == {"tuple": (1.0, 2.0), "dict": {"p": 1.0, "ids": [2**53 + 1]}, "nested": [[2.0], (3.0,)],
+                   "grad": (0.5,)}
+    (line,) = [r for r in _lines(run.dir / "metrics.jsonl") if "step" in r]
+    assert line["samples"]["val"] == [{"tuple": "(1.0, 2.0)", "dict": "{'p': 1.0, 'ids': [9007199254740993]}",
+                                       "nested": "[[2.0], (3.0,)]", "grad": "(0.5,)"}]
+    looped: list = [1.0]
+    looped.append(looped)
+    with pytest.raises(InvalidValueError, match=r"field 'l' of sample 0: lists, tuples and dicts nest more than 8"):
+        Logger([]).log_samples("val", [{"l": looped}], step=0)
+    with pytest.raises(InvalidValueError, match="an element of field 'd' of sample 0"):
+        Logger([]).log_samples("val", [{"d": {"k": (torch.zeros((), device="meta"),)}}], step=0)

@@ -263,20 +263,32 @@ def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
 
 
 _FIELD = "numbers, strings or real tensors"
+_DEPTH = 8  # how deep lists, tuples and dicts may nest inside a sample field (a cycle would never end)
 
 
 def _staged_field(tag: str, i: int, key: Any, value: Any) -> Any:
     """A sample field as staged: tensors made plain (`plain_tensor`: detached, dense, dequantized; the transfer
-    copies them), NumPy arrays and lists copied (the caller may refill its buffer once commit returns; a list
-    shallowly), the rest as given."""
+    copies them), NumPy arrays copied, lists, tuples and dicts rebuilt around staged elements (the caller may
+    refill its buffers once commit returns), the rest as given."""
+    return _staged(f"log_samples({tag!r})", f"field {key!r} of sample {i}", value, 0)
+
+
+def _staged(head: str, field: str, value: Any, depth: int) -> Any:
+    where = f"{head}: {field}" if depth == 0 else f"{head}: an element of {field}"
     if isinstance(value, Tensor):
-        return plain_tensor(f"log_samples({tag!r}): field {key!r} of sample {i}", value, _FIELD)
+        return plain_tensor(where, value, _FIELD)
     if isinstance(value, np.ndarray):
         return value.copy()
-    if isinstance(value, list):  # its tensors go through the transfer too, each written as a field would be
-        where = f"log_samples({tag!r}): an element of field {key!r} of sample {i}"
-        return [v.copy() if isinstance(v, np.ndarray) else plain_tensor(where, v, _FIELD) if isinstance(v, Tensor)
-                else v for v in value]
+    if isinstance(value, (list, tuple, dict)):
+        if depth >= _DEPTH:
+            raise InvalidValueError(
+                f"{where}: lists, tuples and dicts nest more than {_DEPTH} levels deep (or refer to themselves); "
+                f"expected {_FIELD}, or containers of them. Log a flatter value, e.g. a tensor or a string."
+            )
+        if isinstance(value, dict):
+            return {k: _staged(head, field, v, depth + 1) for k, v in value.items()}
+        items = [_staged(head, field, v, depth + 1) for v in value]
+        return items if type(value) is list else tuple(items)
     return value
 
 
@@ -295,7 +307,12 @@ def _host_field(value: Any, staged: Any) -> Any:
 
 def _convert_samples(tag: str, rows: Any, score_key: Any, host: Host) -> SampleTable:
     def field(v: Any) -> Any:
-        return [_host_field(host(e), e) for e in v] if isinstance(v, list) else _host_field(host(v), v)
+        if isinstance(v, dict):
+            return {k: field(e) for k, e in v.items()}
+        if isinstance(v, (list, tuple)):
+            items = [field(e) for e in v]
+            return items if type(v) is list else tuple(items)
+        return _host_field(host(v), v)
 
     return SampleTable([{f: field(v) for f, v in row.items()} for row in rows], score_key)
 
@@ -342,10 +359,22 @@ def refuse_shared_tag(kind: str, tag: str, staged: Mapping[Tuple[str, str], Any]
 
 
 def tensors_of(value: Any) -> List[Tensor]:
-    """The device tensors inside a staged value (a tensor, or the rows of a samples table)."""
+    """The device tensors inside a staged value (a tensor, or the rows of a samples table, whose fields may
+    be lists, tuples and dicts of tensors)."""
     if isinstance(value, Tensor):
         return [value]
-    if isinstance(value, list):  # the fields of each row, and the tensors in a field that is a list
-        return [t for row in value for v in row.values()
-                for t in ([v] if isinstance(v, Tensor) else v if isinstance(v, list) else ()) if isinstance(t, Tensor)]
-    return []
+    found: List[Tensor] = []
+    if isinstance(value, list):  # the rows of a samples table
+        for row in value:
+            _collect(row.values(), found)
+    return found
+
+
+def _collect(values: Any, found: List[Tensor]) -> None:
+    for v in values:
+        if isinstance(v, Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            _collect(v, found)
+        elif isinstance(v, dict):
+            _collect(v.values(), found)

@@ -83,8 +83,44 @@ def test_observer_names_and_protocol():
 
     assert MyFancyObserver().name == "my_fancy_observer"
     assert isinstance(MyFancyObserver(), instrument.StepObserver)
-    with pytest.raises(NotImplementedError, match="must implement observe"):
-        instrument.Observer().observe(None)
+
+
+def test_an_observer_without_observe_reads_parameters_in_log(tmp_path):
+    """docs/porting.md's GradHistograms: attach and log only. The base observe used to raise, so the observer
+    failed at the first iteration and was skipped for the step, its log included."""
+
+    class GradHistograms(instrument.Observer):
+        def __init__(self):
+            super().__init__("grad")
+
+        def attach(self, modules):
+            self.modules = modules
+
+        def log(self, logger, step):
+            for module in self.modules:
+                for name, p in module.named_parameters():
+                    if p.grad is not None:
+                        logger.log_histogram(f"grad/{name}", p.grad, step)
+                    logger.log_histogram(f"param/{name}", p.detach(), step)
+
+    keep = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            keep.append(record)
+
+    inst = instrument.Instrumentation([GradHistograms()], backends=[Keep()], log_interval=1, log_dir=str(tmp_path))
+    rule = torch.nn.Linear(3, 3)
+    inst.watch(rule)
+    with inst.step(0):
+        x = torch.ones(2, 3)
+        for _ in range(3):
+            x = rule(x)
+        x.sum().backward()
+    inst.close()
+    assert inst.failures == {}
+    assert sorted(keep[0].histograms) == ["grad/bias", "grad/weight", "param/bias", "param/weight"]
+    np.testing.assert_array_equal(keep[0].histograms["param/weight"], rule.weight.detach().double().reshape(-1).numpy())
 
 
 def test_step_context_validates_and_detaches():

@@ -12,7 +12,7 @@ import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.backends.drops import Drops, utf8
+from instrument.backends.drops import Drops, describe, utf8
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell
@@ -137,6 +137,7 @@ class MlflowBackend(Backend):
         self._param_names: Dict[str, str] = {}  # hyperparameter key -> param name
         self._param_owners: Dict[str, Optional[str]] = {}  # param name -> its key (None: held before a resume)
         self._drops = Drops(self.name)
+        self._media_names: Dict[str, Tuple[Dict[str, str], Dict[str, Optional[str]]]] = {}  # per kind (`_media_name`)
         self._held_params: Optional[Tuple[Dict[str, Any], Optional[str]]] = None  # logged before the run opened
 
     @contextlib.contextmanager
@@ -281,6 +282,12 @@ class MlflowBackend(Backend):
     def _metric_name(self, key: str) -> str:
         return self._unique_name(key, self._names, self._owners, "metric")
 
+    def _media_name(self, kind: str, key: str) -> str:
+        """A media key's MLflow name, unique within its kind (two tags that sanitise alike would overwrite each
+        other's files)."""
+        names, owners = self._media_names.setdefault(kind, ({}, {}))
+        return self._unique_name(key, names, owners, kind)
+
     @staticmethod
     def _unique_name(key: str, names: Dict[str, str], owners: Dict[str, Optional[str]], what: str) -> str:
         """A key's MLflow name for the whole run. Sanitising can map two keys to one name (``acc[top1]`` and
@@ -320,21 +327,38 @@ class MlflowBackend(Backend):
     def _write(self, record: StepRecord) -> None:
         step = record.step
         self._log_metrics(record.flat_scalars(), step, record.wall_time)
-        for key, image in record.images.items():
-            if image is not None:
-                # key + step (not artifact_file): MLflow's UI then shows one image card per key with a step slider.
-                self.client.log_image(
-                    self.run_id, image, key=_safe_name(key), step=step, timestamp=int(record.wall_time * 1000)
-                )
-        for key, text in record.texts.items():  # MLflow writes text as UTF-8: lone surrogates escaped
-            text = utf8(self._drops, "text", key, text)
-            self.client.log_text(self.run_id, text, f"text/{_safe_name(key)}/step_{step:08d}.txt")
-        failed = write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
-        tables = self._drops.each("samples table", record.samples.items(), lambda tag, table: _table(table.rows),
+        failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
+
+        def each(kind: str, items, write) -> None:
+            for key, value in items:
+                try:
+                    write(key, value)
+                except (ValueError, TypeError) as exc:  # MLflow refused this value: dropped, said once per key
+                    self._drops.drop(kind, key, f"{describe(value)} ({type(exc).__name__}: {exc})",
+                                     _EXPECTED[kind])
+                except Exception as exc:  # the store: a failure of the backend, raised after the rest is written
+                    failed.append((key, exc))
+
+        stamp = int(record.wall_time * 1000)
+
+        def image(key: str, value) -> None:  # key + step: the UI shows one image card per key, with a step slider
+            self.client.log_image(self.run_id, value, key=self._media_name("image", key), step=step, timestamp=stamp)
+
+        def text(key: str, value) -> None:  # MLflow writes text as UTF-8: lone surrogates escaped
+            path = f"text/{self._media_name('text', key)}/step_{step:08d}.txt"
+            self.client.log_text(self.run_id, utf8(self._drops, "text", key, value), path)
+
+        def table(tag: str, data) -> None:
+            path = f"samples/{self._media_name('samples table', tag)}/step_{step:08d}.json"
+            self.client.log_dict(self.run_id, data, path)
+
+        each("image", ((k, v) for k, v in record.images.items() if v is not None), image)
+        each("text", record.texts.items(), text)
+        failed += write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
+        tables = self._drops.each("samples table", record.samples.items(), lambda tag, rows: _table(rows.rows),
                                   "rows of JSON values")
-        for tag, data in tables.items():
-            self.client.log_dict(self.run_id, data, f"samples/{_safe_name(tag)}/step_{step:08d}.json")
-        raise_failures(self.name, step, failed)
+        each("samples table", tables.items(), table)
+        raise_failures(self.name, step, failed, "media value(s)")
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:
         """The video as an animated GIF artifact ``videos/<key>/step_<step>.gif`` (MLflow has no video type)."""
@@ -342,7 +366,7 @@ class MlflowBackend(Backend):
             path = os.path.join(tmp, f"step_{step:08d}.gif")
             with open(path, "wb") as f:
                 f.write(encode_gif(frames, fps))
-            self.client.log_artifact(self.run_id, path, artifact_path=f"videos/{_safe_name(key)}")
+            self.client.log_artifact(self.run_id, path, artifact_path=f"videos/{self._media_name('video', key)}")
 
     def write_system(self, record: StepRecord) -> None:
         self._ensure_open()
@@ -420,6 +444,11 @@ def _is_unreachable(exc: BaseException) -> bool:
     transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
     text = str(exc)
     return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
+
+
+# What MLflow takes, for the message of a value it refused.
+_EXPECTED = {"image": "an image MLflow can save (uint8 [H, W, C], H and W at least 1)", "text": "text",
+             "samples table": "rows of JSON values"}
 
 
 def _safe_name(name: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 __all__ = ["encode_gif", "filmstrip", "write_each", "raise_failures", "VideoWriteError"]
 
 class VideoWriteError(RuntimeError):
-    """Some videos of a record could not be written; everything else of that record was."""
+    """Some videos (or other media values) of a record could not be written; everything else of that record was."""
 
 
 def encode_gif(frames: np.ndarray, fps: int) -> bytes:
@@ -72,12 +72,13 @@ def write_each(videos: dict, write: Callable[[str, np.ndarray, int], None]) -> L
     return failures
 
 
-def raise_failures(backend: str, step: int, failures: List[Tuple[str, Exception]]) -> None:
-    """Raise one `VideoWriteError` naming every video of the step that failed (chained from the first)."""
+def raise_failures(backend: str, step: int, failures: List[Tuple[str, Exception]], what: str = "video(s)") -> None:
+    """Raise one `VideoWriteError` naming every video (or other media value, ``what``) of the step that failed
+    (chained from the first)."""
     if not failures:
         return
     named = "; ".join(f"{key!r}: {type(exc).__name__}: {exc}" for key, exc in failures)
     raise VideoWriteError(
-        f"{backend}: {len(failures)} video(s) of step {step} could not be written ({named}); the rest of the "
+        f"{backend}: {len(failures)} {what} of step {step} could not be written ({named}); the rest of the "
         f"step was written."
     ) from failures[0][1]

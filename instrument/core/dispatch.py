@@ -174,7 +174,7 @@ class Dispatcher:
         self._observing = [
             (index, observer_name(observer), getattr(observer, "observe", observer))
             for index, observer in enumerate(self.observers)
-            if index not in self._skipped
+            if index not in self._skipped and getattr(type(observer), "observe", None) is not Observer.observe
         ]
         return self._observing
 

@@ -49,7 +49,8 @@ class StepObserver(Protocol):
 
 
 class Observer:
-    """Base class for diagnostics; override `observe` and `log`, and `reset` if you keep state.
+    """Base class for diagnostics; override `observe` and `log`, and `reset` if you keep state (an observer that
+    only reads the watched modules' parameters or gradients overrides `attach` and `log` alone).
 
     Attributes:
         name: the metric key prefix and the name used in error reports. Defaults to the class's
@@ -76,8 +77,8 @@ class Observer:
         """The logging step is over, also when it raised; called before `log`. Remove what `attach` added."""
 
     def observe(self, context: StepContext) -> None:
-        """Look at one rollout iteration. Keep results on the device."""
-        raise NotImplementedError(f"{type(self).__name__} must implement observe(context)")
+        """Look at one rollout iteration. Keep results on the device. Not overridden, it is never called: an
+        observer that reads only parameters or gradients (in `log`, `observe_gradients`) needs none."""
 
     def observe_gradients(self, gradients: Mapping[str, Sequence[Tensor]]) -> None:
         """Gradients recorded by gradient probes (``Probe(name, grad=True)``) in this logging step.

@@ -47,7 +47,7 @@ from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.handover import handover
 from instrument.logger.lifecycle import closed_use, disown, open_backends
-from instrument.logger.media import check_color_range, check_media, refuse_shared_tag
+from instrument.logger.media import check_media, heatmap_options, refuse_shared_tag, video_fps
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
@@ -241,8 +241,7 @@ class Logger(StagedTable, StepRecords):
         ``"running"`` (the range of every matrix of this tag so far, tracked on the writer thread: no host
         sync); None scales each image to its own values. The colour bar has round intermediate ticks.
         """
-        ticks = None if x_ticks is None else tuple(str(t) for t in x_ticks)
-        extra = (x_label, y_label, ticks, check_color_range(f"log_heatmap({tag!r})", color_range), self._ranges)
+        extra = (*heatmap_options(tag, x_label, y_label, x_ticks, color_range), self._ranges)
         self._stage("heatmap", tag, matrix, step, extra)
 
     def log_histogram(self, tag: str, values: Union[Tensor, np.ndarray, Sequence[float]], step: int) -> None:
@@ -255,7 +254,7 @@ class Logger(StagedTable, StepRecords):
 
     def log_video(self, tag: str, frames: Union[Tensor, np.ndarray], step: int, fps: int = 30) -> None:
         """Stage a video: uint8, bool or [0,1] float frames shaped [T, H, W, C] (C in 1, 3, 4)."""
-        self._stage("video", tag, frames, step, int(fps))
+        self._stage("video", tag, frames, step, video_fps(tag, fps))
 
     def log_samples(
         self, tag: str, samples: Sequence[Mapping[str, Any]], step: int, score_key: str = "score"

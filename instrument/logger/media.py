@@ -10,6 +10,8 @@ Adding a kind is one entry here and one ``log_<kind>`` method on the `Logger`.
 """
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
@@ -21,8 +23,8 @@ from instrument.core.colormap import parse_color_range
 from instrument.errors import InvalidValueError
 from instrument.logger.render import is_degenerate, render_heatmap, to_hwc_uint8
 
-__all__ = ["MediaKind", "KINDS", "check_color_range", "check_media", "plain_tensor", "refuse_shared_tag",
-           "tensors_of"]
+__all__ = ["MediaKind", "KINDS", "check_color_range", "check_media", "heatmap_options", "plain_tensor",
+           "refuse_shared_tag", "tensors_of", "video_fps"]
 
 Host = Callable[[Any], Any]
 
@@ -153,8 +155,9 @@ _IMAGE = "an image of shape [H,W], [C,H,W] or [H,W,C] with C in 1, 3 or 4 (float
 def _check_image(tag: str, value: Any, extra: Any) -> Any:
     value = _array_like("image", tag, value, _IMAGE)
     _check_pixel_dtype("image", tag, value, _IMAGE)
-    if not _is_image_shape(_shape(value)):
-        raise InvalidValueError(f"log_image({tag!r}): expected {_IMAGE}, got shape {_shape(value)}.")
+    shape = _shape(value)
+    if not _is_image_shape(shape) or 0 in shape:
+        raise InvalidValueError(f"log_image({tag!r}): expected {_IMAGE} (none of them 0), got shape {shape}.")
     return value
 
 
@@ -177,6 +180,31 @@ _HEATMAP = "a 2-D matrix [rows, cols] (1-D: one column)"
 def check_color_range(where: str, color_range: Any) -> Any:
     """None, ``"running"`` or ``(lo, hi)`` with finite ``lo < hi``; else a clear `InvalidValueError`."""
     return parse_color_range(where, color_range, InvalidValueError)
+
+
+def heatmap_options(tag: Any, x_label: Any, y_label: Any, x_ticks: Any, color_range: Any) -> tuple:
+    """``(x_label, y_label, ticks, color_range)`` of a `log_heatmap` call, checked on the caller: labels are
+    str, ``x_ticks`` None or a sequence of labels (made str), ``color_range`` as `check_color_range` takes it."""
+    where = f"log_heatmap({tag!r})"
+    for name, label in (("x_label", x_label), ("y_label", y_label)):
+        if not isinstance(label, str):
+            raise InvalidValueError(f"{where}: {name} must be a str, got {label!r} ({type(label).__name__}).")
+    if x_ticks is not None and (isinstance(x_ticks, (str, bytes)) or not isinstance(x_ticks, (Sequence, np.ndarray))):
+        raise InvalidValueError(
+            f"{where}: x_ticks must be None or one label per column (a list such as ['r', 'g', 'b']), got "
+            f"{x_ticks!r} ({type(x_ticks).__name__})."
+        )
+    ticks = None if x_ticks is None else tuple(str(t) for t in x_ticks)
+    return x_label, y_label, ticks, check_color_range(where, color_range)
+
+
+def video_fps(tag: Any, fps: Any) -> int:
+    """The frame rate of a `log_video` call as a whole number of frames per second, at least 1."""
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or int(fps) < 1:
+        raise InvalidValueError(
+            f"log_video({tag!r}): fps must be a number of frames per second of at least 1, got {fps!r}."
+        )
+    return int(fps)
 
 
 def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:
@@ -216,7 +244,13 @@ _HISTOGRAM = "numbers of any shape (flattened)"
 
 
 def _check_histogram(tag: str, value: Any, extra: Any) -> Any:
-    return _array_like("histogram", tag, value, _HISTOGRAM)
+    value = _array_like("histogram", tag, value, _HISTOGRAM)
+    if 0 in _shape(value):  # no backend can bin nothing: every one would leave it out
+        raise InvalidValueError(
+            f"log_histogram({tag!r}): got no values (shape {_shape(value)}); expected at least one number. "
+            f"Skip the call when there is nothing to show."
+        )
+    return value
 
 
 def _convert_histogram(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
@@ -238,8 +272,8 @@ def _check_video(tag: str, value: Any, extra: Any) -> Any:
     value = _array_like("video", tag, value, _VIDEO)
     _check_pixel_dtype("video", tag, value, _VIDEO)
     shape = _shape(value)
-    if len(shape) != 4 or shape[-1] not in (1, 3, 4) or shape[0] == 0:
-        raise InvalidValueError(f"log_video({tag!r}): expected {_VIDEO}, got shape {shape}.")
+    if len(shape) != 4 or shape[-1] not in (1, 3, 4) or 0 in shape:
+        raise InvalidValueError(f"log_video({tag!r}): expected {_VIDEO} (none of them 0), got shape {shape}.")
     return value
 
 
@@ -339,7 +373,11 @@ _PEERS: Dict[str, Tuple[str, ...]] = {
 
 def check_media(kind: str, tag: str, value: Any, extra: Any) -> Any:
     """The value to stage for ``log_<kind>(tag, value)``: its kind's ``check`` (on the caller, cheap), after
-    refusing the empty tag."""
+    refusing a tag that is not a non-empty str."""
+    if type(tag) is not str:
+        raise InvalidValueError(
+            f"log_{kind} got the tag {tag!r} ({type(tag).__name__}); expected a non-empty str such as 'val/{kind}'."
+        )
     if not tag:
         raise InvalidValueError(f"log_{kind} got the empty tag ''; give the {kind} a non-empty tag.")
     return KINDS[kind].check(tag, value, extra)

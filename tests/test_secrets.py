@@ -127,3 +127,25 @@ def test_command_line_redaction():
     out = redact_argv(argv)
     assert not any(s in " ".join(out) for s in ("hunter22", "tok12345", "k9876543", "pw123456"))
     assert out[:4] == argv[:4] and out[-1] == "A.lr = 0.1"
+
+
+def test_console_column_keys_and_the_secret_patterns_themselves_are_not_redacted():
+    """A review found the shipped NCA table's column keys and ``Instrumentation.secret_keys`` logged as
+    '<redacted>' (the logged config could not reproduce the run), and a CLI error about a column hiding its key.
+    A credential named ``key`` elsewhere, and one inside a column dict under another name, still are."""
+    text = textwrap.dedent("""\
+        ConsoleBackend.columns = [{'key': 'train/loss', 'fmt': '.4f'}, {'key': 'x', 'token': 'tok-123456'}]
+        Instrumentation.secret_keys = ['*cookie*']
+        Client.key = 'sk-abcdefgh'
+        Other.columns = @make_columns()
+        Ref.settings = {'key': 'sk-zyxwvuts', 'n': %N}
+    """)
+    redacted = redact_config_text(text)
+    assert "'key': 'train/loss'" in redacted and "'key': 'x'" in redacted
+    assert "Instrumentation.secret_keys = ['*cookie*']" in redacted
+    assert "tok-123456" not in redacted and "sk-abcdefgh" not in redacted and "sk-zyxwvuts" not in redacted
+    flat, _ = redact_hyperparams({"console": {"columns": [{"key": "train/loss"}]}, "api": {"key": "sk-abcdefgh"}},
+                                 None)
+    assert flat["console/columns"] == "[{'key': 'train/loss'}]" and flat["api/key"] == REDACTED
+    assert redact_argv(["--bind", "ConsoleBackend.columns = [{'key': 'train/loss', 'width': -3}]"])[1].count(
+        "train/loss") == 1

@@ -30,9 +30,24 @@ _SCALAR = (str, int, float, bool, type(None))
 _MIN_SCRUB = 4  # shorter strings under a secret key are redacted there, but not hunted for in other text
 
 
-def is_secret(name: Any, extra: Sequence[str] = ()) -> bool:
-    """Whether the last component of ``name`` (``a/b.c`` -> ``c``) matches a secret pattern."""
-    leaf = re.split(r"[/.]", str(name))[-1].lower().replace("-", "_")
+# instrument's own settings whose names look secret and are not: the patterns themselves
+# (``Instrumentation.secret_keys``), and the metric key of each console column (``{'key': 'train/loss'}``
+# under ``columns``). Redacted, the logged config could not reproduce the run, and error messages would hide
+# what they received.
+_NOT_SECRET_LEAVES = frozenset({"secret_keys"})
+_NOT_SECRET_UNDER = {"columns": frozenset({"key"})}
+
+
+def _leaf(name: Any) -> str:
+    return re.split(r"[/.]", str(name))[-1].lower().replace("-", "_")
+
+
+def is_secret(name: Any, extra: Sequence[str] = (), parent: Any = "") -> bool:
+    """Whether the last component of ``name`` (``a/b.c`` -> ``c``) matches a secret pattern; ``parent`` is the
+    name of the setting or key that holds ``name`` (``ConsoleBackend.columns`` for a column's ``key``)."""
+    leaf = _leaf(name)
+    if leaf in _NOT_SECRET_LEAVES or leaf in _NOT_SECRET_UNDER.get(_leaf(parent), ()):
+        return False
     return any(fnmatch.fnmatchcase(leaf, p.lower()) for p in (*SECRET_PATTERNS, *extra))
 
 
@@ -40,20 +55,20 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (bool, int, float, type(None)))
 
 
-def redact_values(value: Any, extra: Sequence[str] = (), found: Optional[Set[str]] = None) -> Any:
+def redact_values(value: Any, extra: Sequence[str] = (), found: Optional[Set[str]] = None, parent: Any = "") -> Any:
     """``value`` with everything under a secret-looking key replaced by `REDACTED`, at any depth of dicts,
-    lists and tuples; the strings replaced are added to ``found``."""
+    lists and tuples; the strings replaced are added to ``found``. ``parent``: the name ``value`` is bound to."""
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():
-            if is_secret(key, extra) and not _plain(item):
+            if is_secret(key, extra, parent) and not _plain(item):
                 _strings(item, found)
                 out[key] = REDACTED
             else:
-                out[key] = redact_values(item, extra, found)
+                out[key] = redact_values(item, extra, found, key)
         return out
-    if isinstance(value, (list, tuple)):
-        items = [redact_values(item, extra, found) for item in value]
+    if isinstance(value, (list, tuple)):  # the items of a list are under the list's own name
+        items = [redact_values(item, extra, found, parent) for item in value]
         return items if isinstance(value, list) else tuple(items)
     return value
 
@@ -157,13 +172,13 @@ def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence
         return f"{indent}{name}{eq}'{REDACTED}'"
     if parsed is _UNPARSED:  # a reference or macro: redact the dict items we can see
         def item(m: "re.Match[str]") -> str:
-            if not is_secret(m.group(2), extra):
+            if not is_secret(m.group(2), extra, name):
                 return m.group(0)
             _strings(_literal_strings(m.group(4)), found)
             return f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}'{REDACTED}'"
 
         return f"{indent}{name}{eq}{_DICT_ITEM.sub(item, value)}"
-    redacted = redact_values(parsed, extra, found)
+    redacted = redact_values(parsed, extra, found, name)
     if redacted == parsed:
         return f"{indent}{name}{eq}{value}"
     return f"{indent}{name}{eq}{pprint.pformat(redacted, width=100)}"

@@ -244,3 +244,58 @@ def test_rl_demo_without_the_rl_extra_fails_at_start_naming_it(tmp_path, monkeyp
     with pytest.raises(MissingExtraError, match=r"torch-instrument\[rl\]"):
         train_cartpole(instrumentation=inst, steps=1, num_envs=2, max_steps=5, rl_logging=rl)
     inst.close()
+
+
+_RACER = """
+import os, sys, time
+import instrument
+from instrument.errors import ConfigurationError
+while time.time() < float(sys.argv[2]):
+    pass
+try:
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], run_name="same", log_dir=sys.argv[1],
+                                      log_interval=1)
+except ConfigurationError as exc:
+    print("refused", exc)
+    sys.exit(0)
+for step in range(3):
+    with inst.step(step):
+        inst.log({"pid": float(os.getpid())})
+inst.close()
+print("ran")
+"""
+
+
+def test_two_processes_started_at_once_with_one_run_name_never_share_its_folder(tmp_path):
+    """A review found both starting and writing into one folder in 4 of 7 tries (a job array resubmitted):
+    the folder was checked, then written, with nothing exclusive in between."""
+    import time
+
+    script = tmp_path / "racer.py"
+    script.write_text(_RACER)
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    for attempt in range(3):
+        runs = tmp_path / f"runs{attempt}"
+        start = str(time.time() + 4.0)  # both past their imports, then released together
+        procs = [subprocess.Popen([sys.executable, str(script), str(runs), start], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert sorted(out.split()[0] for out in outs) == ["ran", "refused"], outs
+        pids = {json.loads(line)["metrics"]["pid"] for line in (runs / "same" / "metrics.jsonl").read_text().splitlines()
+                if "metrics" in json.loads(line)}
+        assert len(pids) == 1
+        assert not (runs / "same" / ".instrument-starting").exists()  # released once the start was done
+
+
+def test_a_start_that_holds_the_folder_refuses_another_and_a_failed_start_releases_it(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / ".instrument-starting").write_text("1234\n")
+    with pytest.raises(ConfigurationError, match=r"run 'r' is being started by another process .*delete it"):
+        instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path))
+    (tmp_path / "r" / ".instrument-starting").unlink()
+    with pytest.raises(ConfigurationError):  # a start that fails (a bad option): the folder is left as it was
+        instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), on_full="x")
+    assert list((tmp_path / "r").iterdir()) == []
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path))
+    inst.close()
+    assert ".instrument-starting" not in [p.name for p in (tmp_path / "r").iterdir()]

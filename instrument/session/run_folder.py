@@ -47,8 +47,46 @@ def check_run_name(name: Any) -> str:
     return name
 
 
+# Held in the run folder while a run starts (O_EXCL): two processes started with one run_name at the same
+# moment would both find the folder unused, and then write into it together.
+CLAIM_FILE = ".instrument-starting"
+
+
 def _is_used(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir()) or folder.exists() and not folder.is_dir()
+    if folder.is_dir():
+        return any(child.name != CLAIM_FILE for child in folder.iterdir())
+    return folder.exists()
+
+
+def _claim(run_dir: Path) -> bool:
+    """Take the run folder for this start (`CLAIM_FILE`, created exclusively); False where the folder cannot be
+    made (the backends then say why). Refused when another start holds it or wrote there meanwhile."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise ConfigurationError(
+            f"run {run_dir.name!r} is being started by another process in {str(run_dir.parent)!r} "
+            f"({run_dir / CLAIM_FILE} exists); two runs would mix their steps in one folder. Choose another "
+            f"run_name, or leave it unset for a unique default. (If no other process is starting it, that file "
+            f"was left by a start that was killed: delete it.)"
+        ) from None
+    except OSError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    if _is_used(run_dir):  # another run finished its start (and wrote) between our check and the claim
+        _release(run_dir)
+        raise ConfigurationError(
+            f"run {run_dir.name!r} already exists in {str(run_dir.parent)!r} (another process started it a moment "
+            f"ago); choose another run_name, or leave it unset for a unique default."
+        )
+    return True
+
+
+def _release(run_dir: Path) -> None:
+    with contextlib.suppress(OSError):
+        (run_dir / CLAIM_FILE).unlink()
 
 
 def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
@@ -128,15 +166,20 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
     """
     owned = not resume and rank() == 0 and not _is_used(run_dir)  # rank 0 writes; others may see its files
     existed = run_dir.is_dir()
+    claimed = owned and _claim(run_dir)
     writers = set(running_writers())
     try:
         yield
+        if claimed:  # started: what it wrote keeps the folder taken (`_is_used`)
+            _release(run_dir)
     except BaseException as exc:
         try:
             close("killed" if isinstance(exc, KeyboardInterrupt) else "failed")
         except Exception as close_exc:  # the start's own error matters more; say it and go on
             log.warning("instrument: closing a session whose start failed raised %s: %s",
                         type(close_exc).__name__, close_exc)
+        if claimed:
+            _release(run_dir)
         if owned and run_dir.exists():
             _undo_folder(run_dir, existed, [t for t in running_writers() if t not in writers])
         raise

@@ -281,8 +281,8 @@ def test_two_processes_started_at_once_with_one_run_name_never_share_its_folder(
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert sorted(out.split()[0] for out in outs) == ["ran", "refused"], outs
-        pids = {json.loads(line)["metrics"]["pid"] for line in (runs / "same" / "metrics.jsonl").read_text().splitlines()
-                if "metrics" in json.loads(line)}
+        lines = [json.loads(line) for line in (runs / "same" / "metrics.jsonl").read_text().splitlines()]
+        pids = {line["metrics"]["pid"] for line in lines if "metrics" in line}
         assert len(pids) == 1
         assert not (runs / "same" / ".instrument-starting").exists()  # released once the start was done
 

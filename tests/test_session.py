@@ -288,3 +288,19 @@ def test_a_keyword_only_call_takes_the_state_from_forwards_state_parameter(rule)
         rule(x=x, condition=c)
     inst.close()
     assert [(p is x, k is c) for p, k in seen] == [(True, True), (True, True)]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"observers": instrument.IterationStats}, r"observers must be a list .*got <class"),
+    ({"observers": instrument.IterationStats()}, r"observers must be a list .*\(IterationStats\)"),
+    ({"observers": [instrument.IterationStats, instrument.UpdateNorm()]}, r"got the class IterationStats; call it"),
+    ({"backends": instrument.JsonlBackend()}, r"backends must be a list .*\(JsonlBackend\)"),
+    ({"backends": [instrument.JsonlBackend]}, r"got the class JsonlBackend; call it: JsonlBackend\(\)"),
+    ({"system_monitor": instrument.SystemMonitor}, r"system_monitor must be None or an instance"),
+])
+def test_a_class_or_a_single_part_where_a_list_of_instances_goes_is_refused_with_the_fix(tmp_path, kwargs, match):
+    """A review found raw TypeErrors ('type' object is not iterable) and a class accepted as an observer (it
+    failed every step with 'missing self')."""
+    with pytest.raises(instrument.ConfigurationError, match=match):
+        instrument.Instrumentation(log_dir=str(tmp_path), **{"backends": [], **kwargs})
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -28,7 +28,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Backend", "RunInfo", "SampleTable", "StepRecord"]
+from instrument.errors import ConfigurationError
+
+__all__ = ["Backend", "RunInfo", "SampleTable", "StepRecord", "check_backends"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +164,27 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def check_backends(backends: Any) -> List["Backend"]:
+    """``backends`` as a list, each an instance of `Backend`; else a `ConfigurationError` that says what was
+    received (a single backend where a list goes, a class where an instance goes) and how to write it."""
+    if isinstance(backends, (Backend, type, str, bytes, Mapping)) or not hasattr(backends, "__iter__"):
+        raise ConfigurationError(
+            f"backends must be a list of instrument Backend instances, got {backends!r} "
+            f"({type(backends).__name__}); e.g. backends=[TensorBoardBackend()] (in gin: "
+            f"[@TensorBoardBackend()], note the brackets, the @ and the ())."
+        )
+    items = list(backends)
+    for b in items:
+        if isinstance(b, type):
+            raise ConfigurationError(
+                f"backends must hold Backend instances, got the class {b.__name__}; call it: {b.__name__}() "
+                f"(in gin: @{b.__name__}(), note the ())."
+            )
+        if not isinstance(b, Backend):
+            raise ConfigurationError(
+                f"Logger backends must be instrument Backend instances, got {type(b).__name__}; "
+                f"subclass instrument.Backend or use one of the built-in backends."
+            )
+    return items

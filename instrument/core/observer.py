@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Tuple, runti
 from torch import Tensor, nn
 
 from instrument.core.context import StepContext
+from instrument.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from instrument.logger.logger import Logger
 
-__all__ = ["Observer", "StepObserver"]
+__all__ = ["Observer", "StepObserver", "check_observers"]
 
 
 @runtime_checkable
@@ -113,3 +114,24 @@ def _snake_case(name: str) -> str:
             out.append("_")
         out.append(ch.lower())
     return "".join(out)
+
+
+def check_observers(observers: Any) -> None:
+    """A `ConfigurationError` unless ``observers`` is a list of observer instances or callables taking a
+    `StepContext` (a single observer, or a class where an instance goes, is named with the fix)."""
+    if isinstance(observers, (Observer, type, str, bytes, Mapping)) or not hasattr(observers, "__iter__"):
+        raise ConfigurationError(
+            f"observers must be a list of instrument.Observer instances, got {observers!r} "
+            f"({type(observers).__name__}); e.g. observers=[IterationStats()] (in gin: [@IterationStats()])."
+        )
+    for obs in observers:
+        if isinstance(obs, type):
+            raise ConfigurationError(
+                f"observers must hold instances, got the class {obs.__name__}; call it: {obs.__name__}() "
+                f"(in gin: @{obs.__name__}(), note the ())."
+            )
+        if not callable(obs) and not hasattr(obs, "observe"):
+            raise ConfigurationError(
+                f"observers must be instrument.Observer instances or callables taking a StepContext, "
+                f"got {type(obs).__name__}."
+            )

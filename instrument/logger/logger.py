@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 from torch import Tensor
 
-from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import Backend, RunInfo, StepRecord, check_backends
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger import shutdown
@@ -105,12 +105,7 @@ class Logger(StagedTable, StepRecords):
             raise ConfigurationError(f"queue_size must be a positive int, got {queue_size!r}.")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
             raise ConfigurationError(f"flush_secs must be a positive number of seconds, got {flush_secs!r}.")
-        for b in backends:
-            if not isinstance(b, Backend):
-                raise ConfigurationError(
-                    f"Logger backends must be instrument Backend instances, got {type(b).__name__}; "
-                    f"subclass instrument.Backend or use one of the built-in backends."
-                )
+        backends = check_backends(backends)
         self.secret_keys = tuple(str(k) for k in secret_keys)
         self.run = run or RunInfo(name="run")
         if self.run.argv is None:  # the command line, redacted, for backends that record it (W&B)

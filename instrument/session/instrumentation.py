@@ -17,6 +17,7 @@ from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, InvalidValueError
@@ -126,12 +127,10 @@ class Instrumentation:
             raise ConfigurationError(
                 f"log_interval must be a non-negative int (0 turns logging off), got {log_interval!r}."
             )
-        for obs in observers:
-            if not callable(obs) and not hasattr(obs, "observe"):
-                raise ConfigurationError(
-                    f"observers must be instrument.Observer instances or callables taking a StepContext, "
-                    f"got {type(obs).__name__}."
-                )
+        check_observers(observers)
+        if system_monitor is not None and (isinstance(system_monitor, type) or not hasattr(system_monitor, "start")):
+            raise ConfigurationError(f"system_monitor must be None or an instance such as SystemMonitor() (in gin: "
+                                     f"@SystemMonitor(), note the ()), got {system_monitor!r}.")
         if backends is None:
             from instrument.backends.tensorboard import TensorBoardBackend
 

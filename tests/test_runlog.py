@@ -201,3 +201,18 @@ def test_console_rows_reach_the_run_log_after_the_terminal_pipe_closes(tmp_path,
     assert inst.failures == {"ConsoleBackend": 1}
     with contextlib.suppress(OSError):
         pipe.close()
+
+
+def test_the_run_log_of_a_default_named_run_has_the_time_once_and_an_unwritable_folder_is_a_clear_error(tmp_path):
+    """A review found `20261126-000553-20261126-000553-dc975b.log` (the guard predated the random suffix), and a
+    raw NotADirectoryError from a log_dir that is a file."""
+    inst = instrument.Instrumentation(backends=[], log_dir=str(tmp_path / "runs"), run_log=True)
+    try:
+        assert inst.run_log.path.name == f"{inst.run.name}.log"
+    finally:
+        inst.close()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(instrument.ConfigurationError, match=r"the run log cannot be written in .*run_log=False"):
+        instrument.Instrumentation(backends=[], log_dir=str(tmp_path / "file"), run_log=True, run_name="r")
+    with pytest.raises(instrument.ConfigurationError, match=r"run_name is 300 characters long"):
+        instrument.Instrumentation(backends=[], log_dir=str(tmp_path / "runs"), run_name="a" * 300)

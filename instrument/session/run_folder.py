@@ -44,6 +44,11 @@ def check_run_name(name: Any) -> str:
             f"an absolute path (nothing is written outside log_dir). Put the folder part in log_dir instead, "
             f"e.g. log_dir='runs/project', run_name='trial-1'."
         )
+    if len(name.encode("utf-8", "surrogateescape")) > 255:  # the usual file-system limit of one name
+        raise ConfigurationError(
+            f"run_name is {len(name)} characters long ({name[:40]!r}...); a folder name holds at most 255 bytes. "
+            f"Use a shorter run_name, and log what describes the run as hyperparams."
+        )
     return name
 
 

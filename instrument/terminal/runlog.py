@@ -199,12 +199,18 @@ def setup_run_logging(
     if _active is not None:
         _active.close()
     folder = Path(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y%m%d-%H%M%S")
-    # A run named by its start time (the default) would otherwise get the time twice in its file name.
-    stem = started if _safe(run_name) == started else f"{started}-{_safe(run_name)}"
-    path = _unique(folder, stem)
-    file_handler = _RunLogFile(path, encoding="utf-8", errors="backslashreplace", delay=False)  # lone surrogates
+    # A run named by its start time (the default, `YYYYmmdd-HHMMSS-xxxxxx`) would otherwise get it twice.
+    stem = _safe(run_name) if re.match(r"\d{8}-\d{6}(-|$)", run_name) else f"{started}-{_safe(run_name)}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = _unique(folder, stem)
+        file_handler = _RunLogFile(path, encoding="utf-8", errors="backslashreplace", delay=False)  # lone surrogates
+    except OSError as exc:
+        raise ConfigurationError(
+            f"the run log cannot be written in {str(folder)!r} ({type(exc).__name__}: {exc}); check that log_dir "
+            f"is a folder you can write to, or pass run_log=False."
+        ) from exc
     file_handler.setLevel(logging.DEBUG)
     file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))
     term = TerminalHandler(stream, level) if terminal else None

@@ -304,3 +304,19 @@ def test_a_class_or_a_single_part_where_a_list_of_instances_goes_is_refused_with
     with pytest.raises(instrument.ConfigurationError, match=match):
         instrument.Instrumentation(log_dir=str(tmp_path), **{"backends": [], **kwargs})
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_log_interval_zero_writes_nothing_of_inst_log_at_close(tmp_path):
+    """A review found close() writing the staged interval mean at the last step although 0 turns logging off."""
+    keep = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            keep.append(record)
+
+    inst = instrument.Instrumentation(backends=[Keep()], log_interval=0, log_dir=str(tmp_path))
+    for step in range(5):
+        with inst.step(step):
+            inst.log({"loss": float(step)})
+    inst.close()
+    assert keep == []

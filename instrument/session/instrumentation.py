@@ -54,7 +54,8 @@ class Instrumentation:
     Args:
         observers: `Observer` instances (or plain ``callable(context)`` functions) run on logging steps.
         backends: where committed steps go; None means ``[TensorBoardBackend()]`` under ``runs/<run_name>``.
-        log_interval: a step logs when ``step % log_interval == 0``; 0 turns logging off entirely.
+        log_interval: a step logs when ``step % log_interval == 0``; 0 turns logging off entirely (``inst.log``
+            stages nothing; what you hand to ``inst.logger`` yourself is still written).
         run_name: the run's folder name; None means the start time plus a random suffix,
             ``YYYYmmdd-HHMMSS-xxxxxx`` (unique even for jobs started in the same second). A name with ``..``, a
             path separator or an absolute path is refused, and so is one whose folder is not empty (unless
@@ -273,7 +274,8 @@ class Instrumentation:
                 "Call it inside the block of the step it belongs to, or pass the step explicitly: "
                 "inst.logger.log_metrics(metrics, step=n)."
             )
-        self.logger.log_metrics(metrics, scope.step, prefix=prefix, **options)
+        if self.log_interval:  # 0: logging is off, and nothing staged here would ever reach a logging step
+            self.logger.log_metrics(metrics, scope.step, prefix=prefix, **options)
 
     def add_component(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register end-of-step work: ``component.log(logger, step)`` runs at the end of every logging step,

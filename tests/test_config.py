@@ -233,9 +233,29 @@ def test_parse_config_wants_lists():
 
 
 def test_backend_set_rejects_a_non_backend_as_a_type_error():
-    with pytest.raises(TypeError, match="backend_set got type") as info:
+    with pytest.raises(TypeError, match=r"backend_set.tensorboard got type .*@TensorBoardBackend\(\)") as info:
         config.backend_set(tensorboard=instrument.TensorBoardBackend)  # the class, not an instance
     assert isinstance(info.value, ConfigurationError)
+    with pytest.raises(TypeError, match=r"backend_set.extra\[1\] got str"):
+        config.backend_set(extra=[instrument.JsonlBackend(), "jsonl"])
+    with pytest.raises(TypeError, match=r"backend_set.extra got .*expected a list"):
+        config.backend_set(extra=instrument.JsonlBackend())
+
+
+def test_the_bound_at_line_names_the_binding_at_fault_and_a_dict_bind_reads_whole():
+    """A review found 'bound at' blaming backend_set.tensorboard (named in the message's example) for a bad
+    backend_set.wandb, and a --bind holding ': ' split in two in the type error's message."""
+    files = [str(config.resolve_config("nca"))]
+    message = ("backend_set.wandb got str ('offline'); expected a backend instance, e.g. "
+               "backend_set.tensorboard = @TensorBoardBackend()\n"
+               "  In call to configurable 'backend_set' (<function backend_set>)")
+    bind = "backend_set.wandb = 'offline'"
+    later = "backend_set.tensorboard = @TensorBoardBackend()"  # named later in the message, bound later
+    assert config.where_bound(message, files, [bind, later]) == f"--bind {bind!r}: {bind}"
+    with pytest.raises(ConfigurationError) as info:
+        instrument.parse_config(["nca"], ["Instrumentation.hyperparams = {1: 'x'}"])
+    assert "--bind \"Instrumentation.hyperparams = {1: 'x'}\": Instrumentation.hyperparams expects" in str(
+        info.value)
 
 
 def test_run_without_an_experiment_says_what_to_bind():

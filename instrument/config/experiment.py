@@ -21,6 +21,10 @@ class MissingExperimentError(ConfigurationError, TypeError):
     """`run` has no experiment to run: the config binds no ``run.experiment``."""
 
 
+_CLASSES = {"tensorboard": "TensorBoardBackend", "wandb": "WandbBackend", "console": "ConsoleBackend",
+            "jsonl": "JsonlBackend", "mlflow": "MlflowBackend"}
+
+
 def backend_set(
     tensorboard: Optional[Backend] = None,
     wandb: Optional[Backend] = None,
@@ -30,14 +34,18 @@ def backend_set(
     extra: Optional[Sequence[Backend]] = (),
 ) -> List[Backend]:
     """The backends bound one by one, so each shipped ``backends/<name>.gin`` adds its own by being included."""
-    chosen = [b for b in (tensorboard, wandb, console, jsonl, mlflow) if b is not None] + list(extra or ())
-    for b in chosen:
-        if not isinstance(b, Backend):
+    named = {"tensorboard": tensorboard, "wandb": wandb, "console": console, "jsonl": jsonl, "mlflow": mlflow}
+    if isinstance(extra, (Backend, type, str)) or not hasattr(extra or (), "__iter__"):
+        raise BackendTypeError(f"backend_set.extra got {extra!r}; expected a list of backend instances, e.g. "
+                               f"[@JsonlBackend()] (note the brackets, the @ and the ()).")
+    named.update((f"extra[{i}]", b) for i, b in enumerate(extra or ()))
+    for param, b in named.items():  # the parameter first: the CLI finds where it was bound from the message
+        if b is not None and not isinstance(b, Backend):
             raise BackendTypeError(
-                f"backend_set got {type(b).__name__} ({b!r}); expected a backend instance. "
-                f"Bind one, e.g. backend_set.tensorboard = @TensorBoardBackend() (note the @ and the ())."
+                f"backend_set.{param} got {type(b).__name__} ({b!r}); expected a backend instance such as "
+                f"@{getattr(b, '__name__', None) or _CLASSES.get(param, 'JsonlBackend')}() (note the @ and the ())."
             )
-    return chosen
+    return [b for b in named.values() if b is not None]
 
 
 def run(

@@ -300,21 +300,38 @@ def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> 
     if not match:
         return ""
     head = message.split("\n", 1)[0]
-    return _bound_at(match.group(1), lambda param: re.search(rf"\b{re.escape(param)}\b", head) is not None,
-                     files, bindings)
+    # The parameter the message names first (it says what it got before giving examples of other bindings).
+    named = {m.group(1): m.start() for m in reversed(list(re.finditer(r"\b(\w+)\b", head)))}
+    params = _bound_params(match.group(1), files, bindings)
+    first = min((p for p in params if p in named), key=lambda p: named[p], default=None)
+    return "" if first is None else _bound_at(match.group(1), lambda param: param == first, files, bindings)
+
+
+def _bound_params(selector: str, files: Sequence[str], bindings: Sequence[str]) -> List[str]:
+    """The parameters of ``selector`` bound anywhere in the config."""
+    name = selector.rsplit(".", 1)[-1]
+    binding = re.compile(rf"^\s*(?:[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
+    return [m["param"] for _, line in _lines(files, bindings) if (m := binding.match(line))]
 
 
 def _bound_at(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
               scope: Optional[str] = None) -> str:
+    """``where: statement`` of `_bound_pair`, or empty."""
+    where, statement = _bound_pair(selector, wanted, files, bindings, scope)
+    return f"{where}: {statement}" if where else ""
+
+
+def _bound_pair(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
+                scope: Optional[str] = None) -> Tuple[str, str]:
     """The last ``selector.param = ...`` line (in ``scope`` if given) whose param is ``wanted``, in the order
-    gin read them (included files at their ``include`` line): ``where: statement``, or empty."""
+    gin read them (included files at their ``include`` line): ``(where, statement)``, or two empty strings."""
     name = selector.rsplit(".", 1)[-1]
-    binding = re.compile(rf"^\s*(?:(?P<scope>[\w./]*)/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
-    found = ""
+    binding = re.compile(rf"^\s*(?P<scope>[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
+    found = ("", "")
     for where, line in _lines(files, bindings):  # the last binding wins, as in gin
         m = binding.match(line)
-        if m and wanted(m["param"]) and (scope is None or (m["scope"] or "") == scope):
-            found = f"{where}: {line.strip()}"
+        if m and wanted(m["param"]) and (scope is None or (m["scope"] or "").rstrip("/") == scope):
+            found = (where, line.strip())
     return found
 
 
@@ -362,8 +379,7 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
         for param, value in params.items():
             refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value)
             if refused:
-                where = _bound_at(selector, lambda p, param=param: p == param, files, bindings, scope)
-                place, _, statement = where.partition(": ")
+                place, statement = _bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
 
 

@@ -261,3 +261,14 @@ def test_the_bound_at_line_names_the_binding_at_fault_and_a_dict_bind_reads_whol
 def test_run_without_an_experiment_says_what_to_bind():
     with pytest.raises(config.MissingExperimentError, match="run.experiment = @train_nca"):
         config.run()
+
+
+def test_an_include_cycle_is_named_instead_of_a_recursion_error(tmp_path):
+    """A review found 3,277 lines of RecursionError for two files that include each other."""
+    (tmp_path / "a.gin").write_text("include 'b.gin'\n")
+    (tmp_path / "b.gin").write_text("# b\ninclude 'a.gin'\n")
+    (tmp_path / "self.gin").write_text("include 'self.gin'\n")
+    with pytest.raises(ConfigurationError, match=r"includes itself, through a.gin, line 1 -> b.gin, line 2 -> a.gin"):
+        instrument.parse_config([str(tmp_path / "a.gin")])
+    with pytest.raises(ConfigurationError, match=r"includes itself, through self.gin, line 1 -> self.gin\n"):
+        instrument.parse_config([str(tmp_path / "self.gin")])

@@ -166,6 +166,9 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             _search_first(str(path.resolve().parent))  # this file's includes look beside it first
             try:
                 gin.parse_config_file(str(path))
+            except RecursionError as exc:  # gin follows includes by recursion: a cycle never ends
+                raise GinConfigError("the config includes itself, through " + " -> ".join(_include_cycle(path)),
+                                     str(path), "", "remove one of the include lines of that cycle.") from exc
             except _GIN_ERRORS as exc:
                 raise _explain(exc, source=str(path)) from exc
         for binding in bindings:
@@ -177,6 +180,30 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         logging.getLogger().removeFilter(quiet)
     check_types([str(f) for f in files], bindings)
     return paths
+
+
+def _include_cycle(path: Path) -> List[str]:
+    """``file, line N`` of each include on the first cycle of includes from ``path`` (as `_file_lines` finds
+    them), ending with the file it started from; just ``path`` when none is found."""
+    def walk(current: Path, trail: List[Tuple[Path, str]]) -> Optional[List[str]]:
+        for n, line in enumerate(_read(str(current)).splitlines(), 1):
+            include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
+            if not include:
+                continue
+            for base in (Path.cwd(), path.parent, CONFIG_DIR, current.parent):
+                target = (base / include.group(1)).resolve()
+                if target.is_file():
+                    here = trail + [(current, f"{current.name}, line {n}")]
+                    seen = [p for p, _ in here]
+                    if target in seen:
+                        return [where for _, where in here[seen.index(target):]] + [target.name]
+                    found = walk(target, here) if len(trail) < 50 else None
+                    if found:
+                        return found
+                    break
+        return None
+
+    return walk(path.resolve(), []) or [str(path)]
 
 
 def _search_first(directory: str) -> None:

@@ -186,6 +186,24 @@ def test_a_nan_in_a_histogram_costs_wandb_that_histogram_only(tmp_path):
     assert grads["_type"] == "histogram" and sum(grads["values"]) == 2
 
 
+def test_wandb_bins_histograms_whose_range_is_narrow_for_their_magnitude(tmp_path):
+    """A review found these dropped with 'Too many bins for data range': a constant float32-min mask, ids near
+    1e17, and two adjacent floats. Each has fewer distinct floats in its range than 65 bin edges."""
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    values = {"mask": np.full(10, np.finfo(np.float32).min, dtype=np.float64),
+              "ids": torch.tensor([10**17, 10**17 + 8, 10**17 + 16]), "near": np.array([1.0, 1.0 + 2**-52])}
+    for tag, v in values.items():
+        logger.log_histogram(tag, v, step=0)
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.close()
+    rows, _ = read_run(tmp_path / "w")
+    (row,) = [r for r in rows if "loss" in r]
+    for tag, v in values.items():
+        assert row[tag]["_type"] == "histogram" and sum(row[tag]["values"]) == len(v), tag
+        assert row[tag]["bins"][0] <= float(np.min(np.asarray(v, dtype=np.float64)))
+
+
 def test_a_media_value_wandb_cannot_write_costs_that_value_only(tmp_path, caplog):
     """W&B writes an image into its run's media folder inside run.log; when that fails (here the folder is a
     file, a fault that root meets too), the step's scalars are still logged and only the image is dropped."""

@@ -225,3 +225,24 @@ def test_tensors_inside_tuple_dict_and_nested_fields_are_written_as_logged(tmp_p
         Logger([]).log_samples("val", [{"l": looped}], step=0)
     with pytest.raises(InvalidValueError, match="an element of field 'd' of sample 0"):
         Logger([]).log_samples("val", [{"d": {"k": (torch.zeros((), device="meta"),)}}], step=0)
+
+
+def test_integer_histograms_stay_exact_for_jsonl_and_the_run_history(tmp_path):
+    """A review found int64 histograms rounded to float64 on the writer: JSONL's min read 2**53 for 2**53 + 1,
+    and RunHistoryBackend, which takes sample ids from a histogram, merged distinct ids."""
+    from instrument.backends.history import RunHistoryBackend
+
+    history = RunHistoryBackend(batch_keys=["reward"], sample_key="ids")
+    logger = Logger([JsonlBackend(), history], RunInfo("r", tmp_path))
+    ids = torch.tensor([2**53 + 1, 2**53 + 3, 2**60 + 1, -(2**62) - 1])
+    logger.log_histogram("ids", ids, step=1)
+    logger.log_histogram("u", torch.tensor([2**63 + 5], dtype=torch.uint64), step=1)
+    logger.log_histogram("flags", torch.tensor([True, False]), step=1)
+    logger.log_histogram("reward", torch.tensor([0.1, 0.2, 0.3, 0.4]), step=1)
+    logger.commit(1)
+    logger.close()
+    (line,) = [r for r in _lines(tmp_path / "r" / "metrics.jsonl") if "histograms" in r]
+    assert line["histograms"]["ids"] == {"count": 4, "min": -(2**62) - 1, "max": 2**60 + 1}
+    assert line["histograms"]["u"] == {"count": 1, "min": 2**63 + 5, "max": 2**63 + 5}
+    assert line["histograms"]["flags"] == {"count": 2, "min": 0.0, "max": 1.0}
+    assert sorted(history.unique_samples) == sorted(ids.tolist())

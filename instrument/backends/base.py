@@ -64,7 +64,7 @@ class StepRecord:
         step: the training step.
         scalars: key -> float.
         images: tag -> uint8 array of shape [H, W, 3] or [H, W, 4].
-        histograms: tag -> 1-D float64 array of raw values.
+        histograms: tag -> 1-D array of raw values: float64, or int64 / uint64 for integers (exact).
         texts: tag -> markdown/plain text.
         videos: tag -> uint8 array [T, H, W, C] and frames per second.
         samples: tag -> validation samples (`SampleTable`).

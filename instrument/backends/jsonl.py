@@ -16,8 +16,8 @@ log = logging.getLogger("instrument")
 
 
 def _json_number(value: float) -> Any:
-    # JSON has no NaN/Infinity; keep them readable and round-trippable as strings.
-    return value if math.isfinite(value) else str(value)
+    # JSON has no NaN/Infinity; keep them readable and round-trippable as strings. (Ints are exact in JSON.)
+    return value if isinstance(value, int) or math.isfinite(value) else str(value)
 
 
 def _json_value(value: Any) -> Any:
@@ -126,7 +126,7 @@ class JsonlBackend(Backend):
                       "metrics": {k: _json_number(v) for k, v in record.flat_scalars().items()}}
         if record.histograms:
             line["histograms"] = {
-                k: {"count": int(v.size), "min": _json_number(float(v.min())), "max": _json_number(float(v.max()))}
+                k: {"count": int(v.size), "min": _json_number(v.min().item()), "max": _json_number(v.max().item())}
                 if v.size else {"count": 0}
                 for k, v in record.histograms.items()
             }

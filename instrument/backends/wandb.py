@@ -311,8 +311,13 @@ def _histogram(wandb, drops: Drops, key: str, values: Any):
     with np.errstate(over="ignore"):
         wide = not np.isfinite(hi - lo)
     # A range wider than the largest float (e.g. -1e308 to 1e308): the edges computed on halves, then doubled.
-    bins = np.linspace(lo / 2, hi / 2, 65) * 2 if wide else 64
-    counts, edges = np.histogram(values, bins=bins)
+    edges = np.linspace(lo / 2, hi / 2, 65) * 2 if wide else np.linspace(lo, hi, 65)
+    # A range narrow for its magnitude (a constant -3.4e38 mask, ids near 1e17) has fewer distinct floats than
+    # 65: numpy refuses repeated edges ("Too many bins"), so keep the distinct ones, at least one bin's worth.
+    edges = np.unique(edges)
+    if edges.size < 2:
+        edges = np.array([np.nextafter(lo, -np.inf), np.nextafter(hi, np.inf)])
+    counts, edges = np.histogram(values, bins=edges)
     return wandb.Histogram(np_histogram=(counts, edges))
 
 

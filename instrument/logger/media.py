@@ -254,7 +254,11 @@ def _check_histogram(tag: str, value: Any, extra: Any) -> Any:
 
 
 def _convert_histogram(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
-    return np.asarray(host(value), dtype=np.float64).reshape(-1)
+    """float64, except integers, which stay exact (int64, uint64: sample ids beyond 2**53 stay apart)."""
+    array = np.asarray(host(value)).reshape(-1)
+    if isinstance(value, Tensor) and value.dtype == torch.bool:  # the transfer carries bools as 0.0 / 1.0
+        return array.astype(np.float64)
+    return array if array.dtype.kind in "iu" else array.astype(np.float64)
 
 
 def _check_text(tag: str, value: Any, extra: Any) -> str:

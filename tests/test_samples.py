@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import sys
 
 import pytest
@@ -205,3 +206,12 @@ def test_console_prints_a_sample_with_a_lone_surrogate_and_a_huge_int_score():
     out = raw.getvalue().decode("utf-8")
     assert "caf\\udce9" in out and "1" + "0" * 20 in out  # the escaped name and the exact score
     assert logger.failures == {}
+
+
+def test_markdown_table_escapes_column_names_as_it_escapes_cells():
+    """A review found a field named 'P(yes|x)' split into two header cells, shifting every column after it."""
+    table = markdown_table([{"P(yes|x)": 0.9, "score": 0.5, "answer": "yes"}])
+    header, rule, row = table.splitlines()
+    assert header == "| P(yes\\|x) | score | answer |" and row == "| 0.9 | 0.5 | yes |"
+    split = [cell for cell in re.split(r"(?<!\\)\|", header)[1:-1]]
+    assert len(split) == 3 == rule.count("---")

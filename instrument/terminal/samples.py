@@ -93,7 +93,7 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
         text = "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
         return text.replace("|", "\\|").replace("\n", "<br>")
 
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = ["| " + " | ".join(fmt(str(c)) for c in cols) + " |", "|" + "---|" * len(cols)]  # headers escaped too
     lines += ["| " + " | ".join(fmt(row.get(c)) for c in cols) + " |" for row in rows]
     return "\n".join(lines)
 

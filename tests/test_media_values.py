@@ -246,3 +246,26 @@ def test_integer_histograms_stay_exact_for_jsonl_and_the_run_history(tmp_path):
     assert line["histograms"]["u"] == {"count": 1, "min": 2**63 + 5, "max": 2**63 + 5}
     assert line["histograms"]["flags"] == {"count": 2, "min": 0.0, "max": 1.0}
     assert sorted(history.unique_samples) == sorted(ids.tolist())
+
+
+def test_what_is_drawn_otherwise_than_meant_is_said_once_per_tag(tmp_path, caplog):
+    """A review found 0..255 floats drawn all white, an ambiguous [3, 16, 4] drawn as [H, W, C], and a media tag
+    logged twice before a commit keeping the last value, each without a word."""
+    keep = Keep()
+    logger = Logger([keep], RunInfo("r", tmp_path))
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            logger.log_image("said/bright", torch.full((4, 4), 200.0), step)
+            logger.log_image("said/ambiguous", torch.rand(3, 16, 4), step)
+            logger.log_image("fine", torch.rand(3, 16, 16), step)
+            logger.log_samples("val", [{"score": 1.0}], step)
+            logger.log_samples("val", [{"score": 2.0}], step)
+            logger.commit(step)
+        logger.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "log_image('said/bright') got floats from 200 to 200" in m]) == 1
+    assert len([m for m in said if "log_image('said/ambiguous') got shape (3, 16, 4)" in m]) == 1
+    assert len([m for m in said if "log_samples('val') was called again before the commit" in m]) == 1
+    assert not [m for m in said if "'fine'" in m]
+    assert keep.records[0].samples["val"].rows == [{"score": 2.0}]
+    assert (keep.records[0].images["said/bright"] == 255).all()  # clipped, as said

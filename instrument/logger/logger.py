@@ -271,6 +271,9 @@ class Logger(StagedTable, StepRecords):
                 self._take_snapshot()
             if self._accept(step):
                 self._tags[(kind, tag)] = None  # on every rank: a refusal must happen on all ranks alike
+                if (kind, tag) in self._media:  # one value per tag and commit: the last wins
+                    self._warn_once(f"{kind} {tag}", f"log_{kind}({tag!r}) was called again before the commit; "
+                                    f"only the last value of a tag is written. Commit in between, or use one tag each.")
                 if self.is_writer:  # other ranks validate the step but stage no media
                     self._media[(kind, tag)] = (staged, extra)
 

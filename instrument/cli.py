@@ -148,6 +148,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"  bound at {_redacted(where, args.bind)}", file=sys.stderr)
         print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
         return 2
+    unused = config.unused_bindings(args.config, args.bind)
+    if unused:  # e.g. WandbBackend.mode bound, but the config includes no W&B backend: the setting did nothing
+        print("instrument: these bindings were never used, since the run never built what they configure (include "
+              "what builds it, e.g. backends/wandb for WandbBackend, or remove them):", file=sys.stderr)
+        for line in unused:
+            print(f"  {_redacted(line, args.bind)}", file=sys.stderr)
     try:
         _print_result(outcome)
     except BrokenPipeError:  # `instrument run ... | head -1`: the reader left; the run itself is done and saved

@@ -250,3 +250,17 @@ def test_a_run_piped_into_a_reader_that_has_left_ends_quietly_with_its_logs(tmp_
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     assert list((tmp_path / "runs" / "piped").glob("events.out.tfevents.*"))
+
+
+def test_a_binding_the_run_never_used_is_named_at_the_end(tmp_path, capsys):
+    """quickstart.md says a mistyped WandbBackend.mode is reported; with no W&B backend in the run the binding
+    did nothing and the run said nothing (a review found it). Bindings the run used are not named."""
+    code, stdout, stderr = _main(
+        capsys, "run", "nca", *TINY, "--bind", f"Instrumentation.log_dir = '{tmp_path / 'runs'}'",
+        "--bind", "WandbBackend.mode = 'offlin'", "--bind", "WandbBackend.project = 'p'")
+    assert code == 0, stderr
+    lines = stderr.split("these bindings were never used", 1)[1].splitlines()[1:]
+    named = [line for line in lines if line.startswith("  --bind")]
+    assert named[0] == "  --bind \"WandbBackend.mode = 'offlin'\": WandbBackend.mode = 'offlin'"
+    assert named[1] == "  --bind \"WandbBackend.project = 'p'\": WandbBackend.project = 'p'" and len(named) == 2
+    assert "train_nca" not in stderr and "Instrumentation." not in "".join(named)

@@ -22,6 +22,7 @@ from instrument.config.parse import (
     parse_config,
     resolve_config,
     shipped_configs,
+    unused_bindings,
     where_bound,
 )
 from instrument.config.registry import backend_set, run, torchrl_hook
@@ -48,6 +49,7 @@ __all__ = [
     "resolve_config",
     "run",
     "shipped_configs",
+    "unused_bindings",
     "where_bound",
     "torchrl_hook",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "GinConfigError",
     "ShippedConfig",
     "operative_config",
+    "unused_bindings",
     "where_bound",
     "parse_config",
     "resolve_config",
@@ -386,6 +387,24 @@ def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple
                     yield from _file_lines(base / include.group(1), top, where + (f", {outer}" if outer else ""),
                                            depth + 1)
                     break
+
+
+def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[str]:
+    """``where: statement`` of each binding of a configurable that was never called since the config was parsed
+    (gin's operative config holds only what was called): a setting of a backend the run does not include."""
+    def canonical(selector: str) -> str:
+        found = gin.config._REGISTRY.get_match(selector)
+        return found.selector if found is not None else selector
+
+    called = {canonical(selector) for _, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
+    unused = []
+    for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
+        if canonical(selector) in called or selector.split(".")[0] == "gin":  # gin's own macros and constants
+            continue
+        for param in params:
+            place, statement = _bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)
+            unused.append(f"{place}: {statement}" if place else f"{selector}.{param}")
+    return unused
 
 
 def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:

@@ -272,3 +272,19 @@ def test_an_include_cycle_is_named_instead_of_a_recursion_error(tmp_path):
         instrument.parse_config([str(tmp_path / "a.gin")])
     with pytest.raises(ConfigurationError, match=r"includes itself, through self.gin, line 1 -> self.gin\n"):
         instrument.parse_config([str(tmp_path / "self.gin")])
+
+
+def test_small_setting_checks_found_by_review(tmp_path):
+    """max_keys=-1 silently dropped the last column, train_nca(steps=-5) 'succeeded' with a NaN loss, and
+    gin's 'No module named ...' lost its closing quote."""
+    with pytest.raises(ConfigurationError, match=r"max_keys must be an int >= 1, got -1"):
+        instrument.ConsoleBackend(max_keys=-1)
+    from instrument.demos.nca import train_nca
+
+    with pytest.raises(ConfigurationError, match=r"train_nca steps must be an int >= 1, got -5"):
+        train_nca(steps=-5)
+    with pytest.raises(ConfigurationError, match=r"train_nca batch_size must be an int >= 1, got 0"):
+        train_nca(batch_size=0)
+    (tmp_path / "imp.gin").write_text("import no_such_module_xyz\n")
+    with pytest.raises(ConfigurationError, match=r"No module named 'no_such_module_xyz'"):
+        instrument.parse_config([str(tmp_path / "imp.gin")])

@@ -30,7 +30,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
-from instrument.errors import require
+from instrument.errors import ConfigurationError, require
 from instrument.terminal.output import write_line
 from instrument.terminal.samples import finite_number, select_samples
 from instrument.terminal.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
@@ -108,6 +108,8 @@ class ConsoleBackend(Backend):
         self.header_every = header_every
         self.summary = tuple(summary)
         self.keys = list(keys) if keys is not None else None
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+            raise ConfigurationError(f"ConsoleBackend max_keys must be an int >= 1, got {max_keys!r}.")
         self.max_keys = max_keys
         self.legend = legend
         self.stream = stream

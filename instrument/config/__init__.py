@@ -11,6 +11,7 @@
 
 from instrument.config import registry
 from instrument.config.experiment import BackendTypeError, MissingExperimentError
+from instrument.config.located import unused_bindings, where_bound
 from instrument.config.parse import (
     CONFIG_DIR,
     ConfigFileError,
@@ -22,8 +23,6 @@ from instrument.config.parse import (
     parse_config,
     resolve_config,
     shipped_configs,
-    unused_bindings,
-    where_bound,
 )
 from instrument.config.registry import backend_set, run, torchrl_hook
 

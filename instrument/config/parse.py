@@ -12,12 +12,26 @@ import logging
 import re
 import tokenize
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 
 from instrument.config import types
-from instrument.errors import ConfigurationError, InstrumentError
+from instrument.config.files import (
+    CONFIG_DIR,
+    AmbiguousNameError,
+    ConfigFileError,
+    ConfigImportError,
+    ConfigSyntaxError,
+    ConfigTypeError,
+    GinConfigError,
+    ShippedConfig,
+    read_text,
+    resolve_config,
+    shipped_configs,
+)
+from instrument.config.located import bound_pair, include_cycle
+from instrument.errors import ConfigurationError
 from instrument.logger.params import scrub
 
 __all__ = [
@@ -29,14 +43,11 @@ __all__ = [
     "GinConfigError",
     "ShippedConfig",
     "operative_config",
-    "unused_bindings",
-    "where_bound",
+
     "parse_config",
     "resolve_config",
     "shipped_configs",
 ]
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Where the shipped files are found by `include`, also for users who call gin's own parse functions: after
 # gin's '' (a path as written, from the working directory), so a user's own file of the same name wins.
@@ -54,94 +65,6 @@ _REGISTERED_ON_IMPORT = {
 
 # Called before every parse_config; the registry adds the RL registration here (when `instrument.rl` was imported).
 BEFORE_PARSE: List[Callable[[], None]] = []
-
-
-class GinConfigError(ConfigurationError):
-    """A bad ``.gin`` file or binding: ``where`` it is, the ``statement``, the ``problem`` and a ``fix``."""
-
-    def __init__(self, problem: str, where: str = "", statement: str = "", fix: str = "") -> None:
-        self.problem, self.where, self.statement, self.fix = problem, where, statement, fix
-        lines = [f"{where}: {problem}" if where else problem]
-        if statement:
-            lines.append(f"    {statement}")
-        if fix:
-            lines.append(f"  fix: {fix}")
-        self.message = "\n".join(lines)
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class ConfigFileError(GinConfigError, FileNotFoundError):
-    """A config file or an ``include`` that exists neither as a path nor as a shipped config."""
-
-
-class ConfigSyntaxError(GinConfigError, SyntaxError):
-    """A line gin cannot parse."""
-
-
-class ConfigImportError(GinConfigError, ImportError):
-    """An ``import`` line naming a module that cannot be imported."""
-
-
-class ConfigTypeError(GinConfigError, TypeError):
-    """A bound literal of a type its parameter's annotation rules out (``steps = 'ten'`` for ``steps: int``)."""
-
-
-class AmbiguousNameError(GinConfigError, KeyError):
-    """A short name that several registered configurables share (gin raises a KeyError for it)."""
-
-
-class ShippedConfig:
-    """One file of ``instrument/configs``: its ``name`` (``nca``, ``backends/tensorboard``), path, description."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.name = path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
-        text = path.read_text(encoding="utf-8")
-        first = next((line for line in text.splitlines() if line.startswith("#")), "#")
-        self.description = first.lstrip("#").strip().split(". ", 1)[0].rstrip(".") + "."
-        self.binds_experiment = re.search(r"^run\.experiment\s*=", text, re.M) is not None
-        self.includes = re.findall(r"^include\s+['\"]([^'\"]+)\.gin['\"]", text, re.M)
-        self.runnable = self.binds_experiment
-
-    def __repr__(self) -> str:
-        return f"ShippedConfig({self.name!r})"
-
-
-def shipped_configs() -> List[ShippedConfig]:
-    """The shipped configs: runnable experiments first, then the fragments meant to be included."""
-    found = [ShippedConfig(p) for p in sorted(CONFIG_DIR.rglob("*.gin"))]
-    by_name = {c.name: c for c in found}
-    for _ in found:  # runnable: binds run.experiment itself or includes a shipped config that does
-        for c in found:
-            c.runnable = c.runnable or any(by_name[i].runnable for i in c.includes if i in by_name)
-    return sorted(found, key=lambda c: (not c.runnable, "/" in c.name, c.name))
-
-
-def resolve_config(name_or_path: str) -> Path:
-    """A path to a ``.gin`` file as given, else the shipped config of that name (``nca`` or ``nca.gin``)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
-    shipped = CONFIG_DIR / (name_or_path if name_or_path.endswith(".gin") else f"{name_or_path}.gin")
-    if shipped.is_file() and not Path(name_or_path).is_absolute():
-        return shipped
-    names = [c.name for c in shipped_configs() if c.runnable]
-    if path.is_dir():
-        raise ConfigFileError(
-            f"{name_or_path!r} is a directory; expected a .gin file (or the name of a shipped config).",
-            fix=f"give the .gin file inside it, or a shipped config: {', '.join(names)}.",
-        )
-    close = difflib.get_close_matches(Path(name_or_path).stem, names, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    where = "" if path.is_absolute() else f" (looked in {Path.cwd()})"
-    raise ConfigFileError(
-        f"no config file {name_or_path!r}{where} and no shipped config of that name.",
-        fix=f"{hint}give a path to a .gin file, or a shipped config: {', '.join(names)} "
-        f"(`instrument list` describes them).",
-    )
 
 
 def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[Path]:
@@ -168,7 +91,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             try:
                 gin.parse_config_file(str(path))
             except RecursionError as exc:  # gin follows includes by recursion: a cycle never ends
-                raise GinConfigError("the config includes itself, through " + " -> ".join(_include_cycle(path)),
+                raise GinConfigError("the config includes itself, through " + " -> ".join(include_cycle(path)),
                                      str(path), "", "remove one of the include lines of that cycle.") from exc
             except _GIN_ERRORS as exc:
                 raise _explain(exc, source=str(path)) from exc
@@ -181,30 +104,6 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         logging.getLogger().removeFilter(quiet)
     check_types([str(f) for f in files], bindings)
     return paths
-
-
-def _include_cycle(path: Path) -> List[str]:
-    """``file, line N`` of each include on the first cycle of includes from ``path`` (as `_file_lines` finds
-    them), ending with the file it started from; just ``path`` when none is found."""
-    def walk(current: Path, trail: List[Tuple[Path, str]]) -> Optional[List[str]]:
-        for n, line in enumerate(_read(str(current)).splitlines(), 1):
-            include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
-            if not include:
-                continue
-            for base in (Path.cwd(), path.parent, CONFIG_DIR, current.parent):
-                target = (base / include.group(1)).resolve()
-                if target.is_file():
-                    here = trail + [(current, f"{current.name}, line {n}")]
-                    seen = [p for p, _ in here]
-                    if target in seen:
-                        return [where for _, where in here[seen.index(target):]] + [target.name]
-                    found = walk(target, here) if len(trail) < 50 else None
-                    if found:
-                        return found
-                    break
-        return None
-
-    return walk(path.resolve(), []) or [str(path)]
 
 
 def _search_first(directory: str) -> None:
@@ -224,12 +123,20 @@ _WHERE = re.compile(r'\n  In file "(?P<file>[^"]+)", line (?P<line>\d+)\n    (?P
 _BINDING_WHERE = re.compile(r"\n  In bindings string line \d+\n    (?P<stmt>[^\n]*)")
 
 
+def _unquoted(text: str) -> str:
+    """``text`` without the quotes gin's exceptions may wrap it in (a KeyError's repr), but only as a pair: a
+    message that ends in a quote of its own (``No module named 'x'``) keeps it."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
 def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> GinConfigError:
     """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
     text = str(exc)
     kind = GinConfigError
     if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
-        line, statement = _unclosed(binding if binding is not None else _read(source))
+        line, statement = _unclosed(binding if binding is not None else read_text(source))
         where = source if binding is not None or not line else f"{source}, line {line}"
         return ConfigSyntaxError(f"syntax error: {exc.args[0]} (a bracket or quote is never closed)", where,
                                  statement or binding or "", "close the bracket or quote that this statement opens.")
@@ -241,7 +148,7 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
             where = source
         statement = (exc.text or binding or "").strip()
         if binding is None and exc.lineno:  # an unclosed list runs into the next binding: point at its start
-            line, opened = _unclosed(_read(exc.filename or source))
+            line, opened = _unclosed(read_text(exc.filename or source))
             if 0 < line < exc.lineno:
                 return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
                             f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
@@ -249,7 +156,7 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
         return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
                     "(values are Python literals, references are @Name or @Name()).")
     locations = list(_WHERE.finditer(text))
-    problem = text.split("\n  In ", 1)[0].strip().strip("\"'")
+    problem = _unquoted(text.split("\n  In ", 1)[0].strip())
     if locations:
         inner = locations[0]
         where = f"{inner['file']}, line {inner['line']}"
@@ -276,13 +183,6 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 def _unclosed(text: str) -> Tuple[int, str]:
@@ -320,93 +220,6 @@ def _unclosed(text: str) -> Tuple[int, str]:
     return line, lines[line - 1].strip() if line <= len(lines) else ""
 
 
-def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> str:
-    """Where the value an error message complains about was bound: ``file, line N: statement`` (or the
-    ``--bind``), found from gin's ``In call to configurable 'X'`` and a parameter of X the message names.
-    Empty when it cannot tell."""
-    match = re.search(r"In call to configurable '([^']+)'", message)
-    if not match:
-        return ""
-    head = message.split("\n", 1)[0]
-    # The parameter the message names first (it says what it got before giving examples of other bindings).
-    named = {m.group(1): m.start() for m in reversed(list(re.finditer(r"\b(\w+)\b", head)))}
-    params = _bound_params(match.group(1), files, bindings)
-    first = min((p for p in params if p in named), key=lambda p: named[p], default=None)
-    return "" if first is None else _bound_at(match.group(1), lambda param: param == first, files, bindings)
-
-
-def _bound_params(selector: str, files: Sequence[str], bindings: Sequence[str]) -> List[str]:
-    """The parameters of ``selector`` bound anywhere in the config."""
-    name = selector.rsplit(".", 1)[-1]
-    binding = re.compile(rf"^\s*(?:[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
-    return [m["param"] for _, line in _lines(files, bindings) if (m := binding.match(line))]
-
-
-def _bound_at(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
-              scope: Optional[str] = None) -> str:
-    """``where: statement`` of `_bound_pair`, or empty."""
-    where, statement = _bound_pair(selector, wanted, files, bindings, scope)
-    return f"{where}: {statement}" if where else ""
-
-
-def _bound_pair(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
-                scope: Optional[str] = None) -> Tuple[str, str]:
-    """The last ``selector.param = ...`` line (in ``scope`` if given) whose param is ``wanted``, in the order
-    gin read them (included files at their ``include`` line): ``(where, statement)``, or two empty strings."""
-    name = selector.rsplit(".", 1)[-1]
-    binding = re.compile(rf"^\s*(?P<scope>[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
-    found = ("", "")
-    for where, line in _lines(files, bindings):  # the last binding wins, as in gin
-        m = binding.match(line)
-        if m and wanted(m["param"]) and (scope is None or (m["scope"] or "").rstrip("/") == scope):
-            found = (where, line.strip())
-    return found
-
-
-def _lines(files: Sequence[str], bindings: Sequence[str]) -> Iterator[Tuple[str, str]]:
-    """``(where, line)`` for every line gin read, includes expanded in place, then each ``--bind``."""
-    for f in files:
-        try:
-            path = resolve_config(str(f))
-        except InstrumentError:  # it parsed before; nothing to point at
-            continue
-        yield from _file_lines(path, path.parent, "", 0)
-    for b in bindings:
-        yield f"--bind {b!r}", b
-
-
-def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple[str, str]]:
-    """A file's lines, each included file's lines after its ``include`` line (found where gin finds it)."""
-    for n, line in enumerate(_read(str(path)).splitlines(), 1):
-        where = f"{path.name}, line {n}"
-        yield where + (f" (included from {outer})" if outer else ""), line
-        include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
-        if include and depth < 20:  # where gin looks: as written, beside the file given, among the shipped configs
-            for base in (Path.cwd(), top, CONFIG_DIR, path.parent):
-                if (base / include.group(1)).is_file():
-                    yield from _file_lines(base / include.group(1), top, where + (f", {outer}" if outer else ""),
-                                           depth + 1)
-                    break
-
-
-def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[str]:
-    """``where: statement`` of each binding of a configurable that was never called since the config was parsed
-    (gin's operative config holds only what was called): a setting of a backend the run does not include."""
-    def canonical(selector: str) -> str:
-        found = gin.config._REGISTRY.get_match(selector)
-        return found.selector if found is not None else selector
-
-    called = {canonical(selector) for _, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
-    unused = []
-    for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
-        if canonical(selector) in called or selector.split(".")[0] == "gin":  # gin's own macros and constants
-            continue
-        for param in params:
-            place, statement = _bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)
-            unused.append(f"{place}: {statement}" if place else f"{selector}.{param}")
-    return unused
-
-
 def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
     """Refuse a bound literal that its parameter's annotation rules out, naming the file and line (or the
     ``--bind``), what was received, what was expected and a binding that fits: ``train_nca.steps = 'ten'``
@@ -425,7 +238,7 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
         for param, value in params.items():
             refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value)
             if refused:
-                place, statement = _bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
+                place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
 
 

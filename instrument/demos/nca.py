@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from instrument.errors import ConfigurationError
+
 __all__ = ["make_target", "make_seed", "UpdateRule", "NCA", "run_iterations", "rollout", "train_nca"]
 
 # Three disc colours (RGB); where discs overlap the colours are averaged.
@@ -213,6 +215,10 @@ def train_nca(
     the loss only on the last step. ``seed`` fixes the init, the fire masks (global RNG) and the rollout
     lengths (a private generator), so two runs with the same arguments are identical.
     """
+    for name, value, least in (("steps", steps, 1), ("batch_size", batch_size, 1), ("size", size, 4),
+                               ("n_iter_min", n_iter_min, 1), ("n_iter_max", n_iter_max, n_iter_min)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigurationError(f"train_nca {name} must be an int >= {least}, got {value!r}.")
     torch.manual_seed(seed)
     lengths_rng = torch.Generator().manual_seed(seed)
     model = NCA(channels=channels, hidden=hidden, fire_rate=fire_rate, checkpoint_every=checkpoint_every)

@@ -1,0 +1,128 @@
+"""Where a binding is: the file and line (or the ``--bind``) of each ``Name.param = value`` gin read.
+
+Error messages point at the binding at fault (`where_bound`), the run names bindings it never used
+(`unused_bindings`), and an include cycle is named line by line (`include_cycle`). gin itself keeps no
+locations, so the files are read again here, includes expanded where gin finds them.
+"""
+
+import re
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import gin
+
+from instrument.config.files import CONFIG_DIR, read_text, resolve_config
+from instrument.errors import InstrumentError
+
+__all__ = ["bound_pair", "include_cycle", "unused_bindings", "where_bound"]
+
+
+def include_cycle(path: Path) -> List[str]:
+    """``file, line N`` of each include on the first cycle of includes from ``path`` (as `_file_lines` finds
+    them), ending with the file it started from; just ``path`` when none is found."""
+    def walk(current: Path, trail: List[Tuple[Path, str]]) -> Optional[List[str]]:
+        for n, line in enumerate(read_text(str(current)).splitlines(), 1):
+            include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
+            if not include:
+                continue
+            for base in (Path.cwd(), path.parent, CONFIG_DIR, current.parent):
+                target = (base / include.group(1)).resolve()
+                if target.is_file():
+                    here = trail + [(current, f"{current.name}, line {n}")]
+                    seen = [p for p, _ in here]
+                    if target in seen:
+                        return [where for _, where in here[seen.index(target):]] + [target.name]
+                    found = walk(target, here) if len(trail) < 50 else None
+                    if found:
+                        return found
+                    break
+        return None
+
+    return walk(path.resolve(), []) or [str(path)]
+
+
+def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> str:
+    """Where the value an error message complains about was bound: ``file, line N: statement`` (or the
+    ``--bind``), found from gin's ``In call to configurable 'X'`` and a parameter of X the message names.
+    Empty when it cannot tell."""
+    match = re.search(r"In call to configurable '([^']+)'", message)
+    if not match:
+        return ""
+    head = message.split("\n", 1)[0]
+    # The parameter the message names first (it says what it got before giving examples of other bindings).
+    named = {m.group(1): m.start() for m in reversed(list(re.finditer(r"\b(\w+)\b", head)))}
+    params = _bound_params(match.group(1), files, bindings)
+    first = min((p for p in params if p in named), key=lambda p: named[p], default=None)
+    return "" if first is None else _bound_at(match.group(1), lambda param: param == first, files, bindings)
+
+
+def _bound_params(selector: str, files: Sequence[str], bindings: Sequence[str]) -> List[str]:
+    """The parameters of ``selector`` bound anywhere in the config."""
+    name = selector.rsplit(".", 1)[-1]
+    binding = re.compile(rf"^\s*(?:[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
+    return [m["param"] for _, line in _lines(files, bindings) if (m := binding.match(line))]
+
+
+def _bound_at(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
+              scope: Optional[str] = None) -> str:
+    """``where: statement`` of `_bound_pair`, or empty."""
+    where, statement = bound_pair(selector, wanted, files, bindings, scope)
+    return f"{where}: {statement}" if where else ""
+
+
+def bound_pair(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
+                scope: Optional[str] = None) -> Tuple[str, str]:
+    """The last ``selector.param = ...`` line (in ``scope`` if given) whose param is ``wanted``, in the order
+    gin read them (included files at their ``include`` line): ``(where, statement)``, or two empty strings."""
+    name = selector.rsplit(".", 1)[-1]
+    binding = re.compile(rf"^\s*(?P<scope>[\w./]*/)?(?:[\w.]*\.)?{re.escape(name)}\.(?P<param>\w+)\s*=")
+    found = ("", "")
+    for where, line in _lines(files, bindings):  # the last binding wins, as in gin
+        m = binding.match(line)
+        if m and wanted(m["param"]) and (scope is None or (m["scope"] or "").rstrip("/") == scope):
+            found = (where, line.strip())
+    return found
+
+
+def _lines(files: Sequence[str], bindings: Sequence[str]) -> Iterator[Tuple[str, str]]:
+    """``(where, line)`` for every line gin read, includes expanded in place, then each ``--bind``."""
+    for f in files:
+        try:
+            path = resolve_config(str(f))
+        except InstrumentError:  # it parsed before; nothing to point at
+            continue
+        yield from _file_lines(path, path.parent, "", 0)
+    for b in bindings:
+        yield f"--bind {b!r}", b
+
+
+def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple[str, str]]:
+    """A file's lines, each included file's lines after its ``include`` line (found where gin finds it)."""
+    for n, line in enumerate(read_text(str(path)).splitlines(), 1):
+        where = f"{path.name}, line {n}"
+        yield where + (f" (included from {outer})" if outer else ""), line
+        include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
+        if include and depth < 20:  # where gin looks: as written, beside the file given, among the shipped configs
+            for base in (Path.cwd(), top, CONFIG_DIR, path.parent):
+                if (base / include.group(1)).is_file():
+                    yield from _file_lines(base / include.group(1), top, where + (f", {outer}" if outer else ""),
+                                           depth + 1)
+                    break
+
+
+def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[str]:
+    """``where: statement`` of each binding of a configurable that was never called since the config was parsed
+    (gin's operative config holds only what was called): a setting of a backend the run does not include."""
+    def canonical(selector: str) -> str:
+        found = gin.config._REGISTRY.get_match(selector)
+        return found.selector if found is not None else selector
+
+    called = {canonical(selector) for _, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
+    unused = []
+    for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
+        if canonical(selector) in called or selector.split(".")[0] == "gin":  # gin's own macros and constants
+            continue
+        for param in params:
+            place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)
+            unused.append(f"{place}: {statement}" if place else f"{selector}.{param}")
+    return unused

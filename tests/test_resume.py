@@ -164,3 +164,19 @@ def test_rl_logging_state_carries_the_session_state(tmp_path):
     assert again.state_dict()["last_step"] == 20
     rl2.close()
     again.close()
+
+
+def test_a_run_file_with_a_null_id_or_a_run_path_that_is_a_file_is_named_plainly(tmp_path):
+    """A review found a null id resumed as the string 'None' (then 'Run with id=None not found'), and a run
+    path that is a file reported as missing."""
+    import json as _json
+
+    from instrument.session.run_folder import resume_ids
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.json").write_text(_json.dumps({"backends": {"MlflowBackend": None}}))
+    with pytest.raises(instrument.ConfigurationError, match=r"run.json is not a run file written by instrument"):
+        resume_ids(tmp_path / "r")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(instrument.ConfigurationError, match=r"is a file, not a run folder"):
+        resume_ids(tmp_path / "f")

@@ -119,16 +119,20 @@ RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a res
 def resume_ids(run_dir: Path) -> Dict[str, str]:
     """The backends' run ids of the run in ``run_dir`` (`RUN_FILE`), to resume it; refuses a missing run."""
     if not run_dir.is_dir():
+        what = "is a file, not a run folder" if run_dir.exists() else "does not exist"
         raise ConfigurationError(
-            f"resume=True, but there is no run {run_dir.name!r} in {str(run_dir.parent)!r} ({run_dir} does not "
-            f"exist); pass the run_name and log_dir of the run to continue, or resume=False to start a new one."
+            f"resume=True, but there is no run {run_dir.name!r} in {str(run_dir.parent)!r} ({run_dir} {what}); "
+            f"pass the run_name and log_dir of the run to continue, or resume=False to start a new one."
         )
     path = run_dir / RUN_FILE
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return {str(k): str(v) for k, v in data.get("backends", {}).items()}
+        ids = data.get("backends", {})
+        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in ids.values()):
+            raise ValueError(f"a backend's run id is not a string: {ids!r}")
+        return {str(k): str(v) for k, v in ids.items()}
     except (ValueError, AttributeError) as exc:
         raise ConfigurationError(f"{path} is not a run file written by instrument ({exc}); remove it to resume "
                                  f"without the backends' run ids (W&B and MLflow then start new runs).") from exc

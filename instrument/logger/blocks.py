@@ -62,21 +62,28 @@ def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Wide] = None) -
     uint64 values are flagged in ``wide`` (`instrument.logger.values.note_beyond`)."""
     values = list(copy.values())
     dtype = values[0].dtype if type(values[0]) is Tensor else None
-    on_cpu = True
+    if dtype in _READ_HERE and values[0].is_cpu and not torch._C._len_torch_function_stack():
+        # CPU floats and bools: read here, as a float block, in the same pass that checks them. Reading a CPU
+        # tensor is no sync, the stack would read it now as well, and 100 reads cost less than one stack (about
+        # 16 against 25 us) and leave the commit nothing to transfer. Anything else (another dtype or device, a
+        # tensor of several elements, where item() raises) goes on to the checks below. Not under a
+        # TorchFunctionMode (fake tensors, tracing, a test's host-read check): there a read may mean something
+        # else, and the stack is what runs on every other device.
+        floats: Dict[Any, Any] = {}
+        try:
+            for key, value in copy.items():
+                if type(value) is not Tensor or type(key) is not str or value.dtype != dtype or not value.is_cpu:
+                    break
+                floats[key] = value.item()
+            else:
+                if dtype == torch.bool:
+                    floats = {key: 1.0 if flag else 0.0 for key, flag in floats.items()}
+                return (head, floats)
+        except RuntimeError:
+            pass
     for key, value in copy.items():
         if type(value) is not Tensor or type(key) is not str or value.dtype != dtype:
             return None
-        on_cpu = on_cpu and value.is_cpu
-    if on_cpu and dtype in _READ_HERE and not torch._C._len_torch_function_stack():
-        # CPU floats and bools: read here, as a float block. Reading a CPU tensor is no sync, the stack would
-        # read it now as well, and 100 reads cost less than one stack (about 16 against 25 us) and leave the
-        # commit nothing to transfer. A tensor of several elements (item() raises) takes the stacking path,
-        # which refuses it. Not under a TorchFunctionMode (fake tensors, tracing, a test's host-read check):
-        # there a read may mean something else, and the stack is what runs on every other device.
-        try:
-            return (head, {key: float(value.item()) for key, value in copy.items()})
-        except RuntimeError:
-            pass
     if dtype.is_complex or values[0].layout != torch.strided or values[0].is_quantized:  # the per-key path converts
         return None
     try:

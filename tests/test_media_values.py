@@ -269,3 +269,29 @@ def test_what_is_drawn_otherwise_than_meant_is_said_once_per_tag(tmp_path, caplo
     assert not [m for m in said if "'fine'" in m]
     assert keep.records[0].samples["val"].rows == [{"score": 2.0}]
     assert (keep.records[0].images["said/bright"] == 255).all()  # clipped, as said
+
+
+def test_review_findings_on_sample_containers_ticks_and_integer_histograms(tmp_path):
+    """Namedtuples and dict subclasses keep their type in a sample field, x_ticks may be any iterable of labels
+    (a pandas Index, dict keys), and a uint8 histogram reaches the backends as int64 (no wrap-around)."""
+    import collections
+
+    Box = collections.namedtuple("Box", "x y")
+    keep = Keep()
+    logger = Logger([keep, JsonlBackend()], RunInfo("r", tmp_path))
+    buf = torch.tensor([1.0, 2.0])
+    logger.log_samples("val", [{"box": Box(buf[0], 3), "od": collections.OrderedDict(a=buf[1]),
+                                "dd": collections.defaultdict(int, {"k": 1}), "long": list(range(1000))}], step=0)
+    logger.log_heatmap("hm", torch.rand(2, 3), step=0, x_ticks={"a": 0, "b": 1, "c": 2}.keys())
+    logger.log_histogram("u8", torch.tensor([255, 5], dtype=torch.uint8), step=0)
+    logger.commit(0)
+    buf.fill_(-1.0)
+    logger.close()
+    (row,) = keep.records[0].samples["val"].rows
+    assert row["box"] == Box(1.0, 3) and type(row["box"]) is Box
+    assert row["od"] == {"a": 2.0} and type(row["od"]) is collections.OrderedDict
+    assert row["dd"] == {"k": 1} and row["long"] == list(range(1000))
+    assert keep.records[0].histograms["u8"].dtype == np.int64 and (keep.records[0].histograms["u8"] * 2).tolist() == [
+        510, 10]
+    (line,) = [r for r in _lines(tmp_path / "r" / "metrics.jsonl") if "samples" in r]
+    assert line["samples"]["val"][0]["box"] == "Box(x=1.0, y=3)"

@@ -337,3 +337,44 @@ def test_a_failed_open_is_tried_again_under_a_steady_stream_of_records(tmp_path)
     assert backend.run_id is not None
     history = MlflowClient(tracking_uri=uri).get_metric_history(backend.run_id, "x")
     assert len(history) >= step - 12 and history[-1].step == step - 1  # every record from about 0.3 s on
+
+
+def test_a_media_value_mlflow_cannot_store_costs_that_value_and_is_counted(tmp_path):
+    """A review found one image MLflow refused costing it every media value of the step after it. Here the
+    store cannot write one text (its artifact path is taken by a folder): that text is counted in `failures`,
+    and the image, the other text and the samples table of the same step are written."""
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("media", tmp_path))
+    logger.log_metrics({"loss": 0.5}, step=0)
+    logger.commit(0)
+    assert logger.flush()
+    artifacts = Path(urlparse(MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id)
+                              .info.artifact_uri).path)
+    (artifacts / "text" / "a_bad" / "step_00000001.txt").mkdir(parents=True)  # a folder where the file goes
+    logger.log_image("img", np.full((4, 5, 3), 0.5), step=1)
+    logger.log_text("a_bad", "lost", step=1)
+    logger.log_text("b_good", "kept", step=1)
+    logger.log_samples("val", [{"input": "x", "score": 1.0}], step=1)
+    logger.log_metrics({"loss": 0.25}, step=1)
+    logger.close()
+    assert logger.failures == {"MlflowBackend": 1}
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    found = _artifacts(client, backend.run_id)
+    assert "text/b_good/step_00000001.txt" in found and "samples/val/step_00000001.json" in found
+    assert any(path.startswith("images/img") for path in found)
+    assert [m.value for m in client.get_metric_history(backend.run_id, "loss")] == [0.5, 0.25]
+
+
+def test_media_tags_that_sanitise_alike_keep_apart(tmp_path):
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("names", tmp_path))
+    logger.log_text("notes[a]", "first", step=1)
+    logger.log_text("notes_a_", "second", step=1)
+    logger.close()
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    first = client.download_artifacts(backend.run_id, "text/notes_a_/step_00000001.txt")
+    second = client.download_artifacts(backend.run_id, "text/notes_a__2/step_00000001.txt")
+    assert open(first).read() == "first" and open(second).read() == "second"

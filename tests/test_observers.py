@@ -582,3 +582,24 @@ def test_activation_stats_reduced_in_pieces_gives_the_same_values(monkeypatch):
         assert split.scalars == whole.scalars
         for tag, image in whole.images.items():
             np.testing.assert_array_equal(split.images[tag], image)
+
+
+def test_observe_set_on_the_instance_or_a_call_only_observer_is_still_called():
+    """A review found both skipped after the base observe became a no-op (the check read the class)."""
+    seen = []
+
+    class Fast(instrument.Observer):
+        def __init__(self):
+            super().__init__("fast")
+            self.observe = lambda context: seen.append(("fast", context.step_index))
+
+    class Called(instrument.Observer):
+        def __call__(self, context):
+            seen.append(("called", context.step_index))
+
+    inst = instrument.Instrumentation([Fast(), Called()], backends=[], log_interval=1)
+    with inst.step(0) as s:
+        for i in range(2):
+            s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1), step_index=i))
+    inst.close()
+    assert sorted(seen) == [("called", 0), ("called", 1), ("fast", 0), ("fast", 1)] and inst.failures == {}

@@ -216,3 +216,6 @@ def test_the_run_log_of_a_default_named_run_has_the_time_once_and_an_unwritable_
         instrument.Instrumentation(backends=[], log_dir=str(tmp_path / "file"), run_log=True, run_name="r")
     with pytest.raises(instrument.ConfigurationError, match=r"run_name is 300 characters long"):
         instrument.Instrumentation(backends=[], log_dir=str(tmp_path / "runs"), run_name="a" * 300)
+    inst = instrument.Instrumentation(backends=[], log_dir=str(tmp_path / "runs"), run_name="b" * 250, run_log=True)
+    inst.close()  # a name a folder holds, and its run log's file name too (the stem is cut)
+    assert len(inst.run_log.path.name) <= 255 and inst.run_log.path.parent.name == "b" * 250

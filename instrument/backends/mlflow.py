@@ -12,7 +12,7 @@ import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.backends.drops import Drops, describe, utf8
+from instrument.backends.drops import Drops, utf8
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell
@@ -333,11 +333,8 @@ class MlflowBackend(Backend):
             for key, value in items:
                 try:
                     write(key, value)
-                except (ValueError, TypeError) as exc:  # MLflow refused this value: dropped, said once per key
-                    self._drops.drop(kind, key, f"{describe(value)} ({type(exc).__name__}: {exc})",
-                                     _EXPECTED[kind])
-                except Exception as exc:  # the store: a failure of the backend, raised after the rest is written
-                    failed.append((key, exc))
+                except Exception as exc:  # raised after the rest is written: counted in `failures`, as always
+                    failed.append((f"{kind} {key}", exc))
 
         stamp = int(record.wall_time * 1000)
 
@@ -444,11 +441,6 @@ def _is_unreachable(exc: BaseException) -> bool:
     transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
     text = str(exc)
     return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
-
-
-# What MLflow takes, for the message of a value it refused.
-_EXPECTED = {"image": "an image MLflow can save (uint8 [H, W, C], H and W at least 1)", "text": "text",
-             "samples table": "rows of JSON values"}
 
 
 def _safe_name(name: str) -> str:

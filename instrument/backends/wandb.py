@@ -311,6 +311,8 @@ def _histogram(wandb, drops: Drops, key: str, values: Any):
     with np.errstate(over="ignore"):
         wide = not np.isfinite(hi - lo)
     # A range wider than the largest float (e.g. -1e308 to 1e308): the edges computed on halves, then doubled.
+    if lo == hi:  # one value: numpy's own range for it, +-0.5 (where the magnitude leaves room for that)
+        lo, hi = lo - 0.5, hi + 0.5
     edges = np.linspace(lo / 2, hi / 2, 65) * 2 if wide else np.linspace(lo, hi, 65)
     # A range narrow for its magnitude (a constant -3.4e38 mask, ids near 1e17) has fewer distinct floats than
     # 65: numpy refuses repeated edges ("Too many bins"), so keep the distinct ones, at least one bin's worth.

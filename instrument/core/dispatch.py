@@ -172,9 +172,9 @@ class Dispatcher:
 
     def _build_observing(self) -> List[Tuple[int, str, Callable[[StepContext], Any]]]:
         self._observing = [
-            (index, observer_name(observer), getattr(observer, "observe", observer))
+            (index, observer_name(observer), observe)
             for index, observer in enumerate(self.observers)
-            if index not in self._skipped and getattr(type(observer), "observe", None) is not Observer.observe
+            if index not in self._skipped and (observe := _observe_of(observer)) is not None
         ]
         return self._observing
 
@@ -186,6 +186,18 @@ class Dispatcher:
         """An ``observe`` call raised: reported (first time), and the observer is skipped for the step."""
         self.ledger.record(name, "observe", exc)
         self._skip(index)
+
+
+def _observe_of(observer: ObserverLike) -> Optional[Callable[[StepContext], Any]]:
+    """What a logging step calls per iteration: ``observe``, or the observer itself when it is a plain callable
+    or an `Observer` that defines ``__call__`` only; None for an `Observer` that reads no iterations (its
+    ``observe`` is the base class's no-op)."""
+    observe = getattr(observer, "observe", None)
+    if observe is None:
+        return observer
+    if getattr(observe, "__func__", None) is Observer.observe:
+        return observer if callable(observer) else None
+    return observe
 
 
 def _with_probes(context: StepContext, probes: Dict[str, Tensor]) -> StepContext:

@@ -13,16 +13,17 @@ import dataclasses
 import logging
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from instrument.backends.base import SampleTable
 from instrument.core.colormap import parse_color_range
 from instrument.errors import InvalidValueError
+from instrument.logger.plain import plain_tensor
 from instrument.logger.render import is_degenerate, render_heatmap, to_hwc_uint8
+from instrument.logger.samples import check_samples, convert_samples
 
 __all__ = ["MediaKind", "KINDS", "check_color_range", "check_media", "heatmap_options", "plain_tensor",
            "refuse_shared_tag", "tensors_of", "video_fps"]
@@ -47,61 +48,6 @@ class MediaKind:
     check: Callable[[str, Any, Any], Any]
     convert: Callable[[str, Any, Any, Host], Any]
     expected: str
-
-
-# Tensor dtypes whose values the commit's transfer carries: bool, integers (exact, as int64) and floats (as
-# float64). Quantized tensors are dequantized on the caller; the rest (bits, sub-byte and packed float4 types)
-# have no conversion to a number and are refused at the call.
-_INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
-                             torch.uint8, torch.uint16, torch.uint32, torch.uint64})
-_NUMERIC_DTYPES = _INTEGER_DTYPES | frozenset(
-    getattr(torch, name) for name in ("bool", "float16", "bfloat16", "float32", "float64", "float8_e4m3fn",
-                                      "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, name)
-)
-
-
-def plain_tensor(where: str, value: Tensor, expected: str) -> Tensor:
-    """``value`` detached as a dense, non-quantized real tensor the commit's transfer can copy; metadata checks
-    and conversions that keep every value exactly (no host sync), as `log_metrics` does for scalars.
-
-    Sparse tensors become dense (``to_dense``), quantized ones their values (``dequantize``); meta, nested,
-    complex tensors and dtypes with no numeric value (bits, sub-byte, packed float4) raise `InvalidValueError`
-    naming ``where`` (e.g. ``"log_histogram('grads')"``)."""
-    if value.is_meta:
-        raise InvalidValueError(
-            f"{where}: got a meta tensor of shape {tuple(value.shape)}, which has no data; expected {expected}. "
-            f"Log a materialised tensor."
-        )
-    if value.is_nested:
-        raise InvalidValueError(
-            f"{where}: got a nested tensor (of {value.size(0)} tensors, {value.layout} layout); expected "
-            f"{expected} as one dense tensor. Log each of its tensors (value.unbind()) on its own, or pad them to "
-            f"one shape first (value.to_padded_tensor(0.0))."
-        )
-    if value.is_complex():
-        raise InvalidValueError(
-            f"{where}: got a complex tensor ({value.dtype}); expected {expected} as real numbers. Log its parts "
-            f"(value.real and value.imag) or its magnitude (value.abs())."
-        )
-    value = value.detach()
-    if value.layout != torch.strided:  # sparse (COO, CSR, CSC, BSR, BSC) or mkldnn: the same values, dense
-        try:
-            value = value.to_dense()
-        except Exception as exc:
-            raise InvalidValueError(
-                f"{where}: got a tensor of layout {value.layout}, which could not be made dense ({exc}); "
-                f"expected {expected} as a dense tensor."
-            ) from exc
-    if value.is_quantized:  # the real values it stands for (scale and zero point applied)
-        value = value.dequantize()
-    if value.layout != torch.strided or value.dtype not in _NUMERIC_DTYPES:
-        raise InvalidValueError(
-            f"{where}: got a tensor of dtype {value.dtype} and layout {value.layout}, which has no numeric value "
-            f"to copy; expected {expected} as a dense tensor of bool, integers or floats (e.g. value.float(), "
-            f"or value.view(torch.uint8) for raw bits)."
-        )
-    return value
 
 
 def _array_like(kind: str, tag: str, value: Any, expected: str) -> Any:
@@ -210,7 +156,7 @@ def heatmap_options(tag: Any, x_label: Any, y_label: Any, x_ticks: Any, color_ra
     for name, label in (("x_label", x_label), ("y_label", y_label)):
         if not isinstance(label, str):
             raise InvalidValueError(f"{where}: {name} must be a str, got {label!r} ({type(label).__name__}).")
-    if x_ticks is not None and (isinstance(x_ticks, (str, bytes)) or not isinstance(x_ticks, (Sequence, np.ndarray))):
+    if x_ticks is not None and (isinstance(x_ticks, (str, bytes, Mapping)) or not hasattr(x_ticks, "__iter__")):
         raise InvalidValueError(
             f"{where}: x_ticks must be None or one label per column (a list such as ['r', 'g', 'b']), got "
             f"{x_ticks!r} ({type(x_ticks).__name__})."
@@ -275,11 +221,14 @@ def _check_histogram(tag: str, value: Any, extra: Any) -> Any:
 
 
 def _convert_histogram(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
-    """float64, except integers, which stay exact (int64, uint64: sample ids beyond 2**53 stay apart)."""
+    """float64, except integers, which stay exact as int64 (uint64 as uint64: sample ids beyond 2**53 stay
+    apart); a narrower integer dtype is widened, so a backend's arithmetic on them does not wrap around."""
     array = np.asarray(host(value)).reshape(-1)
     if isinstance(value, Tensor) and value.dtype == torch.bool:  # the transfer carries bools as 0.0 / 1.0
         return array.astype(np.float64)
-    return array if array.dtype.kind in "iu" else array.astype(np.float64)
+    if array.dtype.kind in "iu":
+        return array if array.dtype == np.uint64 else array.astype(np.int64, copy=False)
+    return array.astype(np.float64)
 
 
 def _check_text(tag: str, value: Any, extra: Any) -> str:
@@ -307,75 +256,6 @@ def _convert_video(tag: str, value: Any, extra: Any, host: Host) -> tuple:
     return np.stack([to_hwc_uint8(f, tag) for f in frames]), extra
 
 
-def _check_samples(tag: str, samples: Any, extra: Any) -> List[Dict[str, Any]]:
-    if isinstance(samples, Mapping) or not isinstance(samples, Sequence):
-        raise InvalidValueError(f"log_samples({tag!r}) takes a list of dicts, got {type(samples).__name__}.")
-    rows = []
-    for i, row in enumerate(samples):
-        if not isinstance(row, Mapping):
-            raise InvalidValueError(
-                f"log_samples({tag!r}): sample {i} is a {type(row).__name__}; each sample must be a dict "
-                f"such as {{'input': ..., 'output': ..., 'score': ...}}."
-            )
-        rows.append({str(k): _staged_field(tag, i, k, v) for k, v in row.items()})
-    return rows
-
-
-_FIELD = "numbers, strings or real tensors"
-_DEPTH = 8  # how deep lists, tuples and dicts may nest inside a sample field (a cycle would never end)
-
-
-def _staged_field(tag: str, i: int, key: Any, value: Any) -> Any:
-    """A sample field as staged: tensors made plain (`plain_tensor`: detached, dense, dequantized; the transfer
-    copies them), NumPy arrays copied, lists, tuples and dicts rebuilt around staged elements (the caller may
-    refill its buffers once commit returns), the rest as given."""
-    return _staged(f"log_samples({tag!r})", f"field {key!r} of sample {i}", value, 0)
-
-
-def _staged(head: str, field: str, value: Any, depth: int) -> Any:
-    where = f"{head}: {field}" if depth == 0 else f"{head}: an element of {field}"
-    if isinstance(value, Tensor):
-        return plain_tensor(where, value, _FIELD)
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, (list, tuple, dict)):
-        if depth >= _DEPTH:
-            raise InvalidValueError(
-                f"{where}: lists, tuples and dicts nest more than {_DEPTH} levels deep (or refer to themselves); "
-                f"expected {_FIELD}, or containers of them. Log a flatter value, e.g. a tensor or a string."
-            )
-        if isinstance(value, dict):
-            return {k: _staged(head, field, v, depth + 1) for k, v in value.items()}
-        items = [_staged(head, field, v, depth + 1) for v in value]
-        return items if type(value) is list else tuple(items)
-    return value
-
-
-def _host_field(value: Any, staged: Any) -> Any:
-    """A sample field as the backends want it: a one-element array or tensor as its element, other arrays as
-    lists, the rest as is. Elements keep their kind: integers stay exact Python ints (the transfer carries
-    integer tensors as int64, uint64 as its bits), floats stay floats, bool tensors become True / False."""
-    if isinstance(value, np.ndarray):
-        if isinstance(staged, Tensor) and staged.dtype == torch.bool and value.dtype != np.bool_:
-            value = value.astype(np.bool_)  # the transfer carries bools as 0.0 / 1.0
-        return value.reshape(()).item() if value.size == 1 else value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def _convert_samples(tag: str, rows: Any, score_key: Any, host: Host) -> SampleTable:
-    def field(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: field(e) for k, e in v.items()}
-        if isinstance(v, (list, tuple)):
-            items = [field(e) for e in v]
-            return items if type(v) is list else tuple(items)
-        return _host_field(host(v), v)
-
-    return SampleTable([{f: field(v) for f, v in row.items()} for row in rows], score_key)
-
-
 KINDS: Dict[str, MediaKind] = {
     kind.name: kind
     for kind in (
@@ -384,7 +264,7 @@ KINDS: Dict[str, MediaKind] = {
         MediaKind("histogram", "histograms", _check_histogram, _convert_histogram, _HISTOGRAM),
         MediaKind("text", "texts", _check_text, _convert_text, "text"),
         MediaKind("video", "videos", _check_video, _convert_video, _VIDEO),
-        MediaKind("samples", "samples", _check_samples, _convert_samples, "a list of dicts"),
+        MediaKind("samples", "samples", check_samples, convert_samples, "a list of dicts"),
     )
 }
 
@@ -422,22 +302,7 @@ def refuse_shared_tag(kind: str, tag: str, staged: Mapping[Tuple[str, str], Any]
 
 
 def tensors_of(value: Any) -> List[Tensor]:
-    """The device tensors inside a staged value (a tensor, or the rows of a samples table, whose fields may
-    be lists, tuples and dicts of tensors)."""
+    """The device tensors inside a staged value (a tensor, or the rows of a samples table)."""
     if isinstance(value, Tensor):
         return [value]
-    found: List[Tensor] = []
-    if isinstance(value, list):  # the rows of a samples table
-        for row in value:
-            _collect(row.values(), found)
-    return found
-
-
-def _collect(values: Any, found: List[Tensor]) -> None:
-    for v in values:
-        if isinstance(v, Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            _collect(v, found)
-        elif isinstance(v, dict):
-            _collect(v.values(), found)
+    return list(getattr(value, "tensors", ()))  # `instrument.logger.samples.StagedRows`

@@ -202,6 +202,7 @@ def setup_run_logging(
     started = time.strftime("%Y%m%d-%H%M%S")
     # A run named by its start time (the default, `YYYYmmdd-HHMMSS-xxxxxx`) would otherwise get it twice.
     stem = _safe(run_name) if re.match(r"\d{8}-\d{6}(-|$)", run_name) else f"{started}-{_safe(run_name)}"
+    stem = stem[:200]  # room for "-N.log" within a file name's 255 bytes (the run's folder has the whole name)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = _unique(folder, stem)

@@ -204,11 +204,14 @@ def test_wandb_bins_histograms_whose_range_is_narrow_for_their_magnitude(tmp_pat
         assert row[tag]["bins"][0] <= float(np.min(np.asarray(v, dtype=np.float64)))
     logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("c", tmp_path))
     logger.log_histogram("zeros", np.zeros(5), step=0)  # a constant: numpy's own +-0.5 range, not one tiny bin
+    logger.log_histogram("fmax", np.full(2, np.finfo(np.float64).max), step=0)  # no +-0.5 there, and no inf edge
     logger.log_metrics({"loss": 1.0}, step=0)
     logger.close()
     rows, _ = read_run(tmp_path / "c")
     (zeros,) = [r["zeros"] for r in rows if "zeros" in r]
     assert zeros["bins"][0] == -0.5 and zeros["bins"][-1] == 0.5 and sum(zeros["values"]) == 5
+    (fmax,) = [r["fmax"] for r in rows if "fmax" in r]
+    assert all(math.isfinite(edge) for edge in fmax["bins"]) and sum(fmax["values"]) == 2
 
 
 def test_a_media_value_wandb_cannot_write_costs_that_value_only(tmp_path, caplog):

@@ -295,3 +295,35 @@ def test_review_findings_on_sample_containers_ticks_and_integer_histograms(tmp_p
         510, 10]
     (line,) = [r for r in _lines(tmp_path / "r" / "metrics.jsonl") if "samples" in r]
     assert line["samples"]["val"][0]["box"] == "Box(x=1.0, y=3)"
+
+
+def test_containers_whose_constructors_read_items_otherwise_are_written_as_logged(tmp_path):
+    """A second review found a Counter rebuilt from its pairs as counts of pairs, a tuple subclass built from
+    *args nested one level deeper at each rebuild, and tensors in a deque or a dict view never staged (the
+    caller's refill was written)."""
+    import collections
+
+    class Args(tuple):
+        def __new__(cls, *args):
+            return super().__new__(cls, args)
+
+    keep = Keep()
+    logger = Logger([keep], RunInfo("r", tmp_path))
+    buf = torch.tensor([1.0, 2.0])
+    logger.log_samples("val", [{"counts": collections.Counter(a=2, b=3), "args": Args(1, 2),
+                                "dq": collections.deque([buf[0]]), "vals": {"k": buf[1]}.values()}], step=0)
+    with pytest.raises(InvalidValueError, match="a dict key is a tensor"):
+        logger.log_samples("bad", [{"d": {buf[0]: 1}}], step=0)
+    logger.commit(0)
+    buf.fill_(-9.0)
+    logger.close()
+    (row,) = keep.records[0].samples["val"].rows
+    assert row == {"counts": {"a": 2, "b": 3}, "args": (1, 2), "dq": [1.0], "vals": [2.0]}
+
+
+def test_heatmap_ticks_that_are_not_an_ordered_list_of_labels_are_refused():
+    logger = Logger([])
+    for ticks in (torch.arange(3), {"a", "b", "c"}, iter("abc"), np.array(["a", "b", "c"]).reshape(1, 3)):
+        with pytest.raises(InvalidValueError, match="x_ticks must be None or one label per column"):
+            logger.log_heatmap("hm", torch.rand(2, 3), 0, x_ticks=ticks)
+    logger.close()

@@ -597,9 +597,14 @@ def test_observe_set_on_the_instance_or_a_call_only_observer_is_still_called():
         def __call__(self, context):
             seen.append(("called", context.step_index))
 
-    inst = instrument.Instrumentation([Fast(), Called()], backends=[], log_interval=1)
+    class LogOnly(instrument.Observer):  # reads no iterations: never called per iteration
+        def log(self, logger, step):
+            seen.append(("log", step))
+
+    inst = instrument.Instrumentation([Fast(), Called(), LogOnly()], backends=[], log_interval=1)
     with inst.step(0) as s:
         for i in range(2):
             s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1), step_index=i))
     inst.close()
-    assert sorted(seen) == [("called", 0), ("called", 1), ("fast", 0), ("fast", 1)] and inst.failures == {}
+    assert sorted(seen) == [("called", 0), ("called", 1), ("fast", 0), ("fast", 1), ("log", 0)]
+    assert inst.failures == {} and [name for _, name, _ in inst._dispatch._build_observing()] == ["fast", "called"]

@@ -317,8 +317,10 @@ def _histogram(wandb, drops: Drops, key: str, values: Any):
     # A range narrow for its magnitude (a constant -3.4e38 mask, ids near 1e17) has fewer distinct floats than
     # 65: numpy refuses repeated edges ("Too many bins"), so keep the distinct ones, at least one bin's worth.
     edges = np.unique(edges)
-    if edges.size < 2:
-        edges = np.array([np.nextafter(lo, -np.inf), np.nextafter(hi, np.inf)])
+    if edges.size < 2:  # one float wide: the neighbouring floats, staying finite at the ends of the range
+        with np.errstate(over="ignore"):
+            low, high = np.nextafter(lo, -np.inf), np.nextafter(hi, np.inf)
+        edges = np.array([low if np.isfinite(low) else lo, high if np.isfinite(high) else hi])
     counts, edges = np.histogram(values, bins=edges)
     return wandb.Histogram(np_histogram=(counts, edges))
 

@@ -196,7 +196,7 @@ def _observe_of(observer: ObserverLike) -> Optional[Callable[[StepContext], Any]
     if observe is None:
         return observer
     if getattr(observe, "__func__", None) is Observer.observe:
-        return observer if callable(observer) else None
+        return observer if type(observer).__call__ is not Observer.__call__ else None
     return observe
 
 

@@ -156,7 +156,9 @@ def heatmap_options(tag: Any, x_label: Any, y_label: Any, x_ticks: Any, color_ra
     for name, label in (("x_label", x_label), ("y_label", y_label)):
         if not isinstance(label, str):
             raise InvalidValueError(f"{where}: {name} must be a str, got {label!r} ({type(label).__name__}).")
-    if x_ticks is not None and (isinstance(x_ticks, (str, bytes, Mapping)) or not hasattr(x_ticks, "__iter__")):
+    unordered = (str, bytes, Mapping, Tensor, set, frozenset)  # a tensor's elements would be drawn as 'tensor(0)'
+    if x_ticks is not None and (isinstance(x_ticks, unordered) or not hasattr(x_ticks, "__len__")
+                                or (isinstance(x_ticks, np.ndarray) and x_ticks.ndim != 1)):
         raise InvalidValueError(
             f"{where}: x_ticks must be None or one label per column (a list such as ['r', 'g', 'b']), got "
             f"{x_ticks!r} ({type(x_ticks).__name__})."

@@ -8,7 +8,8 @@ once commit returns never changes what was logged. On the writer each tensor bec
 kind: integers stay exact Python ints, bool tensors ``True``/``False``, floats floats.
 """
 
-from collections.abc import Mapping, Sequence
+import collections
+from collections.abc import ItemsView, KeysView, Mapping, Sequence, Set, ValuesView
 from typing import Any, Dict, List
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = ["DEPTH", "StagedRows", "check_samples", "convert_samples"]
 DEPTH = 8  # how deep lists, tuples and dicts may nest inside a field (a container holding itself never ends)
 _FIELD = "numbers, strings or real tensors"
 _PLAIN = frozenset({int, float, str, bool, type(None)})  # elements a container is copied with as they are
+_LISTED = (collections.deque, Set, KeysView, ValuesView, ItemsView)  # containers staged as lists
 
 
 class StagedRows(list):
@@ -59,6 +61,8 @@ def _staged(tag: str, i: int, key: Any, value: Any, depth: int, tensors: List[Te
         return plain
     if isinstance(value, np.ndarray):
         return value.copy()
+    if isinstance(value, _LISTED):  # a deque, a set, a dict view: staged as the list of its elements
+        value = list(value)
     if not isinstance(value, (list, tuple, dict)):
         return value
     if depth >= DEPTH:
@@ -67,6 +71,9 @@ def _staged(tag: str, i: int, key: Any, value: Any, depth: int, tensors: List[Te
             f"to themselves); expected {_FIELD}, or containers of them. Log a flatter value, e.g. a tensor or a "
             f"string."
         )
+    if isinstance(value, dict) and any(isinstance(k, Tensor) for k in value):
+        raise InvalidValueError(f"{_where(tag, i, key, depth)}: a dict key is a tensor; expected keys that are "
+                                f"numbers or strings (use k.item() as the key).")
     items = value.values() if isinstance(value, dict) else value
     if all(type(v) in _PLAIN for v in items):  # a long list of numbers: one shallow copy
         return _rebuilt(value, list(value.items()) if isinstance(value, dict) else list(value))
@@ -76,19 +83,22 @@ def _staged(tag: str, i: int, key: Any, value: Any, depth: int, tensors: List[Te
 
 
 def _rebuilt(original: Any, items: list) -> Any:
-    """A container like ``original`` holding ``items`` (pairs for a dict): of its own type where that can be
-    built from them (a namedtuple, an OrderedDict, a Counter), else a plain list, tuple or dict."""
+    """A container like ``original`` holding ``items`` (pairs for a dict): a namedtuple or an OrderedDict of its
+    own type (their constructors take these items as given), any other a plain list, tuple or dict (a Counter's
+    or a subclass's constructor may read them otherwise)."""
     kind = type(original)
     if kind in (list, tuple, dict):
         return kind(items)
-    try:
-        if hasattr(original, "_fields"):  # a namedtuple: its fields by position
+    if isinstance(original, tuple) and hasattr(original, "_fields"):
+        try:
             return kind(*items)
-        return kind(items)
-    except Exception:  # a type that takes other arguments (a defaultdict): its plain base
-        if isinstance(original, dict):
-            return dict(items)
-        return list(items) if isinstance(original, list) else tuple(items)
+        except Exception:  # a namedtuple subclass that takes other arguments
+            return tuple(items)
+    if kind is collections.OrderedDict:
+        return collections.OrderedDict(items)
+    if isinstance(original, dict):
+        return dict(items)
+    return list(items) if isinstance(original, list) else tuple(items)
 
 
 def _host_field(value: Any, staged: Any) -> Any:

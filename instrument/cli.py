@@ -150,8 +150,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     unused = config.unused_bindings(args.config, args.bind)
     if unused:  # e.g. WandbBackend.mode bound, but the config includes no W&B backend: the setting did nothing
-        print("instrument: these bindings were never used, since the run never built what they configure (include "
-              "what builds it, e.g. backends/wandb for WandbBackend, or remove them):", file=sys.stderr)
+        print("instrument: these bindings were never used in this process, since it never built what they "
+              "configure (a backend the config does not include, say: include what builds it, e.g. backends/wandb "
+              "for WandbBackend; what worker processes build is not seen here):", file=sys.stderr)
         for line in unused:
             print(f"  {_redacted(line, args.bind)}", file=sys.stderr)
     try:

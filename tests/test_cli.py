@@ -264,3 +264,10 @@ def test_a_binding_the_run_never_used_is_named_at_the_end(tmp_path, capsys):
     assert named[0] == "  --bind \"WandbBackend.mode = 'offlin'\": WandbBackend.mode = 'offlin'"
     assert named[1] == "  --bind \"WandbBackend.project = 'p'\": WandbBackend.project = 'p'" and len(named) == 2
     assert "train_nca" not in stderr and "Instrumentation." not in "".join(named)
+    # A secret bound in a file is named without its value, as the logged config shows it.
+    (tmp_path / "mine.gin").write_text("include 'nca.gin'\nMlflowBackend.tags = {'api_token': 'sk-filesecret123'}\n")
+    code, stdout, stderr = _main(capsys, "run", str(tmp_path / "mine.gin"), *TINY,
+                                 "--bind", f"Instrumentation.log_dir = '{tmp_path / 'runs'}'")
+    assert code == 0, stderr
+    assert "mine.gin, line 2: MlflowBackend.tags = {'api_token': '<redacted>'}" in stderr
+    assert "sk-filesecret123" not in stderr

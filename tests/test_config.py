@@ -288,3 +288,14 @@ def test_small_setting_checks_found_by_review(tmp_path):
     (tmp_path / "imp.gin").write_text("import no_such_module_xyz\n")
     with pytest.raises(ConfigurationError, match=r"No module named 'no_such_module_xyz'"):
         instrument.parse_config([str(tmp_path / "imp.gin")])
+
+
+def test_bound_at_follows_the_scope_gin_names_and_falls_back_as_gin_does():
+    """A review found 'bound at' blaming an unused scoped binding, or the unscoped one for a call in scope 'a'."""
+    message = ("ConsoleBackend max_keys must be an int >= 1, got -1.\n  In call to configurable 'ConsoleBackend' "
+               "(<class 'instrument.backends.console.ConsoleBackend'>){}")
+    binds = ["a/ConsoleBackend.max_keys = -1", "ConsoleBackend.max_keys = -1", "other/ConsoleBackend.max_keys = 4"]
+    assert config.where_bound(message.format(" in scope 'a'"), [], binds).endswith(": a/ConsoleBackend.max_keys = -1")
+    assert config.where_bound(message.format(""), [], binds).endswith(": ConsoleBackend.max_keys = -1")
+    assert config.where_bound(message.format(" in scope 'b/c'"), [], binds[1:2]).endswith(
+        ": ConsoleBackend.max_keys = -1")  # no binding in 'b/c' or 'b': gin reads the unscoped one

@@ -461,3 +461,30 @@ print(json.dumps({"out": out, "said": said}))
     rounded = [m for m in result["said"] if "at or beyond 2**53" in m]
     # once by each rank's logger: rank 1 for its own value, rank 0 for the reduced one it writes
     assert len(rounded) == 2 and all("'seed'" in m for m in rounded), result["said"]
+
+
+def _late_rank0_worker(rank, store_path, out_dir):
+    import torch.distributed as dist
+
+    import instrument
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            time.sleep(1.0)  # rank 1 reaches Instrumentation() first, as ordinary skew between ranks does
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_dir=out_dir, run_name="late",
+                                          run_log=True)
+        inst.close()
+        Path(out_dir, f"started{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_another_ranks_run_log_never_makes_rank_0_refuse_its_own_run(tmp_path):
+    """A review found rank 0 refusing run 'late' as 'already exists': rank 1 had written its run log into the
+    folder before rank 0 checked it. Rank 0 now checks and claims the folder before any rank goes on."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_late_rank0_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "started0").exists() and (tmp_path / "started1").exists()
+    assert not (tmp_path / "late" / ".instrument-starting").exists()

@@ -255,20 +255,26 @@ def test_what_is_drawn_otherwise_than_meant_is_said_once_per_tag(tmp_path, caplo
     logger = Logger([keep], RunInfo("r", tmp_path))
     with caplog.at_level(logging.WARNING, logger="instrument"):
         for step in range(2):
-            logger.log_image("said/bright", torch.full((4, 4), 200.0), step)
-            logger.log_image("said/ambiguous", torch.rand(3, 16, 4), step)
+            logger.log_image("bright", torch.full((4, 4), 200.0), step)
+            logger.log_image("ambiguous", torch.rand(3, 16, 4), step)
             logger.log_image("fine", torch.rand(3, 16, 16), step)
             logger.log_samples("val", [{"score": 1.0}], step)
             logger.log_samples("val", [{"score": 2.0}], step)
             logger.commit(step)
         logger.close()
     said = [r.getMessage() for r in caplog.records]
-    assert len([m for m in said if "log_image('said/bright') got floats from 200 to 200" in m]) == 1
-    assert len([m for m in said if "log_image('said/ambiguous') got shape (3, 16, 4)" in m]) == 1
+    assert len([m for m in said if "log_image('bright') got floats from 200 to 200" in m]) == 1
+    assert len([m for m in said if "log_image('ambiguous') got shape (3, 16, 4)" in m]) == 1
     assert len([m for m in said if "log_samples('val') was called again before the commit" in m]) == 1
     assert not [m for m in said if "'fine'" in m]
     assert keep.records[0].samples["val"].rows == [{"score": 2.0}]
-    assert (keep.records[0].images["said/bright"] == 255).all()  # clipped, as said
+    assert (keep.records[0].images["bright"] == 255).all()  # clipped, as said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="instrument"):  # another run in the same process: said again
+        other = Logger([Keep()], RunInfo("r2", tmp_path))
+        other.log_image("bright", torch.full((4, 4), 200.0), 0)
+        other.close()
+    assert len([r for r in caplog.records if "log_image('bright') got floats" in r.getMessage()]) == 1
 
 
 def test_review_findings_on_sample_containers_ticks_and_integer_histograms(tmp_path):

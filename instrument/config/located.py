@@ -13,6 +13,7 @@ import gin
 
 from instrument.config.files import CONFIG_DIR, read_text, resolve_config
 from instrument.errors import InstrumentError
+from instrument.logger.params import redact_config_text
 
 __all__ = ["bound_pair", "include_cycle", "unused_bindings", "where_bound"]
 
@@ -45,7 +46,7 @@ def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> 
     """Where the value an error message complains about was bound: ``file, line N: statement`` (or the
     ``--bind``), found from gin's ``In call to configurable 'X'`` and a parameter of X the message names.
     Empty when it cannot tell."""
-    match = re.search(r"In call to configurable '([^']+)'", message)
+    match = re.search(r"In call to configurable '([^']+)'[^\n]*?(?: in scope '([^']*)')?$", message, re.M)
     if not match:
         return ""
     head = message.split("\n", 1)[0]
@@ -53,7 +54,15 @@ def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> 
     named = {m.group(1): m.start() for m in reversed(list(re.finditer(r"\b(\w+)\b", head)))}
     params = _bound_params(match.group(1), files, bindings)
     first = min((p for p in params if p in named), key=lambda p: named[p], default=None)
-    return "" if first is None else _bound_at(match.group(1), lambda param: param == first, files, bindings)
+    if first is None:
+        return ""
+    # gin reads a call in scope 'a/b' from a binding in 'a/b', else 'a', else unscoped: the first that exists.
+    parts = (match.group(2) or "").split("/") if match.group(2) else []
+    for depth in range(len(parts), -1, -1):
+        found = _bound_at(match.group(1), lambda param: param == first, files, bindings, "/".join(parts[:depth]))
+        if found:
+            return found
+    return ""
 
 
 def _bound_params(selector: str, files: Sequence[str], bindings: Sequence[str]) -> List[str]:
@@ -111,12 +120,17 @@ def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple
 
 
 def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[str]:
-    """``where: statement`` of each binding of a configurable that was never called since the config was parsed
-    (gin's operative config holds only what was called): a setting of a backend the run does not include."""
+    """``where: statement`` of each binding of a configurable that was never called in this process since the
+    config was parsed (gin's operative config holds only what was called): a setting of a backend the run does
+    not include, say. Secret-looking values are redacted, as in the logged config."""
     def canonical(selector: str) -> str:
         found = gin.config._REGISTRY.get_match(selector)
         return found.selector if found is not None else selector
 
+    try:  # the run's own secret patterns, where the config binds them
+        extra = tuple(str(k) for k in gin.query_parameter("Instrumentation.secret_keys") or ())
+    except Exception:
+        extra = ()
     called = {canonical(selector) for _, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
     unused = []
     for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
@@ -124,5 +138,6 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
             continue
         for param in params:
             place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)
-            unused.append(f"{place}: {statement}" if place else f"{selector}.{param}")
+            statement = redact_config_text(statement or f"{selector}.{param} = ...", extra)
+            unused.append(f"{place}: {statement}" if place else statement)
     return unused

@@ -127,6 +127,7 @@ class Logger(StagedTable, StepRecords):
         self._tags: Dict[Tuple[str, str], None] = {}  # (kind, tag) logged since the last commit, on every rank
         self._wide: Wide = {}  # flags of int64 values beyond 2**53, read on the writer (`values.note_beyond`)
         self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
+        self._noted: set = set()  # (image tag, note) said once by the writer (`media._convert_image`)
         self._timers: Dict[str, Timer] = {}
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
@@ -226,7 +227,7 @@ class Logger(StagedTable, StepRecords):
     def log_image(self, tag: str, image: Union[Tensor, np.ndarray], step: int) -> None:
         """Stage an image: [H,W], [C,H,W] or [H,W,C] (C in 1,3,4), floats in [0,1], uint8 or bool; other integer
         dtypes are refused (0..255 read as floats would be drawn white): convert them to uint8."""
-        self._stage("image", tag, image, step)
+        self._stage("image", tag, image, step, self._noted)  # what the writer notes once per tag
 
     def log_heatmap(self, tag: str, matrix: Union[Tensor, np.ndarray], step: int, x_label: str = "",
                     y_label: str = "", x_ticks: Optional[Sequence[str]] = None, color_range: Any = None) -> None:

@@ -121,23 +121,21 @@ def _convert_image(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
     pixels = _host_pixels(value, host)
     finite = pixels[np.isfinite(pixels)] if pixels.dtype.kind == "f" else pixels[:0]
     if finite.size and (finite.min() < 0.0 or finite.max() > 1.0):
-        _say_once(tag, "range", "instrument: log_image(%r) got floats from %.4g to %.4g; float pixels are read in "
-                  "[0, 1], so the rest is clipped (0..255 floats come out white). Pass uint8 pixels, or divide by "
+        _say_once(extra, tag, "range", "instrument: log_image(%r) got floats from %.4g to %.4g; float pixels are read "
+                  "in [0, 1], so the rest is clipped (0..255 floats come out white). Pass uint8 pixels, or divide by "
                   "255. (Said once per tag.)", tag, finite.min(), finite.max())
     shape = pixels.shape
     if len(shape) == 3 and shape[0] in (1, 3, 4) and shape[-1] in (1, 3, 4):
-        _say_once(tag, "layout", "instrument: log_image(%r) got shape %s, which reads as [C,H,W] and as [H,W,C]; "
-                  "it is drawn as [H,W,C]. For a [C,H,W] image pass image.permute(1, 2, 0) (NumPy: "
+        _say_once(extra, tag, "layout", "instrument: log_image(%r) got shape %s, which reads as [C,H,W] and as "
+                  "[H,W,C]; it is drawn as [H,W,C]. For a [C,H,W] image pass image.permute(1, 2, 0) (NumPy: "
                   "transpose(1, 2, 0)). (Said once per tag.)", tag, shape)
     return to_hwc_uint8(pixels, tag)
 
 
-_said: set = set()  # (tag, what) of the writer's once-per-tag image notes (this process)
-
-
-def _say_once(tag: str, what: str, message: str, *args: Any) -> None:
-    if (tag, what) not in _said:
-        _said.add((tag, what))
+def _say_once(said: Any, tag: str, what: str, message: str, *args: Any) -> None:
+    """Warn the first time ``(tag, what)`` is met in ``said`` (the Logger's set: once per run)."""
+    if (tag, what) not in said:
+        said.add((tag, what))
         logging.getLogger("instrument").warning(message, *args)
 
 

@@ -142,11 +142,11 @@ class Instrumentation:
             if hasattr(obs, "channel_dim"):
                 obs.session_channel_dim = channel_dim
         self.log_interval = log_interval
+        self.hyperparams = dict(hyperparams or {})  # before the run folder is claimed: nothing after it raises
         name = run_name_for(run_name, Path(log_dir), resume)
         ids = resume_ids(Path(log_dir) / name) if resume else None
         self.run = RunInfo(name=name, root=Path(log_dir), resume=ids)
         self.run_log: Any = None
-        self.hyperparams = dict(hyperparams or {})
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()
         self._watches: List[StateWatch] = []

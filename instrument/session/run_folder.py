@@ -63,30 +63,33 @@ def _is_used(folder: Path) -> bool:
     return folder.exists()
 
 
-def _claim(run_dir: Path) -> bool:
-    """Take the run folder for this start (`CLAIM_FILE`, created exclusively); False where the folder cannot be
-    made (the backends then say why). Refused when another start holds it or wrote there meanwhile."""
+# Run folders this process's starts claimed and have not finished starting -> whether the folder existed before.
+_claims: Dict[Path, bool] = {}
+
+
+def _claim(run_dir: Path) -> Optional[str]:
+    """Take the run folder for this start (`CLAIM_FILE`, created exclusively): None when taken (or when the
+    folder cannot be made: the backends then say why), else why it is refused (another start holds it, or wrote
+    there after the check)."""
+    existed = run_dir.is_dir()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        raise ConfigurationError(
-            f"run {run_dir.name!r} is being started by another process in {str(run_dir.parent)!r} "
-            f"({run_dir / CLAIM_FILE} exists); two runs would mix their steps in one folder. Choose another "
-            f"run_name, or leave it unset for a unique default. (If no other process is starting it, that file "
-            f"was left by a start that was killed: delete it.)"
-        ) from None
+        return (f"run {run_dir.name!r} is being started by another process in {str(run_dir.parent)!r} "
+                f"({run_dir / CLAIM_FILE} exists); two runs would mix their steps in one folder. Choose another "
+                f"run_name, or leave it unset for a unique default. (If no other process is starting it, that file "
+                f"was left by a start that was killed: delete it.)")
     except OSError:
-        return False
+        return None
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n")
     if _is_used(run_dir):  # another run finished its start (and wrote) between our check and the claim
         _release(run_dir)
-        raise ConfigurationError(
-            f"run {run_dir.name!r} already exists in {str(run_dir.parent)!r} (another process started it a moment "
-            f"ago); choose another run_name, or leave it unset for a unique default."
-        )
-    return True
+        return (f"run {run_dir.name!r} already exists in {str(run_dir.parent)!r} (another process started it a "
+                f"moment ago); choose another run_name, or leave it unset for a unique default.")
+    _claims[run_dir] = existed
+    return None
 
 
 def _release(run_dir: Path) -> None:
@@ -95,22 +98,31 @@ def _release(run_dir: Path) -> None:
 
 
 def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
-    """The run's folder name: checked, and never one that another run already wrote to (unless resuming)."""
+    """The run's folder name: checked, and never one that another run already wrote to (unless resuming).
+
+    Rank 0 checks and claims the folder (`_claim`) before any rank goes on (one broadcast of the name and the
+    outcome): another rank's run log written there first would otherwise make rank 0 refuse its own run, and
+    a refusal is raised on every rank alike."""
     if run_name is None:
         if resume:
             raise ConfigurationError("resume=True needs the run_name of the run to continue.")
         name = default_run_name()
         while _is_used(root / name):  # a suffix collision: vanishingly rare, but never share a folder
             name = default_run_name()
-        return same_on_all_ranks(name)  # every rank names the run as rank 0 does
-    check_run_name(run_name)
-    if not resume and rank() == 0 and _is_used(root / run_name):  # rank 0 writes; others may see its files
-        raise ConfigurationError(
-            f"run {run_name!r} already exists in {str(root)!r} ({root / run_name} is not empty); a new run "
-            f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
-            f"default, or pass resume=True to continue that run."
-        )
-    return run_name
+    else:
+        name = check_run_name(run_name)
+    refusal: Optional[str] = None
+    if not resume and rank() == 0:  # rank 0 writes; others may see its files
+        if run_name is not None and _is_used(root / name):
+            refusal = (f"run {name!r} already exists in {str(root)!r} ({root / name} is not empty); a new run "
+                       f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
+                       f"default, or pass resume=True to continue that run.")
+        else:
+            refusal = _claim(root / name)
+    name, refusal = same_on_all_ranks((name, refusal))  # every rank names the run as rank 0 does
+    if refusal is not None:
+        raise ConfigurationError(refusal)
+    return name
 
 
 RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a resumed run continues the same runs
@@ -173,25 +185,27 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
     or where a writer thread started meanwhile is still running (it may still write there), is left with a
     warning; the start's own error is raised either way.
     """
-    owned = not resume and rank() == 0 and not _is_used(run_dir)  # rank 0 writes; others may see its files
-    existed = run_dir.is_dir()
-    claimed = owned and _claim(run_dir)
+    claimed = run_dir in _claims  # by `run_name_for`, on rank 0
+    existed = _claims.pop(run_dir) if claimed else run_dir.is_dir()
+    owned = claimed or (not resume and rank() == 0 and not _is_used(run_dir))  # rank 0 writes; others read
     writers = set(running_writers())
     try:
         yield
-        if claimed:  # started: what it wrote keeps the folder taken (`_is_used`)
-            _release(run_dir)
     except BaseException as exc:
         try:
-            close("killed" if isinstance(exc, KeyboardInterrupt) else "failed")
-        except Exception as close_exc:  # the start's own error matters more; say it and go on
-            log.warning("instrument: closing a session whose start failed raised %s: %s",
-                        type(close_exc).__name__, close_exc)
-        if claimed:
-            _release(run_dir)
-        if owned and run_dir.exists():
-            _undo_folder(run_dir, existed, [t for t in running_writers() if t not in writers])
+            try:
+                close("killed" if isinstance(exc, KeyboardInterrupt) else "failed")
+            except Exception as close_exc:  # the start's own error matters more; say it and go on
+                log.warning("instrument: closing a session whose start failed raised %s: %s",
+                            type(close_exc).__name__, close_exc)
+        finally:  # also after a second Ctrl-C inside close: never leave the claim behind
+            if claimed:
+                _release(run_dir)
+            if owned and run_dir.exists():
+                _undo_folder(run_dir, existed, [t for t in running_writers() if t not in writers])
         raise
+    if claimed:  # started: what it wrote keeps the folder taken (`_is_used`)
+        _release(run_dir)
 
 
 def _undo_folder(run_dir: Path, existed: bool, writers: Sequence[Any]) -> None:

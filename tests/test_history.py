@@ -116,3 +116,45 @@ def test_it_is_a_gin_configurable_backend(tmp_path):
 
     (history,) = backend_set()
     assert isinstance(history, instrument.RunHistoryBackend) and history.max_steps == 3
+
+
+def test_review_findings_on_the_history_and_the_backends_around_it(tmp_path, caplog):
+    """A step committed twice paired its first samples with the second record's values; int steps past int64
+    broke series(); one backend instance listed twice wrote every record twice; a reused JsonlBackend wrote the
+    second run into the first run's file; a console with a summary that leaves out timings never printed."""
+    pytest.importorskip("pandas")
+    history = RunHistoryBackend(batch_keys=["reward"], sample_key="ids")
+    logger = Logger([history], instrument.RunInfo("h", tmp_path), on_step_regression="warn")
+    for ids, rewards in (([1, 2], [10.0, 20.0]), ([3, 4], [30.0, 40.0])):
+        logger.log_histogram("ids", torch.tensor(ids), step=20)
+        logger.log_histogram("reward", torch.tensor(rewards), step=20)
+        logger.commit(20)
+    logger.log_metrics({"x": 1.0}, step=2**64)
+    logger.close()
+    frame = history.to_dataframe()
+    assert dict(zip(frame["sample"], frame["reward"], strict=True)) == {1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0}
+    steps, values = history.series("x")
+    assert steps.tolist() == [2**64] and values.tolist() == [1.0]
+
+    with pytest.raises(ConfigurationError, match="lists one backend instance twice"):
+        Logger([history, history])
+
+    jsonl = instrument.JsonlBackend()
+    for name in ("a", "b"):
+        reused = Logger([jsonl], instrument.RunInfo(name, tmp_path))
+        reused.log_metrics({"run": 1.0}, step=0)
+        reused.close()
+    assert (tmp_path / "a" / "metrics.jsonl").read_text().count('"step"') == 1
+    assert (tmp_path / "b" / "metrics.jsonl").read_text().count('"step"') == 1
+
+    import io
+
+    stream = io.StringIO()
+    console = instrument.ConsoleBackend(summary=(), stream=stream)
+    shown = Logger([console], instrument.RunInfo("c", tmp_path))
+    with shown.timer("fwd"):
+        pass
+    shown.log_metrics({"loss": 0.5}, step=0)
+    shown.commit(0)
+    shown.close()
+    assert shown.failures == {} and "0.5" in stream.getvalue()

@@ -127,3 +127,39 @@ def test_mlflow_params_flat_and_images_have_steps(tmp_path):
     pngs = [a.path for a in client.list_artifacts(backend.run_id, "images") if a.path.endswith(".png")]
     steps = sorted(int(p.split("+step+")[1].split("+")[0]) for p in pngs)
     assert steps == [0, 5] and all(p.startswith("images/state~rgb+step+") for p in pngs)
+
+
+def test_hyperparameters_that_collide_or_are_numpy_or_tensors_keep_their_values(tmp_path, caplog):
+    """A review found two keys flattening to one name losing a value silently, a tensor hyperparameter logged
+    as its 4-digit repr, a NumPy int as the string 'np.int64(...)', and unflatten_params overwriting 'a/'."""
+    import json
+    import logging
+
+    import torch
+
+    from instrument.logger.params import flatten_params
+
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        flat = flatten_params({"optim/lr": 0.1, "optim": {"lr": 0.001}, 1: "int-key", "1": "str-key",
+                               "clip": torch.tensor(0.123456789, dtype=torch.float64), "seed": np.int64(1234567890123),
+                               "betas": (0.9, torch.tensor(0.99951, dtype=torch.float64))})
+    assert flat == {"optim/lr": 0.1, "optim/lr__2": 0.001, "1": "int-key", "1__2": "str-key", "clip": 0.123456789,
+                    "seed": 1234567890123, "betas": "[0.9, 0.99951]"}
+    assert len([r for r in caplog.records if "flatten to the name" in r.getMessage()]) == 2
+    assert unflatten_params({"a/b": 1, "a/": 2, "a": 3}) in ({"a": {"b": 1}, "a/": 2, "a//": 3},
+                                                               {"a": {"b": 1}, "a/": 3, "a//": 2})
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    logger.log_hyperparams({"eps": float("nan"), "seed": np.int64(7)})
+    logger.close()
+    first = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["hyperparameters"] == {"eps": "nan", "seed": 7}
+
+
+def test_a_nan_hyperparameter_reaches_the_wandb_config_as_nan_not_null(tmp_path):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_hyperparams({"eps": float("nan"), "optim/eps": float("inf")})
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.close()
+    _, config = read_run(tmp_path / "w")
+    assert config["eps"] == "nan" and config["optim"]["eps"] == float("inf")

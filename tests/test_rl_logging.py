@@ -231,3 +231,26 @@ def test_gymnasium_runner_accepts_distributions_and_numpy_frames():
     assert 1 <= episode.length <= 5 and isinstance(episode.frames, np.ndarray)
     assert episode.frames.shape[1:] == (400, 600, 3) and episode.frames.dtype == np.uint8
     runner.close()
+
+
+def test_the_progress_bar_keeps_averaging_returns_over_intervals_where_no_episode_ended():
+    """A review found the bar switching to the per-step reward whenever the return was NaN (no episode ended
+    in that interval), clearing its window each time: it showed the latest return, not the window's mean."""
+    import io
+    import math
+
+    from instrument.backends.base import RunInfo, StepRecord
+    from instrument.backends.progress import ProgressBar
+
+    bar = ProgressBar(enabled=True, window=10, stream=io.StringIO())
+    bar.open(RunInfo(name="r"))
+    returns = []
+    for step in range(20):
+        ret = float(step) if step % 2 == 0 else math.nan
+        if not math.isnan(ret):
+            returns.append(ret)
+        bar.write(StepRecord(step=step, scalars={"counters/frames": 100.0 * (step + 1),
+                                                 "collection/main/episode/return/mean": ret,
+                                                 "collection/main/reward/mean": 0.01}))
+    assert bar.recent_reward == sum(returns[-10:]) / 10
+    bar.close()

@@ -176,6 +176,11 @@ def check_backends(backends: Any) -> List["Backend"]:
             f"[@TensorBoardBackend()], note the brackets, the @ and the ())."
         )
     items = list(backends)
+    if len({id(b) for b in items}) != len(items):
+        raise ConfigurationError(
+            "backends lists one backend instance twice, which would write every record twice; list each once "
+            "(two of a kind need two instances, e.g. JsonlBackend('a.jsonl'), JsonlBackend('b.jsonl'))."
+        )
     for b in items:
         if isinstance(b, type):
             raise ConfigurationError(

@@ -224,7 +224,7 @@ class ConsoleBackend(Backend):
         # later one goes to compact scientific notation like every overflow.
         columns = []
         for key in chosen:
-            width = max(len(headers[key]), len(format(record.scalars[key], ".4g")), 9)
+            width = max(len(headers[key]), len(format(scalars[key], ".4g")), 9)  # timings are among them too
             columns.append(Column(key, headers[key], width, ".4g"))
         table = self._make_table(columns)
         left_out = len(shown) - len(chosen)

@@ -135,7 +135,8 @@ class RunHistoryBackend(Backend):
         for item in samples:
             if cap is not None and len(self.unique_samples) >= cap and item not in self.unique_samples:
                 self._say_once(
-                    "max_samples", f"unique samples reached max_samples={cap}; new samples are not added"
+                    "max_samples", f"unique samples reached max_samples={cap}; new samples are not added, and "
+                    f"to_dataframe leaves out their rows"
                 )
                 return
             self.unique_samples.add(item)
@@ -155,7 +156,7 @@ class RunHistoryBackend(Backend):
             raise KeyError(f"no metric {key!r} in the run history; known keys: {self.keys()[:20]}")
         pairs = self.metrics[key]
         return (
-            np.fromiter((s for s, _ in pairs), dtype=np.int64, count=len(pairs)),
+            np.array([s for s, _ in pairs], dtype=np.int64 if all(abs(s) < 2**63 for s, _ in pairs) else object),
             np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)),
         )
 
@@ -166,14 +167,17 @@ class RunHistoryBackend(Backend):
         """A pandas DataFrame with one row per (sample, step): columns ``sample``, ``step`` and each batch-log
         key's per-item value (NaN where a key was not logged that step)."""
         pd = require("pandas", "analysis", "RunHistoryBackend.to_dataframe")
-        by_step: Dict[int, Dict[str, np.ndarray]] = {}
+        # A step committed twice has two entries of each: the k-th samples of a step go with its k-th values.
+        by_step: Dict[int, Dict[str, List[np.ndarray]]] = {}
         for key, entries in self.batch_log.items():
             for step, values in entries:
-                by_step.setdefault(step, {})[key] = values
+                by_step.setdefault(step, {}).setdefault(key, []).append(values)
         rows: List[Dict[str, Any]] = []
         keys = list(self.batch_log)
+        seen: Dict[int, int] = {}
         for step, samples in self.batch_samples:
-            values = by_step.get(step, {})
+            k = seen[step] = seen.get(step, -1) + 1
+            values = {key: lists[k] for key, lists in by_step.get(step, {}).items() if k < len(lists)}
             for i, sample in enumerate(samples):
                 if sample not in self.unique_samples:
                     continue

@@ -37,8 +37,10 @@ def unflatten_params(flat: Mapping[str, Any]) -> Dict[str, Any]:
             clashes[str(name)] = value
             continue
         node[parts[-1]] = value
-    for name, value in clashes.items():
-        nested[name if name not in nested else name + "/"] = value  # "a" beside a subtree "a": kept as "a/"
+    for name, value in clashes.items():  # "a" beside a subtree "a": kept as "a/" (then "a//", ...)
+        while name in nested:
+            name += "/"
+        nested[name] = value
     return nested
 
 

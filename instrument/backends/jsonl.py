@@ -49,11 +49,12 @@ class JsonlBackend(Backend):
 
     def __init__(self, path: Optional[str] = None) -> None:
         self.path = path
+        self._given = path  # None: each run's own folder, also when the backend is given to a later run
         self._fd: Optional[int] = None
         self._end = 0  # where the file ended after our own last write: another size means someone else changed it
 
     def open(self, run: RunInfo) -> None:
-        path = Path(self.path) if self.path else run.dir / "metrics.jsonl"
+        path = Path(self._given) if self._given else run.dir / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
         self._open()

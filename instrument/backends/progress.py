@@ -121,6 +121,8 @@ class ProgressBar(Backend):
                     self._reward_key = label
                 self._rewards.append(value)
                 break
+            if value is not None and label == self._reward_key:
+                break  # the source shown so far, NaN this time (no episode ended): it stays, and nothing is added
         if self._rewards:
             mean = sum(self._rewards) / len(self._rewards)
             self.bar.set_postfix_str(f"{self._reward_key} {mean:.4g}", refresh=False)

@@ -153,7 +153,8 @@ class WandbBackend(Backend):
         """The run's config, nested (``optim/lr`` -> ``{"optim": {"lr": ...}}``, ``Model.depth`` ->
         ``{"Model": {"depth": ...}}``) so W&B's config panel and its run table group it; the operative gin
         config verbatim under ``operative_config``."""
-        values = unflatten_params(params)
+        # W&B writes a NaN config value as null: as a string, like JSONL's "nan" (inf survives as it is)
+        values = unflatten_params({k: "nan" if isinstance(v, float) and v != v else v for k, v in params.items()})
         if config_text:
             values["operative_config"] = config_text
         self.run.config.update(values, allow_val_change=True)

@@ -10,9 +10,13 @@ are never redacted: ``max_tokens = 512`` or ``use_auth_token = True`` are settin
 
 import ast
 import fnmatch
+import logging
 import pprint
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
 
 __all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_values", "redact_argv",
            "scrub", "is_secret", "REDACTED", "SECRET_PATTERNS"]
@@ -99,19 +103,48 @@ def scrub(text: str, found: Iterable[str]) -> str:
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") -> Dict[str, Any]:
-    """Flatten nested mappings into ``a/b/c`` keys; non-scalar leaves become their ``repr``."""
+    """Flatten nested mappings into ``a/b/c`` keys; a NumPy number or one-element tensor becomes its Python
+    number (a tensor's repr rounds to 4 digits), other non-scalar leaves their ``repr``. Two keys that flatten
+    to one name (``{"a/b": 1, "a": {"b": 2}}``, ``1`` and ``"1"``) keep both values: the later one is named
+    ``<name>__2``, with a warning."""
     flat: Dict[str, Any] = {}
+    for name, value in _leaves(params, prefix, sep):
+        if name in flat:
+            taken, n = name, 2
+            while f"{taken}__{n}" in flat:
+                n += 1
+            name = f"{taken}__{n}"
+            logging.getLogger("instrument").warning(
+                "instrument: two hyperparameters flatten to the name %r; the later one is logged as %r so that "
+                "both values are kept. Rename one of them.", taken, name)
+        flat[name] = value
+    return flat
+
+
+def _leaves(params: Mapping[Any, Any], prefix: str, sep: str) -> Iterable[Tuple[str, Any]]:
     for key, value in params.items():
         name = f"{prefix}{sep}{key}" if prefix else str(key)
         if isinstance(value, Mapping):
-            flat.update(flatten_params(value, name, sep))
-        elif isinstance(value, _SCALAR):
-            flat[name] = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(v, _SCALAR) for v in value):
-            flat[name] = str(list(value))
+            yield from _leaves(value, name, sep)
         else:
-            flat[name] = repr(value)
-    return flat
+            yield name, _number(value)
+
+
+def _number(value: Any) -> Any:
+    """A leaf as backends take it: scalars as they are, NumPy numbers and one-element tensors as their Python
+    number, lists of scalars as their str, anything else as its repr."""
+    if isinstance(value, _SCALAR):
+        return value
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not value.is_meta:
+        return value.item()  # host sync: once, when the hyperparameters are logged
+    if isinstance(value, (list, tuple)):
+        items = [v if isinstance(v, _SCALAR) else _number(v) for v in value]
+        if all(isinstance(v, _SCALAR) and (isinstance(o, _SCALAR) or not isinstance(v, str))
+               for v, o in zip(items, value, strict=True)):  # scalars, or numbers made of NumPy or tensor ones
+            return str(items)
+    return repr(value)
 
 
 def redact_secrets(

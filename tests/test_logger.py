@@ -147,7 +147,8 @@ def test_step_regression_can_warn_and_drop(caplog):
     log.commit()
     with caplog.at_level(logging.WARNING, logger="instrument"):
         log.log_metrics({"a": 7.0}, step=3)
-    assert "step 3 is lower than step 10" in caplog.text
+    assert "step 3 is lower than step 10" in caplog.text and "are dropped" in caplog.text
+    assert "pass on_step_regression='warn'" not in caplog.text  # it is set already (a review found that advice)
     log.log_metrics({"b": 1.0}, step=11)
     log.commit()
     log.flush()

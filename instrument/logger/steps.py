@@ -78,12 +78,12 @@ class StepRecords:
         """A step lower than one committed: `StepOrderError`, or a warning under ``on_step_regression="warn"``."""
         message = (
             f"step {step} is lower than step {last}, which was already committed; steps must not go backwards "
-            f"(W&B silently drops such data). Log with monotonically increasing steps, or pass "
-            f"on_step_regression='warn' to drop these values instead."
+            f"(W&B silently drops such data). Log with monotonically increasing steps"
         )
         if self.on_step_regression == "raise":
-            raise StepOrderError(message)
-        log.warning("instrument: %s", message)
+            raise StepOrderError(f"{message}, or pass on_step_regression='warn' to drop these values instead.")
+        log.warning("instrument: %s. The values of this call are dropped (with everything staged, for a commit).",
+                    message)
 
     def mark(self) -> tuple:
         """Remember what is staged now, so that `discard_staged` can drop what is staged after it.

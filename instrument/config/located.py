@@ -18,25 +18,33 @@ from instrument.logger.params import redact_config_text
 __all__ = ["bound_pair", "include_cycle", "unused_bindings", "where_bound"]
 
 
+def _included(line: str, top: Path, current: Path) -> Optional[Path]:
+    """The file an ``include`` line names, where gin finds it: as written (from the working directory), beside
+    the file given, among the shipped configs, beside the including file. None for any other line."""
+    include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
+    if include:
+        for base in (Path.cwd(), top, CONFIG_DIR, current.parent):
+            if (base / include.group(1)).is_file():
+                return base / include.group(1)
+    return None
+
+
 def include_cycle(path: Path) -> List[str]:
-    """``file, line N`` of each include on the first cycle of includes from ``path`` (as `_file_lines` finds
-    them), ending with the file it started from; just ``path`` when none is found."""
+    """``file, line N`` of each include on the first cycle of includes from ``path``, ending with the file it
+    started from; just ``path`` when none is found."""
     def walk(current: Path, trail: List[Tuple[Path, str]]) -> Optional[List[str]]:
         for n, line in enumerate(read_text(str(current)).splitlines(), 1):
-            include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
-            if not include:
+            target = _included(line, path.parent, current)
+            if target is None:
                 continue
-            for base in (Path.cwd(), path.parent, CONFIG_DIR, current.parent):
-                target = (base / include.group(1)).resolve()
-                if target.is_file():
-                    here = trail + [(current, f"{current.name}, line {n}")]
-                    seen = [p for p, _ in here]
-                    if target in seen:
-                        return [where for _, where in here[seen.index(target):]] + [target.name]
-                    found = walk(target, here) if len(trail) < 50 else None
-                    if found:
-                        return found
-                    break
+            target = target.resolve()
+            here = trail + [(current, f"{current.name}, line {n}")]
+            seen = [p for p, _ in here]
+            if target in seen:
+                return [where for _, where in here[seen.index(target):]] + [target.name]
+            found = walk(target, here) if len(trail) < 50 else None
+            if found:
+                return found
         return None
 
     return walk(path.resolve(), []) or [str(path)]
@@ -110,13 +118,9 @@ def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple
     for n, line in enumerate(read_text(str(path)).splitlines(), 1):
         where = f"{path.name}, line {n}"
         yield where + (f" (included from {outer})" if outer else ""), line
-        include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
-        if include and depth < 20:  # where gin looks: as written, beside the file given, among the shipped configs
-            for base in (Path.cwd(), top, CONFIG_DIR, path.parent):
-                if (base / include.group(1)).is_file():
-                    yield from _file_lines(base / include.group(1), top, where + (f", {outer}" if outer else ""),
-                                           depth + 1)
-                    break
+        included = _included(line, top, path) if depth < 20 else None
+        if included is not None:
+            yield from _file_lines(included, top, where + (f", {outer}" if outer else ""), depth + 1)
 
 
 def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[str]:

@@ -130,19 +130,30 @@ def _leaves(params: Mapping[Any, Any], prefix: str, sep: str) -> Iterable[Tuple[
             yield name, _number(value)
 
 
-def _number(value: Any) -> Any:
-    """A leaf as backends take it: scalars as they are, NumPy numbers and one-element tensors as their Python
-    number, lists of scalars as their str, anything else as its repr."""
+_NOT_A_NUMBER = object()
+
+
+def _scalar(value: Any) -> Any:
+    """``value`` as a Python scalar: a scalar as it is, a NumPy number or a one-element tensor as its Python
+    number; `_NOT_A_NUMBER` for anything else."""
     if isinstance(value, _SCALAR):
         return value
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
         return value.item()
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not value.is_meta:
         return value.item()  # host sync: once, when the hyperparameters are logged
+    return _NOT_A_NUMBER
+
+
+def _number(value: Any) -> Any:
+    """A leaf as backends take it: a scalar (`_scalar`: a tensor's repr would round to 4 digits), a list of
+    scalars as its str, anything else as its repr."""
+    scalar = _scalar(value)
+    if scalar is not _NOT_A_NUMBER:
+        return scalar
     if isinstance(value, (list, tuple)):
-        items = [v if isinstance(v, _SCALAR) else _number(v) for v in value]
-        if all(isinstance(v, _SCALAR) and (isinstance(o, _SCALAR) or not isinstance(v, str))
-               for v, o in zip(items, value, strict=True)):  # scalars, or numbers made of NumPy or tensor ones
+        items = [_scalar(v) for v in value]
+        if all(item is not _NOT_A_NUMBER for item in items):
             return str(items)
     return repr(value)
 

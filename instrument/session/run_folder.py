@@ -82,7 +82,7 @@ def _claim(run_dir: Path) -> Optional[str]:
                 f"was left by a start that was killed: delete it.)")
     except OSError:
         return None
-    with os.fdopen(fd, "w") as f:
+    with contextlib.suppress(OSError), os.fdopen(fd, "w") as f:  # the pid is for people; a full disk leaves it out
         f.write(f"{os.getpid()}\n")
     if _is_used(run_dir):  # another run finished its start (and wrote) between our check and the claim
         _release(run_dir)

@@ -137,6 +137,35 @@ def test_hooks_exist_only_during_logging_steps():
     assert seen == [(1, 1), (0, 0), (1, 1), (0, 0)]
 
 
+def test_a_copy_or_checkpoint_taken_in_a_logging_step_leaves_the_hooks_behind(tmp_path):
+    """With Dynamo imported (as stepping an Adam optimizer does), the hooks were the function Dynamo skips: a
+    deep copy of the model shared them, so the copy's calls were counted into the original's statistics at
+    every later logging step, and torch.save(model) raised. The copy now holds inert hooks."""
+    import copy
+    import io
+
+    import torch._dynamo  # noqa: F401 - the state of every training process that steps an Adam optimizer
+
+    rule = _rule()
+    stats = instrument.ActivationStats()
+    inst = instrument.Instrumentation([stats], backends=[], log_interval=1)
+    inst.watch(rule)
+    with inst.step(0):
+        rule(_seed())
+        twin = copy.deepcopy(rule)
+        torch.save(rule, io.BytesIO())
+        twin(_seed())
+    with inst.step(1):
+        rule(_seed())
+        twin(_seed())
+        twin(_seed())
+        calls = list(stats._calls)
+    inst.close()
+    assert calls == [1, 1], calls  # perceive and update, once each: the twin's calls are not observed
+    twin(_seed())  # after the session: the copy still runs, its hooks do nothing
+    assert all(getattr(h, "instrument_inert", False) for m in twin.modules() for h in m._forward_hooks.values())
+
+
 def _train(observers, checkpointed=None):
     rule = _rule()
     opt = torch.optim.SGD(rule.parameters(), lr=0.1)

@@ -584,6 +584,8 @@ COPY_IN_A_LOGGING_STEP = textwrap.dedent(
     """
     import copy, io, sys
     import torch
+    if sys.argv[1] == "dynamo":  # what stepping a torch.optim.Adam does in every training run
+        import torch._dynamo
     import instrument
     from tests._probe_models import Rule
 
@@ -596,7 +598,7 @@ COPY_IN_A_LOGGING_STEP = textwrap.dedent(
         def log(self, logger, step):
             pass
 
-    assert "torch._dynamo" not in sys.modules  # the eager path: no torch.compile in this process
+    assert ("torch._dynamo" in sys.modules) == (sys.argv[1] == "dynamo")
     rule = Rule()
     inst = instrument.Instrumentation([Keep()], backends=[], log_interval=2)
     inst.watch(rule)
@@ -621,14 +623,18 @@ COPY_IN_A_LOGGING_STEP = textwrap.dedent(
 )
 
 
-def test_a_copy_or_checkpoint_of_a_watched_model_taken_in_a_logging_step_is_inert(tmp_path):
+@pytest.mark.parametrize("dynamo", ["eager-only", "dynamo"])
+def test_a_copy_or_checkpoint_of_a_watched_model_taken_in_a_logging_step_is_inert(tmp_path, dynamo):
     """copy.deepcopy and torch.save of the model inside a logging step raised (the session's hook refers to
-    locks), and a copy kept its probes on, recording into the next logging steps under the same names. In a
-    process of its own, so that no other test has imported torch._dynamo."""
+    locks), and a copy kept its probes on, recording into the next logging steps under the same names. Once
+    torch._dynamo was imported (any process that steps an Adam optimizer) the copy still shared the session's
+    hook, observed forever, and torch.save raised. In a process of its own, so that whether Dynamo is imported
+    is up to the test."""
     script = tmp_path / "copy_in_step.py"
     script.write_text(COPY_IN_A_LOGGING_STEP)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, str(script), dynamo], env=env, capture_output=True, text=True,
+                          timeout=240)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

@@ -35,7 +35,8 @@ from instrument.errors import ConfigurationError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
 from instrument.observers.stats import pow2_scale
-from instrument.probes.compiled import run_eagerly, unwrap
+from instrument.probes.compiled import unwrap
+from instrument.probes.step_hook import step_hook
 from instrument.probes.hooks import first_tensor
 
 __all__ = ["ActivationStats", "output_moments"]
@@ -240,7 +241,7 @@ class ActivationStats(Observer):
             self._names.append(name)
             self._sums.append(IterationBuffer(batched_moments, budget, batched=name not in self._unbatched))
             self._calls.append(0)
-            self._handles.append(module.register_forward_hook(run_eagerly(self._hook_for(index))))
+            self._handles.append(module.register_forward_hook(step_hook(self._hook_for(index))))
 
     def detach(self) -> None:
         handles, self._handles = self._handles, []

@@ -28,6 +28,7 @@ from instrument.core.recompute import RecomputeGuard, in_recompute
 from instrument.errors import ConfigurationError
 from instrument.probes import script
 from instrument.probes.compiled import run_eagerly, unwrap
+from instrument.probes.step_hook import step_hook
 
 __all__ = ["StateWatch"]
 
@@ -35,38 +36,6 @@ log = logging.getLogger("instrument")
 
 
 _UNKNOWN = object()
-
-
-def _inert_hook(*args: Any, **kwargs: Any) -> None:
-    """What a step's hook becomes in a copy of the module (see `_StepHook`)."""
-
-
-_inert_hook.instrument_inert = True  # how `instrument.probes.script` recognises it (it cannot import this module)
-
-
-class _StepHook:
-    """The session's hook on a watched module, for one logging step. It refers to the session (observers,
-    locks), which neither pickles nor should follow a copy: a checkpoint (``torch.save(model)``) or a
-    ``copy.deepcopy(model)`` taken during a logging step gets `_inert_hook` in its place, and the original
-    module is unaffected."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> Callable:
-        return _inert_hook
-
-    def __reduce__(self) -> Any:
-        return (_load_inert, ())
-
-
-def _load_inert() -> Callable:
-    return _inert_hook
 
 
 def first_tensor(value: Any) -> Optional[Tensor]:
@@ -119,17 +88,14 @@ class StateWatch:
             return self._handle
         self.iterations = 0
         self.guard.begin()
-        # run_eagerly: with a compiled module, Dynamo would otherwise trace the hook and the observers it calls.
-        hook = run_eagerly(self._hook)
         root = unwrap(self.module)
         if script.is_scripted(root):
-            self._handle = script.observe_calls(root, hook, self._call_end)
+            # run_eagerly: with a compiled caller, Dynamo would otherwise trace the hook and the observers it calls.
+            self._handle = script.observe_calls(root, run_eagerly(self._hook), self._call_end)
         else:
-            # Without torch.compile in the process the hook is a bound method: wrapped so that a copy or a pickle
-            # of the module taken during the step gets an inert hook. (Under Dynamo the hook must stay the
-            # disabled function itself, which a copy shares and pickle refuses: save a state_dict there.)
-            wrapped = _StepHook(hook) if hook == self._hook else hook
-            self._handle = self.module.register_forward_hook(wrapped, with_kwargs=True)
+            # StepHook: a copy or a pickle of the module taken during the step gets an inert hook, and Dynamo
+            # never traces the observers (`instrument.probes.step_hook`).
+            self._handle = self.module.register_forward_hook(step_hook(self._hook), with_kwargs=True)
         return self._handle
 
     def detach(self) -> None:

@@ -186,7 +186,7 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
 
 def _drop_inert_hooks(module: nn.Module) -> None:
     """A copy of a model made during a logging step holds the inert stand-in of the session's hook
-    (`instrument.probes.hooks._StepHook`), which TorchScript cannot compile: it does nothing, so it goes."""
+    (`instrument.probes.step_hook.StepHook`), which TorchScript cannot compile: it does nothing, so it goes."""
     for sub in module.modules():
         hooks = getattr(sub, "_forward_hooks", None)
         for key, hook in list((hooks or {}).items()):

@@ -36,8 +36,8 @@ from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
 from instrument.observers.stats import pow2_scale
 from instrument.probes.compiled import unwrap
-from instrument.probes.step_hook import step_hook
 from instrument.probes.hooks import first_tensor
+from instrument.probes.step_hook import step_hook
 
 __all__ = ["ActivationStats", "output_moments"]
 

@@ -198,3 +198,50 @@ def test_integer_values_of_every_width_travel_exact_from_cuda_without_a_sync(tmp
                        "ids": f"[{big}, 2]", "flags": "[True, False]", "pixels": 255}  # lists: a table cell's str
     said = sorted(r.getMessage().split("'")[1] for r in caplog.records if "beyond 2**53" in r.getMessage())
     assert said == ["seed", "u"]
+
+
+class Wide(nn.Module):
+    """An NCA-like iteration whose hidden layer's output is larger than the CPU's batching limit (2**17)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = nn.Conv2d(5, 96, 1)
+        self.out = nn.Conv2d(96, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * self.out(torch.relu(self.hidden(x)))
+
+
+def test_large_activations_are_batched_on_cuda_without_a_sync_and_match_float64(tmp_path):
+    """On a GPU every output size is kept for one batched reduction (reducing each as it comes cost ~30 kernel
+    launches per call); the values are those of a float64 NumPy reduction of each output."""
+    x0 = torch.rand((4, 5, 24, 24), generator=torch.Generator().manual_seed(1))
+    start = x0.cuda()
+    stats = instrument.ActivationStats(images=False)
+    inst = instrument.Instrumentation(observers=[stats], backends=[instrument.JsonlBackend()], log_interval=1,
+                                      run_name="act", log_dir=str(tmp_path))
+    rule = Wide().cuda()
+    inst.watch(rule)
+    outputs = []
+    keep = rule.hidden.register_forward_hook(lambda m, a, out: outputs.append(out.detach().double().cpu().numpy()))
+    with torch.no_grad():  # the reference: every output of the hidden layer, in float64
+        x = start
+        for _ in range(ITERATIONS):
+            x = rule(x)
+    keep.remove()
+    with no_host_sync():
+        with inst.step(0):
+            x = start
+            for _ in range(ITERATIONS):
+                x = rule(x)
+            assert rule.hidden._forward_hooks  # the step's hook is on
+            assert len(stats._sums[0]._items) == ITERATIONS  # kept by reference: nothing reduced yet
+    inst.close()
+    assert outputs[0].size > 2**17
+    last = outputs[-1]
+    record = json.loads((tmp_path / "act" / "metrics.jsonl").read_text().splitlines()[-1])["metrics"]
+    assert record["activations/hidden/mean"] == pytest.approx(last.mean(), rel=1e-5)
+    assert record["activations/hidden/std"] == pytest.approx(last.std(), rel=1e-5)
+    assert record["activations/hidden/absmax"] == pytest.approx(np.abs(last).max(), rel=1e-6)
+    assert record["activations/hidden/zero_frac"] == pytest.approx(np.mean(last == 0.0), abs=1e-7)

@@ -277,7 +277,7 @@ def test_stats_kernel_integer_half_and_empty_states():
     assert empty.shape == (2, 4, 3) and bool(empty.isnan().all())
 
 
-def test_buffer_reduces_large_states_as_they_come_and_small_ones_batched():
+def test_buffer_reduces_large_cpu_states_as_they_come_and_small_ones_batched():
     calls = []
 
     def reduce(x, scratch):
@@ -294,6 +294,13 @@ def test_buffer_reduces_large_states_as_they_come_and_small_ones_batched():
     for _ in range(3):
         large.append(state)
     assert large.results().shape == (3, 4, 3) and calls == [(1, False)] * 3  # views of the caller's state
+    # Off the CPU every size is batched: reducing as they come would pay the kernel launches per iteration.
+    calls.clear()
+    elsewhere = IterationBuffer(lambda x, scratch: calls.append((x.shape[0], scratch)) or x.sum((1, 2, 3)),
+                                batch_below=10)
+    for _ in range(3):
+        elsewhere.append(torch.empty(2, 3, 4, device="meta"))
+    assert elsewhere.results().shape == (3,) and calls == [(3, True)]
 
 
 @pytest.mark.parametrize("shape, channel_dim", [((64, 4), -1), ((2, 3, 4), 1), ((1, 5, 1), 1), ((6, 1), -1)])

@@ -638,6 +638,38 @@ def test_a_copy_or_checkpoint_of_a_watched_model_taken_in_a_logging_step_is_iner
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_a_copy_taken_in_a_logging_step_loses_the_switched_forward_once_a_session_watches_it():
+    """A copy (deepcopy, torch.save) of a model with probes kept the session's instance-level forward for good,
+    and a session watching the copy took it for the user's own and left it: the copy was never restored."""
+    import copy
+    import io
+
+    rule = Rule()
+    inst = instrument.Instrumentation([], backends=[], log_interval=1)
+    inst.watch(rule, state=False)
+    x = torch.randn(2, 4, 6, 6)
+    with inst.step(0):
+        rule(x)
+        twin = copy.deepcopy(rule)
+        buffer = io.BytesIO()
+        torch.save(rule, buffer)
+    inst.close()
+    assert "forward" not in rule.__dict__
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (twin, loaded):
+        assert "forward" in other.__dict__  # what the copy carried along: the class's code, bound to the copy
+        torch.testing.assert_close(other(x), rule(x), rtol=0, atol=0)
+        later = instrument.Instrumentation([], backends=[], log_interval=1)
+        later.watch(other, state=False)
+        with later.step(0):
+            assert other.__dict__["forward"].__func__.__code__.co_name.endswith("_instrument_probes_on")
+            other(x)
+        later.close()
+        assert "forward" not in other.__dict__  # restored: as if it had never been copied during a step
+        torch.testing.assert_close(other(x), rule(x), rtol=0, atol=0)
+
+
 def test_scripting_during_a_logging_step_leaves_the_models_probes_and_starts_the_copy_off():
     """torch.jit.script puts what Probe.__prepare_scriptable__ returns into the eager model: returning a copy
     there replaced the watched model's probes, which the session then never saw again."""

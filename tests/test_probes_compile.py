@@ -5,6 +5,7 @@ Cold compiles take 10+ s on this machine, so there are two tests on a tiny rule,
 autograd formula) behave as with inductor, without inductor's code generation time.
 """
 
+import logging
 import re
 
 import pytest
@@ -276,3 +277,47 @@ def test_a_watched_scripted_model_called_inside_a_compiled_function_is_observed(
             compiled(x)
     inst.close()
     assert seen == [0, 0, 0]
+
+
+class _Counted(instrument.Observer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def observe(self, context):
+        self.seen.append(context.step_index)
+
+    def log(self, logger, step):
+        pass
+
+
+def test_a_module_never_called_in_a_logging_step_is_said_once_with_the_compiled_caller_cause(fresh_dynamo, caplog):
+    """A compiled caller first compiled on a non-logging step has no hook call in its graph (Dynamo does not
+    guard on hooks), so every later logging step observed nothing, silently."""
+    torch.manual_seed(0)
+    outer = torch.nn.Sequential(BareRule(), BareRule())
+    counted = _Counted()
+    inst = instrument.Instrumentation([counted], backends=[], log_interval=2)
+    inst.watch(outer[0])
+    compiled = torch.compile(outer, backend="eager")
+    x = torch.randn(2, 4, 6, 6)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(1, 6):  # compiled first on step 1, which does not log
+            with inst.step(step):
+                compiled(x)
+    inst.close()
+    assert counted.seen == []
+    said = [r.getMessage() for r in caplog.records if "was not called in this logging step" in r.getMessage()]
+    assert len(said) == 1 and "compile the watched module itself" in said[0], said
+
+
+def test_a_compile_wrapper_and_the_module_it_wraps_are_watched_once(fresh_dynamo):
+    """Both were accepted and each iteration was delivered twice (step indices 0, 0, 1, 1, ...)."""
+    rule = BareRule()
+    compiled = torch.compile(rule, backend="eager")
+    for first, second in ((rule, compiled), (compiled, rule)):
+        inst = instrument.Instrumentation([_Counted()], backends=[], log_interval=1)
+        inst.watch(first)
+        with pytest.raises(instrument.ConfigurationError, match="already watched .* torch.compile wrapper"):
+            inst.watch(second)
+        inst.close()

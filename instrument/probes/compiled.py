@@ -62,8 +62,23 @@ def _code_copy(function: types.FunctionType) -> types.FunctionType:
         copy.__kwdefaults__ = function.__kwdefaults__
         copy.__qualname__ = function.__qualname__
         copy.__module__ = function.__module__
+        copy.instrument_switched = True  # how `ForwardSwitch` recognises one a copy of a module carried along
         _COPIES[function] = copy
     return copy
+
+
+def _replaceable(module: nn.Module) -> bool:
+    """No instance-level ``forward``, or one a copy carried along: a ``copy.deepcopy`` of the module taken
+    during a logging step keeps the switch's forward (marked, and bound to the copy), and ``torch.save`` keeps
+    the class's own forward bound to the loaded module. Both run the class's code, so replacing them (and
+    dropping them at ``off``) changes nothing but restores the module."""
+    current = module.__dict__.get("forward")
+    if current is None:
+        return True
+    function = getattr(current, "__func__", None)
+    return getattr(current, "__self__", None) is module and (
+        getattr(function, "instrument_switched", False) or function is getattr(type(module), "forward", None)
+    )
 
 
 class ForwardSwitch:
@@ -82,7 +97,7 @@ class ForwardSwitch:
 
     def on(self) -> None:
         for module, copy in self._targets:
-            if "forward" not in module.__dict__:  # a user's own instance-level forward is left alone
+            if _replaceable(module):  # a user's own instance-level forward is left alone
                 module.__dict__["forward"] = types.MethodType(copy, module)
                 self._on.append(module)
 

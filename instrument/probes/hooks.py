@@ -16,6 +16,7 @@ message. The check reads the source (`ast`), registers nothing, so compiled grap
 import ast
 import inspect
 import logging
+import sys
 import textwrap
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -72,6 +73,7 @@ class StateWatch:
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
+        self._said_uncalled = False  # a logging step that never called the module was reported
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
@@ -103,6 +105,16 @@ class StateWatch:
             self._handle.remove()
             self._handle = None
             self.guard.end(self.iterations)
+            if not self.iterations and not self.guard.recomputed and not self._said_uncalled:
+                self._said_uncalled = True
+                log.warning(
+                    "instrument: watched module %s was not called in this logging step, so observers saw none of "
+                    "its iterations.%s (Said once.)", self.name,
+                    " If it runs inside a torch.compile'd caller, that caller was compiled without the hook "
+                    "(Dynamo does not guard on hooks, so a caller first compiled on a non-logging step never "
+                    "calls it): compile the watched module itself, or watch with state=False and call "
+                    "s.observer(StepContext(...)) in the loop." if "torch._dynamo" in sys.modules else "",
+                )
             if self._check_rollout:
                 self._check_rollout = False
                 try:

@@ -24,6 +24,7 @@ from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
 from instrument.probes import record
+from instrument.probes.compiled import unwrap
 from instrument.probes.embedded import ProbeSet, check_probe_requests, check_unique_names
 from instrument.probes.hooks import StateWatch
 from instrument.session.run_folder import removed_if_start_fails, resume_ids, run_name_for, save_ids
@@ -205,23 +206,20 @@ class Instrumentation:
         hook (logging steps only); its calls from TorchScript code only through the call boundary that
         `instrument.script` compiles in (docs/probes.md, "Watching scripted and loaded models"). With
         ``state=False`` only the embedded probes are switched on; their values reach observers through
-        ``s.observer(StepContext(...))`` calls (the explicit evolver style). Use that to watch a model whose
-        forward is a whole rollout, or whose loop calls ``s.observer`` itself. Watching the ``torch.compile``
-        wrapper or the eager module it wraps is the same for probes.
+        ``s.observer(StepContext(...))`` calls (the explicit evolver style): for a model whose forward is a whole
+        rollout, or whose loop calls ``s.observer`` itself. A ``torch.compile`` wrapper and its module are one.
 
         Nothing is registered on the module now: hooks exist and probes are on only inside logging steps.
         """
-        watched = [w.module for w in self._watches] + [p.module for p in self._probe_sets]
-        if any(m is module for m in watched):
-            raise ConfigurationError(f"{type(module).__name__} is already watched by this Instrumentation.")
+        inner, watched = unwrap(module), [w.module for w in self._watches] + [p.module for p in self._probe_sets]
+        if any(unwrap(m) is inner for m in watched):  # a compile wrapper and its module: one module, one hook
+            raise ConfigurationError(f"{type(inner).__name__} is already watched by this Instrumentation (itself "
+                                     f"or through its torch.compile wrapper): watch it once.")
         probes = ProbeSet(module, label=name or type(module).__name__)
-        if state is None:
-            state = True
         check_unique_names(self._probe_sets, probes)
         watch = None
-        if state:
+        if state is None or state:  # None means True
             watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
-        if watch is not None:
             self._watches.append(watch)
         if probes:
             self._probe_sets.append(probes)

@@ -21,7 +21,8 @@ and W&B draw a gap); ``episode/count`` says 0 then.
 
 Episode returns come from ``episode_reward_key`` when the batch has it (TorchRL's ``RewardSum`` writes
 ``("next", "episode_reward")``); otherwise they are summed from the rewards, carrying unfinished episodes over
-to the next batch, vectorised over time (differences of cumulative sums; no Python loop over steps).
+to the next batch, vectorised over time (each episode summed on its own in float64, so an inf or NaN reward
+stays in its episode; no Python loop over steps).
 """
 
 import logging

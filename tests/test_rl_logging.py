@@ -254,3 +254,47 @@ def test_the_progress_bar_keeps_averaging_returns_over_intervals_where_no_episod
                                                  "collection/main/reward/mean": 0.01}))
     assert bar.recent_reward == sum(returns[-10:]) / 10
     bar.close()
+
+
+@pytest.mark.parametrize("session", [True, False])
+def test_frame_steps_wait_for_the_frame_count_to_move_past_the_last_commit(tmp_path, session):
+    """With step_unit="frames" an iteration that kept no frame has the step of the last commit: it was committed
+    a second time there (JSONL and TensorBoard kept two records at one step, W&B dropped the second)."""
+    import json
+
+    path = tmp_path / "m.jsonl"
+    backend = instrument.JsonlBackend(str(path))
+    if session:
+        target = instrument.Instrumentation(backends=[backend], log_interval=1, log_dir=tmp_path)
+    else:
+        target = Logger([backend])
+    rl = RLLogging(collection=instrument.rl.CollectionMetrics(time_dim=None), progress=None, step_unit="frames")
+    rl.attach(target)
+    envs = 2
+    kept = [envs, 0, envs, 0, 0, 1, envs]  # frames kept per iteration: 0 at iterations 1, 3 and 4
+    losses = np.random.default_rng(0).standard_normal(len(kept))
+    for it, n in enumerate(kept):
+        with rl.iteration():
+            mask = torch.arange(envs) < n
+            rl.observe_batch(reward=torch.full((envs,), float(it)), done=torch.ones(envs, dtype=torch.bool), mask=mask)
+            rl.observe_losses({"loss": torch.tensor(losses[it], dtype=torch.float64)})
+    rl.close()
+    target.close()
+    rows = [json.loads(line) for line in open(path)]
+    rows = [(r["step"], r["metrics"]) for r in rows if "step" in r and "metrics" in r]
+    # the float64 reference: an iteration with frames commits itself and every deferred one before it
+    expected, group, frames, episodes = [], [], 0, 0
+    for it, n in enumerate(kept):
+        group.append(it)
+        if n:
+            frames, episodes = frames + n, episodes + n
+            rewards = [float(i) for i in group for _ in range(kept[i])]
+            expected.append((frames, float(np.mean(losses[group])), it + 1, episodes, sum(rewards) / len(rewards)))
+            group = []
+    steps = [s for s, _ in rows]
+    assert steps == sorted(set(steps)) == [e[0] for e in expected]  # strictly increasing, each step once
+    for (_, got), (frames, loss, iterations, episodes, reward) in zip(rows, expected, strict=True):
+        assert got["train/main/loss"] == pytest.approx(loss, rel=1e-12)
+        assert got["counters/frames"] == frames and got["counters/iterations"] == iterations
+        assert got["counters/episodes"] == episodes
+        assert got["collection/main/reward/mean"] == reward

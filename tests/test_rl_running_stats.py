@@ -191,3 +191,92 @@ def test_an_entry_too_large_for_a_float_costs_only_itself_and_is_named():
     with pytest.raises(TypeError, match=r"training entry 'huge': .*too large.*the other entries were added"):
         train.update({"a": 1.0, "huge": 10**400, "z": 2.0})
     assert set(_logged(train)) == {"train/main/a", "train/main/z"}
+
+
+def _jsonl_session(tmp_path):
+    import instrument
+    from instrument.rl import CollectionMetrics, RLLogging
+
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1, log_dir=tmp_path)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    return inst, rl, path
+
+
+def _read_jsonl(path):
+    import json
+
+    out = {}
+    for line in open(path):
+        row = json.loads(line)
+        if "step" in row and "metrics" in row:
+            metrics = {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in row["metrics"].items()}
+            out.setdefault(row["step"], {}).update(metrics)  # JSON has no NaN/inf: the backend writes strings
+    return out
+
+
+def _episode_sums(reward, done):
+    """(env, end step) -> float64 sum of that episode's rewards, stepping through time (carry across calls
+    is the caller's: one batch here)."""
+    out, totals = {}, {}
+    for t in range(reward.shape[0]):
+        for e in range(reward.shape[1]):
+            totals[e] = totals.get(e, 0.0) + float(reward[t, e])
+            if done[t, e]:
+                out[(e, t)] = totals.pop(e)
+    return out, totals
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_nonfinite_reward_stays_in_its_own_episode(tmp_path, bad):
+    """Returns were differences of one cumulative sum over the batch: inf - inf (or a NaN) made every later
+    episode of that environment NaN, in the batch and through the carry in the next batches."""
+    # env 0: A = [1, bad] ends at t=1, B = [1, 2, 3] ends at t=4, C = [0.5 | 1.5] spans two batches;
+    # env 1: finite throughout, its own episodes [2, 2] and [2, 2, 2, 2].
+    reward = np.array([[1.0, 2.0], [bad, 2.0], [1.0, 2.0], [2.0, 2.0], [3.0, 2.0], [0.5, 2.0]])
+    done = np.array([[0, 0], [1, 1], [0, 0], [0, 0], [1, 0], [0, 1]], dtype=bool)
+    expected, open_sums = _episode_sums(reward, done)
+    returns, lengths, ended, carry_r, carry_n = episode_segments(
+        torch.from_numpy(reward).unsqueeze(-1), torch.from_numpy(done), None, None, None
+    )
+    for (e, t), value in expected.items():
+        got = float(returns[t, e, 0])
+        assert got == value or (math.isnan(got) and math.isnan(value)), (e, t, got, value)
+    assert float(carry_r[0, 0]) == open_sums[0] == 0.5 and int(carry_n[0]) == 1
+    assert float(carry_r[1, 0]) == 0.0 and int(carry_n[1]) == 0  # env 1 ended at the last step
+
+    inst, rl, path = _jsonl_session(tmp_path)
+    with inst.step(0), rl.iteration():
+        rl.observe_batch(reward=torch.from_numpy(reward), done=torch.from_numpy(done))
+    with inst.step(1), rl.iteration():
+        rl.observe_batch(reward=torch.tensor([[1.5, 7.0]], dtype=torch.float64), done=torch.tensor([[True, True]]))
+    rl.close()
+    inst.close()
+    logged = _read_jsonl(path)
+    finite = [v for v in expected.values() if math.isfinite(v)]
+    if bad == math.inf:  # the inf episode is the max; every other episode is exact
+        assert logged[0]["collection/main/episode/return/min"] == min(finite)
+        assert logged[0]["collection/main/episode/return/max"] == math.inf
+    else:
+        assert math.isnan(logged[0]["collection/main/episode/return/min"])  # a NaN episode has no order
+    # next batch: env 0's C = 0.5 + 1.5 (carried), env 1's new episode = 7.0
+    assert logged[1]["collection/main/episode/return/min"] == 0.5 + 1.5
+    assert logged[1]["collection/main/episode/return/max"] == 7.0
+    assert logged[1]["collection/main/episode/return/mean"] == ((0.5 + 1.5) + 7.0) / 2
+
+
+@pytest.mark.parametrize("bonus", [1e6, 1e12, 1e16])
+def test_small_episodes_after_a_huge_bonus_keep_every_digit(tmp_path, bonus):
+    """A difference of float64 cumulative sums after a 1e16 bonus read 3 x 0.001 as 0.0 (1e12: 0.0029296875)."""
+    reward = np.array([[bonus], [0.001], [0.001], [0.001], [0.25], [0.002]])
+    done = np.array([[1], [0], [0], [1], [0], [1]], dtype=bool)
+    expected, _ = _episode_sums(reward, done)
+    inst, rl, path = _jsonl_session(tmp_path)
+    with inst.step(0), rl.iteration():
+        rl.observe_batch(reward=torch.from_numpy(reward), done=torch.from_numpy(done))
+    rl.close()
+    inst.close()
+    logged = _read_jsonl(path)[0]
+    assert logged["collection/main/episode/return/min"] == expected[(0, 3)] == 0.001 + 0.001 + 0.001
+    assert logged["collection/main/episode/return/max"] == expected[(0, 0)] == bonus
+    assert logged["collection/main/episode/length/mean"] == 2.0

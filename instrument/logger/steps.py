@@ -30,6 +30,12 @@ _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
 class StepRecords:
     """Mixin of `Logger` (uses its ``_lock``, ``_commit_lock``, staged table and writer)."""
 
+    @property
+    def last_step(self) -> Optional[int]:
+        """The last committed step (None before the first): a caller whose step is computed, such as `RLLogging`
+        counting frames, checks it moved past it, so it never commits one step twice."""
+        return self._last_step
+
     def _commit_own(
         self, metrics: Mapping[str, Any], step: int, head: str, ops: Any
     ) -> Optional[CommittedStep]:

@@ -3,6 +3,7 @@
 A batch is a TensorDict (TorchRL), a nested ``dict`` (``{"next": {"reward": r}}``), a flat ``dict`` whose keys
 may be tuples (``{("next", "reward"): r}``), or a `KeywordBatch`: tensors given by role
 (``rl.observe_batch(reward=r, done=d, mask=m)``), which win over the keys the components are bound to read.
+Keyword and mapping entries may be NumPy arrays or Python bools, numbers and lists (`as_tensor`).
 tensordict is never imported here: a TensorDict is recognised by its ``batch_size`` attribute, so
 plain-tensor users do not need the package.
 
@@ -15,6 +16,7 @@ has names (TorchRL collectors name it), otherwise the one given.
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,6 +25,7 @@ from instrument.errors import ConfigurationError
 __all__ = [
     "NestedKey",
     "KeywordBatch",
+    "as_tensor",
     "entry",
     "lookup",
     "key_name",
@@ -68,7 +71,7 @@ class KeywordBatch:
             )
         self.data = data.data if isinstance(data, KeywordBatch) else data
         inherited = dict(data.roles) if isinstance(data, KeywordBatch) else {}
-        inherited.update({k: v for k, v in roles.items() if v is not None})
+        inherited.update({k: as_tensor(v, f"{k}=") for k, v in roles.items() if v is not None})
         self.roles = inherited
 
     def __repr__(self) -> str:
@@ -101,15 +104,47 @@ def lookup(batch: Any, key: NestedKey) -> Optional[Tensor]:
             f"pass e.g. {{'next': {{'reward': reward, 'done': done}}}} or use the keyword form."
         )
     if parts in batch:
-        return batch[parts]
-    if len(parts) == 1 and parts[0] in batch:
-        return batch[parts[0]]
-    node: Any = batch
-    for part in parts:
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
+        node = batch[parts]
+    elif len(parts) == 1 and parts[0] in batch:
+        node = batch[parts[0]]
+    else:
+        node = batch
+        for part in parts:
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+    return node if node is None or isinstance(node, Mapping) else as_tensor(node, f"the entry at {key!r}")
+
+
+def as_tensor(value: Any, name: str) -> Tensor:
+    """``value`` as a tensor: gymnasium and CleanRL hand out NumPy arrays, and a Python bool, number or list
+    is a batch entry too. Anything else is refused here, by name, rather than failing inside a component as a
+    runtime fault that the session would count and skip (dropping the batch and its frames).
+
+    Python floats become float64 (NumPy's default), so they keep their digits.
+    """
+    if isinstance(value, Tensor):
+        return value
+    expected = (
+        "expected a torch.Tensor, a NumPy array, or a Python bool, number or (nested) list of them: convert "
+        "it with torch.as_tensor(...) or np.asarray(...)"
+    )
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if not isinstance(value, (np.ndarray, np.generic, bool, int, float, list, tuple)):
+        raise ConfigurationError(f"RL batch {name} is a {kind}; {expected}.")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:  # e.g. a ragged list
+        raise ConfigurationError(f"RL batch {name} is a {kind} that is not an array ({exc}); {expected}.") from exc
+    if array.dtype.kind not in "biuf":
+        raise ConfigurationError(f"RL batch {name} is a {kind} of dtype {array.dtype}; {expected}.")
+    if not array.flags.writeable or not array.dtype.isnative or any(s < 0 for s in array.strides):
+        # torch refuses a non-native byte order and negative strides, and warns on a read-only array
+        array = np.array(array, dtype=array.dtype.newbyteorder("="), order="C", copy=True)
+    try:
+        return torch.as_tensor(array)
+    except TypeError as exc:  # a dtype torch has no tensor for
+        raise ConfigurationError(f"RL batch {name} is a {kind} of dtype {array.dtype} ({exc}); {expected}.") from exc
 
 
 def batch_shape_of(batch: Any) -> Optional[torch.Size]:

@@ -21,7 +21,8 @@ and W&B draw a gap); ``episode/count`` says 0 then.
 
 Episode returns come from ``episode_reward_key`` when the batch has it (TorchRL's ``RewardSum`` writes
 ``("next", "episode_reward")``); otherwise they are summed from the rewards, carrying unfinished episodes over
-to the next batch, vectorised over time (differences of cumulative sums; no Python loop over steps).
+to the next batch, vectorised over time (each episode summed on its own in float64, so an inf or NaN reward
+stays in its episode; no Python loop over steps).
 """
 
 import logging
@@ -42,6 +43,7 @@ from instrument.rl.batch import (
     split_features,
 )
 from instrument.rl.component import RLComponent
+from instrument.rl.ranks import log_reduced
 from instrument.rl.running_stats import STATS, RunningStats, episode_segments, wide_dtype
 
 __all__ = ["CollectionMetrics"]
@@ -247,6 +249,7 @@ class CollectionMetrics(RLComponent):
     # ------------------------------------------------------------------ output
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
+        counts: Dict[str, Tensor] = {}  # how many values each key summarises: how ranks combine it
         stats = STATS if self.reduce_stats else ("mean",)
 
         def emit(name: str, acc: RunningStats, names: Optional[Sequence[str]] = None) -> None:
@@ -255,11 +258,10 @@ class CollectionMetrics(RLComponent):
             summary = acc.summary()
             for stat in stats:
                 value = summary[stat]
-                if names is None:
-                    metrics[f"{name}/{stat}"] = value.reshape(-1)[0] if value.dim() else value
-                else:
-                    for i, obj in enumerate(names):
-                        metrics[f"{name}/{obj}/{stat}"] = value[i]
+                keys = [f"{name}/{stat}"] if names is None else [f"{name}/{obj}/{stat}" for obj in names]
+                for i, key in enumerate(keys):
+                    metrics[key] = (value.reshape(-1)[0] if value.dim() else value) if names is None else value[i]
+                    counts[key] = acc.count
             acc.reset()
 
         emit("reward", self._reward)
@@ -273,7 +275,9 @@ class CollectionMetrics(RLComponent):
         for name, acc in self._extra.items():
             emit(name, acc)
         if metrics:
-            logger.log_metrics(metrics, step=step, prefix=self.prefix)
+            ops = {key: key.rpartition("/")[2] for key in counts if key.endswith(("/min", "/max"))}
+            ops["episode/count"] = "sum"
+            log_reduced(logger, metrics, step, self.prefix, ops, counts)
 
     def _names(self, acc: RunningStats) -> Sequence[str]:
         if acc.empty:

@@ -32,6 +32,7 @@ from instrument.rl.batch import (
     split_features,
 )
 from instrument.rl.component import RLComponent
+from instrument.rl.ranks import log_reduced
 
 __all__ = ["Counters"]
 
@@ -141,15 +142,13 @@ class Counters(RLComponent):
         self._frames_device = self._episodes_device = None
 
     def log(self, logger, step: int) -> None:
-        logger.log_metrics(
-            {
-                "frames": _total(self._frames, self._frames_device),
-                "iterations": self.iterations,
-                "episodes": _total(self._episodes, self._episodes_device),
-            },
-            step=step,
-            prefix=self.prefix,
-        )
+        metrics = {
+            "frames": _total(self._frames, self._frames_device),
+            "iterations": self.iterations,
+            "episodes": _total(self._episodes, self._episodes_device),
+        }
+        # each rank counts its own frames and episodes: they add up; every rank runs the same iterations
+        log_reduced(logger, metrics, step, self.prefix, {"frames": "sum", "episodes": "sum", "iterations": "max"})
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:

@@ -23,7 +23,9 @@ iteration. Each component is called only through the `RLComponent` methods.
 Steps: the logger step of iteration k is k (``step_unit="iterations"``, the same numbering as ``inst.step(k)``)
 or the frame count after its batch (``step_unit="frames"``). A logging iteration (a logging step of the
 session, and every iteration whose evaluation was due) stages every component's values and commits them in
-one batched transfer, once per step (W&B drops a second write to a committed step).
+one batched transfer, once per step (W&B drops a second write to a committed step). With frames, a logging
+iteration that kept no frame since the last commit has that commit's step: it is deferred, its values stay
+accumulated and are committed by the next iteration whose frame count is higher.
 
 Attached to a bare `Logger` (no session), the set guards its components with a ledger of its own, logs every
 ``log_interval``-th iteration (default 1) and commits the logger itself.
@@ -145,6 +147,7 @@ class RLLogging:
         self._handles: List[ComponentHandle] = []
         self._closed = False
         self._session_state: Optional[Dict[str, Any]] = None  # from load_state_dict, for a later attach
+        self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":
@@ -320,13 +323,21 @@ class RLLogging:
         asked = False
         for handle in self._handles:
             asked = bool(handle.call("end_iteration", self.counters)) or asked
-        if not (asked or self._is_logging_iteration(index)):
+        if not (asked or self._deferred or self._is_logging_iteration(index)):
             return None
         inst = self.instrumentation
+        open_step = inst.active_step if inst is not None else None
+        if self.step_unit == "frames" and open_step is None:
+            last = self._logger.last_step
+            if last is not None and step <= last:
+                # no frames kept since the last commit: committing again at that step would write two records
+                # there (W&B drops the second); the values stay accumulated for the next step past it.
+                self._deferred = True
+                return None
+            self._deferred = False
         if inst is None:
             self._own.log(self._logger, step)
             return self._logger.commit(step)
-        open_step = inst.active_step
         if open_step is not None and open_step != step:
             if self.step_unit == "iterations":
                 fix = (f"RLLogging counts iterations from 0 and this is iteration {index}"

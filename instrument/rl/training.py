@@ -27,6 +27,7 @@ from torch import Tensor
 from instrument.errors import ConfigurationError
 from instrument.rl.batch import is_tensordict
 from instrument.rl.component import RLComponent
+from instrument.rl.ranks import log_reduced
 from instrument.rl.running_stats import RunningStats, wide_dtype
 
 __all__ = ["TrainMetrics"]
@@ -95,17 +96,22 @@ class TrainMetrics(RLComponent):
 
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
+        counts: Dict[str, Tensor] = {}
+        ops: Dict[str, str] = {}
         for name, acc in self._stats.items():
             if acc.empty:
                 continue
             summary = acc.summary()
             metrics[name] = summary["mean"]
+            counts[name] = acc.count
             if self.reduce_stats:
                 metrics[f"{name}/min"] = summary["min"]
                 metrics[f"{name}/max"] = summary["max"]
+                counts[f"{name}/min"] = counts[f"{name}/max"] = acc.count
+                ops[f"{name}/min"], ops[f"{name}/max"] = "min", "max"
             acc.reset()
-        if metrics:
-            logger.log_metrics(metrics, step=step, prefix=self.prefix)
+        if metrics:  # over ranks: means weighted by each rank's updates, min of mins, max of maxes
+            log_reduced(logger, metrics, step, self.prefix, ops, counts)
 
     def __repr__(self) -> str:
         return f"TrainMetrics(group={self.group!r}, reduce_stats={self.reduce_stats})"

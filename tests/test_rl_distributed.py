@@ -1,0 +1,120 @@
+"""RL keys over a real 2-rank gloo group (torch.multiprocessing spawn, FileStore rendezvous), read back from
+rank 0's JSONL against float64 references over both ranks' data. Every key used to be averaged over ranks:
+frames and episode counts halved, min/max averaged, and a rank without an episode made the episode mean NaN."""
+
+import datetime
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+P = "collection/main/"
+STEPS = 3
+
+
+def data(rank, step):
+    """Rank ``rank``'s batch at ``step``: rewards and dones [T=3, envs=2], and its losses (a different number of
+    updates per rank). Step 0: only rank 0 ends episodes; step 1: no rank does; step 2: both do."""
+    reward = np.arange(6, dtype=np.float64).reshape(3, 2) * (rank + 1) + 0.25 * step - rank
+    done = np.zeros((3, 2), dtype=bool)
+    if step == 0 and rank == 0:
+        done[1, 0] = done[2, 1] = True
+    if step == 2:
+        done[2, rank] = True
+        done[0, 1 - rank] = True
+    losses = [0.5 * rank + 0.1 * step + 0.01 * i for i in range(1 + 2 * rank)]
+    return reward, done, losses
+
+
+def _worker(rank, store_path, out_dir):
+    import torch.distributed as dist
+
+    import instrument
+    from instrument.rl import CollectionMetrics, RLLogging, TrainMetrics
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "m.jsonl"))],
+                                          log_interval=1, log_dir=out_dir, run_name="rl-ddp",
+                                          overhead_budget=None)
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), training=TrainMetrics(reduce_stats=True),
+                       progress=None).attach(inst)
+        for step in range(STEPS):
+            reward, done, losses = data(rank, step)
+            with inst.step(step), rl.iteration():
+                rl.observe_batch(reward=torch.from_numpy(reward), done=torch.from_numpy(done))
+                for loss in losses:
+                    rl.observe_losses({"loss": torch.tensor(loss, dtype=torch.float64)})
+        rl.close()
+        inst.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("rl_dist")
+    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
+    rows = [json.loads(line) for line in open(tmp / "m.jsonl")]
+    out = {}
+    for row in rows:
+        if "step" in row and "metrics" in row:
+            out.setdefault(row["step"], {}).update(
+                {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in row["metrics"].items()}
+            )
+    return out
+
+
+def reference():
+    """Per step, over both ranks in float64: the union of their rewards, episodes and losses."""
+    carry = {r: {} for r in (0, 1)}
+    frames = episodes = 0
+    out = []
+    for step in range(STEPS):
+        rewards, returns, lengths, losses = [], [], [], []
+        for rank in (0, 1):
+            reward, done, rank_losses = data(rank, step)
+            losses += rank_losses
+            rewards += list(reward.ravel())
+            for t in range(reward.shape[0]):
+                for e in range(reward.shape[1]):
+                    total, n = carry[rank].get(e, (0.0, 0))
+                    total, n = total + reward[t, e], n + 1
+                    if done[t, e]:
+                        returns.append(total)
+                        lengths.append(n)
+                        total, n = 0.0, 0
+                    carry[rank][e] = (total, n)
+            frames += reward.size
+        episodes += len(returns)
+        out.append(dict(rewards=rewards, returns=returns, lengths=lengths, losses=losses, frames=frames,
+                        episodes=episodes, iterations=step + 1))
+    return out
+
+
+def test_rl_keys_combine_over_ranks_as_the_statistics_they_are(logged):
+    for step, want in enumerate(reference()):
+        got = logged[step]
+        assert got["counters/frames"] == want["frames"] and got["counters/episodes"] == want["episodes"]
+        assert got["counters/iterations"] == want["iterations"]
+        assert got[P + "reward/mean"] == pytest.approx(np.mean(want["rewards"]), rel=1e-12)
+        assert got[P + "reward/min"] == min(want["rewards"]) and got[P + "reward/max"] == max(want["rewards"])
+        assert got["train/main/loss"] == pytest.approx(np.mean(want["losses"]), rel=1e-12)
+        assert got["train/main/loss/min"] == min(want["losses"])
+        assert got["train/main/loss/max"] == max(want["losses"])
+        assert got[P + "episode/count"] == len(want["returns"])
+        if want["returns"]:  # step 0: only rank 0 had episodes, rank 1's count of 0 does not make them NaN
+            assert got[P + "episode/return/mean"] == pytest.approx(np.mean(want["returns"]), rel=1e-12)
+            assert got[P + "episode/return/min"] == min(want["returns"])
+            assert got[P + "episode/return/max"] == max(want["returns"])
+            assert got[P + "episode/length/mean"] == pytest.approx(np.mean(want["lengths"]), rel=1e-12)
+        else:  # no rank ended an episode: the mean does not exist; min/max are the reduction's identities
+            assert math.isnan(got[P + "episode/return/mean"]) and math.isnan(got[P + "episode/length/mean"])
+            assert got[P + "episode/return/min"] == math.inf and got[P + "episode/return/max"] == -math.inf

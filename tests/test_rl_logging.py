@@ -298,3 +298,33 @@ def test_frame_steps_wait_for_the_frame_count_to_move_past_the_last_commit(tmp_p
         assert got["counters/frames"] == frames and got["counters/iterations"] == iterations
         assert got["counters/episodes"] == episodes
         assert got["collection/main/reward/mean"] == reward
+
+
+@pytest.mark.parametrize("step_unit", ["iterations", "frames"])
+def test_close_writes_what_the_iterations_after_the_last_logging_one_gathered(tmp_path, step_unit):
+    """With log_interval=10 and 25 iterations, the episodes, frames and losses of iterations 21..24 were never
+    written: close() committed only what the logger already held. Read back from JSONL against what was fed."""
+    import json
+
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=10,
+                                      log_dir=str(tmp_path))
+    rl = RLLogging(progress=None, step_unit=step_unit).attach(inst)
+    envs, episodes, losses = 4, 0, []
+    for it in range(25):
+        with rl.iteration():
+            done = torch.tensor([it % 3 == 0] * envs)
+            rl.observe_batch(reward=torch.ones(envs), done=done)
+            rl.observe_losses({"loss": torch.tensor(float(it))})
+        episodes += int(done.sum())
+        losses.append(float(it))
+    rl.close()
+    inst.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    metrics = {r["step"]: r["metrics"] for r in records if "metrics" in r}
+    steps = sorted(metrics)
+    last = 24 if step_unit == "iterations" else 25 * envs
+    assert steps[-1] == last and len(steps) == len(set(r["step"] for r in records if "metrics" in r))
+    assert sum(m.get("collection/main/episode/count", 0) for m in metrics.values()) == episodes
+    assert metrics[last]["counters/frames"] == 25 * envs and metrics[last]["counters/episodes"] == episodes
+    assert metrics[last]["train/main/loss"] == pytest.approx(np.mean(losses[21:]), rel=1e-12)

@@ -410,7 +410,9 @@ class RLLogging:
         return {name: n for name, n in counts.items() if name in names}
 
     def close(self) -> None:
-        """Commit what is still staged and close the components; closes the session if it made one.
+        """Commit what is still staged, and what the components gathered in the iterations after the last
+        logging one (at the last iteration's step), then close the components; closes the session if it made
+        one. Call it before ``inst.close()``: that one writes only what is already staged.
 
         Idempotent. The progress bar closes here (it ends with the loop); the other backends (W&B ``finish``
         included) close with the logger, i.e. in ``Instrumentation.close()`` — or here, when this RLLogging
@@ -433,14 +435,29 @@ class RLLogging:
             for handle in self._handles:  # closing inside a logging step: stage now, the block commits
                 if handle.logs:
                     handle.call("log", self._logger, inst.active_step)
-        elif self._logger.has_pending:
-            self._logger.commit()
+        else:
+            tail = self._tail_step()
+            if tail is not None:  # iterations since the last logging one: their episodes, frames and losses
+                for handle in self._handles:
+                    if handle.logs:
+                        handle.call("log", self._logger, tail)
+            if tail is not None or self._logger.has_pending:
+                self._logger.commit(tail)
         for handle in self._handles:
             if handle.component is not self.timing:
                 handle.call("close")
             handle.remove()
         if self._owns_session:
             inst.close()
+
+    def _tail_step(self) -> Optional[int]:
+        """The step of the last completed iteration when no commit reached it (what the components gathered
+        since the last logging iteration is then written there at close), else None."""
+        if not self.counters.iterations:
+            return None
+        step = self.counters.iterations - 1 if self.step_unit == "iterations" else self.counters.frames
+        last = self._logger.last_step
+        return step if last is None or step > last else None
 
     def _check_attached(self) -> None:
         if self._closed:

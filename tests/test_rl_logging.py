@@ -328,3 +328,38 @@ def test_close_writes_what_the_iterations_after_the_last_logging_one_gathered(tm
     assert sum(m.get("collection/main/episode/count", 0) for m in metrics.values()) == episodes
     assert metrics[last]["counters/frames"] == 25 * envs and metrics[last]["counters/episodes"] == episodes
     assert metrics[last]["train/main/loss"] == pytest.approx(np.mean(losses[21:]), rel=1e-12)
+
+
+def test_after_a_layout_change_the_first_episode_of_each_environment_is_counted_but_not_measured(
+    tmp_path, caplog
+):
+    """The warning said unfinished episodes are dropped, but their tails were logged as whole episodes (return 2,
+    length 2 for episodes of return 7, length 7). Episodes that start after the change are measured again."""
+    import json
+
+    from instrument.rl import CollectionMetrics
+
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=str(tmp_path))
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0), rl.iteration():  # 2 envs, 5 steps, no episode ends
+            rl.observe_batch(reward=torch.ones(5, 2), done=torch.zeros(5, 2, dtype=torch.bool))
+        with inst.step(1), rl.iteration():  # 3 envs: every one ends at its 2nd step (start unknown), then again
+            done = torch.zeros(5, 3, dtype=torch.bool)
+            done[1] = True
+            done[4] = True
+            rl.observe_batch(reward=torch.arange(15.0).reshape(5, 3), done=done)
+    rl.close()
+    inst.close()
+    records = {r["step"]: r["metrics"] for r in map(json.loads, path.read_text().splitlines()) if "metrics" in r}
+    got = records[1]
+    assert got["collection/main/episode/count"] == 6.0  # every end is counted
+    # measured: only the episodes that began in this layout, steps 2..4 of each env (a float64 reference)
+    rewards = torch.arange(15.0, dtype=torch.float64).reshape(5, 3)
+    whole = rewards[2:].sum(0)
+    assert got["collection/main/episode/return/mean"] == pytest.approx(float(whole.mean()), rel=1e-12)
+    assert got["collection/main/episode/return/min"] == float(whole.min())
+    assert got["collection/main/episode/length/mean"] == 3.0
+    assert any("left out of the return and length" in r.getMessage() for r in caplog.records)

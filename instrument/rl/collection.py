@@ -123,6 +123,9 @@ class CollectionMetrics(RLComponent):
         self._episodes: Optional[Tensor] = None
         self._carry_return: Optional[Tensor] = None
         self._carry_length: Optional[Tensor] = None
+        # After a layout change, per environment: its episode in progress began before (start unknown), so the
+        # first one it ends is counted but left out of the return and length statistics.
+        self._unknown_start: Optional[Tensor] = None
         self._warned_reset = False
 
     # ------------------------------------------------------------------ input
@@ -207,16 +210,20 @@ class CollectionMetrics(RLComponent):
             )
         if step_count is not None:  # running lengths in the batch (TorchRL StepCounter)
             lengths = split_features(step_count, shape, f"step count at {self.step_count_key!r}")[..., 0]
+        whole_returns = whole_lengths = ended_valid
         if returns is None or lengths is None:
-            seg_returns, seg_lengths = self._segments(
+            seg_returns, seg_lengths, partial = self._segments(
                 rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape)
             )
-            returns = seg_returns if returns is None else returns
-            lengths = seg_lengths if lengths is None else lengths
-        self._ep_return.add(self._scalarise(returns), ended_valid)
+            whole = ended_valid if partial is None else ended_valid & ~partial
+            if returns is None:
+                returns, whole_returns = seg_returns, whole
+            if lengths is None:
+                lengths, whole_lengths = seg_lengths, whole
+        self._ep_return.add(self._scalarise(returns), whole_returns)
         if returns.shape[-1] > 1:
-            self._ep_objectives.add(returns, ended_valid)
-        self._ep_length.add(lengths.unsqueeze(-1), ended_valid)
+            self._ep_objectives.add(returns, whole_returns)
+        self._ep_length.add(lengths.unsqueeze(-1), whole_lengths)
 
     def _segments(self, rewards: Tensor, ended: Tensor, valid: Optional[Tensor], t: Optional[int]):
         squeeze = t is None
@@ -231,20 +238,27 @@ class CollectionMetrics(RLComponent):
         if carry_r is not None and (carry_r.shape != r.shape[1:] or carry_r.device != r.device):
             if not self._warned_reset:
                 log.warning(
-                    "instrument: %s: the batch layout changed from %s to %s environments; unfinished "
-                    "episodes from earlier batches are dropped.",
+                    "instrument: %s: the batch layout changed from %s to %s environments; the episodes in "
+                    "progress began in earlier batches, so the first episode each environment ends is counted "
+                    "but left out of the return and length statistics.",
                     self.prefix,
                     tuple(carry_r.shape[:-1]),
                     tuple(r.shape[1:-1]),
                 )
                 self._warned_reset = True
             carry_r = carry_n = None
+            self._unknown_start = torch.ones(r.shape[1:-1], dtype=torch.bool, device=r.device)
         returns, lengths, _, self._carry_return, self._carry_length = episode_segments(
             r, d, v, carry_r, carry_n
         )
+        partial = None
+        if self._unknown_start is not None:  # the first end of each such environment: not a whole episode
+            ends = d if v is None else d & v
+            partial = ends & (ends.cumsum(0) == 1) & self._unknown_start
+            self._unknown_start = self._unknown_start & ~ends.any(0)  # on the device: no sync to drop it
         if squeeze:
-            return returns[0], lengths[0]
-        return returns.movedim(0, t), lengths.movedim(0, t)
+            return returns[0], lengths[0], None if partial is None else partial[0]
+        return returns.movedim(0, t), lengths.movedim(0, t), None if partial is None else partial.movedim(0, t)
 
     # ------------------------------------------------------------------ output
     def log(self, logger, step: int) -> None:
@@ -286,8 +300,9 @@ class CollectionMetrics(RLComponent):
         return self.objective_names if self.objective_names is not None else [f"obj{i}" for i in range(k)]
 
     def reset_episodes(self) -> None:
-        """Forget unfinished episodes (e.g. after the environments were reset outside the collector)."""
-        self._carry_return = self._carry_length = None
+        """Forget unfinished episodes (e.g. after the environments were reset outside the collector): the next
+        episodes start with the next batch."""
+        self._carry_return = self._carry_length = self._unknown_start = None
 
     def __repr__(self) -> str:
         return (

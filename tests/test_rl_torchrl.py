@@ -103,3 +103,67 @@ def test_the_hook_is_a_torchrl_trainer_hook():
 
     hook = config.torchrl_hook(rl=RLLogging(progress=None, evaluation=Evaluation()))
     assert isinstance(hook, TorchRLHook) and isinstance(hook, TrainerHookBase)
+
+
+def test_a_replay_buffer_that_flattens_the_batch_does_not_cut_episodes_across_environments(tmp_path):
+    """ReplayBufferTrainer(flatten_tensordicts=True), the DQN/SAC recipe, hands the later hooks a flattened
+    [N * T] batch: episodes were cut across environments (a first return of 116 for an episode of 36). The
+    reference is summed per environment from the collector's own [N, T] batches, read back from JSONL."""
+    import json
+    import math
+    import warnings
+
+    import torch
+    from torch import nn
+    from torchrl.collectors import Collector
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.envs import GymEnv, SerialEnv
+    from torchrl.modules import QValueActor
+    from torchrl.objectives import DQNLoss
+    from torchrl.trainers import ReplayBufferTrainer, Trainer
+
+    from instrument.rl.torchrl import TorchRLHook
+
+    warnings.simplefilter("ignore")  # torchrl's own deprecation and setup warnings
+    torch.manual_seed(0)
+    envs, horizon, total = 3, 40, 480
+    env = SerialEnv(envs, lambda: GymEnv("CartPole-v1", categorical_action_encoding=True))
+    env.set_seed(0)
+    actor = QValueActor(nn.Linear(4, 2), in_keys=["observation"], spec=env.action_spec_unbatched)
+    collector = Collector(env, actor, frames_per_batch=envs * horizon, total_frames=total)
+    loss = DQNLoss(actor, action_space=env.action_spec_unbatched)
+    trainer = Trainer(collector=collector, total_frames=total, frame_skip=1, optim_steps_per_batch=1,
+                      loss_module=loss, optimizer=torch.optim.Adam(loss.parameters(), 1e-3), progress_bar=False,
+                      auto_log_optim_steps=False)
+    reference, carry = [], [[0.0, 0] for _ in range(envs)]
+
+    def record(batch):
+        rewards, done = batch["next", "reward"][..., 0].double(), batch["next", "done"][..., 0]
+        episodes = []
+        for n in range(rewards.shape[0]):
+            for t in range(rewards.shape[1]):
+                carry[n][0] += float(rewards[n, t])
+                carry[n][1] += 1
+                if done[n, t]:
+                    episodes.append(tuple(carry[n]))
+                    carry[n] = [0.0, 0]
+        reference.append(episodes)
+
+    trainer.register_op("batch_process", record)
+    ReplayBufferTrainer(ReplayBuffer(storage=LazyTensorStorage(10_000)), batch_size=32,
+                        flatten_tensordicts=True).register(trainer)
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=str(tmp_path))
+    TorchRLHook(RLLogging(progress=None), instrumentation=inst, close_on_shutdown=False).register(trainer)
+    trainer.train()
+    inst.close()
+    logged = {r["step"]: r["metrics"] for r in map(json.loads, path.read_text().splitlines()) if "metrics" in r}
+    assert len(reference) == total // (envs * horizon) and sum(map(len, reference)) >= 4
+    for step, episodes in enumerate(reference):
+        got = logged[step]
+        assert got["collection/main/episode/count"] == len(episodes)
+        if episodes:
+            assert got["collection/main/episode/return/mean"] == pytest.approx(
+                math.fsum(e[0] for e in episodes) / len(episodes), rel=1e-12)
+            assert got["collection/main/episode/length/max"] == max(e[1] for e in episodes)

@@ -65,6 +65,7 @@ class TorchRLHook(TrainerHookBase):
         self._eval_runner = eval_runner
         self._trainer = None
         self._trainer_frames = 0
+        self._collected = None  # this iteration's batch as the collector made it (`on_batch_process`)
 
     # ------------------------------------------------------------------ TrainerHookBase
     def register(self, trainer, name: str = "instrument") -> None:
@@ -81,6 +82,7 @@ class TorchRLHook(TrainerHookBase):
         trainer.register_module(name, self)
         trainer.register_op("setup", self.on_setup)
         trainer.register_op("batch_process", self.on_batch_process)
+        _run_first(getattr(trainer, "_batch_process_ops", None))
         trainer.register_op("pre_steps_log", self.on_pre_steps_log)
         trainer.register_op("pre_optim_steps", self.on_pre_optim_steps)
         trainer.register_op("post_optim_complete_log", self.on_post_optim_complete_log)
@@ -102,12 +104,16 @@ class TorchRLHook(TrainerHookBase):
 
     def on_batch_process(self, batch):
         self.rl.clock.stop("collection")
+        self._collected = batch  # before any other op: ReplayBufferTrainer's flattens [N, T] into [N * T]
         return None  # the batch is not changed
 
     def on_pre_steps_log(self, batch) -> None:
         collected = int(self._trainer.collected_frames)
         frames, self._trainer_frames = max(collected - self._trainer_frames, 0), collected
-        self.rl.observe_batch(batch, frames=frames)  # None with asynchronous collection: frames only
+        # The hooks get the batch as the batch_process ops left it. A flattened one has lost its time dimension,
+        # so episodes would be cut across environments: observe the collector's own batch instead.
+        seen, self._collected = self._collected, None
+        self.rl.observe_batch(seen if seen is not None else batch, frames=frames)  # None: asynchronous, frames
         return None
 
     def on_pre_optim_steps(self) -> None:
@@ -201,6 +207,13 @@ def instrument_trainer(
     )
     hook.register(trainer, name=name)
     return hook
+
+
+def _run_first(ops: Any) -> None:
+    """Move the op registered last (ours) to the front of a trainer's batch_process ops, so it sees the batch
+    before other ops (a replay buffer's) replace it. Left as it is where TorchRL keeps them otherwise."""
+    if isinstance(ops, list) and len(ops) > 1:
+        ops.insert(0, ops.pop())
 
 
 def _plain(value: Any) -> Any:

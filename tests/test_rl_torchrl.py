@@ -167,3 +167,43 @@ def test_a_replay_buffer_that_flattens_the_batch_does_not_cut_episodes_across_en
             assert got["collection/main/episode/return/mean"] == pytest.approx(
                 math.fsum(e[0] for e in episodes) / len(episodes), rel=1e-12)
             assert got["collection/main/episode/length/max"] == max(e[1] for e in episodes)
+
+
+def test_a_batched_eval_env_measures_each_environments_whole_first_episode():
+    """With a batched eval env the rollout stopped at the first done, so the other environments' unfinished
+    episodes were averaged in as if they had ended (return 25 where the episodes lasted 32, 26 and 25). The
+    reference: each environment's first episode, summed in a Python loop over the same seeded rollout."""
+    import warnings
+
+    import torch
+    from tensordict.nn import TensorDictModule
+    from torch import nn
+    from torchrl.envs import GymEnv, SerialEnv
+
+    from instrument.rl.torchrl import TorchRLRunner
+
+    class Lean(nn.Module):  # pushes towards the pole's lean: fails after 25-35 steps, differently per start
+        def forward(self, observation):
+            return (observation[..., 2] > 0).to(torch.int64)
+
+    warnings.simplefilter("ignore")  # torchrl's own setup warnings
+    env = SerialEnv(3, lambda: GymEnv("CartPole-v1", categorical_action_encoding=True))
+    policy = TensorDictModule(Lean(), in_keys=["observation"], out_keys=["action"])
+    env.set_seed(0)
+    episode = TorchRLRunner(env, policy)(True, 500, False)
+    env.set_seed(0)
+    rollout = env.rollout(500, policy, break_when_any_done=False, break_when_all_done=True)
+    rewards, done = rollout["next", "reward"][..., 0].double(), rollout["next", "done"][..., 0]
+    returns, lengths = [], []
+    for n in range(rewards.shape[0]):
+        total, steps = 0.0, 0
+        for t in range(rewards.shape[1]):
+            total, steps = total + float(rewards[n, t]), steps + 1
+            if done[n, t]:
+                break
+        returns.append(total)
+        lengths.append(steps)
+    env.close()
+    assert len(set(lengths)) > 1  # the environments' episodes end at different steps
+    assert float(episode.return_) == pytest.approx(sum(returns) / len(returns), rel=1e-6)
+    assert float(episode.length) == pytest.approx(sum(lengths) / len(lengths), rel=1e-6)

@@ -29,6 +29,8 @@ and evaluation schedule, and ``trainer.load_state_dict()`` resumes them: the ste
 
 from typing import Any, Callable, Dict, Optional
 
+import torch
+
 from instrument.errors import ConfigurationError, require
 from instrument.rl.evaluation import Episode
 from instrument.rl.rl_logging import RLLogging
@@ -161,15 +163,25 @@ class TorchRLRunner:
         from torchrl.envs.utils import ExplorationType, set_exploration_type
 
         mode = ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM
+        batched = len(self.env.batch_size) > 0
         with set_exploration_type(mode):
-            rollout = self.env.rollout(max_steps, self.policy, break_when_any_done=True)
+            # A batched env runs until every environment has ended an episode (stopping at the first done
+            # would average the others' unfinished episodes in), and each one's first episode is measured.
+            rollout = self.env.rollout(max_steps, self.policy, break_when_any_done=not batched,
+                                       break_when_all_done=batched)
         reward = rollout.get(("next", "reward"))
         time_axis = len(rollout.batch_size) - 1
-        returns = reward.sum(dim=time_axis)
         frames = rollout.get(self.pixels_key, None) if render else None
         if frames is not None and frames.dim() == 5:  # a batched env: the first one's episode
             frames = frames[0]
-        return Episode(return_=returns.float().mean(), length=int(rollout.batch_size[-1]), frames=frames)
+        if not batched:
+            return Episode(return_=reward.sum(dim=time_axis).float().mean(), length=int(rollout.batch_size[-1]),
+                           frames=frames)
+        done = rollout.get(("next", "done")).to(torch.int64)
+        first = (done.cumsum(time_axis) - done) == 0  # the steps up to and including each env's first done
+        returns = torch.where(first, reward, torch.zeros_like(reward)).sum(dim=time_axis)
+        lengths = first.sum(dim=time_axis, dtype=torch.float32)
+        return Episode(return_=returns.float().mean(), length=lengths.mean(), frames=frames)
 
     def close(self) -> None:
         if not self.env.is_closed:

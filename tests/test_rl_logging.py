@@ -363,3 +363,35 @@ def test_after_a_layout_change_the_first_episode_of_each_environment_is_counted_
     assert got["collection/main/episode/return/min"] == float(whole.min())
     assert got["collection/main/episode/length/mean"] == 3.0
     assert any("left out of the return and length" in r.getMessage() for r in caplog.records)
+
+
+def test_two_threads_feeding_one_set_lose_nothing(tmp_path):
+    """A collector thread and the training thread may feed one RLLogging; without a lock about 1 update in 200
+    was lost (frames and episodes counted by both at once)."""
+    import json
+    import threading
+
+    from instrument.rl import CollectionMetrics
+
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=str(tmp_path))
+    rl = RLLogging(collection=CollectionMetrics(time_dim=None), progress=None).attach(inst)
+    calls = 2000
+
+    def feed():
+        for _ in range(calls):
+            rl.observe_batch(reward=torch.ones(2), done=torch.tensor([True, False]))
+            rl.observe_losses({"loss": torch.tensor(1.0)})
+
+    with inst.step(0), rl.iteration():
+        threads = [threading.Thread(target=feed) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    rl.close()
+    inst.close()
+    metrics = json.loads(path.read_text().splitlines()[0])["metrics"]
+    assert metrics["counters/frames"] == 2 * 2 * calls and metrics["counters/episodes"] == 2 * calls
+    assert metrics["collection/main/episode/count"] == 2 * calls and inst.failures == {}

@@ -41,6 +41,8 @@ fault like any other).
 """
 
 import contextlib
+import functools
+import threading
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 
 from instrument.backends.base import StepRecord
@@ -73,6 +75,18 @@ class _Default:
 
 DEFAULT: Any = _Default()
 
+
+
+def _locked(method):
+    """Runs ``method`` under the set's lock: a collector thread and the training thread may both feed one set
+    (two threads counting at once lost about 1 update in 200 of frames and episodes)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 class RLLogging:
     """Collection, training, counter, timing, evaluation and progress logging for an RL loop or trainer.
@@ -146,6 +160,7 @@ class RLLogging:
         self._own = StepComponents("RL component")  # the guard when no session is attached
         self._handles: List[ComponentHandle] = []
         self._closed = False
+        self._lock = threading.RLock()  # one thread at a time through the components (`_locked`)
         self._session_state: Optional[Dict[str, Any]] = None  # from load_state_dict, for a later attach
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
 
@@ -288,6 +303,7 @@ class RLLogging:
         self.clock.stop("iteration")
         self.end_iteration(eval_runner)
 
+    @_locked
     def observe_batch(self, batch: Any = None, *, frames: Optional[int] = None, **tensors: Any) -> None:
         """Count and measure one collected batch (a TensorDict, a mapping, or ``reward=``/``done=``/``mask=``
         tensors as keywords). ``frames``, when given, is the batch's frame count including frame skip; with
@@ -302,12 +318,14 @@ class RLLogging:
         for handle in self._handles:
             handle.call("on_batch", data, frames)
 
+    @_locked
     def observe_losses(self, losses: Any) -> None:
         """Reduce one dict / TensorDict of losses and statistics (once per update, or once per batch)."""
         self._check_attached()
         for handle in self._handles:
             handle.call("on_losses", losses)
 
+    @_locked
     def end_iteration(self, eval_runner: Optional[EpisodeRunner] = None) -> Optional[StepRecord]:
         """Close the iteration; on a logging iteration (the session's cadence, or a component asking, as a due
         evaluation does) every component stages its values and the step is committed once.
@@ -367,6 +385,7 @@ class RLLogging:
         self.evaluation.runner = runner
 
     # ------------------------------------------------------------------ resume and shutdown
+    @_locked
     def state_dict(self) -> Dict[str, Any]:
         """Everything a resumed run needs to continue counting and scheduling; plain Python values only."""
         state: Dict[str, Any] = {"version": _STATE_VERSION, "counters": self.counters.state_dict()}
@@ -382,6 +401,7 @@ class RLLogging:
             state["session"] = self.instrumentation.state_dict()
         return state
 
+    @_locked
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         version = state.get("version") if isinstance(state, dict) else None
         if version != _STATE_VERSION:
@@ -409,6 +429,7 @@ class RLLogging:
         names = {name for name, _, _ in self.members}
         return {name: n for name, n in counts.items() if name in names}
 
+    @_locked
     def close(self) -> None:
         """Commit what is still staged, and what the components gathered in the iterations after the last
         logging one (at the last iteration's step), then close the components; closes the session if it made

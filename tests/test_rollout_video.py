@@ -242,6 +242,21 @@ def test_fixed_value_range_clips_to_the_ends_of_the_colour_map():
     assert [tuple(f[0, 0]) for f in frames] == [tuple(VIRIDIS_LUT[i]) for i in (0, 0, 128, 255, 255)]
 
 
+def test_a_channel_spanning_more_than_float32s_range_maps_to_the_ends_of_the_colour_map():
+    """hi - lo overflowed to inf, (v - lo) / span was NaN for the largest value, and its index INT64_MIN: an
+    IndexError on the CPU, a device-side assert that ended the process on CUDA (a diverging run)."""
+    state = torch.tensor([-3e38, 3e38, 0.0, 1.0]).reshape(1, 1, 2, 2)
+    frames, _ = observed(RolloutVideo(channels=(0,), upscale=1), [state] * 3).videos["rollout/video"]
+    want = colormap_reference([state[0].numpy()] * 3, channel=0)  # float64: no overflow there
+    assert len(frames) == 3
+    for got, ref in zip(frames, want, strict=True):
+        assert (got[0, 0] == VIRIDIS_LUT[0]).all() and (got[0, 1] == VIRIDIS_LUT[255]).all()
+        assert np.abs(got.astype(int) - ref.astype(int)).max() <= 3
+    wide = RolloutVideo(channels=(0,), upscale=1, value_range=(-3e38, 3e38))
+    frames, _ = observed(wide, [state, state]).videos["rollout/video"]
+    assert (frames[0][0, 0] == VIRIDIS_LUT[0]).all() and (frames[0][0, 1] == VIRIDIS_LUT[255]).all()
+
+
 def test_every_max_frames_and_upscale():
     states = [torch.full((1, 3, 2, 3), i / 10.0) for i in range(10)]  # state i is i/10 everywhere
     record = observed(RolloutVideo(channels=(0, 1, 2), every=3, upscale=3), states)

@@ -186,10 +186,13 @@ def render_frames(
             hi = torch.where(finite, v, -torch.inf).amax()
             lo = torch.where(torch.isfinite(lo), lo, 0.0)
             hi = torch.where(torch.isfinite(hi), hi, 1.0)
-            span = torch.where(hi > lo, hi - lo, 1.0)
+            span = torch.where(hi > lo, hi / 2 - lo / 2, 1.0)  # halves: a span beyond the dtype's max stays finite
         else:  # Python numbers: nothing to copy to the device
-            lo, span = value_range[0], value_range[1] - value_range[0]
-        index = ((torch.nan_to_num(v) - lo) / span * 255.0).round().clamp(0, 255).long()
+            lo, span = value_range[0], value_range[1] / 2 - value_range[0] / 2
+        # (v - lo) / 2 / span, in halves; nan_to_num again: an index built from NaN would be INT64_MIN, which the
+        # colour table's lookup takes out of bounds (on CUDA a device-side assert that ends the process).
+        scaled = (torch.nan_to_num(v) / 2 - lo / 2) / span * 255.0
+        index = torch.nan_to_num(scaled, nan=0.0).round().clamp(0, 255).long()
         frames = lut[index]  # [T, H, W, 3] uint8
     else:
         if x.shape[1] == 4:

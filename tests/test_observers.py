@@ -615,3 +615,21 @@ def test_observe_set_on_the_instance_or_a_call_only_observer_is_still_called():
     inst.close()
     assert sorted(seen) == [("called", 0), ("called", 1), ("fast", 0), ("fast", 1), ("log", 0)]
     assert inst.failures == {} and [name for _, name, _ in inst._dispatch._build_observing()] == ["fast", "called"]
+
+
+def test_std_stays_within_1e5_when_the_shift_sample_lands_on_a_border_unlike_the_rest():
+    """On a grid whose side is a multiple of 32 every sample of the shift reference fell in column 0; with that
+    column empty (an NCA border) E[d^2] - E[d]^2 cancelled and the std was 2e-5 to 1e-4 off. Float64 NumPy."""
+    from instrument.observers.activation_stats import _finish, batched_moments
+
+    g = torch.Generator().manual_seed(0)
+    x = 1.0 + 1e-3 * torch.randn(2, 1, 1024, 1024, generator=g, dtype=torch.float64)
+    x[..., 0] = 0.0
+    state = x.float()
+    want = state.double().numpy()
+    got = iteration_channel_stats(state.unsqueeze(0), channel_dim=1)[0]  # [4, C]
+    assert float(got[1, 0]) == pytest.approx(want.std(), rel=1e-5)
+    assert float(got[0, 0]) == pytest.approx(want.mean(), rel=1e-6)
+    moments = _finish(batched_moments(state.unsqueeze(0)))[0]  # ActivationStats: mean, std, absmax, zero_frac
+    assert float(moments[1]) == pytest.approx(want.std(), rel=1e-5)
+    assert float(moments[0]) == pytest.approx(want.mean(), rel=1e-6)

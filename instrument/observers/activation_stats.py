@@ -68,7 +68,8 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
     nonzero = temp.square_().mean(1)  # NaN stays NaN
     shifted = torch.sub(flat, reference, out=temp).mul_(scale[:, None])  # the same buffer
     mean_shift = shifted.mean(1)  # means, not sums: no division kernel
-    var = (shifted.square_().mean(1) - mean_shift.square()).clamp_min_(0.0)
+    # Two passes: squares of the deviations from that mean, so nothing cancels when the sample was far off.
+    var = shifted.sub_(mean_shift[:, None]).square_().mean(1)
     return torch.stack([reference[:, 0], mean_shift / scale, var.sqrt_().div_(scale), low, high, nonzero], 1)
 
 

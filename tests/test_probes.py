@@ -698,3 +698,39 @@ def test_scripting_during_a_logging_step_leaves_the_models_probes_and_starts_the
     assert [rule.p_hidden, rule.p_update] == originals
     assert names == [["hidden", "update"], ["hidden", "update"]]
     assert [bool(p.enabled) for _, p in instrument.probes.script.scripted_probes(scripted)] == [False, False]
+
+
+def test_a_rule_that_changes_its_state_argument_in_place_is_observed_with_a_copy_of_it(tmp_path, caplog):
+    """`x.add_(dx); return x`: the hook after the call read the argument as previous_state, which already held
+    the next state, so UpdateNorm logged 0 from the second logging step on, silently. Now the first such call is
+    not observed (said once) and later calls see a copy taken before the call. Float64 NumPy reference."""
+    import json
+
+    import numpy as np
+
+    class InPlace(torch.nn.Module):
+        def forward(self, x):
+            return x.add_(torch.sin(x) + 0.5)
+
+    inst = instrument.Instrumentation([instrument.UpdateNorm()], backends=[instrument.JsonlBackend()],
+                                      log_interval=1, run_name="r", log_dir=str(tmp_path))
+    rule = InPlace()
+    inst.watch(rule)
+    norms = []
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(3):
+            x = torch.linspace(-1, 1, 2 * 4 * 9).reshape(2, 4, 3, 3)
+            with inst.step(step), torch.no_grad():
+                for _ in range(3):
+                    before = x.double().numpy().copy()
+                    x = rule(x)
+                    dx = x.double().numpy() - before
+                    norms.append(np.sqrt((dx.reshape(2, -1) ** 2).sum(1)).mean())
+    inst.close()
+    said = [r for r in caplog.records if "changed its state argument in place" in r.getMessage()]
+    assert len(said) == 1
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["metrics"].get("update_norm/l2/mean") for r in records if "metrics" in r}
+    for step in (1, 2):  # every iteration of these steps observed with the state from before the call
+        assert logged[step] == pytest.approx(np.mean(norms[3 * step:3 * step + 3]), rel=1e-6)
+    assert logged.get(0) is None or logged[0] == pytest.approx(np.mean(norms[1:3]), rel=1e-6)

@@ -35,8 +35,9 @@ def test_nothing_registered_on_non_logging_steps(rule):
             seen.append((s.active, s.observer is None, _hooks(rule)))
             _rollout(rule)
         assert _hooks(rule) == 0
-    assert seen == [(True, False, 1), (False, True, 0), (False, True, 0), (True, False, 1),
-                    (False, True, 0), (False, True, 0), (True, False, 1)]
+    # on logging steps a pre-hook (the state argument's version) and the hook; nothing on the others
+    assert seen == [(True, False, 2), (False, True, 0), (False, True, 0), (True, False, 2),
+                    (False, True, 0), (False, True, 0), (True, False, 2)]
     assert len(rec.contexts) == 9  # 3 logging steps x 3 iterations, nothing else
     inst.close()
 

@@ -72,6 +72,10 @@ class StateWatch:
         self.name = name or type(module).__name__
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
+        self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state argument's version
+        self._seen: Optional[Tuple[Tensor, int]] = None  # this call's state argument and its version before it
+        self._copy_input = False  # the forward changes its state argument in place: copy it before each call
+        self._saved: Optional[Tensor] = None  # that copy, for this call
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
@@ -97,6 +101,7 @@ class StateWatch:
         else:
             # StepHook: a copy or a pickle of the module taken during the step gets an inert hook, and Dynamo
             # never traces the observers (`instrument.probes.step_hook`).
+            self._before_handle = self.module.register_forward_pre_hook(step_hook(self._before), with_kwargs=True)
             self._handle = self.module.register_forward_hook(step_hook(self._hook), with_kwargs=True)
         return self._handle
 
@@ -104,6 +109,9 @@ class StateWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            if self._before_handle is not None:
+                self._before_handle.remove()
+                self._before_handle = self._seen = self._saved = None
             self.guard.end(self.iterations)
             if not self.iterations and not self.guard.recomputed and not self._said_uncalled:
                 self._said_uncalled = True
@@ -143,12 +151,30 @@ class StateWatch:
                 "state=False and s.observer(StepContext(...)) in its loop).", self.name,
             )
 
+    def _before(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Before each call: the state argument's version (or, for a rule known to change it in place, a copy)."""
+        if in_recompute():
+            return
+        state = first_tensor(args[0]) if args else first_tensor(self._state_keyword(kwargs))
+        if state is None:  # the hook after the call says what is wrong
+            return
+        if self._copy_input:
+            self._saved = state.detach().clone()
+        elif not state.is_inference():  # an inference tensor keeps no version (nor can it change in place)
+            self._seen = (state, state._version)
+
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():
             self.guard.skipped()
             return
         previous = first_tensor(args[0]) if args else first_tensor(self._state_keyword(kwargs))
         current = first_tensor(output)
+        seen, saved, self._seen, self._saved = self._seen, self._saved, None, None
+        if saved is not None:
+            previous = saved
+        elif seen is not None and seen[0] is previous and previous._version != seen[1]:
+            self._changed_in_place()
+            return
         if previous is None or current is None:
             raise ConfigurationError(
                 f"watched module {self.name} must take the previous state as its first argument and return the "
@@ -160,6 +186,18 @@ class StateWatch:
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
         self._deliver(previous, current, condition)
+
+    def _changed_in_place(self) -> None:
+        """The forward changed its state argument in place: after the call it holds the next state, so
+        previous_state and dx would be wrong (dx 0). Said once; from the next call on the argument is copied."""
+        self._copy_input = True
+        log.warning(
+            "instrument: watched module %s changed its state argument in place during its forward (e.g. "
+            "`x.add_(dx); return x`), so after the call that tensor already holds the next state: previous_state "
+            "and dx would be wrong (dx reads 0). This call is not observed; from its next call on, the argument is "
+            "copied before each call on logging steps (one clone per iteration: slower, but correct). Returning "
+            "a new tensor (`return x + dx`) avoids the copy. (Said once.)", self.name,
+        )
 
     def _state_keyword(self, kwargs: Dict[str, Any]) -> Any:
         """The previous state of a call made with keywords only: the argument of forward's first parameter

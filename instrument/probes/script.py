@@ -185,14 +185,16 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
 
 
 def _drop_inert_hooks(module: nn.Module) -> None:
-    """A copy of a model made during a logging step holds the inert stand-in of the session's hook
-    (`instrument.probes.step_hook.StepHook`), which TorchScript cannot compile: it does nothing, so it goes."""
+    """A copy of a model made during a logging step holds inert stand-ins of the session's hooks and pre-hook
+    (`instrument.probes.step_hook.StepHook`), which TorchScript cannot compile: they do nothing, so they go."""
     for sub in module.modules():
-        hooks = getattr(sub, "_forward_hooks", None)
-        for key, hook in list((hooks or {}).items()):
-            if getattr(hook, "instrument_inert", False):
-                del hooks[key]
-                sub._forward_hooks_with_kwargs.pop(key, None)
+        for table, kwargs in (("_forward_hooks", "_forward_hooks_with_kwargs"),
+                              ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")):
+            hooks = getattr(sub, table, None)
+            for key, hook in list((hooks or {}).items()):
+                if getattr(hook, "instrument_inert", False):
+                    del hooks[key]
+                    getattr(sub, kwargs, {}).pop(key, None)
 
 
 def _probes_off(scripted: torch.jit.ScriptModule) -> torch.jit.ScriptModule:

@@ -118,3 +118,42 @@ def test_rl_keys_combine_over_ranks_as_the_statistics_they_are(logged):
         else:  # no rank ended an episode: the mean does not exist; min/max are the reduction's identities
             assert math.isnan(got[P + "episode/return/mean"]) and math.isnan(got[P + "episode/length/mean"])
             assert got[P + "episode/return/min"] == math.inf and got[P + "episode/return/max"] == -math.inf
+
+
+def _frames_worker(rank, store_path, out_dir, masked_at):
+    import torch.distributed as dist
+
+    import instrument
+    from instrument.rl import CollectionMetrics, RLLogging
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "m.jsonl"))],
+                                          log_interval=1, log_dir=out_dir, run_name="frames", overhead_budget=None)
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, step_unit="frames").attach(inst)
+        for it in range(3):
+            with rl.iteration():
+                done = torch.zeros(2, 2, dtype=torch.bool)
+                done[1] = True
+                mask = torch.full((2, 2), not (rank == 1 and it == masked_at))
+                rl.observe_batch(reward=torch.full((2, 2), float(it + 10 * rank)), done=done, mask=mask)
+        rl.close()
+        inst.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("masked_at", [1, 2])
+def test_frame_steps_under_a_process_group_commit_together_on_every_rank(tmp_path, masked_at):
+    """A rank whose batch kept no frame deferred its commit on its own (or skipped its tail at close) while
+    the other rank committed: the collectives paired different iterations (frames 12 where 20 were kept) and
+    close failed with a closed connection."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_frames_worker, args=(str(tmp_path / "store"), str(tmp_path), masked_at), nprocs=2, join=True)
+    rows = [json.loads(line)["metrics"] for line in open(tmp_path / "m.jsonl") if "metrics" in json.loads(line)]
+    assert [r["counters/iterations"] for r in rows] == [1, 2, 3]  # one record per iteration, ranks paired
+    kept = [4 + (0 if masked_at == it else 4) for it in range(3)]  # rank 0 keeps 4 frames, rank 1 4 or 0
+    assert [r["counters/frames"] for r in rows] == list(np.cumsum(kept))

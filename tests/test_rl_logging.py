@@ -395,3 +395,82 @@ def test_two_threads_feeding_one_set_lose_nothing(tmp_path):
     metrics = json.loads(path.read_text().splitlines()[0])["metrics"]
     assert metrics["counters/frames"] == 2 * 2 * calls and metrics["counters/episodes"] == 2 * calls
     assert metrics["collection/main/episode/count"] == 2 * calls and inst.failures == {}
+
+
+def test_a_collector_thread_and_logging_steps_of_the_session_count_every_episode_once(tmp_path):
+    """The session stages the components at the end of each `with inst.step(k)` block; that call did not take
+    the set's lock, so a collector thread inside observe_batch raced it: `None + Tensor` failures and most
+    episodes lost. Every episode observed is in exactly one record."""
+    import json
+    import threading
+
+    from instrument.rl import CollectionMetrics
+
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=str(tmp_path), overhead_budget=None)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    rewards, done = torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.bool)
+    done[1] = True  # 4 episodes per batch
+    batches = 1500
+
+    def collector():
+        for _ in range(batches):
+            torch.randn(32, 32) @ torch.randn(32, 32)  # some work between batches, as a real collector does
+            rl.observe_batch(reward=rewards, done=done)
+
+    thread = threading.Thread(target=collector)
+    thread.start()
+    step = 0
+    while thread.is_alive():
+        with inst.step(step):
+            rl.end_iteration()
+        step += 1
+    thread.join()
+    with inst.step(step):  # what the collector handed over after the last of those steps
+        rl.end_iteration()
+    rl.close()
+    inst.close()
+    records = [json.loads(line)["metrics"] for line in path.read_text().splitlines()]
+    assert sum(r.get("collection/main/episode/count", 0) for r in records) == 4 * batches
+    assert records[-1]["counters/frames"] == 8 * batches and inst.failures == {}
+
+
+def test_close_writes_no_tail_when_logging_is_off_or_nothing_ran_since_a_resume(tmp_path):
+    """close() wrote every key at the last iteration's step under Instrumentation(log_interval=0) ("0 turns
+    logging off"), and a set resumed on a bare Logger and closed at once wrote the last step a second time."""
+    import json
+
+    from instrument.rl import CollectionMetrics
+
+    def rows(path):
+        return [(r["step"], r["metrics"].get("counters/iterations"))
+                for r in map(json.loads, path.read_text().splitlines()) if "metrics" in r]
+
+    off = tmp_path / "off.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(off))], log_interval=0,
+                                      log_dir=str(tmp_path))
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    for _ in range(5):
+        with rl.iteration():
+            rl.observe_batch(reward=torch.ones(2, 2), done=torch.ones(2, 2, dtype=torch.bool))
+    rl.close()
+    inst.close()
+    assert not off.exists() or rows(off) == []
+
+    path = tmp_path / "m.jsonl"
+    logger = Logger([instrument.JsonlBackend(str(path))])
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, log_interval=5).attach(logger)
+    for _ in range(10):
+        with rl.iteration():
+            rl.observe_batch(reward=torch.ones(2, 2), done=torch.ones(2, 2, dtype=torch.bool))
+    state = rl.state_dict()
+    rl.close()
+    logger.close()
+    assert rows(path) == [(0, 1.0), (5, 6.0), (9, 10.0)]  # the tail: iterations 6..9 at step 9
+    logger = Logger([instrument.JsonlBackend(str(path))])  # resumed on the same file, then stopped at once
+    resumed = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, log_interval=5).attach(logger)
+    resumed.load_state_dict(state)
+    resumed.close()
+    logger.close()
+    assert rows(path) == [(0, 1.0), (5, 6.0), (9, 10.0)]

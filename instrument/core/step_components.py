@@ -38,6 +38,8 @@ class ComponentHandle:
         name: the component's name in the failure counts.
         component: the registered object.
         logs: whether the session calls its ``log`` at the end of logging steps.
+        lock: None, or a lock every call through the handle (``log`` at a step's end and ``close`` included)
+            holds: set by an owner that feeds the component from several threads (`instrument.rl.RLLogging`).
     """
 
     def __init__(self, registry: "StepComponents", component: Any, name: str, logs: bool) -> None:
@@ -46,6 +48,7 @@ class ComponentHandle:
         self.name = name
         self.logs = logs
         self.worked: Set[str] = set()  # data methods (`DATA_METHODS`) that have returned at least once
+        self.lock: Any = None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``component.<method>(*args, **kwargs)``; its result, or None when it raised (recorded, skipped)."""
@@ -97,8 +100,15 @@ class StepComponents:
         return list(self._handles)
 
     def guarded(self, handle: ComponentHandle, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``handle.component.<method>(...)`` under the guard; a data method that has worked for this handle
-        turns a `ConfigurationError` into a fault (see the module docstring)."""
+        """``handle.component.<method>(...)`` under the guard (and the handle's lock, if it has one); a data
+        method that has worked for this handle turns a `ConfigurationError` into a fault (see the module
+        docstring)."""
+        if handle.lock is not None:
+            with handle.lock:
+                return self._guarded(handle, method, *args, **kwargs)
+        return self._guarded(handle, method, *args, **kwargs)
+
+    def _guarded(self, handle: ComponentHandle, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
             result = getattr(handle.component, method)(*args, **kwargs)
         except ConfigurationError as exc:
@@ -125,7 +135,11 @@ class StepComponents:
         handles, self._handles = self._handles, []
         for handle in handles:
             if callable(getattr(handle.component, "close", None)):  # closing never raises, whatever failed
-                self.ledger.call(handle.name, "close", handle.component.close)
+                if handle.lock is not None:
+                    with handle.lock:
+                        self.ledger.call(handle.name, "close", handle.component.close)
+                else:
+                    self.ledger.call(handle.name, "close", handle.component.close)
 
     @property
     def failures(self) -> Dict[str, int]:

@@ -88,6 +88,7 @@ def _locked(method):
 
     return run
 
+
 class RLLogging:
     """Collection, training, counter, timing, evaluation and progress logging for an RL loop or trainer.
 
@@ -163,6 +164,7 @@ class RLLogging:
         self._lock = threading.RLock()  # one thread at a time through the components (`_locked`)
         self._session_state: Optional[Dict[str, Any]] = None  # from load_state_dict, for a later attach
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
+        self._unlogged = False  # an iteration completed since the last one logged here (or attach / load)
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":
@@ -205,6 +207,7 @@ class RLLogging:
         try:
             for name, comp, logs in self.members:
                 handles.append(register(comp, name, logs))
+                handles[-1].lock = self._lock  # the session's calls too (`log` at a step's end): one thread at a time
         except BaseException:  # e.g. a second RLLogging on one session: leave the session as it was
             for handle in handles:
                 handle.remove()
@@ -341,11 +344,13 @@ class RLLogging:
         asked = False
         for handle in self._handles:
             asked = bool(handle.call("end_iteration", self.counters)) or asked
+        self._unlogged = True
         if not (asked or self._deferred or self._is_logging_iteration(index)):
             return None
         inst = self.instrumentation
         open_step = inst.active_step if inst is not None else None
-        if self.step_unit == "frames" and open_step is None:
+        # Under a process group every commit is a collective, so no rank may decide on its own to skip one.
+        if self.step_unit == "frames" and open_step is None and not self._distributed():
             last = self._logger.last_step
             if last is not None and step <= last:
                 # no frames kept since the last commit: committing again at that step would write two records
@@ -353,6 +358,7 @@ class RLLogging:
                 self._deferred = True
                 return None
             self._deferred = False
+        self._unlogged = False
         if inst is None:
             self._own.log(self._logger, step)
             return self._logger.commit(step)
@@ -410,6 +416,7 @@ class RLLogging:
                 f"{_STATE_VERSION}), got {type(state).__name__} with version {version!r}."
             )
         self.counters.load_state_dict(state["counters"])
+        self._unlogged = False  # what the restored counters count was logged by the run that saved them
         if self.evaluation is not None and "evaluation" in state:
             self.evaluation.load_state_dict(state["evaluation"])
         named = {name: comp for name, comp, _ in self.members}
@@ -431,14 +438,10 @@ class RLLogging:
 
     @_locked
     def close(self) -> None:
-        """Commit what is still staged, and what the components gathered in the iterations after the last
-        logging one (at the last iteration's step), then close the components; closes the session if it made
-        one. Call it before ``inst.close()``: that one writes only what is already staged.
-
-        Idempotent. The progress bar closes here (it ends with the loop); the other backends (W&B ``finish``
-        included) close with the logger, i.e. in ``Instrumentation.close()`` — or here, when this RLLogging
-        created its own session.
-        """
+        """Commit what is staged, and what the iterations after the last logging one gathered (at the last
+        iteration's step), then close the components, and the session if this set made it. Call it before
+        ``inst.close()``, which writes only what is staged. Idempotent. The progress bar closes here; the other
+        backends (W&B ``finish`` included) close with the logger, in ``Instrumentation.close()``."""
         if self._closed:
             return
         self._closed = True
@@ -452,18 +455,14 @@ class RLLogging:
         for handle in timing:  # stages still running are dropped before anything is committed
             handle.call("close")
         inst = self.instrumentation
-        if inst is not None and inst.active_step is not None:
-            for handle in self._handles:  # closing inside a logging step: stage now, the block commits
+        active = inst.active_step if inst is not None else None
+        at = active if active is not None else self._tail_step()
+        if at is not None:  # inside a logging step (its block commits), or iterations since the last logged one
+            for handle in self._handles:
                 if handle.logs:
-                    handle.call("log", self._logger, inst.active_step)
-        else:
-            tail = self._tail_step()
-            if tail is not None:  # iterations since the last logging one: their episodes, frames and losses
-                for handle in self._handles:
-                    if handle.logs:
-                        handle.call("log", self._logger, tail)
-            if tail is not None or self._logger.has_pending:
-                self._logger.commit(tail)
+                    handle.call("log", self._logger, at)
+        if active is None and (at is not None or self._logger.has_pending):
+            self._logger.commit(at)
         for handle in self._handles:
             if handle.component is not self.timing:
                 handle.call("close")
@@ -474,11 +473,19 @@ class RLLogging:
     def _tail_step(self) -> Optional[int]:
         """The step of the last completed iteration when no commit reached it (what the components gathered
         since the last logging iteration is then written there at close), else None."""
-        if not self.counters.iterations:
+        inst = self.instrumentation
+        interval = inst.log_interval if inst is not None else self.log_interval
+        if not (self._unlogged and self.counters.iterations) or interval == 0:  # 0: logging is off
+            return None
+        if self.step_unit == "frames" and self._distributed():  # ranks' frame counts (their steps) differ
             return None
         step = self.counters.iterations - 1 if self.step_unit == "iterations" else self.counters.frames
         last = self._logger.last_step
         return step if last is None or step > last else None
+
+    def _distributed(self) -> bool:
+        reducer = getattr(self._logger, "reducer", None)
+        return reducer is not None and reducer.active()
 
     def _check_attached(self) -> None:
         if self._closed:

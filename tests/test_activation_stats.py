@@ -339,3 +339,13 @@ def test_large_outputs_are_reduced_as_they_come_with_the_same_values():
     observer.detach()
     assert not observer._sums[0]._items  # nothing kept: each large output was reduced in its hook
     np.testing.assert_allclose(_finish(observer._sums[0].results()).double().numpy(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_zero_frac_counts_exact_zeros_only_a_nan_is_not_one():
+    """zero_frac was the mean of sign(x)^2, and torch.sign(NaN) is 0: an all-NaN layer read as dead (1.0)."""
+    from instrument.observers.activation_stats import _finish, batched_moments
+
+    out = torch.tensor([[0.0, float("nan"), 2.0, 0.0], [float("nan")] * 4, [0.0, -0.0, float("inf"), 1.0]])
+    zero_frac = _finish(batched_moments(out))[:, 3]
+    want = (out == 0).double().mean(1)  # NaN == 0 is False
+    assert zero_frac.tolist() == pytest.approx(want.tolist())

@@ -734,3 +734,100 @@ def test_a_rule_that_changes_its_state_argument_in_place_is_observed_with_a_copy
     for step in (1, 2):  # every iteration of these steps observed with the state from before the call
         assert logged[step] == pytest.approx(np.mean(norms[3 * step:3 * step + 3]), rel=1e-6)
     assert logged.get(0) is None or logged[0] == pytest.approx(np.mean(norms[1:3]), rel=1e-6)
+
+
+class _Deltas(instrument.Observer):
+    """Keeps |dx| (sum of absolute differences) of every observed iteration."""
+
+    def reset(self):
+        self.seen = []
+
+    def observe(self, context):
+        self.seen.append(float((context.next_state - context.previous_state).abs().sum()))
+
+    def log(self, logger, step):
+        pass
+
+
+def _watched(rule, observer):
+    inst = instrument.Instrumentation([observer], backends=[], log_interval=1)
+    inst.watch(rule)
+    return inst
+
+
+def test_a_state_that_is_a_view_of_a_buffer_the_rule_writes_into_is_not_taken_for_an_in_place_change(caplog):
+    """Ping-pong buffers: the state is buf[0] and the rule writes buf[1]; views share one version counter, so a
+    version check alone flagged the call, dropped it and copied every later state."""
+
+    class PingPong(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.buf = torch.zeros(2, 2, 3)
+
+        def forward(self, x):
+            return torch.add(x, 1.0, out=self.buf[1])
+
+    rule, deltas = PingPong(), _Deltas()
+    inst = _watched(rule, deltas)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        for _ in range(4):
+            rule.buf[0].copy_(rule(rule.buf[0]))
+        seen = list(deltas.seen)
+    inst.close()
+    assert seen == [6.0] * 4 and not [r for r in caplog.records if "in place" in r.getMessage()]
+
+
+def test_a_list_state_whose_element_is_replaced_is_observed_with_the_element_before_the_call():
+    class Replace(torch.nn.Module):
+        def forward(self, state):
+            state[0] = state[0] + 1.0
+            return state
+
+    rule, deltas = Replace(), _Deltas()
+    inst = _watched(rule, deltas)
+    with inst.step(0):
+        state = [torch.zeros(2, 3)]
+        for _ in range(3):
+            state = rule(state)
+        seen = list(deltas.seen)
+    inst.close()
+    assert seen == [6.0] * 3
+
+
+def test_in_place_rules_on_two_threads_and_under_inference_mode_pair_each_call_with_its_own_state():
+    """One record per call in progress: two threads' calls no longer swapped their states (|dx| 245 and 0
+    where every call adds 1). Under inference_mode (no version counter) the first call that returns its own
+    argument is observed as it is (an identity rule's dx is 0 too), later calls with a copy taken before."""
+    import threading
+
+    class InPlace(torch.nn.Module):
+        def forward(self, x):
+            return x.add_(1.0)
+
+    rule, deltas = InPlace(), _Deltas()
+    inst = _watched(rule, deltas)
+    for step in range(2):
+        with inst.step(step):
+            def run(start):
+                x = torch.full((2, 3), start)
+                for _ in range(5):
+                    x = rule(x)
+
+            threads = [threading.Thread(target=run, args=(float(s),)) for s in (0, 100)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            seen = list(deltas.seen)
+        assert all(d == 6.0 for d in seen) and len(seen) >= (8 if step == 0 else 10), seen
+    inst.close()
+
+    rule, deltas = InPlace(), _Deltas()
+    inst = _watched(rule, deltas)
+    with inst.step(0), torch.inference_mode():
+        x = torch.zeros(2, 3)
+        for _ in range(3):
+            x = rule(x)
+        seen = list(deltas.seen)
+    inst.close()
+    assert seen == [0.0, 6.0, 6.0]

@@ -72,10 +72,11 @@ class StateWatch:
         self.name = name or type(module).__name__
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
-        self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state argument's version
-        self._seen: Optional[Tuple[Tensor, int]] = None  # this call's state argument and its version before it
-        self._copy_input = False  # the forward changes its state argument in place: copy it before each call
-        self._saved: Optional[Tensor] = None  # that copy, for this call
+        self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state before each call
+        # Per call in progress, keyed by id() of its state argument (calls may run on several threads): the state
+        # tensor and its version before the call, or a copy of it once the forward is known to change it in place.
+        self._calls: Dict[int, Tuple[Tensor, Optional[int], bool]] = {}  # (tensor, version, is a copy)
+        self._copy_input = False
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
@@ -111,7 +112,8 @@ class StateWatch:
             self._handle = None
             if self._before_handle is not None:
                 self._before_handle.remove()
-                self._before_handle = self._seen = self._saved = None
+                self._before_handle = None
+                self._calls.clear()
             self.guard.end(self.iterations)
             if not self.iterations and not self.guard.recomputed and not self._said_uncalled:
                 self._said_uncalled = True
@@ -152,29 +154,36 @@ class StateWatch:
             )
 
     def _before(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Before each call: the state argument's version (or, for a rule known to change it in place, a copy)."""
+        """Before each call: the state tensor and its version (or, for a rule known to change it in place, a
+        copy), so that the hook after the call has the state as it was."""
         if in_recompute():
             return
-        state = first_tensor(args[0]) if args else first_tensor(self._state_keyword(kwargs))
+        raw = args[0] if args else self._state_keyword(kwargs)
+        state = first_tensor(raw)
         if state is None:  # the hook after the call says what is wrong
             return
         if self._copy_input:
-            self._saved = state.detach().clone()
-        elif not state.is_inference():  # an inference tensor keeps no version (nor can it change in place)
-            self._seen = (state, state._version)
+            self._calls[id(raw)] = (state.detach().clone(), None, True)
+        else:  # an inference tensor keeps no version counter
+            self._calls[id(raw)] = (state, None if state.is_inference() else state._version, False)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():
             self.guard.skipped()
             return
-        previous = first_tensor(args[0]) if args else first_tensor(self._state_keyword(kwargs))
+        raw = args[0] if args else self._state_keyword(kwargs)
+        previous = first_tensor(raw)
         current = first_tensor(output)
-        seen, saved, self._seen, self._saved = self._seen, self._saved, None, None
-        if saved is not None:
-            previous = saved
-        elif seen is not None and seen[0] is previous and previous._version != seen[1]:
-            self._changed_in_place()
-            return
+        before = self._calls.pop(id(raw), None)
+        if before is not None and previous is not None:
+            if before[2] or before[0] is not previous:  # a copy, or a list state's replaced element
+                previous = before[0]
+            elif current is previous:  # the rule returned its state argument itself: changed in place?
+                if before[1] is None:  # no version to tell (inference mode): copy from the next call on
+                    self._copy_input = True
+                elif previous._version != before[1]:
+                    self._changed_in_place()
+                    return
         if previous is None or current is None:
             raise ConfigurationError(
                 f"watched module {self.name} must take the previous state as its first argument and return the "

@@ -321,3 +321,22 @@ def test_a_compile_wrapper_and_the_module_it_wraps_are_watched_once(fresh_dynamo
         with pytest.raises(instrument.ConfigurationError, match="already watched .* torch.compile wrapper"):
             inst.watch(second)
         inst.close()
+
+
+def test_a_step_that_raised_before_the_rollout_is_not_reported_as_a_module_never_called(caplog):
+    """The once-per-run warning fired for an aborted step, and a real case later went unsaid."""
+    counted = _Counted()
+    inst = instrument.Instrumentation([counted], backends=[], log_interval=1)
+    rule = BareRule()
+    inst.watch(rule)
+    x = torch.randn(2, 4, 6, 6)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with pytest.raises(RuntimeError, match="before the rollout"), inst.step(0):
+            raise RuntimeError("before the rollout")
+        with inst.step(1):
+            rule(x)
+        assert not [r for r in caplog.records if "was not called" in r.getMessage()]
+        with inst.step(2):
+            pass  # this step ran to its end without calling the module
+    inst.close()
+    assert len([r for r in caplog.records if "was not called" in r.getMessage()]) == 1

@@ -106,3 +106,20 @@ def test_an_entry_that_is_not_an_array_is_refused_by_name(tmp_path, bad, match):
         rl.observe_batch({"next": {"reward": "x", "done": np.zeros(2, dtype=bool)}})
     rl.close()
     inst.close()
+
+
+def test_read_only_and_reversed_numpy_losses_are_logged(tmp_path):
+    """TrainMetrics converted NumPy losses on its own, without the batch path's copy: a reversed array raised
+    (negative strides) and a read-only one warned; both are losses as any other."""
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1, log_dir=tmp_path)
+    rl = RLLogging(progress=None).attach(inst)
+    frozen = np.array([1.0, 2.0, 4.0])
+    frozen.setflags(write=False)
+    with inst.step(0), rl.iteration():
+        rl.observe_losses({"loss": np.arange(4.0)[::-1], "value": frozen})
+    rl.close()
+    inst.close()
+    metrics = json.loads(path.read_text().splitlines()[0])["metrics"]
+    assert metrics["train/main/loss"] == 1.5 and metrics["train/main/value"] == pytest.approx(7 / 3)
+    assert inst.failures == {}

@@ -20,6 +20,7 @@ A component that raises is recorded in the `FailureLedger` (reported once, then 
 had), recorded and skipped, so it never ends a run that was set up right.
 """
 
+import contextlib
 from typing import Any, Dict, List, Optional, Set
 
 from instrument.core.failures import FailureLedger
@@ -28,6 +29,7 @@ from instrument.errors import ConfigurationError
 __all__ = ["ComponentHandle", "StepComponents", "DATA_METHODS"]
 
 DATA_METHODS = ("on_batch", "on_losses")  # methods fed with data, see the module docstring
+_UNLOCKED = contextlib.nullcontext()  # a handle's lock when no owner set one
 
 
 class ComponentHandle:
@@ -38,8 +40,9 @@ class ComponentHandle:
         name: the component's name in the failure counts.
         component: the registered object.
         logs: whether the session calls its ``log`` at the end of logging steps.
-        lock: None, or a lock every call through the handle (``log`` at a step's end and ``close`` included)
-            holds: set by an owner that feeds the component from several threads (`instrument.rl.RLLogging`).
+        lock: a lock (a re-entrant one) every call through the handle holds, ``log`` at a step's end and
+            ``close`` included: set by an owner that feeds the component from several threads
+            (`instrument.rl.RLLogging`); by default a no-op context.
     """
 
     def __init__(self, registry: "StepComponents", component: Any, name: str, logs: bool) -> None:
@@ -48,7 +51,7 @@ class ComponentHandle:
         self.name = name
         self.logs = logs
         self.worked: Set[str] = set()  # data methods (`DATA_METHODS`) that have returned at least once
-        self.lock: Any = None
+        self.lock: Any = _UNLOCKED
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``component.<method>(*args, **kwargs)``; its result, or None when it raised (recorded, skipped)."""
@@ -100,45 +103,42 @@ class StepComponents:
         return list(self._handles)
 
     def guarded(self, handle: ComponentHandle, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``handle.component.<method>(...)`` under the guard (and the handle's lock, if it has one); a data
-        method that has worked for this handle turns a `ConfigurationError` into a fault (see the module
-        docstring)."""
-        if handle.lock is not None:
-            with handle.lock:
-                return self._guarded(handle, method, *args, **kwargs)
-        return self._guarded(handle, method, *args, **kwargs)
-
-    def _guarded(self, handle: ComponentHandle, method: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            result = getattr(handle.component, method)(*args, **kwargs)
-        except ConfigurationError as exc:
-            if method not in handle.worked:
-                raise
-            self.ledger.record(handle.name, method, exc)
-            return None
-        except Exception as exc:
-            self.ledger.record(handle.name, method, exc)
-            return None
+        """``handle.component.<method>(...)`` under the guard and the handle's lock; a data method that has
+        worked for this handle turns a `ConfigurationError` into a fault (see the module docstring)."""
+        with handle.lock:
+            try:
+                result = getattr(handle.component, method)(*args, **kwargs)
+            except ConfigurationError as exc:
+                if method not in handle.worked:
+                    raise
+                self.ledger.record(handle.name, method, exc)
+                return None
+            except Exception as exc:
+                self.ledger.record(handle.name, method, exc)
+                return None
         if method in DATA_METHODS:
             handle.worked.add(method)
         return result
 
     def log(self, logger: Any, step: int) -> None:
-        """Every logging component stages its values at ``step``, in registration order."""
-        for handle in list(self._handles):
-            if handle.logs:
-                handle.call("log", logger, step)
+        """Every logging component stages its values at ``step``, in registration order. The handles' locks are
+        held across the whole pass, so a feeding thread's batch lands wholly before or after it (a set's
+        counters and statistics in one record agree)."""
+        handles = list(self._handles)
+        with contextlib.ExitStack() as held:
+            for lock in {id(h.lock): h.lock for h in handles if h.logs}.values():
+                held.enter_context(lock)
+            for handle in handles:
+                if handle.logs:
+                    handle.call("log", logger, step)
 
     def close(self) -> None:
-        """Close every component (each under the guard, so one failing close costs the others nothing) and
-        unregister them all."""
+        """Close every component (each under the guard and its handle's lock, so one failing close costs the
+        others nothing) and unregister them all."""
         handles, self._handles = self._handles, []
         for handle in handles:
             if callable(getattr(handle.component, "close", None)):  # closing never raises, whatever failed
-                if handle.lock is not None:
-                    with handle.lock:
-                        self.ledger.call(handle.name, "close", handle.component.close)
-                else:
+                with handle.lock:
                     self.ledger.call(handle.name, "close", handle.component.close)
 
     @property

@@ -17,8 +17,8 @@ each step would recompile each step). In eager mode the copy runs exactly like t
 
 A third fact: a compiled module's forward hooks are called from inside Dynamo's frame evaluation, and Dynamo
 traces them as frames of their own. An observer's host-side work (``float(tensor)``) would then break graphs.
-`run_eagerly` wraps the session's hook so Dynamo never traces it: values are recorded inside compiled code,
-observers run outside it.
+On an eager (or compiled) module the hooks are wrapped by `instrument.probes.step_hook`, on the scripted path by
+`run_eagerly`, so Dynamo never traces them: values are recorded inside compiled code, observers run outside it.
 """
 
 import sys

@@ -106,7 +106,8 @@ class StateWatch:
             self._handle = self.module.register_forward_hook(step_hook(self._hook), with_kwargs=True)
         return self._handle
 
-    def detach(self) -> None:
+    def detach(self, report: bool = True) -> None:
+        """Remove the step's hooks; ``report``: the step ran to its end, so a module it never called is said."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -115,22 +116,27 @@ class StateWatch:
                 self._before_handle = None
                 self._calls.clear()
             self.guard.end(self.iterations)
-            if not self.iterations and not self.guard.recomputed and not self._said_uncalled:
-                self._said_uncalled = True
-                log.warning(
-                    "instrument: watched module %s was not called in this logging step, so observers saw none of "
-                    "its iterations.%s (Said once.)", self.name,
-                    " If it runs inside a torch.compile'd caller, that caller was compiled without the hook "
-                    "(Dynamo does not guard on hooks, so a caller first compiled on a non-logging step never "
-                    "calls it): compile the watched module itself, or watch with state=False and call "
-                    "s.observer(StepContext(...)) in the loop." if "torch._dynamo" in sys.modules else "",
-                )
+            if report and not self.iterations and not self.guard.recomputed:
+                self._report_uncalled()
             if self._check_rollout:
                 self._check_rollout = False
                 try:
                     self._rollout_report()
                 except Exception:  # a diagnostic: it never costs the step
                     log.debug("instrument: the whole-rollout check of %s failed", self.name, exc_info=True)
+
+    def _report_uncalled(self) -> None:
+        if self._said_uncalled:
+            return
+        self._said_uncalled = True
+        log.warning(
+            "instrument: watched module %s was not called in this logging step, so observers saw none of its "
+            "iterations.%s (Said once.)", self.name,
+            " If it runs inside a torch.compile'd caller, that caller was compiled without the hook (Dynamo does "
+            "not guard on hooks, so a caller first compiled on a non-logging step never calls it): compile the "
+            "watched module itself, or watch with state=False and call s.observer(StepContext(...)) in the loop."
+            if "torch._dynamo" in sys.modules else "",
+        )
 
     def _rollout_report(self) -> None:
         """After the first logging step: say it when one call of the module was all that was observed."""
@@ -181,6 +187,8 @@ class StateWatch:
             elif current is previous:  # the rule returned its state argument itself: changed in place?
                 if before[1] is None:  # no version to tell (inference mode): copy from the next call on
                     self._copy_input = True
+                    log.debug("instrument: watched module %s returned its own inference-mode state argument; "
+                              "it is copied before each call from now on", self.name)
                 elif previous._version != before[1]:
                     self._changed_in_place()
                     return

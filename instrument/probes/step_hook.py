@@ -1,4 +1,5 @@
-"""`step_hook`: how every forward hook instrument registers for one logging step is wrapped.
+"""`step_hook`: how every hook instrument registers on an eager module for one logging step (forward hooks and
+pre-hooks) is wrapped.
 
 Two things it guarantees, in every process:
 
@@ -26,7 +27,7 @@ def inert_hook(*args: Any, **kwargs: Any) -> None:
     """What a step's hook becomes in a copy of the module: nothing."""
 
 
-inert_hook.instrument_inert = True  # how `instrument.probes.script` recognises it (it cannot import this module)
+inert_hook.instrument_inert = True  # how `instrument.probes.script` recognises it in a copy's hook tables
 
 
 def _load_inert() -> Callable:

@@ -16,9 +16,8 @@ import math
 from typing import Any, Mapping, Optional
 
 import torch
-from torch import Tensor
 
-__all__ = ["log_reduced"]
+__all__ = ["distributed", "log_reduced"]
 
 
 def log_reduced(
@@ -31,23 +30,25 @@ def log_reduced(
 ) -> None:
     """Stage ``metrics`` with ``ops`` (key -> ``"sum"``/``"min"``/``"max"``; unnamed keys: ``"mean"``) and
     ``counts`` (key -> how many values the key summarises: a weight for a mean, presence for a min/max)."""
-    reducer = getattr(logger, "reducer", None)
-    if reducer is None or not reducer.active():
+    if not distributed(logger):
         logger.log_metrics(metrics, step=step, prefix=prefix)
         return
-    counts = counts or {}
     staged = dict(metrics)
     reduce = {key: ops.get(key, "mean") for key in staged}
     weights = {}
-    for key, count in counts.items():
-        if key not in staged:
-            continue
+    for key, count in (counts or {}).items():  # RunningStats counts: tensors on the values' device
         value = staged[key]
-        seen = torch.as_tensor(count, device=value.device) > 0
+        seen = count > 0
         if reduce[key] == "mean":
             staged[key] = torch.where(seen, value, torch.zeros((), dtype=value.dtype, device=value.device))
-            weights[key] = count.to(value.dtype) if isinstance(count, Tensor) else float(count)  # a number
+            weights[key] = count.to(value.dtype)
         elif reduce[key] in ("min", "max"):
             identity = math.inf if reduce[key] == "min" else -math.inf
             staged[key] = torch.where(seen, value, torch.full((), identity, dtype=value.dtype, device=value.device))
     logger.log_metrics(staged, step=step, prefix=prefix, reduce=reduce, weights=weights or None)
+
+
+def distributed(logger: Any) -> bool:
+    """Whether ``logger`` reduces over a process group of more than one rank (each commit a collective)."""
+    reducer = getattr(logger, "reducer", None)
+    return reducer is not None and reducer.active()

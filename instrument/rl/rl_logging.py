@@ -57,6 +57,7 @@ from instrument.rl.collection import CollectionMetrics
 from instrument.rl.component import RLComponent
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
+from instrument.rl.ranks import distributed
 from instrument.rl.timing import StageClock, StageTiming
 from instrument.rl.training import TrainMetrics
 
@@ -74,7 +75,6 @@ class _Default:
 
 
 DEFAULT: Any = _Default()
-
 
 
 def _locked(method):
@@ -350,7 +350,7 @@ class RLLogging:
         inst = self.instrumentation
         open_step = inst.active_step if inst is not None else None
         # Under a process group every commit is a collective, so no rank may decide on its own to skip one.
-        if self.step_unit == "frames" and open_step is None and not self._distributed():
+        if self.step_unit == "frames" and open_step is None and not distributed(self._logger):
             last = self._logger.last_step
             if last is not None and step <= last:
                 # no frames kept since the last commit: committing again at that step would write two records
@@ -477,15 +477,11 @@ class RLLogging:
         interval = inst.log_interval if inst is not None else self.log_interval
         if not (self._unlogged and self.counters.iterations) or interval == 0:  # 0: logging is off
             return None
-        if self.step_unit == "frames" and self._distributed():  # ranks' frame counts (their steps) differ
+        if self.step_unit == "frames" and distributed(self._logger):  # ranks' frame counts (their steps) differ
             return None
         step = self.counters.iterations - 1 if self.step_unit == "iterations" else self.counters.frames
         last = self._logger.last_step
         return step if last is None or step > last else None
-
-    def _distributed(self) -> bool:
-        reducer = getattr(self._logger, "reducer", None)
-        return reducer is not None and reducer.active()
 
     def _check_attached(self) -> None:
         if self._closed:

@@ -5,8 +5,8 @@ handed to the logger as tensors, which moves them to the host in its one batched
 
 Sums (running totals, and each episode's return) are accumulated in float64 (float32 on MPS, which has no
 float64), whatever the values' dtype: in float16 the sum of 65,536 rewards of 1.0 is inf, in bfloat16 a running
-mean of 3,000 losses in [1, 3] read 0.34, and in float32 the return of an episode that follows a reward of 1e6
-in the same batch lost all its digits. min and max stay in the values' dtype, where they are exact.
+mean of 3,000 losses in [1, 3] read 0.34, and a float32 running total of many steps loses the last digits of each
+small addition. min and max stay in the values' dtype, where they are exact.
 Reductions use ``sum``/``amin``/``amax``: on CPU (torch 2.13) ``aminmax`` and ``std_mean`` over a [16, 4096]
 tensor measured 9-13x slower than ``amin``/``amax`` and a two-pass mean/variance, for the same values.
 """

@@ -147,8 +147,8 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
                 f"training entry {name!r} is a complex tensor; log its abs() or real part instead."
             )
         return value if value.is_floating_point() else value.to(wide_dtype(value.device))  # ints exact to 2**53
-    if isinstance(value, np.ndarray):
-        return torch.as_tensor(value, dtype=torch.float64) if value.size else None
+    if isinstance(value, np.ndarray):  # a copy: read-only, byte-swapped or reversed arrays are losses too
+        return torch.from_numpy(np.array(value, dtype=np.float64)) if value.size else None
     if isinstance(value, (numbers.Real, np.number)):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(

@@ -398,7 +398,7 @@ class Instrumentation:
             for watch in self._watches:
                 watch.attach()
         except BaseException:
-            self._detach_all()
+            self._detach_all(failed=True)
             self._current = None
             self._stop_clock(failed=True)
             raise
@@ -411,7 +411,7 @@ class Instrumentation:
             meter.ending()
         try:
             recorder = self._recorder
-            self._detach_all()
+            self._detach_all(failed)
             if not failed:
                 gradients = None
                 if recorder is not None:
@@ -464,10 +464,10 @@ class Instrumentation:
                 scope.step, len(dropped), ", ".join(sorted(dropped)[:5]),
             )
 
-    def _detach_all(self) -> None:
+    def _detach_all(self, failed: bool = False) -> None:
         self._dispatch.finish()
         for watch in self._watches:
-            watch.detach()
+            watch.detach(report=not failed)  # a step that raised may not have reached the module
         for probes in self._probe_sets:
             probes.off()
         if self._recorder is not None:

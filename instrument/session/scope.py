@@ -29,7 +29,7 @@ class WatchHandle:
 
     def remove(self) -> None:
         if self.watch is not None:
-            self.watch.detach()
+            self.watch.detach(report=False)  # unwatched mid-step: not a step that missed it
             if self.watch in self._session._watches:
                 self._session._watches.remove(self.watch)
         if self.probes is not None and self.probes in self._session._probe_sets:

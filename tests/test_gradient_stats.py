@@ -302,3 +302,40 @@ def test_no_host_read_before_the_logger_transfer(per, tmp_path):
     assert record.scalars["grad_stats/norm/global"] > 0
     with pytest.raises(AssertionError, match="host read item"), NoHostSync():
         torch.ones(1).item()  # the guard itself works
+
+
+def test_a_sparse_gradient_is_left_out_of_the_norms_and_checked_by_nonfinite_through_its_values(tmp_path, caplog):
+    """nn.Embedding(sparse=True): _foreach_norm and isfinite have no sparse kernels, so GradientStats and NonFinite
+    failed in log at every step and every other parameter's values of the step were lost."""
+    import json
+    import logging
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, sparse=True)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x + self.lin(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    path = tmp_path / "m.jsonl"
+    inst = Instrumentation([GradientStats(module=model, histograms=True), instrument.NonFinite(module=model)],
+                           backends=[instrument.JsonlBackend(str(path))], log_interval=1, log_dir=str(tmp_path))
+    inst.watch(model)
+    scale = torch.tensor([[1.0, 1.0, 1.0, 1.0], [float("inf"), 1.0, 1.0, 1.0]])
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        y = model(torch.linspace(-1, 1, 12).reshape(3, 4))
+        (y.square().sum() + (model.emb(torch.tensor([1, 3])) * scale).sum()).backward()
+        want = {name: np.linalg.norm(p.grad.double().numpy()) for name, p in model.lin.named_parameters()}
+    inst.close()
+    metrics = json.loads(path.read_text().splitlines()[-1])["metrics"]
+    assert inst.failures == {}
+    assert "grad_stats/norm/emb.weight" not in metrics
+    for name, norm in want.items():
+        assert metrics[f"grad_stats/norm/lin.{name}"] == pytest.approx(norm, rel=1e-6)
+    assert metrics["grad_stats/norm/global"] == pytest.approx(np.sqrt(sum(n * n for n in want.values())), rel=1e-6)
+    assert metrics["nonfinite/grad_count/emb.weight"] == 1.0 and metrics["nonfinite/grad_count"] == 1.0
+    assert len([r for r in caplog.records if "are sparse" in r.getMessage()]) == 1

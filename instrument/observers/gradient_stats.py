@@ -11,6 +11,7 @@ The global norm is computed exactly as ``torch.nn.utils.clip_grad_norm_`` comput
 bitwise equal to what that function returns when the same gradients are given in the same order.
 """
 
+import logging
 import re
 from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -19,6 +20,8 @@ from torch import Tensor, nn
 
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
+
+log = logging.getLogger("instrument")
 
 __all__ = ["GradientStats", "grad_norms", "select_parameters"]
 
@@ -83,6 +86,12 @@ def select_parameters(
             seen.add(id(param))
             out.append((name, param))
     return out
+
+
+def _dense_grad(p: nn.Parameter) -> bool:
+    """The parameter has a gradient in the strided layout (a sparse one, from nn.Embedding(sparse=True), has no
+    ``_foreach_norm``: it failed the whole log, losing every other norm of the step)."""
+    return p.grad is not None and p.grad.layout == torch.strided
 
 
 def grad_norms(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -186,6 +195,7 @@ class GradientStats(Observer):
         self._before: Optional[List[Tensor]] = None
         self._update: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._modules: List[nn.Module] = []
+        self._said_sparse = False
 
     def reset(self) -> None:
         self._params, self._before, self._update = [], None, None
@@ -210,6 +220,15 @@ class GradientStats(Observer):
 
     def observe(self, context) -> None:
         """Nothing per iteration: gradients exist only after backward."""
+
+    def _say_sparse(self, names: List[str]) -> None:
+        if names and not self._said_sparse:
+            self._said_sparse = True
+            log.warning(
+                "instrument: GradientStats(%r): the gradients of %s are sparse (nn.Embedding(sparse=True)); they are "
+                "left out of every gradient norm and histogram (torch's clip_grad_norm_ cannot take them either), "
+                "the other parameters are logged. (Said once.)", self.name, names,
+            )
 
     def _keys(self, present: Sequence[bool]) -> Tuple[List[str], List[List[int]]]:
         """Key names and the parameter positions behind each, over the parameters marked ``present``."""
@@ -250,12 +269,15 @@ class GradientStats(Observer):
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
         everything = list(range(len(self._params)))
-        with_grad = [i for i, (_, p) in enumerate(self._params) if p.grad is not None]
+        dense = [_dense_grad(p) for _, p in self._params]
+        self._say_sparse([name for (name, p), ok in zip(self._params, dense, strict=True)
+                          if p.grad is not None and not ok])
+        with_grad = [i for i, ok in enumerate(dense) if ok]
         if with_grad:
             norms, total = grad_norms([self._params[i][1].grad.detach() for i in with_grad])
             metrics["norm/global"] = total
             if self.per != "global":
-                keys, members = self._keys([p.grad is not None for _, p in self._params])
+                keys, members = self._keys(dense)
                 per_key = self._per_key(norms, members, with_grad)
                 metrics.update(zip([f"norm/{k}" for k in keys], per_key.unbind(), strict=True))
         keys, members = self._keys([True] * len(self._params))
@@ -271,7 +293,7 @@ class GradientStats(Observer):
         if metrics:
             logger.log_metrics(metrics, step=step, prefix=self.name)
         if self.histograms:
-            for name, p in self._params:
-                if p.grad is not None:
+            for (name, p), ok in zip(self._params, dense, strict=True):
+                if ok:
                     logger.log_histogram(f"{self.name}/grad_hist/{name}", p.grad.detach(), step)
                 logger.log_histogram(f"{self.name}/weight_hist/{name}", p.detach(), step)

@@ -224,7 +224,10 @@ class NonFinite(Observer):
             earliest = torch.where(stacked >= 0, stacked, none).amin()
             metrics["first_iteration"] = torch.where(earliest == none, -1, earliest)
             metrics["count"] = torch.stack(counts).sum()
-        grads = [(name, p.grad.detach()) for name, p in self._params if p.grad is not None]
+        # A sparse gradient (nn.Embedding(sparse=True)) is checked through its stored values: isfinite has no
+        # sparse kernel, so it failed the whole log, losing every other count of the step.
+        grads = [(name, p.grad.detach() if p.grad.layout == torch.strided else p.grad.detach()._values())
+                 for name, p in self._params if p.grad is not None]
         if grads:
             per_param = torch.stack([
                 g.numel() - torch.isfinite(g).sum().to(grads[0][1].device) for _, g in grads

@@ -296,7 +296,8 @@ class RLLogging:
     @contextlib.contextmanager
     def iteration(self, eval_runner: Optional[EpisodeRunner] = None) -> Iterator["RLLogging"]:
         """One training iteration: timed as ``timing/iteration``; `end_iteration` runs when the block exits
-        normally (an exception skips it, so a failed iteration is neither counted nor logged)."""
+        normally (an exception skips it, so a failed iteration is not counted as one; the batches and losses it
+        observed before failing stay, and go with the next logged iteration)."""
         self.clock.start("iteration")
         try:
             yield self

@@ -264,6 +264,7 @@ class CollectionMetrics(RLComponent):
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
         counts: Dict[str, Tensor] = {}  # how many values each key summarises: how ranks combine it
+        ops: Dict[str, str] = {"episode/count": "sum"}  # min and max too, as they are emitted; the rest: mean
         stats = STATS if self.reduce_stats else ("mean",)
 
         def emit(name: str, acc: RunningStats, names: Optional[Sequence[str]] = None) -> None:
@@ -272,10 +273,14 @@ class CollectionMetrics(RLComponent):
             summary = acc.summary()
             for stat in stats:
                 value = summary[stat]
-                keys = [f"{name}/{stat}"] if names is None else [f"{name}/{obj}/{stat}" for obj in names]
-                for i, key in enumerate(keys):
-                    metrics[key] = (value.reshape(-1)[0] if value.dim() else value) if names is None else value[i]
-                    counts[key] = acc.count
+                if names is None:
+                    pairs = [(f"{name}/{stat}", value.reshape(-1)[0] if value.dim() else value)]
+                else:  # one value per objective
+                    pairs = [(f"{name}/{obj}/{stat}", value[i]) for i, obj in enumerate(names)]
+                for key, item in pairs:
+                    metrics[key], counts[key] = item, acc.count
+                    if stat in ("min", "max"):
+                        ops[key] = stat
             acc.reset()
 
         emit("reward", self._reward)
@@ -289,8 +294,6 @@ class CollectionMetrics(RLComponent):
         for name, acc in self._extra.items():
             emit(name, acc)
         if metrics:
-            ops = {key: key.rpartition("/")[2] for key in counts if key.endswith(("/min", "/max"))}
-            ops["episode/count"] = "sum"
             log_reduced(logger, metrics, step, self.prefix, ops, counts)
 
     def _names(self, acc: RunningStats) -> Sequence[str]:

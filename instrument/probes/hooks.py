@@ -74,9 +74,15 @@ class StateWatch:
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state before each call
         # Per call in progress, keyed by id() of its state argument (calls may run on several threads): the state
-        # tensor and its version before the call, or a copy of it once the forward is known to change it in place.
-        self._calls: Dict[int, Tuple[Tensor, Optional[int], bool]] = {}  # (tensor, version, is a copy)
-        self._copy_input = False
+        # tensor, its version before the call (None: unknown) and a copy of it, taken while the forward is not yet
+        # known to leave its argument alone (the first call) or once it is known to change it in place.
+        self._calls: Dict[int, Tuple[Tensor, Optional[int], Optional[Tensor]]] = {}
+        self._copy_input = False  # the forward changes its argument in place: copy it before every call
+        # Such a forward's output is its argument, which the next call changes again: the state delivered as
+        # next_state is a copy, (output, its version, the copy), which the next call takes as its own copy
+        # before the call when it is handed the same tensor unchanged (one clone per iteration, not two).
+        self._last_copy: Optional[Tuple[Tensor, Optional[int], Tensor]] = None
+        self._known = False  # one call was checked: no copy needed before calls of a forward that returned anew
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
@@ -115,6 +121,7 @@ class StateWatch:
                 self._before_handle.remove()
                 self._before_handle = None
                 self._calls.clear()
+                self._last_copy = None
             self.guard.end(self.iterations)
             if report and not self.iterations and not self.guard.recomputed:
                 self._report_uncalled()
@@ -168,10 +175,17 @@ class StateWatch:
         state = first_tensor(raw)
         if state is None:  # the hook after the call says what is wrong
             return
+        # An inference tensor keeps no version counter. Until one call was checked, a copy is taken as well (once
+        # per module), so that even the first call of a rule that changes its argument in place is observed.
+        version = None if state.is_inference() else state._version
+        copy = None
         if self._copy_input:
-            self._calls[id(raw)] = (state.detach().clone(), None, True)
-        else:  # an inference tensor keeps no version counter
-            self._calls[id(raw)] = (state, None if state.is_inference() else state._version, False)
+            last = self._last_copy
+            if last is not None and last[0] is state and version is not None and last[1] == version:
+                copy = last[2]
+        if copy is None and (self._copy_input or not self._known):
+            copy = state.detach().clone()
+        self._calls[id(raw)] = (state, version, copy)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():
@@ -182,16 +196,29 @@ class StateWatch:
         current = first_tensor(output)
         before = self._calls.pop(id(raw), None)
         if before is not None and previous is not None:
-            if before[2] or before[0] is not previous:  # a copy, or a list state's replaced element
-                previous = before[0]
+            original, version, copy = before
+            if original is not previous:  # a list state's replaced element: the element from before the call
+                previous = original if copy is None else copy
+            elif self._copy_input and copy is not None:
+                previous = copy
             elif current is previous:  # the rule returned its state argument itself: changed in place?
-                if before[1] is None:  # no version to tell (inference mode): copy from the next call on
+                if version is None:  # no version to tell (inference mode): copy before every call from now on
                     self._copy_input = True
                     log.debug("instrument: watched module %s returned its own inference-mode state argument; "
                               "it is copied before each call from now on", self.name)
-                elif previous._version != before[1]:
-                    self._changed_in_place()
-                    return
+                    if copy is None:  # not the checked first call: observed as it is (dx 0 for an identity)
+                        copy = previous
+                    previous = copy
+                elif previous._version != version:
+                    self._changed_in_place(observed=copy is not None)
+                    if copy is None:
+                        return
+                    previous = copy
+            self._known = True
+            if self._copy_input and current is original:  # the next call changes it again: deliver a copy
+                copy = current.detach().clone()
+                self._last_copy = (current, None if current.is_inference() else current._version, copy)
+                current = copy
         if previous is None or current is None:
             raise ConfigurationError(
                 f"watched module {self.name} must take the previous state as its first argument and return the "
@@ -204,16 +231,21 @@ class StateWatch:
             condition = args[1]
         self._deliver(previous, current, condition)
 
-    def _changed_in_place(self) -> None:
+    def _changed_in_place(self, observed: bool) -> None:
         """The forward changed its state argument in place: after the call it holds the next state, so
-        previous_state and dx would be wrong (dx 0). Said once; from the next call on the argument is copied."""
+        previous_state and dx would be wrong (dx 0) without the copy taken before the call. Said once; from the
+        next call on the argument is copied before every call."""
+        first = not self._copy_input
         self._copy_input = True
+        if not first:
+            return
         log.warning(
             "instrument: watched module %s changed its state argument in place during its forward (e.g. "
-            "`x.add_(dx); return x`), so after the call that tensor already holds the next state: previous_state "
-            "and dx would be wrong (dx reads 0). This call is not observed; from its next call on, the argument is "
-            "copied before each call on logging steps (one clone per iteration: slower, but correct). Returning "
-            "a new tensor (`return x + dx`) avoids the copy. (Said once.)", self.name,
+            "`x.add_(dx); return x`), so after the call that tensor already holds the next state. %s; from now "
+            "on the argument is copied before each call on logging steps (one clone per iteration: slower, but "
+            "correct). Returning a new tensor (`return x + dx`) avoids the copy. (Said once.)", self.name,
+            "This call is observed with a copy taken before it" if observed else
+            "This call is not observed (previous_state and dx would be wrong: dx reads 0)",
         )
 
     def _state_keyword(self, kwargs: Dict[str, Any]) -> Any:

@@ -339,3 +339,31 @@ def test_a_sparse_gradient_is_left_out_of_the_norms_and_checked_by_nonfinite_thr
     assert metrics["grad_stats/norm/global"] == pytest.approx(np.sqrt(sum(n * n for n in want.values())), rel=1e-6)
     assert metrics["nonfinite/grad_count/emb.weight"] == 1.0 and metrics["nonfinite/grad_count"] == 1.0
     assert len([r for r in caplog.records if "are sparse" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weight_norms_and_update_ratios_are_computed_in_float32(dtype, tmp_path):
+    """A float16 weight whose norm is above 65504 read inf, and bfloat16 norms kept 3 significant digits
+    (95.0 for 94.875): they were computed in the weights' dtype. Gradient norms stay those of clip_grad_norm_.
+    Float64 NumPy reference, read back from JSONL."""
+    import json
+
+    torch.manual_seed(0)
+    model = nn.Linear(100, 100, bias=False).to(dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.rand(100, 100) * 2000.0 if dtype == torch.float16 else torch.randn(100, 100))
+    path = tmp_path / "m.jsonl"
+    inst = Instrumentation([GradientStats(module=model)], backends=[instrument.JsonlBackend(str(path))],
+                           log_interval=1, log_dir=str(tmp_path))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with inst.step(0):
+        before = model.weight.detach().double().numpy().copy()
+        model(torch.ones(2, 100, dtype=dtype) * 1e-3).float().sum().backward()
+        opt.step()
+        after = model.weight.detach().double().numpy().copy()
+    inst.close()
+    metrics = json.loads(path.read_text().splitlines()[-1])["metrics"]
+    assert inst.failures == {}
+    assert metrics["grad_stats/weight_norm/weight"] == pytest.approx(np.linalg.norm(after), rel=1e-5)
+    assert metrics["grad_stats/update_ratio/weight"] == pytest.approx(
+        np.linalg.norm(after - before) / np.linalg.norm(before), rel=1e-5)

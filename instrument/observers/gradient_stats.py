@@ -94,6 +94,27 @@ def _dense_grad(p: nn.Parameter) -> bool:
     return p.grad is not None and p.grad.layout == torch.strided
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def foreach_norms(tensors: Sequence[Tensor]) -> List[Tensor]:
+    """L2 norms of ``tensors`` (one fused ``_foreach_norm`` per dtype), float16 and bfloat16 ones computed and
+    returned in float32: in their own dtype a float16 weight norm above 65504 read inf (a [10000] tensor of
+    1000s) and a bfloat16 one kept 3 significant digits. For weights and updates only: gradient norms stay
+    those of ``clip_grad_norm_`` (`grad_norms`)."""
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    if len(by_dtype) == 1 and tensors[0].dtype not in _HALF:
+        return list(torch._foreach_norm(list(tensors), 2.0))
+    out: List[Tensor] = [tensors[0]] * len(tensors)
+    for dtype, indices in by_dtype.items():
+        wide = {"dtype": torch.float32} if dtype in _HALF else {}
+        for i, norm in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2.0, **wide), strict=True):
+            out[i] = norm
+    return out
+
+
 def grad_norms(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
     """``(per-tensor L2 norms [n], global L2 norm)`` with the global one computed as ``clip_grad_norm_`` does.
 
@@ -214,9 +235,9 @@ class GradientStats(Observer):
         if before is None or not self._params:
             return
         with torch.no_grad():
-            base = torch._foreach_norm(before, 2.0)
+            base = foreach_norms(before)
             torch._foreach_sub_(before, [p.detach() for _, p in self._params])  # the snapshot is ours: in place
-            self._update = (torch._foreach_norm(before, 2.0), base)
+            self._update = (foreach_norms(before), base)
 
     def observe(self, context) -> None:
         """Nothing per iteration: gradients exist only after backward."""
@@ -282,7 +303,7 @@ class GradientStats(Observer):
                 metrics.update(zip([f"norm/{k}" for k in keys], per_key.unbind(), strict=True))
         keys, members = self._keys([True] * len(self._params))
         if self.weight_norm and self._params:
-            weights = torch.stack(torch._foreach_norm([p.detach() for _, p in self._params], 2.0))
+            weights = torch.stack(foreach_norms([p.detach() for _, p in self._params]))
             per_key = self._per_key(weights, members, everything)
             metrics.update(zip([f"weight_norm/{k}" for k in keys], per_key.unbind(), strict=True))
         if self._update is not None:

@@ -157,3 +157,64 @@ def test_frame_steps_under_a_process_group_commit_together_on_every_rank(tmp_pat
     assert [r["counters/iterations"] for r in rows] == [1, 2, 3]  # one record per iteration, ranks paired
     kept = [4 + (0 if masked_at == it else 4) for it in range(3)]  # rank 0 keeps 4 frames, rank 1 4 or 0
     assert [r["counters/frames"] for r in rows] == list(np.cumsum(kept))
+
+
+def _uneven_worker(rank, store_path, out_dir):
+    import torch.distributed as dist
+
+    import instrument
+    from instrument.rl import CollectionMetrics, Evaluation, RLLogging
+    from instrument.rl.evaluation import Episode
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        # An evaluation falls due at another iteration on each rank: rank 1 keeps half the frames of rank 0.
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "eval.jsonl"))],
+                                          log_interval=5, log_dir=out_dir, run_name="eval", overhead_budget=None)
+        runner = lambda deterministic, max_steps, render: Episode(return_=1.0 + rank, length=3)  # noqa: E731
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), evaluation=Evaluation(every_frames=40),
+                       progress=None).attach(inst, eval_runner=runner)
+        for it in range(11):
+            with inst.step(it), rl.iteration():
+                mask = torch.ones(4, 4, dtype=torch.bool)
+                if rank == 1:
+                    mask[:, :2] = False
+                rl.observe_batch(reward=torch.ones(4, 4), done=torch.zeros(4, 4, dtype=torch.bool), mask=mask)
+        rl.close()
+        inst.close()
+        # A step that raises on rank 1 only (a loop that skips a bad batch) still commits there.
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "fail.jsonl"))],
+                                          log_interval=2, log_dir=out_dir, run_name="fail", overhead_budget=None)
+        for step in range(6):
+            try:
+                with inst.step(step):
+                    inst.log({"x": float(step + 10 * rank)})
+                    if rank == 1 and step == 2:
+                        raise ValueError("bad batch")
+            except ValueError:
+                pass
+        inst.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_due_evaluation_and_a_failed_step_on_one_rank_keep_the_ranks_commits_paired(tmp_path):
+    """Two ways one rank committed where the other did not, so every later collective paired different steps
+    (frames going backwards, values mixed from different steps) and close failed with a closed connection:
+    an evaluation that fell due on one rank first (its frames differ), and a step whose body raised on one rank.
+    Now a due evaluation waits for the next logging step under a process group, and a failed step commits what
+    was staged before it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_uneven_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    rows = {r["step"]: r["metrics"] for r in map(json.loads, open(tmp_path / "eval.jsonl")) if "metrics" in r}
+    assert sorted(rows)[:3] == [0, 5, 10]
+    for step in (0, 5, 10):  # both ranks' frames of iterations 0..step: 16 and 8 per iteration
+        assert rows[step]["counters/iterations"] == step + 1
+        assert rows[step]["counters/frames"] == 24 * (step + 1)
+    assert rows[5]["eval/deterministic/return"] == 1.5  # both ranks evaluated at step 5: mean of 1 and 2
+    rows = {r["step"]: r["metrics"] for r in map(json.loads, open(tmp_path / "fail.jsonl")) if "metrics" in r}
+    # the mean over the interval on each rank, then over ranks; rank 1's step-2 value is discarded
+    assert {step: rows[step]["x"] for step in (0, 2, 4)} == {0: 5.0, 2: (1.5 + 11.0) / 2, 4: (3.5 + 13.5) / 2}

@@ -346,6 +346,8 @@ class RLLogging:
         for handle in self._handles:
             asked = bool(handle.call("end_iteration", self.counters)) or asked
         self._unlogged = True
+        if asked and distributed(self._logger):  # each rank's frames differ: a due evaluation waits for the
+            asked = False  # next logging iteration, which every rank commits, so the collectives stay paired
         if not (asked or self._deferred or self._is_logging_iteration(index)):
             return None
         inst = self.instrumentation

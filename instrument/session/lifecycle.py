@@ -45,6 +45,7 @@ class StepLifecycle:
             self._detach_all(failed=True)
             self._current = None
             self._stop_clock(failed=True)
+            self._commit_failed(scope.step)
             raise
         if meter is not None:
             meter.begun()
@@ -78,9 +79,21 @@ class StepLifecycle:
                 self._dispatch.committed(handle)
             else:
                 self._discard(scope)
+                self._commit_failed(scope.step)
         finally:
             self._current = None
             self._stop_clock(failed)
+
+    def _commit_failed(self, step: int) -> None:
+        """Under a process group a failed step still commits (see the module docstring); a fault here is said,
+        never raised over the step's own exception."""
+        if not self.logger.reducer.active():
+            return
+        try:
+            self.logger.commit(step)
+        except Exception:
+            log.warning("instrument: the commit of failed step %d (which keeps the ranks' commits paired) raised",
+                        step, exc_info=True)
 
     def _stop_clock(self, failed: bool) -> None:
         self._dispatch.clock = None

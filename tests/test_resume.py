@@ -180,3 +180,31 @@ def test_a_run_file_with_a_null_id_or_a_run_path_that_is_a_file_is_named_plainly
     (tmp_path / "f").write_text("x")
     with pytest.raises(instrument.ConfigurationError, match=r"is a file, not a run folder"):
         resume_ids(tmp_path / "f")
+
+
+def test_a_checkpoint_saved_inside_a_logging_steps_block_keeps_that_step(tmp_path):
+    """The step commits when its block exits, so state_dict() inside it said the step before: resuming at the
+    next step cut the saved step out of JSONL (and TensorBoard) and nothing wrote it again."""
+
+    def run(resume, state=None):
+        inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path),
+                                          log_interval=10, resume=resume)
+        start = 0
+        if resume:
+            inst.load_state_dict(state["inst"])
+            start = state["step"] + 1
+        for step in range(start, 40 if resume else 26):
+            with inst.step(step) as s:
+                if s.active:
+                    inst.log({"v": float(step)})
+                if step == 20 and not resume:  # a checkpoint at the end of step 20's body
+                    state = {"inst": inst.state_dict(), "step": step}
+        inst.close("killed" if not resume else None)
+        return state
+
+    state = run(False)
+    assert state["inst"]["last_step"] == 20
+    run(True, state)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["metrics"]["v"]) for r in rows if "metrics" in r] == [(0, 0.0), (10, 10.0), (20, 20.0),
+                                                                               (30, 30.0)]

@@ -318,9 +318,15 @@ class Instrumentation(StepLifecycle):
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps to resume this run: its name, the last committed step, whether the config
-        was logged. Save it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``."""
-        return {"version": 1, "run_name": self.run.name, "last_step": self.logger._last_step,
-                "config_logged": self._config_logged}
+        was logged. Save it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``.
+
+        Inside the open block of a logging step, that step counts as committed (it commits when the block
+        exits): a checkpoint saved there resumes at the next step, and the step stays in the files. Counted
+        as not yet committed, resuming cut it out of every backend and nothing wrote it again."""
+        last = self.logger._last_step
+        if self._current is not None and (last is None or self._current.step > last):
+            last = self._current.step
+        return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and

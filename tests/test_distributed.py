@@ -149,6 +149,9 @@ def _worker(rank, store_path, out_dir):
         except ConfigurationError as exc:
             out["config_error"] = str(exc)
 
+        # Observers under data parallelism: each rank observes its own batch (its float64 reference kept).
+        out["observed"] = _observe_own_batch(rank, out_dir)
+
         # A whole session: only rank 0 opens backends and creates files.
         inst = Instrumentation(
             backends=[JsonlBackend()], log_interval=2, log_dir=str(Path(out_dir) / f"runs{rank}")
@@ -160,6 +163,40 @@ def _worker(rank, store_path, out_dir):
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"result{rank}.json").write_text(json.dumps(out))
+
+
+class _Rule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        return x + 0.5 * torch.tanh(self.conv(x))
+
+
+def _observe_own_batch(rank, out_dir):
+    """One logging step of IterationStats, UpdateNorm and ActivationStats on this rank's own batch; returns
+    the float64 statistics of its last iteration, per channel."""
+    from instrument import ActivationStats, Instrumentation, IterationStats, UpdateNorm
+
+    rule = _Rule()
+    inst = Instrumentation([IterationStats(), UpdateNorm(), ActivationStats()], log_interval=1,
+                           backends=[JsonlBackend(str(Path(out_dir) / "observers.jsonl"))],
+                           log_dir=str(Path(out_dir) / f"obs{rank}"), overhead_budget=None)
+    inst.watch(rule)
+    x = torch.linspace(-1, 1, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4) * (1 + 5 * rank) + 3 * rank
+    norms = []
+    with inst.step(0), torch.no_grad():
+        for _ in range(2):
+            conv = rule.conv(x).double().numpy()
+            nxt = rule(x)
+            norms.append(float(np.mean(np.linalg.norm((nxt - x).double().numpy().reshape(2, -1), axis=1))))
+            x = nxt
+    inst.close()
+    last = x.double().numpy().transpose(1, 0, 2, 3).reshape(3, -1)
+    return {"min": last.min(1).tolist(), "max": last.max(1).tolist(), "mean": last.mean(1).tolist(),
+            "std": last.std(1).tolist(), "l2": norms, "absmax": float(np.abs(conv).max())}
 
 
 @pytest.fixture(scope="module")
@@ -488,3 +525,21 @@ def test_another_ranks_run_log_never_makes_rank_0_refuse_its_own_run(tmp_path):
     mp.spawn(_late_rank0_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "started0").exists() and (tmp_path / "started1").exists()
     assert not (tmp_path / "late" / ".instrument-starting").exists()
+
+
+def test_observers_combine_each_statistic_over_ranks_as_what_it_is(ranks):
+    """Under data parallelism each rank observes its own batch; every key was averaged over ranks, so the
+    logged min and max of a channel were the mean of the ranks' minima and maxima (-6.3 for a -10.9 minimum).
+    Now min is the minimum over ranks and max the maximum; means and stds are means over ranks."""
+    results, tmp = ranks
+    seen = [r["observed"] for r in results]
+    rows = [json.loads(line) for line in (tmp / "observers.jsonl").read_text().splitlines()]
+    got = next(r["metrics"] for r in rows if "metrics" in r)
+    for c in range(3):
+        assert got[f"iteration_stats/min/c{c}"] == pytest.approx(min(s["min"][c] for s in seen), rel=1e-6)
+        assert got[f"iteration_stats/max/c{c}"] == pytest.approx(max(s["max"][c] for s in seen), rel=1e-6)
+        assert got[f"iteration_stats/mean/c{c}"] == pytest.approx(np.mean([s["mean"][c] for s in seen]), rel=1e-6)
+        assert got[f"iteration_stats/std/c{c}"] == pytest.approx(np.mean([s["std"][c] for s in seen]), rel=1e-5)
+    assert got["update_norm/l2/max"] == pytest.approx(max(max(s["l2"]) for s in seen), rel=1e-6)
+    assert got["update_norm/l2/mean"] == pytest.approx(np.mean([np.mean(s["l2"]) for s in seen]), rel=1e-6)
+    assert got["activations/conv/absmax"] == pytest.approx(max(s["absmax"] for s in seen), rel=1e-6)

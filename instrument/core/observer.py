@@ -39,7 +39,7 @@ from instrument.errors import ConfigurationError
 if TYPE_CHECKING:
     from instrument.logger.logger import Logger
 
-__all__ = ["Observer", "StepObserver", "check_observers"]
+__all__ = ["Observer", "StepObserver", "check_observers", "over_ranks"]
 
 
 @runtime_checkable
@@ -114,6 +114,14 @@ def _snake_case(name: str) -> str:
             out.append("_")
         out.append(ch.lower())
     return "".join(out)
+
+
+def over_ranks(logger: Any, ops: Mapping[str, str]) -> Any:
+    """The ``reduce=`` of an observer's ``log_metrics``: ``ops`` (key -> ``"min"``, ``"max"``...) when
+    ``logger`` reduces over a process group of more than one rank, else ``"mean"``. On one process the op
+    changes nothing, and a plain call takes the logger's fastest staging path (one block per call)."""
+    reducer = getattr(logger, "reducer", None)
+    return ops if reducer is not None and reducer.active() else "mean"
 
 
 def check_observers(observers: Any) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from instrument.core.context import StepContext
-from instrument.core.observer import Observer
+from instrument.core.observer import Observer, over_ranks
 from instrument.core.recompute import in_recompute
 from instrument.errors import ConfigurationError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
@@ -326,7 +326,8 @@ class ActivationStats(Observer):
             offset += n
             last = finished[offset - 1].unbind()
             logger.log_metrics(
-                {f"{names[column]}/{stat}": last[s] for s, stat in enumerate(STATS)}, step=step, prefix=self.name
+                {f"{names[column]}/{stat}": last[s] for s, stat in enumerate(STATS)}, step=step, prefix=self.name,
+                reduce=over_ranks(logger, {f"{names[column]}/absmax": "max"}),
             )
         if self.images:
             for s, stat in enumerate(STATS):

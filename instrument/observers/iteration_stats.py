@@ -3,7 +3,7 @@
 from typing import Any, Optional, Sequence
 
 from instrument.core.context import StepContext
-from instrument.core.observer import Observer
+from instrument.core.observer import Observer, over_ranks
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
 from instrument.observers.options import channel_labels, check_channel_names, color_ranges
@@ -113,7 +113,9 @@ class IterationStats(Observer):
             # One call for every stat and channel: the logger stages it with one stack (one kernel on a GPU),
             # and unbind makes all the 0-d views at once, not one index op each.
             rows = [row.unbind() for row in table[-1, :, :count].unbind()]
+            # Over ranks (each its own batch): min of the minima, max of the maxima, mean of the rest.
+            ops = {f"{stat}/{label}": stat for stat in ("min", "max") for label in labels}
             logger.log_metrics(
                 {f"{stat}/{label}": rows[s][k] for s, stat in enumerate(STATS) for k, label in enumerate(labels)},
-                step=step, prefix=self.name,
+                step=step, prefix=self.name, reduce=over_ranks(logger, ops),
             )

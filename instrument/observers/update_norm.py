@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from instrument.core.context import StepContext, difference
-from instrument.core.observer import Observer
+from instrument.core.observer import Observer, over_ranks
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
 
@@ -151,7 +151,7 @@ class UpdateNorm(Observer):
         metrics = {"l2/mean": norms.mean(), "l2/first": norms[0], "l2/last": norms[-1], "l2/max": norms.amax()}
         if self._has_alpha:  # known from the state's shape: no sync to look at values
             metrics.update({"alive/last": alive[-1], "alive/mean": alive.mean()})
-        logger.log_metrics(metrics, step=step, prefix=self.name)
+        logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, {"l2/max": "max"}))
         logger.log_histogram(f"{self.name}/l2", norms, step)
 
 

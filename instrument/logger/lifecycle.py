@@ -6,11 +6,12 @@ Kept apart from the logger's hot path: these run once per run (or once per mista
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from instrument.errors import ConfigurationError
+from instrument.logger import shutdown
 
-__all__ = ["closed_use", "disown", "open_backends"]
+__all__ = ["LoggerEnd", "closed_use", "disown", "open_backends"]
 
 log = logging.getLogger("instrument")
 
@@ -44,6 +45,50 @@ def disown(logger: Any) -> None:
     logger._lock, logger._commit_lock = threading.RLock(), threading.RLock()
     logger._closed, logger._closed_by = True, "fork"
     logger._writer.disown()
+
+
+class LoggerEnd:
+    """Mixin of `Logger`: its close, from the user, a signal handler, atexit or a fork."""
+
+    def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """Commit what is still staged, write and flush everything, then close every backend (on the writer
+        thread) and stop it. ``status`` ``"killed"``/``"failed"`` calls `Backend.on_exit` first. Idempotent;
+        failures are reported, never raised."""
+        with self._commit_lock:
+            if self._closed:
+                return
+            self._final = True
+            try:
+                self.commit()  # also when nothing is staged: it closes the logger under the staging lock
+            except Exception:
+                log.exception("instrument: the final commit failed while closing the logger")
+            finally:
+                with self._lock:
+                    self._closed = True
+                    self._closed_by = self._closed_by or "close"
+                self._writer.close(status or self._exit_status, timeout)
+                shutdown.unregister(self)
+
+    def _disown(self) -> None:
+        disown(self)  # in a forked child (`instrument.logger.shutdown`)
+
+    def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
+        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.
+
+        A close already under way (on another thread, or on this one: the signal handler runs on the main
+        thread, which may be inside `close`) is waited for, at most ``timeout`` seconds, through the writer
+        alone: this thread may hold the logger's locks, so it must not wait for them.
+        """
+        if self._closed:
+            self._writer.close(status or self._exit_status, timeout)  # its own close if none was queued yet
+            return
+        self._closed_by = "shutdown"
+        if commit and not self.reducer.active():
+            self.close(status, timeout)
+            return
+        self._closed = True
+        self._writer.close(status or self._exit_status, timeout)
+        shutdown.unregister(self)
 
 
 OPEN_POLICIES = ("raise", "warn")

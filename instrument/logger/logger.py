@@ -46,7 +46,7 @@ from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.handover import handover
-from instrument.logger.lifecycle import closed_use, disown, open_backends
+from instrument.logger.lifecycle import LoggerEnd, closed_use, open_backends
 from instrument.logger.media import check_media, heatmap_options, refuse_shared_tag, video_fps
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
@@ -65,7 +65,7 @@ Value = Union[float, int, bool, Tensor, np.ndarray, np.number]
 _STEP_POLICIES = ("raise", "warn")
 
 
-class Logger(StagedTable, StepRecords):
+class Logger(StagedTable, StepRecords, LoggerEnd):
     """Stages values, commits them with one batched host transfer, writes them on one background thread.
 
     Args:
@@ -376,46 +376,6 @@ class Logger(StagedTable, StepRecords):
         `failures`, as always). Steps dropped under ``on_full="drop"`` are counted in `dropped` instead.
         """
         return self._writer.flush(timeout)
-
-    def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> None:
-        """Commit what is still staged, write and flush everything, then close every backend (on the writer
-        thread) and stop it. ``status`` ``"killed"``/``"failed"`` calls `Backend.on_exit` first. Idempotent;
-        failures are reported, never raised."""
-        with self._commit_lock:
-            if self._closed:
-                return
-            self._final = True
-            try:
-                self.commit()  # also when nothing is staged: it closes the logger under the staging lock
-            except Exception:
-                log.exception("instrument: the final commit failed while closing the logger")
-            finally:
-                with self._lock:
-                    self._closed = True
-                    self._closed_by = self._closed_by or "close"
-                self._writer.close(status or self._exit_status, timeout)
-                shutdown.unregister(self)
-
-    def _disown(self) -> None:
-        disown(self)  # in a forked child (`instrument.logger.shutdown`)
-
-    def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
-        """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.
-
-        A close already under way (on another thread, or on this one: the signal handler runs on the main
-        thread, which may be inside `close`) is waited for, at most ``timeout`` seconds, through the writer
-        alone: this thread may hold the logger's locks, so it must not wait for them.
-        """
-        if self._closed:
-            self._writer.close(status or self._exit_status, timeout)  # its own close if none was queued yet
-            return
-        self._closed_by = "shutdown"
-        if commit and not self.reducer.active():
-            self.close(status, timeout)
-            return
-        self._closed = True
-        self._writer.close(status or self._exit_status, timeout)
-        shutdown.unregister(self)
 
     @property
     def failures(self) -> Dict[str, int]:

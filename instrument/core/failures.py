@@ -9,12 +9,15 @@ writer thread record into the same ledger).
     ledger = FailureLedger("backend")
     ok = ledger.call("TensorBoardBackend", "write", backend.write, record)   # False: raised, reported
 
-Only ``Exception`` is caught: ``KeyboardInterrupt`` and ``SystemExit`` always propagate.
+Only ``Exception`` is caught by default: ``KeyboardInterrupt`` and ``SystemExit`` propagate. The backends'
+ledger also catches ``SystemExit`` (``catch=``): its calls run on the logger's writer thread, where a backend's
+``sys.exit`` would otherwise cost the backends after it their step, uncounted (no signal reaches that thread,
+so no ``KeyboardInterrupt`` either).
 """
 
 import logging
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 __all__ = ["FailureLedger"]
 
@@ -31,8 +34,10 @@ class FailureLedger:
         consequence: what happens to the failing plug-in, appended to the first report.
     """
 
-    def __init__(self, kind: str, consequence: str = "training and the others go on") -> None:
+    def __init__(self, kind: str, consequence: str = "training and the others go on",
+                 catch: Tuple[Type[BaseException], ...] = (Exception,)) -> None:
         self.kind = kind
+        self.catch = catch
         self.consequence = consequence
         self._counts: Dict[str, int] = {}
         self._lock = threading.Lock()
@@ -42,7 +47,7 @@ class FailureLedger:
         try:
             fn(*args, **kwargs)
             return True
-        except Exception as exc:
+        except self.catch as exc:
             self.record(name, method, exc)
             return False
 

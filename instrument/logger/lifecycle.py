@@ -53,21 +53,32 @@ class LoggerEnd:
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> None:
         """Commit what is still staged, write and flush everything, then close every backend (on the writer
         thread) and stop it. ``status`` ``"killed"``/``"failed"`` calls `Backend.on_exit` first. Idempotent;
-        failures are reported, never raised."""
-        with self._commit_lock:
+        failures are reported, never raised.
+
+        The commit lock is held for the last commit only, not while waiting for the writer: a backend or a
+        logging handler that commits from the writer thread meanwhile (its values are refused: the logger is
+        closed) must not wait for a lock whose holder waits for it. The last commit never waits for room in
+        a full queue: the close right behind it is bounded by ``timeout`` alone."""
+        locked = self._gate("close()", "the logger closes without a last commit: what is staged is not written")
+        try:
             if self._closed:
-                return
-            self._final = True
-            try:
-                self.commit()  # also when nothing is staged: it closes the logger under the staging lock
-            except Exception:
-                log.exception("instrument: the final commit failed while closing the logger")
-            finally:
+                closing = False
+            else:
+                closing = self._final = True
+                if locked:
+                    try:
+                        self.commit()  # also when nothing is staged: it closes the logger under the staging lock
+                    except Exception:
+                        log.exception("instrument: the final commit failed while closing the logger")
                 with self._lock:
                     self._closed = True
                     self._closed_by = self._closed_by or "close"
-                self._writer.close(status or self._exit_status, timeout)
-                shutdown.unregister(self)
+        finally:
+            if locked:
+                self._commit_lock.release()
+        self._writer.close(status or self._exit_status, timeout)  # a second close waits for the first one's
+        if closing:
+            shutdown.unregister(self)
 
     def _disown(self) -> None:
         disown(self)  # in a forked child (`instrument.logger.shutdown`)

@@ -63,6 +63,7 @@ log = logging.getLogger("instrument")
 
 Value = Union[float, int, bool, Tensor, np.ndarray, np.number]
 _STEP_POLICIES = ("raise", "warn")
+_REENTRY_WAIT = 0.1  # seconds a commit on the writer thread waits for the commit lock (`Logger._gate`)
 
 
 class Logger(StagedTable, StepRecords, LoggerEnd):
@@ -113,7 +114,10 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self.on_step_regression = on_step_regression
         self.reducer = reducer if reducer is not None else CrossRankReducer()
         self.is_writer = rank(self.reducer.group) == 0  # only rank 0 opens backends and writes
-        self.ledger = FailureLedger("backend", "it gets the next record again; training and the other backends go on")
+        self.ledger = FailureLedger(
+            "backend", "it gets the next record again; training and the other backends go on",
+            catch=(Exception, SystemExit),  # on the writer thread: a backend's sys.exit costs that backend alone
+        )
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order
         self._totals: Dict[str, Any] = {}  # scalar name -> sum over the interval (float or device tensor)
@@ -322,7 +326,9 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         Timer measurements carry no step: they go with the next record, and with ``step`` given they make one.
         """
         collective = initialized() and self.reducer.active()  # one attribute read without a group
-        with self._commit_lock:
+        if not self._gate(f"commit({step})"):
+            return None  # what is staged stays staged, for the next commit
+        try:
             with self._lock:
                 if self._closed:
                     closed_use(self, f"commit({step})")
@@ -357,13 +363,31 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                                               *("timing/" + name for name in staged[6])])
                 self._last_step = step
             return self._submit(step, staged, collective)
+        finally:
+            self._commit_lock.release()
+
+    def _gate(self, what: str, then: str = "nothing is committed by this call; what it staged goes with the next "
+              "commit") -> bool:
+        """Take the commit lock. On the writer thread (a backend or a logging handler calling back into this
+        logger) only for a bounded wait, since the thread holding it may be waiting for this one (for room
+        in a full queue): False then, said once, and the caller commits nothing."""
+        if not self._writer.on_thread():
+            self._commit_lock.acquire()
+            return True
+        if self._commit_lock.acquire(timeout=_REENTRY_WAIT):
+            return True
+        self._warn_once("reentrant commit", (
+            f"{what} was called on the logger's own writer thread (from a backend or a logging handler) while "
+            f"another thread was committing and waiting for that writer: waiting here would deadlock, so {then}. "
+            f"Call it from the training thread instead"))
+        return False
 
     def _submit(self, step: int, staged: tuple, collective: bool) -> Optional[CommittedStep]:
         payload = handover(step, staged, self.reducer if collective else None, self._warn_once)
         if payload is None:
             return None
         handle = CommittedStep(step, self._writer)
-        if not self._writer.submit(handle, payload):
+        if not self._writer.submit(handle, payload, wait=not self._final):
             log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
             return None
         return handle

@@ -60,7 +60,12 @@ class StepRecords:
         collective = self.reducer.active()
         if not totals and not collective:
             return None
-        with self._commit_lock:
+        if not self._gate(f"log_metrics(..., step={step}, commit=True)"):
+            # the writer thread calling back while another thread commits: staged for the next commit instead
+            reduce = {key: op for key, (op, _) in ops.items()} if ops is not None else "mean"
+            weighed = {key: w for key, (_, w) in ops.items() if w is not None} if ops is not None else {}
+            return self.log_metrics(metrics, step, head.rstrip("/"), reduce, weighed or None)
+        try:
             with self._lock:
                 if not self._accept(step, pending=False):
                     return None
@@ -68,6 +73,8 @@ class StepRecords:
                 self._check_repeat(step, totals)
                 self._last_step = step
             return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, [], wide), collective)
+        finally:
+            self._commit_lock.release()
 
     def _check_repeat(self, step: int, names: Mapping[str, Any]) -> None:
         """A second record at the step last committed: written, but said once (W&B keeps only the first)."""

@@ -147,12 +147,18 @@ class Writer:
         self._thread.start()
 
     # ------------------------------------------------------------------ producer side
-    def submit(self, handle: CommittedStep, payload: Any) -> bool:
+    def on_thread(self) -> bool:
+        """Whether the caller is this writer's own thread (a backend, or a logging handler it ran)."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, handle: CommittedStep, payload: Any, wait: bool = True) -> bool:
         """Hand a step over; False when the writer is closed (the step is not written).
 
         A step waiting for room (``on_full="block"``) when the writer is closed, by another thread or by a
         signal handler that interrupted this wait, was handed over before the close: `_put` queues it ahead
-        of the close, and this returns True.
+        of the close, and this returns True. A wait interrupted by an exception (Ctrl-C) hands nothing over:
+        the step is not written, rather than written at close behind later steps. ``wait=False`` (the close's
+        own last commit, whose close follows at once) queues past the bound instead of waiting for room.
         """
         with self._mutex:
             if self._closing:
@@ -160,11 +166,15 @@ class Writer:
             if self._records >= self.queue_size and threading.current_thread() is not self._thread:
                 if self.on_full == "drop":
                     self._drop_oldest()
-                else:
+                elif wait:
                     key = id(handle)
                     self._waiting[key] = (handle, payload)
-                    while self._records >= self.queue_size and not self._closing:
-                        self._cond.wait()
+                    try:
+                        while self._records >= self.queue_size and not self._closing:
+                            self._cond.wait()
+                    except BaseException:
+                        self._waiting.pop(key, None)  # still waiting: never handed over; queued by a close: kept
+                        raise
                     if self._waiting.pop(key, None) is None:
                         return True  # queued by the close, ahead of it
                     if self._closing:

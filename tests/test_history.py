@@ -2,6 +2,8 @@
 
 import logging
 import math
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -158,3 +160,50 @@ def test_review_findings_on_the_history_and_the_backends_around_it(tmp_path, cap
     shown.commit(0)
     shown.close()
     assert shown.failures == {} and "0.5" in stream.getvalue()
+
+
+def test_the_history_can_be_queried_while_the_run_commits():
+    """A review found `series`, `keys` and `last` raising "deque mutated during iteration" when asked while
+    the writer thread appended (a notebook or a training loop reading ``history.last("loss")``), and
+    `to_dataframe` likewise; `add_samples` from the training thread raced the writer's loop over them."""
+    history = RunHistoryBackend(sample_key="ids", max_steps=500)
+    history.add_log("reward")
+    logger = Logger([history], flush_secs=0.01)
+    steps = 2000
+    errors: list = []
+
+    def train():
+        try:
+            for step in range(steps):
+                history.add_samples(step, [step, step + 1])
+                logger.log_metrics({"loss": float(step), "twice": 2.0 * step, f"k{step % 300}": 1.0}, step=step)
+                logger.log_histogram("reward", np.array([step, step + 0.5]), step=step)
+                logger.commit(step)
+        except Exception as exc:  # reported by the main thread's assert
+            errors.append(exc)
+
+    trainer = threading.Thread(target=train)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads interleave often, so an unguarded read meets an append at once
+    trainer.start()
+    reads = 0
+    while trainer.is_alive() or reads == 0:  # bounded: the trainer commits `steps` steps and stops
+        try:
+            if "loss" in history.metrics:
+                got, values = history.series("loss")
+                assert values.tolist() == got.astype(float).tolist()  # whole pairs
+                assert np.all(np.diff(got) == 1) and len(got) <= 500  # recent steps, in order, none missing
+                assert history.last("loss") >= values[-1]
+                assert "loss" in history.keys()
+            frame = history.to_dataframe()
+            assert (frame["reward"] - frame["step"]).isin([0.0, 0.5]).all()  # each value with its own sample
+            reads += 1
+        except Exception as exc:  # a query that failed: reported below
+            errors.append(exc)
+            break
+    trainer.join()
+    sys.setswitchinterval(switch)
+    logger.close()
+    assert errors == [], errors[:1]
+    got, _ = history.series("loss")
+    assert got.tolist() == list(range(steps - 500, steps))

@@ -378,3 +378,33 @@ def test_media_tags_that_sanitise_alike_keep_apart(tmp_path):
     first = client.download_artifacts(backend.run_id, "text/notes_a_/step_00000001.txt")
     second = client.download_artifacts(backend.run_id, "text/notes_a__2/step_00000001.txt")
     assert open(first).read() == "first" and open(second).read() == "second"
+
+
+@pytest.mark.parametrize("store", ["sqlite", "file"])
+def test_what_infinity_and_negative_zero_read_back_as_in_each_mlflow_store(tmp_path, monkeypatch, store):
+    """Pins docs/backends.md: instrument sends inf, -inf, NaN and -0.0 as they are; MLflow's own SQL store
+    (SqlAlchemyStore.sanitize_metric_value) stores +-inf as the largest float64, and SQLite reads -0.0 back
+    as 0.0; a file store keeps them."""
+    import math
+    import sys
+
+    if store == "file":
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        backend = MlflowBackend(tracking_uri=(tmp_path / "mlruns").as_uri())
+    else:
+        backend = MlflowBackend()  # the default: sqlite:///<log_dir>/mlflow.db
+    logger = Logger([backend], RunInfo("special", tmp_path))
+    logger.log_metrics({"inf": float("inf"), "ninf": float("-inf"), "nan": float("nan"), "negzero": -0.0,
+                        "big": 1e308}, step=1)
+    logger.close()
+    assert logger.failures == {}
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    got = {key: [m.value for m in client.get_metric_history(backend.run_id, key)]
+           for key in ("inf", "ninf", "nan", "negzero", "big")}
+    assert math.isnan(got.pop("nan")[0]) and got["big"] == [1e308]
+    if store == "sqlite":
+        assert got["inf"] == [sys.float_info.max] == [1.7976931348623157e308] and got["ninf"] == [-sys.float_info.max]
+        assert got["negzero"] == [0.0] and math.copysign(1.0, got["negzero"][0]) == 1.0
+    else:
+        assert got["inf"] == [math.inf] and got["ninf"] == [-math.inf]
+        assert math.copysign(1.0, got["negzero"][0]) == -1.0

@@ -149,3 +149,31 @@ def test_console_column_keys_and_the_secret_patterns_themselves_are_not_redacted
     assert flat["console/columns"] == "[{'key': 'train/loss'}]" and flat["api/key"] == REDACTED
     assert redact_argv(["--bind", "ConsoleBackend.columns = [{'key': 'train/loss', 'width': -3}]"])[1].count(
         "train/loss") == 1
+
+
+@pytest.mark.parametrize("bind", [
+    "--bind=Model.hf_token='{}'",  # argparse's --opt=value form
+    '--bind=Model.hf_token="{}"',
+    "--bind=Model.env = {{'HF_TOKEN': '{}'}}",
+])
+def test_a_secret_bound_with_the_equals_form_never_reaches_wandb(tmp_path, monkeypatch, bind):
+    """A review found ``--bind=X.hf_token='...'`` in clear in the command line W&B records (``--bind X`` was
+    redacted): the option's value is a gin binding too."""
+    pytest.importorskip("wandb")
+    import instrument
+
+    secret = "sk-live-ABCDEF123456"
+    argv = ["train.py", bind.format(secret), "--bind=Model.lr=0.1", "--note", f"used {secret}"]
+    out = redact_argv(argv)
+    assert secret not in " ".join(out), out
+    assert out[1].startswith("--bind=Model.") and REDACTED in out[1] and out[2] == "--bind=Model.lr=0.1"
+    monkeypatch.setattr(sys, "argv", argv)
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.close()
+    files = [p for p in (tmp_path / "w").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files), files
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), path
+    (wandb_file,) = (tmp_path / "w").rglob("*.wandb")  # W&B's metadata records the command line, redacted
+    assert out[1].encode() in wandb_file.read_bytes()

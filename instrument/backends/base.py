@@ -22,6 +22,7 @@ one gets the next record again.
 """
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -31,6 +32,11 @@ import numpy as np
 from instrument.errors import ConfigurationError
 
 __all__ = ["Backend", "RunInfo", "SampleTable", "StepRecord", "check_backends"]
+
+log = logging.getLogger("instrument")
+
+USER_HEAD = "user/"  # where a user's metric goes whose key a timer's statistic has (`StepRecord.flat_scalars`)
+_SAID: Dict[str, None] = {}  # the keys warned of, once per process (a dict: its operations are atomic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +98,27 @@ class StepRecord:
         )
 
     def flat_scalars(self) -> Dict[str, float]:
-        """The scalars and the timings as one dict, timings keyed ``timing/<name>/<stat>``."""
+        """The scalars and the timings as one dict, timings keyed ``timing/<name>/<stat>``. A scalar the user
+        logged under a timer statistic's key of this step (``timing/fwd/mean`` beside ``Logger.timer("fwd")``)
+        moves to ``user/<key>`` (a number added while that is taken too), with one warning per key, so that
+        neither value silently replaces the other and ``timing/`` keeps the timers' own statistics."""
         out = dict(self.scalars)
-        for name, stats in self.timings.items():
-            for stat, value in stats.items():
-                out[f"timing/{name}/{stat}"] = value
+        timings = {f"timing/{name}/{stat}": value for name, stats in self.timings.items()
+                   for stat, value in stats.items()}
+        if not out.keys().isdisjoint(timings):
+            for key in [k for k in out if k in timings]:
+                name, number = f"{USER_HEAD}{key}", 1
+                while name in out or name in timings:
+                    number += 1
+                    name = f"{USER_HEAD}{key}_{number}"
+                out[name] = out.pop(key)
+                if key not in _SAID:
+                    _SAID[key] = None
+                    log.warning("instrument: the metric %r was logged under the key of a timer's statistic "
+                                "(Logger.timer(%r)); the backends write it as %r and the timer's as %r. Name the "
+                                "metric outside timing/ (or the timer otherwise) to choose its key; said once "
+                                "per key.", key, key[len("timing/"):].rpartition("/")[0], name, key)
+        out.update(timings)
         return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 import numpy as np
 
-__all__ = ["Drops", "DroppedValue", "finite", "utf8", "describe"]
+__all__ = ["Drops", "DroppedValue", "finite", "utf8", "utf8_keys", "describe"]
 
 log = logging.getLogger("instrument")
 
@@ -93,6 +93,33 @@ def utf8(drops: Drops, kind: str, key: str, text: str) -> str:
               "instrument: %s wrote the %s %r with the characters UTF-8 cannot encode (lone surrogates, e.g. from "
               "os.fsdecode of a non-UTF-8 name) as backslash escapes.", drops.backend, kind, key)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def utf8_keys(drops: Drops, kind: str, values: Dict[str, Any]) -> Dict[str, Any]:
+    """``values`` itself when UTF-8 can encode every key (one C-level check); otherwise a copy with each key
+    UTF-8 cannot encode (a metric named after an ``os.fsdecode``-d file) written as `utf8` writes a text, with
+    one warning per key, so that the SDK (protobuf) takes the step's other keys instead of refusing them all."""
+    try:
+        "".join(values).encode("utf-8")
+        return values
+    except TypeError:  # a key that is not a str: left to the backend, as before
+        return values
+    except UnicodeEncodeError:
+        pass
+    out: Dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            escaped = key.encode("utf-8", "backslashreplace").decode("utf-8")
+            drops.say(key, "utf8 key", logging.WARNING,
+                      "instrument: %s wrote the %s %r as %r: its key has characters UTF-8 cannot encode (lone "
+                      "surrogates, e.g. from os.fsdecode of a non-UTF-8 name), which it cannot store; decode "
+                      "such names with errors='replace' (or name the metric yourself) to choose the key.",
+                      drops.backend, kind, key, escaped)
+            key = escaped
+        out[key] = value
+    return out
 
 
 def describe(value: Any) -> str:

@@ -15,6 +15,11 @@ It stores what the logger commits — host values only, like every backend:
 `plot_metrics` and `plot_timelog` draw with matplotlib and return the figure, which a notebook shows.
 pandas and matplotlib are imported only there (``pip install 'torch-instrument[analysis]'``).
 
+Threads: the writer thread writes each committed step under one lock, and every query (`keys`, `series`,
+`last`, `to_dataframe`, the plots) copies what it reads under that lock, so a notebook or the training loop
+may query the history while the run goes on and sees whole steps only. The containers themselves
+(``metrics``, ``timelog``, ...) are the live ones: iterate them only after the run is closed.
+
 Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log, ``max_samples``
 caps the set of unique samples. Reaching a cap is reported once through the ``instrument`` logger; after that
 the oldest steps are dropped (samples beyond the cap are not added).
@@ -23,6 +28,7 @@ the oldest steps are dropped (samples beyond the cap are not added).
 import collections
 import logging
 import math
+import threading
 from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -67,6 +73,9 @@ class RunHistoryBackend(Backend):
         self.run: Optional[RunInfo] = None
         self._pending_samples: Dict[int, List[Hashable]] = {}
         self._said: Set[str] = set()
+        # The writer thread writes a step under it; queries copy under it (a deque iterated while it is
+        # appended to raises "deque mutated during iteration"); add_samples comes from the training thread.
+        self._lock = threading.RLock()
         for key in batch_keys:
             self.add_log(key)
 
@@ -76,7 +85,8 @@ class RunHistoryBackend(Backend):
         them)."""
         if not key or not isinstance(key, str):
             raise ConfigurationError(f"add_log takes a histogram tag (a non-empty string), got {key!r}.")
-        self.batch_log.setdefault(key, collections.deque(maxlen=self.max_steps))
+        with self._lock:
+            self.batch_log.setdefault(key, collections.deque(maxlen=self.max_steps))
 
     def add_samples(self, step: int, samples: Iterable[Hashable]) -> None:
         """Name the items of the batch logged at ``step`` (any hashable items: ints, strings, tuples).
@@ -87,13 +97,18 @@ class RunHistoryBackend(Backend):
         items = list(samples)
         for item in items:
             hash(item)  # an unhashable item fails here, with Python's own message
-        self._pending_samples[int(step)] = items
+        with self._lock:
+            self._pending_samples[int(step)] = items
 
     # ------------------------------------------------------------------ backend
     def open(self, run: RunInfo) -> None:
         self.run = run
 
     def write(self, record: StepRecord) -> None:
+        with self._lock:  # a query sees this step whole or not at all
+            self._write(record)
+
+    def _write(self, record: StepRecord) -> None:
         step = record.step
         for key, value in record.flat_scalars().items():  # timings too, as timing/<stage>/<stat> series
             series = self.metrics.get(key)
@@ -148,13 +163,15 @@ class RunHistoryBackend(Backend):
 
     # ------------------------------------------------------------------ queries
     def keys(self) -> List[str]:
-        return sorted(self.metrics)
+        with self._lock:
+            return sorted(self.metrics)
 
     def series(self, key: str) -> Tuple[np.ndarray, np.ndarray]:
-        """``(steps, values)`` of one metric as NumPy arrays."""
-        if key not in self.metrics:
-            raise KeyError(f"no metric {key!r} in the run history; known keys: {self.keys()[:20]}")
-        pairs = self.metrics[key]
+        """``(steps, values)`` of one metric as NumPy arrays (a copy, safe to take while the run goes on)."""
+        with self._lock:
+            pairs = list(self.metrics.get(key, ()))
+            if key not in self.metrics:
+                raise KeyError(f"no metric {key!r} in the run history; known keys: {sorted(self.metrics)[:20]}")
         return (
             np.array([s for s, _ in pairs], dtype=np.int64 if all(abs(s) < 2**63 for s, _ in pairs) else object),
             np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)),
@@ -167,19 +184,22 @@ class RunHistoryBackend(Backend):
         """A pandas DataFrame with one row per (sample, step): columns ``sample``, ``step`` and each batch-log
         key's per-item value (NaN where a key was not logged that step)."""
         pd = require("pandas", "analysis", "RunHistoryBackend.to_dataframe")
+        with self._lock:  # one consistent copy: the writer may be appending meanwhile
+            batch_log = {key: list(entries) for key, entries in self.batch_log.items()}
+            batch_samples, unique = list(self.batch_samples), set(self.unique_samples)
         # A step committed twice has two entries of each: the k-th samples of a step go with its k-th values.
         by_step: Dict[int, Dict[str, List[np.ndarray]]] = {}
-        for key, entries in self.batch_log.items():
+        for key, entries in batch_log.items():
             for step, values in entries:
                 by_step.setdefault(step, {}).setdefault(key, []).append(values)
         rows: List[Dict[str, Any]] = []
-        keys = list(self.batch_log)
+        keys = list(batch_log)
         seen: Dict[int, int] = {}
-        for step, samples in self.batch_samples:
+        for step, samples in batch_samples:
             k = seen[step] = seen.get(step, -1) + 1
             values = {key: lists[k] for key, lists in by_step.get(step, {}).items() if k < len(lists)}
             for i, sample in enumerate(samples):
-                if sample not in self.unique_samples:
+                if sample not in unique:
                     continue
                 row: Dict[str, Any] = {"sample": sample, "step": step}
                 for key in keys:
@@ -213,11 +233,13 @@ class RunHistoryBackend(Backend):
         figure_cls = require("matplotlib.figure", "analysis", "RunHistoryBackend.plot_timelog").Figure
         fig = figure_cls(figsize=(6.4, 3.2), layout="constrained")
         ax = fig.subplots()
-        for stage, entries in sorted(self.timelog.items()):
+        with self._lock:
+            timelog = {stage: list(entries) for stage, entries in self.timelog.items()}
+        for stage, entries in sorted(timelog.items()):
             ax.plot([s for s, _, _ in entries], [m for _, m, _ in entries], label=stage, lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("seconds (mean per call)")
-        if self.timelog:
+        if timelog:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         ax.set_title(title or "stage timings", fontsize=10, loc="left")

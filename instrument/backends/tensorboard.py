@@ -8,7 +8,7 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import numpy as np
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.backends.drops import Drops, finite, utf8
+from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import order_params
 from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
 from instrument.errors import ConfigurationError
@@ -150,21 +150,22 @@ class TensorBoardBackend(Backend):
 
         step, t, drops = record.step, record.wall_time, self._drops
         _add_scalars(w, record.flat_scalars(), step, t, drops)
-        images = ((k, v) for k, v in record.images.items() if v is not None)
-        histograms = ((k, v) for k, v in record.histograms.items() if v.size)
+        images = ((k, v) for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
+        histograms = ((k, v) for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
         bins = self._bins(w)
         summaries = [
             *drops.each("image", images, lambda k, v: tb.image(k, v, dataformats="HWC"), "an HWC image").values(),
             *drops.each("histogram", histograms, lambda k, v: _histogram(drops, k, v, bins),
                         "real numbers, at least one finite").values(),
-            *drops.each("text", record.texts.items(), lambda k, v: tb.text(k, utf8(drops, "text", k, v)),
-                        "a str").values(),
+            *drops.each("text", utf8_keys(drops, "text", record.texts).items(),
+                        lambda k, v: tb.text(k, utf8(drops, "text", k, v)), "a str").values(),
         ]
         file_writer = w._get_file_writer()
         for summary in summaries:
             file_writer.add_summary(summary, step, t)
-        failed = write_each(record.videos, lambda key, frames, fps: self._write_video(w, key, frames, fps, step, t))
-        tables = drops.each("samples table", record.samples.items(),
+        failed = write_each(utf8_keys(drops, "video", record.videos),
+                            lambda key, frames, fps: self._write_video(w, key, frames, fps, step, t))
+        tables = drops.each("samples table", utf8_keys(drops, "samples table", record.samples).items(),
                             lambda k, v: tb.text(k, utf8(drops, "samples table", k, markdown_table(v.rows))),
                             "rows of strings and numbers")
         for summary in tables.values():
@@ -312,8 +313,17 @@ def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Op
 
     event = Event()
     add = event.summary.value.add
-    for key, value in scalars.items():
-        add(tag=key, simple_value=float(value))
+    try:
+        for key, value in scalars.items():
+            add(tag=key, simple_value=float(value))
+    except UnicodeEncodeError:  # a key with a lone surrogate (os.fsdecode): written escaped, the others as they are
+        if drops is None:
+            raise
+        scalars = utf8_keys(drops, "scalar", dict(scalars))
+        event = Event()
+        add = event.summary.value.add
+        for key, value in scalars.items():
+            add(tag=key, simple_value=float(value))
     w._get_file_writer().add_event(event, step, t)
     if drops is not None:
         _say_beyond_float32(drops, scalars)

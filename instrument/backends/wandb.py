@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.backends.drops import Drops, finite, utf8
+from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.backends.wandb_log import last_step, run_files
@@ -166,21 +166,23 @@ class WandbBackend(Backend):
         if self._holds(record.step):  # a resumed run already holds it: not written again (W&B would drop it)
             return
         wandb, drops = self._wandb, self._drops
-        scalars: dict = self._scalar_names(record.flat_scalars())
+        # Keys UTF-8 cannot encode (os.fsdecode names) escaped: W&B's protobuf would refuse the whole row.
+        scalars: dict = self._scalar_names(utf8_keys(drops, "scalar", record.flat_scalars()))
         self._scalar_keys.update(scalars)
-        images = ((k, v) for k, v in record.images.items() if v is not None)
-        histograms = ((k, v) for k, v in record.histograms.items() if v.size)
+        images = ((k, v) for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
+        histograms = ((k, v) for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
         videos: dict = {}
-        failed = write_each(record.videos, lambda key, frames, fps: videos.__setitem__(key, _video(wandb, frames, fps)))
+        failed = write_each(utf8_keys(drops, "video", record.videos),
+                            lambda key, frames, fps: videos.__setitem__(key, _video(wandb, frames, fps)))
         media = {
             "image": drops.each("image", images, lambda k, v: wandb.Image(v), "an HWC image"),
             "histogram": drops.each("histogram", histograms, lambda k, v: _histogram(wandb, drops, k, v),
                                     "real numbers, at least one finite, within the float range"),
-            "text": drops.each("text", record.texts.items(),
+            "text": drops.each("text", utf8_keys(drops, "text", record.texts).items(),
                                lambda k, v: wandb.Html(f"<pre>{_escape(utf8(drops, 'text', k, v))}</pre>"), "a str"),
             "video": videos,
-            "table": drops.each("samples table", record.samples.items(), lambda k, v: _table(wandb, drops, k, v),
-                                "rows of strings and numbers"),
+            "table": drops.each("samples table", utf8_keys(drops, "samples table", record.samples).items(),
+                                lambda k, v: _table(wandb, drops, k, v), "rows of strings and numbers"),
         }
         data = dict(scalars)
         for kind, values in media.items():
@@ -269,7 +271,7 @@ class WandbBackend(Backend):
         return out
 
     def write_system(self, record: StepRecord) -> None:
-        self._system = {**self._system, **record.scalars}
+        self._system = {**self._system, **utf8_keys(self._drops, "scalar", record.scalars)}
 
     def flush(self) -> None:
         """W&B has no call that writes its buffer sooner; its service does so every ``flush_secs``."""

@@ -21,7 +21,7 @@ from instrument.logger.transfer import start_transfer, to_host
 
 __all__ = ["handover"]
 
-_TIMING = "timing/"
+_TIMING = "\0timing/"  # the timers' statistics in the reduction (NUL first): a user's timing/... metric stays one
 _ROUNDED = "\0rounded/"  # an internal key (NUL first), popped before anything is written
 
 

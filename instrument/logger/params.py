@@ -243,16 +243,19 @@ def _literal_strings(text: str) -> List[str]:
 
 
 def redact_argv(argv: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
-    """A command line with secrets redacted: gin bindings in it (``--bind 'X.password = "..."'``), and
-    ``--password=...`` / ``--password ...`` options. W&B records the command line of every run."""
+    """A command line with secrets redacted: gin bindings in it, as an argument of their own (``--bind
+    'X.password = "..."'``) or as an option's value (``--bind=X.password='...'``, argparse's ``=`` form), and
+    ``--password=...`` / ``--password ...`` options. A string a binding's secret holds is also scrubbed from
+    every other argument. W&B records the command line of every run."""
     out: List[str] = []
+    found: Set[str] = set()
     redact_next = False
     for arg in argv:
         if redact_next:
             out.append(REDACTED)
             redact_next = False
             continue
-        option = re.match(r"^(--?)([\w.-]+)(=(.*))?$", arg)
+        option = re.match(r"^(--?)([\w.-]+)(=(.*))?$", arg, re.DOTALL)
         if option and is_secret(option.group(2), extra):
             if option.group(3) is None:
                 redact_next = True
@@ -260,8 +263,11 @@ def redact_argv(argv: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
             else:
                 out.append(f"{option.group(1)}{option.group(2)}={REDACTED}")
             continue
-        out.append(redact_config_text(arg, extra) if "=" in arg else arg)
-    return out
+        if option and option.group(3) is not None:  # --bind=X.token='...': the value is a binding of its own
+            out.append(f"{option.group(1)}{option.group(2)}={redact_config_text(option.group(4), extra, found)}")
+            continue
+        out.append(redact_config_text(arg, extra, found) if "=" in arg else arg)
+    return [scrub(arg, found) for arg in out]
 
 
 def redact_hyperparams(

@@ -1,0 +1,108 @@
+"""Metric keys a destination cannot take as they are, written back and read with each destination's reader."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import instrument
+from tests.conftest import event_accumulator, read_scalars
+from tests.wandb_reader import read_run
+
+NAME = os.fsdecode(b"caf\xe9.txt")  # 'caf\udce9.txt': a lone surrogate, as os.fsdecode leaves a non-UTF-8 name
+
+
+def _jsonl(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_metric_key_with_a_lone_surrogate_costs_no_step(tmp_path, caplog):
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.TensorBoardBackend(), instrument.JsonlBackend(),
+                                instrument.WandbBackend(project="tests")], instrument.RunInfo("r", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"loss": 0.5 * step, f"files/{NAME}": float(step)}, step=step)
+        logger.log_histogram(f"sizes/{NAME}", np.array([1.0, 2.0]), step=step)
+        logger.commit(step)
+    logger.close()
+    assert logger.failures == {}
+    escaped = "files/caf\\udce9.txt"
+    tb = read_scalars(tmp_path / "r")
+    assert tb["loss"] == {1: 0.5, 2: 1.0} and tb[escaped] == {1: 1.0, 2: 2.0}
+    assert [e.step for e in event_accumulator(tmp_path / "r").Histograms("sizes/caf\\udce9.txt")] == [1, 2]
+    rows, _ = read_run(tmp_path / "r")
+    assert [(row["_step"], row["loss"], row[escaped]) for row in rows] == [(1, 0.5, 1.0), (2, 1.0, 2.0)]
+    assert all(row["sizes/caf\\udce9.txt"]["_type"] == "histogram" for row in rows)
+    lines = _jsonl(tmp_path / "r")  # JSON escapes the surrogate itself: the key reads back exactly
+    assert [(line["step"], line["metrics"]["loss"], line["metrics"][f"files/{NAME}"]) for line in lines] == [
+        (1, 0.5, 1.0), (2, 1.0, 2.0)]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "UTF-8 cannot" in r.getMessage()]
+    assert len(said) == 4  # once per backend and key: TensorBoard and W&B, the scalar and the histogram
+    assert any("TensorBoardBackend wrote the scalar 'files/caf\\udce9.txt' as 'files/caf\\\\udce9.txt'" in m
+               for m in said)
+
+
+def test_a_metric_under_a_timers_key_is_kept_apart_from_the_timer(tmp_path, caplog):
+    """A review found ``log_metrics({"timing/fwd/mean": ...})`` beside ``logger.timer("fwd")`` silently
+    replaced by the timer's statistic in every scalar-only backend."""
+    logger = instrument.Logger([instrument.TensorBoardBackend(), instrument.JsonlBackend()],
+                               instrument.RunInfo("t", tmp_path))
+    for step in (1, 2):
+        with logger.timer("fwd"):
+            pass
+        logger.log_metrics({"timing/fwd/mean": 123.0, "timing/fwd/count": 7.0, "timing/data": 0.5}, step=step)
+        logger.commit(step)
+    logger.close()
+    for metrics in [line["metrics"] for line in _jsonl(tmp_path / "t")]:
+        assert metrics["user/timing/fwd/mean"] == 123.0 and metrics["user/timing/fwd/count"] == 7.0
+        assert metrics["timing/fwd/count"] == 1.0 and metrics["timing/fwd/mean"] < 1.0  # the timer's own
+        assert metrics["timing/data"] == 0.5  # no timer's key: as logged
+    tb = read_scalars(tmp_path / "t")
+    assert tb["user/timing/fwd/mean"] == {1: 123.0, 2: 123.0} and tb["timing/fwd/count"] == {1: 1.0, 2: 1.0}
+    said = [r.getMessage() for r in caplog.records if "under the key of a timer's statistic" in r.getMessage()]
+    assert len(said) == 2 and "'timing/fwd/mean'" in said[0] and "'user/timing/fwd/mean'" in said[0]
+
+
+def test_a_metric_under_timing_is_reduced_as_a_metric_under_a_process_group(tmp_path):
+    """Under a process group the timers' statistics were reduced under ``timing/...`` names and every key
+    starting with ``timing/`` was then taken for one: a user's ``timing/data`` was written as
+    ``timing//data``, and a ``timing/fwd/mean`` beside the timer was reduced with it into one value."""
+    pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
+    source = """
+import json, threading
+import torch, torch.distributed as dist
+import instrument
+from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+torch._C._distributed_c10d._set_thread_isolation_mode(True)
+_install_threaded_pg()
+store, out, barrier = dist.HashStore(), {}, threading.Barrier(2)
+
+def worker(rank):
+    dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
+    barrier.wait()
+    logger = instrument.Logger([])
+    with logger.timer("fwd"):
+        pass
+    logger.log_metrics({"timing/data": float(rank + 1), "timing/fwd/mean": 100.0 + rank}, step=0)
+    handle = logger.commit(0)
+    out[rank] = None if handle is None else handle.flat_scalars()
+    logger.close()
+
+threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+print(json.dumps(out))
+"""
+    from tests.conftest import run_child
+
+    done = run_child(tmp_path, source)
+    assert done.returncode == 0, done.stderr[-2000:]
+    scalars = json.loads(done.stdout.strip().splitlines()[-1])["0"]
+    assert scalars["timing/data"] == 1.5 and "timing//data" not in scalars  # the mean over ranks, as logged
+    assert scalars["user/timing/fwd/mean"] == 100.5 and scalars["timing/fwd/mean"] < 1.0
+    assert scalars["timing/fwd/count"] == 1.0

@@ -321,3 +321,39 @@ def test_log_interval_zero_writes_nothing_of_inst_log_at_close(tmp_path):
             inst.log({"loss": float(step)})
     inst.close()
     assert keep == []
+
+
+def test_ctrl_c_in_an_observers_reset_or_attach_ends_the_step_like_any_failed_one():
+    """A KeyboardInterrupt (not an Exception: the failure ledger lets it through) in an observer's reset or
+    attach escaped before the step's cleanup: ActivationStats' hooks stayed on the module for good, and every
+    later logging step raised 'entered while step 0 is still open'. Now the step ends as a failed one."""
+    class Interrupted(instrument.Observer):
+        def __init__(self, where):
+            super().__init__()
+            self.where, self.calls = where, 0
+
+        def reset(self):
+            if self.where == "reset":
+                self.calls += 1
+                if self.calls == 1:
+                    raise KeyboardInterrupt
+
+        def attach(self, modules):
+            if self.where == "attach":
+                self.calls += 1
+                if self.calls == 1:
+                    raise KeyboardInterrupt
+
+    for where in ("reset", "attach"):
+        rule = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        stats = instrument.ActivationStats()
+        inst = instrument.Instrumentation([stats, Interrupted(where)], backends=[], log_interval=1)
+        inst.watch(rule)
+        with pytest.raises(KeyboardInterrupt), inst.step(0):
+            rule(torch.ones(2, 4))
+        assert inst.active_step is None
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in rule.modules())
+        with inst.step(1):  # a later logging step runs normally
+            rule(torch.ones(2, 4))
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in rule.modules())
+        inst.close()

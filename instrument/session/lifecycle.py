@@ -36,8 +36,8 @@ class StepLifecycle:
             self._dispatch.clock = meter
         scope._mark = self.logger.mark()
         self._current = scope
-        self._dispatch.begin(self.watched_modules)
-        try:
+        try:  # whatever stops the start (Ctrl-C in an observer's reset or attach) ends it like a failed step
+            self._dispatch.begin(self.watched_modules)
             self._probes_on()
             for watch in self._watches:
                 watch.attach()

@@ -293,6 +293,40 @@ def test_gradient_probe_delivers_each_iterations_gradient_before_log():
         assert torch.equal(on, p.grad)
 
 
+def test_two_backward_passes_deliver_one_gradient_per_iteration_the_gradient_of_the_losses_sum(caplog):
+    """Two losses each with its own backward (retain_graph=True): each pass recorded every gradient probe, so
+    2n gradients came for n iterations and gradients[i] was no iteration's. Now passes are summed per
+    iteration, as one backward of the sum gives; a count that pairs with nothing is said once."""
+    rule, keep = new_rule(grad=True), Keep()
+    inst = session(keep, log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = rule(x)
+        x.square().mean().backward(retain_graph=True)
+        x.mean().backward()
+    hidden, x = [], x0
+    for _ in range(N_ITER):
+        h = torch.relu(rule.fc0(rule.perceive(x)))
+        h.retain_grad()
+        hidden.append(h)
+        x = x + rule.fc1(h)
+    (x.square().mean() + x.mean()).backward()
+    assert len(keep.gradients["hidden"]) == N_ITER
+    for got, h in zip(keep.gradients["hidden"], hidden, strict=True):
+        torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-7)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(1):  # backward over the last 2 only
+        x = x0
+        for i in range(N_ITER):
+            x = rule(x.detach() if i == N_ITER - 2 else x)
+        x.mean().backward()
+    inst.close()
+    assert len(keep.gradients["hidden"]) == 2
+    assert "cannot be paired with iterations" in caplog.text
+
+
 class InPlaceAfterGradProbe(torch.nn.Module):
     """``h = probe(h); h.mul_(2)``: a model may change a gradient probe's output in place."""
 

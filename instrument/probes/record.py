@@ -73,6 +73,7 @@ class Recorder:
     def __init__(self) -> None:
         self.pending: Dict[str, Tuple[Tensor, int, Optional[Tensor]]] = {}
         self.gradients: Dict[str, List[Tensor]] = {}
+        self.calls: Dict[str, int] = {}  # forward records per probe name: the iterations its gradients pair with
         self.recorded = 0
         self.delivered = 0
         self.copies = 0
@@ -82,6 +83,7 @@ class Recorder:
         """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
         value = value.detach()
         self.recorded += 1
+        self.calls[name] = self.calls.get(name, 0) + 1
         if copy or name in _copied or value.is_inference():
             self.copies += 1
             self.pending[name] = (value.clone(), _UNTRACKED, None)
@@ -118,11 +120,34 @@ class Recorder:
         self.gradients.setdefault(name, []).append(gradient)
 
     def gradients_in_forward_order(self) -> Dict[str, List[Tensor]]:
-        """Backward visits a chained rollout's iterations last to first; reverse to index by iteration."""
-        return {name: values[::-1] for name, values in self.gradients.items()}
+        """Backward visits a chained rollout's iterations last to first; reverse to index by iteration.
+
+        Several backward passes over the step's graph (two losses with ``retain_graph=True``) each deliver
+        one gradient per iteration: k * n gradients for n iterations are k passes, summed per iteration (the
+        gradient of the losses' sum, as one backward of it gives). Any other count cannot be paired with the
+        iterations: delivered reversed as they came, said once per probe."""
+        out: Dict[str, List[Tensor]] = {}
+        for name, values in self.gradients.items():
+            n = self.calls.get(name, 0)
+            if n and len(values) > n and len(values) % n == 0:
+                passes = [values[start:start + n][::-1] for start in range(0, len(values), n)]
+                out[name] = [sum(parts[1:], parts[0]) for parts in zip(*passes, strict=True)]
+                continue
+            if len(values) != n and name not in _said_unpaired:
+                _said_unpaired.add(name)
+                log.warning(
+                    "instrument: gradient probe %r recorded %d gradients in a step whose forward recorded it %d "
+                    "times, so they cannot be paired with iterations (a backward over part of the rollout, or "
+                    "gradients from outside the watched calls); gradients[%r] holds them last-delivered first, "
+                    "and gradients[%r][i] need not be iteration i's. (Said once per probe.)",
+                    name, len(values), n, name, name,
+                )
+            out[name] = values[::-1]
+        return out
 
 
 _UNTRACKED = -1  # no version to compare: the recorder holds its own copy
+_said_unpaired: Set[str] = set()  # gradient probes whose count did not match their forward records (said once)
 # Names of probes whose value the model was seen to change in place after the probe: copied at recording.
 _copied: Set[str] = set()
 

@@ -816,6 +816,34 @@ def test_a_state_that_is_a_view_of_a_buffer_the_rule_writes_into_is_not_taken_fo
     assert seen == [6.0] * 4 and not [r for r in caplog.records if "in place" in r.getMessage()]
 
 
+def test_a_rule_that_changes_its_argument_in_place_and_returns_a_new_tensor_is_observed_with_its_input(caplog):
+    """`x.clamp_(-.5, .5); return x + ...`: the version check ran only for rules returning their own argument,
+    so every iteration's previous_state was the clamped tensor, silently. Now the first call's copy catches it
+    (said at INFO) and every call is observed with the state from before it."""
+
+    class Clamp(torch.nn.Module):
+        def forward(self, x):
+            x.clamp_(-0.5, 0.5)
+            return x + 0.25
+
+    rule, deltas = Clamp(), _Deltas()
+    inst = _watched(rule, deltas)
+    expected = []
+    with caplog.at_level(logging.INFO, logger="instrument"):
+        for step in range(2):
+            with inst.step(step):
+                x = torch.linspace(-2, 2, 12).reshape(2, 6)
+                for _ in range(3):
+                    before = x.double().clone()
+                    x = rule(x)
+                    expected.append(float((x.double() - before).abs().sum()))
+                seen = list(deltas.seen)
+            assert seen == pytest.approx(expected[3 * step:], rel=1e-6)
+    inst.close()
+    said = [r for r in caplog.records if "changed during its forward" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+
+
 def test_a_list_state_whose_element_is_replaced_is_observed_with_the_element_before_the_call():
     class Replace(torch.nn.Module):
         def forward(self, state):

@@ -214,6 +214,11 @@ class StateWatch:
                     if copy is None:
                         return
                     previous = copy
+            elif version is not None and previous._version != version:  # changed, and a new tensor returned
+                self._argument_changed(observed=copy is not None)
+                if copy is None:
+                    return
+                previous = copy
             self._known = True
             if self._copy_input and current is original:  # the next call changes it again: deliver a copy
                 copy = current.detach().clone()
@@ -246,6 +251,24 @@ class StateWatch:
             "correct). Returning a new tensor (`return x + dx`) avoids the copy. (Said once.)", self.name,
             "This call is observed with a copy taken before it" if observed else
             "This call is not observed (previous_state and dx would be wrong: dx reads 0)",
+        )
+
+    def _argument_changed(self, observed: bool) -> None:
+        """The state argument's version moved during a call that returned another tensor: an in-place op on
+        it (``x.clamp_(...); return x + dx``), or a write into memory it shares (ping-pong buffers, views of one
+        storage). From now on it is copied before every call. With the copy taken before this call (the first),
+        this call is observed right: said at INFO; without one it cannot be: not observed, a WARNING."""
+        first = not self._copy_input
+        self._copy_input = True
+        if not first:
+            return
+        (log.info if observed else log.warning)(
+            "instrument: the state argument of watched module %s changed during its forward (an in-place op on "
+            "it, e.g. `x.clamp_(...)`, or a write into memory it shares), so after the call it no longer holds "
+            "the previous state. %s; from now on it is copied before each call on logging steps (one clone per "
+            "iteration). (Said once.)", self.name,
+            "This call is observed with the copy taken before it" if observed else
+            "This call is not observed (previous_state and dx would be wrong)",
         )
 
     def _state_keyword(self, kwargs: Dict[str, Any]) -> Any:

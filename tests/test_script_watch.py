@@ -322,3 +322,54 @@ def test_a_logging_step_that_raises_leaves_nothing_switched_on():
     assert not torch.nn.modules.module._global_forward_hooks and not record._call_ends
     assert record.active_recorder() is None
     inst.close()
+
+
+TEACHER = """
+import sys, warnings
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+import torch
+import instrument
+from tests._probe_models import Rule
+path, phase = sys.argv[1], sys.argv[2]
+
+class Count(instrument.Observer):
+    def reset(self):
+        self.calls = 0
+    def observe(self, context):
+        self.calls += 1
+    def log(self, logger, step):
+        pass
+
+torch.manual_seed(0)
+count = Count()
+inst = instrument.Instrumentation([count], backends=[], log_interval=1)
+if phase == "save":  # a checkpoint written during a logging step
+    rule = instrument.script(Rule())
+    inst.watch(rule)
+    with torch.no_grad(), inst.step(0):
+        rule(torch.randn(2, 4, 6, 6))
+        torch.jit.save(rule, path)
+else:  # that checkpoint loaded as an unwatched teacher beside a watched student
+    teacher, student = torch.jit.load(path), instrument.script(Rule())
+    inst.watch(student)
+    with torch.no_grad(), inst.step(0):
+        x = torch.randn(2, 4, 6, 6)
+        for _ in range(3):
+            teacher(x)
+            x = student(x)
+    print("observed", count.calls, flush=True)
+inst.close()
+"""
+
+
+def test_a_scripted_checkpoint_saved_in_a_logging_step_is_never_observed_as_another_processes_watch(tmp_path):
+    """A boundary saved switched on keeps its token; tokens counted from 1 in every process, so the loaded
+    teacher's token was the student's watch's and its calls were observed as the student's (6 for 3)."""
+    from tests.conftest import run_child
+
+    path = str(tmp_path / "teacher.pt")
+    saved = run_child(tmp_path, TEACHER, path, "save", timeout=240)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    loaded = run_child(tmp_path, TEACHER, path, "load", timeout=240)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert "observed 3" in loaded.stdout, loaded.stdout + loaded.stderr[-2000:]

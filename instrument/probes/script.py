@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import linecache
 import logging
+import secrets
 import sys
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -353,7 +354,11 @@ def has_call_boundary(module: nn.Module) -> bool:
     return is_scripted(module) and _call_boundary(module) is not None
 
 
-_tokens = itertools.count(1)
+# A boundary keeps its token in the module, so a copy or a torch.jit.save made during a logging step carries it,
+# switched on, into other processes: tokens start at a random point in each process, so that such a stale
+# boundary never matches a watch of another process (a counter from 1 gave the same tokens in every process,
+# and a loaded, unwatched teacher's calls were delivered as the watched student's iterations).
+_tokens = itertools.count(secrets.randbits(48) + 1)
 
 
 class _BoundaryHandle:

@@ -19,7 +19,12 @@ from instrument.logger.reduce import CrossRankReducer, Entry
 from instrument.logger.timer import elapsed
 from instrument.logger.transfer import start_transfer, to_host
 
-__all__ = ["handover"]
+__all__ = ["PRESENCE", "handover"]
+
+# Under a process group, ``PRESENCE + name`` (reduced with "sum") counts what the min or max ``name`` summarises
+# on each rank (`instrument.rl.ranks`): where no rank counted anything, ``name`` is written as NaN, as on one
+# process, instead of the reduction's identity (+inf for a min). Popped before anything is written.
+PRESENCE = "\0present/"
 
 _TIMING = "\0timing/"  # the timers' statistics in the reduction (NUL first): a user's timing/... metric stays one
 _ROUNDED = "\0rounded/"  # an internal key (NUL first), popped before anything is written
@@ -46,6 +51,9 @@ def handover(
             timings.setdefault(name, {})[stat] = scalars.pop(key)
         # Every rank's flags, reduced with max: rank 0 writes the reduced value, so it says so for any rank.
         rounded = [key[len(_ROUNDED):] for key in list(scalars) if key.startswith(_ROUNDED) and scalars.pop(key) > 0]
+        for key in [k for k in scalars if k.startswith(PRESENCE)]:
+            if scalars.pop(key) == 0 and key[len(PRESENCE):] in scalars:
+                scalars[key[len(PRESENCE):]] = math.nan
         wide = {tuple(rounded): np.ones(len(rounded), dtype=bool)} if rounded else {}
         if not (scalars or media or timings):
             return None

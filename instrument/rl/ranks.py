@@ -5,7 +5,9 @@ mean is wrong: frames and episode counts add up over ranks, a minimum is the sma
 mean over episodes weighs each rank by its episodes. A rank with nothing counted (no episode ended) has a NaN
 mean/min/max locally, and a NaN from one rank makes the reduced value NaN; so under a process group such a
 rank contributes the reduction's identity instead: value 0 with weight 0 to a weighted mean (NaN only when
-no rank counted anything: 0 / 0), +inf to a min and -inf to a max. All of it stays on the device.
+no rank counted anything: 0 / 0), +inf to a min and -inf to a max, with its count beside it (the logger's
+`PRESENCE` keys, summed), so that a min or max no rank counted anything for is NaN, as on one process. All of
+it stays on the device.
 
 Without a process group (or with one rank) the values are staged exactly as they are, with the default op,
 so a single-process run writes the same numbers (a weighted mean, ``value * n / n``, can differ in the last
@@ -16,6 +18,8 @@ import math
 from typing import Any, Mapping, Optional
 
 import torch
+
+from instrument.logger.handover import PRESENCE
 
 __all__ = ["distributed", "log_reduced"]
 
@@ -36,6 +40,8 @@ def log_reduced(
     staged = dict(metrics)
     reduce = {key: ops.get(key, "mean") for key in staged}
     weights = {}
+    presence = {}
+    head = prefix.rstrip("/") + "/" if prefix else ""
     for key, count in (counts or {}).items():  # RunningStats counts: tensors on the values' device
         value = staged[key]
         seen = count > 0
@@ -45,7 +51,10 @@ def log_reduced(
         elif reduce[key] in ("min", "max"):
             identity = math.inf if reduce[key] == "min" else -math.inf
             staged[key] = torch.where(seen, value, torch.full((), identity, dtype=value.dtype, device=value.device))
+            presence[PRESENCE + head + key] = count.to(value.dtype)
     logger.log_metrics(staged, step=step, prefix=prefix, reduce=reduce, weights=weights or None)
+    if presence:
+        logger.log_metrics(presence, step=step, reduce="sum")
 
 
 def distributed(logger: Any) -> bool:

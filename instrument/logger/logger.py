@@ -34,6 +34,7 @@ import logging
 import numbers
 import sys
 import threading
+from threading import get_ident
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -326,7 +327,9 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         Timer measurements carry no step: they go with the next record, and with ``step`` given they make one.
         """
         collective = initialized() and self.reducer.active()  # one attribute read without a group
-        if not self._gate(f"commit({step})"):
+        if get_ident() != self._writer.ident:  # the common case, decided inline (`_gate`)
+            self._commit_lock.acquire()
+        elif not self._gate(f"commit({step})"):
             return None  # what is staged stays staged, for the next commit
         try:
             with self._lock:
@@ -371,7 +374,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         """Take the commit lock. On the writer thread (a backend or a logging handler calling back into this
         logger) only for a bounded wait, since the thread holding it may be waiting for this one (for room
         in a full queue): False then, said once, and the caller commits nothing."""
-        if not self._writer.on_thread():
+        if get_ident() != self._writer.ident:
             self._commit_lock.acquire()
             return True
         if self._commit_lock.acquire(timeout=_REENTRY_WAIT):

@@ -145,12 +145,9 @@ class Writer:
         self._last_flush = time.monotonic()
         self._thread = WriterThread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self.ident = self._thread.ident  # compared with threading.get_ident() on every commit (`Logger.commit`)
 
     # ------------------------------------------------------------------ producer side
-    def on_thread(self) -> bool:
-        """Whether the caller is this writer's own thread (a backend, or a logging handler it ran)."""
-        return threading.current_thread() is self._thread
-
     def submit(self, handle: CommittedStep, payload: Any, wait: bool = True) -> bool:
         """Hand a step over; False when the writer is closed (the step is not written).
 

@@ -22,8 +22,8 @@ iteration. Each component is called only through the `RLComponent` methods.
 
 Steps: the logger step of iteration k is k (``step_unit="iterations"``, the same numbering as ``inst.step(k)``)
 or the frame count after its batch (``step_unit="frames"``). A logging iteration (a logging step of the
-session, and every iteration whose evaluation was due) stages every component's values and commits them in
-one batched transfer, once per step (W&B drops a second write to a committed step). With frames, a logging
+session, and, with no process group, every iteration whose evaluation was due) stages every component's values
+and commits them in one batched transfer, once per step (W&B drops a second write to a step). With frames, a logging
 iteration that kept no frame since the last commit has that commit's step: it is deferred, its values stay
 accumulated and are committed by the next iteration whose frame count is higher.
 

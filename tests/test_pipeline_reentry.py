@@ -187,3 +187,36 @@ def test_exit_with_a_full_queue_and_a_staged_value_keeps_its_time_bound(tmp_path
     """)
     assert "exiting" in done.stdout, done.stderr  # and it exited: a hang is a timeout (`_run`)
     assert steps_of(tmp_path / "r" / "metrics.jsonl") == [1]  # the writer hangs in step 1's second backend
+
+
+def test_a_second_close_from_another_thread_returns_after_the_first_one_finished(tmp_path):
+    """close() no longer holds the commit lock while it waits for the writer (a callback from the writer thread
+    could deadlock on it), and a second close() found the writer's close queued and waited only for a 5 s
+    thread join: it returned with steps still unwritten and the backends open."""
+    import threading
+    import time
+
+    from instrument.backends.base import Backend, RunInfo
+    from instrument.backends.jsonl import JsonlBackend
+    from instrument.logger.logger import Logger
+
+    class Slow(Backend):
+        closed = False
+
+        def write(self, record):
+            time.sleep(0.8)
+
+        def close(self):
+            Slow.closed = True
+
+    logger = Logger([Slow(), JsonlBackend()], RunInfo("r", tmp_path), queue_size=16)
+    for step in range(8):
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.commit(step)
+    first = threading.Thread(target=logger.close)
+    first.start()
+    while not logger._writer._closing:
+        time.sleep(0.005)
+    logger.close()  # the second close, while the first waits for the writer
+    assert Slow.closed and steps_of(tmp_path / "r" / "metrics.jsonl") == list(range(8))
+    first.join(WAIT)

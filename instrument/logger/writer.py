@@ -134,6 +134,7 @@ class Writer:
         self._submitted = 0
         self._done = 0
         self._closing = False
+        self._close_seq = 0  # the queued close's sequence number, once there is one
         self._close_bound: Optional[float] = None  # the close's timeout (a signal's, a failed start's), if any
         self._stopped = False
         self._dirty = False
@@ -213,10 +214,11 @@ class Writer:
         return seq > 0 and self.wait(seq, timeout) and answer[0]
 
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> bool:
-        """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop."""
+        """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop. A close
+        when one is already queued (another thread's, a signal handler's) waits for that one the same way."""
         if timeout is not None:  # before the close is queued: the writer reads it once it sees `_closing`
             self._close_bound = timeout
-        seq = self._put(_CLOSE, status, closing=True)
+        seq = self._put(_CLOSE, status, closing=True) or self._close_seq
         if threading.current_thread() is self._thread:
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -275,6 +277,8 @@ class Writer:
                 self._waiting.clear()
             self._closing = closing
             self._submitted += 1
+            if closing:
+                self._close_seq = self._submitted
             self._queue.append((kind, self._submitted, payload))
             self._cond.notify_all()
             return self._submitted

@@ -4,6 +4,7 @@ torch.compile is tested in test_probes_compile.py (compiles are slow on this mac
 """
 
 import json
+import contextlib
 import logging
 import os
 import subprocess
@@ -842,6 +843,107 @@ def test_a_rule_that_changes_its_argument_in_place_and_returns_a_new_tensor_is_o
     inst.close()
     said = [r for r in caplog.records if "changed during its forward" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO
+
+
+class _Pairs(instrument.Observer):
+    """Keeps each context's (step_index, previous, next), cloned."""
+
+    def reset(self):
+        self.seen = []
+
+    def observe(self, context):
+        self.seen.append((context.step_index, context.previous_state.clone(), context.next_state.clone()))
+
+    def log(self, logger, step):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["grad", "inference"])
+@pytest.mark.parametrize("kind", ["returns itself", "clamps, returns anew"])
+def test_a_rule_that_changes_its_argument_on_some_calls_only_is_observed_right_on_every_call(kind, mode):
+    """In place on every third call only: the first call's copy said nothing about it, so a later call was
+    dropped and the rest of the step renumbered (or, returning a new tensor, observed with the changed state;
+    under inference_mode on every step, silently). Copies are now taken throughout the first logging step (and
+    always under inference_mode, where no version counter tells), so every call is observed right."""
+
+    class Sometimes(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                if kind == "returns itself":
+                    return x.add_(1.0)
+                x.clamp_(max=1.5)
+            return x + 1.0
+
+    rule, pairs = Sometimes(), _Pairs()
+    inst = _watched(rule, pairs)
+    for step in range(3):
+        truth = []
+        with inst.step(step), (torch.inference_mode() if mode == "inference" else contextlib.nullcontext()):
+            x = torch.zeros(2, 3)
+            for _ in range(5):
+                before = x.clone()
+                x = rule(x)
+                truth.append((before, x.clone()))
+            seen = list(pairs.seen)
+        assert [i for i, _, _ in seen] == list(range(5))
+        for (_, previous, following), (before, after) in zip(seen, truth, strict=True):
+            assert torch.equal(previous, before) and torch.equal(following, after)
+    inst.close()
+
+
+def test_an_in_place_rule_whose_state_is_changed_through_data_between_calls_is_observed_right():
+    """The copy of one call's output served as the next call's copy when the same tensor came back with the
+    same version; a write through .data between calls moves no version, so previous_state was stale."""
+
+    class AddOne(torch.nn.Module):
+        def forward(self, x):
+            return x.add_(1.0)
+
+    rule, pairs = AddOne(), _Pairs()
+    inst = _watched(rule, pairs)
+    for step in range(2):
+        truth = []
+        with inst.step(step):
+            x = torch.ones(2, 3)
+            for _ in range(4):
+                before = x.clone()
+                x = rule(x)
+                truth.append((before, x.clone()))
+                x.data.mul_(2.0)
+            seen = list(pairs.seen)
+        for (_, previous, _), (before, _) in zip(seen, truth, strict=True):
+            assert torch.equal(previous, before)
+    inst.close()
+
+
+def test_a_call_that_cannot_be_observed_keeps_the_later_calls_step_index(caplog):
+    """A rule that starts changing its argument in place after the first logging step: that call has no copy
+    and is not observed (said once), and the calls after it keep their indices (they were renumbered)."""
+
+    class Late(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 8:  # the second logging step's third call
+                x.clamp_(max=0.5)
+            return x + 1.0
+
+    rule, pairs = Late(), _Pairs()
+    inst = _watched(rule, pairs)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            with inst.step(step):
+                x = torch.zeros(2, 3)
+                for _ in range(5):
+                    x = rule(x)
+                seen = [i for i, _, _ in pairs.seen]
+    inst.close()
+    assert seen == [0, 1, 3, 4]
+    assert "This call is not observed" in caplog.text
 
 
 def test_a_list_state_whose_element_is_replaced_is_observed_with_the_element_before_the_call():

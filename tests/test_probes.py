@@ -738,9 +738,8 @@ def test_scripting_during_a_logging_step_leaves_the_models_probes_and_starts_the
 def test_a_rule_that_changes_its_state_argument_in_place_is_observed_with_a_copy_of_it(tmp_path, caplog):
     """`x.add_(dx); return x`: the hook after the call read the argument as previous_state, which already held
     the next state, so UpdateNorm logged 0 from the second logging step on, silently. Then the first such call was
-    not observed. Now a copy is taken before the first call of every watched module (until one call is checked),
-    so every call, the first included, is observed with the state from before it; said once. Float64 NumPy
-    reference."""
+    not observed. Now copies are taken throughout the first logging step that calls a watched module, so every
+    call, the first included, is observed with the state from before it; said once. Float64 NumPy reference."""
     import json
 
     import numpy as np

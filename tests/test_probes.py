@@ -302,7 +302,7 @@ def test_two_backward_passes_deliver_one_gradient_per_iteration_the_gradient_of_
     inst = session(keep, log_interval=1)
     inst.watch(rule)
     x0 = seed_state()
-    with inst.step(0):
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
         x = x0
         for _ in range(N_ITER):
             x = rule(x)
@@ -318,6 +318,7 @@ def test_two_backward_passes_deliver_one_gradient_per_iteration_the_gradient_of_
     assert len(keep.gradients["hidden"]) == N_ITER
     for got, h in zip(keep.gradients["hidden"], hidden, strict=True):
         torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-7)
+    assert "taken as 2 backward passes over the whole rollout" in caplog.text  # a count cannot tell more
     with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(1):  # backward over the last 2 only
         x = x0
         for i in range(N_ITER):

@@ -123,15 +123,25 @@ class Recorder:
         """Backward visits a chained rollout's iterations last to first; reverse to index by iteration.
 
         Several backward passes over the step's graph (two losses with ``retain_graph=True``) each deliver
-        one gradient per iteration: k * n gradients for n iterations are k passes, summed per iteration (the
-        gradient of the losses' sum, as one backward of it gives). Any other count cannot be paired with the
-        iterations: delivered reversed as they came, said once per probe."""
+        one gradient per iteration: k * n gradients for n iterations are taken as k whole passes, summed per
+        iteration (the gradient of the losses' sum, as one backward of it gives), and said once per probe, since
+        a count cannot tell them from partial passes. Any other count cannot be paired with the iterations:
+        delivered reversed as they came, said once per probe."""
         out: Dict[str, List[Tensor]] = {}
         for name, values in self.gradients.items():
             n = self.calls.get(name, 0)
             if n and len(values) > n and len(values) % n == 0:
                 passes = [values[start:start + n][::-1] for start in range(0, len(values), n)]
                 out[name] = [sum(parts[1:], parts[0]) for parts in zip(*passes, strict=True)]
+                if name not in _said_passes:  # a count alone cannot tell k whole passes from partial ones
+                    _said_passes.add(name)
+                    log.warning(
+                        "instrument: gradient probe %r recorded %d gradients for %d iterations: taken as %d "
+                        "backward passes over the whole rollout and summed per iteration (the gradient of the "
+                        "losses' sum). Passes over part of the rollout would be paired wrongly: call backward once "
+                        "on the sum of the losses to be sure. (Said once per probe.)",
+                        name, len(values), n, len(values) // n,
+                    )
                 continue
             if len(values) != n and name not in _said_unpaired:
                 _said_unpaired.add(name)
@@ -148,6 +158,7 @@ class Recorder:
 
 _UNTRACKED = -1  # no version to compare: the recorder holds its own copy
 _said_unpaired: Set[str] = set()  # gradient probes whose count did not match their forward records (said once)
+_said_passes: Set[str] = set()  # gradient probes whose gradients were summed over several passes (said once)
 # Names of probes whose value the model was seen to change in place after the probe: copied at recording.
 _copied: Set[str] = set()
 

@@ -74,15 +74,13 @@ class StateWatch:
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state before each call
         # Per call in progress, keyed by id() of its state argument (calls may run on several threads): the state
-        # tensor, its version before the call (None: unknown) and a copy of it, taken while the forward is not yet
-        # known to leave its argument alone (the first call) or once it is known to change it in place.
+        # tensor, its version before the call (None: an inference tensor keeps none) and a copy of it, taken
+        # throughout the first logging step that calls the module (so that a forward changing its argument in
+        # place on any call of it is caught and observed right), under inference mode (no version to tell), and
+        # before every call once the forward is known to change its argument.
         self._calls: Dict[int, Tuple[Tensor, Optional[int], Optional[Tensor]]] = {}
-        self._copy_input = False  # the forward changes its argument in place: copy it before every call
-        # Such a forward's output is its argument, which the next call changes again: the state delivered as
-        # next_state is a copy, (output, its version, the copy), which the next call takes as its own copy
-        # before the call when it is handed the same tensor unchanged (one clone per iteration, not two).
-        self._last_copy: Optional[Tuple[Tensor, Optional[int], Tensor]] = None
-        self._known = False  # one call was checked: no copy needed before calls of a forward that returned anew
+        self._copy_input = False  # the forward changes its argument: copy it before every call
+        self._known = False  # a whole logging step's calls were checked with copies and left their argument alone
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
@@ -121,7 +119,8 @@ class StateWatch:
                 self._before_handle.remove()
                 self._before_handle = None
                 self._calls.clear()
-                self._last_copy = None
+                if report and self.iterations:  # every call of a whole step checked with a copy
+                    self._known = True
             self.guard.end(self.iterations)
             if report and not self.iterations and not self.guard.recomputed:
                 self._report_uncalled()
@@ -167,24 +166,16 @@ class StateWatch:
             )
 
     def _before(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Before each call: the state tensor and its version (or, for a rule known to change it in place, a
-        copy), so that the hook after the call has the state as it was."""
+        """Before each call: the state tensor and its version (and, where `_calls` says, a copy), so that the
+        hook after the call has the state as it was."""
         if in_recompute():
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         state = first_tensor(raw)
         if state is None:  # the hook after the call says what is wrong
             return
-        # An inference tensor keeps no version counter. Until one call was checked, a copy is taken as well (once
-        # per module), so that even the first call of a rule that changes its argument in place is observed.
         version = None if state.is_inference() else state._version
-        copy = None
-        if self._copy_input:
-            last = self._last_copy
-            if last is not None and last[0] is state and version is not None and last[1] == version:
-                copy = last[2]
-        if copy is None and (self._copy_input or not self._known):
-            copy = state.detach().clone()
+        copy = state.detach().clone() if self._copy_input or not self._known or version is None else None
         self._calls[id(raw)] = (state, version, copy)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
@@ -197,33 +188,25 @@ class StateWatch:
         before = self._calls.pop(id(raw), None)
         if before is not None and previous is not None:
             original, version, copy = before
+            changed = version is not None and original._version != version
             if original is not previous:  # a list state's replaced element: the element from before the call
                 previous = original if copy is None else copy
-            elif self._copy_input and copy is not None:
-                previous = copy
-            elif current is previous:  # the rule returned its state argument itself: changed in place?
-                if version is None:  # no version to tell (inference mode): copy before every call from now on
-                    self._copy_input = True
-                    log.debug("instrument: watched module %s returned its own inference-mode state argument; "
-                              "it is copied before each call from now on", self.name)
-                    if copy is None:  # not the checked first call: observed as it is (dx 0 for an identity)
-                        copy = previous
-                    previous = copy
-                elif previous._version != version:
+            elif copy is not None and (changed or version is None or self._copy_input):
+                previous = copy  # the state as it was before the call (unchanged, the argument itself is kept)
+            if changed and not self._copy_input:  # this forward changes its argument: copy it from now on
+                if current is original:
                     self._changed_in_place(observed=copy is not None)
-                    if copy is None:
-                        return
-                    previous = copy
-            elif version is not None and previous._version != version:  # changed, and a new tensor returned
-                self._argument_changed(observed=copy is not None)
-                if copy is None:
-                    return
-                previous = copy
-            self._known = True
+                else:
+                    self._argument_changed(observed=copy is not None)
+            if copy is None and changed:  # cannot be observed right (said above): skipped, and so that the later
+                self.iterations += 1  # calls keep their indices, counted
+                return
+            if version is None and current is original and not self._copy_input:
+                self._copy_input = True  # an inference-mode forward that returns its argument
+                log.debug("instrument: watched module %s returned its own inference-mode state argument; "
+                          "it is copied before each call from now on", self.name)
             if self._copy_input and current is original:  # the next call changes it again: deliver a copy
-                copy = current.detach().clone()
-                self._last_copy = (current, None if current.is_inference() else current._version, copy)
-                current = copy
+                current = current.detach().clone()
         if previous is None or current is None:
             raise ConfigurationError(
                 f"watched module {self.name} must take the previous state as its first argument and return the "
@@ -247,17 +230,20 @@ class StateWatch:
         log.warning(
             "instrument: watched module %s changed its state argument in place during its forward (e.g. "
             "`x.add_(dx); return x`), so after the call that tensor already holds the next state. %s; from now "
-            "on the argument is copied before each call on logging steps (one clone per iteration: slower, but "
-            "correct). Returning a new tensor (`return x + dx`) avoids the copy. (Said once.)", self.name,
+            "on the argument is copied before each call on logging steps, and the state it returns as well (two "
+            "clones per iteration: slower, but correct). Returning a new tensor (`return x + dx`) avoids the "
+            "copies. (Said once.)", self.name,
             "This call is observed with a copy taken before it" if observed else
-            "This call is not observed (previous_state and dx would be wrong: dx reads 0)",
+            "This call is not observed (previous_state and dx would be wrong: dx reads 0; the later iterations "
+            "keep their step_index)",
         )
 
     def _argument_changed(self, observed: bool) -> None:
         """The state argument's version moved during a call that returned another tensor: an in-place op on
         it (``x.clamp_(...); return x + dx``), or a write into memory it shares (ping-pong buffers, views of one
-        storage). From now on it is copied before every call. With the copy taken before this call (the first),
-        this call is observed right: said at INFO; without one it cannot be: not observed, a WARNING."""
+        storage). From now on it is copied before every call. With a copy taken before this call (throughout the
+        first logging step), it is observed right: said at INFO; without one it cannot be: not observed, a
+        WARNING."""
         first = not self._copy_input
         self._copy_input = True
         if not first:
@@ -268,7 +254,8 @@ class StateWatch:
             "the previous state. %s; from now on it is copied before each call on logging steps (one clone per "
             "iteration). (Said once.)", self.name,
             "This call is observed with the copy taken before it" if observed else
-            "This call is not observed (previous_state and dx would be wrong)",
+            "This call is not observed (previous_state and dx would be wrong; the later iterations keep their "
+            "step_index)",
         )
 
     def _state_keyword(self, kwargs: Dict[str, Any]) -> Any:

@@ -98,28 +98,40 @@ class StepRecord:
         )
 
     def flat_scalars(self) -> Dict[str, float]:
-        """The scalars and the timings as one dict, timings keyed ``timing/<name>/<stat>``. A scalar the user
-        logged under a timer statistic's key of this step (``timing/fwd/mean`` beside ``Logger.timer("fwd")``)
-        moves to ``user/<key>`` (a number added while that is taken too), with one warning per key, so that
-        neither value silently replaces the other and ``timing/`` keeps the timers' own statistics."""
+        """The scalars and the timings as one dict, timings keyed ``timing/<name>/<stat>``.
+
+        Those keys (``<stat>`` one of mean, min, max, count) are the timers' (`Logger.timer`): a scalar the user
+        logged under one is always written as ``user/<key>`` (a number added while that is taken too), at every
+        step whether or not a timer of that name ran there, with one warning per key. So neither value replaces
+        the other, and neither series mixes the two (renamed only on a collision, the user's series switched
+        to the timer's at every step the timer ran). Any other ``timing/...`` metric is written as logged."""
         out = dict(self.scalars)
-        timings = {f"timing/{name}/{stat}": value for name, stats in self.timings.items()
-                   for stat, value in stats.items()}
-        if not out.keys().isdisjoint(timings):
-            for key in [k for k in out if k in timings]:
-                name, number = f"{USER_HEAD}{key}", 1
-                while name in out or name in timings:
-                    number += 1
-                    name = f"{USER_HEAD}{key}_{number}"
-                out[name] = out.pop(key)
-                if key not in _SAID:
-                    _SAID[key] = None
-                    log.warning("instrument: the metric %r was logged under the key of a timer's statistic "
-                                "(Logger.timer(%r)); the backends write it as %r and the timer's as %r. Name the "
-                                "metric outside timing/ (or the timer otherwise) to choose its key; said once "
-                                "per key.", key, key[len("timing/"):].rpartition("/")[0], name, key)
-        out.update(timings)
+        reserved = [key for key in out if key.startswith("timing/") and _is_timer_key(key)]
+        for key in reserved:
+            name, number = f"{USER_HEAD}{key}", 1
+            while name in out:
+                number += 1
+                name = f"{USER_HEAD}{key}_{number}"
+            out[name] = out.pop(key)
+            if key not in _SAID:
+                _SAID[key] = None
+                log.warning("instrument: the metric %r was logged under a key of the form timing/<name>/<stat>, "
+                            "which holds the statistics of Logger.timer(%r); the backends write it as %r at every "
+                            "step. Name the metric outside timing/ (or give it another last part) to choose its "
+                            "key; said once per key.", key, key[len("timing/"):].rpartition("/")[0], name)
+        for timer, stats in self.timings.items():
+            for stat, value in stats.items():
+                out[f"timing/{timer}/{stat}"] = value
         return out
+
+
+def _is_timer_key(key: str) -> bool:
+    """``timing/<name>/<stat>`` with a timer's statistic as ``<stat>``."""
+    head, _, stat = key.rpartition("/")
+    return stat in _TIMER_STATS and len(head) > len("timing/")
+
+
+_TIMER_STATS = frozenset({"mean", "min", "max", "count"})
 
 
 class Backend:

@@ -271,3 +271,20 @@ def test_a_binding_the_run_never_used_is_named_at_the_end(tmp_path, capsys):
     assert code == 0, stderr
     assert "mine.gin, line 2: MlflowBackend.tags = {'api_token': '<redacted>'}" in stderr
     assert "sk-filesecret123" not in stderr
+
+
+@pytest.mark.parametrize("channels", [4, 16])
+def test_the_nca_tables_alpha_column_shows_what_jsonl_has_for_any_channel_count(tmp_path, channels):
+    # Channel 3 is c3 with 4 channels and c03 with 16: the shipped table matches either, not nan.
+    out = _cli("run", "nca", *TINY, "--bind", f"train_nca.channels = {channels}",
+               "--bind", "Instrumentation.run_name = 'a'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if re.match(r"^ +step +loss", line))
+    column = lines[head].split().index("αmax")
+    shown = {int(row.split()[0]): row.split()[column] for row in lines[head + 1:head + 3]}
+    records = [json.loads(x) for x in (tmp_path / "runs" / "a" / "metrics.jsonl").read_text().splitlines()]
+    key = f"iteration_stats/max/c{3 if channels <= 10 else '03'}"
+    logged = {r["step"]: r["metrics"][key] for r in records if key in r.get("metrics", {})}
+    assert sorted(shown) == sorted(logged) == [0, 2]
+    assert shown == {step: f"{value:.2f}" for step, value in logged.items()}

@@ -293,3 +293,9 @@ def test_a_step_too_wide_for_its_column_widens_it_instead_of_rounding():
     assert [int(row[0]) for row in rows] == list(steps)
     headers = [line for line in out.getvalue().splitlines() if line.split()[0] == "step"]
     assert len(headers) == 3  # the first, and one each time the column widened
+
+
+def test_a_match_column_with_an_invalid_pattern_is_refused_when_built():
+    with pytest.raises(ConfigurationError, match=r"regular expression.*not valid.*fix it"):
+        Column("iteration_stats/max/c(3", match=True)
+    assert Column("iteration_stats/max/c0*3", match=True).header == "c0*3"

@@ -26,6 +26,7 @@ import dataclasses
 import io
 import logging
 import math
+import re
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
@@ -118,6 +119,7 @@ class ConsoleBackend(Backend):
         self.width = width
         self.table: Optional[StepTable] = None
         self._summaries: Dict[str, _Summary] = {}
+        self._matched: Dict[str, str] = {}  # a match=True column's pattern -> the metric key it shows
         self._pipe_closed = False  # the stream's reader went away (`| head`): rows go to the run log only
         self._pipe_error: Optional[BaseException] = None  # a broken pipe met while opening, said at the first write
         if self.declared is not None:
@@ -244,12 +246,24 @@ class ConsoleBackend(Backend):
         for col in self.table.columns:
             if col.key == "step":
                 continue
-            value = scalars.get(col.key, record.texts.get(col.key))
+            key = self._matched_key(col, scalars, record.texts) if col.match else col.key
+            value = scalars.get(key, record.texts.get(key))
             if col.fmt == "frac" and col.denominator is not None and value is not None:
                 den = col.denominator
                 value = (value, scalars.get(den) if isinstance(den, str) else den)
             values[col.key] = value
         return values
+
+    def _matched_key(self, col: Column, scalars: Mapping[str, Any], texts: Mapping[str, Any]) -> str:
+        """The metric key a ``match=True`` column shows: the first of the first step that logs one, then fixed."""
+        if col.key not in self._matched:
+            pattern = re.compile(col.key)
+            found = next((k for k in [*scalars, *texts] if pattern.fullmatch(k)), None)
+            if found is None:
+                return col.key
+            self._matched[col.key] = found
+            table_log.info("console: column %r shows %s (it matches %r)", col.header, found, col.key)
+        return self._matched[col.key]
 
     def _is_summary(self, key: str) -> bool:
         return any(_under(key, prefix) for prefix in self.summary)

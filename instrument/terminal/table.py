@@ -45,9 +45,10 @@ import math
 import numbers
 import re
 from decimal import Decimal
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from instrument.errors import ConfigurationError
+from instrument.terminal.text import unique_headers
 
 __all__ = [
     "Column",
@@ -93,6 +94,9 @@ class Column:
             the denominator, or a fixed number. Raw-dict users may instead pass ``(n, d)`` pairs as the value.
         each: expand into one column per item (modes, environments), substituting ``{}`` with the item.
         when: False drops the column when the table is built (a feature that is off in this run).
+        match: ``key`` is a regular expression: the column shows the first metric key of a step that it
+            matches whole, chosen at the first step that has one (``iteration_stats/max/c0*3`` is channel 3
+            whether the observer writes ``c3`` or ``c03``). `ConsoleBackend` resolves it; the legend shows it.
     """
 
     key: str
@@ -103,6 +107,7 @@ class Column:
     denominator: Union[str, int, float, None] = None
     each: Tuple[str, ...] = ()
     when: bool = True
+    match: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
@@ -137,6 +142,16 @@ class Column:
         object.__setattr__(self, "each", tuple(self.each))
         if not isinstance(self.when, bool):
             raise ConfigurationError(f"{name}: when must be True or False, got {self.when!r}.")
+        if not isinstance(self.match, bool):
+            raise ConfigurationError(f"{name}: match must be True or False, got {self.match!r}.")
+        if self.match and not self.each:
+            try:
+                re.compile(self.key)
+            except re.error as exc:
+                raise ConfigurationError(
+                    f"{name}: with match=True the key is a regular expression, and this one is not valid "
+                    f"({exc}); fix it (escape a literal '.', '(' or '[' with a backslash) or drop match."
+                ) from exc
         if self.each:
             if "{}" not in self.key:
                 raise ConfigurationError(f"{name}: with each=..., put '{{}}' in the key where the item goes.")
@@ -176,6 +191,7 @@ class Column:
                 denominator=sub(self.denominator, item)
                 if isinstance(self.denominator, str)
                 else self.denominator,
+                match=self.match,
             )
             for item in self.each
         ]
@@ -479,22 +495,3 @@ def _legend_key(column: Column) -> str:
 def _short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_GENERIC = re.compile(r"^(mean|min|max|std|first|last|count|sum|total|value|c\d+)$")
-
-
-def unique_headers(keys: Sequence[str]) -> Dict[str, str]:
-    """Short, distinct headers for metric keys: the fewest trailing path segments that tell them apart,
-    and at least two when the last one alone says little (``mean``, ``max``, ``c3``)."""
-    headers: Dict[str, str] = {}
-    for key in keys:
-        parts = key.split("/")
-        start = 2 if len(parts) > 1 and _GENERIC.match(parts[-1]) else 1
-        for n in range(start, len(parts) + 1):
-            candidate = "/".join(parts[-n:])
-            clash = any(other != key and "/".join(other.split("/")[-n:]) == candidate for other in keys)
-            if not clash:
-                break
-        headers[key] = candidate
-    return headers

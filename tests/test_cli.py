@@ -104,6 +104,8 @@ def test_version_and_plain_help(tmp_path, capsys):
     [
         (["run", "nca", "--bind", "train_nca.stepz = 3"], "in --bind 'train_nca.stepz = 3'", "did you mean 'steps'?"),
         (["run", "rl.gin"], "in rl.gin, line 1", "add the line `import instrument.config.rl`"),  # a fresh interpreter
+        (["run", "nca", "--bind", "train_nca.steps = %STEPZ"], "in --bind 'train_nca.steps = %STEPZ': the macro "
+         "%STEPZ is used but never defined", "define it with a line `STEPZ = value`"),
     ],
 )
 def test_a_bad_config_exits_with_a_few_lines_and_no_traceback(tmp_path, args, where, fix):
@@ -201,6 +203,7 @@ _BAD_FILES = {
     "include.gin": "include 'nca.gin'\ninclude 'missing.gin'\n",
     "negative.gin": "include 'nca.gin'\n\nInstrumentation.log_interval = -1\n",
     "mode.gin": "include 'nca.gin'\nWandbBackend.mode = 'offlin'\nbackend_set.wandb = @WandbBackend()\n",
+    "macro.gin": "include 'nca.gin'\nSTEPS = 2\ntrain_nca.batch_size = [%STEPS, {'a': %STEP}]\n",
 }
 
 
@@ -219,6 +222,8 @@ _BAD_FILES = {
         (["missing-file.gin"], "no config file 'missing-file.gin'", "no shipped config", "give a path"),
         (["negative.gin"], "negative.gin, line 3: Instrumentation.log_interval = -1", "got -1", "non-negative"),
         (["mode.gin"], "mode.gin, line 2: WandbBackend.mode = 'offlin'", "got 'offlin'", "'offline'"),
+        (["macro.gin"], "macro.gin, line 3", "%STEP is used but never defined (defined: STEPS)",
+         "did you mean %STEPS?"),
         (["nca", "--bind", "Instrumentation.log_interval = -1"], "--bind 'Instrumentation.log_interval = -1'",
          "got -1", "non-negative"),
         (["nca", "--bind", "Instrumentation.hyperparams = {'a': [1,"], "--bind", "never closed", "close the bracket"),

@@ -102,6 +102,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
                 raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
     finally:
         logging.getLogger().removeFilter(quiet)
+    check_macros([str(f) for f in files], bindings)
     check_types([str(f) for f in files], bindings)
     return paths
 
@@ -240,6 +241,40 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
             if refused:
                 place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
+
+
+def check_macros(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Refuse a ``%NAME`` that no ``NAME = value`` defines (a misspelt macro), naming the macro, where it is
+    used and the macros that are defined. gin itself finds it only when the value is used, as a TypeError deep
+    in a call (``macro() missing 1 required positional argument: 'value'``)."""
+    config = getattr(gin.config, "_CONFIG", {})
+    defined = sorted(scope for (scope, selector), params in config.items()
+                     if selector == "gin.macro" and "value" in params)
+    for (scope, selector), params in list(config.items()):
+        for param, value in params.items():
+            for name in _macros_in(value):
+                if name in defined:
+                    continue
+                place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
+                close = difflib.get_close_matches(name, defined, n=1)
+                hint = f"did you mean %{close[0]}? " if close else ""
+                known = f" (defined: {', '.join(defined)})" if defined else " (none is defined)"
+                raise GinConfigError(
+                    f"the macro %{name} is used but never defined{known}", place,
+                    statement or f"{selector}.{param} = %{name}",
+                    f"{hint}define it with a line `{name} = value` (in a .gin file, or --bind '{name} = 10'), "
+                    f"or correct its name.")
+
+
+def _macros_in(value: Any) -> List[str]:
+    """The names of the macros (``%NAME``) a bound value uses, in lists, tuples and dicts too."""
+    if isinstance(value, dict):
+        return [n for item in (*value.keys(), *value.values()) for n in _macros_in(item)]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in _macros_in(item)]
+    if isinstance(value, gin.config.ConfigurableReference) and value.selector == "gin.macro":
+        return [value.scoped_selector.rsplit("/", 1)[0]]
+    return []
 
 
 def _fix_for(problem: str) -> str:

@@ -278,6 +278,18 @@ def test_a_binding_the_run_never_used_is_named_at_the_end(tmp_path, capsys):
     assert "sk-filesecret123" not in stderr
 
 
+
+def test_a_scoped_binding_of_a_scope_never_called_is_named_at_the_end(tmp_path):
+    # A typo in the scope ('los' called, 'loss' bound): the binding did nothing and must be named. The scope
+    # that was called, and an unscoped binding of what it built, are used.
+    (tmp_path / "cols.gin").write_text(
+        "include 'nca.gin'\nConsoleBackend.columns = [@los/Column()]\nlos/Column.key = 'train/loss'\n"
+        "loss/Column.header = 'L'\nloss/Column.fmt = '.2e'\nColumn.width = 9\n")
+    out = _cli("run", "cols.gin", *TINY, "--bind", "Instrumentation.run_name = 'c'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    named = out.stderr.split("these bindings were never used", 1)[1].splitlines()[1:]
+    assert named == ["  cols.gin, line 4: loss/Column.header = 'L'", "  cols.gin, line 5: loss/Column.fmt = '.2e'"]
+
 @pytest.mark.parametrize("channels", [4, 16])
 def test_the_nca_tables_alpha_column_shows_what_jsonl_has_for_any_channel_count(tmp_path, channels):
     # Channel 3 is c3 with 4 channels and c03 with 16: the shipped table matches either, not nan.

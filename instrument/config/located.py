@@ -135,10 +135,17 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
         extra = tuple(str(k) for k in gin.query_parameter("Instrumentation.secret_keys") or ())
     except Exception:
         extra = ()
-    called = {canonical(selector) for _, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
+    # A call in scope 'a/b' reads the bindings of scopes '', 'a' and 'a/b' (gin's scope prefixes): a binding in
+    # scope 'loss' is used only when something was called in 'loss' or under it, not when '@los/Column()' was.
+    called = {(scope, canonical(selector)) for scope, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
+
+    def used(scope: str, selector: str) -> bool:
+        name = canonical(selector)
+        return any(s == name and (not scope or c == scope or c.startswith(scope + "/")) for c, s in called)
+
     unused = []
     for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
-        if canonical(selector) in called or selector.split(".")[0] == "gin":  # gin's own macros and constants
+        if used(scope, selector) or selector.split(".")[0] == "gin":  # gin's own macros and constants
             continue
         for param in params:
             place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)

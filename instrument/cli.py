@@ -99,12 +99,14 @@ def _print_result(outcome: dict) -> None:
 
 
 def _redacted(message: str, binds: Sequence[str]) -> str:
-    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out."""
+    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out: under a
+    built-in pattern, or one of the run's own (``Instrumentation.secret_keys``, where the config binds it)."""
     import re
 
+    from instrument.config.located import secret_keys
     from instrument.logger.params import REDACTED, redact_argv
 
-    for bind, safe in zip(binds, redact_argv(binds), strict=True):
+    for bind, safe in zip(binds, redact_argv(binds, secret_keys()), strict=True):
         if bind != safe:
             value = bind.split("=", 1)[-1]
             for piece in sorted({value.strip(), *re.findall(r"[\w-]{4,}", value)}, key=len, reverse=True):

@@ -15,7 +15,18 @@ from instrument.config.files import CONFIG_DIR, read_text, resolve_config
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text
 
-__all__ = ["bound_pair", "include_cycle", "unused_bindings", "where_bound"]
+__all__ = ["bound_pair", "include_cycle", "secret_keys", "unused_bindings", "where_bound"]
+
+
+def secret_keys() -> Tuple[str, ...]:
+    """The run's own secret patterns (``Instrumentation.secret_keys``) where the parsed config binds them, to
+    redact along with the built-in ones: an error message quoting a binding must leave out what the run's log
+    would."""
+    try:
+        keys = gin.query_parameter("Instrumentation.secret_keys") or ()
+    except Exception:  # noqa: BLE001 - not bound (or not registered): the built-in patterns only
+        return ()
+    return (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -131,10 +142,7 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
         found = gin.config._REGISTRY.get_match(selector)
         return found.selector if found is not None else selector
 
-    try:  # the run's own secret patterns, where the config binds them
-        extra = tuple(str(k) for k in gin.query_parameter("Instrumentation.secret_keys") or ())
-    except Exception:
-        extra = ()
+    extra = secret_keys()
     # A call in scope 'a/b' reads the bindings of scopes '', 'a' and 'a/b' (gin's scope prefixes): a binding in
     # scope 'loss' is used only when something was called in 'loss' or under it, not when '@los/Column()' was.
     called = {(scope, canonical(selector)) for scope, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}

@@ -30,7 +30,7 @@ from instrument.config.files import (
     resolve_config,
     shipped_configs,
 )
-from instrument.config.located import bound_pair, include_cycle
+from instrument.config.located import bound_pair, include_cycle, secret_keys
 from instrument.errors import ConfigurationError
 from instrument.logger.params import scrub
 
@@ -231,13 +231,14 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
     refused: references and macros (``@Name()``, ``%MACRO``), unannotated parameters, ``Any``, ``Callable``,
     classes, TypeVars and forward references that do not resolve; nor a value equal to the parameter's default.
     """
+    extra = secret_keys()
     for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
         configurable = gin.config._REGISTRY.get_match(selector)
         if configurable is None:
             continue
         name = selector.rsplit(".", 1)[-1]
         for param, value in params.items():
-            refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value)
+            refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value, extra)
             if refused:
                 place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])

@@ -5,6 +5,7 @@ names the viewer of every backend the run used. Real subprocesses, outputs read 
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,9 @@ TINY = ["--bind", "train_nca.steps = 3", "--bind", "train_nca.batch_size = 2", "
         "--bind", "Instrumentation.log_interval = 2"]
 
 
-def _cli(*args, cwd, pythonpath=str(REPO)):
+def _cli(*args, cwd, pythonpath=str(REPO), home=None):
     env = {**os.environ, "PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **({"HOME": str(home)} if home else {})}
     return subprocess.run([sys.executable, "-m", "instrument", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=240)
 
@@ -305,3 +306,22 @@ def test_the_nca_tables_alpha_column_shows_what_jsonl_has_for_any_channel_count(
     logged = {r["step"]: r["metrics"][key] for r in records if key in r.get("metrics", {})}
     assert sorted(shown) == sorted(logged) == [0, 2]
     assert shown == {step: f"{value:.2f}" for step, value in logged.items()}
+
+
+def test_the_viewer_hint_is_a_command_a_shell_runs_as_printed(tmp_path):
+    # '~' is the home folder, as the shell that runs the hint reads it (the run was in ./~/x), and a path with
+    # a space is one argument (it was two).
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    for log_dir, where in (("~/x", home / "x"), ("my runs", work / "my runs")):
+        out = _cli("run", "nca", *TINY, "--bind", f"Instrumentation.log_dir = '{log_dir}'",
+                   "--bind", "Instrumentation.run_name = 'r'", cwd=work, home=home)
+        assert out.returncode == 0, out.stderr
+        (hint,) = [line for line in out.stdout.splitlines() if "tensorboard --logdir" in line]
+        logs = [line for line in out.stdout.splitlines() if line.startswith("logs: ")]
+        assert shlex.split(hint.split(": ", 1)[1]) == ["tensorboard", "--logdir", str(where) if "~" in log_dir
+                                                      else log_dir]
+        assert shlex.split(logs[0][len("logs: "):]) == [str(where / "r") if "~" in log_dir else f"{log_dir}/r"]
+        assert list((where / "r").glob("events.out.tfevents.*"))
+    assert not (work / "~").exists()

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
@@ -34,7 +35,8 @@ def default_run_name() -> str:
 
 def check_run_name(name: Any) -> str:
     """``name`` if it is one plain folder name; a `ConfigurationError` for anything that could reach outside
-    ``log_dir`` (``..``, a path separator, an absolute path) or is not a usable folder name."""
+    ``log_dir`` (``..``, a path separator, an absolute path) or is not a usable folder name (control characters
+    such as a newline or a tab, more than 255 bytes)."""
     seps = [sep for sep in ("/", "\\", os.sep, os.altsep) if sep]
     if not isinstance(name, str) or not name.strip():
         raise ConfigurationError(f"run_name must be a non-empty string, got {name!r}.")
@@ -43,6 +45,13 @@ def check_run_name(name: Any) -> str:
             f"run_name {name!r} is not a plain folder name: it must not contain '..', a path separator or be "
             f"an absolute path (nothing is written outside log_dir). Put the folder part in log_dir instead, "
             f"e.g. log_dir='runs/project', run_name='trial-1'."
+        )
+    control = list(dict.fromkeys(c for c in name if unicodedata.category(c) == "Cc"))
+    if control:  # a newline splits every log line that names the run, a tab or an escape garbles a terminal
+        raise ConfigurationError(
+            f"run_name {name!r} contains the control character{'s' * (len(control) > 1)} "
+            f"{', '.join(repr(c) for c in control)}; a run name is a folder name printed in logs and terminals. "
+            f"Use printable characters only, e.g. run_name='trial-1'."
         )
     if len(name.encode("utf-8", "surrogateescape")) > 255:  # the usual file-system limit of one name
         raise ConfigurationError(

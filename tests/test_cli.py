@@ -325,3 +325,14 @@ def test_the_viewer_hint_is_a_command_a_shell_runs_as_printed(tmp_path):
         assert shlex.split(logs[0][len("logs: "):]) == [str(where / "r") if "~" in log_dir else f"{log_dir}/r"]
         assert list((where / "r").glob("events.out.tfevents.*"))
     assert not (work / "~").exists()
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_path, capsys):
+    # gin's UnicodeDecodeError came with no line and "fix: see gin's message above", with nothing above.
+    (tmp_path / "latin1.gin").write_bytes(b"include 'nca.gin'\n# caf\xe9\ntrain_nca.steps = 3\n")
+    (tmp_path / "top.gin").write_text("import instrument.demos.nca\ninclude 'latin1.gin'\n")
+    for name, where in (("latin1.gin", "latin1.gin, line 2"), ("top.gin", "latin1.gin, line 2 (included from ")):
+        code, stdout, stderr = _main(capsys, "run", str(tmp_path / name))
+        assert code == 2 and stdout == "", stderr
+        assert where in stderr and "the file is not UTF-8: byte 0xe9 at byte offset 23" in stderr, stderr
+        assert "# caf\\xe9" in stderr and "fix: save the file as UTF-8" in stderr and "above" not in stderr

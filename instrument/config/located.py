@@ -15,7 +15,7 @@ from instrument.config.files import CONFIG_DIR, read_text, resolve_config
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text
 
-__all__ = ["bound_pair", "include_cycle", "secret_keys", "unused_bindings", "where_bound"]
+__all__ = ["bound_pair", "file_holding", "include_cycle", "secret_keys", "unused_bindings", "where_bound"]
 
 
 def secret_keys() -> Tuple[str, ...]:
@@ -59,6 +59,29 @@ def include_cycle(path: Path) -> List[str]:
         return None
 
     return walk(path.resolve(), []) or [str(path)]
+
+
+def file_holding(path: Path, wanted: Callable[[bytes], bool]) -> Optional[Path]:
+    """``path`` or the first file it includes (at any depth) whose bytes are ``wanted``; None when none is."""
+    seen: List[Path] = []
+
+    def walk(current: Path) -> Optional[Path]:
+        if current in seen or len(seen) > 200:
+            return None
+        seen.append(current)
+        try:
+            if wanted(current.read_bytes()):
+                return current
+        except OSError:
+            return None
+        for line in read_text(str(current)).splitlines():
+            target = _included(line, path.parent, current)
+            found = walk(target.resolve()) if target is not None else None
+            if found:
+                return found
+        return None
+
+    return walk(path.resolve())
 
 
 def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> str:

@@ -30,7 +30,7 @@ from instrument.config.files import (
     resolve_config,
     shipped_configs,
 )
-from instrument.config.located import bound_pair, include_cycle, secret_keys
+from instrument.config.located import bound_pair, file_holding, include_cycle, secret_keys
 from instrument.errors import ConfigurationError
 from instrument.logger.params import scrub
 
@@ -136,6 +136,27 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
     text = str(exc)
     kind = GinConfigError
+    decode = re.search(r"can't decode byte 0x[0-9a-f]+ in position (\d+): ([^\n]*)", text)
+    if isinstance(exc, UnicodeDecodeError) and decode and binding is None:  # a file saved in another encoding
+        start = int(decode[1])  # gin re-raises an include's error as a copy without the bytes: find the file
+
+        def fails_there(data: bytes) -> bool:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return bad.start == start
+            return False
+
+        holder = file_holding(Path(source), fails_there)
+        if holder is not None:
+            data = holder.read_bytes()
+            line = data.count(b"\n", 0, start) + 1
+            statement = data.split(b"\n")[line - 1].decode("utf-8", "backslashreplace").strip()
+            top = holder.resolve() == Path(source).resolve()
+            where = f"{source if top else holder.name}, line {line}" + ("" if top else f" (included from {source})")
+            return GinConfigError(
+                f"the file is not UTF-8: byte 0x{data[start]:02x} at byte offset {start} ({decode[2].strip()})",
+                where, statement, "save the file as UTF-8 (your editor's 'encoding' setting), or remove the character.")
     if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
         line, statement = _unclosed(binding if binding is not None else read_text(source))
         where = source if binding is not None or not line else f"{source}, line {line}"

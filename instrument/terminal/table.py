@@ -48,7 +48,7 @@ from decimal import Decimal
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from instrument.errors import ConfigurationError
-from instrument.terminal.text import unique_headers
+from instrument.terminal.text import cut, display_width, pad, unique_headers
 
 __all__ = [
     "Column",
@@ -87,7 +87,8 @@ class Column:
         key: the metric key whose value the column shows (``train/loss``); with ``each``, may hold ``{}``.
         header: the column title; may carry a direction mark (↑ better higher, ↓ better lower). Defaults to
             the last segment of ``key``. Must fit in ``width``.
-        width: characters the column always takes; 0 means ``max(len(header), 8)``. At least 3 ("nan").
+        width: terminal cells the column always takes (a wide character such as ``损`` or most emoji takes
+            two); 0 means the header's width, at least 8. At least 3 ("nan").
         fmt: a Python format spec without width (``.4f``, ``+.2f``, ``.1e``, ``d``), ``frac`` or ``str``.
         description: one line for the legend.
         denominator: for ``frac`` columns fed from single scalars (as `ConsoleBackend` is): the metric key of
@@ -158,10 +159,11 @@ class Column:
             self._expand_each()  # header and width are checked per item, even when ``when`` is False
             return
         header = self.header or self.key.rstrip("/").rsplit("/", 1)[-1]
-        width = self.width or max(len(header), DEFAULT_WIDTH)
-        if len(header) > width:
+        width = self.width or max(display_width(header), DEFAULT_WIDTH)
+        if display_width(header) > width:
             raise ConfigurationError(
-                f"{name}: header {header!r} is {len(header)} characters, wider than width={width}; "
+                f"{name}: header {header!r} is {display_width(header)} characters"
+                f"{' wide on a terminal' if display_width(header) != len(header) else ''}, wider than width={width}; "
                 f"shorten the header or widen the column."
             )
         object.__setattr__(self, "header", header)
@@ -261,11 +263,11 @@ class StepTable:
     def legend(self) -> List[str]:
         """Lines decoding every column: header, metric key, description; then the marks used in cells."""
         keys = [_legend_key(c) for c in self.columns]
-        hw = max(len(c.header) for c in self.columns)
+        hw = max(display_width(c.header) for c in self.columns)
         kw = max(len(k) for k in keys)
         lines = ["columns:"]
         for column, key in zip(self.columns, keys, strict=True):
-            lines.append(f"  {column.header:<{hw}}  {key:<{kw}}  {column.description}".rstrip())
+            lines.append(f"  {pad(column.header, hw, True)}  {key:<{kw}}  {column.description}".rstrip())
         marks = []
         if any("↑" in c.header or "↓" in c.header for c in self.columns):
             marks.append("↑ higher is better, ↓ lower is better")
@@ -303,7 +305,7 @@ class StepTable:
     def cell(self, column: Column, value: Any) -> str:
         """``value`` rendered for ``column``, padded to exactly ``column.width``."""
         text = self._text(column, value)
-        if len(text) > column.width or _false_inf(column, value, text):
+        if display_width(text) > column.width or _false_inf(column, value, text):
             text = self._overflow(column, value, text)
         return _pad(text, column)
 
@@ -352,7 +354,7 @@ class StepTable:
                 width,
                 text,
             )
-            return text[: width - 1] + "…"
+            return cut(text, width - 1) + "…"
         if column.fmt == "frac":
             n, d = _pair(value)  # type: ignore[misc]
             for p in range(3, -1, -1):
@@ -483,7 +485,7 @@ def _sci(x: Any, precision: int) -> str:
 
 
 def _pad(text: str, column: Column) -> str:
-    return text.ljust(column.width) if column.align_left else text.rjust(column.width)
+    return pad(text, column.width, column.align_left)
 
 
 def _legend_key(column: Column) -> str:

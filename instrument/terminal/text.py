@@ -1,9 +1,46 @@
-"""Text for the step table: short, distinct headers for metric keys."""
+"""Text for the step table: how wide a string is on a terminal, padding to that width, and short headers.
+
+A terminal gives an East Asian wide or fullwidth character (``損``, ``ｌ``) and most emoji two cells, a
+combining mark (the accent of ``é`` written as ``e`` + U+0301) and a zero-width character none. `StepTable`
+pads and measures by these cells, not by ``len``, so a header with such characters keeps its column in place.
+"""
 
 import re
+import unicodedata
 from typing import Dict, Sequence
 
-__all__ = ["unique_headers"]
+__all__ = ["cut", "display_width", "pad", "unique_headers"]
+
+
+def _cell_width(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def display_width(text: str) -> int:
+    """The cells ``text`` takes on a terminal (``len`` for plain ASCII)."""
+    if text.isascii():
+        return len(text)
+    return sum(_cell_width(c) for c in text)
+
+
+def pad(text: str, width: int, left: bool) -> str:
+    """``text`` padded with spaces to ``width`` terminal cells: on the right when ``left``, else on the left."""
+    fill = " " * max(width - display_width(text), 0)
+    return text + fill if left else fill + text
+
+
+def cut(text: str, width: int) -> str:
+    """The longest start of ``text`` that takes at most ``width`` terminal cells."""
+    out, used = [], 0
+    for char in text:
+        used += _cell_width(char)
+        if used > width:
+            break
+        out.append(char)
+    return "".join(out)
+
 
 _GENERIC = re.compile(r"^(mean|min|max|std|first|last|count|sum|total|value|c\d+)$")
 

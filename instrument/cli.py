@@ -6,6 +6,7 @@ The module docstring is not the help text: `_DESCRIPTION` is plain text, as a te
 import argparse
 import glob
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
@@ -57,7 +58,8 @@ def list_configs() -> str:
 
 
 def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
-    """How to look at what each backend wrote: one command per backend that was used, in the order used."""
+    """How to look at what each backend wrote: one command per backend that was used, in the order used, with
+    paths quoted for a shell (``'my runs'``), so a pasted command gets each as one argument."""
     from instrument.backends.mlflow import MlflowBackend
     from instrument.backends.tensorboard import TensorBoardBackend
     from instrument.backends.wandb import WandbBackend
@@ -65,17 +67,17 @@ def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
     hints: List[str] = []
     for backend in backends:
         if isinstance(backend, TensorBoardBackend):
-            hints.append(f"TensorBoard: tensorboard --logdir {log_root}")
+            hints.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(log_root))}")
         elif isinstance(backend, MlflowBackend) and backend.tracking_uri:
             uri = backend.tracking_uri
             hints.append(f"MLflow: open {uri}" if uri.startswith(("http://", "https://"))
-                         else f"MLflow: mlflow ui --backend-store-uri {uri}")
+                         else f"MLflow: mlflow ui --backend-store-uri {shlex.quote(uri)}")
         elif isinstance(backend, WandbBackend):
             if backend.mode == "offline":
                 pattern = str(Path(backend.dir or log_root).resolve() / "wandb" / "offline-run-*")
                 runs = sorted(glob.glob(pattern))
                 target = runs[-1] if runs else pattern
-                hints.append(f"W&B (offline): wandb sync {target}")
+                hints.append(f"W&B (offline): wandb sync {shlex.quote(target)}")
             elif backend.mode == "online":
                 hints.append(f"W&B: logged online to project {backend.project!r} (wandb.ai)")
     return list(dict.fromkeys(hints))
@@ -90,7 +92,7 @@ def _print_result(outcome: dict) -> None:
             if isinstance(v, (int, float, str))
         )
         print(f"done: {summary}")
-    print(f"logs: {outcome['run_dir']}")
+    print(f"logs: {shlex.quote(outcome['run_dir'])}")
     hints = viewer_hints(outcome.get("backends", ()), outcome["log_root"])
     if hints:
         print("view them with:")
@@ -99,12 +101,14 @@ def _print_result(outcome: dict) -> None:
 
 
 def _redacted(message: str, binds: Sequence[str]) -> str:
-    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out."""
+    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out: under a
+    built-in pattern, or one of the run's own (``Instrumentation.secret_keys``, where the config binds it)."""
     import re
 
+    from instrument.config.located import secret_keys
     from instrument.logger.params import REDACTED, redact_argv
 
-    for bind, safe in zip(binds, redact_argv(binds), strict=True):
+    for bind, safe in zip(binds, redact_argv(binds, secret_keys()), strict=True):
         if bind != safe:
             value = bind.split("=", 1)[-1]
             for piece in sorted({value.strip(), *re.findall(r"[\w-]{4,}", value)}, key=len, reverse=True):

@@ -5,6 +5,7 @@ names the viewer of every backend the run used. Real subprocesses, outputs read 
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,9 @@ TINY = ["--bind", "train_nca.steps = 3", "--bind", "train_nca.batch_size = 2", "
         "--bind", "Instrumentation.log_interval = 2"]
 
 
-def _cli(*args, cwd, pythonpath=str(REPO)):
+def _cli(*args, cwd, pythonpath=str(REPO), home=None):
     env = {**os.environ, "PYTHONPATH": pythonpath, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **({"HOME": str(home)} if home else {})}
     return subprocess.run([sys.executable, "-m", "instrument", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=240)
 
@@ -104,6 +105,8 @@ def test_version_and_plain_help(tmp_path, capsys):
     [
         (["run", "nca", "--bind", "train_nca.stepz = 3"], "in --bind 'train_nca.stepz = 3'", "did you mean 'steps'?"),
         (["run", "rl.gin"], "in rl.gin, line 1", "add the line `import instrument.config.rl`"),  # a fresh interpreter
+        (["run", "nca", "--bind", "train_nca.steps = %STEPZ"], "in --bind 'train_nca.steps = %STEPZ': the macro "
+         "%STEPZ is used but never defined", "define it with a line `STEPZ = value`"),
     ],
 )
 def test_a_bad_config_exits_with_a_few_lines_and_no_traceback(tmp_path, args, where, fix):
@@ -201,6 +204,7 @@ _BAD_FILES = {
     "include.gin": "include 'nca.gin'\ninclude 'missing.gin'\n",
     "negative.gin": "include 'nca.gin'\n\nInstrumentation.log_interval = -1\n",
     "mode.gin": "include 'nca.gin'\nWandbBackend.mode = 'offlin'\nbackend_set.wandb = @WandbBackend()\n",
+    "macro.gin": "include 'nca.gin'\nSTEPS = 2\ntrain_nca.batch_size = [%STEPS, {'a': %STEP}]\n",
 }
 
 
@@ -219,6 +223,8 @@ _BAD_FILES = {
         (["missing-file.gin"], "no config file 'missing-file.gin'", "no shipped config", "give a path"),
         (["negative.gin"], "negative.gin, line 3: Instrumentation.log_interval = -1", "got -1", "non-negative"),
         (["mode.gin"], "mode.gin, line 2: WandbBackend.mode = 'offlin'", "got 'offlin'", "'offline'"),
+        (["macro.gin"], "macro.gin, line 3", "%STEP is used but never defined (defined: STEPS)",
+         "did you mean %STEPS?"),
         (["nca", "--bind", "Instrumentation.log_interval = -1"], "--bind 'Instrumentation.log_interval = -1'",
          "got -1", "non-negative"),
         (["nca", "--bind", "Instrumentation.hyperparams = {'a': [1,"], "--bind", "never closed", "close the bracket"),
@@ -271,3 +277,62 @@ def test_a_binding_the_run_never_used_is_named_at_the_end(tmp_path, capsys):
     assert code == 0, stderr
     assert "mine.gin, line 2: MlflowBackend.tags = {'api_token': '<redacted>'}" in stderr
     assert "sk-filesecret123" not in stderr
+
+
+
+def test_a_scoped_binding_of_a_scope_never_called_is_named_at_the_end(tmp_path):
+    # A typo in the scope ('los' called, 'loss' bound): the binding did nothing and must be named. The scope
+    # that was called, and an unscoped binding of what it built, are used.
+    (tmp_path / "cols.gin").write_text(
+        "include 'nca.gin'\nConsoleBackend.columns = [@los/Column()]\nlos/Column.key = 'train/loss'\n"
+        "loss/Column.header = 'L'\nloss/Column.fmt = '.2e'\nColumn.width = 9\n")
+    out = _cli("run", "cols.gin", *TINY, "--bind", "Instrumentation.run_name = 'c'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    named = out.stderr.split("these bindings were never used", 1)[1].splitlines()[1:]
+    assert named == ["  cols.gin, line 4: loss/Column.header = 'L'", "  cols.gin, line 5: loss/Column.fmt = '.2e'"]
+
+@pytest.mark.parametrize("channels", [4, 16])
+def test_the_nca_tables_alpha_column_shows_what_jsonl_has_for_any_channel_count(tmp_path, channels):
+    # Channel 3 is c3 with 4 channels and c03 with 16: the shipped table matches either, not nan.
+    out = _cli("run", "nca", *TINY, "--bind", f"train_nca.channels = {channels}",
+               "--bind", "Instrumentation.run_name = 'a'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if re.match(r"^ +step +loss", line))
+    column = lines[head].split().index("αmax")
+    shown = {int(row.split()[0]): row.split()[column] for row in lines[head + 1:head + 3]}
+    records = [json.loads(x) for x in (tmp_path / "runs" / "a" / "metrics.jsonl").read_text().splitlines()]
+    key = f"iteration_stats/max/c{3 if channels <= 10 else '03'}"
+    logged = {r["step"]: r["metrics"][key] for r in records if key in r.get("metrics", {})}
+    assert sorted(shown) == sorted(logged) == [0, 2]
+    assert shown == {step: f"{value:.2f}" for step, value in logged.items()}
+
+
+def test_the_viewer_hint_is_a_command_a_shell_runs_as_printed(tmp_path):
+    # '~' is the home folder, as the shell that runs the hint reads it (the run was in ./~/x), and a path with
+    # a space is one argument (it was two).
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    for log_dir, where in (("~/x", home / "x"), ("my runs", work / "my runs")):
+        out = _cli("run", "nca", *TINY, "--bind", f"Instrumentation.log_dir = '{log_dir}'",
+                   "--bind", "Instrumentation.run_name = 'r'", cwd=work, home=home)
+        assert out.returncode == 0, out.stderr
+        (hint,) = [line for line in out.stdout.splitlines() if "tensorboard --logdir" in line]
+        logs = [line for line in out.stdout.splitlines() if line.startswith("logs: ")]
+        assert shlex.split(hint.split(": ", 1)[1]) == ["tensorboard", "--logdir", str(where) if "~" in log_dir
+                                                      else log_dir]
+        assert shlex.split(logs[0][len("logs: "):]) == [str(where / "r") if "~" in log_dir else f"{log_dir}/r"]
+        assert list((where / "r").glob("events.out.tfevents.*"))
+    assert not (work / "~").exists()
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_path, capsys):
+    # gin's UnicodeDecodeError came with no line and "fix: see gin's message above", with nothing above.
+    (tmp_path / "latin1.gin").write_bytes(b"include 'nca.gin'\n# caf\xe9\ntrain_nca.steps = 3\n")
+    (tmp_path / "top.gin").write_text("import instrument.demos.nca\ninclude 'latin1.gin'\n")
+    for name, where in (("latin1.gin", "latin1.gin, line 2"), ("top.gin", "latin1.gin, line 2 (included from ")):
+        code, stdout, stderr = _main(capsys, "run", str(tmp_path / name))
+        assert code == 2 and stdout == "", stderr
+        assert where in stderr and "the file is not UTF-8: byte 0xe9 at byte offset 23" in stderr, stderr
+        assert "# caf\\xe9" in stderr and "fix: save the file as UTF-8" in stderr and "above" not in stderr

@@ -256,3 +256,40 @@ def test_system_lines_and_sample_panels_take_the_same_route_as_rows():
     assert "      3          1" in segments
     panel = [s for s in segments if s.startswith("╭─ val | step 3 | best #1")]
     assert len(panel) == 1 and len(panel[0]) == 60
+
+
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        ({"header_every": -1}, "header_every must be an int >= 0 (0: the header once), got -1"),
+        ({"header_every": 2.5}, "header_every must be an int >= 0"),
+        ({"stream": "stderr"}, "stream must be None (sys.stdout when a line is written) or a text stream"),
+        ({"keys": "train/loss"}, "keys must be a list of metric keys or prefixes, got the string 'train/loss'"),
+        ({"summary": "timing/"}, "summary must be a list of metric keys or prefixes, got the string 'timing/'"),
+        ({"keys": ["train/", 3]}, "keys must be a list of non-empty metric keys"),
+        ({"columns": "train/loss"}, "columns must be a list of columns, got 'train/loss'"),
+        ({"num_val_samples_to_print": -1}, "num_val_samples_to_print must be an int >= 0"),
+        ({"legend": "yes"}, "legend must be True or False"),
+    ],
+)
+def test_every_argument_is_checked_when_the_backend_is_built_with_inferred_columns(kwargs, said):
+    # Inferred columns (columns=None) build the table at the first write, on the logger's writer thread: a bad
+    # argument found there left the run without a table. It is refused here, before training.
+    with pytest.raises(ConfigurationError, match=re.escape(said)):
+        ConsoleBackend(**kwargs)
+
+
+def test_a_bad_console_argument_bound_in_gin_stops_the_run_before_training(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    (tmp_path / "inferred.gin").write_text("include 'nca.gin'\nConsoleBackend.columns = None\n"
+                                           "ConsoleBackend.header_every = -1\ntrain_nca.steps = 2\n")
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "inferred.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stderr
+    assert "header_every must be an int >= 0" in out.stderr and "inferred.gin, line 3" in out.stderr
+    assert not list(tmp_path.rglob("*.jsonl"))  # nothing trained

@@ -1,6 +1,7 @@
 """Tests for the demo workloads (instrument.demos): plain PyTorch, no instrumentation needed."""
 
 import math
+import re
 import warnings
 from typing import List
 
@@ -336,3 +337,42 @@ def test_train_cartpole_drives_the_real_instrumentation():
     assert {"train/loss", "train/episode_length"} <= set(keep.records[0].scalars)
     assert counter.indices == list(range(len(counter.indices))) and counter.indices
     assert keep.records[-1].scalars["train/episode_length"] == pytest.approx(result["final_mean_length"])
+
+
+@pytest.mark.parametrize(
+    "demo, kwargs, said",
+    [
+        (train_nca, {"channels": 3}, "train_nca channels must be an int >= 4 (R, G, B and alpha"),
+        (train_nca, {"hidden": 0}, "train_nca hidden must be an int >= 1"),
+        (train_nca, {"fire_rate": 1.5}, "train_nca fire_rate must be a number in [0, 1]"),
+        (train_nca, {"fire_rate": -0.1}, "train_nca fire_rate must be a number in [0, 1]"),
+        (train_nca, {"checkpoint_every": -1}, "train_nca checkpoint_every must be an int >= 0 (0: off), got -1"),
+        (train_nca, {"lr": 0}, "train_nca lr must be a number > 0, got 0"),
+        (train_cartpole, {"max_steps": 0}, "train_cartpole max_steps must be an int >= 1"),
+        (train_cartpole, {"num_envs": 0}, "train_cartpole num_envs must be an int >= 1"),
+        (train_cartpole, {"steps": 0}, "train_cartpole steps must be an int >= 1"),
+        (train_cartpole, {"hidden": -2}, "train_cartpole hidden must be an int >= 1"),
+        (train_cartpole, {"gamma": 1.5}, "train_cartpole gamma must be a number in [0, 1]"),
+        (train_cartpole, {"lr": -1.0}, "train_cartpole lr must be a number > 0"),
+    ],
+)
+def test_demo_arguments_out_of_range_are_configuration_errors(demo, kwargs, said):
+    # channels=3 / hidden=0 were tracebacks from inside the model; train_cartpole(num_envs=0) ran to the end
+    # with nan metrics, and max_steps=0 was a RuntimeError from torch.stack.
+    with pytest.raises(instrument.ConfigurationError, match=re.escape(said) + r".*bind e\.g\."):
+        demo(**kwargs)
+
+
+def test_a_demo_argument_out_of_range_bound_in_gin_is_named_where_it_was_bound(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "rl_cartpole", "--bind",
+                          "train_cartpole.max_steps = 0"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "train_cartpole max_steps must be an int >= 1" in out.stderr
+    assert "bound at --bind 'train_cartpole.max_steps = 0'" in out.stderr

@@ -43,6 +43,26 @@ def test_run_names_that_could_leave_log_dir_are_refused(tmp_path, name):
     assert not (tmp_path / "evil").exists()
 
 
+
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "esc\x1b[31m", "del\x7f", "cr\r"])
+def test_run_names_with_control_characters_are_refused(tmp_path, name):
+    # A newline in the folder name split the CLI's "logs:" line; an escape recolours the terminal.
+    with pytest.raises(ConfigurationError, match=r"contains the control character .*printable characters only"):
+        instrument.Instrumentation(backends=[JsonlBackend()], run_name=name, log_dir=str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_control_character_in_run_name_bound_in_gin_is_a_configuration_error(tmp_path):
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "nca", "--bind", "train_nca.steps = 1",
+                          "--bind", "Instrumentation.run_name = 'a\\nb'"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "contains the control character '\\n'" in out.stderr, out.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
 def test_an_existing_run_name_is_refused_unless_resuming(tmp_path):
     first = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path))
     with first.step(0):

@@ -177,3 +177,18 @@ def test_a_secret_bound_with_the_equals_form_never_reaches_wandb(tmp_path, monke
         assert secret.encode() not in path.read_bytes(), path
     (wandb_file,) = (tmp_path / "w").rglob("*.wandb")  # W&B's metadata records the command line, redacted
     assert out[1].encode() in wandb_file.read_bytes()
+
+
+@pytest.mark.parametrize("in_file", [True, False])
+def test_a_configuration_error_leaves_out_a_value_under_the_runs_own_secret_pattern(tmp_path, in_file):
+    # '*cookie*' is no built-in pattern: the run adds it, and the type error quoting the binding honours it.
+    secret = "S3cretCookieLeak-9"
+    bindings = ["Instrumentation.secret_keys = ['*cookie*']",
+                f"Instrumentation.hyperparams = {{'session_cookie': '{secret}', 1: 'x'}}"]
+    (tmp_path / "secret.gin").write_text("include 'nca.gin'\n" + "\n".join(bindings) + "\n")
+    args = ["secret.gin"] if in_file else ["nca", *[a for b in bindings for a in ("--bind", b)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "expects a dict of str to Any or None" in out.stderr, out.stderr
+    assert secret not in out.stderr and REDACTED in out.stderr

@@ -190,3 +190,28 @@ def test_a_stalled_sample_is_not_made_up_by_a_burst_of_samples():
     seconds = [r.scalars["system/seconds"] for r in sink.records]
     gaps = [b - a for a, b in zip(seconds, seconds[1:], strict=False)]
     assert len(seconds) >= 5 and min(gaps) >= 0.04, gaps
+
+
+def test_every_cpu_reading_is_measured_over_a_whole_interval_the_first_too():
+    """The first sample was taken right after the counters were primed, so its CPU percentages covered a few
+    milliseconds (the host's read 0.0, a busy process's 150). Each sample now says the window its CPU use is
+    measured over: a whole interval for all but the one taken when stopping (at least half of one)."""
+
+    class Sink:
+        def __init__(self):
+            self.records = []
+
+        def write_system(self, record):
+            self.records.append(record)
+
+    sink = Sink()
+    monitor = SystemMonitor(collection_interval=0.2, flush_interval=0.2, gpu=False)
+    monitor.start(sink)
+    time.sleep(1.0)
+    monitor.stop()
+    windows = [r.scalars["system/cpu_window_seconds"] for r in sink.records]
+    assert windows, "no sample"
+    assert all(w >= 0.2 * 0.999 for w in windows[:-1]) and windows[-1] >= 0.1, windows
+    first = sink.records[0].scalars
+    assert first["system/seconds"] >= first["system/cpu_window_seconds"]  # measured from the start, not before
+    assert 0 <= first["system/host_cpu_percent"] <= 100 and first["system/process_cpu_percent"] >= 0

@@ -293,3 +293,31 @@ def test_a_step_too_wide_for_its_column_widens_it_instead_of_rounding():
     assert [int(row[0]) for row in rows] == list(steps)
     headers = [line for line in out.getvalue().splitlines() if line.split()[0] == "step"]
     assert len(headers) == 3  # the first, and one each time the column widened
+
+
+def test_a_match_column_with_an_invalid_pattern_is_refused_when_built():
+    with pytest.raises(ConfigurationError, match=r"regular expression.*not valid.*fix it"):
+        Column("iteration_stats/max/c(3", match=True)
+    assert Column("iteration_stats/max/c0*3", match=True).header == "c0*3"
+
+
+def test_wide_characters_take_two_cells_and_the_columns_stay_aligned():
+    # Headers were padded by code points: a wide character (CJK, most emoji) takes two terminal cells, so the
+    # header line was wider on screen than its rows and every column to its right moved.
+    import unicodedata
+
+    def display_width(text):  # what a terminal gives it: 2 cells for wide, 0 for a combining mark
+        return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+                   for c in text)
+
+    table = StepTable([Column("train/loss", "损失↓", 8, ".4f"), Column("eval/acc", "✅acc", 7, ".1%"),
+                       Column("mode", "mode", 6, "str"), Column("note", "e\u0301t\u00e9", 5, "str")])
+    lines = table.render({"step": 10, "train/loss": 0.1234, "eval/acc": 0.5, "mode": "贪心搜索算法", "note": "x"})
+    assert [display_width(line) for line in lines] == [table.line_width] * 2, lines
+    assert lines[0].endswith("  mode    e\u0301t\u00e9  ")  # a combining accent takes no cell
+    assert "贪心…" in lines[1]  # cut by cells: two wide characters and the mark fill 5 of the 6
+    legend = table.legend()
+    assert len({line.index("train/loss") for line in legend if "train/loss" in line}) == 1
+    assert display_width(legend[1].split("train/loss")[0]) == display_width(legend[2].split("eval/acc")[0])
+    with pytest.raises(ConfigurationError, match=r"is 6 characters wide on a terminal, wider than width=5"):
+        Column("x", "损失↓↓", 5)

@@ -26,6 +26,7 @@ import dataclasses
 import io
 import logging
 import math
+import re
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
@@ -104,20 +105,40 @@ class ConsoleBackend(Backend):
         show_system: bool = False,
         width: Optional[int] = None,
     ) -> None:
+        # Every argument is checked here, also those only used once a step has come (an inferred table's
+        # header_every, the stream): a bad one must fail before training, not on the writer thread.
+        if isinstance(columns, (str, Mapping)):
+            raise ConfigurationError(
+                f"ConsoleBackend columns must be a list of columns, got {columns!r} ({type(columns).__name__}); "
+                f"put the column in a list: columns=[{columns!r}]."
+            )
         self.declared: Optional[List[Column]] = None if columns is None else resolve_columns(columns)
+        _check_int("header_every", header_every, 0, " (0: the header once)")
         self.header_every = header_every
-        self.summary = tuple(summary)
-        self.keys = list(keys) if keys is not None else None
-        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
-            raise ConfigurationError(f"ConsoleBackend max_keys must be an int >= 1, got {max_keys!r}.")
+        self.summary = tuple(_check_strings("summary", summary, "('timing/',)"))
+        self.keys = None if keys is None else _check_strings("keys", keys, "['train/loss', 'eval/']")
+        _check_int("max_keys", max_keys, 1)
         self.max_keys = max_keys
+        for name, flag in (("legend", legend), ("show_system", show_system)):
+            if not isinstance(flag, bool):
+                raise ConfigurationError(f"ConsoleBackend {name} must be True or False, got {flag!r}.")
         self.legend = legend
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise ConfigurationError(
+                f"ConsoleBackend stream must be None (sys.stdout when a line is written) or a text stream with a "
+                f"write method such as sys.stderr or an open file, got {stream!r} ({type(stream).__name__}). "
+                f"Leave it unbound for stdout; pass ConsoleBackend(stream=sys.stderr) from Python for stderr."
+            )
         self.stream = stream
-        self.num_val_samples_to_print = int(num_val_samples_to_print)
+        _check_int("num_val_samples_to_print", num_val_samples_to_print, 0, " (0: none)")
+        if width is not None:
+            _check_int("width", width, 20, " or None (the stream's width)")
+        self.num_val_samples_to_print = num_val_samples_to_print
         self.show_system = show_system
         self.width = width
         self.table: Optional[StepTable] = None
         self._summaries: Dict[str, _Summary] = {}
+        self._matched: Dict[str, str] = {}  # a match=True column's pattern -> the metric key it shows
         self._pipe_closed = False  # the stream's reader went away (`| head`): rows go to the run log only
         self._pipe_error: Optional[BaseException] = None  # a broken pipe met while opening, said at the first write
         if self.declared is not None:
@@ -244,12 +265,24 @@ class ConsoleBackend(Backend):
         for col in self.table.columns:
             if col.key == "step":
                 continue
-            value = scalars.get(col.key, record.texts.get(col.key))
+            key = self._matched_key(col, scalars, record.texts) if col.match else col.key
+            value = scalars.get(key, record.texts.get(key))
             if col.fmt == "frac" and col.denominator is not None and value is not None:
                 den = col.denominator
                 value = (value, scalars.get(den) if isinstance(den, str) else den)
             values[col.key] = value
         return values
+
+    def _matched_key(self, col: Column, scalars: Mapping[str, Any], texts: Mapping[str, Any]) -> str:
+        """The metric key a ``match=True`` column shows: the first of the first step that logs one, then fixed."""
+        if col.key not in self._matched:
+            pattern = re.compile(col.key)
+            found = next((k for k in [*scalars, *texts] if pattern.fullmatch(k)), None)
+            if found is None:
+                return col.key
+            self._matched[col.key] = found
+            table_log.info("console: column %r shows %s (it matches %r)", col.header, found, col.key)
+        return self._matched[col.key]
 
     def _is_summary(self, key: str) -> bool:
         return any(_under(key, prefix) for prefix in self.summary)
@@ -282,6 +315,33 @@ class ConsoleBackend(Backend):
         return (
             f"ConsoleBackend(columns={shown!r}, header_every={self.header_every}, summary={self.summary!r})"
         )
+
+
+def _check_int(name: str, value: Any, least: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigurationError(
+            f"ConsoleBackend {name} must be an int >= {least}{note}, got {value!r} ({type(value).__name__}); "
+            f"bind e.g. ConsoleBackend.{name} = {max(least, 20 if name in ('header_every', 'width') else least)}."
+        )
+
+
+def _check_strings(name: str, value: Any, example: str) -> List[str]:
+    """A list of metric keys or prefixes; a lone string would be taken apart into its characters."""
+    if isinstance(value, str):
+        raise ConfigurationError(
+            f"ConsoleBackend {name} must be a list of metric keys or prefixes, got the string {value!r}: its "
+            f"characters would be the keys. Put it in a list: {name}=[{value!r}]."
+        )
+    try:
+        items = list(value)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(k, str) and k for k in items):
+        raise ConfigurationError(
+            f"ConsoleBackend {name} must be a list of non-empty metric keys or prefixes (strings), got {value!r}; "
+            f"e.g. {name}={example}."
+        )
+    return items
 
 
 def _fmt(value: float) -> str:

@@ -15,7 +15,18 @@ from instrument.config.files import CONFIG_DIR, read_text, resolve_config
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text
 
-__all__ = ["bound_pair", "include_cycle", "unused_bindings", "where_bound"]
+__all__ = ["bound_pair", "file_holding", "include_cycle", "secret_keys", "unused_bindings", "where_bound"]
+
+
+def secret_keys() -> Tuple[str, ...]:
+    """The run's own secret patterns (``Instrumentation.secret_keys``) where the parsed config binds them, to
+    redact along with the built-in ones: an error message quoting a binding must leave out what the run's log
+    would."""
+    try:
+        keys = gin.query_parameter("Instrumentation.secret_keys") or ()
+    except Exception:  # noqa: BLE001 - not bound (or not registered): the built-in patterns only
+        return ()
+    return (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -48,6 +59,29 @@ def include_cycle(path: Path) -> List[str]:
         return None
 
     return walk(path.resolve(), []) or [str(path)]
+
+
+def file_holding(path: Path, wanted: Callable[[bytes], bool]) -> Optional[Path]:
+    """``path`` or the first file it includes (at any depth) whose bytes are ``wanted``; None when none is."""
+    seen: List[Path] = []
+
+    def walk(current: Path) -> Optional[Path]:
+        if current in seen or len(seen) > 200:
+            return None
+        seen.append(current)
+        try:
+            if wanted(current.read_bytes()):
+                return current
+        except OSError:
+            return None
+        for line in read_text(str(current)).splitlines():
+            target = _included(line, path.parent, current)
+            found = walk(target.resolve()) if target is not None else None
+            if found:
+                return found
+        return None
+
+    return walk(path.resolve())
 
 
 def where_bound(message: str, files: Sequence[str], bindings: Sequence[str]) -> str:
@@ -131,14 +165,18 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
         found = gin.config._REGISTRY.get_match(selector)
         return found.selector if found is not None else selector
 
-    try:  # the run's own secret patterns, where the config binds them
-        extra = tuple(str(k) for k in gin.query_parameter("Instrumentation.secret_keys") or ())
-    except Exception:
-        extra = ()
-    called = {canonical(selector) for _, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
+    extra = secret_keys()
+    # A call in scope 'a/b' reads the bindings of scopes '', 'a' and 'a/b' (gin's scope prefixes): a binding in
+    # scope 'loss' is used only when something was called in 'loss' or under it, not when '@los/Column()' was.
+    called = {(scope, canonical(selector)) for scope, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
+
+    def used(scope: str, selector: str) -> bool:
+        name = canonical(selector)
+        return any(s == name and (not scope or c == scope or c.startswith(scope + "/")) for c, s in called)
+
     unused = []
     for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
-        if canonical(selector) in called or selector.split(".")[0] == "gin":  # gin's own macros and constants
+        if used(scope, selector) or selector.split(".")[0] == "gin":  # gin's own macros and constants
             continue
         for param in params:
             place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)

@@ -30,7 +30,7 @@ from instrument.config.files import (
     resolve_config,
     shipped_configs,
 )
-from instrument.config.located import bound_pair, include_cycle
+from instrument.config.located import bound_pair, file_holding, include_cycle, secret_keys
 from instrument.errors import ConfigurationError
 from instrument.logger.params import scrub
 
@@ -102,6 +102,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
                 raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
     finally:
         logging.getLogger().removeFilter(quiet)
+    check_macros([str(f) for f in files], bindings)
     check_types([str(f) for f in files], bindings)
     return paths
 
@@ -135,6 +136,27 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
     text = str(exc)
     kind = GinConfigError
+    decode = re.search(r"can't decode byte 0x[0-9a-f]+ in position (\d+): ([^\n]*)", text)
+    if isinstance(exc, UnicodeDecodeError) and decode and binding is None:  # a file saved in another encoding
+        start = int(decode[1])  # gin re-raises an include's error as a copy without the bytes: find the file
+
+        def fails_there(data: bytes) -> bool:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return bad.start == start
+            return False
+
+        holder = file_holding(Path(source), fails_there)
+        if holder is not None:
+            data = holder.read_bytes()
+            line = data.count(b"\n", 0, start) + 1
+            statement = data.split(b"\n")[line - 1].decode("utf-8", "backslashreplace").strip()
+            top = holder.resolve() == Path(source).resolve()
+            where = f"{source if top else holder.name}, line {line}" + ("" if top else f" (included from {source})")
+            return GinConfigError(
+                f"the file is not UTF-8: byte 0x{data[start]:02x} at byte offset {start} ({decode[2].strip()})",
+                where, statement, "save the file as UTF-8 (your editor's 'encoding' setting), or remove the character.")
     if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
         line, statement = _unclosed(binding if binding is not None else read_text(source))
         where = source if binding is not None or not line else f"{source}, line {line}"
@@ -230,16 +252,51 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
     refused: references and macros (``@Name()``, ``%MACRO``), unannotated parameters, ``Any``, ``Callable``,
     classes, TypeVars and forward references that do not resolve; nor a value equal to the parameter's default.
     """
+    extra = secret_keys()
     for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
         configurable = gin.config._REGISTRY.get_match(selector)
         if configurable is None:
             continue
         name = selector.rsplit(".", 1)[-1]
         for param, value in params.items():
-            refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value)
+            refused = types.refusal(configurable.wrapped, f"{scope}/{name}" if scope else name, param, value, extra)
             if refused:
                 place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
+
+
+def check_macros(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Refuse a ``%NAME`` that no ``NAME = value`` defines (a misspelt macro), naming the macro, where it is
+    used and the macros that are defined. gin itself finds it only when the value is used, as a TypeError deep
+    in a call (``macro() missing 1 required positional argument: 'value'``)."""
+    config = getattr(gin.config, "_CONFIG", {})
+    defined = sorted(scope for (scope, selector), params in config.items()
+                     if selector == "gin.macro" and "value" in params)
+    for (scope, selector), params in list(config.items()):
+        for param, value in params.items():
+            for name in _macros_in(value):
+                if name in defined:
+                    continue
+                place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
+                close = difflib.get_close_matches(name, defined, n=1)
+                hint = f"did you mean %{close[0]}? " if close else ""
+                known = f" (defined: {', '.join(defined)})" if defined else " (none is defined)"
+                raise GinConfigError(
+                    f"the macro %{name} is used but never defined{known}", place,
+                    statement or f"{selector}.{param} = %{name}",
+                    f"{hint}define it with a line `{name} = value` (in a .gin file, or --bind '{name} = 10'), "
+                    f"or correct its name.")
+
+
+def _macros_in(value: Any) -> List[str]:
+    """The names of the macros (``%NAME``) a bound value uses, in lists, tuples and dicts too."""
+    if isinstance(value, dict):
+        return [n for item in (*value.keys(), *value.values()) for n in _macros_in(item)]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in _macros_in(item)]
+    if isinstance(value, gin.config.ConfigurableReference) and value.selector == "gin.macro":
+        return [value.scoped_selector.rsplit("/", 1)[0]]
+    return []
 
 
 def _fix_for(problem: str) -> str:

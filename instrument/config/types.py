@@ -19,7 +19,7 @@ import collections.abc as abc
 import inspect
 import types
 import typing
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 from instrument.logger.params import redact_values, scrub
 
@@ -225,10 +225,12 @@ def hints_of(fn: Callable[..., Any]) -> Dict[str, Any]:
 
 
 
-def refusal(fn: Callable[..., Any], name: str, param: str, value: Any) -> Optional[Tuple[str, str, Set[str]]]:
+def refusal(fn: Callable[..., Any], name: str, param: str, value: Any,
+            extra: Sequence[str] = ()) -> Optional[Tuple[str, str, Set[str]]]:
     """``(problem, fix, secrets)`` when the annotation of ``fn``'s ``param`` rules out the bound ``value``
     (``name`` is how the config calls ``fn``), else None. ``secrets`` are the strings of the value that sit under
-    a secret-looking name: the problem leaves them out, and so must whatever else quotes the binding. A value
+    a secret-looking name (the built-in patterns and the run's own, ``extra``): the problem leaves them out, and
+    so must whatever else quotes the binding. A value
     equal to the parameter's default is never refused: the function already takes it, whatever its annotation
     says (``x: int = None``)."""
     hint = hints_of(fn).get(param, Any)
@@ -245,7 +247,7 @@ def refusal(fn: Callable[..., Any], name: str, param: str, value: Any) -> Option
     if found is None:
         return None
     secrets: Set[str] = set()
-    redact_values({param: value}, found=secrets)
+    redact_values({param: value}, extra, found=secrets)
     wanted = describe(hint)
     problem = f"{name}.{param} expects {wanted}, got {value!r} ({type(value).__name__})"
     if found.where:

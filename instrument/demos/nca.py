@@ -215,10 +215,25 @@ def train_nca(
     the loss only on the last step. ``seed`` fixes the init, the fire masks (global RNG) and the rollout
     lengths (a private generator), so two runs with the same arguments are identical.
     """
-    for name, value, least in (("steps", steps, 1), ("batch_size", batch_size, 1), ("size", size, 4),
-                               ("n_iter_min", n_iter_min, 1), ("n_iter_max", n_iter_max, n_iter_min)):
+    for name, value, least, why, fix in (
+        ("steps", steps, 1, "", 300), ("batch_size", batch_size, 1, "", 4), ("size", size, 4, "", 24),
+        ("n_iter_min", n_iter_min, 1, "", 24), ("n_iter_max", n_iter_max, n_iter_min, " (n_iter_min)", n_iter_min),
+        ("channels", channels, 4, " (R, G, B and alpha, then the hidden ones)", 16),
+        ("hidden", hidden, 1, " (the update MLP's width)", 128),
+        ("checkpoint_every", checkpoint_every, 0, " (0: off)", 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigurationError(f"train_nca {name} must be an int >= {least}, got {value!r}.")
+            raise ConfigurationError(
+                f"train_nca {name} must be an int >= {least}{why}, got {value!r}; bind e.g. train_nca.{name} = {fix}."
+            )
+    for name, value, ok, wanted, fix in (
+        ("fire_rate", fire_rate, lambda v: 0 <= v <= 1, "in [0, 1] (the chance that a cell updates)", 0.5),
+        ("lr", lr, lambda v: v > 0, "> 0", 2e-3),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ConfigurationError(
+                f"train_nca {name} must be a number {wanted}, got {value!r}; bind e.g. train_nca.{name} = {fix}."
+            )
     torch.manual_seed(seed)
     lengths_rng = torch.Generator().manual_seed(seed)
     model = NCA(channels=channels, hidden=hidden, fire_rate=fire_rate, checkpoint_every=checkpoint_every)

@@ -7,9 +7,11 @@ records are stamped with whole seconds since the monitor started (``system/secon
 
 Lifecycle (the `Instrumentation` drives it when given ``system_monitor=``)::
 
-    monitor.start(logger)      # starts a daemon thread on rank 0; samples every collection_interval seconds
+    monitor.start(logger)      # starts a daemon thread on rank 0; samples every collection_interval seconds,
+                               # the first one interval after the start (CPU use is measured over a window)
     ...                        # every flush_interval seconds the buffered samples go to the backends
-    monitor.stop()             # wakes the thread, flushes what is buffered, joins it
+    monitor.stop()             # wakes the thread, samples the time since the last sample (when it is at least
+                               # half an interval), flushes what is buffered, joins it
 
 The training thread never waits on sampling (psutil, NVML): that happens in the monitor's thread, outside any
 lock; the only shared step is the backend write, which the logger serialises with its commits. The buffer is a
@@ -21,6 +23,7 @@ Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process 
 |---|---|
 | ``system/seconds`` | seconds since the monitor started (the x axis) |
 | ``system/process_cpu_percent`` | this process's CPU use; 100 = one core |
+| ``system/cpu_window_seconds`` | the seconds the CPU percentages are measured over: since the previous sample |
 | ``system/process_rss_gib`` | this process's resident memory |
 | ``system/host_cpu_percent`` | the whole host's CPU use, 0-100 |
 | ``system/host_memory_percent`` | host memory in use, 0-100 |
@@ -97,6 +100,7 @@ class SystemMonitor:
         self._thread: Optional[threading.Thread] = None
         self._logger: Any = None
         self._t0 = 0.0
+        self._read_at = 0.0  # when the CPU counters were last read: a sample measures the time since
         self._process: Any = None
         self._nvml: Any = None
         self._nvml_handles: List[Tuple[int, Any]] = []
@@ -118,11 +122,9 @@ class SystemMonitor:
             raise ConfigurationError("this SystemMonitor was already started; create a new one per run.")
         self._logger = logger
         self._process = self._psutil.Process()
-        self._process.cpu_percent(None)  # the first reading is always 0: prime both counters
-        self._psutil.cpu_percent(None)
         if self.gpu:
             self._init_nvml()
-        self._t0 = time.monotonic()
+        self._t0 = self._read_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="instrument-system-monitor", daemon=True)
         self._thread.start()
 
@@ -200,9 +202,15 @@ class SystemMonitor:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
-        next_sample = next_flush = self._t0
-        next_flush += self.flush_interval
-        while True:
+        # The first sample comes one interval after the counters were primed: taken at once, its CPU
+        # percentages were measured over the few milliseconds since (the host's read 0, a busy process's 150).
+        # The first reading is always 0: prime both counters, here, since psutil keeps the host's per thread.
+        self._process.cpu_percent(None)
+        self._psutil.cpu_percent(None)
+        self._read_at = time.monotonic()
+        next_sample = self._t0 + self.collection_interval
+        next_flush = self._t0 + self.flush_interval
+        while not self._stop.wait(max(0.0, next_sample - time.monotonic())):
             self._collect()
             # After a stall (a slow sample, SIGSTOP, a suspended laptop) the missed slots are skipped, not made
             # up in a burst of samples microseconds apart whose CPU percentages would read 0 over ~0 s.
@@ -213,11 +221,13 @@ class SystemMonitor:
             if time.monotonic() >= next_flush:
                 self._flush()
                 next_flush = max(next_flush + self.flush_interval, time.monotonic())
-            if self._stop.wait(max(0.0, next_sample - time.monotonic())):
-                break
+        if time.monotonic() - self._read_at >= self.collection_interval / 2:  # stopping: the time since the last
+            self._collect()  # sample is measured too, unless it is too short a window to mean much
         self._flush()
 
     def _collect(self) -> None:
+        started = time.monotonic()
+        window, self._read_at = started - self._read_at, started  # what the CPU percentages are measured over
         try:
             values = self.sample()
         except Exception as exc:
@@ -225,6 +235,7 @@ class SystemMonitor:
                 self._failed = True
                 log.warning("instrument: system monitor sampling failed: %r", exc)
             return
+        values["system/cpu_window_seconds"] = window
         self._buffer.append((time.monotonic() - self._t0, time.time(), values))
 
     def _flush(self) -> None:

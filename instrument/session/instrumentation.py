@@ -61,7 +61,7 @@ class Instrumentation(StepLifecycle):
             ``YYYYmmdd-HHMMSS-xxxxxx`` (unique even for jobs started in the same second). A name with ``..``, a
             path separator or an absolute path is refused, and so is one whose folder is not empty (unless
             ``resume``): nothing is written outside ``log_dir`` and two runs never share a folder.
-        log_dir: the folder that holds every run (``<log_dir>/<run_name>``).
+        log_dir: the folder that holds every run (``<log_dir>/<run_name>``); a leading ``~`` is the home folder.
         hyperparams: logged once at the first step, with the operative gin config when gin is in use.
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
         system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
@@ -144,9 +144,10 @@ class Instrumentation(StepLifecycle):
                 obs.session_channel_dim = channel_dim
         self.log_interval = log_interval
         self.hyperparams = dict(hyperparams or {})  # before the run folder is claimed: nothing after it raises
-        name = run_name_for(run_name, Path(log_dir), resume)
-        ids = resume_ids(Path(log_dir) / name) if resume else None
-        self.run = RunInfo(name=name, root=Path(log_dir), resume=ids)
+        root = Path(log_dir).expanduser()  # '~/runs' is the home folder's, as a shell would read it
+        name = run_name_for(run_name, root, resume)
+        ids = resume_ids(root / name) if resume else None
+        self.run = RunInfo(name=name, root=root, resume=ids)
         self.run_log: Any = None
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()

@@ -45,9 +45,10 @@ import math
 import numbers
 import re
 from decimal import Decimal
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from instrument.errors import ConfigurationError
+from instrument.terminal.text import cut, display_width, pad, unique_headers
 
 __all__ = [
     "Column",
@@ -86,13 +87,17 @@ class Column:
         key: the metric key whose value the column shows (``train/loss``); with ``each``, may hold ``{}``.
         header: the column title; may carry a direction mark (↑ better higher, ↓ better lower). Defaults to
             the last segment of ``key``. Must fit in ``width``.
-        width: characters the column always takes; 0 means ``max(len(header), 8)``. At least 3 ("nan").
+        width: terminal cells the column always takes (a wide character such as ``损`` or most emoji takes
+            two); 0 means the header's width, at least 8. At least 3 ("nan").
         fmt: a Python format spec without width (``.4f``, ``+.2f``, ``.1e``, ``d``), ``frac`` or ``str``.
         description: one line for the legend.
         denominator: for ``frac`` columns fed from single scalars (as `ConsoleBackend` is): the metric key of
             the denominator, or a fixed number. Raw-dict users may instead pass ``(n, d)`` pairs as the value.
         each: expand into one column per item (modes, environments), substituting ``{}`` with the item.
         when: False drops the column when the table is built (a feature that is off in this run).
+        match: ``key`` is a regular expression: the column shows the first metric key of a step that it
+            matches whole, chosen at the first step that has one (``iteration_stats/max/c0*3`` is channel 3
+            whether the observer writes ``c3`` or ``c03``). `ConsoleBackend` resolves it; the legend shows it.
     """
 
     key: str
@@ -103,6 +108,7 @@ class Column:
     denominator: Union[str, int, float, None] = None
     each: Tuple[str, ...] = ()
     when: bool = True
+    match: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
@@ -137,16 +143,27 @@ class Column:
         object.__setattr__(self, "each", tuple(self.each))
         if not isinstance(self.when, bool):
             raise ConfigurationError(f"{name}: when must be True or False, got {self.when!r}.")
+        if not isinstance(self.match, bool):
+            raise ConfigurationError(f"{name}: match must be True or False, got {self.match!r}.")
+        if self.match and not self.each:
+            try:
+                re.compile(self.key)
+            except re.error as exc:
+                raise ConfigurationError(
+                    f"{name}: with match=True the key is a regular expression, and this one is not valid "
+                    f"({exc}); fix it (escape a literal '.', '(' or '[' with a backslash) or drop match."
+                ) from exc
         if self.each:
             if "{}" not in self.key:
                 raise ConfigurationError(f"{name}: with each=..., put '{{}}' in the key where the item goes.")
             self._expand_each()  # header and width are checked per item, even when ``when`` is False
             return
         header = self.header or self.key.rstrip("/").rsplit("/", 1)[-1]
-        width = self.width or max(len(header), DEFAULT_WIDTH)
-        if len(header) > width:
+        width = self.width or max(display_width(header), DEFAULT_WIDTH)
+        if display_width(header) > width:
             raise ConfigurationError(
-                f"{name}: header {header!r} is {len(header)} characters, wider than width={width}; "
+                f"{name}: header {header!r} is {display_width(header)} characters"
+                f"{' wide on a terminal' if display_width(header) != len(header) else ''}, wider than width={width}; "
                 f"shorten the header or widen the column."
             )
         object.__setattr__(self, "header", header)
@@ -176,6 +193,7 @@ class Column:
                 denominator=sub(self.denominator, item)
                 if isinstance(self.denominator, str)
                 else self.denominator,
+                match=self.match,
             )
             for item in self.each
         ]
@@ -245,11 +263,11 @@ class StepTable:
     def legend(self) -> List[str]:
         """Lines decoding every column: header, metric key, description; then the marks used in cells."""
         keys = [_legend_key(c) for c in self.columns]
-        hw = max(len(c.header) for c in self.columns)
+        hw = max(display_width(c.header) for c in self.columns)
         kw = max(len(k) for k in keys)
         lines = ["columns:"]
         for column, key in zip(self.columns, keys, strict=True):
-            lines.append(f"  {column.header:<{hw}}  {key:<{kw}}  {column.description}".rstrip())
+            lines.append(f"  {pad(column.header, hw, True)}  {key:<{kw}}  {column.description}".rstrip())
         marks = []
         if any("↑" in c.header or "↓" in c.header for c in self.columns):
             marks.append("↑ higher is better, ↓ lower is better")
@@ -287,7 +305,7 @@ class StepTable:
     def cell(self, column: Column, value: Any) -> str:
         """``value`` rendered for ``column``, padded to exactly ``column.width``."""
         text = self._text(column, value)
-        if len(text) > column.width or _false_inf(column, value, text):
+        if display_width(text) > column.width or _false_inf(column, value, text):
             text = self._overflow(column, value, text)
         return _pad(text, column)
 
@@ -336,7 +354,7 @@ class StepTable:
                 width,
                 text,
             )
-            return text[: width - 1] + "…"
+            return cut(text, width - 1) + "…"
         if column.fmt == "frac":
             n, d = _pair(value)  # type: ignore[misc]
             for p in range(3, -1, -1):
@@ -467,7 +485,7 @@ def _sci(x: Any, precision: int) -> str:
 
 
 def _pad(text: str, column: Column) -> str:
-    return text.ljust(column.width) if column.align_left else text.rjust(column.width)
+    return pad(text, column.width, column.align_left)
 
 
 def _legend_key(column: Column) -> str:
@@ -479,22 +497,3 @@ def _legend_key(column: Column) -> str:
 def _short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_GENERIC = re.compile(r"^(mean|min|max|std|first|last|count|sum|total|value|c\d+)$")
-
-
-def unique_headers(keys: Sequence[str]) -> Dict[str, str]:
-    """Short, distinct headers for metric keys: the fewest trailing path segments that tell them apart,
-    and at least two when the last one alone says little (``mean``, ``max``, ``c3``)."""
-    headers: Dict[str, str] = {}
-    for key in keys:
-        parts = key.split("/")
-        start = 2 if len(parts) > 1 and _GENERIC.match(parts[-1]) else 1
-        for n in range(start, len(parts) + 1):
-            candidate = "/".join(parts[-n:])
-            clash = any(other != key and "/".join(other.split("/")[-n:]) == candidate for other in keys)
-            if not clash:
-                break
-        headers[key] = candidate
-    return headers

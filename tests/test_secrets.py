@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,12 +172,17 @@ def test_a_secret_bound_with_the_equals_form_never_reaches_wandb(tmp_path, monke
     logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
     logger.log_metrics({"x": 1.0}, step=0)
     logger.close()
-    files = [p for p in (tmp_path / "w").rglob("*") if p.is_file()]
-    assert any(p.suffix == ".wandb" for p in files), files
-    for path in files:
+    # W&B's service process may still be writing its run file after finish() returned: wait (bounded) for the
+    # metadata record of the command line, redacted, before looking for the secret anywhere.
+    deadline = time.monotonic() + 60
+    while True:
+        found = [p for p in (tmp_path / "w").rglob("*.wandb") if out[1].encode() in p.read_bytes()]
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert found, list((tmp_path / "w").rglob("*"))
+    for path in [p for p in (tmp_path / "w").rglob("*") if p.is_file()]:
         assert secret.encode() not in path.read_bytes(), path
-    (wandb_file,) = (tmp_path / "w").rglob("*.wandb")  # W&B's metadata records the command line, redacted
-    assert out[1].encode() in wandb_file.read_bytes()
 
 
 @pytest.mark.parametrize("in_file", [True, False])

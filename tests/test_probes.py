@@ -3,8 +3,8 @@
 torch.compile is tested in test_probes_compile.py (compiles are slow on this machine).
 """
 
-import json
 import contextlib
+import json
 import logging
 import os
 import subprocess

@@ -142,16 +142,16 @@ class ReuseRule(nn.Module):
         return a, torch.tanh(self.c2(b)) * 2 + b
 
 
-def hidden_gradients(rule: nn.Module, x: Tensor, n: int) -> List[Tensor]:
-    """Eager autograd's gradient of each iteration's hidden activations for ``x.square().mean()`` after ``n``
-    iterations: what a gradient probe on them must deliver."""
+def hidden_gradients(rule: nn.Module, x: Tensor, n: int, loss=lambda x: x.square().mean()) -> List[Tensor]:
+    """Eager autograd's gradient of each iteration's hidden activations for ``loss(x)`` (default
+    ``x.square().mean()``) after ``n`` iterations: what a gradient probe on them must deliver."""
     hidden = []
     for _ in range(n):
         h = torch.relu(rule.fc0(rule.perceive(x)))
         h.retain_grad()
         hidden.append(h)
         x = x + rule.fc1(h)
-    x.square().mean().backward()
+    loss(x).backward()
     return [h.grad for h in hidden]
 
 

@@ -145,6 +145,30 @@ def tqdm_bar_active() -> bool:
     return bool(getattr(bar_class, "_instances", None)) if bar_class is not None else False
 
 
+# The start of a child script whose `run_ranks(worker)` runs ``worker(rank)`` on two threads, each a rank of one
+# threaded process group (torch's own distributed tests use them; the registry is process-wide, hence a child).
+THREADED_RANKS = """
+import json, threading
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+torch._C._distributed_c10d._set_thread_isolation_mode(True)
+_install_threaded_pg()
+store, out, barrier = dist.HashStore(), {}, threading.Barrier(2)
+
+def run_ranks(worker):
+    def rank_thread(rank):
+        dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
+        barrier.wait()
+        worker(rank)
+    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+"""
+
+
 def run_child(tmp_path: Path, source: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """Run ``source`` as a script in a fresh Python (this checkout importable, one OMP thread), output captured."""
     script = tmp_path / "child.py"

@@ -453,16 +453,12 @@ def test_a_threaded_process_group_is_seen_and_reduced(tmp_path):
     commit asks `dist.is_initialized` then, and two ranks' sums are reduced (run in a child: the threaded
     registry is process-wide). An integer beyond 2**53 on rank 1 alone is said by rank 0, which writes it."""
     pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
-    source = """
-import json, logging, sys, threading
-import torch, torch.distributed as dist
+    from tests.conftest import THREADED_RANKS
+
+    source = THREADED_RANKS + """
+import logging
 import instrument
 from instrument.logger.ranks import initialized
-from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
-
-torch._C._distributed_c10d._set_thread_isolation_mode(True)
-_install_threaded_pg()
-store, out, barrier = dist.HashStore(), {}, threading.Barrier(2)
 
 said = []
 class Keep(logging.Handler):
@@ -471,8 +467,6 @@ class Keep(logging.Handler):
 logging.getLogger("instrument").addHandler(Keep())
 
 def worker(rank):
-    dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
-    barrier.wait()
     logger = instrument.Logger([])
     logger.log_metrics({"x": float(rank + 1)}, step=0, reduce="sum")
     # only rank 1 holds an integer beyond 2**53; rank 0 writes the reduced value and must say so
@@ -481,11 +475,7 @@ def worker(rank):
     out[rank] = [initialized(), None if handle is None else handle.scalars]
     logger.close()
 
-threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join(60)
+run_ranks(worker)
 print(json.dumps({"out": out, "said": said}))
 """
     from tests.conftest import run_child

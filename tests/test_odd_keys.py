@@ -76,19 +76,12 @@ def test_a_metric_under_timing_is_reduced_as_a_metric_under_a_process_group(tmp_
     starting with ``timing/`` was then taken for one: a user's ``timing/data`` was written as
     ``timing//data``, and a ``timing/fwd/mean`` beside the timer was reduced with it into one value."""
     pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
-    source = """
-import json, threading
-import torch, torch.distributed as dist
-import instrument
-from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+    from tests.conftest import THREADED_RANKS
 
-torch._C._distributed_c10d._set_thread_isolation_mode(True)
-_install_threaded_pg()
-store, out, barrier = dist.HashStore(), {}, threading.Barrier(2)
+    source = THREADED_RANKS + """
+import instrument
 
 def worker(rank):
-    dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
-    barrier.wait()
     logger = instrument.Logger([])
     with logger.timer("fwd"):
         pass
@@ -97,11 +90,7 @@ def worker(rank):
     out[rank] = None if handle is None else handle.flat_scalars()
     logger.close()
 
-threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join(60)
+run_ranks(worker)
 print(json.dumps(out))
 """
     from tests.conftest import run_child

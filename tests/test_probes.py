@@ -17,7 +17,7 @@ import torch
 
 import instrument
 from instrument.probes import record
-from tests._probe_models import BareRule, InPlaceRule, Model, Rule, TwoSameNames, reference
+from tests._probe_models import BareRule, InPlaceRule, Model, Rule, TwoSameNames, hidden_gradients, reference
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 
@@ -308,16 +308,10 @@ def test_two_backward_passes_deliver_one_gradient_per_iteration_the_gradient_of_
             x = rule(x)
         x.square().mean().backward(retain_graph=True)
         x.mean().backward()
-    hidden, x = [], x0
-    for _ in range(N_ITER):
-        h = torch.relu(rule.fc0(rule.perceive(x)))
-        h.retain_grad()
-        hidden.append(h)
-        x = x + rule.fc1(h)
-    (x.square().mean() + x.mean()).backward()
+    want = hidden_gradients(rule, x0, N_ITER, lambda x: x.square().mean() + x.mean())
     assert len(keep.gradients["hidden"]) == N_ITER
-    for got, h in zip(keep.gradients["hidden"], hidden, strict=True):
-        torch.testing.assert_close(got, h.grad, rtol=1e-5, atol=1e-7)
+    for got, grad in zip(keep.gradients["hidden"], want, strict=True):
+        torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-7)
     assert "taken as 2 backward passes over the whole rollout" in caplog.text  # a count cannot tell more
     with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(1):  # backward over the last 2 only
         x = x0

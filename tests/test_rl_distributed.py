@@ -29,15 +29,20 @@ def data(rank, step):
     return reward, done, losses
 
 
+
+def _join(dist, rank, store_path):
+    """This process as rank ``rank`` of a 2-rank gloo group (one thread, a FileStore rendezvous)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+
 def _worker(rank, store_path, out_dir):
     import torch.distributed as dist
 
     import instrument
     from instrument.rl import CollectionMetrics, RLLogging, TrainMetrics
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    _join(dist, rank, store_path)
     try:
         inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "m.jsonl"))],
                                           log_interval=1, log_dir=out_dir, run_name="rl-ddp",
@@ -127,9 +132,7 @@ def _frames_worker(rank, store_path, out_dir, masked_at):
     import instrument
     from instrument.rl import CollectionMetrics, RLLogging
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    _join(dist, rank, store_path)
     try:
         inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "m.jsonl"))],
                                           log_interval=1, log_dir=out_dir, run_name="frames", overhead_budget=None)
@@ -167,9 +170,7 @@ def _uneven_worker(rank, store_path, out_dir):
     from instrument.rl import CollectionMetrics, Evaluation, RLLogging
     from instrument.rl.evaluation import Episode
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    _join(dist, rank, store_path)
     try:
         # An evaluation falls due at another iteration on each rank: rank 1 keeps half the frames of rank 0.
         inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "eval.jsonl"))],

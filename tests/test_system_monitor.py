@@ -27,6 +27,25 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+
+def _sampled(monitor, seconds):
+    """The records ``monitor`` writes while it runs for ``seconds``."""
+    sink = _Sink()
+    monitor.start(sink)
+    time.sleep(seconds)
+    monitor.stop()
+    return sink
+
+
+class _Sink:
+    """Keeps the monitor's records, as a backend's write_system would get them."""
+
+    def __init__(self):
+        self.records = []
+
+    def write_system(self, record):
+        self.records.append(record)
+
 def test_starts_and_stops_with_the_instrumentation(tmp_path):
     monitor = SystemMonitor(collection_interval=0.05, flush_interval=0.1)
     inst = Instrumentation(
@@ -175,18 +194,7 @@ def test_a_stalled_sample_is_not_made_up_by_a_burst_of_samples():
                 time.sleep(1.0)
             return super().sample()
 
-    class Sink:
-        def __init__(self):
-            self.records = []
-
-        def write_system(self, record):
-            self.records.append(record)
-
-    sink = Sink()
-    monitor = OneSlowSample(collection_interval=0.05, flush_interval=0.05, gpu=False)
-    monitor.start(sink)
-    time.sleep(1.6)
-    monitor.stop()
+    sink = _sampled(OneSlowSample(collection_interval=0.05, flush_interval=0.05, gpu=False), 1.6)
     seconds = [r.scalars["system/seconds"] for r in sink.records]
     gaps = [b - a for a, b in zip(seconds, seconds[1:], strict=False)]
     assert len(seconds) >= 5 and min(gaps) >= 0.04, gaps
@@ -196,19 +204,7 @@ def test_every_cpu_reading_is_measured_over_a_whole_interval_the_first_too():
     """The first sample was taken right after the counters were primed, so its CPU percentages covered a few
     milliseconds (the host's read 0.0, a busy process's 150). Each sample now says the window its CPU use is
     measured over: a whole interval for all but the one taken when stopping (at least half of one)."""
-
-    class Sink:
-        def __init__(self):
-            self.records = []
-
-        def write_system(self, record):
-            self.records.append(record)
-
-    sink = Sink()
-    monitor = SystemMonitor(collection_interval=0.2, flush_interval=0.2, gpu=False)
-    monitor.start(sink)
-    time.sleep(1.0)
-    monitor.stop()
+    sink = _sampled(SystemMonitor(collection_interval=0.2, flush_interval=0.2, gpu=False), 1.0)
     windows = [r.scalars["system/cpu_window_seconds"] for r in sink.records]
     assert windows, "no sample"
     assert all(w >= 0.2 * 0.999 for w in windows[:-1]) and windows[-1] >= 0.1, windows

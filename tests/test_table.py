@@ -321,3 +321,7 @@ def test_wide_characters_take_two_cells_and_the_columns_stay_aligned():
     assert display_width(legend[1].split("train/loss")[0]) == display_width(legend[2].split("eval/acc")[0])
     with pytest.raises(ConfigurationError, match=r"is 6 characters wide on a terminal, wider than width=5"):
         Column("x", "损失↓↓", 5)
+    # the legend's key column too: a wide key pushed its description right (a read-through found it)
+    legend = StepTable([Column("损失/总", "loss", 6, ".3f", description="total"),
+                        Column("acc", "acc", 6, ".3f", description="accuracy")]).legend()
+    assert display_width(legend[1].split("total")[0]) == display_width(legend[2].split("accuracy")[0]), legend

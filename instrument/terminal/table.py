@@ -264,10 +264,10 @@ class StepTable:
         """Lines decoding every column: header, metric key, description; then the marks used in cells."""
         keys = [_legend_key(c) for c in self.columns]
         hw = max(display_width(c.header) for c in self.columns)
-        kw = max(len(k) for k in keys)
+        kw = max(display_width(k) for k in keys)
         lines = ["columns:"]
         for column, key in zip(self.columns, keys, strict=True):
-            lines.append(f"  {pad(column.header, hw, True)}  {key:<{kw}}  {column.description}".rstrip())
+            lines.append(f"  {pad(column.header, hw, True)}  {pad(key, kw, True)}  {column.description}".rstrip())
         marks = []
         if any("↑" in c.header or "↓" in c.header for c in self.columns):
             marks.append("↑ higher is better, ↓ lower is better")

@@ -31,7 +31,7 @@ import numpy as np
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["Backend", "RunInfo", "SampleTable", "StepRecord", "check_backends"]
+__all__ = ["USER_HEAD", "Backend", "RunInfo", "SampleTable", "StepRecord", "check_backends"]
 
 log = logging.getLogger("instrument")
 
@@ -103,8 +103,9 @@ class StepRecord:
         Those keys (``<stat>`` one of mean, min, max, count) are the timers' (`Logger.timer`): a scalar the user
         logged under one is always written as ``user/<key>`` (a number added while that is taken too), at every
         step whether or not a timer of that name ran there, with one warning per key. So neither value replaces
-        the other, and neither series mixes the two (renamed only on a collision, the user's series switched
-        to the timer's at every step the timer ran). Any other ``timing/...`` metric is written as logged."""
+        the other, and neither series mixes the two (renaming only on a collision would switch the user's series
+        to the timer's values at every step the timer ran). Any other ``timing/...`` metric is written as
+        logged."""
         out = dict(self.scalars)
         reserved = [key for key in out if key.startswith("timing/") and _is_timer_key(key)]
         for key in reserved:

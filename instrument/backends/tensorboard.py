@@ -294,7 +294,7 @@ def _split_last(name: str):
     return (name[:cut], name[cut], name[cut + 1 :]) if cut > 0 else ("", "", name)
 
 
-def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Optional[Drops] = None) -> None:
+def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Drops) -> None:
     """All of a step's scalars as one event (one ``Summary`` with a value per key), as TensorBoard's own
     summary writers can: ``add_scalar`` builds and queues one event per key (about 27 us each, on the writer
     thread, under the GIL), while one event with 100 values costs about a tenth of that. TensorBoard reads
@@ -311,22 +311,13 @@ def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Op
         return
     from tensorboard.compat.proto.event_pb2 import Event
 
+    scalars = utf8_keys(drops, "scalar", scalars)  # a key with a lone surrogate (os.fsdecode): escaped
     event = Event()
     add = event.summary.value.add
-    try:
-        for key, value in scalars.items():
-            add(tag=key, simple_value=float(value))
-    except UnicodeEncodeError:  # a key with a lone surrogate (os.fsdecode): written escaped, the others as they are
-        if drops is None:
-            raise
-        scalars = utf8_keys(drops, "scalar", dict(scalars))
-        event = Event()
-        add = event.summary.value.add
-        for key, value in scalars.items():
-            add(tag=key, simple_value=float(value))
+    for key, value in scalars.items():
+        add(tag=key, simple_value=float(value))
     w._get_file_writer().add_event(event, step, t)
-    if drops is not None:
-        _say_beyond_float32(drops, scalars)
+    _say_beyond_float32(drops, scalars)
 
 
 _F32_INF = 3.4028235677973366e38  # 2**128 * (1 - 2**-25): float32 rounds this and beyond to inf

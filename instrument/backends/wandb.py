@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
@@ -20,8 +20,9 @@ from instrument.terminal.samples import cell, columns
 
 SCALAR = "scalar"  # the kind named in `_renamed` for a scalar moved off a media value's key
 # W&B keeps the top-level keys that start with "_" for itself (_step, _runtime, _timestamp, _wandb): a value
-# logged under one is silently replaced by W&B's own or replaces it. Such a key of ours goes under this head.
-RESERVED_HEAD = "user/"
+# logged under one is silently replaced by W&B's own or replaces it. Such a key of ours goes under the head a
+# user's metric under a timer's key goes under too (`StepRecord.flat_scalars`).
+RESERVED_HEAD = USER_HEAD
 
 __all__ = ["WandbBackend"]
 

@@ -39,7 +39,7 @@ from instrument.errors import ConfigurationError
 if TYPE_CHECKING:
     from instrument.logger.logger import Logger
 
-__all__ = ["Observer", "StepObserver", "check_observers", "over_ranks"]
+__all__ = ["Observer", "StepObserver", "check_observers", "distributed", "over_ranks"]
 
 
 @runtime_checkable
@@ -116,12 +116,17 @@ def _snake_case(name: str) -> str:
     return "".join(out)
 
 
+def distributed(logger: Any) -> bool:
+    """Whether ``logger`` reduces over a process group of more than one rank (each commit a collective)."""
+    reducer = getattr(logger, "reducer", None)
+    return reducer is not None and reducer.active()
+
+
 def over_ranks(logger: Any, ops: Mapping[str, str]) -> Any:
     """The ``reduce=`` of an observer's ``log_metrics``: ``ops`` (key -> ``"min"``, ``"max"``...) when
     ``logger`` reduces over a process group of more than one rank, else ``"mean"``. On one process the op
     changes nothing, and a plain call takes the logger's fastest staging path (one block per call)."""
-    reducer = getattr(logger, "reducer", None)
-    return ops if reducer is not None and reducer.active() else "mean"
+    return ops if distributed(logger) else "mean"
 
 
 def check_observers(observers: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
 
-__all__ = ["LoggerEnd", "closed_use", "disown", "open_backends"]
+__all__ = ["LoggerEnd", "closed_use", "open_backends"]
 
 log = logging.getLogger("instrument")
 
@@ -37,14 +37,6 @@ def closed_use(logger: Any, what: str) -> bool:
         log.warning("instrument: %s was logged after the run was closed at process shutdown; it is not written "
                     "(further values are dropped silently)", what)
     return False
-
-
-def disown(logger: Any) -> None:
-    """In a forked child: ``logger`` is its parent's. Closed (calls raise, see `closed_use`), with new locks
-    (another thread of the parent may have held one at the fork) and a writer that takes nothing more."""
-    logger._lock, logger._commit_lock = threading.RLock(), threading.RLock()
-    logger._closed, logger._closed_by = True, "fork"
-    logger._writer.disown()
 
 
 class LoggerEnd:
@@ -81,7 +73,12 @@ class LoggerEnd:
             shutdown.unregister(self)
 
     def _disown(self) -> None:
-        disown(self)  # in a forked child (`instrument.logger.shutdown`)
+        """In a forked child (`instrument.logger.shutdown`): this logger is its parent's. Closed (calls raise,
+        see `closed_use`), with new locks (another thread of the parent may have held one at the fork) and a
+        writer that takes nothing more."""
+        self._lock, self._commit_lock = threading.RLock(), threading.RLock()
+        self._closed, self._closed_by = True, "fork"
+        self._writer.disown()
 
     def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
         """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.

@@ -186,7 +186,7 @@ def _excepthook(exc_type, exc, tb) -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child inherits every logger but none of their writer threads, and maybe a lock some other
-    thread held at the fork: each inherited logger is disowned (`instrument.logger.lifecycle.disown`), so a
+    thread held at the fork: each inherited logger is disowned (`Logger._disown`), so a
     call on it in the child says what is wrong instead of waiting forever, and the child's exit or signal
     leaves the parent's backends alone."""
     global _lock

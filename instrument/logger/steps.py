@@ -11,6 +11,7 @@
 """
 
 import logging
+from threading import get_ident
 from typing import Any, Dict, List, Mapping, Optional
 
 from instrument.errors import StepOrderError
@@ -40,6 +41,20 @@ class StepRecords:
         self, metrics: Mapping[str, Any], step: int, head: str, ops: Any
     ) -> Optional[CommittedStep]:
         """``log_metrics(..., commit=True)``: these values alone, as one record at ``step``."""
+        if get_ident() == self._writer.ident and not self._gate(f"log_metrics(..., step={step}, commit=True)"):
+            # the writer thread calling back while another thread commits: staged for the next commit instead
+            reduce = {key: op for key, (op, _) in ops.items()} if ops is not None else "mean"
+            weighed = {key: w for key, (_, w) in ops.items() if w is not None} if ops is not None else {}
+            return self.log_metrics(metrics, step, head.rstrip("/"), reduce, weighed or None)
+        if get_ident() != self._writer.ident:  # the common case, decided inline (`Logger._gate`)
+            self._commit_lock.acquire()
+        try:
+            return self._hand_own(metrics, step, head, ops)
+        finally:
+            self._commit_lock.release()
+
+    def _hand_own(self, metrics: Mapping[str, Any], step: int, head: str, ops: Any) -> Optional[CommittedStep]:
+        """`_commit_own` under the commit lock: convert, then hand the record over."""
         totals: Dict[str, Any] = {}
         own_ops: Dict[str, str] = {}
         weights: Dict[str, Any] = {}
@@ -60,21 +75,13 @@ class StepRecords:
         collective = self.reducer.active()
         if not totals and not collective:
             return None
-        if not self._gate(f"log_metrics(..., step={step}, commit=True)"):
-            # the writer thread calling back while another thread commits: staged for the next commit instead
-            reduce = {key: op for key, (op, _) in ops.items()} if ops is not None else "mean"
-            weighed = {key: w for key, (_, w) in ops.items() if w is not None} if ops is not None else {}
-            return self.log_metrics(metrics, step, head.rstrip("/"), reduce, weighed or None)
-        try:
-            with self._lock:
-                if not self._accept(step, pending=False):
-                    return None
-                step = int(step)
-                self._check_repeat(step, totals)
-                self._last_step = step
-            return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, [], wide), collective)
-        finally:
-            self._commit_lock.release()
+        with self._lock:
+            if not self._accept(step, pending=False):
+                return None
+            step = int(step)
+            self._check_repeat(step, totals)
+            self._last_step = step
+        return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, [], wide), collective)
 
     def _check_repeat(self, step: int, names: Mapping[str, Any]) -> None:
         """A second record at the step last committed: written, but said once (W&B keeps only the first)."""

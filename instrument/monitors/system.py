@@ -124,12 +124,13 @@ class SystemMonitor:
         self._process = self._psutil.Process()
         if self.gpu:
             self._init_nvml()
-        self._t0 = self._read_at = time.monotonic()
+        self._t0 = time.monotonic()  # the counters are primed, and _read_at set, in the monitor's thread
         self._thread = threading.Thread(target=self._run, name="instrument-system-monitor", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Wake the thread, flush what is buffered and join. Idempotent."""
+        """Wake the thread, take a last sample when at least half an interval passed since the previous one,
+        flush what is buffered and join. Idempotent."""
         if self._thread is None or self._stop.is_set():
             return
         self._stop.set()

@@ -194,17 +194,12 @@ class StateWatch:
             elif copy is not None and (changed or version is None or self._copy_input):
                 previous = copy  # the state as it was before the call (unchanged, the argument itself is kept)
             if changed and not self._copy_input:  # this forward changes its argument: copy it from now on
-                if current is original:
-                    self._changed_in_place(observed=copy is not None)
-                else:
-                    self._argument_changed(observed=copy is not None)
+                self._argument_changed(returned_it=current is original, observed=copy is not None)
             if copy is None and changed:  # cannot be observed right (said above): skipped, and so that the later
                 self.iterations += 1  # calls keep their indices, counted
                 return
-            if version is None and current is original and not self._copy_input:
-                self._copy_input = True  # an inference-mode forward that returns its argument
-                log.debug("instrument: watched module %s returned its own inference-mode state argument; "
-                          "it is copied before each call from now on", self.name)
+            if version is None and current is original:  # an inference-mode forward returning its argument: it
+                self._copy_input = True  # may change it, so the state it returns is delivered as a copy as well
             if self._copy_input and current is original:  # the next call changes it again: deliver a copy
                 current = current.detach().clone()
         if previous is None or current is None:
@@ -219,34 +214,24 @@ class StateWatch:
             condition = args[1]
         self._deliver(previous, current, condition)
 
-    def _changed_in_place(self, observed: bool) -> None:
-        """The forward changed its state argument in place: after the call it holds the next state, so
-        previous_state and dx would be wrong (dx 0) without the copy taken before the call. Said once; from the
-        next call on the argument is copied before every call."""
-        first = not self._copy_input
+    def _argument_changed(self, returned_it: bool, observed: bool) -> None:
+        """The state argument's version moved during a call: an in-place change, returned (``x.add_(dx); return
+        x``: after the call that tensor holds the next state) or not (``x.clamp_(...); return x + dx``), or a
+        write into memory it shares (ping-pong buffers, views of one storage). From now on the argument is
+        copied before every call. Said once: with a copy taken before this call (throughout the first logging
+        step) it is observed right, at INFO for a new tensor returned; without one it is not observed."""
         self._copy_input = True
-        if not first:
-            return
-        log.warning(
-            "instrument: watched module %s changed its state argument in place during its forward (e.g. "
-            "`x.add_(dx); return x`), so after the call that tensor already holds the next state. %s; from now "
-            "on the argument is copied before each call on logging steps, and the state it returns as well (two "
-            "clones per iteration: slower, but correct). Returning a new tensor (`return x + dx`) avoids the "
-            "copies. (Said once.)", self.name,
-            "This call is observed with a copy taken before it" if observed else
-            "This call is not observed (previous_state and dx would be wrong: dx reads 0; the later iterations "
-            "keep their step_index)",
-        )
-
-    def _argument_changed(self, observed: bool) -> None:
-        """The state argument's version moved during a call that returned another tensor: an in-place op on
-        it (``x.clamp_(...); return x + dx``), or a write into memory it shares (ping-pong buffers, views of one
-        storage). From now on it is copied before every call. With a copy taken before this call (throughout the
-        first logging step), it is observed right: said at INFO; without one it cannot be: not observed, a
-        WARNING."""
-        first = not self._copy_input
-        self._copy_input = True
-        if not first:
+        if returned_it:
+            log.warning(
+                "instrument: watched module %s changed its state argument in place during its forward (e.g. "
+                "`x.add_(dx); return x`), so after the call that tensor already holds the next state. %s; from "
+                "now on the argument is copied before each call on logging steps, and the state it returns as "
+                "well (two clones per iteration: slower, but correct). Returning a new tensor (`return x + dx`) "
+                "avoids the copies. (Said once.)", self.name,
+                "This call is observed with a copy taken before it" if observed else
+                "This call is not observed (previous_state and dx would be wrong: dx reads 0; the later "
+                "iterations keep their step_index)",
+            )
             return
         (log.info if observed else log.warning)(
             "instrument: the state argument of watched module %s changed during its forward (an in-place op on "

@@ -126,7 +126,7 @@ class Recorder:
         one gradient per iteration: k * n gradients for n iterations are taken as k whole passes, summed per
         iteration (the gradient of the losses' sum, as one backward of it gives), and said once per probe, since
         a count cannot tell them from partial passes. Any other count cannot be paired with the iterations:
-        delivered reversed as they came, said once per probe."""
+        delivered in reverse order of arrival, said once per probe."""
         out: Dict[str, List[Tensor]] = {}
         for name, values in self.gradients.items():
             n = self.calls.get(name, 0)
@@ -148,9 +148,9 @@ class Recorder:
                 log.warning(
                     "instrument: gradient probe %r recorded %d gradients in a step whose forward recorded it %d "
                     "times, so they cannot be paired with iterations (a backward over part of the rollout, or "
-                    "gradients from outside the watched calls); gradients[%r] holds them last-delivered first, "
-                    "and gradients[%r][i] need not be iteration i's. (Said once per probe.)",
-                    name, len(values), n, name, name,
+                    "gradients from outside the watched calls); gradients[%r] holds them in reverse order of "
+                    "arrival, as for one whole pass, and gradients[%r][i] need not be iteration i's. (Said once "
+                    "per probe.)", name, len(values), n, name, name,
                 )
             out[name] = values[::-1]
         return out

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from instrument.core.observer import distributed
 from instrument.logger.handover import PRESENCE
 
 __all__ = ["distributed", "log_reduced"]
@@ -56,8 +57,3 @@ def log_reduced(
     if presence:
         logger.log_metrics(presence, step=step, reduce="sum")
 
-
-def distributed(logger: Any) -> bool:
-    """Whether ``logger`` reduces over a process group of more than one rank (each commit a collective)."""
-    reducer = getattr(logger, "reducer", None)
-    return reducer is not None and reducer.active()

@@ -299,3 +299,16 @@ def test_bound_at_follows_the_scope_gin_names_and_falls_back_as_gin_does():
     assert config.where_bound(message.format(""), [], binds).endswith(": ConsoleBackend.max_keys = -1")
     assert config.where_bound(message.format(" in scope 'b/c'"), [], binds[1:2]).endswith(
         ": ConsoleBackend.max_keys = -1")  # no binding in 'b/c' or 'b': gin reads the unscoped one
+
+
+def test_a_refused_console_column_says_where_it_was_bound_and_a_lone_key_gets_a_list_as_the_fix():
+    """A review found a Column refused while ConsoleBackend was built reported with no 'bound at' (its message
+    named no parameter), and `ConsoleBackend.columns = 'train/loss'` answered with the fix `[@Name(), @Name()]`."""
+    bind = 'ConsoleBackend.columns = [("train/loss", "loss", 2)]'
+    with pytest.raises(ConfigurationError) as info:
+        instrument.ConsoleBackend(columns=[("train/loss", "loss", 2)])
+    message = f"{info.value}\n  In call to configurable 'ConsoleBackend' (<class 'ConsoleBackend'>)"
+    assert str(info.value).startswith("ConsoleBackend columns: Column 'train/loss': width must be")
+    assert config.where_bound(message, [], [bind]) == f"--bind {bind!r}: {bind}"
+    with pytest.raises(ConfigurationError, match=r"e\.g\. ConsoleBackend\.columns = \['train/loss'\]"):
+        instrument.parse_config(["nca"], ["ConsoleBackend.columns = 'train/loss'"])

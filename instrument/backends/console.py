@@ -112,7 +112,10 @@ class ConsoleBackend(Backend):
                 f"ConsoleBackend columns must be a list of columns, got {columns!r} ({type(columns).__name__}); "
                 f"put the column in a list: columns=[{columns!r}]."
             )
-        self.declared: Optional[List[Column]] = None if columns is None else resolve_columns(columns)
+        try:
+            self.declared: Optional[List[Column]] = None if columns is None else resolve_columns(columns)
+        except ConfigurationError as exc:  # named as the argument, so that the CLI can say where it was bound
+            raise ConfigurationError(f"ConsoleBackend columns: {exc}") from None
         _check_int("header_every", header_every, 0, " (0: the header once)")
         self.header_every = header_every
         self.summary = tuple(_check_strings("summary", summary, "('timing/',)"))

@@ -191,7 +191,9 @@ def _wraps(hint: Any, received: Any) -> bool:
         return False
     if base is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
         return len(args) == 1 and _known(args[0]) and mismatch(received, args[0]) is None
-    item = args[0] if args else Any
+    item = _unwrap(args[0]) if args else Any
+    if typing.get_origin(item) in _UNIONS:  # items of several kinds (a column: a Column, a key, a dict...)
+        return any(_known(a) and mismatch(received, a) is None for a in typing.get_args(item))
     return _known(item) and mismatch(received, item) is None
 
 

@@ -133,6 +133,24 @@ def test_plain_tensors_time_first_and_one_step_per_call_agree_with_the_batch():
     assert logged(per_step) == expected
 
 
+def test_a_one_step_envs_by_time_batch_of_plain_tensors_keeps_its_env_axis():
+    """[envs, time] plain tensors with one step in a call ([E, 1]) were read as TorchRL's trailing singleton,
+    batch [E]: time was the env axis, so episodes were summed across envs (returns 20 and 200 for 3..300),
+    and an explicit time_dim=1 was refused as out of range. Now time_dim=1 keeps the step axis, and so does a
+    run whose earlier plain batches were [E, T]."""
+    reference = CollectionMetrics()
+    reference.update(torchrl_batch())
+    expected = logged(reference)
+    explicit = CollectionMetrics(time_dim=1)
+    for t in range(REWARD.shape[1]):
+        explicit.update(reward=REWARD[:, t:t + 1], done=DONE[:, t:t + 1])
+    assert logged(explicit) == expected
+    remembered = CollectionMetrics()  # time last ('auto'): [E, 3], then [E, 1]
+    remembered.update(reward=REWARD[:, :3], done=DONE[:, :3])
+    remembered.update(reward=REWARD[:, 3:], done=DONE[:, 3:])
+    assert logged(remembered) == expected
+
+
 def test_no_finished_episode_logs_nan_and_a_zero_count():
     metrics = CollectionMetrics()
     metrics.update(torchrl_batch(done=torch.zeros_like(DONE)))

@@ -127,6 +127,7 @@ class CollectionMetrics(RLComponent):
         # first one it ends is counted but left out of the return and length statistics.
         self._unknown_start: Optional[Tensor] = None
         self._warned_reset = False
+        self._rank: Optional[int] = None  # the rank of the last plain-tensor batch (`_plain_shape`)
 
     # ------------------------------------------------------------------ input
     def update(
@@ -160,7 +161,7 @@ class CollectionMetrics(RLComponent):
             )
         shape = batch_shape_of(batch)
         if shape is None:
-            shape = infer_batch_shape(done, reward) if done is not None else reward.shape
+            shape = self._plain_shape(done, reward)
         rewards = split_features(reward.detach(), shape, f"reward at {self.reward_key!r}")
         valid = (
             None if mask is None else split_features(mask, shape, "the collector mask")[..., 0].to(torch.bool)
@@ -177,6 +178,21 @@ class CollectionMetrics(RLComponent):
             self._extra[name].add(split_features(value.detach(), shape, f"{key!r}"), valid)
         if done is not None:
             self._add_episodes(batch, shape, rewards, done, valid, episode_reward)
+
+    def _plain_shape(self, done: Optional[Tensor], reward: Tensor) -> Sequence[int]:
+        """The batch shape of plain tensors. A ``done`` of ``[N, 1]`` is TorchRL's trailing singleton (batch
+        ``[N]``) unless it is a time dimension of 1 (``[envs, time]`` with one step in this call): when
+        ``time_dim`` names that dimension, or the run's earlier plain batches had that rank (``[E, 5]``, then
+        ``[E, 1]``): read as ``[N]``, the env axis was taken for time and episodes summed across envs."""
+        if done is None:
+            return reward.shape
+        shape = infer_batch_shape(done, reward)
+        if len(shape) < done.dim():
+            explicit = isinstance(self.time_dim, int) and not isinstance(self.time_dim, bool)
+            if (explicit and not -len(shape) <= self.time_dim < len(shape)) or self._rank == done.dim():
+                shape = done.shape
+        self._rank = len(shape)
+        return shape
 
     def _scalarise(self, rewards: Tensor) -> Tensor:
         k = rewards.shape[-1]

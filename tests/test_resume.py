@@ -90,6 +90,9 @@ def test_a_crashed_run_resumes_with_no_duplicate_and_no_missing_step(tmp_path):
     acc = EventAccumulator(str(logs / "r"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("v")] == resumed
+    # ... also as `tensorboard --logdir` serves it (the plugin accumulator purges from a run's second START
+    # on only: with one marker, the re-run steps 30 were shown twice there)
+    assert _served_scalars(logs, "r", "v") == resumed
     # JSONL: the file is cut at the first step after the checkpoint, then appended
     lines = [json.loads(x) for x in (logs / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["metrics"]["v"]) for x in lines if "step" in x] == resumed
@@ -110,6 +113,20 @@ def test_a_crashed_run_resumes_with_no_duplicate_and_no_missing_step(tmp_path):
     assert [(row["_step"], row["v"]) for row in continued] == [(40, 1040.0), (50, 1050.0)]
     steps = [row["_step"] for row in crashed + continued]
     assert sorted(steps) == sorted(set(steps)) == [0, 10, 20, 30, 40, 50]  # every step exactly once
+
+
+def _served_scalars(logdir: Path, run: str, tag: str):
+    """``(step, value)`` of a scalar as TensorBoard's server reads it (event multiplexer + data provider)."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(size_guidance={"tensors": 0, "scalars": 0})
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    scalars = provider.read_scalars(context.RequestContext(), experiment_id="", plugin_name="scalars",
+                                    downsample=10_000)
+    return [(point.step, point.value) for point in scalars[run][tag]]
 
 
 def test_resume_needs_an_existing_run_and_a_name(tmp_path):

@@ -98,11 +98,19 @@ class TensorBoardBackend(Backend):
 
     def on_resume(self, next_step: int) -> None:
         """A new event file in the same directory that starts with TensorBoard's purge marker: TensorBoard hides
-        every event at ``next_step`` or later from the earlier files, so steps written again replace them."""
+        every event at ``next_step`` or later from the earlier files, so steps written again replace them.
+
+        The marker is a ``SessionLog.START`` at ``next_step``, written twice: TensorBoard's server takes the
+        first START of a run for the run's own start and purges only from the second on, and the first run's
+        files hold none (a single marker there left every re-run step shown twice)."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
         self._writer = self._new_writer(purge_step=next_step)
+        start = Event(step=next_step, session_log=SessionLog(status=SessionLog.START))
+        self._writer._get_file_writer().add_event(start)
 
     def _guarded(self, fn: Callable[[Any], None]) -> None:
         """Run ``fn(writer)``; after a fault, drop a writer that can no longer write and re-raise."""

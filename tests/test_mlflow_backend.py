@@ -1,5 +1,7 @@
 """MlflowBackend against a real local MLflow store, read back with MLflow's own client."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -408,3 +410,32 @@ def test_what_infinity_and_negative_zero_read_back_as_in_each_mlflow_store(tmp_p
     else:
         assert got["inf"] == [math.inf] and got["ninf"] == [-math.inf]
         assert math.copysign(1.0, got["negzero"][0]) == -1.0
+
+
+def test_a_resumed_run_does_not_write_again_a_step_it_holds_as_media_only(tmp_path):
+    """A resumed run skipped the steps it held as metrics only: a step of images and texts without a scalar
+    was written again (a second image, its text file replaced by the resumed run's)."""
+    first = MlflowBackend()
+    logger = Logger([first], RunInfo("media", tmp_path))
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.commit(0)
+    for step in (5, 10):  # media only
+        logger.log_image("img", torch.full((4, 4), 0.5), step=step)
+        logger.log_text("note", f"first run, step {step}", step=step)
+        logger.commit(step)
+    logger.close()
+    again = MlflowBackend()
+    logger = Logger([again], RunInfo("media", tmp_path, resume={"MlflowBackend": first.run_id}))
+    for step in (5, 10, 15):  # the resumed run runs 5 and 10 again
+        logger.log_image("img", torch.full((4, 4), 0.25), step=step)
+        logger.log_text("note", f"resumed run, step {step}", step=step)
+        logger.commit(step)
+    logger.close()
+    assert logger.failures == {}
+    client = MlflowClient(tracking_uri=again.tracking_uri)
+    for step in (5, 10):
+        text = client.download_artifacts(again.run_id, f"text/note/step_{step:08d}.txt", str(tmp_path / f"t{step}"))
+        assert open(text).read() == f"first run, step {step}"
+    images = [a for a in _artifacts(client, again.run_id) if a.startswith("images/img") and a.endswith(".png")]
+    # MLflow names an image images/<key><sep>step<sep><step><sep>timestamp...: one per step, 5 and 10 not twice
+    assert sorted(int(re.search(r"step\W(\d+)\W", a).group(1)) for a in images) == [5, 10, 15], images

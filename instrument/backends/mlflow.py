@@ -355,6 +355,8 @@ class MlflowBackend(Backend):
         tables = self._drops.each("samples table", record.samples.items(), lambda tag, rows: _table(rows.rows),
                                   "rows of JSON values")
         each("samples table", tables.items(), table)
+        if not record.scalars and not record.timings:  # no metric history holds this step: a resume must know it
+            self.client.set_tag(self.run_id, _LAST_STEP_TAG, str(step))
         raise_failures(self.name, step, failed, "media value(s)")
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:
@@ -397,10 +399,20 @@ class MlflowBackend(Backend):
         )
 
 
+# A run tag: the last step written with media only (images, texts, videos, tables and no scalar), which no
+# metric history holds; a resumed run skips it too, instead of writing its media a second time.
+_LAST_STEP_TAG = "instrument.media_step"
+
+
 def _last_step(client: Any, run_id: str) -> Optional[int]:
-    """The highest training step (not ``system/...``) of any metric the run holds; None when it has none."""
-    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith("system/")]
+    """The highest training step the run holds: of any metric (not ``system/...``), or of a step written with
+    media only (`_LAST_STEP_TAG`); None when it has none."""
+    data = client.get_run(run_id).data
+    keys = [k for k in data.metrics if not k.startswith("system/")]
     steps = [m.step for k in keys for m in client.get_metric_history(run_id, k)]
+    tagged = data.tags.get(_LAST_STEP_TAG)
+    if tagged is not None and tagged.isdigit():
+        steps.append(int(tagged))
     return max(steps) if steps else None
 
 

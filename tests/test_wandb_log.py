@@ -101,3 +101,35 @@ def test_system_samples_left_at_close_of_a_resumed_offline_run_take_a_step_above
     backend.close()
     rows = read_history(second, timeout=60.0)
     assert [(row["_step"], row["system/cpu"], "v" in row) for row in rows] == [(41, 12.5, False)]
+
+
+def test_a_resumed_offline_run_keeps_each_key_to_the_kind_it_took_before(tmp_path):
+    """W&B keeps one kind of value per key: a histogram logged beside a scalar of its key goes under
+    reward/histogram. A resumed run forgot that (the choice lived in memory) and logged the histogram under
+    reward itself, so one W&B key mixed a number and a histogram. Now the earlier folders' keys are read back."""
+    pytest.importorskip("wandb")
+    import numpy as np
+
+    first = WandbBackend(project="tests")
+    first.open(RunInfo("r", tmp_path))
+    for step in (0, 1):
+        first.write(StepRecord(step=step, scalars={"reward": 1.0} if step == 0 else {"loss": 0.5},
+                               histograms={"reward": np.arange(5.0), "hist": np.arange(3.0)}))
+    run_id, first_file = first.run.id, Path(first.run.settings.sync_file)
+    first.close()
+    read_history(first_file, timeout=60.0)
+    again = WandbBackend(project="tests")
+    again.open(RunInfo("r", tmp_path, resume={"WandbBackend": run_id}))
+    again.write(StepRecord(step=2, scalars={"hist": 2.0}, histograms={"reward": np.arange(4.0)}))
+    again_file = Path(again.run.settings.sync_file)
+    again.close()
+    rows = read_history(first_file) + read_history(again_file, timeout=60.0)
+    kinds = {}
+    for row in rows:
+        for key, value in row.items():
+            if not key.startswith("_"):
+                kinds.setdefault(key, set()).add("media" if isinstance(value, dict) else "number")
+    assert all(len(kind) == 1 for kind in kinds.values()), kinds
+    assert kinds["reward"] == {"number"} and kinds["reward/histogram"] == {"media"}
+    assert kinds["hist"] == {"media"} and kinds["hist/scalar"] == {"number"}
+    assert [row["_step"] for row in rows if "reward/histogram" in row] == [0, 1, 2]

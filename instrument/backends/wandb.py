@@ -6,7 +6,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
-from instrument.backends.wandb_log import last_step, run_files
+from instrument.backends.wandb_log import history_keys, last_step, run_files
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
@@ -140,6 +140,7 @@ class WandbBackend(Backend):
         self.run.define_metric("system/*", step_metric="system/seconds")
         if _resume(run, self.name) and getattr(self.run, "offline", False):
             self._written = _offline_last_step(self.run)
+            self._scalar_keys, self._media_names = _offline_keys(self.run)
 
     def _holds(self, step: int) -> bool:
         """Whether the run already holds ``step``: online W&B knows its last step; a resumed offline run
@@ -364,6 +365,24 @@ def _offline_last_step(run: Any) -> Optional[int]:
         )
         return None
     return max(steps) if steps else None
+
+
+def _offline_keys(run: Any) -> Tuple[set, set]:
+    """The scalar and media keys the earlier offline folders of this run hold, so that the resumed run keeps
+    each key to one kind as the run before did (a histogram renamed ``reward/histogram`` beside a scalar
+    ``reward`` stays renamed); empty sets when they cannot be read (`_offline_last_step` said so)."""
+    scalars: set = set()
+    media: set = set()
+    try:
+        this = Path(run.settings.sync_dir).resolve()
+        for path in run_files(this.parent, run.id):
+            if path.parent.resolve() != this:
+                found = history_keys(path)
+                scalars |= found[0]
+                media |= found[1]
+    except Exception:
+        log.debug("instrument: WandbBackend could not read the keys of the earlier offline folders", exc_info=True)
+    return scalars, media
 
 
 def _resume(run: RunInfo, name: str) -> dict:

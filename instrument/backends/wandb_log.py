@@ -16,9 +16,9 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Set, Tuple
 
-__all__ = ["last_step", "run_files"]
+__all__ = ["history_keys", "last_step", "run_files"]
 
 _MAGIC = b":W&B"
 _FILE_HEADER = 7
@@ -64,6 +64,43 @@ def last_step(path: Path) -> Optional[int]:
             if item.key == "_step" or list(item.nested_key) == ["_step"]:
                 return int(json.loads(item.value_json))
     return None
+
+
+def history_keys(path: Path) -> Tuple[Set[str], Set[str]]:
+    """``(scalar keys, media keys)`` of every whole history record in the file at ``path``: the keys that
+    held a number, and those that held a media value (a dict with a ``_type``). W&B's own ``_`` keys are left
+    out. Raises as `last_step`."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    scalars: Set[str] = set()
+    media: Set[str] = set()
+    if data[: len(_MAGIC)] != _MAGIC:
+        if len(data) < _FILE_HEADER and _MAGIC.startswith(data[: len(_MAGIC)]):
+            return scalars, media
+        raise ValueError(f"{path} is not a W&B transaction log: it starts with {data[:4]!r}, not {_MAGIC!r}")
+    for payload in _payloads(data):
+        record = wandb_internal_pb2.Record()
+        try:
+            record.ParseFromString(payload)
+        except Exception:  # a torn or corrupt record: skip it
+            continue
+        if record.WhichOneof("record_type") != "history":
+            continue
+        for item in record.history.item:
+            path = [item.key] if item.key else list(item.nested_key)
+            if not path or path[0].startswith("_"):
+                continue
+            if len(path) > 1:  # W&B spreads a media value's dict over its fields: [key, "_type"], [key, "values"]
+                if path[-1] == "_type":
+                    media.add(path[0])
+                continue
+            try:
+                value = json.loads(item.value_json)
+            except ValueError:
+                continue
+            (media if isinstance(value, dict) and "_type" in value else scalars).add(path[0])
+    return scalars, media
 
 
 def _payloads(data: bytes) -> Iterable[bytes]:

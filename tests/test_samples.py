@@ -215,3 +215,21 @@ def test_markdown_table_escapes_column_names_as_it_escapes_cells():
     assert header == "| P(yes\\|x) | score | answer |" and row == "| 0.9 | 0.5 | yes |"
     split = [cell for cell in re.split(r"(?<!\\)\|", header)[1:-1]]
     assert len(split) == 3 == rule.count("---")
+
+
+def test_a_field_with_a_carriage_return_or_a_backslash_before_a_pipe_stays_in_its_cell_in_tensorboard():
+    """Rendered by TensorBoard's own Markdown (its text plugin): a \\r split the row in two (only \\n became
+    <br>), and a field `p\\|q` cancelled the pipe's escape with its own backslash, shifting the columns."""
+    import re
+
+    from tensorboard import plugin_util
+
+    rows = [{"input": "a\rb", "output": "x", "score": 1.0}, {"input": "c:\\", "output": "y|z", "score": 2.0},
+            {"input": "p\\|q", "output": "w", "score": 3.0}, {"input": "l1\r\nl2", "output": "v", "score": 4.0}]
+    html = plugin_util.markdown_to_safe_html(markdown_table(rows))
+    body = re.findall(r"<tr>(.*?)</tr>", html, re.S)[1:]
+    cells = [[re.sub(r"<[^>]+>", "|", c).strip("|") for c in re.findall(r"<td>(.*?)</td>", row, re.S)]
+             for row in body]
+    assert [len(row) for row in cells] == [3, 3, 3, 3], cells
+    assert [row[1] for row in cells] == ["x", "y|z", "w", "v"]
+    assert cells[2][0] == "p\\|q" and cells[1][0] == "c:\\" and cells[0][0] == "a|b"

@@ -91,7 +91,10 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
 
     def fmt(v: Any) -> str:
         text = "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-        return text.replace("|", "\\|").replace("\n", "<br>")
+        # a backslash escaped first (`p\|q` would cancel the pipe's escape and split the cell); every line
+        # end, \r too, as <br> (Markdown ends a table row at any of them)
+        text = text.replace("\\", "\\\\").replace("|", "\\|")
+        return text.replace("\r\n", "<br>").replace("\r", "<br>").replace("\n", "<br>")
 
     lines = ["| " + " | ".join(fmt(str(c)) for c in cols) + " |", "|" + "---|" * len(cols)]  # headers escaped too
     lines += ["| " + " | ".join(fmt(row.get(c)) for c in cols) + " |" for row in rows]

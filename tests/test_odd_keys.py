@@ -101,3 +101,28 @@ print(json.dumps(out))
     assert scalars["timing/data"] == 1.5 and "timing//data" not in scalars  # the mean over ranks, as logged
     assert scalars["user/timing/fwd/mean"] == 100.5 and scalars["timing/fwd/mean"] < 1.0
     assert scalars["timing/fwd/count"] == 1.0
+
+
+def test_tensorboard_keeps_one_kind_of_value_per_tag(tmp_path, caplog):
+    """A scalar and a histogram (or an image) under one tag: TensorBoard listed no histogram, and reading the
+    run's scalars raised ("can only convert an array of size 1"), losing every other scalar too. The kind a
+    tag first takes now keeps it; the other goes under <key>/<kind> (W&B does the same)."""
+    import torch
+
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("k", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"reward": float(step), "loss": 0.5}, step=step)
+        logger.log_histogram("reward", torch.arange(5.0), step=step)
+        logger.log_image("picture", torch.zeros(4, 4), step=step)
+        logger.commit(step)
+    logger.log_metrics({"picture": 3.0}, step=3)  # a scalar under a tag an image holds
+    logger.commit(3)
+    logger.close()
+    tb = read_scalars(tmp_path / "k")
+    assert tb["reward"] == {1: 1.0, 2: 2.0} and tb["loss"] == {1: 0.5, 2: 0.5} and tb["picture/scalar"] == {3: 3.0}
+    acc = event_accumulator(tmp_path / "k")
+    assert [e.step for e in acc.Histograms("reward/histogram")] == [1, 2]
+    assert np.isclose(acc.Histograms("reward/histogram")[0].histogram_value.sum, 10.0)
+    assert [e.step for e in acc.Images("picture")] == [1, 2]
+    said = [r.getMessage() for r in caplog.records if "TensorBoard shows one kind per tag" in r.getMessage()]
+    assert len(said) == 2

@@ -82,6 +82,11 @@ class TensorBoardBackend(Backend):
         self.reopened = 0  # new event files opened after a fault
         self._drops = Drops(self.name)
         self._bin_edges: Optional[list] = None
+        # TensorBoard shows one kind of value per tag: a scalar and a histogram (or an image) under one tag
+        # break the run's scalars view. The kind a tag first takes is kept (`_kinds`).
+        self._scalar_tags: set = set()
+        self._media_tags: dict = {}  # tag -> the media kind it holds
+        self._renamed: dict = {}  # kind -> {key: the tag a value of that kind and key is written under}
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
@@ -157,9 +162,12 @@ class TensorBoardBackend(Backend):
         from torch.utils.tensorboard import summary as tb
 
         step, t, drops = record.step, record.wall_time, self._drops
-        _add_scalars(w, record.flat_scalars(), step, t, drops)
-        images = ((k, v) for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
-        histograms = ((k, v) for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
+        scalars = self._scalar_kind(record.flat_scalars())
+        _add_scalars(w, scalars, step, t, drops)
+        images = ((self._media_kind("image", k, scalars), v)
+                  for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
+        histograms = ((self._media_kind("histogram", k, scalars), v)
+                      for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
         bins = self._bins(w)
         summaries = [
             *drops.each("image", images, lambda k, v: tb.image(k, v, dataformats="HWC"), "an HWC image").values(),
@@ -171,7 +179,8 @@ class TensorBoardBackend(Backend):
         file_writer = w._get_file_writer()
         for summary in summaries:
             file_writer.add_summary(summary, step, t)
-        failed = write_each(utf8_keys(drops, "video", record.videos),
+        videos = {self._media_kind("video", k, scalars): v for k, v in utf8_keys(drops, "video", record.videos).items()}
+        failed = write_each(videos,
                             lambda key, frames, fps: self._write_video(w, key, frames, fps, step, t))
         tables = drops.each("samples table", utf8_keys(drops, "samples table", record.samples).items(),
                             lambda k, v: tb.text(k, utf8(drops, "samples table", k, markdown_table(v.rows))),
@@ -181,6 +190,40 @@ class TensorBoardBackend(Backend):
         if self.flush_every_commit:
             w.flush()
         raise_failures(self.name, step, failed)
+
+    def _scalar_kind(self, scalars: Mapping[str, float]) -> Mapping[str, float]:
+        """The scalars under their tags: ``<key>/scalar`` for a key a media value of the run holds (one warning)."""
+        if self._media_tags and not self._media_tags.keys().isdisjoint(scalars):
+            scalars = {self._moved("scalar", k) if k in self._media_tags else k: v for k, v in scalars.items()}
+        self._scalar_tags.update(scalars)
+        return scalars
+
+    def _media_kind(self, kind: str, key: str, scalars: Mapping[str, float]) -> str:
+        """The tag of a media value: its key, unless a scalar (of the run, or of this step) or a media value of
+        another kind has it: then ``<key>/<kind>`` for the rest of the run (one warning)."""
+        if self._media_tags.get(key) == kind:
+            return key
+        if key in self._renamed.get(kind, {}):
+            return self._renamed[kind][key]
+        if key not in self._media_tags and key not in self._scalar_tags and key not in scalars:
+            self._media_tags[key] = kind
+            return key
+        return self._moved(kind, key)
+
+    def _moved(self, kind: str, key: str) -> str:
+        moved = self._renamed.setdefault(kind, {})
+        if key not in moved:
+            name, number = f"{key}/{kind}", 1
+            while name in self._scalar_tags or name in self._media_tags:
+                number += 1
+                name = f"{key}/{kind}_{number}"
+            moved[key] = name
+            if kind != "scalar":
+                self._media_tags[name] = kind
+            log.warning("instrument: TensorBoardBackend writes the %s %r under the tag %r: the tag %r already holds "
+                        "another kind of value, and TensorBoard shows one kind per tag (the run's scalars could no "
+                        "longer be read). (Said once per key.)", kind, key, name, key)
+        return moved[key]
 
     def _bins(self, w) -> Any:
         """TensorBoard's own bucket limits (``SummaryWriter.default_bins``, +-1e-12 to +-1e20, 10% apart) with

@@ -143,6 +143,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         outcome = config.run()
+    except KeyboardInterrupt as exc:  # Ctrl-C: the run is closed ("killed") and what was committed is saved
+        if args.debug:
+            raise
+        print("instrument: interrupted (Ctrl-C); the steps committed before it are saved.", file=sys.stderr)
+        if getattr(exc, "outcome", None) is not None:
+            _print_result(exc.outcome)
+        return 130  # what a shell reports for a process ended by SIGINT
     except InstrumentError as exc:  # bad input found while building or running (gin adds where it was bound)
         if args.debug:
             raise

@@ -7,14 +7,17 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import instrument
 from instrument import cli, config
+from tests.conftest import read_scalars
 from tests.wandb_reader import read_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -336,3 +339,34 @@ def test_a_config_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_p
         assert code == 2 and stdout == "", stderr
         assert where in stderr and "the file is not UTF-8: byte 0xe9 at byte offset 23" in stderr, stderr
         assert "# caf\\xe9" in stderr and "fix: save the file as UTF-8" in stderr and "above" not in stderr
+
+
+def test_ctrl_c_ends_a_run_with_its_folder_named_and_no_traceback(tmp_path):
+    """Ctrl-C (a real SIGINT) during `instrument run`: exit status 130, one line saying so instead of a
+    traceback, the run folder and viewer named as after a finished run, and every committed step kept."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    args = ["run", "nca", "--bind", "train_nca.steps = 100000", "--bind", "train_nca.batch_size = 2", "--bind",
+            "train_nca.size = 12", "--bind", "Instrumentation.log_interval = 1", "--bind",
+            "Instrumentation.run_name = 'stopped'"]
+    proc = subprocess.Popen([sys.executable, "-m", "instrument", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    jsonl = tmp_path / "runs" / "stopped" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted (Ctrl-C)" in stderr, stderr
+    assert "logs: runs/stopped" in stdout and "TensorBoard: tensorboard --logdir runs" in stdout, stdout
+    steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if '"step"' in line]
+    assert len(steps) >= 3 and steps == sorted(set(steps)), steps
+    assert set(read_scalars(tmp_path / "runs" / "stopped")["train/loss"]) == set(steps)  # TensorBoard: the same

@@ -54,7 +54,8 @@ def run(
     """Run ``experiment(instrumentation=...)`` and close the session afterwards.
 
     Returns the experiment's result, the run directory, the log root and the backends that were open (the CLI
-    names a viewer for each).
+    names a viewer for each). A KeyboardInterrupt (Ctrl-C) propagates once the run is closed ("killed"),
+    carrying that dict as ``outcome`` (result None) and a note naming the run's folder.
     """
     if experiment is None:
         raise MissingExperimentError(
@@ -67,8 +68,17 @@ def run(
     try:
         with inst:  # an exception ends the run "failed" ("killed" on Ctrl-C) in every backend, then propagates
             result = experiment(instrumentation=inst)
-    finally:
-        backends += [b for b in inst.logger.backends if not any(b is seen for seen in backends)]
+    except KeyboardInterrupt as exc:
+        # What was committed before Ctrl-C is written and the run is closed: say where it is. ``exc.outcome``
+        # is what this returns otherwise (result None), so the CLI names the folder and viewers as usual.
+        exc.outcome = _outcome(None, inst, backends)
+        exc.add_note(f"instrument: the steps committed before the interrupt are saved in {inst.run.dir}")
+        raise
+    return _outcome(result, inst, backends)
+
+
+def _outcome(result: Any, inst: Instrumentation, backends: List[Backend]) -> Dict[str, Any]:
+    backends = backends + [b for b in inst.logger.backends if not any(b is seen for seen in backends)]
     return {"result": result, "run_dir": str(inst.run.dir), "log_root": str(inst.run.root), "backends": backends}
 
 

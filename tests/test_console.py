@@ -74,7 +74,11 @@ def test_declared_columns_golden_output_with_legend_headers_and_summary():
     ]
 
 
-def test_no_columns_builds_the_table_from_the_first_step_and_says_so_once():
+@pytest.mark.parametrize("run_log", [False, True])
+def test_no_columns_builds_the_table_from_the_first_step_and_says_so_once(run_log, caplog):
+    """It names where the metrics it leaves out are: the run log (DEBUG lines) only when one records them."""
+    if run_log:
+        caplog.set_level(logging.DEBUG, logger="instrument.console")
     out = io.StringIO()
     backend = ConsoleBackend(max_keys=3, stream=out)
     backend.open(RunInfo("auto"))
@@ -91,8 +95,10 @@ def test_no_columns_builds_the_table_from_the_first_step_and_says_so_once():
         StepRecord(10, {**first, "train/loss": 0.25, "update_norm/l2/mean": 12345.5, "new/metric": 1.0})
     )
     lines = out.getvalue().splitlines()
+    where = "are in the run log" if run_log else (
+        "are left out here; Instrumentation.run_log = True keeps every scalar in the run log")
     assert lines[0] == (
-        "console: no columns declared; showing 3 metrics from step 0 (1 more are in the run log). "
+        f"console: no columns declared; showing 3 metrics from step 0 (1 more {where}). "
         "Bind ConsoleBackend.columns to choose them."
     )
     assert sum("no columns declared" in line for line in lines) == 1

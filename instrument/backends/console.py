@@ -252,10 +252,13 @@ class ConsoleBackend(Backend):
             columns.append(Column(key, headers[key], width, ".4g"))
         table = self._make_table(columns)
         left_out = len(shown) - len(chosen)
+        # Where the others are: the DEBUG lines of `write` (a run log, or a handler of the user's) keep them.
+        where = "are in the run log" if table_log.isEnabledFor(logging.DEBUG) else (
+            "are left out here; Instrumentation.run_log = True keeps every scalar in the run log")
         self._emit(
             f"console: no columns declared; showing {len(chosen)} metric{'s' if len(chosen) != 1 else ''} "
             f"from step {record.step}"
-            + (f" ({left_out} more are in the run log)" if left_out else "")
+            + (f" ({left_out} more {where})" if left_out else "")
             + ". Bind ConsoleBackend.columns to choose them."
         )
         if self.legend:

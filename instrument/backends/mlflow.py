@@ -87,11 +87,11 @@ class MlflowBackend(Backend):
     What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
     ``config/operative_config.gin``; images -> ``log_image(key=, step=)`` (one image card per key, with a step
-    slider; MLflow stores them under ``images/``); text -> ``text/<key>/step_<step>.txt``; validation samples ->
-    ``samples/<tag>/step_<step>.json``; videos -> animated GIFs ``videos/<key>/step_<step>.gif`` (encoded with
-    Pillow; a video that cannot be written costs that video only). Histograms are not logged (MLflow has no such
-    type). Names are sanitised to MLflow's allowed characters; two metric keys that would share a name are kept
-    apart (`_metric_name`).
+    slider; MLflow stores them under ``images/``); text -> ``text/<key>/step_<step:08d>.txt``; validation
+    samples -> ``samples/<tag>/step_<step:08d>.json``; videos -> animated GIFs
+    ``videos/<key>/step_<step:08d>.gif`` (encoded with Pillow; a video that cannot be written costs that video
+    only). Histograms are not logged (MLflow has no such type). Names are sanitised to MLflow's allowed
+    characters; two metric keys that would share a name are kept apart (`_metric_name`).
     """
 
     reopens = True  # a store that did not answer at open is tried again at later records (class doc)
@@ -360,7 +360,7 @@ class MlflowBackend(Backend):
         raise_failures(self.name, step, failed, "media value(s)")
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:
-        """The video as an animated GIF artifact ``videos/<key>/step_<step>.gif`` (MLflow has no video type)."""
+        """The video as an animated GIF artifact ``videos/<key>/step_<step:08d>.gif`` (MLflow has no video type)."""
         with tempfile.TemporaryDirectory(prefix="instrument-video-") as tmp:
             path = os.path.join(tmp, f"step_{step:08d}.gif")
             with open(path, "wb") as f:

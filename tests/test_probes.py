@@ -252,6 +252,30 @@ def test_probe_values_reach_a_backend(tmp_path):
     assert rows[-1]["metrics"]["hidden_mean/hidden_mean"] == pytest.approx(float(want), rel=1e-6)
 
 
+def test_the_observer_of_docs_probes_md_runs_as_written(tmp_path):
+    """docs/probes.md's HiddenStats, taken from the page with its imports: it used to raise on every logging
+    step (no torch import, and a tensor of every iteration's mean where log_metrics takes a scalar)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "probes.md").read_text()
+    block = page.split("```python\n", 1)[1].split("```", 1)[0]
+    imports = [line for line in block.splitlines() if line.startswith(("import ", "from "))]
+    observer = block[block.index("class HiddenStats"):block.index("\ninst = ")]
+    namespace: dict = {}
+    exec("\n".join(imports) + "\n" + observer, namespace)  # noqa: S102 - the documented code, as a user pastes it
+    rule, path = new_rule(), tmp_path / "m.jsonl"
+    inst = session(namespace["HiddenStats"](), backends=[instrument.JsonlBackend(path=str(path))], log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = rule(x)
+    inst.close()
+    assert inst.failures == {}, inst.failures
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    want = torch.stack([r["hidden"].mean() for r in reference(rule, x0, N_ITER)]).mean()
+    assert rows[-1]["metrics"]["hidden_stats/hidden_mean"] == pytest.approx(float(want), rel=1e-6)
+
+
 def test_undelivered_probe_values_are_reported(caplog):
     torch.manual_seed(0)
     model = Model()

@@ -47,10 +47,10 @@ bench-check: install
 bench-quick: install
 	$(BENCH_ENV) INSTRUMENT_BENCH_QUICK=1 $(PY) -m pytest bench -p no:randomly --benchmark-only -q -s
 
-# Embedded probes: off/on vs a probe-free model, eager/scripted/compiled (docs/probes.md).
 bench-headline: install
 	$(BENCH_ENV) $(PY) -W "ignore::DeprecationWarning" -m bench.headline
 
+# Embedded probes: off/on vs a probe-free model, eager/scripted/compiled (docs/probes.md).
 bench-probes: install
 	$(BENCH_ENV) $(PY) bench/probe_overhead.py --compile
 

@@ -3,8 +3,8 @@
 Flow: collection decides which rows run (``-k`` works) -> the first test asks for the ``matrix`` fixture,
 which builds every selected variant (plus its baseline) and times them all interleaved (bench/harness.py)
 -> each test hands its row's samples to pytest-benchmark -> at the end the ratios are written to
-bench/results/latest.{json,md} and printed; with INSTRUMENT_BENCH_CHECK=1 an exceeded budget
-(bench/budgets.toml) makes the run exit non-zero.
+bench/results/latest.{json,md} (subset.{json,md} when ``-k`` selected only some rows) and printed; with
+INSTRUMENT_BENCH_CHECK=1 an exceeded budget (bench/budgets.toml) makes the run exit non-zero.
 
 Environment: INSTRUMENT_BENCH_REPS (repetitions, default 30), INSTRUMENT_BENCH_WARMUP (untimed calls per
 variant, default 2), INSTRUMENT_BENCH_CLOCK (``wall``, the default, or ``cpu``: process CPU time, steadier on
@@ -21,7 +21,7 @@ import torch
 
 from bench import report as bench_report
 from bench.harness import CLOCKS, run_interleaved
-from bench.workloads import build_variants, finish_peers
+from bench.workloads import all_keys, build_variants, finish_peers
 
 _STATE: Dict[str, Any] = {}
 
@@ -101,7 +101,9 @@ def matrix(request):
         )
     finally:
         finish_peers()
-    result = bench_report.build_report(variants, measured, _STATE["limits"], load_before, quick=_STATE["quick"])
+    subset = set(_STATE["selected"]) != set(all_keys())
+    result = bench_report.build_report(variants, measured, _STATE["limits"], load_before, quick=_STATE["quick"],
+                                       subset=subset)
     _STATE["report"] = result
     return {row["key"]: row for row in result["rows"]}
 

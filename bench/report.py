@@ -203,12 +203,15 @@ def _load() -> Dict[str, float]:
 
 
 def build_report(
-    variants: Sequence[Variant], measured: Measurement, limits, load_before, quick: bool = False
+    variants: Sequence[Variant], measured: Measurement, limits, load_before, quick: bool = False,
+    subset: bool = False,
 ) -> Dict[str, Any]:
+    """``subset``: only some rows were selected (pytest ``-k``), so the report must not replace the full one."""
     table = rows(variants, measured)
     return {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "quick": quick,
+        "subset": subset,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -282,6 +285,11 @@ def markdown(report: Dict[str, Any]) -> str:
         lines += [
             "**QUICK MODE** (`INSTRUMENT_BENCH_QUICK=1`): a smoke test of the bench with few repetitions. "
             "The figures are noisy and not for comparison; run `make bench` for them.",
+            "",
+        ]
+    elif report.get("subset"):
+        lines += [
+            "**A SUBSET** of the rows (selected with `-k`): bench/results/latest.md keeps the last full run.",
             "",
         ]
     lines += [
@@ -370,9 +378,10 @@ def markdown(report: Dict[str, Any]) -> str:
 
 
 def write(report: Dict[str, Any], directory: Path = RESULTS_DIR) -> Dict[str, Path]:
-    """``latest.{json,md}``; a quick-mode run writes ``quick.{json,md}`` so it never replaces real figures."""
+    """``latest.{json,md}``; a quick-mode run writes ``quick.{json,md}`` and a run of selected rows (``-k``)
+    ``subset.{json,md}``, so that neither replaces the last full run's figures."""
     directory.mkdir(parents=True, exist_ok=True)
-    stem = "quick" if report.get("quick") else "latest"
+    stem = "quick" if report.get("quick") else "subset" if report.get("subset") else "latest"
     paths = {"json": directory / f"{stem}.json", "md": directory / f"{stem}.md"}
     paths["json"].write_text(json.dumps(report, indent=1, default=float))
     paths["md"].write_text(markdown(report))

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from bench.harness import Variant, paired_ratios, run_interleaved
-from bench.report import markdown, rows
+from bench.report import markdown, rows, write
 
 
 def _variants(calls):
@@ -78,3 +78,20 @@ def test_the_page_faults_of_a_call_that_touches_new_memory_are_counted_for_it():
     assert all(f >= 16384 // 2 for f in measured.faults["w/m/touch"])  # 16,384 pages of 4 KiB each call
     assert all(f < 1000 for f in measured.faults["w/m/bare"])
     held.clear()
+
+
+@pytest.mark.parametrize(("quick", "subset", "stem"), [(False, False, "latest"), (True, False, "quick"),
+                                                        (False, True, "subset"), (True, True, "quick")])
+def test_only_a_full_run_replaces_the_latest_figures(tmp_path, quick, subset, stem):
+    """A quick run or a run of rows selected with -k writes beside latest.{json,md}, never over it."""
+    variants = _variants([])
+    measured = run_interleaved(variants, repetitions=2, warmup=1)
+    report = {
+        "created": "now", "machine": {"cpus": 2, "torch": "x", "torch_threads": 1, "python": "3"},
+        "repetitions": 2, "clock": "wall", "rows": rows(variants, measured), "observer_costs": {}, "checks": [],
+        "quick": quick, "subset": subset,
+    }
+    paths = write(report, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.md"]
+    assert paths["md"] == tmp_path / f"{stem}.md"
+    assert ("A SUBSET" in paths["md"].read_text()) == (subset and not quick)

@@ -115,6 +115,10 @@ def _worker(rank, store_path, out_dir):
         _log_interval(logger, rank, 2, 3)
         out["ar_steady"], out["ar_steady_count"] = _commit_counted(logger, counts, 3)
         out["ar_kinds"] = dict(counts)
+        if rank == 1:  # a key new to the layout, on one rank: both take part in its exchange
+            logger.log_metrics({"only_r1": 7.0}, step=3, reduce="sum")
+        new_key, out["ar_new_key_count"] = _commit_counted(logger, counts, 3)
+        out["ar_new_key"] = new_key["only_r1"]
         # A NaN on one rank is the min or max over ranks: gloo's MAX all_reduce alone would drop it.
         for op in ("min", "max"):
             values = {"nan_on_0": (math.nan, 1.0), "nan_on_1": (1.0, math.nan), "finite": (-2.0, 3.0)}
@@ -276,6 +280,8 @@ def test_allreduce_strategy_uses_one_collective_per_reduction_kind(ranks):
     for r in results:
         assert r["ar_steady_count"] == 2
         assert r["ar_first_count"] == 4  # MAX header, key exchange, SUM + MAX
+        assert r["ar_new_key_count"] == 5  # SUM + MAX (a misfit), key exchange, SUM + MAX (docs/distributed.md)
+        assert r["ar_new_key"] == 7.0
         assert r["ar_kinds"] == {"_all_reduce": 2}
         _assert_close(r["ar_first"], _expected())
         _assert_close(r["ar_steady"], _expected())

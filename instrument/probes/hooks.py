@@ -169,6 +169,9 @@ class StateWatch:
         """Before each call: the state tensor and its version (and, where `_calls` says, a copy), so that the
         hook after the call has the state as it was."""
         if in_recompute():
+            # Counted here, not after the call: non-reentrant checkpointing's early stop ends a recomputed
+            # forward once it has what backward needs, so the hook after the call never runs for it.
+            self.guard.skipped()
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         state = first_tensor(raw)
@@ -180,7 +183,8 @@ class StateWatch:
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if in_recompute():
-            self.guard.skipped()
+            if self._before_handle is None:  # a scripted module has no hook before its calls: counted here
+                self.guard.skipped()
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         previous = first_tensor(raw)

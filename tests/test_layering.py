@@ -4,12 +4,14 @@ Every module under instrument/ is parsed with `ast` (nothing is imported to find
 classified as top-level (runs at import time), lazy (inside a function: runs when called) or type-only (under
 ``if TYPE_CHECKING:``, never runs; ignored). The rules, checked on top-level and lazy imports alike:
 
-- ``probes/`` and ``core/`` import nothing above them;
-- ``observers/`` import only ``core/``, ``probes/`` and ``errors``;
+- ``probes/`` and ``core/`` import nothing above them (``errors`` and ``checks`` sit below every layer);
+- ``observers/`` import only ``core/``, ``probes/``, ``errors`` and ``checks``;
 - ``logger/`` does not import the session, RL, config, demos, CLI or observers;
 - ``backends/`` never import the session, RL, config, demos or CLI, nor anything upstream of them
   (logger, observers, probes, monitors): the logger hands them host records;
-- ``terminal/`` (rendering) imports nothing but ``errors`` and itself: backends use it, not the other way round;
+- ``terminal/`` (rendering) imports nothing but ``errors``, ``checks`` and itself: backends use it, not the other
+  way round;
+- ``checks`` (the shared argument checks) imports no layer at all, only ``errors``;
 - nothing in the library imports the demos (shipped .gin files import them), the config package included;
 - only the gin edge (the config package, the CLI, the demos) imports gin;
 - the module graph is acyclic, lazy imports included (a lazy import that closes a cycle must be listed, with its
@@ -52,6 +54,7 @@ FORBIDDEN: Dict[str, Set[str]] = {
     "monitors": {"session", "rl", "config", "demos", "cli", "__main__", "root", "observers", "probes"},
     "rl": {"config", "demos", "cli", "__main__", "root"},
     "session": {"config", "demos", "cli", "__main__", "root"},
+    "checks": EVERYTHING_ABOVE_CORE | {"probes", "core"},
 }
 GIN_EDGE = {"config", "demos", "cli", "__main__"}
 

@@ -31,6 +31,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.checks import check_int
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.output import write_line
 from instrument.terminal.samples import finite_number, select_samples
@@ -116,12 +117,12 @@ class ConsoleBackend(Backend):
             self.declared: Optional[List[Column]] = None if columns is None else resolve_columns(columns)
         except ConfigurationError as exc:  # named as the argument, so that the CLI can say where it was bound
             raise ConfigurationError(f"ConsoleBackend columns: {exc}") from None
-        _check_int("header_every", header_every, 0, " (0: the header once)")
-        self.header_every = header_every
+        self.header_every = check_int("ConsoleBackend header_every", header_every, least=0, why="0: the header once",
+                                      fix="bind e.g. ConsoleBackend.header_every = 20")
         self.summary = tuple(_check_strings("summary", summary, "('timing/',)"))
         self.keys = None if keys is None else _check_strings("keys", keys, "['train/loss', 'eval/']")
-        _check_int("max_keys", max_keys, 1)
-        self.max_keys = max_keys
+        self.max_keys = check_int("ConsoleBackend max_keys", max_keys, least=1,
+                                  fix="bind e.g. ConsoleBackend.max_keys = 8")
         for name, flag in (("legend", legend), ("show_system", show_system)):
             if not isinstance(flag, bool):
                 raise ConfigurationError(f"ConsoleBackend {name} must be True or False, got {flag!r}.")
@@ -133,9 +134,10 @@ class ConsoleBackend(Backend):
                 f"Leave it unbound for stdout; pass ConsoleBackend(stream=sys.stderr) from Python for stderr."
             )
         self.stream = stream
-        _check_int("num_val_samples_to_print", num_val_samples_to_print, 0, " (0: none)")
-        if width is not None:
-            _check_int("width", width, 20, " or None (the stream's width)")
+        check_int("ConsoleBackend num_val_samples_to_print", num_val_samples_to_print, least=0, why="0: none",
+                  fix="bind e.g. ConsoleBackend.num_val_samples_to_print = 4")
+        check_int("ConsoleBackend width", width, least=20, none=True, why="the stream's width",
+                  fix="bind e.g. ConsoleBackend.width = 100")
         self.num_val_samples_to_print = num_val_samples_to_print
         self.show_system = show_system
         self.width = width
@@ -320,14 +322,6 @@ class ConsoleBackend(Backend):
         shown = None if self.declared is None else [c.key for c in self.declared]
         return (
             f"ConsoleBackend(columns={shown!r}, header_every={self.header_every}, summary={self.summary!r})"
-        )
-
-
-def _check_int(name: str, value: Any, least: int, note: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigurationError(
-            f"ConsoleBackend {name} must be an int >= {least}{note}, got {value!r} ({type(value).__name__}); "
-            f"bind e.g. ConsoleBackend.{name} = {max(least, 20 if name in ('header_every', 'width') else least)}."
         )
 
 

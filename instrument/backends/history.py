@@ -34,6 +34,7 @@ from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequenc
 import numpy as np
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.checks import check_int
 from instrument.errors import ConfigurationError, require
 
 __all__ = ["RunHistoryBackend"]
@@ -58,10 +59,8 @@ class RunHistoryBackend(Backend):
         max_samples: Optional[int] = None,
     ) -> None:
         for name, cap in (("max_steps", max_steps), ("max_samples", max_samples)):
-            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-                raise ConfigurationError(
-                    f"RunHistoryBackend.{name} must be None or a positive int, got {cap!r}."
-                )
+            check_int(f"RunHistoryBackend.{name}", cap, least=1, none=True, expected="None or a positive int",
+                      why="None keeps everything", fix=f"bind e.g. RunHistoryBackend.{name} = 1000")
         self.sample_key = sample_key
         self.max_steps = max_steps
         self.max_samples = max_samples

@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.drops import Drops, utf8
 from instrument.backends.video import encode_gif, raise_failures, write_each
+from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell
 
@@ -109,15 +110,17 @@ class MlflowBackend(Backend):
         retry_after: float = 30.0,
     ) -> None:
         _check_uri(tracking_uri)
-        self.timeout = _check_int("timeout", timeout, 1, None, "MLflow reads it as whole seconds")
-        self.max_retries = _check_int("max_retries", max_retries, 0, _MAX_RETRIES_LIMIT, "MLflow's limit")
-        self.backoff_factor = _check_int("backoff_factor", backoff_factor, 0, _MAX_BACKOFF_LIMIT, "MLflow's limit")
-        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) or not retry_after >= 0:
-            raise ConfigurationError(
-                f"MlflowBackend.retry_after must be a number of seconds >= 0, got {retry_after!r}; "
-                "use 0 to try the server on every call."
-            )
-        self.retry_after = float(retry_after)
+        self.timeout = check_int("MlflowBackend.timeout", timeout, least=1, why="MLflow reads it as whole seconds",
+                                 fix="bind e.g. MlflowBackend.timeout = 10")
+        self.max_retries = check_int("MlflowBackend.max_retries", max_retries, least=0, most=_MAX_RETRIES_LIMIT,
+                                     why="MLflow's limit", fix="bind e.g. MlflowBackend.max_retries = 2")
+        self.backoff_factor = check_int("MlflowBackend.backoff_factor", backoff_factor, least=0,
+                                        most=_MAX_BACKOFF_LIMIT, why="MLflow's limit",
+                                        fix="bind e.g. MlflowBackend.backoff_factor = 1")
+        self.retry_after = check_number(
+            "MlflowBackend.retry_after", retry_after, least=0, noun="a number of seconds",
+            fix="bind e.g. MlflowBackend.retry_after = 30.0, or 0 to try the server on every call",
+        )
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
@@ -439,13 +442,6 @@ def _plugin_schemes() -> List[str]:
     from importlib.metadata import entry_points
 
     return [ep.name for ep in entry_points(group="mlflow.tracking_store")]
-
-
-def _check_int(option: str, value: Any, low: int, high: Optional[int], why: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        expected = f"an int >= {low}" if high is None else f"an int from {low} to {high}"
-        raise ConfigurationError(f"MlflowBackend.{option} must be {expected} ({why}), got {value!r}.")
-    return value
 
 
 def _is_unreachable(exc: BaseException) -> bool:

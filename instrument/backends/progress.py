@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Deque, Dict, Optional, Sequence, TextIO, Union
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.checks import check_int
 from instrument.errors import ConfigurationError, require
 
 __all__ = ["ProgressBar", "DEFAULT_PREFIXES", "DEFAULT_REWARD_KEYS"]
@@ -66,8 +67,8 @@ class ProgressBar(Backend):
             )
         elif not isinstance(reward_keys, Mapping):
             reward_keys = {_label(key): key for key in reward_keys}
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ConfigurationError(f"ProgressBar.window must be a positive int, got {window!r}.")
+        check_int("ProgressBar.window", window, least=1, why="the committed reward values the mean covers",
+                  fix="bind e.g. ProgressBar.window = 10")
         self.total_frames = total_frames
         self.enabled = enabled
         self.frames_key = frames_key

@@ -15,6 +15,7 @@ from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.backends.wandb_log import history_keys, last_step, run_files
+from instrument.checks import check_number
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
@@ -98,11 +99,8 @@ class WandbBackend(Backend):
             raise ConfigurationError(
                 f"WandbBackend.mode must be one of {_MODES}, got {mode!r}; 'offline' needs no account."
             )
-        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs >= 0:
-            raise ConfigurationError(
-                f"WandbBackend.flush_secs must be a number of seconds >= 0, got {flush_secs!r}."
-            )
-        self.flush_secs = float(flush_secs)
+        self.flush_secs = check_number("WandbBackend.flush_secs", flush_secs, least=0, noun="a number of seconds",
+                                       fix="bind e.g. WandbBackend.flush_secs = 2.0")
         self._exit_code = 0
         self.project, self.mode, self.entity, self.group = project, mode, entity, group
         self.tags, self.notes, self.dir = list(tags or []), notes, dir

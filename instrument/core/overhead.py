@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from instrument.errors import ConfigurationError
+from instrument.checks import check_number
 
 __all__ = ["OverheadMeter", "PREFIX", "costliest", "over_budget"]
 
@@ -83,11 +83,8 @@ class OverheadMeter:
         """A meter for ``Instrumentation(overhead_budget=budget)``; None (no measuring at all) for None."""
         if budget is None:
             return None
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise ConfigurationError(
-                f"overhead_budget must be a share of the logging step > 0 (e.g. 0.1), or None to turn the "
-                f"overhead report off; got {budget!r}."
-            )
+        check_number("overhead_budget", budget, above=0, none=True, noun="a share of the logging step",
+                     why="None turns the overhead report off", fix="bind e.g. Instrumentation.overhead_budget = 0.1")
         return cls()
 
     def __init__(self) -> None:

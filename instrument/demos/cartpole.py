@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from instrument.errors import ConfigurationError
+from instrument.checks import check_int, check_number
 
 __all__ = ["CartPole", "Policy", "Trajectory", "rollout_episode", "discounted_returns", "train_cartpole"]
 
@@ -212,22 +212,12 @@ def train_cartpole(
     and its `Evaluation`, when bound, runs the policy in gymnasium's own CartPole-v1.
     """
     for name, value, least, why, fix in (
-        ("steps", steps, 1, "", 100), ("num_envs", num_envs, 1, " (environments run in parallel)", 256),
-        ("max_steps", max_steps, 1, " (the longest episode)", 200), ("hidden", hidden, 1, " (the policy's width)", 64),
+        ("steps", steps, 1, "", 100), ("num_envs", num_envs, 1, "environments run in parallel", 256),
+        ("max_steps", max_steps, 1, "the longest episode", 200), ("hidden", hidden, 1, "the policy's width", 64),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigurationError(
-                f"train_cartpole {name} must be an int >= {least}{why}, got {value!r}; "
-                f"bind e.g. train_cartpole.{name} = {fix}."
-            )
-    for name, value, ok, wanted, fix in (
-        ("lr", lr, lambda v: v > 0, "> 0", 1e-2), ("gamma", gamma, lambda v: 0 <= v <= 1, "in [0, 1]", 0.99)
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ConfigurationError(
-                f"train_cartpole {name} must be a number {wanted}, got {value!r}; "
-                f"bind e.g. train_cartpole.{name} = {fix}."
-            )
+        check_int(f"train_cartpole {name}", value, least=least, why=why, fix=f"bind e.g. train_cartpole.{name} = {fix}")
+    check_number("train_cartpole lr", lr, above=0, fix="bind e.g. train_cartpole.lr = 1e-2")
+    check_number("train_cartpole gamma", gamma, least=0, most=1, fix="bind e.g. train_cartpole.gamma = 0.99")
     torch.manual_seed(seed)
     env = CartPole(num_envs=num_envs, generator=torch.Generator().manual_seed(seed))
     actions_rng = torch.Generator().manual_seed(seed + 1)

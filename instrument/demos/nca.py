@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from instrument.errors import ConfigurationError
+from instrument.checks import check_int, check_number
 
 __all__ = ["make_target", "make_seed", "UpdateRule", "NCA", "run_iterations", "rollout", "train_nca"]
 
@@ -217,23 +217,15 @@ def train_nca(
     """
     for name, value, least, why, fix in (
         ("steps", steps, 1, "", 300), ("batch_size", batch_size, 1, "", 4), ("size", size, 4, "", 24),
-        ("n_iter_min", n_iter_min, 1, "", 24), ("n_iter_max", n_iter_max, n_iter_min, " (n_iter_min)", n_iter_min),
-        ("channels", channels, 4, " (R, G, B and alpha, then the hidden ones)", 16),
-        ("hidden", hidden, 1, " (the update MLP's width)", 128),
-        ("checkpoint_every", checkpoint_every, 0, " (0: off)", 0),
+        ("n_iter_min", n_iter_min, 1, "", 24), ("n_iter_max", n_iter_max, n_iter_min, "n_iter_min", n_iter_min),
+        ("channels", channels, 4, "R, G, B and alpha, then the hidden ones", 16),
+        ("hidden", hidden, 1, "the update MLP's width", 128),
+        ("checkpoint_every", checkpoint_every, 0, "0: off", 0),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigurationError(
-                f"train_nca {name} must be an int >= {least}{why}, got {value!r}; bind e.g. train_nca.{name} = {fix}."
-            )
-    for name, value, ok, wanted, fix in (
-        ("fire_rate", fire_rate, lambda v: 0 <= v <= 1, "in [0, 1] (the chance that a cell updates)", 0.5),
-        ("lr", lr, lambda v: v > 0, "> 0", 2e-3),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ConfigurationError(
-                f"train_nca {name} must be a number {wanted}, got {value!r}; bind e.g. train_nca.{name} = {fix}."
-            )
+        check_int(f"train_nca {name}", value, least=least, why=why, fix=f"bind e.g. train_nca.{name} = {fix}")
+    check_number("train_nca fire_rate", fire_rate, least=0, most=1, why="the chance that a cell updates",
+                 fix="bind e.g. train_nca.fire_rate = 0.5")
+    check_number("train_nca lr", lr, above=0, fix="bind e.g. train_nca.lr = 2e-3")
     torch.manual_seed(seed)
     lengths_rng = torch.Generator().manual_seed(seed)
     model = NCA(channels=channels, hidden=hidden, fire_rate=fire_rate, checkpoint_every=checkpoint_every)

@@ -8,6 +8,7 @@ import os
 import threading
 from typing import Any, Optional
 
+from instrument.checks import check_number
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
 
@@ -108,8 +109,9 @@ def check_open_policy(policy: Any, timeout: Any) -> str:
             f"on_backend_error must be one of {OPEN_POLICIES}, got {policy!r}: 'raise' stops at start when a "
             f"backend cannot open, 'warn' goes on without it."
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigurationError(f"open_timeout must be a positive number of seconds, got {timeout!r}.")
+    check_number("open_timeout", timeout, above=0, noun="a number of seconds",
+                 why="how long the start waits for the backends to open",
+                 fix="bind e.g. Instrumentation.open_timeout = 60.0")
     return policy
 
 

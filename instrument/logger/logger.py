@@ -41,6 +41,7 @@ import numpy as np
 from torch import Tensor
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, check_backends
+from instrument.checks import check_int, check_number
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger import shutdown
@@ -103,10 +104,10 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             )
         if on_full not in ON_FULL:
             raise ConfigurationError(f"on_full must be one of {ON_FULL}, got {on_full!r}.")
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise ConfigurationError(f"queue_size must be a positive int, got {queue_size!r}.")
-        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
-            raise ConfigurationError(f"flush_secs must be a positive number of seconds, got {flush_secs!r}.")
+        check_int("queue_size", queue_size, least=1, why="committed steps waiting for the writer",
+                  fix="bind e.g. Instrumentation.queue_size = 64")
+        check_number("flush_secs", flush_secs, above=0, noun="a number of seconds",
+                     fix="bind e.g. Instrumentation.flush_secs = 2.0")
         backends = check_backends(backends)
         self.secret_keys = tuple(str(k) for k in secret_keys)
         self.run = run or RunInfo(name="run")

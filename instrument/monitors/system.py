@@ -46,6 +46,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 
 from instrument.backends.base import StepRecord
+from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
 
 __all__ = ["SystemMonitor"]
@@ -76,20 +77,17 @@ class SystemMonitor:
         gpu: bool = True,
         max_buffered: int = 1024,
     ) -> None:
-        for name, value in (("collection_interval", collection_interval), ("flush_interval", flush_interval)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigurationError(
-                    f"SystemMonitor.{name} must be a positive number of seconds, got {value!r}."
-                )
+        for name, value, example in (("collection_interval", collection_interval, 10.0),
+                                     ("flush_interval", flush_interval, 60.0)):
+            check_number(f"SystemMonitor.{name}", value, above=0, expected="a positive number of seconds",
+                         fix=f"bind e.g. SystemMonitor.{name} = {example}")
         if flush_interval < collection_interval:
             raise ConfigurationError(
                 f"SystemMonitor.flush_interval ({flush_interval}) must be >= collection_interval "
                 f"({collection_interval}): a flush writes the samples collected since the last one."
             )
-        if isinstance(max_buffered, bool) or not isinstance(max_buffered, int) or max_buffered < 1:
-            raise ConfigurationError(
-                f"SystemMonitor.max_buffered must be a positive int, got {max_buffered!r}."
-            )
+        check_int("SystemMonitor.max_buffered", max_buffered, least=1, expected="a positive int",
+                  why="the most samples kept between flushes", fix="bind e.g. SystemMonitor.max_buffered = 1024")
         self._psutil = require("psutil", "monitor", "SystemMonitor")
         self.collection_interval = float(collection_interval)
         self.flush_interval = float(flush_interval)

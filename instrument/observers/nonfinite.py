@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
+from instrument.checks import check_int
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError, NonFiniteError
@@ -131,8 +132,8 @@ class NonFinite(Observer):
         name: str = "",
     ) -> None:
         super().__init__(name)
-        if isinstance(channel_dim, bool) or not isinstance(channel_dim, int):
-            raise ConfigurationError(f"NonFinite channel_dim must be an int, got {channel_dim!r}.")
+        check_int("NonFinite channel_dim", channel_dim, why="1 for [B, C, H, W], -1 for channels-last",
+                  fix="bind e.g. NonFinite.channel_dim = 1")
         if module is not None and not isinstance(module, nn.Module):
             raise ConfigurationError(
                 f"NonFinite(module=...) takes a torch.nn.Module, got {type(module).__name__}; pass the model "

@@ -1,11 +1,11 @@
 """RolloutVideo: watch the automaton grow, one video per logging step."""
 
-import numbers
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from instrument.checks import check_int, is_int
 from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
@@ -81,12 +81,19 @@ class RolloutVideo(Observer):
     ) -> None:
         super().__init__(name)
         self.channels = _check_channels(channels)
-        self.sample = _check_int("sample", sample, None, "an index along the batch dimension")
-        self.every = _check_int("every", every, 1, "keep every k-th state")
-        self.fps = _check_int("fps", fps, 1, f"frames per second, at most {MAX_FPS}", high=MAX_FPS)
-        self.upscale = _check_int("upscale", upscale, 1, "a whole nearest-neighbour factor")
-        self.max_frames = None if max_frames is None else _check_int("max_frames", max_frames, 1, "a frame count")
-        self.channel_dim = _check_int("channel_dim", channel_dim, None, "1 for [B, C, H, W], -1 for channels-last")
+        self.sample = check_int("RolloutVideo.sample", sample, integral=True, why="an index along the batch dimension",
+                                fix="bind e.g. RolloutVideo.sample = 0")
+        self.every = check_int("RolloutVideo.every", every, least=1, integral=True, why="keep every k-th state",
+                               fix="bind e.g. RolloutVideo.every = 1")
+        self.fps = check_int("RolloutVideo.fps", fps, least=1, most=MAX_FPS, integral=True,
+                             why=f"frames per second, at most {MAX_FPS}", fix="bind e.g. RolloutVideo.fps = 10")
+        self.upscale = check_int("RolloutVideo.upscale", upscale, least=1, integral=True,
+                                 why="a whole nearest-neighbour factor", fix="bind e.g. RolloutVideo.upscale = 4")
+        self.max_frames = check_int("RolloutVideo.max_frames", max_frames, least=1, none=True, integral=True,
+                                    why="a frame count", fix="bind e.g. RolloutVideo.max_frames = 256")
+        self.channel_dim = check_int("RolloutVideo.channel_dim", channel_dim, integral=True,
+                                     why="1 for [B, C, H, W], -1 for channels-last",
+                                     fix="bind e.g. RolloutVideo.channel_dim = 1")
         if self.channel_dim == 0:
             raise ConfigurationError(
                 "RolloutVideo.channel_dim must not be 0: dimension 0 is the batch (see `sample`); "
@@ -213,25 +220,13 @@ def _check_channels(channels) -> Tuple[int, ...]:
     if (
         values is None
         or len(values) not in (1, 3, 4)
-        or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in values)
+        or not all(is_int(c, integral=True) for c in values)
     ):
         raise ConfigurationError(
             f"RolloutVideo.channels must be 1, 3 or 4 channel indices (colour-mapped, RGB, RGBA), got "
             f"{channels!r}; e.g. (0, 1, 2, 3) for an NCA's RGBA or (4,) for one hidden channel."
         )
     return tuple(int(c) for c in values)
-
-
-def _check_int(option: str, value, low: Optional[int], what: str, high: Optional[int] = None) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or (low is not None and value < low)
-        or (high is not None and value > high)
-    ):
-        bound = "" if low is None else f" >= {low}" if high is None else f" from {low} to {high}"
-        raise ConfigurationError(f"RolloutVideo.{option} must be an int{bound} ({what}), got {value!r}.")
-    return int(value)
 
 
 def _check_range(value_range) -> Optional[Tuple[float, float]]:

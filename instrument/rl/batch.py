@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from instrument.checks import check_int
 from instrument.errors import ConfigurationError
 
 __all__ = [
@@ -196,8 +197,7 @@ def resolve_time_dim(
         if names is not None and "time" in list(names):
             return list(names).index("time")
         time_dim = -1
-    if isinstance(time_dim, bool) or not isinstance(time_dim, int):
-        raise ConfigurationError(f"time_dim must be an int, 'auto' or None, got {time_dim!r}.")
+    check_int("time_dim", time_dim, expected="an int, 'auto' or None", fix="bind e.g. CollectionMetrics.time_dim = 0")
     if n == 0:
         return None
     if not -n <= time_dim < n:

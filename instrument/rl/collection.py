@@ -31,6 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from instrument.checks import check_int, is_int
 from instrument.errors import ConfigurationError
 from instrument.rl.batch import (
     KeywordBatch,
@@ -108,11 +109,10 @@ class CollectionMetrics(RLComponent):
         self.objective_names = list(objective_names) if objective_names is not None else None
         self.keys = dict(keys or {})
         self.reduce_stats = reduce_stats
-        if time_dim not in ("auto", None) and (isinstance(time_dim, bool) or not isinstance(time_dim, int)):
-            raise ConfigurationError(
-                f"CollectionMetrics.time_dim must be an int (the batch dimension that is time), 'auto' or None, "
-                f"got {time_dim!r}."
-            )
+        if time_dim not in ("auto", None):
+            check_int("CollectionMetrics.time_dim", time_dim, expected="an int, 'auto' or None",
+                      why="the batch dimension that is time; 'auto': TorchRL's last, None: one step per call",
+                      fix="bind e.g. CollectionMetrics.time_dim = 0")
         self.time_dim = time_dim
         self._reward = RunningStats()
         self._objectives = RunningStats()
@@ -188,7 +188,7 @@ class CollectionMetrics(RLComponent):
             return reward.shape
         shape = infer_batch_shape(done, reward)
         if len(shape) < done.dim():
-            explicit = isinstance(self.time_dim, int) and not isinstance(self.time_dim, bool)
+            explicit = is_int(self.time_dim)
             if (explicit and not -len(shape) <= self.time_dim < len(shape)) or self._rank == done.dim():
                 shape = done.shape
         self._rank = len(shape)

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
+from instrument.checks import check_int
 from instrument.errors import ConfigurationError
 from instrument.logger.transfer import to_host
 from instrument.rl.batch import (
@@ -55,8 +56,8 @@ class Counters(RLComponent):
         done_key: NestedKey = ("next", "done"),
         mask_key: Optional[NestedKey] = ("collector", "mask"),
     ) -> None:
-        if isinstance(frame_skip, bool) or not isinstance(frame_skip, int) or frame_skip < 1:
-            raise ConfigurationError(f"Counters.frame_skip must be a positive int, got {frame_skip!r}.")
+        check_int("Counters.frame_skip", frame_skip, least=1, expected="a positive int",
+                  why="the environment frames in one step", fix="bind e.g. Counters.frame_skip = 1")
         self.frame_skip = frame_skip
         self.done_key, self.mask_key = done_key, mask_key
         self.iterations = 0
@@ -84,8 +85,9 @@ class Counters(RLComponent):
         if shape is None and done is not None:
             shape = infer_batch_shape(done, None)
         if frames is not None:
-            if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
-                raise ConfigurationError(f"frames must be a non-negative int, got {frames!r}.")
+            check_int("frames", frames, least=0, expected="a non-negative int",
+                      why="the batch's frames, frame skip included",
+                      fix="pass e.g. frames=256, or leave frames out to count the batch")
             self._frames += frames
         elif mask is not None:
             kept = mask.to(torch.bool).sum(dtype=torch.int64) * self.frame_skip

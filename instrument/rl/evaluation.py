@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from instrument.checks import check_int
 from instrument.errors import ConfigurationError, require
 from instrument.rl.component import RLComponent
 
@@ -83,15 +84,14 @@ class Evaluation(RLComponent):
         at_start: bool = False,
         runner: Optional[EpisodeRunner] = None,
     ) -> None:
-        for name, value in (
-            ("every_frames", every_frames),
-            ("max_steps", max_steps),
-            ("episodes", episodes),
-            ("fps", fps),
-            ("video_stride", video_stride),
+        for name, value, example in (
+            ("every_frames", every_frames, 10_000),
+            ("max_steps", max_steps, 500),
+            ("episodes", episodes, 1),
+            ("fps", fps, 30),
+            ("video_stride", video_stride, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"Evaluation.{name} must be a positive int, got {value!r}.")
+            check_int(f"Evaluation.{name}", value, least=1, fix=f"bind e.g. Evaluation.{name} = {example}")
         unknown = [m for m in list(modes) + list(video_modes) if m not in MODES]
         if unknown or not modes:
             raise ConfigurationError(

@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 
 from instrument.backends.base import StepRecord
 from instrument.backends.progress import ProgressBar
+from instrument.checks import check_int
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError
 from instrument.logger.logger import Logger
@@ -120,12 +121,9 @@ class RLLogging:
     ) -> None:
         if step_unit not in _STEP_UNITS:
             raise ConfigurationError(f"RLLogging.step_unit must be one of {_STEP_UNITS}, got {step_unit!r}.")
-        if log_interval is not None and (
-            isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0
-        ):
-            raise ConfigurationError(
-                f"RLLogging.log_interval must be None or an int >= 0, got {log_interval!r}."
-            )
+        check_int("RLLogging.log_interval", log_interval, least=0, none=True, expected="None or an int >= 0",
+                  why="0: evaluations only; None: 1, or the attached session's",
+                  fix="bind e.g. RLLogging.log_interval = 10")
         self.collection = CollectionMetrics() if collection is DEFAULT else collection
         self.training = TrainMetrics() if training is DEFAULT else training
         self._logger: Optional[Logger] = None

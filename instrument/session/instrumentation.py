@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequen
 from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.checks import check_int
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter
@@ -120,15 +121,11 @@ class Instrumentation(StepLifecycle):
         open_timeout: float = 60.0,
         secret_keys: Sequence[str] = (),
     ) -> None:
-        if channel_dim is not None and (isinstance(channel_dim, bool) or not isinstance(channel_dim, int)):
-            raise ConfigurationError(
-                f"channel_dim must be an int (1 for [B, C, H, W], -1 for [B, H, W, C]) or None, got {channel_dim!r}."
-            )
+        check_int("channel_dim", channel_dim, none=True, why="1 for [B, C, H, W], -1 for [B, H, W, C]",
+                  fix="bind e.g. Instrumentation.channel_dim = 1")
         overhead = OverheadMeter.for_budget(overhead_budget)  # None when off; raises on a bad budget first
-        if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 0:
-            raise ConfigurationError(
-                f"log_interval must be a non-negative int (0 turns logging off), got {log_interval!r}."
-            )
+        check_int("log_interval", log_interval, least=0, expected="a non-negative int", why="0 turns logging off",
+                  fix="bind e.g. Instrumentation.log_interval = 10")
         check_observers(observers)
         if system_monitor is not None and (isinstance(system_monitor, type) or not hasattr(system_monitor, "start")):
             raise ConfigurationError(f"system_monitor must be None or an instance such as SystemMonitor() (in gin: "

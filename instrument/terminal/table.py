@@ -47,6 +47,7 @@ import re
 from decimal import Decimal
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
+from instrument.checks import check_int, is_int
 from instrument.errors import ConfigurationError
 from instrument.terminal.text import cut, display_width, pad, unique_headers
 
@@ -116,16 +117,9 @@ class Column:
         name = f"Column {self.key!r}"
         if not isinstance(self.header, str):
             raise ConfigurationError(f"{name}: header must be a string, got {self.header!r}.")
-        if (
-            isinstance(self.width, bool)
-            or not isinstance(self.width, int)
-            or (0 < self.width < MIN_WIDTH)
-            or (self.width < 0)
-        ):
-            raise ConfigurationError(
-                f"{name}: width must be an int >= {MIN_WIDTH} (room for 'nan'), or 0 for automatic; "
-                f"got {self.width!r}."
-            )
+        if not (is_int(self.width) and self.width == 0):  # 0: automatic
+            check_int(f"{name}: width", self.width, least=MIN_WIDTH, expected=f"an int >= {MIN_WIDTH} or 0",
+                      why="room for 'nan'; 0: automatic", fix="give e.g. width=10, or 0")
         _check_fmt(name, self.fmt)
         if self.denominator is not None and self.fmt != "frac":
             raise ConfigurationError(
@@ -244,11 +238,8 @@ class StepTable:
         self.columns: Tuple[Column, ...] = tuple(resolve_columns(columns))
         if not self.columns:
             raise ConfigurationError("a StepTable needs at least one column (all were empty or when=False).")
-        if isinstance(header_every, bool) or not isinstance(header_every, int) or header_every < 0:
-            raise ConfigurationError(
-                f"header_every must be an int >= 0 (0: header once), got {header_every!r}."
-            )
-        self.header_every = header_every
+        self.header_every = check_int("header_every", header_every, least=0, why="0: header once",
+                                      fix="pass e.g. header_every=20")
         self.sep = sep
         self.rows = 0
         self._reported: Set[Tuple[str, str]] = set()

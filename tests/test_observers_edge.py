@@ -1,6 +1,8 @@
 """Observer edge cases read back against float64 NumPy references: a batch size that changes within one logging
 step, an inf where the statistics take their shift from, a 0-d state, a diverging or vanishing float32 state."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -147,3 +149,27 @@ def test_dx_of_int64_states_and_of_a_0d_float64_side_is_exact():
     previous = torch.tensor(1.0 + 1e-9, dtype=torch.float64)  # 0-d: result_type would have ignored it
     dx = instrument.StepContext(previous, following).dx
     assert dx.dtype == torch.float64 and dx.item() == 1.0 - (1.0 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("make", "option", "got"),
+    [
+        (lambda: instrument.IterationStats(max_channels=-1), "max_channels", "-1 (int)"),  # cut a channel silently
+        (lambda: instrument.IterationStats(max_channels=2.5), "max_channels", "2.5 (float)"),  # raised at log time
+        (lambda: instrument.IterationStats(max_elements="64M"), "max_elements", "'64M' (str)"),
+        (lambda: instrument.StateHistogram(max_channels=True), "max_channels", "True (bool)"),
+        (lambda: instrument.UpdateNorm(max_elements=0), "max_elements", "0 (int)"),
+        (lambda: instrument.UpdateNorm(alive_channel=3.0), "alive_channel", "3.0 (float)"),
+        (lambda: instrument.NonFinite(max_elements=-5), "max_elements", "-5 (int)"),
+    ],
+)
+def test_observer_limits_are_checked_when_built(make, option, got):
+    """Each is refused at construction, naming the option, what was received and a value that works; a
+    negative max_channels used to drop the last channel's scalars without a word."""
+    with pytest.raises(instrument.ConfigurationError, match=rf"{option} must be .*got {re.escape(got)}; pass e\.g\."):
+        make()
+
+
+def test_observer_limits_accept_none_and_numpy_ints():
+    assert instrument.IterationStats(max_channels=None, max_elements=None).max_channels is None
+    assert type(instrument.StateHistogram(max_channels=np.int64(3)).max_channels) is int

@@ -6,7 +6,7 @@ from instrument.core.context import StepContext
 from instrument.core.observer import Observer, over_ranks
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
-from instrument.observers.options import channel_labels, check_channel_names, color_ranges
+from instrument.observers.options import channel_labels, check_channel_names, check_limit, color_ranges
 from instrument.observers.stats import iteration_channel_stats
 
 __all__ = ["IterationStats"]
@@ -72,8 +72,9 @@ class IterationStats(Observer):
         self._dim: Optional[int] = None  # resolved at the first observe of each step
         self.images = images
         self.channel_scalars = channel_scalars
-        self.max_channels = max_channels
-        self._states = IterationBuffer(self._reduce, max_elements=max_elements)
+        self.max_channels = check_limit(owner, "max_channels", max_channels, 16)
+        self._states = IterationBuffer(self._reduce, max_elements=check_limit(owner, "max_elements", max_elements,
+                                                                              64 * 2**20))
 
     def reset(self) -> None:
         self._states.clear()

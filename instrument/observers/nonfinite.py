@@ -23,6 +23,7 @@ from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.gradient_stats import Patterns, select_parameters
+from instrument.observers.options import check_limit
 
 __all__ = ["NonFinite", "nonfinite_counts"]
 
@@ -147,7 +148,7 @@ class NonFinite(Observer):
         self.check_dx = dx
         self.check_probes = probes
         self.raise_on_nonfinite = raise_on_nonfinite
-        self.max_elements = max_elements
+        self.max_elements = check_limit(f"NonFinite({self.name!r})", "max_elements", max_elements, 64 * 2**20)
         self._buffers: Dict[str, IterationBuffer] = {}
         self._params: List[Tuple[str, nn.Parameter]] = []
         self._pending: List[Any] = []  # committed steps whose record has not been read yet (warn mode)

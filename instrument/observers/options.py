@@ -6,14 +6,19 @@ image scaled to its own values). An observer with several heatmaps (one per stat
 ``{stat: range}``: statistics on different scales (a mean and a zero fraction) each get their own.
 
 ``channel_names`` replaces the ``c<k>`` labels of a state's channels, in metric keys and heatmap axes.
+
+``max_channels`` (how many channels get scalars or histograms) and ``max_elements`` (how much a buffer keeps
+before it reduces early) are ints >= 1 or None (`check_limit`): a negative ``max_channels`` would otherwise cut
+channels off the end without a word, and a string would fail only at the first logging step.
 """
 
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+from instrument.checks import check_int
 from instrument.core.colormap import parse_color_range
 from instrument.errors import ConfigurationError
 
-__all__ = ["ColorRange", "channel_labels", "check_channel_names", "color_ranges"]
+__all__ = ["ColorRange", "channel_labels", "check_channel_names", "check_limit", "color_ranges"]
 
 ColorRange = Union[None, str, Tuple[float, float]]
 
@@ -67,3 +72,9 @@ def channel_labels(owner: str, names: Optional[Tuple[str, ...]], channels: int, 
             f"exactly one name per channel (or check channel_dim)."
         )
     return names[:count]
+
+
+def check_limit(owner: str, option: str, value: Any, example: int) -> Optional[int]:
+    """``max_channels`` / ``max_elements``: an int >= 1, or None (no limit)."""
+    return check_int(f"{owner}: {option}", value, least=1, none=True, integral=True,
+                     fix=f"pass e.g. {option}={example}, or None for no limit")

@@ -15,7 +15,7 @@ from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
 from instrument.observers.buffer import ModifiedInPlaceError
-from instrument.observers.options import channel_labels, check_channel_names
+from instrument.observers.options import channel_labels, check_channel_names, check_limit
 
 __all__ = ["StateHistogram"]
 
@@ -76,11 +76,9 @@ class StateHistogram(Observer):
                 f"{owner}: iterations must be a non-empty sequence of distinct ints such as (0, -1) (-1: the last "
                 f"iteration), got {iterations!r}."
             )
-        if max_channels is not None and max_channels < 1:
-            raise ConfigurationError(f"{owner}: max_channels must be at least 1 or None, got {max_channels!r}.")
         self.channel_dim = channel_dim
         self.iterations: Tuple[int, ...] = tuple(iterations)
-        self.max_channels = max_channels
+        self.max_channels = check_limit(owner, "max_channels", max_channels, 16)
         self.channel_names = check_channel_names(owner, channel_names)
         self._from_start = {i for i in self.iterations if i >= 0}
         self._from_end = max((-i for i in self.iterations if i < 0), default=0)

@@ -5,10 +5,12 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from instrument.checks import check_int, check_number
 from instrument.core.context import StepContext, difference
 from instrument.core.observer import Observer, over_ranks
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
+from instrument.observers.options import check_limit
 
 __all__ = ["UpdateNorm"]
 
@@ -55,11 +57,15 @@ class UpdateNorm(Observer):
         channel_dim: Optional[int] = None,
     ) -> None:
         super().__init__(name)
-        self.alive_channel = alive_channel
-        self.alive_threshold = alive_threshold
+        owner = f"UpdateNorm({self.name!r})"
+        self.alive_channel = check_int(f"{owner}: alive_channel", alive_channel, integral=True,
+                                       fix="pass e.g. alive_channel=3 (the index of the alpha channel)")
+        self.alive_threshold = check_number(f"{owner}: alive_threshold", alive_threshold,
+                                            fix="pass e.g. alive_threshold=0.1")
         self.channel_dim = channel_dim
         self.session_channel_dim: Optional[int] = None  # set by Instrumentation(channel_dim=...)
-        self._steps = IterationBuffer(self._reduce, max_elements=max_elements, stack=self._stack)
+        self._steps = IterationBuffer(self._reduce, max_elements=check_limit(owner, "max_elements", max_elements,
+                                                                             64 * 2**20), stack=self._stack)
         self._has_alpha = False
         self._alpha_dim: Optional[int] = None
         self._shape: Optional[tuple] = None

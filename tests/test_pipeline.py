@@ -790,6 +790,28 @@ def test_flush_says_whether_every_step_since_the_previous_flush_was_written(tmp_
     assert steps_of(tmp_path / "w" / "metrics.jsonl") == [0, 1, 2]  # the other backend lost nothing
 
 
+
+class SlowWrite(Backend):
+    """Each write takes a while, so that a flush with a short timeout gives up before the writer reaches it."""
+
+    def write(self, record):
+        time.sleep(0.05)
+
+
+def test_a_flush_that_timed_out_leaves_the_failures_it_saw_to_the_next_flush(tmp_path):
+    """The writer answered a flush whose caller had given up, which took the failure of step 1 as told: the
+    next flush said True although step 1 was never written by FailsAtStepOne."""
+    logger = Logger([SlowWrite(), FailsAtStepOne(), JsonlBackend()], RunInfo("t", tmp_path))
+    for step in range(6):
+        logger.log_metrics({"a": float(step)}, step=step)
+        logger.commit(step)
+    assert logger.flush(timeout=0.01) is False  # gave up: six slow writes are ahead of it
+    assert logger.flush(WAIT) is False  # step 1 failed since the last flush that answered its caller
+    assert logger.failures["FailsAtStepOne"] == 1
+    assert logger.flush(WAIT) is True
+    logger.close()
+
+
 SIGNAL_WHILE_REGISTERING = textwrap.dedent(
     """
     import os, signal, sys

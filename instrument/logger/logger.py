@@ -400,8 +400,9 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         """Wait until every step handed over so far is written and flushed by every backend.
 
         Returns True, or False when ``timeout`` (seconds) passed first, the logger is closed, or a backend
-        failed to write or flush something handed over since the previous flush (reported once and counted in
-        `failures`, as always). Steps dropped under ``on_full="drop"`` are counted in `dropped` instead.
+        failed to write or flush something handed over since the previous flush that answered (one that timed
+        out leaves them to the next; reported once and counted in `failures`, as always). Steps dropped under
+        ``on_full="drop"`` are counted in `dropped` instead.
         """
         return self._writer.flush(timeout)
 

@@ -139,7 +139,9 @@ class Writer:
         self._stopped = False
         self._dirty = False
         self._failed = 0  # backend calls (write, control calls, flush) that raised; writer thread only
-        self._failed_at_flush = 0  # `_failed` when the last `flush` was answered
+        # The highest `_failed` a flush's caller was told (under the lock): a flush whose caller gave up waiting
+        # tells nobody, so the failures it saw are still the next flush's to report.
+        self._failed_told = 0
         self._parked = False  # idle past _PARK_AFTER: waits for a wake, not for a poll (read under _cond)
         self._max_poll = max(0.005, min(_MAX_POLL, flush_secs / 2))
         self.interval = 0.0  # the idle writer's current poll interval (seconds); 0 while it works or parks
@@ -209,9 +211,14 @@ class Writer:
         when a backend failed to write or flush something handed over since the previous `flush`."""
         if threading.current_thread() is self._thread:
             return False
-        answer = [False]  # set by the writer before it marks this flush done
+        answer = [0]  # the writer's failure count once this flush is done (set before it marks it done)
         seq = self._put(_FLUSH, answer)
-        return seq > 0 and self.wait(seq, timeout) and answer[0]
+        if seq <= 0 or not self.wait(seq, timeout):
+            return False
+        with self._mutex:
+            clean = answer[0] <= self._failed_told
+            self._failed_told = max(self._failed_told, answer[0])
+        return clean
 
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> bool:
         """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop. A close
@@ -416,8 +423,7 @@ class Writer:
             self._dirty = True
         elif kind == _FLUSH:
             self._flush_backends()
-            payload[0] = self._failed == self._failed_at_flush
-            self._failed_at_flush = self._failed
+            payload[0] = self._failed
         elif kind == _CLOSE:
             self._flush_backends()
             for backend in self._active:

@@ -170,3 +170,104 @@ def test_sigterm_while_mlflow_tries_to_reopen_costs_the_other_backends_no_step(t
     assert "committed" in child.stdout
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if "x" in json.loads(line).get("metrics", {})] == list(range(10))
+
+
+DATALOADER_CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    import instrument
+
+    class Slow(instrument.Backend):  # a backend a little behind, so the queue holds steps when SIGTERM comes
+        def write(self, record):
+            time.sleep(0.02)
+
+    root, uri = sys.argv[1], sys.argv[2]
+    logger = instrument.Logger(
+        [instrument.JsonlBackend(), instrument.MlflowBackend(tracking_uri=uri, run_name="group"), Slow()],
+        run=instrument.RunInfo(name="child", root=root),
+    )
+    data = torch.utils.data.TensorDataset(torch.arange(10**6, dtype=torch.float32))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork",
+                                         persistent_workers=True)
+    step = 0
+    while True:
+        for (x,) in loader:
+            logger.log_metrics({"loss": float(step) / 2}, step=step)
+            logger.commit(step)
+            print(step, flush=True)
+            step += 1
+    """
+)
+
+
+def test_sigterm_to_the_process_group_with_dataloader_workers_keeps_every_committed_step(tmp_path):
+    """SLURM's scancel and preemption signal the whole group: the DataLoader workers die too, and torch's SIGCHLD
+    handler raised into instrument's wait for the writer, which then ended the process with the close half done
+    (the queued steps lost, the MLflow run left RUNNING)."""
+    script = tmp_path / "child.py"
+    script.write_text(DATALOADER_CHILD)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), uri], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True)
+    wanted, committed = 40, -1
+    try:
+        for line in child.stdout:
+            committed = int(line)
+            if committed + 1 >= wanted:
+                break
+        os.killpg(child.pid, signal.SIGTERM)
+        _, stderr = child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+    assert committed + 1 == wanted, "the child stopped before committing the steps it was asked for"
+    assert child.returncode == -signal.SIGTERM, stderr
+    jsonl = [json.loads(line)["step"] for line in (tmp_path / "child" / "metrics.jsonl").read_text().splitlines()
+             if "step" in json.loads(line)]
+    assert jsonl[:wanted] == list(range(wanted)) and jsonl == list(range(len(jsonl))), stderr
+    client = MlflowClient(tracking_uri=uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
+    (mlrun,) = client.search_runs([experiment.experiment_id])
+    assert mlrun.info.status == "KILLED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss"))
+    assert history == [(s, s / 2) for s in jsonl]
+
+
+FORKED_WORKER = textwrap.dedent(
+    """
+    import multiprocessing, sys
+    import instrument
+
+    def train(root, n):
+        logger = instrument.Logger([instrument.JsonlBackend(), instrument.TensorBoardBackend()],
+                                   run=instrument.RunInfo(name="worker", root=root))
+        for step in range(n):
+            logger.log_metrics({"loss": float(step)}, step=step)
+            logger.commit(step)
+        # no close(): the process ends with multiprocessing's os._exit, where atexit hooks never run
+
+    if __name__ == "__main__":
+        worker = multiprocessing.get_context("fork").Process(target=train, args=(sys.argv[1], 2000))
+        worker.start()
+        worker.join(120)
+        sys.exit(worker.exitcode)
+    """
+)
+
+
+def test_a_logger_made_in_a_forked_multiprocessing_worker_keeps_every_step_without_close(tmp_path):
+    """A fork child of multiprocessing ends with os._exit: the atexit hook never ran, and the steps the writer
+    had not written yet (dozens of 2000) were lost. multiprocessing's own finalizer closes the logger now."""
+    script = tmp_path / "worker.py"
+    script.write_text(FORKED_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    jsonl = [json.loads(line)["step"] for line in (tmp_path / "worker" / "metrics.jsonl").read_text().splitlines()
+             if "step" in json.loads(line)]
+    assert jsonl == list(range(2000))
+    acc = EventAccumulator(str(tmp_path / "worker"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == list(range(2000))

@@ -18,6 +18,11 @@ Every live `Logger` is registered here (weakly). What happens:
   backend opened is torn down. Hooks registered otherwise (a user's own) keep their order.
 - ``os.fork``: the child does not inherit the loggers' writer threads, so it disowns every logger it inherits
   (a call on one raises, saying to create a Logger in the child); its exit closes nothing of the parent's.
+  A multiprocessing child ends with ``os._exit`` (no atexit hooks): a Logger created in one is closed by a
+  multiprocessing finalizer instead (`_close_in_child`).
+- A failure or an interruption is known at exit only where Python says so: an uncaught exception (through
+  ``sys.excepthook``), a signal, Ctrl-C. ``sys.exit(4)`` reaches no hook with its code: a run ended that way
+  outside ``with Instrumentation(...)`` closes as finished (pass ``close("failed")`` yourself, or use ``with``).
 
 Handlers are installed once, from the main thread only (Python allows no other), and chain whatever handler
 was installed before; a signal that was ignored (``SIG_IGN``) stays ignored.
@@ -29,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Dict, Optional
 
@@ -56,6 +62,30 @@ def register(logger: Any) -> None:
     with _lock:
         _live.add(logger)
     install()
+    _close_in_child()
+
+
+def _close_in_child() -> None:
+    """In a multiprocessing child, also close the loggers when multiprocessing ends the process.
+
+    A forked child (``multiprocessing`` with the fork start method, a ``Pool`` worker) ends with ``os._exit``:
+    atexit hooks never run there, so a Logger created in it and not closed would lose what its writer had not
+    written yet. multiprocessing runs its own finalizers first (``util._exit_function``): one of them closes
+    the loggers as the atexit hook does (once: whichever runs first). Registered once per process.
+    """
+    pid = os.getpid()
+    if _state.get("finalizer_pid") == pid:
+        return
+    mp = sys.modules.get("multiprocessing")
+    if mp is None or mp.parent_process() is None:
+        return
+    _state["finalizer_pid"] = pid
+    try:
+        from multiprocessing import util
+
+        util.Finalize(None, _at_exit, exitpriority=100)  # before multiprocessing's own (queues, pools: 10-15)
+    except Exception:  # never fail a Logger over this
+        log.debug("instrument: could not register a multiprocessing finalizer", exc_info=True)
 
 
 def unregister(logger: Any) -> None:
@@ -165,10 +195,7 @@ def _on_signal(signum: int, frame: Optional[Any]) -> None:
                 _state["interrupting"] = False
     else:
         for logger in loggers:
-            try:
-                logger._shutdown("killed", TIMEOUT, commit=False)
-            except Exception:
-                log.exception("instrument: closing a logger on signal %d failed", signum)
+            _close_within(logger, "killed", commit=False, why=f"on signal {signum}")
     previous = _previous.get(signum)
     if callable(previous):
         previous(signum, frame)
@@ -209,7 +236,30 @@ def _at_exit() -> None:
             return
         _state["exiting"] = _state["exited"] = True
     for logger in _loggers():
+        _close_within(logger, None, commit=True, why="at exit")
+
+
+def _close_within(logger: Any, status: Optional[str], commit: bool, why: str) -> None:
+    """``logger._shutdown`` within ``TIMEOUT`` seconds, waited for again when an exception cut the wait short.
+
+    Another signal's handler may raise on this thread while it waits for the writer: when a process group is
+    sent SIGTERM, the DataLoader workers die too and torch's SIGCHLD handler raises "DataLoader worker ... is
+    killed by signal" into this wait. Going on to the default action then would end the process with the
+    close half done (the last steps lost, an MLflow run left RUNNING): the close already queued is waited
+    for again, until it is done or the time is up.
+    """
+    deadline = time.monotonic() + TIMEOUT
+    said = False
+    while True:
         try:
-            logger._shutdown(None, TIMEOUT, commit=True)
-        except Exception:
-            log.exception("instrument: closing a logger at exit failed")
+            logger._shutdown(status, max(0.0, deadline - time.monotonic()), commit=commit)
+            return
+        except Exception as exc:
+            if not said:
+                said = True
+                log.warning("instrument: closing a logger %s was interrupted by %r; waiting for the close again "
+                            "(at most %.0f s in all)", why, exc, TIMEOUT)
+            if time.monotonic() >= deadline or not logger._closed:
+                log.exception("instrument: closing a logger %s failed", why)
+                return
+            commit = False  # the close is queued: what is left is to wait for it

@@ -147,3 +147,83 @@ def test_dx_of_int64_states_and_of_a_0d_float64_side_is_exact():
     previous = torch.tensor(1.0 + 1e-9, dtype=torch.float64)  # 0-d: result_type would have ignored it
     dx = instrument.StepContext(previous, following).dx
     assert dx.dtype == torch.float64 and dx.item() == 1.0 - (1.0 + 1e-9)
+
+
+WIDE_INTEGERS = [torch.int32, torch.int64, torch.uint32, torch.uint64]
+
+
+def _counters(dtype, shape, seed):
+    """Integers of ``dtype`` far beyond float32's 2**24 (2**30 for 32-bit ones, 2**40 for 64-bit), spread ~2."""
+    base = 2**30 if dtype in (torch.int32, torch.uint32) else 2**40
+    generator = torch.Generator().manual_seed(seed)
+    return (base + torch.randint(0, 7, shape, generator=generator)).to(dtype)
+
+
+def _float64_moments(ints):
+    """Float64 NumPy mean and std of integers, offset by their minimum first (exact in int64): NumPy's own std of
+    values near 2**40 is off by ~1e-9 relative (its float64 mean's rounding), more than the statistics are."""
+    low = ints.min()
+    offset = (ints - low).astype(np.float64)
+    return float(low) + offset.mean(), offset.std()
+
+
+@pytest.mark.parametrize("dtype", WIDE_INTEGERS)
+def test_iteration_stats_of_integers_beyond_float32_match_float64_and_min_max_are_exact(dtype):
+    """An int64 counter near 2**40 went through float32: std 0 and min = max = mean, all rounded to 2**40.
+    int32, int64, uint32 and uint64 states are reduced in float64 now: read back against float64 NumPy."""
+    states = [_counters(dtype, (4, 2, 8, 8), seed) for seed in range(4)]
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.IterationStats(images=False)], backends=[keep],
+                                      log_interval=1)
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    scalars = keep.records[0].scalars
+    last = np.moveaxis(states[-1].to(torch.int64).numpy(), 1, 0).reshape(2, -1)
+    for c in range(2):
+        mean, std = _float64_moments(last[c])
+        assert std > 1.0  # what float32 read as 0
+        assert scalars[f"iteration_stats/mean/c{c}"] == pytest.approx(mean, rel=1e-15)
+        assert scalars[f"iteration_stats/std/c{c}"] == pytest.approx(std, rel=1e-12)
+        assert scalars[f"iteration_stats/min/c{c}"] == float(last[c].min())  # exact
+        assert scalars[f"iteration_stats/max/c{c}"] == float(last[c].max())
+    # The kernel itself, every iteration: float64 for these, float32 still for small integers.
+    stacked = torch.stack(states)
+    got = iteration_channel_stats(stacked).numpy()
+    x = np.moveaxis(stacked.to(torch.int64).numpy(), 2, 1).reshape(len(states), 2, -1)
+    np.testing.assert_allclose(got[:, 1], [[_float64_moments(v)[1] for v in t] for t in x], rtol=1e-12)
+    np.testing.assert_array_equal(got[:, 2], x.min(axis=2).astype(np.float64))
+    np.testing.assert_array_equal(got[:, 3], x.max(axis=2).astype(np.float64))
+    assert iteration_channel_stats(stacked.to(torch.int16) if dtype == torch.int32 else stacked.to(torch.uint8)
+                                   ).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", WIDE_INTEGERS)
+def test_activation_stats_of_integer_outputs_beyond_float32_match_float64(dtype):
+    """batched_moments cast every non-float output to float32 as well: an int64 output near 2**40 read std 0."""
+
+    class Count(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return x.to(dtype)
+
+    outputs = [_counters(dtype, (4, 3, 8), seed) for seed in range(3)]
+    keep = Keep()
+    count = Count()
+    inst = instrument.Instrumentation(observers=[instrument.ActivationStats(images=False)], backends=[keep],
+                                      log_interval=1)
+    inst.watch(count)
+    with inst.step(0), torch.no_grad():
+        for out in outputs:
+            count(out)
+    inst.close()
+    scalars = keep.records[0].scalars
+    mean, std = _float64_moments(outputs[-1].to(torch.int64).numpy().ravel())
+    assert std > 1.0
+    assert scalars["activations/Count/mean"] == pytest.approx(mean, rel=1e-15)
+    assert scalars["activations/Count/std"] == pytest.approx(std, rel=1e-12)
+    assert scalars["activations/Count/absmax"] == float(np.abs(outputs[-1].to(torch.int64).numpy()).max())

@@ -11,7 +11,7 @@ from typing import Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["StepContext", "difference"]
+__all__ = ["StepContext", "WIDE_INTEGERS", "difference", "reduction_dtype"]
 
 
 def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
@@ -41,6 +41,22 @@ def difference(following: Tensor, previous: Tensor) -> Tensor:
     return following.to(dtype) - previous.to(dtype)
 
 
+def reduction_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a state or output of ``dtype`` is reduced in (statistics, norms): float32 and float64 as they are;
+    int32, int64, uint32 and uint64 in float64 (float32 on MPS, which has no float64), since float32 holds integers
+    exactly only to 2**24; everything else (bool, int8, int16, uint8, uint16, float16, bfloat16) in float32, which
+    holds every such value exactly. Decided on the dtype alone: no host sync."""
+    if dtype in (torch.float32, torch.float64):
+        return dtype
+    if dtype in WIDE_INTEGERS and device.type != "mps":
+        return torch.float64
+    return torch.float32
+
+
+# Integer dtypes with values float32 cannot hold exactly (magnitudes beyond 2**24).
+WIDE_INTEGERS = frozenset(
+    getattr(torch, name) for name in ("int32", "int64", "uint32", "uint64") if hasattr(torch, name)
+)
 _EXACT = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 

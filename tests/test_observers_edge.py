@@ -227,3 +227,43 @@ def test_activation_stats_of_integer_outputs_beyond_float32_match_float64(dtype)
     assert scalars["activations/Count/mean"] == pytest.approx(mean, rel=1e-15)
     assert scalars["activations/Count/std"] == pytest.approx(std, rel=1e-12)
     assert scalars["activations/Count/absmax"] == float(np.abs(outputs[-1].to(torch.int64).numpy()).max())
+
+
+@pytest.mark.parametrize("dtype", WIDE_INTEGERS)
+def test_update_norm_of_integers_beyond_float32_sees_a_change_of_one(dtype):
+    """An int32 state at 2**30 changed by 1 everywhere read an update norm of 0: difference() took int32 (and
+    uint32, uint64) differences in float32, which holds integers only to 2**24. Now float64, exact here."""
+    base = 2**30 if dtype in (torch.int32, torch.uint32) else 2**50  # within 2**53: exact in float64
+    generator = torch.Generator().manual_seed(7)
+    steps = torch.randint(0, 3, (3, 2, 4, 3, 3), generator=generator)  # changes of 0, 1 or 2 per iteration
+    states = [torch.full((2, 4, 3, 3), base, dtype=torch.int64)]
+    for change in steps:
+        states.append(states[-1] + change)
+    states = [s.to(dtype) for s in states]
+    exact = [d.reshape(2, -1).double().numpy() for d in steps]  # the changes, exact in float64
+    np.testing.assert_array_equal(instrument.StepContext(states[0], states[1]).dx.numpy(), steps[0].double().numpy())
+    norms = [np.linalg.norm(d, axis=1).mean() for d in exact]
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    scalars = keep.records[0].scalars
+    assert norms[-1] > 1.0
+    assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-12)
+    assert scalars["update_norm/l2/first"] == pytest.approx(norms[0], rel=1e-12)
+    assert scalars["update_norm/l2/max"] == pytest.approx(max(norms), rel=1e-12)
+
+
+def test_update_norm_of_a_given_int64_dx_is_taken_in_float64():
+    """A dx handed over as int64 (StepContext(dx=...)) was cast to float32 before its norm: 7 digits of 2**40 + k."""
+    dx = 2**40 + torch.arange(72, dtype=torch.int64).reshape(2, 4, 3, 3)
+    state = torch.zeros(2, 4, 3, 3)
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    with inst.step(0) as s:
+        s.observer(instrument.StepContext(state, state, dx=dx))
+    inst.close()
+    want = np.linalg.norm(dx.reshape(2, -1).double().numpy(), axis=1).mean()
+    assert keep.records[0].scalars["update_norm/l2/last"] == pytest.approx(want, rel=1e-14)

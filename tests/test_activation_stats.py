@@ -349,3 +349,38 @@ def test_zero_frac_counts_exact_zeros_only_a_nan_is_not_one():
     zero_frac = _finish(batched_moments(out))[:, 3]
     want = (out == 0).double().mean(1)  # NaN == 0 is False
     assert zero_frac.tolist() == pytest.approx(want.tolist())
+
+
+def test_a_float64_layer_after_a_float32_one_keeps_its_float64_statistics(tmp_path):
+    """All modules' results were cast to the first module's dtype: a float64 head whose outputs near 1e150 came
+    after a float32 layer was cast to float32 and read inf and NaN. Each module keeps its precision now."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4).double()
+            with torch.no_grad():
+                self.b.weight.mul_(1e150)  # beyond float32 (3.4e38); NumPy squares it
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).double())
+
+    torch.manual_seed(0)
+    model = Mixed()
+    outputs: Dict[str, np.ndarray] = {}
+    for n in ("a", "b"):
+        getattr(model, n).register_forward_hook(
+            lambda m, a, out, n=n: outputs.__setitem__(n, out.detach().double().numpy()))
+    history = instrument.RunHistoryBackend()
+    inst = instrument.Instrumentation([instrument.ActivationStats(images=False)], backends=[history],
+                                      log_interval=1, log_dir=str(tmp_path), run_name="r")
+    inst.watch(model)
+    with inst.step(0), torch.no_grad():
+        model(torch.randn(3, 4))
+    inst.close()
+    for n, rel in (("a", 1e-6), ("b", 1e-12)):
+        want = _np_stats(outputs[n])
+        assert np.isfinite(want["std"]) and want["std"] > (1e148 if n == "b" else 0.0)
+        for stat, value in want.items():
+            assert history.metrics[f"activations/{n}/{stat}"][-1][1] == pytest.approx(value, rel=rel, abs=1e-7), stat

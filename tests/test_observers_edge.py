@@ -173,3 +173,123 @@ def test_observer_limits_are_checked_when_built(make, option, got):
 def test_observer_limits_accept_none_and_numpy_ints():
     assert instrument.IterationStats(max_channels=None, max_elements=None).max_channels is None
     assert type(instrument.StateHistogram(max_channels=np.int64(3)).max_channels) is int
+
+
+WIDE_INTEGERS = [torch.int32, torch.int64, torch.uint32, torch.uint64]
+
+
+def _counters(dtype, shape, seed):
+    """Integers of ``dtype`` far beyond float32's 2**24 (2**30 for 32-bit ones, 2**40 for 64-bit), spread ~2."""
+    base = 2**30 if dtype in (torch.int32, torch.uint32) else 2**40
+    generator = torch.Generator().manual_seed(seed)
+    return (base + torch.randint(0, 7, shape, generator=generator)).to(dtype)
+
+
+def _float64_moments(ints):
+    """Float64 NumPy mean and std of integers, offset by their minimum first (exact in int64): NumPy's own std of
+    values near 2**40 is off by ~1e-9 relative (its float64 mean's rounding), more than the statistics are."""
+    low = ints.min()
+    offset = (ints - low).astype(np.float64)
+    return float(low) + offset.mean(), offset.std()
+
+
+@pytest.mark.parametrize("dtype", WIDE_INTEGERS)
+def test_iteration_stats_of_integers_beyond_float32_match_float64_and_min_max_are_exact(dtype):
+    """An int64 counter near 2**40 went through float32: std 0 and min = max = mean, all rounded to 2**40.
+    int32, int64, uint32 and uint64 states are reduced in float64 now: read back against float64 NumPy."""
+    states = [_counters(dtype, (4, 2, 8, 8), seed) for seed in range(4)]
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.IterationStats(images=False)], backends=[keep],
+                                      log_interval=1)
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    scalars = keep.records[0].scalars
+    last = np.moveaxis(states[-1].to(torch.int64).numpy(), 1, 0).reshape(2, -1)
+    for c in range(2):
+        mean, std = _float64_moments(last[c])
+        assert std > 1.0  # what float32 read as 0
+        assert scalars[f"iteration_stats/mean/c{c}"] == pytest.approx(mean, rel=1e-15)
+        assert scalars[f"iteration_stats/std/c{c}"] == pytest.approx(std, rel=1e-12)
+        assert scalars[f"iteration_stats/min/c{c}"] == float(last[c].min())  # exact
+        assert scalars[f"iteration_stats/max/c{c}"] == float(last[c].max())
+    # The kernel itself, every iteration: float64 for these, float32 still for small integers.
+    stacked = torch.stack(states)
+    got = iteration_channel_stats(stacked).numpy()
+    x = np.moveaxis(stacked.to(torch.int64).numpy(), 2, 1).reshape(len(states), 2, -1)
+    np.testing.assert_allclose(got[:, 1], [[_float64_moments(v)[1] for v in t] for t in x], rtol=1e-12)
+    np.testing.assert_array_equal(got[:, 2], x.min(axis=2).astype(np.float64))
+    np.testing.assert_array_equal(got[:, 3], x.max(axis=2).astype(np.float64))
+    assert iteration_channel_stats(stacked.to(torch.int16) if dtype == torch.int32 else stacked.to(torch.uint8)
+                                   ).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", WIDE_INTEGERS)
+def test_activation_stats_of_integer_outputs_beyond_float32_match_float64(dtype):
+    """batched_moments cast every non-float output to float32 as well: an int64 output near 2**40 read std 0."""
+
+    class Count(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return x.to(dtype)
+
+    outputs = [_counters(dtype, (4, 3, 8), seed) for seed in range(3)]
+    keep = Keep()
+    count = Count()
+    inst = instrument.Instrumentation(observers=[instrument.ActivationStats(images=False)], backends=[keep],
+                                      log_interval=1)
+    inst.watch(count)
+    with inst.step(0), torch.no_grad():
+        for out in outputs:
+            count(out)
+    inst.close()
+    scalars = keep.records[0].scalars
+    mean, std = _float64_moments(outputs[-1].to(torch.int64).numpy().ravel())
+    assert std > 1.0
+    assert scalars["activations/Count/mean"] == pytest.approx(mean, rel=1e-15)
+    assert scalars["activations/Count/std"] == pytest.approx(std, rel=1e-12)
+    assert scalars["activations/Count/absmax"] == float(np.abs(outputs[-1].to(torch.int64).numpy()).max())
+
+
+@pytest.mark.parametrize("dtype", WIDE_INTEGERS)
+def test_update_norm_of_integers_beyond_float32_sees_a_change_of_one(dtype):
+    """An int32 state at 2**30 changed by 1 everywhere read an update norm of 0: difference() took int32 (and
+    uint32, uint64) differences in float32, which holds integers only to 2**24. Now float64, exact here."""
+    base = 2**30 if dtype in (torch.int32, torch.uint32) else 2**50  # within 2**53: exact in float64
+    generator = torch.Generator().manual_seed(7)
+    steps = torch.randint(0, 3, (3, 2, 4, 3, 3), generator=generator)  # changes of 0, 1 or 2 per iteration
+    states = [torch.full((2, 4, 3, 3), base, dtype=torch.int64)]
+    for change in steps:
+        states.append(states[-1] + change)
+    states = [s.to(dtype) for s in states]
+    exact = [d.reshape(2, -1).double().numpy() for d in steps]  # the changes, exact in float64
+    np.testing.assert_array_equal(instrument.StepContext(states[0], states[1]).dx.numpy(), steps[0].double().numpy())
+    norms = [np.linalg.norm(d, axis=1).mean() for d in exact]
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    scalars = keep.records[0].scalars
+    assert norms[-1] > 1.0
+    assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-12)
+    assert scalars["update_norm/l2/first"] == pytest.approx(norms[0], rel=1e-12)
+    assert scalars["update_norm/l2/max"] == pytest.approx(max(norms), rel=1e-12)
+
+
+def test_update_norm_of_a_given_int64_dx_is_taken_in_float64():
+    """A dx handed over as int64 (StepContext(dx=...)) was cast to float32 before its norm: 7 digits of 2**40 + k."""
+    dx = 2**40 + torch.arange(72, dtype=torch.int64).reshape(2, 4, 3, 3)
+    state = torch.zeros(2, 4, 3, 3)
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    with inst.step(0) as s:
+        s.observer(instrument.StepContext(state, state, dx=dx))
+    inst.close()
+    want = np.linalg.norm(dx.reshape(2, -1).double().numpy(), axis=1).mean()
+    assert keep.records[0].scalars["update_norm/l2/last"] == pytest.approx(want, rel=1e-14)

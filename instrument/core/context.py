@@ -11,7 +11,7 @@ from typing import Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["StepContext", "difference"]
+__all__ = ["StepContext", "WIDE_INTEGERS", "difference", "reduction_dtype"]
 
 
 def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
@@ -30,17 +30,36 @@ def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
 def difference(following: Tensor, previous: Tensor) -> Tensor:
     """``following - previous`` in at least float32, unless both are float32 or float64 (or complex): a difference of
     integers wraps around (uint8: 9 - 10 = 255) or overflows (int8), bools do not subtract, and half
-    precision overflows (float16: 4e4 - -4e4 is inf); float32 holds those differences exactly, and int64 ones
-    are taken in float64 (exact to 2**53)."""
+    precision overflows (float16: 4e4 - -4e4 is inf). float32 holds the differences of bool, int8, int16, uint8,
+    uint16, float16 and bfloat16 values exactly; int32, int64, uint32 and uint64 ones are taken in float64 (float32
+    holds integers exactly only to 2**24, so a change of 1 at 2**30 read 0): exact for values within 2**53 in
+    magnitude; beyond that each value is first rounded to its nearest float64, as exact as float64 gets. On MPS,
+    which has no float64, float32."""
     if following.dtype in _EXACT and previous.dtype in _EXACT:
         return following - previous
-    # At least float32; float64 when one side is float64 (whatever its shape) or for int64 (beyond 2**24).
+    # At least float32; float64 when one side is float64 (whatever its shape) or a wide integer.
     dtype = torch.promote_types(torch.promote_types(following.dtype, previous.dtype), torch.float32)
-    if torch.int64 in (following.dtype, previous.dtype) and following.device.type != "mps":
+    if (following.dtype in WIDE_INTEGERS or previous.dtype in WIDE_INTEGERS) and following.device.type != "mps":
         dtype = torch.float64
     return following.to(dtype) - previous.to(dtype)
 
 
+def reduction_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a state or output of ``dtype`` is reduced in (statistics, norms): float32 and float64 as they are;
+    int32, int64, uint32 and uint64 in float64 (float32 on MPS, which has no float64), since float32 holds integers
+    exactly only to 2**24; everything else (bool, int8, int16, uint8, uint16, float16, bfloat16) in float32, which
+    holds every such value exactly. Decided on the dtype alone: no host sync."""
+    if dtype in (torch.float32, torch.float64):
+        return dtype
+    if dtype in WIDE_INTEGERS and device.type != "mps":
+        return torch.float64
+    return torch.float32
+
+
+# Integer dtypes with values float32 cannot hold exactly (magnitudes beyond 2**24).
+WIDE_INTEGERS = frozenset(
+    getattr(torch, name) for name in ("int32", "int64", "uint32", "uint64") if hasattr(torch, name)
+)
 _EXACT = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
@@ -52,7 +71,8 @@ class StepContext:
         next_state: the state it produced.
         dx: ``next_state - previous_state`` unless given explicitly; computed lazily on first access so an
             observer that never reads it costs nothing. For integer, bool and half-precision states it is
-            taken in at least float32 (`difference`): a uint8 frame going from 10 to 9 would otherwise read 255.
+            taken in at least float32, and for int32, int64, uint32 and uint64 ones in float64 (`difference`): a
+            uint8 frame going from 10 to 9 would otherwise read 255.
         condition: whatever conditioned the iteration (an action, a goal, a class embedding), or None.
         step_index: the index of the iteration within the rollout, 0..n-1.
         freeze_channels: channel indices the update rule must not change (e.g. an NCA's input channels).

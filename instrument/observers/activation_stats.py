@@ -13,8 +13,9 @@ it): that step's values of the module are dropped with one report. ``max_element
 
 Numerics: the variance is the mean of ``(d - E[d])^2`` of ``d = x - r`` (two passes) with ``r`` the mean of a
 strided sample of 32 output values (as in `instrument.observers.stats`), so an output whose mean is large next to
-its spread keeps its precision; means are float32 pairwise sums (float64 outputs stay float64). ``absmax`` comes
-from the exact minimum and maximum. ``d`` is scaled by a power of two first
+its spread keeps its precision; means are float32 pairwise sums (float64 outputs stay float64, also next to float32
+modules, and int32, int64, uint32 and uint64 outputs are reduced in float64, as in `instrument.observers.stats`).
+``absmax`` comes from the exact minimum and maximum. ``d`` is scaled by a power of two first
 (`instrument.observers.stats.pow2_scale`, exact), so a diverging layer's std does not overflow while its spread
 fits the dtype. ``zero_frac`` counts exact zeros as the mean of ``sign(x)^2`` with NaN read as 1 first
 (``torch.sign(NaN)`` is 0, so an all-NaN layer read as dead): about 3x faster on CPU than summing ``x != 0``
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from instrument.core.context import StepContext
+from instrument.core.context import StepContext, reduction_dtype
 from instrument.core.observer import Observer, over_ranks
 from instrument.core.recompute import in_recompute
 from instrument.errors import ConfigurationError
@@ -56,8 +57,9 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
     """
     k = outputs.shape[0]
     flat = outputs.reshape(k, -1)
-    if flat.dtype not in (torch.float32, torch.float64):
-        flat = flat.float()
+    wide = reduction_dtype(flat.dtype, flat.device)  # float64 for int32/int64/uint32/uint64, else float32
+    if flat.dtype != wide:
+        flat = flat.to(wide)
     n = flat.shape[1]
     if n == 0:
         return torch.full((k, 6), float("nan"), dtype=flat.dtype, device=flat.device)
@@ -316,7 +318,11 @@ class ActivationStats(Observer):
             return
         names = [self._names[m] for m in present]
         rows = max(results[m].shape[0] for m in present)
+        # The widest dtype among the modules' results: a float64 layer after a float32 one keeps its range and digits
+        # (cast to the first module's float32, a std of 1e299 read inf); float32 widens to float64 exactly.
         device, dtype = results[present[0]].device, results[present[0]].dtype
+        for m in present[1:]:
+            dtype = torch.promote_types(dtype, results[m].dtype)
         finished = _finish(torch.cat([results[m].to(device, dtype) for m in present]))  # [calls, 4]
         table = torch.full((rows, len(present), 4), float("nan"), dtype=dtype, device=device)
         offset = 0

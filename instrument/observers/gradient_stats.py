@@ -179,6 +179,12 @@ class GradientStats(Observer):
             matching some ``include`` (default: all) and no ``exclude`` are covered.
         name: the key prefix.
 
+    Range: every norm of a float32 parameter is a float32 ``_foreach_norm`` (gradient norms bit for bit those of
+    ``clip_grad_norm_``; weight and update norms too, since a float64 one measured 24x slower on CPU): its squares
+    underflow, so float32 weights whose elements all lie below about 2e-23 in magnitude read ``weight_norm`` 0 and
+    ``update_ratio`` NaN (0 / 0), and a NaN ratio means the weight norm before the step read 0 (all zeros, or
+    underflow), not that nothing changed; see docs/observers.md.
+
     Parameters without a gradient in the step (``p.grad is None``) are left out of every norm, as
     ``clip_grad_norm_`` leaves them out. Works with scripted and compiled models alike (only parameters are
     read); under gradient checkpointing the gradients are the same, so the keys are too.

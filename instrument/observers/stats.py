@@ -23,6 +23,12 @@ near 1: the stride of 32768 elements is 32 whole rows, so every sample was a bor
 off). The error is that of float32 pairwise sums, well under 1e-5 relative for the std. min and max are taken
 from ``x`` itself, so they are exact.
 
+Dtypes (`instrument.core.context.reduction_dtype`): float32 and float64 states are reduced in their own dtype;
+bool, int8, int16, uint8, uint16, float16 and bfloat16 ones in float32, which holds each of their values exactly;
+int32, int64, uint32 and uint64 ones in float64 (float32 on MPS, which has no float64), since float32 holds
+integers only to 2**24 (an int64 counter near 2**40 read std 0 and min = max). Their min and max are then exact
+up to 2**53 in magnitude, and beyond it the nearest float64, as exact as float64 gets.
+
 Range: ``d`` is also multiplied by a power of two ``s`` per iteration and channel (`pow2_scale`) that brings its
 largest magnitude near 1. Multiplying by a power of two is exact, so in the usual range no digit changes;
 without it, the float32 squares of a diverging state (std beyond about 1e17) overflow to inf and those of a tiny
@@ -34,6 +40,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from instrument.core.context import reduction_dtype
 
 __all__ = ["channel_stats", "iteration_channel_stats", "pow2_scale"]
 
@@ -76,8 +84,9 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     population standard deviation (divisor N), from shifted sums (see the module docstring). ``scratch=True``
     lets the function overwrite ``states`` (a stacked copy the caller owns) instead of allocating a temporary.
     """
-    if states.dtype not in (torch.float32, torch.float64):  # half precision or integers: accumulate in float32
-        states, scratch = states.float(), True
+    wide = reduction_dtype(states.dtype, states.device)  # float64 for int32/int64/uint32/uint64, else float32
+    if states.dtype != wide:  # half precision, bool or integers: a converted copy, ours to overwrite
+        states, scratch = states.to(wide), True
     x = _channel_view(states, channel_dim)  # [T, B, C, N]
     if x.shape[3] < 16 and x.shape[1] > x.shape[3] and x.shape[2] > 1:
         # Channels (nearly) last, e.g. [N, features]: reductions over a strided middle dim are several times

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from instrument.checks import check_int, check_number
-from instrument.core.context import StepContext, difference
+from instrument.core.context import StepContext, difference, reduction_dtype
 from instrument.core.observer import Observer, over_ranks
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
@@ -136,12 +136,13 @@ class UpdateNorm(Observer):
         Nothing is written in place (``scratch`` is not used): the stacked pairs may be overlapping views."""
         if self._pairs:
             previous, following = dx, alpha
-            dx = difference(following, previous)  # float32 for integer or half states: no wrap-around
+            dx = difference(following, previous)  # float32 for small integer or half states, float64 for wide ints
             alpha = None if self._alpha_dim is None else following.select(self._alpha_dim + 1, self.alive_channel)
         k = dx.shape[0]
         flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 2 else dx.reshape(k, 1, -1)
-        if flat.dtype not in (torch.float32, torch.float64):  # a float64 dx keeps its range and digits
-            flat = flat.float()
+        wide = reduction_dtype(flat.dtype, flat.device)  # a float64 dx keeps its range and digits, an int64 one too
+        if flat.dtype != wide:
+            flat = flat.to(wide)
         norms = torch.linalg.vector_norm(flat, dim=2).mean(1)
         if alpha is not None:
             alive = (alpha > self.alive_threshold).reshape(k, -1).float().mean(dim=1)

@@ -12,8 +12,18 @@ nothing of itself behind.
 
 from typing import Any, Mapping, Optional
 
+from torch import Tensor
+
 from instrument.errors import ConfigurationError
-from instrument.logger.values import EXACT_INT, Wide, as_scalar, merge_wide
+from instrument.logger.values import (
+    EXACT_INT,
+    ExactSum,
+    Wide,
+    add,
+    as_scalar,
+    merge_wide,
+    overflowed,
+)
 
 __all__ = ["StagedTable"]
 
@@ -49,13 +59,19 @@ class StagedTable:
             if wide:
                 merge_wide(self._wide, wide)
             for name, value in pairs:
-                if type(value) is not float:
-                    on_device[name] = None
                 if name in totals:
-                    totals[name] = totals[name] + value
+                    total = totals[name] + value
+                    if type(total) is float:  # both were floats
+                        if total - total:  # inf or NaN: from two finite floats only when the sum left float64
+                            total = overflowed(totals[name], value, total)
+                    elif type(total) is not ExactSum:  # a tensor (already marked, unless it is value)
+                        on_device[name] = None
+                    totals[name] = total
                     counts[name] = counts.get(name, 1) + 1
                 else:
                     totals[name] = value
+                    if type(value) is not float:
+                        on_device[name] = None
             return
         staged = []
         wide: Wide = {}
@@ -87,7 +103,8 @@ class StagedTable:
     def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
         """The general path: a reduce op other than mean, or a weight (under the lock, `_check_op` passed)."""
         if name in self._totals:
-            self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
+            before = self._totals[name]
+            self._totals[name] = add(before, value) if weight is None else before + value * weight
             if weight is not None:
                 self._weights[name] = self._weights[name] + weight
             self._counts[name] = self._counts.get(name, 1) + 1
@@ -97,5 +114,5 @@ class StagedTable:
                 self._weights[name] = weight
             if op != "mean":
                 self._ops[name] = op
-        if type(self._totals[name]) is not float or (weight is not None and type(self._weights[name]) is not float):
+        if isinstance(self._totals[name], Tensor) or (weight is not None and type(self._weights[name]) is not float):
             self._on_device[name] = None

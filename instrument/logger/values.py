@@ -15,7 +15,8 @@ received                              logged as
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
 one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53
                                       (2**24 on MPS), bool tensors as 1.0/0.0 (float64 too); sparse and
-                                      quantized ones as their value
+                                      quantized ones as their value; a CPU float tensor is read at once (a
+                                      float, exact)
 int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warning naming the key: each
                                       value is compared on its device and the writer thread reads the result
                                       with the commit's transfer (no host sync); uint64 alike, and on MPS
@@ -23,10 +24,17 @@ int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warni
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
 ===================================== ===================================================================
+
+An interval's mean is its values summed in the order logged, in float64, divided by their count. A sum of
+finite floats that leaves float64's range (``1e308`` logged twice) goes on exactly from there (`ExactSum`),
+so the mean of finite values is finite; a device tensor's sum stays on its device (float64, which no
+float32, float16 or integer value can leave, float64 values near 1e308 can: then inf).
 """
 
+import math
 import numbers
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
@@ -35,8 +43,8 @@ from torch import Tensor
 
 from instrument.errors import InvalidValueError
 
-__all__ = ["EXACT_INT", "Wide", "as_scalar", "check_keys", "merge_wide", "note_beyond", "rounded_message",
-           "wide_int"]
+__all__ = ["EXACT_INT", "ExactSum", "Wide", "add", "as_scalar", "check_keys", "merge_wide", "note_beyond", "overflowed",
+           "rounded_message", "wide_int"]
 
 EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
 # Integer dtypes that can hold values their conversion cannot: each staged value of one is flagged on its device
@@ -84,6 +92,58 @@ def rounded_message(name: str, value: Any) -> str:
     )
 
 
+class ExactSum:
+    """An interval sum of finite Python floats that left float64's range (``1e308 + 1e308``): kept exactly
+    from there on, so that the mean (``/ count``) is the correctly rounded float of the true mean, finite as
+    every value was. Only made in that rare case (`overflowed`); immutable, as a snapshot of the staged table
+    shares its values. A non-finite float added later is summed on its own (``special``): the mean is then
+    that inf or NaN, as float64 gives it."""
+
+    __slots__ = ("exact", "special")
+
+    def __init__(self, exact: Fraction, special: float = 0.0) -> None:
+        self.exact = exact
+        self.special = special
+
+    def __add__(self, value: Any) -> Any:
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return ExactSum(self.exact + Fraction(value), self.special)
+            return ExactSum(self.exact, self.special + value)
+        # a tensor: the sum goes on on its device in float64 (from +-inf here), as any device sum
+        return value + self._nearest()
+
+    def __truediv__(self, count: Any) -> float:
+        if self.special != 0.0:  # inf or NaN (both infinities: NaN), whatever the finite values add
+            return self.special
+        return float(self.exact / count)
+
+    def _nearest(self) -> float:
+        try:
+            return float(self.exact)
+        except OverflowError:
+            return math.inf if self.exact > 0 else -math.inf
+
+    def __repr__(self) -> str:
+        return f"ExactSum({self._nearest()!r})"
+
+
+def overflowed(before: Any, value: Any, total: float) -> Any:
+    """``before + value`` gave ``total``, inf or NaN: an `ExactSum` when both were finite floats (their sum
+    left float64's range), else ``total`` (an inf or NaN was logged: the mean is that)."""
+    if type(before) is float and type(value) is float and math.isfinite(before) and math.isfinite(value):
+        return ExactSum(Fraction(before) + Fraction(value))
+    return total
+
+
+def add(before: Any, value: Any) -> Any:
+    """``before + value`` for an interval sum, going on exactly where a sum of finite floats leaves float64."""
+    total = before + value
+    if type(total) is float and total - total:  # inf or NaN
+        return overflowed(before, value, total)
+    return total
+
+
 def check_keys(metrics: Any) -> None:
     """Refuse what is not a mapping, and the empty key (one dict lookup, no per-key work): W&B drops it and
     other backends cannot name it."""
@@ -122,6 +182,10 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
         if value.dim():
             value = value.reshape(())
         if value.is_floating_point():
+            if value.is_cpu and not torch._C._len_torch_function_stack():
+                # read at once, as a CPU float block is (no sync; cheaper than a copy): a Python float, whose
+                # interval sum goes on exactly where float64 overflows (`ExactSum`), as a tensor's cannot
+                return value.item()
             # A copy (the caller may change its tensor in place right after the call), in float64 as blocks are
             # summed on the writer: an interval's sum of float16 values does not overflow, nor float32 round.
             return value.to(torch.float32 if value.device.type == "mps" else torch.float64, copy=True)

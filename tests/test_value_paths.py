@@ -1,0 +1,86 @@
+"""Numbers on every staging path are never lost or falsified, nor merged or rounded without a word: read back
+from the JSONL file a user opens."""
+
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+import instrument
+from instrument.logger.blocks import MAX_BLOCKS
+
+
+def _written(run_dir):
+    """The metrics of every step record in ``metrics.jsonl`` (JSONL writes NaN and inf as strings)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: {k: float(v) for k, v in row["metrics"].items()} for row in rows if "step" in row}
+
+
+def _mean(values):
+    """The correctly rounded float64 of the true mean."""
+    return float(sum(map(Fraction, values)) / len(values))
+
+
+# How a value reaches the staged table: each arm is a path of its own (asserted below).
+PATHS = {
+    "float_block": (lambda v: {"x": v}, {}),
+    "numpy_per_key": (lambda v: {"x": np.float64(v)}, {}),
+    "cpu_tensor_block": (lambda v: {"x": torch.tensor(v, dtype=torch.float64)}, {}),
+    "cpu_tensor_per_key": (lambda v: {"x": torch.tensor(v, dtype=torch.float64), "n": 1}, {}),
+    "reduce_op": (lambda v: {"x": v}, {"reduce": "max"}),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("values", [
+    [1e308, 1e308],
+    [1e308, 1e308, -1e308, 1e308],
+    [-1.5e308, -1.7e308, 1e-300],
+    [1.7976931348623157e308] * 3 + [1.0],
+], ids=["twice", "back_in_range", "negative", "max_and_one"])
+def test_the_interval_mean_of_finite_values_is_finite_on_every_path(tmp_path, path, values):
+    make, options = PATHS[path]
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("o", tmp_path))
+    for step, value in enumerate(values):
+        logger.log_metrics(make(value), step=step, **options)
+        assert bool(logger._blocks) == path.endswith("block")
+    logger.commit(len(values))
+    logger.close()
+    assert _written(tmp_path / "o")[len(values)]["x"] == _mean(values)
+
+
+def test_the_mean_of_finite_values_past_max_blocks_is_finite(tmp_path):
+    # the blocks are folded into the per-key table on the caller, and the sums go on there
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("f", tmp_path))
+    values = [1e308 if i % 3 else -0.5e308 for i in range(MAX_BLOCKS + 5)]
+    for step, value in enumerate(values):
+        logger.log_metrics({"x": value}, step=step)
+        if step == MAX_BLOCKS - 1:
+            assert len(logger._blocks) == MAX_BLOCKS
+    assert not logger._blocks  # folded
+    logger.commit(len(values))
+    logger.close()
+    assert _written(tmp_path / "f")[len(values)]["x"] == _mean(values)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("values, expected", [
+    ([1e308, 1e308, math.inf], math.inf),
+    ([1e308, 1e308, -math.inf], -math.inf),
+    ([1e308, 1e308, math.nan], math.nan),
+    ([math.inf, -math.inf], math.nan),
+    ([1e308, 1e308, math.inf, 1e308], math.inf),
+], ids=["inf", "minus_inf", "nan", "both_infinities", "inf_then_finite"])
+def test_an_infinite_or_nan_value_still_makes_the_mean_inf_or_nan(tmp_path, path, values, expected):
+    make, options = PATHS[path]
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("n", tmp_path))
+    for step, value in enumerate(values):
+        logger.log_metrics(make(value), step=step, **options)
+    logger.commit(len(values))
+    logger.close()
+    got = _written(tmp_path / "n")[len(values)]["x"]
+    assert got == expected or (math.isnan(expected) and math.isnan(got))
+

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import instrument
+from instrument.errors import InvalidValueError
 from instrument.logger.blocks import MAX_BLOCKS
 
 
@@ -83,4 +84,28 @@ def test_an_infinite_or_nan_value_still_makes_the_mean_inf_or_nan(tmp_path, path
     logger.close()
     got = _written(tmp_path / "n")[len(values)]["x"]
     assert got == expected or (math.isnan(expected) and math.isnan(got))
+
+
+# ---------------------------------------------------------------------------------------------- one name, two keys
+@pytest.mark.parametrize("options", [{}, {"reduce": "max"}, {"commit": True}], ids=["plain", "reduce", "commit"])
+@pytest.mark.parametrize("first, second", [(1, "1"), ("1", 1), (np.float32(0.1), 0.1), (None, "None")])
+def test_two_keys_that_name_one_metric_are_refused_and_stage_nothing(tmp_path, options, first, second):
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("k", tmp_path))
+    logger.log_metrics({"before": 1.0}, step=0)
+    with pytest.raises(InvalidValueError) as refused:
+        logger.log_metrics({first: 2.0, second: 4.0, "other": 5.0}, step=1, prefix="p", **options)
+    message = str(refused.value)
+    assert repr(first) in message and repr(second) in message and repr(f"p/{second}") in message
+    assert "its own string key" in message
+    logger.log_metrics({first: 2.0, "other": 5.0}, step=1, prefix="p")  # one of them alone is fine
+    logger.commit()
+    logger.close()
+    assert _written(tmp_path / "k") == {1: {"before": 1.0, f"p/{str(first)}": 2.0, "p/other": 5.0}}
+
+
+def test_keys_of_one_call_that_name_distinct_metrics_are_kept():
+    logger = instrument.Logger([])
+    logger.log_metrics({1: 2.0, "2": 4.0, (3,): 1.0}, step=0, prefix="p")
+    assert logger.commit().scalars == {"p/1": 2.0, "p/2": 4.0, "p/(3,)": 1.0}
+    logger.close()
 

@@ -23,6 +23,7 @@ from instrument.logger.values import (
     as_scalar,
     merge_wide,
     overflowed,
+    refuse_merged_keys,
 )
 
 __all__ = ["StagedTable"]
@@ -42,6 +43,7 @@ class StagedTable:
                 names = self._names[head] = {}
             pairs = []  # converted first: a call refused for one value stages none of its values
             wide: Wide = {}
+            odd = False
             for key, value in metrics.items():
                 if type(key) is str:
                     name = names.get(key)
@@ -49,6 +51,7 @@ class StagedTable:
                         name = names[key] = head + key
                 else:  # never cached: 1, 1.0 and True are one dict key, but three metric names
                     name = head + str(key)
+                    odd = True
                 kind = type(value)
                 if kind is not float:
                     if kind is int and -EXACT_INT <= value <= EXACT_INT:
@@ -56,6 +59,8 @@ class StagedTable:
                     else:
                         value = as_scalar(name, value, self._warn_once, wide)
                 pairs.append((name, value))
+            if odd:  # a key that is not a str: two keys may name one metric (1 and "1")
+                refuse_merged_keys(metrics, head)
             if wide:
                 merge_wide(self._wide, wide)
             for name, value in pairs:
@@ -75,13 +80,19 @@ class StagedTable:
             return
         staged = []
         wide: Wide = {}
+        odd = False
         for key, value in metrics.items():
-            name = head + key if type(key) is str else head + str(key)
+            if type(key) is str:
+                name = head + key
+            else:
+                name, odd = head + str(key), True
             op, weight = ("mean", None) if ops is None else ops[key]
             value = as_scalar(name, value, self._warn_once, wide)
             weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
             self._check_op(name, op, weight)
             staged.append((name, value, op, weight))
+        if odd:
+            refuse_merged_keys(metrics, head)
         if wide:
             merge_wide(self._wide, wide)
         for args in staged:

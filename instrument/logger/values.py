@@ -23,6 +23,8 @@ int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warni
                                       every integer tensor of 32 bits or more from 2**24
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
+two keys of one call, one name        refused (`refuse_merged_keys`): ``{1: a, "1": b}`` names metric ``"1"``
+                                      twice, and its values would be averaged into one
 ===================================== ===================================================================
 
 An interval's mean is its values summed in the order logged, in float64, divided by their count. A sum of
@@ -44,7 +46,7 @@ from torch import Tensor
 from instrument.errors import InvalidValueError
 
 __all__ = ["EXACT_INT", "ExactSum", "Wide", "add", "as_scalar", "check_keys", "merge_wide", "note_beyond", "overflowed",
-           "rounded_message", "wide_int"]
+           "refuse_merged_keys", "rounded_message", "wide_int"]
 
 EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
 # Integer dtypes that can hold values their conversion cannot: each staged value of one is flagged on its device
@@ -142,6 +144,24 @@ def add(before: Any, value: Any) -> Any:
     if type(total) is float and total - total:  # inf or NaN
         return overflowed(before, value, total)
     return total
+
+
+def refuse_merged_keys(metrics: Mapping[Any, Any], head: str) -> None:
+    """Refuse a call in which two keys name one metric (``head + str(key)``): ``{1: a, "1": b}`` would average
+    ``a`` and ``b`` into metric ``"1"``. Called only for a call with a key that is not a ``str`` (distinct
+    ``str`` keys always name distinct metrics)."""
+    seen: Dict[str, Any] = {}
+    for key in metrics:
+        name = head + key if type(key) is str else head + str(key)
+        if name in seen:
+            first = seen[name]
+            odd = key if type(key) is not str else first  # renamed in the example
+            raise InvalidValueError(
+                f"log_metrics got the keys {first!r} ({type(first).__name__}) and {key!r} ({type(key).__name__}) "
+                f"in one call: both name the metric {name!r}, and their values would be merged into one. Give "
+                f"each metric its own string key, e.g. {str(odd) + '_' + type(odd).__name__!r} for {odd!r}."
+            )
+        seen[name] = key
 
 
 def check_keys(metrics: Any) -> None:

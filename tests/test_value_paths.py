@@ -2,6 +2,7 @@
 from the JSONL file a user opens."""
 
 import json
+import logging
 import math
 from fractions import Fraction
 
@@ -109,3 +110,58 @@ def test_keys_of_one_call_that_name_distinct_metrics_are_kept():
     assert logger.commit().scalars == {"p/1": 2.0, "p/2": 4.0, "p/(3,)": 1.0}
     logger.close()
 
+
+# ------------------------------------------------------------------------------ numbers float64 cannot hold exactly
+LONG = np.longdouble(1) + np.longdouble(2) ** -60  # 1 + 2**-60: 1.0 in float64 (where longdouble is wider)
+
+
+@pytest.mark.parametrize("value", [
+    LONG, np.array(LONG), Fraction(1, 3), Fraction(2**60 + 1, 2**60),
+], ids=["longdouble", "longdouble_0d", "fraction", "fraction_near_1"])
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_number_float64_rounds_is_written_rounded_and_said_once_per_key(tmp_path, caplog, value, commit):
+    if value is LONG and np.finfo(np.longdouble).nmant <= 52:
+        pytest.skip("np.longdouble is float64 on this platform")
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            logger.log_metrics({"r": value}, step=step, commit=commit)
+        logger.commit(1)
+        logger.close()
+    rounded = float(np.asarray(value).item())
+    assert rounded != np.asarray(value).item()  # really rounded
+    assert all(row["r"] == rounded for row in _written(tmp_path / "r").values())
+    said = [r.getMessage() for r in caplog.records if "cannot hold exactly" in r.getMessage()]
+    assert len(said) == 1 and "'r'" in said[0] and f"logged as {rounded!r}" in said[0]
+
+
+@pytest.mark.parametrize("value, written", [
+    (np.longdouble(0.5), 0.5), (np.array(np.longdouble(-3)), -3.0), (Fraction(1, 2), 0.5),
+    (Fraction(-5, 4), -1.25), (np.longdouble("nan"), math.nan), (np.longdouble("inf"), math.inf),
+])
+def test_a_number_float64_holds_is_written_as_it_is_and_not_said(tmp_path, caplog, value, written):
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("e", tmp_path))
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_metrics({"e": value}, step=0)
+        logger.commit()
+        logger.close()
+    got = _written(tmp_path / "e")[0]["e"]
+    assert got == written or (math.isnan(written) and math.isnan(got))
+    assert math.copysign(1, got) == math.copysign(1, written)
+    said = [r.getMessage() for r in caplog.records if "'e'" in r.getMessage()]
+    assert said == []
+
+
+@pytest.mark.parametrize("value, pattern", [
+    (np.longdouble("1e4000"), r"metric 'k' is np.longdouble\('1e\+4000'\), beyond the float range"),
+    (Fraction(10**400), r"metric 'k' is Fraction\(1000.*\.\.\., beyond the float range"),
+])
+def test_a_number_no_float_can_hold_is_refused_with_the_fix(value, pattern):
+    if isinstance(value, np.longdouble) and np.finfo(np.longdouble).maxexp <= 1024:
+        pytest.skip("np.longdouble is float64 on this platform")
+    logger = instrument.Logger([])
+    for commit in (False, True):
+        with pytest.raises(InvalidValueError, match=pattern):
+            logger.log_metrics({"k": value, "ok": 1.0}, step=0, commit=commit)
+    assert logger.commit() is None  # nothing of the refused calls was staged
+    logger.close()

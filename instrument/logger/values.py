@@ -11,6 +11,9 @@ received                              logged as
 ``int`` / NumPy int, ``|v| > 2**53``  the nearest float64 (relative error <= 2**-53), with a one-time
                                       warning naming the key: float64 cannot hold every such integer
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
+``np.longdouble``, ``Fraction``,      the nearest float64, with a one-time warning naming the key when that is
+other real numbers                    not the value itself (``Fraction(1, 3)``, a longdouble's extra digits);
+                                      beyond the float range refused
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
 one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53
@@ -244,10 +247,39 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
             )
         return result
     if isinstance(value, (numbers.Real, np.number)):
-        return float(value)
+        return _as_float(name, value, warn)
     raise InvalidValueError(
         f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
     )
+
+
+# float() of these is the value itself: no comparison needed
+_EXACT_FLOATS = frozenset({float, np.float64, np.float32, np.float16})
+
+
+def _as_float(name: str, value: Any, warn: Warn) -> float:
+    """A real number that is not an integer as a float64: a ``np.longdouble`` or ``Fraction`` float64
+    cannot hold is rounded and said once per key, one beyond the float range refused."""
+    if type(value) in _EXACT_FLOATS:
+        return float(value)
+    try:
+        result = float(value)
+    except OverflowError:  # Fraction
+        result = math.inf
+    if result != value and result == result:  # rounded (NaN compares unequal to itself: passed through)
+        shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+        if result - result:  # inf from a finite value
+            raise InvalidValueError(
+                f"metric {name!r} is {shown}, beyond the float range every backend stores (about +-1.8e308); "
+                f"log it scaled (e.g. its log10) or as float('inf')."
+            )
+        warn(
+            name,
+            f"metric {name!r} is {shown}, which float64 (what backends store) cannot hold exactly: it is logged "
+            f"as {result!r}. Log float(value) to round it yourself, or a difference or a scaled value if the "
+            f"digits matter.",
+        )
+    return result
 
 
 def _complex(name: str, received: str) -> InvalidValueError:

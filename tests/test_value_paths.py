@@ -4,6 +4,7 @@ from the JSONL file a user opens."""
 import json
 import logging
 import math
+from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
@@ -116,8 +117,9 @@ LONG = np.longdouble(1) + np.longdouble(2) ** -60  # 1 + 2**-60: 1.0 in float64 
 
 
 @pytest.mark.parametrize("value", [
-    LONG, np.array(LONG), Fraction(1, 3), Fraction(2**60 + 1, 2**60),
-], ids=["longdouble", "longdouble_0d", "fraction", "fraction_near_1"])
+    LONG, np.array(LONG), Fraction(1, 3), Fraction(2**60 + 1, 2**60), Decimal("0.1"), Decimal("1.000000000000000001"),
+    Decimal(2**60 + 1),
+], ids=["longdouble", "longdouble_0d", "fraction", "fraction_near_1", "decimal", "decimal_near_1", "decimal_int"])
 @pytest.mark.parametrize("commit", [False, True])
 def test_a_number_float64_rounds_is_written_rounded_and_said_once_per_key(tmp_path, caplog, value, commit):
     if value is LONG and np.finfo(np.longdouble).nmant <= 52:
@@ -136,8 +138,9 @@ def test_a_number_float64_rounds_is_written_rounded_and_said_once_per_key(tmp_pa
 
 
 @pytest.mark.parametrize("value, written", [
-    (np.longdouble(0.5), 0.5), (np.array(np.longdouble(-3)), -3.0), (Fraction(1, 2), 0.5),
-    (Fraction(-5, 4), -1.25), (np.longdouble("nan"), math.nan), (np.longdouble("inf"), math.inf),
+    (np.longdouble(0.5), 0.5), (np.array(np.longdouble(-3)), -3.0), (Fraction(1, 2), 0.5), (Decimal("0.25"), 0.25),
+    (Decimal("-0"), -0.0), (Decimal("-Infinity"), -math.inf), (Decimal("NaN"), math.nan),
+    (np.longdouble("nan"), math.nan), (np.longdouble("inf"), math.inf), (Decimal(2**60), float(2**60)),
 ])
 def test_a_number_float64_holds_is_written_as_it_is_and_not_said(tmp_path, caplog, value, written):
     logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("e", tmp_path))
@@ -155,6 +158,9 @@ def test_a_number_float64_holds_is_written_as_it_is_and_not_said(tmp_path, caplo
 @pytest.mark.parametrize("value, pattern", [
     (np.longdouble("1e4000"), r"metric 'k' is np.longdouble\('1e\+4000'\), beyond the float range"),
     (Fraction(10**400), r"metric 'k' is Fraction\(1000.*\.\.\., beyond the float range"),
+    (Decimal("-1e400"), r"metric 'k' is Decimal\('-1E\+400'\), beyond the float range.*log10"),
+    (Decimal("sNaN"), r"metric 'k' is a signalling NaN Decimal.*Decimal\('NaN'\)"),
+    (object(), r"metric 'k' has type object; expected a Python or NumPy real number.*float\(value\)"),
 ])
 def test_a_number_no_float_can_hold_is_refused_with_the_fix(value, pattern):
     if isinstance(value, np.longdouble) and np.finfo(np.longdouble).maxexp <= 1024:

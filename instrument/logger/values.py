@@ -12,8 +12,8 @@ received                              logged as
                                       warning naming the key: float64 cannot hold every such integer
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
 ``np.longdouble``, ``Fraction``,      the nearest float64, with a one-time warning naming the key when that is
-other real numbers                    not the value itself (``Fraction(1, 3)``, a longdouble's extra digits);
-                                      beyond the float range refused
+``Decimal``, other real numbers       not the value itself (``Decimal("0.1")``, a longdouble's extra digits);
+                                      beyond the float range refused, as a signalling NaN ``Decimal`` is
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
 one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53
@@ -36,6 +36,7 @@ so the mean of finite values is finite; a device tensor's sum stays on its devic
 float32, float16 or integer value can leave, float64 values near 1e308 can: then inf).
 """
 
+import decimal
 import math
 import numbers
 from collections.abc import Mapping
@@ -246,10 +247,11 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
                 f"if the last digits matter.",
             )
         return result
-    if isinstance(value, (numbers.Real, np.number)):
+    if isinstance(value, (numbers.Real, np.number, decimal.Decimal)):
         return _as_float(name, value, warn)
     raise InvalidValueError(
-        f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
+        f"metric {name!r} has type {type(value).__name__}; expected a Python or NumPy real number (int, float, "
+        f"bool, Fraction, Decimal) or a one-element tensor or array. Convert it, e.g. float(value)."
     )
 
 
@@ -258,10 +260,15 @@ _EXACT_FLOATS = frozenset({float, np.float64, np.float32, np.float16})
 
 
 def _as_float(name: str, value: Any, warn: Warn) -> float:
-    """A real number that is not an integer as a float64: a ``np.longdouble`` or ``Fraction`` float64
-    cannot hold is rounded and said once per key, one beyond the float range refused."""
+    """A real number that is not an integer as a float64: a ``np.longdouble``, ``Fraction`` or ``Decimal``
+    float64 cannot hold is rounded and said once per key, one beyond the float range refused."""
     if type(value) in _EXACT_FLOATS:
         return float(value)
+    if isinstance(value, decimal.Decimal) and value.is_snan():
+        raise InvalidValueError(
+            f"metric {name!r} is a signalling NaN Decimal ({value!r}), which float() refuses; log "
+            f"Decimal('NaN') or float('nan') if a NaN is what you mean."
+        )
     try:
         result = float(value)
     except OverflowError:  # Fraction

@@ -110,7 +110,8 @@ def test_batched_transfer_keeps_every_dtype_exact_and_in_place():
     log.log_metrics(values, step=0)
     log.log_histogram("h", torch.arange(5, dtype=torch.int32), step=0)
     log.log_image("img", torch.full((2, 2, 3), 200, dtype=torch.uint8), step=0)
-    assert not log._totals["grad"].requires_grad  # staged values never hold the caller's autograd graph
+    # staged values never hold the caller's autograd graph (a CPU float tensor is read at once, as a float)
+    assert not getattr(log._totals["grad"], "requires_grad", False)
     record = log.commit()
     assert record.scalars == reference
     assert record.scalars["big"] == 2**40 + 1

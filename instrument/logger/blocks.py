@@ -8,7 +8,10 @@ bool tensors are read at once into a float block instead (no sync there, and che
 one pass over the values instead of a conversion per key: on a CPU, 100 floats logged and committed right
 after other work (cold caches) take about 85 us instead of 125 us, 100 0-d tensors about 500 us instead of
 700 us. The writer thread turns the blocks of an interval into prefixed names and means: values summed in
-the order logged (in float64), then divided by their count; a name logged once is its value, exactly.
+the order logged (in float64), then divided by their count; a name logged once is its value, exactly. A sum
+of finite floats that leaves float64's range goes on exactly (`instrument.logger.values.ExactSum`), so the
+mean of finite values is finite. Not `math.fsum`: the per-key table (and a device tensor's sum) adds values
+as they are logged, and an interval folded into it must keep the mean its blocks give.
 
 A logger holds blocks only while nothing else is staged in its scalar table; a call that needs the per-key
 path (ints beyond 2**53, NumPy numbers, tensors mixed with numbers or of mixed dtypes, reduce ops, weights,
@@ -22,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from instrument.logger.values import EXACT_INT, Wide, note_beyond, wide_int
+from instrument.logger.values import EXACT_INT, Wide, note_beyond, overflowed, wide_int
 
 __all__ = ["Block", "MAX_BLOCKS", "float_block", "tensor_block", "fold", "means", "contributions"]
 
@@ -116,7 +119,10 @@ def fold(blocks: List[Block], totals: Dict[str, Any], counts: Dict[str, int], on
         for key, value in pairs:
             name = head + key
             if name in totals:
-                totals[name] = totals[name] + value
+                total = totals[name] + value
+                if type(total) is float and total - total:  # inf or NaN: from finite floats? (`add`)
+                    total = overflowed(totals[name], value, total)
+                totals[name] = total
                 counts[name] = counts.get(name, 1) + 1
             else:
                 totals[name] = value

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from instrument.errors import StepOrderError
 from instrument.logger.blocks import contributions
-from instrument.logger.values import Wide, as_scalar
+from instrument.logger.values import Wide, as_scalar, refuse_merged_keys
 from instrument.logger.writer import CommittedStep
 
 __all__ = ["LAZY", "StepRecords"]
@@ -60,8 +60,12 @@ class StepRecords:
         weights: Dict[str, Any] = {}
         on_device: Dict[str, None] = {}
         wide: Wide = {}
+        odd = False
         for key, value in metrics.items():
-            name = head + key if type(key) is str else head + str(key)
+            if type(key) is str:
+                name = head + key
+            else:
+                name, odd = head + str(key), True
             op, weight = ("mean", None) if ops is None else ops[key]
             value = as_scalar(name, value, self._warn_once, wide)
             if weight is not None:
@@ -72,6 +76,8 @@ class StepRecords:
                 own_ops[name] = op
             if type(value) is not float or (weight is not None and type(weight) is not float):
                 on_device[name] = None
+        if odd:  # a key that is not a str: two keys may name one metric (1 and "1")
+            refuse_merged_keys(metrics, head)
         collective = self.reducer.active()
         if not totals and not collective:
             return None

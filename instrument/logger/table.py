@@ -12,8 +12,19 @@ nothing of itself behind.
 
 from typing import Any, Mapping, Optional
 
+from torch import Tensor
+
 from instrument.errors import ConfigurationError
-from instrument.logger.values import EXACT_INT, Wide, as_scalar, merge_wide
+from instrument.logger.values import (
+    EXACT_INT,
+    ExactSum,
+    Wide,
+    add,
+    as_scalar,
+    merge_wide,
+    overflowed,
+    refuse_merged_keys,
+)
 
 __all__ = ["StagedTable"]
 
@@ -32,6 +43,7 @@ class StagedTable:
                 names = self._names[head] = {}
             pairs = []  # converted first: a call refused for one value stages none of its values
             wide: Wide = {}
+            odd = False
             for key, value in metrics.items():
                 if type(key) is str:
                     name = names.get(key)
@@ -39,6 +51,7 @@ class StagedTable:
                         name = names[key] = head + key
                 else:  # never cached: 1, 1.0 and True are one dict key, but three metric names
                     name = head + str(key)
+                    odd = True
                 kind = type(value)
                 if kind is not float:
                     if kind is int and -EXACT_INT <= value <= EXACT_INT:
@@ -46,26 +59,40 @@ class StagedTable:
                     else:
                         value = as_scalar(name, value, self._warn_once, wide)
                 pairs.append((name, value))
+            if odd:  # a key that is not a str: two keys may name one metric (1 and "1")
+                refuse_merged_keys(metrics, head)
             if wide:
                 merge_wide(self._wide, wide)
             for name, value in pairs:
-                if type(value) is not float:
-                    on_device[name] = None
                 if name in totals:
-                    totals[name] = totals[name] + value
+                    total = totals[name] + value
+                    if type(total) is float:  # both were floats
+                        if total - total:  # inf or NaN: from two finite floats only when the sum left float64
+                            total = overflowed(totals[name], value, total)
+                    elif type(total) is not ExactSum:  # a tensor (already marked, unless it is value)
+                        on_device[name] = None
+                    totals[name] = total
                     counts[name] = counts.get(name, 1) + 1
                 else:
                     totals[name] = value
+                    if type(value) is not float:
+                        on_device[name] = None
             return
         staged = []
         wide: Wide = {}
+        odd = False
         for key, value in metrics.items():
-            name = head + key if type(key) is str else head + str(key)
+            if type(key) is str:
+                name = head + key
+            else:
+                name, odd = head + str(key), True
             op, weight = ("mean", None) if ops is None else ops[key]
             value = as_scalar(name, value, self._warn_once, wide)
             weight = weight if weight is None else as_scalar(f"weight of {name}", weight, self._warn_once)
             self._check_op(name, op, weight)
             staged.append((name, value, op, weight))
+        if odd:
+            refuse_merged_keys(metrics, head)
         if wide:
             merge_wide(self._wide, wide)
         for args in staged:
@@ -87,7 +114,8 @@ class StagedTable:
     def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
         """The general path: a reduce op other than mean, or a weight (under the lock, `_check_op` passed)."""
         if name in self._totals:
-            self._totals[name] = self._totals[name] + (value if weight is None else value * weight)
+            before = self._totals[name]
+            self._totals[name] = add(before, value) if weight is None else before + value * weight
             if weight is not None:
                 self._weights[name] = self._weights[name] + weight
             self._counts[name] = self._counts.get(name, 1) + 1
@@ -97,5 +125,5 @@ class StagedTable:
                 self._weights[name] = weight
             if op != "mean":
                 self._ops[name] = op
-        if type(self._totals[name]) is not float or (weight is not None and type(self._weights[name]) is not float):
+        if isinstance(self._totals[name], Tensor) or (weight is not None and type(self._weights[name]) is not float):
             self._on_device[name] = None

@@ -11,22 +11,36 @@ received                              logged as
 ``int`` / NumPy int, ``|v| > 2**53``  the nearest float64 (relative error <= 2**-53), with a one-time
                                       warning naming the key: float64 cannot hold every such integer
 ``int`` beyond float range            refused (`InvalidValueError`), e.g. ``10**400``
+``np.longdouble``, ``Fraction``,      the nearest float64, with a one-time warning naming the key when that is
+``Decimal``, other real numbers       not the value itself (``Decimal("0.1")``, a longdouble's extra digits);
+                                      beyond the float range refused, as a signalling NaN ``Decimal`` is
 ``bool``, ``np.bool_``                1.0 or 0.0
 ``complex`` (Python, NumPy, tensor)   refused: log ``z.real`` and ``z.imag`` (or ``abs(z)``) as two keys
 one-element tensor                    a float64 tensor (a copy; float32 on MPS); integers exact to 2**53
                                       (2**24 on MPS), bool tensors as 1.0/0.0 (float64 too); sparse and
-                                      quantized ones as their value
+                                      quantized ones as their value; a CPU float tensor is read at once (a
+                                      float, exact)
 int64 tensor, ``|v| >= 2**53``        the nearest float64, with a one-time warning naming the key: each
                                       value is compared on its device and the writer thread reads the result
                                       with the commit's transfer (no host sync); uint64 alike, and on MPS
                                       every integer tensor of 32 bits or more from 2**24
 one-element NumPy array               as its element
 anything else, empty key ``""``       refused (`InvalidValueError`)
+two keys of one call, one name        refused (`refuse_merged_keys`): ``{1: a, "1": b}`` names metric ``"1"``
+                                      twice, and its values would be averaged into one
 ===================================== ===================================================================
+
+An interval's mean is its values summed in the order logged, in float64, divided by their count. A sum of
+finite floats that leaves float64's range (``1e308`` logged twice) goes on exactly from there (`ExactSum`),
+so the mean of finite values is finite; a device tensor's sum stays on its device (float64, which no
+float32, float16 or integer value can leave, float64 values near 1e308 can: then inf).
 """
 
+import decimal
+import math
 import numbers
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
@@ -35,8 +49,8 @@ from torch import Tensor
 
 from instrument.errors import InvalidValueError
 
-__all__ = ["EXACT_INT", "Wide", "as_scalar", "check_keys", "merge_wide", "note_beyond", "rounded_message",
-           "wide_int"]
+__all__ = ["EXACT_INT", "ExactSum", "Wide", "add", "as_scalar", "check_keys", "merge_wide", "note_beyond", "overflowed",
+           "refuse_merged_keys", "rounded_message", "wide_int"]
 
 EXACT_INT = 2**53  # every integer up to this magnitude is exactly a float64
 # Integer dtypes that can hold values their conversion cannot: each staged value of one is flagged on its device
@@ -84,6 +98,76 @@ def rounded_message(name: str, value: Any) -> str:
     )
 
 
+class ExactSum:
+    """An interval sum of finite Python floats that left float64's range (``1e308 + 1e308``): kept exactly
+    from there on, so that the mean (``/ count``) is the correctly rounded float of the true mean, finite as
+    every value was. Only made in that rare case (`overflowed`); immutable, as a snapshot of the staged table
+    shares its values. A non-finite float added later is summed on its own (``special``): the mean is then
+    that inf or NaN, as float64 gives it."""
+
+    __slots__ = ("exact", "special")
+
+    def __init__(self, exact: Fraction, special: float = 0.0) -> None:
+        self.exact = exact
+        self.special = special
+
+    def __add__(self, value: Any) -> Any:
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return ExactSum(self.exact + Fraction(value), self.special)
+            return ExactSum(self.exact, self.special + value)
+        # a tensor: the sum goes on on its device in float64 (from +-inf here), as any device sum
+        return value + self._nearest()
+
+    def __truediv__(self, count: Any) -> float:
+        if self.special != 0.0:  # inf or NaN (both infinities: NaN), whatever the finite values add
+            return self.special
+        return float(self.exact / count)
+
+    def _nearest(self) -> float:
+        try:
+            return float(self.exact)
+        except OverflowError:
+            return math.inf if self.exact > 0 else -math.inf
+
+    def __repr__(self) -> str:
+        return f"ExactSum({self._nearest()!r})"
+
+
+def overflowed(before: Any, value: Any, total: float) -> Any:
+    """``before + value`` gave ``total``, inf or NaN: an `ExactSum` when both were finite floats (their sum
+    left float64's range), else ``total`` (an inf or NaN was logged: the mean is that)."""
+    if type(before) is float and type(value) is float and math.isfinite(before) and math.isfinite(value):
+        return ExactSum(Fraction(before) + Fraction(value))
+    return total
+
+
+def add(before: Any, value: Any) -> Any:
+    """``before + value`` for an interval sum, going on exactly where a sum of finite floats leaves float64."""
+    total = before + value
+    if type(total) is float and total - total:  # inf or NaN
+        return overflowed(before, value, total)
+    return total
+
+
+def refuse_merged_keys(metrics: Mapping[Any, Any], head: str) -> None:
+    """Refuse a call in which two keys name one metric (``head + str(key)``): ``{1: a, "1": b}`` would average
+    ``a`` and ``b`` into metric ``"1"``. Called only for a call with a key that is not a ``str`` (distinct
+    ``str`` keys always name distinct metrics)."""
+    seen: Dict[str, Any] = {}
+    for key in metrics:
+        name = head + key if type(key) is str else head + str(key)
+        if name in seen:
+            first = seen[name]
+            odd = key if type(key) is not str else first  # renamed in the example
+            raise InvalidValueError(
+                f"log_metrics got the keys {first!r} ({type(first).__name__}) and {key!r} ({type(key).__name__}) "
+                f"in one call: both name the metric {name!r}, and their values would be merged into one. Give "
+                f"each metric its own string key, e.g. {str(odd) + '_' + type(odd).__name__!r} for {odd!r}."
+            )
+        seen[name] = key
+
+
 def check_keys(metrics: Any) -> None:
     """Refuse what is not a mapping, and the empty key (one dict lookup, no per-key work): W&B drops it and
     other backends cannot name it."""
@@ -122,6 +206,10 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
         if value.dim():
             value = value.reshape(())
         if value.is_floating_point():
+            if value.is_cpu and not torch._C._len_torch_function_stack():
+                # read at once, as a CPU float block is (no sync; cheaper than a copy): a Python float, whose
+                # interval sum goes on exactly where float64 overflows (`ExactSum`), as a tensor's cannot
+                return value.item()
             # A copy (the caller may change its tensor in place right after the call), in float64 as blocks are
             # summed on the writer: an interval's sum of float16 values does not overflow, nor float32 round.
             return value.to(torch.float32 if value.device.type == "mps" else torch.float64, copy=True)
@@ -159,11 +247,46 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
                 f"if the last digits matter.",
             )
         return result
-    if isinstance(value, (numbers.Real, np.number)):
-        return float(value)
+    if isinstance(value, (numbers.Real, np.number, decimal.Decimal)):
+        return _as_float(name, value, warn)
     raise InvalidValueError(
-        f"metric {name!r} has type {type(value).__name__}; expected a Python number or a one-element tensor."
+        f"metric {name!r} has type {type(value).__name__}; expected a Python or NumPy real number (int, float, "
+        f"bool, Fraction, Decimal) or a one-element tensor or array. Convert it, e.g. float(value)."
     )
+
+
+# float() of these is the value itself: no comparison needed
+_EXACT_FLOATS = frozenset({float, np.float64, np.float32, np.float16})
+
+
+def _as_float(name: str, value: Any, warn: Warn) -> float:
+    """A real number that is not an integer as a float64: a ``np.longdouble``, ``Fraction`` or ``Decimal``
+    float64 cannot hold is rounded and said once per key, one beyond the float range refused."""
+    if type(value) in _EXACT_FLOATS:
+        return float(value)
+    if isinstance(value, decimal.Decimal) and value.is_snan():
+        raise InvalidValueError(
+            f"metric {name!r} is a signalling NaN Decimal ({value!r}), which float() refuses; log "
+            f"Decimal('NaN') or float('nan') if a NaN is what you mean."
+        )
+    try:
+        result = float(value)
+    except OverflowError:  # Fraction
+        result = math.inf
+    if result != value and result == result:  # rounded (NaN compares unequal to itself: passed through)
+        shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+        if result - result:  # inf from a finite value
+            raise InvalidValueError(
+                f"metric {name!r} is {shown}, beyond the float range every backend stores (about +-1.8e308); "
+                f"log it scaled (e.g. its log10) or as float('inf')."
+            )
+        warn(
+            name,
+            f"metric {name!r} is {shown}, which float64 (what backends store) cannot hold exactly: it is logged "
+            f"as {result!r}. Log float(value) to round it yourself, or a difference or a scaled value if the "
+            f"digits matter.",
+        )
+    return result
 
 
 def _complex(name: str, received: str) -> InvalidValueError:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from instrument import JsonlBackend, Logger, RunInfo, SystemMonitor
+from instrument import Instrumentation, JsonlBackend, Logger, RunInfo, SystemMonitor
 
 pytest.importorskip("psutil")
 
@@ -106,3 +106,25 @@ def test_samples_a_closed_logger_cannot_take_are_counted_and_reported_once(tmp_p
                         f"SystemMonitor.dropped counts every sample not written"]
     assert not [line for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if "system" in line]
 
+
+def test_a_buffer_that_fills_before_the_flush_is_flushed_early_and_drops_nothing(tmp_path):
+    class Counting(SystemMonitor):
+        taken = 0
+        most = 0
+
+        def sample(self):
+            Counting.taken += 1
+            Counting.most = max(Counting.most, self.buffered)
+            return super().sample()
+
+    monitor = Counting(collection_interval=0.01, flush_interval=3600.0, gpu=False, max_buffered=3)
+    inst = Instrumentation(backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r",
+                           system_monitor=monitor, overhead_budget=None)
+    while Counting.taken < 20:  # many more samples than max_buffered within one flush interval
+        time.sleep(0.01)
+    inst.close()
+    assert Counting.most <= 3 and monitor.dropped == 0  # memory stays bounded
+    system = _system_lines(tmp_path / "r" / "metrics.jsonl")
+    assert len(system) == Counting.taken  # every sample taken is written
+    seconds = [line["metrics"]["system/seconds"] for line in system]
+    assert seconds == sorted(seconds) and len(set(seconds)) == len(seconds)

@@ -18,10 +18,11 @@ exit after a crash or without ``inst.close()``: `Logger.before_close`), so the b
 before the backends close, not lost.
 
 The training thread never waits on sampling (psutil, NVML): that happens in the monitor's thread, outside any
-lock; the only shared step is the backend write, which the logger serialises with its commits. The buffer is a
-bounded deque, so a stalled backend costs at most ``max_buffered`` samples of memory. A sample that cannot be
-written (the logger was closed before the monitor could hand it over, or the write raised) is counted in
-`SystemMonitor.dropped` and reported in a warning with the count.
+lock; the only shared step is the backend write, which the logger serialises with its commits. At most
+``max_buffered`` samples wait in the monitor: a buffer that fills before the next flush is flushed at once, so
+no sample is dropped for want of room. A sample that cannot be written (the logger was closed before the
+monitor could hand it over, or the write raised) is counted in `SystemMonitor.dropped` and reported in a warning
+with the count.
 
 Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process sees it):
 
@@ -69,7 +70,8 @@ class SystemMonitor:
         flush_interval: seconds between writes to the backends (>= collection_interval).
         gpu: include GPU memory (torch.cuda stats, once CUDA is initialised) and NVML utilisation/memory
             (when ``nvidia-ml-py`` is installed); False skips both.
-        max_buffered: most samples kept between flushes; older ones are dropped first.
+        max_buffered: most samples kept between flushes; when that many are buffered they are flushed at
+            once, before ``flush_interval`` is up (nothing is dropped).
 
     Needs ``psutil`` (``pip install 'torch-instrument[monitor]'``). Subclass and extend `sample` to add
     quantities; keep keys under ``system/``.
@@ -101,7 +103,7 @@ class SystemMonitor:
         self.flush_interval = float(flush_interval)
         self.gpu = gpu
         self.max_buffered = max_buffered
-        self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque(maxlen=max_buffered)
+        self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque()
         self._dropped = 0  # samples that could not be written (`dropped`)
         self._reported = 0  # of those, how many a warning already reported
         self._stop = threading.Event()
@@ -261,6 +263,8 @@ class SystemMonitor:
             return
         values["system/cpu_window_seconds"] = window
         self._buffer.append((time.monotonic() - self._t0, time.time(), values))
+        if len(self._buffer) >= self.max_buffered:  # full before the flush is due: flush now, drop nothing
+            self._flush()
 
     def _flush(self) -> None:
         dropped, error = 0, None

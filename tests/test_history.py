@@ -4,6 +4,7 @@ import logging
 import math
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -207,3 +208,32 @@ def test_the_history_can_be_queried_while_the_run_commits():
     assert errors == [], errors[:1]
     got, _ = history.series("loss")
     assert got.tolist() == list(range(steps - 500, steps))
+
+
+@pytest.mark.parametrize("max_steps", [None, 3])
+def test_system_monitor_samples_are_kept_on_their_own_axis_as_jsonl_writes_them(tmp_path, max_steps):
+    import json
+
+    pytest.importorskip("psutil")
+    history = RunHistoryBackend(max_steps=max_steps)
+    monitor = instrument.SystemMonitor(collection_interval=0.02, flush_interval=0.02, max_buffered=2, gpu=False)
+    inst = instrument.Instrumentation(backends=[history, instrument.JsonlBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r", system_monitor=monitor,
+                                      overhead_budget=None)
+    for step in range(3):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+    time.sleep(0.2)  # about ten samples, flushed two at a time (max_buffered) and every 0.02 s
+    inst.close()
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    system = [line for line in lines if "system_step" in line]
+    assert len(system) >= 4
+    assert history.keys() == ["loss"]  # the training metrics are not mixed with the system axis
+    assert "system/process_rss_gib" in history.system_keys()
+    kept = system[-max_steps:] if max_steps else system
+    for key in ("system/seconds", "system/process_rss_gib", "system/host_cpu_percent"):
+        seconds, values = history.system_series(key)
+        assert seconds.tolist() == [line["metrics"]["system/seconds"] for line in kept]
+        assert values.tolist() == [line["metrics"][key] for line in kept]
+    with pytest.raises(KeyError, match="no system metric 'system/nope'.*known system keys"):
+        history.system_series("system/nope")

@@ -10,6 +10,8 @@ It stores what the logger commits — host values only, like every backend:
   ``{tag: [(step, values), ...]}``.
 - ``unique_samples``: the set of samples seen: the values of the histogram tag ``sample_key`` (integer ids,
   e.g. pool indices, logged like any per-item value) or hashable items given to `add_samples`.
+- ``system``: the `SystemMonitor`'s samples on their own axis (seconds since the monitor started, not the
+  training step), as ``{key: [(seconds, value), ...]}``; `system_keys` and `system_series` query them.
 
 `to_dataframe` joins samples and per-item values into a pandas DataFrame, one row per (sample, step);
 `plot_metrics` and `plot_timelog` draw with matplotlib and return the figure, which a notebook shows.
@@ -20,7 +22,8 @@ Threads: the writer thread writes each committed step under one lock, and every 
 may query the history while the run goes on and sees whole steps only. The containers themselves
 (``metrics``, ``timelog``, ...) are the live ones: iterate them only after the run is closed.
 
-Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log, ``max_samples``
+Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log (and the most recent
+samples of each system series), ``max_samples``
 caps the set of unique samples. Reaching a cap is reported once through the ``instrument`` logger; after that
 the oldest steps are dropped (samples beyond the cap are not added).
 """
@@ -69,6 +72,7 @@ class RunHistoryBackend(Backend):
         self.timelog: Dict[str, Deque[Tuple[int, float, int]]] = {}
         self.batch_log: Dict[str, Deque[Tuple[int, np.ndarray]]] = {}
         self.batch_samples: Deque[Tuple[int, Tuple[Hashable, ...]]] = collections.deque(maxlen=max_steps)
+        self.system: Dict[str, Deque[Tuple[float, float]]] = {}  # the system monitor's axis: seconds
         self.unique_samples: Set[Hashable] = set()
         self.run: Optional[RunInfo] = None
         self._pending_samples: Dict[int, List[Hashable]] = {}
@@ -138,6 +142,17 @@ class RunHistoryBackend(Backend):
             self._append(self.batch_samples, (step, tuple(samples)), "max_steps", "batch samples")
             self._add_unique(samples)
 
+    def write_system(self, record: StepRecord) -> None:
+        """The system monitor's samples, kept on their own axis: the exact ``system/seconds`` since the monitor
+        started (the record's step is its whole seconds), never mixed with the training steps in ``metrics``."""
+        seconds = float(record.scalars.get("system/seconds", record.step))
+        with self._lock:
+            for key, value in record.scalars.items():
+                series = self.system.get(key)
+                if series is None:
+                    series = self.system[key] = collections.deque(maxlen=self.max_steps)
+                self._append(series, (seconds, float(value)), "max_steps", f"system metric {key!r}")
+
     def _append(self, series: Deque, item: Any, cap: str, what: str) -> None:
         if series.maxlen is not None and len(series) == series.maxlen:
             self._say_once(
@@ -179,6 +194,24 @@ class RunHistoryBackend(Backend):
 
     def last(self, key: str) -> float:
         return self.series(key)[1][-1]
+
+    def system_keys(self) -> List[str]:
+        """The system monitor's metric keys (``system/...``), kept apart from the training metrics' `keys`."""
+        with self._lock:
+            return sorted(self.system)
+
+    def system_series(self, key: str) -> Tuple[np.ndarray, np.ndarray]:
+        """``(seconds, values)`` of one system-monitor metric as float64 NumPy arrays: seconds since the monitor
+        started (``system/seconds``), the system axis, not training steps. A copy, safe while the run goes on."""
+        with self._lock:
+            if key not in self.system:
+                raise KeyError(f"no system metric {key!r} in the run history (the SystemMonitor's samples); known "
+                               f"system keys: {sorted(self.system)[:20]}")
+            pairs = list(self.system[key])
+        return (
+            np.fromiter((t for t, _ in pairs), dtype=np.float64, count=len(pairs)),
+            np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)),
+        )
 
     def to_dataframe(self):
         """A pandas DataFrame with one row per (sample, step): columns ``sample``, ``step`` and each batch-log

@@ -237,3 +237,33 @@ def test_system_monitor_samples_are_kept_on_their_own_axis_as_jsonl_writes_them(
         assert values.tolist() == [line["metrics"][key] for line in kept]
     with pytest.raises(KeyError, match="no system metric 'system/nope'.*known system keys"):
         history.system_series("system/nope")
+
+
+def test_values_that_are_not_one_per_sample_are_never_paired_by_position(caplog):
+    history = RunHistoryBackend(sample_key="b/ids", batch_keys=["b/r", "b/ok"])
+    logger = Logger([history])
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_histogram("b/ids", torch.tensor([1, 2, 3]), step=0)
+        logger.log_histogram("b/r", torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5]), step=0)  # 5 values, 3 ids
+        logger.log_histogram("b/ok", torch.tensor([7.0, 8.0, 9.0]), step=0)
+        logger.commit(0)
+        history.add_samples(1, ["a", "b", "c", "d"])
+        logger.log_histogram("b/r", torch.tensor([0.25, 0.75]), step=1)  # 2 values, 4 samples
+        logger.commit(1)
+        logger.flush()
+        written = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        frame = history.to_dataframe()
+    assert written == ["instrument: RunHistoryBackend: batch log 'b/r' at step 0 has 5 value(s) for 3 sample(s) "
+                       "(named by 'b/ids'): they cannot be paired with the samples (log one value per sample, in "
+                       "the order of the ids); kept in batch_log as logged, left unpaired (NaN) by to_dataframe, "
+                       "which says so each time."]
+    assert [(s, v.tolist()) for s, v in history.batch_log["b/r"]] == [(0, [0.5, 1.5, 2.5, 3.5, 4.5]), (1, [0.25, 0.75])]
+    records = frame.to_dict("records")
+    assert [(r["sample"], r["step"], r["b/ok"]) for r in records[:3]] == [(1, 0, 7.0), (2, 0, 8.0), (3, 0, 9.0)]
+    assert [r["sample"] for r in records[3:]] == ["a", "b", "c", "d"]
+    assert all(math.isnan(r["b/r"]) for r in records)  # no sample is given another's value
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("instrument: RunHistoryBackend.to_dataframe: 2 batch(es) left unpaired (NaN): batch log "
+                           "'b/r' at step 0 has 5 value(s) for 3 sample(s): ")
+    assert "batch log 'b/r' at step 1 has 2 value(s) for 4 sample(s)" in said

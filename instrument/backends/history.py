@@ -128,16 +128,20 @@ class RunHistoryBackend(Backend):
                     "max_steps",
                     f"timelog {stage!r}",
                 )
-        for key, values in record.histograms.items():
-            if key in self.batch_log:
-                self._append(
-                    self.batch_log[key], (step, np.asarray(values).copy()), "max_steps", f"batch log {key!r}"
-                )
         samples = self._pending_samples.pop(step, None)
         for stale in [s for s in self._pending_samples if s < step]:
             del self._pending_samples[stale]
+        named = "add_samples"
         if samples is None and self.sample_key is not None and self.sample_key in record.histograms:
-            samples = [_as_id(v) for v in record.histograms[self.sample_key]]
+            samples, named = [_as_id(v) for v in record.histograms[self.sample_key]], repr(self.sample_key)
+        for key, values in record.histograms.items():
+            if key in self.batch_log:
+                values = np.asarray(values).copy()
+                if samples is not None and len(values) != len(samples):  # kept as logged, never paired
+                    self._say_once(f"misaligned {key}", _misaligned(key, step, len(values), len(samples), named)
+                                   + "; kept in batch_log as logged, left unpaired (NaN) by to_dataframe, which "
+                                   "says so each time")
+                self._append(self.batch_log[key], (step, values), "max_steps", f"batch log {key!r}")
         if samples is not None:
             self._append(self.batch_samples, (step, tuple(samples)), "max_steps", "batch samples")
             self._add_unique(samples)
@@ -215,7 +219,10 @@ class RunHistoryBackend(Backend):
 
     def to_dataframe(self):
         """A pandas DataFrame with one row per (sample, step): columns ``sample``, ``step`` and each batch-log
-        key's per-item value (NaN where a key was not logged that step)."""
+        key's per-item value. NaN where a key was not logged that step, or where its values were not one per
+        sample of the batch: those are never paired by position (which would give samples another's values);
+        each such batch is named in a warning, with its tag, step and both lengths, and its values stay in
+        ``batch_log`` as logged."""
         pd = require("pandas", "analysis", "RunHistoryBackend.to_dataframe")
         with self._lock:  # one consistent copy: the writer may be appending meanwhile
             batch_log = {key: list(entries) for key, entries in self.batch_log.items()}
@@ -228,17 +235,23 @@ class RunHistoryBackend(Backend):
         rows: List[Dict[str, Any]] = []
         keys = list(batch_log)
         seen: Dict[int, int] = {}
+        unpaired: List[str] = []
         for step, samples in batch_samples:
             k = seen[step] = seen.get(step, -1) + 1
             values = {key: lists[k] for key, lists in by_step.get(step, {}).items() if k < len(lists)}
+            for key in [key for key, v in values.items() if len(v) != len(samples)]:
+                unpaired.append(_misaligned(key, step, len(values.pop(key)), len(samples)))
             for i, sample in enumerate(samples):
                 if sample not in unique:
                     continue
                 row: Dict[str, Any] = {"sample": sample, "step": step}
                 for key in keys:
                     v = values.get(key)
-                    row[key] = float(v[i]) if v is not None and i < len(v) else math.nan
+                    row[key] = float(v[i]) if v is not None else math.nan
                 rows.append(row)
+        if unpaired:
+            log.warning("instrument: RunHistoryBackend.to_dataframe: %d batch(es) left unpaired (NaN): %s%s",
+                        len(unpaired), "; ".join(unpaired[:5]), "; ..." if len(unpaired) > 5 else "")
         return pd.DataFrame(rows, columns=["sample", "step", *keys])
 
     def plot_metrics(self, keys: Sequence[str], title: Optional[str] = None):
@@ -283,6 +296,12 @@ class RunHistoryBackend(Backend):
             f"RunHistoryBackend(metrics={len(self.metrics)}, steps_cap={self.max_steps}, "
             f"samples={len(self.unique_samples)}, samples_cap={self.max_samples})"
         )
+
+
+def _misaligned(key: str, step: int, values: int, samples: int, named: Optional[str] = None) -> str:
+    by = f" (named by {named})" if named else ""
+    return (f"batch log {key!r} at step {step} has {values} value(s) for {samples} sample(s){by}: "
+            f"they cannot be paired with the samples (log one value per sample, in the order of the ids)")
 
 
 def _as_id(value: float) -> Hashable:

@@ -267,3 +267,28 @@ def test_values_that_are_not_one_per_sample_are_never_paired_by_position(caplog)
     assert said.startswith("instrument: RunHistoryBackend.to_dataframe: 2 batch(es) left unpaired (NaN): batch log "
                            "'b/r' at step 0 has 5 value(s) for 3 sample(s): ")
     assert "batch log 'b/r' at step 1 has 2 value(s) for 4 sample(s)" in said
+
+
+def test_add_samples_reads_tensors_and_arrays_of_ids_as_values_and_refuses_a_step_that_is_not_an_int():
+    history = RunHistoryBackend(batch_keys=["b/r"])
+    logger = Logger([history])
+    batches = [torch.tensor([0, 1, 2]), np.array([0, 1, 2]), [torch.tensor(0), np.int64(1), 2]]
+    for step, ids in enumerate(batches):  # the same three samples every batch (e.g. pool indices)
+        history.add_samples(np.int64(step) if step == 1 else step, ids)
+        logger.log_histogram("b/r", torch.tensor([0.5, 1.5, 2.5]) + step, step=step)
+        logger.commit(step)
+    logger.flush()
+    assert history.unique_samples == {0, 1, 2}
+    assert all(type(item) is int for _, items in history.batch_samples for item in items)
+    frame = history.to_dataframe()
+    assert frame["sample"].tolist() == [0, 1, 2] * 3 and frame["b/r"].tolist() == [0.5, 1.5, 2.5, 1.5, 2.5, 3.5,
+                                                                                   2.5, 3.5, 4.5]
+    for step in (1.7, "x", True, -1, torch.tensor(3)):
+        with pytest.raises(ConfigurationError, match=r"add_samples: step must be a non-negative int, the step the "
+                                                     r"batch is committed at, got .* Pass the int step"):
+            history.add_samples(step, [1, 2])
+    with pytest.raises(ConfigurationError, match=r"one id per item of the batch, got a 0-d tensor or array \(3\)"):
+        history.add_samples(5, torch.tensor(3))
+    with pytest.raises(ConfigurationError, match=r"takes the batch's items, one per item .* got str 'abc'"):
+        history.add_samples(5, "abc")
+    assert 5 not in history._pending_samples

@@ -31,6 +31,7 @@ the oldest steps are dropped (samples beyond the cap are not added).
 import collections
 import logging
 import math
+import numbers
 import threading
 from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -96,9 +97,29 @@ class RunHistoryBackend(Backend):
         """Name the items of the batch logged at ``step`` (any hashable items: ints, strings, tuples).
 
         Call it before that step is committed; the per-item values committed at ``step`` are aligned with
-        them.
+        them. ``step`` is the int step the batch is committed at. A tensor or NumPy array of ids (and tensor or
+        NumPy scalars among the items) is read as Python values (``.tolist()``), so equal ids are one sample:
+        a tensor element hashes by identity, so each batch's ``tensor(0)`` would be a new sample.
         """
-        items = list(samples)
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ConfigurationError(
+                f"RunHistoryBackend.add_samples: step must be a non-negative int, the step the batch is committed "
+                f"at, got {step!r} ({type(step).__name__}). Pass the int step given to the logger (a tensor's: "
+                f"int(t.item()))."
+            )
+        if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__") and not hasattr(samples, "tolist"):
+            raise ConfigurationError(
+                f"RunHistoryBackend.add_samples takes the batch's items, one per item (a list, tuple, 1-D tensor "
+                f"or array of ids), got {type(samples).__name__} {samples!r:.80}."
+            )
+        if callable(getattr(samples, "tolist", None)):  # a tensor, an array: Python ints and floats
+            samples = samples.tolist()
+            if not isinstance(samples, list):
+                raise ConfigurationError(
+                    f"RunHistoryBackend.add_samples takes one id per item of the batch, got a 0-d tensor or array "
+                    f"({samples!r}); pass a 1-D one, e.g. ids.reshape(-1)."
+                )
+        items = [item.tolist() if callable(getattr(item, "tolist", None)) else item for item in samples]
         for item in items:
             hash(item)  # an unhashable item fails here, with Python's own message
         with self._lock:

@@ -2,6 +2,7 @@
 from a real JSONL file against float64 references."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -123,3 +124,38 @@ def test_read_only_and_reversed_numpy_losses_are_logged(tmp_path):
     metrics = json.loads(path.read_text().splitlines()[0])["metrics"]
     assert metrics["train/main/loss"] == 1.5 and metrics["train/main/value"] == pytest.approx(7 / 3)
     assert inst.failures == {}
+
+
+@pytest.mark.parametrize("role", ["done", "mask"])
+@pytest.mark.parametrize("value", [0.5, float("nan"), 1.0])
+def test_a_float_done_or_mask_is_refused_and_counts_nothing(tmp_path, role, value):
+    """A float done of 0.5 or NaN counted every step as an ended episode (and a mask of 0.3 kept every step):
+    anything nonzero is True. Checking the values would sync the device, so the dtype is checked."""
+    inst = instrument.Instrumentation(backends=[], log_interval=1, log_dir=tmp_path)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    flags = {"done": np.zeros((5, 3), bool), "mask": np.ones((5, 3), bool), role: np.full((5, 3), value)}
+    match = (rf"RL batch {role} \(given as a keyword\) is a torch\.float64 tensor; {role} must hold flags: a bool "
+             rf"tensor, or an integer one of 0 and 1 .* Convert it with {role}\.bool\(\)")
+    with pytest.raises(ConfigurationError, match=match):
+        rl.observe_batch(reward=np.zeros((5, 3)), **flags)
+    key = {"done": ("next", "done"), "mask": ("collector", "mask")}[role]
+    nested = {"next": {"reward": np.zeros((5, 3)), "done": flags["done"]}, "collector": {"mask": flags["mask"]}}
+    with pytest.raises(ConfigurationError, match=re.escape(f"RL batch {role} (at {key!r}) is a torch.float64 tensor")):
+        rl.observe_batch(nested)
+    assert rl.counters.frames == 0 and rl.counters.episodes == 0
+    rl.close()
+    inst.close()
+
+
+def test_integer_flags_and_numpy_integer_frames_are_counted(tmp_path):
+    done = np.zeros((5, 3), np.int64)
+    done[4, :] = 1
+    logged, failures = run(tmp_path, [(np.ones((5, 3)), done, np.ones((5, 3), np.uint8))])
+    assert failures == {} and logged[0]["counters/episodes"] == 3 and logged[0]["counters/frames"] == 15
+    inst = instrument.Instrumentation(backends=[], log_interval=1, log_dir=tmp_path / "b")
+    rl = RLLogging(progress=None).attach(inst)
+    with rl.iteration():
+        rl.observe_batch(reward=np.ones(3), done=np.zeros(3, bool), frames=np.int64(3))
+    assert rl.counters.frames == 3 and type(rl.counters.state_dict()["frames"]) is int
+    rl.close()
+    inst.close()

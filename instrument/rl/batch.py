@@ -147,6 +147,23 @@ def as_tensor(value: Any, name: str) -> Tensor:
         raise ConfigurationError(f"RL batch {name} is a {kind} of dtype {array.dtype} ({exc}); {expected}.") from exc
 
 
+def flag_entry(batch: Any, role: str, key: Optional[NestedKey]) -> Optional[Tensor]:
+    """`entry` of ``role`` (``done``, ``mask``) when its dtype holds flags: bool, or an integer one (0/1: any
+    nonzero value counts as True). A floating-point one is refused: 0.5 or NaN would count as True, and telling
+    them from 0.0/1.0 would read the values, a host sync on the training thread."""
+    value = entry(batch, role, key)
+    if value is None or not (value.dtype.is_floating_point or value.dtype.is_complex):
+        return value
+    keyword = isinstance(batch, KeywordBatch) and role in batch.roles
+    where = "given as a keyword" if keyword else f"at {key!r}"
+    raise ConfigurationError(
+        f"RL batch {role} ({where}) is a {value.dtype} tensor; {role} must hold flags: a bool tensor, or an "
+        f"integer one of 0 and 1 (a float such as 0.5 or NaN would count as True, and checking the values would "
+        f"cost a host sync). Convert it with {role}.bool() if it holds only 0.0 and 1.0, e.g. "
+        f"observe_batch(..., {role}={role}.bool())."
+    )
+
+
 def batch_shape_of(batch: Any) -> Optional[torch.Size]:
     """A TensorDict's batch size; None for plain mappings (inferred from ``done`` instead)."""
     if isinstance(batch, KeywordBatch):

@@ -16,6 +16,7 @@ read it, logging does not). Episodes stay on the device until commit. `state_dic
 batched transfer, so a checkpoint stores them in any format and a resumed run continues counting exactly.
 """
 
+import numbers
 from typing import Any, Dict, Optional
 
 import torch
@@ -27,7 +28,7 @@ from instrument.rl.batch import (
     KeywordBatch,
     NestedKey,
     batch_shape_of,
-    entry,
+    flag_entry,
     infer_batch_shape,
     split_features,
 )
@@ -78,15 +79,15 @@ class Counters(RLComponent):
         ``done``/``mask`` keywords win over the batch's entries (as in a `KeywordBatch`)."""
         if done is not None or mask is not None:
             batch = KeywordBatch(batch, done=done, mask=mask)
-        done = entry(batch, "done", self.done_key)
-        mask = entry(batch, "mask", self.mask_key)
+        done = flag_entry(batch, "done", self.done_key)
+        mask = flag_entry(batch, "mask", self.mask_key)
         shape = batch_shape_of(batch)
         if shape is None and done is not None:
             shape = infer_batch_shape(done, None)
         if frames is not None:
-            if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
+            if isinstance(frames, bool) or not isinstance(frames, numbers.Integral) or frames < 0:
                 raise ConfigurationError(f"frames must be a non-negative int, got {frames!r}.")
-            self._frames += frames
+            self._frames += int(frames)
         elif mask is not None:
             kept = mask.to(torch.bool).sum(dtype=torch.int64) * self.frame_skip
             self._frames_device = kept if self._frames_device is None else self._frames_device + kept

@@ -17,6 +17,7 @@ batched transfer, so a checkpoint stores them in any format and a resumed run co
 """
 
 import numbers
+from collections.abc import Mapping
 from typing import Any, Dict, Optional
 
 import torch
@@ -157,11 +158,24 @@ class Counters(RLComponent):
         return {"frames": self._frames, "iterations": self.iterations, "episodes": self._episodes}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        source = "Counters.state_dict() (RLLogging.state_dict()['counters'])"
+        if not isinstance(state, Mapping):
+            raise ConfigurationError(f"Counters.load_state_dict takes the dict {source} returns, got "
+                                     f"{type(state).__name__} {state!r:.80}.")
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ConfigurationError(
-                f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}."
+                f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}. Load the state "
+                f"{source} returned."
             )
+        for key in _STATE_KEYS:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ConfigurationError(
+                    f"Counters.load_state_dict: {key} must be a non-negative int, got {value!r} "
+                    f"({type(value).__name__}); {source} holds plain ints: load the state it returned "
+                    f"(a count read back as a tensor: int(t.item()))."
+                )
         self._frames = int(state["frames"])
         self.iterations = int(state["iterations"])
         self._episodes = int(state["episodes"])

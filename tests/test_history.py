@@ -4,6 +4,7 @@ import logging
 import math
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -207,3 +208,87 @@ def test_the_history_can_be_queried_while_the_run_commits():
     assert errors == [], errors[:1]
     got, _ = history.series("loss")
     assert got.tolist() == list(range(steps - 500, steps))
+
+
+@pytest.mark.parametrize("max_steps", [None, 3])
+def test_system_monitor_samples_are_kept_on_their_own_axis_as_jsonl_writes_them(tmp_path, max_steps):
+    import json
+
+    pytest.importorskip("psutil")
+    history = RunHistoryBackend(max_steps=max_steps)
+    monitor = instrument.SystemMonitor(collection_interval=0.02, flush_interval=0.02, max_buffered=2, gpu=False)
+    inst = instrument.Instrumentation(backends=[history, instrument.JsonlBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r", system_monitor=monitor,
+                                      overhead_budget=None)
+    for step in range(3):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+    time.sleep(0.2)  # about ten samples, flushed two at a time (max_buffered) and every 0.02 s
+    inst.close()
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    system = [line for line in lines if "system_step" in line]
+    assert len(system) >= 4
+    assert history.keys() == ["loss"]  # the training metrics are not mixed with the system axis
+    assert "system/process_rss_gib" in history.system_keys()
+    kept = system[-max_steps:] if max_steps else system
+    for key in ("system/seconds", "system/process_rss_gib", "system/host_cpu_percent"):
+        seconds, values = history.system_series(key)
+        assert seconds.tolist() == [line["metrics"]["system/seconds"] for line in kept]
+        assert values.tolist() == [line["metrics"][key] for line in kept]
+    with pytest.raises(KeyError, match="no system metric 'system/nope'.*known system keys"):
+        history.system_series("system/nope")
+
+
+def test_values_that_are_not_one_per_sample_are_never_paired_by_position(caplog):
+    history = RunHistoryBackend(sample_key="b/ids", batch_keys=["b/r", "b/ok"])
+    logger = Logger([history])
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_histogram("b/ids", torch.tensor([1, 2, 3]), step=0)
+        logger.log_histogram("b/r", torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5]), step=0)  # 5 values, 3 ids
+        logger.log_histogram("b/ok", torch.tensor([7.0, 8.0, 9.0]), step=0)
+        logger.commit(0)
+        history.add_samples(1, ["a", "b", "c", "d"])
+        logger.log_histogram("b/r", torch.tensor([0.25, 0.75]), step=1)  # 2 values, 4 samples
+        logger.commit(1)
+        logger.flush()
+        written = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        frame = history.to_dataframe()
+    assert written == ["instrument: RunHistoryBackend: batch log 'b/r' at step 0 has 5 value(s) for 3 sample(s) "
+                       "(named by 'b/ids'): they cannot be paired with the samples (log one value per sample, in "
+                       "the order of the ids); kept in batch_log as logged, left unpaired (NaN) by to_dataframe, "
+                       "which says so each time."]
+    assert [(s, v.tolist()) for s, v in history.batch_log["b/r"]] == [(0, [0.5, 1.5, 2.5, 3.5, 4.5]), (1, [0.25, 0.75])]
+    records = frame.to_dict("records")
+    assert [(r["sample"], r["step"], r["b/ok"]) for r in records[:3]] == [(1, 0, 7.0), (2, 0, 8.0), (3, 0, 9.0)]
+    assert [r["sample"] for r in records[3:]] == ["a", "b", "c", "d"]
+    assert all(math.isnan(r["b/r"]) for r in records)  # no sample is given another's value
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("instrument: RunHistoryBackend.to_dataframe: 2 batch(es) left unpaired (NaN): batch log "
+                           "'b/r' at step 0 has 5 value(s) for 3 sample(s): ")
+    assert "batch log 'b/r' at step 1 has 2 value(s) for 4 sample(s)" in said
+
+
+def test_add_samples_reads_tensors_and_arrays_of_ids_as_values_and_refuses_a_step_that_is_not_an_int():
+    history = RunHistoryBackend(batch_keys=["b/r"])
+    logger = Logger([history])
+    batches = [torch.tensor([0, 1, 2]), np.array([0, 1, 2]), [torch.tensor(0), np.int64(1), 2]]
+    for step, ids in enumerate(batches):  # the same three samples every batch (e.g. pool indices)
+        history.add_samples(np.int64(step) if step == 1 else step, ids)
+        logger.log_histogram("b/r", torch.tensor([0.5, 1.5, 2.5]) + step, step=step)
+        logger.commit(step)
+    logger.flush()
+    assert history.unique_samples == {0, 1, 2}
+    assert all(type(item) is int for _, items in history.batch_samples for item in items)
+    frame = history.to_dataframe()
+    assert frame["sample"].tolist() == [0, 1, 2] * 3 and frame["b/r"].tolist() == [0.5, 1.5, 2.5, 1.5, 2.5, 3.5,
+                                                                                   2.5, 3.5, 4.5]
+    for step in (1.7, "x", True, -1, torch.tensor(3)):
+        with pytest.raises(ConfigurationError, match=r"add_samples: step must be a non-negative int, the step the "
+                                                     r"batch is committed at, got .* Pass the int step"):
+            history.add_samples(step, [1, 2])
+    with pytest.raises(ConfigurationError, match=r"one id per item of the batch, got a 0-d tensor or array \(3\)"):
+        history.add_samples(5, torch.tensor(3))
+    with pytest.raises(ConfigurationError, match=r"takes the batch's items, one per item .* got str 'abc'"):
+        history.add_samples(5, "abc")
+    assert 5 not in history._pending_samples

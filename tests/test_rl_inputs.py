@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import instrument
 from instrument import ConfigurationError
@@ -123,3 +124,34 @@ def test_read_only_and_reversed_numpy_losses_are_logged(tmp_path):
     metrics = json.loads(path.read_text().splitlines()[0])["metrics"]
     assert metrics["train/main/loss"] == 1.5 and metrics["train/main/value"] == pytest.approx(7 / 3)
     assert inst.failures == {}
+
+
+def test_float_flags_as_cleanrl_keeps_them_count_like_bools_and_complex_ones_are_refused(tmp_path):
+    """CleanRL's next_done is a float32 tensor of 0.0 and 1.0: counted as the bools it stands for. A complex
+    done holds no flags and is refused, naming the role and where it came from."""
+    done = np.zeros((5, 3), np.float32)
+    done[4, :] = 1.0
+    logged, failures = run(tmp_path, [(np.ones((5, 3)), done, np.ones((5, 3), np.float32))])
+    assert failures == {} and logged[0]["counters/episodes"] == 3 and logged[0]["counters/frames"] == 15
+    inst = instrument.Instrumentation(backends=[], log_interval=1, log_dir=tmp_path / "c")
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    match = r"RL batch done \(given as a keyword\) is a torch\.complex128 tensor; done must hold flags"
+    with pytest.raises(ConfigurationError, match=match):
+        rl.observe_batch(reward=np.zeros((5, 3)), done=torch.zeros(5, 3, dtype=torch.complex128))
+    assert rl.counters.frames == 0 and rl.counters.episodes == 0
+    rl.close()
+    inst.close()
+
+
+def test_integer_flags_and_numpy_integer_frames_are_counted(tmp_path):
+    done = np.zeros((5, 3), np.int64)
+    done[4, :] = 1
+    logged, failures = run(tmp_path, [(np.ones((5, 3)), done, np.ones((5, 3), np.uint8))])
+    assert failures == {} and logged[0]["counters/episodes"] == 3 and logged[0]["counters/frames"] == 15
+    inst = instrument.Instrumentation(backends=[], log_interval=1, log_dir=tmp_path / "b")
+    rl = RLLogging(progress=None).attach(inst)
+    with rl.iteration():
+        rl.observe_batch(reward=np.ones(3), done=np.zeros(3, bool), frames=np.int64(3))
+    assert rl.counters.frames == 3 and type(rl.counters.state_dict()["frames"]) is int
+    rl.close()
+    inst.close()

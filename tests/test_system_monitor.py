@@ -131,7 +131,7 @@ def test_memory_is_bounded_when_nothing_flushes():
     time.sleep(0.15)
     assert monitor.buffered <= 3
     monitor.stop()
-    assert 1 <= len(sink.records) <= 3  # the last samples are flushed at stop
+    assert len(sink.records) > 3 and monitor.dropped == 0  # a full buffer is flushed early: nothing dropped
 
 
 def test_only_started_once():

@@ -10,6 +10,8 @@ It stores what the logger commits — host values only, like every backend:
   ``{tag: [(step, values), ...]}``.
 - ``unique_samples``: the set of samples seen: the values of the histogram tag ``sample_key`` (integer ids,
   e.g. pool indices, logged like any per-item value) or hashable items given to `add_samples`.
+- ``system``: the `SystemMonitor`'s samples on their own axis (seconds since the monitor started, not the
+  training step), as ``{key: [(seconds, value), ...]}``; `system_keys` and `system_series` query them.
 
 `to_dataframe` joins samples and per-item values into a pandas DataFrame, one row per (sample, step);
 `plot_metrics` and `plot_timelog` draw with matplotlib and return the figure, which a notebook shows.
@@ -20,7 +22,8 @@ Threads: the writer thread writes each committed step under one lock, and every 
 may query the history while the run goes on and sees whole steps only. The containers themselves
 (``metrics``, ``timelog``, ...) are the live ones: iterate them only after the run is closed.
 
-Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log, ``max_samples``
+Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log (and the most recent
+samples of each system series), ``max_samples``
 caps the set of unique samples. Reaching a cap is reported once through the ``instrument`` logger; after that
 the oldest steps are dropped (samples beyond the cap are not added).
 """
@@ -28,6 +31,7 @@ the oldest steps are dropped (samples beyond the cap are not added).
 import collections
 import logging
 import math
+import numbers
 import threading
 from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -68,6 +72,7 @@ class RunHistoryBackend(Backend):
         self.timelog: Dict[str, Deque[Tuple[int, float, int]]] = {}
         self.batch_log: Dict[str, Deque[Tuple[int, np.ndarray]]] = {}
         self.batch_samples: Deque[Tuple[int, Tuple[Hashable, ...]]] = collections.deque(maxlen=max_steps)
+        self.system: Dict[str, Deque[Tuple[float, float]]] = {}  # the system monitor's axis: seconds
         self.unique_samples: Set[Hashable] = set()
         self.run: Optional[RunInfo] = None
         self._pending_samples: Dict[int, List[Hashable]] = {}
@@ -91,9 +96,29 @@ class RunHistoryBackend(Backend):
         """Name the items of the batch logged at ``step`` (any hashable items: ints, strings, tuples).
 
         Call it before that step is committed; the per-item values committed at ``step`` are aligned with
-        them.
+        them. ``step`` is the int step the batch is committed at. A tensor or NumPy array of ids (and tensor or
+        NumPy scalars among the items) is read as Python values (``.tolist()``), so equal ids are one sample:
+        a tensor element hashes by identity, so each batch's ``tensor(0)`` would be a new sample.
         """
-        items = list(samples)
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ConfigurationError(
+                f"RunHistoryBackend.add_samples: step must be a non-negative int, the step the batch is committed "
+                f"at, got {step!r} ({type(step).__name__}). Pass the int step given to the logger (a tensor's: "
+                f"int(t.item()))."
+            )
+        if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__") and not hasattr(samples, "tolist"):
+            raise ConfigurationError(
+                f"RunHistoryBackend.add_samples takes the batch's items, one per item (a list, tuple, 1-D tensor "
+                f"or array of ids), got {type(samples).__name__} {samples!r:.80}."
+            )
+        if callable(getattr(samples, "tolist", None)):  # a tensor, an array: Python ints and floats
+            samples = samples.tolist()
+            if not isinstance(samples, list):
+                raise ConfigurationError(
+                    f"RunHistoryBackend.add_samples takes one id per item of the batch, got a 0-d tensor or array "
+                    f"({samples!r}); pass a 1-D one, e.g. ids.reshape(-1)."
+                )
+        items = [item.tolist() if callable(getattr(item, "tolist", None)) else item for item in samples]
         for item in items:
             hash(item)  # an unhashable item fails here, with Python's own message
         with self._lock:
@@ -123,19 +148,34 @@ class RunHistoryBackend(Backend):
                     "max_steps",
                     f"timelog {stage!r}",
                 )
-        for key, values in record.histograms.items():
-            if key in self.batch_log:
-                self._append(
-                    self.batch_log[key], (step, np.asarray(values).copy()), "max_steps", f"batch log {key!r}"
-                )
         samples = self._pending_samples.pop(step, None)
         for stale in [s for s in self._pending_samples if s < step]:
             del self._pending_samples[stale]
+        named = "add_samples"
         if samples is None and self.sample_key is not None and self.sample_key in record.histograms:
-            samples = [_as_id(v) for v in record.histograms[self.sample_key]]
+            samples, named = [_as_id(v) for v in record.histograms[self.sample_key]], repr(self.sample_key)
+        for key, values in record.histograms.items():
+            if key in self.batch_log:
+                values = np.asarray(values).copy()
+                if samples is not None and len(values) != len(samples):  # kept as logged, never paired
+                    self._say_once(f"misaligned {key}", _misaligned(key, step, len(values), len(samples), named)
+                                   + "; kept in batch_log as logged, left unpaired (NaN) by to_dataframe, which "
+                                   "says so each time")
+                self._append(self.batch_log[key], (step, values), "max_steps", f"batch log {key!r}")
         if samples is not None:
             self._append(self.batch_samples, (step, tuple(samples)), "max_steps", "batch samples")
             self._add_unique(samples)
+
+    def write_system(self, record: StepRecord) -> None:
+        """The system monitor's samples, kept on their own axis: the exact ``system/seconds`` since the monitor
+        started (the record's step is its whole seconds), never mixed with the training steps in ``metrics``."""
+        seconds = float(record.scalars.get("system/seconds", record.step))
+        with self._lock:
+            for key, value in record.scalars.items():
+                series = self.system.get(key)
+                if series is None:
+                    series = self.system[key] = collections.deque(maxlen=self.max_steps)
+                self._append(series, (seconds, float(value)), "max_steps", f"system metric {key!r}")
 
     def _append(self, series: Deque, item: Any, cap: str, what: str) -> None:
         if series.maxlen is not None and len(series) == series.maxlen:
@@ -179,9 +219,30 @@ class RunHistoryBackend(Backend):
     def last(self, key: str) -> float:
         return self.series(key)[1][-1]
 
+    def system_keys(self) -> List[str]:
+        """The system monitor's metric keys (``system/...``), kept apart from the training metrics' `keys`."""
+        with self._lock:
+            return sorted(self.system)
+
+    def system_series(self, key: str) -> Tuple[np.ndarray, np.ndarray]:
+        """``(seconds, values)`` of one system-monitor metric as float64 NumPy arrays: seconds since the monitor
+        started (``system/seconds``), the system axis, not training steps. A copy, safe while the run goes on."""
+        with self._lock:
+            if key not in self.system:
+                raise KeyError(f"no system metric {key!r} in the run history (the SystemMonitor's samples); known "
+                               f"system keys: {sorted(self.system)[:20]}")
+            pairs = list(self.system[key])
+        return (
+            np.fromiter((t for t, _ in pairs), dtype=np.float64, count=len(pairs)),
+            np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs)),
+        )
+
     def to_dataframe(self):
         """A pandas DataFrame with one row per (sample, step): columns ``sample``, ``step`` and each batch-log
-        key's per-item value (NaN where a key was not logged that step)."""
+        key's per-item value. NaN where a key was not logged that step, or where its values were not one per
+        sample of the batch: those are never paired by position (which would give samples another's values);
+        each such batch is named in a warning, with its tag, step and both lengths, and its values stay in
+        ``batch_log`` as logged."""
         pd = require("pandas", "analysis", "RunHistoryBackend.to_dataframe")
         with self._lock:  # one consistent copy: the writer may be appending meanwhile
             batch_log = {key: list(entries) for key, entries in self.batch_log.items()}
@@ -194,17 +255,23 @@ class RunHistoryBackend(Backend):
         rows: List[Dict[str, Any]] = []
         keys = list(batch_log)
         seen: Dict[int, int] = {}
+        unpaired: List[str] = []
         for step, samples in batch_samples:
             k = seen[step] = seen.get(step, -1) + 1
             values = {key: lists[k] for key, lists in by_step.get(step, {}).items() if k < len(lists)}
+            for key in [key for key, v in values.items() if len(v) != len(samples)]:
+                unpaired.append(_misaligned(key, step, len(values.pop(key)), len(samples)))
             for i, sample in enumerate(samples):
                 if sample not in unique:
                     continue
                 row: Dict[str, Any] = {"sample": sample, "step": step}
                 for key in keys:
                     v = values.get(key)
-                    row[key] = float(v[i]) if v is not None and i < len(v) else math.nan
+                    row[key] = float(v[i]) if v is not None else math.nan
                 rows.append(row)
+        if unpaired:
+            log.warning("instrument: RunHistoryBackend.to_dataframe: %d batch(es) left unpaired (NaN): %s%s",
+                        len(unpaired), "; ".join(unpaired[:5]), "; ..." if len(unpaired) > 5 else "")
         return pd.DataFrame(rows, columns=["sample", "step", *keys])
 
     def plot_metrics(self, keys: Sequence[str], title: Optional[str] = None):
@@ -249,6 +316,12 @@ class RunHistoryBackend(Backend):
             f"RunHistoryBackend(metrics={len(self.metrics)}, steps_cap={self.max_steps}, "
             f"samples={len(self.unique_samples)}, samples_cap={self.max_samples})"
         )
+
+
+def _misaligned(key: str, step: int, values: int, samples: int, named: Optional[str] = None) -> str:
+    by = f" (named by {named})" if named else ""
+    return (f"batch log {key!r} at step {step} has {values} value(s) for {samples} sample(s){by}: "
+            f"they cannot be paired with the samples (log one value per sample, in the order of the ids)")
 
 
 def _as_id(value: float) -> Hashable:

@@ -6,7 +6,7 @@ Kept apart from the logger's hot path: these run once per run (or once per mista
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from instrument.checks import check_number
 from instrument.errors import ConfigurationError
@@ -43,6 +43,21 @@ def closed_use(logger: Any, what: str) -> bool:
 class LoggerEnd:
     """Mixin of `Logger`: its close, from the user, a signal handler, atexit or a fork."""
 
+    def before_close(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` once, before this logger closes, however it closes (`close`, SIGTERM, the process exit
+        after an uncaught exception or without a close): a `SystemMonitor` stops there, so the samples it
+        buffered are handed over before the backends close. Hooks run in the order registered; one that
+        raises is reported and the close goes on."""
+        self._before_close.append(hook)
+
+    def _run_before_close(self) -> None:
+        hooks, self._before_close = self._before_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("instrument: a hook run before the logger closes (%r) failed", hook)
+
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> None:
         """Commit what is still staged, write and flush everything, then close every backend (on the writer
         thread) and stop it. ``status`` ``"killed"``/``"failed"`` calls `Backend.on_exit` first. Idempotent;
@@ -51,7 +66,10 @@ class LoggerEnd:
         The commit lock is held for the last commit only, not while waiting for the writer: a backend or a
         logging handler that commits from the writer thread meanwhile (its values are refused: the logger is
         closed) must not wait for a lock whose holder waits for it. The last commit never waits for room in
-        a full queue: the close right behind it is bounded by ``timeout`` alone."""
+        a full queue: the close right behind it is bounded by ``timeout`` alone. The `before_close` hooks run
+        first (a system monitor hands over its buffered samples)."""
+        if not self._closed:
+            self._run_before_close()
         locked = self._gate("close()", "the logger closes without a last commit: what is staged is not written")
         try:
             if self._closed:
@@ -91,6 +109,7 @@ class LoggerEnd:
         if self._closed:
             self._writer.close(status or self._exit_status, timeout)  # its own close if none was queued yet
             return
+        self._run_before_close()  # e.g. a system monitor's buffered samples, handed over before the close
         self._closed_by = "shutdown"
         if commit and not self.reducer.active():
             self.close(status, timeout)

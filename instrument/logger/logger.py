@@ -141,6 +141,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self._final = False  # close() is committing: its commit closes the logger under the staging lock
         self._closed_by = ""  # "close" (explicit: later calls raise) or "shutdown" (a signal or exit: warn once)
         self._warned_closed = False
+        self._before_close: List[Any] = []  # callables run once before it closes (`LoggerEnd.before_close`)
         self._exit_status: Optional[str] = None
         self._value_failures: Dict[str, int] = {}
         self._warned: Dict[str, None] = {}  # keys (or "step <n>") already warned about once
@@ -302,13 +303,13 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         with self._lock:
             return named_timer(self._timers, name, reduce)
 
-    def write_system(self, record: StepRecord) -> None:
+    def write_system(self, record: StepRecord) -> bool:
         """Side channel for the system monitor: its own step axis, never the training step's order check.
 
         ``record.step`` is whole seconds since the monitor started. Safe to call from any thread; written on
-        the writer thread between training records.
+        the writer thread between training records. False when the logger's writer is closed (not written).
         """
-        self._writer.call("write_system", record)
+        return self._writer.call("write_system", record) > 0
 
     # ------------------------------------------------------------------ commit
     @property

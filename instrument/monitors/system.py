@@ -13,9 +13,16 @@ Lifecycle (the `Instrumentation` drives it when given ``system_monitor=``)::
     monitor.stop()             # wakes the thread, samples the time since the last sample (when it is at least
                                # half an interval), flushes what is buffered, joins it
 
+A `Logger` stops its monitor before it closes, however it closes (``logger.close()`` first, SIGTERM, the process
+exit after a crash or without ``inst.close()``: `Logger.before_close`), so the buffered samples are written
+before the backends close, not lost.
+
 The training thread never waits on sampling (psutil, NVML): that happens in the monitor's thread, outside any
-lock; the only shared step is the backend write, which the logger serialises with its commits. The buffer is a
-bounded deque, so a stalled backend costs at most ``max_buffered`` samples of memory.
+lock; the only shared step is the backend write, which the logger serialises with its commits. At most
+``max_buffered`` samples wait in the monitor: a buffer that fills before the next flush is flushed at once, so
+no sample is dropped for want of room. A sample that cannot be written (the logger was closed before the
+monitor could hand it over, or the write raised) is counted in `SystemMonitor.dropped` and reported in a warning
+with the count.
 
 Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process sees it):
 
@@ -64,7 +71,8 @@ class SystemMonitor:
         flush_interval: seconds between writes to the backends (>= collection_interval).
         gpu: include GPU memory (torch.cuda stats, once CUDA is initialised) and NVML utilisation/memory
             (when ``nvidia-ml-py`` is installed); False skips both.
-        max_buffered: most samples kept between flushes; older ones are dropped first.
+        max_buffered: most samples kept between flushes; when that many are buffered they are flushed at
+            once, before ``flush_interval`` is up (nothing is dropped).
 
     Needs ``psutil`` (``pip install 'torch-instrument[monitor]'``). Subclass and extend `sample` to add
     quantities; keep keys under ``system/``.
@@ -93,7 +101,9 @@ class SystemMonitor:
         self.flush_interval = float(flush_interval)
         self.gpu = gpu
         self.max_buffered = max_buffered
-        self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque(maxlen=max_buffered)
+        self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque()
+        self._dropped = 0  # samples that could not be written (`dropped`)
+        self._reported = 0  # of those, how many a warning already reported
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._logger: Any = None
@@ -114,11 +124,23 @@ class SystemMonitor:
         """Samples collected and not yet flushed (at most ``max_buffered``)."""
         return len(self._buffer)
 
+    @property
+    def dropped(self) -> int:
+        """Samples taken that could not be written: the logger was closed before they were handed over (it
+        was not a `Logger`, or it was closed already when the monitor started), or its ``write_system`` raised.
+        Reported in a warning with the count."""
+        return self._dropped
+
     def start(self, logger: Any) -> None:
-        """Start sampling into ``logger`` (anything with ``write_system(record)``). Once per monitor."""
+        """Start sampling into ``logger`` (anything with ``write_system(record)``; one that returns False did
+        not take the record). Once per monitor. A logger with ``before_close`` (a `Logger`) stops this monitor
+        before it closes, so the samples still buffered are written before its backends close."""
         if self._thread is not None:
             raise ConfigurationError("this SystemMonitor was already started; create a new one per run.")
         self._logger = logger
+        before_close = getattr(logger, "before_close", None)
+        if callable(before_close):
+            before_close(self.stop)
         self._process = self._psutil.Process()
         if self.gpu:
             self._init_nvml()
@@ -135,6 +157,9 @@ class SystemMonitor:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("instrument: the system monitor thread did not stop within %.1f s", timeout)
+        elif self._dropped > self._reported:  # more than the first warning said
+            log.warning("instrument: the system monitor could not write %d of its samples in all (see the warning "
+                        "above)", self._dropped)
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
@@ -236,17 +261,32 @@ class SystemMonitor:
             return
         values["system/cpu_window_seconds"] = window
         self._buffer.append((time.monotonic() - self._t0, time.time(), values))
+        if len(self._buffer) >= self.max_buffered:  # full before the flush is due: flush now, drop nothing
+            self._flush()
 
     def _flush(self) -> None:
+        dropped, error = 0, None
         while self._buffer:
             seconds, wall, values = self._buffer.popleft()
             record = StepRecord(
                 step=int(seconds), scalars={**values, "system/seconds": seconds}, wall_time=wall
             )
             try:
-                self._logger.write_system(record)
+                if self._logger.write_system(record) is False:  # the logger is closed: not written
+                    dropped += 1
             except Exception as exc:
-                log.warning("instrument: system monitor could not write: %r", exc)
+                dropped, error = dropped + 1, exc
+        if not dropped:
+            return
+        self._dropped += dropped
+        if self._reported:  # said once; stop() gives the total
+            return
+        self._reported = self._dropped
+        why = (f"its write_system raised {error!r}" if error is not None else
+               "the logger was closed before the monitor handed them over (stop the monitor, or close the "
+               "Instrumentation, before closing its logger; a Logger does that itself)")
+        log.warning("instrument: the system monitor could not write %d buffered sample(s): %s. They are lost; "
+                    "SystemMonitor.dropped counts every sample not written", dropped, why)
 
     def __repr__(self) -> str:
         return (

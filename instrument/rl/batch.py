@@ -148,6 +148,23 @@ def as_tensor(value: Any, name: str) -> Tensor:
         raise ConfigurationError(f"RL batch {name} is a {kind} of dtype {array.dtype} ({exc}); {expected}.") from exc
 
 
+def flag_entry(batch: Any, role: str, key: Optional[NestedKey]) -> Optional[Tensor]:
+    """`entry` of ``role`` (``done``, ``mask``): flags, read as ``value != 0``. Bool and integer dtypes, and
+    floats (CleanRL keeps ``next_done`` as float32 0.0/1.0): any nonzero value counts as True, 0.5 and NaN too,
+    since telling them apart would read the values, a host sync on the training thread. A complex one is
+    refused: it holds no flags."""
+    value = entry(batch, role, key)
+    if value is None or not value.dtype.is_complex:
+        return value
+    keyword = isinstance(batch, KeywordBatch) and role in batch.roles
+    where = "given as a keyword" if keyword else f"at {key!r}"
+    raise ConfigurationError(
+        f"RL batch {role} ({where}) is a {value.dtype} tensor; {role} must hold flags: a bool tensor, or an "
+        f"integer or float one of 0 and 1 (nonzero counts as True). Pass e.g. observe_batch(..., {role}=terminated "
+        f"| truncated)."
+    )
+
+
 def batch_shape_of(batch: Any) -> Optional[torch.Size]:
     """A TensorDict's batch size; None for plain mappings (inferred from ``done`` instead)."""
     if isinstance(batch, KeywordBatch):

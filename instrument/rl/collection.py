@@ -38,6 +38,7 @@ from instrument.rl.batch import (
     NestedKey,
     batch_shape_of,
     entry,
+    flag_entry,
     infer_batch_shape,
     lookup,
     resolve_time_dim,
@@ -151,8 +152,8 @@ class CollectionMetrics(RLComponent):
         if batch is None and frames is not None:
             return
         reward = entry(batch, "reward", self.reward_key)
-        done = entry(batch, "done", self.done_key)
-        mask = entry(batch, "mask", self.mask_key)
+        done = flag_entry(batch, "done", self.done_key)
+        mask = flag_entry(batch, "mask", self.mask_key)
         episode_reward = entry(batch, "episode_reward", self.episode_reward_key)
         if reward is None:
             raise ConfigurationError(

@@ -30,13 +30,15 @@ Rules a component follows:
   they return plain Python values so any checkpoint format (torch.save, JSON, TorchRL's) can store them.
 """
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from instrument.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from instrument.logger.logger import Logger
     from instrument.rl.counters import Counters
 
-__all__ = ["RLComponent"]
+__all__ = ["RLComponent", "load_together", "state_entry"]
 
 
 class RLComponent:
@@ -78,3 +80,28 @@ class RLComponent:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.prefix!r})"
+
+
+def state_entry(state: Dict[str, Any], key: str, owner: str) -> Any:
+    """``state[key]``, or a `ConfigurationError` naming the missing key and where such a state comes from."""
+    if key not in state:
+        raise ConfigurationError(
+            f"{owner}.load_state_dict: the state lacks {key!r}; got keys {sorted(state)}. Load the dict "
+            f"{owner}.state_dict() returned (saved with the checkpoint), not a part of it."
+        )
+    return state[key]
+
+
+def load_together(parts: List[Tuple[Any, Any]]) -> None:
+    """``component.load_state_dict(state)`` for each ``(component, state)``, all or none: when one refuses its
+    state, those loaded before it get their own state back, and the error is raised."""
+    done: List[Tuple[Any, Any]] = []
+    try:
+        for component, state in parts:
+            before = component.state_dict()
+            component.load_state_dict(state)
+            done.append((component, before))
+    except BaseException:
+        for component, before in reversed(done):
+            component.load_state_dict(before)
+        raise

@@ -16,6 +16,8 @@ read it, logging does not). Episodes stay on the device until commit. `state_dic
 batched transfer, so a checkpoint stores them in any format and a resumed run continues counting exactly.
 """
 
+import numbers
+from collections.abc import Mapping
 from typing import Any, Dict, Optional
 
 import torch
@@ -28,7 +30,7 @@ from instrument.rl.batch import (
     KeywordBatch,
     NestedKey,
     batch_shape_of,
-    entry,
+    flag_entry,
     infer_batch_shape,
     split_features,
 )
@@ -79,16 +81,15 @@ class Counters(RLComponent):
         ``done``/``mask`` keywords win over the batch's entries (as in a `KeywordBatch`)."""
         if done is not None or mask is not None:
             batch = KeywordBatch(batch, done=done, mask=mask)
-        done = entry(batch, "done", self.done_key)
-        mask = entry(batch, "mask", self.mask_key)
+        done = flag_entry(batch, "done", self.done_key)
+        mask = flag_entry(batch, "mask", self.mask_key)
         shape = batch_shape_of(batch)
         if shape is None and done is not None:
             shape = infer_batch_shape(done, None)
         if frames is not None:
-            check_int("frames", frames, least=0, expected="a non-negative int",
-                      why="the batch's frames, frame skip included",
-                      fix="pass e.g. frames=256, or leave frames out to count the batch")
-            self._frames += frames
+            self._frames += check_int("frames", frames, least=0, expected="a non-negative int", integral=True,
+                                      why="the batch's frames, frame skip included",
+                                      fix="pass e.g. frames=256, or leave frames out to count the batch")
         elif mask is not None:
             kept = mask.to(torch.bool).sum(dtype=torch.int64) * self.frame_skip
             self._frames_device = kept if self._frames_device is None else self._frames_device + kept
@@ -158,11 +159,24 @@ class Counters(RLComponent):
         return {"frames": self._frames, "iterations": self.iterations, "episodes": self._episodes}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        source = "Counters.state_dict() (RLLogging.state_dict()['counters'])"
+        if not isinstance(state, Mapping):
+            raise ConfigurationError(f"Counters.load_state_dict takes the dict {source} returns, got "
+                                     f"{type(state).__name__} {state!r:.80}.")
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ConfigurationError(
-                f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}."
+                f"Counters.load_state_dict: the state lacks {missing}; got keys {sorted(state)}. Load the state "
+                f"{source} returned."
             )
+        for key in _STATE_KEYS:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ConfigurationError(
+                    f"Counters.load_state_dict: {key} must be a non-negative int, got {value!r} "
+                    f"({type(value).__name__}); {source} holds plain ints: load the state it returned "
+                    f"(a count read back as a tensor: int(t.item()))."
+                )
         self._frames = int(state["frames"])
         self.iterations = int(state["iterations"])
         self._episodes = int(state["episodes"])

@@ -172,6 +172,19 @@ class Evaluation(RLComponent):
         return {"next_due": int(self.next_due), "runs": int(self.runs)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        source = "Evaluation.state_dict() (RLLogging.state_dict()['evaluation'])"
+        if not isinstance(state, dict) or "next_due" not in state:
+            got = f"keys {sorted(state)}" if isinstance(state, dict) else f"{type(state).__name__} {state!r:.80}"
+            raise ConfigurationError(
+                f"Evaluation.load_state_dict: the state lacks 'next_due' (the frame count the next evaluation is "
+                f"due at); got {got}. Load the state {source} returned."
+            )
+        for key, value in (("next_due", state["next_due"]), ("runs", state.get("runs", 0))):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ConfigurationError(
+                    f"Evaluation.load_state_dict: {key} must be a non-negative int, got {value!r} "
+                    f"({type(value).__name__}); {source} holds plain ints: load the state it returned."
+                )
         self.next_due = int(state["next_due"])
         self.runs = int(state.get("runs", 0))
 

@@ -55,7 +55,7 @@ from instrument.logger.timer import Timer
 from instrument.rl.bar import ProgressComponent
 from instrument.rl.batch import KeywordBatch
 from instrument.rl.collection import CollectionMetrics
-from instrument.rl.component import RLComponent
+from instrument.rl.component import RLComponent, load_together, state_entry
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
 from instrument.rl.ranks import distributed
@@ -416,10 +416,11 @@ class RLLogging:
                 f"RLLogging.load_state_dict expects a state from RLLogging.state_dict() (version "
                 f"{_STATE_VERSION}), got {type(state).__name__} with version {version!r}."
             )
-        self.counters.load_state_dict(state["counters"])
-        self._unlogged = False  # what the restored counters count was logged by the run that saved them
+        parts = [(self.counters, state_entry(state, "counters", "RLLogging"))]
         if self.evaluation is not None and "evaluation" in state:
-            self.evaluation.load_state_dict(state["evaluation"])
+            parts.append((self.evaluation, state["evaluation"]))
+        load_together(parts)  # all or none: a part refused leaves the others as they were
+        self._unlogged = False  # what the restored counters count was logged by the run that saved them
         named = {name: comp for name, comp, _ in self.members}
         for name, comp_state in state.get("components", {}).items():
             if name in named:

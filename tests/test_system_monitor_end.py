@@ -1,0 +1,130 @@
+"""SystemMonitor at the end of a run and when its buffer fills: every sample taken is written, or counted and
+reported. Real child processes (a crash, an exit without ``close``, SIGTERM), real loggers, JSONL read back."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from instrument import Instrumentation, JsonlBackend, Logger, RunInfo, SystemMonitor
+
+pytest.importorskip("psutil")
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, instrument
+
+    root, how = sys.argv[1], sys.argv[2]
+    mon = instrument.SystemMonitor(collection_interval=0.05, flush_interval=3600.0, gpu=False)
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=1, log_dir=root,
+                                      run_name="r", system_monitor=mon, overhead_budget=None)
+    for s in range(3):
+        with inst.step(s):
+            inst.logger.log_metrics({"loss": float(s)}, step=s)
+    while mon.buffered < 3:  # samples the hour-long flush interval has not written yet
+        time.sleep(0.01)
+    print(mon.buffered, flush=True)
+    if how == "crash":
+        raise RuntimeError("training crashed")
+    if how == "sigterm":
+        time.sleep(600)
+    # "exit": the script ends without inst.close()
+    """
+)
+
+
+def _system_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if "system_step" in json.loads(line)]
+
+
+@pytest.mark.parametrize("how", ["crash", "exit", "sigterm"])
+def test_a_run_ended_without_close_still_writes_the_samples_the_monitor_buffered(tmp_path, how):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), how], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        buffered = int(child.stdout.readline())
+        if how == "sigterm":
+            os.kill(child.pid, signal.SIGTERM)
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert {"crash": 1, "exit": 0, "sigterm": -signal.SIGTERM}[how] == child.returncode, err
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if '"step"' in line] == [0, 1, 2]
+    system = _system_lines(tmp_path / "r" / "metrics.jsonl")
+    assert len(system) >= buffered >= 3, err  # the monitor stopped, and flushed, before the logger closed
+    seconds = [line["metrics"]["system/seconds"] for line in system]
+    assert seconds == sorted(seconds)
+
+
+def test_a_logger_closed_before_its_monitor_stops_writes_the_samples_first(tmp_path):
+    logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
+    monitor = SystemMonitor(collection_interval=0.02, flush_interval=3600.0, gpu=False)
+    monitor.start(logger)
+    while monitor.buffered < 3:
+        time.sleep(0.01)
+    buffered = monitor.buffered
+    logger.close()  # before monitor.stop(): the logger stops the monitor first
+    assert not monitor.running and monitor.dropped == 0
+    monitor.stop()
+    assert len(_system_lines(tmp_path / "r" / "metrics.jsonl")) >= buffered
+
+
+def test_samples_a_closed_logger_cannot_take_are_counted_and_reported_once(tmp_path, caplog):
+    logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
+    logger.close()
+
+    class Counting(SystemMonitor):
+        taken = 0
+
+        def sample(self):
+            Counting.taken += 1
+            return super().sample()
+
+    monitor = Counting(collection_interval=0.02, flush_interval=3600.0, gpu=False)
+    monitor.start(logger)  # a closed logger: nothing the monitor hands over is written
+    while monitor.buffered < 3:
+        time.sleep(0.01)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        monitor.stop()
+    assert monitor.dropped == Counting.taken >= 3
+    warnings = [r.getMessage() for r in caplog.records if "system monitor could not write" in r.getMessage()]
+    assert warnings == [f"instrument: the system monitor could not write {Counting.taken} buffered sample(s): the "
+                        f"logger was closed before the monitor handed them over (stop the monitor, or close the "
+                        f"Instrumentation, before closing its logger; a Logger does that itself). They are lost; "
+                        f"SystemMonitor.dropped counts every sample not written"]
+    assert not [line for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if "system" in line]
+
+
+def test_a_buffer_that_fills_before_the_flush_is_flushed_early_and_drops_nothing(tmp_path):
+    class Counting(SystemMonitor):
+        taken = 0
+        most = 0
+
+        def sample(self):
+            Counting.taken += 1
+            Counting.most = max(Counting.most, self.buffered)
+            return super().sample()
+
+    monitor = Counting(collection_interval=0.01, flush_interval=3600.0, gpu=False, max_buffered=3)
+    inst = Instrumentation(backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r",
+                           system_monitor=monitor, overhead_budget=None)
+    while Counting.taken < 20:  # many more samples than max_buffered within one flush interval
+        time.sleep(0.01)
+    inst.close()
+    assert Counting.most <= 3 and monitor.dropped == 0  # memory stays bounded
+    system = _system_lines(tmp_path / "r" / "metrics.jsonl")
+    assert len(system) == Counting.taken  # every sample taken is written
+    seconds = [line["metrics"]["system/seconds"] for line in system]
+    assert seconds == sorted(seconds) and len(set(seconds)) == len(seconds)

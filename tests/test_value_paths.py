@@ -55,6 +55,22 @@ def test_the_interval_mean_of_finite_values_is_finite_on_every_path(tmp_path, pa
     assert _written(tmp_path / "o")[len(values)]["x"] == _mean(values)
 
 
+
+@pytest.mark.parametrize("pairs", [
+    [(1e308, 1.0), (1e308, 1.0)],  # the sum leaves float64's range
+    [(1e308, 2.0)],  # the product alone does
+    [(1e308, 2.0), (3.0, 1.0), (-1e308, 0.5), (1e307, 4.0)],
+], ids=["sum", "product", "mixed"])
+def test_a_weighted_mean_of_finite_values_is_finite(tmp_path, pairs):
+    """sum(value * weight) / sum(weight) taken exactly where float64 would overflow: it read inf."""
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("w", tmp_path))
+    for value, weight in pairs:
+        logger.log_metrics({"x": value}, step=0, weights=weight)
+    logger.commit(0)
+    logger.close()
+    want = sum(Fraction(v) * Fraction(w) for v, w in pairs) / sum(Fraction(w) for _, w in pairs)
+    assert _written(tmp_path / "w")[0]["x"] == float(want)
+
 def test_the_mean_of_finite_values_past_max_blocks_is_finite(tmp_path):
     # the blocks are folded into the per-key table on the caller, and the sums go on there
     logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("f", tmp_path))

@@ -72,7 +72,8 @@ def run(
         # What was committed before Ctrl-C is written and the run is closed: say where it is. ``exc.outcome``
         # is what this returns otherwise (result None), so the CLI names the folder and viewers as usual.
         exc.outcome = _outcome(None, inst, backends)
-        exc.add_note(f"instrument: the steps committed before the interrupt are saved in {inst.run.dir}")
+        if hasattr(exc, "add_note"):  # Python >= 3.11 (the CLI reads ``outcome`` on every version)
+            exc.add_note(f"instrument: the steps committed before the interrupt are saved in {inst.run.dir}")
         raise
     return _outcome(result, inst, backends)
 

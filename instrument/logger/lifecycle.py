@@ -43,18 +43,20 @@ def closed_use(logger: Any, what: str) -> bool:
 class LoggerEnd:
     """Mixin of `Logger`: its close, from the user, a signal handler, atexit or a fork."""
 
-    def before_close(self, hook: Callable[[], Any]) -> None:
-        """Run ``hook()`` once, before this logger closes, however it closes (`close`, SIGTERM, the process exit
-        after an uncaught exception or without a close): a `SystemMonitor` stops there, so the samples it
-        buffered are handed over before the backends close. Hooks run in the order registered; one that
-        raises is reported and the close goes on."""
+    def before_close(self, hook: Callable[[bool], Any]) -> None:
+        """Run ``hook(prompt)`` once, before this logger closes, however it closes (`close`, SIGTERM, the process
+        exit after an uncaught exception or without a close): a `SystemMonitor` stops there, so the samples it
+        buffered are handed over before the backends close. ``prompt`` is True when the close runs from a signal
+        handler or at exit: the hook must then not wait for another thread, which may be waiting for a lock
+        the interrupted code holds (a commit's). Hooks run in the order registered; one that raises is
+        reported and the close goes on."""
         self._before_close.append(hook)
 
-    def _run_before_close(self) -> None:
+    def _run_before_close(self, prompt: bool = False) -> None:
         hooks, self._before_close = self._before_close, []
         for hook in hooks:
             try:
-                hook()
+                hook(prompt)
             except Exception:
                 log.exception("instrument: a hook run before the logger closes (%r) failed", hook)
 
@@ -109,7 +111,7 @@ class LoggerEnd:
         if self._closed:
             self._writer.close(status or self._exit_status, timeout)  # its own close if none was queued yet
             return
-        self._run_before_close()  # e.g. a system monitor's buffered samples, handed over before the close
+        self._run_before_close(prompt=True)  # e.g. a system monitor's buffered samples, handed over here
         self._closed_by = "shutdown"
         if commit and not self.reducer.active():
             self.close(status, timeout)

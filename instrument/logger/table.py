@@ -24,6 +24,7 @@ from instrument.logger.values import (
     merge_wide,
     overflowed,
     refuse_merged_keys,
+    weighted,
 )
 
 __all__ = ["StagedTable"]
@@ -113,14 +114,15 @@ class StagedTable:
 
     def _stage_scalar(self, name: str, value: Any, op: str, weight: Any) -> None:
         """The general path: a reduce op other than mean, or a weight (under the lock, `_check_op` passed)."""
+        if weight is not None:
+            value = weighted(value, weight)  # an ExactSum where the product of finite floats overflows
         if name in self._totals:
-            before = self._totals[name]
-            self._totals[name] = add(before, value) if weight is None else before + value * weight
+            self._totals[name] = add(self._totals[name], value)
             if weight is not None:
                 self._weights[name] = self._weights[name] + weight
             self._counts[name] = self._counts.get(name, 1) + 1
         else:
-            self._totals[name] = value if weight is None else value * weight
+            self._totals[name] = value
             if weight is not None:
                 self._weights[name] = weight
             if op != "mean":

@@ -112,6 +112,8 @@ class ExactSum:
         self.special = special
 
     def __add__(self, value: Any) -> Any:
+        if type(value) is ExactSum:  # a weighted value whose product already left float64's range
+            return ExactSum(self.exact + value.exact, self.special + value.special)
         if isinstance(value, float):
             if math.isfinite(value):
                 return ExactSum(self.exact + Fraction(value), self.special)
@@ -119,10 +121,16 @@ class ExactSum:
         # a tensor: the sum goes on on its device in float64 (from +-inf here), as any device sum
         return value + self._nearest()
 
+    __radd__ = __add__  # a float sum plus an overflowed weighted value
+
     def __truediv__(self, count: Any) -> float:
+        """The mean: ``count`` is the number of values, or a weighted mean's sum of weights (a float)."""
         if self.special != 0.0:  # inf or NaN (both infinities: NaN), whatever the finite values add
             return self.special
-        return float(self.exact / count)
+        return float(self.exact / Fraction(count))
+
+    def __float__(self) -> float:  # the nearest float64 (+-inf beyond its range), for a cross-rank reduction
+        return self._nearest()
 
     def _nearest(self) -> float:
         try:
@@ -140,6 +148,16 @@ def overflowed(before: Any, value: Any, total: float) -> Any:
     if type(before) is float and type(value) is float and math.isfinite(before) and math.isfinite(value):
         return ExactSum(Fraction(before) + Fraction(value))
     return total
+
+
+def weighted(value: Any, weight: Any) -> Any:
+    """``value * weight`` for a weighted interval sum; an `ExactSum` where two finite floats' product leaves
+    float64's range (``1e308 * 2.0``), so that the weighted mean of finite values stays finite."""
+    product = value * weight
+    if type(product) is float and product - product and type(value) is float and type(weight) is float:
+        if math.isfinite(value) and math.isfinite(weight):
+            return ExactSum(Fraction(value) * Fraction(weight))
+    return product
 
 
 def add(before: Any, value: Any) -> Any:

@@ -60,6 +60,9 @@ __all__ = ["SystemMonitor"]
 
 log = logging.getLogger("instrument")
 _GIB = float(2**30)
+# How long a close from a signal handler or at exit gives the monitor's thread to stop before handing the
+# buffered samples over itself (`SystemMonitor._before_close`): a stop takes a sample at most, milliseconds.
+_PROMPT_WAIT = 0.2
 
 
 class SystemMonitor:
@@ -104,6 +107,7 @@ class SystemMonitor:
         self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque()
         self._dropped = 0  # samples that could not be written (`dropped`)
         self._reported = 0  # of those, how many a warning already reported
+        self._last_sample = True  # a stop takes one more sample (not a hand-over at a signal or the exit)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._logger: Any = None
@@ -140,7 +144,7 @@ class SystemMonitor:
         self._logger = logger
         before_close = getattr(logger, "before_close", None)
         if callable(before_close):
-            before_close(self.stop)
+            before_close(self._before_close)
         self._process = self._psutil.Process()
         if self.gpu:
             self._init_nvml()
@@ -157,10 +161,30 @@ class SystemMonitor:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("instrument: the system monitor thread did not stop within %.1f s", timeout)
-        elif self._dropped > self._reported:  # more than the first warning said
+        self._stopped()
+
+    def _before_close(self, prompt: bool) -> None:
+        """Its logger is about to close. ``prompt`` (a signal handler or the exit closes it): the monitor's thread
+        may be waiting for a lock the interrupted code holds (a commit's, to hand over a sample), so it is
+        given a moment only, and what is still buffered is handed over from this thread."""
+        if not prompt:
+            self.stop()
+            return
+        if self._thread is None or self._stop.is_set():
+            return
+        self._last_sample = False  # no sample after this hand-over: the logger closes right after it
+        self._stop.set()
+        self._thread.join(_PROMPT_WAIT)
+        alive = self._thread.is_alive()
+        if alive:
+            self._flush()  # the deque's pops are atomic: each sample is handed over by one thread only
+        self._stopped(nvml=not alive)  # NVML stays up while the thread may still read it
+
+    def _stopped(self, nvml: bool = True) -> None:
+        if self._dropped > self._reported:  # more than the first warning said
             log.warning("instrument: the system monitor could not write %d of its samples in all (see the warning "
                         "above)", self._dropped)
-        if self._nvml is not None:
+        if self._nvml is not None and nvml:
             try:
                 self._nvml.nvmlShutdown()
             except Exception:
@@ -245,8 +269,8 @@ class SystemMonitor:
             if time.monotonic() >= next_flush:
                 self._flush()
                 next_flush = max(next_flush + self.flush_interval, time.monotonic())
-        if time.monotonic() - self._read_at >= self.collection_interval / 2:  # stopping: the time since the last
-            self._collect()  # sample is measured too, unless it is too short a window to mean much
+        if self._last_sample and time.monotonic() - self._read_at >= self.collection_interval / 2:  # stopping: the
+            self._collect()  # time since the last sample is measured too, unless too short a window to mean much
         self._flush()
 
     def _collect(self) -> None:
@@ -283,6 +307,8 @@ class SystemMonitor:
             return
         self._reported = self._dropped
         why = (f"its write_system raised {error!r}" if error is not None else
+               "the process was ending (a signal or the exit closed the logger) while the monitor's thread was "
+               "handing them over" if not self._last_sample else
                "the logger was closed before the monitor handed them over (stop the monitor, or close the "
                "Instrumentation, before closing its logger; a Logger does that itself)")
         log.warning("instrument: the system monitor could not write %d buffered sample(s): %s. They are lost; "

@@ -294,6 +294,43 @@ def test_a_module_that_runs_the_whole_rollout_is_said_once(tmp_path, caplog):
     assert not model.rule._forward_hooks and not model._forward_hooks  # nothing left registered
 
 
+
+class RolloutOwnReceiver(nn.Module):
+    """`Rollout` whose forward names its receiver ``m`` instead of ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rule = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(m, x: torch.Tensor) -> torch.Tensor:  # noqa: N805 - the receiver's name is the point
+        for _ in range(20):
+            x = x + 0.01 * torch.tanh(m.rule(x))
+        return x
+
+
+@pytest.mark.parametrize("first", ["raises", "not_called"])
+def test_a_first_logging_step_that_raised_or_never_called_the_module_does_not_use_up_the_check(caplog, first):
+    """The check ran after the first logging step whatever it did, so a first step that raised before the
+    model ran (or never called it) meant the whole-rollout warning never came; a receiver not named ``self``
+    was not read as a loop over the submodule."""
+    model = RolloutOwnReceiver()
+    inst = instrument.Instrumentation(observers=[IterationStats(images=False)], backends=[], log_interval=1,
+                                      overhead_budget=None)
+    inst.watch(model)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        if first == "raises":
+            with pytest.raises(RuntimeError), inst.step(0):
+                raise RuntimeError("the data loader failed")
+        else:
+            with inst.step(0):
+                pass
+        for step in (1, 2):
+            with inst.step(step), torch.no_grad():
+                model(torch.zeros(1, 4, 6, 6))
+    inst.close()
+    said = [r.getMessage() for r in caplog.records if "whole rollout" in r.getMessage()]
+    assert len(said) == 1 and "its submodule 'rule' (Conv2d) in a loop" in said[0]
+
 def test_a_single_call_without_a_loop_is_said_at_info_level(caplog):
     rule = nn.Conv2d(4, 4, 3, padding=1)
     inst = instrument.Instrumentation(observers=[IterationStats(images=False)], backends=[], log_interval=1)

@@ -124,7 +124,7 @@ class StateWatch:
             self.guard.end(self.iterations)
             if report and not self.iterations and not self.guard.recomputed:
                 self._report_uncalled()
-            if self._check_rollout:
+            if self._check_rollout and report and self.iterations:  # the first step that ran and called it
                 self._check_rollout = False
                 try:
                     self._rollout_report()
@@ -295,11 +295,15 @@ def _looped_submodule(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
     except Exception:  # no source (built-in, generated) or an unusual descriptor: no evidence
         return None
+    function = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if function is None or not function.args.args:
+        return None
+    receiver = function.args.args[0].arg  # `self`, or whatever the forward calls it
     for loop in ast.walk(tree):
         if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
             for node in ast.walk(loop):
                 func = node.func if isinstance(node, ast.Call) else None
-                if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+                if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == receiver
                         and func.attr in children):
                     return func.attr, children[func.attr]
     return None

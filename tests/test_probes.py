@@ -1023,3 +1023,25 @@ def test_in_place_rules_on_two_threads_and_under_inference_mode_pair_each_call_w
         seen = list(deltas.seen)
     inst.close()
     assert seen == [6.0, 6.0, 6.0]
+
+
+def test_a_refused_logging_step_of_a_second_session_leaves_the_first_sessions_probes_on():
+    """Two sessions watch one model; the second's logging step inside the first's is refused (one recorder at a
+    time), and its clean-up switched the shared probes off: the first session's later iterations lost them."""
+    rule = new_rule()
+    first, second = Keep(), Keep()
+    outer, inner = session(first, log_interval=1), session(second, log_interval=1)
+    outer.watch(rule)
+    inner.watch(rule)
+    x0 = seed_state()
+    with outer.step(0), torch.no_grad():
+        x = rule(x0)
+        with pytest.raises(instrument.ProbeError, match="another Instrumentation is inside a logging step"):
+            with inner.step(0):
+                pass
+        for _ in range(N_ITER - 1):
+            x = rule(x)
+    outer.close()
+    inner.close()
+    assert_matches(first.seen, reference(rule, x0, N_ITER))
+    assert_untouched(rule)

@@ -125,8 +125,9 @@ class StepLifecycle:
         self._dispatch.finish()
         for watch in self._watches:
             watch.detach(report=not failed)  # a step that raised may not have reached the module
-        for probes in self._probe_sets:
-            probes.off()
+        if self.__dict__.pop("_probes_turned_on", False):  # only probes this session turned on: a step refused
+            for probes in self._probe_sets:  # because another session's is open must leave that one's on
+                probes.off()
         if self._recorder is not None:
             record.uninstall(self._recorder)
             self._recorder = None
@@ -139,6 +140,7 @@ class StepLifecycle:
             self._recorder = record.Recorder()
             record.install(self._recorder)
             self._dispatch.recorder = self._recorder
+        self._probes_turned_on = True  # before the first on(): one that raises half way is turned off again
         for probes in self._probe_sets:
             probes.on()
 

@@ -93,6 +93,19 @@ class InPlaceRule(nn.Module):
         return h + 1.0
 
 
+
+class StateInPlaceRule(nn.Module):
+    """`Rule`'s update, added to its state argument in place and returned (``x.add_(dx); return x``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Rule()
+
+    def forward(self, x: Tensor) -> Tensor:
+        dx = self.inner(x) - x
+        x.add_(dx)
+        return x
+
 class Loop(nn.Module):
     """A rollout loop around an update rule, for scripting whole: TorchScript calls the rule, not Python."""
 

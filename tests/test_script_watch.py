@@ -20,7 +20,7 @@ import torch
 import instrument
 from instrument.probes import record
 from instrument.probes import script as scripting
-from tests._probe_models import BareRule, CondRule, Loop, Rule, reference
+from tests._probe_models import BareRule, CondRule, Loop, Rule, StateInPlaceRule, reference
 from tests.conftest import read_scalars
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
@@ -373,3 +373,42 @@ def test_a_scripted_checkpoint_saved_in_a_logging_step_is_never_observed_as_anot
     loaded = run_child(tmp_path, TEACHER, path, "load", timeout=240)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert "observed 3" in loaded.stdout, loaded.stdout + loaded.stderr[-2000:]
+
+
+
+def _in_place_rule() -> StateInPlaceRule:
+    torch.manual_seed(0)
+    return StateInPlaceRule().eval()
+
+
+@pytest.mark.parametrize("how", ["torch.jit.script", "instrument.script"])
+def test_a_scripted_rule_changing_its_state_in_place_called_from_python_delivers_what_eager_does(how, caplog):
+    """The state before each call was unknown to a watched ScriptModule (no hook before its calls): previous_state
+    held the next state and dx read 0, without a word. Python calls now copy it as eager ones do."""
+    x0 = seed_state()
+    with torch.no_grad():
+        eager = watched_run(_in_place_rule(), x0.clone(), steps=(0, 1))
+        scripted = watched_run(SCRIPTERS[how](_in_place_rule()), x0.clone(), steps=(0, 1))
+    assert [c["index"] for c in eager] == list(range(N_ITER))  # the second logging step's (reset keeps one)
+    assert not torch.equal(eager[0]["previous"], eager[0]["next"])
+    assert_same(scripted, eager)
+
+
+def test_a_scripted_rule_changing_its_state_in_place_called_from_torchscript_is_said_and_not_delivered(caplog):
+    """From TorchScript code no copy can be taken before the call: once the state the last call returned is seen
+    changed, those calls are counted (later indices kept) and not delivered, with one warning, instead of
+    contexts whose dx reads 0."""
+    loop = torch.jit.script(Loop(instrument.script(_in_place_rule())))
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+    inst.watch(loop.rule)
+    delivered = []
+    with caplog.at_level(logging.WARNING, logger="instrument"), torch.no_grad():
+        for step in (0, 1):
+            with inst.step(step):
+                loop(seed_state(), N_ITER)
+            delivered.append([c["index"] for c in keep.contexts])
+    inst.close()
+    said = [r.getMessage() for r in caplog.records if "changed its state argument in place" in r.getMessage()]
+    assert len(said) == 1 and "watched ScriptModule StateInPlaceRule" in said[0] and "return x + dx" in said[0]
+    assert delivered == [[0], []]  # iteration 0 before the change could be seen; then none, in later steps too

@@ -69,7 +69,8 @@ class StateWatch:
         self.module = module
         self.deliver = deliver
         self.freeze_channels = tuple(freeze_channels) if freeze_channels is not None else None
-        self.name = name or type(module).__name__
+        # a ScriptModule's class is RecursiveScriptModule: its original_name is the class it was scripted from
+        self.name = name or getattr(unwrap(module), "original_name", None) or type(module).__name__
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state before each call
@@ -80,6 +81,8 @@ class StateWatch:
         # before every call once the forward is known to change its argument.
         self._calls: Dict[int, Tuple[Tensor, Optional[int], Optional[Tensor]]] = {}
         self._copy_input = False  # the forward changes its argument: copy it before every call
+        self._inplace_in_script = False  # ... and it does so when called from TorchScript code (`_call_end`)
+        self._last_out: Optional[Tuple[Tensor, Optional[int]]] = None  # the state a TorchScript call returned
         self._known = False  # a whole logging step's calls were checked with copies and left their argument alone
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
@@ -102,7 +105,8 @@ class StateWatch:
         root = unwrap(self.module)
         if script.is_scripted(root):
             # run_eagerly: with a compiled caller, Dynamo would otherwise trace the hook and the observers it calls.
-            self._handle = script.observe_calls(root, run_eagerly(self._hook), self._call_end)
+            self._handle = script.observe_calls(root, run_eagerly(self._hook), self._call_end,
+                                                run_eagerly(self._before))
         else:
             # StepHook: a copy or a pickle of the module taken during the step gets an inert hook, and Dynamo
             # never traces the observers (`instrument.probes.step_hook`).
@@ -118,9 +122,10 @@ class StateWatch:
             if self._before_handle is not None:
                 self._before_handle.remove()
                 self._before_handle = None
-                self._calls.clear()
-                if report and self.iterations:  # every call of a whole step checked with a copy
-                    self._known = True
+            self._calls.clear()
+            self._last_out = None
+            if report and self.iterations:  # every call of a whole step checked with a copy
+                self._known = True
             self.guard.end(self.iterations)
             if report and not self.iterations and not self.guard.recomputed:
                 self._report_uncalled()
@@ -182,9 +187,7 @@ class StateWatch:
         self._calls[id(raw)] = (state, version, copy)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
-        if in_recompute():
-            if self._before_handle is None:  # a scripted module has no hook before its calls: counted here
-                self.guard.skipped()
+        if in_recompute():  # counted in `_before`, which every call from Python runs first
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         previous = first_tensor(raw)
@@ -264,9 +267,26 @@ class StateWatch:
         return next((value for key, value in kwargs.items() if key != "condition"), None)
 
     def _call_end(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
-        """A scripted module's compiled-in call boundary fired (`instrument.probes.script`)."""
+        """A scripted module's compiled-in call boundary fired (`instrument.probes.script`): a call from TorchScript
+        code, where no hook runs before the call. A forward that changes its argument in place is told by the
+        version of the state the previous call returned: from then on these calls are counted, not delivered."""
         if in_recompute():
             self.guard.skipped()
+            return
+        last, self._last_out = self._last_out, (current, _version(current))
+        changed = last is not None and last[0] is previous and last[1] is not None and _version(previous) != last[1]
+        if changed and not self._inplace_in_script:
+            self._inplace_in_script = True
+            log.warning(
+                "instrument: watched ScriptModule %s changed its state argument in place during a call from "
+                "TorchScript code (e.g. `x.add_(dx); return x`), where instrument cannot copy the state before the "
+                "call: previous_state would hold the next state and dx read 0. From now on such calls are counted "
+                "but not delivered to observers (this step's earlier iterations may have had a wrong dx). Return a "
+                "new tensor (`return x + dx`), or call the module from Python, where the state is copied before "
+                "each call. (Said once.)", self.name,
+            )
+        if self._inplace_in_script:
+            self.iterations += 1  # the later iterations keep their step_index
             return
         self._deliver(previous, current, condition)
 
@@ -283,6 +303,14 @@ class StateWatch:
                 freeze_channels=self.freeze_channels,
             )
         )
+
+
+def _version(tensor: Tensor) -> Optional[int]:
+    """The tensor's version counter; None for an inference tensor, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 def _looped_submodule(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:

@@ -431,13 +431,16 @@ def observe_calls(
     module: nn.Module,
     python_hook: Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], None],
     call_end: Callable[[Tensor, Tensor, Optional[Tensor]], None],
+    python_pre_hook: Optional[Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any]], None]] = None,
 ) -> Any:
     """Observe every forward call of ScriptModule ``module`` until the returned handle's ``remove()``.
 
-    Calls from Python run ``python_hook`` through a global forward hook (a ScriptModule refuses hooks of its
-    own) that exists only until ``remove()`` and ignores every other module. Calls from TorchScript code run
-    ``call_end(previous, next, condition)`` through the compiled-in boundary, where the module has one (made
-    by `script`; not ``torch.jit.script``, modules saved before boundaries existed, or frozen modules).
+    Calls from Python run ``python_pre_hook`` before and ``python_hook`` after the call, through global hooks
+    (a ScriptModule refuses hooks of its own) that exist only until ``remove()`` and ignore every other module:
+    the state before the call is then known, also when the forward changes its argument in place. Calls from
+    TorchScript code run ``call_end(previous, next, condition)`` through the compiled-in boundary, where the
+    module has one (made by `script`; not ``torch.jit.script``, modules saved before boundaries existed, or
+    frozen modules).
     """
     drop_python_boundaries(module)
     boundary = _call_boundary(module)
@@ -458,4 +461,14 @@ def observe_calls(
         if called is module:
             python_hook(called, args, kwargs, output)
 
-    return _Handles(boundary_handle, _register_global_hook(on_module_call))
+    def before_module_call(called: nn.Module, args: Tuple[Any, ...], kwargs: Any = None) -> None:
+        # Called with kwargs where the module has a keyword pre-hook of the same id (torch's _call_impl)
+        if torch.compiler.is_compiling() and not isinstance(called, torch.jit.ScriptModule):
+            return
+        if called is module and python_pre_hook is not None:
+            python_pre_hook(called, args, kwargs if isinstance(kwargs, dict) else {})
+
+    from torch.nn.modules import module as module_impl
+
+    pre = module_impl.register_module_forward_pre_hook(before_module_call) if python_pre_hook is not None else None
+    return _Handles(boundary_handle, _register_global_hook(on_module_call), pre)

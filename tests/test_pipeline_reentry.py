@@ -128,6 +128,54 @@ def test_a_backend_that_calls_sys_exit_costs_that_backend_alone(tmp_path):
     assert steps_of(tmp_path / "r" / "metrics.jsonl") == [1, 2, 3]
 
 
+
+@pytest.mark.parametrize("raised", ["asyncio.CancelledError()", "KeyboardInterrupt()", "GeneratorExit()"])
+@pytest.mark.parametrize("method", ["write", "flush", "log_hyperparams"])
+def test_a_backend_raising_any_base_exception_costs_that_backend_alone(tmp_path, raised, method):
+    """Only Exception and SystemExit were caught: a CancelledError an SDK's event loop let out (or a
+    KeyboardInterrupt or GeneratorExit raised on the writer thread) skipped every backend after it, for every
+    step, uncounted, and flush() said True."""
+    done = _run(tmp_path, f"""
+        import asyncio
+
+        class Raises(Backend):
+            def {method}(self, *args):
+                raise {raised}
+
+        logger = Logger([Raises(), JsonlBackend()], RunInfo("r", root))
+        logger.log_hyperparams({{"lr": 0.1}})
+        for step in (1, 2, 3):
+            logger.log_metrics({{"x": float(step)}}, step=step)
+            logger.commit(step)
+        print("flush", logger.flush(), flush=True)
+        logger.close()
+        print("failures", {{k: v > 0 for k, v in logger.failures.items()}}, flush=True)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "flush False" in done.stdout and "failures {'Raises': True}" in done.stdout, done.stdout + done.stderr
+    assert steps_of(tmp_path / "r" / "metrics.jsonl") == [1, 2, 3]
+    if method == "log_hyperparams":
+        assert any("hyperparameters" in line for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_backend_whose_open_calls_sys_exit_fails_the_start_like_any_other_open_failure(tmp_path):
+    """SystemExit from open() passed the open's handler: the run started with a dead backend still listed,
+    nothing counted. It is an open failure now: the start raises, naming the backend."""
+    done = _run(tmp_path, """
+        from instrument.errors import ConfigurationError
+
+        class Exits(Backend):
+            def open(self, run):
+                sys.exit(1)
+
+        try:
+            Logger([Exits(), JsonlBackend()], RunInfo("r", root))
+        except ConfigurationError as exc:
+            print("refused:", exc, flush=True)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "refused: could not open Exits: SystemExit" in done.stdout, done.stdout + done.stderr
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_while_a_commit_waits_for_room_never_writes_that_step_out_of_order(tmp_path):
     """The interrupted step stayed in the writer's waiting list, and close() queued it after every later step

@@ -10,9 +10,10 @@ writer thread record into the same ledger).
     ok = ledger.call("TensorBoardBackend", "write", backend.write, record)   # False: raised, reported
 
 Only ``Exception`` is caught by default: ``KeyboardInterrupt`` and ``SystemExit`` propagate. The backends'
-ledger also catches ``SystemExit`` (``catch=``): its calls run on the logger's writer thread, where a backend's
-``sys.exit`` would otherwise cost the backends after it their step, uncounted (no signal reaches that thread,
-so no ``KeyboardInterrupt`` either).
+ledger catches every ``BaseException`` (``catch=``): its calls run on the logger's writer thread, where a
+backend's ``sys.exit``, or an ``asyncio.CancelledError`` or ``KeyboardInterrupt`` an SDK lets out, would
+otherwise cost the backends after it their step, uncounted (no signal reaches that thread, so nothing there is
+the user's own Ctrl-C).
 """
 
 import logging

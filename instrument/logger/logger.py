@@ -118,7 +118,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self.is_writer = rank(self.reducer.group) == 0  # only rank 0 opens backends and writes
         self.ledger = FailureLedger(
             "backend", "it gets the next record again; training and the other backends go on",
-            catch=(Exception, SystemExit),  # on the writer thread: a backend's sys.exit costs that backend alone
+            catch=BaseException,  # on the writer thread: a backend's sys.exit or CancelledError costs it alone
         )
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order

@@ -443,7 +443,7 @@ class Writer:
                 shutdown.keep_first_at_exit()  # so that the loggers are closed before that hook runs
             self._active.append(backend)
             return True
-        except Exception as exc:
+        except BaseException as exc:  # on this thread a SystemExit or CancelledError is the backend's failure too
             self.open_errors.append((backend, exc))
             again = getattr(backend, "reopens", False) and not isinstance(exc, InstrumentError)
             if again:

@@ -397,3 +397,40 @@ def test_jsonl_cut_mid_line_by_someone_else_drops_the_partial_line_before_the_ne
     backend.close()
     assert [line["step"] for line in _lines(path)] == [0, 1, 3, 4, 5]  # step 2 was destroyed; 3 is whole
     assert "ended in a partial line" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_jsonl_into_a_pipe_writes_every_line_and_flushes_without_a_failure(tmp_path):
+    """A path that is not a regular file (a FIFO, /dev/stdout piped on): fsync failed with EINVAL at every
+    flush, so flush() said False and failures counted a problem that was not one."""
+    from instrument import Logger
+
+    fifo = tmp_path / "lines"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(open(fifo).read().splitlines()), daemon=True)
+    reader.start()
+    logger = Logger([JsonlBackend(path=str(fifo))], RunInfo("p", tmp_path))
+    for step in range(5):
+        logger.log_metrics({"loss": step / 2}, step=step)
+        logger.commit(step)
+    assert logger.flush(30) is True
+    logger.close()
+    reader.join(30)
+    assert logger.failures == {}
+    assert [json.loads(line)["metrics"]["loss"] for line in received] == [step / 2 for step in range(5)]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="Linux's /dev/full")
+def test_jsonl_on_a_full_device_reports_the_full_device(tmp_path, caplog):
+    """The ftruncate that cuts a torn line back failed too (EINVAL on a device) and its error replaced the real
+    one (ENOSPC) in the report."""
+    from instrument import Logger
+
+    logger = Logger([JsonlBackend(path="/dev/full")], RunInfo("f", tmp_path), on_backend_error="warn")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.commit(0)
+    assert logger.flush(30) is False
+    logger.close()
+    assert logger.failures["JsonlBackend"] >= 1
+    assert "No space left on device" in caplog.text and "Invalid argument" not in caplog.text

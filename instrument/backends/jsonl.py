@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -45,6 +46,10 @@ class JsonlBackend(Backend):
     tried again on a fresh descriptor; so is a file deleted while the run writes it. A file that already
     ends in a partial line when it is opened (a process died mid-write on a filesystem without that
     guarantee) has that partial line removed, with a warning naming how many bytes.
+
+    ``path`` may also name something that is not a regular file (``/dev/stdout`` piped into another
+    program, a FIFO): lines are written to it the same way, without what only a file has (the size checks,
+    cutting a torn line, ``fsync``). A FIFO whose reader is gone blocks the writer once the pipe is full.
     """
 
     def __init__(self, path: Optional[str] = None) -> None:
@@ -52,6 +57,7 @@ class JsonlBackend(Backend):
         self._given = path  # None: each run's own folder, also when the backend is given to a later run
         self._fd: Optional[int] = None
         self._end = 0  # where the file ended after our own last write: another size means someone else changed it
+        self._regular = True  # a regular file (not a pipe or a device): sizes, truncation and fsync apply
 
     def open(self, run: RunInfo) -> None:
         path = Path(self._given) if self._given else run.dir / "metrics.jsonl"
@@ -67,7 +73,9 @@ class JsonlBackend(Backend):
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, flags, 0o644)
         try:
-            _drop_partial_line(fd, self.path)
+            self._regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            if self._regular:
+                _drop_partial_line(fd, self.path)
             self._end = os.fstat(fd).st_size
         except BaseException:
             os.close(fd)
@@ -79,20 +87,21 @@ class JsonlBackend(Backend):
         # allow_nan=False: a NaN that slipped past the conversions above is an error, never a non-JSON line.
         data = (json.dumps(obj, sort_keys=False, allow_nan=False) + "\n").encode("utf-8")
         fd = self._fd if self._fd is not None else self._open()  # a failed write dropped the old descriptor
-        stat = os.fstat(fd)
-        if stat.st_nlink == 0:  # the file was deleted under us: lines written to it would be lost unseen
+        if not self._regular:  # a pipe or a device: no size to check, nothing to cut back
+            self._write_all(fd, data)
+            return
+        info = os.fstat(fd)
+        if info.st_nlink == 0:  # the file was deleted under us: lines written to it would be lost unseen
             self._fd = None
             os.close(fd)
             fd = self._open()
-            stat = os.fstat(fd)
-        start = stat.st_size
+            info = os.fstat(fd)
+        start = info.st_size
         if start != self._end:  # changed by someone else (cut mid-line, say): a line appended now could be torn
             _drop_partial_line(fd, self.path)
             start = os.fstat(fd).st_size
         try:
-            written = os.write(fd, data)
-            while written < len(data):  # a short write: the rest raises (EFBIG, ENOSPC) or completes the line
-                written += os.write(fd, data[written:])
+            self._write_all(fd, data)
             self._end = start + len(data)
         except OSError:
             self._fd = None
@@ -101,6 +110,12 @@ class JsonlBackend(Backend):
             finally:
                 os.close(fd)
             raise
+
+    @staticmethod
+    def _write_all(fd: int, data: bytes) -> None:
+        written = os.write(fd, data)
+        while written < len(data):  # a short write: the rest raises (EFBIG, ENOSPC) or completes the line
+            written += os.write(fd, data[written:])
 
     def on_resume(self, next_step: int) -> None:
         """Cut the file before the first step line at ``next_step`` or later (and whatever followed it), so the
@@ -150,14 +165,15 @@ class JsonlBackend(Backend):
 
     def flush(self) -> None:
         """Every line is in the kernel once written; this also asks the disk to keep it (``fsync``)."""
-        if self._fd is not None:
+        if self._fd is not None and self._regular:  # a pipe or a device has nothing to sync (EINVAL)
             os.fsync(self._fd)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
-                os.fsync(fd)
+                if self._regular:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
 

@@ -110,6 +110,17 @@ def test_a_diverging_nca_state_read_back_from_tensorboard_has_its_float64_std(tm
         assert scalars[f"iteration_stats/std/c{c}"][0] == pytest.approx(want, rel=1e-5)
 
 
+def _update_norm_of(states):
+    """UpdateNorm over the rollout ``states`` (an explicit evolver): the backend that kept its record."""
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    return keep
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int64, torch.float16, torch.bool])
 def test_dx_of_integer_bool_and_half_states_is_their_exact_difference(dtype):
     """uint8 frames going from 100 to 9 read 165 (255 - 90) through UpdateNorm; int8 100 -> -100 read 56;
@@ -123,12 +134,7 @@ def test_dx_of_integer_bool_and_half_states_is_their_exact_difference(dtype):
     exact = [b.double().numpy() - a.double().numpy() for a, b in zip(states[:-1], states[1:], strict=True)]
     context = instrument.StepContext(states[0], states[1])
     np.testing.assert_array_equal(context.dx.double().numpy(), exact[0])
-    keep = Keep()
-    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
-    with inst.step(0) as s:
-        for i in range(len(states) - 1):
-            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
-    inst.close()
+    keep = _update_norm_of(states)
     norms = [np.linalg.norm(d.reshape(d.shape[0], -1), axis=1).mean() for d in exact]
     scalars = keep.records[0].scalars
     assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-6)
@@ -269,12 +275,7 @@ def test_update_norm_of_integers_beyond_float32_sees_a_change_of_one(dtype):
     exact = [d.reshape(2, -1).double().numpy() for d in steps]  # the changes, exact in float64
     np.testing.assert_array_equal(instrument.StepContext(states[0], states[1]).dx.numpy(), steps[0].double().numpy())
     norms = [np.linalg.norm(d, axis=1).mean() for d in exact]
-    keep = Keep()
-    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
-    with inst.step(0) as s:
-        for i in range(len(states) - 1):
-            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
-    inst.close()
+    keep = _update_norm_of(states)
     scalars = keep.records[0].scalars
     assert norms[-1] > 1.0
     assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-12)

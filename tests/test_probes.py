@@ -225,6 +225,23 @@ def test_whole_rollout_model_watched_for_probes_only_with_explicit_observer_call
     inst.close()
 
 
+def _hidden_mean_run(observer, tmp_path):
+    """One logging step of the probed rule with ``observer`` and a JSONL backend: the last line's metrics, the
+    session's failures, and the float64 reference of the mean of the iterations' hidden means."""
+    rule, path = new_rule(), tmp_path / "m.jsonl"
+    inst = session(observer, backends=[instrument.JsonlBackend(path=str(path))], log_interval=1)
+    inst.watch(rule)
+    x0 = seed_state()
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            x = rule(x)
+    inst.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    want = torch.stack([r["hidden"].mean() for r in reference(rule, x0, N_ITER)]).mean()
+    return rows[-1]["metrics"], inst.failures, float(want)
+
+
 def test_probe_values_reach_a_backend(tmp_path):
     class HiddenMean(instrument.Observer):
         probes = ("hidden",)
@@ -238,18 +255,8 @@ def test_probe_values_reach_a_backend(tmp_path):
         def log(self, logger, step):
             logger.log_metrics({f"{self.name}/hidden_mean": torch.stack(self.means).mean()}, step=step)
 
-    rule, path = new_rule(), tmp_path / "m.jsonl"
-    inst = session(HiddenMean(), backends=[instrument.JsonlBackend(path=str(path))], log_interval=1)
-    inst.watch(rule)
-    x0 = seed_state()
-    with inst.step(0):
-        x = x0
-        for _ in range(N_ITER):
-            x = rule(x)
-    inst.close()
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    want = torch.stack([r["hidden"].mean() for r in reference(rule, x0, N_ITER)]).mean()
-    assert rows[-1]["metrics"]["hidden_mean/hidden_mean"] == pytest.approx(float(want), rel=1e-6)
+    metrics, _, want = _hidden_mean_run(HiddenMean(), tmp_path)
+    assert metrics["hidden_mean/hidden_mean"] == pytest.approx(want, rel=1e-6)
 
 
 def test_the_observer_of_docs_probes_md_runs_as_written(tmp_path):
@@ -261,19 +268,9 @@ def test_the_observer_of_docs_probes_md_runs_as_written(tmp_path):
     observer = block[block.index("class HiddenStats"):block.index("\ninst = ")]
     namespace: dict = {}
     exec("\n".join(imports) + "\n" + observer, namespace)  # noqa: S102 - the documented code, as a user pastes it
-    rule, path = new_rule(), tmp_path / "m.jsonl"
-    inst = session(namespace["HiddenStats"](), backends=[instrument.JsonlBackend(path=str(path))], log_interval=1)
-    inst.watch(rule)
-    x0 = seed_state()
-    with inst.step(0):
-        x = x0
-        for _ in range(N_ITER):
-            x = rule(x)
-    inst.close()
-    assert inst.failures == {}, inst.failures
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    want = torch.stack([r["hidden"].mean() for r in reference(rule, x0, N_ITER)]).mean()
-    assert rows[-1]["metrics"]["hidden_stats/hidden_mean"] == pytest.approx(float(want), rel=1e-6)
+    metrics, failures, want = _hidden_mean_run(namespace["HiddenStats"](), tmp_path)
+    assert failures == {}, failures
+    assert metrics["hidden_stats/hidden_mean"] == pytest.approx(want, rel=1e-6)
 
 
 def test_undelivered_probe_values_are_reported(caplog):

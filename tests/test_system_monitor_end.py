@@ -17,17 +17,26 @@ from instrument import Instrumentation, JsonlBackend, Logger, RunInfo, SystemMon
 
 pytest.importorskip("psutil")
 
-CHILD = textwrap.dedent(
+# Three logging steps of a session with a SystemMonitor whose hour-long flush interval keeps its samples buffered.
+SESSION = textwrap.dedent(
     """
-    import sys, time, instrument
-
-    root, how = sys.argv[1], sys.argv[2]
     mon = instrument.SystemMonitor(collection_interval=0.05, flush_interval=3600.0, gpu=False)
     inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=1, log_dir=root,
                                       run_name="r", system_monitor=mon, overhead_budget=None)
     for s in range(3):
         with inst.step(s):
             inst.logger.log_metrics({"loss": float(s)}, step=s)
+    """
+)
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, instrument
+
+    root, how = sys.argv[1], sys.argv[2]
+    """
+) + SESSION + textwrap.dedent(
+    """
     while mon.buffered < 3:  # samples the hour-long flush interval has not written yet
         time.sleep(0.01)
     print(mon.buffered, flush=True)
@@ -135,12 +144,9 @@ SIGNAL_IN_COMMIT = textwrap.dedent(
     import os, signal, sys, time, instrument
 
     root = sys.argv[1]
-    mon = instrument.SystemMonitor(collection_interval=0.05, flush_interval=3600.0, gpu=False)
-    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=1, log_dir=root,
-                                      run_name="r", system_monitor=mon, overhead_budget=None)
-    for s in range(3):
-        with inst.step(s):
-            inst.logger.log_metrics({"loss": float(s)}, step=s)
+    """
+) + SESSION + textwrap.dedent(
+    """
     while mon.buffered < 5:
         time.sleep(0.01)
     print(mon.buffered, flush=True)

@@ -49,6 +49,33 @@ CHILD = textwrap.dedent(
 )
 
 
+def _assert_killed_in_mlflow(uri: str, losses) -> None:
+    """The one MLflow run of the store at ``uri`` ended KILLED with exactly ``losses`` ((step, value) pairs)."""
+    client = MlflowClient(tracking_uri=uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
+    (mlrun,) = client.search_runs([experiment.experiment_id])
+    assert mlrun.info.status == "KILLED"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss")) == losses
+
+
+def _terminate_after(child: subprocess.Popen, wanted: int, group: bool) -> str:
+    """SIGTERM ``child`` (its whole process group with ``group``) once it printed ``wanted`` committed steps, one
+    number per line; its stderr (empty when not piped)."""
+    committed = -1
+    try:
+        for line in child.stdout:
+            committed = int(line)
+            if committed + 1 >= wanted:
+                break
+        (os.killpg if group else os.kill)(child.pid, signal.SIGTERM)
+        _, stderr = child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            (os.killpg if group else os.kill)(child.pid, signal.SIGKILL)
+    assert committed + 1 == wanted, "the child stopped before committing the steps it was asked for"
+    return stderr or ""
+
+
 def test_sigterm_leaves_every_committed_step_in_tensorboard_jsonl_wandb_and_mlflow(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -60,18 +87,8 @@ def test_sigterm_leaves_every_committed_step_in_tensorboard_jsonl_wandb_and_mlfl
     child = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path), uri], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
     )
-    wanted, committed = 12, -1
-    try:
-        for line in child.stdout:
-            committed = int(line)
-            if committed + 1 >= wanted:
-                break
-        os.kill(child.pid, signal.SIGTERM)
-        child.communicate(timeout=240)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert committed + 1 == wanted, "the child stopped before committing the steps it was asked for"
+    wanted = 12
+    _terminate_after(child, wanted, group=False)
     assert child.returncode == -signal.SIGTERM  # it still dies by the signal
 
     run = tmp_path / "child"
@@ -88,12 +105,7 @@ def test_sigterm_leaves_every_committed_step_in_tensorboard_jsonl_wandb_and_mlfl
     rows, _ = read_run(run)
     assert [(r["_step"], r["loss"]) for r in rows if "loss" in r] == [(s, s / 2) for s in jsonl]
 
-    client = MlflowClient(tracking_uri=uri)
-    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
-    (mlrun,) = client.search_runs([experiment.experiment_id])
-    assert mlrun.info.status == "KILLED"
-    history = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss"))
-    assert history == [(s, s / 2) for s in jsonl]
+    _assert_killed_in_mlflow(uri, [(s, s / 2) for s in jsonl])
 
 
 def test_an_mlflow_server_that_never_answers_never_holds_the_training_thread(tmp_path, caplog):
@@ -210,28 +222,13 @@ def test_sigterm_to_the_process_group_with_dataloader_workers_keeps_every_commit
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, str(script), str(tmp_path), uri], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True)
-    wanted, committed = 40, -1
-    try:
-        for line in child.stdout:
-            committed = int(line)
-            if committed + 1 >= wanted:
-                break
-        os.killpg(child.pid, signal.SIGTERM)
-        _, stderr = child.communicate(timeout=240)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-    assert committed + 1 == wanted, "the child stopped before committing the steps it was asked for"
+    wanted = 40
+    stderr = _terminate_after(child, wanted, group=True)
     assert child.returncode == -signal.SIGTERM, stderr
     jsonl = [json.loads(line)["step"] for line in (tmp_path / "child" / "metrics.jsonl").read_text().splitlines()
              if "step" in json.loads(line)]
     assert jsonl[:wanted] == list(range(wanted)) and jsonl == list(range(len(jsonl))), stderr
-    client = MlflowClient(tracking_uri=uri)
-    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
-    (mlrun,) = client.search_runs([experiment.experiment_id])
-    assert mlrun.info.status == "KILLED"
-    history = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss"))
-    assert history == [(s, s / 2) for s in jsonl]
+    _assert_killed_in_mlflow(uri, [(s, s / 2) for s in jsonl])
 
 
 FORKED_WORKER = textwrap.dedent(

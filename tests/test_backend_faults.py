@@ -434,3 +434,24 @@ def test_jsonl_on_a_full_device_reports_the_full_device(tmp_path, caplog):
     logger.close()
     assert logger.failures["JsonlBackend"] >= 1
     assert "No space left on device" in caplog.text and "Invalid argument" not in caplog.text
+
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_jsonl_into_a_pipe_resumes_without_reading_it(tmp_path):
+    """on_resume read the file to find where to cut: on a FIFO this process also writes, the read never ended."""
+    fifo = tmp_path / "lines"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(open(fifo).read().splitlines()), daemon=True)
+    reader.start()
+    backend = JsonlBackend(path=str(fifo))
+    backend.open(RunInfo("p", tmp_path))
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (backend.on_resume(3), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(30), "on_resume blocked on the pipe"
+    backend.write(StepRecord(3, {"loss": 1.5}))
+    backend.close()
+    reader.join(30)
+    assert [json.loads(line)["step"] for line in received] == [3]

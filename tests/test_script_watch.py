@@ -20,7 +20,7 @@ import torch
 import instrument
 from instrument.probes import record
 from instrument.probes import script as scripting
-from tests._probe_models import BareRule, CondRule, Loop, Rule, StateInPlaceRule, reference
+from tests._probe_models import BareRule, ClampLoop, CondRule, Loop, Rule, StateInPlaceRule, reference
 from tests.conftest import read_scalars
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
@@ -395,9 +395,9 @@ def test_a_scripted_rule_changing_its_state_in_place_called_from_python_delivers
 
 
 def test_a_scripted_rule_changing_its_state_in_place_called_from_torchscript_is_said_and_not_delivered(caplog):
-    """From TorchScript code no copy can be taken before the call: once the state the last call returned is seen
-    changed, those calls are counted (later indices kept) and not delivered, with one warning, instead of
-    contexts whose dx reads 0."""
+    """From TorchScript code no copy can be taken before the call: a call that returned its own argument, changed
+    since the last call returned it, is counted (later indices kept) and not delivered, with one warning,
+    instead of a context whose dx reads 0. The first call of a step cannot be told."""
     loop = torch.jit.script(Loop(instrument.script(_in_place_rule())))
     keep = Keep()
     inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
@@ -411,4 +411,39 @@ def test_a_scripted_rule_changing_its_state_in_place_called_from_torchscript_is_
     inst.close()
     said = [r.getMessage() for r in caplog.records if "changed its state argument in place" in r.getMessage()]
     assert len(said) == 1 and "watched ScriptModule StateInPlaceRule" in said[0] and "return x + dx" in said[0]
-    assert delivered == [[0], []]  # iteration 0 before the change could be seen; then none, in later steps too
+    assert delivered == [[0], [0]]  # each step's first call, before a change could be seen; then none
+
+
+def test_a_scripted_in_place_rule_given_its_state_as_a_keyword_is_said_and_not_delivered(caplog):
+    """A ScriptModule's hook before the call gets no keyword arguments (torch's global pre-hook), so no copy is
+    taken: such calls delivered dx 0 silently; now they are told as from TorchScript code."""
+    rule = torch.jit.script(_in_place_rule())
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"), torch.no_grad(), inst.step(0):
+        x = seed_state()
+        for _ in range(N_ITER):
+            x = rule(x=x)
+    inst.close()
+    assert [c["index"] for c in keep.contexts] == [0]
+    assert "with the state as a keyword argument" in caplog.text
+
+
+def test_a_scripted_loop_changing_the_state_between_calls_is_not_taken_for_an_in_place_rule(caplog):
+    """The loop clamps in place between calls of a rule that returns a new tensor: every call is delivered
+    (a version check alone took the loop's change for the rule's and dropped every later call)."""
+    rule = instrument.script(new_rule())
+    loop = torch.jit.script(ClampLoop(rule))
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+    inst.watch(loop.rule)
+    delivered = []
+    with caplog.at_level(logging.WARNING, logger="instrument"), torch.no_grad():
+        for step in (0, 1):
+            with inst.step(step):
+                loop(seed_state(), N_ITER)
+            delivered.append([c["index"] for c in keep.contexts])
+    inst.close()
+    assert delivered == [list(range(N_ITER))] * 2
+    assert "in place" not in caplog.text

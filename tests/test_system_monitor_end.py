@@ -181,3 +181,15 @@ def test_sigterm_during_a_commit_hands_the_buffered_samples_over_without_waiting
     assert len(system) >= buffered - 1, err
     if len(system) < buffered:
         assert "the process was ending" in err, err
+
+
+
+def test_a_before_close_hook_without_arguments_still_runs(tmp_path):
+    """Logger.before_close hooks take ``prompt`` only if they have a parameter: a hook written without one was
+    called with an argument, raised TypeError and never ran."""
+    logger = Logger([JsonlBackend()], RunInfo("h", tmp_path))
+    ran = []
+    logger.before_close(lambda: ran.append("plain"))
+    logger.before_close(lambda prompt: ran.append(("prompt", prompt)))
+    logger.close()
+    assert ran == ["plain", ("prompt", False)]

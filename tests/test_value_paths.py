@@ -71,6 +71,19 @@ def test_a_weighted_mean_of_finite_values_is_finite(tmp_path, pairs):
     want = sum(Fraction(v) * Fraction(w) for v, w in pairs) / sum(Fraction(w) for _, w in pairs)
     assert _written(tmp_path / "w")[0]["x"] == float(want)
 
+
+def test_a_weighted_mean_whose_weights_sum_beyond_float64_is_nan_not_a_crash(tmp_path):
+    """Both sums left float64's range (weights 1e308 twice): the commit raised OverflowError and the whole step
+    was lost; the mean is undefined in float64 there and written as NaN, the other keys as they are."""
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("n", tmp_path))
+    for _ in range(2):
+        logger.log_metrics({"m": 1.0}, step=0, weights=1e308)
+    logger.log_metrics({"other": 2.0}, step=0)
+    logger.commit(0)
+    logger.close()
+    written = _written(tmp_path / "n")[0]
+    assert math.isnan(written["m"]) and written["other"] == 2.0
+
 def test_the_mean_of_finite_values_past_max_blocks_is_finite(tmp_path):
     # the blocks are folded into the per-key table on the caller, and the sums go on there
     logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("f", tmp_path))

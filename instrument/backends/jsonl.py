@@ -121,6 +121,8 @@ class JsonlBackend(Backend):
         """Cut the file before the first step line at ``next_step`` or later (and whatever followed it), so the
         steps the resumed run writes again replace those of the interrupted run instead of repeating them."""
         fd = self._fd if self._fd is not None else self._open()
+        if not self._regular:  # a pipe or a device holds no earlier steps to cut (and reading it would block)
+            return
         offset = 0
         with open(self.path, "rb") as f:
             for line in f:

@@ -3,6 +3,7 @@
 Kept apart from the logger's hot path: these run once per run (or once per mistake).
 """
 
+import inspect
 import logging
 import os
 import threading
@@ -43,20 +44,24 @@ def closed_use(logger: Any, what: str) -> bool:
 class LoggerEnd:
     """Mixin of `Logger`: its close, from the user, a signal handler, atexit or a fork."""
 
-    def before_close(self, hook: Callable[[bool], Any]) -> None:
-        """Run ``hook(prompt)`` once, before this logger closes, however it closes (`close`, SIGTERM, the process
-        exit after an uncaught exception or without a close): a `SystemMonitor` stops there, so the samples it
-        buffered are handed over before the backends close. ``prompt`` is True when the close runs from a signal
-        handler or at exit: the hook must then not wait for another thread, which may be waiting for a lock
-        the interrupted code holds (a commit's). Hooks run in the order registered; one that raises is
-        reported and the close goes on."""
-        self._before_close.append(hook)
+    def before_close(self, hook: Callable[..., Any]) -> None:
+        """Run ``hook()`` once, before this logger closes, however it closes (`close`, SIGTERM, the process exit
+        after an uncaught exception or without a close): a `SystemMonitor` stops there, so the samples it
+        buffered are handed over before the backends close. A hook that takes one argument is called
+        ``hook(prompt)``: ``prompt`` is True when the close runs from a signal handler or at exit, where it must
+        not wait for another thread (which may be waiting for a lock the interrupted code holds, a commit's).
+        Hooks run in the order registered; one that raises is reported and the close goes on."""
+        try:
+            takes_prompt = len(inspect.signature(hook).parameters) >= 1
+        except (TypeError, ValueError):  # no signature to read (a builtin): called without an argument
+            takes_prompt = False
+        self._before_close.append((hook, takes_prompt))
 
     def _run_before_close(self, prompt: bool = False) -> None:
         hooks, self._before_close = self._before_close, []
-        for hook in hooks:
+        for hook, takes_prompt in hooks:
             try:
-                hook(prompt)
+                hook(prompt) if takes_prompt else hook()
             except Exception:
                 log.exception("instrument: a hook run before the logger closes (%r) failed", hook)
 

@@ -127,6 +127,8 @@ class ExactSum:
         """The mean: ``count`` is the number of values, or a weighted mean's sum of weights (a float)."""
         if self.special != 0.0:  # inf or NaN (both infinities: NaN), whatever the finite values add
             return self.special
+        if isinstance(count, float) and not math.isfinite(count):  # weights summing beyond float64: undefined here
+            return math.nan
         return float(self.exact / Fraction(count))
 
     def __float__(self) -> float:  # the nearest float64 (+-inf beyond its range), for a cross-rank reduction

@@ -81,8 +81,8 @@ class StateWatch:
         # before every call once the forward is known to change its argument.
         self._calls: Dict[int, Tuple[Tensor, Optional[int], Optional[Tensor]]] = {}
         self._copy_input = False  # the forward changes its argument: copy it before every call
-        self._inplace_in_script = False  # ... and it does so when called from TorchScript code (`_call_end`)
-        self._last_out: Optional[Tuple[Tensor, Optional[int]]] = None  # the state a TorchScript call returned
+        self._said_unseen = False  # a call seen only after it changed its argument was reported (`_unseen_change`)
+        self._last_out: Optional[Tuple[Tensor, Optional[int]]] = None  # the state the last call returned, version
         self._known = False  # a whole logging step's calls were checked with copies and left their argument alone
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
@@ -123,7 +123,7 @@ class StateWatch:
                 self._before_handle.remove()
                 self._before_handle = None
             self._calls.clear()
-            self._last_out = None
+            self._last_out = None  # the step's last state is not kept alive past the step
             if report and self.iterations:  # every call of a whole step checked with a copy
                 self._known = True
             self.guard.end(self.iterations)
@@ -209,6 +209,8 @@ class StateWatch:
                 self._copy_input = True  # may change it, so the state it returns is delivered as a copy as well
             if self._copy_input and current is original:  # the next call changes it again: deliver a copy
                 current = current.detach().clone()
+        elif previous is not None and current is not None and self._unseen_change(previous, current):
+            return  # nothing ran before this call (a ScriptModule's state given as a keyword)
         if previous is None or current is None:
             raise ConfigurationError(
                 f"watched module {self.name} must take the previous state as its first argument and return the "
@@ -268,27 +270,37 @@ class StateWatch:
 
     def _call_end(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
         """A scripted module's compiled-in call boundary fired (`instrument.probes.script`): a call from TorchScript
-        code, where no hook runs before the call. A forward that changes its argument in place is told by the
-        version of the state the previous call returned: from then on these calls are counted, not delivered."""
+        code, where nothing runs before the call (`_unseen_change`)."""
         if in_recompute():
             self.guard.skipped()
             return
-        last, self._last_out = self._last_out, (current, _version(current))
-        changed = last is not None and last[0] is previous and last[1] is not None and _version(previous) != last[1]
-        if changed and not self._inplace_in_script:
-            self._inplace_in_script = True
-            log.warning(
-                "instrument: watched ScriptModule %s changed its state argument in place during a call from "
-                "TorchScript code (e.g. `x.add_(dx); return x`), where instrument cannot copy the state before the "
-                "call: previous_state would hold the next state and dx read 0. From now on such calls are counted "
-                "but not delivered to observers (this step's earlier iterations may have had a wrong dx). Return a "
-                "new tensor (`return x + dx`), or call the module from Python, where the state is copied before "
-                "each call. (Said once.)", self.name,
-            )
-        if self._inplace_in_script:
-            self.iterations += 1  # the later iterations keep their step_index
+        if self._unseen_change(previous, current):
             return
         self._deliver(previous, current, condition)
+
+    def _unseen_change(self, previous: Tensor, current: Tensor) -> bool:
+        """A call whose state before it nobody copied (from TorchScript code, or a ScriptModule called with the
+        state as a keyword): True when it returned its own argument, changed in place during the call (``x.add_(dx);
+        return x``: previous_state would be the next state, dx 0). Told by the version of the tensor the previous
+        call returned, so the first such call of a step is not told. That call is counted, not delivered, and said
+        once. A new tensor returned is never taken for one (the caller may change the state between calls)."""
+        last, self._last_out = self._last_out, (current, _version(current))
+        if current is not previous or last is None or last[0] is not previous or last[1] is None:
+            return False
+        if _version(previous) == last[1]:  # unchanged since the last call returned it: an identity step
+            return False
+        if not self._said_unseen:
+            self._said_unseen = True
+            log.warning(
+                "instrument: watched ScriptModule %s changed its state argument in place and returned it (e.g. "
+                "`x.add_(dx); return x`) in a call where instrument could not copy the state before it (a call "
+                "from TorchScript code, or with the state as a keyword argument): previous_state would hold the "
+                "next state and dx read 0. Such calls are counted but not delivered to observers (the first of a "
+                "step cannot be told and was delivered). Return a new tensor (`return x + dx`), or call the "
+                "module from Python with the state as its first positional argument. (Said once.)", self.name,
+            )
+        self.iterations += 1  # the later iterations keep their step_index
+        return True
 
     def _deliver(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
         self.guard.check_input(previous, current)

@@ -106,31 +106,20 @@ class StateInPlaceRule(nn.Module):
         x.add_(dx)
         return x
 
-class ClampLoop(nn.Module):
-    """A scripted rollout loop that changes the state in place itself, between calls of a rule returning a new
-    tensor: not the rule's in-place change."""
-
-    def __init__(self, rule: nn.Module) -> None:
-        super().__init__()
-        self.rule = rule
-
-    def forward(self, x: Tensor, n: int) -> Tensor:
-        for _ in range(n):
-            x = self.rule(x)
-            x.clamp_(-3.0, 3.0)
-        return x
-
-
 class Loop(nn.Module):
-    """A rollout loop around an update rule, for scripting whole: TorchScript calls the rule, not Python."""
+    """A rollout loop around an update rule, for scripting whole: TorchScript calls the rule, not Python. With
+    ``clamp`` the loop itself changes the state in place between calls (not the rule's in-place change)."""
 
-    def __init__(self, rule: nn.Module) -> None:
+    def __init__(self, rule: nn.Module, clamp: bool = False) -> None:
         super().__init__()
         self.rule = rule
+        self.clamp = clamp
 
     def forward(self, x: Tensor, n: int) -> Tensor:
         for _ in range(n):
             x = self.rule(x)
+            if self.clamp:
+                x.clamp_(-3.0, 3.0)
         return x
 
 

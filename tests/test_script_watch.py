@@ -20,7 +20,7 @@ import torch
 import instrument
 from instrument.probes import record
 from instrument.probes import script as scripting
-from tests._probe_models import BareRule, ClampLoop, CondRule, Loop, Rule, StateInPlaceRule, reference
+from tests._probe_models import BareRule, CondRule, Loop, Rule, StateInPlaceRule, reference
 from tests.conftest import read_scalars
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
@@ -394,11 +394,8 @@ def test_a_scripted_rule_changing_its_state_in_place_called_from_python_delivers
     assert_same(scripted, eager)
 
 
-def test_a_scripted_rule_changing_its_state_in_place_called_from_torchscript_is_said_and_not_delivered(caplog):
-    """From TorchScript code no copy can be taken before the call: a call that returned its own argument, changed
-    since the last call returned it, is counted (later indices kept) and not delivered, with one warning,
-    instead of a context whose dx reads 0. The first call of a step cannot be told."""
-    loop = torch.jit.script(Loop(instrument.script(_in_place_rule())))
+def _loop_steps(loop, caplog):
+    """Two logging steps of the scripted ``loop`` with its rule watched: the step indices delivered in each."""
     keep = Keep()
     inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
     inst.watch(loop.rule)
@@ -409,6 +406,15 @@ def test_a_scripted_rule_changing_its_state_in_place_called_from_torchscript_is_
                 loop(seed_state(), N_ITER)
             delivered.append([c["index"] for c in keep.contexts])
     inst.close()
+    return delivered
+
+
+def test_a_scripted_rule_changing_its_state_in_place_called_from_torchscript_is_said_and_not_delivered(caplog):
+    """From TorchScript code no copy can be taken before the call: a call that returned its own argument, changed
+    since the last call returned it, is counted (later indices kept) and not delivered, with one warning,
+    instead of a context whose dx reads 0. The first call of a step cannot be told."""
+    loop = torch.jit.script(Loop(instrument.script(_in_place_rule())))
+    delivered = _loop_steps(loop, caplog)
     said = [r.getMessage() for r in caplog.records if "changed its state argument in place" in r.getMessage()]
     assert len(said) == 1 and "watched ScriptModule StateInPlaceRule" in said[0] and "return x + dx" in said[0]
     assert delivered == [[0], [0]]  # each step's first call, before a change could be seen; then none
@@ -434,16 +440,7 @@ def test_a_scripted_loop_changing_the_state_between_calls_is_not_taken_for_an_in
     """The loop clamps in place between calls of a rule that returns a new tensor: every call is delivered
     (a version check alone took the loop's change for the rule's and dropped every later call)."""
     rule = instrument.script(new_rule())
-    loop = torch.jit.script(ClampLoop(rule))
-    keep = Keep()
-    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
-    inst.watch(loop.rule)
-    delivered = []
-    with caplog.at_level(logging.WARNING, logger="instrument"), torch.no_grad():
-        for step in (0, 1):
-            with inst.step(step):
-                loop(seed_state(), N_ITER)
-            delivered.append([c["index"] for c in keep.contexts])
-    inst.close()
+    loop = torch.jit.script(Loop(rule, clamp=True))
+    delivered = _loop_steps(loop, caplog)
     assert delivered == [list(range(N_ITER))] * 2
     assert "in place" not in caplog.text

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from instrument.logger.values import EXACT_INT, Wide, note_beyond, overflowed, wide_int
+from instrument.logger.values import EXACT_INT, Wide, add, note_beyond, wide_int
 
 __all__ = ["Block", "MAX_BLOCKS", "float_block", "tensor_block", "fold", "means", "contributions"]
 
@@ -119,10 +119,7 @@ def fold(blocks: List[Block], totals: Dict[str, Any], counts: Dict[str, int], on
         for key, value in pairs:
             name = head + key
             if name in totals:
-                total = totals[name] + value
-                if type(total) is float and total - total:  # inf or NaN: from finite floats? (`add`)
-                    total = overflowed(totals[name], value, total)
-                totals[name] = total
+                totals[name] = add(totals[name], value)  # exactly on where finite floats leave float64
                 counts[name] = counts.get(name, 1) + 1
             else:
                 totals[name] = value

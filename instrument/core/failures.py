@@ -42,15 +42,21 @@ class FailureLedger:
         self.consequence = consequence
         self._counts: Dict[str, int] = {}
         self._lock = threading.Lock()
+        # The call under way, ``(name, method)``, else None: for whoever gives up waiting for it to say which
+        # plug-in held it up (a logger's close that timed out). Two plain stores per call.
+        self.running: Optional[Tuple[str, str]] = None
 
     def call(self, name: str, method: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
         """Run ``fn(*args, **kwargs)``; True if it returned, False if it raised (recorded and reported)."""
+        self.running = (name, method)
         try:
             fn(*args, **kwargs)
             return True
         except self.catch as exc:
             self.record(name, method, exc)
             return False
+        finally:
+            self.running = None
 
     def record(self, name: str, method: str, exc: Optional[BaseException] = None,
                consequence: Optional[str] = None) -> int:

@@ -5,6 +5,7 @@ Kept apart from the logger's hot path: these run once per run (or once per mista
 
 import inspect
 import logging
+import math
 import os
 import threading
 from typing import Any, Callable, Optional
@@ -57,6 +58,18 @@ class LoggerEnd:
             takes_prompt = False
         self._before_close.append((hook, takes_prompt))
 
+    def close_backend(self, backend: Any, timeout: Optional[float] = None) -> bool:
+        """Close one backend (``backend.close()`` on the writer thread) once every record handed over before is
+        written to it, and write nothing more to it; wait at most ``timeout`` seconds (None: until done). True
+        once it is closed; False when ``timeout`` passed first (it still closes when the writer gets there), or
+        it is not one of this logger's open backends. A progress bar closes this way, so its last line shows the
+        final count while the run goes on."""
+        timeout = check_timeout("close_backend", timeout)
+        if backend not in self.backends:
+            return False
+        seq = self._writer.call("close", backend=backend)  # 0: the logger is closed, and closed it
+        return seq > 0 and self._writer.wait(seq, timeout)
+
     def _run_before_close(self, prompt: bool = False) -> None:
         hooks, self._before_close = self._before_close, []
         for hook, takes_prompt in hooks:
@@ -75,6 +88,7 @@ class LoggerEnd:
         closed) must not wait for a lock whose holder waits for it. The last commit never waits for room in
         a full queue: the close right behind it is bounded by ``timeout`` alone. The `before_close` hooks run
         first (a system monitor hands over its buffered samples)."""
+        timeout = check_timeout("close", timeout)
         if not self._closed:
             self._run_before_close()
         locked = self._gate("close()", "the logger closes without a last commit: what is staged is not written")
@@ -127,6 +141,15 @@ class LoggerEnd:
 
 
 OPEN_POLICIES = ("raise", "warn")
+
+
+def check_timeout(what: str, timeout: Any) -> Optional[float]:
+    """``timeout`` for ``flush``/``close``: None (wait until done) or seconds >= 0; inf is None. Checked before
+    anything is queued, so a bad value never leaves a close half done."""
+    seconds = check_number(f"{what}: timeout", timeout, least=0, none=True, noun="a number of seconds",
+                           why="how long to wait for the logger's writer thread",
+                           fix=f"pass e.g. {what}(timeout=30.0), or timeout=None to wait until it is done")
+    return None if seconds is None or math.isinf(seconds) else seconds
 
 
 def check_open_policy(policy: Any, timeout: Any) -> str:

@@ -48,7 +48,7 @@ from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.handover import handover
-from instrument.logger.lifecycle import LoggerEnd, closed_use, open_backends
+from instrument.logger.lifecycle import LoggerEnd, check_timeout, closed_use, open_backends
 from instrument.logger.media import check_media, heatmap_options, refuse_shared_tag, video_fps
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
@@ -405,7 +405,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         out leaves them to the next; reported once and counted in `failures`, as always). Steps dropped under
         ``on_full="drop"`` are counted in `dropped` instead.
         """
-        return self._writer.flush(timeout)
+        return self._writer.flush(check_timeout("flush", timeout))
 
     @property
     def failures(self) -> Dict[str, int]:

@@ -37,6 +37,15 @@ class StepRecords:
         counting frames, checks it moved past it, so it never commits one step twice."""
         return self._last_step
 
+    def resume_after(self, last_step: Optional[int]) -> None:
+        """Go on from a checkpoint whose last committed step was ``last_step`` (None: none was): later steps
+        must follow it, and every backend is told before the next record that steps from ``last_step + 1`` on
+        are written again (`Backend.on_resume`). `Instrumentation.load_state_dict` calls this."""
+        with self._lock:
+            self._last_step = last_step
+        if self.is_writer:
+            self._writer.call("on_resume", 0 if last_step is None else int(last_step) + 1)
+
     def _commit_own(
         self, metrics: Mapping[str, Any], step: int, head: str, ops: Any
     ) -> Optional[CommittedStep]:

@@ -25,6 +25,7 @@ from instrument.backends.base import Backend, StepRecord
 from instrument.core.failures import FailureLedger
 from instrument.errors import InstrumentError
 from instrument.logger import shutdown
+from instrument.logger.committed import CommittedStep
 
 __all__ = ["Writer", "CommittedStep", "ON_FULL", "WriterThread", "running_writers"]
 
@@ -52,43 +53,6 @@ class WriterThread(threading.Thread):
 def running_writers() -> List[threading.Thread]:
     """The writer threads of this process that are still running."""
     return [t for t in threading.enumerate() if isinstance(t, WriterThread) and t.is_alive()]
-
-
-class CommittedStep:
-    """What `Logger.commit` returns: the step at once, the `StepRecord` once the writer has built it.
-
-    Reading a `StepRecord` attribute (``scalars``, ``images``, ...) waits until the writer thread has
-    converted this step (not until the backends wrote it; use `Logger.flush` for that). ``result(timeout)``
-    does the same explicitly and returns None if the step was dropped (``on_full="drop"``) or not built in time.
-    """
-
-    __slots__ = ("step", "seq", "record", "dropped", "_writer")
-
-    def __init__(self, step: int, writer: "Writer") -> None:
-        self.step = step
-        self.seq = 0
-        self.record: Optional[StepRecord] = None
-        self.dropped = False
-        self._writer = writer
-
-    def result(self, timeout: Optional[float] = None) -> Optional[StepRecord]:
-        self._writer.wait(self.seq, timeout)
-        return self.record
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name not in StepRecord.__dataclass_fields__ and name not in (
-            "flat_scalars", "is_empty"
-        ):
-            raise AttributeError(name)
-        record = self.result()
-        if record is None:
-            raise LookupError(f"step {self.step} was dropped before it was written (on_full='drop'), or was read on "
-                              f"the logger's own writer thread (in a backend) before it was built.")
-        return getattr(record, name)
-
-    def __repr__(self) -> str:
-        state = "dropped" if self.dropped else ("built" if self.record is not None else "pending")
-        return f"CommittedStep(step={self.step}, {state})"
 
 
 class Writer:
@@ -135,6 +99,7 @@ class Writer:
         self._done = 0
         self._closing = False
         self._close_seq = 0  # the queued close's sequence number, once there is one
+        self._gave_up = False  # a close timed out (and said so)
         self._close_bound: Optional[float] = None  # the close's timeout (a signal's, a failed start's), if any
         self._stopped = False
         self._dirty = False
@@ -232,7 +197,23 @@ class Writer:
         done = seq > 0 and self.wait(seq, timeout)
         # One deadline for both waits: a writer stuck in a backend call is given up on after ``timeout``.
         self._thread.join(5.0 if done or deadline is None else max(0.0, deadline - time.monotonic()))
+        if seq > 0 and not done and not self._gave_up:
+            self._gave_up = True  # said once: a second close (a signal's after the user's) waits for the same
+            self._say_gave_up(timeout)
         return done
+
+    def _say_gave_up(self, timeout: Optional[float]) -> None:
+        """A close that timed out returns with steps unwritten: say how many, and which backend call held it."""
+        with self._cond:
+            queued = self._records
+        running = self.ledger.running
+        held = (f"backend {running[0]!r} was still in {running[1]}()" if running is not None
+                else "the writer was still busy")
+        log.warning(
+            "instrument: closing the logger gave up after %gs: %s, and %d committed step(s) queued behind it were "
+            "not written; backends that did not get to their flush and close may hold less than was committed. "
+            "Pass a longer timeout to close() (or none, to wait) to keep them.", timeout, held, queued,
+        )
 
     def wait(self, seq: int, timeout: Optional[float] = None) -> bool:
         """Wait until item ``seq`` is done; False on timeout. On the writer thread itself (a backend reading a
@@ -407,6 +388,8 @@ class Writer:
             method, args, only = payload
             later = []  # reopening backends not open yet: after the others, as for records
             for backend in [only] if only is not None else list(self._active):
+                if method == "close" and backend not in self._active:
+                    continue  # closed already (`Logger.close_backend` twice), or never opened
                 if method == "open":
                     ok = self._open(backend, *args)
                 elif backend in self._unopened and method in ("log_hyperparams", "write_system"):
@@ -420,6 +403,10 @@ class Writer:
                     self.backends.remove(backend)
             for backend in later:
                 self._reopening_call(backend, method, *args)
+            if method == "close" and only is not None and only in self._active:  # `Logger.close_backend`
+                self._active.remove(only)  # closed: no more records, and not closed again at the end
+                if only in self._unopened:
+                    self._unopened.remove(only)
             self._dirty = True
         elif kind == _FLUSH:
             self._flush_backends()
@@ -436,6 +423,7 @@ class Writer:
         logger to raise at start, and reported through the ledger only when nobody is waiting to raise it
         (``report_open``). A backend that ``reopens`` joins anyway, unless the failure was instrument's own
         error (a bad option, a missing extra), which would only repeat."""
+        self.ledger.running = (backend.name, "open")
         try:
             hooks = shutdown.exit_hooks()
             backend.open(*args)
@@ -459,6 +447,8 @@ class Writer:
                 )
                 self.ledger.record(backend.name, "open", exc, consequence)
             return False
+        finally:
+            self.ledger.running = None
 
     def _reopening_call(self, backend: Backend, method: str, *args: Any) -> None:
         """A call to a backend whose open failed and which opens itself on its next call (`Backend.reopens`).

@@ -56,9 +56,7 @@ class ProgressComponent(RLComponent):
         if logger is None or self.bar not in logger.backends:  # never added (not the writing rank): not open
             self.bar.close()
             return
-        seq = logger._writer.call("close", backend=self.bar)  # 0: the writer is closed, and closed the bar
-        if seq:
-            logger._writer.wait(seq, timeout)
+        logger.close_backend(self.bar, timeout)
 
     def __repr__(self) -> str:
         return f"ProgressComponent({self.bar!r})"

@@ -21,6 +21,7 @@ from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, InvalidValueError
+from instrument.logger.lifecycle import check_timeout
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
 from instrument.probes import record
@@ -335,18 +336,19 @@ class Instrumentation(StepLifecycle):
             )
         last = state["last_step"]
         self._config_logged = bool(state.get("config_logged", False))
-        self.logger._last_step = last
-        if self.logger.is_writer:
-            self.logger._writer.call("on_resume", 0 if last is None else int(last) + 1)
+        self.logger.resume_after(last)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every committed step is written and flushed by every backend; see `Logger.flush`."""
         return self.logger.flush(timeout)
 
-    def close(self, status: Optional[str] = None) -> None:
+    def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> None:
         """Commit anything still staged, write and flush it, and close every backend. Idempotent. ``status``
         ``"killed"`` or ``"failed"`` tells the backends the run ended abnormally (`Backend.on_exit`); leaving a
-        ``with`` block by an exception does that. The backends' run ids are saved again for ``resume=True``."""
+        ``with`` block by an exception does that. The backends' run ids are saved again for ``resume=True``.
+        ``timeout`` (seconds) bounds the wait for the logger's writer (None: until every step is written); a
+        close that gives up says how many committed steps were not written and which backend call held it."""
+        timeout = check_timeout("close", timeout)  # before anything closes: a bad value never half-closes
         if self._closed:
             return
         self._closed = True
@@ -358,7 +360,7 @@ class Instrumentation(StepLifecycle):
                 self.system_monitor.stop()
         finally:
             try:
-                self.logger.close(status)
+                self.logger.close(status, timeout)
                 if self.logger.is_writer:  # again: a backend that opened late (`Backend.reopens`) has its id now
                     save_ids(self.run.dir, self.logger.backends, quiet=True)
                 self._dispatch.close()

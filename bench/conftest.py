@@ -21,7 +21,8 @@ import torch
 
 from bench import report as bench_report
 from bench.harness import CLOCKS, run_interleaved
-from bench.workloads import all_keys, build_variants, finish_peers
+from bench.peers import finish_peers
+from bench.workloads import all_keys, build_variants
 
 _STATE: Dict[str, Any] = {}
 

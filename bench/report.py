@@ -13,7 +13,7 @@ import torch
 from bench.harness import Measurement, Variant, paired_ratios, summary
 from bench.scalar_rows import BASELINE as SCALARS_BASELINE
 from bench.scalar_rows import SCALAR_WORKLOAD
-from bench.workloads import HEADLINE, MODES, device, observer_costs
+from bench.workloads import HEADLINE, MODES, OWN_COST, device
 
 __all__ = [
     "BUDGETS_FILE",
@@ -394,3 +394,26 @@ def device_name() -> str:
     if dev.type == "cuda":
         return f"{dev} ({torch.cuda.get_device_name(dev)})"
     return str(dev)
+
+
+def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float]]:
+    """Each observer's own cost per logging step: (log[X] - log[]) / bare, paired per repetition."""
+    from bench.harness import summary
+
+    costs: Dict[str, Dict[str, float]] = {}
+    for workload in MODES:
+        base, empty = f"{workload}/eager/bare", f"{workload}/eager/log[]"
+        if base not in samples or empty not in samples:
+            continue
+        for name in OWN_COST:
+            key = f"{workload}/eager/log[{name}]"
+            if key not in samples:
+                continue
+            triples = zip(samples[key], samples[empty], samples[base], strict=True)
+            fractions = [(t - e) / b for t, e, b in triples]
+            millis = [(t - e) * 1e3 for t, e in zip(samples[key], samples[empty], strict=True)]
+            costs[f"{workload}/{name}"] = {
+                **{f"fraction_{k}": v for k, v in summary(fractions).items()},
+                **{f"ms_{k}": v for k, v in summary(millis).items()},
+            }
+    return costs

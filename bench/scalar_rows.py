@@ -14,7 +14,7 @@ Kinds (baseline: ``summarywriter``, the cost of calling TensorBoard yourself):
   `TensorBoardBackend`, `JsonlBackend` and `ConsoleBackend` (printing to ``os.devnull``).
 - ``tb+jsonl+console[tensor]``: the same with 100 0-d CPU tensors (they go through the batched transfer).
 - ``wandb-offline``: ``wandb.log`` of a dict of 100 floats in offline mode (``WANDB_MODE=offline``), timed
-  in the W&B peers' own group with its ``summarywriter`` baseline (`bench.workloads.WANDB_GROUP`).
+  in the W&B peers' own group with its ``summarywriter`` baseline (`bench.peers.WANDB_GROUP`).
 - ``staging``: ``Logger.log_metrics`` + ``commit`` of 100 floats with no backend at all.
 
 Each row's ``prepare`` (untimed, right before each call) makes that step's 100 values, as a training loop
@@ -130,7 +130,7 @@ def _logger(key: str, tmp: Path, backends: Sequence, tensors: bool, describe: st
 
 
 def _wandb_offline(tmp: Path) -> Variant:
-    from bench.workloads import WANDB_GROUP, wandb_run
+    from bench.peers import WANDB_GROUP, wandb_run
 
     run, problem = wandb_run(str(tmp))
     key = "scalars/x100/wandb-offline"

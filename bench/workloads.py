@@ -39,11 +39,10 @@ Every variant of a workload does the same work every call: NCA state sizes are f
 fixed number of environment steps (no early stop), so timings do not depend on how far training got.
 """
 
-import contextlib
 import copy
 import os
 import tempfile
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,13 +50,12 @@ from torch import Tensor, nn
 
 import instrument
 from bench.harness import Variant
-from bench.scalar_rows import SCALAR_KEYS, finish_scalar_rows, scalar_variants
+from bench.peers import WANDB_GROUP, wandb_variant
+from bench.scalar_rows import SCALAR_KEYS, scalar_variants
 from instrument import GradientStats, Instrumentation, IterationStats, NonFinite, RolloutVideo, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
-__all__ = [
-    "NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "HEADLINE", "wandb_run", "device", "WANDB_GROUP"
-]
+__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "OWN_COST", "HEADLINE", "device"]
 
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
@@ -335,7 +333,7 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
                     "per-iteration .tolist()/.item() of the same stats",
                 )
             elif kind == "wandb-watch":
-                v.fn, v.pending, v.describe = _wandb_variant(
+                v.fn, v.pending, v.describe = wandb_variant(
                     _nca_model(base_rule), "nca", tmp, lambda m: trainer(m, lambda observer: m(seed, n_iter))
                 )
                 v.group = WANDB_GROUP
@@ -429,7 +427,7 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
                 v.fn = trainer(policy, act, naive=True)
                 v.describe = "per-iteration .tolist()/.item() of the same stats"
             elif kind == "wandb-watch":
-                v.fn, v.pending, v.describe = _wandb_variant(
+                v.fn, v.pending, v.describe = wandb_variant(
                     copy.deepcopy(base_policy), "rl", tmp, lambda p: trainer(p, p)
                 )
                 v.group = WANDB_GROUP
@@ -437,60 +435,6 @@ def rl_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) -
                 v.pending = PROBE_PENDING if not hasattr(instrument, "Probe") else RL_PROBE_PENDING
             out.append(v)
     return out
-
-
-# ------------------------------------------------------------------------------------------------ peers
-_WANDB_RUNS: List[object] = []
-# The W&B peer rows are timed in an interleaved group of their own after the rest (`Variant.group`), their
-# baselines timed again beside them. wandb hands its data to its service as protobuf messages, and protobuf's
-# C implementation calls glibc's malloc_trim(0) after every 10,000 freed messages: the whole free heap goes
-# back to the kernel, about once per wandb.watch call of the RL row. Interleaved with the rest, every row run
-# after one faulted its memory in again (nca/compile/probe-log about 9,800 page faults per step, 0 without
-# the W&B rows): a cost of wandb, charged to rows that do not use it.
-WANDB_GROUP = "wandb"
-
-
-def wandb_run(tmp: str):
-    """(run, None): the one offline W&B run every peer row logs to; (None, why) when wandb cannot be used.
-
-    One run for the whole session: wandb.watch's hooks log through the global ``wandb.run``.
-    """
-    try:
-        import wandb
-    except ImportError:
-        return None, "skipped: wandb is not importable (pip install 'torch-instrument[wandb]')"
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ.setdefault("WANDB_MODE", "offline")
-    if not _WANDB_RUNS:
-        _WANDB_RUNS.append(wandb.init(mode="offline", dir=tmp, project="instrument-bench", name="peers"))
-    return _WANDB_RUNS[0], None
-
-
-def _wandb_variant(model: nn.Module, workload: str, tmp: str, make_train):
-    """``wandb.watch(model, log="all", log_freq=1)`` in offline mode, plus ``wandb.log`` of the loss."""
-    run, problem = wandb_run(tmp)
-    if run is None:
-        return None, problem, ""
-    run.watch(model, log="all", log_freq=1)
-    train = make_train(model)
-
-    def fn():
-        loss = train()
-        run.log({f"{workload}/loss": loss.item()})
-
-    describe = 'wandb.watch(model, log="all", log_freq=1), offline'
-    if workload == "rl":
-        describe += "; the policy runs every env step, so watch logs per call"
-    return fn, None, describe
-
-
-def finish_peers() -> None:
-    """Close what the rows opened, after the measurement: the scalar rows' writers, then the W&B run."""
-    finish_scalar_rows()
-    while _WANDB_RUNS:
-        run = _WANDB_RUNS.pop()
-        with contextlib.suppress(Exception):
-            run.finish(quiet=True)
 
 
 def _probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
@@ -530,26 +474,3 @@ def _synchronized(fn: Callable[[], object]) -> Callable[[], None]:
         torch.cuda.synchronize(dev)  # host sync: the bench's clock, not the library's (the rows' own device)
 
     return step
-
-
-def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float]]:
-    """Each observer's own cost per logging step: (log[X] - log[]) / bare, paired per repetition."""
-    from bench.harness import summary
-
-    costs: Dict[str, Dict[str, float]] = {}
-    for workload in MODES:
-        base, empty = f"{workload}/eager/bare", f"{workload}/eager/log[]"
-        if base not in samples or empty not in samples:
-            continue
-        for name in OWN_COST:
-            key = f"{workload}/eager/log[{name}]"
-            if key not in samples:
-                continue
-            triples = zip(samples[key], samples[empty], samples[base], strict=True)
-            fractions = [(t - e) / b for t, e, b in triples]
-            millis = [(t - e) * 1e3 for t, e in zip(samples[key], samples[empty], strict=True)]
-            costs[f"{workload}/{name}"] = {
-                **{f"fraction_{k}": v for k, v in summary(fractions).items()},
-                **{f"ms_{k}": v for k, v in summary(millis).items()},
-            }
-    return costs

@@ -130,7 +130,10 @@ def test_close_backend_closes_one_backend_after_what_was_handed_over_and_writes_
         logger.log_metrics({"x": float(step)}, step=step)
         logger.commit()
     logger.close()
-    read = lambda name: [json.loads(line)["step"] for line in (tmp_path / "r" / name).read_text().splitlines()]
+
+    def read(name):
+        return [json.loads(line)["step"] for line in (tmp_path / "r" / name).read_text().splitlines()]
+
     assert read("metrics.jsonl") == [0, 1, 2]
     assert read("other.jsonl") == [0, 1, 2, 3, 4]
     assert first.closes == 1  # not closed again by the logger's close

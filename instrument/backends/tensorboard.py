@@ -87,6 +87,7 @@ class TensorBoardBackend(Backend):
         self._scalar_tags: set = set()
         self._media_tags: dict = {}  # tag -> the media kind it holds
         self._renamed: dict = {}  # kind -> {key: the tag a value of that kind and key is written under}
+        self._moved_tags: set = set()  # tags made for media values moved off a taken tag (``reward/histogram``)
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
@@ -201,7 +202,7 @@ class TensorBoardBackend(Backend):
     def _media_kind(self, kind: str, key: str, scalars: Mapping[str, float]) -> str:
         """The tag of a media value: its key, unless a scalar (of the run, or of this step) or a media value of
         another kind has it: then ``<key>/<kind>`` for the rest of the run (one warning)."""
-        if self._media_tags.get(key) == kind:
+        if self._media_tags.get(key) == kind and key not in self._moved_tags:  # a moved value's tag is not the user's
             return key
         if key in self._renamed.get(kind, {}):
             return self._renamed[kind][key]
@@ -220,6 +221,7 @@ class TensorBoardBackend(Backend):
             moved[key] = name
             if kind != "scalar":
                 self._media_tags[name] = kind
+                self._moved_tags.add(name)
             log.warning("instrument: TensorBoardBackend writes the %s %r under the tag %r: the tag %r already holds "
                         "another kind of value, and TensorBoard shows one kind per tag (the run's scalars could no "
                         "longer be read). (Said once per key.)", kind, key, name, key)

@@ -22,7 +22,7 @@ class VideoWriteError(RuntimeError):
     """Some videos (or other media values) of a record could not be written; everything else of that record was."""
 
 
-def encode_gif(frames: np.ndarray, fps: int) -> bytes:
+def encode_gif(frames: np.ndarray, fps: float) -> bytes:
     """[T, H, W, C] uint8 (C in 3, 4; 4 is composited over white) -> the bytes of a looping animated GIF."""
     from PIL import Image
 
@@ -35,7 +35,8 @@ def encode_gif(frames: np.ndarray, fps: int) -> bytes:
         alpha = frames[..., 3:].astype(np.float64) / 255.0
         frames = (frames[..., :3] * alpha + 255.0 * (1.0 - alpha) + 0.5).astype(np.uint8)
     images = [Image.fromarray(np.ascontiguousarray(f)) for f in frames]
-    delay = max(10, int(round(1000.0 / max(int(fps), 1))))
+    # GIF delays are whole centiseconds: the nearest to 1/fps (2.5 fps: 40 cs), at least 1 (100 fps)
+    delay = 10 * max(1, int(round(100.0 / max(float(fps), 1.0))))
     buffer = io.BytesIO()
     images[0].save(
         buffer, format="GIF", save_all=True, append_images=images[1:], duration=delay, loop=0, optimize=False

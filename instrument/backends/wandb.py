@@ -112,6 +112,7 @@ class WandbBackend(Backend):
         self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
         self._renamed: dict = {}  # (kind, key) -> the W&B key a value of that kind and key is logged under
         self._media_names: set = set()  # W&B keys media values took under their own name
+        self._moved_names: set = set()  # W&B keys made for media values moved off a taken key (``reward/histogram``)
         self._written: Optional[int] = None  # a resumed offline run: the last step its earlier folders hold
 
     def open(self, run: RunInfo) -> None:
@@ -235,15 +236,18 @@ class WandbBackend(Backend):
         if renamed is not None:
             return renamed
         original, key = key, self._unreserved(key, data)
-        if key not in data and key not in self._scalar_keys:
+        if key not in data and key not in self._scalar_keys and key not in self._moved_names:
             self._renamed[(kind, original)] = key  # fixed at first use: a later scalar of that name moves instead
             self._media_names.add(key)
             return key
         name, number = f"{key}/{kind}", 1
-        while name in data or name in self._scalar_keys:
+        while name in data or name in self._scalar_keys or name in self._moved_names:
             number += 1
             name = f"{key}/{kind}_{number}"
         self._renamed[(kind, original)] = name
+        # taken for good: the user's own value of that name moves instead (it would mix two series in one key)
+        self._moved_names.add(name)
+        self._media_names.add(name)  # and a scalar of that name goes under ``<name>/scalar``
         log.warning(
             "instrument: WandbBackend logs the %s %r as %r: a scalar (or another value) of the run already has the "
             "key %r, and W&B keeps one value per key in a row, so one would silently replace the other.",

@@ -257,7 +257,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
 
     def log_video(self, tag: str, frames: Union[Tensor, np.ndarray], step: int, fps: int = 30) -> None:
         """Stage a video: uint8, bool or [0,1] float frames shaped [T, H, W, C] (C in 1, 3, 4)."""
-        self._stage("video", tag, frames, step, video_fps(tag, fps))
+        self._stage("video", tag, frames, step, (video_fps(tag, fps), self._noted))
 
     def log_samples(
         self, tag: str, samples: Sequence[Mapping[str, Any]], step: int, score_key: str = "score"

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
 
 import numpy as np
 import torch
@@ -117,13 +117,27 @@ def _host_pixels(value: Any, host: Host) -> np.ndarray:
     return array
 
 
+def _check_pixel_values(call: str, tag: str, pixels: np.ndarray, said: Any) -> None:
+    """Float pixels are read in [0, 1]: say once per tag when some are outside it, or NaN or infinite, since
+    they are then drawn as another value (clipped; NaN and -inf as 0, +inf as 255)."""
+    if pixels.dtype.kind != "f":
+        return
+    finite_mask = np.isfinite(pixels)
+    finite = pixels[finite_mask]
+    if finite.size and (finite.min() < 0.0 or finite.max() > 1.0):
+        _say_once(said, tag, "range", "instrument: %s(%r) got floats from %.4g to %.4g; float pixels are read in "
+                  "[0, 1], so the rest is clipped (0..255 floats come out white). Pass uint8 pixels, or divide by "
+                  "255. (Said once per tag.)", call, tag, finite.min(), finite.max())
+    if finite.size != pixels.size:
+        _say_once(said, tag, "nonfinite", "instrument: %s(%r) got %d NaN or infinite pixel value(s) of %d; they are "
+                  "drawn as 0 (NaN, -inf) and 255 (+inf), so they look like real pixels. Replace them before logging "
+                  "(e.g. torch.nan_to_num), or log the values as a heatmap, which draws them grey. (Said once per "
+                  "tag.)", call, tag, pixels.size - finite.size, pixels.size)
+
+
 def _convert_image(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
     pixels = _host_pixels(value, host)
-    finite = pixels[np.isfinite(pixels)] if pixels.dtype.kind == "f" else pixels[:0]
-    if finite.size and (finite.min() < 0.0 or finite.max() > 1.0):
-        _say_once(extra, tag, "range", "instrument: log_image(%r) got floats from %.4g to %.4g; float pixels are read "
-                  "in [0, 1], so the rest is clipped (0..255 floats come out white). Pass uint8 pixels, or divide by "
-                  "255. (Said once per tag.)", tag, finite.min(), finite.max())
+    _check_pixel_values("log_image", tag, pixels, extra)
     shape = pixels.shape
     if len(shape) == 3 and shape[0] in (1, 3, 4) and shape[-1] in (1, 3, 4):
         _say_once(extra, tag, "layout", "instrument: log_image(%r) got shape %s, which reads as [C,H,W] and as "
@@ -165,13 +179,14 @@ def heatmap_options(tag: Any, x_label: Any, y_label: Any, x_ticks: Any, color_ra
     return x_label, y_label, ticks, check_color_range(where, color_range)
 
 
-def video_fps(tag: Any, fps: Any) -> int:
-    """The frame rate of a `log_video` call as a whole number of frames per second, at least 1."""
-    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or int(fps) < 1:
+def video_fps(tag: Any, fps: Any) -> Union[int, float]:
+    """The frame rate of a `log_video` call, at least 1 frame per second: an int when it is a whole number, else
+    a float (2.5 fps plays at 2.5, to the GIF's centisecond frame delays; it was cut to 2)."""
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or not fps >= 1:
         raise InvalidValueError(
             f"log_video({tag!r}): fps must be a number of frames per second of at least 1, got {fps!r}."
         )
-    return int(fps)
+    return int(fps) if float(fps).is_integer() else float(fps)
 
 
 def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:
@@ -252,8 +267,10 @@ def _check_video(tag: str, value: Any, extra: Any) -> Any:
 
 
 def _convert_video(tag: str, value: Any, extra: Any, host: Host) -> tuple:
+    fps, said = extra
     frames = _host_pixels(value, host)
-    return np.stack([to_hwc_uint8(f, tag) for f in frames]), extra
+    _check_pixel_values("log_video", tag, frames, said)
+    return np.stack([to_hwc_uint8(f, tag) for f in frames]), fps
 
 
 KINDS: Dict[str, MediaKind] = {

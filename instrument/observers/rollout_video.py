@@ -7,7 +7,7 @@ from torch import Tensor
 
 from instrument.checks import check_int, is_int
 from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
-from instrument.core.context import StepContext
+from instrument.core.context import StepContext, reduction_dtype
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError, InvalidValueError
 
@@ -183,7 +183,9 @@ def render_frames(
         lut = torch.from_numpy(VIRIDIS_LUT.copy()).to(stack.device)
     if nan_colour is None:
         nan_colour = torch.from_numpy(NAN_COLOUR.copy()).to(stack.device)
-    x = stack.float()
+    # float64 states (and wide integers) are drawn in float64: in float32, finite values beyond 3.4e38 would be
+    # drawn as inf (the grey of NaN) and nearby large values (1e9 + 10) as one colour
+    x = stack.to(reduction_dtype(stack.dtype, stack.device))
     bad = ~torch.isfinite(x).all(dim=1)  # [T, H, W]
     if x.shape[1] == 1:
         v = x[:, 0]

@@ -1,0 +1,140 @@
+"""Media drawn otherwise than logged are said, and media moved off a taken name keep their own series.
+
+Read back from what a user opens: TensorBoard event files (EventAccumulator, GIFs decoded with Pillow), W&B
+offline run files, JSONL. References are computed here with NumPy.
+"""
+
+import io
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from instrument import JsonlBackend, Logger, RunInfo, TensorBoardBackend
+from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
+from instrument.observers.rollout_video import render_frames
+from tests.conftest import event_accumulator
+from tests.wandb_reader import read_run
+
+
+def _warnings(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def _tb_pixels(log_dir: Path, tag: str) -> np.ndarray:
+    acc = event_accumulator(log_dir)
+    event = acc.Images(tag)[-1]
+    return np.asarray(Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB"))
+
+
+def test_nan_and_infinite_pixels_of_images_and_videos_are_said_once_per_tag(tmp_path, caplog):
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    image = np.array([[np.nan, 0.5], [np.inf, -np.inf]])
+    video = np.zeros((2, 2, 2, 3))
+    video[0, 0, 0, 0] = np.nan
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            logger.log_image("img", image, step)
+            logger.log_video("vid", video, step, fps=4)
+            logger.commit(step)
+        logger.close()
+    said = _warnings(caplog, "NaN or infinite pixel")
+    assert len(said) == 2, said  # once per tag, not per step
+    assert any("log_image('img') got 3 NaN or infinite pixel value(s) of 4" in m for m in said)
+    assert any("log_video('vid') got 1 NaN or infinite pixel value(s) of 24" in m for m in said)
+    # what was drawn, as the message says: NaN and -inf as 0, +inf as 255
+    assert _tb_pixels(tmp_path / "r", "img")[:, :, 0].tolist() == [[0, 128], [255, 0]]
+
+
+def test_float_video_frames_outside_0_1_are_said_like_images(tmp_path, caplog):
+    logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
+    frames = torch.linspace(0.0, 255.0, 2 * 3 * 3 * 3).reshape(2, 3, 3, 3)  # 0..255 floats: drawn almost all white
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_video("vid", frames, 0, fps=2)
+        logger.commit(0)
+        logger.close()
+    said = _warnings(caplog, "log_video('vid') got floats from 0 to 255")
+    assert len(said) == 1 and "clipped" in said[0], [r.getMessage() for r in caplog.records]
+
+
+def test_a_fractional_frame_rate_is_kept_to_the_gifs_centiseconds(tmp_path):
+    logger = Logger([TensorBoardBackend(), JsonlBackend()], RunInfo("r", tmp_path))
+    frames = np.zeros((3, 4, 4, 3), dtype=np.uint8)
+    frames[1] = 128
+    frames[2] = 255  # three different frames: Pillow merges identical ones into one longer delay
+    logger.log_video("a", frames, 0, fps=2.5)
+    logger.log_video("b", frames, 0, fps=1.9)
+    logger.log_video("c", frames, 0, fps=10)
+    logger.commit(0)
+    logger.close()
+    acc = event_accumulator(tmp_path / "r")
+    for tag, delay in (("a", 400), ("b", 530), ("c", 100)):  # 1/fps to the nearest centisecond (it was 1/int(fps))
+        gif = Image.open(io.BytesIO(acc.Images(tag)[-1].encoded_image_string))
+        delays = []
+        for index in range(gif.n_frames):
+            gif.seek(index)
+            delays.append(gif.info["duration"])
+        assert delays == [delay] * 3, (tag, delays)
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert {k: v["fps"] for k, v in line["videos"].items()} == {"a": 2.5, "b": 1.9, "c": 10}
+    assert isinstance(line["videos"]["c"]["fps"], int)
+
+
+def _histograms(log_dir: Path):
+    acc = event_accumulator(log_dir)
+    return {tag: {e.step: (e.histogram_value.num, e.histogram_value.min, e.histogram_value.max)
+                  for e in acc.Histograms(tag)} for tag in acc.Tags()["histograms"]}
+
+
+def test_tensorboard_a_users_own_tag_named_like_a_moved_one_gets_a_tag_of_its_own(tmp_path, caplog):
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_metrics({"reward": 1.0}, step=1)
+        logger.log_histogram("reward", torch.tensor([1.0, 2.0, 3.0]), 1)  # moved: 'reward' holds a scalar
+        logger.commit(1)
+        logger.log_histogram("reward/histogram", torch.tensor([100.0, 200.0]), 2)  # the user's own tag
+        logger.commit(2)
+        logger.close()
+    got = _histograms(tmp_path / "r")
+    assert got["reward/histogram"] == {1: (3.0, 1.0, 3.0)}  # the moved one alone: the user's did not replace it
+    assert got["reward/histogram/histogram"] == {2: (2.0, 100.0, 200.0)}
+    assert any("'reward/histogram' under the tag 'reward/histogram/histogram'" in m
+               for m in _warnings(caplog, "TensorBoardBackend writes"))
+
+
+def test_wandb_a_users_own_key_named_like_a_moved_one_gets_a_key_of_its_own(tmp_path):
+    from instrument import WandbBackend
+
+    logger = Logger([WandbBackend(dir=str(tmp_path), mode="offline")], RunInfo("r", tmp_path))
+    logger.log_metrics({"reward": 1.0}, step=1)
+    logger.log_histogram("reward", torch.tensor([1.0, 2.0, 3.0]), 1)
+    logger.commit(1)
+    logger.log_histogram("reward/histogram", torch.tensor([100.0, 200.0]), 2)
+    logger.log_metrics({"reward/histogram": 5.0}, step=2)  # a scalar of that name moves off it too
+    logger.commit(2)
+    logger.close()
+    rows, _ = read_run(tmp_path)
+    keys = {row["_step"]: {k for k in row if not k.startswith("_")} for row in rows}
+    assert keys[1] == {"reward", "reward/histogram"}
+    assert keys[2] == {"reward/histogram/histogram", "reward/histogram/scalar"}  # never into 'reward/histogram'
+    second = next(row for row in rows if row["_step"] == 2)["reward/histogram/histogram"]
+    assert min(second["bins"]) == pytest.approx(100.0) and max(second["bins"]) == pytest.approx(200.0)
+
+
+def test_rollout_video_draws_float64_states_in_float64():
+    def colours(values):
+        stack = torch.tensor(values, dtype=torch.float64).reshape(1, 1, 1, -1)  # [T, k, H, W]
+        return render_frames(stack)[0, 0].tolist()
+
+    grey = NAN_COLOUR.tolist()
+    # finite beyond float32's range: the channel's own ends, not the grey of NaN (inf in float32)
+    drawn = colours([1e39, -1e39, 0.0, 1.0])
+    assert grey not in drawn and drawn[0] == VIRIDIS_LUT[255].tolist() and drawn[1] == VIRIDIS_LUT[0].tolist()
+    # values float32 cannot tell apart (1e9 + 10 is 1e9 in float32): four colours, evenly over the map
+    values = 1e9 + np.array([0.0, 10.0, 20.0, 30.0])
+    want = [VIRIDIS_LUT[int(np.round((v - values[0]) / (values[-1] - values[0]) * 255.0))].tolist() for v in values]
+    assert colours(values.tolist()) == want

@@ -71,16 +71,24 @@ class Dispatcher:
                 self._run(index, observer, "attach", attach, list(modules))
 
     def finish(self) -> None:
-        """The logging step is over (also when it raised): each observer's ``detach()``, before ``log``."""
+        """The logging step is over (also when it raised): each observer's ``detach()``, before ``log``. Every
+        observer detaches, also after one raised Ctrl-C (raised once they all have): its hooks would stay."""
+        interrupted: Optional[BaseException] = None
         for index, observer in enumerate(self.observers):
             detach = getattr(observer, "detach", None)
             if detach is not None:
                 name, clock = observer_name(observer), self.clock
                 start = clock.mark() if clock is not None else None
-                if not self.ledger.call(name, "detach", detach):
+                try:
+                    if not self.ledger.call(name, "detach", detach):
+                        self._skip(index)
+                except BaseException as exc:  # not caught by the ledger: KeyboardInterrupt, SystemExit
                     self._skip(index)
+                    interrupted = interrupted or exc
                 if clock is not None:
                     clock.stop(name, start)
+        if interrupted is not None:
+            raise interrupted
 
     def __call__(self, context: StepContext) -> None:
         if in_recompute():

@@ -28,7 +28,8 @@ from instrument.probes import record
 from instrument.probes.compiled import unwrap
 from instrument.probes.embedded import ProbeSet, check_unique_names
 from instrument.probes.hooks import StateWatch
-from instrument.session.lifecycle import StepLifecycle
+from instrument.session import dropped
+from instrument.session.lifecycle import StepLifecycle, run_all
 from instrument.session.run_folder import removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
 
@@ -178,6 +179,8 @@ class Instrumentation(StepLifecycle):
                 save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
                 if system_monitor is not None:
                     system_monitor.start(self.logger)
+        dropped.say_dropped()  # earlier sessions that were never closed (a notebook cell run again)
+        dropped.track(self, self.logger, self.run.dir)
 
     def _abort_start(self, status: str) -> None:
         """The start failed: end what did start (`removed_if_start_fails` then removes the new run folder)."""
@@ -352,8 +355,11 @@ class Instrumentation(StepLifecycle):
         if self._closed:
             return
         self._closed = True
-        for watch in self._watches:
-            watch.detach()
+        dropped.untrack(self)
+        try:  # hooks, probes and the recorder off even after a step cut short by Ctrl-C (they outlive the session)
+            run_all([watch.detach for watch in self._watches] + [self._release_probes])
+        except Exception:
+            log.exception("instrument: undoing the session's hooks and probes at close failed")
         try:
             self._components.close()
             if self.system_monitor is not None:

@@ -9,6 +9,7 @@ other ranks' later steps, mixing their values, and leave the others waiting at c
 
 import logging
 import time
+from typing import Any, Callable, List, Optional
 
 from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.errors import ConfigurationError
@@ -16,7 +17,7 @@ from instrument.probes import record
 from instrument.probes.embedded import check_probe_requests
 from instrument.session.scope import StepScope
 
-__all__ = ["StepLifecycle"]
+__all__ = ["StepLifecycle", "run_all"]
 
 log = logging.getLogger("instrument")
 
@@ -54,6 +55,7 @@ class StepLifecycle:
         meter = self._overhead
         if meter is not None:
             meter.ending()
+        committed = False
         try:
             recorder = self._recorder
             self._detach_all(failed)
@@ -74,12 +76,21 @@ class StepLifecycle:
                 self._components.log(self.logger, scope.step)
                 started = time.perf_counter()
                 handle = self.logger.commit(scope.step)
+                committed = True
                 if meter is not None:
                     meter.commit_seconds(time.perf_counter() - started)
                 self._dispatch.committed(handle)
             else:
                 self._discard(scope)
                 self._commit_failed(scope.step)
+        except BaseException:
+            # Interrupted before its commit (Ctrl-C in an observer's log or detach, a SystemExit in a component):
+            # a failed step. What it staged must not ride into the next logging step's record as its own.
+            if not failed and not committed:
+                failed = True
+                self._discard(scope)
+                self._commit_failed(scope.step)
+            raise
         finally:
             self._current = None
             self._stop_clock(failed)
@@ -122,16 +133,22 @@ class StepLifecycle:
             )
 
     def _detach_all(self, failed: bool = False) -> None:
-        self._dispatch.finish()
-        for watch in self._watches:
-            watch.detach(report=not failed)  # a step that raised may not have reached the module
+        """Every part runs, whatever an earlier one raised (Ctrl-C in an observer's detach): hooks, probes left on
+        or the process-wide recorder left installed would outlive the step and the session. The first
+        exception is raised once everything is undone."""
+        parts = [self._dispatch.finish]
+        parts += [lambda watch=watch: watch.detach(report=not failed) for watch in self._watches]  # a step that
+        parts.append(self._release_probes)  # raised may not have reached the module: no report then
+        run_all(parts)
+
+    def _release_probes(self) -> None:
+        """Probes off and the recorder uninstalled (also from `close`: a step cut short may have left them)."""
         if self.__dict__.pop("_probes_turned_on", False):  # only probes this session turned on: a step refused
-            for probes in self._probe_sets:  # because another session's is open must leave that one's on
-                probes.off()
+            run_all([probes.off for probes in self._probe_sets])  # because another session's is open leaves it on
         if self._recorder is not None:
-            record.uninstall(self._recorder)
-            self._recorder = None
+            recorder, self._recorder = self._recorder, None
             self._dispatch.recorder = None
+            record.uninstall(recorder)
 
     def _probes_on(self) -> None:
         if not self._probe_sets:
@@ -144,3 +161,14 @@ class StepLifecycle:
         for probes in self._probe_sets:
             probes.on()
 
+
+def run_all(parts: List[Callable[[], Any]]) -> None:
+    """Call every part in order; the first exception any raised (Ctrl-C included) is raised after the last."""
+    first: Optional[BaseException] = None
+    for part in parts:
+        try:
+            part()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first

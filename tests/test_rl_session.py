@@ -5,6 +5,7 @@ one of them, and the progress bar reads declared keys."""
 import collections
 import inspect
 import io
+import json
 import logging
 import sys
 
@@ -365,3 +366,17 @@ def test_an_evaluation_without_a_runner_still_stops_the_run_when_it_first_falls_
     assert rl.counters.iterations == 2
     rl.close()
     inst.close()
+
+
+def test_a_loop_committing_through_rl_logging_logs_its_hyperparameters_once(tmp_path):
+    """RLLogging commits through inst.commit_step; the session's hyperparameters are logged there too, once."""
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=2, log_dir=str(tmp_path),
+                                      hyperparams={"lr": 0.1, "envs": 8})
+    rl = RLLogging(progress=None).attach(inst)
+    loop(rl, 5)
+    rl.close()
+    inst.close()
+    lines = [json.loads(line) for line in (inst.run.dir / "metrics.jsonl").read_text().splitlines()]
+    params = [line["hyperparameters"] for line in lines if "hyperparameters" in line]
+    assert len(params) == 1 and params[0]["lr"] == 0.1 and params[0]["envs"] == 8
+    assert [line["step"] for line in lines if "metrics" in line] == [0, 2, 4]

@@ -305,6 +305,8 @@ class Instrumentation(StepLifecycle):
                     f"commit the block's own step, or end the block first."
                 )
             return None
+        if not self._config_logged:  # a loop that commits only here (RLLogging) logs its config too
+            self._log_config()
         self._components.log(self.logger, step)
         return self.logger.commit(step)
 

@@ -31,7 +31,9 @@ import numpy as np
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["USER_HEAD", "Backend", "RunInfo", "SampleTable", "StepRecord", "check_backends"]
+__all__ = [
+    "USER_HEAD", "Backend", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_backends", "name_apart"
+]
 
 log = logging.getLogger("instrument")
 
@@ -62,6 +64,34 @@ class SampleTable:
     score_key: str = "score"
 
 
+_SHARED = ("a StepRecord is shared by every backend and by the caller's CommittedStep, so it is read-only: copy "
+           "what you change (scalars = dict(record.scalars); image = record.images[tag].copy())")
+
+
+class ReadOnlyDict(dict):
+    """A record's dict: reads as a dict (json, ``dict(...)``, ``{**d}``); changing it raises `TypeError`.
+    A copy or an unpickled one is a plain dict."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(_SHARED)
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse  # type: ignore
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
+
+
+def _read_only(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    elif isinstance(value, tuple):  # a video: (frames, fps)
+        for item in value:
+            _read_only(item)
+    elif isinstance(value, dict):
+        return ReadOnlyDict((key, _read_only(item)) for key, item in value.items())
+    return value
+
+
 @dataclasses.dataclass
 class StepRecord:
     """Everything committed for one step, on the host.
@@ -90,6 +120,20 @@ class StepRecord:
     samples: Dict[str, SampleTable] = dataclasses.field(default_factory=dict)
     timings: Dict[str, Dict[str, float]] = dataclasses.field(default_factory=dict)
     wall_time: float = dataclasses.field(default_factory=time.time)
+
+    def freeze(self) -> "StepRecord":
+        """Make this record read-only (the writer does, before the first backend gets it): one backend that changed
+        a value in place would change it for every backend after it. Its dicts then raise on change, its arrays
+        are not writeable, and its fields cannot be rebound. Returns self."""
+        for field in ("scalars", "images", "histograms", "texts", "videos", "samples", "timings"):
+            object.__setattr__(self, field, _read_only(getattr(self, field)))
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"cannot set StepRecord.{name}: {_SHARED}.")
+        object.__setattr__(self, name, value)
 
     def is_empty(self) -> bool:
         return not (
@@ -195,7 +239,8 @@ class Backend:
 
     @property
     def name(self) -> str:
-        return type(self).__name__
+        """The class name; a second backend of one class in a logger is named ``<class>#2`` (`name_apart`)."""
+        return self.__dict__.get("_name") or type(self).__name__
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -228,3 +273,21 @@ def check_backends(backends: Any) -> List["Backend"]:
                 f"subclass instrument.Backend or use one of the built-in backends."
             )
     return items
+
+
+def name_apart(backend: "Backend", others: List["Backend"]) -> None:
+    """Give ``backend`` a name none of ``others`` has (``JsonlBackend#2``): the name keys its failure counts and
+    its run id in ``run.json``, so two of one class would share one count (one's first failure unreported) and
+    one resumed run id. A backend whose subclass defines ``name`` as a property keeps it."""
+    taken = {other.name for other in others if other is not backend}
+    base = backend.name
+    if base not in taken:
+        return
+    number = 2
+    while f"{base}#{number}" in taken:
+        number += 1
+    attribute = getattr(type(backend), "name", None)
+    if attribute is Backend.__dict__["name"]:
+        backend._name = f"{base}#{number}"
+    elif not isinstance(attribute, property):  # a class attribute: an instance attribute shadows it
+        backend.name = f"{base}#{number}"

@@ -6,7 +6,7 @@ in it is outside autograd (detached, or never in it: then handed over as it is),
 autograd graph into the user's training step.
 """
 
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -79,7 +79,10 @@ class StepContext:
         probes: values recorded by embedded probes during this iteration, name -> tensor.
     """
 
-    __slots__ = ("previous_state", "next_state", "_dx", "condition", "step_index", "freeze_channels", "probes")
+    # Read-only: every observer of an iteration gets the same context (and in the explicit-evolver style it is
+    # the caller's own), so one that rebound ``next_state`` would change what the observers after it see. The
+    # attributes are properties over these slots; an observer that wants other values makes a new StepContext.
+    __slots__ = ("_previous", "_next", "_dx", "_condition", "_index", "_freeze", "_probes")
 
     def __init__(
         self,
@@ -91,22 +94,46 @@ class StepContext:
         freeze_channels: Optional[Sequence[int]] = None,
         probes: Optional[Mapping[str, Tensor]] = None,
     ) -> None:
-        self.previous_state = _detached(previous_state, "previous_state")
-        self.next_state = _detached(next_state, "next_state")
-        if self.previous_state is None or self.next_state is None:
+        self._previous = _detached(previous_state, "previous_state")
+        self._next = _detached(next_state, "next_state")
+        if self._previous is None or self._next is None:
             raise TypeError("StepContext needs both previous_state and next_state tensors, got None.")
         self._dx = _detached(dx, "dx")
-        self.condition = _detached(condition, "condition")
-        self.step_index = int(step_index)
-        self.freeze_channels = tuple(freeze_channels) if freeze_channels is not None else None
-        self.probes: Dict[str, Tensor] = (
+        self._condition = _detached(condition, "condition")
+        self._index = int(step_index)
+        self._freeze = tuple(freeze_channels) if freeze_channels is not None else None
+        self._probes: Dict[str, Tensor] = (
             {name: value.detach() for name, value in probes.items()} if probes else {}
         )
 
     @property
+    def previous_state(self) -> Tensor:
+        return self._previous
+
+    @property
+    def next_state(self) -> Tensor:
+        return self._next
+
+    @property
+    def condition(self) -> Optional[Tensor]:
+        return self._condition
+
+    @property
+    def step_index(self) -> int:
+        return self._index
+
+    @property
+    def freeze_channels(self) -> Optional[Tuple[int, ...]]:
+        return self._freeze
+
+    @property
+    def probes(self) -> Mapping[str, Tensor]:
+        return self._probes
+
+    @property
     def dx(self) -> Tensor:
         if self._dx is None:
-            self._dx = difference(self.next_state, self.previous_state)
+            self._dx = difference(self._next, self._previous)
         return self._dx
 
     @property

@@ -35,6 +35,14 @@ class Dispatcher:
 
     def __init__(self, observers: Sequence[ObserverLike]) -> None:
         self.observers: List[ObserverLike] = list(observers)
+        # The name each observer's failures and timings are kept under: two callables of one name (two lambdas)
+        # are told apart as ``<lambda>#2``, so one's first failure is not taken for the other's.
+        self.names: List[str] = []
+        for observer in self.observers:
+            name, number = observer_name(observer), 2
+            while name in self.names:
+                name, number = f"{observer_name(observer)}#{number}", number + 1
+            self.names.append(name)
         self._skipped: Set[int] = set()
         # (index, name, observe) of the observers not skipped, built once per logging step (and again after a
         # failure): the per-iteration call then does no attribute lookups or name resolution per observer.
@@ -77,7 +85,7 @@ class Dispatcher:
         for index, observer in enumerate(self.observers):
             detach = getattr(observer, "detach", None)
             if detach is not None:
-                name, clock = observer_name(observer), self.clock
+                name, clock = self.names[index], self.clock
                 start = clock.mark() if clock is not None else None
                 try:
                     if not self.ledger.call(name, "detach", detach):
@@ -155,18 +163,18 @@ class Dispatcher:
             except NonFiniteError:
                 raise
             except Exception as exc:
-                self.ledger.record(observer_name(observer), "committed", exc)
+                self.ledger.record(self.names[index], "committed", exc)
                 self._skip(index)
 
     def close(self) -> None:
         """The session closed: each observer's ``close()``."""
-        for observer in self.observers:
+        for observer, name in zip(self.observers, self.names, strict=True):
             close = getattr(observer, "close", None)
             if close is not None:
-                self.ledger.call(observer_name(observer), "close", close)
+                self.ledger.call(name, "close", close)
 
     def _run(self, index: int, observer: ObserverLike, method: str, fn: Callable, *args) -> None:
-        name, clock = observer_name(observer), self.clock
+        name, clock = self.names[index], self.clock
         if clock is None:
             if not self.ledger.call(name, method, fn, *args):
                 self._skip(index)
@@ -180,7 +188,7 @@ class Dispatcher:
 
     def _build_observing(self) -> List[Tuple[int, str, Callable[[StepContext], Any]]]:
         self._observing = [
-            (index, observer_name(observer), observe)
+            (index, self.names[index], observe)
             for index, observer in enumerate(self.observers)
             if index not in self._skipped and (observe := _observe_of(observer)) is not None
         ]
@@ -216,5 +224,5 @@ def _with_probes(context: StepContext, probes: Dict[str, Tensor]) -> StepContext
             setattr(copied, name, getattr(context, name))
     else:
         copied = copy.copy(context)
-    copied.probes = probes
+    copied._probes = probes
     return copied

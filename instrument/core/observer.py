@@ -29,7 +29,7 @@ Rules an observer follows:
   training and the other observers carry on.
 """
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Protocol, Sequence, Tuple, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -129,14 +129,18 @@ def over_ranks(logger: Any, ops: Mapping[str, str]) -> Any:
     return ops if distributed(logger) else "mean"
 
 
-def check_observers(observers: Any) -> None:
-    """A `ConfigurationError` unless ``observers`` is a list of observer instances or callables taking a
-    `StepContext` (a single observer, or a class where an instance goes, is named with the fix)."""
+def check_observers(observers: Any) -> List[Any]:
+    """``observers`` as a list, or a `ConfigurationError` unless it holds observer instances or callables taking a
+    `StepContext` (a single observer, or a class where an instance goes, is named with the fix). One instance
+    listed twice would see every iteration twice; two `Observer`s of one name would write one key each and
+    their values would be averaged into one series, a number of neither: both are refused."""
     if isinstance(observers, (Observer, type, str, bytes, Mapping)) or not hasattr(observers, "__iter__"):
         raise ConfigurationError(
             f"observers must be a list of instrument.Observer instances, got {observers!r} "
             f"({type(observers).__name__}); e.g. observers=[IterationStats()] (in gin: [@IterationStats()])."
         )
+    observers = list(observers)  # once: a generator would be used up by these checks
+    names: Dict[str, Any] = {}
     for obs in observers:
         if isinstance(obs, type):
             raise ConfigurationError(
@@ -148,3 +152,18 @@ def check_observers(observers: Any) -> None:
                 f"observers must be instrument.Observer instances or callables taking a StepContext, "
                 f"got {type(obs).__name__}."
             )
+        if sum(other is obs for other in observers) > 1:
+            raise ConfigurationError(
+                f"observers lists one {type(obs).__name__} instance twice, which would see every iteration twice; "
+                f"list it once (two of a kind need two instances with different names)."
+            )
+        if isinstance(obs, Observer):
+            other = names.setdefault(obs.name, obs)
+            if other is not obs:
+                raise ConfigurationError(
+                    f"two observers are named {obs.name!r} ({type(other).__name__} and {type(obs).__name__}): each "
+                    f"logs its keys under its name, so their values would be averaged into one series that belongs "
+                    f"to neither. Name one of them, e.g. {type(obs).__name__}(name='{obs.name}_2') (in gin, with a "
+                    f"scope: second/{type(obs).__name__}.name = '{obs.name}_2' and @second/{type(obs).__name__}())."
+                )
+    return observers

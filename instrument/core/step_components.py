@@ -90,6 +90,11 @@ class StepComponents:
                 f"a step component needs a log(logger, step) method; {type(component).__name__} has none."
             )
         name = name or type(component).__name__
+        if any(h.component is component for h in self._handles):  # its log would run twice in every step
+            raise ConfigurationError(
+                f"this {type(component).__name__} instance is already registered with this session; its log would "
+                f"run twice at every logging step. Register it once (two of a kind need two instances)."
+            )
         if any(h.name == name for h in self._handles):
             raise ConfigurationError(
                 f"a component named {name!r} is already registered with this session; pass another name."

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 from torch import Tensor
 
-from instrument.backends.base import Backend, RunInfo, StepRecord, check_backends
+from instrument.backends.base import Backend, RunInfo, StepRecord, check_backends, name_apart
 from instrument.checks import check_int, check_number
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError, InvalidValueError
@@ -109,6 +109,8 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         check_number("flush_secs", flush_secs, above=0, noun="a number of seconds",
                      fix="bind e.g. Instrumentation.flush_secs = 2.0")
         backends = check_backends(backends)
+        for index, backend in enumerate(backends):
+            name_apart(backend, backends[:index])  # unique names: they key failures and run ids
         self.secret_keys = tuple(str(k) for k in secret_keys)
         self.run = run or RunInfo(name="run")
         if self.run.argv is None:  # the command line, redacted, for backends that record it (W&B)
@@ -168,6 +170,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             return True
         if not self.is_writer:
             return False
+        name_apart(backend, self.backends)
         self.backends.append(backend)
         return self._writer.call("open", self.run, backend=backend) > 0
 

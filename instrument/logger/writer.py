@@ -372,6 +372,8 @@ class Writer:
         if kind == _RECORD:
             handle, data = payload
             record = self._build(data)
+            if record is not None:
+                record.freeze()  # shared by every backend below and the caller's handle: no backend changes it
             handle.record = record
             if record is not None and not record.is_empty():
                 unopened = self._unopened

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from instrument.logger.logger import Logger
     from instrument.rl.counters import Counters
 
-__all__ = ["RLComponent", "load_together", "state_entry"]
+__all__ = ["RLComponent", "check_components", "load_together", "state_entry"]
 
 
 class RLComponent:
@@ -105,3 +105,17 @@ def load_together(parts: List[Tuple[Any, Any]]) -> None:
         for component, before in reversed(done):
             component.load_state_dict(before)
         raise
+
+
+def check_components(components: Any) -> List["RLComponent"]:
+    """``RLLogging(components=...)`` as a list (a generator is read once), each an `RLComponent` instance, none
+    listed twice (its methods would run twice per iteration); else a `ConfigurationError`."""
+    components = list(components)
+    for comp in components:
+        if not isinstance(comp, RLComponent):
+            raise ConfigurationError(f"RLLogging.components must be RLComponent instances, got {type(comp).__name__}.")
+        if sum(other is comp for other in components) > 1:
+            raise ConfigurationError(
+                f"RLLogging.components lists one {type(comp).__name__} instance twice; list it once."
+            )
+    return components

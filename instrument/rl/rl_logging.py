@@ -55,7 +55,7 @@ from instrument.logger.timer import Timer
 from instrument.rl.bar import ProgressComponent
 from instrument.rl.batch import KeywordBatch
 from instrument.rl.collection import CollectionMetrics
-from instrument.rl.component import RLComponent, load_together, state_entry
+from instrument.rl.component import RLComponent, check_components, load_together, state_entry
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
 from instrument.rl.ranks import distributed
@@ -142,12 +142,7 @@ class RLLogging:
                 raise ConfigurationError(
                     f"RLLogging.{name} must be a {kind.__name__} or None, got {type(comp).__name__}."
                 )
-        for comp in components:
-            if not isinstance(comp, RLComponent):
-                raise ConfigurationError(
-                    f"RLLogging.components must be RLComponent instances, got {type(comp).__name__}."
-                )
-        self.extra: List[RLComponent] = list(components)
+        self.extra: List[RLComponent] = check_components(components)
         self.timing = StageTiming()
         # the component that drives the progress bar backend through the set's lifecycle
         self.progress_component = ProgressComponent(self.progress) if self.progress is not None else None

@@ -7,6 +7,7 @@ logger once per logging step. On every other step it does nothing at all: no hoo
 on, no observer runs, no value leaves the device.
 """
 
+import collections
 import logging
 import numbers
 from pathlib import Path
@@ -128,7 +129,7 @@ class Instrumentation(StepLifecycle):
         overhead = OverheadMeter.for_budget(overhead_budget)  # None when off; raises on a bad budget first
         check_int("log_interval", log_interval, least=0, expected="a non-negative int", why="0 turns logging off",
                   fix="bind e.g. Instrumentation.log_interval = 10")
-        check_observers(observers)
+        observers = check_observers(observers)  # a list: a generator is read once
         if system_monitor is not None and (isinstance(system_monitor, type) or not hasattr(system_monitor, "start")):
             raise ConfigurationError(f"system_monitor must be None or an instance such as SystemMonitor() (in gin: "
                                      f"@SystemMonitor(), note the ()), got {system_monitor!r}.")
@@ -317,8 +318,13 @@ class Instrumentation(StepLifecycle):
 
     @property
     def failures(self) -> Dict[str, int]:
-        """Observer, backend and component name -> number of failures so far."""
-        return {**self._dispatch.failures, **self.logger.failures, **self._components.failures}
+        """Observer, backend and component name -> number of failures so far. A name that two kinds share (an
+        observer named like a backend) is kept apart as ``"observer <name>"``, ``"backend <name>"``..."""
+        kinds = (("observer", self._dispatch.failures), ("backend", self.logger.failures),
+                 ("component", self._components.failures))
+        seen = collections.Counter(name for _, counts in kinds for name in counts)
+        return {name if seen[name] == 1 else f"{kind} {name}": count for kind, counts in kinds
+                for name, count in counts.items()}
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps to resume this run: its name, the last committed step, whether the config

@@ -1,0 +1,205 @@
+"""Plug-ins are kept apart: no observer sees an iteration twice or shares its keys with another, no backend
+changes what the others write, and every plug-in's failures and run id are its own.
+
+Everything is read back from real backends (JSONL lines, two MLflow stores with MlflowClient)."""
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import instrument
+from instrument import ConfigurationError
+from instrument.backends.base import StepRecord
+from instrument.rl import RLComponent, RLLogging
+
+
+class Rule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return x + 0.1 * torch.tanh(self.conv(x))
+
+
+def _metrics(path):
+    return {line["step"]: line["metrics"] for line in map(json.loads, path.read_text().splitlines()) if "step" in line}
+
+
+def _run(tmp_path, observers, backends=(), steps=2, iterations=3):
+    inst = instrument.Instrumentation(observers=observers, backends=[instrument.JsonlBackend(), *backends],
+                                      log_interval=1, log_dir=str(tmp_path), overhead_budget=None)
+    rule = Rule()
+    inst.watch(rule)
+    for step in range(steps):
+        with inst.step(step):
+            x = torch.ones(2, 4, 5, 5)
+            for _ in range(iterations):
+                x = rule(x)
+            inst.log({"loss": 1.0})
+    inst.close()
+    return inst, _metrics(inst.run.dir / "metrics.jsonl")
+
+
+def test_observers_given_as_a_generator_are_all_kept(tmp_path):
+    inst, metrics = _run(tmp_path, (o for o in [instrument.IterationStats()]))  # a check used it up, unnoticed
+    assert len(inst.observers) == 1 and metrics[0]["iteration_stats/iterations"] == 3.0
+
+
+def test_rl_components_given_as_a_generator_are_all_kept():
+    class Extra(RLComponent):
+        pass
+
+    assert len(RLLogging(progress=None, components=(c for c in [Extra()])).extra) == 1
+
+
+def test_one_observer_instance_listed_twice_is_refused():
+    stats = instrument.IterationStats()
+    with pytest.raises(ConfigurationError, match="lists one IterationStats instance twice"):
+        instrument.Instrumentation(observers=[stats, stats], backends=[])
+
+
+def test_two_observers_of_one_name_are_refused_with_how_to_name_them():
+    with pytest.raises(ConfigurationError, match=r"two observers are named 'grad_stats'.*name='grad_stats_2'"):
+        instrument.Instrumentation(observers=[instrument.GradientStats(per="global"),
+                                              instrument.GradientStats(per="global")], backends=[])
+    # named apart, both are written
+    inst = instrument.Instrumentation(observers=[instrument.GradientStats(per="global"),
+                                                 instrument.GradientStats(per="global", name="critic")], backends=[])
+    inst.close()
+
+
+def test_one_component_instance_registered_twice_is_refused():
+    class Counter:
+        def log(self, logger, step):
+            pass
+
+    inst = instrument.Instrumentation(backends=[])
+    counter = Counter()
+    inst.add_component(counter)
+    with pytest.raises(ConfigurationError, match="already registered"):
+        inst.add_component(counter, name="again")
+    inst.close()
+
+
+class Scales(instrument.Backend):
+    """A backend that changes the record it gets (as a careless user backend might)."""
+
+    def write(self, record):
+        record.scalars["injected"] = 1.0
+
+
+class Rebinds(instrument.Backend):
+    def write(self, record):
+        record.scalars = {"x": 1000.0}
+
+
+class ScalesImages(instrument.Backend):
+    def write(self, record):
+        for image in record.images.values():
+            image *= 0
+
+
+@pytest.mark.parametrize("careless", [Scales, Rebinds, ScalesImages])
+def test_a_backend_cannot_change_the_record_every_other_backend_writes(tmp_path, caplog, careless):
+    history = instrument.RunHistoryBackend()
+    backend = careless()
+    logger = instrument.Logger([backend, instrument.JsonlBackend(), history], instrument.RunInfo("r", tmp_path))
+    image = torch.full((2, 2), 0.5)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        for step in range(2):
+            logger.log_metrics({"x": 1.0}, step=step)
+            logger.log_image("img", image, step)
+            handle = logger.commit(step)
+        logger.close()
+    assert _metrics(tmp_path / "r" / "metrics.jsonl") == {0: {"x": 1.0}, 1: {"x": 1.0}}
+    assert history.series("x")[1].tolist() == [1.0, 1.0]
+    assert handle.scalars == {"x": 1.0} and (handle.images["img"][..., :3] == 128).all()
+    assert logger.failures == {careless.__name__: 2}  # refused in that backend alone, said once
+    assert "read-only" in caplog.text
+
+
+def test_a_record_reads_and_copies_as_plain_data():
+    record = StepRecord(step=3, scalars={"a": 1.0}, timings={"t": {"mean": 0.5}}).freeze()
+    assert json.loads(json.dumps(record.scalars)) == {"a": 1.0} and dict(record.scalars) == {"a": 1.0}
+    import copy
+    import pickle
+
+    assert type(copy.deepcopy(record.scalars)) is dict and pickle.loads(pickle.dumps(record)).scalars == {"a": 1.0}
+    with pytest.raises(TypeError, match="read-only"):
+        record.timings["t"]["mean"] = 0.0
+
+
+class Flaky(instrument.Backend):
+    def __init__(self, fails_from):
+        self.fails_from = fails_from
+
+    def write(self, record):
+        if record.step >= self.fails_from:
+            raise RuntimeError(f"fails from step {self.fails_from}")
+
+
+def test_two_backends_of_one_class_have_their_own_name_failures_and_first_report(tmp_path, caplog):
+    first, second = Flaky(0), Flaky(2)
+    logger = instrument.Logger([first, second], instrument.RunInfo("r", tmp_path))
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        for step in range(4):
+            logger.log_metrics({"x": 1.0}, step=step)
+            logger.commit(step)
+        logger.close()
+    assert (first.name, second.name) == ("Flaky", "Flaky#2")
+    assert logger.failures == {"Flaky": 4, "Flaky#2": 2}
+    reported = [r.getMessage() for r in caplog.records if "failed in write()" in r.getMessage()]
+    assert len(reported) == 2 and any("'Flaky#2'" in m for m in reported)  # the second's first failure is said
+
+
+def test_an_observer_and_a_backend_of_one_name_are_counted_apart(tmp_path):
+    class Broken(instrument.Observer):
+        def observe(self, context):
+            raise RuntimeError("observer")
+
+    class FlakyBackend(instrument.Backend):
+        def write(self, record):
+            raise RuntimeError("backend")
+
+    inst, _ = _run(tmp_path, [Broken(name="FlakyBackend")], backends=[FlakyBackend()], steps=3)
+    assert inst.failures == {"observer FlakyBackend": 3, "backend FlakyBackend": 3}
+
+
+def test_two_mlflow_backends_resume_their_own_runs(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+
+    def backends():
+        return [instrument.MlflowBackend(tracking_uri=f"sqlite:///{tmp_path}/{store}.db") for store in "ab"]
+
+    a, b = backends()
+    inst = instrument.Instrumentation(backends=[a, b], log_dir=str(tmp_path), run_name="r", log_interval=1)
+    with inst.step(0):
+        inst.logger.log_metrics({"x": 1.0}, step=0)
+    state = inst.state_dict()
+    inst.close()
+    a2, b2 = backends()
+    inst = instrument.Instrumentation(backends=[a2, b2], log_dir=str(tmp_path), run_name="r", resume=True,
+                                      log_interval=1)
+    inst.load_state_dict(state)
+    with inst.step(1):
+        inst.logger.log_metrics({"x": 2.0}, step=1)
+    inst.close()
+    assert (a2.run_id, b2.run_id) == (a.run_id, b.run_id) and inst.failures == {}
+    for store, run_id in (("a", a.run_id), ("b", b.run_id)):
+        client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/{store}.db")
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, "x")] == [(0, 1.0), (1, 2.0)]
+
+
+def test_an_observer_cannot_change_the_context_the_next_observer_sees(tmp_path):
+    class Rebinds(instrument.Observer):
+        def observe(self, context):
+            context.next_state = context.next_state * 0
+
+    seen = []
+    inst, _ = _run(tmp_path, [Rebinds(), lambda c: seen.append(float(c.next_state.abs().sum()))], steps=1)
+    assert seen and all(value > 0 for value in seen)  # the next observer saw the real state
+    assert inst.failures == {"rebinds": 1}  # refused (read-only), said once, skipped for the step

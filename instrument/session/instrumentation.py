@@ -29,7 +29,7 @@ from instrument.probes.compiled import unwrap
 from instrument.probes.embedded import ProbeSet, check_unique_names
 from instrument.probes.hooks import StateWatch
 from instrument.session.lifecycle import StepLifecycle
-from instrument.session.run_folder import removed_if_start_fails, resume_ids, run_name_for, save_ids
+from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
 
 __all__ = ["Instrumentation", "set_config_source"]
@@ -92,7 +92,8 @@ class Instrumentation(StepLifecycle):
             anything is written, added to the usual ones (``*token*``, ``*secret*``, ``*password*``,
             ``*api_key*``, cloud and W&B credential names: `instrument.logger.params.SECRET_PATTERNS`); e.g.
             ``Instrumentation.secret_keys = ['*cookie*']`` in gin.
-        resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run").
+        resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run"). A run that
+            another live process still writes is refused, new or resumed (`instrument.session.run_lock`).
 
     A step whose body raises commits nothing: the values staged inside it (``log_metrics``, timers, media)
     are discarded, never carried to a later step, and no observer logs.
@@ -143,9 +144,8 @@ class Instrumentation(StepLifecycle):
         self.log_interval = log_interval
         self.hyperparams = dict(hyperparams or {})  # before the run folder is claimed: nothing after it raises
         root = Path(log_dir).expanduser()  # '~/runs' is the home folder's, as a shell would read it
-        name = run_name_for(run_name, root, resume)
-        ids = resume_ids(root / name) if resume else None
-        self.run = RunInfo(name=name, root=root, resume=ids)
+        name = run_name_for(run_name, root, resume)  # rank 0 holds the folder's lock from here (`run_lock`)
+        self.run = RunInfo(name=name, root=root, resume=None)
         self.run_log: Any = None
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()
@@ -162,6 +162,8 @@ class Instrumentation(StepLifecycle):
         self._discard_reported = False
         self.system_monitor = system_monitor
         with removed_if_start_fails(self.run.dir, resume, self._abort_start):
+            if resume:  # a run file that cannot be read raises here, which releases the lock
+                self.run = RunInfo(name=name, root=root, resume=resume_ids(self.run.dir))
             if run_log:  # before the logger, so what backends print while opening is in the file too
                 from instrument.terminal.runlog import setup_run_logging
 
@@ -365,6 +367,7 @@ class Instrumentation(StepLifecycle):
                     save_ids(self.run.dir, self.logger.backends, quiet=True)
                 self._dispatch.close()
             finally:
+                release(self.run.dir)  # another process may resume the run now
                 if self.run_log is not None:
                     self.run_log.close()
 

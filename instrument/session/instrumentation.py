@@ -323,22 +323,35 @@ class Instrumentation(StepLifecycle):
 
         Inside the open block of a logging step, that step counts as committed (it commits when the block
         exits): a checkpoint saved there resumes at the next step, and the step stays in the files. Counted
-        as not yet committed, resuming cut it out of every backend and nothing wrote it again."""
+        as not yet committed, resuming cut it out of every backend and nothing wrote it again. For the same
+        reason a SIGTERM before the block exits still commits it (`Logger.keep_on_shutdown`)."""
         last = self.logger._last_step
         if self._current is not None and (last is None or self._current.step > last):
             last = self._current.step
+            self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
         return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
-        every backend is told that steps after it are written again (`Backend.on_resume`)."""
+        every backend is told that steps after it are written again (`Backend.on_resume`).
+
+        A checkpoint of another run is refused before anything changes: its step would cut this run's files.
+        The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
+        a value changed on resume, or a backend new to the run, would otherwise never get them."""
         if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
             raise ConfigurationError(
                 f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
             )
-        last = state["last_step"]
-        self._config_logged = bool(state.get("config_logged", False))
-        self.logger.resume_after(last)
+        saved = state.get("run_name", self.run.name)
+        if saved != self.run.name:
+            raise ConfigurationError(
+                f"load_state_dict got the checkpoint of run {saved!r}, but this Instrumentation continues run "
+                f"{self.run.name!r} in {str(self.run.root)!r}; resuming at that checkpoint's step would cut run "
+                f"{self.run.name!r}'s steps after it. Load run {self.run.name!r}'s own checkpoint, or pass "
+                f"run_name={saved!r} (and its log_dir) to continue that run. (A run folder renamed on purpose: set "
+                f"state['run_name'] = {self.run.name!r} first.)"
+            )
+        self.logger.resume_after(state["last_step"])
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every committed step is written and flushed by every backend; see `Logger.flush`."""

@@ -4,7 +4,6 @@ again, another run's checkpoint, and a user's own SummaryWriter closed by the re
 the files a user would open."""
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -93,30 +92,49 @@ def test_a_session_in_this_process_holds_the_run_until_it_closes(tmp_path):
         _run(tmp_path, resume=True, backends=[JsonlBackend()]).close()
 
 
-def _child_resumes(log_dir: str, out, inherited) -> None:
+_FORKED = """
+import json, multiprocessing, os, sys
+import instrument
+from instrument.backends.jsonl import JsonlBackend
+from instrument.errors import ConfigurationError
+
+def child(inherited, out):
     inherited.close()  # the parent's session, inherited: closing it here must not release the parent's run
     try:
-        _run(log_dir, resume=True, backends=[JsonlBackend()])
+        instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=sys.argv[1], resume=True)
         out.put("resumed")
     except ConfigurationError as exc:
         out.put(str(exc))
 
+inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=sys.argv[1])
+ctx = multiprocessing.get_context("fork")
+out = ctx.Queue()
+proc = ctx.Process(target=child, args=(inst, out))
+proc.start()
+said = out.get(timeout=60)
+proc.join(60)
+print(json.dumps({"pid": os.getpid(), "child": said}), flush=True)
+sys.stdin.readline()  # held until the test has tried to resume the run from another process
+inst.close()
+"""
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
 def test_a_forked_child_neither_takes_nor_releases_its_parents_run(tmp_path):
-    inst = _run(tmp_path, backends=[JsonlBackend()])
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    child = ctx.Process(target=_child_resumes, args=(str(tmp_path), out, inst))
-    child.start()
-    said = out.get(timeout=60)
-    child.join(60)
-    assert f"another process (pid {os.getpid()}) is writing run 'r'" in said
-    assert (tmp_path / "r" / ".instrument-lock").read_text() == f"{os.getpid()}\n"
-    probe = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path), "1"], env=_env(), capture_output=True,
-                           text=True, timeout=120)  # the child's exit left the parent's lock in place
-    assert probe.returncode != 0 and f"pid {os.getpid()}" in probe.stderr
-    inst.close()
+    """Forked in a process of its own: a multi-threaded pytest process is no place to fork."""
+    parent = subprocess.Popen([sys.executable, "-c", _FORKED, str(tmp_path)], env=_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        said = json.loads(parent.stdout.readline())
+        pid = said["pid"]
+        assert f"another process (pid {pid}) is writing run 'r'" in said["child"]
+        assert (tmp_path / "r" / ".instrument-lock").read_text() == f"{pid}\n"  # the child's close left it
+        with pytest.raises(ConfigurationError, match=rf"another process \(pid {pid}\)"):
+            _run(tmp_path, resume=True, backends=[JsonlBackend()])
+    finally:
+        parent.communicate("\n", timeout=120)
+    assert parent.returncode == 0
+    _run(tmp_path, resume=True, backends=[JsonlBackend()]).close()  # closed: free again
 
 
 # ---------------------------------------------------------------- a checkpoint inside a step, then SIGTERM
@@ -260,6 +278,9 @@ def test_load_state_dict_refuses_another_runs_checkpoint_before_changing_anythin
                                                  r"'b'.*run_name='a'"):
         inst.load_state_dict(states["a"])
     inst.close()
+    branch = instrument.Instrumentation(backends=[JsonlBackend()], run_name="c", log_dir=str(tmp_path))
+    branch.load_state_dict(states["a"])  # a new run may start from another run's checkpoint: nothing to cut
+    branch.close()
     whole = [(s, float(s)) for s in range(5)]
     assert _steps(tmp_path / "b" / "metrics.jsonl") == whole
     assert sorted(read_scalars(tmp_path / "b")["v"].items()) == whole

@@ -136,24 +136,26 @@ class LoggerEnd:
         them may wait for this one). Otherwise one warning says the step is not written."""
         step = self._checkpointed
         last, pending = self._last_step, self._pending_step
-        if step is None or (last is not None and last >= step) or self.reducer.active():
+        if step is None or (last is not None and last >= step):
             return False
         if pending is not None and pending > step:  # that step's block raised (discarded) and later ones ran
             return False
         locks = (self._commit_lock, self._lock)
         taken = []
         try:
-            if not any(_owned_here(lock) for lock in locks):
+            group = self.reducer.active()
+            if not group and not any(_owned_here(lock) for lock in locks):
                 for lock in locks:
                     if not lock.acquire(timeout=_LOCK_WAIT):
                         break
                     taken.append(lock)
             if len(taken) < len(locks):
+                why = ("under a process group its commit is a collective, which a stopping process cannot make"
+                       if group else "the process was stopped while instrument was staging or committing a value, "
+                       "and a half-staged step is never written")
                 log.warning("instrument: step %d, which a checkpoint saved inside its `with inst.step(%d)` block "
-                            "counts as written, is not written: the process was stopped while instrument was "
-                            "staging or committing a value, and a half-staged step is never written. Resuming "
-                            "from that checkpoint leaves step %d out; resume from the one before it to write it "
-                            "again", step, step, step)
+                            "counts as written, is not written: %s. Resuming from that checkpoint leaves step %d "
+                            "out; resume from the one before it to write it again", step, step, why, step)
                 return False
             self._final = True  # the last commit: it closes the logger and never waits for room in the queue
             try:

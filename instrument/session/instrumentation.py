@@ -335,7 +335,8 @@ class Instrumentation(StepLifecycle):
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
         every backend is told that steps after it are written again (`Backend.on_resume`).
 
-        A checkpoint of another run is refused before anything changes: its step would cut this run's files.
+        Resuming, a checkpoint of another run is refused before anything changes: its step would cut this
+        run's files (a new run may start from another run's checkpoint: it has nothing to cut).
         The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
         a value changed on resume, or a backend new to the run, would otherwise never get them."""
         if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
@@ -343,7 +344,7 @@ class Instrumentation(StepLifecycle):
                 f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
             )
         saved = state.get("run_name", self.run.name)
-        if saved != self.run.name:
+        if self.run.resume is not None and saved != self.run.name:  # a new run may branch off another's state
             raise ConfigurationError(
                 f"load_state_dict got the checkpoint of run {saved!r}, but this Instrumentation continues run "
                 f"{self.run.name!r} in {str(self.run.root)!r}; resuming at that checkpoint's step would cut run "

@@ -113,6 +113,9 @@ def test_tensorboard_system_axis_is_seconds(tmp_path):
     acc = EventAccumulator(str(tmp_path / "r"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1000, 1001]
+    assert not [tag for tag in acc.Tags()["scalars"] if tag.startswith("system/")]
+    acc = EventAccumulator(str(tmp_path / "r" / "system"))  # a run of its own: a resume's purge never hides it
+    acc.Reload()
     rss = acc.Scalars("system/process_rss_gib")
     assert rss and all(e.step == 0 for e in rss) and all(e.value > 0 for e in rss)
 

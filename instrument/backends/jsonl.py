@@ -1,9 +1,11 @@
 """JSONL: an append-only local record, one JSON object per committed step, flushed at each commit."""
 
+import contextlib
 import json
 import logging
 import math
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -118,23 +120,41 @@ class JsonlBackend(Backend):
             written += os.write(fd, data[written:])
 
     def on_resume(self, next_step: int) -> None:
-        """Cut the file before the first step line at ``next_step`` or later (and whatever followed it), so the
-        steps the resumed run writes again replace those of the interrupted run instead of repeating them."""
+        """Remove the training-step lines at ``next_step`` or later, so the steps the resumed run writes again
+        replace those of the interrupted run instead of repeating them. Every other line after them (system
+        samples the interrupted process took after the checkpoint, hyperparameters) is kept.
+
+        With nothing to keep the file is cut (one ``ftruncate``). Otherwise the new file is written beside it
+        and renamed over it (``os.replace``, after ``fsync``): a crash during the rewrite leaves the old file
+        whole, never a torn or half-removed tail (the next resume does it again)."""
         fd = self._fd if self._fd is not None else self._open()
         if not self._regular:  # a pipe or a device holds no earlier steps to cut (and reading it would block)
             return
-        offset = 0
+        tmp = self.path + ".resume.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # left by a resume that crashed while rewriting: the file itself is whole
+        cut: Optional[int] = None
+        kept, removed, offset = [], 0, 0
         with open(self.path, "rb") as f:
             for line in f:
-                try:
-                    step = json.loads(line).get("step")
-                except ValueError:
-                    step = None
+                step = _step_of(line)
                 if isinstance(step, int) and step >= next_step:
-                    os.ftruncate(fd, offset)
-                    log.info("instrument: %s cut at step %d for the resumed run", self.path, step)
-                    return
+                    cut = offset if cut is None else cut
+                    removed += 1
+                elif cut is not None:
+                    kept.append(line)
                 offset += len(line)
+        if cut is None:
+            return
+        if not kept:
+            os.ftruncate(fd, cut)
+        else:
+            _rewrite(self.path, tmp, cut, kept)
+            self._fd = None
+            os.close(fd)
+            self._open()
+        log.info("instrument: %s: removed %d step line(s) from step %d on for the resumed run (kept %d other "
+                 "line(s) written after them)", self.path, removed, next_step, len(kept))
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._write_line({"hyperparameters": {k: _json_value(v) for k, v in params.items()}, "config": config_text})
@@ -181,6 +201,37 @@ class JsonlBackend(Backend):
 
     def __repr__(self) -> str:
         return f"JsonlBackend(path={self.path!r})"
+
+
+def _step_of(line: bytes) -> Any:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj.get("step") if isinstance(obj, dict) else None
+
+
+def _rewrite(path: str, tmp: str, cut: int, kept: list) -> None:
+    """``path`` becomes its first ``cut`` bytes followed by the ``kept`` lines, atomically (`on_resume`)."""
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        left = cut
+        while left:
+            block = src.read(min(left, 1 << 20))
+            if not block:
+                break
+            dst.write(block)
+            left -= len(block)
+        dst.writelines(kept)
+        dst.flush()
+        os.fsync(dst.fileno())
+    shutil.copymode(path, tmp)
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):  # the rename itself durable, where the directory can be synced
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _drop_partial_line(fd: int, path: str) -> None:

@@ -17,6 +17,7 @@ from instrument.terminal.samples import markdown_table
 __all__ = ["TensorBoardBackend"]
 
 _VIDEO_FORMATS = ("gif", "filmstrip")
+SYSTEM_RUN = "system"  # the system samples' run directory, inside the training run's: TensorBoard lists it apart
 
 log = logging.getLogger("instrument")
 
@@ -27,7 +28,10 @@ class TensorBoardBackend(Backend):
     Args:
         log_dir: where the event files go; None means the run directory (``runs/<run-name>``).
             Training metrics use the training step as ``global_step``; system-monitor metrics (``system/...``)
-            use whole seconds since the monitor started, with the sample's wall time.
+            use whole seconds since the monitor started, with the sample's wall time, and go to the sibling
+            run ``<log_dir>/system``: a resumed run's purge marker hides the training steps after the
+            checkpoint, in its own directory only, and would otherwise hide every sample taken past that many
+            seconds as well.
         flush_every_commit: flush after each committed step so ``tensorboard`` shows it at once (one small
             file write per logging step), and so a failed write is raised by the record that hit it.
         video_format: ``"gif"`` (default): each video is an animated GIF in the Images tab, with a step slider
@@ -39,7 +43,8 @@ class TensorBoardBackend(Backend):
             a histogram is binned from its finite values, one with none is dropped; a text with a lone
             surrogate is written with it escaped.
         writer: a ``SummaryWriter`` you already have: instrument writes into it (its ``log_dir``) and flushes
-            it, but never closes it; you do, after `Instrumentation.close`. Not together with ``log_dir``.
+            it, but never closes or replaces it; you do, after `Instrumentation.close`. A resumed run writes
+            its purge marker through it. Not together with ``log_dir``.
             It is written from the logger's writer thread (``SummaryWriter`` queues events under its own lock,
             so your own ``add_scalar`` calls may go on).
 
@@ -79,6 +84,7 @@ class TensorBoardBackend(Backend):
         self.flush_every_commit = flush_every_commit
         self._external = writer  # the user's: flushed, never closed
         self._writer = None
+        self._system = None  # the system samples' own writer, in `SYSTEM_RUN` (opened at the first sample)
         self.reopened = 0  # new event files opened after a fault
         self._drops = Drops(self.name)
         self._bin_edges: Optional[list] = None
@@ -111,11 +117,18 @@ class TensorBoardBackend(Backend):
         files hold none (a single marker there left every re-run step shown twice)."""
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
+        start = Event(step=next_step, session_log=SessionLog(status=SessionLog.START))
+        if self._external is not None:  # the user's writer: never closed or replaced, so both markers go into it
+            self._writer = self._external
+            file_writer = self._external._get_file_writer()
+            file_writer.add_event(start)
+            file_writer.add_event(start)
+            self._external.flush()
+            return
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
         self._writer = self._new_writer(purge_step=next_step)
-        start = Event(step=next_step, session_log=SessionLog(status=SessionLog.START))
         self._writer._get_file_writer().add_event(start)
 
     def _guarded(self, fn: Callable[[Any], None]) -> None:
@@ -249,30 +262,48 @@ class TensorBoardBackend(Backend):
         w._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step, t)
 
     def write_system(self, record: StepRecord) -> None:
-        def log(w) -> None:
-            _add_scalars(w, record.scalars, record.step, record.wall_time, self._drops)
-            if self.flush_every_commit:
-                w.flush()
+        """Into the sibling run `SYSTEM_RUN`, through a writer of its own (opened again after a fault, like the
+        training writer): never into the training run, whose purge marker on resume covers every tag."""
+        from torch.utils.tensorboard import SummaryWriter
 
-        self._guarded(log)
+        if self._system is None:
+            self._system = SummaryWriter(log_dir=str(Path(self.log_dir or ".") / SYSTEM_RUN))
+        writer = self._system
+        try:
+            _add_scalars(writer, record.scalars, record.step, record.wall_time, self._drops)
+            if self.flush_every_commit:
+                writer.flush()
+        except Exception:
+            if not _alive(writer):
+                self._system = None
+                _close_quietly(writer)
+            raise
 
     def flush(self) -> None:
-        """Write what is queued to the event file; raises (and drops the writer) if that fails."""
+        """Write what is queued to the event files; raises (and drops the writer) if that fails."""
         if self._writer is not None:
             self._guarded(lambda w: w.flush())
-
-    def close(self) -> None:
-        """Flush and close the event file; a writer passed in as ``writer=`` is flushed and left open."""
-        writer, self._writer = self._writer, None
-        if writer is not None and writer is self._external:
-            writer.flush()
-        elif writer is not None:
+        if self._system is not None:
+            writer = self._system
             try:
-                writer.flush()  # SummaryWriter.close drops a write error of its thread; flush raises it
+                writer.flush()
             except Exception:
+                self._system = None
                 _close_quietly(writer)
                 raise
-            writer.close()
+
+    def close(self) -> None:
+        """Flush and close the event files; a writer passed in as ``writer=`` is flushed and left open."""
+        writer, self._writer = self._writer, None
+        system, self._system = self._system, None
+        try:
+            if writer is not None and writer is self._external:
+                writer.flush()
+            elif writer is not None:
+                _flush_and_close(writer)
+        finally:
+            if system is not None:
+                _flush_and_close(system)
 
     def __repr__(self) -> str:
         return f"TensorBoardBackend(log_dir={self.log_dir!r})"
@@ -295,6 +326,15 @@ def _alive(writer) -> bool:
         return True
     except Exception:
         return False
+
+
+def _flush_and_close(writer) -> None:
+    try:
+        writer.flush()  # SummaryWriter.close drops a write error of its thread; flush raises it
+    except Exception:
+        _close_quietly(writer)
+        raise
+    writer.close()
 
 
 def _close_quietly(writer) -> None:

@@ -120,6 +120,55 @@ class LoggerEnd:
         self._closed, self._closed_by = True, "fork"
         self._writer.disown()
 
+    def keep_on_shutdown(self, step: int) -> None:
+        """A checkpoint counted ``step`` as committed while its block was still open (`Instrumentation.state_dict`
+        inside ``with inst.step(step)``): a close by a signal or at exit commits it, if it safely can, since
+        the run resumed from that checkpoint starts after it and never writes it again."""
+        self._checkpointed = step
+
+    def _commit_checkpointed(self) -> bool:
+        """In `_shutdown`: commit the step a checkpoint counted as committed (`keep_on_shutdown`), with what was
+        staged for it, and close the logger with that commit. True when done.
+
+        Only when that is safe: never under a process group (a commit there is a collective), never when the
+        signal interrupted instrument's own staging or commit on this thread (the staged table may be half
+        updated), and only when the commit and staging locks are free within a moment (another thread holding
+        them may wait for this one). Otherwise one warning says the step is not written."""
+        step = self._checkpointed
+        last, pending = self._last_step, self._pending_step
+        if step is None or (last is not None and last >= step):
+            return False
+        if pending is not None and pending > step:  # that step's block raised (discarded) and later ones ran
+            return False
+        locks = (self._commit_lock, self._lock)
+        taken = []
+        try:
+            group = self.reducer.active()
+            if not group and not any(_owned_here(lock) for lock in locks):
+                for lock in locks:
+                    if not lock.acquire(timeout=_LOCK_WAIT):
+                        break
+                    taken.append(lock)
+            if len(taken) < len(locks):
+                why = ("under a process group its commit is a collective, which a stopping process cannot make"
+                       if group else "the process was stopped while instrument was staging or committing a value, "
+                       "and a half-staged step is never written")
+                log.warning("instrument: step %d, which a checkpoint saved inside its `with inst.step(%d)` block "
+                            "counts as written, is not written: %s. Resuming from that checkpoint leaves step %d "
+                            "out; resume from the one before it to write it again", step, step, why, step)
+                return False
+            self._final = True  # the last commit: it closes the logger and never waits for room in the queue
+            try:
+                self.commit(step)
+            except Exception:
+                log.exception("instrument: committing step %d (saved in a checkpoint) at shutdown failed", step)
+            with self._lock:
+                self._closed = True
+            return True
+        finally:
+            for lock in reversed(taken):
+                lock.release()
+
     def _shutdown(self, status: Optional[str], timeout: float, commit: bool) -> None:
         """Close from a signal handler or atexit: bounded wait, and no commit while a step may be half staged.
 
@@ -132,6 +181,8 @@ class LoggerEnd:
             return
         self._run_before_close(prompt=True)  # e.g. a system monitor's buffered samples, handed over here
         self._closed_by = "shutdown"
+        if self._commit_checkpointed():  # closed the logger: what was staged went with it
+            commit = False
         if commit and not self.reducer.active():
             self.close(status, timeout)
             return
@@ -141,6 +192,14 @@ class LoggerEnd:
 
 
 OPEN_POLICIES = ("raise", "warn")
+_LOCK_WAIT = 0.5  # seconds a shutdown waits for another thread's staging or commit (`_commit_checkpointed`)
+
+
+def _owned_here(lock: Any) -> bool:
+    """Whether this thread holds ``lock`` (an RLock, which it could otherwise take again in the middle of its
+    own half-done use); True where that cannot be told."""
+    owned = getattr(lock, "_is_owned", None)
+    return owned() if callable(owned) else True
 
 
 def check_timeout(what: str, timeout: Any) -> Optional[float]:

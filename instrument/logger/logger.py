@@ -139,6 +139,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self._timers: Dict[str, Timer] = {}
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
+        self._checkpointed: Optional[int] = None  # a step a checkpoint counted before it committed (`keep_on_shutdown`)
         self._closed = False
         self._final = False  # close() is committing: its commit closes the logger under the staging lock
         self._closed_by = ""  # "close" (explicit: later calls raise) or "shutdown" (a signal or exit: warn once)

@@ -31,7 +31,7 @@ from instrument.probes.embedded import ProbeSet, check_unique_names
 from instrument.probes.hooks import StateWatch
 from instrument.session import dropped
 from instrument.session.lifecycle import StepLifecycle, run_all
-from instrument.session.run_folder import removed_if_start_fails, resume_ids, run_name_for, save_ids
+from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
 
 __all__ = ["Instrumentation", "set_config_source"]
@@ -94,7 +94,8 @@ class Instrumentation(StepLifecycle):
             anything is written, added to the usual ones (``*token*``, ``*secret*``, ``*password*``,
             ``*api_key*``, cloud and W&B credential names: `instrument.logger.params.SECRET_PATTERNS`); e.g.
             ``Instrumentation.secret_keys = ['*cookie*']`` in gin.
-        resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run").
+        resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run"). A run that
+            another live process still writes is refused, new or resumed (`instrument.session.run_lock`).
 
     A step whose body raises commits nothing: the values staged inside it (``log_metrics``, timers, media)
     are discarded, never carried to a later step, and no observer logs.
@@ -145,9 +146,8 @@ class Instrumentation(StepLifecycle):
         self.log_interval = log_interval
         self.hyperparams = dict(hyperparams or {})  # before the run folder is claimed: nothing after it raises
         root = Path(log_dir).expanduser()  # '~/runs' is the home folder's, as a shell would read it
-        name = run_name_for(run_name, root, resume)
-        ids = resume_ids(root / name) if resume else None
-        self.run = RunInfo(name=name, root=root, resume=ids)
+        name = run_name_for(run_name, root, resume)  # rank 0 holds the folder's lock from here (`run_lock`)
+        self.run = RunInfo(name=name, root=root, resume=None)
         self.run_log: Any = None
         self._dispatch = Dispatcher(self.observers)
         self._components = StepComponents()
@@ -164,6 +164,8 @@ class Instrumentation(StepLifecycle):
         self._discard_reported = False
         self.system_monitor = system_monitor
         with removed_if_start_fails(self.run.dir, resume, self._abort_start):
+            if resume:  # a run file that cannot be read raises here, which releases the lock
+                self.run = RunInfo(name=name, root=root, resume=resume_ids(self.run.dir))
             if run_log:  # before the logger, so what backends print while opening is in the file too
                 from instrument.terminal.runlog import setup_run_logging
 
@@ -332,22 +334,36 @@ class Instrumentation(StepLifecycle):
 
         Inside the open block of a logging step, that step counts as committed (it commits when the block
         exits): a checkpoint saved there resumes at the next step, and the step stays in the files. Counted
-        as not yet committed, resuming cut it out of every backend and nothing wrote it again."""
+        as not yet committed, resuming cut it out of every backend and nothing wrote it again. For the same
+        reason a SIGTERM before the block exits still commits it (`Logger.keep_on_shutdown`)."""
         last = self.logger._last_step
         if self._current is not None and (last is None or self._current.step > last):
             last = self._current.step
+            self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
         return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
-        every backend is told that steps after it are written again (`Backend.on_resume`)."""
+        every backend is told that steps after it are written again (`Backend.on_resume`).
+
+        Resuming, a checkpoint of another run is refused before anything changes: its step would cut this
+        run's files (a new run may start from another run's checkpoint: it has nothing to cut).
+        The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
+        a value changed on resume, or a backend new to the run, would otherwise never get them."""
         if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
             raise ConfigurationError(
                 f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
             )
-        last = state["last_step"]
-        self._config_logged = bool(state.get("config_logged", False))
-        self.logger.resume_after(last)
+        saved = state.get("run_name", self.run.name)
+        if self.run.resume is not None and saved != self.run.name:  # a new run may branch off another's state
+            raise ConfigurationError(
+                f"load_state_dict got the checkpoint of run {saved!r}, but this Instrumentation continues run "
+                f"{self.run.name!r} in {str(self.run.root)!r}; resuming at that checkpoint's step would cut run "
+                f"{self.run.name!r}'s steps after it. Load run {self.run.name!r}'s own checkpoint, or pass "
+                f"run_name={saved!r} (and its log_dir) to continue that run. (A run folder renamed on purpose: set "
+                f"state['run_name'] = {self.run.name!r} first.)"
+            )
+        self.logger.resume_after(state["last_step"])
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every committed step is written and flushed by every backend; see `Logger.flush`."""
@@ -379,6 +395,7 @@ class Instrumentation(StepLifecycle):
                     save_ids(self.run.dir, self.logger.backends, quiet=True)
                 self._dispatch.close()
             finally:
+                release(self.run.dir)  # another process may resume the run now
                 if self.run_log is not None:
                     self.run_log.close()
 

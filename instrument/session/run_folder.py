@@ -20,9 +20,10 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 from instrument.errors import ConfigurationError
 from instrument.logger.ranks import rank, same_on_all_ranks
 from instrument.logger.writer import running_writers
+from instrument.session import run_lock
 
 __all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "RUN_FILE",
-           "removed_if_start_fails"]
+           "removed_if_start_fails", "release"]
 
 log = logging.getLogger("instrument")
 
@@ -68,7 +69,7 @@ CLAIM_FILE = ".instrument-starting"
 
 def _is_used(folder: Path) -> bool:
     if folder.is_dir():
-        return any(child.name != CLAIM_FILE for child in folder.iterdir())
+        return any(child.name not in (CLAIM_FILE, run_lock.LOCK_FILE) for child in folder.iterdir())
     return folder.exists()
 
 
@@ -111,7 +112,8 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
 
     Rank 0 checks and claims the folder (`_claim`) before any rank goes on (one broadcast of the name and the
     outcome): another rank's run log written there first would otherwise make rank 0 refuse its own run, and
-    a refusal is raised on every rank alike."""
+    a refusal is raised on every rank alike. Rank 0 also takes the folder's writer lock (`run_lock`), new run
+    or resumed, held until `release`: a process still writing the run refuses every other."""
     if run_name is None:
         if resume:
             raise ConfigurationError("resume=True needs the run_name of the run to continue.")
@@ -128,6 +130,12 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
                        f"default, or pass resume=True to continue that run.")
         else:
             refusal = _claim(root / name)
+            if refusal is None:
+                refusal = run_lock.lock(root / name)
+                if refusal is not None and _claims.pop(root / name, None) is not None:
+                    _release(root / name)
+    elif rank() == 0 and (root / name).is_dir():  # a missing run is refused by `resume_ids`
+        refusal = run_lock.lock(root / name)
     name, refusal = same_on_all_ranks((name, refusal))  # every rank names the run as rank 0 does
     if refusal is not None:
         raise ConfigurationError(refusal)
@@ -208,13 +216,21 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
                 log.warning("instrument: closing a session whose start failed raised %s: %s",
                             type(close_exc).__name__, close_exc)
         finally:  # also after a second Ctrl-C inside close: never leave the claim behind
-            if claimed:
-                _release(run_dir)
-            if owned and run_dir.exists():
-                _undo_folder(run_dir, existed, [t for t in running_writers() if t not in writers])
+            try:
+                if claimed:
+                    _release(run_dir)
+                if owned and run_dir.exists():
+                    _undo_folder(run_dir, existed, [t for t in running_writers() if t not in writers])
+            finally:  # after the folder is put back: no other process starts in it while it is undone
+                run_lock.unlock(run_dir)
         raise
     if claimed:  # started: what it wrote keeps the folder taken (`_is_used`)
         _release(run_dir)
+
+
+def release(run_dir: Path) -> None:
+    """The session closed: another process may now resume the run (`run_lock`)."""
+    run_lock.unlock(run_dir)
 
 
 def _undo_folder(run_dir: Path, existed: bool, writers: Sequence[Any]) -> None:

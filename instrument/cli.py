@@ -101,20 +101,22 @@ def _print_result(outcome: dict) -> None:
 
 
 def _redacted(message: str, binds: Sequence[str]) -> str:
-    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out: under a
-    built-in pattern, or one of the run's own (``Instrumentation.secret_keys``, where the config binds it)."""
+    """An error message with every secret the config binds left out: the value of a secret-looking ``--bind``
+    (under a built-in pattern, or one of the run's own, ``Instrumentation.secret_keys``), and every string bound
+    under a secret-looking name in a file, macros resolved (a user's own error may quote the value)."""
     import re
 
-    from instrument.config.located import secret_keys
-    from instrument.logger.params import REDACTED, redact_argv
+    from instrument.config.secrets import config_secrets
+    from instrument.logger.params import REDACTED, redact_argv, scrub
 
-    for bind, safe in zip(binds, redact_argv(binds, secret_keys()), strict=True):
+    patterns, found = config_secrets()
+    for bind, safe in zip(binds, redact_argv(binds, patterns), strict=True):
         if bind != safe:
             value = bind.split("=", 1)[-1]
             for piece in sorted({value.strip(), *re.findall(r"[\w-]{4,}", value)}, key=len, reverse=True):
                 if piece:
                     message = message.replace(piece, REDACTED)
-    return message
+    return scrub(message, found)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

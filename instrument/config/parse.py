@@ -30,9 +30,10 @@ from instrument.config.files import (
     resolve_config,
     shipped_configs,
 )
-from instrument.config.located import bound_pair, file_holding, include_cycle, secret_keys
+from instrument.config.located import bound_pair, file_holding, include_cycle
+from instrument.config.secrets import bound_macros, macro_patterns, resolve_secret_macros, secret_keys
 from instrument.errors import ConfigurationError
-from instrument.logger.params import scrub
+from instrument.logger.params import REDACTED, redact_config_text, scrub
 
 __all__ = [
     "CONFIG_DIR",
@@ -357,19 +358,28 @@ class _QuietIncludeProbes(logging.Filter):
 def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
     """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
 
-    Empty when nothing was bound: a run configured in plain Python logs only its own hyperparameters.
+    A macro under a secret-looking name (``api_token = %CREDS``) is given as the value it resolves to, so the
+    logger redacts it there and scrubs it from every other value; the macro's own binding (``CREDS = '...'``)
+    is redacted here, in the params and the text, since its name says nothing. Empty when nothing was bound:
+    a run configured in plain Python logs only its own hyperparameters.
     """
     if not gin.config_str().strip():
         return {}, None
     text = gin.operative_config_str()
-    params: Dict[str, Any] = {}
+    bindings: List[Tuple[str, Any]] = []
+    keys: Dict[str, str] = {}  # a binding's name as judged (a macro's own name) -> its key in the params
     parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))
     for statement in parser:
         if isinstance(statement, gin.config_parser.BindingStatement):
             scope = f"{statement.scope}/" if statement.scope else ""
-            value = statement.value
-            params[f"{scope}{statement.selector}.{statement.arg_name}"] = _structured(value)
-    return params, text
+            name = f"{scope}{statement.selector}" + (f".{statement.arg_name}" if statement.arg_name else "")
+            keys[name] = f"{scope}{statement.selector}.{statement.arg_name}"  # a macro's ends in '.'
+            bindings.append((name, statement.value))
+    resolved, names = resolve_secret_macros(bindings, bound_macros(), secret_keys())
+    params = {keys[name]: _structured(value) for name, value in resolved.items()}
+    for name in names & set(keys):
+        params[keys[name]] = REDACTED
+    return params, (redact_config_text(text, macro_patterns(names)) if names else text)
 
 
 def _structured(value: Any) -> Any:

@@ -370,3 +370,36 @@ def test_ctrl_c_ends_a_run_with_its_folder_named_and_no_traceback(tmp_path):
     steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if '"step"' in line]
     assert len(steps) >= 3 and steps == sorted(set(steps)), steps
     assert set(read_scalars(tmp_path / "runs" / "stopped")["train/loss"]) == set(steps)  # TensorBoard: the same
+
+
+@pytest.mark.parametrize("binding, where", [
+    (["--bind", "run.experiment = @train_nca()"], "in --bind 'run.experiment = @train_nca()'"),
+    (["exp.gin"], "in exp.gin, line 3"),  # through a macro
+])
+def test_an_experiment_bound_as_a_call_is_refused_before_anything_runs(tmp_path, binding, where):
+    """A review found ``run.experiment = @train_nca()`` (the parentheses make gin call it while building run's
+    arguments) training the whole run uninstrumented, then a raw "'dict' object is not callable" traceback."""
+    (tmp_path / "exp.gin").write_text("include 'nca.gin'\nEXP = @train_nca()\nrun.experiment = %EXP\n")
+    out = _cli("run", *(["nca"] if binding[0] == "--bind" else []), *binding, "--bind", "train_nca.steps = 3",
+               cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"instrument: configuration error {where}: run.experiment is bound to "
+                                 "@train_nca(), a call"), out.stderr
+    assert "fix: write run.experiment = @train_nca (no parentheses)" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "runs").exists() and out.stdout == ""
+    fixed = _cli("run", "nca", *TINY, "--bind", "run.experiment = @train_nca", cwd=tmp_path)  # the fix works
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_run_refuses_an_experiment_it_cannot_call_and_ends_the_session_failed(tmp_path):
+    """The backstop behind the parse-time check: whatever run.experiment got, run names it and the fix."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    backend = instrument.MlflowBackend()
+    inst = instrument.Instrumentation(backends=[backend], log_dir=str(tmp_path), run_name="r")
+    with pytest.raises(config.ExperimentTypeError, match=r"run.experiment got dict \(\{'loss': 1.0\}\); expected "
+                       r"the function that trains.*run.experiment = @train_nca \(no parentheses"):
+        config.experiment.run(experiment={"loss": 1.0}, instrumentation=inst)
+    run = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id)  # closed, not left running
+    assert run.info.status == "FAILED" and run.info.end_time is not None

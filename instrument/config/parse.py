@@ -31,7 +31,13 @@ from instrument.config.files import (
     shipped_configs,
 )
 from instrument.config.located import bound_pair, file_holding, include_cycle
-from instrument.config.secrets import bound_macros, macro_patterns, resolve_secret_macros, secret_keys
+from instrument.config.secrets import (
+    bound_macros,
+    macro_name,
+    macro_patterns,
+    resolve_secret_macros,
+    secret_keys,
+)
 from instrument.errors import ConfigurationError
 from instrument.logger.params import REDACTED, redact_config_text, scrub
 
@@ -54,6 +60,8 @@ __all__ = [
 # gin's '' (a path as written, from the working directory), so a user's own file of the same name wins.
 gin.add_config_file_search_path(str(CONFIG_DIR))
 _searched = {str(CONFIG_DIR)}
+
+MODULE = "instrument"  # the module instrument's own configurables are registered under (see `registry`)
 
 # Names a config may use before the module that registers them is imported: the fix is that import.
 _REGISTERED_ON_IMPORT = {
@@ -105,6 +113,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         logging.getLogger().removeFilter(quiet)
     check_macros([str(f) for f in files], bindings)
     check_types([str(f) for f in files], bindings)
+    check_experiment([str(f) for f in files], bindings)
     return paths
 
 
@@ -264,6 +273,28 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
             if refused:
                 place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
+
+
+def check_experiment(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Refuse ``run.experiment = @train_nca()``: with the parentheses gin calls the experiment while it builds
+    run's arguments, so the whole training would run before run starts, uninstrumented, and run would get its
+    result instead of a function to call. Found here, before anything runs (a macro holding it too)."""
+    macros = bound_macros()
+    for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
+        if selector != f"{MODULE}.run" or "experiment" not in params:
+            continue
+        value, seen = params["experiment"], 0
+        while macro_name(value) in macros and seen < 100:  # `run.experiment = %EXPERIMENT`
+            value, seen = macros[macro_name(value)], seen + 1
+        if not (isinstance(value, gin.config.ConfigurableReference) and value.evaluate):
+            continue
+        place, statement = bound_pair(selector, lambda p: p == "experiment", files, bindings, scope)
+        name = "/".join([*value.scopes, value.selector.rsplit(".", 1)[-1]])
+        raise GinConfigError(
+            f"run.experiment is bound to @{name}(), a call: gin would run {name} while it builds run's "
+            f"arguments (the whole training, uninstrumented) and hand run its result, not a function to call",
+            place, statement or f"run.experiment = @{name}()",
+            f"write run.experiment = @{name} (no parentheses): run calls it with the instrumentation.")
 
 
 def check_macros(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:

@@ -67,7 +67,7 @@ def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
     hints: List[str] = []
     for backend in backends:
         if isinstance(backend, TensorBoardBackend):
-            hints.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(log_root))}")
+            hints.append(f"TensorBoard: tensorboard --logdir {shlex.quote(_tensorboard_dir(backend, log_root))}")
         elif isinstance(backend, MlflowBackend) and backend.tracking_uri:
             uri = backend.tracking_uri
             hints.append(f"MLflow: open {uri}" if uri.startswith(("http://", "https://"))
@@ -81,6 +81,18 @@ def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
             elif backend.mode == "online":
                 hints.append(f"W&B: logged online to project {backend.project!r} (wandb.ai)")
     return list(dict.fromkeys(hints))
+
+
+def _tensorboard_dir(backend: Any, log_root: str) -> str:
+    """The log root, where every run's event files are side by side to compare; the backend's own folder when
+    ``TensorBoardBackend.log_dir`` puts them outside it (the log root would show nothing)."""
+    own = getattr(backend, "log_dir", None)
+    if not own:
+        return str(log_root)
+    root = Path(log_root).expanduser().resolve()
+    if Path(own).expanduser().resolve().is_relative_to(root):
+        return str(log_root)
+    return str(own)
 
 
 def _print_result(outcome: dict) -> None:

@@ -403,3 +403,14 @@ def test_run_refuses_an_experiment_it_cannot_call_and_ends_the_session_failed(tm
         config.experiment.run(experiment={"loss": 1.0}, instrumentation=inst)
     run = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id)  # closed, not left running
     assert run.info.status == "FAILED" and run.info.end_time is not None
+
+
+def test_the_tensorboard_hint_names_the_folder_a_bound_log_dir_put_the_event_files_in(tmp_path):
+    """A review found `tensorboard --logdir runs` printed when TensorBoardBackend.log_dir had put the event
+    files elsewhere (runs/ held none)."""
+    out = _cli("run", "nca", *TINY, "--bind", "TensorBoardBackend.log_dir = 'tb elsewhere'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (hint,) = [line for line in out.stdout.splitlines() if "tensorboard --logdir" in line]
+    assert shlex.split(hint.split(": ", 1)[1]) == ["tensorboard", "--logdir", "tb elsewhere"], hint
+    assert set(read_scalars(tmp_path / "tb elsewhere")["train/loss"]) == {0, 2}
+    assert not list((tmp_path / "runs").rglob("events.out.tfevents.*"))

@@ -221,7 +221,7 @@ _BAD_FILES = {
         (["wrongtype.gin"], "wrongtype.gin, line 2", "Instrumentation.log_interval expects int, got 'ten' (str)",
          "bind int there"),
         (["nca", "--bind", "train_nca.steps = 'ten'"], "--bind \"train_nca.steps = 'ten'\"",
-         "train_nca.steps expects int, got 'ten'", "e.g. train_nca.steps = 10"),
+         "train_nca.steps expects int, got 'ten'", "e.g. train_nca.steps = 300"),
         (["include.gin"], "include.gin, line 2", "missing.gin", "relative to the including file"),
         (["missing-file.gin"], "no config file 'missing-file.gin'", "no shipped config", "give a path"),
         (["negative.gin"], "negative.gin, line 3: Instrumentation.log_interval = -1", "got -1", "non-negative"),

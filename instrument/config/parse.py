@@ -94,6 +94,10 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         prepare()
     quiet = _QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
+    root_handlers = list(logging.getLogger().handlers)
+    readers = getattr(gin.config, "_FILE_READERS", [])
+    saved_readers = list(readers)
+    readers[:] = [(_open_config if reader is open else reader, exists) for reader, exists in readers]
     try:
         for path in paths:
             _search_first(str(path.resolve().parent))  # this file's includes look beside it first
@@ -110,11 +114,32 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             except _GIN_ERRORS as exc:
                 raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
     finally:
+        readers[:] = saved_readers
         logging.getLogger().removeFilter(quiet)
+        _drop_implicit_root_handler(root_handlers)
     check_macros([str(f) for f in files], bindings)
     check_types([str(f) for f in files], bindings)
     check_experiment([str(f) for f in files], bindings)
     return paths
+
+
+def _open_config(path: str) -> Any:
+    """A .gin file as gin reads it, but as UTF-8 with an optional byte-order mark (Notepad's "UTF-8 with BOM")
+    dropped, as Python reads its own sources; gin's plain open() made the BOM an "Unexpected token" at line 1."""
+    return open(path, encoding="utf-8-sig")
+
+
+def _drop_implicit_root_handler(before: List[logging.Handler]) -> None:
+    """Undo the handler that gin's module-level ``logging.info`` calls add to a root logger that had none
+    (`logging.basicConfig`'s implicit call): it printed instrument's later warnings as ``WARNING:instrument:``.
+    A root logger that had handlers, or one configured with a level of its own, is left alone."""
+    root = logging.getLogger()
+    if before or root.level != logging.WARNING:
+        return
+    for handler in list(root.handlers):
+        formatter = handler.formatter
+        if type(handler) is logging.StreamHandler and formatter is not None and formatter._fmt == logging.BASIC_FORMAT:
+            root.removeHandler(handler)
 
 
 def _search_first(directory: str) -> None:

@@ -341,3 +341,24 @@ def test_a_start_that_fails_under_the_cli_says_so_in_the_clis_own_words(tmp_path
     lines = out.stderr.splitlines()
     assert lines[0].startswith("instrument: the start of run ") and "WARNING:" not in out.stderr, out.stderr
     assert all(line.startswith(("instrument: ", "  ", "(instrument run")) for line in lines), out.stderr
+
+
+@pytest.mark.parametrize("value, said, fix", [
+    ("nan", "'nan' is not a gin value: gin reads Python literals, and NaN has none",
+     "bind a number, e.g. Instrumentation.overhead_budget = 0.1."),
+    ("float('nan')", "float(...) is a call, not a gin value", "Instrumentation.overhead_budget = 0.1; infinity is "
+     "written 1e999"),
+    ("inf", "'inf' is not a gin value: gin reads Python literals, which name no infinity", "write 1e999"),
+    ("-inf", "'-inf' is not a gin value: gin reads Python literals, which name no infinity",
+     "write 1e999 (-1e999 for minus infinity)"),
+])
+def test_nan_and_infinity_are_said_to_have_no_gin_literal_with_what_to_write(value, said, fix):
+    """A review found ``log_interval = nan`` answered with ``malformed node or string ... <ast.Name object at
+    0x...>``. Each fix it names parses and is taken (1e999 is infinity, as Python reads it)."""
+    with pytest.raises(config.ConfigSyntaxError) as info:
+        config.parse_config(["nca"], [f"Instrumentation.overhead_budget = {value}"])
+    assert said in info.value.problem and fix in info.value.fix and "ast.Name" not in str(info.value), info.value
+    for right in ("0.1", "1e999"):
+        gin.clear_config()
+        config.parse_config(["nca"], [f"Instrumentation.overhead_budget = {right}"])
+        assert gin.query_parameter("Instrumentation.overhead_budget") == float(right)

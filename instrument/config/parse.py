@@ -210,6 +210,10 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
                 return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
                             f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
                             "close the bracket or quote that this statement opens.")
+        token = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")
+        if token:  # a bare word: nan, inf, float('nan'), an unquoted string
+            problem, fix = _bare_word(token[1], statement)
+            return kind(problem, where, statement, fix)
         return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
                     "(values are Python literals, references are @Name or @Name()).")
     locations = list(_WHERE.finditer(text))
@@ -240,6 +244,33 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _bare_word(token: str, statement: str) -> Tuple[str, str]:
+    """(problem, fix) for a bare word gin cannot read (``nan``, ``inf``, ``float('nan')``, an unquoted string):
+    gin reads Python literals, which have no NaN and write infinity as ``1e999``; the fix names a value the
+    parameter takes where it can tell which parameter it is."""
+    bound = re.match(r"\s*(?:[\w.]*/)?([\w.]+)\.(\w+)\s*=", statement)
+    configurable = gin.config._REGISTRY.get_match(bound[1]) if bound else None
+    fits = ""
+    if configurable is not None:
+        name, param = bound[1].rsplit(".", 1)[-1], bound[2]
+        fits = f"{name}.{param} = {types.suggestion(configurable.wrapped, name, param)}"
+    number = f"bind a number, e.g. {fits}" if fits else "bind a number"
+    infinity = "1e999 (-1e999 for minus infinity), which Python reads as infinity"
+    word = token.lower().lstrip("+-")
+    if word == "nan":
+        return f"syntax error: {token!r} is not a gin value: gin reads Python literals, and NaN has none", number + "."
+    if word in ("inf", "infinity"):
+        return (f"syntax error: {token!r} is not a gin value: gin reads Python literals, which name no infinity",
+                f"write {infinity}, where the parameter takes it; else {number}.")
+    if token == "float":
+        return ("syntax error: float(...) is a call, not a gin value: gin reads Python literals (NaN has none)",
+                f"{number}; infinity is written {infinity}.")
+    return (f"syntax error: {token!r} is not a gin value: values are Python literals (numbers, 'strings', True, "
+            f"False, None, lists, tuples, dicts) or references (@Name, @Name(), %MACRO)",
+            f"quote it for a string ('{token}'), or write @{token} for a configurable"
+            + (f"; this parameter takes e.g. {fits}." if fits else "."))
 
 
 def _unclosed(text: str) -> Tuple[int, str]:

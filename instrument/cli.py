@@ -131,7 +131,48 @@ def _redacted(message: str, binds: Sequence[str]) -> str:
     return scrub(message, found)
 
 
+_interrupt = {"seen": False, "hook": False}
+
+
+def _exit_at_once(signum: int, frame: Any) -> None:
+    """Another Ctrl-C once the interrupted run is closed (all it committed is saved): end now, status 130,
+    rather than a KeyboardInterrupt in the middle of the exit (or Python's default action) killing the
+    process by the signal, which a caller sees as -2, not the 130 it was told."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
+            pass
+    os._exit(130)
+
+
+def _ignore_late_interrupts() -> None:
+    """Run last of the exit hooks (registered first): after an interrupt, a Ctrl-C from here on, when Python
+    no longer runs handlers, is ignored, so the exit status stays 130. Earlier hooks (an SDK's teardown)
+    could still be cut short by `_exit_at_once`, so a hung teardown never makes Ctrl-C useless."""
+    if _interrupt["seen"]:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _on_interrupt() -> None:
+    """The run was interrupted and is closed: a later Ctrl-C ends the process at once with status 130."""
+    import signal
+
+    _interrupt["seen"] = True
+    try:
+        signal.signal(signal.SIGINT, _exit_at_once)
+    except ValueError:  # not the main thread (main() called from a thread): Python's default stays
+        pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    if not _interrupt["hook"]:  # first, so it runs after the hooks the run registers (atexit runs them LIFO)
+        import atexit
+
+        atexit.register(_ignore_late_interrupts)
+        _interrupt["hook"] = True
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "list" or args.list:
@@ -160,6 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C: the run is closed ("killed") and what was committed is saved
         if args.debug:
             raise
+        _on_interrupt()
         print("instrument: interrupted (Ctrl-C); the steps committed before it are saved.", file=sys.stderr)
         if getattr(exc, "outcome", None) is not None:
             _print_result(exc.outcome)

@@ -414,3 +414,43 @@ def test_the_tensorboard_hint_names_the_folder_a_bound_log_dir_put_the_event_fil
     assert shlex.split(hint.split(": ", 1)[1]) == ["tensorboard", "--logdir", "tb elsewhere"], hint
     assert set(read_scalars(tmp_path / "tb elsewhere")["train/loss"]) == {0, 2}
     assert not list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+
+
+def test_a_second_ctrl_c_after_the_run_was_closed_still_exits_130(tmp_path):
+    """A review found a second Ctrl-C that lands after the first one's close had finished (while the CLI says
+    where the logs are, or while the interpreter exits) ending the process by the signal (-2) instead of
+    exiting with 130; what was committed is saved either way."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    args = ["run", "nca", "--bind", "train_nca.steps = 100000", "--bind", "train_nca.batch_size = 2", "--bind",
+            "train_nca.size = 12", "--bind", "Instrumentation.log_interval = 1", "--bind",
+            "Instrumentation.run_name = 'twice'"]
+    jsonl = tmp_path / "runs" / "twice" / "metrics.jsonl"
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "instrument", *args], cwd=tmp_path, env=env, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            stderr = []
+            for line in proc.stderr:  # the run is closed once the CLI says it was interrupted
+                stderr.append(line)
+                if "interrupted (Ctrl-C)" in line:
+                    break
+            proc.send_signal(signal.SIGINT)  # the second Ctrl-C, after the close
+            stderr.append(proc.stderr.read())
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+    assert proc.returncode == 130, "".join(stderr)
+    assert "Traceback" not in "".join(stderr) and "interrupted (Ctrl-C)" in "".join(stderr)
+    steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if '"step"' in line]
+    assert len(steps) >= 3 and steps == sorted(set(steps)), steps

@@ -67,7 +67,7 @@ def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
     hints: List[str] = []
     for backend in backends:
         if isinstance(backend, TensorBoardBackend):
-            hints.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(log_root))}")
+            hints.append(f"TensorBoard: tensorboard --logdir {shlex.quote(_tensorboard_dir(backend, log_root))}")
         elif isinstance(backend, MlflowBackend) and backend.tracking_uri:
             uri = backend.tracking_uri
             hints.append(f"MLflow: open {uri}" if uri.startswith(("http://", "https://"))
@@ -81,6 +81,18 @@ def viewer_hints(backends: Sequence[Any], log_root: str) -> List[str]:
             elif backend.mode == "online":
                 hints.append(f"W&B: logged online to project {backend.project!r} (wandb.ai)")
     return list(dict.fromkeys(hints))
+
+
+def _tensorboard_dir(backend: Any, log_root: str) -> str:
+    """The log root, where every run's event files are side by side to compare; the backend's own folder when
+    ``TensorBoardBackend.log_dir`` puts them outside it (the log root would show nothing)."""
+    own = getattr(backend, "log_dir", None)
+    if not own:
+        return str(log_root)
+    root = Path(log_root).expanduser().resolve()
+    if Path(own).expanduser().resolve().is_relative_to(root):
+        return str(log_root)
+    return str(own)
 
 
 def _print_result(outcome: dict) -> None:
@@ -101,23 +113,66 @@ def _print_result(outcome: dict) -> None:
 
 
 def _redacted(message: str, binds: Sequence[str]) -> str:
-    """An error message that quotes a ``--bind`` with the value of a secret-looking binding left out: under a
-    built-in pattern, or one of the run's own (``Instrumentation.secret_keys``, where the config binds it)."""
+    """An error message with every secret the config binds left out: the value of a secret-looking ``--bind``
+    (under a built-in pattern, or one of the run's own, ``Instrumentation.secret_keys``), and every string bound
+    under a secret-looking name in a file, macros resolved (a user's own error may quote the value)."""
     import re
 
-    from instrument.config.located import secret_keys
-    from instrument.logger.params import REDACTED, redact_argv
+    from instrument.config.secrets import config_secrets
+    from instrument.logger.params import REDACTED, redact_argv, scrub
 
-    for bind, safe in zip(binds, redact_argv(binds, secret_keys()), strict=True):
+    patterns, found = config_secrets()
+    for bind, safe in zip(binds, redact_argv(binds, patterns), strict=True):
         if bind != safe:
             value = bind.split("=", 1)[-1]
             for piece in sorted({value.strip(), *re.findall(r"[\w-]{4,}", value)}, key=len, reverse=True):
                 if piece:
                     message = message.replace(piece, REDACTED)
-    return message
+    return scrub(message, found)
+
+
+_interrupt = {"seen": False, "hook": False}
+
+
+def _exit_at_once(signum: int, frame: Any) -> None:
+    """Another Ctrl-C once the interrupted run is closed (all it committed is saved): end now, status 130,
+    rather than a KeyboardInterrupt in the middle of the exit (or Python's default action) killing the
+    process by the signal, which a caller sees as -2, not the 130 it was told."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: nothing more to say
+            pass
+    os._exit(130)
+
+
+def _ignore_late_interrupts() -> None:
+    """Run last of the exit hooks (registered first): after an interrupt, a Ctrl-C from here on, when Python
+    no longer runs handlers, is ignored, so the exit status stays 130. Earlier hooks (an SDK's teardown)
+    could still be cut short by `_exit_at_once`, so a hung teardown never makes Ctrl-C useless."""
+    if _interrupt["seen"]:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _on_interrupt() -> None:
+    """The run was interrupted and is closed: a later Ctrl-C ends the process at once with status 130."""
+    import signal
+
+    _interrupt["seen"] = True
+    try:
+        signal.signal(signal.SIGINT, _exit_at_once)
+    except ValueError:  # not the main thread (main() called from a thread): Python's default stays
+        pass
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if not _interrupt["hook"]:  # first, so it runs after the hooks the run registers (atexit runs them LIFO)
+        import atexit
+
+        atexit.register(_ignore_late_interrupts)
+        _interrupt["hook"] = True
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "list" or args.list:
@@ -146,6 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C: the run is closed ("killed") and what was committed is saved
         if args.debug:
             raise
+        _on_interrupt()
         print("instrument: interrupted (Ctrl-C); the steps committed before it are saved.", file=sys.stderr)
         if getattr(exc, "outcome", None) is not None:
             _print_result(exc.outcome)

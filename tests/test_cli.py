@@ -221,7 +221,7 @@ _BAD_FILES = {
         (["wrongtype.gin"], "wrongtype.gin, line 2", "Instrumentation.log_interval expects int, got 'ten' (str)",
          "bind int there"),
         (["nca", "--bind", "train_nca.steps = 'ten'"], "--bind \"train_nca.steps = 'ten'\"",
-         "train_nca.steps expects int, got 'ten'", "e.g. train_nca.steps = 10"),
+         "train_nca.steps expects int, got 'ten'", "e.g. train_nca.steps = 300"),
         (["include.gin"], "include.gin, line 2", "missing.gin", "relative to the including file"),
         (["missing-file.gin"], "no config file 'missing-file.gin'", "no shipped config", "give a path"),
         (["negative.gin"], "negative.gin, line 3: Instrumentation.log_interval = -1", "got -1", "non-negative"),
@@ -370,3 +370,87 @@ def test_ctrl_c_ends_a_run_with_its_folder_named_and_no_traceback(tmp_path):
     steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if '"step"' in line]
     assert len(steps) >= 3 and steps == sorted(set(steps)), steps
     assert set(read_scalars(tmp_path / "runs" / "stopped")["train/loss"]) == set(steps)  # TensorBoard: the same
+
+
+@pytest.mark.parametrize("binding, where", [
+    (["--bind", "run.experiment = @train_nca()"], "in --bind 'run.experiment = @train_nca()'"),
+    (["exp.gin"], "in exp.gin, line 3"),  # through a macro
+])
+def test_an_experiment_bound_as_a_call_is_refused_before_anything_runs(tmp_path, binding, where):
+    """A review found ``run.experiment = @train_nca()`` (the parentheses make gin call it while building run's
+    arguments) training the whole run uninstrumented, then a raw "'dict' object is not callable" traceback."""
+    (tmp_path / "exp.gin").write_text("include 'nca.gin'\nEXP = @train_nca()\nrun.experiment = %EXP\n")
+    out = _cli("run", *(["nca"] if binding[0] == "--bind" else []), *binding, "--bind", "train_nca.steps = 3",
+               cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"instrument: configuration error {where}: run.experiment is bound to "
+                                 "@train_nca(), a call"), out.stderr
+    assert "fix: write run.experiment = @train_nca (no parentheses)" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "runs").exists() and out.stdout == ""
+    fixed = _cli("run", "nca", *TINY, "--bind", "run.experiment = @train_nca", cwd=tmp_path)  # the fix works
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_run_refuses_an_experiment_it_cannot_call_and_ends_the_session_failed(tmp_path):
+    """The backstop behind the parse-time check: whatever run.experiment got, run names it and the fix."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    backend = instrument.MlflowBackend()
+    inst = instrument.Instrumentation(backends=[backend], log_dir=str(tmp_path), run_name="r")
+    with pytest.raises(config.ExperimentTypeError, match=r"run.experiment got dict \(\{'loss': 1.0\}\); expected "
+                       r"the function that trains.*run.experiment = @train_nca \(no parentheses"):
+        config.experiment.run(experiment={"loss": 1.0}, instrumentation=inst)
+    run = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id)  # closed, not left running
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+
+
+def test_the_tensorboard_hint_names_the_folder_a_bound_log_dir_put_the_event_files_in(tmp_path):
+    """A review found `tensorboard --logdir runs` printed when TensorBoardBackend.log_dir had put the event
+    files elsewhere (runs/ held none)."""
+    out = _cli("run", "nca", *TINY, "--bind", "TensorBoardBackend.log_dir = 'tb elsewhere'", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (hint,) = [line for line in out.stdout.splitlines() if "tensorboard --logdir" in line]
+    assert shlex.split(hint.split(": ", 1)[1]) == ["tensorboard", "--logdir", "tb elsewhere"], hint
+    assert set(read_scalars(tmp_path / "tb elsewhere")["train/loss"]) == {0, 2}
+    assert not list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+
+
+def test_a_second_ctrl_c_after_the_run_was_closed_still_exits_130(tmp_path):
+    """A review found a second Ctrl-C that lands after the first one's close had finished (while the CLI says
+    where the logs are, or while the interpreter exits) ending the process by the signal (-2) instead of
+    exiting with 130; what was committed is saved either way."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "OMP_NUM_THREADS": "1"}
+    args = ["run", "nca", "--bind", "train_nca.steps = 100000", "--bind", "train_nca.batch_size = 2", "--bind",
+            "train_nca.size = 12", "--bind", "Instrumentation.log_interval = 1", "--bind",
+            "Instrumentation.run_name = 'twice'"]
+    jsonl = tmp_path / "runs" / "twice" / "metrics.jsonl"
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "instrument", *args], cwd=tmp_path, env=env, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            stderr = []
+            for line in proc.stderr:  # the run is closed once the CLI says it was interrupted
+                stderr.append(line)
+                if "interrupted (Ctrl-C)" in line:
+                    break
+            proc.send_signal(signal.SIGINT)  # the second Ctrl-C, after the close
+            stderr.append(proc.stderr.read())
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+    assert proc.returncode == 130, "".join(stderr)
+    assert "Traceback" not in "".join(stderr) and "interrupted (Ctrl-C)" in "".join(stderr)
+    steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if '"step"' in line]
+    assert len(steps) >= 3 and steps == sorted(set(steps)), steps

@@ -312,3 +312,53 @@ def test_a_refused_console_column_says_where_it_was_bound_and_a_lone_key_gets_a_
     assert config.where_bound(message, [], [bind]) == f"--bind {bind!r}: {bind}"
     with pytest.raises(ConfigurationError, match=r"e\.g\. ConsoleBackend\.columns = \['train/loss'\]"):
         instrument.parse_config(["nca"], ["ConsoleBackend.columns = 'train/loss'"])
+
+
+def test_a_config_saved_as_utf8_with_a_bom_is_read(tmp_path):
+    """A review found a .gin file saved "UTF-8 with BOM" (Notepad) refused with "syntax error: Unexpected
+    token" at line 1, quoting a statement that looks right: the BOM is dropped, as Python drops it from its own
+    sources, in included files too, and a binding after it is still located by its line."""
+    (tmp_path / "inner.gin").write_bytes("\ufeffInstrumentation.log_interval = 7\n".encode())
+    (tmp_path / "bom.gin").write_bytes("\ufeffinclude 'nca.gin'\ninclude 'inner.gin'\ntrain_nca.steps = 'ten'\n"
+                                       .encode())
+    with pytest.raises(config.GinConfigError) as info:
+        config.parse_config([str(tmp_path / "bom.gin")])
+    assert info.value.where.endswith("bom.gin, line 3") and "train_nca.steps expects int" in str(info.value)
+    gin.clear_config()
+    (tmp_path / "bom.gin").write_bytes("\ufeffinclude 'nca.gin'\ninclude 'inner.gin'\ntrain_nca.steps = 2\n".encode())
+    config.parse_config([str(tmp_path / "bom.gin")])
+    assert gin.query_parameter("train_nca.steps") == 2 and gin.query_parameter("Instrumentation.log_interval") == 7
+
+
+def test_a_start_that_fails_under_the_cli_says_so_in_the_clis_own_words(tmp_path):
+    """A review found ``WARNING:instrument:instrument: the start of run ... failed`` before the real error, as
+    if something had crashed: gin's module-level logging calls had configured the root logger
+    (``logging.basicConfig``) while the config was parsed. The root logger is left as it was found."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "nca", "--bind", "Instrumentation.flush_secs = 0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "flush_secs must be a number of seconds > 0, got 0" in out.stderr, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith("instrument: the start of run ") and "WARNING:" not in out.stderr, out.stderr
+    assert all(line.startswith(("instrument: ", "  ", "(instrument run")) for line in lines), out.stderr
+
+
+@pytest.mark.parametrize("value, said, fix", [
+    ("nan", "'nan' is not a gin value: gin reads Python literals, and NaN has none",
+     "bind a number, e.g. Instrumentation.overhead_budget = 0.1."),
+    ("float('nan')", "float(...) is a call, not a gin value", "Instrumentation.overhead_budget = 0.1; infinity is "
+     "written 1e999"),
+    ("inf", "'inf' is not a gin value: gin reads Python literals, which name no infinity", "write 1e999"),
+    ("-inf", "'-inf' is not a gin value: gin reads Python literals, which name no infinity",
+     "write 1e999 (-1e999 for minus infinity)"),
+])
+def test_nan_and_infinity_are_said_to_have_no_gin_literal_with_what_to_write(value, said, fix):
+    """A review found ``log_interval = nan`` answered with ``malformed node or string ... <ast.Name object at
+    0x...>``. Each fix it names parses and is taken (1e999 is infinity, as Python reads it)."""
+    with pytest.raises(config.ConfigSyntaxError) as info:
+        config.parse_config(["nca"], [f"Instrumentation.overhead_budget = {value}"])
+    assert said in info.value.problem and fix in info.value.fix and "ast.Name" not in str(info.value), info.value
+    for right in ("0.1", "1e999"):
+        gin.clear_config()
+        config.parse_config(["nca"], [f"Instrumentation.overhead_budget = {right}"])
+        assert gin.query_parameter("Instrumentation.overhead_budget") == float(right)

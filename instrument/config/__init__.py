@@ -10,7 +10,7 @@
 """
 
 from instrument.config import registry
-from instrument.config.experiment import BackendTypeError, MissingExperimentError
+from instrument.config.experiment import BackendTypeError, ExperimentTypeError, MissingExperimentError
 from instrument.config.located import unused_bindings, where_bound
 from instrument.config.parse import (
     CONFIG_DIR,
@@ -36,6 +36,7 @@ __all__ = [
     "ConfigFileError",
     "ConfigImportError",
     "ConfigSyntaxError",
+    "ExperimentTypeError",
     "GIN_DIR",
     "GinConfigError",
     "MissingExperimentError",

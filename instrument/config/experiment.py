@@ -10,7 +10,7 @@ from instrument.backends.base import Backend
 from instrument.errors import ConfigurationError
 from instrument.session import Instrumentation
 
-__all__ = ["run", "backend_set", "torchrl_hook", "BackendTypeError", "MissingExperimentError"]
+__all__ = ["run", "backend_set", "torchrl_hook", "BackendTypeError", "ExperimentTypeError", "MissingExperimentError"]
 
 
 class BackendTypeError(ConfigurationError, TypeError):
@@ -19,6 +19,10 @@ class BackendTypeError(ConfigurationError, TypeError):
 
 class MissingExperimentError(ConfigurationError, TypeError):
     """`run` has no experiment to run: the config binds no ``run.experiment``."""
+
+
+class ExperimentTypeError(ConfigurationError, TypeError):
+    """``run.experiment`` is not something to call: ``@train_nca()`` (already called) instead of ``@train_nca``."""
 
 
 _CLASSES = {"tensorboard": "TensorBoardBackend", "wandb": "WandbBackend", "console": "ConsoleBackend",
@@ -62,6 +66,16 @@ def run(
             "run has no experiment: the config binds no run.experiment. Bind the function that trains, e.g. "
             "run.experiment = @train_nca (with `import instrument.demos.nca` at the top of the file), or run a "
             "shipped config: instrument run nca."
+        )
+    if not callable(experiment):  # `parse_config` refuses `@train_nca()` first; this catches any other way
+        if instrumentation is not None:  # built for this run and started: it ends, as a failed run
+            instrumentation.close("failed")
+        shown = repr(experiment)
+        raise ExperimentTypeError(
+            f"run.experiment got {type(experiment).__name__} ({shown[:80] + '...' if len(shown) > 80 else shown}); "
+            f"expected the function that trains, which run calls as experiment(instrumentation=...). Bind the "
+            f"function itself, e.g. run.experiment = @train_nca (no parentheses: @train_nca() calls it first and "
+            f"binds its result)."
         )
     inst = instrumentation if instrumentation is not None else Instrumentation()
     backends = list(inst.logger.backends)

@@ -107,6 +107,6 @@ def resolve_config(name_or_path: str) -> Path:
 
 def read_text(path: str) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
+        return Path(path).read_text(encoding="utf-8-sig", errors="replace")  # a BOM is no part of line 1
     except OSError:
         return ""

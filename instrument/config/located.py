@@ -12,21 +12,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import gin
 
 from instrument.config.files import CONFIG_DIR, read_text, resolve_config
+from instrument.config.secrets import config_secrets, secret_keys
 from instrument.errors import InstrumentError
-from instrument.logger.params import redact_config_text
+from instrument.logger.params import redact_config_text, scrub
 
 __all__ = ["bound_pair", "file_holding", "include_cycle", "secret_keys", "unused_bindings", "where_bound"]
-
-
-def secret_keys() -> Tuple[str, ...]:
-    """The run's own secret patterns (``Instrumentation.secret_keys``) where the parsed config binds them, to
-    redact along with the built-in ones: an error message quoting a binding must leave out what the run's log
-    would."""
-    try:
-        keys = gin.query_parameter("Instrumentation.secret_keys") or ()
-    except Exception:  # noqa: BLE001 - not bound (or not registered): the built-in patterns only
-        return ()
-    return (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -116,9 +106,13 @@ def _bound_params(selector: str, files: Sequence[str], bindings: Sequence[str]) 
 
 def _bound_at(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
               scope: Optional[str] = None) -> str:
-    """``where: statement`` of `_bound_pair`, or empty."""
+    """``where: statement`` of `bound_pair`, or empty; the statement redacted as the logged config is (a
+    secret bound in a file reaches the terminal otherwise: only ``--bind`` values were left out)."""
     where, statement = bound_pair(selector, wanted, files, bindings, scope)
-    return f"{where}: {statement}" if where else ""
+    if not where:
+        return ""
+    patterns, found = config_secrets()
+    return f"{where}: {scrub(redact_config_text(statement, patterns, set(found)), found)}"
 
 
 def bound_pair(selector: str, wanted: Callable[[str], bool], files: Sequence[str], bindings: Sequence[str],
@@ -165,7 +159,7 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
         found = gin.config._REGISTRY.get_match(selector)
         return found.selector if found is not None else selector
 
-    extra = secret_keys()
+    extra, found = config_secrets()
     # A call in scope 'a/b' reads the bindings of scopes '', 'a' and 'a/b' (gin's scope prefixes): a binding in
     # scope 'loss' is used only when something was called in 'loss' or under it, not when '@los/Column()' was.
     called = {(scope, canonical(selector)) for scope, selector in list(getattr(gin.config, "_OPERATIVE_CONFIG", {}))}
@@ -180,6 +174,6 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
             continue
         for param in params:
             place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)
-            statement = redact_config_text(statement or f"{selector}.{param} = ...", extra)
+            statement = scrub(redact_config_text(statement or f"{selector}.{param} = ...", extra, set(found)), found)
             unused.append(f"{place}: {statement}" if place else statement)
     return unused

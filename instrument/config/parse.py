@@ -30,9 +30,16 @@ from instrument.config.files import (
     resolve_config,
     shipped_configs,
 )
-from instrument.config.located import bound_pair, file_holding, include_cycle, secret_keys
+from instrument.config.located import bound_pair, file_holding, include_cycle
+from instrument.config.secrets import (
+    bound_macros,
+    macro_name,
+    macro_patterns,
+    resolve_secret_macros,
+    secret_keys,
+)
 from instrument.errors import ConfigurationError
-from instrument.logger.params import scrub
+from instrument.logger.params import REDACTED, redact_config_text, scrub
 
 __all__ = [
     "CONFIG_DIR",
@@ -53,6 +60,8 @@ __all__ = [
 # gin's '' (a path as written, from the working directory), so a user's own file of the same name wins.
 gin.add_config_file_search_path(str(CONFIG_DIR))
 _searched = {str(CONFIG_DIR)}
+
+MODULE = "instrument"  # the module instrument's own configurables are registered under (see `registry`)
 
 # Names a config may use before the module that registers them is imported: the fix is that import.
 _REGISTERED_ON_IMPORT = {
@@ -85,6 +94,10 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         prepare()
     quiet = _QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
+    root_handlers = list(logging.getLogger().handlers)
+    readers = getattr(gin.config, "_FILE_READERS", [])
+    saved_readers = list(readers)
+    readers[:] = [(_open_config if reader is open else reader, exists) for reader, exists in readers]
     try:
         for path in paths:
             _search_first(str(path.resolve().parent))  # this file's includes look beside it first
@@ -101,10 +114,32 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             except _GIN_ERRORS as exc:
                 raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
     finally:
+        readers[:] = saved_readers
         logging.getLogger().removeFilter(quiet)
+        _drop_implicit_root_handler(root_handlers)
     check_macros([str(f) for f in files], bindings)
     check_types([str(f) for f in files], bindings)
+    check_experiment([str(f) for f in files], bindings)
     return paths
+
+
+def _open_config(path: str) -> Any:
+    """A .gin file as gin reads it, but as UTF-8 with an optional byte-order mark (Notepad's "UTF-8 with BOM")
+    dropped, as Python reads its own sources; gin's plain open() made the BOM an "Unexpected token" at line 1."""
+    return open(path, encoding="utf-8-sig")
+
+
+def _drop_implicit_root_handler(before: List[logging.Handler]) -> None:
+    """Undo the handler that gin's module-level ``logging.info`` calls add to a root logger that had none
+    (`logging.basicConfig`'s implicit call): it printed instrument's later warnings as ``WARNING:instrument:``.
+    A root logger that had handlers, or one configured with a level of its own, is left alone."""
+    root = logging.getLogger()
+    if before or root.level != logging.WARNING:
+        return
+    for handler in list(root.handlers):
+        formatter = handler.formatter
+        if type(handler) is logging.StreamHandler and formatter is not None and formatter._fmt == logging.BASIC_FORMAT:
+            root.removeHandler(handler)
 
 
 def _search_first(directory: str) -> None:
@@ -175,6 +210,10 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
                 return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
                             f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
                             "close the bracket or quote that this statement opens.")
+        token = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")
+        if token:  # a bare word: nan, inf, float('nan'), an unquoted string
+            problem, fix = _bare_word(token[1], statement)
+            return kind(problem, where, statement, fix)
         return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
                     "(values are Python literals, references are @Name or @Name()).")
     locations = list(_WHERE.finditer(text))
@@ -205,6 +244,33 @@ def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> 
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _bare_word(token: str, statement: str) -> Tuple[str, str]:
+    """(problem, fix) for a bare word gin cannot read (``nan``, ``inf``, ``float('nan')``, an unquoted string):
+    gin reads Python literals, which have no NaN and write infinity as ``1e999``; the fix names a value the
+    parameter takes where it can tell which parameter it is."""
+    bound = re.match(r"\s*(?:[\w.]*/)?([\w.]+)\.(\w+)\s*=", statement)
+    configurable = gin.config._REGISTRY.get_match(bound[1]) if bound else None
+    fits = ""
+    if configurable is not None:
+        name, param = bound[1].rsplit(".", 1)[-1], bound[2]
+        fits = f"{name}.{param} = {types.suggestion(configurable.wrapped, name, param)}"
+    number = f"bind a number, e.g. {fits}" if fits else "bind a number"
+    infinity = "1e999 (-1e999 for minus infinity), which Python reads as infinity"
+    word = token.lower().lstrip("+-")
+    if word == "nan":
+        return f"syntax error: {token!r} is not a gin value: gin reads Python literals, and NaN has none", number + "."
+    if word in ("inf", "infinity"):
+        return (f"syntax error: {token!r} is not a gin value: gin reads Python literals, which name no infinity",
+                f"write {infinity}, where the parameter takes it; else {number}.")
+    if token == "float":
+        return ("syntax error: float(...) is a call, not a gin value: gin reads Python literals (NaN has none)",
+                f"{number}; infinity is written {infinity}.")
+    return (f"syntax error: {token!r} is not a gin value: values are Python literals (numbers, 'strings', True, "
+            f"False, None, lists, tuples, dicts) or references (@Name, @Name(), %MACRO)",
+            f"quote it for a string ('{token}'), or write @{token} for a configurable"
+            + (f"; this parameter takes e.g. {fits}." if fits else "."))
 
 
 def _unclosed(text: str) -> Tuple[int, str]:
@@ -263,6 +329,28 @@ def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None
             if refused:
                 place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
                 raise ConfigTypeError(refused[0], scrub(place, refused[2]), scrub(statement, refused[2]), refused[1])
+
+
+def check_experiment(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
+    """Refuse ``run.experiment = @train_nca()``: with the parentheses gin calls the experiment while it builds
+    run's arguments, so the whole training would run before run starts, uninstrumented, and run would get its
+    result instead of a function to call. Found here, before anything runs (a macro holding it too)."""
+    macros = bound_macros()
+    for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items()):
+        if selector != f"{MODULE}.run" or "experiment" not in params:
+            continue
+        value, seen = params["experiment"], 0
+        while macro_name(value) in macros and seen < 100:  # `run.experiment = %EXPERIMENT`
+            value, seen = macros[macro_name(value)], seen + 1
+        if not (isinstance(value, gin.config.ConfigurableReference) and value.evaluate):
+            continue
+        place, statement = bound_pair(selector, lambda p: p == "experiment", files, bindings, scope)
+        name = "/".join([*value.scopes, value.selector.rsplit(".", 1)[-1]])
+        raise GinConfigError(
+            f"run.experiment is bound to @{name}(), a call: gin would run {name} while it builds run's "
+            f"arguments (the whole training, uninstrumented) and hand run its result, not a function to call",
+            place, statement or f"run.experiment = @{name}()",
+            f"write run.experiment = @{name} (no parentheses): run calls it with the instrumentation.")
 
 
 def check_macros(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
@@ -357,19 +445,28 @@ class _QuietIncludeProbes(logging.Filter):
 def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
     """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
 
-    Empty when nothing was bound: a run configured in plain Python logs only its own hyperparameters.
+    A macro under a secret-looking name (``api_token = %CREDS``) is given as the value it resolves to, so the
+    logger redacts it there and scrubs it from every other value; the macro's own binding (``CREDS = '...'``)
+    is redacted here, in the params and the text, since its name says nothing. Empty when nothing was bound:
+    a run configured in plain Python logs only its own hyperparameters.
     """
     if not gin.config_str().strip():
         return {}, None
     text = gin.operative_config_str()
-    params: Dict[str, Any] = {}
+    bindings: List[Tuple[str, Any]] = []
+    keys: Dict[str, str] = {}  # a binding's name as judged (a macro's own name) -> its key in the params
     parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))
     for statement in parser:
         if isinstance(statement, gin.config_parser.BindingStatement):
             scope = f"{statement.scope}/" if statement.scope else ""
-            value = statement.value
-            params[f"{scope}{statement.selector}.{statement.arg_name}"] = _structured(value)
-    return params, text
+            name = f"{scope}{statement.selector}" + (f".{statement.arg_name}" if statement.arg_name else "")
+            keys[name] = f"{scope}{statement.selector}.{statement.arg_name}"  # a macro's ends in '.'
+            bindings.append((name, statement.value))
+    resolved, names = resolve_secret_macros(bindings, bound_macros(), secret_keys())
+    params = {keys[name]: _structured(value) for name, value in resolved.items()}
+    for name in names & set(keys):
+        params[keys[name]] = REDACTED
+    return params, (redact_config_text(text, macro_patterns(names)) if names else text)
 
 
 def _structured(value: Any) -> Any:

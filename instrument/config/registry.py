@@ -28,7 +28,7 @@ from instrument.backends.progress import ProgressBar
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.backends.wandb import WandbBackend
 from instrument.config import experiment
-from instrument.config.parse import BEFORE_PARSE, operative_config
+from instrument.config.parse import BEFORE_PARSE, MODULE, operative_config
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.activation_stats import ActivationStats
 from instrument.observers.gradient_stats import GradientStats
@@ -43,7 +43,6 @@ from instrument.terminal.table import Column
 
 __all__ = ["MODULE", "RL_CLASSES", "backend_set", "register_rl", "run", "torchrl_hook"]
 
-MODULE = "instrument"
 RL_CLASSES = ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation")
 
 for _cls in (Instrumentation, IterationStats, UpdateNorm, RolloutVideo, GradientStats, NonFinite,

@@ -15,6 +15,7 @@ int fits ``float`` but a bool fits neither ``int`` nor ``float``; as gin's liter
 ``Sequence``, ``List`` and ``Tuple`` alike (``[1, 2]`` and ``(1, 2)`` are the same to the code that reads them).
 """
 
+import ast
 import collections.abc as abc
 import inspect
 import types
@@ -23,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 from instrument.logger.params import redact_values, scrub
 
-__all__ = ["Mismatch", "describe", "example", "hints_of", "mismatch", "refusal"]
+__all__ = ["COMPANIONS", "EXAMPLES", "Mismatch", "describe", "example", "hints_of", "mismatch", "refusal", "suggestion"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _NUMBERS = {int: (int,), float: (int, float), complex: (int, float, complex)}
@@ -174,13 +175,61 @@ def example(hint: Any, received: Any = None) -> str:
         items = [] if args == ((),) else [example(a) for a in args]
         return f"({', '.join(items)}{',' * (len(items) == 1)})"
     if _among(base, _SEQUENCES) or _among(base, _ITERABLES):
-        item = example(args[0]) if args else "'name'"
-        return f"({item}, {item})" if base is tuple else f"[{item}, {item}]"
+        item = example(args[0]) if args else "'name'"  # one item: two equal ones are refused where items are unique
+        return f"({item},)" if base is tuple else f"[{item}]"
     if _among(base, _MAPPINGS):
         return f"{{{example(args[0])}: {example(args[1])}}}" if len(args) == 2 else "{'name': 10}"
     if hint is Any or hint is object:
         return "None"
     return "@Name()"  # a class or anything else a literal cannot be: a reference to a configurable
+
+
+# Examples for parameters whose type admits values their class refuses and whose default is no example (None):
+# a suggested fix must itself be accepted. By the name the config calls the class (its gin name) and parameter.
+EXAMPLES: Dict[Tuple[str, str], str] = {
+    ("RolloutVideo", "value_range"): "(0.0, 1.0)",  # low < high
+    ("ConsoleBackend", "width"): "100",  # >= 20
+    ("Column", "denominator"): "'total'",
+}
+# What a suggested value needs bound beside it, where the class accepts it only together with another setting.
+COMPANIONS: Dict[Tuple[str, str], Tuple[str, str]] = {
+    ("Column", "denominator"): ("fmt", "'frac'"),  # a denominator is meaningful only for a frac column
+    ("Column", "each"): ("key", "'loss/{}'"),  # each item goes where the key has '{}'
+    ("RolloutVideo", "value_range"): ("channels", "[0]"),  # a range maps one colour-mapped channel
+}
+
+
+def suggestion(fn: Callable[..., Any], name: str, param: str, received: Any = None) -> str:
+    """The value to suggest for ``fn``'s ``param`` as a gin literal, one the class accepts, not only the type:
+    ``[received]`` when the received value is the one item a list was meant to hold, else the parameter's own
+    example (`EXAMPLES`), else its default when that is a literal worth showing, else `example` of its type."""
+    hint = hints_of(fn).get(param, Any)
+    unwrapped = _unwrap(hint)
+    members = typing.get_args(unwrapped) if typing.get_origin(unwrapped) in _UNIONS else (unwrapped,)
+    if received is not None and any(_wraps(_unwrap(m), received) for m in members):
+        return example(hint, received)
+    own = EXAMPLES.get((name.rsplit("/", 1)[-1], param))
+    if own is not None:
+        return own
+    try:
+        default = inspect.signature(fn).parameters[param].default
+    except (TypeError, ValueError, KeyError):
+        default = inspect.Parameter.empty
+    if _shown(default) and mismatch(default, hint) is None:
+        return repr(default)
+    return example(hint, received)
+
+
+def _shown(default: Any) -> bool:
+    """Is ``default`` a gin literal worth suggesting: not None, not an empty container, written as it reads?"""
+    if default is None or not isinstance(default, (bool, int, float, str, list, tuple, dict)):
+        return False  # None, no default (inspect's marker), bytes, complex, objects
+    if isinstance(default, (list, tuple, dict, str)) and not default:
+        return False
+    try:
+        return ast.literal_eval(repr(default)) == default
+    except (ValueError, SyntaxError):  # inf, nan, a container holding an object
+        return False
 
 
 def _wraps(hint: Any, received: Any) -> bool:
@@ -256,7 +305,10 @@ def refusal(fn: Callable[..., Any], name: str, param: str, value: Any,
         problem += f": {found.where} is {found.value!r} ({type(found.value).__name__}), not {describe(found.hint)}"
     elif found.why:
         problem += f": {found.why}"
-    fix = example(hint, value)
+    fix = suggestion(fn, name, param, value)
     if isinstance(value, str) and fix.startswith(("[", "(")):
         problem += ": a string is not a list here (its characters would be the items)"
-    return scrub(problem, secrets), scrub(f"bind {wanted} there, e.g. {name}.{param} = {fix}.", secrets), secrets
+    companion = COMPANIONS.get((name.rsplit("/", 1)[-1], param))
+    also = f" with {name}.{companion[0]} = {companion[1]}" if companion else ""
+    fix_text = f"bind {wanted} there, e.g. {name}.{param} = {fix}{also}."
+    return scrub(problem, secrets), scrub(fix_text, secrets), secrets

@@ -1,0 +1,102 @@
+"""Which strings of the parsed config are secret, with gin macros resolved.
+
+Redaction judges a value by the name it is bound to. A macro hides that name: ``my_train.api_token = %CREDS``
+binds a reference, and ``CREDS = 'sk-...'`` binds the credential under a name no pattern matches. So a macro
+that sits under a secret-looking name (at any depth of dicts and lists, through macros of macros) is resolved
+to its value there, and its own binding is treated as secret: the value is then redacted, and scrubbed from
+every other text, wherever it appears (the logged config and hyperparameters, the CLI's messages).
+"""
+
+import re
+from typing import Any, Dict, Iterable, Set, Tuple
+
+import gin
+
+from instrument.logger.params import is_secret, redact_values
+
+__all__ = ["bound_macros", "config_secrets", "macro_name", "macro_patterns", "resolve_secret_macros", "secret_keys"]
+
+
+def secret_keys() -> Tuple[str, ...]:
+    """The run's own secret patterns (``Instrumentation.secret_keys``) where the parsed config binds them, to
+    redact along with the built-in ones: an error message quoting a binding must leave out what the run's log
+    would."""
+    try:
+        keys = gin.query_parameter("Instrumentation.secret_keys") or ()
+    except Exception:  # noqa: BLE001 - not bound (or not registered): the built-in patterns only
+        return ()
+    return (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
+
+
+def macro_name(value: Any) -> Any:
+    """The name of the macro ``value`` refers to (``%CREDS`` -> ``CREDS``), None for anything else."""
+    if isinstance(value, gin.config.ConfigurableReference) and value.selector == "gin.macro":
+        return value.scoped_selector.rsplit("/", 1)[0]
+    return None
+
+
+def bound_macros() -> Dict[str, Any]:
+    """Every macro the parsed config defines, by name, with the value bound to it (maybe another macro)."""
+    config = getattr(gin.config, "_CONFIG", {})
+    return {scope: params["value"] for (scope, selector), params in list(config.items())
+            if selector == "gin.macro" and "value" in params}
+
+
+def resolve_secret_macros(
+    bindings: Iterable[Tuple[str, Any]], macros: Dict[str, Any], extra: Tuple[str, ...] = ()
+) -> Tuple[Dict[str, Any], Set[str]]:
+    """``{name: value}`` of ``bindings`` with every macro under a secret-looking name replaced by its value,
+    and the names of the macros whose value is secret: used there, or named like a secret themselves
+    (``API_TOKEN = '...'``). Numbers, booleans and None are never secret, as elsewhere."""
+    names: Set[str] = set()
+    resolved = {}
+    for name, value in bindings:
+        secret = is_secret(name, extra)
+        if secret and name in macros and not _plain(macros[name]):
+            names.add(name)
+        resolved[name] = _resolve(value, macros, secret, name, extra, names, 0)
+    return resolved, names
+
+
+def _resolve(value: Any, macros: Dict[str, Any], secret: bool, parent: str, extra: Tuple[str, ...],
+             names: Set[str], depth: int) -> Any:
+    name = macro_name(value)
+    if name is not None:
+        if not secret or name not in macros or depth > 100:  # a cycle of macros: gin refuses it at the call
+            return value
+        out = _resolve(macros[name], macros, True, parent, extra, names, depth + 1)
+        if not _plain(out):
+            names.add(name)
+        return out
+    if isinstance(value, dict):
+        return {k: _resolve(v, macros, secret or is_secret(k, extra, parent), k, extra, names, depth)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_resolve(v, macros, secret, parent, extra, names, depth) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, type(None)))
+
+
+def macro_patterns(names: Iterable[str]) -> Tuple[str, ...]:
+    """Secret patterns that match the bindings of the macros ``names`` (``CREDS = '...'``) in a config text."""
+    return tuple(sorted({re.split(r"[/.]", n)[-1] for n in names}))
+
+
+def config_secrets() -> Tuple[Tuple[str, ...], Set[str]]:
+    """What the parsed config holds that is secret: the patterns to redact a binding's text with (the run's
+    own and the secret macros' names) and every secret string bound (to scrub from any other text)."""
+    extra = secret_keys()
+    macros = bound_macros()
+    bindings = [(f"{scope}/{selector}.{param}" if scope else f"{selector}.{param}", value)
+                for (scope, selector), params in list(getattr(gin.config, "_CONFIG", {}).items())
+                if selector != "gin.macro" for param, value in params.items()]
+    resolved, names = resolve_secret_macros([*bindings, *macros.items()], macros, extra)
+    found: Set[str] = set()
+    redact_values(resolved, extra, found)
+    for name in names:  # a secret macro's own value, however it is named
+        redact_values({"token": _resolve(macros[name], macros, True, name, extra, set(), 0)}, (), found)
+    return extra + macro_patterns(names), found

@@ -131,7 +131,7 @@ class JsonlBackend(Backend):
         if not self._regular:  # a pipe or a device holds no earlier steps to cut (and reading it would block)
             return
         tmp = self.path + ".resume.tmp"
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(tmp)  # left by a resume that crashed while rewriting: the file itself is whole
         cut: Optional[int] = None
         kept, removed, offset = [], 0, 0
@@ -149,12 +149,35 @@ class JsonlBackend(Backend):
         if not kept:
             os.ftruncate(fd, cut)
         else:
-            _rewrite(self.path, tmp, cut, kept)
+            try:
+                _rewrite(self.path, tmp, cut, kept)
+            except OSError as exc:  # a full disk, a folder that takes no new file: cut in place instead
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # a partial copy would only take the space the lines need
+                self._cut_in_place(fd, cut, kept, exc)
+                return
             self._fd = None
             os.close(fd)
             self._open()
         log.info("instrument: %s: removed %d step line(s) from step %d on for the resumed run (kept %d other "
                  "line(s) written after them)", self.path, removed, next_step, len(kept))
+
+    def _cut_in_place(self, fd: int, cut: int, kept: list, why: OSError) -> None:
+        """`on_resume` when the file cannot be rewritten beside itself: the interrupted run's steps from the
+        checkpoint on are cut all the same (the resumed run must not follow them with its own), then the other
+        lines after them are written back, whole lines only; any that do not fit are said, never torn."""
+        os.ftruncate(fd, cut)
+        written = 0
+        try:
+            for line in kept:
+                self._write_all(fd, line)
+                written += 1
+        except OSError:
+            os.ftruncate(fd, cut + sum(len(line) for line in kept[:written]))  # no torn line
+        self._end = os.fstat(fd).st_size
+        log.warning("instrument: %s: could not rewrite the file for the resumed run (%s); cut it in place at the "
+                    "checkpoint instead and wrote back %d of the %d other line(s) (system samples, hyperparameters) "
+                    "written after it", self.path, why, written, len(kept))
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
         self._write_line({"hyperparameters": {k: _json_value(v) for k, v in params.items()}, "config": config_text})

@@ -120,10 +120,17 @@ class LoggerEnd:
         self._closed, self._closed_by = True, "fork"
         self._writer.disown()
 
-    def keep_on_shutdown(self, step: int) -> None:
+    def when_stopped(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once this logger's writer thread has stopped: at once after a close that finished;
+        after one that gave up (``close(timeout=...)``), when the backend call it gave up on returns and the
+        rest is written (on that thread). The session releases its run folder's lock this way."""
+        self._writer.when_stopped(callback)
+
+    def keep_on_shutdown(self, step: Optional[int]) -> None:
         """A checkpoint counted ``step`` as committed while its block was still open (`Instrumentation.state_dict`
         inside ``with inst.step(step)``): a close by a signal or at exit commits it, if it safely can, since
-        the run resumed from that checkpoint starts after it and never writes it again."""
+        the run resumed from that checkpoint starts after it and never writes it again. None forgets it (the
+        block raised: its step is discarded, and a later close must not write the values before it there)."""
         self._checkpointed = step
 
     def _commit_checkpointed(self) -> bool:

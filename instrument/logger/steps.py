@@ -14,6 +14,7 @@ import logging
 from threading import get_ident
 from typing import Any, Dict, List, Mapping, Optional
 
+from instrument.checks import check_int
 from instrument.errors import StepOrderError
 from instrument.logger.blocks import contributions
 from instrument.logger.values import Wide, as_scalar, refuse_merged_keys
@@ -40,7 +41,13 @@ class StepRecords:
     def resume_after(self, last_step: Optional[int]) -> None:
         """Go on from a checkpoint whose last committed step was ``last_step`` (None: none was): later steps
         must follow it, and every backend is told before the next record that steps from ``last_step + 1`` on
-        are written again (`Backend.on_resume`). `Instrumentation.load_state_dict` calls this."""
+        are written again (`Backend.on_resume`). `Instrumentation.load_state_dict` calls this. Anything but None
+        or an int >= 0 is refused before anything changes."""
+        if last_step is not None:
+            check_int("resume_after: last_step", last_step, least=0, integral=True, none=True,
+                      expected="None or an int >= 0 (a step a checkpoint's state_dict() counted as committed)",
+                      fix="pass the 'last_step' of Instrumentation.state_dict() as it was saved")
+            last_step = int(last_step)
         with self._lock:
             self._last_step = last_step
         if self.is_writer:

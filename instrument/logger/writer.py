@@ -100,6 +100,7 @@ class Writer:
         self._closing = False
         self._close_seq = 0  # the queued close's sequence number, once there is one
         self._gave_up = False  # a close timed out (and said so)
+        self._on_stop: List[Callable[[], None]] = []  # `when_stopped` callbacks waiting for the thread to stop
         self._close_bound: Optional[float] = None  # the close's timeout (a signal's, a failed start's), if any
         self._stopped = False
         self._dirty = False
@@ -211,8 +212,10 @@ class Writer:
                 else "the writer was still busy")
         log.warning(
             "instrument: closing the logger gave up after %gs: %s, and %d committed step(s) queued behind it were "
-            "not written; backends that did not get to their flush and close may hold less than was committed. "
-            "Pass a longer timeout to close() (or none, to wait) to keep them.", timeout, held, queued,
+            "not written yet. They are written if that call returns, while this process runs (the run folder "
+            "stays locked until then); a process that ends first loses them, and backends that did not get to "
+            "their flush and close may hold less than was committed. Pass a longer timeout to close() (or none, "
+            "to wait) to keep them.", timeout, held, queued,
         )
 
     def wait(self, seq: int, timeout: Optional[float] = None) -> bool:
@@ -298,6 +301,16 @@ class Writer:
                 return
 
     # ------------------------------------------------------------------ writer thread
+    def when_stopped(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once this writer has stopped (its close done, or its thread ended): now, if it has;
+        else on its thread as it stops (a close that gave up on a hung backend: the run folder stays the
+        writer's until then)."""
+        with self._cond:
+            if not self._stopped and self._thread.is_alive():
+                self._on_stop.append(callback)
+                return
+        callback()
+
     def _run(self) -> None:
         try:
             self._loop()
@@ -305,6 +318,12 @@ class Writer:
             with self._cond:
                 self._stopped = self._closing = True
                 self._cond.notify_all()
+                callbacks, self._on_stop = self._on_stop, []
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("instrument: a call made when the logger's writer stopped failed")
 
     def _loop(self) -> None:
         busy_since = time.monotonic()  # when the writer last found work after waiting for it

@@ -380,10 +380,13 @@ class Instrumentation(StepLifecycle):
             return
         self._closed = True
         dropped.untrack(self)
+        interrupted: Optional[BaseException] = None
         try:  # hooks, probes and the recorder off even after a step cut short by Ctrl-C (they outlive the session)
             run_all([watch.detach for watch in self._watches] + [self._release_probes])
         except Exception:
             log.exception("instrument: undoing the session's hooks and probes at close failed")
+        except BaseException as exc:  # Ctrl-C here: the logger is still closed and the run folder released,
+            interrupted = exc  # then it is raised (a second close() would do nothing: the session is closed)
         try:
             self._components.close()
             if self.system_monitor is not None:
@@ -395,9 +398,14 @@ class Instrumentation(StepLifecycle):
                     save_ids(self.run.dir, self.logger.backends, quiet=True)
                 self._dispatch.close()
             finally:
-                release(self.run.dir)  # another process may resume the run now
+                # another process may resume the run once nothing of this one writes to it any more: now, or
+                # after a close that gave up, when its writer thread has stopped
+                run_dir = self.run.dir
+                self.logger.when_stopped(lambda: release(run_dir))
                 if self.run_log is not None:
                     self.run_log.close()
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> "Instrumentation":
         return self

@@ -98,8 +98,10 @@ def _read_pid(fd: int) -> Optional[int]:
 def _refusal(run_dir: Path, pid: Optional[int]) -> str:
     where = f"run {run_dir.name!r} in {str(run_dir.parent)!r}"
     if pid == os.getpid():
-        who = (f"this process (pid {pid}) still writes {where}: an Instrumentation of that run was not closed. "
-               f"Close it (inst.close()) before starting or resuming the run again")
+        who = (f"this process (pid {pid}) still writes {where}: an Instrumentation of that run was not closed, "
+               f"or its close(timeout=...) gave up while a backend call was still running (its writer holds the "
+               f"run until that call returns). Close it (inst.close(), without a timeout) before starting or "
+               f"resuming the run again")
     else:
         who = (f"another process{f' (pid {pid})' if pid else ''} is writing {where} (it holds "
                f"{run_dir / LOCK_FILE}); two processes would cut, hide and interleave each other's steps. Wait "

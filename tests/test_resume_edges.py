@@ -1,0 +1,151 @@
+"""Edges of the run lock, the checkpointed step and the JSONL resume: a close that gave up keeps the run until
+its writer stops, a JSONL file that cannot be rewritten beside itself is cut in place, a checkpointed step whose
+block raised is not written by a later signal, Ctrl-C while closing still closes, and a bad ``last_step`` is
+refused. Read back from JSONL files; signals are real, in child processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import instrument
+from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.jsonl import JsonlBackend
+from instrument.errors import ConfigurationError
+from instrument.probes import hooks
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT = 60.0  # a bound for polling, never a timing assertion
+
+
+def _steps(path: Path, key: str = "v"):
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return [(r["step"], r["metrics"][key]) for r in rows if "step" in r and key in r["metrics"]]
+
+
+class Hung(Backend):
+    """Blocks in its first write until released (a remote that does not answer)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def write(self, record):
+        self.entered.set()
+        self.release.wait(WAIT)
+
+
+def test_a_close_that_gave_up_keeps_the_run_until_its_writer_has_stopped(tmp_path):
+    hung = Hung()
+    inst = instrument.Instrumentation(backends=[hung, JsonlBackend()], run_name="r", log_dir=str(tmp_path),
+                                      log_interval=1)
+    for step in range(4):
+        with inst.step(step):
+            inst.log({"v": float(step)})
+        if step == 1:
+            state = inst.state_dict()
+    assert hung.entered.wait(WAIT)
+    try:
+        inst.close(timeout=0.1)  # gives up: steps 1..3 still wait behind the hung write
+        with pytest.raises(ConfigurationError, match="still writes .*close.*gave up"):
+            instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), resume=True)
+    finally:
+        hung.release.set()
+    deadline = time.monotonic() + WAIT
+    while (tmp_path / "r" / ".instrument-lock").exists():  # released by the writer as it stops
+        assert time.monotonic() < deadline, "the run was never released"
+        time.sleep(0.01)
+    resumed = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path),
+                                         resume=True, log_interval=1)
+    resumed.load_state_dict(state)
+    with resumed.step(2):
+        resumed.log({"v": 102.0})
+    resumed.close()
+    # the first process's steps were all written before the resume cut them: nothing interleaved or repeated
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == [(0, 0.0), (1, 1.0), (2, 102.0)]
+
+
+def test_a_jsonl_file_that_cannot_be_rewritten_beside_itself_is_cut_in_place(tmp_path, caplog):
+    backend = JsonlBackend()
+    backend.open(RunInfo("r", tmp_path))
+    for step in range(6):
+        backend.write(StepRecord(step=step, scalars={"v": float(step)}))
+        backend.write_system(StepRecord(step=step, scalars={"system/x": float(step)}))
+    backend.close()
+    (tmp_path / "r" / "metrics.jsonl.resume.tmp").mkdir()  # where the rewrite goes cannot be made
+    backend = JsonlBackend()
+    backend.open(RunInfo("r", tmp_path))
+    backend.on_resume(3)  # it wrote nothing and left the old steps 3..5 for the resumed ones to follow
+    backend.write(StepRecord(step=3, scalars={"v": 103.0}))
+    backend.close()
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["metrics"]["v"]) for r in rows if "step" in r] == [(0, 0.0), (1, 1.0), (2, 2.0),
+                                                                             (3, 103.0)]
+    assert [r["system_step"] for r in rows if "system_step" in r] == list(range(6))  # every sample kept
+    assert "cut it in place" in caplog.text
+
+
+_FAILED_BLOCK = """
+import os, signal, sys
+import instrument
+from instrument.backends.jsonl import JsonlBackend
+inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=sys.argv[1], log_interval=10)
+for step in range(11):
+    try:
+        with inst.step(step):
+            inst.log({"v": float(step)})
+            if step == 10:
+                inst.state_dict()  # counts step 10 as written, should the process be stopped now
+                raise RuntimeError("the block fails after its checkpoint")
+    except RuntimeError:
+        pass
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_a_checkpointed_step_whose_block_raised_is_not_written_by_a_later_sigterm(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-c", _FAILED_BLOCK, str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == -signal.SIGTERM, child.stderr
+    # step 10 failed, so it is not written; steps 1..9 were never logged under 10 (it wrote their mean there)
+    assert 10 not in [step for step, _ in _steps(tmp_path / "r" / "metrics.jsonl")]
+
+
+def test_ctrl_c_while_close_undoes_the_hooks_still_closes_the_logger_and_releases_the_run(tmp_path, monkeypatch):
+    inst = instrument.Instrumentation(observers=[instrument.IterationStats()], backends=[JsonlBackend()],
+                                      run_name="r", log_dir=str(tmp_path), log_interval=1)
+    inst.watch(torch.nn.Identity())
+    with inst.step(0):
+        inst.log({"v": 1.0})
+    real = hooks.StateWatch.detach
+
+    def interrupted(self, *args, **kwargs):  # Ctrl-C landing while close() undoes the hooks
+        monkeypatch.setattr(hooks.StateWatch, "detach", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hooks.StateWatch, "detach", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        inst.close()
+    assert not (tmp_path / "r" / ".instrument-lock").exists()
+    with pytest.raises(ConfigurationError, match="closed"):
+        inst.logger.log_metrics({"v": 2.0}, step=1)  # the logger was closed all the same
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == [(0, 1.0)]
+    instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), resume=True).close()
+
+
+@pytest.mark.parametrize("last", ["5", 2.5, -3, True, float("nan")])
+def test_a_last_step_that_is_not_a_step_is_refused_before_anything_changes(tmp_path, last):
+    logger = instrument.Logger([JsonlBackend()], RunInfo("r", tmp_path))
+    with pytest.raises(ConfigurationError, match=r"last_step must be None or an int >= 0.*got"):
+        logger.resume_after(last)
+    assert logger.last_step is None
+    logger.log_metrics({"v": 1.0}, step=0)
+    logger.close()

@@ -156,15 +156,39 @@ def _ignore_late_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _on_interrupt() -> None:
-    """The run was interrupted and is closed: a later Ctrl-C ends the process at once with status 130."""
+def _on_interrupt() -> Any:
+    """The run was interrupted and is closed: until `main` returns, another Ctrl-C ends the process at once with
+    status 130; so does one during the interpreter's exit, from its first exit hook on (registered now, so it
+    runs first). Returns the SIGINT handler to put back when `main` returns: a program that calls `main` itself
+    (a sweep) keeps its own Ctrl-C handling for what it runs next."""
+    import atexit
     import signal
 
     _interrupt["seen"] = True
+    atexit.register(_exit_on_interrupt_from_now)
+    try:
+        return signal.signal(signal.SIGINT, _exit_at_once)
+    except ValueError:  # not the main thread (main() called from a thread): Python's default stays
+        return None
+
+
+def _exit_on_interrupt_from_now() -> None:
+    import signal
+
     try:
         signal.signal(signal.SIGINT, _exit_at_once)
-    except ValueError:  # not the main thread (main() called from a thread): Python's default stays
+    except ValueError:
         pass
+
+
+def _restore_interrupt(previous: Any) -> None:
+    import signal
+
+    if previous is not None:
+        try:
+            signal.signal(signal.SIGINT, previous)
+        except ValueError:
+            pass
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -201,10 +225,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C: the run is closed ("killed") and what was committed is saved
         if args.debug:
             raise
-        _on_interrupt()
-        print("instrument: interrupted (Ctrl-C); the steps committed before it are saved.", file=sys.stderr)
-        if getattr(exc, "outcome", None) is not None:
-            _print_result(exc.outcome)
+        previous = _on_interrupt()
+        try:
+            print("instrument: interrupted (Ctrl-C); the steps committed before it are saved.", file=sys.stderr)
+            if getattr(exc, "outcome", None) is not None:
+                _print_result(exc.outcome)
+        finally:
+            _restore_interrupt(previous)
         return 130  # what a shell reports for a process ended by SIGINT
     except InstrumentError as exc:  # bad input found while building or running (gin adds where it was bound)
         if args.debug:

@@ -203,3 +203,45 @@ def test_an_observer_cannot_change_the_context_the_next_observer_sees(tmp_path):
     inst, _ = _run(tmp_path, [Rebinds(), lambda c: seen.append(float(c.next_state.abs().sum()))], steps=1)
     assert seen and all(value > 0 for value in seen)  # the next observer saw the real state
     assert inst.failures == {"rebinds": 1}  # refused (read-only), said once, skipped for the step
+
+
+def test_an_observer_whose_init_skips_super_still_logs_under_its_default_name(tmp_path):
+    class Counter(instrument.Observer):
+        def __init__(self):  # no super().__init__(): its name was missing, and every log raised
+            self.seen = 0
+
+        def observe(self, context):
+            self.seen += 1
+
+        def log(self, logger, step):
+            logger.log_metrics({"seen": self.seen}, step=step, prefix=self.name)
+
+        def reset(self):
+            self.seen = 0
+
+    inst, metrics = _run(tmp_path, [Counter()], steps=1)
+    assert metrics[0]["counter/seen"] == 3.0 and inst.failures == {}
+
+
+class ChangesSamples(instrument.Backend):
+    def write(self, record):
+        for table in record.samples.values():
+            table.rows[0]["score"] = -999.0
+
+
+class AddsSamples(instrument.Backend):
+    def write(self, record):
+        for table in record.samples.values():
+            table.rows.append({"score": 1.0})
+
+
+@pytest.mark.parametrize("careless", [ChangesSamples, AddsSamples])
+def test_a_backend_cannot_change_the_samples_every_other_backend_writes(tmp_path, careless):
+    logger = instrument.Logger([careless(), instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    logger.log_samples("val", [{"input": "a", "output": "b", "score": 0.5}], step=0)
+    handle = logger.commit(0)
+    logger.close()
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["samples"]["val"] == [{"input": "a", "output": "b", "score": 0.5}]
+    assert [dict(row) for row in handle.samples["val"].rows] == [{"input": "a", "output": "b", "score": 0.5}]
+    assert logger.failures == {careless.__name__: 1}

@@ -56,9 +56,10 @@ class RunInfo:
         return Path(self.root) / self.name
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SampleTable:
-    """Validation samples of one tag: rows like ``{"input", "output", "score", ...extra}`` (host values)."""
+    """Validation samples of one tag: rows like ``{"input", "output", "score", ...extra}`` (host values). In a
+    record a backend gets, ``rows`` is a tuple of read-only dicts (`StepRecord.freeze`)."""
 
     rows: List[Dict[str, Any]]
     score_key: str = "score"
@@ -82,6 +83,8 @@ class ReadOnlyDict(dict):
 
 
 def _read_only(value: Any) -> Any:
+    if isinstance(value, SampleTable):
+        return SampleTable(tuple(_read_only(row) for row in value.rows), value.score_key)  # type: ignore[arg-type]
     if isinstance(value, np.ndarray):
         value.flags.writeable = False
     elif isinstance(value, tuple):  # a video: (frames, fps)

@@ -8,8 +8,10 @@ says where (file and line, or which ``--bind``), what was wrong and how to fix i
 """
 
 import difflib
+import inspect
 import logging
 import re
+import sys
 import tokenize
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -94,7 +96,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         prepare()
     quiet = _QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
-    root_handlers = list(logging.getLogger().handlers)
+    implicit = _ImplicitRootHandlers()
     readers = getattr(gin.config, "_FILE_READERS", [])
     saved_readers = list(readers)
     readers[:] = [(_open_config if reader is open else reader, exists) for reader, exists in readers]
@@ -116,7 +118,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
     finally:
         readers[:] = saved_readers
         logging.getLogger().removeFilter(quiet)
-        _drop_implicit_root_handler(root_handlers)
+        implicit.undo()
     check_macros([str(f) for f in files], bindings)
     check_types([str(f) for f in files], bindings)
     check_experiment([str(f) for f in files], bindings)
@@ -129,17 +131,31 @@ def _open_config(path: str) -> Any:
     return open(path, encoding="utf-8-sig")
 
 
-def _drop_implicit_root_handler(before: List[logging.Handler]) -> None:
-    """Undo the handler that gin's module-level ``logging.info`` calls add to a root logger that had none
-    (`logging.basicConfig`'s implicit call): it printed instrument's later warnings as ``WARNING:instrument:``.
-    A root logger that had handlers, or one configured with a level of its own, is left alone."""
-    root = logging.getLogger()
-    if before or root.level != logging.WARNING:
-        return
-    for handler in list(root.handlers):
-        formatter = handler.formatter
-        if type(handler) is logging.StreamHandler and formatter is not None and formatter._fmt == logging.BASIC_FORMAT:
-            root.removeHandler(handler)
+class _ImplicitRootHandlers:
+    """While a config is parsed: note the root handlers that ``logging.basicConfig`` adds when the stdlib calls it
+    implicitly (a module-level ``logging.info``, as gin's include lookup makes, on a root logger without handlers),
+    and `undo` removes just those: they printed instrument's later warnings as ``WARNING:instrument:...``. A
+    ``basicConfig`` the user's own code calls (a module a ``.gin`` file imports) is its own and stays."""
+
+    def __init__(self) -> None:
+        self.added: List[logging.Handler] = []
+        self.original = logging.basicConfig
+        logging.basicConfig = self._basic_config  # type: ignore[assignment]
+
+    def _basic_config(self, *args: Any, **kwargs: Any) -> None:
+        root = logging.getLogger()
+        before = list(root.handlers)
+        self.original(*args, **kwargs)
+        if not args and not kwargs and sys._getframe(1).f_globals.get("__name__") == "logging":
+            self.added += [handler for handler in root.handlers if handler not in before]
+
+    def undo(self) -> None:
+        if logging.basicConfig == self._basic_config:
+            logging.basicConfig = self.original  # type: ignore[assignment]
+        root = logging.getLogger()
+        for handler in self.added:
+            if handler in root.handlers:
+                root.removeHandler(handler)
 
 
 def _search_first(directory: str) -> None:
@@ -342,7 +358,7 @@ def check_experiment(files: Sequence[str] = (), bindings: Sequence[str] = ()) ->
         value, seen = params["experiment"], 0
         while macro_name(value) in macros and seen < 100:  # `run.experiment = %EXPERIMENT`
             value, seen = macros[macro_name(value)], seen + 1
-        if not (isinstance(value, gin.config.ConfigurableReference) and value.evaluate):
+        if not (isinstance(value, gin.config.ConfigurableReference) and value.evaluate and _trains(value)):
             continue
         place, statement = bound_pair(selector, lambda p: p == "experiment", files, bindings, scope)
         name = "/".join([*value.scopes, value.selector.rsplit(".", 1)[-1]])
@@ -351,6 +367,19 @@ def check_experiment(files: Sequence[str] = (), bindings: Sequence[str] = ()) ->
             f"arguments (the whole training, uninstrumented) and hand run its result, not a function to call",
             place, statement or f"run.experiment = @{name}()",
             f"write run.experiment = @{name} (no parentheses): run calls it with the instrumentation.")
+
+
+def _trains(reference: Any) -> bool:
+    """Whether ``@X()`` calls the experiment itself: ``X`` is a function that takes ``instrumentation`` (what run
+    passes it). A class (``@Trainer()``: its instance is what run calls) or a factory that returns the function
+    (``@make_experiment()``) is built, not run, and is left to run's own check that it got something callable."""
+    fn = getattr(getattr(reference, "configurable", None), "wrapped", None)
+    if fn is None or isinstance(fn, type):
+        return False
+    try:
+        return "instrumentation" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_macros(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:

@@ -66,6 +66,13 @@ class Observer:
     def __init__(self, name: str = "") -> None:
         self.name = name or self.default_name or _snake_case(type(self).__name__)
 
+    def __getattr__(self, attribute: str) -> Any:
+        # Only for a missing attribute: a subclass whose __init__ skips super().__init__() still has its default
+        # name (the prefix of its keys, the key of its failures) instead of an AttributeError at every log.
+        if attribute == "name":
+            return self.default_name or _snake_case(type(self).__name__)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
+
     def reset(self) -> None:
         """Forget everything from the previous logging step."""
 

@@ -267,7 +267,7 @@ def test_what_is_drawn_otherwise_than_meant_is_said_once_per_tag(tmp_path, caplo
     assert len([m for m in said if "log_image('ambiguous') got shape (3, 16, 4)" in m]) == 1
     assert len([m for m in said if "log_samples('val') was called again before the commit" in m]) == 1
     assert not [m for m in said if "'fine'" in m]
-    assert keep.records[0].samples["val"].rows == [{"score": 2.0}]
+    assert list(keep.records[0].samples["val"].rows) == [{"score": 2.0}]  # a tuple: read-only in a record
     assert (keep.records[0].images["bright"] == 255).all()  # clipped, as said
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="instrument"):  # another run in the same process: said again

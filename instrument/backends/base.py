@@ -90,7 +90,7 @@ def _read_only(value: Any) -> Any:
     elif isinstance(value, tuple):  # a video: (frames, fps)
         for item in value:
             _read_only(item)
-    elif isinstance(value, dict):
+    elif type(value) is dict:  # the record's own dicts; a user's container type in a sample field is kept as is
         return ReadOnlyDict((key, _read_only(item)) for key, item in value.items())
     return value
 

@@ -11,7 +11,6 @@ import difflib
 import inspect
 import logging
 import re
-import sys
 import tokenize
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,6 +31,7 @@ from instrument.config.files import (
     resolve_config,
     shipped_configs,
 )
+from instrument.config.gin_logging import ImplicitRootHandlers, QuietIncludeProbes
 from instrument.config.located import bound_pair, file_holding, include_cycle
 from instrument.config.secrets import (
     bound_macros,
@@ -94,9 +94,9 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
     paths = [resolve_config(str(f)) for f in files]
     for prepare in BEFORE_PARSE:
         prepare()
-    quiet = _QuietIncludeProbes()
+    quiet = QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
-    implicit = _ImplicitRootHandlers()
+    implicit = ImplicitRootHandlers()
     readers = getattr(gin.config, "_FILE_READERS", [])
     saved_readers = list(readers)
     readers[:] = [(_open_config if reader is open else reader, exists) for reader, exists in readers]
@@ -129,33 +129,6 @@ def _open_config(path: str) -> Any:
     """A .gin file as gin reads it, but as UTF-8 with an optional byte-order mark (Notepad's "UTF-8 with BOM")
     dropped, as Python reads its own sources; gin's plain open() made the BOM an "Unexpected token" at line 1."""
     return open(path, encoding="utf-8-sig")
-
-
-class _ImplicitRootHandlers:
-    """While a config is parsed: note the root handlers that ``logging.basicConfig`` adds when the stdlib calls it
-    implicitly (a module-level ``logging.info``, as gin's include lookup makes, on a root logger without handlers),
-    and `undo` removes just those: they printed instrument's later warnings as ``WARNING:instrument:...``. A
-    ``basicConfig`` the user's own code calls (a module a ``.gin`` file imports) is its own and stays."""
-
-    def __init__(self) -> None:
-        self.added: List[logging.Handler] = []
-        self.original = logging.basicConfig
-        logging.basicConfig = self._basic_config  # type: ignore[assignment]
-
-    def _basic_config(self, *args: Any, **kwargs: Any) -> None:
-        root = logging.getLogger()
-        before = list(root.handlers)
-        self.original(*args, **kwargs)
-        if not args and not kwargs and sys._getframe(1).f_globals.get("__name__") == "logging":
-            self.added += [handler for handler in root.handlers if handler not in before]
-
-    def undo(self) -> None:
-        if logging.basicConfig == self._basic_config:
-            logging.basicConfig = self.original  # type: ignore[assignment]
-        root = logging.getLogger()
-        for handler in self.added:
-            if handler in root.handlers:
-                root.removeHandler(handler)
 
 
 def _search_first(directory: str) -> None:
@@ -458,17 +431,6 @@ def _known_names() -> List[str]:
         return sorted({selector.split(".")[-1] for selector, _ in gin.config._REGISTRY.items()})
     except Exception:  # noqa: BLE001  (only a hint)
         return []
-
-
-class _QuietIncludeProbes(logging.Filter):
-    """Drops gin's "Path not found" errors while it tries each search path for an include.
-
-    gin logs one at ERROR on the root logger for every search path that does not hold an included file, even
-    when a later path does; a file that is really missing still raises, naming the file and line.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name == "root" and record.msg == "Path not found: %s")
 
 
 def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:

@@ -245,3 +245,28 @@ def test_a_backend_cannot_change_the_samples_every_other_backend_writes(tmp_path
     assert line["samples"]["val"] == [{"input": "a", "output": "b", "score": 0.5}]
     assert [dict(row) for row in handle.samples["val"].rows] == [{"input": "a", "output": "b", "score": 0.5}]
     assert logger.failures == {careless.__name__: 1}
+
+
+def test_the_default_name_changes_nothing_else_about_an_observers_attributes():
+    class LinearProbe(instrument.Observer, nn.Module):  # an observer that owns a layer
+        def __init__(self):
+            instrument.Observer.__init__(self)
+            nn.Module.__init__(self)
+            self.head = nn.Linear(4, 2)
+
+        def observe(self, context):
+            pass
+
+    probe = LinearProbe()
+    assert isinstance(probe.head, nn.Linear) and probe.name == "linear_probe"  # nn.Module still finds its layer
+
+    class Windowed(instrument.Observer):
+        @property
+        def window(self):
+            return self._windw_size  # a typo inside a property
+
+        def observe(self, context):
+            pass
+
+    with pytest.raises(AttributeError, match="_windw_size"):  # the typo is named, not the property
+        Windowed().window

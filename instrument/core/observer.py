@@ -49,6 +49,18 @@ class StepObserver(Protocol):
     def __call__(self, context: StepContext) -> None: ...
 
 
+class _DefaultName:
+    """``Observer.name`` before (or without) ``__init__``: the class's default name. A subclass whose __init__
+    skips super().__init__() still has one (the prefix of its keys, the key of its failures). Only ``__get__``,
+    so the name ``__init__`` sets on the instance wins, and nothing else about attribute lookup changes (an
+    ``nn.Module`` mix-in's own ``__getattr__`` still finds its submodules)."""
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        if obj is None:
+            return self
+        return cls.default_name or _snake_case(cls.__name__)
+
+
 class Observer:
     """Base class for diagnostics; override `observe` and `log`, and `reset` if you keep state (an observer that
     only reads the watched modules' parameters or gradients overrides `attach` and `log` alone).
@@ -61,17 +73,12 @@ class Observer:
     """
 
     default_name: str = ""
+    name: str = _DefaultName()  # type: ignore[assignment]  # set by __init__; the default until then
     probes: Tuple[str, ...] = ()
 
     def __init__(self, name: str = "") -> None:
         self.name = name or self.default_name or _snake_case(type(self).__name__)
 
-    def __getattr__(self, attribute: str) -> Any:
-        # Only for a missing attribute: a subclass whose __init__ skips super().__init__() still has its default
-        # name (the prefix of its keys, the key of its failures) instead of an AttributeError at every log.
-        if attribute == "name":
-            return self.default_name or _snake_case(type(self).__name__)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
 
     def reset(self) -> None:
         """Forget everything from the previous logging step."""

@@ -341,6 +341,16 @@ def test_a_config_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_p
         assert "# caf\\xe9" in stderr and "fix: save the file as UTF-8" in stderr and "above" not in stderr
 
 
+
+def _wait_for_lines(proc, jsonl, lines: int = 3) -> None:
+    """Until the running CLI has written ``lines`` lines to ``jsonl`` (a bound, not a timing check)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+
 def test_ctrl_c_ends_a_run_with_its_folder_named_and_no_traceback(tmp_path):
     """Ctrl-C (a real SIGINT) during `instrument run`: exit status 130, one line saying so instead of a
     traceback, the run folder and viewer named as after a finished run, and every committed step kept."""
@@ -353,12 +363,7 @@ def test_ctrl_c_ends_a_run_with_its_folder_named_and_no_traceback(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     jsonl = tmp_path / "runs" / "stopped" / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.communicate()
+        _wait_for_lines(proc, jsonl)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -430,12 +435,7 @@ def test_a_second_ctrl_c_after_the_run_was_closed_still_exits_130(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "instrument", *args], cwd=tmp_path, env=env, stdout=stdout,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
-                if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3:
-                    break
-                time.sleep(0.05)
-            assert proc.poll() is None, proc.communicate()
+            _wait_for_lines(proc, jsonl)
             proc.send_signal(signal.SIGINT)
             stderr = []
             for line in proc.stderr:  # the run is closed once the CLI says it was interrupted

@@ -7,33 +7,17 @@ it is released at the end of each test so that no writer thread outlives it. Not
 
 import json
 import logging
-import threading
 
 import pytest
 
 import instrument
-from instrument.backends.base import Backend, RunInfo
+from instrument.backends.base import RunInfo
 from instrument.backends.jsonl import JsonlBackend
 from instrument.errors import ConfigurationError
 from instrument.logger.logger import Logger
+from tests.test_pipeline import Blocking  # blocks in write until released
 
 WAIT = 60.0  # a bound for waiting, never a timing assertion
-
-
-class Hung(Backend):
-    """Blocks in its first ``write`` until released."""
-
-    name = "hung"
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.steps = []
-
-    def write(self, record):
-        self.entered.set()
-        self.release.wait(WAIT)
-        self.steps.append(record.step)
 
 
 def gave_up(caplog):
@@ -41,7 +25,7 @@ def gave_up(caplog):
 
 
 def test_a_close_that_times_out_says_which_backend_held_it_and_how_many_steps_are_unwritten(tmp_path, caplog):
-    hung = Hung()
+    hung = Blocking()
     logger = Logger([hung, JsonlBackend()], RunInfo("r", tmp_path))
     for step in range(3):
         logger.log_metrics({"x": float(step)}, step=step)
@@ -56,7 +40,7 @@ def test_a_close_that_times_out_says_which_backend_held_it_and_how_many_steps_ar
     messages = gave_up(caplog)
     assert len(messages) == 1, messages
     # step 0 is in the hung write; steps 1 and 2 wait behind it
-    assert "backend 'hung' was still in write()" in messages[0] and "2 committed step(s)" in messages[0]
+    assert "backend 'Blocking' was still in write()" in messages[0] and "2 committed step(s)" in messages[0]
     assert "timeout" in messages[0]
 
 
@@ -70,7 +54,7 @@ def test_a_close_that_finishes_in_time_says_nothing(tmp_path, caplog):
 
 
 def test_instrumentation_close_takes_a_timeout(tmp_path, caplog):
-    hung = Hung()
+    hung = Blocking()
     inst = instrument.Instrumentation(observers=[], backends=[hung, JsonlBackend()], log_dir=str(tmp_path),
                                       log_interval=1)
     try:
@@ -83,7 +67,7 @@ def test_instrumentation_close_takes_a_timeout(tmp_path, caplog):
     finally:
         hung.release.set()
     messages = gave_up(caplog)
-    assert len(messages) == 1 and "backend 'hung' was still in write()" in messages[0], messages
+    assert len(messages) == 1 and "backend 'Blocking' was still in write()" in messages[0], messages
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan"), "10", True, [1.0]])

@@ -269,4 +269,4 @@ def test_the_default_name_changes_nothing_else_about_an_observers_attributes():
             pass
 
     with pytest.raises(AttributeError, match="_windw_size"):  # the typo is named, not the property
-        Windowed().window
+        _ = Windowed().window

@@ -85,7 +85,8 @@ def test_a_run_another_live_process_writes_is_refused_and_a_crashed_one_resumes(
 
 def test_a_session_in_this_process_holds_the_run_until_it_closes(tmp_path):
     first = _run(tmp_path, backends=[JsonlBackend()])
-    with pytest.raises(ConfigurationError, match=r"this process .* was not closed, or its close\(timeout=...\) gave up.* Close it"):
+    with pytest.raises(ConfigurationError,
+                       match=r"this process .* was not closed, or its close\(timeout=...\) gave up.* Close it"):
         _run(tmp_path, resume=True, backends=[JsonlBackend()])
     first.close()
     for _ in range(3):  # sequential sessions in one folder: each close lets the next resume

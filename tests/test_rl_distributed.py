@@ -220,3 +220,34 @@ def test_a_due_evaluation_and_a_failed_step_on_one_rank_keep_the_ranks_commits_p
     rows = {r["step"]: r["metrics"] for r in map(json.loads, open(tmp_path / "fail.jsonl")) if "metrics" in r}
     # the mean over the interval on each rank, then over ranks; rank 1's step-2 value is discarded
     assert {step: rows[step]["x"] for step in (0, 2, 4)} == {0: 5.0, 2: (1.5 + 11.0) / 2, 4: (3.5 + 13.5) / 2}
+
+
+def _close_worker(rank, store_path, out_dir):
+    import torch.distributed as dist
+
+    import instrument
+    from instrument.rl import CollectionMetrics, RLLogging
+
+    _join(dist, rank, store_path)
+    try:
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(Path(out_dir) / "m.jsonl"))],
+                                          log_interval=1, log_dir=out_dir, run_name="r", overhead_budget=None)
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+        for step in range(3):
+            with inst.step(step), rl.iteration():
+                rl.observe_batch(reward=torch.ones(2, 2), done=torch.zeros(2, 2, dtype=torch.bool))
+        inst.logger.log_image("final", np.zeros((4, 4, 3), np.uint8), step=2)  # staged on rank 0 alone
+        rl.close()  # committed where something was pending: on rank 0 alone, and the collectives unpaired
+        inst.close()
+        dist.barrier()  # the program's own collective after the run
+    finally:
+        dist.destroy_process_group()
+
+
+def test_closing_rl_logging_makes_the_same_commit_on_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_close_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [row["step"] for row in rows if row.get("metrics")] == [0, 1, 2]
+    assert [row["step"] for row in rows if "images" in row] == [2]  # the final image, written at close

@@ -380,3 +380,26 @@ def test_a_loop_committing_through_rl_logging_logs_its_hyperparameters_once(tmp_
     params = [line["hyperparameters"] for line in lines if "hyperparameters" in line]
     assert len(params) == 1 and params[0]["lr"] == 0.1 and params[0]["envs"] == 8
     assert [line["step"] for line in lines if "metrics" in line] == [0, 2, 4]
+
+
+def test_a_resumed_loop_whose_last_steps_reach_close_logs_its_hyperparameters(tmp_path):
+    """A resumed CleanRL-style loop (no step blocks) whose iterations after the checkpoint are written only at
+    close: its changed hyperparameters were never logged (close committed past the session)."""
+    def session(resume, lr):
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=10, resume=resume,
+                                          log_dir=str(tmp_path), run_name="r", hyperparams={"lr": lr})
+        return inst, RLLogging(progress=None).attach(inst)
+
+    inst, rl = session(False, 3e-4)
+    loop(rl, 11)
+    state = rl.state_dict()
+    rl.close()
+    inst.close()
+    inst, rl = session(True, 1e-4)
+    rl.load_state_dict(state)
+    loop(rl, 5)  # iterations 11..15: no logging iteration, written at close
+    rl.close()
+    inst.close()
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["hyperparameters"]["lr"] for line in lines if "hyperparameters" in line] == [3e-4, 1e-4]
+    assert [line["step"] for line in lines if "metrics" in line] == [0, 10, 15]

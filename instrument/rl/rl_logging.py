@@ -454,12 +454,18 @@ class RLLogging:
         inst = self.instrumentation
         active = inst.active_step if inst is not None else None
         at = active if active is not None else self._tail_step()
-        if at is not None:  # inside a logging step (its block commits), or iterations since the last logged one
+        if active is None and at is not None and inst is not None:
+            inst.commit_step(at)  # the components log there, and the session's config goes first if it has not
+        elif at is not None:  # inside a logging step (its block commits), or a bare logger's last iterations
             for handle in self._handles:
                 if handle.logs:
                     handle.call("log", self._logger, at)
-        if active is None and (at is not None or self._logger.has_pending):
-            self._logger.commit(at)
+            if active is None:
+                self._logger.commit(at)
+        elif active is None and self._logger.has_pending and not distributed(self._logger):
+            # what is staged, at no new step; under a process group `has_pending` differs by rank (media are
+            # rank 0's), so the logger's own close commits it there, on every rank alike
+            self._logger.commit()
         for handle in self._handles:
             if handle.component is not self.timing:
                 handle.call("close")

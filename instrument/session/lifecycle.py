@@ -123,8 +123,7 @@ class StepLifecycle:
     def _discard(self, scope: StepScope) -> None:
         """The body of step ``scope.step`` raised: what it staged is dropped (said once per session), and a
         checkpoint taken inside it no longer has a signal's close write the step."""
-        if self.logger._checkpointed == scope.step:
-            self.logger.keep_on_shutdown(None)
+        self.logger.keep_on_shutdown(None)  # only this step can be kept and not committed: it is the open one
         dropped = self.logger.discard_staged(scope._mark) if scope._mark is not None else []
         if dropped:
             report = log.debug if self._discard_reported else log.warning

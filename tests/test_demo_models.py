@@ -376,3 +376,32 @@ def test_a_demo_argument_out_of_range_bound_in_gin_is_named_where_it_was_bound(t
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "train_cartpole max_steps must be an int >= 1" in out.stderr
     assert "bound at --bind 'train_cartpole.max_steps = 0'" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "device, said",
+    [
+        ("gpu", "train_nca device must name a torch device, got 'gpu'; bind e.g. train_nca.device = 'cpu'"),
+        ("meta", "train_nca device must be one of cpu, cuda, mps (or 'auto'), got 'meta'"),
+        (0.5, "train_nca device must be a device name or a torch.device, got 0.5 (float)"),
+    ],
+)
+def test_a_device_the_demo_cannot_train_on_is_refused_before_anything_runs(device, said):
+    with pytest.raises(instrument.ConfigurationError, match=re.escape(said)):
+        train_nca(steps=1, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+def test_cuda_on_a_machine_without_it_names_the_torch_build_and_the_fix():
+    for demo, owner in ((train_nca, "train_nca"), (train_cartpole, "train_cartpole")):
+        with pytest.raises(instrument.ConfigurationError, match=rf"{owner} device is 'cuda:1', but this torch sees "
+                           rf"no CUDA device \(torch .*\); bind {owner}\.device = 'cpu'"):
+            demo(steps=1, device="cuda:1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="auto is the CPU here")
+def test_auto_trains_on_the_cpu_of_a_machine_without_a_gpu_with_the_same_numbers():
+    kwargs = dict(steps=2, batch_size=1, size=12, n_iter_min=3, n_iter_max=3, seed=2)
+    assert train_nca(device="auto", **kwargs)["losses"] == train_nca(**kwargs)["losses"]
+    assert (train_cartpole(steps=2, num_envs=8, max_steps=10, device=torch.device("cpu"))["mean_lengths"]
+            == train_cartpole(steps=2, num_envs=8, max_steps=10)["mean_lengths"])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from instrument.checks import check_int, check_number
+from instrument.demos.device import demo_device
 
 __all__ = ["CartPole", "Policy", "Trajectory", "rollout_episode", "discounted_returns", "train_cartpole"]
 
@@ -199,6 +200,7 @@ def train_cartpole(
     seed: int = 0,
     hidden: int = 64,
     rl_logging: Any = None,
+    device: Any = "cpu",
 ) -> Dict[str, Any]:
     """Train `Policy` on `CartPole` with REINFORCE; returns first/final mean episode length and timings.
 
@@ -210,6 +212,10 @@ def train_cartpole(
     one collected batch ([time, envs], the alive mask as the collector mask, each env's episode ending at its
     last alive step), the REINFORCE loss its training metrics, the rollout and the update its timed stages,
     and its `Evaluation`, when bound, runs the policy in gymnasium's own CartPole-v1.
+
+    ``device``: where the environments, the policy and the generators live (`instrument.demos.device`:
+    ``'cpu'``, ``'cuda'``, ``'auto'``...). The policy is initialised on the CPU and moved; resets and actions are
+    drawn by generators on the device, so a GPU run is seeded too, with its own numbers.
     """
     for name, value, least, why, fix in (
         ("steps", steps, 1, "", 100), ("num_envs", num_envs, 1, "environments run in parallel", 256),
@@ -218,10 +224,11 @@ def train_cartpole(
         check_int(f"train_cartpole {name}", value, least=least, why=why, fix=f"bind e.g. train_cartpole.{name} = {fix}")
     check_number("train_cartpole lr", lr, above=0, fix="bind e.g. train_cartpole.lr = 1e-2")
     check_number("train_cartpole gamma", gamma, least=0, most=1, fix="bind e.g. train_cartpole.gamma = 0.99")
+    dev = demo_device("train_cartpole", device)
     torch.manual_seed(seed)
-    env = CartPole(num_envs=num_envs, generator=torch.Generator().manual_seed(seed))
-    actions_rng = torch.Generator().manual_seed(seed + 1)
-    policy = Policy(hidden=hidden)
+    env = CartPole(num_envs=num_envs, device=dev, generator=torch.Generator(dev).manual_seed(seed))
+    actions_rng = torch.Generator(dev).manual_seed(seed + 1)
+    policy = Policy(hidden=hidden).to(dev)
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     inst = instrumentation
     rl = rl_logging

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from instrument.checks import check_int, check_number
+from instrument.demos.device import demo_device
 
 __all__ = ["make_target", "make_seed", "UpdateRule", "NCA", "run_iterations", "rollout", "train_nca"]
 
@@ -204,6 +205,7 @@ def train_nca(
     hidden: int = 128,
     fire_rate: float = 0.5,
     normalize_grads: bool = True,
+    device: Any = "cpu",
 ) -> Dict[str, Any]:
     """Train an NCA to grow `make_target` from `make_seed`; returns ``final_loss``, ``first_loss``, timings.
 
@@ -213,7 +215,9 @@ def train_nca(
     With ``instrumentation`` the rule is watched (hooks observe every iteration) and each training step runs
     inside ``inst.step(step)``; the caller owns and closes the instrumentation. ``log_every_loss=False`` logs
     the loss only on the last step. ``seed`` fixes the init, the fire masks (global RNG) and the rollout
-    lengths (a private generator), so two runs with the same arguments are identical.
+    lengths (a private generator), so two runs with the same arguments are identical. ``device``: where the
+    model and its states live (`instrument.demos.device`: ``'cpu'``, ``'cuda'``, ``'auto'``...); the model is
+    initialised on the CPU and moved, so a GPU run starts from the CPU run's weights.
     """
     for name, value, least, why, fix in (
         ("steps", steps, 1, "", 300), ("batch_size", batch_size, 1, "", 4), ("size", size, 4, "", 24),
@@ -226,11 +230,12 @@ def train_nca(
     check_number("train_nca fire_rate", fire_rate, least=0, most=1, why="the chance that a cell updates",
                  fix="bind e.g. train_nca.fire_rate = 0.5")
     check_number("train_nca lr", lr, above=0, fix="bind e.g. train_nca.lr = 2e-3")
+    dev = demo_device("train_nca", device)
     torch.manual_seed(seed)
     lengths_rng = torch.Generator().manual_seed(seed)
-    model = NCA(channels=channels, hidden=hidden, fire_rate=fire_rate, checkpoint_every=checkpoint_every)
-    target = make_target(size).unsqueeze(0).expand(batch_size, -1, -1, -1)
-    seed_batch = make_seed(batch_size, channels, size)
+    model = NCA(channels=channels, hidden=hidden, fire_rate=fire_rate, checkpoint_every=checkpoint_every).to(dev)
+    target = make_target(size).unsqueeze(0).expand(batch_size, -1, -1, -1).to(dev)
+    seed_batch = make_seed(batch_size, channels, size).to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     inst = instrumentation
     if inst is not None:

@@ -376,3 +376,49 @@ def test_a_source_dropped_on_one_rank_marks_the_step_and_every_rank_decides_alik
         assert first["nonfinite/count/state"] == 1.0 and first["nonfinite/count"] == 1.0 + first["nonfinite/count/dx"]
         assert first["nonfinite/first_iteration"] == 2.0
         assert second["nonfinite/count"] == 0.0  # rank 0's probe is checked as it comes from then on
+
+
+@pytest.mark.parametrize("given", ["never", "always", "odd iterations"])
+@pytest.mark.parametrize("chained", [True, False])
+def test_dx_counts_match_float32_whether_dx_is_given_or_taken_batched_from_the_pairs(given, chained, tmp_path):
+    """Without a ``dx`` (nobody computed it) the pairs are kept and differenced in one batched call at log time;
+    given, dx is kept as it is; both kinds in one step switch the buffer. Every way counts what the rollout's own
+    float32 ``next - previous`` holds: also an overflow of finite states (3e38 - -3e38 is inf in float32)."""
+    states = rollout(bad_iteration=5, bad_channel=1)
+    states[2] = states[2].clone()
+    states[2][0, 3, 2, 2] = 3e38
+    states[3] = states[3].clone()
+    states[3][0, 3, 2, 2] = -3e38  # both finite; their difference is not
+    dx32 = [(b - a).numpy() for a, b in zip(states[:-1], states[1:], strict=True)]
+    want_dx = sum(int((~np.isfinite(d)).sum()) for d in dx32)
+    want_state = sum(int((~np.isfinite(s.numpy())).sum()) for s in states[1:])
+    first_dx = next(i for i, d in enumerate(dx32) if not np.isfinite(d).all())
+    assert first_dx == 2 and want_dx > 0
+    history = instrument.RunHistoryBackend()
+    inst = Instrumentation([NonFinite(gradients=False)], backends=[history], log_interval=1)
+    with inst.step(0) as s:
+        for i in range(N_ITER):
+            previous = states[i] if chained else states[i].clone()  # a copy: not the tensor the last call returned
+            dx = states[i + 1] - states[i] if given == "always" or (given == "odd iterations" and i % 2) else None
+            s.observer(StepContext(previous, states[i + 1], dx=dx, step_index=i))
+    inst.close()
+    got = {key: values[0][1] for key, values in history.metrics.items()}
+    assert got["nonfinite/count/dx"] == want_dx and got["nonfinite/count/state"] == want_state
+    assert got["nonfinite/first_iteration/dx"] == first_dx
+    assert got["nonfinite/first_channel/dx"] == 3 and got["nonfinite/incomplete"] == 0.0
+    assert got["nonfinite/count"] == want_dx + want_state
+
+
+def test_a_state_with_no_elements_is_finite_and_costs_no_failure():
+    """A state of zero channels failed the whole log (argmax over nothing): every other count of the step was lost."""
+    history = instrument.RunHistoryBackend()
+    inst = Instrumentation([NonFinite(gradients=False)], backends=[history], log_interval=1)
+    empty, full = torch.zeros(2, 0, 3, 3), torch.tensor([[1.0, float("nan")]])
+    with inst.step(0) as s:
+        for i in range(3):
+            s.observer(StepContext(empty, empty + 1, step_index=i, probes={"head": full}))
+    inst.close()
+    got = {key: values[0][1] for key, values in history.metrics.items()}
+    assert inst.failures == {}
+    assert got["nonfinite/count/state"] == 0 and got["nonfinite/first_channel/state"] == -1
+    assert got["nonfinite/count/probe.head"] == 3 and got["nonfinite/first_iteration"] == 0

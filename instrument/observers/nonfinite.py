@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from instrument.checks import check_int
-from instrument.core.context import StepContext
-from instrument.core.observer import Observer
+from instrument.core.context import StepContext, difference
+from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
-from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
+from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError, stack_chain
 from instrument.observers.gradient_stats import Patterns, select_parameters
 from instrument.observers.options import check_limit
 
@@ -155,6 +155,7 @@ class NonFinite(Observer):
         self.reported = False  # the once-per-run message was given
         self._said_dropped: Set[str] = set()  # sources whose in-place change was warned about
         self._dropped: Set[str] = set()  # sources caught changed in place in this step
+        self._dx_pairs = False  # the dx buffer holds (previous_state, next_state) pairs, not dx tensors
 
     # ------------------------------------------------------------------ per logging step
     def reset(self) -> None:
@@ -165,36 +166,56 @@ class NonFinite(Observer):
             buffer.clear()
         self._dropped = set()
         self._params = []
+        self._dx_pairs = False
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
         if self.gradients:
             covered = [self.module] if self.module is not None else list(modules)
             self._params = select_parameters(covered, self.include, self.exclude)
 
-    def _append(self, source: str, value: Tensor) -> None:
+    def _append(self, source: str, *values: Tensor) -> None:
         buffer = self._buffers.get(source)
         if buffer is None:
-            buffer = self._buffers[source] = IterationBuffer(self._reduce, max_elements=self.max_elements)
+            buffer = self._buffers[source] = (
+                IterationBuffer(self._reduce_dx, max_elements=self.max_elements, stack=_stack_dx) if source == "dx"
+                else IterationBuffer(self._reduce, max_elements=self.max_elements)
+            )
         try:
-            buffer.append(value)
+            if source == "dx" and (len(values) == 2) != self._dx_pairs:
+                buffer.drain()  # the buffer holds one kind of entry at a time: pairs, or dx tensors
+                self._dx_pairs = len(values) == 2
+            buffer.append(*values)
         except ModifiedInPlaceError:  # caught while draining early: as at log time, this step's values of it go
             self._dropped.add(source)
 
     def _reduce(self, states: Tensor, scratch: bool = False) -> Tensor:
         return nonfinite_counts(states, self.channel_dim, scratch)
 
+    def _reduce_dx(self, *columns: Tensor, scratch: bool = False) -> Tensor:
+        """Counts of ``dx``: stacked dx tensors, or stacked (previous, next) pairs whose difference is taken here,
+        in one batched subtraction for every iteration (the same elementwise ``next - previous``)."""
+        if len(columns) == 1:
+            return nonfinite_counts(columns[0], self.channel_dim, scratch)
+        previous, following = columns
+        return nonfinite_counts(difference(following, previous), self.channel_dim, scratch=True)
+
     def observe(self, context: StepContext) -> None:
         self._append("state", context.next_state)
         if self.check_dx:
-            self._append("dx", context.dx)
+            dx = context.dx_if_known
+            if dx is None:
+                # Not computed by anyone yet: keep the pair and take every iteration's difference at log time, as
+                # `UpdateNorm` does, instead of one small subtraction (a kernel launch on a GPU) per iteration.
+                self._append("dx", context.previous_state, context.next_state)
+            else:
+                self._append("dx", dx)
         if self.check_probes:
             for probe, value in context.probes.items():
                 self._append(f"probe.{probe}", value)
 
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
-        firsts: List[Tensor] = []
-        counts: List[Tensor] = []
+        tables: Dict[str, Tensor] = {}
         dropped: List[str] = []
         for source, buffer in self._buffers.items():
             if source in self._dropped:
@@ -205,42 +226,49 @@ class NonFinite(Observer):
             except ModifiedInPlaceError:  # the buffer now reduces as it comes; this step's values of it go
                 dropped.append(source)
                 continue
-            if table is None:
-                continue
-            per_iteration = table.sum(dim=1)
-            bad = per_iteration > 0
-            found = bad.any()
-            first = torch.where(found, bad.to(torch.int8).argmax(), -1)
-            row = table.index_select(0, first.clamp_min(0).reshape(1))[0] > 0
-            first_channel = torch.where(row.any(), row.to(torch.int8).argmax(), -1)
-            count = per_iteration.sum()
-            metrics[f"count/{source}"] = count
-            metrics[f"first_iteration/{source}"] = first
-            metrics[f"first_channel/{source}"] = first_channel
-            metrics[f"channels/{source}"] = row.sum()
-            firsts.append(first)
-            counts.append(count)
-        if firsts:
-            stacked = torch.stack(firsts)
-            none = torch.iinfo(stacked.dtype).max
-            earliest = torch.where(stacked >= 0, stacked, none).amin()
+            if table is not None:
+                tables[source] = table
+        if tables:
+            # Sources of one table shape (the state and dx always) are summarised together: one set of kernels
+            # for all of them instead of one per source (launches are most of this on a GPU).
+            groups: Dict[Any, List[str]] = {}
+            for source, table in tables.items():
+                groups.setdefault((table.shape, table.device), []).append(source)
+            found: Dict[str, Tuple[Tensor, ...]] = {}
+            firsts, counts = [], []
+            for names in groups.values():
+                summary = _first_nonfinite(torch.stack([tables[name] for name in names]))
+                firsts.append(summary[1])
+                counts.append(summary[0])
+                for i, name in enumerate(names):
+                    found[name] = tuple(column[i] for column in summary)
+            for source in tables:
+                count, first, first_channel, channels = found[source]
+                metrics[f"count/{source}"] = count
+                metrics[f"first_iteration/{source}"] = first
+                metrics[f"first_channel/{source}"] = first_channel
+                metrics[f"channels/{source}"] = channels
+            every = firsts[0] if len(firsts) == 1 else torch.cat(firsts)
+            none = torch.iinfo(every.dtype).max
+            earliest = torch.where(every >= 0, every, none).amin()
             metrics["first_iteration"] = torch.where(earliest == none, -1, earliest)
-            metrics["count"] = torch.stack(counts).sum()
+            metrics["count"] = (counts[0] if len(counts) == 1 else torch.cat(counts)).sum()
         # A sparse gradient (nn.Embedding(sparse=True)) is checked through its stored values: isfinite has no
         # sparse kernel, so it failed the whole log, losing every other count of the step.
         grads = [(name, p.grad.detach() if p.grad.layout == torch.strided else p.grad.detach()._values())
                  for name, p in self._params if p.grad is not None]
         if grads:
-            per_param = torch.stack([
-                g.numel() - torch.isfinite(g).sum().to(grads[0][1].device) for _, g in grads
-            ])
+            per_param = _grad_counts([g for _, g in grads])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
-        if firsts or dropped:  # max over ranks: marked wherever a rank dropped one; every rank logs the key
-            metrics["incomplete"] = 1.0 if dropped else 0.0
         if metrics:
+            # Every value is an int64 tensor, and on one process the reduce ops change nothing: the logger then
+            # stages the call as one block (one stack and conversion) instead of key by key (a few kernels each).
             reduce = {key: ("sum" if key.startswith(("count", "grad_count")) else "max") for key in metrics}
-            logger.log_metrics(metrics, step=step, prefix=self.name, reduce=reduce)
+            logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, reduce))
+        if tables or dropped:  # max over ranks: marked wherever a rank dropped one; every rank logs the key
+            logger.log_metrics({"incomplete": 1.0 if dropped else 0.0}, step=step, prefix=self.name,
+                               reduce=over_ranks(logger, {"incomplete": "max"}))
         for buffer in self._buffers.values():
             buffer.clear()
         self._dropped = set()
@@ -330,3 +358,41 @@ class NonFinite(Observer):
             parts.append(f"{int(grad_count)} non-finite gradient elements in {', '.join(bad)}")
         note = " (incomplete: a source changed in place after it was observed is not counted)" if incomplete else ""
         return f"non-finite values at step {step}{note}: " + "; ".join(parts)
+
+
+
+def _stack_dx(columns: List[List[Tensor]]) -> List[Tensor]:
+    """Stack the dx buffer's columns: (previous, next) pairs as one chain where they are one."""
+    chain = stack_chain(*columns) if len(columns) == 2 else None
+    return chain if chain is not None else [torch.stack(column) for column in columns]
+
+
+def _grad_counts(grads: List[Tensor]) -> Tensor:
+    """Non-finite elements of each gradient, an int64 [P] tensor on the first one's device. Floats as in
+    `nonfinite_counts` (``g - g`` is NaN exactly where ``g`` is not finite): three kernels per gradient, summed in
+    float64 (exact to 2**53 elements), against five for ``isfinite(g).sum()`` (a composite of four)."""
+    device = grads[0].device
+    counts = []
+    for g in grads:
+        if g.is_floating_point():
+            indicator = g - g
+            torch.nan_to_num_(indicator, nan=1.0)
+            counts.append(indicator.sum(dtype=torch.float64))
+        else:  # complex (integer gradients do not exist)
+            counts.append((g.numel() - torch.isfinite(g).sum()).to(torch.float64))
+    return torch.stack([c.to(device) for c in counts]).long()
+
+
+def _first_nonfinite(tables: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[S, T, C] counts of S sources -> per source ([S] each): the count over the rollout, the first iteration
+    with one (-1 if none), the lowest non-finite channel at that iteration (-1) and how many channels were."""
+    per_iteration = tables.sum(dim=2)  # [S, T]
+    bad = per_iteration > 0
+    first = torch.where(bad.any(dim=1), bad.to(torch.int8).argmax(dim=1), -1)
+    at = first.clamp_min(0).view(-1, 1, 1).expand(-1, 1, tables.shape[2])
+    row = tables.gather(1, at).squeeze(1) > 0  # [S, C]: the non-finite channels at that iteration
+    if row.shape[1]:
+        first_channel = torch.where(row.any(dim=1), row.to(torch.int8).argmax(dim=1), -1)
+    else:  # a state with no elements (zero channels): nothing can be non-finite, and argmax has nothing to take
+        first_channel = torch.full_like(first, -1)
+    return per_iteration.sum(dim=1), first, first_channel, row.sum(dim=1)

@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import instrument
 from instrument.rl import RLLogging
 from tests.conftest import NoHostSync, event_accumulator, read_scalars
+from tests.test_cuda import no_host_sync
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -37,18 +37,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 @contextlib.contextmanager
 def no_host_read(device: str):
     """Any host read of a tensor inside raises: a synchronising CUDA call on a GPU, a read on the CPU."""
-    if device == "cpu":
-        with NoHostSync():
-            yield
-        return
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():  # "a prototype feature and does not yet detect all synchronizing operations"
-        warnings.filterwarnings("ignore", "Synchronization debug mode is a prototype", UserWarning)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with NoHostSync() if device == "cpu" else no_host_sync():
         yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def jsonl_metrics(path):

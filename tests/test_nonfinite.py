@@ -381,9 +381,9 @@ def test_a_source_dropped_on_one_rank_marks_the_step_and_every_rank_decides_alik
 @pytest.mark.parametrize("given", ["never", "always", "odd iterations"])
 @pytest.mark.parametrize("chained", [True, False])
 def test_dx_counts_match_float32_whether_dx_is_given_or_taken_batched_from_the_pairs(given, chained, tmp_path):
-    """Without a ``dx`` (nobody computed it) the pairs are kept and differenced in one batched call at log time;
-    given, dx is kept as it is; both kinds in one step switch the buffer. Every way counts what the rollout's own
-    float32 ``next - previous`` holds: also an overflow of finite states (3e38 - -3e38 is inf in float32)."""
+    """dx taken by the observer, given by the caller, or both in one step, from chained states or copies: every
+    way counts what the rollout's own float32 ``next - previous`` holds, also an overflow of finite states
+    (3e38 - -3e38 is inf in float32)."""
     states = rollout(bad_iteration=5, bad_channel=1)
     states[2] = states[2].clone()
     states[2][0, 3, 2, 2] = 3e38
@@ -422,3 +422,75 @@ def test_a_state_with_no_elements_is_finite_and_costs_no_failure():
     assert inst.failures == {}
     assert got["nonfinite/count/state"] == 0 and got["nonfinite/first_channel/state"] == -1
     assert got["nonfinite/count/probe.head"] == 3 and got["nonfinite/first_iteration"] == 0
+
+
+def _logged(scenario) -> dict:
+    history = instrument.RunHistoryBackend()
+    inst = Instrumentation([NonFinite(gradients=False)], backends=[history], log_interval=1)
+    with inst.step(0) as s:
+        scenario(s.observer)
+    inst.close()
+    assert inst.failures == {}
+    return {key: values[0][1] for key, values in history.metrics.items()}
+
+
+@pytest.mark.parametrize("reused", ["next", "previous"])
+def test_a_reused_state_buffer_costs_only_the_state_and_dx_is_still_counted(reused):
+    """dx is taken as each iteration is observed: a rollout that writes its observations into one buffer loses
+    the state's counts of the step (caught, said once) but not dx's (a review found dx dropped with the state
+    when it was taken from kept (previous, next) pairs at log time)."""
+    def scenario(observe):
+        obs = torch.zeros(8, 3)
+        for i in range(4):
+            if reused == "next":
+                previous = obs.clone()
+                obs.copy_(torch.full((8, 3), float(i)))
+                if i == 2:
+                    obs[0, 1] = float("nan")
+                observe(StepContext(previous, obs, step_index=i))
+            else:
+                nxt = torch.full((8, 3), float(i))
+                if i == 2:
+                    nxt[0, 1] = float("nan")
+                observe(StepContext(obs, nxt, step_index=i))
+                obs.copy_(nxt)
+
+    got = _logged(scenario)
+    assert got["nonfinite/count/dx"] == 2  # the NaN enters dx at iteration 2, and leaves it at 3
+    assert got["nonfinite/first_iteration/dx"] == 2 and got["nonfinite/first_channel/dx"] == 1
+    assert got["nonfinite/incomplete"] == (1.0 if reused == "next" else 0.0)
+    assert ("nonfinite/count/state" in got) == (reused == "previous")
+
+
+def test_dx_of_a_first_state_of_another_dtype_or_shape_is_each_iterations_own_difference():
+    """A float64 seed before float32 states (the overflow of two finite float32 states is inf in float32, not in
+    float64), a [1, 4] seed broadcast against [3, 4] states, and integer states with an integer dx given in
+    some iterations: dx counts what each iteration's own ``next - previous`` holds."""
+    def mixed(observe):
+        x, states = torch.zeros(3, 4, dtype=torch.float64), [torch.zeros(3, 4) for _ in range(4)]
+        states[1][0, 0], states[2][0, 0] = 3e38, -3e38
+        for i, nxt in enumerate(states):
+            observe(StepContext(x, nxt, step_index=i))
+            x = nxt
+
+    def broadcast(observe):
+        x = torch.zeros(1, 4)
+        for i in range(3):
+            nxt = torch.ones(3, 4)
+            nxt[0, 0] = float("nan")
+            observe(StepContext(x, nxt, step_index=i))
+            x = nxt
+
+    ints = [torch.full((2, 3), i, dtype=torch.int64) for i in range(5)]
+
+    def integers(observe):
+        for i in range(4):
+            dx = ints[i + 1] - ints[i] if i % 2 else None
+            observe(StepContext(ints[i], ints[i + 1], dx=dx, step_index=i))
+
+    got = _logged(mixed)
+    assert got["nonfinite/count/dx"] == 1 and got["nonfinite/first_iteration/dx"] == 2
+    got = _logged(broadcast)
+    assert got["nonfinite/count/dx"] == 3 * 1 and got["nonfinite/count/state"] == 3
+    got = _logged(integers)
+    assert got["nonfinite/count/dx"] == 0 and got["nonfinite/first_iteration"] == -1

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from instrument.checks import check_int
-from instrument.core.context import StepContext, difference
+from instrument.core.context import StepContext
 from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
-from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError, stack_chain
+from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.gradient_stats import Patterns, select_parameters
 from instrument.observers.options import check_limit
 
@@ -155,7 +155,6 @@ class NonFinite(Observer):
         self.reported = False  # the once-per-run message was given
         self._said_dropped: Set[str] = set()  # sources whose in-place change was warned about
         self._dropped: Set[str] = set()  # sources caught changed in place in this step
-        self._dx_pairs = False  # the dx buffer holds (previous_state, next_state) pairs, not dx tensors
 
     # ------------------------------------------------------------------ per logging step
     def reset(self) -> None:
@@ -166,49 +165,31 @@ class NonFinite(Observer):
             buffer.clear()
         self._dropped = set()
         self._params = []
-        self._dx_pairs = False
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
         if self.gradients:
             covered = [self.module] if self.module is not None else list(modules)
             self._params = select_parameters(covered, self.include, self.exclude)
 
-    def _append(self, source: str, *values: Tensor) -> None:
+    def _append(self, source: str, value: Tensor) -> None:
         buffer = self._buffers.get(source)
         if buffer is None:
-            buffer = self._buffers[source] = (
-                IterationBuffer(self._reduce_dx, max_elements=self.max_elements, stack=_stack_dx) if source == "dx"
-                else IterationBuffer(self._reduce, max_elements=self.max_elements)
-            )
+            buffer = self._buffers[source] = IterationBuffer(self._reduce, max_elements=self.max_elements)
         try:
-            if source == "dx" and (len(values) == 2) != self._dx_pairs:
-                buffer.drain()  # the buffer holds one kind of entry at a time: pairs, or dx tensors
-                self._dx_pairs = len(values) == 2
-            buffer.append(*values)
+            buffer.append(value)
         except ModifiedInPlaceError:  # caught while draining early: as at log time, this step's values of it go
             self._dropped.add(source)
 
     def _reduce(self, states: Tensor, scratch: bool = False) -> Tensor:
         return nonfinite_counts(states, self.channel_dim, scratch)
 
-    def _reduce_dx(self, *columns: Tensor, scratch: bool = False) -> Tensor:
-        """Counts of ``dx``: stacked dx tensors, or stacked (previous, next) pairs whose difference is taken here,
-        in one batched subtraction for every iteration (the same elementwise ``next - previous``)."""
-        if len(columns) == 1:
-            return nonfinite_counts(columns[0], self.channel_dim, scratch)
-        previous, following = columns
-        return nonfinite_counts(difference(following, previous), self.channel_dim, scratch=True)
-
     def observe(self, context: StepContext) -> None:
         self._append("state", context.next_state)
         if self.check_dx:
-            dx = context.dx_if_known
-            if dx is None:
-                # Not computed by anyone yet: keep the pair and take every iteration's difference at log time, as
-                # `UpdateNorm` does, instead of one small subtraction (a kernel launch on a GPU) per iteration.
-                self._append("dx", context.previous_state, context.next_state)
-            else:
-                self._append("dx", dx)
+            # Taken now, per iteration (not from kept (previous, next) pairs at log time, as UpdateNorm does): a
+            # rollout that reuses its state buffers in place would then lose dx with the state, and a chain of
+            # mixed dtypes or a broadcast first state would be differenced in the stack's dtype and shape.
+            self._append("dx", context.dx)
         if self.check_probes:
             for probe, value in context.probes.items():
                 self._append(f"probe.{probe}", value)
@@ -359,12 +340,6 @@ class NonFinite(Observer):
         note = " (incomplete: a source changed in place after it was observed is not counted)" if incomplete else ""
         return f"non-finite values at step {step}{note}: " + "; ".join(parts)
 
-
-
-def _stack_dx(columns: List[List[Tensor]]) -> List[Tensor]:
-    """Stack the dx buffer's columns: (previous, next) pairs as one chain where they are one."""
-    chain = stack_chain(*columns) if len(columns) == 2 else None
-    return chain if chain is not None else [torch.stack(column) for column in columns]
 
 
 def _grad_counts(grads: List[Tensor]) -> Tensor:

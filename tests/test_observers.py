@@ -220,6 +220,29 @@ def test_update_norm_given_dx_then_deferred_dx_in_one_step_keeps_iteration_order
     np.testing.assert_allclose(record.histograms["update_norm/l2"], want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("seed", ["broadcast", "float64"])
+def test_update_norm_of_a_seed_of_another_shape_or_dtype_is_each_iterations_own_difference(seed):
+    """A [1, 4] seed before [3, 4] states failed the log (its pair stacked with theirs), and a float64 seed before
+    float32 states made every iteration's difference float64: the seed's pair is now differenced as it comes."""
+    if seed == "broadcast":
+        states, first = [torch.full((3, 4), float(i * i)) for i in range(1, 6)], torch.zeros(1, 4)
+    else:  # states of +-3e38: each float32 difference overflows to inf, the float64 one would not
+        states = [torch.full((3, 4), 3e38 * (-1) ** i) for i in range(5)]
+        first = torch.zeros(3, 4, dtype=torch.float64)
+    previous = [first, *states[:-1]]
+    deferred = _update_norm_observed(
+        [instrument.StepContext(a, b, step_index=i) for i, (a, b) in enumerate(zip(previous, states, strict=True))])
+    given = _update_norm_observed(
+        [instrument.StepContext(a, b, dx=b - a, step_index=i) for i, (a, b) in enumerate(zip(previous, states,
+                                                                                                strict=True))])
+    np.testing.assert_array_equal(deferred.histograms["update_norm/l2"], given.histograms["update_norm/l2"])
+    if seed == "broadcast":
+        want = [2.0 * (2 * i + 1) if i else 2.0 for i in range(5)]  # 4 elements of (i+1)^2 - i^2 per sample, 0 -> 1
+        np.testing.assert_allclose(deferred.histograms["update_norm/l2"], want, rtol=1e-6)
+    else:
+        assert np.isinf(deferred.histograms["update_norm/l2"][1:]).all()
+
+
 def test_in_place_change_after_observe_is_detected_not_logged(caplog):
 
     keep = Keep()

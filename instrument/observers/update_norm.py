@@ -87,7 +87,13 @@ class UpdateNorm(Observer):
             self._alpha_dim = self._resolve(tuple(state.shape))
             self._has_alpha = self._alpha_dim is not None
         dx = context.dx_if_known
-        pairs = dx is None
+        previous = context.previous_state
+        # Pairs only where a stack of them differences as each iteration would: a first state of another shape
+        # (a [1, ...] seed broadcast against the batch) or dtype (a float64 seed before float32 states) is
+        # differenced now instead (stacked, it failed, or was promoted and differenced in float64).
+        pairs = dx is None and previous.shape == state.shape and previous.dtype == state.dtype
+        if dx is None and not pairs:
+            dx = context.dx
         if pairs != self._pairs:  # the buffer holds one kind of entry at a time
             self._steps.drain()
             self._pairs = pairs
@@ -95,7 +101,7 @@ class UpdateNorm(Observer):
             # dx not computed yet: keep both states and take every iteration's difference in one batched
             # subtraction at log time (the same elementwise next - previous, so the same numbers) instead of
             # one small subtraction per iteration. The alpha channel is read from the stacked next states.
-            self._steps.append(context.previous_state, state)
+            self._steps.append(previous, state)
         elif self._has_alpha:
             # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
             self._steps.append(dx, state.select(self._alpha_dim, self.alive_channel))

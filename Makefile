@@ -30,7 +30,8 @@ test: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest
 
 # The tests marked `cuda` alone (skipped by `make test` without a GPU); on a GPU machine with a CUDA torch:
-# `make TORCH=torch test-cuda`.
+# `make TORCH=torch test-cuda`. With a CPU build of torch it stops with an error (tests/conftest.py) instead of
+# skipping them all: a venv made earlier with the pinned CPU wheel needs `.venv/bin/pip uninstall -y torch` first.
 test-cuda: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest -m cuda -rs
 

@@ -16,9 +16,19 @@ import instrument
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` are skipped without a CUDA device (``pytest -m cuda`` runs them on a GPU machine)."""
+    """Tests marked ``cuda`` are skipped without a CUDA device (``pytest -m cuda`` runs them on a GPU machine).
+
+    Asked for alone (``pytest -m cuda``, what ``make test-cuda`` runs) on a torch without CUDA, the run stops
+    with an error instead: every test would be skipped, and a run of skips reads like a pass."""
     if torch.cuda.is_available():
         return
+    if (config.getoption("markexpr", "") or "").strip() == "cuda":
+        pytest.exit(
+            f"the tests marked cuda were asked for, but this torch sees no CUDA device (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda or 'none'}). On a GPU machine install a CUDA build first: "
+            f"`.venv/bin/pip uninstall -y torch && make TORCH=torch test-cuda` (or remove .venv).",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
     skip = pytest.mark.skip(reason="needs a CUDA device: run `pytest -m cuda` on a machine with one")
     for item in items:
         if item.get_closest_marker("cuda") is not None:

@@ -349,3 +349,14 @@ def test_every_shipped_demo_config_runs_on_cuda_from_the_command_line(name, tmp_
     assert {0, 2} <= set(scalars["train/loss"])  # the logging steps (RL adds its last step at close)
     assert {0, 2} <= set(scalars["iteration_stats/iterations"])
     assert all(np.isfinite(v) for v in scalars["train/loss"].values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA answers")
+def test_asking_for_the_cuda_tests_without_cuda_is_an_error_not_a_run_of_skips(tmp_path):
+    """`make test-cuda` (``pytest -m cuda``) with a CPU build of torch skipped every test and exited 0."""
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                          str(repo / "tests" / "test_cuda.py")], cwd=repo, capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout[-2000:]
+    assert "this torch sees no CUDA device" in out.stdout and "make TORCH=torch test-cuda" in out.stdout

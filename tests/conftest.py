@@ -23,12 +23,14 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     if (config.getoption("markexpr", "") or "").strip() == "cuda":
-        pytest.exit(
-            f"the tests marked cuda were asked for, but this torch sees no CUDA device (torch {torch.__version__}, "
-            f"built with CUDA {torch.version.cuda or 'none'}). On a GPU machine install a CUDA build first: "
-            f"`.venv/bin/pip uninstall -y torch && make TORCH=torch test-cuda` (or remove .venv).",
-            returncode=pytest.ExitCode.USAGE_ERROR,
-        )
+        if torch.version.cuda is None:
+            why = (f"this torch is a CPU build (torch {torch.__version__}). On a GPU machine install a CUDA build "
+                   f"first: `.venv/bin/pip uninstall -y torch && make TORCH=torch test-cuda` (or remove .venv)")
+        else:
+            why = (f"this torch (torch {torch.__version__}, CUDA {torch.version.cuda}) sees no CUDA device: check "
+                   f"the driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES (now "
+                   f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r})")
+        pytest.exit(f"the tests marked cuda were asked for, but {why}.", returncode=pytest.ExitCode.USAGE_ERROR)
     skip = pytest.mark.skip(reason="needs a CUDA device: run `pytest -m cuda` on a machine with one")
     for item in items:
         if item.get_closest_marker("cuda") is not None:

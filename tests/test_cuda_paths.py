@@ -359,4 +359,6 @@ def test_asking_for_the_cuda_tests_without_cuda_is_an_error_not_a_run_of_skips(t
                           str(repo / "tests" / "test_cuda.py")], cwd=repo, capture_output=True, text=True,
                          timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == pytest.ExitCode.USAGE_ERROR, out.stdout[-2000:]
-    assert "this torch sees no CUDA device" in out.stdout and "make TORCH=torch test-cuda" in out.stdout
+    said = "the tests marked cuda were asked for, but this torch is a CPU build" if torch.version.cuda is None else \
+        "sees no CUDA device: check the driver"
+    assert said in out.stdout, out.stdout[-2000:]

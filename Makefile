@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
 BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
-.PHONY: install demo demo-rl test test-cuda lint bench bench-check bench-quick bench-probes bench-headline clean
+.PHONY: install demo demo-rl test test-cuda lint bench bench-check bench-quick bench-probes bench-headline bench-hostbound clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ bench-quick: install
 
 bench-headline: install
 	$(BENCH_ENV) $(PY) -W "ignore::DeprecationWarning" -m bench.headline
+
+# The GPU's regime on a CPU: tiny workloads, ops dispatched and host time per variant (docs/benchmarks.md).
+bench-hostbound: install
+	$(BENCH_ENV) $(PY) -W "ignore::DeprecationWarning" -m bench.hostbound
 
 # Embedded probes: off/on vs a probe-free model, eager/scripted/compiled (docs/probes.md).
 bench-probes: install

@@ -1,6 +1,7 @@
 """The bench harness's interleaving: rows with a ``group`` are timed after the main matrix, in a group of their
 own, against their baseline timed again beside them; every timed call's page faults are counted."""
 
+import json
 import sys
 
 import pytest
@@ -95,3 +96,22 @@ def test_only_a_full_run_replaces_the_latest_figures(tmp_path, quick, subset, st
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.md"]
     assert paths["md"] == tmp_path / f"{stem}.md"
     assert ("A SUBSET" in paths["md"].read_text()) == (subset and not quick)
+
+
+def test_the_host_bound_rows_count_no_op_on_a_non_logging_step_and_restore_the_workload_sizes(tmp_path,
+                                                                                                monkeypatch):
+    """`make bench-hostbound`, one repetition: a non-logging step dispatches exactly the bare step's ops, a
+    logging step more; the tiny sizes it sets do not leak into the rest of the process (`make bench`)."""
+    from bench import hostbound, workloads
+
+    monkeypatch.setattr(hostbound, "RESULTS", tmp_path)
+    monkeypatch.setitem(hostbound.GROUPS, "nca/eager", ("bare", "off", "log[]", "log[NonFinite]"))
+    before = dict(workloads.NCA_SIZE)
+    hostbound.main(["--reps", "1", "--warmup", "1", "--groups", "nca/eager"])
+    assert workloads.NCA_SIZE == before
+    rows = {row["key"]: row for row in json.loads((tmp_path / "hostbound.json").read_text())["rows"]}
+    assert rows["nca/eager/off"]["ops"] == 0 and rows["nca/eager/log[]"]["ops"] == 0
+    assert rows["nca/eager/log[NonFinite]"]["ops"] > 0
+    assert "| `nca/eager/log[NonFinite]` | +" in (tmp_path / "hostbound.md").read_text()
+    with pytest.raises(SystemExit):
+        hostbound.main(["--groups", "nca/compile"])  # not a host-bound group: said, nothing run

@@ -1,0 +1,151 @@
+"""`make bench-hostbound`: the regime of a GPU, measured on a CPU.
+
+On a GPU the bench's small workloads are bound by host time (docs/benchmarks.md: the GPU is busy for 3 of an
+NCA step's 15 ms), so what a logging step costs there is what it adds on the training thread: kernel launches
+and Python. Most machines these benchmarks run on have no GPU. This shrinks the workloads (the NCA to a
+1 x 16 x 4 x 4 state with 16 hidden units, CartPole to 4 environments; iterations and rollout length stay) so
+that on a CPU too the arithmetic is negligible and a step's time is dispatch and Python, and reports per
+variant of the eager and scripted modes:
+
+* ``+ops``: the aten ops a step dispatches beyond its bare step, counted with a ``TorchDispatchMode`` (views
+  and ``detach`` left out): on a GPU each is a kernel launch of several microseconds. A deterministic count,
+  comparable across machines and runs. One-element CPU values the logger reads at once (``.item()``,
+  ``_local_scalar_dense``) are left out too: on a GPU the logger stacks them instead (one op).
+* ``+ms``: the host time it adds, the median over interleaved repetitions of (variant - bare) in the same
+  repetition.
+
+It predicts the direction of a change on a GPU and which part of a logging step costs launches; it does not
+predict a GPU's ratios (its launches and Python run at other speeds). ``torch.compile`` rows are left out:
+a dispatch mode would make Dynamo trace the step again.
+
+Usage: ``python -m bench.hostbound [--reps N] [--groups nca/eager,rl/eager]``; writes
+bench/results/hostbound.{json,md}.
+"""
+
+import argparse
+import collections
+import json
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench import workloads
+from bench.harness import run_interleaved
+
+__all__ = ["GROUPS", "count_ops", "main"]
+
+_KINDS = ("log[]", "log[IterationStats]", "log[UpdateNorm]", "log[GradientStats]", "log[NonFinite]",
+          "log[ActivationStats]", "log[StateHistogram]", "log", "log-tb", "naive")
+GROUPS = {
+    "nca/eager": ("bare", "off", *_KINDS, "log[RolloutVideo]"),
+    "rl/eager": ("bare", "off", *_KINDS),
+    "nca/script": ("bare", "off", "log", "log-tb", "probe-off", "probe-log"),
+    "rl/script": ("bare", "off", "log", "log-tb"),
+}
+SIZES = {"nca": {"batch": 1, "size": 4, "hidden": 16}, "rl": {"envs": 4}}
+RESULTS = Path(__file__).parent / "results"
+_NOT_LAUNCHES = ("view", "alias", "detach", "_local_scalar_dense", "unbind", "select", "slice", "expand",
+                 "squeeze", "unsqueeze", "transpose", "permute", "t.default", "as_strided")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not any(part in name for part in _NOT_LAUNCHES):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(variant: workloads.Variant) -> collections.Counter:
+    """The ops one call of ``variant`` dispatches (after its warm-up calls), by name."""
+    counter = _Count()
+    with counter:
+        variant.fn()
+    if variant.settle is not None:
+        variant.settle()
+    return counter.ops
+
+
+def measure(groups: Sequence[str], reps: int, warmup: int) -> List[Dict[str, object]]:
+    rows: List[Dict[str, object]] = []
+    saved = {name: dict(sizes) for name, sizes in (("nca", workloads.NCA_SIZE), ("rl", workloads.RL_SIZE))}
+    workloads.NCA_SIZE.update(SIZES["nca"])
+    workloads.RL_SIZE.update(SIZES["rl"])
+    try:
+        for group in groups:
+            keys = [f"{group}/{kind}" for kind in GROUPS[group]]
+            with tempfile.TemporaryDirectory(prefix="instrument-hostbound-") as tmp:
+                variants = [v for v in workloads.build_variants(keys, tmp=tmp) if v.fn is not None]
+                measured = run_interleaved(variants, reps, warmup=warmup)
+                base_key = f"{group}/bare"
+                base_ops = count_ops(next(v for v in variants if v.key == base_key))
+                base_times = measured.samples[base_key]
+                for v in variants:
+                    if v.key == base_key or v.key not in measured.samples:
+                        continue
+                    ops = count_ops(v)
+                    added = ops - base_ops  # Counter subtraction keeps only what the variant adds
+                    extra = [a - b for a, b in zip(measured.samples[v.key], base_times, strict=True)]
+                    row = {"key": v.key, "ops": sum(ops.values()) - sum(base_ops.values()),
+                           "top": added.most_common(5), "ms": statistics.median(extra) * 1e3,
+                           "bare_ms": statistics.median(base_times) * 1e3, "describe": v.describe}
+                    rows.append(row)
+                    print(f"{v.key:34s} {row['ops']:+5d} ops  {row['ms']:+7.3f} ms", flush=True)
+    finally:
+        workloads.NCA_SIZE.update(saved["nca"])
+        workloads.RL_SIZE.update(saved["rl"])
+    return rows
+
+
+def markdown(rows: List[Dict[str, object]], reps: int) -> str:
+    lines = [
+        "# instrument host-bound rows (the GPU's regime on a CPU: tiny workloads, time = dispatch + Python)",
+        "",
+        f"{workloads.device()}; {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python "
+        f"{platform.python_version()}; {reps} repetitions per group. `+ops`: aten ops dispatched beyond the bare "
+        "step (views and `.item()` left out; a kernel launch each on a GPU). `+ms`: median of the paired "
+        "differences to the bare step in the same repetition.",
+        "",
+        "| variant | +ops | +ms | bare step | most added ops | what it is |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        top = ", ".join(f"{n} {name.replace('aten.', '')}" for name, n in row["top"])
+        lines.append(f"| `{row['key']}` | {row['ops']:+d} | {row['ms']:+.3f} | {row['bare_ms']:.2f} ms | {top} | "
+                     f"{row['describe']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=40, help="repetitions per group (default 40)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per variant first (default 3)")
+    parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)}")
+    args = parser.parse_args(argv)
+    groups = [g for g in args.groups.split(",") if g]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown or not groups:
+        parser.error(f"--groups takes some of {', '.join(GROUPS)}, got {args.groups!r}")
+    if args.reps < 1 or args.warmup < 1:
+        parser.error(f"--reps and --warmup must be >= 1, got {args.reps} and {args.warmup}")
+    if workloads.device().type != "cpu":
+        parser.error("the host-bound rows are the CPU's stand-in for a GPU: leave INSTRUMENT_BENCH_DEVICE unset")
+    torch.set_num_threads(1)
+    rows = measure(groups, args.reps, args.warmup)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "hostbound.json").write_text(json.dumps({"reps": args.reps, "sizes": SIZES, "rows": rows}, indent=2))
+    (RESULTS / "hostbound.md").write_text(markdown(rows, args.reps))
+    print(f"written: {RESULTS / 'hostbound.json'} and {RESULTS / 'hostbound.md'}")
+
+
+if __name__ == "__main__":
+    main()

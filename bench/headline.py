@@ -12,7 +12,6 @@ Usage: ``python -m bench.headline [--reps N]``; writes bench/results/headline.{j
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 from typing import Dict, List
@@ -20,7 +19,7 @@ from typing import Dict, List
 import torch
 
 from bench.harness import paired_ratios, run_interleaved, summary
-from bench.report import device_name
+from bench.report import setup_line
 from bench.workloads import build_variants
 
 __all__ = ["GROUPS", "main"]
@@ -58,9 +57,8 @@ def markdown(rows: List[Dict[str, object]], reps: int) -> str:
     lines = [
         "# instrument headline rows (one interleaved group per workload and mode)",
         "",
-        f"{device_name()}; {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python "
-        f"{platform.python_version()}; {reps} repetitions per group. Ratio: median of per-repetition ratios "
-        "to the group's `bare` step, 25th-75th percentile in brackets.",
+        f"{setup_line(reps)} Ratio: median of per-repetition ratios to the group's `bare` step, 25th-75th "
+        "percentile in brackets.",
         "",
         "| variant | ratio vs bare | what it is |",
         "|---|---|---|",

@@ -25,7 +25,6 @@ bench/results/hostbound.{json,md}.
 import argparse
 import collections
 import json
-import platform
 import statistics
 import tempfile
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import workloads
 from bench.harness import run_interleaved
+from bench.report import setup_line
 
 __all__ = ["GROUPS", "count_ops", "main"]
 
@@ -110,10 +110,9 @@ def markdown(rows: List[Dict[str, object]], reps: int) -> str:
     lines = [
         "# instrument host-bound rows (the GPU's regime on a CPU: tiny workloads, time = dispatch + Python)",
         "",
-        f"{workloads.device()}; {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python "
-        f"{platform.python_version()}; {reps} repetitions per group. `+ops`: aten ops dispatched beyond the bare "
-        "step (views and `.item()` left out; a kernel launch each on a GPU). `+ms`: median of the paired "
-        "differences to the bare step in the same repetition.",
+        f"{setup_line(reps)} `+ops`: aten ops dispatched beyond the bare step (views and `.item()` left out; "
+        "a kernel launch each on a GPU). `+ms`: median of the paired differences to the bare step in the same "
+        "repetition.",
         "",
         "| variant | +ops | +ms | bare step | most added ops | what it is |",
         "|---|---|---|---|---|---|",

@@ -396,6 +396,12 @@ def device_name() -> str:
     return str(dev)
 
 
+def setup_line(reps: int) -> str:
+    """Where and how a group-by-group run (`bench.headline`, `bench.hostbound`) was timed, for its report."""
+    return (f"{device_name()}; {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, Python "
+            f"{platform.python_version()}; {reps} repetitions per group.")
+
+
 def observer_costs(samples: Dict[str, List[float]]) -> Dict[str, Dict[str, float]]:
     """Each observer's own cost per logging step: (log[X] - log[]) / bare, paired per repetition."""
     from bench.harness import summary

@@ -344,18 +344,19 @@ class NonFinite(Observer):
 
 def _grad_counts(grads: List[Tensor]) -> Tensor:
     """Non-finite elements of each gradient, an int64 [P] tensor on the first one's device. Floats as in
-    `nonfinite_counts` (``g - g`` is NaN exactly where ``g`` is not finite): three kernels per gradient, summed in
-    float64 (exact to 2**53 elements), against five for ``isfinite(g).sum()`` (a composite of four)."""
+    `nonfinite_counts` (``g - g`` is NaN exactly where ``g`` is not finite): three kernels per gradient, the 0/1
+    indicator summed as int64 (exact, and a dtype every device has: MPS has no float64), against five for
+    ``isfinite(g).sum()`` (a composite of four)."""
     device = grads[0].device
     counts = []
     for g in grads:
         if g.is_floating_point():
             indicator = g - g
             torch.nan_to_num_(indicator, nan=1.0)
-            counts.append(indicator.sum(dtype=torch.float64))
+            counts.append(indicator.sum(dtype=torch.int64))
         else:  # complex (integer gradients do not exist)
-            counts.append((g.numel() - torch.isfinite(g).sum()).to(torch.float64))
-    return torch.stack([c.to(device) for c in counts]).long()
+            counts.append(g.numel() - torch.isfinite(g).sum())
+    return torch.stack([c.to(device) for c in counts])
 
 
 def _first_nonfinite(tables: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:

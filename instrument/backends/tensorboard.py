@@ -8,8 +8,10 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import numpy as np
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.crc32c import use_fast_checksums
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import order_params
+from instrument.backends.png import encodable, encode_png
 from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
 from instrument.errors import ConfigurationError
 from instrument.terminal.samples import markdown_table
@@ -46,7 +48,14 @@ class TensorBoardBackend(Backend):
             it, but never closes or replaces it; you do, after `Instrumentation.close`. A resumed run writes
             its purge marker through it. Not together with ``log_dir``.
             It is written from the logger's writer thread (``SummaryWriter`` queues events under its own lock,
-            so your own ``add_scalar`` calls may go on).
+            so your own ``add_scalar`` calls may go on). Its records are checksummed with NumPy from then on,
+            yours too: the same bytes, without TensorBoard's per-byte Python loop (`instrument.backends.crc32c`).
+
+    Checksums: every record of an event file carries a CRC-32C, which TensorBoard (without TensorFlow) computes
+    in a Python loop over the bytes, holding the GIL for about 11 ms per logging step of the bench's NCA (its
+    heatmap PNGs). This backend's writers compute it with NumPy instead (`instrument.backends.crc32c`; same
+    bytes, about 30 times faster), so TensorBoard's writer thread no longer keeps the training thread waiting
+    for the GIL.
 
     Faults: TensorBoard's own writer thread stops for good at its first I/O error (a full disk, a directory
     that went away or became unwritable) and re-raises that error on every later call. This backend raises
@@ -98,6 +107,7 @@ class TensorBoardBackend(Backend):
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
             self._writer = self._external
+            use_fast_checksums(self._external)
             return
         path = Path(self.log_dir) if self.log_dir else run.dir
         self.log_dir = str(path)
@@ -106,7 +116,9 @@ class TensorBoardBackend(Backend):
     def _new_writer(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
+        writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
+        use_fast_checksums(writer)
+        return writer
 
     def on_resume(self, next_step: int) -> None:
         """A new event file in the same directory that starts with TensorBoard's purge marker: TensorBoard hides
@@ -184,7 +196,7 @@ class TensorBoardBackend(Backend):
                       for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
         bins = self._bins(w)
         summaries = [
-            *drops.each("image", images, lambda k, v: tb.image(k, v, dataformats="HWC"), "an HWC image").values(),
+            *drops.each("image", images, _image, "an HWC image").values(),
             *drops.each("histogram", histograms, lambda k, v: _histogram(drops, k, v, bins),
                         "real numbers, at least one finite").values(),
             *drops.each("text", utf8_keys(drops, "text", record.texts).items(),
@@ -268,6 +280,7 @@ class TensorBoardBackend(Backend):
 
         if self._system is None:
             self._system = SummaryWriter(log_dir=str(Path(self.log_dir or ".") / SYSTEM_RUN))
+            use_fast_checksums(self._system)
         writer = self._system
         try:
             _add_scalars(writer, record.scalars, record.step, record.wall_time, self._drops)
@@ -307,6 +320,20 @@ class TensorBoardBackend(Backend):
 
     def __repr__(self) -> str:
         return f"TensorBoardBackend(log_dir={self.log_dir!r})"
+
+
+def _image(key: str, image: Any) -> Any:
+    """The image summary of ``image``: a uint8 RGB or RGBA image (what the logger hands over) encoded by
+    `instrument.backends.png`, anything else by ``torch.utils.tensorboard``'s ``summary.image``."""
+    if encodable(image):
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        height, width, channels = image.shape
+        encoded = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=encode_png(image))
+        return Summary(value=[Summary.Value(tag=key, image=encoded)])
+    from torch.utils.tensorboard import summary as tb
+
+    return tb.image(key, image, dataformats="HWC")
 
 
 def _histogram(drops: Drops, key: str, values: Any, bins: list) -> Any:

@@ -138,3 +138,45 @@ def test_rollout_video_draws_float64_states_in_float64():
     values = 1e9 + np.array([0.0, 10.0, 20.0, 30.0])
     want = [VIRIDIS_LUT[int(np.round((v - values[0]) / (values[-1] - values[0]) * 255.0))].tolist() for v in values]
     assert colours(values.tolist()) == want
+
+
+@pytest.mark.parametrize("shape, target", [((16, 32), 256), ((3, 5), 256), ((40, 7), 300), ((1, 1), 64)])
+def test_a_heatmap_read_back_has_every_cell_pixel_and_pillows_labels(tmp_path, shape, target):
+    """The heatmap is drawn in NumPy onto a cached frame, its colour-bar labels laid from cached text: every pixel
+    of every cell block is the cell's colour, and the label column is what Pillow draws for those ticks."""
+    from PIL import ImageDraw
+
+    from instrument.logger import render
+
+    rng = np.random.default_rng(sum(shape))
+    matrix = rng.normal(size=shape) * 7.0
+    if matrix.size > 2:
+        matrix[0, 0] = np.nan
+    image = render.render_heatmap(matrix, title="m", target_size=target)
+    left, top, cw, ch = render.heatmap_geometry(*shape, target_size=target)
+    lo, hi = np.nanmin(matrix), np.nanmax(matrix)
+    span = hi - lo if hi > lo else 1.0  # one cell: drawn as a constant image
+    finite = np.isfinite(matrix)
+    index = np.clip(np.round((np.where(finite, matrix, lo) - lo) / span * 255.0), 0, 255).astype(np.uint8)
+    colours = np.where(finite[..., None], VIRIDIS_LUT[index], NAN_COLOUR)
+    cells = image[top:top + ch * shape[0], left:left + cw * shape[1]]
+    np.testing.assert_array_equal(cells, np.repeat(np.repeat(colours, ch, axis=0), cw, axis=1))
+
+    bar_x = left + cw * shape[1] + 8
+    tick_x = bar_x + 10
+    reference = Image.new("RGB", (image.shape[1], image.shape[0]), (255, 255, 255))
+    draw = ImageDraw.Draw(reference)
+    font = render._font(11)
+    for value, y in render.colorbar_ticks(lo, hi, ch * shape[0]):
+        draw.line([(tick_x, y + top), (tick_x + 3, y + top)], fill=(0, 0, 0))
+        draw.text((tick_x + 5, y + top - 6), render._fmt(value), fill=(0, 0, 0), font=font)
+    reference = np.asarray(reference)
+    np.testing.assert_array_equal(image[:, tick_x:], reference[:, tick_x:])
+
+    if target != 256:  # the logger draws at the default size
+        return
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))  # and so it reads back from TensorBoard
+    logger.log_heatmap("m", matrix, step=0)
+    logger.commit(0)
+    logger.close()
+    np.testing.assert_array_equal(_tb_pixels(tmp_path / "r", "m"), image)

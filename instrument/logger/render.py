@@ -1,7 +1,11 @@
 """Host-side image work: normalising user images and drawing heatmaps with readable axes.
 
-Runs at commit on values already on the host. Drawn with Pillow and a small colour map rather than
-matplotlib, so a heatmap costs about a millisecond instead of a figure's tens of milliseconds.
+Runs on the logger's writer thread, on values already on the host, holding the GIL for most of it: on a GPU,
+where the training thread is mostly Python launching kernels, that time is taken from training. A heatmap's frame
+(title, axes, tick labels, colour bar) is drawn once per layout with Pillow and kept as an array; each heatmap is
+then a copy of it with the cells written in NumPy and the colour-bar labels laid from cached text: about 0.14 ms
+for the bench's 16 x 32 heatmap on a 2-core CPU machine (0.8 ms when each was drawn with Pillow, tens of
+milliseconds with matplotlib), pixel for pixel the same image.
 """
 
 import functools
@@ -103,7 +107,34 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     bar_x = left + pw + 8
     bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(_BAR_WIDTH, axis=1)
     canvas.paste(Image.fromarray(np.ascontiguousarray(bar)), (bar_x, top))
-    return canvas, (left, top), (cw, ch), bar_x, font
+    frame = np.array(canvas, dtype=np.uint8)
+    frame.flags.writeable = False  # shared by every heatmap of this layout: each draws on a copy
+    return frame, (left, top), (cw, ch), bar_x, font
+
+
+@functools.lru_cache(maxsize=1024)
+def _label(text: str, font) -> tuple:
+    """``text`` drawn in black on white, as Pillow draws it onto the canvas: ``(pixels, dx, dy)``, the pixels to
+    lay at ``(x + dx, y + dy)`` for text drawn at ``(x, y)``. Colour-bar labels are round values and repeat from
+    step to step, so each is drawn once."""
+    left, top, right, bottom = font.getbbox(text)
+    dx, dy = min(left, 0), min(top, 0)
+    image = Image.new("RGB", (max(1, right - dx), max(1, bottom - dy)), (255, 255, 255))
+    ImageDraw.Draw(image).text((-dx, -dy), text, fill=(0, 0, 0), font=font)
+    pixels = np.array(image, dtype=np.uint8)
+    pixels.flags.writeable = False
+    return pixels, dx, dy
+
+
+def _darken(canvas: np.ndarray, pixels: np.ndarray, x: int, y: int) -> None:
+    """Lay black-on-white ``pixels`` onto ``canvas`` at ``(x, y)`` (clipped to the canvas): over white, what
+    Pillow draws; where two labels' boxes meet, the darker of the two."""
+    h, w = pixels.shape[:2]
+    x0, y0 = max(x, 0), max(y, 0)
+    x1, y1 = min(x + w, canvas.shape[1]), min(y + h, canvas.shape[0])
+    if x1 > x0 and y1 > y0:
+        region = canvas[y0:y1, x0:x1]
+        np.minimum(region, pixels[y0 - y:y1 - y, x0 - x:x1 - x], out=region)
 
 
 def _nice_step(span: float, count: int = 4) -> float:
@@ -196,12 +227,16 @@ def render_heatmap(
     cells = _LUT[idx]
     cells[~np.isfinite(m)] = _NAN_COLOUR
     ticks = tuple(x_ticks) if x_ticks is not None else None
-    frame, origin, (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
+    frame, (left, top), (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
     canvas = frame.copy()
-    canvas.paste(Image.fromarray(np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)), origin)
-    draw = ImageDraw.Draw(canvas)
+    # Each row of cells widened to its pixels once, then broadcast over its ch pixel rows through a view of the
+    # canvas (splitting the height axis is always a view): whole rows copied, no upscaled image, no PIL round trip.
+    widened = np.repeat(cells, cw, axis=1)  # [rows, cols * cw, 3]
+    canvas[top:top + ch * rows, left:left + cw * cols].reshape(rows, ch, cols * cw, 3)[...] = widened[:, None]
+    tick_x = bar_x + _BAR_WIDTH
     for value, y in colorbar_ticks(lo, hi, ch * rows):
-        y += origin[1]
-        draw.line([(bar_x + _BAR_WIDTH, y), (bar_x + _BAR_WIDTH + 3, y)], fill=(0, 0, 0))
-        draw.text((bar_x + _BAR_WIDTH + 5, y - 6), _fmt(value), fill=(0, 0, 0), font=font)
-    return np.asarray(canvas, dtype=np.uint8)
+        y += top
+        canvas[y, tick_x:tick_x + 4] = 0  # the tick: a black line 4 pixels long
+        pixels, dx, dy = _label(_fmt(value), font)
+        _darken(canvas, pixels, tick_x + 5 + dx, y - 6 + dy)
+    return canvas

@@ -7,6 +7,13 @@ the hand-written ``.item()`` code and, for NCA script/compile, the embedded prob
 more repetitions: a repetition spans about a second, so the paired ratios are steadier. Same variants,
 same harness, same ratio definition (median of per-repetition ratios to ``bare``).
 
+Each timed call of those rows is one logging step, and the logger's flush runs untimed after it: the row is
+what the step costs the training thread. What the writer thread then does (rendering heatmaps, encoding PNGs,
+writing event files) runs beside the next steps of a loop that logs every step, and in Python it takes the
+GIL from the training thread for whatever part of it holds the GIL. The NCA groups also time that regime:
+``log-tb x4`` is four logging steps back to back with the flush timed after them, against ``bare x4``, four
+bare steps (`BURST`).
+
 Usage: ``python -m bench.headline [--reps N]``; writes bench/results/headline.{json,md}.
 """
 
@@ -18,7 +25,7 @@ from typing import Dict, List
 
 import torch
 
-from bench.harness import paired_ratios, run_interleaved, summary
+from bench.harness import Variant, paired_ratios, run_interleaved, summary
 from bench.report import setup_line
 from bench.workloads import build_variants
 
@@ -35,6 +42,27 @@ GROUPS = {
     ]
 }
 RESULTS = Path(__file__).parent / "results"
+BURST = 4  # logging steps back to back in the ``log-tb x4`` rows (NCA groups only: an RL step takes ~10x longer)
+
+
+def _burst(bare: Variant, logged: Variant) -> List[Variant]:
+    """``bare x4`` and ``log-tb x4``: BURST calls in a row, the logger's flush timed after the last."""
+
+    def repeat(v: Variant):
+        def fn() -> None:
+            for _ in range(BURST):
+                v.fn()
+            if v.settle is not None:
+                v.settle()
+
+        return fn
+
+    base = Variant(key=f"{bare.key} x{BURST}", baseline=f"{bare.key} x{BURST}", fn=repeat(bare),
+                   describe=f"{BURST} bare steps")
+    burst = Variant(key=f"{logged.key} x{BURST}", baseline=base.key, fn=repeat(logged),
+                    describe=f"{BURST} logging steps back to back, then the flush, all timed (a loop logging "
+                             f"every step: the writer thread's work runs beside the next steps)")
+    return [base, burst]
 
 
 def measure(reps: int, warmup: int) -> List[Dict[str, object]]:
@@ -42,14 +70,16 @@ def measure(reps: int, warmup: int) -> List[Dict[str, object]]:
     for group, keys in GROUPS.items():
         with tempfile.TemporaryDirectory(prefix="instrument-headline-") as tmp:
             variants = build_variants(keys, tmp=tmp)
+            if group.startswith("nca/"):
+                by_key = {v.key: v for v in variants}
+                variants += _burst(by_key[f"{group}/bare"], by_key[f"{group}/log-tb"])
             measured = run_interleaved(variants, reps, warmup=warmup)
-            base = f"{group}/bare"
             for v in variants:
-                if v.key == base or v.key not in measured.samples:
+                if v.key == v.baseline or v.key not in measured.samples:
                     continue
-                ratio = summary(paired_ratios(measured.samples, v.key, base))
+                ratio = summary(paired_ratios(measured.samples, v.key, v.baseline))
                 rows.append({"key": v.key, "ratio": ratio, "describe": v.describe})
-                print(f"{v.key:28s} {ratio['median']:.3f} ({ratio['p25']:.3f}-{ratio['p75']:.3f})", flush=True)
+                print(f"{v.key:32s} {ratio['median']:.3f} ({ratio['p25']:.3f}-{ratio['p75']:.3f})", flush=True)
     return rows
 
 
@@ -57,8 +87,8 @@ def markdown(rows: List[Dict[str, object]], reps: int) -> str:
     lines = [
         "# instrument headline rows (one interleaved group per workload and mode)",
         "",
-        f"{setup_line(reps)} Ratio: median of per-repetition ratios to the group's `bare` step, 25th-75th "
-        "percentile in brackets.",
+        f"{setup_line(reps)} Ratio: median of per-repetition ratios to the group's `bare` step (`x{BURST}` "
+        f"rows: to `bare x{BURST}`), 25th-75th percentile in brackets.",
         "",
         "| variant | ratio vs bare | what it is |",
         "|---|---|---|",

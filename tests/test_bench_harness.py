@@ -115,3 +115,22 @@ def test_the_host_bound_rows_count_no_op_on_a_non_logging_step_and_restore_the_w
     assert "| `nca/eager/log[NonFinite]` | +" in (tmp_path / "hostbound.md").read_text()
     with pytest.raises(SystemExit):
         hostbound.main(["--groups", "nca/compile"])  # not a host-bound group: said, nothing run
+
+
+def test_headline_burst_rows_run_the_step_back_to_back_and_time_the_flush():
+    """`make bench-headline`'s ``x4`` rows: BURST calls of the step, then the logger's flush, inside the timed call
+    (the untimed settle of the one-step rows would hide the writer thread's work)."""
+    from bench.harness import Variant
+    from bench.headline import BURST, _burst
+
+    calls = []
+    bare = Variant(key="nca/eager/bare", baseline="nca/eager/bare", fn=lambda: calls.append("bare"))
+    logged = Variant(key="nca/eager/log-tb", baseline="nca/eager/bare", fn=lambda: calls.append("log"),
+                     settle=lambda: calls.append("flush"))
+    base, burst = _burst(bare, logged)
+    assert (base.key, base.baseline) == (f"nca/eager/bare x{BURST}", f"nca/eager/bare x{BURST}")
+    assert (burst.key, burst.baseline) == (f"nca/eager/log-tb x{BURST}", base.key)
+    assert burst.settle is None and base.settle is None
+    burst.fn()
+    base.fn()
+    assert calls == ["log"] * BURST + ["flush"] + ["bare"] * BURST

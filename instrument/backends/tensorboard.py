@@ -54,7 +54,7 @@ class TensorBoardBackend(Backend):
     Checksums: every record of an event file carries a CRC-32C, which TensorBoard (without TensorFlow) computes
     in a Python loop over the bytes, holding the GIL for about 11 ms per logging step of the bench's NCA (its
     heatmap PNGs). This backend's writers compute it with NumPy instead (`instrument.backends.crc32c`; same
-    bytes, about 30 times faster), so TensorBoard's writer thread no longer keeps the training thread waiting
+    bytes, about 40 times faster), so TensorBoard's writer thread no longer keeps the training thread waiting
     for the GIL.
 
     Faults: TensorBoard's own writer thread stops for good at its first I/O error (a full disk, a directory

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from instrument.errors import InstrumentError
 
-__all__ = ["IterationBuffer", "ModifiedInPlaceError", "PIECE_BYTES", "stack_chain"]
+__all__ = ["IterationBuffer", "ModifiedInPlaceError", "PIECE_BYTES"]
 
 PIECE_BYTES = 4 * 2**20  # on a CPU, the most bytes stacked and reduced at once (see the module docstring)
 
@@ -145,22 +145,3 @@ class IterationBuffer:
         if not self._results:
             return None
         return self._results[0] if len(self._results) == 1 else torch.cat(self._results)
-
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` view the same memory the same way (a detached copy of a state is another
-    tensor object over the same storage). Both are kept alive by the buffer, so equal views mean equal values."""
-    return a is b or (
-        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        and a.device == b.device
-    )
-
-
-def stack_chain(previous: List[Tensor], following: List[Tensor]) -> Optional[List[Tensor]]:
-    """(previous, next) pairs of a chain (each iteration starting from the state the one before produced, as a
-    rollout does) stacked once, as [k + 1, ...], whose shifted views are the pairs: one copy of each state
-    instead of two. None when they are not a chain."""
-    if all(_same_values(previous[i], following[i - 1]) for i in range(1, len(previous))):
-        states = torch.stack([previous[0], *following])
-        return [states[:-1], states[1:]]
-    return None

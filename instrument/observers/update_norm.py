@@ -8,7 +8,7 @@ from torch import Tensor
 from instrument.checks import check_int, check_number
 from instrument.core.context import StepContext, difference, reduction_dtype
 from instrument.core.observer import Observer, over_ranks
-from instrument.observers.buffer import IterationBuffer, stack_chain
+from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
 from instrument.observers.options import check_limit
 
@@ -112,9 +112,10 @@ class UpdateNorm(Observer):
         """Stack the buffered columns; a chain of pairs (each iteration starting from the state the one before
         produced, as a rollout does) is stacked as one [k + 1, ...] tensor whose shifted views are the pairs."""
         if self._pairs:
-            chain = stack_chain(*columns)
-            if chain is not None:
-                return chain
+            previous, following = columns
+            if all(_same_values(previous[i], following[i - 1]) for i in range(1, len(previous))):
+                states = torch.stack([previous[0], *following])
+                return [states[:-1], states[1:]]
         return [torch.stack(column) for column in columns]
 
     def _resolve(self, shape: tuple) -> Optional[int]:
@@ -165,3 +166,12 @@ class UpdateNorm(Observer):
             metrics.update({"alive/last": alive[-1], "alive/mean": alive.mean()})
         logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, {"l2/max": "max"}))
         logger.log_histogram(f"{self.name}/l2", norms, step)
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same memory the same way (a detached copy of a state is another
+    tensor object over the same storage). Both are kept alive by the buffer, so equal views mean equal values."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.device == b.device
+    )

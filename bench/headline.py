@@ -29,7 +29,7 @@ from bench.harness import Variant, paired_ratios, run_interleaved, summary
 from bench.report import setup_line
 from bench.workloads import build_variants
 
-__all__ = ["GROUPS", "main"]
+__all__ = ["BURST", "GROUPS", "burst_variants", "main"]
 
 GROUPS = {
     f"{workload}/{mode}": [f"{workload}/{mode}/{kind}" for kind in kinds]
@@ -45,7 +45,7 @@ RESULTS = Path(__file__).parent / "results"
 BURST = 4  # logging steps back to back in the ``log-tb x4`` rows (NCA groups only: an RL step takes ~10x longer)
 
 
-def _burst(bare: Variant, logged: Variant) -> List[Variant]:
+def burst_variants(bare: Variant, logged: Variant) -> List[Variant]:
     """``bare x4`` and ``log-tb x4``: BURST calls in a row, the logger's flush timed after the last."""
 
     def repeat(v: Variant):
@@ -72,7 +72,7 @@ def measure(reps: int, warmup: int) -> List[Dict[str, object]]:
             variants = build_variants(keys, tmp=tmp)
             if group.startswith("nca/"):
                 by_key = {v.key: v for v in variants}
-                variants += _burst(by_key[f"{group}/bare"], by_key[f"{group}/log-tb"])
+                variants += burst_variants(by_key[f"{group}/bare"], by_key[f"{group}/log-tb"])
             measured = run_interleaved(variants, reps, warmup=warmup)
             for v in variants:
                 if v.key == v.baseline or v.key not in measured.samples:

@@ -12,7 +12,11 @@ variant of the eager and scripted modes:
   comparable across machines and runs. One-element CPU values the logger reads at once (``.item()``,
   ``_local_scalar_dense``) are left out too: on a GPU the logger stacks them instead (one op).
 * ``+ms``: the host time it adds, the median over interleaved repetitions of (variant - bare) in the same
-  repetition.
+  repetition; ``ratio``: the median of (variant / bare).
+* ``log-tb x4`` and ``log x4`` (NCA groups): four logging steps back to back with the logger's flush timed
+  after them, against four bare steps (`bench.headline.burst_variants`); ``+ops`` and ``+ms`` per step. Here,
+  as on a GPU, the training thread runs Python nearly all the time, so whatever of the writer thread's work
+  holds the GIL is taken from it: these rows show on a CPU what a loop that logs every step pays on a GPU.
 
 It predicts the direction of a change on a GPU and which part of a logging step costs launches; it does not
 predict a GPU's ratios (its launches and Python run at other speeds). ``torch.compile`` rows are left out:
@@ -35,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import workloads
 from bench.harness import run_interleaved
+from bench.headline import BURST, burst_variants
 from bench.report import setup_line
 
 __all__ = ["GROUPS", "count_ops", "main"]
@@ -47,6 +52,7 @@ GROUPS = {
     "nca/script": ("bare", "off", "log", "log-tb", "probe-off", "probe-log"),
     "rl/script": ("bare", "off", "log", "log-tb"),
 }
+BURSTS = ("log-tb", "log")  # the kinds also timed BURST steps back to back, flush timed, in the NCA groups
 SIZES = {"nca": {"batch": 1, "size": 4, "hidden": 16}, "rl": {"envs": 4}}
 RESULTS = Path(__file__).parent / "results"
 _NOT_LAUNCHES = ("view", "alias", "detach", "_local_scalar_dense", "unbind", "select", "slice", "expand",
@@ -85,21 +91,28 @@ def measure(groups: Sequence[str], reps: int, warmup: int) -> List[Dict[str, obj
             keys = [f"{group}/{kind}" for kind in GROUPS[group]]
             with tempfile.TemporaryDirectory(prefix="instrument-hostbound-") as tmp:
                 variants = [v for v in workloads.build_variants(keys, tmp=tmp) if v.fn is not None]
+                by_key = {v.key: v for v in variants}
+                bursts = [burst_variants(by_key[f"{group}/bare"], by_key[f"{group}/{kind}"])
+                          for kind in BURSTS if group.startswith("nca/") and f"{group}/{kind}" in by_key]
+                if bursts:  # one ``bare x4`` baseline for all of them
+                    variants += [bursts[0][0], *(burst for _, burst in bursts)]
                 measured = run_interleaved(variants, reps, warmup=warmup)
-                base_key = f"{group}/bare"
-                base_ops = count_ops(next(v for v in variants if v.key == base_key))
-                base_times = measured.samples[base_key]
+                ops_of = {v.key: count_ops(v) for v in variants if v.key in measured.samples}
                 for v in variants:
-                    if v.key == base_key or v.key not in measured.samples:
+                    if v.key == v.baseline or v.key not in measured.samples:
                         continue
-                    ops = count_ops(v)
-                    added = ops - base_ops  # Counter subtraction keeps only what the variant adds
-                    extra = [a - b for a, b in zip(measured.samples[v.key], base_times, strict=True)]
-                    row = {"key": v.key, "ops": sum(ops.values()) - sum(base_ops.values()),
-                           "top": added.most_common(5), "ms": statistics.median(extra) * 1e3,
-                           "bare_ms": statistics.median(base_times) * 1e3, "describe": v.describe}
+                    steps = BURST if v.key.endswith(f" x{BURST}") else 1
+                    base_ops, base_times = ops_of[v.baseline], measured.samples[v.baseline]
+                    added = ops_of[v.key] - base_ops  # Counter subtraction keeps only what the variant adds
+                    pairs = list(zip(measured.samples[v.key], base_times, strict=True))
+                    row = {"key": v.key,
+                           "ops": (sum(ops_of[v.key].values()) - sum(base_ops.values())) // steps,
+                           "top": [(name, n // steps) for name, n in added.most_common(5)],
+                           "ms": statistics.median(a - b for a, b in pairs) * 1e3 / steps,
+                           "ratio": statistics.median(a / b for a, b in pairs),
+                           "bare_ms": statistics.median(base_times) * 1e3 / steps, "describe": v.describe}
                     rows.append(row)
-                    print(f"{v.key:34s} {row['ops']:+5d} ops  {row['ms']:+7.3f} ms", flush=True)
+                    print(f"{v.key:34s} {row['ops']:+5d} ops  {row['ms']:+7.3f} ms  {row['ratio']:.3f}x", flush=True)
     finally:
         workloads.NCA_SIZE.update(saved["nca"])
         workloads.RL_SIZE.update(saved["rl"])
@@ -112,14 +125,16 @@ def markdown(rows: List[Dict[str, object]], reps: int) -> str:
         "",
         f"{setup_line(reps)} `+ops`: aten ops dispatched beyond the bare step (views and `.item()` left out; "
         "a kernel launch each on a GPU). `+ms`: median of the paired differences to the bare step in the same "
-        "repetition.",
+        "repetition; `ratio`: median of the paired ratios. `x4` rows: four logging steps back to back, the flush "
+        "timed, against four bare steps (`+ops`, `+ms` and the bare step per step).",
         "",
-        "| variant | +ops | +ms | bare step | most added ops | what it is |",
-        "|---|---|---|---|---|---|",
+        "| variant | +ops | +ms | ratio | bare step | most added ops | what it is |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         top = ", ".join(f"{n} {name.replace('aten.', '')}" for name, n in row["top"])
-        lines.append(f"| `{row['key']}` | {row['ops']:+d} | {row['ms']:+.3f} | {row['bare_ms']:.2f} ms | {top} | "
+        lines.append(f"| `{row['key']}` | {row['ops']:+d} | {row['ms']:+.3f} | {row['ratio']:.3f} | "
+                     f"{row['bare_ms']:.2f} ms | {top} | "
                      f"{row['describe']} |")
     return "\n".join(lines) + "\n"
 

@@ -101,17 +101,21 @@ def test_only_a_full_run_replaces_the_latest_figures(tmp_path, quick, subset, st
 def test_the_host_bound_rows_count_no_op_on_a_non_logging_step_and_restore_the_workload_sizes(tmp_path,
                                                                                                 monkeypatch):
     """`make bench-hostbound`, one repetition: a non-logging step dispatches exactly the bare step's ops, a
-    logging step more; the tiny sizes it sets do not leak into the rest of the process (`make bench`)."""
+    logging step more, and four of them back to back four times as many (the ``x4`` row, per step); the tiny
+    sizes it sets do not leak into the rest of the process (`make bench`)."""
     from bench import hostbound, workloads
 
     monkeypatch.setattr(hostbound, "RESULTS", tmp_path)
-    monkeypatch.setitem(hostbound.GROUPS, "nca/eager", ("bare", "off", "log[]", "log[NonFinite]"))
+    monkeypatch.setitem(hostbound.GROUPS, "nca/eager", ("bare", "off", "log[]", "log[NonFinite]", "log"))
     before = dict(workloads.NCA_SIZE)
     hostbound.main(["--reps", "1", "--warmup", "1", "--groups", "nca/eager"])
     assert workloads.NCA_SIZE == before
     rows = {row["key"]: row for row in json.loads((tmp_path / "hostbound.json").read_text())["rows"]}
     assert rows["nca/eager/off"]["ops"] == 0 and rows["nca/eager/log[]"]["ops"] == 0
     assert rows["nca/eager/log[NonFinite]"]["ops"] > 0
+    assert rows["nca/eager/log x4"]["ops"] == rows["nca/eager/log"]["ops"] > 0
+    assert "nca/eager/log-tb x4" not in rows  # only the kinds the group has
+    assert rows["nca/eager/log x4"]["ratio"] > 0
     assert "| `nca/eager/log[NonFinite]` | +" in (tmp_path / "hostbound.md").read_text()
     with pytest.raises(SystemExit):
         hostbound.main(["--groups", "nca/compile"])  # not a host-bound group: said, nothing run
@@ -121,13 +125,13 @@ def test_headline_burst_rows_run_the_step_back_to_back_and_time_the_flush():
     """`make bench-headline`'s ``x4`` rows: BURST calls of the step, then the logger's flush, inside the timed call
     (the untimed settle of the one-step rows would hide the writer thread's work)."""
     from bench.harness import Variant
-    from bench.headline import BURST, _burst
+    from bench.headline import BURST, burst_variants
 
     calls = []
     bare = Variant(key="nca/eager/bare", baseline="nca/eager/bare", fn=lambda: calls.append("bare"))
     logged = Variant(key="nca/eager/log-tb", baseline="nca/eager/bare", fn=lambda: calls.append("log"),
                      settle=lambda: calls.append("flush"))
-    base, burst = _burst(bare, logged)
+    base, burst = burst_variants(bare, logged)
     assert (base.key, base.baseline) == (f"nca/eager/bare x{BURST}", f"nca/eager/bare x{BURST}")
     assert (burst.key, burst.baseline) == (f"nca/eager/log-tb x{BURST}", base.key)
     assert burst.settle is None and base.settle is None

@@ -180,3 +180,57 @@ def test_a_heatmap_read_back_has_every_cell_pixel_and_pillows_labels(tmp_path, s
     logger.commit(0)
     logger.close()
     np.testing.assert_array_equal(_tb_pixels(tmp_path / "r", "m"), image)
+
+
+def _pillow_label(text: str, font) -> tuple:
+    """What Pillow draws for ``text``: black on white, on its own bounding box from the origin (reference)."""
+    from PIL import ImageDraw
+
+    left, top, right, bottom = font.getbbox(text)
+    dx, dy = min(left, 0), min(top, 0)
+    image = Image.new("RGB", (max(1, right - dx), max(1, bottom - dy)), (255, 255, 255))
+    ImageDraw.Draw(image).text((-dx, -dy), text, fill=(0, 0, 0), font=font)
+    return np.asarray(image), dx, dy
+
+
+def test_colorbar_labels_laid_from_cached_characters_are_what_pillow_draws():
+    """A label not seen before (a heatmap's own minimum and maximum, new at every step) is laid from cached
+    characters: for every string of up to three label characters and for labels of values across magnitudes, signs
+    and NaN, it is Pillow's drawing pixel for pixel, with the same offsets."""
+    import itertools
+
+    from instrument.logger import render
+
+    font = render._font(11)
+    assert render._glyphs(font) is not None, (
+        "this Pillow's default font no longer passes the check in render._glyphs: labels fall back to Pillow's "
+        "drawing (slower on the writer thread, never different); see whether the check or the font changed")
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=1500) * 10.0 ** rng.integers(-15, 16, size=1500)
+    ends = [*values, 0.0, -0.0, np.nan, 5e-324, -1.7976931348623157e308, 4.44, -44.4]
+    texts = [""] + [render._fmt(v) for v in ends]
+    texts += ["".join(t) for n in (1, 2, 3) for t in itertools.product(render._LABEL_CHARACTERS, repeat=n)]
+    for text in texts:
+        pixels, dx, dy = render._label(text, font)
+        want, want_dx, want_dy = _pillow_label(text, font)
+        assert (dx, dy) == (want_dx, want_dy), text
+        np.testing.assert_array_equal(pixels, want, err_msg=text)
+        assert not pixels.flags.writeable  # shared through the cache
+
+
+@pytest.mark.parametrize("size", [8, None])
+def test_a_font_whose_characters_cannot_be_laid_side_by_side_gets_pillows_labels(size):
+    """At size 8 the default font's glyphs reach past their neighbour, and the bitmap font is another kind of font:
+    either way the labels are exactly what Pillow draws (the check refuses to lay what it cannot lay exactly)."""
+    from PIL import ImageFont
+
+    from instrument.logger import render
+
+    font = ImageFont.load_default(size=8) if size else ImageFont.load_default_imagefont()
+    if size == 8:
+        assert render._glyphs(font) is None
+    for text in ("0.5", "-4.44e+04", "nan", "1.23e-07", "444"):
+        pixels, dx, dy = render._label(text, font)
+        want, want_dx, want_dy = _pillow_label(text, font)
+        assert (dx, dy) == (want_dx, want_dy)
+        np.testing.assert_array_equal(pixels, want, err_msg=text)

@@ -96,7 +96,7 @@ class TensorBoardBackend(Backend):
         self._system = None  # the system samples' own writer, in `SYSTEM_RUN` (opened at the first sample)
         self.reopened = 0  # new event files opened after a fault
         self._drops = Drops(self.name)
-        self._bin_edges: Optional[list] = None
+        self._bin_edges: Optional[np.ndarray] = None
         # TensorBoard shows one kind of value per tag: a scalar and a histogram (or an image) under one tag
         # break the run's scalars view. The kind a tag first takes is kept (`_kinds`).
         self._scalar_tags: set = set()
@@ -255,10 +255,14 @@ class TensorBoardBackend(Backend):
     def _bins(self, w) -> Any:
         """TensorBoard's own bucket limits (``SummaryWriter.default_bins``, +-1e-12 to +-1e20, 10% apart) with
         one more bucket on each side reaching the largest float: TensorBoard leaves values beyond +-1e20 out
-        of every bucket, and a histogram of only such values is "empty" to it."""
+        of every bucket, and a histogram of only such values is "empty" to it. An array, made once: handed a list,
+        ``np.histogram`` converts and checks its 1,551 edges at every call (about 330 instead of 130 us for the
+        bench's 32 values on a 2-core CPU machine, holding the GIL)."""
         if self._bin_edges is None:
             big = float(np.finfo(np.float64).max)
-            self._bin_edges = [-big, *getattr(w, "default_bins", []), big]
+            edges = np.array([-big, *getattr(w, "default_bins", []), big], dtype=np.float64)
+            edges.flags.writeable = False
+            self._bin_edges = edges
         return self._bin_edges
 
     def _write_video(self, w, key: str, frames, fps: int, step: int, t: float) -> None:
@@ -336,7 +340,7 @@ def _image(key: str, image: Any) -> Any:
     return tb.image(key, image, dataformats="HWC")
 
 
-def _histogram(drops: Drops, key: str, values: Any, bins: list) -> Any:
+def _histogram(drops: Drops, key: str, values: Any, bins: np.ndarray) -> Any:
     """The histogram summary of the finite values (NaN and inf left out, with one warning per key: they
     cannot be binned); none finite raises `DroppedValue`. Sums past the float range are written as inf."""
     from torch.utils.tensorboard.summary import histogram

@@ -106,8 +106,8 @@ def measure(groups: Sequence[str], reps: int, warmup: int) -> List[Dict[str, obj
                     added = ops_of[v.key] - base_ops  # Counter subtraction keeps only what the variant adds
                     pairs = list(zip(measured.samples[v.key], base_times, strict=True))
                     row = {"key": v.key,
-                           "ops": (sum(ops_of[v.key].values()) - sum(base_ops.values())) // steps,
-                           "top": [(name, n // steps) for name, n in added.most_common(5)],
+                           "ops": round((sum(ops_of[v.key].values()) - sum(base_ops.values())) / steps),
+                           "top": [(name, round(n / steps)) for name, n in added.most_common(5)],
                            "ms": statistics.median(a - b for a, b in pairs) * 1e3 / steps,
                            "ratio": statistics.median(a / b for a, b in pairs),
                            "bare_ms": statistics.median(base_times) * 1e3 / steps, "describe": v.describe}

@@ -11,6 +11,7 @@ milliseconds with matplotlib), pixel for pixel the same image.
 """
 
 import functools
+import math
 from typing import Dict, Optional
 
 import numpy as np
@@ -51,7 +52,7 @@ def _font(size: int) -> ImageFont.ImageFont:
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.3g}" if np.isfinite(v) else "nan"
+    return f"{v:.3g}" if math.isfinite(v) else "nan"
 
 
 # Layout of a heatmap canvas, in pixels: margins around the cells.
@@ -291,22 +292,25 @@ def render_heatmap(
     rows, cols = m.shape
     if x_ticks is not None and len(x_ticks) != cols:
         raise ValueError(f"log_heatmap({title!r}): {len(x_ticks)} x_ticks for {cols} columns; give one per column.")
+    known = np.isfinite(m)  # NaN and infinite cells are drawn grey
     if color_range is None:
-        finite = m[np.isfinite(m)]
+        finite = m[known]
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     else:
         lo, hi = float(color_range[0]), float(color_range[1])
     # A constant image, or one whose range is float rounding noise (`is_degenerate`), is drawn in one colour.
     span = hi - lo if hi > lo and not (color_range is None and is_degenerate(lo, hi)) else 1.0
+    # NaN and -inf as lo, +inf as hi: np.nan_to_num's replacement, without its Python (a tenth of a heatmap's
+    # time on the writer thread, with cold caches).
+    filled = np.where(known, m, np.where(m > 0, hi, lo))
     with np.errstate(invalid="ignore", over="ignore"):
-        finite = np.nan_to_num(m, nan=lo, posinf=hi, neginf=lo)
-        if np.isfinite(span):
-            scaled = (finite - lo) / span * 255.0
+        if math.isfinite(span):
+            scaled = (filled - lo) / span * 255.0
         else:  # a range wider than float64 holds (-1e308 .. 1e308): scaled in halves, exact as halving is
-            scaled = (finite / 2 - lo / 2) / (hi / 2 - lo / 2) * 255.0
+            scaled = (filled / 2 - lo / 2) / (hi / 2 - lo / 2) * 255.0
     idx = np.clip(scaled.round(), 0, 255).astype(np.uint8)
     cells = _LUT[idx]
-    cells[~np.isfinite(m)] = _NAN_COLOUR
+    cells[~known] = _NAN_COLOUR
     ticks = tuple(x_ticks) if x_ticks is not None else None
     frame, (left, top), (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
     canvas = frame.copy()

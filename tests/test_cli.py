@@ -342,11 +342,12 @@ def test_a_config_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_p
 
 
 
-def _wait_for_lines(proc, jsonl, lines: int = 3) -> None:
-    """Until the running CLI has written ``lines`` lines to ``jsonl`` (a bound, not a timing check)."""
+def _wait_for_lines(proc, jsonl, steps: int = 3) -> None:
+    """Until the running CLI has written ``steps`` step lines to ``jsonl`` (a bound, not a timing check): the
+    file also holds a hyperparameters line, and the writer may write each step as soon as it is committed."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= lines:
+        if jsonl.is_file() and jsonl.read_text().count('"step"') >= steps:
             break
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()

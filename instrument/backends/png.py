@@ -3,7 +3,7 @@
 ``torch.utils.tensorboard.summary.image`` turns a uint8 image into float32 and back (scale, clip, cast), resizes
 it to its own size with a Lanczos filter, then has Pillow encode it with adaptive filtering: about 8 ms for one
 of the logger's 368 x 314 heatmaps on a 2-core CPU machine (torch 2.13, Pillow 13), on the logger's writer
-thread, five of them per logging step of the bench's NCA. `encode_png` writes the same pixels in about 0.8 ms:
+thread, four of them per logging step of the bench's NCA. `encode_png` writes the same pixels in about 0.8 ms:
 every row but the first is stored as its difference to the row above (PNG filter type 2, "Up"), which turns the
 heatmaps' tall blocks of one colour into runs of zeros, and zlib compresses that with the GIL released.
 

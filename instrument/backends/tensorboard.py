@@ -54,8 +54,7 @@ class TensorBoardBackend(Backend):
     Checksums: every record of an event file carries a CRC-32C, which TensorBoard (without TensorFlow) computes
     in a Python loop over the bytes, holding the GIL for about 11 ms per logging step of the bench's NCA (its
     heatmap PNGs). This backend's writers compute it with NumPy instead (`instrument.backends.crc32c`; same
-    bytes, about 40 times faster), so TensorBoard's writer thread no longer keeps the training thread waiting
-    for the GIL.
+    bytes, about 40 times faster), so TensorBoard's writer thread no longer holds the GIL for them.
 
     Faults: TensorBoard's own writer thread stops for good at its first I/O error (a full disk, a directory
     that went away or became unwritable) and re-raises that error on every later call. This backend raises

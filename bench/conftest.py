@@ -22,7 +22,7 @@ import torch
 from bench import report as bench_report
 from bench.harness import CLOCKS, run_interleaved
 from bench.peers import finish_peers
-from bench.workloads import all_keys, build_variants
+from bench.workloads import all_keys, build_variants, close_sessions
 
 _STATE: Dict[str, Any] = {}
 
@@ -102,6 +102,7 @@ def matrix(request):
         )
     finally:
         finish_peers()
+        close_sessions()
     subset = set(_STATE["selected"]) != set(all_keys())
     result = bench_report.build_report(variants, measured, _STATE["limits"], load_before, quick=_STATE["quick"],
                                        subset=subset)

@@ -27,7 +27,7 @@ import torch
 
 from bench.harness import Variant, paired_ratios, run_interleaved, summary
 from bench.report import setup_line
-from bench.workloads import build_variants
+from bench.workloads import build_variants, close_sessions
 
 __all__ = ["BURST", "GROUPS", "burst_variants", "main"]
 
@@ -73,7 +73,10 @@ def measure(reps: int, warmup: int) -> List[Dict[str, object]]:
             if group.startswith("nca/"):
                 by_key = {v.key: v for v in variants}
                 variants += burst_variants(by_key[f"{group}/bare"], by_key[f"{group}/log-tb"])
-            measured = run_interleaved(variants, reps, warmup=warmup)
+            try:
+                measured = run_interleaved(variants, reps, warmup=warmup)
+            finally:
+                close_sessions()  # before the folder goes; untimed
             for v in variants:
                 if v.key == v.baseline or v.key not in measured.samples:
                     continue

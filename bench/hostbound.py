@@ -96,8 +96,11 @@ def measure(groups: Sequence[str], reps: int, warmup: int) -> List[Dict[str, obj
                           for kind in BURSTS if group.startswith("nca/") and f"{group}/{kind}" in by_key]
                 if bursts:  # one ``bare x4`` baseline for all of them
                     variants += [bursts[0][0], *(burst for _, burst in bursts)]
-                measured = run_interleaved(variants, reps, warmup=warmup)
-                ops_of = {v.key: count_ops(v) for v in variants if v.key in measured.samples}
+                try:
+                    measured = run_interleaved(variants, reps, warmup=warmup)
+                    ops_of = {v.key: count_ops(v) for v in variants if v.key in measured.samples}
+                finally:
+                    workloads.close_sessions()  # before the folder goes; untimed
                 for v in variants:
                     if v.key == v.baseline or v.key not in measured.samples:
                         continue

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import instrument
-from bench.workloads import NCA_SIZE, SinkBackend, _nca_parts, evolve
+from bench.workloads import NCA_SIZE, SinkBackend, _nca_parts, evolve, opened
 from instrument import Instrumentation, IterationStats, Observer, UpdateNorm
 
 __all__ = ["probe_variant"]
@@ -75,13 +75,13 @@ def probe_variant(workload: str, mode: str, kind: str, tmp: str, **parts):
     counter = ProbeCounter()
     logging = kind == "probe-log"
     observers: List[Observer] = [IterationStats(), UpdateNorm(), counter] if logging else [IterationStats()]
-    inst = Instrumentation(
+    inst = opened(Instrumentation(
         observers=observers,
         backends=[SinkBackend()],
         log_interval=1 if logging else 10**12,
         run_name=None,  # a unique default: several rows log to the same tmp folder
         log_dir=tmp,
-    )
+    ))
     # state=False: the probes are switched on for logging steps, and the loop below delivers each iteration
     # (explicit evolver), as in the script/compile rows without probes.
     if mode == "script":

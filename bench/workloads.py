@@ -55,7 +55,8 @@ from bench.scalar_rows import SCALAR_KEYS, scalar_variants
 from instrument import GradientStats, Instrumentation, IterationStats, NonFinite, RolloutVideo, StepContext, UpdateNorm
 from instrument.backends.base import Backend
 
-__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "OWN_COST", "HEADLINE", "device"]
+__all__ = ["NCA_SIZE", "RL_SIZE", "build_variants", "all_keys", "OBSERVERS", "OWN_COST", "HEADLINE", "device",
+           "close_sessions", "opened"]
 
 NCA_SIZE = {"batch": 4, "channels": 16, "size": 24, "hidden": 128, "n_iter": 32, "checkpoint_every": 8}
 RL_SIZE = {"envs": 256, "hidden": 64, "steps": 200}
@@ -151,6 +152,22 @@ def make_observers(
     return [made[n]() for n in names]
 
 
+_OPEN: List[Instrumentation] = []  # sessions the rows opened, closed by `close_sessions` when their group is done
+
+
+def opened(inst: Instrumentation) -> Instrumentation:
+    """Keep ``inst`` for `close_sessions`: a session dropped without close() keeps its writer thread and files,
+    and the next session made warns about it."""
+    _OPEN.append(inst)
+    return inst
+
+
+def close_sessions() -> None:
+    """Close every session the rows opened (after the group that timed them: closing is never timed)."""
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 class Session:
     """One Instrumentation driven like a training loop: each call is the next step (logging or not)."""
 
@@ -163,13 +180,13 @@ class Session:
             backends = [instrument.TensorBoardBackend()]
         else:
             backends = [SinkBackend()]
-        self.inst = Instrumentation(
+        self.inst = opened(Instrumentation(
             observers=make_observers(observers, workload, model),
             backends=backends,
             log_interval=1 if logging else 10**12,
             run_name=None,  # a unique default: several variants log to the same tmp folder
             log_dir=tmp,
-        )
+        ))
         self.step = 1  # step 0 would be a logging step for any interval
 
     def next_step(self) -> int:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import instrument
 from instrument.observers.buffer import IterationBuffer
@@ -638,6 +639,19 @@ def test_observe_set_on_the_instance_or_a_call_only_observer_is_still_called():
     inst.close()
     assert sorted(seen) == [("called", 0), ("called", 1), ("fast", 0), ("fast", 1), ("log", 0)]
     assert inst.failures == {} and [name for _, name, _ in inst._dispatch._build_observing()] == ["fast", "called"]
+
+
+def test_builtins_without_per_iteration_work_are_left_out_of_the_per_iteration_calls():
+    """ActivationStats reads its hooks and GradientStats the gradients: a no-op ``observe`` of their own would be
+    called on every iteration of every logging step for nothing."""
+    model = nn.Sequential(nn.Linear(3, 3))
+    observers = [instrument.ActivationStats(module=model), instrument.GradientStats(module=model),
+                 instrument.IterationStats()]
+    inst = instrument.Instrumentation(observers, backends=[], log_interval=1)
+    try:
+        assert [name for _, name, _ in inst._dispatch._build_observing()] == ["iteration_stats"]
+    finally:
+        inst.close()
 
 
 def test_std_stays_within_1e5_when_the_shift_sample_lands_on_a_border_unlike_the_rest():

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from instrument.core.context import StepContext, reduction_dtype
+from instrument.core.context import reduction_dtype
 from instrument.core.observer import Observer, over_ranks
 from instrument.core.recompute import in_recompute
 from instrument.errors import ConfigurationError
@@ -271,9 +271,6 @@ class ActivationStats(Observer):
                 self._error = self._error or error
 
         return hook
-
-    def observe(self, context: StepContext) -> None:
-        """Nothing to do per iteration: the hooks see the submodules' outputs."""
 
     def log(self, logger, step: int) -> None:
         if self._error is not None and not isinstance(self._error, ModifiedInPlaceError):

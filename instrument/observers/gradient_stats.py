@@ -245,9 +245,6 @@ class GradientStats(Observer):
             torch._foreach_sub_(before, [p.detach() for _, p in self._params])  # the snapshot is ours: in place
             self._update = (foreach_norms(before), base)
 
-    def observe(self, context) -> None:
-        """Nothing per iteration: gradients exist only after backward."""
-
     def _say_sparse(self, names: List[str]) -> None:
         if names and not self._said_sparse:
             self._said_sparse = True

@@ -95,6 +95,20 @@ def test_bits_dtypes_are_refused_at_the_call():
     logger.close()
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "with a float"])
+def test_a_bits_scalar_is_refused_naming_the_metric_and_what_was_staged_stays(together):
+    """log_metrics raised a bare NotImplementedError ('"copy_" not implemented for 'Bits8'') naming nothing."""
+    keep = Keep()
+    logger = Logger([keep])
+    logger.log_metrics({"before": 1.0}, step=0)
+    bits = torch.zeros(1, dtype=torch.uint8).view(torch.bits8)
+    with pytest.raises(InvalidValueError, match=r"metric 'a' is a tensor of dtype torch.bits8.*value.float\(\)"):
+        logger.log_metrics({"a": bits, "b": 1.5} if together else {"a": bits}, step=0)
+    logger.commit(0)
+    logger.close()
+    assert [r.scalars for r in keep.records] == [{"before": 1.0}]
+
+
 class Uncopyable(torch.Tensor):
     """A tensor subclass the caller's checks accept and the commit's packing cannot handle."""
 

@@ -1,5 +1,7 @@
 """Built-in observers against float64 NumPy references."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -670,3 +672,30 @@ def test_std_stays_within_1e5_when_the_shift_sample_lands_on_a_border_unlike_the
     moments = _finish(batched_moments(state.unsqueeze(0)))[0]  # ActivationStats: mean, std, absmax, zero_frac
     assert float(moments[1]) == pytest.approx(want.std(), rel=1e-5)
     assert float(moments[0]) == pytest.approx(want.mean(), rel=1e-6)
+
+
+class _Nudge(nn.Module):
+    def forward(self, x):
+        return x + 0.01 * torch.sin(3 * x + 1)
+
+
+@pytest.mark.parametrize("seed_shape, offset", [((4, 16, 40, 40), 1e3), ((1, 16, 512, 512), 0.0)])
+def test_update_norm_of_many_values_per_sample_is_within_2e6_of_float64(tmp_path, seed_shape, offset):
+    """vector_norm sums its squares one after the other on a CPU: 25,600 values per sample near 1e3 read 1.1e-5
+    off, 4M values (reduced as they come) 6e-5. The norms are sums of squares now (pairwise). JSONL read back."""
+    g = torch.Generator().manual_seed(0)
+    x = offset + torch.rand(*seed_shape, generator=g)
+    rule = _Nudge()
+    inst = instrument.Instrumentation([instrument.UpdateNorm()], backends=[instrument.JsonlBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r", overhead_budget=None)
+    inst.watch(rule)
+    states = [x]
+    with inst.step(0):
+        for _ in range(3):
+            states.append(rule(states[-1]))
+    inst.close()
+    (line,) = [json.loads(s) for s in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"step"' in s]
+    s64 = [s.double().numpy().reshape(seed_shape[0], -1) for s in states]
+    norms = [np.sqrt(((b - a) ** 2).sum(axis=1)).mean() for a, b in zip(s64, s64[1:], strict=False)]
+    for key, want in (("first", norms[0]), ("last", norms[-1]), ("mean", np.mean(norms)), ("max", max(norms))):
+        assert line["metrics"][f"update_norm/l2/{key}"] == pytest.approx(want, rel=2e-6), key

@@ -263,6 +263,23 @@ def test_a_writer_parked_after_an_idle_spell_wakes_for_the_next_commit(tmp_path,
     logger.close()
 
 
+def test_reading_a_committed_step_waits_for_its_record_not_for_the_backends_writing_it(tmp_path):
+    """result() waited until every backend had written the step: a slow backend held whoever read it (the training
+    thread, for NonFinite(raise_on_nonfinite=True)) for its whole write."""
+    backend = Blocking()
+    logger = Logger([backend], RunInfo("r", tmp_path))
+    logger.log_metrics({"a": 1.5}, step=0)
+    handle = logger.commit(0)
+    record = handle.result(timeout=WAIT)
+    assert record is not None and record.scalars == {"a": 1.5}
+    assert handle.scalars == {"a": 1.5}
+    poll(backend.entered.is_set, "the backend's write")  # built first, then handed to the backend
+    assert backend.steps == []  # still inside its write
+    backend.release.set()
+    assert logger.flush(WAIT) and backend.steps == [0]
+    logger.close()
+
+
 def test_full_queue_blocks_by_default_and_loses_nothing(tmp_path):
     backend = Blocking()
     logger = Logger([backend], RunInfo("b", tmp_path), queue_size=2)

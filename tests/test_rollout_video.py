@@ -388,3 +388,18 @@ def test_a_uint8_device_tensor_keeps_its_pixel_values(tmp_path):
     record = keep.records[0]
     np.testing.assert_array_equal(record.videos["v"][0], frames.numpy())
     np.testing.assert_array_equal(record.images["i"], frames[0].numpy())
+
+
+def test_a_seed_broadcast_against_the_batch_is_the_first_frame_of_any_sample():
+    """A [1, C, H, W] seed before [3, C, H, W] states (as UpdateNorm supports): with sample=2 the first frame was
+    sliced from the seed's batch of 1 and raised, losing the video of every logging step."""
+    g = torch.Generator().manual_seed(2)
+    seed = torch.rand(1, 4, 5, 6, generator=g)
+    states = [seed] + [seed + 0.1 * k * torch.rand(3, 4, 5, 6, generator=g) for k in range(1, 4)]
+    frames, _ = observed(RolloutVideo(sample=2, upscale=1), states).videos["rollout/video"]
+    want = [composite_reference(states[0][0].numpy())] + [composite_reference(s[2].numpy()) for s in states[1:]]
+    assert frames.shape == (4, 5, 6, 3)
+    for got, ref in zip(frames, want, strict=True):
+        assert np.abs(got.astype(int) - ref.astype(int)).max() <= 1  # float32 vs float64 at .5 boundaries
+    with pytest.raises(instrument.errors.InvalidValueError, match="sample=2"):  # a later state of batch 1 still is
+        observed(RolloutVideo(sample=2, upscale=1), [seed, seed + 0.1])

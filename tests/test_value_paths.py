@@ -72,6 +72,22 @@ def test_a_weighted_mean_of_finite_values_is_finite(tmp_path, pairs):
     assert _written(tmp_path / "w")[0]["x"] == float(want)
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["interval", "commit=True"])
+@pytest.mark.parametrize("value, weight", [(1e308, 2.0), (1e-200, 1e-200), (3e-160, 2e-160), (-5e-170, 7e-150)])
+def test_one_weighted_value_whose_product_leaves_float64s_normal_range_is_written_as_itself(tmp_path, value,
+                                                                                             weight, own):
+    """``log_metrics(..., weights=w, commit=True)`` multiplied plainly (1e308 * 2.0 read inf), and both paths read
+    0 for a product below float64's smallest normal (1e-200 * 1e-200) or lost digits in a subnormal one."""
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("u", tmp_path))
+    if own:
+        logger.log_metrics({"x": value}, step=0, weights=weight, commit=True)
+    else:
+        logger.log_metrics({"x": value}, step=0, weights=weight)
+        logger.commit(0)
+    logger.close()
+    assert _written(tmp_path / "u")[0]["x"] == value
+
+
 def test_a_weighted_mean_whose_weights_sum_beyond_float64_is_nan_not_a_crash(tmp_path):
     """Both sums left float64's range (weights 1e308 twice): the commit raised OverflowError and the whole step
     was lost; the mean is undefined in float64 there and written as NaN, the other keys as they are."""

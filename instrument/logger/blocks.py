@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from instrument.logger.plain import NUMERIC_DTYPES
 from instrument.logger.values import EXACT_INT, Wide, add, note_beyond, wide_int
 
 __all__ = ["Block", "MAX_BLOCKS", "float_block", "tensor_block", "fold", "means", "contributions"]
@@ -87,7 +88,8 @@ def tensor_block(head: str, copy: Dict[Any, Any], wide: Optional[Wide] = None) -
     for key, value in copy.items():
         if type(value) is not Tensor or type(key) is not str or value.dtype != dtype:
             return None
-    if dtype.is_complex or values[0].layout != torch.strided or values[0].is_quantized:  # the per-key path converts
+    if (dtype.is_complex or values[0].layout != torch.strided or values[0].is_quantized  # the per-key path converts
+            or dtype not in NUMERIC_DTYPES):  # or refuses, naming the key (bits, sub-byte types)
         return None
     try:
         with torch.no_grad():  # a copy: the caller may change its tensors, and no autograd graph is kept

@@ -11,7 +11,8 @@ class CommittedStep:
     """What `Logger.commit` returns: the step at once, the `StepRecord` once the writer has built it.
 
     Reading a `StepRecord` attribute (``scalars``, ``images``, ...) waits until the writer thread has
-    converted this step (not until the backends wrote it; use `Logger.flush` for that). ``result(timeout)``
+    converted this step (not until the backends wrote it; use `Logger.flush` for that; it is built once the
+    records before it are written, so a slow backend's earlier writes delay it). ``result(timeout)``
     does the same explicitly and returns None if the step was dropped (``on_full="drop"``) or not built in time.
     """
 
@@ -25,8 +26,12 @@ class CommittedStep:
         self._writer = writer
 
     def result(self, timeout: Optional[float] = None) -> Optional[StepRecord]:
-        self._writer.wait(self.seq, timeout)
+        self._writer.wait(self.seq, timeout, self._ready)
         return self.record
+
+    def _ready(self) -> bool:
+        """Built (the backends may still be writing it), or dropped."""
+        return self.record is not None or self.dropped
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name not in StepRecord.__dataclass_fields__ and name not in (

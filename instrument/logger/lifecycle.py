@@ -248,7 +248,7 @@ def open_backends(logger: Any, policy: Any, timeout: Any) -> None:
         if not logger._closed:  # await_opens closes the writer itself before raising an open failure
             logger._closed, logger._closed_by = True, "close"
             wait = timeout if isinstance(timeout, (int, float)) and timeout > 0 else 60.0
-            writer.close("killed" if isinstance(exc, KeyboardInterrupt) else "failed", wait)
+            writer.close("killed" if shutdown.interrupted(exc) else "failed", wait)
         raise
 
 

@@ -156,7 +156,8 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             name=f"instrument-writer-{self.run.name}",
         )
         self.open_timeout = open_timeout  # also bounds the close of a session whose start failed
-        open_backends(self, on_backend_error, open_timeout)  # raises if one failed ("raise")
+        with shutdown.starting():  # SIGTERM while they open ends them "killed" (`shutdown.starting`)
+            open_backends(self, on_backend_error, open_timeout)  # raises if one failed ("raise")
         shutdown.register(self)
 
     def add_backend(self, backend: Backend) -> bool:

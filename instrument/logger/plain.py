@@ -9,7 +9,7 @@ from torch import Tensor
 
 from instrument.errors import InvalidValueError
 
-__all__ = ["plain_tensor"]
+__all__ = ["NUMERIC_DTYPES", "plain_tensor"]
 
 
 # Tensor dtypes whose values the commit's transfer carries: bool, integers (exact, as int64) and floats (as
@@ -17,7 +17,7 @@ __all__ = ["plain_tensor"]
 # have no conversion to a number and are refused at the call.
 _INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
                              torch.uint8, torch.uint16, torch.uint32, torch.uint64})
-_NUMERIC_DTYPES = _INTEGER_DTYPES | frozenset(
+NUMERIC_DTYPES = _INTEGER_DTYPES | frozenset(
     getattr(torch, name) for name in ("bool", "float16", "bfloat16", "float32", "float64", "float8_e4m3fn",
                                       "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
@@ -58,7 +58,7 @@ def plain_tensor(where: str, value: Tensor, expected: str) -> Tensor:
             ) from exc
     if value.is_quantized:  # the real values it stands for (scale and zero point applied)
         value = value.dequantize()
-    if value.layout != torch.strided or value.dtype not in _NUMERIC_DTYPES:
+    if value.layout != torch.strided or value.dtype not in NUMERIC_DTYPES:
         raise InvalidValueError(
             f"{where}: got a tensor of dtype {value.dtype} and layout {value.layout}, which has no numeric value "
             f"to copy; expected {expected} as a dense tensor of bool, integers or floats (e.g. value.float(), "

@@ -2,11 +2,20 @@
 
 Every live `Logger` is registered here (weakly). What happens:
 
-- SIGTERM: every live logger writes and flushes what was handed over, calls ``backend.on_exit("killed")`` and
-  closes its backends (bounded by ``TIMEOUT`` seconds per logger); then the previous handler runs, or, when
-  there was none, the default action is re-delivered so the process still ends by the signal. A logger
-  whose close is under way (also on the main thread the signal interrupted) is waited for, within the same
-  bound.
+- SIGTERM with no handler of Python's before ours (the default action): every live logger writes and flushes
+  what was handed over, calls ``backend.on_exit("killed")`` and closes its backends (bounded by ``TIMEOUT``
+  seconds per logger); then the default action is re-delivered so the process still ends by the signal. A
+  logger whose close is under way (also on the main thread the signal interrupted) is waited for, within the
+  same bound. During a session's start on the main thread (`starting`: backends opening) the signal is
+  raised there instead, as Ctrl-C is, so the start ends what it opened ``"killed"`` and puts its run folder
+  back; the signal is then delivered again.
+- SIGTERM with a Python handler installed before ours (a preemption handler that sets a flag, submitit's,
+  Lightning's): every live logger flushes what was handed over (at most ``TIMEOUT`` seconds each), the runs
+  are marked ``"killed"``, and that handler runs. If it returns, training goes on with its loggers open:
+  closing them first would lose every step the loop still commits before it stops, break a checkpoint
+  saved in the open step, and, under a process group, leave this rank out of the commits' collectives
+  while the others wait in them. If it raises (``sys.exit``), the loggers are closed as above before the
+  exception goes on. A handler that ends the process with ``os._exit`` leaves them flushed but not closed.
 - SIGINT: every live logger flushes (at most ``INTERRUPT_TIMEOUT`` seconds each), then the previous handler
   runs (by default it raises `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A
   KeyboardInterrupt that ends the process marks the run ``"killed"``.
@@ -29,6 +38,7 @@ was installed before; a signal that was ignored (``SIG_IGN``) stays ignored.
 """
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -36,9 +46,10 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
-__all__ = ["register", "unregister", "mark", "install", "keep_first_at_exit", "exit_hooks", "TIMEOUT"]
+__all__ = ["register", "unregister", "mark", "install", "keep_first_at_exit", "exit_hooks", "interrupted",
+           "starting", "TIMEOUT"]
 
 log = logging.getLogger("instrument")
 
@@ -54,7 +65,46 @@ _state: Dict[str, Any] = {
     "installed": False, "atexit": False, "excepthook": None, "interrupting": False,
     "exiting": False,  # the interpreter is shutting down: the atexit hook is no longer moved
     "exited": False,  # the atexit hook ran (it runs once)
+    "starting": 0,  # sessions starting on the main thread (`starting`), nested
 }
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised into a start on the main thread (`starting`) as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum} arrived while the session was starting")
+        self.signum = signum
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ctrl-C or a SIGTERM that cut a start short: what did open then ends ``"killed"``."""
+    return isinstance(exc, (KeyboardInterrupt, _Terminated))
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Around a start that opens backends (which may take seconds: W&B's service, an MLflow store). On the main
+    thread a SIGTERM whose action is the default one is raised here instead of ending the process at once, so
+    the start's own cleanup ends what it opened ``"killed"`` and removes the run folder it made (a claimed
+    folder left behind would block its ``run_name``). Leaving the outermost start, the signal is delivered
+    again: the other loggers are closed and the process ends by it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    install()
+    _state["starting"] += 1
+    try:
+        yield
+    except _Terminated as exc:
+        _state["starting"] -= 1
+        if _state["starting"] == 0:
+            os.kill(os.getpid(), exc.signum)  # handled at once, on this thread: the default action ends the process
+        raise
+    except BaseException:
+        _state["starting"] -= 1
+        raise
+    _state["starting"] -= 1
 
 
 def register(logger: Any) -> None:
@@ -193,6 +243,11 @@ def _on_signal(signum: int, frame: Optional[Any]) -> None:
                         log.exception("instrument: flushing a logger on SIGINT failed")
             finally:
                 _state["interrupting"] = False
+    elif callable(_previous.get(signum)):
+        _chain_terminate(signum, frame, loggers)
+        return
+    elif _state["starting"]:
+        raise _Terminated(signum)  # `starting` undoes the start, then delivers the signal again
     else:
         for logger in loggers:
             _close_within(logger, "killed", commit=False, why=f"on signal {signum}")
@@ -205,8 +260,25 @@ def _on_signal(signum: int, frame: Optional[Any]) -> None:
     os.kill(os.getpid(), signum)
 
 
+def _chain_terminate(signum: int, frame: Optional[Any], loggers: list) -> None:
+    """SIGTERM with a Python handler installed before ours (module docstring): flush, mark, run it; close only
+    when it raises."""
+    for logger in loggers:
+        try:
+            logger.flush(TIMEOUT)
+        except Exception:  # a disowned logger (forked child) or one closing: its close or exit handles it
+            log.debug("instrument: flushing a logger on signal %d failed", signum, exc_info=True)
+    mark("killed")
+    try:
+        _previous[signum](signum, frame)
+    except BaseException:  # it ends the process (sys.exit, an exception): close first, as without it
+        for logger in _loggers():
+            _close_within(logger, "killed", commit=False, why=f"on signal {signum}")
+        raise
+
+
 def _excepthook(exc_type, exc, tb) -> None:
-    mark("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+    mark("killed" if issubclass(exc_type, (KeyboardInterrupt, _Terminated)) else "failed")
     previous = _state["excepthook"] or sys.__excepthook__
     previous(exc_type, exc, tb)
 

@@ -14,10 +14,12 @@ import logging
 from threading import get_ident
 from typing import Any, Dict, List, Mapping, Optional
 
+from torch import Tensor
+
 from instrument.checks import check_int
 from instrument.errors import StepOrderError
 from instrument.logger.blocks import contributions
-from instrument.logger.values import Wide, as_scalar, refuse_merged_keys
+from instrument.logger.values import Wide, as_scalar, refuse_merged_keys, weighted
 from instrument.logger.writer import CommittedStep
 
 __all__ = ["LAZY", "StepRecords"]
@@ -86,11 +88,11 @@ class StepRecords:
             value = as_scalar(name, value, self._warn_once, wide)
             if weight is not None:
                 weights[name] = weight = as_scalar(f"weight of {name}", weight, self._warn_once)
-                value = value * weight
+                value = weighted(value, weight)  # an ExactSum where two finite floats' product overflows, as staged
             totals[name] = value
             if op != "mean":
                 own_ops[name] = op
-            if type(value) is not float or (weight is not None and type(weight) is not float):
+            if isinstance(value, Tensor) or (weight is not None and type(weight) is not float):
                 on_device[name] = None
         if odd:  # a key that is not a str: two keys may name one metric (1 and "1")
             refuse_merged_keys(metrics, head)

@@ -39,6 +39,7 @@ float32, float16 or integer value can leave, float64 values near 1e308 can: then
 import decimal
 import math
 import numbers
+import sys
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 from instrument.errors import InvalidValueError
+from instrument.logger.plain import NUMERIC_DTYPES
 
 __all__ = ["EXACT_INT", "ExactSum", "Wide", "add", "as_scalar", "check_keys", "merge_wide", "note_beyond", "overflowed",
            "refuse_merged_keys", "rounded_message", "wide_int"]
@@ -154,12 +156,17 @@ def overflowed(before: Any, value: Any, total: float) -> Any:
 
 def weighted(value: Any, weight: Any) -> Any:
     """``value * weight`` for a weighted interval sum; an `ExactSum` where two finite floats' product leaves
-    float64's range (``1e308 * 2.0``), so that the weighted mean of finite values stays finite."""
+    float64's range (``1e308 * 2.0``) or its normal numbers (``1e-200 * 1e-200`` is 0, ``1e-160 * 1e-160`` keeps
+    a few digits), so that the weighted mean of finite values is the correctly rounded true mean."""
     product = value * weight
-    if type(product) is float and product - product and type(value) is float and type(weight) is float:
-        if math.isfinite(value) and math.isfinite(weight):
+    if type(product) is float and type(value) is float and type(weight) is float:
+        if (product - product or (-_TINY < product < _TINY and value and weight)) and math.isfinite(value) \
+                and math.isfinite(weight):
             return ExactSum(Fraction(value) * Fraction(weight))
     return product
+
+
+_TINY = sys.float_info.min  # the smallest normal float64
 
 
 def add(before: Any, value: Any) -> Any:
@@ -235,6 +242,11 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
             return value.to(torch.float32 if value.device.type == "mps" else torch.float64, copy=True)
         if value.is_complex():
             raise _complex(name, f"a complex tensor ({value.dtype})")
+        if value.dtype not in NUMERIC_DTYPES:  # bits, sub-byte and packed float4 types: no number to convert to
+            raise InvalidValueError(
+                f"metric {name!r} is a tensor of dtype {value.dtype}, which has no numeric value; log_metrics takes "
+                f"bool, integer or floating tensors (e.g. value.float(), or value.view(torch.uint8) for raw bits)."
+            )
         # Integers exact up to 2**53 (float32 would round above 2**24), bools as 1.0/0.0: float64, like every
         # staged sum, so that floats added to this one later in the interval are not rounded to float32.
         converted = value.to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS: no float64

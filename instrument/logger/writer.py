@@ -218,21 +218,22 @@ class Writer:
             "to wait) to keep them.", timeout, held, queued,
         )
 
-    def wait(self, seq: int, timeout: Optional[float] = None) -> bool:
-        """Wait until item ``seq`` is done; False on timeout. On the writer thread itself (a backend reading a
-        `CommittedStep`) an item not yet done can never be done while it waits: False at once, not a hang."""
+    def wait(self, seq: int, timeout: Optional[float] = None, ready: Optional[Callable[[], bool]] = None) -> bool:
+        """Wait until item ``seq`` is done, or ``ready()`` (a record built, before the backends write it); False on
+        timeout. On the writer thread itself (a backend reading a `CommittedStep`) an item not yet done can never
+        be done while it waits: False at once, not a hang."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._done < seq and threading.current_thread() is self._thread:
                 return False
             if self._done < seq:
                 self._cond.notify_all()  # a reader waits: the writer need not wait for its next poll
-            while self._done < seq and not self._stopped:
+            while self._done < seq and not self._stopped and not (ready is not None and ready()):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
-            return self._done >= seq
+            return self._done >= seq or (ready is not None and ready())
 
     def disown(self) -> None:
         """In a forked child, where this writer's thread does not exist: new locks, nothing queued, closed (so
@@ -394,6 +395,8 @@ class Writer:
             if record is not None:
                 record.freeze()  # shared by every backend below and the caller's handle: no backend changes it
             handle.record = record
+            with self._cond:  # a reader of this step (`CommittedStep.result`) need not wait for the writes below
+                self._cond.notify_all()
             if record is not None and not record.is_empty():
                 unopened = self._unopened
                 for backend in self._active:

@@ -23,6 +23,7 @@ from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.gradient_stats import Patterns, select_parameters
+from instrument.observers.layout import said_channel_dim
 from instrument.observers.options import check_limit
 
 __all__ = ["NonFinite", "nonfinite_counts"]
@@ -121,7 +122,7 @@ class NonFinite(Observer):
 
     def __init__(
         self,
-        channel_dim: int = 1,
+        channel_dim: Optional[int] = None,
         gradients: bool = True,
         module: Optional[nn.Module] = None,
         include: Patterns = None,
@@ -133,7 +134,8 @@ class NonFinite(Observer):
         name: str = "",
     ) -> None:
         super().__init__(name)
-        check_int("NonFinite channel_dim", channel_dim, why="1 for [B, C, H, W], -1 for channels-last",
+        check_int("NonFinite channel_dim", channel_dim, none=True,
+                  why="1 for [B, C, H, W], -1 for channels-last; None: the session's",
                   fix="bind e.g. NonFinite.channel_dim = 1")
         if module is not None and not isinstance(module, nn.Module):
             raise ConfigurationError(
@@ -181,7 +183,8 @@ class NonFinite(Observer):
             self._dropped.add(source)
 
     def _reduce(self, states: Tensor, scratch: bool = False) -> Tensor:
-        return nonfinite_counts(states, self.channel_dim, scratch)
+        said = said_channel_dim(self)  # the observer's, else the session's, else 1
+        return nonfinite_counts(states, 1 if said is None else said, scratch)
 
     def observe(self, context: StepContext) -> None:
         self._append("state", context.next_state)

@@ -10,11 +10,14 @@ from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
 from instrument.core.context import StepContext, reduction_dtype
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError, InvalidValueError
+from instrument.observers.layout import said_channel_dim
 
 __all__ = ["RolloutVideo", "render_frames"]
 
 # GIF frame delays are whole centiseconds and browsers play delays under 20 ms at 10 fps: 50 fps is the top.
 MAX_FPS = 50
+_BATCH_DIM = ("RolloutVideo.channel_dim must not be 0: dimension 0 is the batch (see `sample`); use 1 for "
+              "[B, C, H, W] or -1 for channels-last [B, H, W, C].")
 
 
 class RolloutVideo(Observer):
@@ -56,9 +59,9 @@ class RolloutVideo(Observer):
         upscale: nearest-neighbour upscale factor (a 32x32 grid is small on screen; 4 makes it 128x128).
         max_frames: keep at most this many frames (later iterations are not rendered; raise ``every`` to cover
             a longer rollout). Bounds memory: each frame is ``len(channels) * H * W`` floats.
-        channel_dim: which dimension of the state holds channels: 1 for [B, C, H, W] (default), -1 for
-            channels-last [B, H, W, C]. The state is [B, C, H, W] or [B, C, L] in either layout (a 1-D state
-            renders as a one-pixel-high strip).
+        channel_dim: which dimension of the state holds channels: 1 for [B, C, H, W], -1 for channels-last
+            [B, H, W, C]; None: the session's (``Instrumentation(channel_dim=...)``), else 1. The state is
+            [B, C, H, W] or [B, C, L] in either layout (a 1-D state renders as a one-pixel-high strip).
         premultiplied: for 4 channels, whether RGB is premultiplied by alpha (as in the growing-NCA papers).
         value_range: for 1 channel, the (low, high) mapped to the ends of the colour map; None: per video.
         name: the key prefix.
@@ -74,7 +77,7 @@ class RolloutVideo(Observer):
         fps: int = 10,
         upscale: int = 4,
         max_frames: Optional[int] = 256,
-        channel_dim: int = 1,
+        channel_dim: Optional[int] = None,
         premultiplied: bool = True,
         value_range: Optional[Tuple[float, float]] = None,
         name: str = "",
@@ -91,14 +94,11 @@ class RolloutVideo(Observer):
                                  why="a whole nearest-neighbour factor", fix="bind e.g. RolloutVideo.upscale = 4")
         self.max_frames = check_int("RolloutVideo.max_frames", max_frames, least=1, none=True, integral=True,
                                     why="a frame count", fix="bind e.g. RolloutVideo.max_frames = 256")
-        self.channel_dim = check_int("RolloutVideo.channel_dim", channel_dim, integral=True,
-                                     why="1 for [B, C, H, W], -1 for channels-last",
+        self.channel_dim = check_int("RolloutVideo.channel_dim", channel_dim, integral=True, none=True,
+                                     why="1 for [B, C, H, W], -1 for channels-last; None: the session's",
                                      fix="bind e.g. RolloutVideo.channel_dim = 1")
         if self.channel_dim == 0:
-            raise ConfigurationError(
-                "RolloutVideo.channel_dim must not be 0: dimension 0 is the batch (see `sample`); "
-                "use 1 for [B, C, H, W] or -1 for channels-last [B, H, W, C]."
-            )
+            raise ConfigurationError(_BATCH_DIM)
         self.premultiplied = bool(premultiplied)
         self.value_range = _check_range(value_range)
         if self.value_range is not None and len(self.channels) != 1:
@@ -115,36 +115,43 @@ class RolloutVideo(Observer):
 
     def observe(self, context: StepContext) -> None:
         if not self._frames and context.step_index % self.every == 0:
-            self._keep(context.previous_state)
+            self._keep(context.previous_state, seed=True)
         if (context.step_index + 1) % self.every == 0:
             self._keep(context.next_state)
 
-    def _keep(self, state: Tensor) -> None:
+    def _keep(self, state: Tensor, seed: bool = False) -> None:
         if self.max_frames is not None and len(self._frames) >= self.max_frames:
             return
-        self._frames.append(self._slice(state))
+        self._frames.append(self._slice(state, seed))
 
-    def _slice(self, state: Tensor) -> Tensor:
-        """[k, H, W] copy of the rendered channels of the chosen sample (metadata checks only, no host sync)."""
+    def _slice(self, state: Tensor, seed: bool = False) -> Tensor:
+        """[k, H, W] copy of the rendered channels of the chosen sample (metadata checks only, no host sync).
+        ``seed``: the rollout's first state, which may be one [1, ...] state broadcast against the batch."""
         shape = tuple(state.shape)
+        said = said_channel_dim(self)  # the observer's, else the session's, else 1
+        dim = 1 if said is None else said
+        if dim == 0:
+            raise ConfigurationError(_BATCH_DIM)
         if state.dim() not in (3, 4):
             raise InvalidValueError(
                 f"RolloutVideo({self.name!r}) renders states shaped [B, C, H, W] or [B, C, L] (channels at "
-                f"channel_dim={self.channel_dim}), got shape {shape}; render a 2-D slice of a volume yourself."
+                f"channel_dim={dim}), got shape {shape}; render a 2-D slice of a volume yourself."
             )
         batch = shape[0]
-        if not -batch <= self.sample < batch:
+        # A [1, ...] seed broadcast against the batch is every sample's first state.
+        sample = 0 if batch == 1 and seed else self.sample
+        if not -batch <= sample < batch:
             raise InvalidValueError(
                 f"RolloutVideo({self.name!r}): sample={self.sample} but the state's batch dimension has {batch} "
                 f"elements (shape {shape}); choose a sample index below {batch}."
             )
-        x = state.select(0, self.sample).movedim(self.channel_dim - 1 if self.channel_dim > 0 else self.channel_dim, 0)
+        x = state.select(0, sample).movedim(dim - 1 if dim > 0 else dim, 0)
         count = x.shape[0]
         bad = [c for c in self.channels if not -count <= c < count]
         if bad:
             raise InvalidValueError(
                 f"RolloutVideo({self.name!r}): channels {bad} do not exist in a state with {count} channels along "
-                f"channel_dim={self.channel_dim} (shape {shape}); check channels and channel_dim."
+                f"channel_dim={dim} (shape {shape}); check channels and channel_dim."
             )
         if x.dim() == 2:  # [C, L] -> [C, 1, L]
             x = x.unsqueeze(1)

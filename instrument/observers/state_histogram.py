@@ -11,10 +11,12 @@ from typing import Deque, Dict, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
+from instrument.checks import check_int
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
 from instrument.observers.buffer import ModifiedInPlaceError
+from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import channel_labels, check_channel_names, check_limit
 
 __all__ = ["StateHistogram"]
@@ -45,8 +47,8 @@ class StateHistogram(Observer):
     the channel's name replaces ``c<k>``.
 
     Args:
-        channel_dim: which dimension of the state holds channels (1 for [B, C, H, W]; -1 for [N, features]).
-            A 0-d or 1-d state is one channel.
+        channel_dim: which dimension of the state holds channels (1 for [B, C, H, W]; -1 for [N, features]);
+            None: the session's (``Instrumentation(channel_dim=...)``), else 1. A 0-d or 1-d state is one channel.
         iterations: which iterations' states to histogram (default ``(-1,)``: the last one only).
         max_channels: histograms for at most this many channels (the first ones); None: all.
         channel_names: one name per channel, used instead of ``c<k>``.
@@ -57,7 +59,7 @@ class StateHistogram(Observer):
     def __init__(
         self,
         name: str = "",
-        channel_dim: int = 1,
+        channel_dim: Optional[int] = None,
         iterations: Union[int, Sequence[int]] = (-1,),
         max_channels: Optional[int] = 16,
         channel_names: Optional[Sequence[str]] = None,
@@ -76,7 +78,9 @@ class StateHistogram(Observer):
                 f"{owner}: iterations must be a non-empty sequence of distinct ints such as (0, -1) (-1: the last "
                 f"iteration), got {iterations!r}."
             )
-        self.channel_dim = channel_dim
+        self.channel_dim = check_int(f"{owner}: channel_dim", channel_dim, none=True,
+                                     why="1 for [B, C, H, W], -1 for [N, features]; None: the session's",
+                                     fix="bind e.g. StateHistogram.channel_dim = 1")
         self.iterations: Tuple[int, ...] = tuple(iterations)
         self.max_channels = check_limit(owner, "max_channels", max_channels, 16)
         self.channel_names = check_channel_names(owner, channel_names)
@@ -133,7 +137,8 @@ class StateHistogram(Observer):
                 state = state.reshape(-1, 1)
                 dim = 1
             else:
-                dim = self.channel_dim % state.dim()
+                said = said_channel_dim(self)
+                dim = 1 if said is None else check_channel_dim(self.name, said, state.shape)
             channels = state.shape[dim]
             count = channels if self.max_channels is None else min(channels, self.max_channels)
             labels = channel_labels(f"StateHistogram({self.name!r})", self.channel_names, channels, count)

@@ -22,6 +22,7 @@ from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter
 from instrument.core.step_components import ComponentHandle, StepComponents
 from instrument.errors import ConfigurationError, InvalidValueError
+from instrument.logger import shutdown
 from instrument.logger.lifecycle import check_timeout
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
@@ -163,7 +164,8 @@ class Instrumentation(StepLifecycle):
         self._overhead_warned = False
         self._discard_reported = False
         self.system_monitor = system_monitor
-        with removed_if_start_fails(self.run.dir, resume, self._abort_start):
+        # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
+        with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):
             if resume:  # a run file that cannot be read raises here, which releases the lock
                 self.run = RunInfo(name=name, root=root, resume=resume_ids(self.run.dir))
             if run_log:  # before the logger, so what backends print while opening is in the file too
@@ -338,8 +340,13 @@ class Instrumentation(StepLifecycle):
         reason a SIGTERM before the block exits still commits it (`Logger.keep_on_shutdown`)."""
         last = self.logger._last_step
         if self._current is not None and (last is None or self._current.step > last):
-            last = self._current.step
-            self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
+            if self.logger._closed:  # closed under the open block (a signal, another thread): it never commits
+                log.warning("instrument: state_dict() inside logging step %d, but the logger is already closed, "
+                            "so that step is never written; the checkpoint counts only the steps before it",
+                            self._current.step)
+            else:
+                last = self._current.step
+                self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
         return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from instrument.errors import ConfigurationError
+from instrument.logger import shutdown
 from instrument.logger.ranks import rank, same_on_all_ranks
 from instrument.logger.writer import running_writers
 from instrument.session import run_lock
@@ -211,7 +212,7 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
     except BaseException as exc:
         try:
             try:
-                close("killed" if isinstance(exc, KeyboardInterrupt) else "failed")
+                close("killed" if shutdown.interrupted(exc) else "failed")
             except Exception as close_exc:  # the start's own error matters more; say it and go on
                 log.warning("instrument: closing a session whose start failed raised %s: %s",
                             type(close_exc).__name__, close_exc)

@@ -7,6 +7,8 @@ it is released at the end of each test so that no writer thread outlives it. Not
 
 import json
 import logging
+import threading
+import time
 
 import pytest
 
@@ -124,3 +126,41 @@ def test_close_backend_closes_one_backend_after_what_was_handed_over_and_writes_
     assert not logger.close_backend(JsonlBackend())  # not one of this logger's
     with pytest.raises(ConfigurationError, match="close_backend: timeout"):
         logger.close_backend(other, timeout=-1.0)
+
+
+def test_a_bounded_close_is_bounded_while_another_thread_waits_for_room_behind_a_stuck_backend(tmp_path, caplog):
+    """Another thread's commit waits for room in a full queue, holding the commit lock, behind a backend that does
+    not return: close(timeout=...) (and the exit's close, which uses the same path) waited for that lock for
+    ever. Now it gives up on its last commit within the bound, says so, and every step that was handed over is
+    still written once the backend returns."""
+    backend = Blocking()
+    logger = Logger([backend], RunInfo("c", tmp_path), queue_size=2)
+    handed = []
+
+    def trainer():
+        for step in range(10):
+            try:
+                logger.log_metrics({"x": float(step)}, step=step)
+                if logger.commit(step) is not None:
+                    handed.append(step)
+            except Exception:  # the logger closed under it: explicit close, later calls raise
+                return
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT
+    while not (backend.entered.is_set() and logger._writer.pending == 2):
+        assert time.monotonic() < deadline, "the queue never filled"
+        time.sleep(0.01)
+    closer = threading.Thread(target=logger.close, kwargs={"timeout": 0.5}, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        closer.start()
+        closer.join(WAIT)
+        assert not closer.is_alive(), "close(timeout=0.5) waited for the commit lock"
+    assert any("waited 0.5 s for another thread's commit" in r.getMessage() for r in caplog.records)
+    stopped = threading.Event()
+    logger.when_stopped(stopped.set)
+    backend.release.set()
+    assert stopped.wait(WAIT)
+    thread.join(WAIT)
+    assert backend.steps == handed and handed[:3] == [0, 1, 2]  # every step handed over, once, in order

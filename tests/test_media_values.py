@@ -137,6 +137,38 @@ def test_a_tensor_the_transfer_cannot_copy_is_dropped_alone_with_one_message(tmp
     assert logger.failures == {"histogram bad": 2}
 
 
+class Unstackable(torch.Tensor):
+    """A one-element tensor subclass whose stack and cat raise: what the commit's batched copy uses."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.stack, torch.cat):
+            raise RuntimeError("this subclass cannot be stacked")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_metric_the_transfer_cannot_copy_is_dropped_alone_and_counted(tmp_path, caplog):
+    """As a metric (not a histogram) such a tensor cost the whole step: every scalar and histogram of it was
+    lost, `failures` stayed empty, and the step's handle said it was dropped under on_full='drop'. (An int64
+    one: a CPU float is read at the call and never reaches the transfer.)"""
+    path = tmp_path / "m.jsonl"
+    logger = Logger([JsonlBackend(str(path))], RunInfo("x", tmp_path))
+    odd = torch.tensor(7, dtype=torch.int64).as_subclass(Unstackable)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        logger.log_metrics({"loss": 0.25, "odd": odd}, step=1)
+        logger.log_histogram("h", np.arange(4.0), step=1)
+        handle = logger.commit(1)
+        logger.log_metrics({"loss": 0.125}, step=2)
+        logger.commit(2)
+        logger.close()
+    records = _lines(path)
+    assert [(r["step"], r["metrics"]) for r in records] == [(1, {"loss": 0.25}), (2, {"loss": 0.125})]
+    assert list(records[0]["histograms"]) == ["h"] and handle.scalars == {"loss": 0.25}
+    assert logger.failures == {"metric odd": 1}
+    assert sum("dropped metric 'odd'" in r.getMessage() and "cannot be stacked" in r.getMessage()
+               for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("first", ["image", "heatmap"])
 def test_an_image_and_a_heatmap_under_one_tag_are_refused_at_the_call(first):
     keep = Keep()

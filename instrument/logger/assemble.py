@@ -23,6 +23,7 @@ from instrument.logger.transfer import TransferError
 __all__ = ["build_record", "describe", "timing_stats"]
 
 OnFailure = Callable[[str, str, int, Any, str, Exception], None]
+_SCALAR = "a one-element tensor of numbers the commit's transfer can copy"
 
 
 def build_record(payload: tuple, on_failure: OnFailure,
@@ -43,15 +44,29 @@ def build_record(payload: tuple, on_failure: OnFailure,
 
     record = StepRecord(step=step, wall_time=wall_time)
     if type(scalars) is list:  # blocks, each a whole log_metrics call (`instrument.logger.blocks`)
-        scalars = means(scalars, host)
+        kept = []
+        for block in scalars:
+            failed = by_id.get(id(block[2])) if len(block) == 3 else None
+            if isinstance(failed, TransferError):  # a tensor the batched copy could not take: its keys alone go
+                for key in block[1]:
+                    on_failure("metric", block[0] + key, step, block[2], _SCALAR, failed)
+            else:
+                kept.append(block)
+        scalars = means(kept, host)
     for i, key in enumerate(tensor_keys):
-        scalars[key] = float(arrays[i])
+        if isinstance(arrays[i], TransferError):
+            scalars.pop(key, None)  # the staged tensor it stood for
+            on_failure("metric", key, step, tensors[i], _SCALAR, arrays[i])
+        else:
+            scalars[key] = float(arrays[i])
     record.scalars = scalars
     if on_rounded is not None:
         for names, flags in wide.items():
+            if isinstance(by_id.get(id(flags)), TransferError):  # the value's own failure was said above
+                continue
             for name, beyond in zip(names, np.asarray(host(flags)).reshape(-1).tolist(), strict=True):
-                if beyond:
-                    on_rounded(name, scalars.get(name))
+                if beyond and name in scalars:
+                    on_rounded(name, scalars[name])
     for (kind, tag), (value, extra) in media.items():
         spec = KINDS[kind]
         try:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from instrument.checks import check_number
@@ -89,9 +90,13 @@ class LoggerEnd:
         a full queue: the close right behind it is bounded by ``timeout`` alone. The `before_close` hooks run
         first (a system monitor hands over its buffered samples)."""
         timeout = check_timeout("close", timeout)
+        started = time.monotonic()
         if not self._closed:
             self._run_before_close()
-        locked = self._gate("close()", "the logger closes without a last commit: what is staged is not written")
+        locked = self._gate("close()", "the logger closes without a last commit: what is staged is not written",
+                            timeout)  # bounded too: the commit holding the lock may wait for a backend for ever
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
         try:
             if self._closed:
                 closing = False

@@ -377,13 +377,20 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             self._commit_lock.release()
 
     def _gate(self, what: str, then: str = "nothing is committed by this call; what it staged goes with the next "
-              "commit") -> bool:
+              "commit", timeout: Optional[float] = None) -> bool:
         """Take the commit lock. On the writer thread (a backend or a logging handler calling back into this
         logger) only for a bounded wait, since the thread holding it may be waiting for this one (for room
-        in a full queue): False then, said once, and the caller commits nothing."""
+        in a full queue): False then, said once, and the caller commits nothing. Elsewhere within ``timeout`` (a
+        bounded close: the holder may wait for room behind a backend that never returns), else False, said once."""
         if get_ident() != self._writer.ident:
-            self._commit_lock.acquire()
-            return True
+            if timeout is None:
+                self._commit_lock.acquire()
+                return True
+            if self._commit_lock.acquire(timeout=timeout):
+                return True
+            self._warn_once("gate timeout", f"{what} waited {timeout:g} s for another thread's commit (waiting for "
+                            f"room in a full queue behind a backend that does not return), so {then}")
+            return False
         if self._commit_lock.acquire(timeout=_REENTRY_WAIT):
             return True
         self._warn_once("reentrant commit", (

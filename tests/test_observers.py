@@ -699,3 +699,15 @@ def test_update_norm_of_many_values_per_sample_is_within_2e6_of_float64(tmp_path
     norms = [np.sqrt(((b - a) ** 2).sum(axis=1)).mean() for a, b in zip(s64, s64[1:], strict=False)]
     for key, want in (("first", norms[0]), ("last", norms[-1]), ("mean", np.mean(norms)), ("max", max(norms))):
         assert line["metrics"][f"update_norm/l2/{key}"] == pytest.approx(want, rel=2e-6), key
+
+
+def test_update_norm_of_a_1d_state_is_the_batch_mean_of_each_samples_change():
+    """A [B] state is B samples of one value (dim 0 is the batch, as everywhere): the norm was taken over the
+    whole batch at once (one sample of B values)."""
+    states = [torch.tensor([0.0, 1.0, -2.0, 4.0]) * (i + 1) for i in range(3)]
+    record = _update_norm_observed(instrument.StepContext(a, b, step_index=i)
+                                   for i, (a, b) in enumerate(zip(states, states[1:], strict=False)))
+    x = np.stack([s.double().numpy() for s in states])
+    want = np.abs(x[1:] - x[:-1]).mean(axis=1)
+    np.testing.assert_allclose(record.histograms["update_norm/l2"], want, rtol=1e-7)
+    assert float(record.scalars["update_norm/l2/first"]) == pytest.approx(want[0], rel=1e-7)

@@ -357,3 +357,35 @@ def test_ctrl_c_in_an_observers_reset_or_attach_ends_the_step_like_any_failed_on
             rule(torch.ones(2, 4))
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in rule.modules())
         inst.close()
+
+
+def test_two_watched_modules_that_both_deliver_iterations_are_said_once(caplog):
+    """Both feed one observer stream (3 + 3 calls read as one rollout of 6 iterations, their states mixed):
+    a review found it silent."""
+    fast, slow = torch.nn.Identity(), torch.nn.Identity()
+    inst = instrument.Instrumentation([instrument.IterationStats(images=False)], backends=[], log_interval=1)
+    inst.watch(fast, name="fast")
+    inst.watch(slow, name="slow")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            with inst.step(step):
+                x = y = torch.zeros(2, 3)
+                for _ in range(3):
+                    x, y = fast(x + 1), slow(y + 0.001)
+    inst.close()
+    said = [r.getMessage() for r in caplog.records if "all delivered iterations" in r.getMessage()]
+    assert len(said) == 1 and "fast (3 calls), slow (3 calls)" in said[0] and "one rollout of 6" in said[0]
+
+
+def test_one_watched_module_and_a_probe_only_watch_are_not_said(caplog):
+    rule, other = torch.nn.Identity(), torch.nn.Identity()
+    inst = instrument.Instrumentation([instrument.IterationStats(images=False)], backends=[], log_interval=1)
+    inst.watch(rule)
+    inst.watch(other, state=False)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0):
+            x = torch.zeros(2, 3)
+            for _ in range(3):
+                x = other(rule(x + 1))
+    inst.close()
+    assert not [r for r in caplog.records if "all delivered iterations" in r.getMessage()]

@@ -148,7 +148,8 @@ class UpdateNorm(Observer):
             owned = True
             alpha = None if self._alpha_dim is None else following.select(self._alpha_dim + 1, self.alive_channel)
         k = dx.shape[0]
-        flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 2 else dx.reshape(k, 1, -1)
+        # [k, B, ...] -> [k, B, values per sample]; a 1-D state [B] is B samples of one value, a 0-d one one sample
+        flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 1 else dx.reshape(k, 1, -1)
         wide = reduction_dtype(flat.dtype, flat.device)  # a float64 dx keeps its range and digits, an int64 one too
         if flat.dtype != wide:
             flat, owned = flat.to(wide), True

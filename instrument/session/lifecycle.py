@@ -60,6 +60,7 @@ class StepLifecycle:
             recorder = self._recorder
             self._detach_all(failed)
             if not failed:
+                self._report_mixed(scope.step)
                 gradients = None
                 if recorder is not None:
                     gradients = recorder.gradients_in_forward_order()
@@ -94,6 +95,21 @@ class StepLifecycle:
         finally:
             self._current = None
             self._stop_clock(failed)
+
+    def _report_mixed(self, step: int) -> None:
+        """Two watched modules that both delivered iterations feed the observers one stream: said once."""
+        called = [(watch.name, watch.iterations) for watch in self._watches if watch.iterations]
+        if len(called) < 2 or self.__dict__.get("_mixed_said"):
+            return
+        self._mixed_said = True
+        log.warning(
+            "instrument: in logging step %d the watched modules %s all delivered iterations to the same observers, "
+            "which see them as one rollout of %d iterations: their states are mixed in every statistic "
+            "(IterationStats' iterations, UpdateNorm's l2/first and l2/last...), and states of different shapes "
+            "fail those observers' log. Watch one module per rollout with state=True (the module whose forward "
+            "is one iteration), the others with state=False, or give each rollout its own Instrumentation. "
+            "(Said once.)", step, ", ".join(f"{name} ({n} calls)" for name, n in called), sum(n for _, n in called),
+        )
 
     def _commit_failed(self, step: int) -> None:
         """Under a process group a failed step still commits (see the module docstring); a fault here is said,

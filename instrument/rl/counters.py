@@ -63,6 +63,7 @@ class Counters(RLComponent):
         self.frame_skip = frame_skip
         self.done_key, self.mask_key = done_key, mask_key
         self.iterations = 0
+        self.counting = False  # a batch was counted in the iteration in progress (since the last end_iteration)
         self._frames = 0
         self._episodes = 0
         self._frames_device: Optional[Tensor] = None
@@ -100,6 +101,7 @@ class Counters(RLComponent):
                 "Counters cannot tell how many frames this batch holds: pass frames=..., a TensorDict, or a "
                 f"batch with done at {self.done_key!r}."
             )
+        self.counting = True
         if done is not None:
             ended = (
                 split_features(done, shape, "done").to(torch.bool).any(dim=-1) if shape is not None else done
@@ -112,6 +114,7 @@ class Counters(RLComponent):
     def end_iteration(self, counters: Optional["Counters"] = None) -> bool:
         """One more iteration completed (``counters`` is this object when `RLLogging` calls it)."""
         self.iterations += 1
+        self.counting = False
         return False
 
     # ------------------------------------------------------------------ reading

@@ -32,7 +32,7 @@ Attached to a bare `Logger` (no session), the set guards its components with a l
 
 Resume: `state_dict` holds the counters, the evaluation schedule and, when attached to a session, the session's
 state (last committed step); after `load_state_dict` the next iteration continues the numbering, so no step is
-logged twice (with ``Instrumentation(resume=True)``, docs/backends.md).
+logged twice (``Instrumentation(resume=True)``). Saved inside an iteration, that iteration counts as done.
 
 A component that raises is reported once and skipped; the other components and the commit still happen
 (a configuration error propagates: it needs fixing, not skipping; but once a component's ``on_batch`` or
@@ -296,6 +296,7 @@ class RLLogging:
             yield self
         except BaseException:
             self.clock.cancel_all()
+            self.counters.counting = False  # not counted as an iteration; what it observed goes with the next
             raise
         self.clock.stop("iteration")
         self.end_iteration(eval_runner)
@@ -389,8 +390,12 @@ class RLLogging:
     # ------------------------------------------------------------------ resume and shutdown
     @_locked
     def state_dict(self) -> Dict[str, Any]:
-        """Everything a resumed run needs to continue counting and scheduling; plain Python values only."""
-        state: Dict[str, Any] = {"version": _STATE_VERSION, "counters": self.counters.state_dict()}
+        """What a resumed run needs to go on counting and scheduling (plain values; see Resume in the module doc)."""
+        counters, inst = self.counters.state_dict(), self.instrumentation
+        if self.counters.counting or (inst is not None and self.step_unit == "iterations" and inst.active_step ==
+                                      self.step):  # inside an iteration: done (else counted, or logged, twice)
+            counters["iterations"] += 1
+        state: Dict[str, Any] = {"version": _STATE_VERSION, "counters": counters}
         if self.evaluation is not None:
             state["evaluation"] = self.evaluation.state_dict()
         comps = {
@@ -399,8 +404,8 @@ class RLLogging:
             if name not in ("counters", "evaluation", "timing", "progress")
         }
         state["components"] = {k: v for k, v in comps.items() if v}
-        if self.instrumentation is not None:  # the session's last committed step and run name
-            state["session"] = self.instrumentation.state_dict()
+        if inst is not None:  # the session's last committed step and run name
+            state["session"] = inst.state_dict()
         return state
 
     @_locked
@@ -429,16 +434,14 @@ class RLLogging:
     @property
     def failures(self) -> Dict[str, int]:
         """Component name -> number of calls that raised (also in ``inst.failures`` when attached to one)."""
-        counts = self.instrumentation.failures if self.instrumentation is not None else self._own.failures
-        names = {name for name, _, _ in self.members}
+        counts, names = (self.instrumentation or self._own).failures, {name for name, _, _ in self.members}
         return {name: n for name, n in counts.items() if name in names}
 
     @_locked
     def close(self) -> None:
-        """Commit what is staged, and what the iterations after the last logging one gathered (at the last
-        iteration's step), then close the components, and the session if this set made it. Call it before
-        ``inst.close()``, which writes only what is staged. Idempotent. The progress bar closes here; the other
-        backends (W&B ``finish`` included) close with the logger, in ``Instrumentation.close()``."""
+        """Commit what is staged and what the iterations since the last logging one gathered (at the last
+        iteration's step), then close the components (the progress bar; W&B and the other backends close with the
+        logger) and the session if this set made it. Idempotent. Call it before ``inst.close()``."""
         if self._closed:
             return
         self._closed = True
@@ -493,5 +496,5 @@ class RLLogging:
             raise ConfigurationError("RLLogging is not attached; call rl.attach(instrumentation) first.")
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{n}={c!r}" for n, c in self.components if n != "evaluation")
-        return f"RLLogging({parts}, evaluation={self.evaluation!r}, step_unit={self.step_unit!r})"
+        parts = "".join(f"{n}={c!r}, " for n, c in self.components if n != "evaluation")
+        return f"RLLogging({parts}evaluation={self.evaluation!r}, step_unit={self.step_unit!r})"

@@ -376,6 +376,31 @@ def test_a_scripted_checkpoint_saved_in_a_logging_step_is_never_observed_as_anot
 
 
 
+def test_a_copy_of_the_watched_scripted_rule_made_and_run_in_the_same_logging_step_is_not_observed():
+    """A deepcopy (a target network) or a torch.jit.save / load of the scripted loop, made during a logging step,
+    kept the boundary's live token switched on: in the same process its calls were observed as iterations 3..8
+    of the watched three-iteration rollout. A boundary now also carries a key tensor of its own storage."""
+    import copy
+    import io
+
+    loop = torch.jit.script(Loop(instrument.script(new_rule())))
+    keep = Keep(probes=())
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1)
+    inst.watch(loop.rule)
+    x = seed_state()
+    with torch.no_grad(), inst.step(0):
+        out = loop(x, 3)
+        target = copy.deepcopy(loop)
+        buffer = io.BytesIO()
+        torch.jit.save(loop, buffer)
+        buffer.seek(0)
+        loaded = torch.jit.load(buffer)
+        assert torch.equal(target(x, 3), out) and torch.equal(loaded(x, 3), out)  # they run, and compute the same
+        loop(x, 1)  # the watched module itself still delivers, after the copies ran
+    inst.close()
+    assert [c["index"] for c in keep.contexts] == [0, 1, 2, 3]
+
+
 def _in_place_rule() -> StateInPlaceRule:
     torch.manual_seed(0)
     return StateInPlaceRule().eval()

@@ -189,14 +189,21 @@ def uninstall(recorder: Recorder) -> None:
 CallEnd = Callable[[Tensor, Tensor, Optional[Tensor]], None]
 # token -> what to do when a compiled-in call boundary with that token fires (only during logging steps).
 _call_ends: Dict[int, CallEnd] = {}
+# token -> the data_ptr of the watched boundary's own ``key`` tensor: a copy of the module (copy.deepcopy, a
+# torch.jit.save / load) made during the step carries the token, switched on, but a key of its own storage.
+_call_keys: Dict[int, int] = {}
 
 
-def on_call_end(token: int, callback: Optional[CallEnd]) -> None:
-    """Route ``instrument::call_end`` calls carrying ``token`` to ``callback``; None removes the route."""
+def on_call_end(token: int, callback: Optional[CallEnd], key: Optional[int] = None) -> None:
+    """Route ``instrument::call_end`` calls carrying ``token`` (and, for ``call_end_keyed``, the key tensor whose
+    ``data_ptr()`` is ``key``) to ``callback``; None removes the route."""
     if callback is None:
         _call_ends.pop(token, None)
+        _call_keys.pop(token, None)
     else:
         _call_ends[token] = callback
+        if key is not None:
+            _call_keys[token] = key
 
 
 # ---------------------------------------------------------------------------------------------- the operators
@@ -213,6 +220,10 @@ _lib.define("record(Tensor value, str name, bool copy) -> ()", alias_analysis="C
 _lib.define(
     "call_end(Tensor previous, Tensor current, Tensor? condition, int token) -> ()", alias_analysis="CONSERVATIVE"
 )
+_lib.define(  # what `instrument.script` compiles in now; call_end stays for modules saved before it
+    "call_end_keyed(Tensor previous, Tensor current, Tensor? condition, int token, Tensor key) -> ()",
+    alias_analysis="CONSERVATIVE",
+)
 _lib.define("record_grad(Tensor gradient, str name) -> ()", alias_analysis="CONSERVATIVE", tags=_FLEXIBLE)
 _lib.define("probe(Tensor value, str name, bool grad) -> Tensor", tags=_FLEXIBLE)
 _lib.define("probe_grad(Tensor gradient, str name) -> Tensor", tags=_FLEXIBLE)
@@ -227,6 +238,12 @@ def _record(value: Tensor, name: str, copy: bool) -> None:
 def _call_end(previous: Tensor, current: Tensor, condition: Optional[Tensor], token: int) -> None:
     callback = _call_ends.get(token)
     if callback is not None:
+        callback(previous, current, condition)
+
+
+def _call_end_keyed(previous: Tensor, current: Tensor, condition: Optional[Tensor], token: int, key: Tensor) -> None:
+    callback = _call_ends.get(token)
+    if callback is not None and _call_keys.get(token) == key.data_ptr():  # the watched module, not a copy of it
         callback(previous, current, condition)
 
 
@@ -261,6 +278,7 @@ def _probe_backward(ctx, gradient: Tensor):
 
 _lib.impl("record", _record, "CompositeExplicitAutograd")
 _lib.impl("call_end", _call_end, "CompositeExplicitAutograd")
+_lib.impl("call_end_keyed", _call_end_keyed, "CompositeExplicitAutograd")
 _lib.impl("record_grad", _record_grad, "CompositeExplicitAutograd")
 _lib.impl("probe", _probe, "CompositeExplicitAutograd")
 _lib.impl("probe_grad", _probe_grad, "CompositeExplicitAutograd")

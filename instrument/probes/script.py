@@ -273,13 +273,16 @@ class CallBoundary(nn.Module):
     """The switch of a compiled-in call boundary (a submodule named ``instrument_call``).
 
     Off (every non-logging step) the compiled hook is one bool test, like a probe that is off, and
-    `freeze` removes it entirely. ``token`` tells the session which watch a call belongs to.
+    `freeze` removes it entirely. ``token`` tells the session which watch a call belongs to, and ``key`` (a tensor
+    attribute: not a buffer, so ``.to()`` leaves it) that the call is the watched module's own: a copy made during
+    a logging step (``copy.deepcopy``, ``torch.jit.save``/``load``) keeps the token but gets a key of new storage.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.enabled = False
         self.token = 0
+        self.key = torch.zeros(1)
 
 
 _HOOK_GLOBALS: Dict[str, Any] = {
@@ -322,7 +325,8 @@ def _boundary_hook(schema: Any) -> Optional[Callable]:
             f"def {name}(module, {signature}) -> None:\n"
             f"    boundary = module.{_BOUNDARY}\n"
             f"    if boundary.enabled:\n"
-            f"        torch.ops.instrument.call_end(input[0], {current}, {condition}, boundary.token)\n"
+            f"        torch.ops.instrument.call_end_keyed(input[0], {current}, {condition}, boundary.token, "
+            f"boundary.key)\n"
         )
         filename = f"<instrument call boundary {name}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -447,7 +451,8 @@ def observe_calls(
     boundary_handle = None
     if boundary is not None:
         token = next(_tokens)
-        record.on_call_end(token, call_end)
+        key = boundary.getattr("key").data_ptr() if boundary.hasattr("key") else None  # None: saved before keys
+        record.on_call_end(token, call_end, key)
         boundary.setattr("token", token)
         boundary.setattr("enabled", True)
         boundary_handle = _BoundaryHandle(boundary, token)

@@ -1042,3 +1042,38 @@ def test_a_refused_logging_step_of_a_second_session_leaves_the_first_sessions_pr
     inner.close()
     assert_matches(first.seen, reference(rule, x0, N_ITER))
     assert_untouched(rule)
+
+
+class _EagerAround(torch.nn.Module):
+    """An eager per-iteration module whose work is a ScriptModule submodule with probes."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("how", ["instrument.script", "torch.jit.script"])
+def test_probes_of_a_scripted_submodule_of_an_eager_model_are_found_and_delivered(how):
+    """watch(outer) looked for `Probe` instances only: a ScriptModule child's probes are not, so none was found
+    (an observer asking for one was told to add it; otherwise its values were silently missing)."""
+    rule = new_rule().eval()
+    inner = instrument.script(rule) if how == "instrument.script" else torch.jit.script(rule)
+    outer = _EagerAround(inner)
+    keep = Keep()
+    inst = session(keep, log_interval=1)
+    inst.watch(outer)
+    assert sorted(inst.probe_names) == ["hidden", "update"]
+    x = seed_state()
+    with torch.no_grad(), inst.step(0):
+        for _ in range(3):
+            x = outer(x)
+    inst.close()
+    want = reference(new_rule().eval(), seed_state(), 3)
+    assert keep.indices == [0, 1, 2]
+    for got, ref in zip(keep.seen, want, strict=True):
+        for name in ("hidden", "update"):
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
+    assert not any(probe.enabled for _, probe in instrument.probes.script.scripted_probes(inner))  # off again

@@ -6,7 +6,7 @@ checks that names are unique. On a logging step the session calls `on` (set ``en
 compiled models route the forward through `ForwardSwitch`) and `off` when the step ends, also when it raises.
 """
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from torch import nn
 
@@ -43,7 +43,7 @@ class ProbeSet:
             for _, probe in found:
                 script.check_scriptable(probe)
         else:
-            found = [(path, sub) for path, sub in root.named_modules() if isinstance(sub, Probe)]
+            found = _eager_tree_probes(root)
         self.probes: Dict[str, nn.Module] = {}
         self.paths: Dict[str, str] = {}
         for path, probe in found:
@@ -84,14 +84,35 @@ class ProbeSet:
         return len(self.probes)
 
 
+def _eager_tree_probes(root: nn.Module) -> List[Tuple[str, Any]]:
+    """``(path, probe)`` of every probe under an eager ``root``: `Probe` modules, and the probes of ScriptModule
+    submodules (``self.inner = instrument.script(Rule())``), whose probes are not `Probe` instances there."""
+    found: List[Tuple[str, Any]] = []
+    scripted: List[str] = []  # paths of ScriptModule submodules: their own submodules are found through them
+    for path, sub in root.named_modules():
+        if any(path.startswith(prefix) for prefix in scripted):
+            continue
+        if isinstance(sub, Probe):
+            found.append((path, sub))
+        elif script.is_scripted(sub):
+            scripted.append(path + ".")
+            for inner, probe in script.scripted_probes(sub):
+                script.check_scriptable(probe)
+                found.append((f"{path}.{inner}", probe))
+    return found
+
+
 def _ancestors(root: nn.Module, paths: List[str]) -> List[nn.Module]:
-    """Every module on the way from ``root`` to each probe (the probe itself excluded), root first."""
+    """Every eager module on the way from ``root`` to each probe (the probe itself excluded), root first; a
+    ScriptModule and what is inside it are left out (no instance-level forward to switch there)."""
     out: List[nn.Module] = []
     for path in paths:
         module = root
         out.append(module)
         for part in path.split(".")[:-1]:
             module = getattr(module, part)
+            if script.is_scripted(module):
+                break
             out.append(module)
     return out
 

@@ -469,3 +469,44 @@ def test_a_scripted_loop_changing_the_state_between_calls_is_not_taken_for_an_in
     delivered = _loop_steps(loop, caplog)
     assert delivered == [list(range(N_ITER))] * 2
     assert "in place" not in caplog.text
+
+
+class _InterruptsAt(instrument.Observer):
+    """Raises Ctrl-C's KeyboardInterrupt at one iteration, as a SIGINT landing in observer code would."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__("interrupts")
+        self.at, self.indices = at, []
+
+    def reset(self) -> None:
+        self.indices = []
+
+    def observe(self, context) -> None:
+        self.indices.append(context.step_index)
+        if context.step_index == self.at and not getattr(self, "done", False):
+            self.done = True
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_an_observer_called_from_torchscript_code_reaches_the_loop_as_keyboard_interrupt(tmp_path):
+    """The observers run inside the call boundary's operator, and TorchScript turned the KeyboardInterrupt into
+    a RuntimeError: a loop's `except KeyboardInterrupt` (save and exit) never ran. Now it is raised when the step's
+    block exits, the step is discarded as any interrupted step, and the next step observes every iteration."""
+    loop = torch.jit.script(Loop(instrument.script(new_rule())))
+    observer = _InterruptsAt(1)
+    inst = instrument.Instrumentation(observers=[observer], backends=[instrument.JsonlBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r", overhead_budget=None)
+    inst.watch(loop.rule)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad(), inst.step(0):
+        inst.log({"loss": 1.0})
+        loop(seed_state(), 3)
+    assert observer.indices == [0, 1]  # nothing delivered after the interrupt
+    with torch.no_grad(), inst.step(1):
+        inst.log({"loss": 2.0})
+        loop(seed_state(), 3)
+    inst.close()
+    assert observer.indices == [0, 1, 2]
+    import json
+
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["metrics"]) for line in lines if "metrics" in line] == [(1, {"loss": 2.0})]

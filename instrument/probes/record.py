@@ -57,7 +57,7 @@ from torch import Tensor
 from instrument.core.recompute import in_recompute
 from instrument.errors import ProbeError
 
-__all__ = ["Recorder", "WatchGradient", "active_recorder", "install", "on_call_end", "uninstall"]
+__all__ = ["Recorder", "WatchGradient", "active_recorder", "install", "on_call_end", "take_interrupt", "uninstall"]
 
 log = logging.getLogger("instrument")
 
@@ -235,16 +235,38 @@ def _record(value: Tensor, name: str, copy: bool) -> None:
         recorder.put(name, value, copy)
 
 
+# Ctrl-C (or a SystemExit) raised while observers ran from a call boundary: TorchScript would hand it to the
+# caller as a RuntimeError, so a loop's `except KeyboardInterrupt` never ran. Kept here instead (nothing more is
+# delivered in that step) and raised by the session when the step's block exits (`take_interrupt`).
+_interrupted: List[BaseException] = []
+
+
+def take_interrupt() -> Optional[BaseException]:
+    """The Ctrl-C or SystemExit a call boundary's observers raised since the last call, once; else None."""
+    return _interrupted.pop(0) if _interrupted else None
+
+
+def _deliver_call(callback: CallEnd, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
+    if _interrupted:
+        return
+    try:
+        callback(previous, current, condition)
+    except Exception:
+        raise
+    except BaseException as exc:  # not wrapped into a RuntimeError by the TorchScript interpreter
+        _interrupted.append(exc)
+
+
 def _call_end(previous: Tensor, current: Tensor, condition: Optional[Tensor], token: int) -> None:
     callback = _call_ends.get(token)
     if callback is not None:
-        callback(previous, current, condition)
+        _deliver_call(callback, previous, current, condition)
 
 
 def _call_end_keyed(previous: Tensor, current: Tensor, condition: Optional[Tensor], token: int, key: Tensor) -> None:
     callback = _call_ends.get(token)
     if callback is not None and _call_keys.get(token) == key.data_ptr():  # the watched module, not a copy of it
-        callback(previous, current, condition)
+        _deliver_call(callback, previous, current, condition)
 
 
 def _record_grad(gradient: Tensor, name: str) -> None:

@@ -8,6 +8,7 @@ staged) and one attribute store (what `Instrumentation.log` logs at).
 from typing import TYPE_CHECKING, Optional
 
 from instrument.errors import ConfigurationError
+from instrument.probes import record
 
 if TYPE_CHECKING:
     from instrument.probes.embedded import ProbeSet
@@ -80,6 +81,11 @@ class StepScope:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._session._scope = None
         if self.active:
-            self._session._end(self, failed=exc_type is not None)
+            interrupt = record.take_interrupt()  # Ctrl-C in observers called from TorchScript code (`record`)
+            try:
+                self._session._end(self, failed=exc_type is not None or interrupt is not None)
+            finally:
+                if interrupt is not None:
+                    raise interrupt
         elif exc_type is not None and self._mark is not None:
             self._session._discard(self)

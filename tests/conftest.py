@@ -188,3 +188,15 @@ def run_child(tmp_path: Path, source: str, *args: str, timeout: float = 120.0) -
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
+
+
+def watched_rollout(inst, rule, seed, n: int, step: int = 0):
+    """Watch ``rule`` in ``inst``, run it ``n`` times from ``seed`` in logging step ``step``, close the session;
+    the states, ``seed`` first."""
+    inst.watch(rule)
+    states = [seed]
+    with inst.step(step):
+        for _ in range(n):
+            states.append(rule(states[-1]))
+    inst.close()
+    return states

@@ -10,7 +10,7 @@ from torch import nn
 import instrument
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.stats import channel_stats, iteration_channel_stats
-from tests.conftest import iteration_stats_in_tensorboard, read_scalars
+from tests.conftest import iteration_stats_in_tensorboard, read_scalars, watched_rollout
 
 
 class Keep(instrument.Backend):
@@ -685,15 +685,9 @@ def test_update_norm_of_many_values_per_sample_is_within_2e6_of_float64(tmp_path
     off, 4M values (reduced as they come) 6e-5. The norms are sums of squares now (pairwise). JSONL read back."""
     g = torch.Generator().manual_seed(0)
     x = offset + torch.rand(*seed_shape, generator=g)
-    rule = _Nudge()
     inst = instrument.Instrumentation([instrument.UpdateNorm()], backends=[instrument.JsonlBackend()], log_interval=1,
                                       log_dir=str(tmp_path), run_name="r", overhead_budget=None)
-    inst.watch(rule)
-    states = [x]
-    with inst.step(0):
-        for _ in range(3):
-            states.append(rule(states[-1]))
-    inst.close()
+    states = watched_rollout(inst, _Nudge(), x, 3)
     (line,) = [json.loads(s) for s in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"step"' in s]
     s64 = [s.double().numpy().reshape(seed_shape[0], -1) for s in states]
     norms = [np.sqrt(((b - a) ** 2).sum(axis=1)).mean() for a, b in zip(s64, s64[1:], strict=False)]

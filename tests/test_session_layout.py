@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import instrument
-from tests.conftest import event_accumulator
+from tests.conftest import event_accumulator, watched_rollout
 from tests.test_rollout_video import composite_reference, gif_frames
 
 
@@ -73,17 +73,11 @@ class Roll(nn.Module):
 def test_rollout_video_takes_the_sessions_channel_dim(tmp_path):
     g = torch.Generator().manual_seed(3)
     seed = torch.randint(0, 5, (2, 4, 7, 5), generator=g).float() / 4.0  # [B, H, W, C]: few colours, GIF-exact
-    rule = Roll()
     inst = instrument.Instrumentation(
         [instrument.RolloutVideo(upscale=1)], backends=[instrument.TensorBoardBackend()], log_interval=1,
         log_dir=str(tmp_path), run_name="r", channel_dim=-1, overhead_budget=None,
     )
-    inst.watch(rule)
-    states = [seed]
-    with inst.step(0):
-        for _ in range(3):
-            states.append(rule(states[-1]))
-    inst.close()
+    states = watched_rollout(inst, Roll(), seed, 3)
     (event,) = event_accumulator(tmp_path / "r").Images("rollout/video")
     frames, _ = gif_frames(event.encoded_image_string)
     want = [composite_reference(s[0].permute(2, 0, 1).numpy()) for s in states]  # sample 0, channels first

@@ -93,18 +93,17 @@ def starting() -> Iterator[None]:
         yield
         return
     install()
+    signum = None
     _state["starting"] += 1
     try:
         yield
     except _Terminated as exc:
-        _state["starting"] -= 1
-        if _state["starting"] == 0:
-            os.kill(os.getpid(), exc.signum)  # handled at once, on this thread: the default action ends the process
+        signum = exc.signum
         raise
-    except BaseException:
+    finally:
         _state["starting"] -= 1
-        raise
-    _state["starting"] -= 1
+        if signum is not None and not _state["starting"]:
+            os.kill(os.getpid(), signum)  # handled at once, on this thread: the default action ends the process
 
 
 def register(logger: Any) -> None:

@@ -154,6 +154,9 @@ def overflowed(before: Any, value: Any, total: float) -> Any:
     return total
 
 
+_TINY = sys.float_info.min  # the smallest normal float64
+
+
 def weighted(value: Any, weight: Any) -> Any:
     """``value * weight`` for a weighted interval sum; an `ExactSum` where two finite floats' product leaves
     float64's range (``1e308 * 2.0``) or its normal numbers (``1e-200 * 1e-200`` is 0, ``1e-160 * 1e-160`` keeps
@@ -164,9 +167,6 @@ def weighted(value: Any, weight: Any) -> Any:
                 and math.isfinite(weight):
             return ExactSum(Fraction(value) * Fraction(weight))
     return product
-
-
-_TINY = sys.float_info.min  # the smallest normal float64
 
 
 def add(before: Any, value: Any) -> Any:

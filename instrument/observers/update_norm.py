@@ -160,7 +160,7 @@ class UpdateNorm(Observer):
             # float32 norms of 25,600 values per sample 1e-5 off and of a million 6e-5 (torch 2.13). The same range
             # (neither scales); 2.3x the time of one vector_norm there (0.46 ms instead of 0.20 ms for the bench
             # NCA's 32 iterations), two more small kernels on a GPU.
-            norms = (flat.square_() if owned and flat.is_contiguous() else flat.square()).sum(dim=2).sqrt_()
+            norms = (flat.square_() if owned else flat.square()).sum(dim=2).sqrt_()
         norms = norms.mean(1)
         if alpha is not None:
             alive = (alpha > self.alive_threshold).reshape(k, -1).float().mean(dim=1)

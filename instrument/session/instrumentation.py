@@ -163,6 +163,7 @@ class Instrumentation(StepLifecycle):
         self._overhead = overhead
         self._overhead_warned = False
         self._discard_reported = False
+        self._mixed_said = False  # two watched modules delivered iterations in one step (`_report_mixed`)
         self.system_monitor = system_monitor
         # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
         with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):

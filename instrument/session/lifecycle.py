@@ -99,7 +99,7 @@ class StepLifecycle:
     def _report_mixed(self, step: int) -> None:
         """Two watched modules that both delivered iterations feed the observers one stream: said once."""
         called = [(watch.name, watch.iterations) for watch in self._watches if watch.iterations]
-        if len(called) < 2 or self.__dict__.get("_mixed_said"):
+        if len(called) < 2 or self._mixed_said:
             return
         self._mixed_said = True
         log.warning(

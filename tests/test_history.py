@@ -132,12 +132,14 @@ def test_review_findings_on_the_history_and_the_backends_around_it(tmp_path, cap
         logger.log_histogram("ids", torch.tensor(ids), step=20)
         logger.log_histogram("reward", torch.tensor(rewards), step=20)
         logger.commit(20)
-    logger.log_metrics({"x": 1.0}, step=2**64)
+    with pytest.raises(instrument.InvalidValueError, match="between 0 and 2"):
+        logger.log_metrics({"x": 1.0}, step=2**64)  # TensorBoard, W&B and MLflow could not store it
+    logger.log_metrics({"x": 1.0}, step=2**63 - 1)
     logger.close()
     frame = history.to_dataframe()
     assert dict(zip(frame["sample"], frame["reward"], strict=True)) == {1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0}
     steps, values = history.series("x")
-    assert steps.tolist() == [2**64] and values.tolist() == [1.0]
+    assert steps.tolist() == [2**63 - 1] and values.tolist() == [1.0]
 
     with pytest.raises(ConfigurationError, match="lists one backend instance twice"):
         Logger([history, history])

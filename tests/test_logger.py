@@ -182,7 +182,8 @@ _PATHS = {  # one call per staging path: a float block, a tensor block, the per-
 @pytest.mark.parametrize("path", sorted(_PATHS))
 @pytest.mark.parametrize(
     "step, pattern",
-    [(True, "step must be an int, got bool"), (2.0, "got float"), ("3", "got str"), (-1, "step must be >= 0")],
+    [(True, "step must be an int, got bool"), (2.0, "got float"), ("3", "got str"),
+     (-1, r"step must be between 0 and 2\*\*63 - 1 .*got -1"), (2**63, r"2\*\*63 - 1 .*got 9223372036854775808")],
 )
 def test_a_bad_step_is_refused_on_every_path_and_stages_nothing(path, step, pattern):
     keep = Keep()

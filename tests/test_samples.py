@@ -6,6 +6,7 @@ import logging
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,7 +88,8 @@ def test_tensorboard_text_and_jsonl_list(tmp_path):
     assert [e.step for e in events] == [5]
     text = events[0].tensor_proto.string_val[0].decode()
     assert text == markdown_table(_rows()[:2])
-    assert "| input | output | score | length |" in text and "| prompt 1 | answer 1 | 0.9 | 1 |" in text
+    assert "| input | output | score | length |" in text
+    assert "| prompt 1 | answer 1 | 0.8999999761581421 | 1 |" in text  # float32 0.9, as JSONL holds it
     line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["step"] == 5
     assert line["samples"]["val/samples"][1] == {
@@ -237,3 +239,17 @@ def test_a_field_with_a_carriage_return_or_a_backslash_before_a_pipe_stays_in_it
     assert [len(row) for row in cells] == [3, 3, 3, 3], cells
     assert [row[1] for row in cells] == ["x", "y|z", "w", "v"]
     assert cells[2][0] == "p\\|q" and cells[1][0] == "c:\\" and cells[0][0] == "a|b"
+
+
+def test_tensorboard_samples_table_keeps_every_digit_of_a_float(tmp_path):
+    """The table a user reads in TensorBoard holds the number JSONL, W&B and MLflow hold, not 4 digits of it."""
+    logger = Logger([TensorBoardBackend(), JsonlBackend()], RunInfo("r", tmp_path))
+    values = [float(np.float16(0.1)), 60000.0, 1e-300, 123456.789, float("nan")]
+    logger.log_samples("val/samples", [{"input": f"p{i}", "score": v} for i, v in enumerate(values)], step=1)
+    logger.commit(1)
+    logger.close()
+    text = event_accumulator(tmp_path / "r").Tensors("val/samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    cells = [line.split("|")[2].strip() for line in text.splitlines()[2:]]
+    assert cells == ["0.0999755859375", "60000.0", "1e-300", "123456.789", "nan"]
+    stored = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])["samples"]["val/samples"]
+    assert [float(row["score"]) for row in stored[:4]] == [float(c) for c in cells[:4]]

@@ -25,14 +25,15 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from instrument.errors import ConfigurationError
 
 __all__ = [
-    "USER_HEAD", "Backend", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_backends", "name_apart"
+    "USER_HEAD", "Backend", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_backends", "name_apart",
+    "strip_user", "under_user",
 ]
 
 log = logging.getLogger("instrument")
@@ -148,29 +149,46 @@ class StepRecord:
         """The scalars and the timings as one dict, timings keyed ``timing/<name>/<stat>``.
 
         Those keys (``<stat>`` one of mean, min, max, count) are the timers' (`Logger.timer`): a scalar the user
-        logged under one is always written as ``user/<key>`` (a number added while that is taken too), at every
-        step whether or not a timer of that name ran there, with one warning per key. So neither value replaces
-        the other, and neither series mixes the two (renaming only on a collision would switch the user's series
-        to the timer's values at every step the timer ran). Any other ``timing/...`` metric is written as
-        logged."""
+        logged under one is always written as ``user/<key>``, at every step whether or not a timer of that name
+        ran there, with one warning per key. So is a key of that form already under ``user/`` (a metric logged as
+        ``user/timing/t/mean`` is written as ``user/user/timing/t/mean``): the renaming is then one-to-one and
+        the same at every step (`under_user`), so no two of the user's series, and no user series and a timer,
+        ever share a key. Any other ``timing/...`` metric is written as logged."""
         out = dict(self.scalars)
-        reserved = [key for key in out if key.startswith("timing/") and _is_timer_key(key)]
-        for key in reserved:
-            name, number = f"{USER_HEAD}{key}", 1
-            while name in out:
-                number += 1
-                name = f"{USER_HEAD}{key}_{number}"
+        for key in [key for key in out if key.startswith(_TIMER_HEADS) and _is_timer_key(strip_user(key))]:
+            name = USER_HEAD + key
             out[name] = out.pop(key)
             if key not in _SAID:
                 _SAID[key] = None
-                log.warning("instrument: the metric %r was logged under a key of the form timing/<name>/<stat>, "
-                            "which holds the statistics of Logger.timer(%r); the backends write it as %r at every "
-                            "step. Name the metric outside timing/ (or give it another last part) to choose its "
-                            "key; said once per key.", key, key[len("timing/"):].rpartition("/")[0], name)
+                log.warning("instrument: the metric %r was logged under a key of the form [user/]timing/<name>/<stat>, "
+                            "whose timing/ form holds the statistics of Logger.timer(%r); the backends write it as "
+                            "%r at every step. Name the metric outside timing/ (or give it another last part) to "
+                            "choose its key; said once per key.", key,
+                            strip_user(key)[len("timing/"):].rpartition("/")[0], name)
         for timer, stats in self.timings.items():
             for stat, value in stats.items():
                 out[f"timing/{timer}/{stat}"] = value
         return out
+
+
+_TIMER_HEADS = ("timing/", USER_HEAD)
+
+
+def strip_user(key: str) -> str:
+    """``key`` without its leading ``user/`` parts (``user/user/_x`` -> ``_x``)."""
+    while key.startswith(USER_HEAD):
+        key = key[len(USER_HEAD):]
+    return key
+
+
+def under_user(key: str, reserved: Callable[[str], bool]) -> str:
+    """``user/<key>`` when ``key`` with its leading ``user/`` parts taken off is ``reserved``, else ``key``.
+
+    A backend that must move the keys some form holds (W&B's ``_step``, the timers' ``timing/t/mean``) moves
+    them this way: the keys already under ``user/`` that reduce to such a form move one level further, so two
+    different keys never end up as one and the choice depends on the key alone, the same at every step and in
+    every process (a rename chosen by what else the step held switched a series between keys)."""
+    return USER_HEAD + key if reserved(strip_user(key)) else key
 
 
 def _is_timer_key(key: str) -> bool:

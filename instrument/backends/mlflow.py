@@ -11,8 +11,9 @@ import time
 import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
+from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, SYSTEM_HEADS, is_system, unique_name
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
@@ -24,7 +25,7 @@ __all__ = ["MlflowBackend"]
 _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _MAX_PARAM_VALUE = 6000
-_MAX_KEY = 250
+_THUMBNAIL = 256  # MLflow's thumbnail side (mlflow.tracking.multimedia.COMPRESSED_IMAGE_SIZE)
 _CHANGED = "instrument.param/"  # run tags holding a param's later values (MLflow params cannot change)
 log = logging.getLogger("instrument")
 
@@ -141,6 +142,7 @@ class MlflowBackend(Backend):
         self._param_owners: Dict[str, Optional[str]] = {}  # param name -> its key (None: held before a resume)
         self._drops = Drops(self.name)
         self._media_names: Dict[str, Tuple[Dict[str, str], Dict[str, Optional[str]]]] = {}  # per kind (`_media_name`)
+        self._said_system: set = set()  # training keys under system/ moved to user/ (`_training_key`), said once
         self._held_params: Optional[Tuple[Dict[str, Any], Optional[str]]] = None  # logged before the run opened
 
     @contextlib.contextmanager
@@ -249,13 +251,13 @@ class MlflowBackend(Backend):
         drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
         items, changed = {}, []
         for key, value in params.items():
-            name = self._unique_name(key, self._param_names, self._param_owners, "hyperparameter")
+            name = unique_name(key, self._param_names, self._param_owners, "hyperparameter")
             text = utf8(drops, "hyperparameter", key, str(value))[:_MAX_PARAM_VALUE]
             held = self._params.get(name)
             if held is None:
                 items[name] = text
             elif held != text:
-                changed.append(RunTag(f"{_CHANGED}{name}"[:_MAX_KEY], text))
+                changed.append(RunTag(f"{_CHANGED}{name}"[:MAX_KEY], text))
                 drops.say(name, "changed param", logging.WARNING,
                           "instrument: MLflow cannot change the param %r once logged: it keeps %r; the new value %r "
                           "is set as the run tag %r (later changes of it are logged at DEBUG only).",
@@ -283,38 +285,27 @@ class MlflowBackend(Backend):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
 
     def _metric_name(self, key: str) -> str:
-        return self._unique_name(key, self._names, self._owners, "metric")
+        return unique_name(key, self._names, self._owners, "metric")
+
+    def _training_key(self, key: str) -> str:
+        """A training metric's key: ``user/<key>`` (one warning) for one under ``system/``, where the system
+        monitor's samples go, on their seconds axis: one MLflow series would mix training steps and seconds. A
+        key already under ``user/`` that reduces to such a key moves one level further (`under_user`)."""
+        name = under_user(key, is_system)
+        if name is not key and key not in self._said_system:
+            self._said_system.add(key)
+            log.warning("instrument: MlflowBackend logs the training metric %r as %r: MLflow keys under system/ "
+                        "hold the system monitor's samples, stepped in seconds, and one series would mix the two. "
+                        "(Said once per key.)", key, name)
+        return name
 
     def _media_name(self, kind: str, key: str) -> str:
         """A media key's MLflow name, unique within its kind (two tags that sanitise alike would overwrite each
-        other's files)."""
+        other's files). An image's is ASCII and at most `MAX_IMAGE_KEY` long: it names the image's files."""
         names, owners = self._media_names.setdefault(kind, ({}, {}))
-        return self._unique_name(key, names, owners, kind)
-
-    @staticmethod
-    def _unique_name(key: str, names: Dict[str, str], owners: Dict[str, Optional[str]], what: str) -> str:
-        """A key's MLflow name for the whole run. Sanitising can map two keys to one name (``acc[top1]`` and
-        ``acc_top1_`` both to ``acc_top1_``), which would merge two metric series into one, or make MLflow refuse
-        a batch with a duplicate param: the later key gets a numbered name (``acc_top1__2``) and one warning
-        naming both keys. A name the run held before a resume (owner None) is taken by the first key that maps
-        to it."""
-        name = names.get(key)
-        if name is not None:
-            return name
-        name = safe = _safe_name(key)
-        number = 1
-        while name in owners and owners[name] is not None:
-            number += 1
-            name = f"{safe[: _MAX_KEY - 8]}_{number}"
-        if number > 1:
-            log.warning(
-                "instrument: MLflow %s key %r sanitises to %r, the MLflow name of key %r; it is logged as %r "
-                "instead, so the two stay apart. Rename one of the keys to avoid this.",
-                what, key, safe, owners[safe], name,
-            )
-        names[key] = name
-        owners[name] = key
-        return name
+        if kind == "image":
+            return unique_name(key, names, owners, kind, MAX_IMAGE_KEY, re.ASCII)
+        return unique_name(key, names, owners, kind)
 
     @property
     def resume_id(self) -> Optional[str]:
@@ -329,7 +320,10 @@ class MlflowBackend(Backend):
 
     def _write(self, record: StepRecord) -> None:
         step = record.step
-        self._log_metrics(record.flat_scalars(), step, record.wall_time)
+        scalars = record.flat_scalars()
+        if any(key.startswith(SYSTEM_HEADS) for key in scalars):
+            scalars = {self._training_key(key): value for key, value in scalars.items()}
+        self._log_metrics(scalars, step, record.wall_time)
         failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
 
         def each(kind: str, items, write) -> None:
@@ -342,7 +336,12 @@ class MlflowBackend(Backend):
         stamp = int(record.wall_time * 1000)
 
         def image(key: str, value) -> None:  # key + step: the UI shows one image card per key, with a step slider
-            self.client.log_image(self.run_id, value, key=self._media_name("image", key), step=step, timestamp=stamp)
+            name = self._media_name("image", key)
+            height, width = value.shape[:2]
+            if min(height, width) * _THUMBNAIL < max(height, width):  # MLflow's thumbnail would have a side of 0
+                self.client.log_image(self.run_id, value, artifact_file=f"images/{name}/step_{step:08d}.png")
+                return
+            self.client.log_image(self.run_id, value, key=name, step=step, timestamp=stamp)
 
         def text(key: str, value) -> None:  # MLflow writes text as UTF-8: lone surrogates escaped
             path = f"text/{self._media_name('text', key)}/step_{step:08d}.txt"
@@ -449,20 +448,6 @@ def _is_unreachable(exc: BaseException) -> bool:
     transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
     text = str(exc)
     return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
-
-
-def _safe_name(name: str) -> str:
-    """A key MLflow accepts: allowed characters only, at most 250 of them, and a path that normalises to itself.
-
-    The path is normalised again after the cut: a cut that ends in ``/`` (or leaves a last part ``.`` or
-    ``..``) is a name MLflow refuses, which would fail the whole ``log_batch`` of the step."""
-    cleaned = re.sub(r"[^/\w.\- ]", "_", str(name))
-    return _path(_path(cleaned)[:_MAX_KEY]) or "_"
-
-
-def _path(name: str) -> str:
-    """``name`` without empty parts, with the parts ``.`` and ``..`` written ``_`` and ``__``."""
-    return "/".join(p if p not in (".", "..") else p.replace(".", "_") for p in name.split("/") if p)
 
 
 def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -102,6 +102,7 @@ class TensorBoardBackend(Backend):
         self._media_tags: dict = {}  # tag -> the media kind it holds
         self._renamed: dict = {}  # kind -> {key: the tag a value of that kind and key is written under}
         self._moved_tags: set = set()  # tags made for media values moved off a taken tag (``reward/histogram``)
+        self._moved_scalars: set = set()  # tags made for scalars moved off a media value's tag (``reward/scalar``)
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
@@ -218,8 +219,12 @@ class TensorBoardBackend(Backend):
 
     def _scalar_kind(self, scalars: Mapping[str, float]) -> Mapping[str, float]:
         """The scalars under their tags: ``<key>/scalar`` for a key a media value of the run holds (one warning)."""
-        if self._media_tags and not self._media_tags.keys().isdisjoint(scalars):
-            scalars = {self._moved("scalar", k) if k in self._media_tags else k: v for k, v in scalars.items()}
+        if ((self._media_tags and not self._media_tags.keys().isdisjoint(scalars))
+                or (self._moved_scalars and not self._moved_scalars.isdisjoint(scalars))):
+            # a scalar whose key a media value holds moves; so does one whose key a moved scalar took (the user's
+            # own ``pic/scalar`` logged after ``pic`` moved there): one tag never mixes two series
+            scalars = {self._moved("scalar", k, scalars) if k in self._media_tags or k in self._moved_scalars else k: v
+                       for k, v in scalars.items()}
         self._scalar_tags.update(scalars)
         return scalars
 
@@ -235,15 +240,17 @@ class TensorBoardBackend(Backend):
             return key
         return self._moved(kind, key)
 
-    def _moved(self, kind: str, key: str) -> str:
+    def _moved(self, kind: str, key: str, row: Any = ()) -> str:
         moved = self._renamed.setdefault(kind, {})
         if key not in moved:
             name, number = f"{key}/{kind}", 1
-            while name in self._scalar_tags or name in self._media_tags:
+            while name in self._scalar_tags or name in self._media_tags or name in row or name in self._moved_scalars:
                 number += 1
                 name = f"{key}/{kind}_{number}"
             moved[key] = name
-            if kind != "scalar":
+            if kind == "scalar":
+                self._moved_scalars.add(name)
+            else:
                 self._media_tags[name] = kind
                 self._moved_tags.add(name)
             log.warning("instrument: TensorBoardBackend writes the %s %r under the tag %r: the tag %r already holds "

@@ -6,11 +6,11 @@ import logging
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord
+from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord, strip_user, under_user
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
@@ -21,9 +21,15 @@ from instrument.terminal.samples import cell, columns
 
 SCALAR = "scalar"  # the kind named in `_renamed` for a scalar moved off a media value's key
 # W&B keeps the top-level keys that start with "_" for itself (_step, _runtime, _timestamp, _wandb): a value
-# logged under one is silently replaced by W&B's own or replaces it. Such a key of ours goes under the head a
-# user's metric under a timer's key goes under too (`StepRecord.flat_scalars`).
-RESERVED_HEAD = USER_HEAD
+# logged under one is silently replaced by W&B's own or replaces it. Keys under system/ are the system monitor's
+# (W&B plots them against its seconds). Such a key of ours goes under user/, where a user's metric under a timer's
+# key goes too (`StepRecord.flat_scalars`, `under_user`).
+_RENAMED_HEADS = ("_", "system/", USER_HEAD)
+
+
+def _reserved(key: str) -> bool:
+    return key[:1] == "_" or key.startswith("system/")
+
 
 __all__ = ["WandbBackend"]
 
@@ -112,7 +118,8 @@ class WandbBackend(Backend):
         self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
         self._renamed: dict = {}  # (kind, key) -> the W&B key a value of that kind and key is logged under
         self._media_names: set = set()  # W&B keys media values took under their own name
-        self._moved_names: set = set()  # W&B keys made for media values moved off a taken key (``reward/histogram``)
+        self._resumed_media: set = set()  # media keys a resumed offline run's earlier folders hold (`_free`)
+        self._moved_names: set = set()  # W&B keys made for values moved off a taken key (``reward/histogram``)
         self._written: Optional[int] = None  # a resumed offline run: the last step its earlier folders hold
 
     def open(self, run: RunInfo) -> None:
@@ -140,6 +147,7 @@ class WandbBackend(Backend):
         if _resume(run, self.name) and getattr(self.run, "offline", False):
             self._written = _offline_last_step(self.run)
             self._scalar_keys, self._media_names = _offline_keys(self.run)
+            self._resumed_media = set(self._media_names)  # maybe names of values moved before: taken again
 
     def _holds(self, step: int) -> bool:
         """Whether the run already holds ``step``: online W&B knows its last step; a resumed offline run
@@ -170,34 +178,50 @@ class WandbBackend(Backend):
         # Keys UTF-8 cannot encode (os.fsdecode names) escaped: W&B's protobuf would refuse the whole row.
         scalars: dict = self._scalar_names(utf8_keys(drops, "scalar", record.flat_scalars()))
         self._scalar_keys.update(scalars)
-        images = ((k, v) for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
-        histograms = ((k, v) for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
+        sources = {
+            "image": {k: v for k, v in utf8_keys(drops, "image", record.images).items() if v is not None},
+            "histogram": {k: v for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size},
+            "text": utf8_keys(drops, "text", record.texts),
+            "video": utf8_keys(drops, "video", record.videos),
+            "table": utf8_keys(drops, "samples table", record.samples),
+        }
+        convert = {
+            "image": lambda k, v: _image(wandb, v),
+            "histogram": lambda k, v: _histogram(wandb, drops, k, v),
+            "text": lambda k, v: wandb.Html(f"<pre>{_escape(utf8(drops, 'text', k, v))}</pre>"),
+            "video": lambda k, v: _video(wandb, *v),
+            "table": lambda k, v: _table(wandb, drops, k, v),
+        }
         videos: dict = {}
-        failed = write_each(utf8_keys(drops, "video", record.videos),
-                            lambda key, frames, fps: videos.__setitem__(key, _video(wandb, frames, fps)))
+        failed = write_each(sources["video"], lambda key, frames, fps: videos.__setitem__(
+            key, convert["video"](key, (frames, fps))))
         media = {
-            "image": drops.each("image", images, lambda k, v: wandb.Image(v), "an HWC image"),
-            "histogram": drops.each("histogram", histograms, lambda k, v: _histogram(wandb, drops, k, v),
+            "image": drops.each("image", sources["image"].items(), convert["image"], "an HWC image"),
+            "histogram": drops.each("histogram", sources["histogram"].items(), convert["histogram"],
                                     "real numbers, at least one finite, within the float range"),
-            "text": drops.each("text", utf8_keys(drops, "text", record.texts).items(),
-                               lambda k, v: wandb.Html(f"<pre>{_escape(utf8(drops, 'text', k, v))}</pre>"), "a str"),
+            "text": drops.each("text", sources["text"].items(), convert["text"], "a str"),
             "video": videos,
-            "table": drops.each("samples table", utf8_keys(drops, "samples table", record.samples).items(),
-                                lambda k, v: _table(wandb, drops, k, v), "rows of strings and numbers"),
+            "table": drops.each("samples table", sources["table"].items(), convert["table"],
+                                "rows of strings and numbers"),
         }
         data = dict(scalars)
+        made: Dict[str, Tuple[str, str]] = {}  # W&B key -> (kind, key): a value made again for a retry (`_log`)
         for kind, values in media.items():
             for key, value in values.items():
-                data[self._media_key(kind, key, data)] = value
+                name = self._media_key(kind, key, data)
+                data[name], made[name] = value, (kind, key)
         if self._system:
             data = {**self._system, **data}
-        self._log(data, scalars, record.step)
+        self._log(data, scalars, record.step,
+                  lambda name: convert[made[name][0]](made[name][1], sources[made[name][0]][made[name][1]]))
         self._system = {}
         raise_failures(self.name, record.step, failed)
 
-    def _log(self, data: dict, scalars: dict, step: int) -> None:
-        """``run.log`` the row; if W&B refuses it while serialising a media value, log the scalars (and system
-        samples) alone and drop the media, named, so one value never costs the step its numbers."""
+    def _log(self, data: dict, scalars: dict, step: int, remake: Callable[[str], Any]) -> None:
+        """``run.log`` the row. If W&B refuses it while serialising a media value, each media value is made again
+        (``remake``: a W&B media object that failed once stays bound to the failed file) and staged on its own
+        (``commit=False``); the ones W&B refuses are dropped, named. Then the scalars (and system samples)
+        commit the row. So one value never costs the step its numbers or its other media values."""
         try:
             self.run.log(data, step=step, commit=True)
             return
@@ -205,26 +229,29 @@ class WandbBackend(Backend):
             plain = {k: v for k, v in data.items() if k in scalars or k in self._system}
             if len(plain) == len(data):
                 raise
-            error = exc
-        self.run.log(plain, step=step, commit=True)  # raises again when W&B itself is the problem
+            first = exc
         for key in data.keys() - plain.keys():
-            self._drops.drop("media value", key, f"a value run.log refused ({type(error).__name__}: {error})",
-                             "a value W&B can serialise")
+            try:
+                self.run.log({key: remake(key)}, step=step, commit=False)
+            except Exception as exc:
+                error = exc if len(data) - len(plain) > 1 else first
+                self._drops.drop("media value", key, f"a value run.log refused ({type(error).__name__}: {error})",
+                                 "a value W&B can serialise")
+        self.run.log(plain, step=step, commit=True)  # raises again when W&B itself is the problem
 
-    def _unreserved(self, key: str, taken: Any = ()) -> str:
-        """``key``, or ``user/<key>`` for a key W&B reserves (one that starts with ``_``), with one warning; a
-        number is added while that name is ``taken`` (a key of the row) or another key of the run's."""
-        if key[:1] != "_":
-            return key
-        name = self._renamed.get(("reserved", key))
-        if name is None:
-            name, number = RESERVED_HEAD + key, 1
-            while name in taken or name in self._scalar_keys or name in self._media_names:
-                number += 1
-                name = f"{RESERVED_HEAD}{key}_{number}"
+    def _unreserved(self, key: str) -> str:
+        """``key``, or ``user/<key>`` (one warning) for a key W&B keeps for itself: one that starts with ``_``
+        (``_step``), and one under ``system/``, where the system monitor's samples go and which W&B plots against
+        their seconds. A key already under ``user/`` that reduces to such a key moves one level further
+        (`under_user`), so two keys never become one and the choice is the same at every step."""
+        name = under_user(key, _reserved)
+        if name is not key and ("reserved", key) not in self._renamed:
             self._renamed[("reserved", key)] = name
-            log.warning("instrument: WandbBackend logs %r as %r: W&B keeps the keys that start with '_' (_step, "
-                        "_runtime, _timestamp...) for itself and would silently replace the value.", key, name)
+            log.warning("instrument: WandbBackend logs %r as %r: %s", key, name,
+                        "W&B plots every key under system/ against the system monitor's seconds, and a system "
+                        "sample of that name would replace it in a row." if strip_user(key).startswith("system/")
+                        else "W&B keeps the keys that start with '_' (_step, _runtime, _timestamp...) for itself "
+                        "and would silently replace the value.")
         return name
 
     def _media_key(self, kind: str, key: str, data: dict) -> str:
@@ -235,18 +262,13 @@ class WandbBackend(Backend):
         renamed = self._renamed.get((kind, key))
         if renamed is not None:
             return renamed
-        original, key = key, self._unreserved(key, data)
+        original, key = key, self._unreserved(key)
         if key not in data and key not in self._scalar_keys and key not in self._moved_names:
             self._renamed[(kind, original)] = key  # fixed at first use: a later scalar of that name moves instead
             self._media_names.add(key)
             return key
-        name, number = f"{key}/{kind}", 1
-        while name in data or name in self._scalar_keys or name in self._moved_names:
-            number += 1
-            name = f"{key}/{kind}_{number}"
+        name = self._free(f"{key}/{kind}", data)
         self._renamed[(kind, original)] = name
-        # taken for good: the user's own value of that name moves instead (it would mix two series in one key)
-        self._moved_names.add(name)
         self._media_names.add(name)  # and a scalar of that name goes under ``<name>/scalar``
         log.warning(
             "instrument: WandbBackend logs the %s %r as %r: a scalar (or another value) of the run already has the "
@@ -255,23 +277,38 @@ class WandbBackend(Backend):
         )
         return name
 
+    def _free(self, name: str, row: Any) -> str:
+        """``name``, numbered (``_2``, ...) while this row or the run has it; taken for good: a value the user
+        logs under that name later moves instead (one key never mixes two series)."""
+        base, number = name, 1
+        while (name in row or name in self._scalar_keys or name in self._moved_names
+               or (name in self._media_names and name not in self._resumed_media)):
+            number += 1
+            name = f"{base}_{number}"
+        self._moved_names.add(name)
+        return name
+
     def _scalar_names(self, scalars: dict) -> dict:
         """The scalars under their W&B keys: ``user/<key>`` for a key W&B reserves (`_unreserved`); a scalar
-        whose key a media value of the run already holds goes under ``<key>/scalar`` (one warning), so no W&B
-        key ever holds both a number and a media value."""
-        if self._media_names.isdisjoint(scalars) and not any(key[:1] == "_" for key in scalars):
+        whose key a media value of the run, or a value moved off its own key, already holds goes under
+        ``<key>/scalar`` (numbered while that is taken too; one warning), so no W&B key ever holds both a number
+        and a media value, or two series."""
+        if (self._media_names.isdisjoint(scalars) and self._moved_names.isdisjoint(scalars)
+                and not any(key.startswith(_RENAMED_HEADS) for key in scalars)):
             return scalars
         out = {}
         for key, value in scalars.items():
-            key = self._unreserved(key, scalars)
-            if key in self._media_names:
-                name = f"{key}/scalar"
-                if (SCALAR, key) not in self._renamed:
-                    self._renamed[(SCALAR, key)] = name
-                    log.warning("instrument: WandbBackend logs the scalar %r as %r: a media value of the run "
-                                "already has the key %r, and W&B keeps one kind of value per key.", key, name, key)
-                key = name
-            out[key] = value
+            name = self._renamed.get((SCALAR, key))
+            if name is None:
+                name = self._unreserved(key)
+                if name in self._media_names or name in self._moved_names:
+                    moved = self._free(f"{name}/scalar", scalars)
+                    self._renamed[(SCALAR, key)] = moved
+                    log.warning("instrument: WandbBackend logs the scalar %r as %r: a media value of the run (or a "
+                                "value moved off its own key) already has the key %r, and W&B keeps one kind of "
+                                "value per key.", key, moved, name)
+                    name = moved
+            out[name] = value
         return out
 
     def write_system(self, record: StepRecord) -> None:
@@ -416,3 +453,12 @@ def _argv(argv: Optional[Sequence[str]]) -> Iterator[None]:
 
 def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _image(wandb: Any, pixels: Any) -> Any:
+    """A ``wandb.Image`` of an [H, W, 3 or 4] uint8 array, handed over as a PIL image: from an array W&B squeezes
+    every dimension of size 1, so a 1-pixel-high or -wide image came out as another shape (a [9, 1, 3] column
+    stored as [9, 3, 3])."""
+    from PIL import Image
+
+    return wandb.Image(Image.fromarray(pixels, "RGBA" if pixels.shape[-1] == 4 else "RGB"))

@@ -29,6 +29,8 @@ from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.backends.wandb import WandbBackend
 from instrument.config import experiment
 from instrument.config.parse import BEFORE_PARSE, MODULE, operative_config
+from instrument.config.secrets import config_secrets
+from instrument.logger.params import set_secret_source
 from instrument.monitors.system import SystemMonitor
 from instrument.observers.activation_stats import ActivationStats
 from instrument.observers.gradient_stats import GradientStats
@@ -66,6 +68,8 @@ torchrl_hook = gin.configurable("TorchRLHook", module=MODULE)(experiment.torchrl
 
 # The session logs the operative config at its first step through this hook (it never imports gin itself).
 session.set_config_source(operative_config)
+# ...and redacts the command line it records (W&B) with the config's secrets, a secret macro's value included.
+set_secret_source(config_secrets)
 
 
 def register_rl() -> None:

@@ -53,7 +53,7 @@ from instrument.logger.media import check_media, heatmap_options, refuse_shared_
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
-from instrument.logger.steps import LAZY, StepRecords
+from instrument.logger.steps import LAZY, MAX_STEP, StepRecords, step_range_message
 from instrument.logger.table import StagedTable
 from instrument.logger.timer import Timer, named_timer
 from instrument.logger.values import Wide, check_keys, merge_wide, rounded_message
@@ -213,7 +213,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             if self._snapshot is LAZY:  # before the step moves: a discarded step takes its step number back too
                 self._take_snapshot()
             last, pending = self._last_step, self._pending_step
-            if type(step) is int and step >= 0 and not self._closed and (last is None or step >= last):
+            if type(step) is int and 0 <= step <= MAX_STEP and not self._closed and (last is None or step >= last):
                 if pending is None or step > pending:  # the common case, as `_accept` would decide it
                     self._pending_step = step
             elif not self._accept(step):
@@ -363,7 +363,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                     step = last
                 staged = self._swap()
                 self._pending_step = None
-                if not (type(step) is int and step >= 0 and (last is None or step >= last)):
+                if not (type(step) is int and 0 <= step <= MAX_STEP and (last is None or step >= last)):
                     if not self._accept(step, pending=False):
                         return None
                     step = int(step)
@@ -440,11 +440,8 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
         if self._closed and not closed_use(self, f"a value at step {step}"):
             return False
-        if step < 0:
-            raise InvalidValueError(
-                f"step must be >= 0, got {step}: steps count from 0 and backends plot them as a non-negative "
-                f"axis. Number the loop from 0 (or offset it)."
-            )
+        if not 0 <= step <= MAX_STEP:
+            raise InvalidValueError(step_range_message("step", step))
         last = self._last_step
         if last is not None and step < last:
             self._step_regressed(int(step), last)

@@ -13,13 +13,13 @@ import fnmatch
 import logging
 import pprint
 import re
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 
 __all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_values", "redact_argv",
-           "scrub", "is_secret", "REDACTED", "SECRET_PATTERNS"]
+           "scrub", "is_secret", "set_secret_source", "REDACTED", "SECRET_PATTERNS"]
 
 REDACTED = "<redacted>"
 # The usual credential names: generic ones, then AWS, GCP, Azure, Hugging Face and W&B. "reward_key" names a
@@ -242,13 +242,30 @@ def _literal_strings(text: str) -> List[str]:
     return values or [text.strip()]
 
 
+SecretSource = Callable[[], Tuple[Tuple[str, ...], Set[str]]]
+_secret_source: Optional[SecretSource] = None
+
+
+def set_secret_source(source: Optional[SecretSource]) -> None:
+    """Install what the parsed config holds that is secret: ``source()`` returns the patterns its secret names
+    match (a secret macro's name, ``CREDS``) and the secret strings it binds. `instrument.config` installs it
+    (this layer never imports gin): a value bound as ``--bind "CREDS = '...'"`` and used as ``api_token =
+    %CREDS`` has no secret-looking name on the command line itself."""
+    global _secret_source
+    _secret_source = source
+
+
 def redact_argv(argv: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
     """A command line with secrets redacted: gin bindings in it, as an argument of their own (``--bind
     'X.password = "..."'``) or as an option's value (``--bind=X.password='...'``, argparse's ``=`` form), and
     ``--password=...`` / ``--password ...`` options. A string a binding's secret holds is also scrubbed from
-    every other argument. W&B records the command line of every run."""
+    every other argument, and so is every secret the parsed config holds (`set_secret_source`). W&B records
+    the command line of every run."""
     out: List[str] = []
     found: Set[str] = set()
+    if _secret_source is not None:
+        patterns, strings = _secret_source()
+        extra, found = (*extra, *patterns), set(strings)
     redact_next = False
     for arg in argv:
         if redact_next:

@@ -22,11 +22,20 @@ from instrument.logger.blocks import contributions
 from instrument.logger.values import Wide, as_scalar, refuse_merged_keys, weighted
 from instrument.logger.writer import CommittedStep
 
-__all__ = ["LAZY", "StepRecords"]
+__all__ = ["LAZY", "MAX_STEP", "StepRecords", "step_range_message"]
 
 log = logging.getLogger("instrument")
 
 LAZY = object()  # a mark whose snapshot is taken at the next staging call
+# The largest step: TensorBoard, W&B and MLflow keep steps as signed 64-bit integers and refuse a larger one at
+# write time (every step after it then fails in them while JSONL and the history keep it), so it is refused at
+# the call, as a negative step is.
+MAX_STEP = 2**63 - 1
+
+
+def step_range_message(what: str, step: int) -> str:
+    return (f"{what} must be between 0 and 2**63 - 1 (TensorBoard, W&B and MLflow store steps as signed 64-bit "
+            f"integers), got {step}: steps count from 0. Number the loop from 0 (or offset it).")
 _EMPTY = (None, 0, None, 0)
 _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
 
@@ -46,7 +55,7 @@ class StepRecords:
         are written again (`Backend.on_resume`). `Instrumentation.load_state_dict` calls this. Anything but None
         or an int >= 0 is refused before anything changes."""
         if last_step is not None:
-            check_int("resume_after: last_step", last_step, least=0, integral=True, none=True,
+            check_int("resume_after: last_step", last_step, least=0, most=MAX_STEP, integral=True, none=True,
                       expected="None or an int >= 0 (a step a checkpoint's state_dict() counted as committed)",
                       fix="pass the 'last_step' of Instrumentation.state_dict() as it was saved")
             last_step = int(last_step)

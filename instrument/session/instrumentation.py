@@ -9,6 +9,7 @@ on, no observer runs, no value leaves the device.
 
 import collections
 import logging
+import math
 import numbers
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
@@ -16,7 +17,7 @@ from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequen
 from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.checks import check_int
+from instrument.checks import check_int, check_number
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter
@@ -26,6 +27,7 @@ from instrument.logger import shutdown
 from instrument.logger.lifecycle import check_timeout
 from instrument.logger.logger import Logger
 from instrument.logger.ranks import check_same_config
+from instrument.logger.steps import MAX_STEP, step_range_message
 from instrument.probes import record
 from instrument.probes.compiled import unwrap
 from instrument.probes.embedded import ProbeSet, check_unique_names
@@ -260,10 +262,8 @@ class Instrumentation(StepLifecycle):
             raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
         if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
             raise InvalidValueError(f"inst.step takes an int step, got {type(step).__name__} ({step!r}).")
-        if step < 0:
-            raise InvalidValueError(
-                f"inst.step({step}): steps must be >= 0; number the loop from 0 (for step in range(n))."
-            )
+        if not 0 <= step <= MAX_STEP:
+            raise InvalidValueError(step_range_message(f"inst.step({step}): the step", step))
         if not self._config_logged:
             self._log_config()
         return StepScope(self, step, self.is_logging_step(step))
@@ -331,14 +331,26 @@ class Instrumentation(StepLifecycle):
         return {name if seen[name] == 1 else f"{kind} {name}": count for kind, counts in kinds
                 for name, count in counts.items()}
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, flush_timeout: Optional[float] = 10.0) -> Dict[str, Any]:
         """What a checkpoint keeps to resume this run: its name, the last committed step, whether the config
         was logged. Save it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``.
+
+        It first waits (at most ``flush_timeout`` seconds; None: as long as it takes, 0: not at all) until
+        every step committed before it is written and flushed by every backend. Resuming from this checkpoint
+        never writes those steps again, so a process killed hard right after the save (SIGKILL, an OOM kill,
+        ``os._exit``) would otherwise lose the ones still on the writer thread. Past the timeout (a slow remote
+        backend) it says so and returns: the steps are still written unless the process dies first.
 
         Inside the open block of a logging step, that step counts as committed (it commits when the block
         exits): a checkpoint saved there resumes at the next step, and the step stays in the files. Counted
         as not yet committed, resuming cut it out of every backend and nothing wrote it again. For the same
         reason a SIGTERM before the block exits still commits it (`Logger.keep_on_shutdown`)."""
+        timeout = check_number("state_dict: flush_timeout", flush_timeout, least=0, none=True,
+                               noun="a number of seconds", why="how long to wait for committed steps to be written",
+                               fix="pass e.g. state_dict(flush_timeout=30.0), or None to wait until they are")
+        timeout = None if timeout is None or math.isinf(timeout) else timeout
+        if timeout != 0 and not self.logger._closed:
+            self._flush_for_checkpoint(timeout)
         last = self.logger._last_step
         if self._current is not None and (last is None or self._current.step > last):
             if self.logger._closed:  # closed under the open block (a signal, another thread): it never commits
@@ -349,6 +361,17 @@ class Instrumentation(StepLifecycle):
                 last = self._current.step
                 self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
         return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
+
+    def _flush_for_checkpoint(self, timeout: Optional[float]) -> None:
+        """The steps a checkpoint counts as committed, on disk before it is saved (`state_dict`)."""
+        if self.logger.flush(timeout) or self.logger._closed or not self.logger._writer.pending:
+            return  # written (a backend that failed a write is reported and counted in `failures` already)
+        log.warning(
+            "instrument: state_dict() waited %s s for the steps committed before this checkpoint to be written, "
+            "and %d are still pending (a slow or unreachable backend). They are written unless the process is "
+            "killed first; resuming from this checkpoint would not write them again. Pass a longer "
+            "state_dict(flush_timeout=...) to wait longer.", timeout, self.logger._writer.pending,
+        )
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and

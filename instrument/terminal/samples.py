@@ -90,7 +90,9 @@ def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
         return ""
 
     def fmt(v: Any) -> str:
-        text = "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+        # a float in full (its shortest round-trip form), as JSONL, W&B and MLflow store it: a table is read
+        # to compare samples, and 4 digits made 0.0999755859375 read 0.09998 and 60000.0 read 6e+04
+        text = "" if v is None else (float.__repr__(v) if isinstance(v, float) else str(v))
         # a backslash escaped first (`p\|q` would cancel the pipe's escape and split the cell); every line
         # end, \r too, as <br> (Markdown ends a table row at any of them)
         text = text.replace("\\", "\\\\").replace("|", "\\|")

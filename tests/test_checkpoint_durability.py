@@ -1,0 +1,105 @@
+"""A checkpoint is consistent with the files: `Instrumentation.state_dict` waits until every step committed
+before it is written, so a process killed hard right after saving (SIGKILL, an OOM kill, ``os._exit``) keeps
+every step the checkpoint counts, and resuming from it loses none (it never writes them again)."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import instrument
+from instrument.backends.base import Backend
+from instrument.backends.jsonl import JsonlBackend
+from instrument.errors import ConfigurationError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A backend slower than the loop, so that the writer thread is behind when the checkpoint is taken.
+_CHILD = """
+import os, sys, time, json
+import instrument
+from instrument.backends.base import Backend
+from instrument.backends.jsonl import JsonlBackend
+
+class Slow(Backend):
+    name = "slow"
+    def open(self, run): pass
+    def write(self, record): time.sleep(0.15)
+    def close(self): pass
+
+inst = instrument.Instrumentation(backends=[Slow(), JsonlBackend()], run_name="r", log_dir=sys.argv[1],
+                                  log_interval=1)
+for step in range(8):
+    with inst.step(step):
+        inst.log({"v": float(step)})
+state = inst.state_dict()
+print(json.dumps(state), flush=True)
+os._exit(0)  # killed hard: no close, no atexit
+"""
+
+
+def _steps(path: Path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [row["step"] for row in rows if "step" in row]
+
+
+def test_a_process_killed_right_after_its_checkpoint_keeps_every_step_the_checkpoint_counts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    state = json.loads(done.stdout.strip().splitlines()[-1])
+    assert state["last_step"] == 7
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == list(range(8))
+
+
+class _Stalled(Backend):
+    """Blocks its writes until released: a remote backend that stopped answering."""
+
+    name = "stalled"
+
+    def __init__(self) -> None:
+        import threading
+        self.release = threading.Event()
+
+    def open(self, run) -> None:
+        pass
+
+    def write(self, record) -> None:
+        self.release.wait(30)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_checkpoint_waits_only_as_long_as_flush_timeout_and_says_what_is_pending(tmp_path, caplog):
+    stalled = _Stalled()
+    inst = instrument.Instrumentation(backends=[stalled, JsonlBackend()], run_name="r", log_dir=str(tmp_path),
+                                      log_interval=1)
+    try:
+        for step in range(3):
+            with inst.step(step):
+                inst.log({"v": 1.0})
+        with caplog.at_level(logging.WARNING, logger="instrument"):
+            start = time.monotonic()
+            state = inst.state_dict(flush_timeout=0.2)
+            waited = time.monotonic() - start
+        assert state["last_step"] == 2
+        assert waited >= 0.2
+        assert "still pending" in caplog.text and "flush_timeout" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="instrument"):
+            assert inst.state_dict(flush_timeout=0)["last_step"] == 2  # 0: no wait, nothing said
+        assert "pending" not in caplog.text
+        with pytest.raises(ConfigurationError, match="state_dict: flush_timeout must be a number of seconds >= 0"):
+            inst.state_dict(flush_timeout=-1)
+    finally:
+        stalled.release.set()
+        inst.close()
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == [0, 1, 2]

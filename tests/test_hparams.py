@@ -51,6 +51,16 @@ def test_tensorboard_hparams_plugin_data_read_back(tmp_path):
     assert hparams["IterationStats.channel_scalars"] is False
 
 
+def test_tensorboard_hparams_keep_every_digit_of_a_wide_int(tmp_path):
+    """A seed or a hash beyond 2**53 was stored as a rounded double (the other backends keep its digits)."""
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("w", tmp_path))
+    logger.log_hyperparams({"seed": 2**64 + 1, "small": 2**53, "neg": -(2**62) - 1, "lr": 0.5})
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.close()
+    _, hparams = _session_start(tmp_path / "w")
+    assert hparams == {"seed": str(2**64 + 1), "small": float(2**53), "neg": str(-(2**62) - 1), "lr": 0.5}
+
+
 def test_tensorboard_hparams_tab_compares_runs_with_their_metrics(tmp_path):
     """TensorBoard's own HParams backend (what its tab asks) sees both runs, their hparams and metrics."""
     from tensorboard import context

@@ -415,8 +415,19 @@ def hparams_summary(params: Mapping[str, Any], trial: str) -> Any:
     """
     from tensorboard.plugins.hparams import summary_v2
 
-    values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
+    values = {k: _hparam(v) for k, v in params.items()}
     return summary_v2.hparams_pb(values, trial_id=trial, start_time_secs=time.time())
+
+
+def _hparam(value: Any) -> Any:
+    """An hparam value as the plugin keeps it: numbers as doubles, so an int beyond 2**53 (a seed, a hash)
+    is kept as its digits instead of rounded (2**64 + 1 read 1.8446744073709552e+19), as the other backends
+    keep it."""
+    if isinstance(value, bool) or isinstance(value, (float, str)):
+        return value
+    if isinstance(value, int):
+        return value if -(2**53) <= value <= 2**53 else str(value)
+    return str(value)
 
 
 def _split_last(name: str):

@@ -23,6 +23,7 @@ panels, rendered to text first so they take the same route (tqdm-safe, into the 
 """
 
 import dataclasses
+import difflib
 import io
 import logging
 import math
@@ -39,6 +40,7 @@ from instrument.terminal.table import Column, ColumnSpec, StepTable, resolve_col
 
 __all__ = ["ConsoleBackend"]
 
+log = logging.getLogger("instrument")
 table_log = logging.getLogger("instrument.console")
 table_log.propagate = False  # rows are printed by the backend itself; handlers here are files (run logs)
 
@@ -146,6 +148,10 @@ class ConsoleBackend(Backend):
         self._matched: Dict[str, str] = {}  # a match=True column's pattern -> the metric key it shows
         self._pipe_closed = False  # the stream's reader went away (`| head`): rows go to the run log only
         self._pipe_error: Optional[BaseException] = None  # a broken pipe met while opening, said at the first write
+        # Declared columns no step has shown yet, and the keys seen meanwhile: one that never shows is said at
+        # close, with the near keys (a misspelt key printed an empty column, or no row at all, unsaid)
+        self._unshown = {c.key for c in self.declared or () if c.key != "step"}
+        self._seen: set = set()
         if self.declared is not None:
             self.table = self._make_table(self.declared)  # validate now: a bad column fails before training
 
@@ -179,6 +185,9 @@ class ConsoleBackend(Backend):
             self.table = self._infer(record, scalars)
         if self.table is not None:
             values = self._values(record, scalars)
+            if self._unshown:
+                self._unshown.difference_update(k for k, v in values.items() if v is not None)
+                self._seen.update(scalars, record.texts)
             # A commit with nothing for this table (e.g. images only) prints no row.
             if any(values.get(c.key) is not None for c in self.table.columns if c.key != "step"):
                 self._emit_all(self.table.render(values))
@@ -192,6 +201,8 @@ class ConsoleBackend(Backend):
         self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{k} {_fmt(v)}" for k, v in items]))
 
     def close(self) -> None:
+        if self._unshown:
+            self._say_unmatched("declared column(s)", sorted(self._unshown), "ConsoleBackend.columns")
         if not self._summaries:
             return
         width = max(max(len(k) for k in self._summaries), len("metric"))
@@ -232,6 +243,17 @@ class ConsoleBackend(Backend):
             console.print(Panel(grid, title=Text(title), title_align="left"))
         self._emit_all(buffer.getvalue().rstrip("\n").split("\n"))
 
+    def _say_unmatched(self, what: str, keys: Sequence[str], option: str) -> None:
+        """One warning naming the keys that matched no metric, each with the nearest keys the run logged."""
+        seen = sorted(self._seen)
+        hints = []
+        for key in keys:
+            near = difflib.get_close_matches(key, seen, n=3, cutoff=0.8)
+            hints.append(f"{key!r}" + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
+        log.warning("instrument: the console table's %s %s matched no metric this run logged, so they showed "
+                    "nothing. Check the key(s) in %s (a metric's key is its prefix and name, e.g. 'train/loss').",
+                    what, ", ".join(hints), option)
+
     def _make_table(self, columns: List[Column]) -> StepTable:
         if not any(c.key == "step" for c in columns):
             columns = [Column("step", "step", 7, "d", "training step"), *columns]
@@ -241,6 +263,14 @@ class ConsoleBackend(Backend):
         """Columns from the first committed step: its scalars in logged order (or ``keys`` order), '.4g'."""
         shown = [k for k in scalars if not self._is_summary(k)]
         if self.keys is not None:  # in the order of ``keys``, then logged order under each prefix
+            unmatched = [want for want in self.keys if not any(_under(k, want) for k in shown)]
+            if unmatched:  # the columns are fixed now: a metric first logged later (evaluation) never shows
+                self._seen.update(shown)
+                self._say_unmatched(
+                    "keys", unmatched, "ConsoleBackend.keys: they are matched against the first logged step's "
+                    "metrics only, those under a summary prefix left out (for a metric logged later, e.g. an "
+                    f"evaluation, declare ConsoleBackend.columns; summary={self.summary!r} keeps its metrics for "
+                    "the end-of-run summary)")
             shown = [k for want in self.keys for k in shown if _under(k, want)]
             shown = list(dict.fromkeys(shown))
         chosen = shown[: self.max_keys]

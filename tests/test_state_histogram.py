@@ -140,3 +140,17 @@ def test_the_nca_demo_trains_bitwise_identically_with_both_new_observers(tmp_pat
         else:
             assert plain.keys() == keep[-1].histograms.keys()
             assert all(np.array_equal(plain[k], keep[-1].histograms[k]) for k in plain)
+
+
+def test_an_iteration_beyond_the_rollout_is_said_once_and_the_others_are_logged(tmp_path, caplog):
+    """``iterations=(100,)`` on a 6-iteration rollout logged nothing and said nothing (a review found it)."""
+    import logging
+
+    states = _states(n=6)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        acc = _run(tmp_path, instrument.StateHistogram(iterations=(0, 100, -50), max_channels=1), states,
+                   steps=(0, 1))
+    said = [r.getMessage() for r in caplog.records if "has no state for iterations" in r.getMessage()]
+    assert len(said) == 2 and "entry 100" in said[0] and "entry -50" in said[1] and "observed 6" in said[0]
+    assert sorted(tag for tag in acc.Tags()["histograms"]) == ["state_hist/c0/it0"]
+    _check(acc.Histograms("state_hist/c0/it0")[0].histogram_value, states[1][:, 0].numpy())

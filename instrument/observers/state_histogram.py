@@ -6,6 +6,7 @@ the chosen iterations only (no copy, no reduction); at log time each channel's v
 histogram, copied to the host with the step's other values and binned there by the backend.
 """
 
+import logging
 from collections import deque
 from typing import Deque, Dict, Optional, Sequence, Tuple, Union
 
@@ -18,6 +19,8 @@ from instrument.errors import ConfigurationError
 from instrument.observers.buffer import ModifiedInPlaceError
 from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import channel_labels, check_channel_names, check_limit
+
+_log = logging.getLogger("instrument")
 
 __all__ = ["StateHistogram"]
 
@@ -82,6 +85,7 @@ class StateHistogram(Observer):
                                      why="1 for [B, C, H, W], -1 for [N, features]; None: the session's",
                                      fix="bind e.g. StateHistogram.channel_dim = 1")
         self.iterations: Tuple[int, ...] = tuple(iterations)
+        self._said_beyond: set = set()  # entries of ``iterations`` a step had no state for, said once each
         self.max_channels = check_limit(owner, "max_channels", max_channels, 16)
         self.channel_names = check_channel_names(owner, channel_names)
         self._from_start = {i for i in self.iterations if i >= 0}
@@ -132,6 +136,13 @@ class StateHistogram(Observer):
         states = {i: self._state(i) for i in self.iterations}  # all checked before anything is staged
         for iteration, state in states.items():
             if state is None:
+                if self._count and iteration not in self._said_beyond:  # the step ran fewer iterations
+                    self._said_beyond.add(iteration)
+                    _log.warning(
+                        "instrument: StateHistogram(%r) has no state for iterations=%r entry %d: the logging step "
+                        "at %d observed %d iteration(s), so no histogram of it was logged. Pick an iteration "
+                        "within the rollout (-1: the last). (Said once per entry.)",
+                        self.name, self.iterations, iteration, step, self._count)
                 continue
             if state.dim() < 2:
                 state = state.reshape(-1, 1)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import instrument
 from instrument.backends.base import Backend
@@ -34,10 +35,14 @@ class Slow(Backend):
 
 inst = instrument.Instrumentation(backends=[Slow(), JsonlBackend()], run_name="r", log_dir=sys.argv[1],
                                   log_interval=1)
+inside = sys.argv[2] == "inside"
 for step in range(8):
     with inst.step(step):
         inst.log({"v": float(step)})
-state = inst.state_dict()
+        if inside and step == 7:
+            state = inst.state_dict()  # inside the block: step 7 counts as committed
+if not inside:
+    state = inst.state_dict()
 print(json.dumps(state), flush=True)
 os._exit(0)  # killed hard: no close, no atexit
 """
@@ -48,11 +53,14 @@ def _steps(path: Path):
     return [row["step"] for row in rows if "step" in row]
 
 
-def test_a_process_killed_right_after_its_checkpoint_keeps_every_step_the_checkpoint_counts(tmp_path):
+@pytest.mark.parametrize("where", ["after", "inside"])
+def test_a_process_killed_right_after_its_checkpoint_keeps_every_step_the_checkpoint_counts(tmp_path, where):
+    """Saved after the last block, or inside it (its step counts as committed when the block exits, so the
+    block's commit is flushed before the block returns)."""
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), where], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     state = json.loads(done.stdout.strip().splitlines()[-1])
     assert state["last_step"] == 7
@@ -103,3 +111,39 @@ def test_a_checkpoint_waits_only_as_long_as_flush_timeout_and_says_what_is_pendi
         stalled.release.set()
         inst.close()
     assert _steps(tmp_path / "r" / "metrics.jsonl") == [0, 1, 2]
+
+
+def test_a_checkpoint_between_logging_steps_says_the_staged_interval_is_not_in_it(tmp_path, caplog):
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), log_interval=5)
+    try:
+        for step in range(7):
+            with inst.step(step):
+                inst.log({"loss": float(step)})
+        with caplog.at_level(logging.WARNING, logger="instrument"):
+            assert inst.state_dict()["last_step"] == 5
+            inst.state_dict()
+        said = [r.getMessage() for r in caplog.records if "values staged up to step 6" in r.getMessage()]
+        assert len(said) == 1 and "Save checkpoints at logging steps" in said[0]
+    finally:
+        inst.close()
+
+
+def test_load_state_dict_after_steps_were_committed_is_refused_before_anything_is_cut(tmp_path):
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), log_interval=5)
+    try:
+        for step in range(16):
+            with inst.step(step):
+                inst.log({"v": float(step)})
+        with pytest.raises(ConfigurationError, match="after this Instrumentation committed step 15"):
+            inst.load_state_dict({"version": 1, "run_name": "r", "last_step": 5, "config_logged": True})
+        inst.flush()
+        assert _steps(tmp_path / "r" / "metrics.jsonl") == [0, 5, 10, 15]
+    finally:
+        inst.close()
+
+
+def test_watch_after_close_is_refused(tmp_path):
+    inst = instrument.Instrumentation(backends=[], log_dir=str(tmp_path))
+    inst.close()
+    with pytest.raises(ConfigurationError, match="this Instrumentation is closed"):
+        inst.watch(torch.nn.Linear(2, 2))

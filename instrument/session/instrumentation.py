@@ -33,7 +33,7 @@ from instrument.probes.compiled import unwrap
 from instrument.probes.embedded import ProbeSet, check_unique_names
 from instrument.probes.hooks import StateWatch
 from instrument.session import dropped
-from instrument.session.lifecycle import StepLifecycle, run_all
+from instrument.session.lifecycle import NO_FLUSH, StepLifecycle, run_all
 from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
 
@@ -166,6 +166,8 @@ class Instrumentation(StepLifecycle):
         self._overhead_warned = False
         self._discard_reported = False
         self._mixed_said = False  # two watched modules delivered iterations in one step (`_report_mixed`)
+        self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
+        self._said_staged = False  # a checkpoint left an unfinished interval's staged values out (`state_dict`)
         self.system_monitor = system_monitor
         # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
         with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):
@@ -221,6 +223,9 @@ class Instrumentation(StepLifecycle):
 
         Nothing is registered on the module now: hooks exist and probes are on only inside logging steps.
         """
+        if self._closed:
+            raise ConfigurationError("this Instrumentation is closed, so watch() would observe nothing; create a new "
+                                     "one for another run.")
         inner, watched = unwrap(module), [w.module for w in self._watches] + [p.module for p in self._probe_sets]
         if any(unwrap(m) is inner for m in watched):  # a compile wrapper and its module: one module, one hook
             raise ConfigurationError(f"{type(inner).__name__} is already watched by this Instrumentation (itself "
@@ -360,6 +365,15 @@ class Instrumentation(StepLifecycle):
             else:
                 last = self._current.step
                 self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
+                self._flush_on_commit = timeout  # and the block's commit is flushed at once (`_end`)
+        elif self._current is None and self.logger.has_pending and not self._said_staged:
+            self._said_staged = True  # values of an unfinished interval: not in the checkpoint
+            log.warning(
+                "instrument: state_dict() was called with values staged up to step %s for the next logging step "
+                "(the interval's means): a checkpoint does not hold them, so a run resumed from it logs that "
+                "step's means over the steps after the checkpoint only. Save checkpoints at logging steps (inside "
+                "or right after `with inst.step(k)` of a logging step) to keep every interval whole. (Said once.)",
+                self.logger._pending_step)
         return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
 
     def _flush_for_checkpoint(self, timeout: Optional[float]) -> None:
@@ -386,6 +400,13 @@ class Instrumentation(StepLifecycle):
                 f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
             )
         saved = state.get("run_name", self.run.name)
+        if self.logger._last_step is not None:
+            raise ConfigurationError(
+                f"load_state_dict was called after this Instrumentation committed step {self.logger._last_step}: "
+                f"resuming at the checkpoint's step {state['last_step']!r} would cut this session's own steps "
+                f"after it out of every backend. Call load_state_dict right after creating the Instrumentation, "
+                f"before the first step."
+            )
         if self.run.resume is not None and saved != self.run.name:  # a new run may branch off another's state
             raise ConfigurationError(
                 f"load_state_dict got the checkpoint of run {saved!r}, but this Instrumentation continues run "

@@ -19,6 +19,8 @@ from instrument.session.scope import StepScope
 
 __all__ = ["StepLifecycle", "run_all"]
 
+NO_FLUSH = object()  # no checkpoint counted the open step (`StepLifecycle._flush_checkpointed`)
+
 log = logging.getLogger("instrument")
 
 
@@ -78,6 +80,7 @@ class StepLifecycle:
                 started = time.perf_counter()
                 handle = self.logger.commit(scope.step)
                 committed = True
+                self._flush_checkpointed()
                 if meter is not None:
                     meter.commit_seconds(time.perf_counter() - started)
                 self._dispatch.committed(handle)
@@ -94,7 +97,16 @@ class StepLifecycle:
             raise
         finally:
             self._current = None
+            self._flush_on_commit = NO_FLUSH  # a checkpoint's promise ends with its block, committed or not
             self._stop_clock(failed)
+
+    def _flush_checkpointed(self) -> None:
+        """A checkpoint saved inside this block counted its step as committed (`Instrumentation.state_dict`):
+        now that it is, wait until it is written (bounded as the checkpoint's own flush), so a process killed
+        hard after the block keeps the step the checkpoint promised."""
+        wait, self._flush_on_commit = self._flush_on_commit, NO_FLUSH
+        if wait is not NO_FLUSH and wait != 0:
+            self._flush_for_checkpoint(wait)
 
     def _report_mixed(self, step: int) -> None:
         """Two watched modules that both delivered iterations feed the observers one stream: said once."""

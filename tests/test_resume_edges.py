@@ -149,3 +149,36 @@ def test_a_last_step_that_is_not_a_step_is_refused_before_anything_changes(tmp_p
     assert logger.last_step is None
     logger.log_metrics({"v": 1.0}, step=0)
     logger.close()
+
+
+def test_a_resumed_tensorboard_file_sorts_after_the_crashed_processes_file(tmp_path):
+    """TensorBoard reads a run's event files in name order: a resumed file named in the crashed process's second,
+    with a pid that sorts lower, was read first, its purge marker hid nothing, and every re-run step showed twice
+    (a review found it). The earlier file here is named one second ahead, with a pid that sorts after any."""
+    import shutil
+    import socket
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from instrument.backends.tensorboard import TensorBoardBackend
+
+    scratch = tmp_path / "scratch"
+    earlier = SummaryWriter(log_dir=str(scratch))
+    for step in range(11):
+        earlier.add_scalar("v", float(step), step)
+    earlier.close()
+    (made,) = scratch.glob("events.out.tfevents.*")
+    run = tmp_path / "r"
+    run.mkdir()
+    name = f"events.out.tfevents.{int(time.time()) + 1:010d}.{socket.gethostname()}.{'9' * 12}.0"
+    shutil.move(str(made), str(run / name))
+    logger = instrument.Logger([TensorBoardBackend()], instrument.RunInfo("r", tmp_path))
+    logger.resume_after(5)
+    for step in range(6, 11):
+        logger.log_metrics({"v": 100.0 + step}, step=step, commit=True)
+    logger.close()
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("v")] == [(s, float(s)) for s in range(6)] + [
+        (s, 100.0 + s) for s in range(6, 11)]  # each step once, the re-run ones with their new values

@@ -1,6 +1,8 @@
 """TensorBoard: the default backend; event files under ``runs/<run-name>``, no account needed."""
 
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional
@@ -140,6 +142,7 @@ class TensorBoardBackend(Backend):
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+        _sort_after_earlier_files(self.log_dir)
         self._writer = self._new_writer(purge_step=next_step)
         self._writer._get_file_writer().add_event(start)
 
@@ -404,6 +407,22 @@ def hyperparameter_table(params: Mapping[str, Any]) -> str:
         value = str(params[name]).replace("|", "\\|").replace("\n", " ")
         rows.append(f"| {where} | {leaf} | {value} |")
     return "| where | parameter | value |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def _sort_after_earlier_files(log_dir: str) -> None:
+    """TensorBoard reads a run's event files in name order, ``events.out.tfevents.<seconds>.<host>.<pid>.<n>``: a
+    resumed file named within the same second as the crashed process's, with a pid that sorts lower ("123" before
+    "99"), was read first, so its purge marker hid nothing and every re-run step showed twice. Wait (at most a
+    second and a bit) until a file made now sorts after every other process's file."""
+    own = f".{socket.gethostname()}.{os.getpid()}."
+    others = [p.name for p in Path(log_dir).glob("events.out.tfevents.*") if own not in p.name]
+    if not others:
+        return
+    for _ in range(3):
+        now = time.time()
+        if f"events.out.tfevents.{int(now):010d}{own}" > max(others):
+            return
+        time.sleep(int(now) + 1 - now + 0.01)
 
 
 def hparams_summary(params: Mapping[str, Any], trial: str) -> Any:

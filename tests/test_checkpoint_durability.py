@@ -147,3 +147,26 @@ def test_watch_after_close_is_refused(tmp_path):
     inst.close()
     with pytest.raises(ConfigurationError, match="this Instrumentation is closed"):
         inst.watch(torch.nn.Linear(2, 2))
+
+
+def test_a_logging_step_entered_again_after_its_block_committed_is_refused(tmp_path):
+    from instrument.errors import StepOrderError
+
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), log_interval=1)
+    try:
+        scope = inst.step(8)
+        with scope:
+            inst.log({"loss": 6.5})
+        with pytest.raises(StepOrderError, match=r"inst.step\(8\) is entered again"):
+            with scope:
+                inst.log({"loss": 88.0})
+        with pytest.raises(StepOrderError, match="already ran and committed logging step 8"):
+            with inst.step(8):
+                pass
+        with inst.step(9):  # the next step goes on
+            inst.log({"loss": 1.0})
+        inst.flush()
+        rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["metrics"]["loss"]) for r in rows if "step" in r] == [(8, 6.5), (9, 1.0)]
+    finally:
+        inst.close()

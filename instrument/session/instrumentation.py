@@ -167,6 +167,7 @@ class Instrumentation(StepLifecycle):
         self._discard_reported = False
         self._mixed_said = False  # two watched modules delivered iterations in one step (`_report_mixed`)
         self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
+        self._block_committed: Optional[int] = None  # the step the last logging block committed (`_begin`)
         self._said_staged = False  # a checkpoint left an unfinished interval's staged values out (`state_dict`)
         self.system_monitor = system_monitor
         # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
@@ -400,10 +401,11 @@ class Instrumentation(StepLifecycle):
                 f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
             )
         saved = state.get("run_name", self.run.name)
-        if self.logger._last_step is not None:
+        committed, saved_step = self.logger._last_step, state["last_step"]
+        if committed is not None and (not isinstance(saved_step, int) or saved_step < committed):
             raise ConfigurationError(
-                f"load_state_dict was called after this Instrumentation committed step {self.logger._last_step}: "
-                f"resuming at the checkpoint's step {state['last_step']!r} would cut this session's own steps "
+                f"load_state_dict was called after this Instrumentation committed step {committed}: resuming at "
+                f"the checkpoint's step {saved_step!r} would cut this session's own steps "
                 f"after it out of every backend. Call load_state_dict right after creating the Instrumentation, "
                 f"before the first step."
             )

@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, List, Optional
 
 from instrument.core.overhead import OverheadMeter, over_budget
-from instrument.errors import ConfigurationError
+from instrument.errors import ConfigurationError, StepOrderError
 from instrument.probes import record
 from instrument.probes.embedded import check_probe_requests
 from instrument.session.scope import StepScope
@@ -31,6 +31,12 @@ class StepLifecycle:
         if self._current is not None:
             raise ConfigurationError(
                 f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
+            )
+        if scope.step == self._block_committed:
+            raise StepOrderError(
+                f"inst.step({scope.step}) is entered again, but its block already ran and committed logging step "
+                f"{scope.step}: every backend would hold two records of that step (W&B keeps only the first). Use a "
+                f"new step number for each training step (the same `with inst.step(k)` block once per k)."
             )
         check_probe_requests(self.observers, self.probe_names)
         meter = self._overhead
@@ -80,6 +86,7 @@ class StepLifecycle:
                 started = time.perf_counter()
                 handle = self.logger.commit(scope.step)
                 committed = True
+                self._block_committed = scope.step
                 self._flush_checkpointed()
                 if meter is not None:
                     meter.commit_seconds(time.perf_counter() - started)

@@ -378,7 +378,7 @@ def test_two_watched_modules_that_both_deliver_iterations_are_said_once(caplog):
 
 
 def test_one_watched_module_and_a_probe_only_watch_are_not_said(caplog):
-    rule, other = torch.nn.Identity(), torch.nn.Identity()
+    rule, other = torch.nn.Identity(), torch.nn.Sequential(instrument.Probe("o"))  # a probe-only watch needs one
     inst = instrument.Instrumentation([instrument.IterationStats(images=False)], backends=[], log_interval=1)
     inst.watch(rule)
     inst.watch(other, state=False)

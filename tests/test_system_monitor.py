@@ -215,3 +215,74 @@ def test_every_cpu_reading_is_measured_over_a_whole_interval_the_first_too():
     first = sink.records[0].scalars
     assert first["system/seconds"] >= first["system/cpu_window_seconds"]  # measured from the start, not before
     assert 0 <= first["system/host_cpu_percent"] <= 100 and first["system/process_cpu_percent"] >= 0
+
+
+class _NvmlWithoutUtilization:
+    """NVML as a MIG or vGPU device answers it: memory is read, utilisation is not supported."""
+
+    class _Memory:
+        used, total = 2 * 2**30, 8 * 2**30
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        raise RuntimeError("NVMLError_NotSupported(3)")
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return self._Memory()
+
+    def nvmlShutdown(self):
+        pass
+
+
+def test_a_gpu_query_the_device_does_not_support_costs_its_own_keys_only(caplog):
+    """One NVML query failing lost every sample of the run, host and process metrics included (a review)."""
+    import logging
+
+    monitor = SystemMonitor(collection_interval=0.05, flush_interval=0.05, gpu=True)
+    monitor._nvml, monitor._nvml_handles = _NvmlWithoutUtilization(), [(0, object())]
+    monitor._init_nvml = lambda: None  # the device above, not the machine's (which has none)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        sink = _sampled(monitor, 0.5)
+    assert len(sink.records) >= 3
+    for record in sink.records:
+        assert "system/host_cpu_percent" in record.scalars and "system/process_rss_gib" in record.scalars
+        assert record.scalars["system/gpu0/memory_used_percent"] == 25.0
+        assert "system/gpu0/utilization_percent" not in record.scalars
+    said = [r.getMessage() for r in caplog.records if "could not read NVML utilization of GPU 0" in r.getMessage()]
+    assert len(said) == 1
+
+
+class _FlakyProcess:
+    """A psutil.Process whose first CPU reading raises (a transient error as the monitor starts)."""
+
+    def __init__(self, process):
+        self._process, self._calls = process, 0
+
+    def cpu_percent(self, interval=None):
+        self._calls += 1
+        if self._calls == 1:
+            raise OSError("transient")
+        return self._process.cpu_percent(interval)
+
+    def memory_info(self):
+        return self._process.memory_info()
+
+
+def test_a_psutil_error_as_the_monitor_starts_does_not_end_its_thread(caplog):
+    """The counters were primed outside any try: one transient error ended the thread for the run, unsaid."""
+    import logging
+
+    import psutil
+
+    class FlakyPsutil:
+        def __getattr__(self, name):
+            return getattr(psutil, name)
+
+        def Process(self):
+            return _FlakyProcess(psutil.Process())
+
+    monitor = SystemMonitor(collection_interval=0.05, flush_interval=0.05, gpu=False)
+    monitor._psutil = FlakyPsutil()
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        sink = _sampled(monitor, 0.5)
+    assert len(sink.records) >= 3 and all("system/host_cpu_percent" in r.scalars for r in sink.records)
+    assert any("could not read host" in r.getMessage() for r in caplog.records)

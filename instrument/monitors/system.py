@@ -116,7 +116,7 @@ class SystemMonitor:
         self._process: Any = None
         self._nvml: Any = None
         self._nvml_handles: List[Tuple[int, Any]] = []
-        self._failed = False
+        self._failed_parts: set = set()  # sources whose failure was said (`_part_failed`)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -193,20 +193,35 @@ class SystemMonitor:
 
     # ------------------------------------------------------------------ sampling
     def sample(self) -> Dict[str, float]:
-        """One sample of every quantity (runs in the monitor's thread)."""
+        """One sample of every quantity (runs in the monitor's thread). Each source is read on its own: one that
+        fails (an NVML query a MIG or vGPU device does not support, a psutil error) costs its own keys, said
+        once per source, and the others are sampled."""
+        out: Dict[str, float] = {}
+        parts = [("host", self._host)] + ([("torch.cuda", self._torch_cuda), ("NVML", self._nvml_sample)]
+                                          if self.gpu else [])
+        for name, part in parts:
+            try:
+                out.update(part())
+            except Exception as exc:
+                self._part_failed(name, exc)
+        return out
+
+    def _part_failed(self, part: str, exc: BaseException) -> None:
+        if part not in self._failed_parts:  # reported once per source; the monitor keeps trying
+            self._failed_parts.add(part)
+            log.warning("instrument: the system monitor could not read %s (%r); its metrics are left out of the "
+                        "samples while that lasts, the others are written. (Said once.)", part, exc)
+
+    def _host(self) -> Dict[str, float]:
         ps, proc = self._psutil, self._process
         vm = ps.virtual_memory()
-        out = {
+        return {
             "system/process_cpu_percent": float(proc.cpu_percent(None)),
             "system/process_rss_gib": proc.memory_info().rss / _GIB,
             "system/host_cpu_percent": float(ps.cpu_percent(None)),
             "system/host_memory_percent": float(vm.percent),
             "system/host_memory_available_gib": vm.available / _GIB,
         }
-        if self.gpu:
-            out.update(self._torch_cuda())
-            out.update(self._nvml_sample())
-        return out
 
     def _torch_cuda(self) -> Dict[str, float]:
         # Never initialise CUDA from this thread: that would create a context the training never asked for.
@@ -240,12 +255,17 @@ class SystemMonitor:
         if self._nvml is None:
             return {}
         out = {}
-        for i, handle in self._nvml_handles:
-            util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
-            out[f"system/gpu{i}/utilization_percent"] = float(util.gpu)
-            out[f"system/gpu{i}/memory_used_gib"] = mem.used / _GIB
-            out[f"system/gpu{i}/memory_used_percent"] = 100.0 * mem.used / mem.total if mem.total else 0.0
+        for i, handle in self._nvml_handles:  # each query on its own: one a device does not support costs its keys
+            try:
+                out[f"system/gpu{i}/utilization_percent"] = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception as exc:
+                self._part_failed(f"NVML utilization of GPU {i}", exc)
+            try:
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                out[f"system/gpu{i}/memory_used_gib"] = mem.used / _GIB
+                out[f"system/gpu{i}/memory_used_percent"] = 100.0 * mem.used / mem.total if mem.total else 0.0
+            except Exception as exc:
+                self._part_failed(f"NVML memory of GPU {i}", exc)
         return out
 
     # ------------------------------------------------------------------ thread
@@ -253,8 +273,11 @@ class SystemMonitor:
         # The first sample comes one interval after the counters were primed: taken at once, its CPU
         # percentages were measured over the few milliseconds since (the host's read 0, a busy process's 150).
         # The first reading is always 0: prime both counters, here, since psutil keeps the host's per thread.
-        self._process.cpu_percent(None)
-        self._psutil.cpu_percent(None)
+        try:
+            self._process.cpu_percent(None)
+            self._psutil.cpu_percent(None)
+        except Exception as exc:  # a transient psutil error must not end the thread: the samples say what they can
+            self._part_failed("host", exc)
         self._read_at = time.monotonic()
         next_sample = self._t0 + self.collection_interval
         next_flush = self._t0 + self.flush_interval
@@ -275,14 +298,16 @@ class SystemMonitor:
 
     def _collect(self) -> None:
         started = time.monotonic()
-        window, self._read_at = started - self._read_at, started  # what the CPU percentages are measured over
         try:
             values = self.sample()
-        except Exception as exc:
-            if not self._failed:  # reported once; the monitor keeps trying
-                self._failed = True
-                log.warning("instrument: system monitor sampling failed: %r", exc)
+        except Exception as exc:  # a subclass's sample: the whole sample is lost
+            self._part_failed("a sample", exc)
             return
+        if "system/host_cpu_percent" not in values:  # the CPU counters were not read: the window goes on
+            if values:
+                self._buffer.append((time.monotonic() - self._t0, time.time(), values))
+            return
+        window, self._read_at = started - self._read_at, started  # what the CPU percentages are measured over
         values["system/cpu_window_seconds"] = window
         self._buffer.append((time.monotonic() - self._t0, time.time(), values))
         if len(self._buffer) >= self.max_buffered:  # full before the flush is due: flush now, drop nothing

@@ -9,7 +9,6 @@ on, no observer runs, no value leaves the device.
 
 import collections
 import logging
-import math
 import numbers
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
@@ -17,7 +16,7 @@ from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequen
 from torch import nn
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
-from instrument.checks import check_int, check_number
+from instrument.checks import check_int
 from instrument.core.dispatch import Dispatcher, ObserverLike
 from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter
@@ -33,6 +32,7 @@ from instrument.probes.compiled import unwrap
 from instrument.probes.embedded import ProbeSet, check_unique_names
 from instrument.probes.hooks import StateWatch
 from instrument.session import dropped
+from instrument.session.checkpoint import flush_for_checkpoint, load_session_state, session_state
 from instrument.session.lifecycle import NO_FLUSH, StepLifecycle, run_all
 from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
@@ -227,12 +227,21 @@ class Instrumentation(StepLifecycle):
         if self._closed:
             raise ConfigurationError("this Instrumentation is closed, so watch() would observe nothing; create a new "
                                      "one for another run.")
+        if state is not None and not isinstance(state, bool):
+            raise ConfigurationError(f"watch(state=...) takes True, False or None, got {state!r} "
+                                     f"({type(state).__name__}).")
         inner, watched = unwrap(module), [w.module for w in self._watches] + [p.module for p in self._probe_sets]
         if any(unwrap(m) is inner for m in watched):  # a compile wrapper and its module: one module, one hook
             raise ConfigurationError(f"{type(inner).__name__} is already watched by this Instrumentation (itself "
                                      f"or through its torch.compile wrapper): watch it once.")
         probes = ProbeSet(module, label=name or type(module).__name__)
         check_unique_names(self._probe_sets, probes)
+        if state is False and not probes:
+            raise ConfigurationError(
+                f"watch({type(inner).__name__}, state=False) would observe nothing: state=False watches only the "
+                f"instrument.Probe modules embedded in it, and it has none. Watch it with state=True (its forward "
+                f"is one rollout iteration), or embed Probes in it."
+            )
         watch = None
         if state is None or state:  # None means True
             watch = StateWatch(module, self._dispatch, freeze_channels=freeze_channels, name=name)
@@ -270,6 +279,9 @@ class Instrumentation(StepLifecycle):
             raise InvalidValueError(f"inst.step takes an int step, got {type(step).__name__} ({step!r}).")
         if not 0 <= step <= MAX_STEP:
             raise InvalidValueError(step_range_message(f"inst.step({step}): the step", step))
+        last = self.logger._last_step
+        if last is not None and step < last and self.logger.on_step_regression == "raise":
+            self.logger._step_regressed(step, last)  # at the start, before the body and the observers run
         if not self._config_logged:
             self._log_config()
         return StepScope(self, step, self.is_logging_step(step))
@@ -351,42 +363,10 @@ class Instrumentation(StepLifecycle):
         exits): a checkpoint saved there resumes at the next step, and the step stays in the files. Counted
         as not yet committed, resuming cut it out of every backend and nothing wrote it again. For the same
         reason a SIGTERM before the block exits still commits it (`Logger.keep_on_shutdown`)."""
-        timeout = check_number("state_dict: flush_timeout", flush_timeout, least=0, none=True,
-                               noun="a number of seconds", why="how long to wait for committed steps to be written",
-                               fix="pass e.g. state_dict(flush_timeout=30.0), or None to wait until they are")
-        timeout = None if timeout is None or math.isinf(timeout) else timeout
-        if timeout != 0 and not self.logger._closed:
-            self._flush_for_checkpoint(timeout)
-        last = self.logger._last_step
-        if self._current is not None and (last is None or self._current.step > last):
-            if self.logger._closed:  # closed under the open block (a signal, another thread): it never commits
-                log.warning("instrument: state_dict() inside logging step %d, but the logger is already closed, "
-                            "so that step is never written; the checkpoint counts only the steps before it",
-                            self._current.step)
-            else:
-                last = self._current.step
-                self.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
-                self._flush_on_commit = timeout  # and the block's commit is flushed at once (`_end`)
-        elif self._current is None and self.logger.has_pending and not self._said_staged:
-            self._said_staged = True  # values of an unfinished interval: not in the checkpoint
-            log.warning(
-                "instrument: state_dict() was called with values staged up to step %s for the next logging step "
-                "(the interval's means): a checkpoint does not hold them, so a run resumed from it logs that "
-                "step's means over the steps after the checkpoint only. Save checkpoints at logging steps (inside "
-                "or right after `with inst.step(k)` of a logging step) to keep every interval whole. (Said once.)",
-                self.logger._pending_step)
-        return {"version": 1, "run_name": self.run.name, "last_step": last, "config_logged": self._config_logged}
+        return session_state(self, flush_timeout)
 
     def _flush_for_checkpoint(self, timeout: Optional[float]) -> None:
-        """The steps a checkpoint counts as committed, on disk before it is saved (`state_dict`)."""
-        if self.logger.flush(timeout) or self.logger._closed or not self.logger._writer.pending:
-            return  # written (a backend that failed a write is reported and counted in `failures` already)
-        log.warning(
-            "instrument: state_dict() waited %s s for the steps committed before this checkpoint to be written, "
-            "and %d are still pending (a slow or unreachable backend). They are written unless the process is "
-            "killed first; resuming from this checkpoint would not write them again. Pass a longer "
-            "state_dict(flush_timeout=...) to wait longer.", timeout, self.logger._writer.pending,
-        )
+        flush_for_checkpoint(self, timeout)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
@@ -396,28 +376,7 @@ class Instrumentation(StepLifecycle):
         run's files (a new run may start from another run's checkpoint: it has nothing to cut).
         The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
         a value changed on resume, or a backend new to the run, would otherwise never get them."""
-        if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
-            raise ConfigurationError(
-                f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
-            )
-        saved = state.get("run_name", self.run.name)
-        committed, saved_step = self.logger._last_step, state["last_step"]
-        if committed is not None and (not isinstance(saved_step, int) or saved_step < committed):
-            raise ConfigurationError(
-                f"load_state_dict was called after this Instrumentation committed step {committed}: resuming at "
-                f"the checkpoint's step {saved_step!r} would cut this session's own steps "
-                f"after it out of every backend. Call load_state_dict right after creating the Instrumentation, "
-                f"before the first step."
-            )
-        if self.run.resume is not None and saved != self.run.name:  # a new run may branch off another's state
-            raise ConfigurationError(
-                f"load_state_dict got the checkpoint of run {saved!r}, but this Instrumentation continues run "
-                f"{self.run.name!r} in {str(self.run.root)!r}; resuming at that checkpoint's step would cut run "
-                f"{self.run.name!r}'s steps after it. Load run {self.run.name!r}'s own checkpoint, or pass "
-                f"run_name={saved!r} (and its log_dir) to continue that run. (A run folder renamed on purpose: set "
-                f"state['run_name'] = {self.run.name!r} first.)"
-            )
-        self.logger.resume_after(state["last_step"])
+        load_session_state(self, state)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every committed step is written and flushed by every backend; see `Logger.flush`."""
@@ -435,6 +394,14 @@ class Instrumentation(StepLifecycle):
         self._closed = True
         dropped.untrack(self)
         interrupted: Optional[BaseException] = None
+        scope = self._current
+        if scope is not None:  # closed inside a logging step's block (an early stop): that step ends first, whole
+            try:
+                self._end(scope, failed=status is not None)
+            except Exception:
+                log.exception("instrument: ending logging step %d at close failed", scope.step)
+            except BaseException as exc:
+                interrupted = exc
         try:  # hooks, probes and the recorder off even after a step cut short by Ctrl-C (they outlive the session)
             run_all([watch.detach for watch in self._watches] + [self._release_probes])
         except Exception:

@@ -80,7 +80,7 @@ class StepScope:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._session._scope = None
-        if self.active:
+        if self.active and self._session._current is self:  # not ended already (`Instrumentation.close` inside it)
             interrupt = record.take_interrupt()  # Ctrl-C in observers called from TorchScript code (`record`)
             try:
                 self._session._end(self, failed=exc_type is not None or interrupt is not None)

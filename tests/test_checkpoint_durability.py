@@ -170,3 +170,22 @@ def test_a_logging_step_entered_again_after_its_block_committed_is_refused(tmp_p
         assert [(r["step"], r["metrics"]["loss"]) for r in rows if "step" in r] == [(8, 6.5), (9, 1.0)]
     finally:
         inst.close()
+
+
+def test_a_stuck_backend_costs_a_checkpoint_one_bounded_wait_said_once(tmp_path, caplog):
+    stalled = _Stalled()
+    inst = instrument.Instrumentation(backends=[stalled, JsonlBackend()], run_name="r", log_dir=str(tmp_path),
+                                      log_interval=1)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="instrument"):
+            for step in range(3):
+                with inst.step(step):
+                    inst.log({"v": 1.0})
+                    if step >= 1:
+                        inst.state_dict(flush_timeout=0.1)  # inside the block: its exit would wait again
+        said = [r for r in caplog.records if "still pending" in r.getMessage()]
+        assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG]  # once, then DEBUG
+        assert not [r for r in said if "the block a checkpoint was saved in" in r.getMessage()]
+    finally:
+        stalled.release.set()
+        inst.close()

@@ -21,7 +21,8 @@ def _run(console, steps=3, later=None):
 
 
 def _warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "console table" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "console table" in r.getMessage()]
 
 
 def test_a_declared_column_that_never_shows_is_said_at_close_with_the_near_keys(caplog):

@@ -149,7 +149,8 @@ def test_wandb_keeps_a_one_pixel_wide_image_and_the_media_beside_one_it_cannot_s
     assert any("dropped the media value 'LLL" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("tag, shape", [("日本/画像", (4, 5, 3)), ("x" * 300, (4, 5, 3)), ("thin", (1, 300, 3))])
+@pytest.mark.parametrize("tag, shape", [("日本/画像", (4, 5, 3)), ("x" * 300, (4, 5, 3)), ("thin", (1, 300, 3)),
+                                        ("edge", (49, 12544, 3))])  # 49 * 256 / 12544 is 0.99999... in floats
 def test_mlflow_stores_images_of_any_tag_and_shape(tmp_path, tag, shape):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
@@ -173,3 +174,43 @@ def test_mlflow_stores_images_of_any_tag_and_shape(tmp_path, tag, shape):
     (png,) = [p for p in found if p.endswith(".png")]
     stored = np.asarray(Image.open(client.download_artifacts(backend.run_id, png)).convert("RGB"))
     assert (stored == pixels).all()
+
+
+def test_a_users_timer_form_key_has_one_console_column_whether_or_not_a_timer_ran():
+    import io
+
+    stream = io.StringIO()
+    logger = instrument.Logger([instrument.ConsoleBackend(keys=["user/"], stream=stream, legend=False)],
+                               instrument.RunInfo("c"))
+    for step in range(3):
+        logger.log_metrics({"user/timing/fwd/mean": float(step)}, step=step)
+        if step == 1:
+            with logger.timer("fwd"):
+                pass
+        logger.commit(step)
+    logger.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[1].split() == ["step", "fwd/mean"]  # the shortest distinct suffix of user/user/timing/fwd/mean
+    assert [line.split() for line in lines[2:5]] == [["0", "0"], ["1", "1"], ["2", "2"]]
+
+
+def test_wandb_keeps_a_moved_scalars_key_after_an_offline_resume(tmp_path):
+    pytest.importorskip("wandb")
+    from pathlib import Path
+
+    from tests.wandb_reader import read_history
+
+    first = instrument.WandbBackend(project="tests")
+    first.open(instrument.RunInfo("r", tmp_path))
+    first.write(StepRecord(step=0, histograms={"hist": np.arange(3.0)}))
+    first.write(StepRecord(step=1, scalars={"hist": 1.0}))
+    run_id, first_file = first.run.id, Path(first.run.settings.sync_file)
+    first.close()
+    read_history(first_file, timeout=60.0)
+    again = instrument.WandbBackend(project="tests")
+    again.open(instrument.RunInfo("r", tmp_path, resume={"WandbBackend": run_id}))
+    again.write(StepRecord(step=2, scalars={"hist": 2.0}))
+    again_file = Path(again.run.settings.sync_file)
+    again.close()
+    rows = read_history(first_file) + read_history(again_file, timeout=60.0)
+    assert [(row["_step"], row["hist/scalar"]) for row in rows if "hist/scalar" in row] == [(1, 1.0), (2, 2.0)]

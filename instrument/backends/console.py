@@ -177,7 +177,7 @@ class ConsoleBackend(Backend):
                 ", ".join(f"{k}={v!r}" for k, v in record.scalars.items()),
                 _media(record),
             )
-        scalars = record.flat_scalars() if record.timings else record.scalars  # timings as timing/<name>/<stat>
+        scalars = record.flat_scalars()  # timings as timing/<name>/<stat>; a user's timer-form key renamed always
         for key, value in scalars.items():
             if self._is_summary(key):
                 self._summaries.setdefault(key, _Summary()).add(value)

@@ -338,7 +338,7 @@ class MlflowBackend(Backend):
         def image(key: str, value) -> None:  # key + step: the UI shows one image card per key, with a step slider
             name = self._media_name("image", key)
             height, width = value.shape[:2]
-            if min(height, width) * _THUMBNAIL < max(height, width):  # MLflow's thumbnail would have a side of 0
+            if int(min(height, width) * (_THUMBNAIL / max(height, width))) == 0:  # MLflow's thumbnail: a side of 0
                 self.client.log_image(self.run_id, value, artifact_file=f"images/{name}/step_{step:08d}.png")
                 return
             self.client.log_image(self.run_id, value, key=name, step=step, timestamp=stamp)

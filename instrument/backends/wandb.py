@@ -118,7 +118,8 @@ class WandbBackend(Backend):
         self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
         self._renamed: dict = {}  # (kind, key) -> the W&B key a value of that kind and key is logged under
         self._media_names: set = set()  # W&B keys media values took under their own name
-        self._resumed_media: set = set()  # media keys a resumed offline run's earlier folders hold (`_free`)
+        self._resumed: set = set()  # keys a resumed offline run's earlier folders hold (`_free`)
+        self._here: set = set()  # keys this process logged a value under (`_free`)
         self._moved_names: set = set()  # W&B keys made for values moved off a taken key (``reward/histogram``)
         self._written: Optional[int] = None  # a resumed offline run: the last step its earlier folders hold
 
@@ -147,7 +148,7 @@ class WandbBackend(Backend):
         if _resume(run, self.name) and getattr(self.run, "offline", False):
             self._written = _offline_last_step(self.run)
             self._scalar_keys, self._media_names = _offline_keys(self.run)
-            self._resumed_media = set(self._media_names)  # maybe names of values moved before: taken again
+            self._resumed = self._scalar_keys | self._media_names  # maybe names of values moved before: kept
 
     def _holds(self, step: int) -> bool:
         """Whether the run already holds ``step``: online W&B knows its last step; a resumed offline run
@@ -178,6 +179,8 @@ class WandbBackend(Backend):
         # Keys UTF-8 cannot encode (os.fsdecode names) escaped: W&B's protobuf would refuse the whole row.
         scalars: dict = self._scalar_names(utf8_keys(drops, "scalar", record.flat_scalars()))
         self._scalar_keys.update(scalars)
+        if self._resumed:
+            self._here.update(scalars)
         sources = {
             "image": {k: v for k, v in utf8_keys(drops, "image", record.images).items() if v is not None},
             "histogram": {k: v for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size},
@@ -210,6 +213,8 @@ class WandbBackend(Backend):
             for key, value in values.items():
                 name = self._media_key(kind, key, data)
                 data[name], made[name] = value, (kind, key)
+                if self._resumed:
+                    self._here.add(name)
         if self._system:
             data = {**self._system, **data}
         self._log(data, scalars, record.step,
@@ -281,8 +286,9 @@ class WandbBackend(Backend):
         """``name``, numbered (``_2``, ...) while this row or the run has it; taken for good: a value the user
         logs under that name later moves instead (one key never mixes two series)."""
         base, number = name, 1
-        while (name in row or name in self._scalar_keys or name in self._moved_names
-               or (name in self._media_names and name not in self._resumed_media)):
+        while name in row or name in self._moved_names or (
+                (name in self._scalar_keys or name in self._media_names)
+                and (name not in self._resumed or name in self._here)):
             number += 1
             name = f"{base}_{number}"
         self._moved_names.add(name)

@@ -6,6 +6,8 @@ is returned (bounded), and a step it counts while its block is still open is flu
 
 import logging
 import math
+import numbers
+import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from instrument.checks import check_number
@@ -25,8 +27,9 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
                            noun="a number of seconds", why="how long to wait for committed steps to be written",
                            fix="pass e.g. state_dict(flush_timeout=30.0), or None to wait until they are")
     timeout = None if timeout is None or math.isinf(timeout) else timeout
+    written = True
     if timeout != 0 and not inst.logger._closed:
-        flush_for_checkpoint(inst, timeout)
+        written = flush_for_checkpoint(inst, timeout)
     last = inst.logger._last_step
     if inst._current is not None and (last is None or inst._current.step > last):
         if inst.logger._closed:  # closed under the open block (a signal, another thread): it never commits
@@ -36,7 +39,8 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
         else:
             last = inst._current.step
             inst.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
-            inst._flush_on_commit = timeout  # and the block's commit is flushed at once (`_end`)
+            if written:  # and the block's commit is flushed at once (`_end`); not behind a backend that is stuck
+                inst._flush_on_commit = timeout
     elif inst._current is None and inst.logger.has_pending and not inst._said_staged:
         inst._said_staged = True  # values of an unfinished interval: not in the checkpoint
         log.warning(
@@ -48,16 +52,22 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
     return {"version": 1, "run_name": inst.run.name, "last_step": last, "config_logged": inst._config_logged}
 
 
-def flush_for_checkpoint(inst: "Instrumentation", timeout: Optional[float]) -> None:
-    """The steps a checkpoint counts as committed, on disk before it is saved (`state_dict`)."""
-    if inst.logger.flush(timeout) or inst.logger._closed or not inst.logger._writer.pending:
-        return  # written (a backend that failed a write is reported and counted in `failures` already)
-    log.warning(
-        "instrument: state_dict() waited %s s for the steps committed before this checkpoint to be written, "
-        "and %d are still pending (a slow or unreachable backend). They are written unless the process is "
-        "killed first; resuming from this checkpoint would not write them again. Pass a longer "
-        "state_dict(flush_timeout=...) to wait longer.", timeout, inst.logger._writer.pending,
+def flush_for_checkpoint(inst: "Instrumentation", timeout: Optional[float], what: str = "state_dict()") -> bool:
+    """The steps a checkpoint counts as committed, on disk before it is saved (`state_dict`). False when
+    ``timeout`` passed first: said once per session, later at DEBUG."""
+    started = time.monotonic()
+    if inst.logger.flush(timeout) or inst.logger._closed or timeout is None or time.monotonic() - started < timeout:
+        return True  # written (a backend that failed a write is reported and counted in `failures` already)
+    report = log.debug if inst._said_slow_checkpoint else log.warning
+    inst._said_slow_checkpoint = True
+    report(
+        "instrument: %s waited %s s for the steps a checkpoint counts as committed to be written, and some are "
+        "still pending (%d queued behind the one a slow or unreachable backend is writing). They are written "
+        "unless the process is killed first; resuming from the checkpoint would not write them again. Pass a "
+        "longer state_dict(flush_timeout=...) to wait longer. (Said once; later at DEBUG.)",
+        what, timeout, inst.logger._writer.pending,
     )
+    return False
 
 
 def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
@@ -71,7 +81,8 @@ def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
         )
     saved = state.get("run_name", inst.run.name)
     committed, saved_step = inst.logger._last_step, state["last_step"]
-    if committed is not None and (not isinstance(saved_step, int) or saved_step < committed):
+    if committed is not None and (saved_step is None or (
+            isinstance(saved_step, numbers.Integral) and not isinstance(saved_step, bool) and saved_step < committed)):
         raise ConfigurationError(
             f"load_state_dict was called after this Instrumentation committed step {committed}: resuming at "
             f"the checkpoint's step {saved_step!r} would cut this session's own steps "

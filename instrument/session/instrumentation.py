@@ -169,6 +169,7 @@ class Instrumentation(StepLifecycle):
         self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
         self._block_committed: Optional[int] = None  # the step the last logging block committed (`_begin`)
         self._said_staged = False  # a checkpoint left an unfinished interval's staged values out (`state_dict`)
+        self._said_slow_checkpoint = False  # a checkpoint's flush timed out (`flush_for_checkpoint`)
         self.system_monitor = system_monitor
         # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
         with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):
@@ -365,8 +366,8 @@ class Instrumentation(StepLifecycle):
         reason a SIGTERM before the block exits still commits it (`Logger.keep_on_shutdown`)."""
         return session_state(self, flush_timeout)
 
-    def _flush_for_checkpoint(self, timeout: Optional[float]) -> None:
-        flush_for_checkpoint(self, timeout)
+    def _flush_for_checkpoint(self, timeout: Optional[float], what: str = "state_dict()") -> bool:
+        return flush_for_checkpoint(self, timeout, what)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and

@@ -32,11 +32,12 @@ class StepLifecycle:
             raise ConfigurationError(
                 f"inst.step({scope.step}) entered while step {self._current.step} is still open; steps do not nest."
             )
-        if scope.step == self._block_committed:
+        if scope.step == self._block_committed and self.logger.on_step_regression == "raise":
             raise StepOrderError(
                 f"inst.step({scope.step}) is entered again, but its block already ran and committed logging step "
                 f"{scope.step}: every backend would hold two records of that step (W&B keeps only the first). Use a "
-                f"new step number for each training step (the same `with inst.step(k)` block once per k)."
+                f"new step number for each training step (the same `with inst.step(k)` block once per k), or pass "
+                f"on_step_regression='warn' to write it again with a warning."
             )
         check_probe_requests(self.observers, self.probe_names)
         meter = self._overhead
@@ -113,7 +114,7 @@ class StepLifecycle:
         hard after the block keeps the step the checkpoint promised."""
         wait, self._flush_on_commit = self._flush_on_commit, NO_FLUSH
         if wait is not NO_FLUSH and wait != 0:
-            self._flush_for_checkpoint(wait)
+            self._flush_for_checkpoint(wait, "the block a checkpoint was saved in")
 
     def _report_mixed(self, step: int) -> None:
         """Two watched modules that both delivered iterations feed the observers one stream: said once."""

@@ -37,10 +37,10 @@ def _records():
                 "eval/solved": 3.0,
                 "eval/episodes": 8.0,
                 "env/a/alive": 0.25,
-                "timing/rollout/mean": 0.01,
             },
+            timings={"rollout": {"mean": 0.01}},  # a timer's statistics travel as timings (`Logger.timer`)
         ),
-        StepRecord(10, {"train/loss": 0.25, "timing/rollout/mean": 0.03}),
+        StepRecord(10, {"train/loss": 0.25}, timings={"rollout": {"mean": 0.03}}),
         StepRecord(20, {"eval/solved": 8.0, "eval/episodes": 8.0, "env/b/alive": 1.0}),
         StepRecord(30, texts={"notes": "a commit with nothing for the table prints no row"}),
     ]
@@ -86,13 +86,14 @@ def test_no_columns_builds_the_table_from_the_first_step_and_says_so_once(run_lo
     first = {
         "train/loss": 0.5,
         "iteration_stats/mean/c0": 0.1,
-        "timing/rollout/mean": 0.01,
         "update_norm/l2/mean": 1.0,
         "counters/frames": 256.0,
     }
-    backend.write(StepRecord(0, first))
+    timings = {"rollout": {"mean": 0.01}}  # kept out of the table: a summary prefix
+    backend.write(StepRecord(0, first, timings=timings))
     backend.write(
-        StepRecord(10, {**first, "train/loss": 0.25, "update_norm/l2/mean": 12345.5, "new/metric": 1.0})
+        StepRecord(10, {**first, "train/loss": 0.25, "update_norm/l2/mean": 12345.5, "new/metric": 1.0},
+                   timings=timings)
     )
     lines = out.getvalue().splitlines()
     where = "are in the run log" if run_log else (

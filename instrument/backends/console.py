@@ -201,7 +201,7 @@ class ConsoleBackend(Backend):
         self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{k} {_fmt(v)}" for k, v in items]))
 
     def close(self) -> None:
-        if self._unshown:
+        if self._unshown and self._seen:  # a run that logged nothing (refused before its first step) says nothing
             self._say_unmatched("declared column(s)", sorted(self._unshown), "ConsoleBackend.columns")
         if not self._summaries:
             return

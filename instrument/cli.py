@@ -211,8 +211,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from instrument import config
     from instrument.errors import InstrumentError
 
+    config.clear_config()  # each call runs its own config: nothing bound by an earlier call in this process
     try:
         config.parse_config(args.config, args.bind)
+        config.require_experiment()  # before run: gin would start the run's instrumentation for nothing
     except InstrumentError as exc:
         if args.debug:
             raise

@@ -347,13 +347,13 @@ def test_train_cartpole_drives_the_real_instrumentation():
         (train_nca, {"fire_rate": 1.5}, "train_nca fire_rate must be a number in [0, 1]"),
         (train_nca, {"fire_rate": -0.1}, "train_nca fire_rate must be a number in [0, 1]"),
         (train_nca, {"checkpoint_every": -1}, "train_nca checkpoint_every must be an int >= 0 (0: off), got -1"),
-        (train_nca, {"lr": 0}, "train_nca lr must be a number > 0, got 0"),
+        (train_nca, {"lr": 0}, "train_nca lr must be a finite number > 0, got 0"),
         (train_cartpole, {"max_steps": 0}, "train_cartpole max_steps must be an int >= 1"),
         (train_cartpole, {"num_envs": 0}, "train_cartpole num_envs must be an int >= 1"),
         (train_cartpole, {"steps": 0}, "train_cartpole steps must be an int >= 1"),
         (train_cartpole, {"hidden": -2}, "train_cartpole hidden must be an int >= 1"),
         (train_cartpole, {"gamma": 1.5}, "train_cartpole gamma must be a number in [0, 1]"),
-        (train_cartpole, {"lr": -1.0}, "train_cartpole lr must be a number > 0"),
+        (train_cartpole, {"lr": -1.0}, "train_cartpole lr must be a finite number > 0"),
     ],
 )
 def test_demo_arguments_out_of_range_are_configuration_errors(demo, kwargs, said):

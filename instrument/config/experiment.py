@@ -25,6 +25,12 @@ class ExperimentTypeError(ConfigurationError, TypeError):
     """``run.experiment`` is not something to call: ``@train_nca()`` (already called) instead of ``@train_nca``."""
 
 
+MISSING_EXPERIMENT = (
+    "run has no experiment: the config binds no run.experiment. Bind the function that trains, e.g. "
+    "run.experiment = @train_nca (with `import instrument.demos.nca` at the top of the file), or run a "
+    "shipped config: instrument run nca."
+)
+
 _CLASSES = {"tensorboard": "TensorBoardBackend", "wandb": "WandbBackend", "console": "ConsoleBackend",
             "jsonl": "JsonlBackend", "mlflow": "MlflowBackend"}
 
@@ -58,18 +64,17 @@ def run(
     """Run ``experiment(instrumentation=...)`` and close the session afterwards.
 
     Returns the experiment's result, the run directory, the log root and the backends that were open (the CLI
-    names a viewer for each). A KeyboardInterrupt (Ctrl-C) propagates once the run is closed ("killed"),
-    carrying that dict as ``outcome`` (result None) and a note naming the run's folder.
+    names a viewer for each). Without an experiment, or with one that is not callable, a started
+    ``instrumentation`` is closed as a failed run before the error is raised. A KeyboardInterrupt (Ctrl-C)
+    propagates once the run is closed ("killed"), carrying that dict as ``outcome`` (result None) and a note
+    naming the run's folder.
     """
-    if experiment is None:
-        raise MissingExperimentError(
-            "run has no experiment: the config binds no run.experiment. Bind the function that trains, e.g. "
-            "run.experiment = @train_nca (with `import instrument.demos.nca` at the top of the file), or run a "
-            "shipped config: instrument run nca."
-        )
-    if not callable(experiment):  # `parse_config` refuses `@train_nca()` first; this catches any other way
+    if experiment is None or not callable(experiment):
         if instrumentation is not None:  # built for this run and started: it ends, as a failed run
             instrumentation.close("failed")
+    if experiment is None:
+        raise MissingExperimentError(MISSING_EXPERIMENT)
+    if not callable(experiment):  # `parse_config` refuses `@train_nca()` first; this catches any other way
         shown = repr(experiment)
         raise ExperimentTypeError(
             f"run.experiment got {type(experiment).__name__} ({shown[:80] + '...' if len(shown) > 80 else shown}); "

@@ -63,7 +63,7 @@ class ShippedConfig:
         text = path.read_text(encoding="utf-8")
         first = next((line for line in text.splitlines() if line.startswith("#")), "#")
         self.description = first.lstrip("#").strip().split(". ", 1)[0].rstrip(".") + "."
-        self.binds_experiment = re.search(r"^run\.experiment\s*=", text, re.M) is not None
+        self.binds_experiment = re.search(r"^(?:instrument\.)?run\.experiment\s*=", text, re.M) is not None
         self.includes = re.findall(r"^include\s+['\"]([^'\"]+)\.gin['\"]", text, re.M)
         self.runnable = self.binds_experiment
 

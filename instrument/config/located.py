@@ -20,11 +20,12 @@ __all__ = ["bound_pair", "file_holding", "include_cycle", "secret_keys", "unused
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
-    """The file an ``include`` line names, where gin finds it: as written (from the working directory), beside
-    the file given, among the shipped configs, beside the including file. None for any other line."""
+    """The file an ``include`` line names, where `parse_config` finds it (`includes`): beside the including file,
+    from the working directory, among the shipped configs. None for any other line. (``top``, the file given,
+    is searched last, as it once was.)"""
     include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
     if include:
-        for base in (Path.cwd(), top, CONFIG_DIR, current.parent):
+        for base in (current.parent, Path.cwd(), CONFIG_DIR, top):
             if (base / include.group(1)).is_file():
                 return base / include.group(1)
     return None

@@ -10,14 +10,14 @@ says where (file and line, or which ``--bind``), what was wrong and how to fix i
 import difflib
 import inspect
 import logging
-import re
-import tokenize
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 
 from instrument.config import types
+from instrument.config.experiment import MISSING_EXPERIMENT, MissingExperimentError
+from instrument.config.explain import GIN_ERRORS, explain, secret_free
 from instrument.config.files import (
     CONFIG_DIR,
     AmbiguousNameError,
@@ -27,12 +27,12 @@ from instrument.config.files import (
     ConfigTypeError,
     GinConfigError,
     ShippedConfig,
-    read_text,
     resolve_config,
     shipped_configs,
 )
 from instrument.config.gin_logging import ImplicitRootHandlers, QuietIncludeProbes
-from instrument.config.located import bound_pair, file_holding, include_cycle
+from instrument.config.includes import include_search, quiet_readers
+from instrument.config.located import bound_pair, include_cycle
 from instrument.config.secrets import (
     bound_macros,
     macro_name,
@@ -51,39 +51,32 @@ __all__ = [
     "AmbiguousNameError",
     "GinConfigError",
     "ShippedConfig",
+    "clear_config",
     "operative_config",
-
     "parse_config",
+    "require_experiment",
     "resolve_config",
     "shipped_configs",
 ]
 
 # Where the shipped files are found by `include`, also for users who call gin's own parse functions: after
-# gin's '' (a path as written, from the working directory), so a user's own file of the same name wins.
+# gin's '' (a path as written, from the working directory). `parse_config` itself searches beside the including
+# file first (see `includes`).
 gin.add_config_file_search_path(str(CONFIG_DIR))
-_searched = {str(CONFIG_DIR)}
+quiet_readers()  # gin's own parse functions too: an empty backends/ folder on sys.path is "not found"
 
 MODULE = "instrument"  # the module instrument's own configurables are registered under (see `registry`)
 
-# Names a config may use before the module that registers them is imported: the fix is that import.
-_REGISTERED_ON_IMPORT = {
-    "instrument.config.rl": ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation"),
-    "instrument.demos.nca": ("train_nca",),
-    "instrument.demos.cartpole": ("train_cartpole",),
-    "instrument.demos.torchrl_ppo": ("train_torchrl_ppo", "build_ppo_trainer"),
-}
-
-
-# Called before every parse_config; the registry adds the RL registration here (when `instrument.rl` was imported).
 BEFORE_PARSE: List[Callable[[], None]] = []
 
 
 def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[Path]:
     """Parse ``.gin`` files (paths or shipped names) and then ``Name.param = value`` bindings, in order.
 
-    Later files and bindings override earlier ones. An ``include`` resolves beside the file that includes it,
-    from the working directory and among the shipped configs. Raises a `GinConfigError` (a ValueError; the
-    file kinds are also FileNotFoundError, SyntaxError or ImportError) naming the file and line or binding.
+    Later files and bindings override earlier ones. An ``include`` resolves beside the file that includes it
+    first (nested includes beside theirs), then from the working directory, then among the shipped configs.
+    Raises a `GinConfigError` (a ValueError; the file kinds are also FileNotFoundError, SyntaxError or
+    ImportError) naming the file and line or binding, a secret-looking binding's value left out.
     Returns the resolved paths of ``files``.
     """
     if isinstance(files, (str, Path)) or isinstance(bindings, str):
@@ -97,26 +90,22 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
     quiet = QuietIncludeProbes()
     logging.getLogger().addFilter(quiet)
     implicit = ImplicitRootHandlers()
-    readers = getattr(gin.config, "_FILE_READERS", [])
-    saved_readers = list(readers)
-    readers[:] = [(_open_config if reader is open else reader, exists) for reader, exists in readers]
     try:
-        for path in paths:
-            _search_first(str(path.resolve().parent))  # this file's includes look beside it first
-            try:
-                gin.parse_config_file(str(path))
-            except RecursionError as exc:  # gin follows includes by recursion: a cycle never ends
-                raise GinConfigError("the config includes itself, through " + " -> ".join(include_cycle(path)),
-                                     str(path), "", "remove one of the include lines of that cycle.") from exc
-            except _GIN_ERRORS as exc:
-                raise _explain(exc, source=str(path)) from exc
-        for binding in bindings:
-            try:
-                gin.parse_config(binding)
-            except _GIN_ERRORS as exc:
-                raise _explain(exc, source=f"--bind {binding!r}", binding=binding) from exc
+        with include_search(str(CONFIG_DIR)):  # an include looks beside its own file first, nested too
+            for path in paths:
+                try:
+                    gin.parse_config_file(str(path))
+                except RecursionError as exc:  # gin follows includes by recursion: a cycle never ends
+                    raise GinConfigError("the config includes itself, through " + " -> ".join(include_cycle(path)),
+                                         str(path), "", "remove one of the include lines of that cycle.") from exc
+                except GIN_ERRORS as exc:
+                    raise secret_free(explain(exc, source=str(path))) from exc
+            for binding in bindings:
+                try:
+                    gin.parse_config(binding)
+                except GIN_ERRORS as exc:
+                    raise secret_free(explain(exc, source=f"--bind {binding!r}", binding=binding)) from exc
     finally:
-        readers[:] = saved_readers
         logging.getLogger().removeFilter(quiet)
         implicit.undo()
     check_macros([str(f) for f in files], bindings)
@@ -125,176 +114,22 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
     return paths
 
 
-def _open_config(path: str) -> Any:
-    """A .gin file as gin reads it, but as UTF-8 with an optional byte-order mark (Notepad's "UTF-8 with BOM")
-    dropped, as Python reads its own sources; gin's plain open() made the BOM an "Unexpected token" at line 1."""
-    return open(path, encoding="utf-8-sig")
+def require_experiment() -> None:
+    """Refuse a parsed config that binds no ``run.experiment`` (or binds it to None) before `run` is called:
+    gin builds run's arguments first, so ``run.instrumentation = @Instrumentation()`` would start a run (its
+    folder, its backends' runs) only for `run` to find nothing to call."""
+    try:
+        bound = gin.query_parameter(f"{MODULE}.run.experiment")
+    except ValueError:  # not bound at all
+        bound = None
+    if bound is None:
+        raise MissingExperimentError(MISSING_EXPERIMENT)
 
 
-def _search_first(directory: str) -> None:
-    """Search ``directory`` for includes right after the working directory, before the shipped configs."""
-    prefixes = getattr(gin.config, "_LOCATION_PREFIXES", None)
-    if isinstance(prefixes, list):  # gin's own search list; a user's directory must win over a shipped name
-        if directory in prefixes:
-            prefixes.remove(directory)
-        prefixes.insert(1 if prefixes[:1] == [""] else 0, directory)
-    elif directory not in _searched:
-        gin.add_config_file_search_path(directory)
-    _searched.add(directory)
-
-
-_GIN_ERRORS = (ValueError, KeyError, SyntaxError, tokenize.TokenError, OSError, ImportError, TypeError)
-_WHERE = re.compile(r'\n  In file "(?P<file>[^"]+)", line (?P<line>\d+)\n    (?P<stmt>[^\n]*)')
-_BINDING_WHERE = re.compile(r"\n  In bindings string line \d+\n    (?P<stmt>[^\n]*)")
-
-
-def _unquoted(text: str) -> str:
-    """``text`` without the quotes gin's exceptions may wrap it in (a KeyError's repr), but only as a pair: a
-    message that ends in a quote of its own (``No module named 'x'``) keeps it."""
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return text[1:-1]
-    return text
-
-
-def _explain(exc: BaseException, source: str, binding: Optional[str] = None) -> GinConfigError:
-    """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
-    text = str(exc)
-    kind = GinConfigError
-    decode = re.search(r"can't decode byte 0x[0-9a-f]+ in position (\d+): ([^\n]*)", text)
-    if isinstance(exc, UnicodeDecodeError) and decode and binding is None:  # a file saved in another encoding
-        start = int(decode[1])  # gin re-raises an include's error as a copy without the bytes: find the file
-
-        def fails_there(data: bytes) -> bool:
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError as bad:
-                return bad.start == start
-            return False
-
-        holder = file_holding(Path(source), fails_there)
-        if holder is not None:
-            data = holder.read_bytes()
-            line = data.count(b"\n", 0, start) + 1
-            statement = data.split(b"\n")[line - 1].decode("utf-8", "backslashreplace").strip()
-            top = holder.resolve() == Path(source).resolve()
-            where = f"{source if top else holder.name}, line {line}" + ("" if top else f" (included from {source})")
-            return GinConfigError(
-                f"the file is not UTF-8: byte 0x{data[start]:02x} at byte offset {start} ({decode[2].strip()})",
-                where, statement, "save the file as UTF-8 (your editor's 'encoding' setting), or remove the character.")
-    if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
-        line, statement = _unclosed(binding if binding is not None else read_text(source))
-        where = source if binding is not None or not line else f"{source}, line {line}"
-        return ConfigSyntaxError(f"syntax error: {exc.args[0]} (a bracket or quote is never closed)", where,
-                                 statement or binding or "", "close the bracket or quote that this statement opens.")
-    if isinstance(exc, SyntaxError):
-        kind = ConfigSyntaxError
-        problem = f"syntax error: {exc.msg}"
-        where = f"{exc.filename or source}, line {exc.lineno}" if exc.lineno else source
-        if binding is not None:
-            where = source
-        statement = (exc.text or binding or "").strip()
-        if binding is None and exc.lineno:  # an unclosed list runs into the next binding: point at its start
-            line, opened = _unclosed(read_text(exc.filename or source))
-            if 0 < line < exc.lineno:
-                return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
-                            f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
-                            "close the bracket or quote that this statement opens.")
-        token = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")
-        if token:  # a bare word: nan, inf, float('nan'), an unquoted string
-            problem, fix = _bare_word(token[1], statement)
-            return kind(problem, where, statement, fix)
-        return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
-                    "(values are Python literals, references are @Name or @Name()).")
-    locations = list(_WHERE.finditer(text))
-    problem = _unquoted(text.split("\n  In ", 1)[0].strip())
-    if locations:
-        inner = locations[0]
-        where = f"{inner['file']}, line {inner['line']}"
-        statement = inner["stmt"].strip()
-        outer = [f"{m['file']}, line {m['line']}" for m in locations[1:]]
-        if outer:
-            where += " (included from " + ", ".join(outer) + ")"
-    else:
-        where = source
-        match = _BINDING_WHERE.search(text)
-        statement = match["stmt"].strip() if match else (binding or "")
-    if isinstance(exc, KeyError):  # gin's selector lookup: a short name that several modules register
-        kind = AmbiguousNameError
-        fix = ("write the name qualified by its module, as listed (e.g. instrument.Instrumentation.log_interval)."
-               if "Ambiguous selector" in problem else _fix_for(problem))
-    elif isinstance(exc, ImportError):
-        kind = ConfigImportError
-        fix = "install the package that provides the module, or correct the name in the import line."
-    elif isinstance(exc, OSError):
-        kind = ConfigFileError
-        problem = problem.split(" Searched config paths", 1)[0]
-        names = ", ".join(c.name for c in shipped_configs())
-        fix = f"give the path relative to the including file or the working directory, or a shipped config: {names}."
-    else:
-        fix = _fix_for(problem)
-    return kind(problem, where, statement, fix)
-
-
-def _bare_word(token: str, statement: str) -> Tuple[str, str]:
-    """(problem, fix) for a bare word gin cannot read (``nan``, ``inf``, ``float('nan')``, an unquoted string):
-    gin reads Python literals, which have no NaN and write infinity as ``1e999``; the fix names a value the
-    parameter takes where it can tell which parameter it is."""
-    bound = re.match(r"\s*(?:[\w.]*/)?([\w.]+)\.(\w+)\s*=", statement)
-    configurable = gin.config._REGISTRY.get_match(bound[1]) if bound else None
-    fits = ""
-    if configurable is not None:
-        name, param = bound[1].rsplit(".", 1)[-1], bound[2]
-        fits = f"{name}.{param} = {types.suggestion(configurable.wrapped, name, param)}"
-    number = f"bind a number, e.g. {fits}" if fits else "bind a number"
-    infinity = "1e999 (-1e999 for minus infinity), which Python reads as infinity"
-    word = token.lower().lstrip("+-")
-    if word == "nan":
-        return f"syntax error: {token!r} is not a gin value: gin reads Python literals, and NaN has none", number + "."
-    if word in ("inf", "infinity"):
-        return (f"syntax error: {token!r} is not a gin value: gin reads Python literals, which name no infinity",
-                f"write {infinity}, where the parameter takes it; else {number}.")
-    if token == "float":
-        return ("syntax error: float(...) is a call, not a gin value: gin reads Python literals (NaN has none)",
-                f"{number}; infinity is written {infinity}.")
-    return (f"syntax error: {token!r} is not a gin value: values are Python literals (numbers, 'strings', True, "
-            f"False, None, lists, tuples, dicts) or references (@Name, @Name(), %MACRO)",
-            f"quote it for a string ('{token}'), or write @{token} for a configurable"
-            + (f"; this parameter takes e.g. {fits}." if fits else "."))
-
-
-def _unclosed(text: str) -> Tuple[int, str]:
-    """The line number and text of the first bracket or quote in ``text`` that is never closed (0, "")."""
-    stack: List[Tuple[str, int]] = []
-    quote, lineno, i = "", 1, 0
-    closers = {")": "(", "]": "[", "}": "{"}
-    while i < len(text):
-        ch = text[i]
-        if ch == "\n":
-            lineno += 1
-        if quote:
-            if ch == "\\":
-                i += 1
-            elif text.startswith(quote, i):
-                stack.pop()
-                i += len(quote) - 1
-                quote = ""
-        elif ch == "#":
-            while i + 1 < len(text) and text[i + 1] != "\n":
-                i += 1
-        elif ch in "'\"":
-            quote = text[i : i + 3] if text[i : i + 3] in ("'" * 3, '"' * 3) else ch
-            stack.append((quote, lineno))
-            i += len(quote) - 1
-        elif ch in "([{":
-            stack.append((ch, lineno))
-        elif ch in closers and stack and stack[-1][0] == closers[ch]:
-            stack.pop()
-        i += 1
-    if not stack:
-        return 0, ""
-    line = stack[0][1]
-    lines = text.splitlines()
-    return line, lines[line - 1].strip() if line <= len(lines) else ""
+def clear_config() -> None:
+    """Forget every binding parsed so far (files, ``--bind``, macros), so the next `parse_config` starts clean:
+    the CLI's `main` calls it first, so a sweep calling it twice in one process runs each config as given."""
+    gin.clear_config()
 
 
 def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:
@@ -389,75 +224,47 @@ def _macros_in(value: Any) -> List[str]:
     return []
 
 
-def _fix_for(problem: str) -> str:
-    """A hint for gin's ValueErrors: a misspelt parameter, an unknown or unimported configurable."""
-    match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", problem)
-    if match:
-        name, param = match.groups()
-        params = _parameters(name)
-        close = difflib.get_close_matches(param, params, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        return f"{hint}{name} takes: {', '.join(params)}." if params else "check the parameter's spelling."
-    match = re.search(r"No configurable matching (?:reference )?'@?([^'(]+)", problem)
-    if match:
-        name = match.group(1).split("/")[-1]
-        short = name.split(".")[-1]
-        for module, names in _REGISTERED_ON_IMPORT.items():
-            if short in names:
-                return f"add the line `import {module}` at the top of the .gin file; it registers {short}."
-        close = difflib.get_close_matches(short, _known_names(), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        return (f"{hint}check the spelling, or import the module that registers it with an `import "
-                f"package.module` line at the top of the .gin file.")
-    return "see gin's message above; `instrument list` shows the shipped configs to start from."
-
-
-def _parameters(name: str) -> List[str]:
-    """The parameter names of a registered configurable (empty when gin's registry cannot tell)."""
-    import inspect
-
-    try:
-        configurable = gin.config._REGISTRY.get_match(name)  # gin has no public lookup by name
-        fn = configurable.wrapped
-        sig = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
-    except Exception:  # noqa: BLE001  (only a hint: a failure here must not hide the user's error)
-        return []
-    return [p for p in sig.parameters if p != "self" and sig.parameters[p].kind not in (
-        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
-
-
-def _known_names() -> List[str]:
-    try:
-        return sorted({selector.split(".")[-1] for selector, _ in gin.config._REGISTRY.items()})
-    except Exception:  # noqa: BLE001  (only a hint)
-        return []
-
-
 def operative_config() -> Tuple[Dict[str, Any], Optional[str]]:
     """The operative gin config as (``{"Configurable.param": value}``, text) for logging as hyperparameters.
 
-    A macro under a secret-looking name (``api_token = %CREDS``) is given as the value it resolves to, so the
-    logger redacts it there and scrubs it from every other value; the macro's own binding (``CREDS = '...'``)
-    is redacted here, in the params and the text, since its name says nothing. Empty when nothing was bound:
-    a run configured in plain Python logs only its own hyperparameters.
+    A value bound through a macro (``train_nca.lr = %LR``) is given as the value the macro resolves to, macros
+    of macros too; the macro's own binding (``LR = 0.001``) is no key of its own (it stays in the text). A macro
+    whose value is secret (used under a secret-looking name, ``api_token = %CREDS``, or named like a secret) is
+    redacted wherever it is used and in the text, since its own name may say nothing. Empty when nothing was
+    bound: a run configured in plain Python logs only its own hyperparameters.
     """
     if not gin.config_str().strip():
         return {}, None
     text = gin.operative_config_str()
     bindings: List[Tuple[str, Any]] = []
-    keys: Dict[str, str] = {}  # a binding's name as judged (a macro's own name) -> its key in the params
+    keys: Dict[str, str] = {}  # a parameter's binding as judged -> its key in the params
     parser = gin.config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True))
     for statement in parser:
         if isinstance(statement, gin.config_parser.BindingStatement):
             scope = f"{statement.scope}/" if statement.scope else ""
             name = f"{scope}{statement.selector}" + (f".{statement.arg_name}" if statement.arg_name else "")
-            keys[name] = f"{scope}{statement.selector}.{statement.arg_name}"  # a macro's ends in '.'
+            if statement.arg_name:  # a macro's own binding (``LR = 0.001``) is judged, never a key
+                keys[name] = name
             bindings.append((name, statement.value))
-    resolved, names = resolve_secret_macros(bindings, bound_macros(), secret_keys())
-    params = {keys[name]: _structured(value) for name, value in resolved.items()}
-    for name in names & set(keys):
-        params[keys[name]] = REDACTED
+    macros = bound_macros()
+    resolved, names = resolve_secret_macros(bindings, macros, secret_keys())
+    params = {keys[name]: _structured(_unmacro(value, macros, names, 0))
+              for name, value in resolved.items() if name in keys}
     return params, (redact_config_text(text, macro_patterns(names)) if names else text)
+
+
+def _unmacro(value: Any, macros: Dict[str, Any], secret: Any, depth: int) -> Any:
+    """``value`` with every macro replaced by what it is bound to (`REDACTED` for a secret one), at any depth."""
+    name = macro_name(value)
+    if name is not None:
+        if name in secret:
+            return REDACTED
+        return _unmacro(macros[name], macros, secret, depth + 1) if name in macros and depth < 100 else value
+    if isinstance(value, dict):
+        return {k: _unmacro(v, macros, secret, depth) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unmacro(v, macros, secret, depth) for v in value)
+    return value
 
 
 def _structured(value: Any) -> Any:

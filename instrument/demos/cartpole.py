@@ -7,6 +7,7 @@ observes in an NCA, but with an explicit evolver loop. Plain torch, no gym depen
 
 import contextlib
 import math
+import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -222,7 +223,8 @@ def train_cartpole(
         ("max_steps", max_steps, 1, "the longest episode", 200), ("hidden", hidden, 1, "the policy's width", 64),
     ):
         check_int(f"train_cartpole {name}", value, least=least, why=why, fix=f"bind e.g. train_cartpole.{name} = {fix}")
-    check_number("train_cartpole lr", lr, above=0, fix="bind e.g. train_cartpole.lr = 1e-2")
+    check_number("train_cartpole lr", lr, above=0, most=sys.float_info.max, expected="a finite number > 0",
+                 fix="bind e.g. train_cartpole.lr = 1e-2")  # 1e999 reads as infinity: no learning rate
     check_number("train_cartpole gamma", gamma, least=0, most=1, fix="bind e.g. train_cartpole.gamma = 0.99")
     dev = demo_device("train_cartpole", device)
     torch.manual_seed(seed)

@@ -6,6 +6,7 @@ and is TorchScript-compatible, so the instrumentation can watch it eager or scri
 once per iteration so a forward hook on ``update_rule`` sees every iteration.
 """
 
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -229,7 +230,8 @@ def train_nca(
         check_int(f"train_nca {name}", value, least=least, why=why, fix=f"bind e.g. train_nca.{name} = {fix}")
     check_number("train_nca fire_rate", fire_rate, least=0, most=1, why="the chance that a cell updates",
                  fix="bind e.g. train_nca.fire_rate = 0.5")
-    check_number("train_nca lr", lr, above=0, fix="bind e.g. train_nca.lr = 2e-3")
+    check_number("train_nca lr", lr, above=0, most=sys.float_info.max, expected="a finite number > 0",
+                 fix="bind e.g. train_nca.lr = 2e-3")  # 1e999 reads as infinity: no learning rate
     dev = demo_device("train_nca", device)
     torch.manual_seed(seed)
     lengths_rng = torch.Generator().manual_seed(seed)

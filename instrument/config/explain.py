@@ -1,0 +1,268 @@
+"""gin's exceptions explained: where (file and line, or which ``--bind``), the problem and a fix, secrets left out.
+
+`explain` turns what gin raised while parsing into a `GinConfigError`; `secret_free` then drops the value of a
+secret-looking binding from it (``my_train.api_token = sk_live_...`` unquoted, an unclosed quote after
+``api_token = ``, a secret bound to a misspelt parameter), as the CLI does for a ``--bind``.
+"""
+
+import difflib
+import re
+import tokenize
+from pathlib import Path
+from typing import List, Optional, Set, Tuple
+
+import gin
+
+from instrument.config import types
+from instrument.config.files import (
+    AmbiguousNameError,
+    ConfigFileError,
+    ConfigImportError,
+    ConfigSyntaxError,
+    GinConfigError,
+    read_text,
+    shipped_configs,
+)
+from instrument.config.located import file_holding
+from instrument.config.secrets import secret_keys
+from instrument.logger.params import REDACTED, is_secret, redact_config_text, scrub
+
+__all__ = ["GIN_ERRORS", "explain", "secret_free", "unclosed"]
+
+# Names a config may use before the module that registers them is imported: the fix is that import.
+_REGISTERED_ON_IMPORT = {
+    "instrument.config.rl": ("RLLogging", "CollectionMetrics", "TrainMetrics", "Counters", "Evaluation"),
+    "instrument.demos.nca": ("train_nca",),
+    "instrument.demos.cartpole": ("train_cartpole",),
+    "instrument.demos.torchrl_ppo": ("train_torchrl_ppo", "build_ppo_trainer"),
+}
+
+
+GIN_ERRORS = (ValueError, KeyError, SyntaxError, tokenize.TokenError, OSError, ImportError, TypeError)
+_WHERE = re.compile(r'\n  In file "(?P<file>[^"]+)", line (?P<line>\d+)\n    (?P<stmt>[^\n]*)')
+_BINDING_WHERE = re.compile(r"\n  In bindings string line \d+\n    (?P<stmt>[^\n]*)")
+
+
+def _unquoted(text: str) -> str:
+    """``text`` without the quotes gin's exceptions may wrap it in (a KeyError's repr), but only as a pair: a
+    message that ends in a quote of its own (``No module named 'x'``) keeps it."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> GinConfigError:
+    """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
+    text = str(exc)
+    kind = GinConfigError
+    decode = re.search(r"can't decode byte 0x[0-9a-f]+ in position (\d+): ([^\n]*)", text)
+    if isinstance(exc, UnicodeDecodeError) and decode and binding is None:  # a file saved in another encoding
+        start = int(decode[1])  # gin re-raises an include's error as a copy without the bytes: find the file
+
+        def fails_there(data: bytes) -> bool:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return bad.start == start
+            return False
+
+        holder = file_holding(Path(source), fails_there)
+        if holder is not None:
+            data = holder.read_bytes()
+            line = data.count(b"\n", 0, start) + 1
+            statement = data.split(b"\n")[line - 1].decode("utf-8", "backslashreplace").strip()
+            top = holder.resolve() == Path(source).resolve()
+            where = f"{source if top else holder.name}, line {line}" + ("" if top else f" (included from {source})")
+            return GinConfigError(
+                f"the file is not UTF-8: byte 0x{data[start]:02x} at byte offset {start} ({decode[2].strip()})",
+                where, statement, "save the file as UTF-8 (your editor's 'encoding' setting), or remove the character.")
+    if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
+        line, statement = unclosed(binding if binding is not None else read_text(source))
+        where = source if binding is not None or not line else f"{source}, line {line}"
+        return ConfigSyntaxError(f"syntax error: {exc.args[0]} (a bracket or quote is never closed)", where,
+                                 statement or binding or "", "close the bracket or quote that this statement opens.")
+    if isinstance(exc, SyntaxError):
+        kind = ConfigSyntaxError
+        problem = f"syntax error: {exc.msg}"
+        where = f"{exc.filename or source}, line {exc.lineno}" if exc.lineno else source
+        if binding is not None:
+            where = source
+        statement = (exc.text or binding or "").strip()
+        if binding is None and exc.lineno:  # an unclosed list runs into the next binding: point at its start
+            line, opened = unclosed(read_text(exc.filename or source))
+            if 0 < line < exc.lineno:
+                return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
+                            f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
+                            "close the bracket or quote that this statement opens.")
+        token = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")
+        if token:  # a bare word: nan, inf, float('nan'), an unquoted string
+            problem, fix = _bare_word(token[1], statement)
+            return kind(problem, where, statement, fix)
+        return kind(problem, where, statement, "check the quoting, brackets and '=' of that line "
+                    "(values are Python literals, references are @Name or @Name()).")
+    locations = list(_WHERE.finditer(text))
+    problem = _unquoted(text.split("\n  In ", 1)[0].strip())
+    if locations:
+        inner = locations[0]
+        where = f"{inner['file']}, line {inner['line']}"
+        statement = inner["stmt"].strip()
+        outer = [f"{m['file']}, line {m['line']}" for m in locations[1:]]
+        if outer:
+            where += " (included from " + ", ".join(outer) + ")"
+    else:
+        where = source
+        match = _BINDING_WHERE.search(text)
+        statement = match["stmt"].strip() if match else (binding or "")
+    if isinstance(exc, KeyError):  # gin's selector lookup: a short name that several modules register
+        kind = AmbiguousNameError
+        fix = ("write the name qualified by its module, as listed (e.g. instrument.Instrumentation.log_interval)."
+               if "Ambiguous selector" in problem else _fix_for(problem))
+    elif isinstance(exc, ImportError):
+        kind = ConfigImportError
+        fix = "install the package that provides the module, or correct the name in the import line."
+    elif isinstance(exc, OSError):
+        kind = ConfigFileError
+        problem = problem.split(" Searched config paths", 1)[0]
+        names = ", ".join(c.name for c in shipped_configs())
+        fix = f"give the path relative to the including file or the working directory, or a shipped config: {names}."
+    else:
+        fix = _fix_for(problem)
+    return kind(problem, where, statement, fix)
+
+
+def _bare_word(token: str, statement: str) -> Tuple[str, str]:
+    """(problem, fix) for a bare word gin cannot read (``nan``, ``inf``, ``float('nan')``, an unquoted string):
+    gin reads Python literals, which have no NaN and write infinity as ``1e999``; the fix names a value the
+    parameter takes where it can tell which parameter it is."""
+    bound = re.match(r"\s*(?:[\w.]*/)?([\w.]+)\.(\w+)\s*=", statement)
+    configurable = gin.config._REGISTRY.get_match(bound[1]) if bound else None
+    fits = ""
+    if configurable is not None:
+        name, param = bound[1].rsplit(".", 1)[-1], bound[2]
+        fits = f"{name}.{param} = {types.suggestion(configurable.wrapped, name, param)}"
+    number = f"bind a number, e.g. {fits}" if fits else "bind a number"
+    infinity = "1e999 (-1e999 for minus infinity), which Python reads as infinity"
+    word = token.lower().lstrip("+-")
+    if word == "nan":
+        return f"syntax error: {token!r} is not a gin value: gin reads Python literals, and NaN has none", number + "."
+    if word in ("inf", "infinity"):
+        return (f"syntax error: {token!r} is not a gin value: gin reads Python literals, which name no infinity",
+                f"write {infinity}, where the parameter takes it; else {number}.")
+    if token == "float":
+        return ("syntax error: float(...) is a call, not a gin value: gin reads Python literals (NaN has none)",
+                f"{number}; infinity is written {infinity}.")
+    return (f"syntax error: {token!r} is not a gin value: values are Python literals (numbers, 'strings', True, "
+            f"False, None, lists, tuples, dicts) or references (@Name, @Name(), %MACRO)",
+            f"quote it for a string ('{token}'), or write @{token} for a configurable"
+            + (f"; this parameter takes e.g. {fits}." if fits else "."))
+
+
+def unclosed(text: str) -> Tuple[int, str]:
+    """The line number and text of the first bracket or quote in ``text`` that is never closed (0, "")."""
+    stack: List[Tuple[str, int]] = []
+    quote, lineno, i = "", 1, 0
+    closers = {")": "(", "]": "[", "}": "{"}
+    while i < len(text):
+        ch = text[i]
+        if ch == "\n":
+            lineno += 1
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                stack.pop()
+                i += len(quote) - 1
+                quote = ""
+        elif ch == "#":
+            while i + 1 < len(text) and text[i + 1] != "\n":
+                i += 1
+        elif ch in "'\"":
+            quote = text[i : i + 3] if text[i : i + 3] in ("'" * 3, '"' * 3) else ch
+            stack.append((quote, lineno))
+            i += len(quote) - 1
+        elif ch in "([{":
+            stack.append((ch, lineno))
+        elif ch in closers and stack and stack[-1][0] == closers[ch]:
+            stack.pop()
+        i += 1
+    if not stack:
+        return 0, ""
+    line = stack[0][1]
+    lines = text.splitlines()
+    return line, lines[line - 1].strip() if line <= len(lines) else ""
+
+
+def _fix_for(problem: str) -> str:
+    """A hint for gin's ValueErrors: a misspelt parameter, an unknown or unimported configurable."""
+    match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", problem)
+    if match:
+        name, param = match.groups()
+        params = _parameters(name)
+        close = difflib.get_close_matches(param, params, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"{hint}{name} takes: {', '.join(params)}." if params else "check the parameter's spelling."
+    match = re.search(r"No configurable matching (?:reference )?'@?([^'(]+)", problem)
+    if match:
+        name = match.group(1).split("/")[-1]
+        short = name.split(".")[-1]
+        for module, names in _REGISTERED_ON_IMPORT.items():
+            if short in names:
+                return f"add the line `import {module}` at the top of the .gin file; it registers {short}."
+        close = difflib.get_close_matches(short, _known_names(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return (f"{hint}check the spelling, or import the module that registers it with an `import "
+                f"package.module` line at the top of the .gin file.")
+    return "see gin's message above; `instrument list` shows the shipped configs to start from."
+
+
+def _parameters(name: str) -> List[str]:
+    """The parameter names of a registered configurable (empty when gin's registry cannot tell)."""
+    import inspect
+
+    try:
+        configurable = gin.config._REGISTRY.get_match(name)  # gin has no public lookup by name
+        fn = configurable.wrapped
+        sig = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+    except Exception:  # noqa: BLE001  (only a hint: a failure here must not hide the user's error)
+        return []
+    return [p for p in sig.parameters if p != "self" and sig.parameters[p].kind not in (
+        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+
+
+def _known_names() -> List[str]:
+    try:
+        return sorted({selector.split(".")[-1] for selector, _ in gin.config._REGISTRY.items()})
+    except Exception:  # noqa: BLE001  (only a hint)
+        return []
+
+
+_STATEMENT = re.compile(r"^\s*([\w./]+)\s*=\s*(.*)$", re.S)
+
+
+def secret_free(error: GinConfigError) -> GinConfigError:
+    """``error`` with the value of a secret-looking binding left out of its statement, problem and fix, as the
+    logged config leaves it out: ``my_train.api_token = sk_live_...`` (unquoted), an unclosed quote after
+    ``api_token = ``, a secret-looking dict key's value, and a secret bound to a misspelt or unknown parameter
+    whose name, or the parameter it was meant to be, looks secret (``WandbBackend.api_key``, ``api_tokn``)."""
+    match = _STATEMENT.match(error.statement or "")
+    if not match:
+        return error
+    name, value = match.groups()
+    extra = secret_keys()
+    found: Set[str] = set()
+    statement = redact_config_text(error.statement, extra, found)
+    if is_secret(name, extra) or _meant_secret(name, error.problem, extra):
+        statement = f"{name} = '{REDACTED}'"
+        words = {w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None")}
+        found |= {value.strip(), value.strip().strip("'\""), *words} - {""}
+    if statement == error.statement and not found:
+        return error
+    return type(error)(scrub(error.problem, found), error.where, scrub(statement, found), scrub(error.fix, found))
+
+
+def _meant_secret(name: str, problem: str, extra: Tuple[str, ...]) -> bool:
+    """A parameter the configurable does not have, whose closest real parameter looks secret (``api_tokn``)."""
+    if "doesn't have a parameter named" not in problem or "." not in name:
+        return False
+    selector, param = name.rsplit("/", 1)[-1].rsplit(".", 1)
+    return any(is_secret(p, extra) for p in difflib.get_close_matches(param, _parameters(selector), n=3))

@@ -89,3 +89,21 @@ def test_a_logging_step_entered_again_under_the_warn_policy_is_written_again_wit
     inst.close()
     assert [(r["step"], r["metrics"]["loss"]) for r in _rows(tmp_path / "r" / "metrics.jsonl")] == [(3, 1.0), (3, 2.0)]
     assert any("second time" in r.getMessage() for r in caplog.records)
+
+
+def test_close_from_another_thread_while_a_logging_block_runs_leaves_the_block_to_end_quietly(tmp_path):
+    """Another thread's close (a watchdog, a notebook's stop) must not run this block's observers under it: the
+    block's hooks go off, its exit commits nothing and counts no failure."""
+    import threading
+
+    inst = _session(tmp_path, log_interval=1)
+    with inst.step(0) as s:
+        _rollout(s)
+    with inst.step(1) as s:
+        _rollout(s, n=2)
+        closer = threading.Thread(target=inst.close)
+        closer.start()
+        closer.join()
+        _rollout(s, n=1)  # hooks and observers are off now: nothing observed, nothing raised
+    assert inst.failures == {}
+    assert [r["step"] for r in _rows(tmp_path / "r" / "metrics.jsonl")] == [0]

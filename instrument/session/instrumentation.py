@@ -10,6 +10,7 @@ on, no observer runs, no value leaves the device.
 import collections
 import logging
 import numbers
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
@@ -168,6 +169,7 @@ class Instrumentation(StepLifecycle):
         self._mixed_said = False  # two watched modules delivered iterations in one step (`_report_mixed`)
         self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
         self._block_committed: Optional[int] = None  # the step the last logging block committed (`_begin`)
+        self._step_thread: Optional[int] = None  # the thread that opened the current logging block (`close`)
         self._said_staged = False  # a checkpoint left an unfinished interval's staged values out (`state_dict`)
         self._said_slow_checkpoint = False  # a checkpoint's flush timed out (`flush_for_checkpoint`)
         self.system_monitor = system_monitor
@@ -392,17 +394,17 @@ class Instrumentation(StepLifecycle):
         timeout = check_timeout("close", timeout)  # before anything closes: a bad value never half-closes
         if self._closed:
             return
-        self._closed = True
-        dropped.untrack(self)
         interrupted: Optional[BaseException] = None
         scope = self._current
-        if scope is not None:  # closed inside a logging step's block (an early stop): that step ends first, whole
-            try:
+        if scope is not None and self._step_thread == threading.get_ident():
+            try:  # closed inside a logging step's block (an early stop): that step ends first, whole
                 self._end(scope, failed=status is not None)
             except Exception:
                 log.exception("instrument: ending logging step %d at close failed", scope.step)
             except BaseException as exc:
                 interrupted = exc
+        self._closed = True  # from another thread: the open block's own exit then ends it, committing nothing
+        dropped.untrack(self)
         try:  # hooks, probes and the recorder off even after a step cut short by Ctrl-C (they outlive the session)
             run_all([watch.detach for watch in self._watches] + [self._release_probes])
         except Exception:

@@ -8,6 +8,7 @@ other ranks' later steps, mixing their values, and leave the others waiting at c
 """
 
 import logging
+import threading
 import time
 from typing import Any, Callable, List, Optional
 
@@ -45,7 +46,7 @@ class StepLifecycle:
             meter.enter(scope.step)
             self._dispatch.clock = meter
         scope._mark = self.logger.mark()
-        self._current = scope
+        self._current, self._step_thread = scope, threading.get_ident()
         try:  # whatever stops the start (Ctrl-C in an observer's reset or attach) ends it like a failed step
             self._dispatch.begin(self.watched_modules)
             self._probes_on()
@@ -61,6 +62,10 @@ class StepLifecycle:
             meter.begun()
 
     def _end(self, scope: StepScope, failed: bool) -> None:
+        if self._closed:  # closed from another thread while this block ran: its hooks are off, nothing commits
+            self._current, self._flush_on_commit = None, NO_FLUSH
+            self._stop_clock(True)
+            return
         meter = self._overhead
         if meter is not None:
             meter.ending()

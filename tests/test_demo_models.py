@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import instrument
 from instrument.demos.cartpole import CartPole, Policy, discounted_returns, rollout_episode, train_cartpole
 from instrument.demos.nca import NCA, UpdateRule, make_seed, make_target, rollout, run_iterations, train_nca
+from instrument.demos.torchrl_ppo import build_ppo_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -354,6 +355,7 @@ def test_train_cartpole_drives_the_real_instrumentation():
         (train_cartpole, {"hidden": -2}, "train_cartpole hidden must be an int >= 1"),
         (train_cartpole, {"gamma": 1.5}, "train_cartpole gamma must be a number in [0, 1]"),
         (train_cartpole, {"lr": -1.0}, "train_cartpole lr must be a finite number > 0"),
+        (build_ppo_trainer, {"lr": float("inf")}, "build_ppo_trainer lr must be a finite number > 0, got inf"),
     ],
 )
 def test_demo_arguments_out_of_range_are_configuration_errors(demo, kwargs, said):

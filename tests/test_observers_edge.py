@@ -294,3 +294,27 @@ def test_update_norm_of_a_given_int64_dx_is_taken_in_float64():
     inst.close()
     want = np.linalg.norm(dx.reshape(2, -1).double().numpy(), axis=1).mean()
     assert keep.records[0].scalars["update_norm/l2/last"] == pytest.approx(want, rel=1e-14)
+
+
+def test_update_norm_says_once_when_the_state_has_no_alive_channel(caplog):
+    """``alive_channel=99`` on a 16-channel state logged no alive fraction, unsaid (a console column read nan)."""
+    import logging
+
+    observer = instrument.UpdateNorm(alive_channel=9, channel_dim=1)
+    logger = instrument.Logger([])
+    with caplog.at_level(logging.INFO, logger="instrument"):
+        for _ in range(2):
+            observer.reset()
+            x = torch.zeros(2, 4, 3, 3)
+            for i in range(3):
+                observer.observe(instrument.StepContext(x, x + 1.0, step_index=i))
+                x = x + 1.0
+            observer.log(logger, 0)
+    said = [r for r in caplog.records if "has no alive fraction" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING] and "alive_channel=9" in said[0].getMessage()
+    default = instrument.UpdateNorm(channel_dim=1)  # 3, RGBA's alpha: an RGB state is said at INFO only
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="instrument"):
+        default.observe(instrument.StepContext(torch.zeros(2, 3, 3, 3), torch.ones(2, 3, 3, 3)))
+    assert [r.levelno for r in caplog.records if "has no alive fraction" in r.getMessage()] == [logging.INFO]
+    logger.close()

@@ -5,6 +5,7 @@
 hook (`instrument.rl.torchrl.TorchRLHook`). Needs ``pip install 'torch-instrument[torchrl]'``.
 """
 
+import sys
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -12,6 +13,7 @@ import gin
 import torch
 from torch import nn
 
+from instrument.checks import check_number
 from instrument.errors import require
 
 __all__ = ["build_ppo_trainer", "run_trainer", "train_torchrl_ppo"]
@@ -45,6 +47,8 @@ def build_ppo_trainer(
         save_trainer_file: where TorchRL checkpoints the trainer with its unified ``Checkpoint`` (our hook's
             counters included); resume with ``trainer.load_from_file(path)``.
     """
+    check_number("build_ppo_trainer lr", lr, above=0, most=sys.float_info.max, expected="a finite number > 0",
+                 fix="bind e.g. build_ppo_trainer.lr = 3e-3")  # 1e999 reads as infinity: no learning rate
     require("torchrl", "torchrl", "train_torchrl_ppo")
     from tensordict.nn import TensorDictModule
     from torchrl.checkpoint import Checkpoint

@@ -1,5 +1,6 @@
 """UpdateNorm: how much each iteration changes the state, and how much of it is alive."""
 
+import logging
 from typing import List, Optional
 
 import torch
@@ -13,6 +14,8 @@ from instrument.observers.layout import check_channel_dim, infer_channel_dim, sa
 from instrument.observers.options import check_limit
 
 __all__ = ["UpdateNorm"]
+
+_log = logging.getLogger("instrument")
 
 
 class UpdateNorm(Observer):
@@ -67,6 +70,7 @@ class UpdateNorm(Observer):
         self._steps = IterationBuffer(self._reduce, max_elements=check_limit(owner, "max_elements", max_elements,
                                                                              64 * 2**20), stack=self._stack)
         self._has_alpha = False
+        self._said_alive = False  # the state has no channel ``alive_channel`` (`_resolve`)
         self._alpha_dim: Optional[int] = None
         self._shape: Optional[tuple] = None
         # True while the buffer holds (previous_state, next_state) pairs, False while it holds (dx[, alpha]).
@@ -132,6 +136,15 @@ class UpdateNorm(Observer):
                     f"not logged until the layout is said.",
                 )
             dim = None if dim is None else dim % len(shape)
+        if dim is not None and shape[dim] <= self.alive_channel and not self._said_alive:
+            self._said_alive = True  # a console column or a plot of alive/* would show nothing, unsaid
+            # a warning for an alive_channel that was chosen; for the default (3: RGBA's alpha) an RGB or grey state
+            # is ordinary, and is said at INFO
+            _log.log(logging.WARNING if self.alive_channel != 3 else logging.INFO,
+                     "instrument: UpdateNorm(%r) has no alive fraction to log: alive_channel=%d, but the state "
+                     "%s has %d channel(s) in dimension %d. Bind UpdateNorm.alive_channel to the alpha channel's "
+                     "index, if the state has one. (Said once.)", self.name, self.alive_channel, list(shape),
+                     shape[dim], dim)
         if dim is None or shape[dim] <= self.alive_channel:
             return None
         return dim

@@ -412,8 +412,8 @@ def hyperparameter_table(params: Mapping[str, Any]) -> str:
 def _sort_after_earlier_files(log_dir: str) -> None:
     """TensorBoard reads a run's event files in name order, ``events.out.tfevents.<seconds>.<host>.<pid>.<n>``: a
     resumed file named within the same second as the crashed process's, with a pid that sorts lower ("123" before
-    "99"), was read first, so its purge marker hid nothing and every re-run step showed twice. Wait (at most a
-    second and a bit) until a file made now sorts after every other process's file."""
+    "99"), was read first, so its purge marker hid nothing and every re-run step showed twice. Wait (on the writer
+    thread, up to three seconds) until a file made now sorts after every other process's file."""
     own = f".{socket.gethostname()}.{os.getpid()}."
     others = [p.name for p in Path(log_dir).glob("events.out.tfevents.*") if own not in p.name]
     if not others:

@@ -230,17 +230,15 @@ class WandbBackend(Backend):
         try:
             self.run.log(data, step=step, commit=True)
             return
-        except Exception as exc:
+        except Exception:
             plain = {k: v for k, v in data.items() if k in scalars or k in self._system}
             if len(plain) == len(data):
                 raise
-            first = exc
         for key in data.keys() - plain.keys():
             try:
                 self.run.log({key: remake(key)}, step=step, commit=False)
             except Exception as exc:
-                error = exc if len(data) - len(plain) > 1 else first
-                self._drops.drop("media value", key, f"a value run.log refused ({type(error).__name__}: {error})",
+                self._drops.drop("media value", key, f"a value run.log refused ({type(exc).__name__}: {exc})",
                                  "a value W&B can serialise")
         self.run.log(plain, step=step, commit=True)  # raises again when W&B itself is the problem
 

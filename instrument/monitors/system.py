@@ -41,6 +41,9 @@ Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process 
 | ``system/gpu<i>/utilization_percent`` | NVML GPU utilisation (with ``nvidia-ml-py``) |
 | ``system/gpu<i>/memory_used_gib`` | NVML memory used, all processes |
 | ``system/gpu<i>/memory_used_percent`` | NVML memory used / total |
+
+NVML numbers devices physically; its keys use the process's numbering, read from ``CUDA_VISIBLE_DEVICES`` as the
+CUDA runtime reads it (indices, or UUIDs and their prefixes as Slurm and Kubernetes set them: `visible_nvml_handles`).
 """
 
 import collections
@@ -241,12 +244,9 @@ class SystemMonitor:
             return
         try:
             pynvml.nvmlInit()
-            physical = list(range(pynvml.nvmlDeviceGetCount()))
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
-                physical = [int(v) for v in visible.split(",") if v.strip() and int(v) in physical]
             # Key by the index the process sees (torch's), so NVML and torch metrics line up.
-            self._nvml_handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(p)) for i, p in enumerate(physical)]
+            handles = visible_nvml_handles(pynvml, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            self._nvml_handles = list(enumerate(handles))
             self._nvml = pynvml
         except Exception as exc:  # no driver, no permission: GPU metrics are simply absent
             log.info("instrument: NVML unavailable (%s); GPU utilisation is not monitored", exc)
@@ -345,3 +345,40 @@ class SystemMonitor:
             f"flush_interval={self.flush_interval}, "
             f"gpu={self.gpu})"
         )
+
+
+def visible_nvml_handles(nvml: Any, visible: Optional[str]) -> List[Any]:
+    """NVML handles of the devices the process sees, in its own order (``cuda:0`` first), as the CUDA runtime
+    reads ``CUDA_VISIBLE_DEVICES``: entries are indices or (prefixes of) UUIDs, ``GPU-...`` or ``MIG-...``, and
+    the list ends at the first entry that names no device, or one already named. Unset: every device, in NVML's
+    order (PCI bus order, which is CUDA's for identical devices or with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``)."""
+    count = nvml.nvmlDeviceGetCount()
+    if visible is None:
+        return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    uuids: Optional[List[str]] = None
+    chosen: List[Any] = []
+    seen: set = set()
+    for entry in (part.strip() for part in visible.split(",")):
+        key: Any = None
+        if entry.isdigit():  # an index among the physical devices
+            key = int(entry) if int(entry) < count else None
+        elif entry.startswith("GPU-"):  # a whole UUID, or a unique prefix of one
+            if uuids is None:
+                uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+            matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
+            key = matches[0] if len(matches) == 1 else None
+        elif entry.startswith("MIG-"):  # a MIG instance: NVML finds it by its whole UUID
+            key = entry
+        if key is None or key in seen:
+            break
+        try:
+            chosen.append(nvml.nvmlDeviceGetHandleByIndex(key) if isinstance(key, int)
+                          else nvml.nvmlDeviceGetHandleByUUID(key))
+        except Exception:  # an unknown MIG UUID: as the CUDA runtime, the list ends here
+            break
+        seen.add(key)
+    return chosen
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -494,3 +494,52 @@ def test_dx_of_a_first_state_of_another_dtype_or_shape_is_each_iterations_own_di
     assert got["nonfinite/count/dx"] == 3 * 1 and got["nonfinite/count/state"] == 3
     got = _logged(integers)
     assert got["nonfinite/count/dx"] == 0 and got["nonfinite/first_iteration"] == -1
+
+
+@pytest.mark.parametrize("first_recorded", [0, 5])
+def test_a_probe_recorded_in_some_iterations_is_placed_at_the_rollout_s_iteration(tmp_path, caplog, first_recorded):
+    """A probe recorded from iteration 5 on (after a warm-up, in a branch) that is NaN at iteration 6 was placed
+    at its own second recording, 1, and named the first non-finite source before a state NaN at iteration 3
+    (found by a review). Read back from TensorBoard."""
+    torch.manual_seed(4)
+    x = torch.rand(2, 3, 4, 4)
+    states = [x]
+    for i in range(8):
+        x = x * 0.9
+        if i == 7:
+            x = x.clone()
+            x[1, 2, 0, 0] = float("nan")  # the state's first non-finite value: iteration 7
+        states.append(x)
+    inst = Instrumentation([NonFinite(dx=False)], backends=[instrument.TensorBoardBackend()], log_interval=1,
+                           log_dir=str(tmp_path), run_name="r")
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0) as s:
+        for i in range(8):
+            probes = {}
+            if i >= first_recorded:
+                probes["hidden"] = torch.full((2, 3), float("nan")) if i == 6 else torch.zeros(2, 3)
+            s.observer(StepContext(states[i], states[i + 1], step_index=i, probes=probes))
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    assert scalars["nonfinite/first_iteration/probe.hidden"] == {0: 6.0}
+    assert scalars["nonfinite/first_iteration/state"] == {0: 7.0}
+    assert scalars["nonfinite/first_iteration"] == {0: 6.0}
+    assert scalars["nonfinite/first_channel/probe.hidden"] == {0: 0.0}
+    assert scalars["nonfinite/count"] == {0: 7.0}
+    said = [r.getMessage() for r in caplog.records if "non-finite values at step 0" in r.getMessage()]
+    assert len(said) == 1 and "first at rollout iteration 6 in probe.hidden" in said[0], said
+
+
+@pytest.mark.parametrize("channel_dim", [0, 4, -5])
+def test_a_channel_dim_naming_no_channel_dimension_is_refused(channel_dim, caplog):
+    """channel_dim=0 read the batch row as the channel, and one out of range read the whole state as one channel,
+    unsaid (a review); IterationStats refused both, as docs/observers.md says."""
+    sink = Sink()
+    inst = Instrumentation([NonFinite(channel_dim=channel_dim, name="nf")], backends=[sink], log_interval=1)
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        run_steps(inst, [torch.rand(4, 3, 5, 5) for _ in range(3)])
+    inst.close()
+    assert inst.failures == {"nf": 1}
+    said = [r.exc_info[1] for r in caplog.records if r.exc_info and "'nf' failed in observe()" in r.getMessage()]
+    assert len(said) == 1 and isinstance(said[0], ConfigurationError)
+    assert f"channel_dim={channel_dim}" in str(said[0]) and "[4, 3, 5, 5]" in str(said[0])
+    assert not any("nf/first_channel/state" in r.scalars for r in sink.records)

@@ -403,3 +403,39 @@ def test_a_seed_broadcast_against_the_batch_is_the_first_frame_of_any_sample():
         assert np.abs(got.astype(int) - ref.astype(int)).max() <= 1  # float32 vs float64 at .5 boundaries
     with pytest.raises(instrument.errors.InvalidValueError, match="sample=2"):  # a later state of batch 1 still is
         observed(RolloutVideo(sample=2, upscale=1), [seed, seed + 0.1])
+
+
+@pytest.mark.parametrize("channels", [(0, 1, 2), (0, 1, 2, 3)])
+def test_uint8_rgb_states_are_read_as_0_to_255_in_tensorboard(tmp_path, channels):
+    """A uint8 frame of an image-observation rollout was drawn saturated: 200 red read back as 255, 60 green as
+    255 (found by a review). uint8 pixels are 0..255, as log_image and log_video read them."""
+    g = torch.Generator().manual_seed(5)
+    states = [torch.randint(0, 256, (2, 4, 3, 5), generator=g, dtype=torch.uint8) for _ in range(4)]
+    inst = instrument.Instrumentation(observers=[RolloutVideo(channels=channels, upscale=1)],
+                                      backends=[instrument.TensorBoardBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r")
+    with inst.step(0) as s:
+        for i in range(len(states) - 1):
+            s.observer(StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    assert inst.failures == {}
+    (event,) = event_accumulator(tmp_path / "r").Images("rollout/video")
+    frames, _ = gif_frames(event.encoded_image_string)
+    assert len(frames) == len(states)
+    for got, state in zip(frames, states, strict=True):
+        if len(channels) == 3:  # the pixels themselves
+            np.testing.assert_array_equal(got, state[0, :3].permute(1, 2, 0).numpy())
+        else:  # over white, from alpha = a / 255
+            want = composite_reference(state[0].double().numpy() / 255.0)
+            assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # float32 vs float64 at .5 boundaries
+
+
+def test_a_complex_state_is_refused_with_what_to_render_instead(caplog):
+    states = [torch.randn(2, 4, 3, 3, dtype=torch.complex64) for _ in range(3)]
+    inst = instrument.Instrumentation(observers=[RolloutVideo()], backends=[Keep()], log_interval=1)
+    with caplog.at_level(logging.ERROR, logger="instrument"), inst.step(0) as s:
+        s.observer(StepContext(states[0], states[1]))
+    inst.close()
+    assert inst.failures == {"rollout": 1}
+    (error,) = [r.exc_info[1] for r in caplog.records if r.exc_info]
+    assert "complex state (torch.complex64)" in str(error) and "x.abs()" in str(error)

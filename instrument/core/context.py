@@ -48,9 +48,12 @@ def reduction_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a state or output of ``dtype`` is reduced in (statistics, norms): float32 and float64 as they are;
     int32, int64, uint32 and uint64 in float64 (float32 on MPS, which has no float64), since float32 holds integers
     exactly only to 2**24; everything else (bool, int8, int16, uint8, uint16, float16, bfloat16) in float32, which
-    holds every such value exactly. Decided on the dtype alone: no host sync."""
-    if dtype in (torch.float32, torch.float64):
+    holds every such value exactly. complex64 and complex128 stay as they are and complex32 becomes complex64: a cast
+    to a real dtype would drop the imaginary part. Decided on the dtype alone: no host sync."""
+    if dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128):
         return dtype
+    if dtype.is_complex:
+        return torch.complex64
     if dtype in WIDE_INTEGERS and device.type != "mps":
         return torch.float64
     return torch.float32

@@ -4,6 +4,7 @@ from typing import Any, Optional, Sequence
 
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer, over_ranks
+from instrument.errors import InvalidValueError
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
 from instrument.observers.options import channel_labels, check_channel_names, check_limit, color_ranges
@@ -83,6 +84,13 @@ class IterationStats(Observer):
     def observe(self, context: StepContext) -> None:
         state = context.next_state
         if self._dim is None:  # the layout, once per step: metadata only
+            if state.is_complex():
+                raise InvalidValueError(
+                    f"IterationStats({self.name!r}) got a complex state ({state.dtype}, shape {list(state.shape)}); "
+                    f"its mean, std, min and max are of real values. Observe a real view of it instead "
+                    f"(torch.view_as_real(x), or x.abs()) with s.observer(StepContext(...)), or leave IterationStats "
+                    f"out for this state (UpdateNorm and NonFinite take complex states)."
+                )
             said = said_channel_dim(self)
             self._dim = check_channel_dim(self.name, said, state.shape) if said is not None and state.dim() > 2 else 1
             if said is None and infer_channel_dim(state.shape) == -1:

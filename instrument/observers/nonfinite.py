@@ -23,7 +23,7 @@ from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.gradient_stats import Patterns, select_parameters
-from instrument.observers.layout import said_channel_dim
+from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import check_limit
 
 __all__ = ["NonFinite", "nonfinite_counts"]
@@ -77,7 +77,8 @@ class NonFinite(Observer):
     instead (the step's values are committed first, so they are written).
 
     Sources (``<source>`` below): ``state``, ``dx`` and ``probe.<probe>``. Iterations are 0-based and count the
-    observer calls of the rollout (a probe recorded only in some iterations counts its own recordings).
+    observer calls of the rollout, for a probe recorded only in some iterations too (its first recording at call 5
+    is iteration 5).
 
     Metric keys (``<name>`` defaults to ``nonfinite``):
 
@@ -152,6 +153,9 @@ class NonFinite(Observer):
         self.raise_on_nonfinite = raise_on_nonfinite
         self.max_elements = check_limit(f"NonFinite({self.name!r})", "max_elements", max_elements, 64 * 2**20)
         self._buffers: Dict[str, IterationBuffer] = {}
+        self._calls = 0  # observe calls of this logging step: the iteration index of what they append
+        self._rows: Dict[str, List[int]] = {}  # per probe source, the iteration of each row it appended
+        self._shape: Optional[torch.Size] = None  # the state shape channel_dim was checked against
         self._params: List[Tuple[str, nn.Parameter]] = []
         self._pending: List[Any] = []  # committed steps whose record has not been read yet (warn mode)
         self.reported = False  # the once-per-run message was given
@@ -167,6 +171,7 @@ class NonFinite(Observer):
             buffer.clear()
         self._dropped = set()
         self._params = []
+        self._calls, self._rows = 0, {}
 
     def attach(self, modules: Sequence[nn.Module]) -> None:
         if self.gradients:
@@ -187,7 +192,13 @@ class NonFinite(Observer):
         return nonfinite_counts(states, 1 if said is None else said, scratch)
 
     def observe(self, context: StepContext) -> None:
-        self._append("state", context.next_state)
+        state = context.next_state
+        if state.shape != self._shape:  # metadata only: a channel_dim that names no channel dimension is refused
+            said = said_channel_dim(self)
+            if said is not None and state.dim() > 2:
+                check_channel_dim(self.name, said, state.shape)
+            self._shape = state.shape
+        self._append("state", state)
         if self.check_dx:
             # Taken now, per iteration (not from kept (previous, next) pairs at log time, as UpdateNorm does): a
             # rollout that reuses its state buffers in place would then lose dx with the state, and a chain of
@@ -195,7 +206,10 @@ class NonFinite(Observer):
             self._append("dx", context.dx)
         if self.check_probes:
             for probe, value in context.probes.items():
-                self._append(f"probe.{probe}", value)
+                source = f"probe.{probe}"
+                self._rows.setdefault(source, []).append(self._calls)
+                self._append(source, value)
+        self._calls += 1
 
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}
@@ -226,6 +240,13 @@ class NonFinite(Observer):
                 counts.append(summary[0])
                 for i, name in enumerate(names):
                     found[name] = tuple(column[i] for column in summary)
+            for source, rows in self._rows.items():
+                if source in found and rows[-1] != len(rows) - 1:  # recorded in some iterations only: its rows
+                    count, first, first_channel, channels = found[source]  # are mapped to those iterations
+                    at = torch.tensor(rows).to(first.device, non_blocking=True)  # no host sync on a GPU
+                    first = torch.where(first >= 0, at[first.clamp_min(0)], -1)
+                    found[source] = (count, first, first_channel, channels)
+                    firsts = [found[name][1].view(1) for name in tables]
             for source in tables:
                 count, first, first_channel, channels = found[source]
                 metrics[f"count/{source}"] = count
@@ -256,6 +277,7 @@ class NonFinite(Observer):
         for buffer in self._buffers.values():
             buffer.clear()
         self._dropped = set()
+        self._calls, self._rows = 0, {}
         new = [source for source in dropped if source not in self._said_dropped]
         if new:
             self._said_dropped.update(new)

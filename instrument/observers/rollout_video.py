@@ -32,6 +32,8 @@ class RolloutVideo(Observer):
       ``clip(1 - a + rgb, 0, 1)`` with ``a = clip(alpha, 0, 1)`` (RGB premultiplied by alpha); with
       ``premultiplied=False``, ``clip(rgb, 0, 1) * a + 1 - a``.
     - 3 channels: RGB, clipped to [0, 1].
+    - uint8 states are read as 0..255 for 3 and 4 channels (as ``log_image`` reads uint8 pixels); floats, bools and
+      other integers as values in [0, 1].
     - 1 channel: through the viridis colour map, over ``value_range`` or (None) the finite min..max of that
       channel over the whole video, so a colour means the same value in every frame of it.
 
@@ -132,6 +134,11 @@ class RolloutVideo(Observer):
         dim = 1 if said is None else said
         if dim == 0:
             raise ConfigurationError(_BATCH_DIM)
+        if state.is_complex():
+            raise InvalidValueError(
+                f"RolloutVideo({self.name!r}) renders real channel values, got a complex state ({state.dtype}); "
+                f"render a real view of it (x.abs() or x.real) with your own evolver."
+            )
         if state.dim() not in (3, 4):
             raise InvalidValueError(
                 f"RolloutVideo({self.name!r}) renders states shaped [B, C, H, W] or [B, C, L] (channels at "
@@ -193,6 +200,8 @@ def render_frames(
     # float64 states (and wide integers) are drawn in float64: in float32, finite values beyond 3.4e38 would be
     # drawn as inf (the grey of NaN) and nearby large values (1e9 + 10) as one colour
     x = stack.to(reduction_dtype(stack.dtype, stack.device))
+    if stack.dtype == torch.uint8 and x.shape[1] != 1:  # RGB(A) pixels 0..255, as log_image and log_video read them
+        x = x / 255.0
     bad = ~torch.isfinite(x).all(dim=1)  # [T, H, W]
     if x.shape[1] == 1:
         v = x[:, 0]

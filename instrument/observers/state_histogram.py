@@ -86,6 +86,7 @@ class StateHistogram(Observer):
                                      fix="bind e.g. StateHistogram.channel_dim = 1")
         self.iterations: Tuple[int, ...] = tuple(iterations)
         self._said_beyond: set = set()  # entries of ``iterations`` a step had no state for, said once each
+        self._said_empty = False  # a state with no elements was said (nothing to bin)
         self.max_channels = check_limit(owner, "max_channels", max_channels, 16)
         self.channel_names = check_channel_names(owner, channel_names)
         self._from_start = {i for i in self.iterations if i >= 0}
@@ -143,6 +144,12 @@ class StateHistogram(Observer):
                         "at %d observed %d iteration(s), so no histogram of it was logged. Pick an iteration "
                         "within the rollout (-1: the last). (Said once per entry.)",
                         self.name, self.iterations, iteration, step, self._count)
+                continue
+            if state.numel() == 0:  # an empty batch or grid: no value to bin (the logger refuses an empty histogram)
+                if not self._said_empty:
+                    self._said_empty = True
+                    _log.info("instrument: StateHistogram(%r): the state at step %d has shape %s, no values, so no "
+                              "histogram of it is logged. (Said once.)", self.name, step, list(state.shape))
                 continue
             if state.dim() < 2:
                 state = state.reshape(-1, 1)

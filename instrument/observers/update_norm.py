@@ -88,7 +88,8 @@ class UpdateNorm(Observer):
         if state.shape != self._shape:  # once per step (and when the shape changes): metadata only
             self._steps.drain()  # what is buffered was resolved for the previous shape
             self._shape = state.shape
-            self._alpha_dim = self._resolve(tuple(state.shape))
+            # a complex state has no alive fraction: its alpha channel would be compared with a real threshold
+            self._alpha_dim = None if state.is_complex() else self._resolve(tuple(state.shape))
             self._has_alpha = self._alpha_dim is not None
         dx = context.dx_if_known
         previous = context.previous_state
@@ -161,8 +162,12 @@ class UpdateNorm(Observer):
             owned = True
             alpha = None if self._alpha_dim is None else following.select(self._alpha_dim + 1, self.alive_channel)
         k = dx.shape[0]
-        # [k, B, ...] -> [k, B, values per sample]; a 1-D state [B] is B samples of one value, a 0-d one one sample
-        flat = dx.reshape(k, dx.shape[1], -1) if dx.dim() > 1 else dx.reshape(k, 1, -1)
+        # [k, B, ...] -> [k, B, values per sample]; a 1-D state [B] is B samples of one value, a 0-d one one sample.
+        # The count per sample is spelt out: -1 cannot be inferred for an empty batch (B = 0: NaN norms are logged).
+        per_sample = 1
+        for size in dx.shape[2:]:
+            per_sample *= size
+        flat = dx.reshape(k, dx.shape[1], per_sample) if dx.dim() > 1 else dx.reshape(k, 1, -1)
         wide = reduction_dtype(flat.dtype, flat.device)  # a float64 dx keeps its range and digits, an int64 one too
         if flat.dtype != wide:
             flat, owned = flat.to(wide), True

@@ -47,7 +47,6 @@ from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
-from instrument.logger.handover import handover
 from instrument.logger.lifecycle import LoggerEnd, check_timeout, closed_use, open_backends
 from instrument.logger.media import check_media, heatmap_options, refuse_shared_tag, video_fps
 from instrument.logger.params import redact_argv, redact_hyperparams
@@ -355,6 +354,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                     self._pending_step = None
                     return None
                 last = self._last_step
+                snapshot = self._snapshot  # the table as a session's step found it (`mark`), if one was taken
                 if step is None:
                     step = last if last is not None else 0
                 elif implicit and last is not None and step < last:
@@ -372,7 +372,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                     self._check_repeat(step, [*staged[0], *(b[0] + key for b in staged[7] for key in b[1]),
                                               *("timing/" + name for name in staged[6])])
                 self._last_step = step
-            return self._submit(step, staged, collective)
+            return self._submit(step, staged, collective, last, snapshot)
         finally:
             self._commit_lock.release()
 
@@ -398,16 +398,6 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
             f"another thread was committing and waiting for that writer: waiting here would deadlock, so {then}. "
             f"Call it from the training thread instead"))
         return False
-
-    def _submit(self, step: int, staged: tuple, collective: bool) -> Optional[CommittedStep]:
-        payload = handover(step, staged, self.reducer if collective else None, self._warn_once)
-        if payload is None:
-            return None
-        handle = CommittedStep(step, self._writer)
-        if not self._writer.submit(handle, payload, wait=not self._final):
-            log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
-            return None
-        return handle
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every step handed over so far is written and flushed by every backend.

@@ -8,6 +8,8 @@
   body raised, discards what was staged since, so no value of a failed step reaches a later step.
 - A step committed twice: written again at that step, with a one-time warning (`_check_repeat`).
 - A step lower than one committed: refused or warned about (`_step_regressed`).
+- A commit's hand-over to the writer (`_submit`), and a hand-over cut short by Ctrl-C (`_take_back`): the step
+  is not written and may be committed again, and what the interval staged before it stays staged.
 """
 
 import logging
@@ -19,6 +21,7 @@ from torch import Tensor
 from instrument.checks import check_int
 from instrument.errors import StepOrderError
 from instrument.logger.blocks import contributions
+from instrument.logger.handover import handover
 from instrument.logger.values import Wide, as_scalar, refuse_merged_keys, weighted
 from instrument.logger.writer import CommittedStep
 
@@ -113,8 +116,10 @@ class StepRecords:
                 return None
             step = int(step)
             self._check_repeat(step, totals)
-            self._last_step = step
-        return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, [], wide), collective)
+            last, self._last_step = self._last_step, step
+        # no snapshot: the interval's staged table was not taken, so a cut-short hand-over leaves it as it is
+        return self._submit(step, (totals, {}, own_ops, weights, on_device, {}, {}, [], wide), collective, last,
+                            None)
 
     def _check_repeat(self, step: int, names: Mapping[str, Any]) -> None:
         """A second record at the step last committed: written, but said once (W&B keeps only the first)."""
@@ -173,6 +178,43 @@ class StepRecords:
             self._on_device, self._media, self._pending_step, self._blocks = on_device, media, pending, blocks
             self._wide, self._tags = wide, tags  # the flags and media tags staged since the mark go with them
             return dropped
+
+    def _submit(self, step: int, staged: tuple, collective: bool, last: Optional[int],
+                snapshot: Any) -> Optional[CommittedStep]:
+        handle: Optional[CommittedStep] = None
+        try:
+            handle = CommittedStep(step, self._writer)
+            payload = handover(step, staged, self.reducer if collective else None, self._warn_once)
+            if payload is None:
+                return None
+            if not self._writer.submit(handle, payload, wait=not self._final):
+                log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
+                return None
+        except BaseException:
+            if handle is None or not handle.seq:  # Ctrl-C before the writer took the step: not written
+                self._take_back(step, last, snapshot)
+            raise
+        return handle
+
+    def _take_back(self, step: int, last: Optional[int], snapshot: Any) -> None:
+        """A commit interrupted before its hand-over (Ctrl-C while the transfer starts or the queue is full):
+        the step is not written, so it may be committed again, and what a session's step found staged when it
+        began (the interval's earlier values, `mark`) is staged again for the next commit, as for a step whose
+        body raised. Only the step's own values are lost, and that is said."""
+        with self._lock:
+            if self._last_step == step:
+                self._last_step = last
+            kept = (isinstance(snapshot, tuple) and self._snapshot is LAZY
+                    and not (self._totals or self._counts or self._blocks or self._media))
+            if kept:  # nothing staged since the swap: the table is the snapshot again, the mark still live
+                (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, _,
+                 self._blocks, self._wide, self._tags) = (
+                    dict(snapshot[0]), dict(snapshot[1]), dict(snapshot[2]), dict(snapshot[3]), dict(snapshot[4]),
+                    dict(snapshot[5]), None, list(snapshot[7]), dict(snapshot[8]), dict(snapshot[9]))
+        log.warning("instrument: the commit of step %d was interrupted before it was handed to the writer, so step "
+                    "%d is not written%s", step, step,
+                    "; the values staged before it began go with the next commit" if kept else
+                    ", nor are the values it took")
 
     def _take_snapshot(self) -> None:
         """The staged table as it is, before the first value staged after a mark (under the lock)."""

@@ -100,6 +100,9 @@ class StateWatch:
         """Register the hook for one logging step; iteration indices start again at 0."""
         if self._handle is not None:
             return self._handle
+        if self._before_handle is not None:  # left by an attach or detach cut short (Ctrl-C): removed first
+            self._before_handle.remove()
+            self._before_handle = None
         self.iterations = 0
         self.guard.begin()
         root = unwrap(self.module)
@@ -116,12 +119,12 @@ class StateWatch:
 
     def detach(self, report: bool = True) -> None:
         """Remove the step's hooks; ``report``: the step ran to its end, so a module it never called is said."""
+        if self._before_handle is not None:  # first, and also when attach was cut short between the two hooks
+            self._before_handle.remove()  # (removing is idempotent: a detach interrupted here is done again)
+            self._before_handle = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-            if self._before_handle is not None:
-                self._before_handle.remove()
-                self._before_handle = None
             self._calls.clear()
             self._last_out = None  # the step's last state is not kept alive past the step
             if report and self.iterations:  # every call of a whole step checked with a copy

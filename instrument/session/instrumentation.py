@@ -397,8 +397,10 @@ class Instrumentation(StepLifecycle):
         interrupted: Optional[BaseException] = None
         scope = self._current
         if scope is not None and self._step_thread == threading.get_ident():
-            try:  # closed inside a logging step's block (an early stop): that step ends first, whole
-                self._end(scope, failed=status is not None)
+            # Closed inside a logging step's block (an early stop): that step ends first, whole. A step whose
+            # block is not open (left open by an interrupt nothing else caught) ends as failed: never committed.
+            try:
+                self._end(scope, failed=status is not None or self._scope is not scope)
             except Exception:
                 log.exception("instrument: ending logging step %d at close failed", scope.step)
             except BaseException as exc:

@@ -52,14 +52,14 @@ class StepLifecycle:
             self._probes_on()
             for watch in self._watches:
                 watch.attach()
+            if meter is not None:
+                meter.begun()
         except BaseException:
             self._detach_all(failed=True)
             self._current = None
             self._stop_clock(failed=True)
             self._commit_failed(scope.step)
             raise
-        if meter is not None:
-            meter.begun()
 
     def _end(self, scope: StepScope, failed: bool) -> None:
         if self._closed:  # closed from another thread while this block ran: its hooks are off, nothing commits
@@ -67,11 +67,12 @@ class StepLifecycle:
             self._stop_clock(True)
             return
         meter = self._overhead
-        if meter is not None:
-            meter.ending()
-        committed = False
+        committed = detached = False
         try:
+            if meter is not None:
+                meter.ending()
             recorder = self._recorder
+            detached = True  # `_detach_all` runs every part, whatever one of them raises
             self._detach_all(failed)
             if not failed:
                 self._report_mixed(scope.step)
@@ -103,6 +104,11 @@ class StepLifecycle:
         except BaseException:
             # Interrupted before its commit (Ctrl-C in an observer's log or detach, a SystemExit in a component):
             # a failed step. What it staged must not ride into the next logging step's record as its own.
+            if not detached:  # interrupted before the hooks came off: they would run in the next, non-logging steps
+                try:
+                    self._detach_all(failed=True)
+                except BaseException:
+                    log.debug("instrument: undoing logging step %d's hooks failed", scope.step, exc_info=True)
             if not failed and not committed:
                 failed = True
                 self._discard(scope)

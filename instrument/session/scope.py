@@ -73,19 +73,28 @@ class StepScope:
             )
         if self.active:
             self._session._begin(self)
-        elif self._session.log_interval:  # what this step stages is dropped if its body raises
+            try:
+                self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
+            except BaseException:  # Ctrl-C right after the start: no block runs, so no __exit__ would end it
+                self._session._scope = None
+                self._session._end(self, failed=True)
+                raise
+            return self
+        if self._session.log_interval:  # what this step stages is dropped if its body raises
             self._mark = self._session.logger.mark()
-        self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
+        self._session._scope = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._session._scope = None
-        if self.active and self._session._current is self:  # not ended already (`Instrumentation.close` inside it)
-            interrupt = record.take_interrupt()  # Ctrl-C in observers called from TorchScript code (`record`)
-            try:
-                self._session._end(self, failed=exc_type is not None or interrupt is not None)
-            finally:
-                if interrupt is not None:
-                    raise interrupt
-        elif exc_type is not None and self._mark is not None:
-            self._session._discard(self)
+        try:
+            self._session._scope = None
+        finally:  # the step is ended whatever interrupts the line above (Ctrl-C): left open, it refused every later one
+            if self.active and self._session._current is self:  # not ended already (`close()` inside the block)
+                interrupt = record.take_interrupt()  # Ctrl-C in observers called from TorchScript code (`record`)
+                try:
+                    self._session._end(self, failed=exc_type is not None or interrupt is not None)
+                finally:
+                    if interrupt is not None:
+                        raise interrupt
+            elif exc_type is not None and self._mark is not None:
+                self._session._discard(self)

@@ -160,8 +160,18 @@ _TINY = sys.float_info.min  # the smallest normal float64
 def weighted(value: Any, weight: Any) -> Any:
     """``value * weight`` for a weighted interval sum; an `ExactSum` where two finite floats' product leaves
     float64's range (``1e308 * 2.0``) or its normal numbers (``1e-200 * 1e-200`` is 0, ``1e-160 * 1e-160`` keeps
-    a few digits), so that the weighted mean of finite values is the correctly rounded true mean."""
+    a few digits), so that the weighted mean of finite values is the correctly rounded true mean. A weight of 0
+    counts nothing, also a NaN or infinite value (the mean of an empty batch, weighed by its size 0): its
+    contribution is 0, not ``0 * nan``, so the other values' mean is kept (on this rank and across ranks)."""
     product = value * weight
+    if isinstance(product, Tensor):
+        if isinstance(weight, Tensor):  # on the device: no host sync
+            empty = weight == 0
+            return product.masked_fill(empty if empty.device == product.device else
+                                       empty.to(product.device, non_blocking=True), 0)
+        return torch.zeros_like(product) if weight == 0 else product
+    if weight == 0:
+        return 0.0 if type(product) is float else product * 0
     if type(product) is float and type(value) is float and type(weight) is float:
         if (product - product or (-_TINY < product < _TINY and value and weight)) and math.isfinite(value) \
                 and math.isfinite(weight):

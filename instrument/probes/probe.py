@@ -56,6 +56,9 @@ class Probe(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.enabled:
+            if not torch.jit.is_scripting():  # TorchScript checks its types itself (and skips this branch)
+                if not isinstance(x, Tensor):
+                    _refuse(self.name, x)
             # Compiled code may overwrite x's memory after its last use, unseen by version counters: copy there.
             torch.ops.instrument.record(x, self.name, torch.compiler.is_compiling())
             if self.grad:
@@ -79,3 +82,11 @@ class Probe(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name!r}" + (", grad=True" if self.grad else "")
+
+
+def _refuse(name: str, value: object) -> None:
+    """A probe called on something that is not a tensor (outside TorchScript, which checks types itself)."""
+    raise ProbeError(
+        f"Probe {name!r} records a Tensor, got {type(value).__name__}; put the probe around one tensor (e.g. "
+        f"Probe('out')(output) for an LSTM's (output, (h, c))), one probe per tensor."
+    )

@@ -12,7 +12,7 @@ import logging
 import numbers
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from torch import nn
 
@@ -167,6 +167,7 @@ class Instrumentation(StepLifecycle):
         self._overhead_warned = False
         self._discard_reported = False
         self._mixed_said = False  # two watched modules delivered iterations in one step (`_report_mixed`)
+        self._said_undelivered: Set[str] = set()  # probes whose values came after the last observer call
         self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
         self._block_committed: Optional[int] = None  # the step the last logging block committed (`_begin`)
         self._step_thread: Optional[int] = None  # the thread that opened the current logging block (`close`)

@@ -86,6 +86,8 @@ class StepLifecycle:
                             "from TorchScript code, it must be scripted with instrument.script), or call "
                             "s.observer(StepContext(...)) each iteration", scope.step,
                         )
+                    elif recorder.pending:
+                        self._report_undelivered(sorted(recorder.pending), scope.step)
                 self._dispatch.end(self.logger, scope.step, gradients)
                 if meter is not None:
                     self._report_overhead(meter, scope.step)
@@ -126,6 +128,20 @@ class StepLifecycle:
         wait, self._flush_on_commit = self._flush_on_commit, NO_FLUSH
         if wait is not NO_FLUSH and wait != 0:
             self._flush_for_checkpoint(wait, "the block a checkpoint was saved in")
+
+    def _report_undelivered(self, names: List[str], step: int) -> None:
+        """Probe values recorded after the step's last observer call reach no observer: said once per probe."""
+        new = [name for name in names if name not in self._said_undelivered]
+        if not new:
+            return
+        self._said_undelivered.update(new)
+        log.warning(
+            "instrument: embedded probe(s) %s recorded values in logging step %d after its last observer call, so "
+            "no observer saw them: a probe's value reaches observers in the StepContext of the iteration it was "
+            "recorded in. A probe in a module called after the rollout (a readout head) is not seen; call "
+            "s.observer(StepContext(...)) after that module too, or log the value yourself. (Said once per probe.)",
+            ", ".join(repr(name) for name in new), step,
+        )
 
     def _report_mixed(self, step: int) -> None:
         """Two watched modules that both delivered iterations feed the observers one stream: said once."""

@@ -146,3 +146,29 @@ def test_a_session_dropped_without_close_is_said_when_the_next_one_starts(tmp_pa
     assert len(said) == 1 and "1 earlier Instrumentation session(s)" in said[0], said
     assert str(tmp_path / "first") in said[0]
     kept.close()
+
+
+def test_resuming_the_run_of_a_dropped_session_says_it_cannot_be_closed_and_what_to_do(tmp_path):
+    """The refusal told a notebook user to close a session whose object was gone (a review): nothing can close it."""
+    import gc
+
+    from instrument.errors import ConfigurationError
+
+    def session(**kw):
+        return instrument.Instrumentation(observers=[], backends=[instrument.JsonlBackend()], log_dir=str(tmp_path),
+                                          run_name="nb", **kw)
+
+    first = session()
+    kept = first.logger
+    del first
+    gc.collect()
+    for attempt in range(2):  # before and after the next session said the drop
+        with pytest.raises(ConfigurationError) as refused:
+            session(resume=True)
+        message = str(refused.value)
+        assert "dropped without close()" in message and "nothing can close it now" in message, message
+        assert "Choose another run_name, or restart the process" in message
+        assert "Close it (inst.close()" not in message
+        if not attempt:
+            instrument.Instrumentation(observers=[], backends=[], log_dir=str(tmp_path), run_name="other").close()
+    kept.close()  # its steps written, as at exit

@@ -12,12 +12,13 @@ import threading
 import weakref
 from typing import Any, List, Tuple
 
-__all__ = ["track", "untrack", "say_dropped"]
+__all__ = ["track", "untrack", "say_dropped", "was_dropped"]
 
 log = logging.getLogger("instrument")
 
 _lock = threading.Lock()
 _open: List[Tuple["weakref.ref[Any]", Any, str]] = []  # (the session, weakly; its logger; its run folder)
+_said: List[Tuple[Any, str]] = []  # (logger, run folder) of dropped sessions already said: `was_dropped`
 
 
 def track(session: Any, logger: Any, run_dir: Any) -> None:
@@ -30,10 +31,19 @@ def untrack(session: Any) -> None:
         _open[:] = [entry for entry in _open if entry[0]() is not session]
 
 
+def was_dropped(run_dir: Any) -> bool:
+    """Whether a session of the run in ``run_dir`` was dropped without close() and still holds it open."""
+    with _lock:
+        held = [(logger, run) for ref, logger, run in _open if ref() is None] + _said
+        return any(run == str(run_dir) and not logger._closed for logger, run in held)
+
+
 def say_dropped() -> None:
     """Warn once about the sessions whose object is gone while their logger is still open (each said once)."""
     with _lock:
         dropped = [run for ref, logger, run in _open if ref() is None and not logger._closed]
+        _said[:] = [entry for entry in _said if not entry[0]._closed]
+        _said.extend((logger, run) for ref, logger, run in _open if ref() is None and not logger._closed)
         _open[:] = [entry for entry in _open if entry[0]() is not None and not entry[1]._closed]
     if dropped:
         shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")

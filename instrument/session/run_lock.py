@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+from instrument.session import dropped
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no lock, as before it existed
@@ -97,7 +99,13 @@ def _read_pid(fd: int) -> Optional[int]:
 
 def _refusal(run_dir: Path, pid: Optional[int]) -> str:
     where = f"run {run_dir.name!r} in {str(run_dir.parent)!r}"
-    if pid == os.getpid():
+    if pid == os.getpid() and dropped.was_dropped(run_dir):
+        who = (f"this process (pid {pid}) still writes {where}: an Instrumentation of that run was dropped without "
+               f"close() (a notebook cell run again, say), so nothing can close it now; its steps are written and "
+               f"its files closed when the process exits. Choose another run_name, or restart the process (the "
+               f"kernel) to resume this run; next time close the session first (inst.close(), or `with "
+               f"instrument.Instrumentation(...) as inst:`)")
+    elif pid == os.getpid():
         who = (f"this process (pid {pid}) still writes {where}: an Instrumentation of that run was not closed, "
                f"or its close(timeout=...) gave up while a backend call was still running (its writer holds the "
                f"run until that call returns). Close it (inst.close(), without a timeout) before starting or "

@@ -31,10 +31,12 @@ _ROUNDED = "\0rounded/"  # an internal key (NUL first), popped before anything i
 
 
 def handover(
-    step: int, staged: tuple, reducer: Optional[CrossRankReducer], warn: Optional[Callable[[str, str], None]] = None
+    step: int, staged: tuple, reducer: Optional[CrossRankReducer], warn: Optional[Callable[[str, str], None]] = None,
+    paired: bool = False, closing: bool = False,
 ) -> Optional[tuple]:
     """The payload handed to the writer for the staged table ``staged``; ``reducer`` when under a process group;
     ``warn(key, message)`` says a weighted mean is undefined (once per key, the logger's `_warn_once`).
+    ``paired``: every rank commits this same step (checked by the reduction); ``closing``: the logger's last commit.
 
     None when a collective commit leaves nothing to write.
     """
@@ -44,7 +46,7 @@ def handover(
         if blocks:  # the reduction needs every name here (blocks and a per-key table are never staged together)
             fold(blocks, totals, counts, on_device)
             blocks = []
-        scalars = _reduce(reducer, totals, counts, ops, weights, timers, wide)
+        scalars = _reduce(reducer, totals, counts, ops, weights, timers, wide, step if paired else None, closing)
         timings = {}
         for key in [k for k in scalars if k.startswith(_TIMING)]:
             name, _, stat = key[len(_TIMING):].rpartition("/")
@@ -95,7 +97,8 @@ def handover(
     return (step, time.time(), scalars, tensor_keys, media, timings, batch, tensors, wide)
 
 
-def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers, wide) -> Dict[str, float]:
+def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers, wide, step: Optional[int],
+            closing: bool) -> Dict[str, float]:
     """The cross-rank reduction of the interval's scalars, timings and flags of integers beyond 2**53 (as
     ``_ROUNDED + name``, max): one collective (two when a key is new)."""
     entries = []
@@ -109,7 +112,7 @@ def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers, wid
             entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
     for names, flags in wide.items():
         entries.extend(Entry(_ROUNDED + name, "max", flag) for name, flag in zip(names, flags.unbind(), strict=True))
-    pending = reducer.start(entries)
+    pending = reducer.start(entries, step, closing)
     # host sync: the reduced vector is needed here when some rank's keys did not fit (a second collective).
     reduced = reducer.finish(pending, to_host([pending.result])[0])
     return dict(reduced if reduced is not None else reducer.resolve(entries))

@@ -321,7 +321,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         return bool(self._totals or self._blocks or self._media
                     or (self._timers and any(t.count for t in self._timers.values())))
 
-    def commit(self, step: Optional[int] = None) -> Optional[CommittedStep]:
+    def commit(self, step: Optional[int] = None, paired: bool = True) -> Optional[CommittedStep]:
         """Hand everything staged over to the writer thread, with one batched host transfer started.
 
         Returns a `CommittedStep` (its ``step`` at once; reading ``scalars``, ``images``... waits for the
@@ -331,6 +331,9 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         commit, or to the last committed step where that is higher (values staged before a
         ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
         Timer measurements carry no step: they go with the next record, and with ``step`` given they make one.
+        Under a process group a ``step`` given is checked to be every rank's (one more value in the collective):
+        ranks out of step raise `InstrumentError` on every rank instead of mixing their steps' values;
+        ``paired=False`` leaves it unchecked, for loops whose ranks count their own steps (frames).
         """
         collective = initialized() and self.reducer.active()  # one attribute read without a group
         if get_ident() != self._writer.ident:  # the common case, decided inline (`_gate`)
@@ -372,7 +375,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                     self._check_repeat(step, [*staged[0], *(b[0] + key for b in staged[7] for key in b[1]),
                                               *("timing/" + name for name in staged[6])])
                 self._last_step = step
-            return self._submit(step, staged, collective, last, snapshot)
+            return self._submit(step, staged, collective, last, snapshot, paired and not implicit)
         finally:
             self._commit_lock.release()
 

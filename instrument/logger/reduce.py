@@ -6,7 +6,8 @@ issues one collective per metric; here every scalar of a commit is packed into o
 
     sum segment   numerators (mean, weighted mean, sum; squares for l2) | denominators (means) | counts
                   | NaN flags of the max segment (a MAX all_reduce need not keep a NaN: gloo's drops it)
-    max segment   header [misfit, layout hash, -layout hash] | values (max) and negated values (min)
+    max segment   header [misfit, layout hash, -layout hash, step, -step, closing, -closing] | values (max)
+                  and negated values (min)
 
 and exchanged with ONE ``all_gather`` (every rank then sums the first segment and takes the maximum of the
 second locally: min is the max of negated values). When ``world_size x length`` exceeds ``gather_limit`` the
@@ -20,6 +21,12 @@ values and a zero presence count, and keys no rank logged this time are dropped.
 fit the layout sets the header's misfit flag; then, on every rank at once, the key lists are exchanged with
 one ``all_gather_object``, the layout grows to the union, and the vector is exchanged again. That slow path
 runs only when a new key appears (the first commit, and rarely later); a steady commit costs one collective.
+
+The header also carries the commit's step (where the caller pairs commits by step: `Logger.commit(step)`) and
+whether it is a closing logger's last commit. Reduced, they show whether every rank is at the same step and
+whether some rank is closing while another still trains, so a rank that skipped or added a commit (uneven data
+shards, a commit inside an ``if``) is seen at once on every rank, which all raise, instead of each later commit
+pairing with another rank's next one and mixing their values.
 
 Nothing here transfers to the host: `CrossRankReducer.start` returns the reduced vector on the collective
 device and the logger brings it over with everything else of the commit in its one batched transfer.
@@ -45,7 +52,7 @@ OPS = ("mean", "sum", "min", "max", "l2")
 _STRATEGIES = ("auto", "gather", "allreduce")
 _SUM_KINDS = ("mean", "wmean", "sum", "l2")
 _MEAN_KINDS = ("mean", "wmean")
-_HEADER = 3  # misfit flag, layout hash, layout hash (negated by the sign vector)
+_HEADER = 7  # misfit flag, layout hash, layout hash, step, step, closing, closing (every second one negated)
 
 Scalar = Union[float, Tensor]
 
@@ -182,7 +189,7 @@ class _Layout:
                 if kind == "l2":
                     square[self.num[k]] = True
             sign = torch.ones(self.n_max, dtype=torch.float64)
-            sign[2] = -1.0
+            sign[2] = sign[4] = sign[6] = -1.0
             for k, kind in self.items:
                 if kind == "min":
                     sign[self.ext[k]] = -1.0
@@ -248,6 +255,7 @@ class CrossRankReducer:
         self.strategy = strategy
         self.gather_limit = int(gather_limit)
         self._layout = _Layout(())
+        self._pairing: Tuple[Optional[int], bool] = (None, False)  # the current commit's (step, closing): `start`
 
     def active(self) -> bool:
         """True when there is more than one rank; otherwise the logger keeps local values (a no-op)."""
@@ -258,12 +266,22 @@ class CrossRankReducer:
         """The agreed layout: every (key, kind) any rank has logged."""
         return self._layout.items
 
-    def start(self, entries: Sequence[Entry]) -> PendingReduction:
+    def start(self, entries: Sequence[Entry], step: Optional[int] = None, closing: bool = False) -> PendingReduction:
+        """Pack and issue one commit's collective. ``step``: the step every rank must commit at once (None: not
+        checked, as in a loop whose ranks count their own steps); ``closing``: a closing logger's last commit."""
+        self._pairing = (step, closing)
+        return self._start(entries)
+
+    def _start(self, entries: Sequence[Entry]) -> PendingReduction:
         layout = self._layout
+        step, closing = self._pairing
         device = collective_device(self.group)
         misfit = any(layout.kinds.get(e.key) != e.kind for e in entries)
         sums: List[Scalar] = [0.0] * layout.n_sum
-        extremes: List[Scalar] = [misfit * 1.0, layout.hash, layout.hash]
+        # an unchecked step is neutral in the maximum of both the step and its negation
+        extremes: List[Scalar] = [misfit * 1.0, layout.hash, layout.hash,
+                                  -math.inf if step is None else float(step), math.inf if step is None else float(step),
+                                  float(closing), float(closing)]
         extremes += [
             math.inf if kind == "min" else -math.inf for _, kind in layout.items if kind not in _SUM_KINDS
         ]
@@ -303,6 +321,7 @@ class CrossRankReducer:
                 "way and commit at the same steps (commit is a collective when a process group is "
                 "initialised)."
             )
+        _check_paired(header)
         if header[0] > 0:
             return None
         return layout.decode(host)
@@ -330,7 +349,7 @@ class CrossRankReducer:
                 f"one reduce op (and use weights= consistently) on every rank."
             )
         self._layout = _Layout([(k, next(iter(v))) for k, v in by_key.items()])
-        pending = self.start(entries)
+        pending = self._start(entries)  # the same commit: the same step and closing flag
         values = self.finish(pending, to_host([pending.result])[0])
         if values is None:  # cannot happen: every rank's keys are in the union
             raise InstrumentError(
@@ -345,6 +364,26 @@ class CrossRankReducer:
 
     def __repr__(self) -> str:
         return f"CrossRankReducer(strategy={self.strategy!r}, keys={len(self._layout.items)})"
+
+
+def _check_paired(header: np.ndarray) -> None:
+    """Raise on every rank alike (each sees the same reduced header) when the ranks' commits are out of step."""
+    high, low = header[3], -header[4]
+    closing, training = header[5] > 0, -header[6] < 1
+    if closing and training:
+        problem = ("some rank is closing its logger (its last commit) while another commits a training step: that "
+                   "rank ran fewer logging steps")
+    elif math.isfinite(high) and math.isfinite(low) and high != low:
+        problem = f"the ranks commit different steps at once ({int(low)} to {int(high)}): a rank skipped or added one"
+    else:
+        return
+    raise InstrumentError(
+        f"instrument: the ranks' commits are out of step: {problem}. Every rank must commit at the same logging "
+        f"steps (commit is a collective under a process group); otherwise each later commit pairs with another "
+        f"rank's next one and mixes their values, so nothing of this commit is written. Give every rank the same "
+        f"number of steps (e.g. DistributedSampler(drop_last=True), or stop all ranks together) and call commit "
+        f"on every rank, also with nothing staged."
+    )
 
 
 def _op_name(kind: str) -> str:

@@ -180,23 +180,24 @@ class StepRecords:
             return dropped
 
     def _submit(self, step: int, staged: tuple, collective: bool, last: Optional[int],
-                snapshot: Any) -> Optional[CommittedStep]:
+                snapshot: Any, paired: bool = True) -> Optional[CommittedStep]:
         handle: Optional[CommittedStep] = None
         try:
             handle = CommittedStep(step, self._writer)
-            payload = handover(step, staged, self.reducer if collective else None, self._warn_once)
+            payload = handover(step, staged, self.reducer if collective else None, self._warn_once, paired,
+                               self._final)
             if payload is None:
                 return None
             if not self._writer.submit(handle, payload, wait=not self._final):
                 log.warning("instrument: step %d was committed after the logger closed; it is not written", step)
                 return None
-        except BaseException:
-            if handle is None or not handle.seq:  # Ctrl-C before the writer took the step: not written
-                self._take_back(step, last, snapshot)
+        except BaseException as exc:
+            if handle is None or not handle.seq:  # Ctrl-C (or an error) before the writer took the step: not written
+                self._take_back(step, last, snapshot, type(exc).__name__)
             raise
         return handle
 
-    def _take_back(self, step: int, last: Optional[int], snapshot: Any) -> None:
+    def _take_back(self, step: int, last: Optional[int], snapshot: Any, reason: str) -> None:
         """A commit interrupted before its hand-over (Ctrl-C while the transfer starts or the queue is full):
         the step is not written, so it may be committed again, and what a session's step found staged when it
         began (the interval's earlier values, `mark`) is staged again for the next commit, as for a step whose
@@ -211,8 +212,8 @@ class StepRecords:
                  self._blocks, self._wide, self._tags) = (
                     dict(snapshot[0]), dict(snapshot[1]), dict(snapshot[2]), dict(snapshot[3]), dict(snapshot[4]),
                     dict(snapshot[5]), None, list(snapshot[7]), dict(snapshot[8]), dict(snapshot[9]))
-        log.warning("instrument: the commit of step %d was interrupted before it was handed to the writer, so step "
-                    "%d is not written%s", step, step,
+        log.warning("instrument: the commit of step %d was interrupted (%s) before it was handed to the writer, so "
+                    "step %d is not written%s", step, reason, step,
                     "; the values staged before it began go with the next commit" if kept else
                     ", nor are the values it took")
 

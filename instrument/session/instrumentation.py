@@ -336,7 +336,7 @@ class Instrumentation(StepLifecycle):
         if not self._config_logged:  # a loop that commits only here (RLLogging) logs its config too
             self._log_config()
         self._components.log(self.logger, step)
-        return self.logger.commit(step)
+        return self.logger.commit(step, paired=False)  # the ranks' steps may differ here (RLLogging's frames)
 
     @property
     def active_step(self) -> Optional[int]:

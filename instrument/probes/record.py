@@ -49,6 +49,7 @@ All operators are registered when this module is imported (``import instrument``
 """
 
 import logging
+import weakref
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -67,17 +68,23 @@ class Recorder:
 
     ``pending`` holds the latest value of each probe since the last `drain` (the dispatcher drains it at every
     observer call, so a context gets the values recorded during its iteration). ``gradients`` holds each
-    gradient probe's gradients in the order backward delivered them. ``copies`` counts the copies made.
+    gradient probe's gradients in the order backward delivered them, ``passes`` the backward pass of each.
+    ``copies`` counts the copies made. ``owner`` is the session whose logging step the recorder serves (one
+    recorder per logging step): the warnings said once are said once per owner (None: once per process).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner: object = None) -> None:
         self.pending: Dict[str, Tuple[Tensor, int, Optional[Tensor]]] = {}
         self.gradients: Dict[str, List[Tensor]] = {}
+        self.passes: Dict[str, List[int]] = {}  # per gradient, the backward pass (graph task) it came from
         self.calls: Dict[str, int] = {}  # forward records per probe name: the iterations its gradients pair with
+        self.drained: Dict[str, int] = {}  # observer calls that took a value of each probe (its iterations)
+        self.expected: Set[str] = set()  # gradient probes recorded, in eager mode, on a value that requires grad
         self.recorded = 0
         self.delivered = 0
         self.copies = 0
         self._checked: Set[str] = set()  # probes whose first value this step was unchanged at delivery
+        self._said = _said_for(owner)
 
     def put(self, name: str, value: Tensor, copy: bool = False) -> None:
         """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
@@ -99,6 +106,7 @@ class Recorder:
         pending, self.pending = self.pending, {}
         values: Dict[str, Tensor] = {}
         for name, (value, version, backup) in pending.items():
+            self.drained[name] = self.drained.get(name, 0) + 1
             if version == _UNTRACKED or value._version == version:
                 values[name] = value
                 if backup is not None:
@@ -116,49 +124,103 @@ class Recorder:
         self.delivered += len(values)
         return values
 
-    def put_gradient(self, name: str, gradient: Tensor) -> None:
+    def put_gradient(self, name: str, gradient: Tensor, task: int = -1) -> None:
         self.gradients.setdefault(name, []).append(gradient)
+        self.passes.setdefault(name, []).append(task)
 
     def gradients_in_forward_order(self) -> Dict[str, List[Tensor]]:
-        """Backward visits a chained rollout's iterations last to first; reverse to index by iteration.
+        """Each probe's gradients indexed by iteration (docs/probes.md, "Gradient probes").
 
-        Several backward passes over the step's graph (two losses with ``retain_graph=True``) each deliver
-        one gradient per iteration: k * n gradients for n iterations are taken as k whole passes, summed per
-        iteration (the gradient of the losses' sum, as one backward of it gives), and said once per probe, since
-        a count cannot tell them from partial passes. Any other count cannot be paired with the iterations:
-        delivered in reverse order of arrival, said once per probe."""
+        Gradients are grouped by the backward pass (autograd graph task) that delivered them. Backward visits
+        a chained rollout's iterations last to first, so each pass is reversed; passes over separate segments
+        (truncated BPTT, micro-batches) are kept in the order they ran, which is the segments' order. k > 1
+        passes that each cover every forward record (several losses backpropagated through the same graph with
+        ``retain_graph=True``) are summed per iteration. Counts that cannot be paired, a probe called more than
+        once per iteration, and a gradient probe that got no gradient at all are each said once per session."""
         out: Dict[str, List[Tensor]] = {}
         for name, values in self.gradients.items():
             n = self.calls.get(name, 0)
-            if n and len(values) > n and len(values) % n == 0:
-                passes = [values[start:start + n][::-1] for start in range(0, len(values), n)]
+            passes = _split_passes(values, self.passes.get(name, []))
+            if n and len(passes) > 1 and all(len(part) == n for part in passes):
                 out[name] = [sum(parts[1:], parts[0]) for parts in zip(*passes, strict=True)]
-                if name not in _said_passes:  # a count alone cannot tell k whole passes from partial ones
-                    _said_passes.add(name)
-                    log.warning(
-                        "instrument: gradient probe %r recorded %d gradients for %d iterations: taken as %d "
-                        "backward passes over the whole rollout and summed per iteration (the gradient of the "
-                        "losses' sum). Passes over part of the rollout would be paired wrongly: call backward once "
-                        "on the sum of the losses to be sure. (Said once per probe.)",
-                        name, len(values), n, len(values) // n,
-                    )
+                self._say("passes", name, (
+                    "instrument: gradient probe %r recorded %d gradients for %d forward calls: taken as %d "
+                    "backward passes over the whole rollout (each delivered one gradient per call) and summed per "
+                    "iteration, the gradient of the sum of what each pass differentiated. A torch.autograd.grad "
+                    "or double-backward pass (a gradient penalty, create_graph=True) counts as a pass too, so "
+                    "the function it differentiated is added as if it were a loss: call backward once, on the "
+                    "sum of the losses, to get their gradient alone. (Said once per probe and session.)"
+                ), name, len(values), n, len(passes))
                 continue
-            if len(values) != n and name not in _said_unpaired:
-                _said_unpaired.add(name)
-                log.warning(
-                    "instrument: gradient probe %r recorded %d gradients in a step whose forward recorded it %d "
-                    "times, so they cannot be paired with iterations (a backward over part of the rollout, or "
-                    "gradients from outside the watched calls); gradients[%r] holds them in reverse order of "
-                    "arrival, as for one whole pass, and gradients[%r][i] need not be iteration i's. (Said once "
-                    "per probe.)", name, len(values), n, name, name,
-                )
-            out[name] = values[::-1]
+            out[name] = [value for part in passes for value in part]
+            if len(values) != n:
+                self._say("unpaired", name, (
+                    "instrument: gradient probe %r recorded %d gradients in %d backward pass(es) in a step whose "
+                    "forward recorded it %d times, so they cannot be paired with iterations (a backward over "
+                    "part of a segment, a torch.autograd.grad pass mixed with backward passes, or gradients from "
+                    "outside the watched calls); gradients[%r] holds each pass reversed, passes in the order "
+                    "they ran, and gradients[%r][i] need not be iteration i's. (Said once per probe and session.)"
+                ), name, len(values), len(passes), n, name, name)
+                continue
+            iterations = self.drained.get(name, 0) + (name in self.pending)
+            if self.drained.get(name, 0) and n > iterations:
+                self._say("repeated", name, (
+                    "instrument: gradient probe %r was called %d times in a step whose observers saw it in %d "
+                    "iterations (more than once per iteration, e.g. a module called twice per iteration): "
+                    "gradients[%r] holds one gradient per call, in call order, so gradients[%r][i] is not "
+                    "iteration i's. Give each call its own probe name to pair them. (Said once per probe and "
+                    "session.)"
+                ), name, n, iterations, name, name)
+        for name in sorted(self.expected.difference(self.gradients)):
+            self._say("missing", name, (
+                "instrument: gradient probe %r recorded forward values in a logging step but received no gradient: "
+                "call backward() inside the `with inst.step(...)` block (gradients that arrive after the step "
+                "ends are dropped), and check that the probed value reaches the loss. (Said once per probe and "
+                "session.)"
+            ), name)
         return out
+
+    def _say(self, kind: str, name: str, message: str, *args: object) -> None:
+        said = self._said.setdefault(kind, set())
+        if name not in said:
+            said.add(name)
+            log.warning(message, *args)
+
+
+def _split_passes(values: List[Tensor], tasks: List[int]) -> List[List[Tensor]]:
+    """``values`` grouped by the pass in ``tasks`` that delivered each, passes in order of first arrival, each
+    reversed (backward runs last call first); untagged gradients make one pass."""
+    groups: Dict[int, List[Tensor]] = {}
+    for index, value in enumerate(values):
+        task = tasks[index] if index < len(tasks) else _NO_PASS
+        groups.setdefault(task, []).append(value)
+    return [group[::-1] for group in groups.values()]
 
 
 _UNTRACKED = -1  # no version to compare: the recorder holds its own copy
-_said_unpaired: Set[str] = set()  # gradient probes whose count did not match their forward records (said once)
-_said_passes: Set[str] = set()  # gradient probes whose gradients were summed over several passes (said once)
+_NO_PASS = -1  # no `torch._C._current_graph_task_id` (or outside a backward): one pass, as before
+# What was said once, per session: owner (the Instrumentation whose step made the Recorder) -> kind -> names.
+_said: "weakref.WeakKeyDictionary[object, Dict[str, Set[str]]]" = weakref.WeakKeyDictionary()
+_said_shared: Dict[str, Set[str]] = {}  # for a Recorder whose owner is unknown or cannot be weakly referenced
+
+
+def _said_for(owner: object) -> Dict[str, Set[str]]:
+    """The said-once sets of ``owner``'s session, created on first use."""
+    try:
+        return _said.setdefault(owner, {})
+    except TypeError:  # None, or an owner without weak references
+        return _said_shared
+
+
+def _current_pass() -> int:
+    """The backward pass (autograd graph task) running now, or ``_NO_PASS`` where torch cannot tell."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:
+        return _NO_PASS
+    try:
+        return int(task())
+    except Exception:
+        return _NO_PASS
 # Names of probes whose value the model was seen to change in place after the probe: copied at recording.
 _copied: Set[str] = set()
 
@@ -273,7 +335,7 @@ def _record_grad(gradient: Tensor, name: str) -> None:
     recorder = _active
     if recorder is not None:
         # A copy: the backward may reuse the gradient's memory (compiled code) or accumulate into it.
-        recorder.put_gradient(name, gradient.detach().clone())
+        recorder.put_gradient(name, gradient.detach().clone(), _current_pass())
 
 
 def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
@@ -284,7 +346,7 @@ def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
 def _probe_grad(gradient: Tensor, name: str) -> Tensor:
     recorder = _active
     if recorder is not None:
-        recorder.put_gradient(name, gradient.detach().clone())
+        recorder.put_gradient(name, gradient.detach().clone(), _current_pass())
     return gradient.clone()
 
 
@@ -323,6 +385,10 @@ class WatchGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: Tensor, name: str) -> Tensor:
         ctx.probe_name = name
+        if not torch.compiler.is_compiling():  # eager only: compiled code does not run this Python
+            recorder = _active
+            if recorder is not None and ctx.needs_input_grad[0] and not in_recompute():
+                recorder.expected.add(name)  # a gradient should come back in this step (`gradients_in_forward_order`)
         return value.clone()
 
     @staticmethod

@@ -219,7 +219,7 @@ class StepLifecycle:
         if not self._probe_sets:
             return
         if self._recorder is None:
-            self._recorder = record.Recorder()
+            self._recorder = record.Recorder(owner=self)  # what it says once, it says once per session
             record.install(self._recorder)
             self._dispatch.recorder = self._recorder
         self._probes_turned_on = True  # before the first on(): one that raises half way is turned off again

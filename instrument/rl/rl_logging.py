@@ -27,17 +27,15 @@ and commits them in one batched transfer, once per step (W&B drops a second writ
 iteration that kept no frame since the last commit has that commit's step: it is deferred, its values stay
 accumulated and are committed by the next iteration whose frame count is higher.
 
-Attached to a bare `Logger` (no session), the set guards its components with a ledger of its own, logs every
-``log_interval``-th iteration (default 1) and commits the logger itself.
+Attached to a bare `Logger` (no session), it guards its components itself, logs every ``log_interval``-th
+iteration (default 1) and commits the logger itself.
 
 Resume: `state_dict` holds the counters, the evaluation schedule and, when attached to a session, the session's
 state (last committed step); after `load_state_dict` the next iteration continues the numbering, so no step is
 logged twice (``Instrumentation(resume=True)``). Saved inside an iteration, that iteration counts as done.
 
-A component that raises is reported once and skipped; the other components and the commit still happen
-(a configuration error propagates: it needs fixing, not skipping; but once a component's ``on_batch`` or
-``on_losses`` has worked, one from a later batch, such as a batch that lacks a key the earlier ones had, is a
-fault like any other).
+A component that raises is reported once and skipped; the others and the commit go on. A configuration error
+propagates (it needs fixing), unless the component's ``on_batch`` or ``on_losses`` has worked before.
 """
 
 import contextlib
@@ -289,14 +287,16 @@ class RLLogging:
     @contextlib.contextmanager
     def iteration(self, eval_runner: Optional[EpisodeRunner] = None) -> Iterator["RLLogging"]:
         """One training iteration: timed as ``timing/iteration``; `end_iteration` runs when the block exits
-        normally (an exception skips it, so a failed iteration is not counted as one; the batches and losses it
-        observed before failing stay, and go with the next logged iteration)."""
+        normally. A failed one (it raised) is not logged; what it observed goes with the next logged iteration,
+        and inside its own `inst.step(k)` block it uses step k up, so the next iteration is k + 1."""
         self.clock.start("iteration")
         try:
             yield self
         except BaseException:
             self.clock.cancel_all()
-            self.counters.counting = False  # not counted as an iteration; what it observed goes with the next
+            self.counters.counting = False
+            if self.step_unit == "iterations" and getattr(self.instrumentation, "open_step", None) == self.step:
+                self.counters.iterations += 1
             raise
         self.clock.stop("iteration")
         self.end_iteration(eval_runner)
@@ -340,12 +340,14 @@ class RLLogging:
         for handle in self._handles:
             asked = bool(handle.call("end_iteration", self.counters)) or asked
         self._unlogged = True
+        inst = self.instrumentation
+        open_step = inst.open_step if inst is not None else None  # the open block's step, logging or not
+        if open_step is not None and open_step != step:
+            self._disagree(index, step, open_step)
         if asked and distributed(self._logger):  # each rank's frames differ: a due evaluation waits for the
             asked = False  # next logging iteration, which every rank commits, so the collectives stay paired
         if not (asked or self._deferred or self._is_logging_iteration(index)):
             return None
-        inst = self.instrumentation
-        open_step = inst.active_step if inst is not None else None
         # Under a process group every commit is a collective, so no rank may decide on its own to skip one.
         if self.step_unit == "frames" and open_step is None and not distributed(self._logger):
             last = self._logger.last_step
@@ -359,20 +361,18 @@ class RLLogging:
         if inst is None:
             self._own.log(self._logger, step)
             return self._logger.commit(step)
-        if open_step is not None and open_step != step:
-            if self.step_unit == "iterations":
-                fix = (f"RLLogging counts iterations from 0 and this is iteration {index}"
-                       + (", so the loop looks 1-based: loop `for iteration in range(n)` (0-based), or"
-                          if open_step == step + 1 else ";") + " open the block with `inst.step(rl.step)`.")
-            else:
-                fix = ("with step_unit='frames' the step is known only after the batch: drop the `with "
-                       "inst.step(...)` block (RLLogging commits through inst.commit_step), or bind "
-                       "step_unit='iterations' and open it with `inst.step(rl.step)`.")
-            raise ConfigurationError(
-                f"RLLogging logs iteration {index} at step {step} ({self.step_unit}) inside "
-                f"`with inst.step({open_step})`; the two must agree. {fix}"
-            )
         return inst.commit_step(step)  # inside the open block: None, the block commits at its exit
+
+    def _disagree(self, index: int, step: int, open_step: int) -> None:  # the open block's step is another
+        if self.step_unit == "iterations":
+            fix = (f"RLLogging counts iterations from 0 and this is iteration {index}"
+                   + (", so the loop looks 1-based: loop `for iteration in range(n)` (0-based), or"
+                      if open_step == step + 1 else ";") + " open the block with `inst.step(rl.step)`.")
+        else:
+            fix = ("with step_unit='frames' the step is known only after the batch: drop the `with inst.step(...)` "
+                   "block (RLLogging commits through inst.commit_step), or open it with `inst.step(rl.step)`.")
+        raise ConfigurationError(f"RLLogging logs iteration {index} at step {step} ({self.step_unit}) inside "
+                                 f"`with inst.step({open_step})`; the two must agree. {fix}")
 
     def _is_logging_iteration(self, index: int) -> bool:
         if self.instrumentation is not None:

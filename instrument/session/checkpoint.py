@@ -44,11 +44,11 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
     elif inst._current is None and inst.logger.has_pending and not inst._said_staged:
         inst._said_staged = True  # values of an unfinished interval: not in the checkpoint
         log.warning(
-            "instrument: state_dict() was called with values staged up to step %s for the next logging step "
+            "instrument: state_dict() was called with values staged%s for the next logging step "
             "(the interval's means): a checkpoint does not hold them, so a run resumed from it logs that "
             "step's means over the steps after the checkpoint only. Save checkpoints at logging steps (inside "
             "or right after `with inst.step(k)` of a logging step) to keep every interval whole. (Said once.)",
-            inst.logger._pending_step)
+            "" if inst.logger._pending_step is None else f" up to step {inst.logger._pending_step}")
     return {"version": 1, "run_name": inst.run.name, "last_step": last, "config_logged": inst._config_logged}
 
 

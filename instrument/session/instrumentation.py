@@ -326,17 +326,24 @@ class Instrumentation(StepLifecycle):
         """
         if self._closed:
             raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
+        scope = self._scope or self._current
+        if scope is not None and scope.step != step:  # any open block: a logging one commits its own step
+            raise ConfigurationError(
+                f"commit_step({step}) inside the open `with inst.step({scope.step})` block; commit the block's own "
+                f"step, or end the block first."
+            )
         if self._current is not None:
-            if self._current.step != step:
-                raise ConfigurationError(
-                    f"commit_step({step}) inside the open `with inst.step({self._current.step})` block; "
-                    f"commit the block's own step, or end the block first."
-                )
             return None
         if not self._config_logged:  # a loop that commits only here (RLLogging) logs its config too
             self._log_config()
         self._components.log(self.logger, step)
         return self.logger.commit(step, paired=False)  # the ranks' steps may differ here (RLLogging's frames)
+
+    @property
+    def open_step(self) -> Optional[int]:
+        """The step of the open ``with inst.step(...)`` block, logging or not, else None."""
+        scope = self._scope
+        return scope.step if scope is not None else None
 
     @property
     def active_step(self) -> Optional[int]:

@@ -1,0 +1,84 @@
+"""RLLogging's step and the session's open `inst.step(k)` block agree at every iteration, logging or not.
+
+A review found two ways they drifted apart with nothing said but a repeat warning: a 1-based loop with
+``log_interval > 1`` (the refusal checked logging blocks only, so step 0 was committed inside ``inst.step(1)`` and
+every later logging step twice: W&B keeps only the first), and an iteration that raised inside its block (the
+session used step k up, RLLogging did not, so it lagged by one for the rest of the run). Read back from JSONL."""
+
+import json
+
+import pytest
+import torch
+
+import instrument
+from instrument.errors import ConfigurationError
+from instrument.rl import CollectionMetrics, RLLogging
+
+
+class SkipBatch(Exception):
+    pass
+
+
+def _session(tmp_path, log_interval):
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=log_interval,
+                                      log_dir=str(tmp_path), run_name="r", overhead_budget=None)
+    rl = RLLogging(progress=None, collection=CollectionMetrics(time_dim=0)).attach(inst)
+    return inst, rl
+
+
+def _batch(k):
+    return {"reward": torch.full((4, 2), float(k)), "done": torch.zeros(4, 2, dtype=torch.bool)}
+
+
+def _written(tmp_path):
+    with open(tmp_path / "r" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return [(row["step"], row["metrics"].get("counters/frames"), row["metrics"].get("counters/iterations"))
+            for row in rows if "metrics" in row]
+
+
+@pytest.mark.parametrize("log_interval", [1, 2, 10])
+def test_a_1_based_loop_is_refused_at_its_first_iteration_whatever_the_interval(tmp_path, log_interval):
+    inst, rl = _session(tmp_path, log_interval)
+    with pytest.raises(ConfigurationError, match=r"inside `with inst\.step\(1\)`.*looks 1-based"):
+        for it in range(1, 6):
+            with inst.step(it), rl.iteration():
+                rl.observe_batch(**_batch(it))
+    rl.close()
+    inst.close()
+    steps = [step for step, _, _ in _written(tmp_path)]
+    assert len(steps) == len(set(steps)), steps  # no step written twice
+
+
+@pytest.mark.parametrize("log_interval", [1, 2])
+def test_an_iteration_that_raised_in_its_block_uses_its_step_up(tmp_path, log_interval):
+    inst, rl = _session(tmp_path, log_interval)
+    for k in range(6):
+        try:
+            with inst.step(k), rl.iteration():
+                rl.observe_batch(**_batch(k))
+                if k == 2:
+                    raise SkipBatch  # e.g. a NaN loss: the loop skips this update and goes on
+        except SkipBatch:
+            pass
+    rl.close()
+    inst.close()
+    written = _written(tmp_path)
+    steps = [step for step, _, _ in written]
+    assert len(steps) == len(set(steps)) and 2 not in steps, written  # the failed step commits nothing
+    logged = [k for k in range(6) if k % log_interval == 0 and k != 2]
+    assert steps[:len(logged)] == logged
+    # every step's counters are its own: frames of every batch up to it (8 a batch), iterations k + 1
+    assert all(frames == 8.0 * (step + 1) and iterations == step + 1 for step, frames, iterations in written)
+
+
+def test_commit_step_inside_a_non_logging_block_of_another_step_is_refused(tmp_path):
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=10, log_dir=str(tmp_path),
+                                      run_name="r")
+    with inst.step(3):
+        inst.logger.log_metrics({"x": 1.0}, step=3)
+        with pytest.raises(ConfigurationError, match=r"commit_step\(2\) inside the open `with inst\.step\(3\)`"):
+            inst.commit_step(2)
+        assert inst.commit_step(3) is not None  # its own step: committed (a non-logging block commits nothing)
+    inst.close()
+    assert [step for step, _, _ in _written(tmp_path)] == [3]

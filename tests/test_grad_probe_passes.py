@@ -2,8 +2,9 @@
 
 Truncated BPTT (a backward every K iterations, then ``detach``) and gradient accumulation (one backward per
 micro-batch) deliver as many gradients as forward calls, in several passes; reversing the whole arrival list
-swapped the segments silently. The gradients are now grouped by the backward pass (autograd graph task) that
-delivered them. References are eager autograd's own gradients (``retain_grad``), compared exactly."""
+swapped the segments silently. The forward calls are now cut into segments where a forward follows a backward,
+and each segment's gradients are reversed on their own. References are eager autograd's own gradients
+(``retain_grad``), compared exactly."""
 
 import logging
 from typing import List
@@ -268,3 +269,34 @@ def test_a_gradient_probe_called_twice_per_iteration_is_said(caplog):
     inst.close()
     assert keep.indices == list(range(K)) and len(keep.gradients["hidden"]) == 2 * K
     assert "more than once per iteration" in caplog.text
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_each_iteration_checkpointed_keeps_its_gradient(caplog, use_reentrant):
+    """Reentrant checkpointing runs a nested backward per iteration: pairing by autograd's graph task made each
+    one a pass of its own, and the gradients came back last iteration first, unsaid (a review of this change)."""
+    from torch.utils.checkpoint import checkpoint
+
+    rule, keep = new_rule(), Keep()
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rule = rule
+
+        def forward(self, x):
+            return checkpoint(self.rule, x, use_reentrant=use_reentrant)
+
+    model = Checkpointed()
+    inst = session(keep)
+    inst.watch(model)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        x = seed_state().requires_grad_(True)
+        for _ in range(K):
+            x = model(x)
+        x.square().mean().backward()
+    inst.close()
+    rule.zero_grad()
+    want = segment_reference(rule, seed_state().requires_grad_(True))
+    assert_pairs(keep.gradients["hidden"], want)
+    assert "gradient probe" not in caplog.text

@@ -134,3 +134,13 @@ def test_a_step_whose_commit_was_interrupted_can_be_run_again(tmp_path, monkeypa
     inst.close()
     assert written(tmp_path) == [(k, float(k)) for k in range(6)]
     assert not any("committed a second time" in r.getMessage() for r in caplog.records)
+
+
+def test_values_given_back_by_an_interrupted_commit_are_written_by_close(tmp_path, monkeypatch):
+    """The given-back values lost their step, so close()'s commit, which writes at the pending step, wrote none."""
+    model = Rule()
+    inst = session(tmp_path, log_interval=2)
+    inst.watch(model)
+    assert train(inst, model, range(3), arm=lambda: interrupt_once(staging, "handover", monkeypatch), at=2) == [2]
+    inst.close()
+    assert written(tmp_path) == [(0, 0.0), (1, 1.0)]  # step 1's value, at its step; step 2's own is lost, said

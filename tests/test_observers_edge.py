@@ -378,3 +378,12 @@ def test_states_with_no_elements_cost_no_observer_a_failure(shape, caplog):
         assert not [key for key in record.histograms if key.startswith("state_hist/")]
     said = [r.getMessage() for r in caplog.records if "no values, so no histogram" in r.getMessage()]
     assert len(said) == 1
+
+
+def test_the_statistics_helpers_refuse_complex_values_instead_of_crashing():
+    from instrument.observers.activation_stats import output_moments
+
+    z = torch.randn(2, 3, 4, dtype=torch.complex64)
+    for call in (lambda: output_moments(z), lambda: iteration_channel_stats(z.unsqueeze(0))):
+        with pytest.raises(instrument.InvalidValueError, match=r"complex tensor \(torch\.complex64\).*view_as_real"):
+            call()

@@ -107,3 +107,32 @@ def test_ranks_that_count_their_own_steps_commit_through_commit_step_unchecked(t
     outcomes, written = _run(_own_steps_rank, tmp_path)
     assert outcomes == [{"raised": []}, {"raised": []}]
     assert written == [(10, pytest.approx(60.0)), (20, pytest.approx(70.0))]  # rank 0's steps, both ranks' means
+
+
+def _bare_frames_rank(rank: int, tmp: str) -> None:
+    """RLLogging on a bare Logger, step_unit='frames': rank 0 collects 2 environments, rank 1 three."""
+    from instrument.rl import CollectionMetrics, RLLogging
+
+    dist = _init(rank, tmp)
+    logger = Logger([JsonlBackend(path=f"{tmp}/m.jsonl")])
+    rl = RLLogging(progress=None, collection=CollectionMetrics(time_dim=0), step_unit="frames").attach(logger)
+    envs = 2 + rank
+    raised = []
+    try:
+        for _ in range(3):
+            with rl.iteration():
+                rl.observe_batch(reward=torch.ones(2, envs), done=torch.zeros(2, envs, dtype=torch.bool))
+        rl.close()
+    except InstrumentError as exc:
+        raised.append([0, str(exc)])
+    logger.close()
+    _outcome(tmp, rank, raised=raised)
+    dist.destroy_process_group()
+
+
+def test_rl_logging_on_a_bare_logger_with_frame_steps_is_not_checked(tmp_path):
+    """Each rank's frame count is its step: RLLogging commits them unpaired (a review of this change found both
+    ranks refused)."""
+    outcomes, written = _run(_bare_frames_rank, tmp_path)
+    assert outcomes == [{"raised": []}, {"raised": []}]
+    assert [step for step, _ in written] == [4, 8, 12]  # rank 0's frames (2 steps x 2 environments a batch)

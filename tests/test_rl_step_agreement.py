@@ -72,13 +72,40 @@ def test_an_iteration_that_raised_in_its_block_uses_its_step_up(tmp_path, log_in
     assert all(frames == 8.0 * (step + 1) and iterations == step + 1 for step, frames, iterations in written)
 
 
-def test_commit_step_inside_a_non_logging_block_of_another_step_is_refused(tmp_path):
-    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=10, log_dir=str(tmp_path),
-                                      run_name="r")
-    with inst.step(3):
-        inst.logger.log_metrics({"x": 1.0}, step=3)
-        with pytest.raises(ConfigurationError, match=r"commit_step\(2\) inside the open `with inst\.step\(3\)`"):
-            inst.commit_step(2)
-        assert inst.commit_step(3) is not None  # its own step: committed (a non-logging block commits nothing)
+@pytest.mark.parametrize("log_interval", [1, 2])
+def test_an_iteration_retried_at_its_own_step_is_not_refused(tmp_path, log_interval):
+    """A loop that retries a failed iteration at the same step (after an OOM): the step is not used up."""
+    inst, rl = _session(tmp_path, log_interval)
+    failed = False
+    for k in range(4):
+        while True:
+            try:
+                with inst.step(k), rl.iteration():
+                    rl.observe_batch(**_batch(k))
+                    if k == 1 and not failed:
+                        failed = True
+                        raise SkipBatch
+                break
+            except SkipBatch:
+                continue
+    rl.close()
     inst.close()
-    assert [step for step, _, _ in _written(tmp_path)] == [3]
+    written = _written(tmp_path)
+    assert [step for step, _, _ in written] == [k for k in range(4) if k % log_interval == 0 or k == 3]
+    # the failed try's batch went with the retry: frames count it (8 a batch), iterations do not
+    assert [(step, iterations) for step, _, iterations in written] == [(step, step + 1.0) for step, _, _ in written]
+    assert written[-1][1] == 8.0 * 5
+
+
+def test_rl_close_at_the_top_of_a_later_non_logging_block_writes_the_tail(tmp_path):
+    """An early stop seen at the start of step 5 (log_interval 10): the iterations 1-4 are written at step 4."""
+    inst, rl = _session(tmp_path, 10)
+    for k in range(100):
+        with inst.step(k):
+            if k == 5:
+                rl.close()
+                break
+            with rl.iteration():
+                rl.observe_batch(**_batch(k))
+    inst.close()
+    assert [(step, iterations) for step, _, iterations in _written(tmp_path)] == [(0, 1.0), (4, 5.0)]

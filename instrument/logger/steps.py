@@ -208,10 +208,12 @@ class StepRecords:
             kept = (isinstance(snapshot, tuple) and self._snapshot is LAZY
                     and not (self._totals or self._counts or self._blocks or self._media))
             if kept:  # nothing staged since the swap: the table is the snapshot again, the mark still live
-                (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, _,
+                (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, pending,
                  self._blocks, self._wide, self._tags) = (
                     dict(snapshot[0]), dict(snapshot[1]), dict(snapshot[2]), dict(snapshot[3]), dict(snapshot[4]),
-                    dict(snapshot[5]), None, list(snapshot[7]), dict(snapshot[8]), dict(snapshot[9]))
+                    dict(snapshot[5]), snapshot[6], list(snapshot[7]), dict(snapshot[8]), dict(snapshot[9]))
+                if pending is not None and (self._pending_step is None or pending > self._pending_step):
+                    self._pending_step = pending  # an implicit commit (close()) writes them at their step
         log.warning("instrument: the commit of step %d was interrupted (%s) before it was handed to the writer, so "
                     "step %d is not written%s", step, reason, step,
                     "; the values staged before it began go with the next commit" if kept else

@@ -36,7 +36,7 @@ from instrument.core.recompute import in_recompute
 from instrument.errors import ConfigurationError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
-from instrument.observers.stats import pow2_scale
+from instrument.observers.stats import pow2_scale, refuse_complex
 from instrument.probes.compiled import unwrap
 from instrument.probes.hooks import first_tensor
 from instrument.probes.step_hook import step_hook
@@ -55,6 +55,7 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
     Everything `ActivationStats` reports follows from them (`_finish`). One temporary the size of ``outputs``
     (``scratch`` is accepted for `IterationBuffer` and not needed), no host sync.
     """
+    refuse_complex("batched_moments", outputs)
     k = outputs.shape[0]
     flat = outputs.reshape(k, -1)
     wide = reduction_dtype(flat.dtype, flat.device)  # float64 for int32/int64/uint32/uint64, else float32

@@ -42,8 +42,9 @@ import torch
 from torch import Tensor
 
 from instrument.core.context import reduction_dtype
+from instrument.errors import InvalidValueError
 
-__all__ = ["channel_stats", "iteration_channel_stats", "pow2_scale"]
+__all__ = ["channel_stats", "iteration_channel_stats", "pow2_scale", "refuse_complex"]
 
 _SAMPLE = 32  # elements per row averaged for the shift reference
 _ROWS = 4  # rows of the batch dimension sampled
@@ -84,6 +85,7 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     population standard deviation (divisor N), from shifted sums (see the module docstring). ``scratch=True``
     lets the function overwrite ``states`` (a stacked copy the caller owns) instead of allocating a temporary.
     """
+    refuse_complex("iteration_channel_stats", states)
     wide = reduction_dtype(states.dtype, states.device)  # float64 for int32/int64/uint32/uint64, else float32
     if states.dtype != wide:  # half precision, bool or integers: a converted copy, ours to overwrite
         states, scratch = states.to(wide), True
@@ -125,3 +127,13 @@ def channel_stats(x: Tensor, channel_dim: int = 1) -> Tensor:
         x = x.reshape(-1, 1)
         channel_dim = 1
     return iteration_channel_stats(x.unsqueeze(0), channel_dim)[0]
+
+
+def refuse_complex(where: str, values: Tensor) -> None:
+    """Means, spreads and extremes are of real values: a complex tensor is refused, not cast (which would drop its
+    imaginary part)."""
+    if values.is_complex():
+        raise InvalidValueError(
+            f"{where} computes statistics of real values, got a complex tensor ({values.dtype}); pass a real view "
+            f"of it (torch.view_as_real(x), or x.abs())."
+        )

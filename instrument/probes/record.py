@@ -76,8 +76,11 @@ class Recorder:
     def __init__(self, owner: object = None) -> None:
         self.pending: Dict[str, Tuple[Tensor, int, Optional[Tensor]]] = {}
         self.gradients: Dict[str, List[Tensor]] = {}
-        self.passes: Dict[str, List[int]] = {}  # per gradient, the backward pass (graph task) it came from
+        self.passes: Dict[str, List[int]] = {}  # per gradient, the forward segment it came back to (`put`)
         self.calls: Dict[str, int] = {}  # forward records per probe name: the iterations its gradients pair with
+        self.segments: Dict[str, List[int]] = {}  # per forward record, its segment: a backward ends one
+        self._segment = 0
+        self._after_gradient = False  # a gradient came since the last forward record: the next one starts a segment
         self.drained: Dict[str, int] = {}  # observer calls that took a value of each probe (its iterations)
         self.expected: Set[str] = set()  # gradient probes recorded, in eager mode, on a value that requires grad
         self.recorded = 0
@@ -91,6 +94,10 @@ class Recorder:
         value = value.detach()
         self.recorded += 1
         self.calls[name] = self.calls.get(name, 0) + 1
+        if self._after_gradient:  # forward again after a backward (truncated BPTT, the next micro-batch)
+            self._segment += 1
+            self._after_gradient = False
+        self.segments.setdefault(name, []).append(self._segment)
         if copy or name in _copied or value.is_inference():
             self.copies += 1
             self.pending[name] = (value.clone(), _UNTRACKED, None)
@@ -124,25 +131,29 @@ class Recorder:
         self.delivered += len(values)
         return values
 
-    def put_gradient(self, name: str, gradient: Tensor, task: int = -1) -> None:
+    def put_gradient(self, name: str, gradient: Tensor) -> None:
         self.gradients.setdefault(name, []).append(gradient)
-        self.passes.setdefault(name, []).append(task)
+        self.passes.setdefault(name, []).append(self._segment)
+        self._after_gradient = True
 
     def gradients_in_forward_order(self) -> Dict[str, List[Tensor]]:
         """Each probe's gradients indexed by iteration (docs/probes.md, "Gradient probes").
 
-        Gradients are grouped by the backward pass (autograd graph task) that delivered them. Backward visits
-        a chained rollout's iterations last to first, so each pass is reversed; passes over separate segments
-        (truncated BPTT, micro-batches) are kept in the order they ran, which is the segments' order. k > 1
-        passes that each cover every forward record (several losses backpropagated through the same graph with
-        ``retain_graph=True``) are summed per iteration. Counts that cannot be paired, a probe called more than
-        once per iteration, and a gradient probe that got no gradient at all are each said once per session."""
+        The forward records are cut into segments where a forward follows a backward (truncated BPTT, one
+        rollout per micro-batch), and each gradient belongs to the segment whose backward delivered it (a
+        backward, also the nested ones of reentrant checkpointing, runs before the next segment's forward).
+        Backward visits a chained segment's calls last to first, so each segment's gradients are reversed, and
+        segments are kept in order. k > 1 whole passes over a segment (several losses backpropagated through one
+        graph with ``retain_graph=True``, or an ``autograd.grad`` pass) are summed per call. Counts that cannot be
+        paired, a probe called more than once per iteration, and a gradient probe that got no gradient at all are
+        each said once per session."""
         out: Dict[str, List[Tensor]] = {}
         for name, values in self.gradients.items():
             n = self.calls.get(name, 0)
-            passes = _split_passes(values, self.passes.get(name, []))
-            if n and len(passes) > 1 and all(len(part) == n for part in passes):
-                out[name] = [sum(parts[1:], parts[0]) for parts in zip(*passes, strict=True)]
+            paired, passes, unpaired, segments = _by_segment(values, self.passes.get(name, []),
+                                                             self.segments.get(name, []))
+            out[name] = paired
+            if passes > 1:
                 self._say("passes", name, (
                     "instrument: gradient probe %r recorded %d gradients for %d forward calls: taken as %d "
                     "backward passes over the whole rollout (each delivered one gradient per call) and summed per "
@@ -150,17 +161,15 @@ class Recorder:
                     "or double-backward pass (a gradient penalty, create_graph=True) counts as a pass too, so "
                     "the function it differentiated is added as if it were a loss: call backward once, on the "
                     "sum of the losses, to get their gradient alone. (Said once per probe and session.)"
-                ), name, len(values), n, len(passes))
-                continue
-            out[name] = [value for part in passes for value in part]
-            if len(values) != n:
+                ), name, len(values), n, passes)
+            if unpaired:
                 self._say("unpaired", name, (
-                    "instrument: gradient probe %r recorded %d gradients in %d backward pass(es) in a step whose "
-                    "forward recorded it %d times, so they cannot be paired with iterations (a backward over "
-                    "part of a segment, a torch.autograd.grad pass mixed with backward passes, or gradients from "
-                    "outside the watched calls); gradients[%r] holds each pass reversed, passes in the order "
-                    "they ran, and gradients[%r][i] need not be iteration i's. (Said once per probe and session.)"
-                ), name, len(values), len(passes), n, name, name)
+                    "instrument: gradient probe %r recorded %d gradients in a step whose forward recorded it %d "
+                    "times in %d segment(s) (a forward after a backward starts one), so they cannot be paired with "
+                    "iterations (a backward over part of a segment, or gradients from outside the watched calls); "
+                    "gradients[%r] holds each segment's gradients reversed, segments in order, and gradients[%r][i] "
+                    "need not be iteration i's. (Said once per probe and session.)"
+                ), name, len(values), n, segments, name, name)
                 continue
             iterations = self.drained.get(name, 0) + (name in self.pending)
             if self.drained.get(name, 0) and n > iterations:
@@ -187,18 +196,32 @@ class Recorder:
             log.warning(message, *args)
 
 
-def _split_passes(values: List[Tensor], tasks: List[int]) -> List[List[Tensor]]:
-    """``values`` grouped by the pass in ``tasks`` that delivered each, passes in order of first arrival, each
-    reversed (backward runs last call first); untagged gradients make one pass."""
+def _by_segment(values: List[Tensor], arrived: List[int], forward: List[int]) -> Tuple[List[Tensor], int, bool, int]:
+    """A probe's gradients in forward order: (gradients, the most whole passes summed over one segment, whether
+    some segment's count could not be paired, the number of segments). ``arrived``: the segment of each gradient;
+    ``forward``: of each forward call."""
+    calls: Dict[int, int] = {}
+    for segment in forward:
+        calls[segment] = calls.get(segment, 0) + 1
     groups: Dict[int, List[Tensor]] = {}
-    for index, value in enumerate(values):
-        task = tasks[index] if index < len(tasks) else _NO_PASS
-        groups.setdefault(task, []).append(value)
-    return [group[::-1] for group in groups.values()]
+    for value, segment in zip(values, arrived, strict=True):
+        groups.setdefault(segment, []).append(value)
+    out: List[Tensor] = []
+    passes, unpaired = 1, False
+    for segment in sorted(groups):
+        group, m = groups[segment], calls.get(segment, 0)
+        if m and len(group) > m and len(group) % m == 0:  # k whole passes over the segment, each last call first
+            chunks = [group[start:start + m][::-1] for start in range(0, len(group), m)]
+            out.extend(sum(parts[1:], parts[0]) for parts in zip(*chunks, strict=True))
+            passes = max(passes, len(chunks))
+            continue
+        unpaired = unpaired or len(group) != m
+        out.extend(group[::-1])
+    unpaired = unpaired or any(segment not in groups for segment in calls)  # a segment that got no gradient
+    return out, passes, unpaired, len(set(calls) | set(groups))
 
 
 _UNTRACKED = -1  # no version to compare: the recorder holds its own copy
-_NO_PASS = -1  # no `torch._C._current_graph_task_id` (or outside a backward): one pass, as before
 # What was said once, per session: owner (the Instrumentation whose step made the Recorder) -> kind -> names.
 _said: "weakref.WeakKeyDictionary[object, Dict[str, Set[str]]]" = weakref.WeakKeyDictionary()
 _said_shared: Dict[str, Set[str]] = {}  # for a Recorder whose owner is unknown or cannot be weakly referenced
@@ -212,15 +235,6 @@ def _said_for(owner: object) -> Dict[str, Set[str]]:
         return _said_shared
 
 
-def _current_pass() -> int:
-    """The backward pass (autograd graph task) running now, or ``_NO_PASS`` where torch cannot tell."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    if task is None:
-        return _NO_PASS
-    try:
-        return int(task())
-    except Exception:
-        return _NO_PASS
 # Names of probes whose value the model was seen to change in place after the probe: copied at recording.
 _copied: Set[str] = set()
 
@@ -335,7 +349,7 @@ def _record_grad(gradient: Tensor, name: str) -> None:
     recorder = _active
     if recorder is not None:
         # A copy: the backward may reuse the gradient's memory (compiled code) or accumulate into it.
-        recorder.put_gradient(name, gradient.detach().clone(), _current_pass())
+        recorder.put_gradient(name, gradient.detach().clone())
 
 
 def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
@@ -346,7 +360,7 @@ def _probe(value: Tensor, name: str, grad: bool) -> Tensor:
 def _probe_grad(gradient: Tensor, name: str) -> Tensor:
     recorder = _active
     if recorder is not None:
-        recorder.put_gradient(name, gradient.detach().clone(), _current_pass())
+        recorder.put_gradient(name, gradient.detach().clone())
     return gradient.clone()
 
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from instrument.logger.logger import Logger
     from instrument.rl.counters import Counters
 
-__all__ = ["RLComponent", "check_components", "load_together", "state_entry"]
+__all__ = ["RLComponent", "check_components", "load_together", "state_entry", "step_disagreement"]
 
 
 class RLComponent:
@@ -80,6 +80,19 @@ class RLComponent:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.prefix!r})"
+
+
+def step_disagreement(step_unit: str, index: int, step: int, open_step: int) -> ConfigurationError:
+    """The open ``inst.step(open_step)`` block and RLLogging's step of iteration ``index`` disagree."""
+    if step_unit == "iterations":
+        fix = (f"RLLogging counts iterations from 0 and this is iteration {index}"
+               + (", so the loop looks 1-based: loop `for iteration in range(n)` (0-based), or"
+                  if open_step == step + 1 else ";") + " open the block with `inst.step(rl.step)`.")
+    else:
+        fix = ("with step_unit='frames' the step is known only after the batch: drop the `with inst.step(...)` "
+               "block (RLLogging commits through inst.commit_step), or open it with `inst.step(rl.step)`.")
+    return ConfigurationError(f"RLLogging logs iteration {index} at step {step} ({step_unit}) inside "
+                              f"`with inst.step({open_step})`; the two must agree. {fix}")
 
 
 def state_entry(state: Dict[str, Any], key: str, owner: str) -> Any:

@@ -53,7 +53,7 @@ from instrument.logger.timer import Timer
 from instrument.rl.bar import ProgressComponent
 from instrument.rl.batch import KeywordBatch
 from instrument.rl.collection import CollectionMetrics
-from instrument.rl.component import RLComponent, check_components, load_together, state_entry
+from instrument.rl.component import RLComponent, check_components, load_together, state_entry, step_disagreement
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
 from instrument.rl.ranks import distributed
@@ -155,6 +155,7 @@ class RLLogging:
         self._lock = threading.RLock()  # one thread at a time through the components (`_locked`)
         self._session_state: Optional[Dict[str, Any]] = None  # from load_state_dict, for a later attach
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
+        self._failed_at: Optional[int] = None  # the step of an iteration that raised in its `inst.step` block
         self._unlogged = False  # an iteration completed since the last one logged here (or attach / load)
 
     # ------------------------------------------------------------------ wiring
@@ -296,7 +297,7 @@ class RLLogging:
             self.clock.cancel_all()
             self.counters.counting = False
             if self.step_unit == "iterations" and getattr(self.instrumentation, "open_step", None) == self.step:
-                self.counters.iterations += 1
+                self._failed_at = self.step  # counted at the next iteration if the loop goes on past it
             raise
         self.clock.stop("iteration")
         self.end_iteration(eval_runner)
@@ -334,16 +335,19 @@ class RLLogging:
         self._check_attached()
         if eval_runner is not None:
             self._set_runner(eval_runner)
+        inst = self.instrumentation
+        open_step = inst.open_step if inst is not None else None  # the open block's step, logging or not
+        failed, self._failed_at = self._failed_at, None
+        if failed is not None and open_step == failed + 1:  # the loop went on past an iteration that raised in
+            self.counters.iterations += 1  # its block, which used that step up (a retry reopens the same step)
         index = self.counters.iterations
         step = self.step
         asked = False
         for handle in self._handles:
             asked = bool(handle.call("end_iteration", self.counters)) or asked
         self._unlogged = True
-        inst = self.instrumentation
-        open_step = inst.open_step if inst is not None else None  # the open block's step, logging or not
         if open_step is not None and open_step != step:
-            self._disagree(index, step, open_step)
+            raise step_disagreement(self.step_unit, index, step, open_step)
         if asked and distributed(self._logger):  # each rank's frames differ: a due evaluation waits for the
             asked = False  # next logging iteration, which every rank commits, so the collectives stay paired
         if not (asked or self._deferred or self._is_logging_iteration(index)):
@@ -360,19 +364,8 @@ class RLLogging:
         self._unlogged = False
         if inst is None:
             self._own.log(self._logger, step)
-            return self._logger.commit(step)
+            return self._logger.commit(step, paired=self.step_unit != "frames")  # ranks count their own frames
         return inst.commit_step(step)  # inside the open block: None, the block commits at its exit
-
-    def _disagree(self, index: int, step: int, open_step: int) -> None:  # the open block's step is another
-        if self.step_unit == "iterations":
-            fix = (f"RLLogging counts iterations from 0 and this is iteration {index}"
-                   + (", so the loop looks 1-based: loop `for iteration in range(n)` (0-based), or"
-                      if open_step == step + 1 else ";") + " open the block with `inst.step(rl.step)`.")
-        else:
-            fix = ("with step_unit='frames' the step is known only after the batch: drop the `with inst.step(...)` "
-                   "block (RLLogging commits through inst.commit_step), or open it with `inst.step(rl.step)`.")
-        raise ConfigurationError(f"RLLogging logs iteration {index} at step {step} ({self.step_unit}) inside "
-                                 f"`with inst.step({open_step})`; the two must agree. {fix}")
 
     def _is_logging_iteration(self, index: int) -> bool:
         if self.instrumentation is not None:
@@ -464,7 +457,7 @@ class RLLogging:
                 if handle.logs:
                     handle.call("log", self._logger, at)
             if active is None:
-                self._logger.commit(at)
+                self._logger.commit(at, paired=self.step_unit != "frames")
         elif active is None and self._logger.has_pending and not distributed(self._logger):
             # what is staged, at no new step; under a process group `has_pending` differs by rank (media are
             # rank 0's), so the logger's own close commits it there, on every rank alike

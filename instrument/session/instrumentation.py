@@ -326,13 +326,12 @@ class Instrumentation(StepLifecycle):
         """
         if self._closed:
             raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
-        scope = self._scope or self._current
-        if scope is not None and scope.step != step:  # any open block: a logging one commits its own step
-            raise ConfigurationError(
-                f"commit_step({step}) inside the open `with inst.step({scope.step})` block; commit the block's own "
-                f"step, or end the block first."
-            )
         if self._current is not None:
+            if self._current.step != step:
+                raise ConfigurationError(
+                    f"commit_step({step}) inside the open `with inst.step({self._current.step})` block; "
+                    f"commit the block's own step, or end the block first."
+                )
             return None
         if not self._config_logged:  # a loop that commits only here (RLLogging) logs its config too
             self._log_config()

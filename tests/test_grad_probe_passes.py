@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import instrument
-from tests._probe_models import Rule
+from tests._probe_models import Rule, hidden_gradients
 
 K = 3  # iterations per segment
 
@@ -48,15 +48,30 @@ def new_rule() -> Rule:
 def segment_reference(rule: Rule, x: torch.Tensor) -> List[torch.Tensor]:
     """Eager autograd's gradient of each iteration's hidden activations for one segment of K iterations whose
     loss is ``x.square().mean()``; returns them and leaves the segment's output detached in ``rule._x``."""
-    hidden = []
-    for _ in range(K):
-        h = torch.relu(rule.fc0(rule.perceive(x)))
-        h.retain_grad()
-        hidden.append(h)
-        x = x + rule.fc1(h)
-    x.square().mean().backward()
-    rule._x = x.detach()
-    return [h.grad.clone() for h in hidden]
+    grads = [g.clone() for g in hidden_gradients(rule, x, K)]
+    with torch.no_grad():
+        for _ in range(K):
+            x = rule(x)
+    rule._x = x
+    return grads
+
+
+def truncated_bptt(model) -> None:
+    """Two segments of K iterations, each with its own backward, the second from the first's detached output."""
+    x = seed_state()
+    for _ in range(2):
+        for _ in range(K):
+            x = model(x)
+        x.square().mean().backward()
+        x = x.detach()
+
+
+def tbptt_reference(rule: Rule) -> List[torch.Tensor]:
+    want, x = [], seed_state()
+    for _ in range(2):
+        want += segment_reference(rule, x)
+        x = rule._x
+    return want
 
 
 def assert_pairs(got: List[torch.Tensor], want: List[torch.Tensor]) -> None:
@@ -70,19 +85,10 @@ def test_truncated_bptt_segments_each_gradient_pairs_with_its_iteration(caplog):
     inst = session(keep)
     inst.watch(rule)
     with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
-        x = seed_state()
-        for _ in range(2):
-            for _ in range(K):
-                x = rule(x)
-            x.square().mean().backward()
-            x = x.detach()
+        truncated_bptt(rule)
     inst.close()
-    want, x = [], seed_state()
-    for _ in range(2):
-        want += segment_reference(rule, x)
-        x = rule._x
     assert keep.indices == list(range(2 * K))
-    assert_pairs(keep.gradients["hidden"], want)
+    assert_pairs(keep.gradients["hidden"], tbptt_reference(rule))
     assert "gradient probe" not in caplog.text
 
 
@@ -116,19 +122,11 @@ def test_compiled_truncated_bptt_pairs_each_gradient_with_its_iteration():
         inst = session(keep)
         inst.watch(compiled)
         with inst.step(0):
-            x = seed_state()
-            for _ in range(2):
-                for _ in range(K):
-                    x = compiled(x)
-                x.square().mean().backward()
-                x = x.detach()
+            truncated_bptt(compiled)
         inst.close()
     finally:
         torch._dynamo.reset()
-    want, x = [], seed_state()
-    for _ in range(2):
-        want += segment_reference(rule, x)
-        x = rule._x
+    want = tbptt_reference(rule)
     got = keep.gradients["hidden"]
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
@@ -139,12 +137,7 @@ def test_two_losses_over_the_whole_rollout_are_still_summed():
     rule, keep = new_rule(), Keep()
     inst = session(keep)
     inst.watch(rule)
-    with inst.step(0):
-        x = seed_state()
-        for _ in range(K):
-            x = rule(x)
-        x.square().mean().backward(retain_graph=True)
-        x.mean().backward()
+    two_passes(inst, rule)
     inst.close()
     hidden, x = [], seed_state()
     for _ in range(K):

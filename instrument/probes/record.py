@@ -68,7 +68,7 @@ class Recorder:
 
     ``pending`` holds the latest value of each probe since the last `drain` (the dispatcher drains it at every
     observer call, so a context gets the values recorded during its iteration). ``gradients`` holds each
-    gradient probe's gradients in the order backward delivered them, ``passes`` the backward pass of each.
+    gradient probe's gradients in the order backward delivered them, ``arrived`` the forward segment of each.
     ``copies`` counts the copies made. ``owner`` is the session whose logging step the recorder serves (one
     recorder per logging step): the warnings said once are said once per owner (None: once per process).
     """
@@ -76,7 +76,7 @@ class Recorder:
     def __init__(self, owner: object = None) -> None:
         self.pending: Dict[str, Tuple[Tensor, int, Optional[Tensor]]] = {}
         self.gradients: Dict[str, List[Tensor]] = {}
-        self.passes: Dict[str, List[int]] = {}  # per gradient, the forward segment it came back to (`put`)
+        self.arrived: Dict[str, List[int]] = {}  # per gradient, the forward segment it came back to (`put`)
         self.calls: Dict[str, int] = {}  # forward records per probe name: the iterations its gradients pair with
         self.segments: Dict[str, List[int]] = {}  # per forward record, its segment: a backward ends one
         self._segment = 0
@@ -133,7 +133,7 @@ class Recorder:
 
     def put_gradient(self, name: str, gradient: Tensor) -> None:
         self.gradients.setdefault(name, []).append(gradient)
-        self.passes.setdefault(name, []).append(self._segment)
+        self.arrived.setdefault(name, []).append(self._segment)
         self._after_gradient = True
 
     def gradients_in_forward_order(self) -> Dict[str, List[Tensor]]:
@@ -150,7 +150,7 @@ class Recorder:
         out: Dict[str, List[Tensor]] = {}
         for name, values in self.gradients.items():
             n = self.calls.get(name, 0)
-            paired, passes, unpaired, segments = _by_segment(values, self.passes.get(name, []),
+            paired, passes, unpaired, segments = _by_segment(values, self.arrived.get(name, []),
                                                              self.segments.get(name, []))
             out[name] = paired
             if passes > 1:

@@ -18,6 +18,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from instrument.core.loss_scale import LossScale, divided
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
 
@@ -186,8 +187,12 @@ class GradientStats(Observer):
     underflow), not that nothing changed; see docs/observers.md.
 
     Parameters without a gradient in the step (``p.grad is None``) are left out of every norm, as
-    ``clip_grad_norm_`` leaves them out. Works with scripted and compiled models alike (only parameters are
-    read); under gradient checkpointing the gradients are the same, so the keys are too.
+    ``clip_grad_norm_`` leaves them out; a step where none of them has one is said once (a WARNING naming the
+    usual causes). With ``Instrumentation(grad_scaler=scaler)``, gradients still loss-scaled when read (the
+    optimizer step after the block) are divided by the scale (`instrument.core.loss_scale`).
+
+    Works with scripted and compiled models alike (only parameters are read); under gradient checkpointing the
+    gradients are the same, so the keys are too.
     """
 
     default_name = "grad_stats"
@@ -223,6 +228,9 @@ class GradientStats(Observer):
         self._update: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._modules: List[nn.Module] = []
         self._said_sparse = False
+        self._said_no_grad = False  # a logging step where no covered parameter had a gradient was reported
+        # Set by Instrumentation(grad_scaler=...): gradients read while still loss-scaled are divided by the scale.
+        self.loss_scale: Optional[LossScale] = None
 
     def reset(self) -> None:
         self._params, self._before, self._update = [], None, None
@@ -253,6 +261,19 @@ class GradientStats(Observer):
                 "left out of every gradient norm and histogram (torch's clip_grad_norm_ cannot take them either), "
                 "the other parameters are logged. (Said once.)", self.name, names,
             )
+
+    def _say_no_gradient(self, step: int) -> None:
+        if self._said_no_grad:
+            return
+        self._said_no_grad = True
+        log.warning(
+            "instrument: GradientStats(%r): none of the %d covered parameters had a gradient at the end of logging "
+            "step %d, so no norm/* key is logged (update_ratio reads 0 where they did not change). Usual causes: "
+            "no backward() ran in this step, backward() runs after the `with inst.step` block, zero_grad() runs "
+            "before the block ends, or the parameters trained are not the module's own (torch.func.functional_call "
+            "with a separate parameter dict: cover the module whose parameters the optimizer updates). (Said once.)",
+            self.name, len(self._params), step,
+        )
 
     def _keys(self, present: Sequence[bool]) -> Tuple[List[str], List[List[int]]]:
         """Key names and the parameter positions behind each, over the parameters marked ``present``."""
@@ -297,13 +318,20 @@ class GradientStats(Observer):
         self._say_sparse([name for (name, p), ok in zip(self._params, dense, strict=True)
                           if p.grad is not None and not ok])
         with_grad = [i for i, ok in enumerate(dense) if ok]
+        # The optimizer step runs after the block (gradient accumulation): the gradients GradScaler has not
+        # unscaled yet are the scaled loss's, so their norms and values are divided by the scale here.
+        scale = self.loss_scale.pending() if self.loss_scale is not None and with_grad else None
         if with_grad:
             norms, total = grad_norms([self._params[i][1].grad.detach() for i in with_grad])
-            metrics["norm/global"] = total
+            metrics["norm/global"] = total if scale is None else divided(total, scale)
             if self.per != "global":
                 keys, members = self._keys(dense)
                 per_key = self._per_key(norms, members, with_grad)
+                if scale is not None:
+                    per_key = divided(per_key, scale)
                 metrics.update(zip([f"norm/{k}" for k in keys], per_key.unbind(), strict=True))
+        elif self._params and not any(p.grad is not None for _, p in self._params):
+            self._say_no_gradient(step)
         keys, members = self._keys([True] * len(self._params))
         if self.weight_norm and self._params:
             weights = torch.stack(foreach_norms([p.detach() for _, p in self._params]))
@@ -319,5 +347,7 @@ class GradientStats(Observer):
         if self.histograms:
             for (name, p), ok in zip(self._params, dense, strict=True):
                 if ok:
-                    logger.log_histogram(f"{self.name}/grad_hist/{name}", p.grad.detach(), step)
+                    grad = p.grad.detach()
+                    logger.log_histogram(f"{self.name}/grad_hist/{name}", grad if scale is None else
+                                         divided(grad, scale), step)
                 logger.log_histogram(f"{self.name}/weight_hist/{name}", p.detach(), step)

@@ -72,7 +72,9 @@ class NonFinite(Observer):
     It answers "where did the NaN come from?". On logging steps it checks, for every iteration, the state
     (``next_state``), ``dx`` and every probe value the iteration delivered, and at the end of the step the
     gradients of the covered model. When something is non-finite the ``instrument`` logger says so once per
-    run, naming the step, the rollout iteration, the channel(s) and the sources (state, dx, probe, parameter);
+    run for the rollout's values and once for the gradients, naming the step, the rollout iteration, the
+    channel(s) and the sources (state, dx, probe, parameter); under ``Instrumentation(grad_scaler=...)``
+    non-finite gradients are a loss-scale overflow (GradScaler skips that step), said once at INFO, not raised;
     with ``raise_on_nonfinite=True`` the step's commit raises `instrument.NonFiniteError` with that message
     instead (the step's values are committed first, so they are written).
 
@@ -157,8 +159,14 @@ class NonFinite(Observer):
         self._rows: Dict[str, List[int]] = {}  # per probe source, the iteration of each row it appended
         self._shape: Optional[torch.Size] = None  # the state shape channel_dim was checked against
         self._params: List[Tuple[str, nn.Parameter]] = []
-        self._pending: List[Any] = []  # committed steps whose record has not been read yet (warn mode)
-        self.reported = False  # the once-per-run message was given
+        # Committed steps whose record has not been read yet (warn mode), each with whether its gradients were
+        # read under an enabled GradScaler (`_amp`).
+        self._pending: List[Tuple[Any, bool]] = []
+        self._said: Set[str] = set()  # what was reported once per run: "values", "gradients", "overflow"
+        self._amp = False  # this logging step's gradients were checked under an enabled GradScaler
+        # Set by Instrumentation(grad_scaler=...): non-finite gradients then are a loss-scale overflow, which
+        # GradScaler answers by skipping the optimizer step, not a divergence.
+        self.loss_scale: Optional[Any] = None
         self._said_dropped: Set[str] = set()  # sources whose in-place change was warned about
         self._dropped: Set[str] = set()  # sources caught changed in place in this step
 
@@ -262,6 +270,7 @@ class NonFinite(Observer):
         # sparse kernel, so it failed the whole log, losing every other count of the step.
         grads = [(name, p.grad.detach() if p.grad.layout == torch.strided else p.grad.detach()._values())
                  for name, p in self._params if p.grad is not None]
+        self._amp = bool(grads) and self.loss_scale is not None and self.loss_scale.enabled
         if grads:
             per_param = _grad_counts([g for _, g in grads])
             metrics["grad_count"] = per_param.sum()
@@ -290,53 +299,96 @@ class NonFinite(Observer):
             )
 
     # ------------------------------------------------------------------ after the commit (host values)
+    @property
+    def reported(self) -> bool:
+        """Everything this observer reports once per run was reported (later records need not be read)."""
+        return "values" in self._said and ("gradients" in self._said or not self.gradients)
+
     def committed(self, record: Any) -> None:
         """The step was committed; ``record`` is the logger's `CommittedStep` (or None: nothing was staged)."""
+        amp, self._amp = self._amp, False
         if self.raise_on_nonfinite:
             if record is None:
                 return
             # host sync: raising at this step needs its values; the logger's transfer has started, and this
             # waits for the writer thread to have built the step's record from it.
             built = record.result()
-            message = self.message(built.scalars, built.step) if built is not None else None
+            if built is None:
+                return
+            values, gradients = self._parts(built.scalars)
+            if gradients is not None and amp:  # GradScaler skips this optimizer step: said, not raised
+                self._say_overflow(gradients, built.step)
+                gradients = None
+            message = self._message(built.scalars, built.step, values, gradients)
             if message is not None:
-                self.reported = True
+                self._said.update(kind for kind, part in (("values", values), ("gradients", gradients)) if part)
                 raise NonFiniteError(message)
             return
         if self.reported:
             return
         if record is not None:
-            self._pending.append(record)
-        self._report([r for r in self._pending if r.record is not None or r.dropped])
+            self._pending.append((record, amp))
+        self._report([(r, a) for r, a in self._pending if r.record is not None or r.dropped])
 
     def close(self) -> None:
         """The session closed (every committed record is built): report what is still pending."""
         if not self.reported:
-            self._report([r for r in self._pending if r.result(timeout=0) is not None or r.dropped])
+            self._report([(r, a) for r, a in self._pending if r.result(timeout=0) is not None or r.dropped])
         self._pending = []
 
-    def _report(self, ready: List[Any]) -> None:
-        for handle in ready:
-            self._pending.remove(handle)
+    def _report(self, ready: List[Tuple[Any, bool]]) -> None:
+        for entry in ready:
+            self._pending.remove(entry)
+            handle, amp = entry
             built = handle.record
             if self.reported or built is None:
                 continue
-            message = self.message(built.scalars, built.step)
+            values, gradients = self._parts(built.scalars)
+            if gradients is not None and amp:
+                self._say_overflow(gradients, built.step)
+                gradients = None
+            values = None if "values" in self._said else values  # each kind once per run: a divergence in the
+            gradients = None if "gradients" in self._said else gradients  # state after gradient trouble is said
+            message = self._message(built.scalars, built.step, values, gradients)
             if message is not None:
-                self.reported = True
-                log.warning("instrument: %s (reported once per run)", message)
+                self._said.update(kind for kind, part in (("values", values), ("gradients", gradients)) if part)
+                log.warning("instrument: %s (each kind reported once per run)", message)
         if self.reported:
             self._pending = []
 
+    def _say_overflow(self, gradients: str, step: int) -> None:
+        if "overflow" in self._said:
+            return
+        self._said.add("overflow")
+        log.info(
+            "instrument: NonFinite(%r): %s at step %d under torch.amp.GradScaler: a loss-scale overflow, on which "
+            "GradScaler skips the optimizer step and lowers its scale; expected now and then with mixed precision "
+            "(a skip at every step means the loss itself is not finite). Counted in %s/grad_count; not reported "
+            "as a divergence. (Said once.)", self.name, gradients, step, self.name,
+        )
+
     def message(self, scalars: Mapping[str, float], step: int) -> Optional[str]:
         """The report for one committed step's host scalars, or None when every checked value was finite."""
+        return self._message(scalars, step, *self._parts(scalars))
+
+    def _message(self, scalars: Mapping[str, float], step: int, values: Optional[str],
+                 gradients: Optional[str]) -> Optional[str]:
+        parts = [part for part in (values, gradients) if part]
+        if not parts:
+            return None
+        incomplete = scalars.get(self.name + "/incomplete", 0.0) > 0
+        note = " (incomplete: a source changed in place after it was observed is not counted)" if incomplete else ""
+        if gradients and self.loss_scale is None:
+            parts[-1] += (" (with torch.amp.GradScaler that is a loss-scale overflow, on which the optimizer step "
+                          "is skipped: pass Instrumentation(grad_scaler=scaler) to have it told apart)")
+        return f"non-finite values at step {step}{note}: " + "; ".join(parts)
+
+    def _parts(self, scalars: Mapping[str, float]) -> Tuple[Optional[str], Optional[str]]:
+        """(the rollout values' report, the gradients' report) of one step's host scalars; None where finite."""
         head = self.name + "/"
-        incomplete = scalars.get(head + "incomplete", 0.0) > 0
         count = scalars.get(head + "count", 0.0)
         grad_count = scalars.get(head + "grad_count", 0.0)
-        if not (count > 0 or grad_count > 0):
-            return None
-        parts = []
+        values = gradients = None
         if count > 0:
             first = int(scalars[head + "first_iteration"])
             where = []
@@ -352,7 +404,7 @@ class NonFinite(Observer):
                 if key.startswith(head + "count/") and value > 0
                 and int(scalars.get(head + "first_iteration/" + key[len(head + "count/"):], -1)) != first
             ]
-            parts.append(
+            values = (
                 f"first at rollout iteration {first} in {', '.join(where)}; {int(count)} non-finite elements "
                 f"over the rollout" + (f" (later also in {', '.join(also)})" if also else "")
             )
@@ -361,10 +413,8 @@ class NonFinite(Observer):
                 f"{key[len(head + 'grad_count/'):]} ({int(value)})" for key, value in scalars.items()
                 if key.startswith(head + "grad_count/") and value > 0
             ]
-            parts.append(f"{int(grad_count)} non-finite gradient elements in {', '.join(bad)}")
-        note = " (incomplete: a source changed in place after it was observed is not counted)" if incomplete else ""
-        return f"non-finite values at step {step}{note}: " + "; ".join(parts)
-
+            gradients = f"{int(grad_count)} non-finite gradient elements in {', '.join(bad)}"
+        return values, gradients
 
 
 def _grad_counts(grads: List[Tensor]) -> Tensor:

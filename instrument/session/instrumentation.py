@@ -19,6 +19,7 @@ from torch import nn
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.checks import check_int
 from instrument.core.dispatch import Dispatcher, ObserverLike
+from instrument.core.loss_scale import LossScale
 from instrument.core.observer import check_observers
 from instrument.core.overhead import OverheadMeter
 from instrument.core.step_components import ComponentHandle, StepComponents
@@ -100,6 +101,10 @@ class Instrumentation(StepLifecycle):
             ``Instrumentation.secret_keys = ['*cookie*']`` in gin.
         resume: continue the run ``run_name`` in ``log_dir`` (docs/backends.md, "Resuming a run"). A run that
             another live process still writes is refused, new or resumed (`instrument.session.run_lock`).
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop (also settable later:
+            ``inst.grad_scaler = scaler``): gradient probes and `GradientStats` then log the gradients of the loss,
+            not of the scaled loss, and `NonFinite` tells a skipped step's overflow from a divergence
+            (`instrument.core.loss_scale`, docs/observers.md "Mixed precision").
 
     A step whose body raises commits nothing: the values staged inside it (``log_metrics``, timers, media)
     are discarded, never carried to a later step, and no observer logs.
@@ -128,6 +133,7 @@ class Instrumentation(StepLifecycle):
         on_backend_error: Literal["raise", "warn"] = "raise",
         open_timeout: float = 60.0,
         secret_keys: Sequence[str] = (),
+        grad_scaler: Optional[Any] = None,
     ) -> None:
         check_int("channel_dim", channel_dim, none=True, why="1 for [B, C, H, W], -1 for [B, H, W, C]",
                   fix="bind e.g. Instrumentation.channel_dim = 1")
@@ -174,6 +180,8 @@ class Instrumentation(StepLifecycle):
         self._said_staged = False  # a checkpoint left an unfinished interval's staged values out (`state_dict`)
         self._said_slow_checkpoint = False  # a checkpoint's flush timed out (`flush_for_checkpoint`)
         self.system_monitor = system_monitor
+        self._loss_scale: Optional[LossScale] = None
+        self.grad_scaler = grad_scaler  # checked before the run folder is claimed
         # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
         with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):
             if resume:  # a run file that cannot be read raises here, which releases the lock
@@ -257,6 +265,23 @@ class Instrumentation(StepLifecycle):
             if watch is not None:
                 watch.attach()
         return WatchHandle(self, watch, probes if probes else None)
+
+    @property
+    def grad_scaler(self) -> Optional[Any]:
+        """The ``torch.amp.GradScaler`` whose loss scale gradients are divided by (None: no loss scaling)."""
+        return None if self._loss_scale is None else self._loss_scale.scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: Optional[Any]) -> None:
+        if self._current is not None:
+            raise ConfigurationError(
+                f"grad_scaler was set inside logging step {self._current.step}; set it before the step starts "
+                f"(right after making the scaler), so that the whole step reads its gradients one way."
+            )
+        self._loss_scale = None if scaler is None else LossScale(scaler)
+        for obs in self.observers:  # observers that read parameters' gradients ask it whether they are scaled
+            if hasattr(obs, "loss_scale"):
+                obs.loss_scale = self._loss_scale
 
     @property
     def watched_modules(self) -> List[nn.Module]:

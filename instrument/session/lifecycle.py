@@ -48,6 +48,8 @@ class StepLifecycle:
         scope._mark = self.logger.mark()
         self._current, self._step_thread = scope, threading.get_ident()
         try:  # whatever stops the start (Ctrl-C in an observer's reset or attach) ends it like a failed step
+            if self._loss_scale is not None:
+                self._loss_scale.begin()
             self._dispatch.begin(self.watched_modules)
             self._probes_on()
             for watch in self._watches:
@@ -79,6 +81,8 @@ class StepLifecycle:
                 gradients = None
                 if recorder is not None:
                     gradients = recorder.gradients_in_forward_order()
+                    if gradients and self._loss_scale is not None:  # of the loss, not of the loss times its scale
+                        gradients = self._loss_scale.unscale(gradients)
                     if recorder.recorded and not recorder.delivered:
                         log.warning(
                             "instrument: embedded probes recorded values in step %d but no observer call "
@@ -118,6 +122,8 @@ class StepLifecycle:
             raise
         finally:
             self._current = None
+            if self._loss_scale is not None:
+                self._loss_scale.end()
             self._flush_on_commit = NO_FLUSH  # a checkpoint's promise ends with its block, committed or not
             self._stop_clock(failed)
 

@@ -1,0 +1,206 @@
+"""Mixed precision: a ``torch.amp.GradScaler`` multiplies the loss by its scale (65536 at first), so gradients read
+before it unscales them are the scaled loss's. Given the scaler (``Instrumentation(grad_scaler=...)``), gradient
+probes and `GradientStats` log the loss's own gradients, and `NonFinite` tells a loss-scale overflow (GradScaler
+skips that optimizer step) from a divergence. References: the same loops without a scaler (gradients of the
+unscaled loss), and ``clip_grad_norm_`` after ``unscale_``, read back from real JSONL and TensorBoard files."""
+
+import json
+import logging
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+import instrument
+from tests._probe_models import Rule
+from tests.conftest import read_scalars
+
+
+class KeepGradients(instrument.Observer):
+    def __init__(self) -> None:
+        super().__init__("keep")
+        self.gradients: List[torch.Tensor] = []
+
+    def observe(self, context) -> None:
+        pass
+
+    def observe_gradients(self, gradients) -> None:
+        self.gradients = [g.clone() for g in gradients["hidden"]]
+
+
+def jsonl(run_dir: Path) -> Dict[int, dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["metrics"] for line in lines if "metrics" in line}
+
+
+def session(tmp_path, observers, scaler=None, backends=None) -> instrument.Instrumentation:
+    return instrument.Instrumentation(
+        observers=observers, log_interval=1, run_name="r", log_dir=str(tmp_path), grad_scaler=scaler,
+        backends=[instrument.JsonlBackend(), instrument.TensorBoardBackend()] if backends is None else backends,
+    )
+
+
+def probe_gradients(scaler, update_in_block: bool) -> List[torch.Tensor]:
+    """A gradient probe's values over one logging step of 3 iterations, backward from the scaled loss when
+    ``scaler`` is given; the scaler's step and update inside the block or not."""
+    torch.manual_seed(0)
+    rule = Rule(grad=True)
+    opt = torch.optim.SGD(rule.parameters(), lr=0.1)
+    keep = KeepGradients()
+    inst = instrument.Instrumentation(observers=[keep], backends=[], log_interval=1, grad_scaler=scaler)
+    inst.watch(rule)
+    x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+    with inst.step(0):
+        for _ in range(3):
+            x = rule(x)
+        loss = x.square().mean()
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            if update_in_block:
+                scaler.step(opt)
+                scaler.update(2.0**20)  # the scale changes in the block: the probe keeps the one backward used
+    inst.close()
+    return keep.gradients
+
+
+@pytest.mark.parametrize("update_in_block", [False, True])
+def test_gradient_probes_are_the_loss_s_gradients_not_the_scaled_loss_s(update_in_block):
+    want = probe_gradients(None, False)
+    got = probe_gradients(torch.amp.GradScaler("cpu"), update_in_block)
+    assert len(got) == len(want) == 3
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"iteration {i}: probe gradient off by {(g / w).nanmean().item():.6g}x"
+
+
+def accumulation_loop(tmp_path, step_in_block: bool, scaler_known: bool = True):
+    """GradientStats over a GradScaler loop, optimizer step after the block (gradient accumulation) or inside it;
+    returns the logged global norms per step and the references (clip_grad_norm_ after unscale_)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)  # the scale grows at every step: 2**16, 2**17, ...
+    inst = session(tmp_path, [instrument.GradientStats(module=model, histograms=True)],
+                   scaler=scaler if scaler_known else None)
+    want = {}
+    for step in range(3):
+        with inst.step(step):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+            scaler.scale(loss).backward()
+            if step_in_block:
+                scaler.unscale_(opt)
+                want[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+                scaler.step(opt)
+                scaler.update()
+        if not step_in_block:
+            scaler.unscale_(opt)
+            want[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+            scaler.step(opt)
+            scaler.update()
+    inst.close()
+    return want, tmp_path / "r"
+
+
+@pytest.mark.parametrize("step_in_block", [False, True])
+def test_gradient_stats_norms_are_unscaled_with_the_optimizer_step_after_or_inside_the_block(tmp_path,
+                                                                                              step_in_block):
+    want, run = accumulation_loop(tmp_path, step_in_block)
+    logged = jsonl(run)
+    board = read_scalars(run)["grad_stats/norm/global"]
+    for step, norm in want.items():
+        assert logged[step]["grad_stats/norm/global"] == pytest.approx(norm, rel=1e-6)
+        assert board[step] == pytest.approx(norm, rel=1e-6)
+    # the histograms too: their largest bucket edge is near the largest unscaled gradient, not 65536 times it
+    from tests.conftest import event_accumulator
+
+    hist = event_accumulator(run).Histograms("grad_stats/grad_hist/2.bias")
+    assert all(abs(h.histogram_value.max) < 10 for h in hist)
+
+
+def test_without_the_scaler_the_norms_stay_what_backward_left(tmp_path):
+    """What the session is not told it cannot undo: the scaled norms, as before (documented)."""
+    want, run = accumulation_loop(tmp_path, step_in_block=False, scaler_known=False)
+    assert jsonl(run)[0]["grad_stats/norm/global"] == pytest.approx(want[0] * 2.0**16, rel=1e-6)
+
+
+def overflow_then_nan(tmp_path, caplog, raise_on_nonfinite: bool, scaler_known: bool = True):
+    """Step 0's scaled loss overflows (GradScaler skips it); step 2's rollout state has a NaN."""
+    torch.manual_seed(0)
+    rule = nn.Conv2d(4, 4, 1)
+    opt = torch.optim.SGD(rule.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    observer = instrument.NonFinite(raise_on_nonfinite=raise_on_nonfinite)
+    inst = session(tmp_path, [observer], scaler=scaler if scaler_known else None,
+                   backends=[instrument.JsonlBackend()])
+    inst.watch(rule)
+    raised = {}
+    for step in range(4):
+        try:
+            with inst.step(step):
+                opt.zero_grad()
+                x = torch.randn(1, 4, 3, 3)
+                if step == 2:
+                    x[0, 1, 0, 0] = float("nan")
+                for _ in range(2):
+                    x = rule(x)
+                scaler.scale(x.nan_to_num().square().mean() * 1e10).backward()
+                scaler.step(opt)
+                scaler.update()
+        except instrument.NonFiniteError as exc:
+            raised[step] = str(exc)
+    inst.close()
+    return raised, jsonl(tmp_path / "r")
+
+
+def test_a_loss_scale_overflow_is_said_at_info_and_never_raised_but_a_later_nan_is(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="instrument")
+    raised, logged = overflow_then_nan(tmp_path, caplog, raise_on_nonfinite=True)
+    assert logged[0]["nonfinite/grad_count"] > 0  # counted as it was
+    assert list(raised) == [2] and "rollout iteration 0 in state channel" in raised[2]
+    infos = [r.getMessage() for r in caplog.records if "loss-scale overflow" in r.getMessage()]
+    assert len(infos) == 1 and "step 0" in infos[0] and all(r.levelno == logging.INFO for r in caplog.records
+                                                              if "loss-scale overflow" in r.getMessage())
+
+
+def test_warn_mode_reports_a_state_nan_after_gradient_trouble_was_reported(tmp_path, caplog):
+    """Each kind once per run: the gradients' report at step 0 (no scaler known) does not use up the state's."""
+    caplog.set_level(logging.INFO, logger="instrument")
+    overflow_then_nan(tmp_path, caplog, raise_on_nonfinite=False, scaler_known=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "non-finite values" in r.getMessage()]
+    assert len(warnings) == 2
+    assert "step 0" in warnings[0] and "gradient elements" in warnings[0] and "grad_scaler=scaler" in warnings[0]
+    assert "step 2" in warnings[1] and "in state channel" in warnings[1] and "gradient" not in warnings[1]
+
+
+def test_the_scaler_is_checked_and_not_changed_inside_a_step(tmp_path):
+    with pytest.raises(instrument.ConfigurationError, match="torch.amp.GradScaler .*got int"):
+        instrument.Instrumentation(backends=[], grad_scaler=3)
+    inst = instrument.Instrumentation(backends=[], log_interval=1)
+    scaler = torch.amp.GradScaler("cpu")
+    inst.grad_scaler = scaler
+    assert inst.grad_scaler is scaler
+    with inst.step(0):
+        with pytest.raises(instrument.ConfigurationError, match="inside logging step 0"):
+            inst.grad_scaler = None
+    inst.close()
+
+
+def test_gradient_stats_says_once_when_no_covered_parameter_had_a_gradient(tmp_path, caplog):
+    """``torch.func.functional_call`` trains a parameter dict that is not the module's own: its parameters never
+    get a gradient, which used to log update_ratio 0 and no norm, silently."""
+    model = nn.Linear(4, 4)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    inst = session(tmp_path, [instrument.GradientStats(module=model)], backends=[])
+    for step in range(2):
+        with inst.step(step):
+            out = torch.func.functional_call(model, params, (torch.randn(2, 4),))
+            out.square().sum().backward()
+    inst.close()
+    said = [r.getMessage() for r in caplog.records if "had a gradient" in r.getMessage()]
+    assert len(said) == 1 and "functional_call" in said[0] and "step 0" in said[0]

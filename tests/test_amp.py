@@ -204,3 +204,39 @@ def test_gradient_stats_says_once_when_no_covered_parameter_had_a_gradient(tmp_p
     inst.close()
     said = [r.getMessage() for r in caplog.records if "had a gradient" in r.getMessage()]
     assert len(said) == 1 and "functional_call" in said[0] and "step 0" in said[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_loss_scale_is_read_and_divided_without_a_host_read(device, tmp_path):
+    """The training-thread part of a scaled logging step (the optimizer step after the block) reads nothing on
+    the host: the scale is copied and divided on its device. On CUDA under set_sync_debug_mode("error")."""
+    from tests.test_cuda_paths import no_host_read
+
+    torch.manual_seed(0)
+    rule = Rule(grad=True).to(device)
+    opt = torch.optim.SGD(rule.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device)
+    keep = KeepGradients()
+    inst = session(tmp_path, [keep, instrument.GradientStats(module=rule, per="global")], scaler=scaler,
+                   backends=[instrument.JsonlBackend()])
+    inst.watch(rule)
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    x0 = torch.randn(2, 4, 6, 6, device=device)
+    want = []
+    for step in range(2):
+        opt.zero_grad()
+        with no_host_read(device):
+            with inst.step(step):
+                x = x0
+                with torch.autocast(device, dtype=dtype):
+                    for _ in range(2):
+                        x = rule(x)
+                scaler.scale(x.float().square().mean()).backward()
+        scaler.unscale_(opt)
+        want.append(torch.nn.utils.clip_grad_norm_(rule.parameters(), 1e9).item())
+        scaler.step(opt)
+        scaler.update()
+    inst.close()
+    logged = jsonl(tmp_path / "r")
+    assert [logged[s]["grad_stats/norm/global"] for s in range(2)] == pytest.approx(want, rel=1e-5)
+    assert all(g.abs().max().item() < 1.0 for g in keep.gradients)  # 65536x too large before

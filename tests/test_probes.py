@@ -4,6 +4,7 @@ torch.compile is tested in test_probes_compile.py (compiles are slow on this mac
 """
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 import instrument
 from instrument.probes import record
 from tests._probe_models import BareRule, InPlaceRule, Model, Rule, TwoSameNames, hidden_gradients, reference
+from tests.conftest import TinyRule
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 
@@ -1077,3 +1079,26 @@ def test_probes_of_a_scripted_submodule_of_an_eager_model_are_found_and_delivere
         for name in ("hidden", "update"):
             torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
     assert not any(probe.enabled for _, probe in instrument.probes.script.scripted_probes(inner))  # off again
+
+
+@pytest.mark.parametrize("dynamo", ["plain", "dynamo"])
+def test_a_copy_taken_in_a_logging_step_drops_its_inert_hooks_at_its_first_call(dynamo):
+    """A copy made during a logging step (a DQN target network) kept two inert hooks for good, so every later
+    call of it took torch's hooked call path (about 4 us a call on CPU): on non-logging steps too."""
+    import copy
+
+    if dynamo == "dynamo":  # the hooks are Dynamo-skipping then; copies must still drop theirs
+        importlib.import_module("torch._dynamo")
+    rule = TinyRule()
+    inst = instrument.Instrumentation([], backends=[], log_interval=1)
+    inst.watch(rule)
+    x = torch.randn(2, 4, 6, 6)
+    with inst.step(0):
+        rule(x)
+        twin = copy.deepcopy(rule)
+    inst.close()
+    tables = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+    assert twin._forward_hooks and twin._forward_pre_hooks  # the inert stand-ins, until the copy runs
+    torch.testing.assert_close(twin(x), rule(x), rtol=0, atol=0)
+    assert not any(getattr(twin, table) for table in tables)
+    assert not any(getattr(rule, table) for table in tables)

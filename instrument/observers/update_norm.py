@@ -200,8 +200,15 @@ class UpdateNorm(Observer):
 
 def _same_values(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` view the same memory the same way (a detached copy of a state is another
-    tensor object over the same storage). Both are kept alive by the buffer, so equal views mean equal values."""
-    return a is b or (
-        a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        and a.device == b.device
+    tensor object over the same storage). Both are kept alive by the buffer, so equal views mean equal values.
+    A tensor without storage (a torch.func wrapper, a wrapper subclass) has no memory to compare: False, and
+    the pairs are stacked as they are."""
+    if a is b:
+        return True
+    try:
+        same_memory = a.data_ptr() == b.data_ptr()
+    except RuntimeError:  # "Cannot access data pointer of Tensor that doesn't have storage"
+        return False
+    return same_memory and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and (
+        a.device == b.device
     )

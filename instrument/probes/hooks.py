@@ -11,14 +11,25 @@ observers would see one iteration and log ``iterations = 1`` for a 20-iteration 
 logging step, a module that was called once is checked for that: when the source of its ``forward`` calls one
 of its submodules inside a ``for`` or ``while`` loop it gets a warning naming that submodule, otherwise an INFO
 message. The check reads the source (`ast`), registers nothing, so compiled graphs are untouched.
+
+Calls made by ``torch.jit.trace`` are not iterations: while it traces the module the hooks return at once
+(observer code run on tracer values would make the trace's sanity check fail), and so they do when its check
+(``check_trace=True``) runs the module once more as plain Python (`_in_trace_check`).
+
+Under ``torch.func`` transforms the hooks work outside the transform (`_outside_transforms`), on plain tensors:
+grad-tracking wrappers (``grad``, ``vjp``, ``jacrev``, ``jvp``) hold the very values and are unwrapped; a tensor
+batched by ``vmap`` is one sample of a batch that only the transform holds, so such a call is counted (the later
+iterations keep their ``step_index``) but not delivered, and said once (`_skip_batched`).
 """
 
 import ast
+import contextlib
 import inspect
 import logging
 import sys
 import textwrap
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import types
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +38,7 @@ from instrument.core.context import StepContext
 from instrument.core.dispatch import observer_name
 from instrument.core.recompute import RecomputeGuard, in_recompute
 from instrument.errors import ConfigurationError
-from instrument.probes import script
+from instrument.probes import record, script
 from instrument.probes.compiled import run_eagerly, unwrap
 from instrument.probes.step_hook import step_hook
 
@@ -37,6 +48,61 @@ log = logging.getLogger("instrument")
 
 
 _UNKNOWN = object()
+
+
+_functorch = torch._C._functorch
+_BATCHED = object()  # `_plain`: a tensor batched by torch.func.vmap
+
+
+def _plain(tensor: Any) -> Any:
+    """``tensor`` without torch.func's grad-tracking wrappers (same values); `_BATCHED` for a vmapped one."""
+    while isinstance(tensor, Tensor) and _functorch.is_functorch_wrapped_tensor(tensor):
+        if _functorch.is_batchedtensor(tensor):
+            return _BATCHED
+        tensor = _functorch.get_unwrapped(tensor)
+    return tensor
+
+
+def _trace_check_code() -> Optional[types.CodeType]:
+    """The code of the helper with which torch.jit.trace's sanity check runs the traced module, then the module
+    itself, on the example inputs (torch 2.13: nested in torch.jit._trace._check_trace); None if not found."""
+    try:
+        check = inspect.unwrap(torch.jit._trace._check_trace)  # under @torch.no_grad()
+        return next(code for code in check.__code__.co_consts
+                    if isinstance(code, types.CodeType) and code.co_name == "run_mod_and_filter_tensor_outputs")
+    except (AttributeError, StopIteration):
+        return None
+
+
+_TRACE_CHECK = _trace_check_code()
+
+
+def _in_trace_check() -> bool:
+    """Whether torch.jit.trace's check runs the module as plain Python (not tracing then). Looked for only while
+    torch.jit.trace traces a module (it sets ``_trace_module_map`` until it returns, check included): told by the
+    check's helper a few frames up (at most 16: the traced module's forward may call this one)."""
+    if torch.jit._trace._trace_module_map is None or _TRACE_CHECK is None:
+        return False
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return False
+        if frame.f_code is _TRACE_CHECK:
+            return True
+        frame = frame.f_back
+    return False
+
+
+try:  # private (torch 2.13): a torch without it runs the hooks inside the transform, as before
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_transforms
+except ImportError:  # pragma: no cover - depends on the torch version
+    _clear_transforms = contextlib.nullcontext
+
+
+def _outside_transforms() -> ContextManager[Any]:
+    """Leave every torch.func transform level while the hook works: inside one, each op on a plain tensor would
+    return a wrapper of that level, dead once the transform returns (no storage: ``data_ptr()`` fails)."""
+    return _clear_transforms()
 
 
 def first_tensor(value: Any) -> Optional[Tensor]:
@@ -86,6 +152,7 @@ class StateWatch:
         self._known = False  # a whole logging step's calls were checked with copies and left their argument alone
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
+        self._said_vmap = False  # a call inside torch.func.vmap was reported (`_skip_batched`)
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
@@ -109,7 +176,7 @@ class StateWatch:
         if script.is_scripted(root):
             # run_eagerly: with a compiled caller, Dynamo would otherwise trace the hook and the observers it calls.
             self._handle = script.observe_calls(root, run_eagerly(self._hook), self._call_end,
-                                                run_eagerly(self._before))
+                                                run_eagerly(self._before), self._skip_batched)
         else:
             # StepHook: a copy or a pickle of the module taken during the step gets an inert hook, and Dynamo
             # never traces the observers (`instrument.probes.step_hook`).
@@ -143,9 +210,15 @@ class StateWatch:
         if self._said_uncalled:
             return
         self._said_uncalled = True
+        root = unwrap(self.module)
+        custom_call = not script.is_scripted(root) and type(root).__call__ is not nn.Module.__call__
         log.warning(
-            "instrument: watched module %s was not called in this logging step, so observers saw none of its "
-            "iterations.%s (Said once.)", self.name,
+            "instrument: watched module %s was not called in this logging step, or its calls bypass "
+            "nn.Module.__call__ (`rule.forward(x)` called directly, or a class with its own __call__), which runs "
+            "no hooks, so observers saw none of its iterations.%s%s (Said once.)", self.name,
+            f" Its class {type(root).__name__} defines its own __call__: if that calls self.forward, no hook runs; "
+            f"call the module through nn.Module.__call__ (rename the method), or watch with state=False and call "
+            f"s.observer(StepContext(...)) in the loop." if custom_call else "",
             " If it runs inside a torch.compile'd caller, that caller was compiled without the hook (Dynamo does "
             "not guard on hooks, so a caller first compiled on a non-logging step never calls it): compile the "
             "watched module itself, or watch with state=False and call s.observer(StepContext(...)) in the loop."
@@ -176,6 +249,29 @@ class StateWatch:
     def _before(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Before each call: the state tensor and its version (and, where `_calls` says, a copy), so that the
         hook after the call has the state as it was."""
+        if torch._C._is_tracing() or _in_trace_check():  # torch.jit.trace running the module: not an iteration
+            return
+        if _functorch.maybe_current_level() is None:  # outside torch.func transforms, no tensor is wrapped
+            self._before_call(args, kwargs, False)
+        else:  # inside one: copies are made outside it (`_outside_transforms`), of the plain tensors
+            with _outside_transforms():
+                self._before_call(args, kwargs, True)
+
+    def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        if torch._C._is_tracing():  # (torch.jit.is_tracing without its Python check for TorchScript)
+            return
+        if _in_trace_check():  # and the probe values it recorded go with it
+            recorder = record.active_recorder()
+            if recorder is not None:
+                recorder.discard()
+            return
+        if _functorch.maybe_current_level() is None:
+            self._after_call(args, kwargs, output, False)
+        else:  # observers too run outside the transform
+            with _outside_transforms():
+                self._after_call(args, kwargs, output, True)
+
+    def _before_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], transformed: bool) -> None:
         if in_recompute():
             # Counted here, not after the call: non-reentrant checkpointing's early stop ends a recomputed
             # forward once it has what backward needs, so the hook after the call never runs for it.
@@ -183,18 +279,29 @@ class StateWatch:
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         state = first_tensor(raw)
-        if state is None:  # the hook after the call says what is wrong
+        if transformed:
+            state = _plain(state)
+        if state is None or state is _BATCHED:  # the hook after the call says what is wrong, or skips the call
             return
         version = None if state.is_inference() else state._version
         copy = state.detach().clone() if self._copy_input or not self._known or version is None else None
         self._calls[id(raw)] = (state, version, copy)
 
-    def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+    def _after_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any, transformed: bool) -> None:
         if in_recompute():  # counted in `_before`, which every call from Python runs first
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         previous = first_tensor(raw)
         current = first_tensor(output)
+        condition = kwargs.get("condition")
+        if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
+            condition = args[1]
+        if transformed:
+            shape = list(current.shape) if current is not None else None  # a BatchedTensor's: one sample's
+            previous, current, condition = _plain(previous), _plain(current), _plain(condition)
+            if previous is _BATCHED or current is _BATCHED or condition is _BATCHED:
+                self._skip_batched(shape)
+                return
         before = self._calls.pop(id(raw), None)
         if before is not None and previous is not None:
             original, version, copy = before
@@ -221,10 +328,28 @@ class StateWatch:
                 f"{[type(a).__name__ for a in args]} and output type {type(output).__name__}. Watch the module "
                 f"whose forward is one rollout iteration, or call s.observer(StepContext(...)) yourself."
             )
-        condition = kwargs.get("condition")
-        if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
-            condition = args[1]
         self._deliver(previous, current, condition)
+
+    def _skip_batched(self, shape: Optional[List[int]]) -> None:
+        """A call inside ``torch.func.vmap``: the hook sees one sample of the batch (a BatchedTensor, whose
+        other samples live in the physical tensor the transform holds), which observers cannot reduce or keep.
+        Counted, so that the later iterations keep their step_index, not delivered, said once."""
+        self.iterations += 1
+        recorder = record.active_recorder()
+        if recorder is not None:  # the probe values of this call go with it (else the next call would get them)
+            recorder.discard()
+        if self._said_vmap:
+            return
+        self._said_vmap = True
+        log.warning(
+            "instrument: watched module %s was called inside torch.func.vmap: its hook received BatchedTensors "
+            "(one sample%s), whose batch only the transform holds and which cannot be kept or reduced after it "
+            "returns, so these calls are counted (the other iterations keep their step_index) but not delivered "
+            "to observers. Call the module on the whole batch outside vmap, or watch it with state=False and "
+            "hand the vmapped outputs to the observers yourself: s.observer(StepContext(previous_state=x, "
+            "next_state=vmap(rule)(x))). Its probes record under vmap (the batch, vmapped dimension first). "
+            "(Said once.)", self.name, f" of shape {shape}" if shape is not None else "",
+        )
 
     def _argument_changed(self, returned_it: bool, observed: bool) -> None:
         """The state argument's version moved during a call: an in-place change, returned (``x.add_(dx); return

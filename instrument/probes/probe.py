@@ -12,9 +12,11 @@
 Off (every non-logging step) the forward is ``if self.enabled: ...; return x``: one bool test, no op in a
 TorchScript, frozen or compiled graph. The session sets ``enabled`` only for its logging steps; then the value
 is handed to the ``instrument::record`` operator (see `instrument.probes.record`), which keeps it for the
-observers (copied only when it has to be) and returns nothing: the probe returns ``x`` itself. The forward is
-written so that ``torch.jit.script`` compiles it unchanged: keep this module free of
-``from __future__ import annotations``.
+observers (copied only when it has to be) and returns nothing: the probe returns ``x`` itself. While
+``torch.jit.trace`` traces it, it records nothing, so a trace taken in a logging step holds no record op (it
+would record on every later call). The forward is written so that ``torch.jit.script`` compiles it unchanged
+(the Python-only checks sit under ``if not torch.jit.is_scripting()``, which TorchScript skips but parses):
+keep this module free of ``from __future__ import annotations``.
 """
 
 import torch
@@ -59,6 +61,8 @@ class Probe(nn.Module):
             if not torch.jit.is_scripting():  # TorchScript checks its types itself (and skips this branch)
                 if not isinstance(x, Tensor):
                     _refuse(self.name, x)
+                if torch.jit.is_tracing():  # a trace taken in a logging step must not hold a record op
+                    return x
             # Compiled code may overwrite x's memory after its last use, unseen by version counters: copy there.
             torch.ops.instrument.record(x, self.name, torch.compiler.is_compiling())
             if self.grad:

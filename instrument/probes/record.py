@@ -32,8 +32,13 @@ function may not be changed in place, and ``h = probe(h); h.relu_()`` must keep 
 the copy is an ordinary traced ``clone`` that Inductor fuses into the kernel producing the value. (An opaque
 operator returning the copy, as in earlier versions, made Inductor save ReLU's mask as a bool tensor for the
 backward, a kernel that took 4.6 ms for a [4, 128, 24, 24] value on an AVX2 CPU, 24x the ReLU itself: a
-compiled logging step with a gradient probe cost 2.2x one without.) Gradient probes run in eager mode and
-under torch.compile only.
+compiled logging step with a gradient probe cost 2.2x one without.) Gradient probes run in eager mode, under
+torch.compile and under torch.func transforms (`WatchGradient` has the form those require).
+
+Under ``torch.func.vmap`` the operators run their vmap rules (functorch's fallback refuses operators without
+outputs): ``record`` and ``record_grad`` record the physical batch, vmapped dimension first (`_record_vmap`),
+and a ``call_end`` inside vmap is counted by the watch, not delivered (`_call_end_vmap`). Under ``grad`` and
+the other autograd transforms the kernels receive the plain tensors.
 
 ``instrument::call_end(previous, current, condition, token)`` marks the end of one forward call of a module
 scripted with `instrument.script`, which compiles a forward hook calling it into the module (see
@@ -130,6 +135,12 @@ class Recorder:
                 )
         self.delivered += len(values)
         return values
+
+    def discard(self) -> None:
+        """Drop the values recorded since the last `drain`: those of a watched call that is not delivered (one
+        inside ``torch.func.vmap``, which the state watch says itself), not reported as undelivered either."""
+        self.recorded -= len(self.pending)
+        self.pending = {}
 
     def put_gradient(self, name: str, gradient: Tensor) -> None:
         self.gradients.setdefault(name, []).append(gradient)
@@ -268,18 +279,25 @@ _call_ends: Dict[int, CallEnd] = {}
 # token -> the data_ptr of the watched boundary's own ``key`` tensor: a copy of the module (copy.deepcopy, a
 # torch.jit.save / load) made during the step carries the token, switched on, but a key of its own storage.
 _call_keys: Dict[int, int] = {}
+# token -> what to do for such a call inside torch.func.vmap (`_call_end_vmap`), given one sample's shape.
+_call_batched: Dict[int, Callable[[Optional[List[int]]], None]] = {}
 
 
-def on_call_end(token: int, callback: Optional[CallEnd], key: Optional[int] = None) -> None:
+def on_call_end(token: int, callback: Optional[CallEnd], key: Optional[int] = None,
+                batched: Optional[Callable[[Optional[List[int]]], None]] = None) -> None:
     """Route ``instrument::call_end`` calls carrying ``token`` (and, for ``call_end_keyed``, the key tensor whose
-    ``data_ptr()`` is ``key``) to ``callback``; None removes the route."""
+    ``data_ptr()`` is ``key``) to ``callback``, and such calls inside ``torch.func.vmap`` to ``batched``; None
+    removes the route."""
     if callback is None:
         _call_ends.pop(token, None)
         _call_keys.pop(token, None)
+        _call_batched.pop(token, None)
     else:
         _call_ends[token] = callback
         if key is not None:
             _call_keys[token] = key
+        if batched is not None:
+            _call_batched[token] = batched
 
 
 # ---------------------------------------------------------------------------------------------- the operators
@@ -386,6 +404,34 @@ torch.library.register_fake("instrument::record_grad", lambda gradient, name: No
 torch.library.register_fake("instrument::probe", lambda value, name, grad: torch.empty_like(value), lib=_lib)
 torch.library.register_fake("instrument::probe_grad", lambda grad, name: torch.empty_like(grad), lib=_lib)
 torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)
+
+
+def _record_vmap(info, in_dims, value: Tensor, *args):
+    """``record`` / ``record_grad`` under ``torch.func.vmap``: records the whole physical batch, the vmapped
+    dimension moved to dim 0 (``[batch, ...]``), and returns nothing. The operator is called again rather than
+    the kernel, so an enclosing vmap (or grad) level unwraps its own dimension in turn: nested vmaps record
+    ``[outer, inner, ...]``. (functorch's fallback refuses operators without outputs.)"""
+    if in_dims[0] is not None:
+        value = value.movedim(in_dims[0], 0)
+    (torch.ops.instrument.record if len(args) == 2 else torch.ops.instrument.record_grad)(value, *args)
+    return None, None
+
+
+def _call_end_vmap(info, in_dims, previous: Tensor, current: Tensor, condition: Optional[Tensor], token: int,
+                   key: Optional[Tensor] = None):
+    """A watched scripted module called from TorchScript code inside ``torch.func.vmap``: its states are one
+    sample of a batch, which is not delivered; the watch counts the call and says why (`on_call_end`)."""
+    batched = _call_batched.get(token)
+    if batched is not None and (key is None or _call_keys.get(token) == key.data_ptr()):
+        shape = None if in_dims[1] is None else [n for i, n in enumerate(current.shape) if i != in_dims[1]]
+        batched(shape)
+    return None, None
+
+
+torch.library.register_vmap("instrument::record", _record_vmap, lib=_lib)
+torch.library.register_vmap("instrument::record_grad", _record_vmap, lib=_lib)
+torch.library.register_vmap("instrument::call_end", _call_end_vmap, lib=_lib)
+torch.library.register_vmap("instrument::call_end_keyed", _call_end_vmap, lib=_lib)
 # No output: without this, FX's dead-code elimination (Dynamo, AOT autograd) would drop the call.
 torch.fx.node.has_side_effect(torch.ops.instrument.record.default)
 torch.fx.node.has_side_effect(torch.ops.instrument.call_end.default)
@@ -394,16 +440,26 @@ torch.fx.node.has_side_effect(torch.ops.instrument.record_grad.default)
 
 class WatchGradient(torch.autograd.Function):
     """``value`` copied on the way forward; on the way back, the gradient is recorded under ``name`` (a copy,
-    by ``instrument::record_grad``) and passed on as it is. Dynamo traces both directions into the graphs."""
+    by ``instrument::record_grad``) and passed on as it is. Dynamo traces both directions into the graphs.
+
+    Written with a separate ``setup_context`` and ``generate_vmap_rule``, as torch.func transforms require:
+    under ``torch.func.grad`` / ``vjp`` the gradient recorded is the plain tensor of that transform's backward,
+    under ``vmap`` the batched gradient with the vmapped dimension first (``record_grad``'s vmap rule)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, value: Tensor, name: str) -> Tensor:
-        ctx.probe_name = name
+    def forward(value: Tensor, name: str) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.probe_name = inputs[1]
         if not torch.compiler.is_compiling():  # eager only: compiled code does not run this Python
             recorder = _active
             if recorder is not None and ctx.needs_input_grad[0] and not in_recompute():
-                recorder.expected.add(name)  # a gradient should come back in this step (`gradients_in_forward_order`)
-        return value.clone()
+                recorder.expected.add(ctx.probe_name)  # a gradient should come back in this step
+                # (`gradients_in_forward_order`)
 
     @staticmethod
     def backward(ctx, gradient: Tensor):

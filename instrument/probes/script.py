@@ -69,9 +69,18 @@ def _is_probe_type(qualified_name: str) -> bool:
 class ScriptedProbe:
     """A probe inside a ScriptModule, seen through the C++ module: ``name``, ``grad`` and ``enabled``."""
 
-    def __init__(self, path: str, c_module) -> None:
+    def __init__(self, path: str, c_module, traced: bool = False) -> None:
         self.path = path
         self._c = c_module
+        if traced or not (c_module.hasattr("name") or c_module.hasattr("enabled")):
+            # torch.jit.trace keeps a module's parameters, buffers and submodules, no other attribute
+            raise ProbeError(
+                f"the probe at {path!r} of this module is no probe any more: the module was made by "
+                f"torch.jit.trace, which keeps no probe (a trace records only the ops that ran while tracing, and "
+                f"a probe records nothing then), so its values cannot be observed. Script the model with "
+                f"instrument.script(model) instead (probes survive it, and torch.jit.save / load), or trace a "
+                f"model without probes: a traced module without probes can be watched."
+            )
         if not c_module.hasattr("name"):
             raise ProbeError(
                 f"the probe at {path!r} of this frozen module has lost its name: freezing folded it into a "
@@ -104,7 +113,8 @@ def scripted_probes(module: nn.Module) -> List[Tuple[str, ScriptedProbe]]:
     }
     if not found and module._c._has_method("forward"):
         found = _graph_probe_paths(module)
-    return [(path, ScriptedProbe(path, c)) for path, c in found.items()]
+    traced = isinstance(module, torch.jit.TracedModule)
+    return [(path, ScriptedProbe(path, c, traced)) for path, c in found.items()]
 
 
 def _graph_probe_paths(module: nn.Module) -> dict:
@@ -436,6 +446,7 @@ def observe_calls(
     python_hook: Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any], Any], None],
     call_end: Callable[[Tensor, Tensor, Optional[Tensor]], None],
     python_pre_hook: Optional[Callable[[nn.Module, Tuple[Any, ...], Dict[str, Any]], None]] = None,
+    batched: Optional[Callable[[Optional[List[int]]], None]] = None,
 ) -> Any:
     """Observe every forward call of ScriptModule ``module`` until the returned handle's ``remove()``.
 
@@ -444,7 +455,7 @@ def observe_calls(
     the state before the call is then known, also when the forward changes its argument in place. Calls from
     TorchScript code run ``call_end(previous, next, condition)`` through the compiled-in boundary, where the
     module has one (made by `script`; not ``torch.jit.script``, modules saved before boundaries existed, or
-    frozen modules).
+    frozen modules); such calls inside ``torch.func.vmap`` run ``batched(shape of one sample)`` instead.
     """
     drop_python_boundaries(module)
     boundary = _call_boundary(module)
@@ -452,7 +463,7 @@ def observe_calls(
     if boundary is not None:
         token = next(_tokens)
         key = boundary.getattr("key").data_ptr() if boundary.hasattr("key") else None  # None: saved before keys
-        record.on_call_end(token, call_end, key)
+        record.on_call_end(token, call_end, key, batched)
         boundary.setattr("token", token)
         boundary.setattr("enabled", True)
         boundary_handle = _BoundaryHandle(boundary, token)

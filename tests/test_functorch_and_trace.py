@@ -1,0 +1,345 @@
+"""Probes and watched modules under torch.func transforms and torch.jit.trace, in logging steps.
+
+Found by a review of unusual module structures: a probe inside ``torch.func.vmap`` (an ensemble run as
+``vmap(functional_call)``) or a gradient probe under ``torch.func.grad`` crashed every logging step; a watched
+rule called under ``grad``/``jacrev``/``vmap`` handed functorch-wrapped tensors to observers, which then failed
+at log time with PyTorch-internal messages; ``torch.jit.trace`` of a watched rule inside a logging step raised
+``TracingCheckError`` and counted the trace's runs as iterations; watching a traced module with probes advised
+freezing; and the "not called" warning said nothing of calls that bypass ``nn.Module.__call__``. Every number
+here is read back from real TensorBoard event files written by the session, or compared with eager autograd.
+"""
+
+import copy
+import logging
+import warnings
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jacrev, stack_module_state, vmap
+
+import instrument
+from instrument.errors import ProbeError
+from tests._probe_models import BareRule, KeepProbes, Loop, Rule, hidden_gradients, reference
+from tests.conftest import Recorder, read_scalars
+
+N_ITER = 3
+# torch.jit.trace and torch.jit.script are deprecated in favour of torch.export: tested here on purpose.
+JIT_DEPRECATED = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+
+
+def seed_state(seed: int = 1, batch: int = 2) -> torch.Tensor:
+    return torch.rand(batch, 4, 6, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def session(tmp_path, observers, name: str = "r", log_interval: int = 1) -> instrument.Instrumentation:
+    return instrument.Instrumentation(
+        observers=list(observers), backends=[instrument.TensorBoardBackend()], log_interval=log_interval,
+        log_dir=str(tmp_path), run_name=name,
+    )
+
+
+def said(caplog, text: str) -> List[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def plain(tensor: torch.Tensor) -> bool:
+    return not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+# ------------------------------------------------------------------------------------------------ torch.func.vmap
+def test_probes_in_a_vmapped_ensemble_record_the_batch_member_first_on_every_logging_step(tmp_path):
+    """An ensemble of rules run as vmap(functional_call), watched with state=False, its states handed to
+    s.observer: the probes record [members, ...], each member's values exactly those of its own rollout."""
+    torch.manual_seed(0)
+    members = [Rule() for _ in range(3)]
+    params, buffers = stack_module_state(members)
+    base = copy.deepcopy(members[0])
+    keep = KeepProbes()
+    inst = session(tmp_path, [keep, instrument.IterationStats()], log_interval=2)
+    inst.watch(base, state=False)
+
+    def member_step(p, b, x):
+        return functional_call(base, (p, b), (x,))
+
+    seen: Dict[int, list] = {}
+    for step in range(3):  # steps 0 and 2 log, step 1 does not
+        with inst.step(step) as s:
+            x = seed_state(step).expand(3, -1, -1, -1, -1)
+            for _ in range(N_ITER):
+                nxt = vmap(member_step)(params, buffers, x)
+                if s.observer is not None:
+                    s.observer(instrument.StepContext(previous_state=x, next_state=nxt))
+                x = nxt
+            if s.active:
+                seen[step] = list(keep.seen)
+    inst.close()
+    assert inst.failures == {}
+    for step in (0, 2):
+        want = [reference(m, seed_state(step), N_ITER) for m in members]  # per member, per iteration
+        assert len(seen[step]) == N_ITER
+        for i, got in enumerate(seen[step]):
+            for name in ("hidden", "update"):
+                assert plain(got[name]) and got[name].shape == (3, *want[0][i][name].shape)
+                torch.testing.assert_close(got[name], torch.stack([w[i][name] for w in want]))
+    scalars = read_scalars(tmp_path / "r")
+    assert scalars["iteration_stats/iterations"] == {0: N_ITER, 2: N_ITER}
+
+
+def test_a_watched_rule_called_inside_vmap_is_counted_not_delivered_and_said_once(tmp_path, caplog):
+    """vmap(rule) over the batch: the hook sees one sample's BatchedTensors. Such calls are counted (a later
+    eager call keeps its step_index), not delivered, said once per session; no observer fails."""
+    torch.manual_seed(0)
+    rule = BareRule()
+    rec = Recorder()
+    inst = session(tmp_path, [rec, instrument.IterationStats(), instrument.UpdateNorm(), instrument.NonFinite()])
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            with inst.step(step):
+                x = seed_state(step)
+                for _ in range(2):
+                    x = vmap(rule)(x.unsqueeze(1)).squeeze(1)  # each sample as a batch of one
+                last = rule(x)
+    inst.close()
+    assert inst.failures == {}
+    warned = said(caplog, "inside torch.func.vmap")
+    assert len(warned) == 1, warned
+    assert "BareRule" in warned[0] and "[1, 4, 6, 6]" in warned[0] and "state=False" in warned[0]
+    assert [c.step_index for c in rec.contexts] == [2, 2]  # the eager call of each step, after two vmapped ones
+    assert torch.equal(rec.contexts[-1].next_state, last) and torch.equal(rec.contexts[-1].previous_state, x)
+    assert read_scalars(tmp_path / "r")["iteration_stats/iterations"] == {0: 1, 1: 1}
+
+
+@JIT_DEPRECATED
+def test_a_watched_scripted_rule_called_by_a_scripted_loop_inside_vmap_does_not_crash(tmp_path, caplog):
+    """The compiled-in call boundary's operator has a vmap rule too: such calls are counted and said."""
+    torch.manual_seed(0)
+    loop = torch.jit.script(Loop(instrument.script(BareRule())))
+    rec = Recorder()
+    inst = session(tmp_path, [rec, instrument.IterationStats()])
+    inst.watch(loop.rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0):
+            vmap(lambda x: loop(x, N_ITER))(seed_state().unsqueeze(1))
+            loop(seed_state(), N_ITER)
+    inst.close()
+    assert inst.failures == {}
+    assert len(said(caplog, "inside torch.func.vmap")) == 1
+    assert [c.step_index for c in rec.contexts] == [3, 4, 5]
+    assert read_scalars(tmp_path / "r")["iteration_stats/iterations"] == {0: N_ITER}
+
+
+# ------------------------------------------------------------------------------ torch.func.grad / jacrev, hooks
+OBSERVERS = (instrument.IterationStats, instrument.UpdateNorm, instrument.NonFinite)
+
+
+def eager_reference(tmp_path, rule: nn.Module, x: torch.Tensor) -> Dict[str, Dict[int, float]]:
+    inst = session(tmp_path, [cls() for cls in OBSERVERS], name="eager")
+    inst.watch(rule)
+    with inst.step(0), torch.no_grad():
+        for _ in range(N_ITER):
+            x = rule(x)
+    inst.close()
+    return read_scalars(tmp_path / "eager")
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev"])
+def test_a_watched_rule_under_func_grad_or_jacrev_logs_what_eager_mode_logs(tmp_path, transform):
+    """The states arrive as grad-tracking wrappers: observers get the plain tensors under them, and every
+    built-in state observer logs the eager rollout's numbers (before: UpdateNorm and NonFinite failed)."""
+    torch.manual_seed(0)
+    rule = BareRule()
+    params = {k: v.detach().clone() for k, v in rule.named_parameters()}
+    x0 = seed_state()
+    rec = Recorder()
+    inst = session(tmp_path, [rec, *(cls() for cls in OBSERVERS)])
+    inst.watch(rule)
+
+    def rollout(p):
+        x = x0
+        for _ in range(N_ITER):
+            x = functional_call(rule, p, (x,))
+        return x
+
+    with inst.step(0):
+        if transform == "grad":
+            grad(lambda p: rollout(p).square().mean())(params)
+        else:
+            jacrev(lambda p: rollout(p).sum(dim=(1, 2, 3)))(params)
+    inst.close()
+    assert inst.failures == {}
+    assert all(plain(c.previous_state) and plain(c.next_state) for c in rec.contexts)
+    got = read_scalars(tmp_path / "r")
+    want = eager_reference(tmp_path, rule, x0)
+    assert set(want) <= set(got) and {"update_norm/l2/mean", "nonfinite/count"} <= set(want)
+    for key, values in want.items():
+        assert got[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
+
+
+def test_update_norm_takes_states_handed_over_inside_func_grad(tmp_path):
+    """s.observer called inside torch.func.grad keeps the transform's wrappers, which have no storage once it
+    returns: UpdateNorm's check for a chained rollout asked them for a data pointer and failed every step."""
+    torch.manual_seed(0)
+    rule = BareRule()
+    params = {k: v.detach().clone() for k, v in rule.named_parameters()}
+    x0 = seed_state()
+    inst = session(tmp_path, [instrument.UpdateNorm()])
+
+    with inst.step(0) as s:
+        def loss(p):
+            x = x0
+            for _ in range(N_ITER):
+                nxt = functional_call(rule, p, (x,))
+                s.observer(instrument.StepContext(previous_state=x, next_state=nxt))
+                x = nxt
+            return x.square().mean()
+
+        grad(loss)(params)
+    inst.close()
+    assert inst.failures == {}
+    want = eager_reference(tmp_path, rule, x0)
+    got = read_scalars(tmp_path / "r")
+    for key in ("update_norm/l2/mean", "update_norm/l2/first", "update_norm/l2/last", "update_norm/l2/max"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+# --------------------------------------------------------------------------------------- gradient probes, torch.func
+class KeepGradients(instrument.Observer):
+    """Keeps each logging step's gradients of probe 'hidden', in step order."""
+
+    def __init__(self) -> None:
+        super().__init__("keep_gradients")
+        self.gradients: List[List[torch.Tensor]] = []
+
+    def observe(self, context) -> None:
+        pass
+
+    def observe_gradients(self, gradients) -> None:
+        self.gradients.append([g.clone() for g in gradients["hidden"]])
+
+
+def test_a_gradient_probe_under_func_grad_records_eager_autograds_gradients(tmp_path):
+    torch.manual_seed(0)
+    rule = Rule(grad=True)
+    params = {k: v.detach().clone() for k, v in rule.named_parameters()}
+    keep = KeepGradients()
+    inst = session(tmp_path, [keep, instrument.IterationStats()], log_interval=2)
+    inst.watch(rule)
+
+    def loss(p, x):
+        for _ in range(N_ITER):
+            x = functional_call(rule, p, (x,))
+        return x.square().mean()
+
+    for step in range(3):
+        with inst.step(step):
+            grad(loss)(params, seed_state(step))
+    inst.close()
+    assert inst.failures == {}
+    assert len(keep.gradients) == 2  # steps 0 and 2
+    for step, got in zip((0, 2), keep.gradients, strict=True):
+        want = hidden_gradients(rule, seed_state(step), N_ITER)
+        assert len(got) == N_ITER and all(plain(g) for g in got)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+    assert read_scalars(tmp_path / "r")["iteration_stats/iterations"] == {0: N_ITER, 2: N_ITER}
+
+
+def test_a_gradient_probe_under_vmap_of_grad_records_the_batched_gradients(tmp_path, caplog):
+    torch.manual_seed(0)
+    rule = Rule(grad=True)
+    params = {k: v.detach().clone() for k, v in rule.named_parameters()}
+    keep = KeepGradients()
+    inst = session(tmp_path, [keep])
+    inst.watch(rule)
+    xs = torch.stack([seed_state(i) for i in range(4)])
+
+    def loss(p, x):
+        for _ in range(N_ITER):
+            x = functional_call(rule, p, (x,))
+        return x.square().mean()
+
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0):
+            vmap(grad(loss), in_dims=(None, 0))(params, xs)
+    inst.close()
+    assert inst.failures == {}
+    assert len(said(caplog, "inside torch.func.vmap")) == 1  # the watched calls themselves are vmapped
+    got = keep.gradients[0]
+    assert len(got) == N_ITER and all(g.shape == (4, 2, 8, 6, 6) for g in got)
+    for sample in range(4):
+        for g, w in zip(got, hidden_gradients(rule, xs[sample], N_ITER), strict=True):
+            torch.testing.assert_close(g[sample], w)
+
+
+# ------------------------------------------------------------------------------------------------ torch.jit.trace
+@JIT_DEPRECATED
+def test_tracing_a_watched_rule_with_probes_inside_a_logging_step(tmp_path):
+    """No TracingCheckError and no TracerWarning; the trace holds no record op (it would record on every later
+    call); neither the trace nor its check run counts as an iteration or delivers probe values."""
+    torch.manual_seed(0)
+    rule = Rule()
+    keep = KeepProbes()
+    inst = session(tmp_path, [keep, instrument.IterationStats()])
+    inst.watch(rule)
+    x = seed_state()
+    with inst.step(0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torch.jit.TracerWarning)
+            for _ in range(N_ITER):
+                x = rule(x)
+            traced = torch.jit.trace(rule, seed_state(7))
+        seen = list(keep.seen)
+    with inst.step(1):
+        traced(seed_state())  # a traced module is no watched one: nothing observed, nothing recorded
+        seen_later = list(keep.seen)
+    inst.close()
+    assert "instrument::" not in str(traced.inlined_graph)
+    assert len(seen) == N_ITER and seen_later == []
+    want = reference(rule, seed_state(), N_ITER)
+    for got, w in zip(seen, want, strict=True):
+        assert torch.equal(got["hidden"], w["hidden"])
+    assert read_scalars(tmp_path / "r")["iteration_stats/iterations"] == {0: N_ITER}
+    torch.testing.assert_close(traced(seed_state(3)), rule(seed_state(3)))
+
+
+@JIT_DEPRECATED
+def test_watching_a_traced_module_with_probes_says_trace_and_what_to_do_instead(tmp_path):
+    torch.manual_seed(0)
+    traced = torch.jit.trace(Rule(), seed_state())
+    inst = session(tmp_path, [instrument.IterationStats()])
+    with pytest.raises(ProbeError, match=r"torch\.jit\.trace, which keeps no probe.*instrument\.script\(model\)"):
+        inst.watch(traced)
+    inst.close()
+
+
+# ---------------------------------------------------------------------------------------- calls that bypass hooks
+class OwnCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = BareRule()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # runs no hook
+        return self.forward(x)
+
+
+@pytest.mark.parametrize("how", ["custom __call__", ".forward()"])
+def test_the_not_called_warning_names_calls_that_bypass_module_call(tmp_path, caplog, how):
+    torch.manual_seed(0)
+    rule = OwnCall() if how == "custom __call__" else BareRule()
+    inst = session(tmp_path, [instrument.IterationStats()])
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0):
+            x = seed_state()
+            for _ in range(N_ITER):
+                x = rule(x) if how == "custom __call__" else rule.forward(x)
+    inst.close()
+    warned = said(caplog, "was not called in this logging step")
+    assert len(warned) == 1 and "bypass nn.Module.__call__" in warned[0]
+    assert ("OwnCall defines its own __call__" in warned[0]) == (how == "custom __call__")

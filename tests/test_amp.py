@@ -240,3 +240,112 @@ def test_the_loss_scale_is_read_and_divided_without_a_host_read(device, tmp_path
     logged = jsonl(tmp_path / "r")
     assert [logged[s]["grad_stats/norm/global"] for s in range(2)] == pytest.approx(want, rel=1e-5)
     assert all(g.abs().max().item() < 1.0 for g in keep.gradients)  # 65536x too large before
+
+
+def test_two_optimizers_on_one_scaler_each_parameter_unscaled_or_not_as_it_is(tmp_path):
+    """A GAN: D is unscaled and stepped inside the block, G after it. G's gradients are still scaled when the
+    block ends, D's are not (and were zeroed after its step, so they read 0 with no division)."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    both = nn.ModuleDict({"gen": gen, "disc": disc})
+    inst = session(tmp_path, [instrument.GradientStats(module=gen, name="g", per="global"),
+                              instrument.GradientStats(module=disc, name="d", per="global"),
+                              instrument.GradientStats(module=both, name="both", per="global")],
+                   scaler=scaler, backends=[instrument.JsonlBackend()])
+    want = {}
+    for step in range(3):
+        with inst.step(step):
+            opt_d.zero_grad()
+            opt_g.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                fake = gen(torch.randn(8, 4))
+                d_loss = disc(fake.detach()).float().square().mean()
+            scaler.scale(d_loss).backward()
+            scaler.unscale_(opt_d)
+            d_norm = torch.nn.utils.clip_grad_norm_(disc.parameters(), 1e9).item()  # clipping changes them too
+            scaler.step(opt_d)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                g_loss = (1 - disc(fake)).float().square().mean()
+            for p in disc.parameters():
+                p.requires_grad_(False)
+            scaler.scale(g_loss).backward()
+            for p in disc.parameters():
+                p.requires_grad_(True)
+        scaler.unscale_(opt_g)
+        g_norm = torch.nn.utils.clip_grad_norm_(gen.parameters(), 1e9).item()
+        scaler.step(opt_g)
+        scaler.update()
+        want[step] = (g_norm, d_norm, (g_norm**2 + d_norm**2) ** 0.5)
+    inst.close()
+    logged = jsonl(tmp_path / "r")
+    for step, (g_norm, d_norm, both_norm) in want.items():
+        got = logged[step]
+        assert got["g/norm/global"] == pytest.approx(g_norm, rel=1e-6)
+        assert got["d/norm/global"] == pytest.approx(d_norm, rel=1e-6)
+        assert got["both/norm/global"] == pytest.approx(both_norm, rel=1e-6)
+
+
+def test_a_scaler_update_at_the_block_s_start_before_its_backward(tmp_path):
+    """The previous iteration's step and update at the top of the block, then this iteration's scaled backward:
+    the gradients the block ends with are scaled by the scale after that update."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    inst = session(tmp_path, [instrument.GradientStats(module=model, per="global")], scaler=scaler,
+                   backends=[instrument.JsonlBackend()])
+    want = {}
+    for step in range(4):
+        with inst.step(step):
+            if step:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+        want[step] = torch.linalg.vector_norm(
+            torch.stack([p.grad.double().norm() for p in model.parameters()])).item() / scaler.get_scale()
+    inst.close()
+    logged = jsonl(tmp_path / "r")
+    assert [logged[s]["grad_stats/norm/global"] for s in range(4)] == pytest.approx(list(want.values()), rel=1e-6)
+
+
+def test_a_loss_that_is_never_finite_is_a_divergence_once_the_scale_falls_below_one(tmp_path, caplog):
+    """Skipped at every step, the scale halves each time; below 1 GradScaler cannot be fixing an overflow."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    inst = session(tmp_path, [instrument.NonFinite(module=model, raise_on_nonfinite=True)], scaler=scaler,
+                   backends=[instrument.JsonlBackend()])
+    raised = []
+    for step in range(5):
+        try:
+            with inst.step(step):
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(2, 4)).sum() * float("nan")).backward()
+                scaler.step(opt)
+                scaler.update()
+        except instrument.NonFiniteError as exc:
+            raised.append((step, str(exc)))
+    inst.close()
+    logged = jsonl(tmp_path / "r")
+    assert [logged[s]["nonfinite/loss_scale"] for s in range(5)] == [2.0, 1.0, 0.5, 0.25, 0.125]
+    assert [s for s, _ in raised] == [2, 3, 4] and "loss scale fell to 0.5" in raised[0][1]
+
+
+def test_an_observer_s_own_loss_scale_attribute_is_left_alone():
+    class Mine(instrument.Observer):
+        def __init__(self) -> None:
+            super().__init__("mine")
+            self.loss_scale = 1024.0
+
+        def observe(self, context) -> None:
+            pass
+
+    mine = Mine()
+    inst = instrument.Instrumentation([mine], backends=[], grad_scaler=torch.amp.GradScaler("cpu"))
+    inst.close()
+    assert mine.loss_scale == 1024.0

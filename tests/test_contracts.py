@@ -101,6 +101,17 @@ def _model_with_gradients(nan: bool = False) -> torch.nn.Module:
     return model
 
 
+def _nonfinite_under_a_scaler() -> Any:
+    """NonFinite as a session with ``grad_scaler=`` hands it over (every key documented, ``loss_scale`` too)."""
+    from instrument.core.loss_scale import LossScale
+
+    observer = instrument.NonFinite(module=_model_with_gradients(nan=True))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # the scale tensor exists from the first scale() call
+    observer.loss_scale = LossScale(scaler)
+    return observer
+
+
 def _fixed_episode_runner(deterministic: bool, max_steps: int, render: bool):
     """An episode runner (the user-supplied callable Evaluation calls): a fixed 3-step episode."""
     from instrument.rl.evaluation import Episode
@@ -124,7 +135,7 @@ FACTORIES: Dict[str, Callable[[Path], Any]] = {
     "Evaluation": lambda tmp: instrument.rl.Evaluation(every_frames=4, at_start=True, runner=_fixed_episode_runner),
     # observers of a model's parameters: one with gradients (NaN in one, for NonFinite's gradient keys)
     "GradientStats": lambda tmp: instrument.GradientStats(module=_model_with_gradients(), histograms=True),
-    "NonFinite": lambda tmp: instrument.NonFinite(module=_model_with_gradients(nan=True)),
+    "NonFinite": lambda tmp: _nonfinite_under_a_scaler(),
     # observers: every documented key logged (the suffixed keys of the non-last iterations included)
     "StateHistogram": lambda tmp: instrument.StateHistogram(iterations=(0, -1)),
 }

@@ -3,23 +3,24 @@ the step are logged as the gradients of the loss, not of the loss times the scal
 
 Mixed-precision training multiplies the loss by a scale S (65536 at first) before ``backward()``, so every
 gradient autograd delivers is S times the loss's until ``scaler.unscale_(optimizer)`` (or ``scaler.step``, which
-unscales first) divides the parameters' gradients in place. Two readers would see them scaled: gradient probes,
-recorded during backward, before any unscaling; and observers that read parameters' gradients when the optimizer
-step runs after the ``with inst.step`` block (gradient accumulation). Given the scaler
-(``Instrumentation(grad_scaler=scaler)``), the session divides probe gradients by the scale in force when the step
-began (the scale its backward used: ``scaler.update()``, which changes it, runs after backward), and observers
-ask `LossScale.pending` whether the parameters' gradients are still scaled when they read them.
+unscales first) divides that optimizer's parameters' gradients in place. Two readers would see them scaled:
+gradient probes, recorded during backward, before any unscaling; and observers that read parameters' gradients
+when an optimizer step runs after the ``with inst.step`` block (gradient accumulation, a second optimizer
+stepped later). Given the scaler (``Instrumentation(grad_scaler=scaler)``), the session divides probe gradients
+by the scale of the step's last ``scaler.scale(loss)`` call, and observers ask `LossScale.scales` which of their
+parameters' gradients are still scaled.
 
-Lifecycle, driven by the session on logging steps only: ``begin()`` as the step starts (one copy of the scale, a
-one-element tensor, on its device), ``unscale`` / ``pending`` while the step ends, ``end()`` after it.
-
-It reads the scaler's ``_scale`` and ``_per_optimizer_states``, private but unchanged since torch 1.6: the public
-``get_scale()`` is a host sync, and only the per-optimizer states tell whether gradients were unscaled.
-``update()`` replaces that dict, so a dict other than the one seen at the step's start means the optimizer step
-and the update ran inside the block, which unscaled the gradients of every optimizer stepped.
+How it knows, per parameter: during a logging step (only then) the scaler's ``scale`` and ``unscale_`` are
+wrapped on the instance and put back when the step ends. ``scale`` keeps a copy of the scale it used (one
+one-element tensor on its device; the scale changes in place at ``update()``); ``unscale_`` notes its optimizer's
+parameters. A parameter's gradient is then still scaled when a ``scale`` call came in the step and nothing
+unscaled it since: not unscaled in the step, or unscaled before the last ``scale`` call and changed after that
+call (by the backward that followed). A gradient left untouched by the whole step (kept from an earlier step)
+is never taken for a scaled one. No host sync: the scale is read as a device tensor (the public ``get_scale()``
+is a ``.item()``), and it reads the scaler's ``_scale``, private but unchanged since torch 1.6.
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,8 +32,28 @@ __all__ = ["LossScale", "divided"]
 Scale = Union[Tensor, float]
 
 
+_WRAPPED = ("scale", "unscale_")
+_MISSING = object()
+GradState = Optional[Tuple[Tensor, int]]  # a parameter's gradient and its version counter, None: no gradient
+
+
+def _grad_state(p: Tensor) -> GradState:
+    grad = p.grad
+    return None if grad is None else (grad, grad._version)
+
+
+def _same(p: Tensor, state: GradState) -> bool:
+    """``p``'s gradient is the tensor ``state`` holds, unchanged since (same object, same version)."""
+    grad = p.grad
+    if state is None or grad is None:
+        return state is None and grad is None
+    return grad is state[0] and grad._version == state[1]
+
+
 class LossScale:
-    """One session's view of a ``torch.amp.GradScaler`` (see the module docstring)."""
+    """One session's view of a ``torch.amp.GradScaler`` (see the module docstring). Lifecycle, driven by the
+    session on logging steps only: ``begin()`` as the step starts (wraps the scaler), ``track`` from observers'
+    ``attach``, then ``unscale`` / ``scales`` / ``current`` while the step ends, ``end()`` (unwraps it)."""
 
     def __init__(self, scaler: Any) -> None:
         if not isinstance(scaler, torch.amp.GradScaler):
@@ -42,59 +63,120 @@ class LossScale:
                 f"None when the loss is not scaled."
             )
         self.scaler = scaler
-        self._states: Any = None  # the scaler's per-optimizer dict when the step began (`pending`)
-        self._start: Optional[Scale] = None  # the scale when the step began; None: not scaling
+        self._own: Dict[str, Any] = {}  # what the scaler's instance held under each wrapped name (`_restore`)
+        self._start: Optional[Union[Tensor, float]] = None  # the scale when the step began; None: not scaling
+        self._used: Optional[Tensor] = None  # the scale of the step's last scale() call
+        self._calls = 0  # scale() and unscale_() calls in this step, in order
+        self._scaled_at = 0  # the number of the last scale() call (0: none in this step)
+        self._unscaled: Dict[int, List[Any]] = {}  # id(param) -> [call number, param, its GradState at scale()]
+        self._at_begin: Dict[int, GradState] = {}  # id(param) -> its gradient when the step began (`track`)
 
     @property
     def enabled(self) -> bool:
         return bool(self.scaler.is_enabled())
 
     def begin(self) -> None:
-        """A logging step starts: keep the scale its backward will use."""
-        scaler = self.scaler
-        self._states = getattr(scaler, "_per_optimizer_states", None)
+        """A logging step starts: keep the scale, and wrap ``scale`` and ``unscale_`` until `end`."""
+        self._restore()  # a start cut short left them wrapped
+        self._used, self._calls, self._scaled_at, self._unscaled, self._at_begin = None, 0, 0, {}, {}
         if not self.enabled:
             self._start = None
             return
+        scaler = self.scaler
         scale = getattr(scaler, "_scale", None)
         # No scale tensor yet: the first scaler.scale(loss) makes one holding the initial scale.
         self._start = scale.detach().clone() if isinstance(scale, Tensor) else float(scaler._init_scale)
+        for name, wrapper in (("scale", self._scale_call), ("unscale_", self._unscale_call)):
+            self._own[name] = scaler.__dict__.get(name, _MISSING)
+            original = getattr(scaler, name)
+            setattr(scaler, name, lambda *args, _f=original, _w=wrapper, **kwargs: _w(_f, *args, **kwargs))
 
     def end(self) -> None:
-        self._states = self._start = None
+        self._restore()
+        self._start = self._used = None
+        self._unscaled, self._at_begin = {}, {}
+
+    def _restore(self) -> None:
+        for name, own in self._own.items():
+            if own is _MISSING:
+                self.scaler.__dict__.pop(name, None)
+            else:
+                setattr(self.scaler, name, own)
+        self._own = {}
+
+    def _scale_call(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        scale = getattr(self.scaler, "_scale", None)
+        if isinstance(scale, Tensor):
+            self._calls += 1
+            self._scaled_at = self._calls
+            self._used = scale.detach().clone()  # update() changes the scaler's in place
+            for entry in self._unscaled.values():  # what an unscaled gradient is until a backward changes it
+                entry[2] = _grad_state(entry[1])
+        return out
+
+    def _unscale_call(self, original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(optimizer, *args, **kwargs)
+        self._calls += 1
+        for group in getattr(optimizer, "param_groups", ()):
+            for p in group["params"]:
+                self._unscaled[id(p)] = [self._calls, p, None]
+        return out
+
+    def track(self, params: Sequence[Tensor]) -> None:
+        """Note ``params``' gradients as the step begins: one the step leaves untouched is not its backward's."""
+        for p in params:
+            self._at_begin[id(p)] = _grad_state(p)
 
     def unscale(self, gradients: Mapping[str, Sequence[Tensor]]) -> Dict[str, List[Tensor]]:
-        """Gradient probes' values divided by the scale the step's backward used (dtype and device kept).
-
-        Division by a power of two (GradScaler's scales are, with its default factors) is exact barring
-        underflow; a scaled gradient that overflowed stays inf, as the gradient GradScaler saw."""
-        start = self._start
-        if start is None:
+        """Gradient probes' values divided by the scale of the step's last ``scale`` call (else the scale when
+        the step began), dtype and device kept. Division by a power of two (GradScaler's scales are, with its
+        default factors) is exact barring underflow; a scaled gradient that overflowed stays inf."""
+        scale = self._used if self._used is not None else self._start
+        if scale is None:
             return {name: list(values) for name, values in gradients.items()}
         with torch.no_grad():
-            return {name: [divided(g, start) for g in values] for name, values in gradients.items()}
+            return {name: [divided(g, scale) for g in values] for name, values in gradients.items()}
 
-    def pending(self) -> Optional[Scale]:
-        """The scale the parameters' gradients are still multiplied by, or None when they are not scaled now.
+    def scales(self, params: Sequence[Tensor]) -> List[Optional[Tensor]]:
+        """Per parameter, the scale its gradient is still multiplied by, or None where it is not scaled now."""
+        used = self._used
+        if used is None or not self.enabled:
+            return [None] * len(params)
+        out: List[Optional[Tensor]] = []
+        for p in params:
+            if id(p) in self._at_begin and _same(p, self._at_begin[id(p)]):
+                out.append(None)  # untouched by this step: a gradient kept from before it
+                continue
+            entry = self._unscaled.get(id(p))
+            if entry is not None and (entry[0] > self._scaled_at or (entry[2] is not None and _same(p, entry[2]))):
+                out.append(None)  # unscaled after the last scale() call, or unchanged since that call
+                continue
+            out.append(used)
+        return out
 
-        Not scaled: the scaler is off or was never used; ``scaler.update()`` ran inside the step (after
-        ``scaler.step``, which unscales); or ``unscale_``/``step`` ran for an optimizer in it. Scaled otherwise:
-        backward ran with the scaled loss and the optimizer step comes after the block."""
-        scaler = self.scaler
-        scale = getattr(scaler, "_scale", None)
-        if not self.enabled or not isinstance(scale, Tensor):
-            return None
-        states = getattr(scaler, "_per_optimizer_states", None)
-        if states is None or states is not self._states:
-            return None
-        if any(state.get("stage") is not None and state["stage"].value != 0 for state in states.values()):
-            return None  # an optimizer's gradients were unscaled (stage UNSCALED or STEPPED)
+    def current(self) -> Optional[Tensor]:
+        """A copy of the scaler's scale now (after any ``update()`` in the step), None when it has none."""
+        scale = getattr(self.scaler, "_scale", None)
+        return scale.detach().clone() if self.enabled and isinstance(scale, Tensor) else None
+
+
+def divisors(scales: Sequence[Optional[Tensor]], like: Tensor) -> Tensor:
+    """A [len(scales)] tensor on ``like``'s device, in its dtype: each scale, 1 where it is None."""
+    used = next(s for s in scales if s is not None)
+    mask = torch.tensor([s is not None for s in scales]).to(like.device, non_blocking=True)  # no host sync
+    return torch.where(mask, _on(used, like.device).to(like.dtype), 1.0)
+
+
+def divided(tensor: Tensor, scale: Union[Tensor, float]) -> Tensor:
+    """``tensor / scale`` in ``tensor``'s dtype, on its device."""
+    return tensor / (_on(scale, tensor.device) if isinstance(scale, Tensor) else scale)
+
+
+def _on(scale: Tensor, device: torch.device) -> Tensor:
+    """The one-element ``scale`` usable with a tensor on ``device`` (a CPU one works with any device's)."""
+    if scale.device == device or scale.device.type == "cpu":
         return scale
-
-
-
-def divided(tensor: Tensor, scale: Scale) -> Tensor:
-    """``tensor / scale`` in ``tensor``'s dtype, on its device (a one-element CPU scale divides any device's)."""
-    if isinstance(scale, Tensor) and scale.device != tensor.device and scale.device.type != "cpu":
-        scale = scale.to(tensor.device, non_blocking=True)
-    return tensor / scale
+    # host sync: a device's scale divides a CPU tensor (gradients offloaded to the host): the copy must have
+    # landed before the CPU reads it, which a non-blocking copy does not promise. One element, logging steps only.
+    return scale.to(device)

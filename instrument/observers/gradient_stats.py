@@ -18,7 +18,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from instrument.core.loss_scale import LossScale, divided
+from instrument.core.loss_scale import LossScale, divided, divisors
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
 
@@ -142,6 +142,16 @@ def grad_norms(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
     return torch.stack(in_order), total
 
 
+def _unscaled(norms: Tensor, total: Tensor, scales: Sequence[Optional[Tensor]]) -> Tuple[Tensor, Tensor]:
+    """Gradient norms of loss-scaled gradients divided by their scales (None: not scaled), and the global norm:
+    divided as well when one scale covers every gradient (then what ``clip_grad_norm_`` returns after
+    ``unscale_``, exactly for GradScaler's powers of two), else taken again from the divided norms."""
+    if all(s is not None for s in scales) and all(s is scales[0] for s in scales):
+        return divided(norms, scales[0]), divided(total, scales[0])
+    norms = norms / divisors(scales, norms)
+    return norms, torch.linalg.vector_norm(norms, 2.0)
+
+
 class GradientStats(Observer):
     """Gradient, weight and update norms of a model's parameters, read at the end of each logging step.
 
@@ -196,6 +206,7 @@ class GradientStats(Observer):
     """
 
     default_name = "grad_stats"
+    wants_loss_scale = True  # the session hands it `loss_scale` (Instrumentation(grad_scaler=...))
 
     def __init__(
         self,
@@ -238,6 +249,8 @@ class GradientStats(Observer):
     def attach(self, modules: Sequence[nn.Module]) -> None:
         self._modules = [self.module] if self.module is not None else list(modules)
         self._params = select_parameters(self._modules, self.include, self.exclude)
+        if self.loss_scale is not None:  # a gradient this step leaves untouched is not its scaled backward's
+            self.loss_scale.track([p for _, p in self._params])
         if self.update_ratio and self._params:
             with torch.no_grad():
                 # x * 1 is a bitwise copy; the foreach form is one fused kernel per group instead of one each.
@@ -318,17 +331,21 @@ class GradientStats(Observer):
         self._say_sparse([name for (name, p), ok in zip(self._params, dense, strict=True)
                           if p.grad is not None and not ok])
         with_grad = [i for i, ok in enumerate(dense) if ok]
-        # The optimizer step runs after the block (gradient accumulation): the gradients GradScaler has not
-        # unscaled yet are the scaled loss's, so their norms and values are divided by the scale here.
-        scale = self.loss_scale.pending() if self.loss_scale is not None and with_grad else None
+        # An optimizer step after the block (gradient accumulation, a second optimizer): the gradients GradScaler
+        # has not unscaled yet are the scaled loss's, so their norms and values are divided by the scale here.
+        scales: List[Optional[Tensor]] = [None] * len(self._params)
+        if self.loss_scale is not None and with_grad:
+            for i, scale in zip(with_grad, self.loss_scale.scales([self._params[i][1] for i in with_grad]),
+                                strict=True):
+                scales[i] = scale
         if with_grad:
             norms, total = grad_norms([self._params[i][1].grad.detach() for i in with_grad])
-            metrics["norm/global"] = total if scale is None else divided(total, scale)
+            if any(scales[i] is not None for i in with_grad):
+                norms, total = _unscaled(norms, total, [scales[i] for i in with_grad])
+            metrics["norm/global"] = total
             if self.per != "global":
                 keys, members = self._keys(dense)
                 per_key = self._per_key(norms, members, with_grad)
-                if scale is not None:
-                    per_key = divided(per_key, scale)
                 metrics.update(zip([f"norm/{k}" for k in keys], per_key.unbind(), strict=True))
         elif self._params and not any(p.grad is not None for _, p in self._params):
             self._say_no_gradient(step)
@@ -345,7 +362,7 @@ class GradientStats(Observer):
         if metrics:
             logger.log_metrics(metrics, step=step, prefix=self.name)
         if self.histograms:
-            for (name, p), ok in zip(self._params, dense, strict=True):
+            for (name, p), ok, scale in zip(self._params, dense, scales, strict=True):
                 if ok:
                     grad = p.grad.detach()
                     logger.log_histogram(f"{self.name}/grad_hist/{name}", grad if scale is None else

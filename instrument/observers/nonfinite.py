@@ -96,6 +96,7 @@ class NonFinite(Observer):
     ``<name>/grad_count``                 scalar   non-finite gradient elements (when gradients are checked)
     ``<name>/grad_count/<param>``         scalar   non-finite elements of one parameter's gradient
     ``<name>/incomplete``                 scalar   1 in a step where a source was dropped (below), on any rank; else 0
+    ``<name>/loss_scale``                 scalar   GradScaler's scale after the step (with a ``grad_scaler`` given)
     ===================================== ======== ==============================================================
 
     Args:
@@ -122,6 +123,7 @@ class NonFinite(Observer):
     """
 
     default_name = "nonfinite"
+    wants_loss_scale = True  # the session hands it `loss_scale` (Instrumentation(grad_scaler=...))
 
     def __init__(
         self,
@@ -275,6 +277,8 @@ class NonFinite(Observer):
             per_param = _grad_counts([g for _, g in grads])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
+        if self._amp:  # the scale after the step's update(): below 1, the overflows are not GradScaler's to fix
+            logger.log_metrics({"loss_scale": self.loss_scale.current()}, step=step, prefix=self.name)
         if metrics:
             # Every value is an int64 tensor, and on one process the reduce ops change nothing: the logger then
             # stages the call as one block (one stack and conversion) instead of key by key (a few kernels each).
@@ -316,8 +320,8 @@ class NonFinite(Observer):
             if built is None:
                 return
             values, gradients = self._parts(built.scalars)
-            if gradients is not None and amp:  # GradScaler skips this optimizer step: said, not raised
-                self._say_overflow(gradients, built.step)
+            if gradients is not None and self._overflow(built.scalars, amp):  # GradScaler skips this optimizer
+                self._say_overflow(gradients, built.step)  # step: said, not raised
                 gradients = None
             message = self._message(built.scalars, built.step, values, gradients)
             if message is not None:
@@ -344,7 +348,7 @@ class NonFinite(Observer):
             if self.reported or built is None:
                 continue
             values, gradients = self._parts(built.scalars)
-            if gradients is not None and amp:
+            if gradients is not None and self._overflow(built.scalars, amp):
                 self._say_overflow(gradients, built.step)
                 gradients = None
             values = None if "values" in self._said else values  # each kind once per run: a divergence in the
@@ -355,6 +359,12 @@ class NonFinite(Observer):
                 log.warning("instrument: %s (each kind reported once per run)", message)
         if self.reported:
             self._pending = []
+
+    def _overflow(self, scalars: Mapping[str, float], amp: bool) -> bool:
+        """Non-finite gradients of this step are a loss-scale overflow: under an enabled GradScaler whose scale
+        is still 1 or more. A scale below 1 (a skip at step after step: a loss or gradients that are not finite
+        at any scale) makes them a divergence again, as torch's GradScaler documentation reads it."""
+        return amp and scalars.get(self.name + "/loss_scale", 1.0) >= 1.0
 
     def _say_overflow(self, gradients: str, step: int) -> None:
         if "overflow" in self._said:
@@ -378,7 +388,11 @@ class NonFinite(Observer):
             return None
         incomplete = scalars.get(self.name + "/incomplete", 0.0) > 0
         note = " (incomplete: a source changed in place after it was observed is not counted)" if incomplete else ""
-        if gradients and self.loss_scale is None:
+        scale = scalars.get(self.name + "/loss_scale")
+        if gradients and scale is not None and scale < 1.0:
+            parts[-1] += (f" (GradScaler's loss scale fell to {scale:.3g}: it skipped optimizer step after step, so "
+                          f"the loss or its gradients are not finite at any scale)")
+        elif gradients and self.loss_scale is None:
             parts[-1] += (" (with torch.amp.GradScaler that is a loss-scale overflow, on which the optimizer step "
                           "is skipped: pass Instrumentation(grad_scaler=scaler) to have it told apart)")
         return f"non-finite values at step {step}{note}: " + "; ".join(parts)

@@ -38,7 +38,7 @@ def remove_inert(module: torch.nn.Module) -> None:
         hooks = getattr(module, table, None)
         for key, hook in list((hooks or {}).items()):
             if getattr(hook, "instrument_inert", False):
-                del hooks[key]
+                hooks.pop(key, None)  # two threads making the copy's first call at once both get here
                 for flag in flags:
                     getattr(module, flag, {}).pop(key, None)
 

@@ -280,7 +280,7 @@ class Instrumentation(StepLifecycle):
             )
         self._loss_scale = None if scaler is None else LossScale(scaler)
         for obs in self.observers:  # observers that read parameters' gradients ask it whether they are scaled
-            if hasattr(obs, "loss_scale"):
+            if getattr(type(obs), "wants_loss_scale", False):
                 obs.loss_scale = self._loss_scale
 
     @property

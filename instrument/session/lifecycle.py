@@ -58,6 +58,8 @@ class StepLifecycle:
                 meter.begun()
         except BaseException:
             self._detach_all(failed=True)
+            if self._loss_scale is not None:
+                self._loss_scale.end()
             self._current = None
             self._stop_clock(failed=True)
             self._commit_failed(scope.step)
@@ -66,6 +68,8 @@ class StepLifecycle:
     def _end(self, scope: StepScope, failed: bool) -> None:
         if self._closed:  # closed from another thread while this block ran: its hooks are off, nothing commits
             self._current, self._flush_on_commit = None, NO_FLUSH
+            if self._loss_scale is not None:
+                self._loss_scale.end()
             self._stop_clock(True)
             return
         meter = self._overhead

@@ -343,3 +343,39 @@ def test_the_not_called_warning_names_calls_that_bypass_module_call(tmp_path, ca
     warned = said(caplog, "was not called in this logging step")
     assert len(warned) == 1 and "bypass nn.Module.__call__" in warned[0]
     assert ("OwnCall defines its own __call__" in warned[0]) == (how == "custom __call__")
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_activation_stats_under_vmap_or_grad_logs_the_whole_batch_as_an_untransformed_run(tmp_path, transform):
+    """ActivationStats' own hooks got one vmapped sample (or a grad wrapper) and failed at log time, losing every
+    activation statistic of the step. Under vmap they now keep the whole batch behind the sample; the moments
+    over all elements are those of the same batch run without vmap."""
+    torch.manual_seed(0)
+    rule = BareRule()
+    x0 = seed_state(batch=3)
+    params = {k: v.detach().clone() for k, v in rule.named_parameters()}
+    inst = session(tmp_path, [instrument.ActivationStats(module=rule, images=False)])
+    with inst.step(0):
+        x = x0
+        for _ in range(N_ITER):
+            if transform == "vmap":
+                x = vmap(rule)(x.unsqueeze(1)).squeeze(1)
+            else:
+                x = functional_call(rule, params, (x,))
+        if transform == "grad":
+            grad(lambda p: functional_call(rule, p, (x0,)).square().mean())(params)
+    inst.close()
+    assert inst.failures == {}
+    got = read_scalars(tmp_path / "r")
+    reference_inst = session(tmp_path, [instrument.ActivationStats(module=rule, images=False)], name="eager")
+    with reference_inst.step(0), torch.no_grad():
+        x = x0
+        for _ in range(N_ITER):
+            x = rule(x)
+        if transform == "grad":
+            rule(x0)
+    reference_inst.close()
+    want = read_scalars(tmp_path / "eager")
+    assert want and set(got) == set(want)
+    for key, values in want.items():
+        assert got[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key

@@ -40,6 +40,7 @@ from instrument.observers.stats import pow2_scale, refuse_complex
 from instrument.probes.compiled import unwrap
 from instrument.probes.hooks import first_tensor
 from instrument.probes.step_hook import step_hook
+from instrument.probes.transforms import in_trace_check, outside_transforms, physical, transformed
 
 __all__ = ["ActivationStats", "output_moments"]
 
@@ -259,11 +260,17 @@ class ActivationStats(Observer):
         def hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             if in_recompute():  # checkpoint recomputation: this call was already seen in forward
                 return
+            if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: no iteration
+                return
             try:  # a hook runs inside the user's forward: a fault here must never reach training
                 out = first_tensor(output)
                 if out is None or out.is_complex():
                     return
                 self._calls[index] += 1
+                if transformed():  # under torch.func: the plain tensor (vmap: the whole batch), kept outside it
+                    with outside_transforms(), torch.no_grad():
+                        buffer.append(physical(out).detach())
+                    return
                 with torch.no_grad():
                     buffer.append(out.detach())  # shares the version counter: in-place changes are caught
             except ModifiedInPlaceError:  # caught while draining early: this step's values of the module go

@@ -14,22 +14,20 @@ message. The check reads the source (`ast`), registers nothing, so compiled grap
 
 Calls made by ``torch.jit.trace`` are not iterations: while it traces the module the hooks return at once
 (observer code run on tracer values would make the trace's sanity check fail), and so they do when its check
-(``check_trace=True``) runs the module once more as plain Python (`_in_trace_check`).
+(``check_trace=True``) runs the module once more as plain Python (`instrument.probes.transforms`).
 
-Under ``torch.func`` transforms the hooks work outside the transform (`_outside_transforms`), on plain tensors:
+Under ``torch.func`` transforms the hooks work outside the transform (`instrument.probes.transforms`), on plain tensors:
 grad-tracking wrappers (``grad``, ``vjp``, ``jacrev``, ``jvp``) hold the very values and are unwrapped; a tensor
 batched by ``vmap`` is one sample of a batch that only the transform holds, so such a call is counted (the later
 iterations keep their ``step_index``) but not delivered, and said once (`_skip_batched`).
 """
 
 import ast
-import contextlib
 import inspect
 import logging
 import sys
 import textwrap
-import types
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +39,7 @@ from instrument.errors import ConfigurationError
 from instrument.probes import record, script
 from instrument.probes.compiled import run_eagerly, unwrap
 from instrument.probes.step_hook import step_hook
+from instrument.probes.transforms import BATCHED, in_trace_check, outside_transforms, plain, transformed
 
 __all__ = ["StateWatch"]
 
@@ -48,61 +47,6 @@ log = logging.getLogger("instrument")
 
 
 _UNKNOWN = object()
-
-
-_functorch = torch._C._functorch
-_BATCHED = object()  # `_plain`: a tensor batched by torch.func.vmap
-
-
-def _plain(tensor: Any) -> Any:
-    """``tensor`` without torch.func's grad-tracking wrappers (same values); `_BATCHED` for a vmapped one."""
-    while isinstance(tensor, Tensor) and _functorch.is_functorch_wrapped_tensor(tensor):
-        if _functorch.is_batchedtensor(tensor):
-            return _BATCHED
-        tensor = _functorch.get_unwrapped(tensor)
-    return tensor
-
-
-def _trace_check_code() -> Optional[types.CodeType]:
-    """The code of the helper with which torch.jit.trace's sanity check runs the traced module, then the module
-    itself, on the example inputs (torch 2.13: nested in torch.jit._trace._check_trace); None if not found."""
-    try:
-        check = inspect.unwrap(torch.jit._trace._check_trace)  # under @torch.no_grad()
-        return next(code for code in check.__code__.co_consts
-                    if isinstance(code, types.CodeType) and code.co_name == "run_mod_and_filter_tensor_outputs")
-    except (AttributeError, StopIteration):
-        return None
-
-
-_TRACE_CHECK = _trace_check_code()
-
-
-def _in_trace_check() -> bool:
-    """Whether torch.jit.trace's check runs the module as plain Python (not tracing then). Looked for only while
-    torch.jit.trace traces a module (it sets ``_trace_module_map`` until it returns, check included): told by the
-    check's helper a few frames up (at most 16: the traced module's forward may call this one)."""
-    if torch.jit._trace._trace_module_map is None or _TRACE_CHECK is None:
-        return False
-    frame = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return False
-        if frame.f_code is _TRACE_CHECK:
-            return True
-        frame = frame.f_back
-    return False
-
-
-try:  # private (torch 2.13): a torch without it runs the hooks inside the transform, as before
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_transforms
-except ImportError:  # pragma: no cover - depends on the torch version
-    _clear_transforms = contextlib.nullcontext
-
-
-def _outside_transforms() -> ContextManager[Any]:
-    """Leave every torch.func transform level while the hook works: inside one, each op on a plain tensor would
-    return a wrapper of that level, dead once the transform returns (no storage: ``data_ptr()`` fails)."""
-    return _clear_transforms()
 
 
 def first_tensor(value: Any) -> Optional[Tensor]:
@@ -249,26 +193,26 @@ class StateWatch:
     def _before(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Before each call: the state tensor and its version (and, where `_calls` says, a copy), so that the
         hook after the call has the state as it was."""
-        if torch._C._is_tracing() or _in_trace_check():  # torch.jit.trace running the module: not an iteration
+        if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: not an iteration
             return
-        if _functorch.maybe_current_level() is None:  # outside torch.func transforms, no tensor is wrapped
+        if not transformed():  # outside torch.func transforms, no tensor is wrapped
             self._before_call(args, kwargs, False)
-        else:  # inside one: copies are made outside it (`_outside_transforms`), of the plain tensors
-            with _outside_transforms():
+        else:  # inside one: copies are made outside it (`instrument.probes.transforms`), of the plain tensors
+            with outside_transforms():
                 self._before_call(args, kwargs, True)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if torch._C._is_tracing():  # (torch.jit.is_tracing without its Python check for TorchScript)
             return
-        if _in_trace_check():  # and the probe values it recorded go with it
+        if in_trace_check():  # and the probe values it recorded go with it
             recorder = record.active_recorder()
             if recorder is not None:
                 recorder.discard()
             return
-        if _functorch.maybe_current_level() is None:
+        if not transformed():
             self._after_call(args, kwargs, output, False)
         else:  # observers too run outside the transform
-            with _outside_transforms():
+            with outside_transforms():
                 self._after_call(args, kwargs, output, True)
 
     def _before_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], transformed: bool) -> None:
@@ -280,8 +224,8 @@ class StateWatch:
         raw = args[0] if args else self._state_keyword(kwargs)
         state = first_tensor(raw)
         if transformed:
-            state = _plain(state)
-        if state is None or state is _BATCHED:  # the hook after the call says what is wrong, or skips the call
+            state = plain(state)
+        if state is None or state is BATCHED:  # the hook after the call says what is wrong, or skips the call
             return
         version = None if state.is_inference() else state._version
         copy = state.detach().clone() if self._copy_input or not self._known or version is None else None
@@ -298,8 +242,8 @@ class StateWatch:
             condition = args[1]
         if transformed:
             shape = list(current.shape) if current is not None else None  # a BatchedTensor's: one sample's
-            previous, current, condition = _plain(previous), _plain(current), _plain(condition)
-            if previous is _BATCHED or current is _BATCHED or condition is _BATCHED:
+            previous, current, condition = plain(previous), plain(current), plain(condition)
+            if previous is BATCHED or current is BATCHED or condition is BATCHED:
                 self._skip_batched(shape)
                 return
         before = self._calls.pop(id(raw), None)

@@ -276,11 +276,16 @@ def test_a_gradient_probe_under_vmap_of_grad_records_the_batched_gradients(tmp_p
 
 # ------------------------------------------------------------------------------------------------ torch.jit.trace
 @JIT_DEPRECATED
-def test_tracing_a_watched_rule_with_probes_inside_a_logging_step(tmp_path):
+@pytest.mark.parametrize("depth", [0, 5])
+def test_tracing_a_watched_rule_with_probes_inside_a_logging_step(tmp_path, depth):
     """No TracingCheckError and no TracerWarning; the trace holds no record op (it would record on every later
-    call); neither the trace nor its check run counts as an iteration or delivers probe values."""
+    call); neither the trace nor its check run counts as an iteration or delivers probe values, also when the
+    traced module holds the watched rule five modules deep (the check run was looked for 16 frames up only)."""
     torch.manual_seed(0)
     rule = Rule()
+    model = rule
+    for _ in range(depth):
+        model = nn.Sequential(model)
     keep = KeepProbes()
     inst = session(tmp_path, [keep, instrument.IterationStats()])
     inst.watch(rule)
@@ -290,7 +295,7 @@ def test_tracing_a_watched_rule_with_probes_inside_a_logging_step(tmp_path):
             warnings.simplefilter("error", torch.jit.TracerWarning)
             for _ in range(N_ITER):
                 x = rule(x)
-            traced = torch.jit.trace(rule, seed_state(7))
+            traced = torch.jit.trace(model, seed_state(7))
         seen = list(keep.seen)
     with inst.step(1):
         traced(seed_state())  # a traced module is no watched one: nothing observed, nothing recorded
@@ -379,3 +384,63 @@ def test_activation_stats_under_vmap_or_grad_logs_the_whole_batch_as_an_untransf
     assert want and set(got) == set(want)
     for key, values in want.items():
         assert got[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
+
+
+@JIT_DEPRECATED  # torch's forward-mode decompositions script themselves on first use
+def test_a_gradient_probe_under_forward_mode_transforms_on_a_logging_step():
+    """jvp, jacfwd, hessian and forward_ad through a gradient probe raised "You must implement the jvp function" at the
+    first logging step of a run that had trained fine until then. The forward is a copy: tangents pass as they
+    are, and the results equal those without instrument."""
+    from torch.func import hessian, jacfwd, jvp
+
+    torch.manual_seed(0)
+    rule = Rule(grad=True)
+    inst = instrument.Instrumentation([], backends=[], log_interval=1)
+    inst.watch(rule, state=False)
+    x = seed_state()
+    small = torch.randn(3, generator=torch.Generator().manual_seed(2))
+
+    def scalar(v):  # a function of 3 numbers through the rule, for the hessian
+        return rule(x * v.sum()).square().mean()
+
+    def dual():  # forward mode without torch.func
+        import torch.autograd.forward_ad as fwad
+
+        with fwad.dual_level():
+            return fwad.unpack_dual(rule(fwad.make_dual(x, torch.ones_like(x)))).tangent
+
+    def results():
+        return (jvp(rule, (x,), (torch.ones_like(x),))[1], jacfwd(lambda v: rule(x * v).mean())(small[:1]),
+                hessian(scalar)(small), dual())
+
+    with inst.step(1):
+        got = results()
+    inst.close()
+    want = results()
+    assert inst.failures == {}
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_probes_under_a_chunked_vmap_deliver_the_whole_batch_and_chunked_gradients_are_said(tmp_path, caplog):
+    """vmap(..., chunk_size=2) over 5 members runs the rule once per chunk: the probe delivered the last chunk
+    only ([1, ...]), the others lost unsaid. The chunks of one call are joined; gradient probes, which arrive one
+    per chunk, are said once."""
+    torch.manual_seed(0)
+    rule = Rule(grad=True)
+    keep = KeepProbes()
+    inst = session(tmp_path, [keep])
+    inst.watch(rule, state=False)
+    xs = torch.stack([seed_state(i) for i in range(5)])
+    with inst.step(0) as s:
+        out = vmap(rule, chunk_size=2)(xs)
+        s.observer(instrument.StepContext(previous_state=xs, next_state=out))
+        params = dict(rule.named_parameters())
+        vmap(grad(lambda p, x: functional_call(rule, p, (x,)).square().mean()), in_dims=(None, 0),
+             chunk_size=2)(params, xs)
+    inst.close()
+    want = reference(rule, xs.flatten(0, 1), 1)[0]
+    assert keep.seen[0]["hidden"].shape[0] == 5
+    assert torch.equal(keep.seen[0]["hidden"].flatten(0, 1), want["hidden"])
+    assert torch.equal(keep.seen[0]["update"].flatten(0, 1), want["update"])
+    assert len(said(caplog, "chunk_size=k")) == 1

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from instrument.errors import ProbeError
 from instrument.probes.record import WatchGradient  # the import registers torch.ops.instrument.record
+from instrument.probes.transforms import forward_mode
 
 __all__ = ["Probe"]
 
@@ -67,6 +68,8 @@ class Probe(nn.Module):
             torch.ops.instrument.record(x, self.name, torch.compiler.is_compiling())
             if self.grad:
                 if not torch.jit.is_scripting():  # TorchScript skips this branch: it refuses gradient probes
+                    if not torch.compiler.is_compiling() and forward_mode():  # jvp, jacfwd: no gradient
+                        return x
                     return WatchGradient.apply(x, self.name)
         return x
 

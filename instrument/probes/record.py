@@ -29,16 +29,14 @@ backward records the incoming gradient through a second opaque operator, ``instr
 output, like ``record``), and passes the gradient on untouched: gradient probes need no tensor hook, so nothing
 has to be registered or removed. Its forward returns a copy, not the input: a view made inside an autograd
 function may not be changed in place, and ``h = probe(h); h.relu_()`` must keep working. Under torch.compile
-the copy is an ordinary traced ``clone`` that Inductor fuses into the kernel producing the value. (An opaque
-operator returning the copy, as in earlier versions, made Inductor save ReLU's mask as a bool tensor for the
-backward, a kernel that took 4.6 ms for a [4, 128, 24, 24] value on an AVX2 CPU, 24x the ReLU itself: a
-compiled logging step with a gradient probe cost 2.2x one without.) Gradient probes run in eager mode, under
-torch.compile and under torch.func transforms (`WatchGradient` has the form those require).
+the copy is a traced ``clone`` that Inductor fuses into the kernel producing the value (docs/probes.md says why
+not an opaque operator). Gradient probes run in eager mode, under torch.compile and torch.func transforms.
 
 Under ``torch.func.vmap`` the operators run their vmap rules (functorch's fallback refuses operators without
-outputs): ``record`` and ``record_grad`` record the physical batch, vmapped dimension first (`_record_vmap`),
-and a ``call_end`` inside vmap is counted by the watch, not delivered (`_call_end_vmap`). Under ``grad`` and
-the other autograd transforms the kernels receive the plain tensors.
+outputs): ``record`` and ``record_grad`` record the physical batch, vmapped dimension first (`_record_vmap`;
+the chunks of ``vmap(..., chunk_size=k)`` are joined), and a ``call_end`` inside vmap is counted by the watch,
+not delivered (`_call_end_vmap`). Under ``grad`` and the other autograd transforms the kernels receive the
+plain tensors.
 
 ``instrument::call_end(previous, current, condition, token)`` marks the end of one forward call of a module
 scripted with `instrument.script`, which compiles a forward hook calling it into the module (see
@@ -55,13 +53,14 @@ All operators are registered when this module is imported (``import instrument``
 
 import logging
 import weakref
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
 
 from instrument.core.recompute import in_recompute
 from instrument.errors import ProbeError
+from instrument.probes.transforms import chunked_vmap_call
 
 __all__ = ["Recorder", "WatchGradient", "active_recorder", "install", "on_call_end", "take_interrupt", "uninstall"]
 
@@ -92,11 +91,27 @@ class Recorder:
         self.delivered = 0
         self.copies = 0
         self._checked: Set[str] = set()  # probes whose first value this step was unchanged at delivery
+        # Per pending value recorded in a chunked vmap call, that call's frame (`put`: its chunks are joined).
+        self._chunks: Dict[str, Any] = {}
         self._said = _said_for(owner)
 
     def put(self, name: str, value: Tensor, copy: bool = False) -> None:
         """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
         value = value.detach()
+        chunked = chunked_vmap_call() if _vmap_rules else None
+        before_chunk = self._chunks.get(name)
+        if (chunked is not None and before_chunk is not None and before_chunk[0] is chunked[0]
+                and before_chunk[1] is not chunked[1] and name in self.pending):
+            # The next chunk of one vmapped call (vmap(..., chunk_size=k) runs the function once per chunk): joined
+            # to the chunks before it along the vmapped dimension, so the call delivers its whole batch.
+            before, version, backup = self.pending[name]
+            if version != _UNTRACKED and before._version != version and backup is not None:
+                before = backup
+            self.pending[name] = (torch.cat([before, value]), _UNTRACKED, None)
+            self._chunks[name] = chunked
+            self.copies += 1
+            return
+        self._chunks[name] = chunked
         self.recorded += 1
         self.calls[name] = self.calls.get(name, 0) + 1
         if self._after_gradient:  # forward again after a backward (truncated BPTT, the next micro-batch)
@@ -116,6 +131,7 @@ class Recorder:
     def drain(self) -> Dict[str, Tensor]:
         """The values recorded since the last call, each exactly as it was when recorded."""
         pending, self.pending = self.pending, {}
+        self._chunks = {}
         values: Dict[str, Tensor] = {}
         for name, (value, version, backup) in pending.items():
             self.drained[name] = self.drained.get(name, 0) + 1
@@ -140,9 +156,14 @@ class Recorder:
         """Drop the values recorded since the last `drain`: those of a watched call that is not delivered (one
         inside ``torch.func.vmap``, which the state watch says itself), not reported as undelivered either."""
         self.recorded -= len(self.pending)
-        self.pending = {}
+        self.pending, self._chunks = {}, {}
 
     def put_gradient(self, name: str, gradient: Tensor) -> None:
+        if _vmap_rules and chunked_vmap_call() is not None:
+            self._say("chunked", name, "instrument: gradient probe %r recorded gradients inside vmap(..., "
+                      "chunk_size=k) (or jacrev with a chunk_size): they arrive one per chunk, so they do not pair "
+                      "with the iterations one to one. Leave chunk_size out on logging steps. (Said once per probe "
+                      "and session.)", name)
         self.gradients.setdefault(name, []).append(gradient)
         self.arrived.setdefault(name, []).append(self._segment)
         self._after_gradient = True
@@ -274,8 +295,7 @@ def uninstall(recorder: Recorder) -> None:
 
 
 CallEnd = Callable[[Tensor, Tensor, Optional[Tensor]], None]
-# token -> what to do when a compiled-in call boundary with that token fires (only during logging steps).
-_call_ends: Dict[int, CallEnd] = {}
+_call_ends: Dict[int, CallEnd] = {}  # token -> what to do when a compiled-in call boundary with it fires
 # token -> the data_ptr of the watched boundary's own ``key`` tensor: a copy of the module (copy.deepcopy, a
 # torch.jit.save / load) made during the step carries the token, switched on, but a key of its own storage.
 _call_keys: Dict[int, int] = {}
@@ -288,16 +308,11 @@ def on_call_end(token: int, callback: Optional[CallEnd], key: Optional[int] = No
     """Route ``instrument::call_end`` calls carrying ``token`` (and, for ``call_end_keyed``, the key tensor whose
     ``data_ptr()`` is ``key``) to ``callback``, and such calls inside ``torch.func.vmap`` to ``batched``; None
     removes the route."""
-    if callback is None:
-        _call_ends.pop(token, None)
-        _call_keys.pop(token, None)
-        _call_batched.pop(token, None)
-    else:
-        _call_ends[token] = callback
-        if key is not None:
-            _call_keys[token] = key
-        if batched is not None:
-            _call_batched[token] = batched
+    for table, value in ((_call_ends, callback), (_call_keys, key), (_call_batched, batched)):
+        if callback is None:
+            table.pop(token, None)
+        elif value is not None:
+            table[token] = value
 
 
 # ---------------------------------------------------------------------------------------------- the operators
@@ -406,14 +421,23 @@ torch.library.register_fake("instrument::probe_grad", lambda grad, name: torch.e
 torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)
 
 
+_vmap_rules = 0  # `_record_vmap` calls in progress: a record made through them may be one chunk of a call
+
+
+
 def _record_vmap(info, in_dims, value: Tensor, *args):
     """``record`` / ``record_grad`` under ``torch.func.vmap``: records the whole physical batch, the vmapped
     dimension moved to dim 0 (``[batch, ...]``), and returns nothing. The operator is called again rather than
     the kernel, so an enclosing vmap (or grad) level unwraps its own dimension in turn: nested vmaps record
     ``[outer, inner, ...]``. (functorch's fallback refuses operators without outputs.)"""
+    global _vmap_rules
     if in_dims[0] is not None:
         value = value.movedim(in_dims[0], 0)
-    (torch.ops.instrument.record if len(args) == 2 else torch.ops.instrument.record_grad)(value, *args)
+    _vmap_rules += 1
+    try:
+        (torch.ops.instrument.record if len(args) == 2 else torch.ops.instrument.record_grad)(value, *args)
+    finally:
+        _vmap_rules -= 1
     return None, None
 
 

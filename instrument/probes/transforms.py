@@ -21,7 +21,10 @@ from typing import Any, ContextManager, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["BATCHED", "in_trace_check", "outside_transforms", "physical", "plain", "transformed"]
+__all__ = [
+    "BATCHED", "chunked_vmap_call", "forward_mode", "in_trace_check", "outside_transforms", "physical", "plain",
+    "transformed",
+]
 
 _functorch = torch._C._functorch
 BATCHED = object()  # `plain`: a tensor batched by torch.func.vmap
@@ -35,6 +38,27 @@ except ImportError:  # pragma: no cover - depends on the torch version
 def transformed() -> bool:
     """Whether a torch.func transform is running on this thread (outside one, no tensor is wrapped)."""
     return _functorch.maybe_current_level() is not None
+
+
+def forward_mode() -> bool:
+    """Whether forward-mode AD runs (a ``torch.func`` jvp level: ``jvp``, ``jacfwd``, ``hessian``; or a
+    ``torch.autograd.forward_ad`` dual level), in which an autograd Function needs a ``jvp``. A gradient probe
+    then passes its value on untouched: no gradient flows back in forward mode. (A ``jvp`` on `WatchGradient`
+    itself would make Dynamo break the graph at every gradient probe.)"""
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
+    if not transformed() or _interpreters is None:
+        return False
+    return any(interpreter.key() == _JVP for interpreter in _interpreters())
+
+
+try:
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+
+    _JVP = TransformType.Jvp
+except ImportError:  # pragma: no cover - depends on the torch version
+    _interpreters = None
 
 
 def plain(tensor: Any) -> Any:
@@ -77,15 +101,30 @@ _TRACE_CHECK = _trace_check_code()
 def in_trace_check() -> bool:
     """Whether torch.jit.trace's check runs the module as plain Python (not tracing then), for a hook that calls
     this directly. Looked for only while torch.jit.trace traces a module (it sets ``_trace_module_map`` until it
-    returns, check included): told by the check's helper a few frames up (at most 16: the traced module's
-    forward may call the hooked one)."""
+    returns, check included): told by the check's helper anywhere up this thread's stack (the hooked module may
+    sit deep inside the traced one), so the walk costs only while a trace is being taken."""
     if _TRACE_CHECK is None or getattr(torch.jit._trace, "_trace_module_map", None) is None:
         return False
-    frame = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return False
+    frame = sys._getframe(1)
+    while frame is not None:
         if frame.f_code is _TRACE_CHECK:
             return True
         frame = frame.f_back
     return False
+
+
+def chunked_vmap_call() -> Any:
+    """``(call, chunk)``: the frames of the ``vmap(..., chunk_size=k)`` call running on this thread and of its
+    chunk running now (torch 2.13: ``_chunked_vmap`` and the ``_flat_vmap`` under it), else None. A call's
+    chunks share its frame, each chunk has its own, and a later call has new ones (their identities are not
+    reused while the caller holds them)."""
+    frame, chunk = sys._getframe(1), None
+    while frame is not None:
+        code = frame.f_code
+        if "_functorch" in code.co_filename:
+            if code.co_name == "_flat_vmap" and chunk is None:
+                chunk = frame
+            elif code.co_name == "_chunked_vmap":
+                return (frame, chunk) if chunk is not None else None
+        frame = frame.f_back
+    return None

@@ -349,3 +349,66 @@ def test_an_observer_s_own_loss_scale_attribute_is_left_alone():
     inst = instrument.Instrumentation([mine], backends=[], grad_scaler=torch.amp.GradScaler("cpu"))
     inst.close()
     assert mine.loss_scale == 1024.0
+
+
+def test_a_fused_optimizer_unscales_in_its_own_step_and_its_norms_are_not_divided_again(tmp_path):
+    """Fused Adam (and AdamW, SGD) unscale inside their step, never through unscale_: the norms read 65536 times
+    too small."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    inst = session(tmp_path, [instrument.GradientStats(module=model, per="global")], scaler=scaler,
+                   backends=[instrument.JsonlBackend()])
+    want = {}
+    for step in range(2):
+        with inst.step(step):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            want[step] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    inst.close()
+    logged = jsonl(tmp_path / "r")
+    assert [logged[s]["grad_stats/norm/global"] for s in range(2)] == pytest.approx([want[0], want[1]], rel=1e-6)
+
+
+def test_the_scaler_pickles_and_copies_in_a_logging_step_and_is_left_as_it_was(tmp_path):
+    """The wrappers are on the scaler's class during logging steps only: a pickle or copy of the scaler taken
+    in one holds none (a copy used to keep wrappers calling the original), and two sessions sharing the scaler
+    whose steps end out of order leave the class as it was."""
+    import copy
+    import pickle
+
+    scaler = torch.amp.GradScaler("cpu")
+    plain_scale = torch.amp.GradScaler.__dict__["scale"]
+    a = instrument.Instrumentation(backends=[], log_interval=1, grad_scaler=scaler)
+    b = instrument.Instrumentation(backends=[], log_interval=1, grad_scaler=scaler)
+    in_a, in_b = a.step(0), b.step(0)
+    in_a.__enter__()
+    in_b.__enter__()
+    scaler.scale(torch.ones(()))
+    twin = copy.deepcopy(scaler)
+    loaded = pickle.loads(pickle.dumps(scaler))
+    in_a.__exit__(None, None, None)
+    assert torch.amp.GradScaler.__dict__["scale"] is not plain_scale  # b's step still runs
+    in_b.__exit__(None, None, None)
+    a.close()
+    b.close()
+    assert torch.amp.GradScaler.__dict__["scale"] is plain_scale
+    for other in (twin, loaded):
+        assert "scale" not in vars(other) and other.scale(torch.ones(())).item() == 65536.0
+
+
+def test_non_finite_under_a_scaler_that_has_no_scale_yet(tmp_path):
+    """An enabled scaler whose first scale() has not run (a warm-up backward without it): no loss_scale is
+    logged, and the step's counts are (the whole log failed)."""
+    model = nn.Linear(4, 1)
+    inst = session(tmp_path, [instrument.NonFinite(module=model)], scaler=torch.amp.GradScaler("cpu"),
+                   backends=[instrument.JsonlBackend()])
+    with inst.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+    inst.close()
+    assert inst.failures == {}
+    logged = jsonl(tmp_path / "r")[0]
+    assert logged["nonfinite/grad_count"] == 0 and "nonfinite/loss_scale" not in logged

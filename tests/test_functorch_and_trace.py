@@ -444,3 +444,31 @@ def test_probes_under_a_chunked_vmap_deliver_the_whole_batch_and_chunked_gradien
     assert torch.equal(keep.seen[0]["hidden"].flatten(0, 1), want["hidden"])
     assert torch.equal(keep.seen[0]["update"].flatten(0, 1), want["update"])
     assert len(said(caplog, "chunk_size=k")) == 1
+
+
+def test_a_rollout_of_several_iterations_inside_a_chunked_vmap_delivers_its_last_iteration_of_every_member(tmp_path):
+    """Three probed iterations per chunk: only the first record of each chunk was joined, so the observer got
+    the last chunk's last iteration, [1, ...], mixed with other iterations on the way. It now gets what the
+    call without chunks gives: the last iteration of all 5 members."""
+    torch.manual_seed(0)
+    rule = Rule()
+    xs = torch.stack([seed_state(i) for i in range(5)])
+
+    def three(x):
+        for _ in range(N_ITER):
+            x = rule(x)
+        return x
+
+    seen = {}
+    for chunk_size in (None, 2):
+        keep = KeepProbes()
+        inst = session(tmp_path, [keep], name=f"c{chunk_size}")
+        inst.watch(rule, state=False)
+        with inst.step(0) as s:
+            out = vmap(three, chunk_size=chunk_size)(xs)
+            s.observer(instrument.StepContext(previous_state=xs, next_state=out))
+        inst.close()
+        seen[chunk_size] = keep.seen[0]
+    assert seen[2]["hidden"].shape[0] == 5
+    for name in ("hidden", "update"):
+        assert torch.equal(seen[2][name], seen[None][name])

@@ -10,17 +10,23 @@ stepped later). Given the scaler (``Instrumentation(grad_scaler=scaler)``), the 
 by the scale of the step's last ``scaler.scale(loss)`` call, and observers ask `LossScale.scales` which of their
 parameters' gradients are still scaled.
 
-How it knows, per parameter: during a logging step (only then) the scaler's ``scale`` and ``unscale_`` are
-wrapped on the instance and put back when the step ends. ``scale`` keeps a copy of the scale it used (one
-one-element tensor on its device; the scale changes in place at ``update()``); ``unscale_`` notes its optimizer's
-parameters. A parameter's gradient is then still scaled when a ``scale`` call came in the step and nothing
-unscaled it since: not unscaled in the step, or unscaled before the last ``scale`` call and changed after that
-call (by the backward that followed). A gradient left untouched by the whole step (kept from an earlier step)
-is never taken for a scaled one. No host sync: the scale is read as a device tensor (the public ``get_scale()``
-is a ``.item()``), and it reads the scaler's ``_scale``, private but unchanged since torch 1.6.
+How it knows, per parameter: while some session is in a logging step with this scaler (only then), the
+``scale``, ``unscale_`` and ``step`` of the scaler's class are wrapped, and put back when the last such step
+ends. The wrappers pass every other scaler straight through; on the class, not the instance, they are never
+pickled or copied with a scaler. After ``scale`` a session keeps a copy of the scale used (one one-element
+tensor on its device; ``update()`` changes the scale in place); after ``unscale_``, or a ``step`` of an optimizer
+that unscales inside its own step (fused Adam, AdamW, SGD: ``_step_supports_amp_scaling``), it notes that
+optimizer's parameters. A parameter's gradient is then still scaled when a ``scale`` call came in the step and
+nothing unscaled it since: not unscaled in the step, or unscaled before the last ``scale`` call and changed after
+that call (by the backward that followed). A gradient left untouched by the whole step (kept from an earlier
+step) is never taken for a scaled one. No host sync: the scale is read as a device tensor (the public
+``get_scale()`` is a ``.item()``), and it reads the scaler's ``_scale``, private but unchanged since torch 1.6.
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import functools
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -29,11 +35,56 @@ from instrument.errors import ConfigurationError
 
 __all__ = ["LossScale", "divided"]
 
+log = logging.getLogger("instrument")
+
 Scale = Union[Tensor, float]
 
 
-_WRAPPED = ("scale", "unscale_")
+_WRAPPED = ("scale", "unscale_", "step")
 _MISSING = object()
+_lock = threading.Lock()
+_active: Dict[int, List["LossScale"]] = {}  # id(scaler) -> the sessions in a logging step with it
+_wrapped: Dict[type, Tuple[int, Dict[str, Any]]] = {}  # scaler class -> (steps using it, its own entries)
+
+
+def _wrapper(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def call(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(scaler, *args, **kwargs)
+        for session in tuple(_active.get(id(scaler), ())):
+            if session.scaler is scaler:
+                try:  # the user's training step: what a session notes must never stop it
+                    getattr(session, "_after_" + name.rstrip("_"))(*args)
+                except Exception:
+                    log.debug("instrument: noting GradScaler.%s failed", name, exc_info=True)
+        return out
+
+    call.instrument_wrapped = original
+    return call
+
+
+def _wrap(scaler: Any) -> None:
+    cls = type(scaler)
+    count, own = _wrapped.get(cls, (0, {}))
+    if not count:
+        for name in _WRAPPED:
+            own[name] = cls.__dict__.get(name, _MISSING)
+            setattr(cls, name, _wrapper(name, getattr(cls, name)))
+    _wrapped[cls] = (count + 1, own)
+
+
+def _unwrap(scaler: Any) -> None:
+    cls = type(scaler)
+    count, own = _wrapped.get(cls, (0, {}))
+    if count > 1:
+        _wrapped[cls] = (count - 1, own)
+        return
+    _wrapped.pop(cls, None)
+    for name, entry in own.items():
+        if entry is _MISSING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, entry)
 GradState = Optional[Tuple[Tensor, int]]  # a parameter's gradient and its version counter, None: no gradient
 
 
@@ -63,7 +114,7 @@ class LossScale:
                 f"None when the loss is not scaled."
             )
         self.scaler = scaler
-        self._own: Dict[str, Any] = {}  # what the scaler's instance held under each wrapped name (`_restore`)
+        self._wrapping = False  # this session is in a logging step with the scaler's class wrapped
         self._start: Optional[Union[Tensor, float]] = None  # the scale when the step began; None: not scaling
         self._used: Optional[Tensor] = None  # the scale of the step's last scale() call
         self._calls = 0  # scale() and unscale_() calls in this step, in order
@@ -77,7 +128,7 @@ class LossScale:
 
     def begin(self) -> None:
         """A logging step starts: keep the scale, and wrap ``scale`` and ``unscale_`` until `end`."""
-        self._restore()  # a start cut short left them wrapped
+        self._release()  # a start cut short left the class wrapped for this session
         self._used, self._calls, self._scaled_at, self._unscaled, self._at_begin = None, 0, 0, {}, {}
         if not self.enabled:
             self._start = None
@@ -86,26 +137,29 @@ class LossScale:
         scale = getattr(scaler, "_scale", None)
         # No scale tensor yet: the first scaler.scale(loss) makes one holding the initial scale.
         self._start = scale.detach().clone() if isinstance(scale, Tensor) else float(scaler._init_scale)
-        for name, wrapper in (("scale", self._scale_call), ("unscale_", self._unscale_call)):
-            self._own[name] = scaler.__dict__.get(name, _MISSING)
-            original = getattr(scaler, name)
-            setattr(scaler, name, lambda *args, _f=original, _w=wrapper, **kwargs: _w(_f, *args, **kwargs))
+        with _lock:
+            _wrap(scaler)
+            _active.setdefault(id(scaler), []).append(self)
+            self._wrapping = True
 
     def end(self) -> None:
-        self._restore()
+        self._release()
         self._start = self._used = None
         self._unscaled, self._at_begin = {}, {}
 
-    def _restore(self) -> None:
-        for name, own in self._own.items():
-            if own is _MISSING:
-                self.scaler.__dict__.pop(name, None)
-            else:
-                setattr(self.scaler, name, own)
-        self._own = {}
+    def _release(self) -> None:
+        if not self._wrapping:
+            return
+        with _lock:
+            self._wrapping = False
+            sessions = _active.get(id(self.scaler), [])
+            if self in sessions:
+                sessions.remove(self)
+            if not sessions:
+                _active.pop(id(self.scaler), None)
+            _unwrap(self.scaler)
 
-    def _scale_call(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
+    def _after_scale(self, *args: Any) -> None:
         scale = getattr(self.scaler, "_scale", None)
         if isinstance(scale, Tensor):
             self._calls += 1
@@ -113,15 +167,18 @@ class LossScale:
             self._used = scale.detach().clone()  # update() changes the scaler's in place
             for entry in self._unscaled.values():  # what an unscaled gradient is until a backward changes it
                 entry[2] = _grad_state(entry[1])
-        return out
 
-    def _unscale_call(self, original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(optimizer, *args, **kwargs)
+    def _after_unscale(self, optimizer: Any = None, *args: Any) -> None:
         self._calls += 1
         for group in getattr(optimizer, "param_groups", ()):
             for p in group["params"]:
                 self._unscaled[id(p)] = [self._calls, p, None]
-        return out
+
+    def _after_step(self, optimizer: Any = None, *args: Any) -> None:
+        # An optimizer that unscales inside its own step (fused kernels) is never given to unscale_: its
+        # gradients are unscaled in place by the step. Others went through unscale_, noted already.
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            self._after_unscale(optimizer)
 
     def track(self, params: Sequence[Tensor]) -> None:
         """Note ``params``' gradients as the step begins: one the step leaves untouched is not its backward's."""
@@ -130,7 +187,7 @@ class LossScale:
 
     def unscale(self, gradients: Mapping[str, Sequence[Tensor]]) -> Dict[str, List[Tensor]]:
         """Gradient probes' values divided by the scale of the step's last ``scale`` call (else the scale when
-        the step began), dtype and device kept. Division by a power of two (GradScaler's scales are, with its
+        the step began), on their devices. Division by a power of two (GradScaler's scales are, with its
         default factors) is exact barring underflow; a scaled gradient that overflowed stays inf."""
         scale = self._used if self._used is not None else self._start
         if scale is None:
@@ -162,14 +219,15 @@ class LossScale:
 
 
 def divisors(scales: Sequence[Optional[Tensor]], like: Tensor) -> Tensor:
-    """A [len(scales)] tensor on ``like``'s device, in its dtype: each scale, 1 where it is None."""
+    """A [len(scales)] tensor on ``like``'s device: each scale, 1 where it is None (in float32 at least: 65536
+    is inf in float16)."""
     used = next(s for s in scales if s is not None)
     mask = torch.tensor([s is not None for s in scales]).to(like.device, non_blocking=True)  # no host sync
-    return torch.where(mask, _on(used, like.device).to(like.dtype), 1.0)
+    return torch.where(mask, _on(used, like.device).to(torch.promote_types(like.dtype, torch.float32)), 1.0)
 
 
 def divided(tensor: Tensor, scale: Union[Tensor, float]) -> Tensor:
-    """``tensor / scale`` in ``tensor``'s dtype, on its device."""
+    """``tensor / scale`` on ``tensor``'s device (a float32 scale promotes a half-precision tensor)."""
     return tensor / (_on(scale, tensor.device) if isinstance(scale, Tensor) else scale)
 
 

@@ -277,8 +277,9 @@ class NonFinite(Observer):
             per_param = _grad_counts([g for _, g in grads])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
-        if self._amp:  # the scale after the step's update(): below 1, the overflows are not GradScaler's to fix
-            logger.log_metrics({"loss_scale": self.loss_scale.current()}, step=step, prefix=self.name)
+        scale = self.loss_scale.current() if self._amp else None  # None: no scale() call yet
+        if scale is not None:  # the scale after the step's update(): below 1, overflows are not GradScaler's to fix
+            logger.log_metrics({"loss_scale": scale}, step=step, prefix=self.name)
         if metrics:
             # Every value is an int64 tensor, and on one process the reduce ops change nothing: the logger then
             # stages the call as one block (one stack and conversion) instead of key by key (a few kernels each).

@@ -52,6 +52,7 @@ All operators are registered when this module is imported (``import instrument``
 """
 
 import logging
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -98,20 +99,22 @@ class Recorder:
     def put(self, name: str, value: Tensor, copy: bool = False) -> None:
         """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
         value = value.detach()
-        chunked = chunked_vmap_call() if _vmap_rules else None
-        before_chunk = self._chunks.get(name)
-        if (chunked is not None and before_chunk is not None and before_chunk[0] is chunked[0]
-                and before_chunk[1] is not chunked[1] and name in self.pending):
-            # The next chunk of one vmapped call (vmap(..., chunk_size=k) runs the function once per chunk): joined
-            # to the chunks before it along the vmapped dimension, so the call delivers its whole batch.
-            before, version, backup = self.pending[name]
-            if version != _UNTRACKED and before._version != version and backup is not None:
-                before = backup
-            self.pending[name] = (torch.cat([before, value]), _UNTRACKED, None)
-            self._chunks[name] = chunked
-            self.copies += 1
-            return
-        self._chunks[name] = chunked
+        chunked = chunked_vmap_call() if getattr(_rules, "depth", 0) else None
+        if chunked is None:
+            self._chunks.pop(name, None)
+        else:
+            # vmap(..., chunk_size=k) runs the function once per chunk: the latest value of each chunk of one call
+            # is joined along the vmapped dimension (``prefix``: the chunks before this one), so the call
+            # delivers its whole batch, as without chunks; the first chunk's records are the ones counted.
+            known = self._chunks.get(name)
+            prefix = None
+            if known is not None and known[0] is chunked[0] and name in self.pending:  # the same vmapped call
+                prefix = known[2] if known[1] is chunked[1] else self._pending_value(name)
+            self._chunks[name] = (chunked[0], chunked[1], prefix)
+            if prefix is not None:
+                self.pending[name] = (torch.cat([prefix, value]), _UNTRACKED, None)
+                self.copies += 1
+                return
         self.recorded += 1
         self.calls[name] = self.calls.get(name, 0) + 1
         if self._after_gradient:  # forward again after a backward (truncated BPTT, the next micro-batch)
@@ -127,6 +130,11 @@ class Recorder:
             backup = value.clone()
             self.copies += 1
         self.pending[name] = (value, value._version, backup)
+
+    def _pending_value(self, name: str) -> Tensor:
+        """The pending value of ``name`` as it was recorded (its copy where it has changed since)."""
+        value, version, backup = self.pending[name]
+        return backup if version != _UNTRACKED and value._version != version and backup is not None else value
 
     def drain(self) -> Dict[str, Tensor]:
         """The values recorded since the last call, each exactly as it was when recorded."""
@@ -159,7 +167,7 @@ class Recorder:
         self.pending, self._chunks = {}, {}
 
     def put_gradient(self, name: str, gradient: Tensor) -> None:
-        if _vmap_rules and chunked_vmap_call() is not None:
+        if getattr(_rules, "depth", 0) and chunked_vmap_call() is not None:
             self._say("chunked", name, "instrument: gradient probe %r recorded gradients inside vmap(..., "
                       "chunk_size=k) (or jacrev with a chunk_size): they arrive one per chunk, so they do not pair "
                       "with the iterations one to one. Leave chunk_size out on logging steps. (Said once per probe "
@@ -421,7 +429,7 @@ torch.library.register_fake("instrument::probe_grad", lambda grad, name: torch.e
 torch.library.register_autograd("instrument::probe", _probe_backward, setup_context=_probe_setup, lib=_lib)
 
 
-_vmap_rules = 0  # `_record_vmap` calls in progress: a record made through them may be one chunk of a call
+_rules = threading.local()  # .depth: `_record_vmap` calls in progress on this thread (a record may be a chunk's)
 
 
 
@@ -430,14 +438,13 @@ def _record_vmap(info, in_dims, value: Tensor, *args):
     dimension moved to dim 0 (``[batch, ...]``), and returns nothing. The operator is called again rather than
     the kernel, so an enclosing vmap (or grad) level unwraps its own dimension in turn: nested vmaps record
     ``[outer, inner, ...]``. (functorch's fallback refuses operators without outputs.)"""
-    global _vmap_rules
     if in_dims[0] is not None:
         value = value.movedim(in_dims[0], 0)
-    _vmap_rules += 1
+    _rules.depth = getattr(_rules, "depth", 0) + 1
     try:
         (torch.ops.instrument.record if len(args) == 2 else torch.ops.instrument.record_grad)(value, *args)
     finally:
-        _vmap_rules -= 1
+        _rules.depth -= 1
     return None, None
 
 
@@ -452,10 +459,10 @@ def _call_end_vmap(info, in_dims, previous: Tensor, current: Tensor, condition: 
     return None, None
 
 
-torch.library.register_vmap("instrument::record", _record_vmap, lib=_lib)
-torch.library.register_vmap("instrument::record_grad", _record_vmap, lib=_lib)
-torch.library.register_vmap("instrument::call_end", _call_end_vmap, lib=_lib)
-torch.library.register_vmap("instrument::call_end_keyed", _call_end_vmap, lib=_lib)
+if hasattr(torch.library, "register_vmap"):  # torch >= 2.5; before it, probes under vmap stay unsupported
+    for _op, _rule in (("record", _record_vmap), ("record_grad", _record_vmap), ("call_end", _call_end_vmap),
+                       ("call_end_keyed", _call_end_vmap)):
+        torch.library.register_vmap(f"instrument::{_op}", _rule, lib=_lib)
 # No output: without this, FX's dead-code elimination (Dynamo, AOT autograd) would drop the call.
 torch.fx.node.has_side_effect(torch.ops.instrument.record.default)
 torch.fx.node.has_side_effect(torch.ops.instrument.call_end.default)

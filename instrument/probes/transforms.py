@@ -8,8 +8,8 @@
 * ``torch.jit.trace`` runs the module while tracing (``torch._C._is_tracing()``) and, with ``check_trace=True``,
   once more as plain Python to compare (`in_trace_check`). Neither call is a rollout iteration.
 
-The torch names read here are private (torch 2.13); each has a fallback that leaves the hooks as they were
-without it, so a torch that renames one loses only what it gave.
+The torch names read here are private (torch 2.13); each is looked up once, at import, with a fallback that
+leaves the hooks as they were without it, so a torch that renames one loses only what it gave.
 """
 
 import contextlib
@@ -26,8 +26,14 @@ __all__ = [
     "transformed",
 ]
 
-_functorch = torch._C._functorch
 BATCHED = object()  # `plain`: a tensor batched by torch.func.vmap
+try:  # a torch without them: no transform is ever seen as running, and hooks treat every tensor as plain
+    _level = torch._C._functorch.maybe_current_level
+    _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    _is_batched = torch._C._functorch.is_batchedtensor
+    _unwrapped = torch._C._functorch.get_unwrapped
+except AttributeError:  # pragma: no cover - depends on the torch version
+    _level = None
 
 try:  # a torch without it runs the hooks inside the transform, as before
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear_transforms
@@ -37,7 +43,7 @@ except ImportError:  # pragma: no cover - depends on the torch version
 
 def transformed() -> bool:
     """Whether a torch.func transform is running on this thread (outside one, no tensor is wrapped)."""
-    return _functorch.maybe_current_level() is not None
+    return _level is not None and _level() is not None
 
 
 def forward_mode() -> bool:
@@ -63,18 +69,18 @@ except ImportError:  # pragma: no cover - depends on the torch version
 
 def plain(tensor: Any) -> Any:
     """``tensor`` without torch.func's grad-tracking wrappers (same values); `BATCHED` for a vmapped one."""
-    while isinstance(tensor, Tensor) and _functorch.is_functorch_wrapped_tensor(tensor):
-        if _functorch.is_batchedtensor(tensor):
+    while _level is not None and isinstance(tensor, Tensor) and _is_wrapped(tensor):
+        if _is_batched(tensor):
             return BATCHED
-        tensor = _functorch.get_unwrapped(tensor)
+        tensor = _unwrapped(tensor)
     return tensor
 
 
 def physical(tensor: Tensor) -> Tensor:
     """The plain tensor behind every wrapper of ``tensor``: for a vmapped one the whole batch, each vmapped
     dimension where the transform keeps it (for statistics over all elements, where the layout does not count)."""
-    while _functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = _functorch.get_unwrapped(tensor)
+    while _level is not None and _is_wrapped(tensor):
+        tensor = _unwrapped(tensor)
     return tensor
 
 

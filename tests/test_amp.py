@@ -412,3 +412,35 @@ def test_non_finite_under_a_scaler_that_has_no_scale_yet(tmp_path):
     assert inst.failures == {}
     logged = jsonl(tmp_path / "r")[0]
     assert logged["nonfinite/grad_count"] == 0 and "nonfinite/loss_scale" not in logged
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_keyword_calls_and_a_fused_step_that_skips_keep_every_norm_the_loss_s(tmp_path, fused):
+    """``scaler.unscale_(optimizer=opt)`` / ``scaler.step(optimizer=opt)`` were missed (norms divided twice), and
+    a fused optimizer's skipped step (an inf found) leaves the gradients scaled: the finite ones are logged
+    divided, per parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    inst = session(tmp_path, [instrument.GradientStats(module=model)], scaler=scaler,
+                   backends=[instrument.JsonlBackend()])
+    want = {}
+    for step in range(3):
+        with inst.step(step):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+            if step == 1:  # an overflow: GradScaler skips this step
+                model[0].bias.grad[0] = float("inf")
+            scale = scaler.get_scale()
+            want[step] = {name: (p.grad.double() / scale).norm().item() for name, p in model.named_parameters()}
+            if not fused:
+                scaler.unscale_(optimizer=opt)
+            scaler.step(optimizer=opt)
+            scaler.update()
+    inst.close()
+    logged = jsonl(tmp_path / "r")
+    for step, norms in want.items():
+        for name, norm in norms.items():
+            got = float(logged[step][f"grad_stats/norm/{name}"])  # JSONL writes inf as "inf"
+            assert got == pytest.approx(norm, rel=1e-6), (step, name)

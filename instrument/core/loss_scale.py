@@ -54,7 +54,7 @@ def _wrapper(name: str, original: Callable) -> Callable:
         for session in tuple(_active.get(id(scaler), ())):
             if session.scaler is scaler:
                 try:  # the user's training step: what a session notes must never stop it
-                    getattr(session, "_after_" + name.rstrip("_"))(*args)
+                    getattr(session, "_after_" + name.rstrip("_"))(*args, **kwargs)
                 except Exception:
                     log.debug("instrument: noting GradScaler.%s failed", name, exc_info=True)
         return out
@@ -159,7 +159,7 @@ class LossScale:
                 _active.pop(id(self.scaler), None)
             _unwrap(self.scaler)
 
-    def _after_scale(self, *args: Any) -> None:
+    def _after_scale(self, *args: Any, **kwargs: Any) -> None:
         scale = getattr(self.scaler, "_scale", None)
         if isinstance(scale, Tensor):
             self._calls += 1
@@ -168,17 +168,30 @@ class LossScale:
             for entry in self._unscaled.values():  # what an unscaled gradient is until a backward changes it
                 entry[2] = _grad_state(entry[1])
 
-    def _after_unscale(self, optimizer: Any = None, *args: Any) -> None:
+    def _after_unscale(self, optimizer: Any = None, *args: Any, left: Optional[Tensor] = None, **kwargs: Any) -> None:
+        """``optimizer``'s gradients were unscaled (``left``: the scale they keep, where a fused step skipped)."""
         self._calls += 1
         for group in getattr(optimizer, "param_groups", ()):
             for p in group["params"]:
-                self._unscaled[id(p)] = [self._calls, p, None]
+                self._unscaled[id(p)] = [self._calls, p, None, left]
 
-    def _after_step(self, optimizer: Any = None, *args: Any) -> None:
-        # An optimizer that unscales inside its own step (fused kernels) is never given to unscale_: its
-        # gradients are unscaled in place by the step. Others went through unscale_, noted already.
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            self._after_unscale(optimizer)
+    def _after_step(self, optimizer: Any = None, *args: Any, **kwargs: Any) -> None:
+        # An optimizer that unscales inside its own step (fused kernels) is never given to unscale_: the step
+        # unscales its gradients in place, unless it found an inf (a skipped step: they stay scaled, `left`).
+        # Others went through unscale_, noted already; so did a fused one unscaled before its step.
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return
+        params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+        if any(self._unscaled.get(id(p), [0])[0] > self._scaled_at for p in params):
+            return
+        state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+        found = list(state.get("found_inf_per_device", {}).values())
+        used = self._used if self._used is not None else self._start
+        left = None
+        if found and isinstance(used, Tensor):
+            found_inf = sum(f.to(used.device, non_blocking=True) for f in found)
+            left = torch.where(found_inf > 0, used, torch.ones_like(used))
+        self._after_unscale(optimizer, left=left)
 
     def track(self, params: Sequence[Tensor]) -> None:
         """Note ``params``' gradients as the step begins: one the step leaves untouched is not its backward's."""
@@ -207,7 +220,7 @@ class LossScale:
                 continue
             entry = self._unscaled.get(id(p))
             if entry is not None and (entry[0] > self._scaled_at or (entry[2] is not None and _same(p, entry[2]))):
-                out.append(None)  # unscaled after the last scale() call, or unchanged since that call
+                out.append(entry[3])  # unscaled after the last scale() call, or unchanged since that call
                 continue
             out.append(used)
         return out
@@ -221,9 +234,13 @@ class LossScale:
 def divisors(scales: Sequence[Optional[Tensor]], like: Tensor) -> Tensor:
     """A [len(scales)] tensor on ``like``'s device: each scale, 1 where it is None (in float32 at least: 65536
     is inf in float16)."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
     used = next(s for s in scales if s is not None)
+    if any(s is not None and s is not used for s in scales):  # several scales (a fused step that skipped)
+        one = torch.ones((), dtype=dtype, device=like.device)
+        return torch.stack([one if s is None else _on(s, like.device).to(dtype) for s in scales])
     mask = torch.tensor([s is not None for s in scales]).to(like.device, non_blocking=True)  # no host sync
-    return torch.where(mask, _on(used, like.device).to(torch.promote_types(like.dtype, torch.float32)), 1.0)
+    return torch.where(mask, _on(used, like.device).to(dtype), 1.0)
 
 
 def divided(tensor: Tensor, scale: Union[Tensor, float]) -> Tensor:

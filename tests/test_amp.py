@@ -351,15 +351,21 @@ def test_an_observer_s_own_loss_scale_attribute_is_left_alone():
     assert mine.loss_scale == 1024.0
 
 
+def adam_session(tmp_path, fused: bool, **stats):
+    """A small MLP, Adam (fused or not), a GradScaler, and a session with GradientStats over the MLP (JSONL)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    inst = session(tmp_path, [instrument.GradientStats(module=model, **stats)], scaler=scaler,
+                   backends=[instrument.JsonlBackend()])
+    return model, opt, scaler, inst
+
+
 def test_a_fused_optimizer_unscales_in_its_own_step_and_its_norms_are_not_divided_again(tmp_path):
     """Fused Adam (and AdamW, SGD) unscale inside their step, never through unscale_: the norms read 65536 times
     too small."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler("cpu")
-    inst = session(tmp_path, [instrument.GradientStats(module=model, per="global")], scaler=scaler,
-                   backends=[instrument.JsonlBackend()])
+    model, opt, scaler, inst = adam_session(tmp_path, fused=True, per="global")
     want = {}
     for step in range(2):
         with inst.step(step):
@@ -419,12 +425,7 @@ def test_keyword_calls_and_a_fused_step_that_skips_keep_every_norm_the_loss_s(tm
     """``scaler.unscale_(optimizer=opt)`` / ``scaler.step(optimizer=opt)`` were missed (norms divided twice), and
     a fused optimizer's skipped step (an inf found) leaves the gradients scaled: the finite ones are logged
     divided, per parameter."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
-    scaler = torch.amp.GradScaler("cpu")
-    inst = session(tmp_path, [instrument.GradientStats(module=model)], scaler=scaler,
-                   backends=[instrument.JsonlBackend()])
+    model, opt, scaler, inst = adam_session(tmp_path, fused=fused)
     want = {}
     for step in range(3):
         with inst.step(step):

@@ -69,7 +69,8 @@ def _wrap(scaler: Any) -> None:
     if not count:
         for name in _WRAPPED:
             own[name] = cls.__dict__.get(name, _MISSING)
-            setattr(cls, name, _wrapper(name, getattr(cls, name)))
+            original = getattr(cls, name)  # a base class's wrapper (a subclass's steps overlap a GradScaler's):
+            setattr(cls, name, _wrapper(name, getattr(original, "instrument_wrapped", original)))  # its original
     _wrapped[cls] = (count + 1, own)
 
 
@@ -85,6 +86,8 @@ def _unwrap(scaler: Any) -> None:
             delattr(cls, name)
         else:
             setattr(cls, name, entry)
+
+
 GradState = Optional[Tuple[Tensor, int]]  # a parameter's gradient and its version counter, None: no gradient
 
 

@@ -33,12 +33,9 @@ from torch import Tensor
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["LossScale", "divided"]
+__all__ = ["LossScale", "divided", "divisors"]
 
 log = logging.getLogger("instrument")
-
-Scale = Union[Tensor, float]
-
 
 _WRAPPED = ("scale", "unscale_", "step")
 _MISSING = object()
@@ -122,7 +119,9 @@ class LossScale:
         self._used: Optional[Tensor] = None  # the scale of the step's last scale() call
         self._calls = 0  # scale() and unscale_() calls in this step, in order
         self._scaled_at = 0  # the number of the last scale() call (0: none in this step)
-        self._unscaled: Dict[int, List[Any]] = {}  # id(param) -> [call number, param, its GradState at scale()]
+        # id(param) -> [call number of its unscaling, param, its GradState at the next scale() call, the scale
+        # it keeps: None, or where a fused step skipped, a tensor of the scale where it found an inf, else 1]
+        self._unscaled: Dict[int, List[Any]] = {}
         self._at_begin: Dict[int, GradState] = {}  # id(param) -> its gradient when the step began (`track`)
 
     @property
@@ -130,7 +129,8 @@ class LossScale:
         return bool(self.scaler.is_enabled())
 
     def begin(self) -> None:
-        """A logging step starts: keep the scale, and wrap ``scale`` and ``unscale_`` until `end`."""
+        """A logging step starts: keep the scale, and wrap the scaler class's ``scale``, ``unscale_`` and
+        ``step`` until `end`."""
         self._release()  # a start cut short left the class wrapped for this session
         self._used, self._calls, self._scaled_at, self._unscaled, self._at_begin = None, 0, 0, {}, {}
         if not self.enabled:
@@ -247,7 +247,8 @@ def divisors(scales: Sequence[Optional[Tensor]], like: Tensor) -> Tensor:
 
 
 def divided(tensor: Tensor, scale: Union[Tensor, float]) -> Tensor:
-    """``tensor / scale`` on ``tensor``'s device (a float32 scale promotes a half-precision tensor)."""
+    """``tensor / scale`` on ``tensor``'s device, in its dtype (a 0-d half-precision tensor, a norm, is widened
+    to the scale's float32)."""
     return tensor / (_on(scale, tensor.device) if isinstance(scale, Tensor) else scale)
 
 

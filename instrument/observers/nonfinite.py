@@ -320,13 +320,8 @@ class NonFinite(Observer):
             built = record.result()
             if built is None:
                 return
-            values, gradients = self._parts(built.scalars)
-            if gradients is not None and self._overflow(built.scalars, amp):  # GradScaler skips this optimizer
-                self._say_overflow(gradients, built.step)  # step: said, not raised
-                gradients = None
-            message = self._message(built.scalars, built.step, values, gradients)
+            message = self._report_of(built, amp, once=False)
             if message is not None:
-                self._said.update(kind for kind, part in (("values", values), ("gradients", gradients)) if part)
                 raise NonFiniteError(message)
             return
         if self.reported:
@@ -348,18 +343,25 @@ class NonFinite(Observer):
             built = handle.record
             if self.reported or built is None:
                 continue
-            values, gradients = self._parts(built.scalars)
-            if gradients is not None and self._overflow(built.scalars, amp):
-                self._say_overflow(gradients, built.step)
-                gradients = None
-            values = None if "values" in self._said else values  # each kind once per run: a divergence in the
-            gradients = None if "gradients" in self._said else gradients  # state after gradient trouble is said
-            message = self._message(built.scalars, built.step, values, gradients)
+            message = self._report_of(built, amp, once=True)
             if message is not None:
-                self._said.update(kind for kind, part in (("values", values), ("gradients", gradients)) if part)
                 log.warning("instrument: %s (each kind reported once per run)", message)
         if self.reported:
             self._pending = []
+
+    def _report_of(self, built: Any, amp: bool, once: bool) -> Optional[str]:
+        """The report of one committed step, None when it has nothing to report; each kind in it is marked said.
+        ``once`` (warn mode) leaves out the kinds said before, so a NaN in the state after gradient trouble is
+        still said. Gradients that are a loss-scale overflow are said at INFO instead (`_overflow`)."""
+        values, gradients = self._parts(built.scalars)
+        if gradients is not None and self._overflow(built.scalars, amp):
+            self._say_overflow(gradients, built.step)
+            gradients = None
+        if once:
+            values = None if "values" in self._said else values
+            gradients = None if "gradients" in self._said else gradients
+        self._said.update(kind for kind, part in (("values", values), ("gradients", gradients)) if part)
+        return self._message(built.scalars, built.step, values, gradients)
 
     def _overflow(self, scalars: Mapping[str, float], amp: bool) -> bool:
         """Non-finite gradients of this step are a loss-scale overflow: under an enabled GradScaler whose scale
@@ -378,12 +380,9 @@ class NonFinite(Observer):
             "as a divergence. (Said once.)", self.name, gradients, step, self.name,
         )
 
-    def message(self, scalars: Mapping[str, float], step: int) -> Optional[str]:
-        """The report for one committed step's host scalars, or None when every checked value was finite."""
-        return self._message(scalars, step, *self._parts(scalars))
-
     def _message(self, scalars: Mapping[str, float], step: int, values: Optional[str],
                  gradients: Optional[str]) -> Optional[str]:
+        """The report of one step's host scalars from its parts (`_parts`), None when both are."""
         parts = [part for part in (values, gradients) if part]
         if not parts:
             return None

@@ -215,7 +215,8 @@ class StateWatch:
             with outside_transforms():
                 self._after_call(args, kwargs, output, True)
 
-    def _before_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], transformed: bool) -> None:
+    def _before_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], wrapped: bool) -> None:
+        """`_before`'s work; ``wrapped``: inside a torch.func transform, whose wrappers are taken off first."""
         if in_recompute():
             # Counted here, not after the call: non-reentrant checkpointing's early stop ends a recomputed
             # forward once it has what backward needs, so the hook after the call never runs for it.
@@ -223,7 +224,7 @@ class StateWatch:
             return
         raw = args[0] if args else self._state_keyword(kwargs)
         state = first_tensor(raw)
-        if transformed:
+        if wrapped:
             state = plain(state)
         if state is None or state is BATCHED:  # the hook after the call says what is wrong, or skips the call
             return
@@ -231,7 +232,7 @@ class StateWatch:
         copy = state.detach().clone() if self._copy_input or not self._known or version is None else None
         self._calls[id(raw)] = (state, version, copy)
 
-    def _after_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any, transformed: bool) -> None:
+    def _after_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any, wrapped: bool) -> None:
         if in_recompute():  # counted in `_before`, which every call from Python runs first
             return
         raw = args[0] if args else self._state_keyword(kwargs)
@@ -240,7 +241,7 @@ class StateWatch:
         condition = kwargs.get("condition")
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
-        if transformed:
+        if wrapped:
             shape = list(current.shape) if current is not None else None  # a BatchedTensor's: one sample's
             previous, current, condition = plain(previous), plain(current), plain(condition)
             if previous is BATCHED or current is BATCHED or condition is BATCHED:

@@ -40,6 +40,14 @@ try:  # a torch without it runs the hooks inside the transform, as before
 except ImportError:  # pragma: no cover - depends on the torch version
     _clear_transforms = contextlib.nullcontext
 
+try:  # the transform levels running, for `forward_mode`; without them only forward_ad's dual levels are seen
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+
+    _JVP = TransformType.Jvp
+except ImportError:  # pragma: no cover - depends on the torch version
+    _interpreters = None
+
 
 def transformed() -> bool:
     """Whether a torch.func transform is running on this thread (outside one, no tensor is wrapped)."""
@@ -56,15 +64,6 @@ def forward_mode() -> bool:
     if not transformed() or _interpreters is None:
         return False
     return any(interpreter.key() == _JVP for interpreter in _interpreters())
-
-
-try:
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
-
-    _JVP = TransformType.Jvp
-except ImportError:  # pragma: no cover - depends on the torch version
-    _interpreters = None
 
 
 def plain(tensor: Any) -> Any:

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
 BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
-.PHONY: install demo demo-rl test test-cuda lint bench bench-check bench-quick bench-probes bench-headline bench-hostbound clean
+.PHONY: install demo demo-rl test test-cuda test-floor lint bench bench-check bench-quick bench-probes bench-headline bench-hostbound clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ test: install
 # skipping them all: a venv made earlier with the pinned CPU wheel needs `.venv/bin/pip uninstall -y torch` first.
 test-cuda: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest -m cuda -rs
+
+# The suite on the oldest torch instrument supports (instrument/torch_floor.py), in a venv of its own.
+test-floor:
+	$(MAKE) VENV=.venv-torch-floor TORCH=torch==2.10.0 test
 
 lint: install
 	$(PY) -m ruff check instrument tests bench

@@ -7,7 +7,10 @@ import platform
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the dev extra installs it there)
+    import tomli as tomllib
 import torch
 
 from bench.harness import Measurement, Variant, paired_ratios, summary

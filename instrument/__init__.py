@@ -18,6 +18,12 @@ under their own names (``Instrumentation.log_interval``, or ``instrument.Instrum
 and line. Importing the package imports neither the demos, nor `instrument.rl`, nor any optional SDK.
 """
 
+from instrument.torch_floor import check_torch as _check_torch
+
+# First: on a torch older than the floor, the imports below (or the first logging step) fail with torch's own
+# messages, or compiled probes record nothing; this says which torch is needed instead.
+_check_torch()
+
 from instrument import config  # noqa: F401  (registers the configurables with gin)
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.console import ConsoleBackend

@@ -200,7 +200,9 @@ def test_a_stalled_sample_is_not_made_up_by_a_burst_of_samples():
     sink = _sampled(OneSlowSample(collection_interval=0.05, flush_interval=0.05, gpu=False), 1.6)
     seconds = [r.scalars["system/seconds"] for r in sink.records]
     gaps = [b - a for a, b in zip(seconds, seconds[1:], strict=False)]
-    assert len(seconds) >= 5 and min(gaps) >= 0.04, gaps
+    # At least half an interval: on a loaded machine one sample starts late and the next on its slot (a gap of
+    # 0.035 s was seen while another process unpacked wheels); the burst this guards against had gaps of ~0.
+    assert len(seconds) >= 5 and min(gaps) >= 0.025, gaps
 
 
 def test_every_cpu_reading_is_measured_over_a_whole_interval_the_first_too():

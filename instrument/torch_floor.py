@@ -2,11 +2,12 @@
 
 pip enforces ``torch>=2.10`` from the package's metadata. This check is for the installs that bypass it: ``pip
 install --no-deps``, a conda environment whose torch pip does not manage, a checkout on ``PYTHONPATH``. The floor
-is where the test suite passes; below it, what failed (run on torch 2.4.1, 2.5.1 and 2.6.0):
+is where the test suite passes (run on torch 2.10 and 2.13); below it, what failed (the suite run on torch 2.4.1
+and 2.6.0, torch 2.5.1's hook signature and the Inductor source of 2.7.1 to 2.10.0 read):
 
 - torch 2.9 and older: Inductor drops an operator without outputs unless its schema mutates an input, even one
   registered with ``torch.fx.node.has_side_effect``, so a probe in a ``torch.compile``-d module records nothing,
-  with no error (its gradient probe too). Inductor honours the registration from torch 2.10 on.
+  with no error (its gradient probe too; seen on 2.6). Inductor honours the registration from torch 2.10 on.
 - torch 2.6: Dynamo traces the global forward hooks that observe a watched TorchScript module's calls into every
   other compiled module and gives up on that module.
 - torch 2.5 and older: no global forward hook takes keyword arguments, so watching a TorchScript module fails at

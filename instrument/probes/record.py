@@ -459,11 +459,11 @@ def _call_end_vmap(info, in_dims, previous: Tensor, current: Tensor, condition: 
     return None, None
 
 
-if hasattr(torch.library, "register_vmap"):  # torch >= 2.5; before it, probes under vmap stay unsupported
-    for _op, _rule in (("record", _record_vmap), ("record_grad", _record_vmap), ("call_end", _call_end_vmap),
-                       ("call_end_keyed", _call_end_vmap)):
-        torch.library.register_vmap(f"instrument::{_op}", _rule, lib=_lib)
-# No output: without this, FX's dead-code elimination (Dynamo, AOT autograd) would drop the call.
+for _op, _rule in (("record", _record_vmap), ("record_grad", _record_vmap), ("call_end", _call_end_vmap),
+                   ("call_end_keyed", _call_end_vmap)):
+    torch.library.register_vmap(f"instrument::{_op}", _rule, lib=_lib)
+# No output: without this, dead-code elimination (Dynamo, AOT autograd, and Inductor, which honours it from torch 2.10:
+# the floor, instrument/torch_floor.py) would drop the call.
 torch.fx.node.has_side_effect(torch.ops.instrument.record.default)
 torch.fx.node.has_side_effect(torch.ops.instrument.call_end.default)
 torch.fx.node.has_side_effect(torch.ops.instrument.record_grad.default)

@@ -38,10 +38,12 @@ def test_this_environments_torch_passes():
     assert release(torch.__version__) >= MIN_TORCH
 
 
-def test_pyproject_declares_the_same_floor_the_import_checks():
-    text = (ROOT / "pyproject.toml").read_text()
-    declared = re.findall(r'"torch>=([0-9.]+)"', text)
-    assert declared == [".".join(map(str, MIN_TORCH))], declared
+def test_pyproject_and_make_test_floor_use_the_floor_the_import_checks():
+    floor = ".".join(map(str, MIN_TORCH))
+    declared = re.findall(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert declared == [floor], declared
+    tested = re.findall(r"TORCH=torch==([0-9.]+)", (ROOT / "Makefile").read_text())  # the test-floor target
+    assert [release(version) for version in tested] == [MIN_TORCH], tested
 
 
 def test_importing_instrument_under_an_older_torch_fails_at_once_with_that_message(tmp_path):

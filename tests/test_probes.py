@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import instrument
 from instrument.probes import record
@@ -791,6 +792,67 @@ def test_a_rule_that_changes_its_state_argument_in_place_is_observed_with_a_copy
     assert not [r for r in caplog.records if "after it was observed" in r.getMessage()]
     for step in (0, 1, 2):  # every iteration observed with the state from before the call, the first included
         assert logged[step] == pytest.approx(np.mean(norms[3 * step:3 * step + 3]), rel=1e-6)
+
+
+class _CountClones(TorchDispatchMode):
+    """Counts the ``aten.clone`` calls made while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.clone.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_rule_that_changes_its_argument_and_returns_a_new_tensor_keeps_its_first_logging_step(tmp_path, caplog):
+    """`x.clamp_(-1, 1); return x + dx`: the state a call returned was delivered by reference, and the next call
+    clamped it in place, so every observer's kept reference of the first logging step changed after it was
+    observed: IterationStats, UpdateNorm and StateHistogram lost that step (ERROR tracebacks), NonFinite marked it
+    incomplete, and they reduced per iteration from then on. Now the returned state is delivered as a copy, as it
+    was for a rule returning its argument. Float64 NumPy reference."""
+    import json
+
+    import numpy as np
+
+    class ClampThenStep(torch.nn.Module):
+        def forward(self, x):
+            x.clamp_(-1.0, 1.0)
+            return x + 0.25 * torch.tanh(3.0 * x + 0.5)
+
+    observers = [instrument.IterationStats(images=False), instrument.UpdateNorm(), instrument.StateHistogram(),
+                 instrument.NonFinite()]
+    inst = instrument.Instrumentation(observers, backends=[instrument.JsonlBackend()], log_interval=1, run_name="r",
+                                      log_dir=str(tmp_path))
+    rule = ClampThenStep()
+    inst.watch(rule)
+    clones = []
+    reference = {}
+    with caplog.at_level(logging.INFO, logger="instrument"):
+        for step in range(3):
+            x = torch.linspace(-3, 3, 2 * 4 * 9).reshape(2, 4, 3, 3)
+            norms = []
+            with inst.step(step), torch.no_grad():
+                with _CountClones() as counted:
+                    for _ in range(4):
+                        before = x.double().numpy()
+                        x = rule(x)
+                        dx = x.double().numpy() - before
+                        norms.append(np.sqrt((dx.reshape(2, -1) ** 2).sum(1)).mean())
+                clones.append(counted.count)
+            last = x.double().numpy()
+            reference[step] = (np.mean(norms), last[:, 0].mean())
+    inst.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["metrics"] for r in records if "metrics" in r}
+    for step in range(3):
+        assert logged[step]["update_norm/l2/mean"] == pytest.approx(reference[step][0], rel=1e-6)
+        assert logged[step]["iteration_stats/mean/c0"] == pytest.approx(reference[step][1], rel=1e-6, abs=1e-7)
+        assert logged[step]["nonfinite/incomplete"] == 0
+    # once the rule is known to change its argument: its argument before each call, the state it returned after
+    assert clones[1:] == [8, 8]
 
 
 class _Deltas(instrument.Observer):

@@ -262,7 +262,11 @@ class StateWatch:
                 return
             if version is None and current is original:  # an inference-mode forward returning its argument: it
                 self._copy_input = True  # may change it, so the state it returns is delivered as a copy as well
-            if self._copy_input and current is original:  # the next call changes it again: deliver a copy
+            if self._copy_input and current is not None:
+                # The next call may change this state in place, as this forward did its argument, whether it
+                # returned it or a new tensor; observers keep what they get until the step's end: a copy. (It is
+                # not reused as the next call's copy from before it: a write through .data between the calls
+                # would leave the version counter as it was.)
                 current = current.detach().clone()
         elif previous is not None and current is not None and self._unseen_change(previous, current):
             return  # nothing ran before this call (a ScriptModule's state given as a keyword)
@@ -318,8 +322,9 @@ class StateWatch:
         (log.info if observed else log.warning)(
             "instrument: the state argument of watched module %s changed during its forward (an in-place op on "
             "it, e.g. `x.clamp_(...)`, or a write into memory it shares), so after the call it no longer holds "
-            "the previous state. %s; from now on it is copied before each call on logging steps (one clone per "
-            "iteration). (Said once.)", self.name,
+            "the previous state. %s; from now on it is copied before each call on logging steps, and the state "
+            "the call returns is delivered as a copy (the next call may change it in place): two clones per "
+            "iteration. (Said once.)", self.name,
             "This call is observed with the copy taken before it" if observed else
             "This call is not observed (previous_state and dx would be wrong; the later iterations keep their "
             "step_index)",

@@ -7,10 +7,13 @@ and Python. Most machines these benchmarks run on have no GPU. This shrinks the 
 that on a CPU too the arithmetic is negligible and a step's time is dispatch and Python, and reports per
 variant of the eager and scripted modes:
 
-* ``+ops``: the aten ops a step dispatches beyond its bare step, counted with a ``TorchDispatchMode`` (views
-  and ``detach`` left out): on a GPU each is a kernel launch of several microseconds. A deterministic count,
-  comparable across machines and runs. One-element CPU values the logger reads at once (``.item()``,
-  ``_local_scalar_dense``) are left out too: on a GPU the logger stacks them instead (one op).
+* ``+ops``: the aten ops a step dispatches beyond its bare step, counted with a ``TorchDispatchMode``; view ops
+  (by the op's schema: ``view``, ``t``, ``select``, ``slice``, ``detach``, ...) are left out, never by a part of
+  the name (``index_select`` and ``cat`` are kernels): on a GPU each op counted is a kernel launch of several
+  microseconds. A deterministic count, comparable across machines and runs.
+* ``+reads``: the one-element host reads (``.item()``, ``_local_scalar_dense``) beyond the bare step, apart from
+  ``+ops``. The logger's own become one stacked transfer on a GPU; hand-written ``.item()`` (the ``naive`` rows)
+  is a blocking device sync each there. ``.tolist()`` dispatches no op on a CPU, so it is in neither count.
 * ``+ms``: the host time it adds, the median over interleaved repetitions of (variant - bare) in the same
   repetition; ``ratio``: the median of (variant / bare).
 * ``log-tb x4`` and ``log x4`` (NCA groups): four logging steps back to back with the logger's flush timed
@@ -55,30 +58,42 @@ GROUPS = {
 BURSTS = ("log-tb", "log")  # the kinds also timed BURST steps back to back, flush timed, in the NCA groups
 SIZES = {"nca": {"batch": 1, "size": 4, "hidden": 16}, "rl": {"envs": 4}}
 RESULTS = Path(__file__).parent / "results"
-_NOT_LAUNCHES = ("view", "alias", "detach", "_local_scalar_dense", "unbind", "select", "slice", "expand",
-                 "squeeze", "unsqueeze", "transpose", "permute", "t.default", "as_strided")
+# Not launches: view ops (the op's schema says so: view, t, select, slice, expand, unbind, detach, alias, ...)
+# and one-element reads. Matched by op, never by a substring of its name: "select" would also drop
+# index_select, "slice" slice_backward, "t.default" cat, sqrt and bitwise_not, which are all kernels.
+_NOT_LAUNCHES = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unsafe_view.default})
+
+
+def _is_launch(func) -> bool:
+    return not (getattr(func, "is_view", False) or func in _NOT_LAUNCHES)
 
 
 class _Count(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.reads = 0  # one-element host reads (.item()): left out of ops, counted apart
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if not any(part in name for part in _NOT_LAUNCHES):
-            self.ops[name] += 1
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        elif _is_launch(func):
+            self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
 def count_ops(variant: workloads.Variant) -> collections.Counter:
-    """The ops one call of ``variant`` dispatches (after its warm-up calls), by name."""
+    """The ops one call of ``variant`` dispatches (after its warm-up calls), by name; the one-element host
+    reads (``.item()``) under the key ``"reads"``."""
     counter = _Count()
     with counter:
         variant.fn()
     if variant.settle is not None:
         variant.settle()
-    return counter.ops
+    return counter.ops + collections.Counter({_READS: counter.reads})
+
+
+_READS = "reads"  # not an op name: kept out of the op sums below
 
 
 def measure(groups: Sequence[str], reps: int, warmup: int) -> List[Dict[str, object]]:
@@ -106,10 +121,14 @@ def measure(groups: Sequence[str], reps: int, warmup: int) -> List[Dict[str, obj
                         continue
                     steps = BURST if v.key.endswith(f" x{BURST}") else 1
                     base_ops, base_times = ops_of[v.baseline], measured.samples[v.baseline]
-                    added = ops_of[v.key] - base_ops  # Counter subtraction keeps only what the variant adds
+                    reads = (ops_of[v.key][_READS] - base_ops[_READS]) / steps
+                    base_ops = base_ops - collections.Counter({_READS: base_ops[_READS]})
+                    var_ops = ops_of[v.key] - collections.Counter({_READS: ops_of[v.key][_READS]})
+                    added = var_ops - base_ops  # Counter subtraction keeps only what the variant adds
                     pairs = list(zip(measured.samples[v.key], base_times, strict=True))
                     row = {"key": v.key,
-                           "ops": round((sum(ops_of[v.key].values()) - sum(base_ops.values())) / steps),
+                           "ops": round((sum(var_ops.values()) - sum(base_ops.values())) / steps),
+                           "reads": round(reads),
                            "top": [(name, round(n / steps)) for name, n in added.most_common(5)],
                            "ms": statistics.median(a - b for a, b in pairs) * 1e3 / steps,
                            "ratio": statistics.median(a / b for a, b in pairs),
@@ -131,13 +150,17 @@ def markdown(rows: List[Dict[str, object]], reps: int) -> str:
         "repetition; `ratio`: median of the paired ratios. `x4` rows: four logging steps back to back, the flush "
         "timed, against four bare steps (`+ops`, `+ms` and the bare step per step).",
         "",
-        "| variant | +ops | +ms | ratio | bare step | most added ops | what it is |",
-        "|---|---|---|---|---|---|---|",
+        "`+reads`: one-element host reads (`.item()`) beyond the bare step, not in `+ops`: the Logger's own become "
+        "one stacked transfer on a GPU, but hand-written `.item()` (the `naive` rows) is a blocking device sync "
+        "each there, and its `.tolist()` calls dispatch no op at all on a CPU (a device copy and sync each on a GPU).",
+        "",
+        "| variant | +ops | +reads | +ms | ratio | bare step | most added ops | what it is |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         top = ", ".join(f"{n} {name.replace('aten.', '')}" for name, n in row["top"])
-        lines.append(f"| `{row['key']}` | {row['ops']:+d} | {row['ms']:+.3f} | {row['ratio']:.3f} | "
-                     f"{row['bare_ms']:.2f} ms | {top} | "
+        lines.append(f"| `{row['key']}` | {row['ops']:+d} | {row.get('reads', 0):+d} | {row['ms']:+.3f} | "
+                     f"{row['ratio']:.3f} | {row['bare_ms']:.2f} ms | {top} | "
                      f"{row['describe']} |")
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,6 @@
 """What embedded probes cost: NCA and CartPole rollouts, eager / TorchScript / torch.compile.
 
-For each mode it times three variants of the same rollout:
+For each mode it times four variants of the same rollout:
 
 * ``bare``: the demo module, no probes anywhere;
 * ``off``:  the same module with `instrument.Probe`s embedded, on a non-logging step (target <= 1.01x bare);
@@ -22,9 +22,10 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import warnings
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 _ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "4294967296",
         "MALLOC_TRIM_THRESHOLD_": "4294967296"}
@@ -107,8 +108,9 @@ def cartpole_rollout(policy: Callable, n_steps: int, observer=None) -> Tensor:
     return total
 
 
-def build(workload: str, mode: str, args) -> Dict[str, Callable[[], object]]:
-    """The three timed callables of one workload in one mode."""
+def build(workload: str, mode: str, args, log_dir: str) -> Tuple[Dict[str, Callable[[], object]], List[object]]:
+    """The four timed callables of one workload in one mode, and the two sessions behind them (closed by the
+    caller once they are timed: a session dropped open keeps its writer thread, and the next one warns)."""
     torch.manual_seed(0)
     if workload == "nca":
         bare, probed = UpdateRule(), ProbedRule()
@@ -133,26 +135,34 @@ def build(workload: str, mode: str, args) -> Dict[str, Callable[[], object]]:
     else:
         bare_m, probed_m = bare, probed
     # Probes only (the loop hands contexts to s.observer), the same in every mode.
-    inst = instrument.Instrumentation(observers=[KeepProbes()], backends=[], log_interval=1)
+    inst = instrument.Instrumentation(observers=[KeepProbes()], backends=[], log_interval=1, log_dir=log_dir)
     inst.watch(probed_m, state=False)
-    plain = instrument.Instrumentation(observers=[KeepProbes()], backends=[], log_interval=1)
+    plain = instrument.Instrumentation(observers=[KeepProbes()], backends=[], log_interval=1, log_dir=log_dir)
+
+    steps = {"on": 0, "observed": 0}  # a new step number per call: a session refuses to enter a step twice
 
     def on():
-        with inst.step(0) as s:
+        steps["on"] += 1
+        with inst.step(steps["on"]) as s:
             return run(probed_m, s.observer)
 
     def observed():
-        with plain.step(0) as s:
+        steps["observed"] += 1
+        with plain.step(steps["observed"]) as s:
             return run(bare_m, s.observer)
 
     with torch.no_grad():  # compile or warm every variant, "on" first (see the module docstring)
         for fn in (on, on) + (lambda: run(bare_m), lambda: run(probed_m)) * 2:
             fn()
-    return {"bare": lambda: run(bare_m), "off": lambda: run(probed_m), "on": on, "observed": observed}
+    variants = {"bare": lambda: run(bare_m), "off": lambda: run(probed_m), "on": on, "observed": observed}
+    return variants, [inst, plain]
 
 
 def measure(variants: Dict[str, Callable], reps: int) -> Dict[str, float]:
+    """Medians of per-repetition ratios: each variant to ``bare``, and ``on`` to ``observed`` (key
+    ``on/observed``), every ratio paired within one repetition."""
     ratios: Dict[str, List[float]] = {name: [] for name in variants if name != "bare"}
+    ratios["on/observed"] = []
     names = list(variants)
     with torch.no_grad():
         for _ in range(reps):
@@ -162,8 +172,10 @@ def measure(variants: Dict[str, Callable], reps: int) -> Dict[str, float]:
                 start = time.perf_counter()
                 variants[name]()
                 times[name] = time.perf_counter() - start
-            for name in ratios:
-                ratios[name].append(times[name] / times["bare"])
+            for name in variants:
+                if name != "bare":
+                    ratios[name].append(times[name] / times["bare"])
+            ratios["on/observed"].append(times["on"] / times["observed"])
     return {name: statistics.median(values) for name, values in ratios.items()}
 
 
@@ -184,11 +196,17 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.reps} reps, medians of per-rep ratios to the bare module")
     header = ("workload", "mode", "off/bare", "on/bare", "observed/bare", "on/observed")
     print("{:10} {:9} {:>9} {:>9} {:>14} {:>12}".format(*header))
-    for workload in args.workloads.split(","):
-        for mode in modes:
-            r = measure(build(workload, mode, args), args.reps)
-            print(f"{workload:10} {mode:9} {r['off']:9.3f} {r['on']:9.3f} {r['observed']:14.3f} "
-                  f"{r['on'] / r['observed']:12.3f}", flush=True)
+    with tempfile.TemporaryDirectory() as log_dir:  # the sessions' run folders: not left in the working tree
+        for workload in args.workloads.split(","):
+            for mode in modes:
+                variants, sessions = build(workload, mode, args, log_dir)
+                try:
+                    r = measure(variants, args.reps)
+                finally:
+                    for session in sessions:
+                        session.close()
+                print(f"{workload:10} {mode:9} {r['off']:9.3f} {r['on']:9.3f} {r['observed']:14.3f} "
+                      f"{r['on/observed']:12.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -357,7 +357,7 @@ def nca_variants(modes: Sequence[str], wanted: Callable[[str], bool], tmp: str) 
             elif kind.startswith("probe-"):
                 v.pending = PROBE_PENDING if not hasattr(instrument, "Probe") else None
                 if v.pending is None:
-                    v.fn, v.check, v.describe = _probe_variant(
+                    v.fn, v.check, v.describe, v.settle = _probe_variant(
                         "nca", mode, kind, tmp, target=target, seed=seed
                     )
             out.append(v)

@@ -387,3 +387,57 @@ def test_the_statistics_helpers_refuse_complex_values_instead_of_crashing():
     for call in (lambda: output_moments(z), lambda: iteration_channel_stats(z.unsqueeze(0))):
         with pytest.raises(instrument.InvalidValueError, match=r"complex tensor \(torch\.complex64\).*view_as_real"):
             call()
+
+
+def test_a_watched_call_counted_but_not_delivered_leaves_the_later_iterations_labels_as_they_are(tmp_path):
+    """A call the session counts but cannot deliver (here a rule that starts changing its argument in place after
+    the first logging step, documented) keeps the later calls' step_index; StateHistogram and NonFinite counted
+    delivered calls instead, so `state_hist/c1/it2` held iteration 3's histogram and a NaN made at iteration 3
+    read `first_iteration` 2. Read back from TensorBoard and JSONL against float64 NumPy."""
+    import json
+    import logging
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Rule(torch.nn.Module):
+        in_place, nan_at, calls = False, None, 0
+
+        def forward(self, x):
+            dx = 0.25 * torch.tanh(x + 1.0)
+            if self.calls == self.nan_at:
+                dx = dx.clone()
+                dx[0, 2] = float("nan")
+            self.calls += 1
+            return x.add_(dx) if self.in_place else x + dx
+
+    rule = Rule()
+    inst = instrument.Instrumentation(
+        observers=[instrument.StateHistogram(iterations=(2, -1)), instrument.NonFinite()],
+        backends=[instrument.JsonlBackend(), instrument.TensorBoardBackend()], log_interval=1, run_name="r",
+        log_dir=str(tmp_path))
+    inst.watch(rule)
+    logging.getLogger("instrument").disabled = True  # the documented warnings of the uncopied call
+    try:
+        for step in range(2):
+            rule.in_place, rule.nan_at, rule.calls = step == 1, (3 if step == 1 else None), 0
+            states = []
+            with inst.step(step), torch.no_grad():
+                x = torch.linspace(-1.0, 1.0, 6 * 4, dtype=torch.float32).reshape(6, 4)
+                for _ in range(5):
+                    x = rule(x)
+                    states.append(x.double().numpy().copy())
+        inst.close()
+    finally:
+        logging.getLogger("instrument").disabled = False
+    events = EventAccumulator(str(tmp_path / "r"), size_guidance={"histograms": 0}).Reload()
+    histograms = {key: {e.step: e.histogram_value for e in events.Histograms(key)}
+                  for key in ("state_hist/c1/it2", "state_hist/c1")}
+    channel = [state[:, 1] for state in states]  # step 1's states, float64
+    assert histograms["state_hist/c1/it2"][1].sum == pytest.approx(channel[2].sum(), rel=1e-6)
+    assert abs(histograms["state_hist/c1/it2"][1].sum - channel[3].sum()) > 0.1  # not the next iteration's
+    assert histograms["state_hist/c1"][1].sum == pytest.approx(channel[4].sum(), rel=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["metrics"] for r in records if "metrics" in r}
+    for key in ("first_iteration", "first_iteration/state", "first_iteration/dx"):  # the NaN made in call 3
+        assert logged[1][f"nonfinite/{key}"] == 3, key  # (calls 0-4; call 0 not delivered)
+    assert logged[0]["nonfinite/first_iteration"] == -1

@@ -157,8 +157,8 @@ class NonFinite(Observer):
         self.raise_on_nonfinite = raise_on_nonfinite
         self.max_elements = check_limit(f"NonFinite({self.name!r})", "max_elements", max_elements, 64 * 2**20)
         self._buffers: Dict[str, IterationBuffer] = {}
-        self._calls = 0  # observe calls of this logging step: the iteration index of what they append
-        self._rows: Dict[str, List[int]] = {}  # per probe source, the iteration of each row it appended
+        self._calls = 0  # the iteration index the next observe call appends at (at least: `observe`)
+        self._rows: Dict[str, List[int]] = {}  # per source, the iteration of each row it appended
         self._shape: Optional[torch.Size] = None  # the state shape channel_dim was checked against
         self._params: List[Tuple[str, nn.Parameter]] = []
         # Committed steps whose record has not been read yet (warn mode), each with whether its gradients were
@@ -208,6 +208,15 @@ class NonFinite(Observer):
             if said is not None and state.dim() > 2:
                 check_channel_dim(self.name, said, state.shape)
             self._shape = state.shape
+        # The rollout's index: a watched call counted but not delivered (docs/observers.md) leaves a gap, and the
+        # iterations after it keep theirs. An explicit evolver that leaves step_index at 0 is counted instead.
+        index = max(self._calls, context.step_index)
+        rows = self._rows.get("state")
+        if rows is None:
+            rows = self._rows["state"] = []
+            if self.check_dx:
+                self._rows["dx"] = rows  # the same iterations
+        rows.append(index)  # `log` maps rows to iterations only when they differ
         self._append("state", state)
         if self.check_dx:
             # Taken now, per iteration (not from kept (previous, next) pairs at log time, as UpdateNorm does): a
@@ -217,9 +226,9 @@ class NonFinite(Observer):
         if self.check_probes:
             for probe, value in context.probes.items():
                 source = f"probe.{probe}"
-                self._rows.setdefault(source, []).append(self._calls)
+                self._rows.setdefault(source, []).append(index)
                 self._append(source, value)
-        self._calls += 1
+        self._calls = index + 1
 
     def log(self, logger, step: int) -> None:
         metrics: Dict[str, Tensor] = {}

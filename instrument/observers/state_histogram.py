@@ -105,8 +105,10 @@ class StateHistogram(Observer):
         return state, state._version
 
     def observe(self, context: StepContext) -> None:
-        index = self._count
-        self._count += 1
+        # The rollout's index: a watched call counted but not delivered (docs/observers.md) leaves a gap, and the
+        # iterations after it keep theirs. An explicit evolver that leaves step_index at 0 is counted instead.
+        index = max(self._count, context.step_index)
+        self._count = index + 1
         if index in self._from_start or self._from_end:
             kept = self._keep(context.next_state)
             if index in self._from_start:

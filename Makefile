@@ -1,8 +1,12 @@
 # Every target installs what it needs itself: `make demo` and `make test` work on a fresh machine.
-# TORCH is the pinned CPU wheel; override it, e.g. `make TORCH=torch install` on a CUDA machine.
+# TORCH is pinned: an unpinned torch pulls several GB of CUDA packages. Which build the pin gets is pip's choice:
+# the CPU wheel where pip's configuration offers one (as on the CI machines), else PyPI's wheel, which on Linux
+# is the CUDA build; TORCH_INDEX=https://download.pytorch.org/whl/cpu asks PyTorch's CPU index for it. On a
+# CUDA machine: `make TORCH=torch install`.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
@@ -16,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull several GB of CUDA packages.
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -31,7 +35,7 @@ test: install
 
 # The tests marked `cuda` alone (skipped by `make test` without a GPU); on a GPU machine with a CUDA torch:
 # `make TORCH=torch test-cuda`. With a CPU build of torch it stops with an error (tests/conftest.py) instead of
-# skipping them all: a venv made earlier with the pinned CPU wheel needs `.venv/bin/pip uninstall -y torch` first.
+# skipping them all: a venv made earlier with a CPU build of torch needs `.venv/bin/pip uninstall -y torch` first.
 test-cuda: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest -m cuda -rs
 

@@ -220,3 +220,27 @@ def test_importing_the_package_and_its_subpackages_imports_no_optional_sdk():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"imported optional SDKs: {result.stdout.strip()}"
+
+
+def test_the_observer_signatures_in_the_docs_are_the_real_ones():
+    """docs/observers.md's headers left out ``max_elements`` of IterationStats and UpdateNorm, which sits before
+    ``color_range`` / ``channel_dim``: `UpdateNorm("u", 3, 0.1, 1)` as read there binds max_elements=1. Each
+    header must list the constructor's parameters in their order, with their defaults (names: the default)."""
+    import ast
+    import inspect
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "observers.md").read_text()
+    headers = re.findall(r"^### `(\w+)\((.*)\)`$", text, flags=re.M)
+    assert len(headers) >= 7
+    for cls_name, args in headers:
+        cls = getattr(instrument, cls_name)
+        call = ast.parse(f"f({args})").body[0].value
+        documented = {kw.arg: ast.literal_eval(kw.value) if not isinstance(kw.value, ast.BinOp) else eval(
+            compile(ast.Expression(kw.value), "<doc>", "eval")) for kw in call.keywords}
+        params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+        assert list(documented) == [p.name for p in params], cls_name
+        for p in params:
+            want = getattr(cls, "default_name", "") if p.name == "name" else p.default
+            assert documented[p.name] == want, (cls_name, p.name, documented[p.name], want)

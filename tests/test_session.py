@@ -377,6 +377,48 @@ def test_two_watched_modules_that_both_deliver_iterations_are_said_once(caplog):
     assert len(said) == 1 and "fast (3 calls), slow (3 calls)" in said[0] and "one rollout of 6" in said[0]
 
 
+def test_a_watched_module_whose_states_the_loop_also_hands_to_s_observer_is_said_once(caplog):
+    """quickstart's own-loop snippet watched the rule and passed ``observer=s.observer`` to the demo's rollout,
+    which calls it: every iteration was observed twice (`iteration_stats/iterations` read 10 for 5), unsaid."""
+    from instrument.demos.nca import NCA, make_seed, rollout
+
+    torch.manual_seed(0)
+    model = NCA(channels=8, hidden=16)
+    keep = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            keep.append(record)
+
+    inst = instrument.Instrumentation([instrument.IterationStats(images=False)], backends=[Keep()],
+                                      log_interval=1)
+    inst.watch(model.update_rule)  # as quickstart's snippet did
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            with inst.step(step) as s, torch.no_grad():
+                rollout(model, make_seed(1, 8, 8), 5, observer=s.observer)
+        inst.close()
+    said = [r.getMessage() for r in caplog.records if "s.observer was called" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "UpdateRule delivered 5 iterations and s.observer was called 5 more times" in said[0]
+    assert "state=False" in said[0]
+    assert keep[0].scalars["iteration_stats/iterations"] == 10  # what it warns about
+
+
+def test_a_module_watched_with_state_false_and_s_observer_are_not_said(caplog):
+    from instrument.demos.nca import NCA, make_seed, rollout
+
+    model = NCA(channels=8, hidden=16)
+    model.update_rule = torch.nn.Sequential(model.update_rule, instrument.Probe("p"))
+    inst = instrument.Instrumentation([instrument.IterationStats(images=False)], backends=[], log_interval=1)
+    inst.watch(model.update_rule, state=False)
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        with inst.step(0) as s, torch.no_grad():
+            rollout(model, make_seed(1, 8, 8), 5, observer=s.observer)
+        inst.close()
+    assert not [r for r in caplog.records if "s.observer was called" in r.getMessage()]
+
+
 def test_one_watched_module_and_a_probe_only_watch_are_not_said(caplog):
     rule, other = torch.nn.Identity(), torch.nn.Sequential(instrument.Probe("o"))  # a probe-only watch needs one
     inst = instrument.Instrumentation([instrument.IterationStats(images=False)], backends=[], log_interval=1)

@@ -154,9 +154,26 @@ class StepLifecycle:
         )
 
     def _report_mixed(self, step: int) -> None:
-        """Two watched modules that both delivered iterations feed the observers one stream: said once."""
+        """Two watched modules that both delivered iterations feed the observers one stream, and so do a watched
+        module and ``s.observer`` calls (each iteration observed twice, when the loop hands over the states the
+        hook already delivered): said once."""
         called = [(watch.name, watch.iterations) for watch in self._watches if watch.iterations]
-        if len(called) < 2 or self._mixed_said:
+        if not called or self._mixed_said:
+            return
+        explicit = self._dispatch.calls - sum(n for _, n in called)  # at least: a watch counts calls it skips
+        if len(called) == 1 and explicit > 0:
+            self._mixed_said = True
+            log.warning(
+                "instrument: in logging step %d watched module %s delivered %d iterations and s.observer was "
+                "called %d more times: the observers see them as one rollout of %d iterations. If the loop hands "
+                "s.observer the states of that module's calls, each iteration is observed twice (IterationStats' "
+                "iterations doubles, its last-iteration values and UpdateNorm's l2/first and l2/last are of the "
+                "wrong iteration). Do one of the two: watch the module with state=False (its probes still record) "
+                "and keep the s.observer calls, or drop them. (Said once.)",
+                step, called[0][0], called[0][1], explicit, self._dispatch.calls,
+            )
+            return
+        if len(called) < 2:
             return
         self._mixed_said = True
         log.warning(

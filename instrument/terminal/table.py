@@ -377,8 +377,8 @@ class StepTable:
             column,
             "type",
             logging.ERROR,
-            "instrument: column %r (key %r, format %r) got %s %s, expected %s; it renders '?' from now on. "
-            "Fix the value you log or the column's fmt.",
+            "instrument: column %r (key %r, format %r) got %s %s, expected %s; it renders '?' wherever it gets "
+            "such a value (said once). Fix the value you log or the column's fmt.",
             column.header,
             column.key,
             column.fmt,

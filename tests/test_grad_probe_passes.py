@@ -293,3 +293,28 @@ def test_each_iteration_checkpointed_keeps_its_gradient(caplog, use_reentrant):
     want = segment_reference(rule, seed_state().requires_grad_(True))
     assert_pairs(keep.gradients["hidden"], want)
     assert "gradient probe" not in caplog.text
+
+
+def test_a_burn_in_under_no_grad_is_named_in_the_unpaired_warning_and_its_gradients_follow_it(caplog):
+    """Two iterations under torch.no_grad, then K differentiated ones: the burn-in's calls count as iterations
+    but get no gradient. The warning blamed "a backward over part of a segment, or gradients from outside the
+    watched calls" and docs/probes.md did not mention burn-in, the usual cause; gradients[j] is iteration 2 + j's
+    (eager autograd's own gradients)."""
+    rule, keep = new_rule(), Keep()
+    inst = session(keep)
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        x = seed_state()
+        with torch.no_grad():
+            for _ in range(2):
+                x = rule(x)
+        burned = x.clone()
+        for _ in range(K):
+            x = rule(x)
+        x.square().mean().backward()
+    inst.close()
+    rule.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "cannot be paired" in r.getMessage()]
+    assert len(said) == 1 and "torch.no_grad" in said[0] and "burn-in" in said[0]
+    assert keep.indices == list(range(2 + K))
+    assert_pairs(keep.gradients["hidden"], segment_reference(rule, burned))

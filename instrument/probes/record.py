@@ -206,9 +206,10 @@ class Recorder:
                 self._say("unpaired", name, (
                     "instrument: gradient probe %r recorded %d gradients in a step whose forward recorded it %d "
                     "times in %d segment(s) (a forward after a backward starts one), so they cannot be paired with "
-                    "iterations (a backward over part of a segment, or gradients from outside the watched calls); "
-                    "gradients[%r] holds each segment's gradients reversed, segments in order, and gradients[%r][i] "
-                    "need not be iteration i's. (Said once per probe and session.)"
+                    "iterations: calls that send no gradient back (a burn-in or a collection run under torch.no_grad, "
+                    "a backward over part of a segment, gradients from outside the watched calls); gradients[%r] "
+                    "holds each segment's gradients reversed, segments in order, and gradients[%r][i] need not be "
+                    "iteration i's. (Said once per probe and session.)"
                 ), name, len(values), n, segments, name, name)
                 continue
             iterations = self.drained.get(name, 0) + (name in self.pending)

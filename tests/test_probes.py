@@ -855,6 +855,67 @@ def test_a_rule_that_changes_its_argument_and_returns_a_new_tensor_keeps_its_fir
     assert clones[1:] == [8, 8]
 
 
+def test_a_rule_that_starts_changing_its_argument_mid_step_keeps_the_first_logging_step(tmp_path, caplog):
+    """In the first logging step the inputs were copied but the outputs were delivered by reference until a call
+    changed its argument: a rule that starts `x.clamp_()` at its third call changed the state the second call had
+    delivered, and IterationStats, UpdateNorm and NonFinite lost the step (a review of the fix above). Under
+    inference_mode, where observers keep no reference, a new tensor is not copied (16 clones, not 32)."""
+    import json
+
+    import numpy as np
+
+    class LateClamp(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls >= 3:
+                x.clamp_(-1.0, 1.0)
+            return x + 0.25 * torch.tanh(3.0 * x + 0.5)
+
+    observers = [instrument.IterationStats(images=False), instrument.UpdateNorm(), instrument.NonFinite()]
+    inst = instrument.Instrumentation(observers, backends=[instrument.JsonlBackend()], log_interval=1, run_name="r",
+                                      log_dir=str(tmp_path))
+    rule = LateClamp()
+    inst.watch(rule)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0), torch.no_grad():
+        x = torch.linspace(-3, 3, 2 * 4 * 9).reshape(2, 4, 3, 3)
+        norms = []
+        for _ in range(5):
+            before = x.double().numpy()
+            x = rule(x)
+            norms.append(np.sqrt(((x.double().numpy() - before).reshape(2, -1) ** 2).sum(1)).mean())
+    inst.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r["metrics"] for r in records if r.get("step") == 0 and "metrics" in r)
+    assert logged["update_norm/l2/mean"] == pytest.approx(np.mean(norms), rel=1e-6)
+    assert logged["iteration_stats/mean/c0"] == pytest.approx(x[:, 0].double().mean().item(), rel=1e-5, abs=1e-6)
+    assert logged["nonfinite/incomplete"] == 0
+
+    class IdentityOnce(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x if self.calls == 1 else x + 0.1 * torch.tanh(x)  # returns its argument once
+
+    rule = IdentityOnce()
+    inst = instrument.Instrumentation([instrument.IterationStats(images=False), instrument.UpdateNorm()],
+                                      backends=[], log_interval=1)
+    inst.watch(rule)
+    clones = []
+    for step in range(3):
+        with inst.step(step), torch.inference_mode():
+            x = torch.randn(2, 4, 3, 3)
+            with _CountClones() as counted:
+                for _ in range(8):
+                    x = rule(x)
+            clones.append(counted.count)
+    inst.close()
+    assert clones[1:] == [8, 8]  # the argument before each call only
+
+
 class _Deltas(instrument.Observer):
     """Keeps |dx| (sum of absolute differences) of every observed iteration."""
 

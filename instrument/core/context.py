@@ -11,7 +11,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["StepContext", "WIDE_INTEGERS", "difference", "reduction_dtype"]
+__all__ = ["StepContext", "WIDE_INTEGERS", "difference", "reduction_dtype", "same_view"]
 
 
 def _detached(value: Optional[Tensor], name: str) -> Optional[Tensor]:
@@ -57,6 +57,21 @@ def reduction_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype in WIDE_INTEGERS and device.type != "mps":
         return torch.float64
     return torch.float32
+
+
+def same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same memory the same way (a detached copy of a state is another tensor
+    object over the same storage): while both are alive, equal views mean equal values. A tensor without storage
+    (a torch.func wrapper, a wrapper subclass) has no memory to compare: False."""
+    if a is b:
+        return True
+    try:
+        same_memory = a.data_ptr() == b.data_ptr()
+    except RuntimeError:  # "Cannot access data pointer of Tensor that doesn't have storage"
+        return False
+    return same_memory and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and (
+        a.device == b.device
+    )
 
 
 # Integer dtypes with values float32 cannot hold exactly (magnitudes beyond 2**24).

@@ -78,9 +78,11 @@ class NonFinite(Observer):
     with ``raise_on_nonfinite=True`` the step's commit raises `instrument.NonFiniteError` with that message
     instead (the step's values are committed first, so they are written).
 
-    Sources (``<source>`` below): ``state``, ``dx`` and ``probe.<probe>``. Iterations are 0-based and count the
-    observer calls of the rollout, for a probe recorded only in some iterations too (its first recording at call 5
-    is iteration 5).
+    Sources (``<source>`` below): ``state``, ``dx`` and ``probe.<probe>``. Iterations are 0-based and are the
+    rollout's: each context's ``step_index`` where it is past the observer calls so far (a watched call counted
+    but not delivered, an explicit evolver that numbers its iterations), else the count of those calls (an
+    explicit evolver that leaves it at 0); for a probe recorded only in some iterations too (its first recording
+    at call 5 is iteration 5).
 
     Metric keys (``<name>`` defaults to ``nonfinite``):
 

@@ -30,10 +30,12 @@ class StateHistogram(Observer):
 
     For a state [B, C, ...] channel k's histogram holds every value of ``state.select(channel_dim, k)`` (the
     whole batch and every position). ``iterations`` picks which states: ``-1`` is the state after the last
-    iteration, ``0`` after the first, ``-2`` after the one before the last; indices count the iterations
-    observed in the logging step. A rollout too short for an index logs nothing for it. The kept states are
-    references, checked at log time for in-place changes (then this step's histograms are dropped with an
-    error and later steps copy the chosen states); inference-mode states are copied.
+    iteration, ``0`` after the first, ``-2`` after the one before the last. Indices are the rollout's: each
+    context's ``step_index``, where it is past the observer calls so far (a watched call counted but not
+    delivered, or an explicit evolver that numbers its iterations), else the number of those calls (an explicit
+    evolver that leaves it at 0). An iteration not observed (too short a rollout) logs nothing for it. The kept
+    states are references, checked at log time for in-place changes (then this step's histograms are dropped
+    with an error and later steps copy the chosen states); inference-mode states are copied.
 
     Metric keys (``<name>`` defaults to ``state_hist``):
 
@@ -95,7 +97,8 @@ class StateHistogram(Observer):
         self.reset()
 
     def reset(self) -> None:
-        self._count = 0
+        self._count = 0  # one past the highest iteration index seen (`observe`)
+        self._observed = 0  # observe calls
         self._kept: Dict[int, Tuple[Tensor, int]] = {}  # iteration (from the start) -> (state, version)
         self._recent: Deque[Tuple[int, Tensor, int]] = deque(maxlen=max(self._from_end, 1))
 
@@ -109,6 +112,7 @@ class StateHistogram(Observer):
         # iterations after it keep theirs. An explicit evolver that leaves step_index at 0 is counted instead.
         index = max(self._count, context.step_index)
         self._count = index + 1
+        self._observed += 1
         if index in self._from_start or self._from_end:
             kept = self._keep(context.next_state)
             if index in self._from_start:
@@ -143,9 +147,9 @@ class StateHistogram(Observer):
                     self._said_beyond.add(iteration)
                     _log.warning(
                         "instrument: StateHistogram(%r) has no state for iterations=%r entry %d: the logging step "
-                        "at %d observed %d iteration(s), so no histogram of it was logged. Pick an iteration "
-                        "within the rollout (-1: the last). (Said once per entry.)",
-                        self.name, self.iterations, iteration, step, self._count)
+                        "at %d observed %d iteration(s), numbered up to %d, none of them that one, so no histogram "
+                        "of it was logged. Pick an iteration within the rollout (-1: the last). (Said once per "
+                        "entry.)", self.name, self.iterations, iteration, step, self._observed, self._count - 1)
                 continue
             if state.numel() == 0:  # an empty batch or grid: no value to bin (the logger refuses an empty histogram)
                 if not self._said_empty:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from instrument.checks import check_int, check_number
-from instrument.core.context import StepContext, difference, reduction_dtype
+from instrument.core.context import StepContext, difference, reduction_dtype, same_view
 from instrument.core.observer import Observer, over_ranks
 from instrument.observers.buffer import IterationBuffer
 from instrument.observers.layout import check_channel_dim, infer_channel_dim, said_channel_dim, warn_layout_once
@@ -118,7 +118,7 @@ class UpdateNorm(Observer):
         produced, as a rollout does) is stacked as one [k + 1, ...] tensor whose shifted views are the pairs."""
         if self._pairs:
             previous, following = columns
-            if all(_same_values(previous[i], following[i - 1]) for i in range(1, len(previous))):
+            if all(same_view(previous[i], following[i - 1]) for i in range(1, len(previous))):
                 states = torch.stack([previous[0], *following])
                 return [states[:-1], states[1:]]
         return [torch.stack(column) for column in columns]
@@ -197,18 +197,3 @@ class UpdateNorm(Observer):
         logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, {"l2/max": "max"}))
         logger.log_histogram(f"{self.name}/l2", norms, step)
 
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` view the same memory the same way (a detached copy of a state is another
-    tensor object over the same storage). Both are kept alive by the buffer, so equal views mean equal values.
-    A tensor without storage (a torch.func wrapper, a wrapper subclass) has no memory to compare: False, and
-    the pairs are stacked as they are."""
-    if a is b:
-        return True
-    try:
-        same_memory = a.data_ptr() == b.data_ptr()
-    except RuntimeError:  # "Cannot access data pointer of Tensor that doesn't have storage"
-        return False
-    return same_memory and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and (
-        a.device == b.device
-    )

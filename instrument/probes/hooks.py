@@ -93,6 +93,7 @@ class StateWatch:
         self._copy_input = False  # the forward changes its argument: copy it before every call
         self._said_unseen = False  # a call seen only after it changed its argument was reported (`_unseen_change`)
         self._last_out: Optional[Tuple[Tensor, Optional[int]]] = None  # the state the last call returned, version
+        self.last_delivered: Optional[Tensor] = None  # the next_state of the last call delivered in this step
         self._known = False  # a whole logging step's calls were checked with copies and left their argument alone
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
@@ -137,7 +138,7 @@ class StateWatch:
             self._handle.remove()
             self._handle = None
             self._calls.clear()
-            self._last_out = None  # the step's last state is not kept alive past the step
+            self._last_out = self.last_delivered = None  # the step's last state is not kept alive past the step
             if report and self.iterations:  # every call of a whole step checked with a copy
                 self._known = True
             self.guard.end(self.iterations)
@@ -262,11 +263,13 @@ class StateWatch:
                 return
             if version is None and current is original:  # an inference-mode forward returning its argument: it
                 self._copy_input = True  # may change it, so the state it returns is delivered as a copy as well
-            if self._copy_input and current is not None:
-                # The next call may change this state in place, as this forward did its argument, whether it
-                # returned it or a new tensor; observers keep what they get until the step's end: a copy. (It is
-                # not reused as the next call's copy from before it: a write through .data between the calls
-                # would leave the version counter as it was.)
+            if current is not None and (current is original or not current.is_inference()) and (
+                    self._copy_input or not self._known):
+                # The next call may change this state in place, as this forward (or, in the first logging step,
+                # any call) may change its argument, whether it returned it or a new tensor; observers keep what
+                # they get until the step's end: a copy. (Not reused as the next call's copy from before it: a
+                # write through .data between the calls would leave the version counter as it was. A new
+                # inference tensor is not kept by reference by any observer, so it is not copied.)
                 current = current.detach().clone()
         elif previous is not None and current is not None and self._unseen_change(previous, current):
             return  # nothing ran before this call (a ScriptModule's state given as a keyword)
@@ -384,6 +387,7 @@ class StateWatch:
         self.guard.check_input(previous, current)
         index = self.iterations
         self.iterations += 1
+        self.last_delivered = current  # what a loop that also calls s.observer would hand over again
         self.deliver(
             StepContext(
                 previous_state=previous,

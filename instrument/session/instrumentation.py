@@ -172,7 +172,8 @@ class Instrumentation(StepLifecycle):
         self._overhead = overhead
         self._overhead_warned = False
         self._discard_reported = False
-        self._mixed_said = False  # two watched modules delivered iterations in one step (`_report_mixed`)
+        self._mixed_said = self._twice_said = False  # said by `_report_mixed`
+        self._observed_twice = (0, "")  # this step's s.observer calls given a state a watch delivered, its name
         self._said_undelivered: Set[str] = set()  # probes whose values came after the last observer call
         self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
         self._block_committed: Optional[int] = None  # the step the last logging block committed (`_begin`)

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
+from instrument.core.context import StepContext, same_view
 from instrument.core.overhead import OverheadMeter, over_budget
 from instrument.errors import ConfigurationError, StepOrderError
 from instrument.probes import record
@@ -46,6 +47,7 @@ class StepLifecycle:
             meter.enter(scope.step)
             self._dispatch.clock = meter
         scope._mark = self.logger.mark()
+        self._observed_twice = (0, "")  # (`_observe`)
         self._current, self._step_thread = scope, threading.get_ident()
         try:  # whatever stops the start (Ctrl-C in an observer's reset or attach) ends it like a failed step
             if self._loss_scale is not None:
@@ -153,27 +155,33 @@ class StepLifecycle:
             ", ".join(repr(name) for name in new), step,
         )
 
+    def _observe(self, context: StepContext) -> None:
+        """``s.observer`` on a logging step: the dispatcher, after one check. A loop that hands over the state a
+        watched module's call just returned, which its hook already delivered, has that iteration observed twice;
+        such calls are counted and said at the step's end (`_report_mixed`)."""
+        for watch in self._watches:
+            last = watch.last_delivered
+            if last is not None and same_view(context.next_state, last):
+                self._observed_twice = (self._observed_twice[0] + 1, watch.name)
+                break
+        self._dispatch(context)
+
     def _report_mixed(self, step: int) -> None:
-        """Two watched modules that both delivered iterations feed the observers one stream, and so do a watched
-        module and ``s.observer`` calls (each iteration observed twice, when the loop hands over the states the
-        hook already delivered): said once."""
-        called = [(watch.name, watch.iterations) for watch in self._watches if watch.iterations]
-        if not called or self._mixed_said:
-            return
-        explicit = self._dispatch.calls - sum(n for _, n in called)  # at least: a watch counts calls it skips
-        if len(called) == 1 and explicit > 0:
-            self._mixed_said = True
+        """Two watched modules that both delivered iterations feed the observers one stream; a loop that hands
+        ``s.observer`` the states a watched module's hook delivered has them observed twice: each said once."""
+        twice, self._observed_twice = self._observed_twice, (0, "")
+        if twice[0] and not self._twice_said:
+            self._twice_said = True
             log.warning(
-                "instrument: in logging step %d watched module %s delivered %d iterations and s.observer was "
-                "called %d more times: the observers see them as one rollout of %d iterations. If the loop hands "
-                "s.observer the states of that module's calls, each iteration is observed twice (IterationStats' "
-                "iterations doubles, its last-iteration values and UpdateNorm's l2/first and l2/last are of the "
-                "wrong iteration). Do one of the two: watch the module with state=False (its probes still record) "
-                "and keep the s.observer calls, or drop them. (Said once.)",
-                step, called[0][0], called[0][1], explicit, self._dispatch.calls,
+                "instrument: in logging step %d, s.observer was handed %d state(s) that watched module %s had "
+                "just returned, which its hook had already delivered: each of those iterations is observed twice "
+                "(IterationStats' iterations counts them twice, heatmap rows and video frames repeat, and "
+                "iteration labels such as StateHistogram's it<i> and NonFinite's first_iteration count them "
+                "twice). Do one of the two: watch the module with state=False (its probes still record) and keep "
+                "the s.observer calls, or drop them. (Said once.)", step, twice[0], twice[1],
             )
-            return
-        if len(called) < 2:
+        called = [(watch.name, watch.iterations) for watch in self._watches if watch.iterations]
+        if len(called) < 2 or self._mixed_said:
             return
         self._mixed_said = True
         log.warning(

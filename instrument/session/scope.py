@@ -50,10 +50,11 @@ class StepScope:
     Attributes:
         step: the training step.
         active: whether this is a logging step.
-        observer: on a logging step, the session's `Dispatcher` (``instrument.core.dispatch``): the callable
-            an explicit evolver calls once per rollout iteration, ``s.observer(StepContext(previous, next))``,
-            which runs every observer's ``observe`` under ``no_grad`` and isolates their failures. None on a
-            non-logging step, so ``if s.observer is not None:`` skips building the context entirely.
+        observer: on a logging step, the callable an explicit evolver calls once per rollout iteration,
+            ``s.observer(StepContext(previous, next))``: the session's `Dispatcher` (``instrument.core.dispatch``),
+            which runs every observer's ``observe`` under ``no_grad`` and isolates their failures, after a check
+            that the state was not delivered already by a watched module's hook. None on a non-logging step, so
+            ``if s.observer is not None:`` skips building the context entirely.
     """
 
     __slots__ = ("step", "active", "observer", "_session", "_mark")
@@ -61,7 +62,7 @@ class StepScope:
     def __init__(self, session: "Instrumentation", step: int, active: bool) -> None:
         self.step = step
         self.active = active
-        self.observer = session._dispatch if active else None
+        self.observer = session._observe if active else None
         self._session = session
         self._mark: Optional[tuple] = None
 

@@ -24,7 +24,9 @@ may query the history while the run goes on and sees whole steps only. The conta
 
 Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log (and the most recent
 samples of each system series), ``max_samples``
-caps the set of unique samples. Reaching a cap is reported once through the ``instrument`` logger; after that
+caps the set of unique samples. Neither bounds the number of series: each key ever logged keeps one (about 1 KB
+even with ``max_steps=10``), so keys made up per step (``eval/episode_{i}``) grow it with the run. Reaching a
+cap is reported once through the ``instrument`` logger; after that
 the oldest steps are dropped (samples beyond the cap are not added).
 """
 

@@ -43,7 +43,7 @@ from torch import Tensor
 from instrument.backends.base import Backend, RunInfo, StepRecord, check_backends, name_apart
 from instrument.checks import check_int, check_number
 from instrument.core.failures import FailureLedger
-from instrument.errors import ConfigurationError, InvalidValueError
+from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
@@ -52,7 +52,7 @@ from instrument.logger.media import check_media, heatmap_options, refuse_shared_
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
-from instrument.logger.steps import LAZY, MAX_STEP, StepRecords, step_range_message
+from instrument.logger.steps import LAZY, MAX_STEP, StepRecords, check_step
 from instrument.logger.table import StagedTable
 from instrument.logger.timer import Timer, named_timer
 from instrument.logger.values import Wide, check_keys, merge_wide, rounded_message
@@ -136,6 +136,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
         self._noted: set = set()  # (image tag, note) said once by the writer (`media._convert_image`)
         self._timers: Dict[str, Timer] = {}
+        self._timed: Dict[str, Timer] = {}  # the timers measured since their last take (`Timer._pending`)
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._checkpointed: Optional[int] = None  # a step a checkpoint counted before it committed (`keep_on_shutdown`)
@@ -305,7 +306,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         ``reduce`` (default ``"max"``: the slowest rank sets the pace).
         """
         with self._lock:
-            return named_timer(self._timers, name, reduce)
+            return named_timer(self._timers, name, reduce, self._timed)
 
     def write_system(self, record: StepRecord) -> bool:
         """Side channel for the system monitor: its own step axis, never the training step's order check.
@@ -319,7 +320,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
     @property
     def has_pending(self) -> bool:
         return bool(self._totals or self._blocks or self._media
-                    or (self._timers and any(t.count for t in self._timers.values())))
+                    or (self._timed and any(t.count for t in list(self._timed.values()))))
 
     def commit(self, step: Optional[int] = None, paired: bool = True) -> Optional[CommittedStep]:
         """Hand everything staged over to the writer thread, with one batched host transfer started.
@@ -355,6 +356,8 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                 # those taken after the last logging step are not written at close, see docs/backends.md).
                 if not collective and (step is None or not (self._blocks or self.has_pending)):
                     self._pending_step = None
+                    if not implicit:  # nothing to write, but a step that could never be written is refused
+                        check_step(step)
                     return None
                 last = self._last_step
                 snapshot = self._snapshot  # the table as a session's step found it (`mark`), if one was taken
@@ -430,11 +433,10 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         step, on an open logger) and call this for everything else: a change to these rules belongs there too.
         """
         if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
-            raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
+            check_step(step)
         if self._closed and not closed_use(self, f"a value at step {step}"):
             return False
-        if not 0 <= step <= MAX_STEP:
-            raise InvalidValueError(step_range_message("step", step))
+        check_step(step)
         last = self._last_step
         if last is not None and step < last:
             self._step_regressed(int(step), last)
@@ -450,7 +452,11 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
 
     def _swap(self) -> tuple:
         """Take the staged table and leave an empty one (under the lock)."""
-        timers = {name: (t.reduce, t.take()) for name, t in self._timers.items() if t.count} if self._timers else {}
+        timers = {}
+        for name in list(self._timed):  # taken off before its take: a span ending now enters it again
+            t = self._timed.pop(name)
+            if t.count:
+                timers[name] = (t.reduce, t.take())
         staged = (self._totals, self._counts, self._ops, self._weights, self._on_device, self._media, timers,
                   self._blocks, self._wide)
         self._totals, self._counts, self._ops, self._weights, self._on_device, self._media = {}, {}, {}, {}, {}, {}

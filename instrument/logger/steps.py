@@ -13,19 +13,20 @@
 """
 
 import logging
+import numbers
 from threading import get_ident
 from typing import Any, Dict, List, Mapping, Optional
 
 from torch import Tensor
 
 from instrument.checks import check_int
-from instrument.errors import StepOrderError
+from instrument.errors import InvalidValueError, StepOrderError
 from instrument.logger.blocks import contributions
 from instrument.logger.handover import handover
 from instrument.logger.values import Wide, as_scalar, refuse_merged_keys, weighted
 from instrument.logger.writer import CommittedStep
 
-__all__ = ["LAZY", "MAX_STEP", "StepRecords", "step_range_message"]
+__all__ = ["LAZY", "MAX_STEP", "StepRecords", "check_step", "step_range_message"]
 
 log = logging.getLogger("instrument")
 
@@ -39,6 +40,15 @@ MAX_STEP = 2**63 - 1
 def step_range_message(what: str, step: int) -> str:
     return (f"{what} must be between 0 and 2**63 - 1 (TensorBoard, W&B and MLflow store steps as signed 64-bit "
             f"integers), got {step}: steps count from 0. Number the loop from 0 (or offset it).")
+
+
+def check_step(step: object) -> None:
+    """Refuse a step that is not an int (NumPy and other integral types pass) in 0..2**63 - 1."""
+    if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
+    if not 0 <= step <= MAX_STEP:  # type: ignore[operator]
+        raise InvalidValueError(step_range_message("step", step))  # type: ignore[arg-type]
+
 _EMPTY = (None, 0, None, 0)
 _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
 
@@ -153,7 +163,7 @@ class StepRecords:
         with self._lock:
             self._mark += 1
             self._snapshot = LAZY
-            return (self._mark, {name: t.position() for name, t in self._timers.items()})
+            return (self._mark, {name: t.position() for name, t in list(self._timed.items())})
 
     def discard_staged(self, mark: tuple) -> List[str]:
         """Drop every value staged (from any thread) since ``mark``: they are never committed, at this step or
@@ -164,8 +174,10 @@ class StepRecords:
             if number != self._mark:
                 return []
             snapshot, self._snapshot, self._mark = self._snapshot, None, 0
-            # A timer created after the mark is rewound to empty: (None, 0, None, 0) matches none of its lists.
-            dropped = [f"timer {name}" for name, t in self._timers.items() if t.rewind(timers.get(name, _EMPTY))]
+            # A timer not measured since its last take at the mark (or created after it) is rewound to empty:
+            # (None, 0, None, 0) matches none of its lists. Only timers measured since then can hold anything.
+            dropped = [f"timer {name}" for name, t in list(self._timed.items())
+                       if t.rewind(timers.get(name, _EMPTY))]
             if snapshot is None or snapshot is LAZY:
                 return dropped
             totals, counts, ops, weights, on_device, media, pending, blocks, wide, tags = snapshot

@@ -41,6 +41,8 @@ class StagedTable:
             totals, counts, on_device = self._totals, self._counts, self._on_device
             names = self._names.get(head)  # prefixed key names, built once per (prefix, key)
             if names is None or len(names) > 4096:  # bounded: keys made up on the fly do not pile up
+                if names is None and len(self._names) >= 256:  # nor do prefixes (one per episode, say)
+                    self._names.clear()
                 names = self._names[head] = {}
             pairs = []  # converted first: a call refused for one value stages none of its values
             wide: Wide = {}

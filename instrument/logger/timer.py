@@ -44,6 +44,9 @@ class Timer:
         self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._local = threading.local()  # .starts: this thread's open spans, innermost last
         self._lock = threading.Lock()  # measurements are appended and taken from different threads
+        # The owning logger's timers with measurements not taken yet (`named_timer`): each measurement enters its
+        # timer there, so that a step's start and a commit visit those alone, not every name ever timed.
+        self._pending: Optional[Dict[str, Timer]] = None
 
     def _starts(self) -> List[object]:
         starts = getattr(self._local, "starts", None)
@@ -69,14 +72,21 @@ class Timer:
                 f"as a decorator, so that each span starts and ends on one thread."
             )
         start = starts.pop()
+        # Entered in the logger's pending timers under the lock, with the measurement: a step's start that sees
+        # this timer not pending reads its position after any measurement in flight (`position` takes the lock).
+        pending = self._pending
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             with self._lock:
                 self._events.append((start, end))  # type: ignore[arg-type]
+                if pending is not None:
+                    pending[self.name] = self
         else:
             with self._lock:
                 self._seconds.append(now - start)  # type: ignore[operator]
+                if pending is not None:
+                    pending[self.name] = self
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -136,11 +146,14 @@ def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cud
     return seconds
 
 
-def named_timer(timers: Dict[str, "Timer"], name: str, reduce: Optional[str]) -> "Timer":
-    """``timers[name]``, made with ``reduce`` (default ``"max"``) when missing; a different reduce raises."""
+def named_timer(timers: Dict[str, "Timer"], name: str, reduce: Optional[str],
+                pending: Optional[Dict[str, "Timer"]] = None) -> "Timer":
+    """``timers[name]``, made with ``reduce`` (default ``"max"``) when missing; a different reduce raises.
+    ``pending``: where the timer enters itself at each measurement (`Timer._pending`)."""
     timer = timers.get(name)
     if timer is None:
         timer = timers[name] = Timer(name, reduce=reduce or "max")
+        timer._pending = pending
     elif reduce is not None and reduce != timer.reduce:
         raise ConfigurationError(f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}.")
     return timer

@@ -239,6 +239,7 @@ class StateWatch:
         raw = args[0] if args else self._state_keyword(kwargs)
         previous = first_tensor(raw)
         current = first_tensor(output)
+        returned = None  # set where current becomes a copy of what the call returned
         condition = kwargs.get("condition")
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
@@ -270,7 +271,7 @@ class StateWatch:
                 # they get until the step's end: a copy. (Not reused as the next call's copy from before it: a
                 # write through .data between the calls would leave the version counter as it was. A new
                 # inference tensor is not kept by reference by any observer, so it is not copied.)
-                current = current.detach().clone()
+                returned, current = current, current.detach().clone()
         elif previous is not None and current is not None and self._unseen_change(previous, current):
             return  # nothing ran before this call (a ScriptModule's state given as a keyword)
         if previous is None or current is None:
@@ -280,7 +281,7 @@ class StateWatch:
                 f"{[type(a).__name__ for a in args]} and output type {type(output).__name__}. Watch the module "
                 f"whose forward is one rollout iteration, or call s.observer(StepContext(...)) yourself."
             )
-        self._deliver(previous, current, condition)
+        self._deliver(previous, current, condition, returned)
 
     def _skip_batched(self, shape: Optional[List[int]]) -> None:
         """A call inside ``torch.func.vmap``: the hook sees one sample of the batch (a BatchedTensor, whose
@@ -383,11 +384,15 @@ class StateWatch:
         self.iterations += 1  # the later iterations keep their step_index
         return True
 
-    def _deliver(self, previous: Tensor, current: Tensor, condition: Optional[Tensor]) -> None:
-        self.guard.check_input(previous, current)
+    def _deliver(self, previous: Tensor, current: Tensor, condition: Optional[Tensor],
+                 returned: Optional[Tensor] = None) -> None:
+        """``returned``: the tensor the call returned, where ``current`` is a copy of it: what the loop holds (and
+        may hand to the next call, or to s.observer)."""
+        returned = current if returned is None else returned
+        self.guard.check_input(previous, returned)
         index = self.iterations
         self.iterations += 1
-        self.last_delivered = current  # what a loop that also calls s.observer would hand over again
+        self.last_delivered = returned  # what a loop that also calls s.observer would hand over again
         self.deliver(
             StepContext(
                 previous_state=previous,

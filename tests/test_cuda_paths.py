@@ -362,3 +362,28 @@ def test_asking_for_the_cuda_tests_without_cuda_is_an_error_not_a_run_of_skips(t
     said = "the tests marked cuda were asked for, but this torch is a CPU build" if torch.version.cuda is None else \
         "sees no CUDA device: check the driver"
     assert said in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.cuda
+def test_timers_of_a_cpu_only_run_on_a_gpu_machine_create_no_cuda_context_and_follow_the_run_to_the_gpu():
+    """A timer chose CUDA events whenever a GPU existed: a CPU-only run's first span created a CUDA context. In a
+    fresh process: wall time while CUDA is not initialised, events once the run has put something on the GPU
+    (a timer made before that follows it), wall time again for `cuda=False`; every timing is committed."""
+    script = (
+        "import torch, instrument\n"
+        "log = instrument.Logger([instrument.RunHistoryBackend()])\n"
+        "early, host = log.timer('early'), log.timer('host', cuda=False)\n"
+        "with early:\n    pass\n"
+        "assert isinstance(early._seconds[0], float) and not torch.cuda.is_initialized()\n"
+        "log.commit(0)\n"
+        "x = torch.ones(256, 256, device='cuda')\n"
+        "with early:\n    y = x @ x\n"
+        "with host:\n    y = x @ x\n"
+        "assert len(early._events) == 1 and isinstance(host._seconds[0], float)\n"
+        "record = log.commit(1)\n"
+        "assert record.timings['early']['count'] == 1.0 and record.timings['host']['count'] == 1.0\n"
+        "log.close()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

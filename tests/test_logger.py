@@ -547,3 +547,25 @@ def test_an_implicit_commit_with_timer_measurements_alone_waits_for_a_step(tmp_p
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [10, 20]  # no step 0 (never logged), one record per step
     assert [line["metrics"]["timing/train/count"] for line in lines] == [10.0, 10.0]  # the whole interval
+
+
+def test_a_timer_without_cuda_initialised_times_wall_clock_and_cuda_false_keeps_it_there():
+    """Timers took CUDA events whenever a GPU existed, so a CPU-only run on a GPU machine created a CUDA context
+    at its first span, and host-side stages were timed on the GPU's queue (a review of the CUDA paths). Now a
+    timer decides at each span; `logger.timer(name, cuda=False)` stays on wall time."""
+    import time
+
+    import torch
+
+    log = instrument.Logger([Keep()])
+    for cuda in (None, False):
+        timer = log.timer(f"t{cuda}", cuda=cuda)
+        with timer:
+            time.sleep(0.002)
+        assert timer.cuda is cuda and isinstance(timer._seconds[0], float) and timer._seconds[0] >= 0.002
+    record = log.commit(0)
+    assert record.timings["tFalse"]["count"] == 1.0 and record.timings["tNone"]["min"] >= 0.002
+    assert log.timer("tNone", cuda=False).cuda is False  # set on the existing timer
+    log.close()
+    if not torch.cuda.is_available():
+        assert not torch.cuda.is_initialized()

@@ -5,6 +5,7 @@ transfer must start before the staged device values can change. What follows (co
 is the writer thread's (`instrument.logger.assemble`, `instrument.logger.writer`).
 """
 
+import logging
 import math
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -20,6 +21,8 @@ from instrument.logger.timer import elapsed
 from instrument.logger.transfer import start_transfer, to_host
 
 __all__ = ["PRESENCE", "handover"]
+
+log = logging.getLogger("instrument")
 
 # Under a process group, ``PRESENCE + name`` (reduced with "sum") counts what the min or max ``name`` summarises
 # on each rank (`instrument.rl.ranks`): where no rank counted anything, ``name`` is written as NaN, as on one
@@ -108,7 +111,14 @@ def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers, wid
         else:
             entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
     for name, (reduce, taken) in timers.items():
-        for key, value in timing_stats(elapsed(*taken)).items():
+        try:
+            seconds = elapsed(*taken)
+        except RuntimeError:  # events that cannot be read (a span begun and ended on different devices): this
+            # rank still enters the collective, without them, so the other ranks never wait for it
+            log.warning("instrument: the CUDA events of timer %r could not be read; its timings of this commit "
+                        "are left out", name, exc_info=True)
+            continue
+        for key, value in timing_stats(seconds).items():
             entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
     for names, flags in wide.items():
         entries.extend(Entry(_ROUNDED + name, "max", flag) for name, flag in zip(names, flags.unbind(), strict=True))

@@ -298,15 +298,16 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         flat, text = redact_hyperparams(params, config_text, self.secret_keys)
         self._writer.call("log_hyperparams", flat, text)
 
-    def timer(self, name: str, reduce: Optional[str] = None) -> Timer:
+    def timer(self, name: str, reduce: Optional[str] = None, cuda: Optional[bool] = None) -> Timer:
         """A named timer owned by this logger: ``with logger.timer("rollout"): ...`` or as a decorator.
+        ``cuda``: CUDA events (True) or wall time (False); None decides at each span (`Timer`).
 
         Its durations are committed as ``record.timings[name]`` = ``{mean, min, max, count}`` (seconds;
         scalar-only backends write them as ``timing/<name>/<stat>``); across ranks each is reduced with
         ``reduce`` (default ``"max"``: the slowest rank sets the pace).
         """
         with self._lock:
-            return named_timer(self._timers, name, reduce, self._timed)
+            return named_timer(self._timers, name, reduce, self._timed, cuda)
 
     def write_system(self, record: StepRecord) -> bool:
         """Side channel for the system monitor: its own step axis, never the training step's order check.

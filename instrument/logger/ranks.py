@@ -90,9 +90,17 @@ def world_size(group: Optional[Any] = None) -> int:
 
 
 def collective_device(group: Optional[Any] = None) -> torch.device:
-    """Where collective buffers must live: the current CUDA device for NCCL, the CPU for gloo and others."""
+    """Where collective buffers must live: for NCCL the group's own device (``init_process_group(device_id=...)``),
+    else the current CUDA device, which is per thread (set with ``torch.cuda.set_device`` on each thread that
+    commits: a new thread starts at cuda:0); the CPU for gloo and others."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and "gloo" not in backend:
+        try:
+            bound = (group if group is not None else dist.distributed_c10d._get_default_group()).bound_device_id
+        except (AttributeError, RuntimeError):  # a torch without it, or a group object of another kind
+            bound = None
+        if bound is not None:
+            return torch.device(bound)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -28,8 +28,11 @@ whether some rank is closing while another still trains, so a rank that skipped 
 shards, a commit inside an ``if``) is seen at once on every rank, which all raise, instead of each later commit
 pairing with another rank's next one and mixing their values.
 
-Nothing here transfers to the host: `CrossRankReducer.start` returns the reduced vector on the collective
-device and the logger brings it over with everything else of the commit in its one batched transfer.
+`CrossRankReducer.start` returns the reduced vector on the collective device. The commit reads it on the host at
+once (`instrument.logger.handover`: whether the layout must grow, and the values, are needed before anything is
+written), a transfer of its own before the commit's batched one. Building the vector copies its host-side numbers
+and index lists to the device from pinned memory without blocking (on a GPU), and values already on the device
+are gathered there.
 """
 
 import dataclasses
@@ -390,10 +393,19 @@ def _op_name(kind: str) -> str:
     return "weighted mean" if kind == "wmean" else kind
 
 
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` (a new CPU tensor) on ``device``. To a GPU from pinned memory, without blocking: a copy from
+    pageable memory waits for the stream (cudaStreamSynchronize); the host allocator keeps the pinned block until
+    the copy has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _assemble(values: Sequence[Scalar], device: torch.device) -> Tensor:
     """A float64 vector on ``device`` from numbers and 0-d tensors: one copy per source device and dtype."""
     out = torch.tensor([v if not isinstance(v, Tensor) else 0.0 for v in values], dtype=torch.float64)
-    out = out.to(device)
+    out = _to_device(out, device)
     groups: Dict[Tuple[torch.device, torch.dtype], Tuple[List[int], List[Tensor]]] = {}
     for i, v in enumerate(values):
         if isinstance(v, Tensor):
@@ -403,5 +415,5 @@ def _assemble(values: Sequence[Scalar], device: torch.device) -> Tensor:
     for (_, _), (idx, ts) in groups.items():
         # host sync: with gloo and CUDA values, this is the commit's device->host copy of the scalars.
         stacked = torch.stack(ts).to(device=device, dtype=torch.float64)
-        out.index_copy_(0, torch.tensor(idx, device=device), stacked)
+        out.index_copy_(0, _to_device(torch.tensor(idx), device), stacked)
     return out

@@ -22,10 +22,14 @@ F = TypeVar("F", bound=Callable)
 class Timer:
     """Context manager and decorator measuring a named stage.
 
-    On CUDA (``device`` a CUDA device, or None with CUDA available and ``cuda=True``) it records a pair of
-    CUDA events around the stage and reads their elapsed time only at commit, after the logger's one batched
-    transfer; on the CPU it uses ``time.perf_counter``. Across ranks each statistic is reduced with
-    ``reduce`` (default ``"max"``: a step is as slow as its slowest rank).
+    With ``cuda=True``, or ``cuda=None`` (the default) once this process has initialised CUDA (it runs on a GPU;
+    decided at each span, so a timer made before the model moved to the GPU follows it), it records a pair of
+    CUDA events on the current stream of the current device around the stage and reads their elapsed time only
+    at commit, on the writer thread: GPU time of the work queued on that stream. Otherwise, and with
+    ``cuda=False`` (a host-side stage such as environment steps or data loading, which GPU events would time as
+    the GPU's idle catching up), it uses ``time.perf_counter``: a CPU-only run on a machine with a GPU creates
+    no CUDA context. Across ranks each statistic is reduced with ``reduce`` (default ``"max"``: a step is as
+    slow as its slowest rank).
 
     One timer may be entered again before it exits (a recursive function decorated with it, nested ``with``
     blocks of one name) and from several threads at once: each thread keeps its own stack of open spans, and
@@ -39,7 +43,7 @@ class Timer:
             raise InvalidValueError(f"Timer reduce must be one of mean, sum, min, max, l2; got {reduce!r}.")
         self.name = name
         self.reduce = reduce
-        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self.cuda = cuda  # None: CUDA events once CUDA is initialised (`_on_gpu`)
         self._seconds: List[float] = []
         self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._local = threading.local()  # .starts: this thread's open spans, innermost last
@@ -54,9 +58,15 @@ class Timer:
             starts = self._local.starts = []
         return starts
 
+    def _on_gpu(self) -> bool:
+        if self.cuda is not None:
+            return self.cuda
+        return torch.cuda.is_available() and torch.cuda.is_initialized()  # about 1 us on a CPU-only machine
+
     def __enter__(self) -> "Timer":
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
+        if self._on_gpu():
+            # blocking: the writer's wait for it yields the CPU instead of spinning on a core
+            start = torch.cuda.Event(enable_timing=True, blocking=True)
             start.record()
             self._starts().append(start)
         else:
@@ -64,7 +74,7 @@ class Timer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        now = None if self.cuda else time.perf_counter()
+        now = time.perf_counter()
         starts = self._starts()
         if not starts:
             raise ConfigurationError(
@@ -75,8 +85,8 @@ class Timer:
         # Entered in the logger's pending timers under the lock, with the measurement: a step's start that sees
         # this timer not pending reads its position after any measurement in flight (`position` takes the lock).
         pending = self._pending
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
+        if not isinstance(start, float):  # the span began with a CUDA event: it ends with one
+            end = torch.cuda.Event(enable_timing=True, blocking=True)
             end.record()
             with self._lock:
                 self._events.append((start, end))  # type: ignore[arg-type]
@@ -140,20 +150,25 @@ class Timer:
 def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cuda.Event]]) -> List[float]:
     """Durations in seconds of taken measurements (waits for CUDA events to complete)."""
     if events:
-        for _, end in events:  # spans on other streams (another thread's, a side stream) end in their own order
-            end.synchronize()  # host sync: CUDA event times (on the writer thread, or at a distributed commit).
+        for start, end in events:  # spans on other streams (another thread's, a side stream) end in their own order
+            # host sync: CUDA event times (on the writer thread, or at a distributed commit). Both events: a span
+            # begun on one stream and ended on another has no elapsed time until both have run.
+            start.synchronize()
+            end.synchronize()
         seconds = seconds + [s.elapsed_time(e) / 1000.0 for s, e in events]
     return seconds
 
 
 def named_timer(timers: Dict[str, "Timer"], name: str, reduce: Optional[str],
-                pending: Optional[Dict[str, "Timer"]] = None) -> "Timer":
-    """``timers[name]``, made with ``reduce`` (default ``"max"``) when missing; a different reduce raises.
-    ``pending``: where the timer enters itself at each measurement (`Timer._pending`)."""
+                pending: Optional[Dict[str, "Timer"]] = None, cuda: Optional[bool] = None) -> "Timer":
+    """``timers[name]``, made with ``reduce`` (default ``"max"``) and ``cuda`` when missing; a different reduce
+    raises, a ``cuda`` given sets the timer's. ``pending``: where it enters itself at each measurement."""
     timer = timers.get(name)
     if timer is None:
-        timer = timers[name] = Timer(name, reduce=reduce or "max")
+        timer = timers[name] = Timer(name, cuda=cuda, reduce=reduce or "max")
         timer._pending = pending
+    elif cuda is not None:
+        timer.cuda = cuda
     elif reduce is not None and reduce != timer.reduce:
         raise ConfigurationError(f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}.")
     return timer

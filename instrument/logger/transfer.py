@@ -122,7 +122,7 @@ class HostBatch:
                 self._parts.append((host.view(torch.uint64) if wire == torch.uint64 else host, indices))
         for device in copied:  # one event per device, after all of its copies (one stream: they run in order)
             with torch.cuda.device(device):
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the writer's wait yields the CPU instead of spinning
                 event.record()
                 self._events.append(event)
 

@@ -107,6 +107,7 @@ class CollectionMetrics(RLComponent):
         self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
         self.episode_reward_key, self.step_count_key = episode_reward_key, step_count_key
         self.reward_weights = list(reward_weights) if reward_weights is not None else None
+        self._weights: Dict[Any, Tensor] = {}  # (device, dtype, weights) -> the weights there (`_scalarise`)
         self.objective_names = list(objective_names) if objective_names is not None else None
         self.keys = dict(keys or {})
         self.reduce_stats = reduce_stats
@@ -211,7 +212,12 @@ class CollectionMetrics(RLComponent):
                 f"has {k} objectives; bind exactly one weight per objective."
             )
         wide = wide_dtype(rewards.device)  # as every sum of rewards (instrument.rl.running_stats)
-        weights = torch.as_tensor(self.reward_weights, dtype=wide, device=rewards.device)
+        # Made once per device and dtype: a tensor made from a list on a GPU is a blocking copy, a host sync on
+        # every observed batch.
+        key = (rewards.device, wide, tuple(self.reward_weights))
+        weights = self._weights.get(key)
+        if weights is None:
+            weights = self._weights[key] = torch.as_tensor(self.reward_weights, dtype=wide, device=rewards.device)
         return (rewards.to(wide) * weights).sum(dim=-1, keepdim=True)
 
     def _add_episodes(self, batch, shape, rewards, done, valid, episode_reward) -> None:

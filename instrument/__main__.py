@@ -1,5 +1,5 @@
 import sys
 
-from instrument.cli import main
+from instrument.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -131,7 +131,7 @@ def _redacted(message: str, binds: Sequence[str]) -> str:
     return scrub(message, found)
 
 
-_interrupt = {"seen": False, "hook": False}
+_interrupt = {"seen": False, "hook": False, "entry": False}
 
 
 def _exit_at_once(signum: int, frame: Any) -> None:
@@ -191,6 +191,15 @@ def _restore_interrupt(previous: Any) -> None:
             pass
 
 
+def entry() -> int:
+    """The ``instrument`` command and ``python -m instrument``: `main` as the process itself. The process ends
+    after it, so an interrupted run keeps its exit-at-once Ctrl-C handler through the interpreter's exit:
+    putting Python's back left a window, before the exit hooks, in which a second Ctrl-C raised inside the exit's
+    clean-up (a weakref callback) and printed a traceback."""
+    _interrupt["entry"] = True
+    return main()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     if not _interrupt["hook"]:  # first, so it runs after the hooks the run registers (atexit runs them LIFO)
         import atexit
@@ -233,7 +242,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if getattr(exc, "outcome", None) is not None:
                 _print_result(exc.outcome)
         finally:
-            _restore_interrupt(previous)
+            if not _interrupt.get("entry"):  # `main` called by a program that goes on: its handler comes back
+                _restore_interrupt(previous)
         return 130  # what a shell reports for a process ended by SIGINT
     except InstrumentError as exc:  # bad input found while building or running (gin adds where it was bound)
         if args.debug:

@@ -566,6 +566,9 @@ def test_a_timer_without_cuda_initialised_times_wall_clock_and_cuda_false_keeps_
     record = log.commit(0)
     assert record.timings["tFalse"]["count"] == 1.0 and record.timings["tNone"]["min"] >= 0.002
     assert log.timer("tNone", cuda=False).cuda is False  # set on the existing timer
+    with pytest.raises(instrument.ConfigurationError, match="reduce='max'"):  # checked with cuda= given too
+        log.timer("tNone", reduce="mean", cuda=True)
+    assert log.timer("tNone").cuda is False
     log.close()
     if not torch.cuda.is_available():
         assert not torch.cuda.is_initialized()

@@ -96,6 +96,25 @@ def test_vector_rewards_are_scalarised_with_weights_and_each_objective_logged():
     assert got[P + "episode/return/speed/mean"] == 9.0 and got[P + "episode/return/energy/mean"] == 12.0
 
 
+def test_reward_weights_rebound_or_given_as_a_tensor_scalarise_with_the_weights_of_the_batch():
+    """The weights tensor is made once per device and dtype (a tensor made from a list on a GPU is a blocking copy
+    per batch); weights rebound between batches (annealed) are used at once, and the cache keeps one entry, also
+    for weights given as a tensor (a review found a cache keyed on the weights themselves growing per batch)."""
+    reward = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])
+    done = torch.tensor([[[False], [False], [True]]])
+    metrics = CollectionMetrics(reward_weights=[1.0, -0.5])
+    for w in (0.0, 0.25, 0.5, 0.5, 1.0):
+        metrics.reward_weights = [1.0, -w]
+        metrics.update({"next": {"reward": reward, "done": done}})
+        got = logged(metrics)
+        assert got[P + "reward/max"] == pytest.approx(5.0 - 6.0 * w)
+    assert len(metrics._weights) == 1
+    metrics = CollectionMetrics(reward_weights=torch.tensor([1.0, -0.5]))
+    for _ in range(3):
+        metrics.update({"next": {"reward": reward, "done": done}})
+    assert logged(metrics)[P + "reward/max"] == 2.0 and len(metrics._weights) == 0
+
+
 def test_vector_rewards_without_weights_fail_with_the_fix():
     reward = torch.ones(1, 3, 2)
     done = torch.zeros(1, 3, 1, dtype=torch.bool)

@@ -321,7 +321,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
     @property
     def has_pending(self) -> bool:
         return bool(self._totals or self._blocks or self._media
-                    or (self._timed and any(t.count for t in list(self._timed.values()))))
+                    or (self._timed and any(t.count for t in self._timed.copy().values())))
 
     def commit(self, step: Optional[int] = None, paired: bool = True) -> Optional[CommittedStep]:
         """Hand everything staged over to the writer thread, with one batched host transfer started.
@@ -454,7 +454,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
     def _swap(self) -> tuple:
         """Take the staged table and leave an empty one (under the lock)."""
         timers = {}
-        for name in list(self._timed):  # taken off before its take: a span ending now enters it again
+        for name in self._timed.copy():  # taken off before its take: a span ending now enters it again
             t = self._timed.pop(name)
             if t.count:
                 timers[name] = (t.reduce, t.take())

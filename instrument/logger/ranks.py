@@ -9,6 +9,7 @@ built before ``init_process_group`` still opens nothing on ranks other than 0.
 different gin files or bindings fails loudly at the first step instead of logging a silently different run.
 """
 
+import contextlib
 import hashlib
 import os
 from typing import Any, Optional, Tuple
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from instrument.errors import ConfigurationError
 
 __all__ = [
-    "DIST_AVAILABLE", "initialized", "rank", "world_size", "is_distributed", "collective_device", "config_hash",
+    "DIST_AVAILABLE", "initialized", "rank", "world_size", "is_distributed", "collective_device",
+    "object_collective_device", "config_hash",
     "check_same_config",
 ]
 
@@ -105,6 +107,14 @@ def collective_device(group: Optional[Any] = None) -> torch.device:
     return torch.device("cpu")
 
 
+def object_collective_device(group: Optional[Any] = None) -> Any:
+    """A context for torch's object collectives (``all_gather_object``, ``broadcast_object_list``): under NCCL
+    they build their tensors on the thread's current CUDA device, which must be the group's own (`collective_device`:
+    a group bound to a device refuses any other, and a new thread starts at cuda:0); elsewhere nothing."""
+    device = collective_device(group)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def config_hash(text: str) -> int:
     """A 52-bit hash of ``text`` (exact as a float64, so it can ride in a collective)."""
     digest = hashlib.sha256(text.encode("utf-8")).digest()
@@ -146,5 +156,6 @@ def same_on_all_ranks(value: Any, group: Optional[Any] = None) -> Any:
     if not is_distributed(group):
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    with object_collective_device(group):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from instrument.errors import ConfigurationError, InstrumentError
-from instrument.logger.ranks import collective_device, config_hash, is_distributed
+from instrument.logger.ranks import collective_device, config_hash, is_distributed, object_collective_device
 from instrument.logger.transfer import to_host
 
 __all__ = ["OPS", "Entry", "CrossRankReducer", "PendingReduction", "resolve_ops"]
@@ -158,7 +158,8 @@ def _all_reduce(tensor: Tensor, op: Any, group: Optional[Any]) -> None:
 
 def _all_gather_object(obj: Any, group: Optional[Any]) -> List[Any]:
     out: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with object_collective_device(group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -163,7 +163,9 @@ class StepRecords:
         with self._lock:
             self._mark += 1
             self._snapshot = LAZY
-            return (self._mark, {name: t.position() for name, t in list(self._timed.items())})
+            # .copy(): one C-level step, which another thread's timer entering itself cannot interrupt (a
+            # Python-level walk allocates, which can run the collector, finalizers and another thread)
+            return (self._mark, {name: t.position() for name, t in self._timed.copy().items()})
 
     def discard_staged(self, mark: tuple) -> List[str]:
         """Drop every value staged (from any thread) since ``mark``: they are never committed, at this step or
@@ -176,7 +178,7 @@ class StepRecords:
             snapshot, self._snapshot, self._mark = self._snapshot, None, 0
             # A timer not measured since its last take at the mark (or created after it) is rewound to empty:
             # (None, 0, None, 0) matches none of its lists. Only timers measured since then can hold anything.
-            dropped = [f"timer {name}" for name, t in list(self._timed.items())
+            dropped = [f"timer {name}" for name, t in self._timed.copy().items()
                        if t.rewind(timers.get(name, _EMPTY))]
             if snapshot is None or snapshot is LAZY:
                 return dropped

@@ -167,8 +167,9 @@ def named_timer(timers: Dict[str, "Timer"], name: str, reduce: Optional[str],
     if timer is None:
         timer = timers[name] = Timer(name, cuda=cuda, reduce=reduce or "max")
         timer._pending = pending
-    elif cuda is not None:
-        timer.cuda = cuda
-    elif reduce is not None and reduce != timer.reduce:
+        return timer
+    if reduce is not None and reduce != timer.reduce:
         raise ConfigurationError(f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}.")
+    if cuda is not None:
+        timer.cuda = cuda
     return timer

@@ -106,8 +106,9 @@ class CollectionMetrics(RLComponent):
         self.prefix = f"collection/{group}"
         self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
         self.episode_reward_key, self.step_count_key = episode_reward_key, step_count_key
-        self.reward_weights = list(reward_weights) if reward_weights is not None else None
-        self._weights: Dict[Any, Tensor] = {}  # (device, dtype, weights) -> the weights there (`_scalarise`)
+        self.reward_weights = (reward_weights if reward_weights is None or isinstance(reward_weights, Tensor)
+                               else list(reward_weights))
+        self._weights: Dict[Any, Any] = {}  # (device, dtype) -> (weights, their tensor there) (`_scalarise`)
         self.objective_names = list(objective_names) if objective_names is not None else None
         self.keys = dict(keys or {})
         self.reduce_stats = reduce_stats
@@ -214,10 +215,16 @@ class CollectionMetrics(RLComponent):
         wide = wide_dtype(rewards.device)  # as every sum of rewards (instrument.rl.running_stats)
         # Made once per device and dtype: a tensor made from a list on a GPU is a blocking copy, a host sync on
         # every observed batch.
-        key = (rewards.device, wide, tuple(self.reward_weights))
-        weights = self._weights.get(key)
-        if weights is None:
-            weights = self._weights[key] = torch.as_tensor(self.reward_weights, dtype=wide, device=rewards.device)
+        given = self.reward_weights
+        if isinstance(given, Tensor):  # bound as a tensor: moved (a no-op where it already is)
+            weights = given.to(device=rewards.device, dtype=wide)
+        else:
+            values = tuple(float(w) for w in given)  # the weights may be rebound (annealed): compared by value
+            cached = self._weights.get((rewards.device, wide))
+            if cached is None or cached[0] != values:
+                cached = self._weights[(rewards.device, wide)] = (
+                    values, torch.as_tensor(values, dtype=wide, device=rewards.device))
+            weights = cached[1]
         return (rewards.to(wide) * weights).sum(dim=-1, keepdim=True)
 
     def _add_episodes(self, batch, shape, rewards, done, valid, episode_reward) -> None:

@@ -68,6 +68,37 @@ def test_cli_main_called_twice_by_a_sweep_keeps_the_programs_ctrl_c_handling(tmp
         assert _steps(tmp_path / "runs" / name / "metrics.jsonl") == list(range(6))
 
 
+ENTRY_DRIVER = """
+import signal, sys
+from instrument import cli
+sys.argv = ["instrument", "run", sys.argv[1], "--bind", "Instrumentation.run_name = 'entry'"]
+code = cli.entry()
+print("entry", code, signal.getsignal(signal.SIGINT) is cli._exit_at_once, flush=True)
+"""
+
+
+def test_the_command_keeps_its_exit_at_once_handler_after_an_interrupted_run(tmp_path):
+    """As the process itself (`instrument`, `python -m instrument`), main put Python's Ctrl-C handler back before
+    returning 130: a second Ctrl-C before the exit hooks raised inside the interpreter's clean-up and printed a
+    traceback (seen once in the suite). `entry` leaves the exit-at-once handler in place; `main` called by a
+    program still puts the program's back (the sweep test above)."""
+    (tmp_path / "sweepmod.py").write_text(SWEEP_MODULE)
+    (tmp_path / "sweep.gin").write_text(textwrap.dedent(f"""\
+        import sweepmod
+        include 'backends/jsonl.gin'
+        run.experiment = @sweep_train
+        run.instrumentation = @Instrumentation()
+        Instrumentation.backends = @backend_set()
+        Instrumentation.log_interval = 1
+        Instrumentation.log_dir = '{tmp_path / "runs"}'
+        """))
+    out = subprocess.run([sys.executable, "-c", ENTRY_DRIVER, str(tmp_path / "sweep.gin")], env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "entry 130 True" in out.stdout.splitlines(), out.stdout
+    assert _steps(tmp_path / "runs" / "entry" / "metrics.jsonl") == list(range(6))
+
+
 TRAINERS = """
 import gin
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from instrument.core.devices import to_device
 from instrument.errors import ConfigurationError
 
 __all__ = ["LossScale", "divided", "divisors"]
@@ -242,7 +243,7 @@ def divisors(scales: Sequence[Optional[Tensor]], like: Tensor) -> Tensor:
     if any(s is not None and s is not used for s in scales):  # several scales (a fused step that skipped)
         one = torch.ones((), dtype=dtype, device=like.device)
         return torch.stack([one if s is None else _on(s, like.device).to(dtype) for s in scales])
-    mask = torch.tensor([s is not None for s in scales]).to(like.device, non_blocking=True)  # no host sync
+    mask = to_device(torch.tensor([s is not None for s in scales]), like.device)  # no host sync
     return torch.where(mask, _on(used, like.device).to(dtype), 1.0)
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from instrument.core.devices import to_device
 from instrument.errors import ConfigurationError, InstrumentError
 from instrument.logger.ranks import collective_device, config_hash, is_distributed, object_collective_device
 from instrument.logger.transfer import to_host
@@ -394,19 +395,10 @@ def _op_name(kind: str) -> str:
     return "weighted mean" if kind == "wmean" else kind
 
 
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """``host`` (a new CPU tensor) on ``device``. To a GPU from pinned memory, without blocking: a copy from
-    pageable memory waits for the stream (cudaStreamSynchronize); the host allocator keeps the pinned block until
-    the copy has run."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _assemble(values: Sequence[Scalar], device: torch.device) -> Tensor:
     """A float64 vector on ``device`` from numbers and 0-d tensors: one copy per source device and dtype."""
     out = torch.tensor([v if not isinstance(v, Tensor) else 0.0 for v in values], dtype=torch.float64)
-    out = _to_device(out, device)
+    out = to_device(out, device)
     groups: Dict[Tuple[torch.device, torch.dtype], Tuple[List[int], List[Tensor]]] = {}
     for i, v in enumerate(values):
         if isinstance(v, Tensor):
@@ -416,5 +408,5 @@ def _assemble(values: Sequence[Scalar], device: torch.device) -> Tensor:
     for (_, _), (idx, ts) in groups.items():
         # host sync: with gloo and CUDA values, this is the commit's device->host copy of the scalars.
         stacked = torch.stack(ts).to(device=device, dtype=torch.float64)
-        out.index_copy_(0, _to_device(torch.tensor(idx), device), stacked)
+        out.index_copy_(0, to_device(torch.tensor(idx), device), stacked)
     return out

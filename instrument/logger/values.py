@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from instrument.core.devices import to_device
 from instrument.errors import InvalidValueError
 from instrument.logger.plain import NUMERIC_DTYPES
 
@@ -167,8 +168,10 @@ def weighted(value: Any, weight: Any) -> Any:
     if isinstance(product, Tensor):
         if isinstance(weight, Tensor):  # on the device: no host sync
             empty = weight == 0
-            return product.masked_fill(empty if empty.device == product.device else
-                                       empty.to(product.device, non_blocking=True), 0)
+            if empty.device != product.device:  # a weight on another device (from the host: pinned, no wait)
+                empty = (to_device(empty, product.device) if empty.device.type == "cpu" else
+                         empty.to(product.device, non_blocking=True))
+            return product.masked_fill(empty, 0)
         return torch.zeros_like(product) if weight == 0 else product
     if weight == 0:
         return 0.0 if type(product) is float else product * 0

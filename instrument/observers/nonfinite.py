@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from instrument.checks import check_int
 from instrument.core.context import StepContext
+from instrument.core.devices import to_device
 from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
@@ -264,7 +265,7 @@ class NonFinite(Observer):
             for source, rows in self._rows.items():
                 if source in found and rows[-1] != len(rows) - 1:  # recorded in some iterations only: its rows
                     count, first, first_channel, channels = found[source]  # are mapped to those iterations
-                    at = torch.tensor(rows).to(first.device, non_blocking=True)  # no host sync on a GPU
+                    at = to_device(torch.tensor(rows), first.device)  # no host sync on a GPU
                     first = torch.where(first >= 0, at[first.clamp_min(0)], -1)
                     found[source] = (count, first, first_channel, channels)
                     firsts = [found[name][1].view(1) for name in tables]

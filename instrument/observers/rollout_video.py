@@ -8,6 +8,7 @@ from torch import Tensor
 from instrument.checks import check_int, is_int
 from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
 from instrument.core.context import StepContext, reduction_dtype
+from instrument.core.devices import to_device
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.observers.layout import said_channel_dim
@@ -162,7 +163,7 @@ class RolloutVideo(Observer):
             )
         if x.dim() == 2:  # [C, L] -> [C, 1, L]
             x = x.unsqueeze(1)
-        index = self._index if self._index.device == x.device else self._index.to(x.device, non_blocking=True)
+        index = self._index if self._index.device == x.device else to_device(self._index.cpu(), x.device)
         self._index = index
         return x.index_select(0, index)  # a copy: later in-place changes of the state do not reach it
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from instrument.checks import check_int, is_int
+from instrument.core.devices import to_device
 from instrument.errors import ConfigurationError
 from instrument.rl.batch import (
     KeywordBatch,
@@ -223,7 +224,7 @@ class CollectionMetrics(RLComponent):
             cached = self._weights.get((rewards.device, wide))
             if cached is None or cached[0] != values:
                 cached = self._weights[(rewards.device, wide)] = (
-                    values, torch.as_tensor(values, dtype=wide, device=rewards.device))
+                    values, to_device(torch.tensor(values, dtype=wide), rewards.device))
             weights = cached[1]
         return (rewards.to(wide) * weights).sum(dim=-1, keepdim=True)
 

@@ -46,9 +46,8 @@ print("driver goes on", flush=True)
 """
 
 
-def test_cli_main_called_twice_by_a_sweep_keeps_the_programs_ctrl_c_handling(tmp_path):
-    """A review found the first interrupted run leaving a handler that, at the second run's Ctrl-C, ended the
-    process at once: its committed steps were never written and the driver never went on."""
+def _write_sweep(tmp_path: Path) -> None:
+    """The sweep's experiment module and its config (JSONL, every step logged) in ``tmp_path``."""
     (tmp_path / "sweepmod.py").write_text(SWEEP_MODULE)
     (tmp_path / "sweep.gin").write_text(textwrap.dedent(f"""\
         import sweepmod
@@ -59,6 +58,12 @@ def test_cli_main_called_twice_by_a_sweep_keeps_the_programs_ctrl_c_handling(tmp
         Instrumentation.log_interval = 1
         Instrumentation.log_dir = '{tmp_path / "runs"}'
         """))
+
+
+def test_cli_main_called_twice_by_a_sweep_keeps_the_programs_ctrl_c_handling(tmp_path):
+    """A review found the first interrupted run leaving a handler that, at the second run's Ctrl-C, ended the
+    process at once: its committed steps were never written and the driver never went on."""
+    _write_sweep(tmp_path)
     out = subprocess.run([sys.executable, "-c", SWEEP_DRIVER, str(tmp_path / "sweep.gin")], env=_env(tmp_path),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -82,16 +87,7 @@ def test_the_command_keeps_its_exit_at_once_handler_after_an_interrupted_run(tmp
     returning 130: a second Ctrl-C before the exit hooks raised inside the interpreter's clean-up and printed a
     traceback (seen once in the suite). `entry` leaves the exit-at-once handler in place; `main` called by a
     program still puts the program's back (the sweep test above)."""
-    (tmp_path / "sweepmod.py").write_text(SWEEP_MODULE)
-    (tmp_path / "sweep.gin").write_text(textwrap.dedent(f"""\
-        import sweepmod
-        include 'backends/jsonl.gin'
-        run.experiment = @sweep_train
-        run.instrumentation = @Instrumentation()
-        Instrumentation.backends = @backend_set()
-        Instrumentation.log_interval = 1
-        Instrumentation.log_dir = '{tmp_path / "runs"}'
-        """))
+    _write_sweep(tmp_path)
     out = subprocess.run([sys.executable, "-c", ENTRY_DRIVER, str(tmp_path / "sweep.gin")], env=_env(tmp_path),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

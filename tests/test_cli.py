@@ -172,6 +172,9 @@ def test_an_installed_wheel_carries_the_shipped_configs(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for shipped in config.shipped_configs():
         assert f"instrument/configs/{shipped.name}.gin" in names
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    # the command is `entry` (the process itself: its Ctrl-C handling lasts to the exit), not `main`
+    assert "instrument = instrument.cli:entry" in zipfile.ZipFile(wheel).read(entry_points).decode()
     site = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                               str(wheel)], capture_output=True, text=True, timeout=240)

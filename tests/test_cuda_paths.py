@@ -387,3 +387,19 @@ def test_timers_of_a_cpu_only_run_on_a_gpu_machine_create_no_cuda_context_and_fo
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_device_moves_host_values_exactly_and_leaves_a_cpu_tensor_itself(device):
+    """`instrument.core.devices.to_device`: the host-made index lists, masks and scalar vectors reach a GPU
+    through pinned memory without a wait; every dtype used arrives exact, and on the CPU nothing is copied."""
+    from instrument.core.devices import to_device
+
+    values = [torch.tensor([True, False, True]), torch.tensor([0, 2**53 + 1, -7], dtype=torch.int64),
+              torch.tensor([0.1, -2.5e300, 3.0], dtype=torch.float64), torch.tensor(1.5), torch.arange(6)[::2]]
+    for host in values:
+        moved = to_device(host, torch.device(device))
+        assert moved.device.type == device and moved.dtype == host.dtype
+        assert torch.equal(moved.cpu(), host)
+        if device == "cpu":
+            assert moved is host

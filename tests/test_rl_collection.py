@@ -112,7 +112,7 @@ def test_reward_weights_rebound_or_given_as_a_tensor_scalarise_with_the_weights_
     metrics = CollectionMetrics(reward_weights=torch.tensor([1.0, -0.5]))
     for _ in range(3):
         metrics.update({"next": {"reward": reward, "done": done}})
-    assert logged(metrics)[P + "reward/max"] == 2.0 and len(metrics._weights) == 0
+    assert logged(metrics)[P + "reward/max"] == 2.0 and len(metrics._weights) == 1
 
 
 def test_vector_rewards_without_weights_fail_with_the_fix():

@@ -30,9 +30,10 @@ pairing with another rank's next one and mixing their values.
 
 `CrossRankReducer.start` returns the reduced vector on the collective device. The commit reads it on the host at
 once (`instrument.logger.handover`: whether the layout must grow, and the values, are needed before anything is
-written), a transfer of its own before the commit's batched one. Building the vector copies its host-side numbers
-and index lists to the device from pinned memory without blocking (on a GPU), and values already on the device
-are gathered there.
+written), a transfer of its own before the commit's batched one. Building the vector copies its host-side values
+(Python numbers, CPU tensors) and index lists to the device from pinned memory without blocking (on a GPU), and
+values already on that device are gathered there; values on a GPU under gloo come to the host with a blocking
+copy (gloo reduces on the CPU).
 """
 
 import dataclasses
@@ -405,8 +406,11 @@ def _assemble(values: Sequence[Scalar], device: torch.device) -> Tensor:
             idx, ts = groups.setdefault((v.device, v.dtype), ([], []))
             idx.append(i)
             ts.append(v.detach().reshape(()))
-    for (_, _), (idx, ts) in groups.items():
-        # host sync: with gloo and CUDA values, this is the commit's device->host copy of the scalars.
-        stacked = torch.stack(ts).to(device=device, dtype=torch.float64)
+    for (source, _), (idx, ts) in groups.items():
+        if source.type == "cpu":  # host values to the collective's device: pinned, without a wait
+            stacked = to_device(torch.stack(ts).to(torch.float64), device)
+        else:
+            # host sync: with gloo and CUDA values, this is the commit's device->host copy of the scalars.
+            stacked = torch.stack(ts).to(device=device, dtype=torch.float64)
         out.index_copy_(0, to_device(torch.tensor(idx), device), stacked)
     return out

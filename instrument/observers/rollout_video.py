@@ -110,7 +110,7 @@ class RolloutVideo(Observer):
                 f"{self.channels} renders {len(self.channels)}; drop value_range or pick one channel."
             )
         self._frames: List[Tensor] = []
-        self._index = torch.tensor(self.channels)
+        self._index = self._host_index = torch.tensor(self.channels)
         self._luts: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
 
     def reset(self) -> None:
@@ -163,8 +163,9 @@ class RolloutVideo(Observer):
             )
         if x.dim() == 2:  # [C, L] -> [C, 1, L]
             x = x.unsqueeze(1)
-        index = self._index if self._index.device == x.device else to_device(self._index.cpu(), x.device)
-        self._index = index
+        index = self._index
+        if index.device != x.device:  # made on the host once (the constructor), moved from there, never GPU to GPU
+            index = self._index = to_device(self._host_index, x.device)
         return x.index_select(0, index)  # a copy: later in-place changes of the state do not reach it
 
     def log(self, logger, step: int) -> None:

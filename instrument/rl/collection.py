@@ -217,10 +217,12 @@ class CollectionMetrics(RLComponent):
         # Made once per device and dtype: a tensor made from a list on a GPU is a blocking copy, a host sync on
         # every observed batch.
         given = self.reward_weights
-        if isinstance(given, Tensor):  # bound as a tensor: moved (a no-op where it already is)
-            weights = given.to(device=rewards.device, dtype=wide)
+        if isinstance(given, Tensor) and not given.is_cpu:  # a device tensor: moved (a no-op where it already is)
+            weights = given.detach().to(device=rewards.device, dtype=wide)
         else:
-            values = tuple(float(w) for w in given)  # the weights may be rebound (annealed): compared by value
+            # The weights may be rebound or changed (annealed): compared by value, read off the host (a CPU
+            # tensor's too: no device involved).
+            values = tuple(float(w) for w in (given.tolist() if isinstance(given, Tensor) else given))
             cached = self._weights.get((rewards.device, wide))
             if cached is None or cached[0] != values:
                 cached = self._weights[(rewards.device, wide)] = (

@@ -31,7 +31,6 @@ samples are rank 0's. Without a process group nothing changes.
 
 import dataclasses
 import logging
-import numbers
 import sys
 import threading
 from threading import get_ident
@@ -433,7 +432,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         `log_metrics` and `commit` decide the common case inline (an ``int`` >= 0, not below the last committed
         step, on an open logger) and call this for everything else: a change to these rules belongs there too.
         """
-        if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        if type(step) is not int:  # a wrong type is refused first, on a closed logger too
             check_step(step)
         if self._closed and not closed_use(self, f"a value at step {step}"):
             return False

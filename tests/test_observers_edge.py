@@ -441,3 +441,48 @@ def test_a_watched_call_counted_but_not_delivered_leaves_the_later_iterations_la
     for key in ("first_iteration", "first_iteration/state", "first_iteration/dx"):  # the NaN made in call 3
         assert logged[1][f"nonfinite/{key}"] == 3, key  # (calls 0-4; call 0 not delivered)
     assert logged[0]["nonfinite/first_iteration"] == -1
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_iteration_stats_never_change_a_state_handed_out_as_a_transposed_view(inference):
+    """An environment that keeps its state as [features, N] and hands out the [N, features] transpose: the
+    channels-last path copied it with contiguous(), which is the caller's own tensor for such a view, and then
+    shifted and squared it in place, so the rollout went on from the statistics' scratch values (reduced as it
+    comes: under inference mode, or on a CPU for a large state). Checked against an uninstrumented twin and
+    float64 NumPy."""
+
+    class Env(torch.nn.Module):
+        def forward(self, obs):  # [N, 4] -> [N, 4], laid out as [4, N]
+            x, v, th, om = obs.unbind(1)
+            return torch.stack([x + 0.02 * v, v + 0.1, th + 0.02 * om, om - 0.1]).T
+
+    def rollout(env, inst=None):
+        finals, seen = [], []
+        for step in range(2):
+            with (inst.step(step) if inst is not None else torch.no_grad()), \
+                    (torch.inference_mode() if inference else torch.no_grad()):
+                # reduced as it comes: under inference mode, or on a CPU once a state holds 2**17 elements
+                n = 32 if inference else 2**15
+                x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) / n + 5.0
+                for _ in range(5):
+                    x = env(x)
+                    seen.append(x.double().numpy().copy())
+                finals.append(x.clone())
+        return finals, seen
+
+    plain, _ = rollout(Env())
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.IterationStats(channel_dim=-1, images=False)],
+                                      backends=[keep], log_interval=1)
+    env = Env()
+    inst.watch(env)
+    logged, seen = rollout(env, inst)
+    inst.close()
+    for step in range(2):
+        assert torch.equal(plain[step], logged[step])
+        last = seen[5 * step + 4]  # each step's last state, as the rollout made it
+        scalars = keep.records[step].scalars
+        for c in range(4):
+            assert scalars[f"iteration_stats/mean/c{c}"] == pytest.approx(last[:, c].mean(), rel=1e-6)
+            assert scalars[f"iteration_stats/std/c{c}"] == pytest.approx(last[:, c].std(), rel=1e-5)
+            assert scalars[f"iteration_stats/min/c{c}"] == pytest.approx(last[:, c].min(), rel=1e-6)

@@ -92,9 +92,12 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     x = _channel_view(states, channel_dim)  # [T, B, C, N]
     if x.shape[3] < 16 and x.shape[1] > x.shape[3] and x.shape[2] > 1:
         # Channels (nearly) last, e.g. [N, features]: reductions over a strided middle dim are several times
-        # slower than over the last one, so pay one copy into [T, 1, C, B * N]. (reshape may return a view
-        # here, so the copy is explicit: never shift the caller's tensor in place.)
-        x = x.transpose(1, 2).contiguous().reshape(x.shape[0], 1, x.shape[2], x.shape[1] * x.shape[3])
+        # slower than over the last one, so pay one copy into [T, 1, C, B * N]. The copy is a clone, never
+        # contiguous(), which returns the caller's own tensor when its memory is already laid out so (an
+        # environment's [features, N] buffer handed out transposed, a permuted [B, C, H, W] state): the shift
+        # below would then rewrite the user's state in place.
+        x = x.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        x = x.reshape(x.shape[0], 1, x.shape[1], x.shape[2] * x.shape[3])
         scratch = True
     count = x.shape[1] * x.shape[3]
     if count == 0:

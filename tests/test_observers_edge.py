@@ -486,3 +486,57 @@ def test_iteration_stats_never_change_a_state_handed_out_as_a_transposed_view(in
             assert scalars[f"iteration_stats/mean/c{c}"] == pytest.approx(last[:, c].mean(), rel=1e-6)
             assert scalars[f"iteration_stats/std/c{c}"] == pytest.approx(last[:, c].std(), rel=1e-5)
             assert scalars[f"iteration_stats/min/c{c}"] == pytest.approx(last[:, c].min(), rel=1e-6)
+
+
+@pytest.mark.parametrize("style", ["explicit", "watched"])
+def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
+    """``traj[t + 1] = rule(traj[t])``: writing the next slice moves the version counter every slice of ``traj``
+    shares, so the kept references of the first logging step read as changed in place and its values were dropped
+    (`nonfinite/incomplete` 1, UpdateNorm's and IterationStats' keys missing). Every step's values are now logged,
+    checked against float64 NumPy."""
+    batch, channels, size, iterations = 3, 4, 5, 4
+    keep = Keep()
+    inst = instrument.Instrumentation(
+        observers=[instrument.IterationStats(images=False), instrument.UpdateNorm(),
+                   instrument.NonFinite(gradients=False), instrument.StateHistogram(iterations=(1,))],
+        backends=[keep], log_interval=1)
+    class Rule(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(channels, channels, 1)
+
+        def forward(self, x):
+            return x + 0.1 * torch.tanh(self.conv(x))
+
+    rule = Rule()
+    if style == "watched":
+        inst.watch(rule)
+    generator = torch.Generator().manual_seed(0)
+    kept = []
+    for step in range(2):
+        seed = torch.randn(batch, channels, size, size, generator=generator)
+        # (Under autograd torch itself refuses this: a saved slice reads as changed once the next one is written.)
+        with inst.step(step) as s, torch.no_grad():
+            traj = torch.zeros(iterations + 1, batch, channels, size, size)
+            traj[0] = seed
+            for t in range(iterations):
+                traj[t + 1] = rule(traj[t])
+                if style != "watched":
+                    s.observer(instrument.StepContext(traj[t], traj[t + 1], step_index=t))
+        kept.append(traj.detach().double().numpy().copy())
+    inst.close()
+    assert dict(inst.failures) == {}
+    for step in range(2):
+        scalars, states = keep.records[step].scalars, kept[step]
+        assert scalars["nonfinite/incomplete"] == 0
+        assert scalars["iteration_stats/iterations"] == iterations
+        last = states[-1]
+        for c in range(channels):
+            assert scalars[f"iteration_stats/mean/c{c}"] == pytest.approx(last[:, c].mean(), abs=1e-6)
+            assert scalars[f"iteration_stats/std/c{c}"] == pytest.approx(last[:, c].std(), rel=1e-5)
+        norms = [np.sqrt(((states[t + 1] - states[t]) ** 2).reshape(batch, -1).sum(1)).mean()
+                 for t in range(iterations)]
+        assert scalars["update_norm/l2/first"] == pytest.approx(norms[0], rel=1e-5)
+        assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-5)
+        histogram = keep.records[step].histograms["state_hist/c1/it1"]  # iteration 1's next state: traj[2]
+        np.testing.assert_allclose(np.sort(histogram), np.sort(states[2][:, 1].ravel()), rtol=1e-6)

@@ -23,11 +23,14 @@ kernel launches again.
 
 A rollout that changes a state in place after it was observed would make the kept reference wrong. Each
 tensor's version counter is remembered and checked at read time, so that case is detected, never silently
-logged; the owner then falls back to reducing as it goes. Inference tensors have no version counter, so they
-are always reduced as they come. ``max_elements`` bounds the memory: once the buffered tensors hold that many
-elements, the owner reduces them early and lets them go. An iteration whose tensors have another shape than the
-one before (a batch size that changes within a step: a rollout, then minibatches) first reduces what is
-buffered, since one stack holds one shape.
+logged; the owner then falls back to reducing as it goes. Every view of a tensor shares its version counter,
+so a state that is one slice of a larger buffer (a preallocated trajectory, ``traj[t + 1] = rule(traj[t])``)
+would read as changed as soon as the next slice is written: when the first iteration of a step hands over such
+a slice (a tensor that covers only part of its storage), that step's iterations are kept as copies instead.
+Inference tensors have no version counter, so they are always reduced as they come. ``max_elements`` bounds the
+memory: once the buffered tensors hold that many elements, the owner reduces them early and lets them go. An
+iteration whose tensors have another shape than the one before (a batch size that changes within a step: a
+rollout, then minibatches) first reduces what is buffered, since one stack holds one shape.
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -37,13 +40,23 @@ from torch import Tensor
 
 from instrument.errors import InstrumentError
 
-__all__ = ["IterationBuffer", "ModifiedInPlaceError", "PIECE_BYTES"]
+__all__ = ["IterationBuffer", "ModifiedInPlaceError", "PIECE_BYTES", "part_of_larger"]
 
 PIECE_BYTES = 4 * 2**20  # on a CPU, the most bytes stacked and reduced at once (see the module docstring)
 
 
 class ModifiedInPlaceError(InstrumentError, RuntimeError):
     """A buffered tensor was modified in place after it was observed."""
+
+
+def part_of_larger(tensor: Tensor) -> bool:
+    """Whether ``tensor`` covers only part of its storage (``traj[t]`` of a preallocated trajectory): a write to
+    another part moves the version counter it shares with every view of that storage, so a reference to it cannot
+    be checked for changes of its own values."""
+    try:
+        return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, some subclasses): kept as is
+        return False
 
 
 class IterationBuffer:
@@ -79,11 +92,15 @@ class IterationBuffer:
         self._elements = 0
         self._results: List[Tensor] = []
         self._shapes: list = []  # the shapes of the buffered iterations' tensors (all alike)
+        self._copies = False  # the iterations' tensors are slices of larger buffers: copies are kept (`append`)
 
     def clear(self) -> None:
         self._items, self._results, self._elements, self._shapes = [], [], 0, []
+        self._copies = False
 
-    def append(self, *tensors: Tensor) -> None:
+    def append(self, *tensors: Tensor, sources: Optional[Sequence[Tensor]] = None) -> None:
+        """Keep one iteration's tensors. ``sources``: the tensors to look at for slices of a larger buffer
+        instead of ``tensors`` (whose views of a whole state, such as one channel of it, are slices themselves)."""
         # Called on every iteration of a logging step: one plain loop that also builds the entry (a
         # comprehension is a function call of its own on Python 3.11).
         elements, entry, shapes, cpu = 0, [], [], False
@@ -102,6 +119,11 @@ class IterationBuffer:
         if shapes != self._shapes:  # a new shape (a batch size that changed mid-step): one stack, one shape
             self.drain()
             self._shapes = shapes
+            # Looked at once per shape (per step, as a rule): a rollout hands over slices at every iteration or
+            # at none, and the check costs about 0.5 us a tensor.
+            self._copies = any(part_of_larger(t) for t in (tensors if sources is None else sources))
+        if self._copies:
+            entry = [(t.clone(), 0) for t in tensors]  # a copy's version stays 0: nothing else writes it
         self._items.append(entry)
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:
@@ -121,9 +143,11 @@ class IterationBuffer:
             self.batched = False
             self._results = []
             raise ModifiedInPlaceError(
-                "a state tensor was modified in place after it was observed, so the references kept for the "
-                "batched reduction no longer hold the observed values; this step's values are dropped and "
-                "from now on each iteration is reduced as it comes (slower, but correct)"
+                "a state tensor was modified in place after it was observed (or, for a slice of a larger "
+                "buffer that this step's first iteration did not hand over, another slice of it was written: "
+                "every view shares one version counter), so the references kept for the batched reduction "
+                "cannot be trusted to hold the observed values; this step's values are dropped and from now on "
+                "each iteration is reduced as it comes (slower, but correct)"
             )
         columns = [[entry[i][0] for entry in items] for i in range(len(items[0]))]
         rows = len(items)

@@ -16,7 +16,7 @@ from instrument.checks import check_int
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
-from instrument.observers.buffer import ModifiedInPlaceError
+from instrument.observers.buffer import ModifiedInPlaceError, part_of_larger
 from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import channel_labels, check_channel_names, check_limit
 
@@ -103,7 +103,9 @@ class StateHistogram(Observer):
         self._recent: Deque[Tuple[int, Tensor, int]] = deque(maxlen=max(self._from_end, 1))
 
     def _keep(self, state: Tensor) -> Tuple[Tensor, int]:
-        if self._copy or state.is_inference():  # inference tensors have no version counter to check
+        # Inference tensors have no version counter to check; a slice of a larger buffer (``traj[t]``) shares its
+        # counter with the other slices, which the rollout goes on writing.
+        if self._copy or state.is_inference() or part_of_larger(state):
             return state.clone(), -1
         return state, state._version
 

@@ -109,7 +109,7 @@ class UpdateNorm(Observer):
             self._steps.append(previous, state)
         elif self._has_alpha:
             # Of the state only the alpha channel is kept: stacking the whole state would copy C times as much.
-            self._steps.append(dx, state.select(self._alpha_dim, self.alive_channel))
+            self._steps.append(dx, state.select(self._alpha_dim, self.alive_channel), sources=(dx, state))
         else:
             self._steps.append(dx)
 

@@ -369,6 +369,26 @@ def test_half_precision_weight_norms_and_update_ratios_are_computed_in_float32(d
         np.linalg.norm(after - before) / np.linalg.norm(before), rel=1e-5)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_update_is_subtracted_in_float32(dtype):
+    """The update w_after - w_before was taken in the weights' own dtype, so a weight that changes sign lost
+    digits: bfloat16 1 + 2**-7 -> -2**-9 read an update ratio of 1.0 for 1.0019 (float64)."""
+    bits = 8 if dtype == torch.bfloat16 else 11  # the significand's: the difference needs two more
+    model = nn.Linear(2, 1, bias=False).to(dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1 + 2.0 ** (1 - bits), 0.75]]))
+    sink = Sink()
+    inst = Instrumentation([GradientStats(module=model)], backends=[sink], log_interval=1)
+    with inst.step(0), torch.no_grad():
+        before = model.weight.double().clone()
+        model.weight.copy_(torch.tensor([[-(2.0 ** (-1 - bits)), 0.75]]))  # what an optimizer step may do
+        after = model.weight.double().clone()
+    inst.close()
+    want = ((after - before).norm() / before.norm()).item()
+    assert abs(want - 1.0) > 1e-3  # the case the weights' own dtype rounded
+    assert sink.records[0].scalars["grad_stats/update_ratio/weight"] == pytest.approx(want, rel=1e-6)
+
 def test_float32_weights_whose_squares_underflow_read_the_documented_limit(tmp_path):
     """Weights of 1e-30 (float32): the float32 norms square to 0, so weight_norm reads 0.0 and update_ratio NaN
     (0 / 0) where float64 says ~1e-30 and ~1.6. Not fixed (a float64 norm measured 24x slower on CPU): documented

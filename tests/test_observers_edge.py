@@ -540,3 +540,23 @@ def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
         assert scalars["update_norm/l2/last"] == pytest.approx(norms[-1], rel=1e-5)
         histogram = keep.records[step].histograms["state_hist/c1/it1"]  # iteration 1's next state: traj[2]
         np.testing.assert_allclose(np.sort(histogram), np.sort(states[2][:, 1].ravel()), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_alive_fraction_compares_as_the_models_own_alive_mask_does(dtype):
+    """`update_norm/alive/*` counts the cells where torch's ``alpha > alive_threshold`` holds in the state's dtype
+    (documented): the same cells as an NCA's own ``max_pool2d(alpha) > 0.1`` mask, also where the threshold rounds
+    up in that dtype (bfloat16(0.1) = 0.10009765625)."""
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    threshold = torch.tensor(0.1, dtype=dtype)  # rounded to the dtype
+    below = torch.nextafter(threshold.float(), torch.tensor(0.0)).to(dtype)
+    above = torch.nextafter(threshold.float(), torch.tensor(1.0)).to(dtype)
+    above = above if above > threshold else (threshold.float() * 1.01).to(dtype)
+    state = torch.zeros(1, 4, 2, 2, dtype=dtype)
+    state[0, 3] = torch.stack([threshold, threshold, below, above]).reshape(2, 2)
+    mask = torch.nn.functional.max_pool2d(state[:, 3:4], 1) > 0.1  # the model's own mask, in its dtype
+    with inst.step(0) as s:
+        s.observer(instrument.StepContext(torch.zeros_like(state), state))
+    inst.close()
+    assert keep.records[0].scalars["update_norm/alive/last"] == pytest.approx(mask.double().mean().item())

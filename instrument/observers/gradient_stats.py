@@ -253,8 +253,14 @@ class GradientStats(Observer):
             self.loss_scale.track([p for _, p in self._params])
         if self.update_ratio and self._params:
             with torch.no_grad():
-                # x * 1 is a bitwise copy; the foreach form is one fused kernel per group instead of one each.
-                self._before = list(torch._foreach_mul([p.detach() for _, p in self._params], 1.0))
+                # x * 1 is a bitwise copy; the foreach form is one fused kernel per group instead of one each. A
+                # float16 or bfloat16 parameter's copy is float32 (exact), so that its update is subtracted in
+                # float32: in its own dtype a weight going from 1 + 2**-7 to -2**-9 read an update ratio of 1.0
+                # for 1.0019 (docs/observers.md: half-precision update ratios are computed in float32).
+                params = [p.detach() for _, p in self._params]
+                others = [p for p in params if p.dtype not in _HALF]
+                copies = iter(torch._foreach_mul(others, 1.0) if others else ())
+                self._before = [p.float() if p.dtype in _HALF else next(copies) for p in params]
 
     def detach(self) -> None:
         """The optimizer step is done: the update norms now, and the snapshot is released in any case."""

@@ -560,3 +560,28 @@ def test_the_alive_fraction_compares_as_the_models_own_alive_mask_does(dtype):
         s.observer(instrument.StepContext(torch.zeros_like(state), state))
     inst.close()
     assert keep.records[0].scalars["update_norm/alive/last"] == pytest.approx(mask.double().mean().item())
+
+
+def test_a_channel_dim_naming_the_batch_of_an_n_by_features_state_is_refused(caplog):
+    """channel_dim=0 on an [N, features] state is its batch: NonFinite read the environments as channels (a NaN in
+    feature 2 of environment 5 logged first_channel 5) and IterationStats fell back to dim 1, both unsaid, where
+    docs/observers.md says it is refused (as StateHistogram did)."""
+    import logging
+
+    from instrument.errors import ConfigurationError
+
+    keep = Keep()
+    inst = instrument.Instrumentation(
+        observers=[instrument.IterationStats(channel_dim=0, name="stats"),
+                   instrument.NonFinite(channel_dim=0, gradients=False, name="nf")],
+        backends=[keep], log_interval=1)
+    state = torch.zeros(8, 4)
+    state[5, 2] = float("nan")
+    with caplog.at_level(logging.ERROR, logger="instrument"), inst.step(0) as s:
+        s.observer(instrument.StepContext(torch.zeros(8, 4), state))
+    inst.close()
+    assert inst.failures == {"stats": 1, "nf": 1}
+    refused = [r.exc_info[1] for r in caplog.records if r.exc_info]
+    assert len(refused) == 2 and all(isinstance(e, ConfigurationError) and "channel_dim=0" in str(e) and
+                                     "[8, 4]" in str(e) for e in refused)
+    assert not any(key.startswith(("stats/", "nf/first_channel")) for r in keep.records for key in r.scalars)

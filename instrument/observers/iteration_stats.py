@@ -92,7 +92,7 @@ class IterationStats(Observer):
                     f"out for this state (UpdateNorm and NonFinite take complex states)."
                 )
             said = said_channel_dim(self)
-            self._dim = check_channel_dim(self.name, said, state.shape) if said is not None and state.dim() > 2 else 1
+            self._dim = check_channel_dim(self.name, said, state.shape) if said is not None and state.dim() >= 2 else 1
             if said is None and infer_channel_dim(state.shape) == -1:
                 warn_layout_once(self, f"the state has shape {list(state.shape)}, which looks channels-last "
                                  f"[B, H, W, C], but channel_dim defaults to 1: channel k is read as grid row k.")

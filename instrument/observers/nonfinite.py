@@ -208,7 +208,7 @@ class NonFinite(Observer):
         state = context.next_state
         if state.shape != self._shape:  # metadata only: a channel_dim that names no channel dimension is refused
             said = said_channel_dim(self)
-            if said is not None and state.dim() > 2:
+            if said is not None and state.dim() >= 2:  # an [N, features] state too: channel_dim=0 is its batch
                 check_channel_dim(self.name, said, state.shape)
             self._shape = state.shape
         # The rollout's index: a watched call counted but not delivered (docs/observers.md) leaves a gap, and the

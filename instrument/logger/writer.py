@@ -376,6 +376,10 @@ class Writer:
                     if kind == _CLOSE:
                         self._stopped = True
                     self._cond.notify_all()
+            # The item goes now: bound while the loop waits for the next one, a step's staged tensors (device
+            # memory on a GPU) and their host copy stayed alive through every step until the next commit, and for
+            # good behind a session dropped without close().
+            del item, payload
             if kind == _CLOSE:
                 return
             # An overdue flush waits for the items found queued with this one (records handed over during one

@@ -246,6 +246,11 @@ class GradientStats(Observer):
     def reset(self) -> None:
         self._params, self._before, self._update = [], None, None
 
+    def close(self) -> None:
+        """The parameters and modules of the last logging step go: the observer may outlive the model."""
+        self.reset()
+        self._modules = []
+
     def attach(self, modules: Sequence[nn.Module]) -> None:
         self._modules = [self.module] if self.module is not None else list(modules)
         self._params = select_parameters(self._modules, self.include, self.exclude)

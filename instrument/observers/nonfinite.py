@@ -347,6 +347,7 @@ class NonFinite(Observer):
         if not self.reported:
             self._report([(r, a) for r, a in self._pending if r.result(timeout=0) is not None or r.dropped])
         self._pending = []
+        self.reset()  # the covered parameters and kept states go: the observer may outlive the model
 
     def _report(self, ready: List[Tuple[Any, bool]]) -> None:
         for entry in ready:

@@ -142,6 +142,16 @@ class StateHistogram(Observer):
         return state
 
     def log(self, logger, step: int) -> None:
+        try:
+            self._log(logger, step)
+        finally:  # the kept states go with the step (a whole state each): not alive until the next logging step
+            self._kept.clear()
+            self._recent.clear()
+
+    def close(self) -> None:
+        self.reset()  # a step that raised before its log kept its states
+
+    def _log(self, logger, step: int) -> None:
         states = {i: self._state(i) for i in self.iterations}  # all checked before anything is staged
         for iteration, state in states.items():
             if state is None:

@@ -429,3 +429,23 @@ def test_float32_weights_whose_squares_underflow_read_the_documented_limit(tmp_p
     docs = " ".join((Path(__file__).parents[1] / "docs" / "observers.md").read_text().split())
     assert "reads `weight_norm` 0 and `update_ratio` NaN" in docs
     assert "A NaN `update_ratio` therefore says the weight norm before the step read 0" in docs
+
+
+def test_update_ratios_of_a_model_of_mixed_dtypes_match_float64():
+    """Half-precision snapshots are float32 while the others keep their dtype: the subtraction is grouped so that
+    each parameter's update is taken against its own copy, whatever the mix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6).bfloat16(), nn.Linear(6, 6).half(),
+                          nn.Linear(6, 6).double())
+    sink = Sink()
+    inst = Instrumentation([GradientStats(module=model)], backends=[sink], log_interval=1)
+    with inst.step(0), torch.no_grad():
+        before = {name: p.double().clone() for name, p in model.named_parameters()}
+        for p in model.parameters():
+            p.mul_(-0.5).add_(0.01)
+        after = {name: p.double().clone() for name, p in model.named_parameters()}
+    inst.close()
+    scalars = sink.records[0].scalars
+    for name in before:
+        want = ((after[name] - before[name]).norm() / before[name].norm()).item()
+        assert scalars[f"grad_stats/update_ratio/{name}"] == pytest.approx(want, rel=1e-5), name

@@ -75,3 +75,55 @@ def test_an_observer_kept_after_close_holds_no_parameter_of_the_model(make):
     refs = [StorageWeakRef(model.weight.untyped_storage()), StorageWeakRef(model.weight.grad.untyped_storage())]
     del model, optimizer, inst  # the closed session itself keeps its watched modules; the observer stays
     assert all(_released(ref, within=0.0) for ref in refs)
+
+
+@pytest.mark.parametrize("make", [lambda: instrument.IterationStats(images=False), lambda: instrument.UpdateNorm(),
+                                  lambda: instrument.ActivationStats(images=False), lambda: instrument.StateHistogram(),
+                                  lambda: instrument.NonFinite(gradients=False)])
+def test_what_a_step_that_raised_kept_goes_when_the_session_closes(make):
+    """A logging step whose body raised never reaches the observers' log: what they kept of it (references, or
+    copies of slices) stayed alive after close() for as long as the observer object did (a notebook re-uses it)."""
+    observer = make()
+    inst = instrument.Instrumentation(observers=[observer], backends=[Sink()], log_interval=1, overhead_budget=None)
+    layer = torch.nn.Linear(8, 8)
+    inst.watch(layer)  # ActivationStats hooks its output
+    refs = []
+    with pytest.raises(ValueError), inst.step(0) as s, torch.no_grad():
+        x = torch.randn(4, 8)
+        for t in range(3):
+            y = layer(x)
+            s.observer(instrument.StepContext(x, y, step_index=t))
+            refs.append(StorageWeakRef(y.untyped_storage()))
+            x = y
+        raise ValueError("the training step failed")
+    inst.close()
+    del x, y, layer, inst, s
+    assert all(_released(ref, within=0.0) for ref in refs)
+
+
+def test_rollout_video_lets_its_frames_go_once_logged():
+    """RolloutVideo kept its frames (copies of the rendered channels) through the interval and after close()."""
+    video = instrument.RolloutVideo()
+    inst = instrument.Instrumentation(observers=[video], backends=[Sink()], log_interval=100, overhead_budget=None)
+    with inst.step(0) as s, torch.no_grad():
+        x = torch.rand(2, 4, 8, 8)
+        for t in range(5):
+            s.observer(instrument.StepContext(x, x * 0.9, step_index=t))
+            x = x * 0.9
+    assert video._frames == []
+    inst.close()
+
+
+def test_a_nonfinite_observer_handed_to_a_new_session_reports_that_runs_first_nan(caplog):
+    """Its once-per-run report outlived close(), so the next run's first NaN was counted but never said."""
+    import logging
+
+    observer = instrument.NonFinite(gradients=False)
+    for run in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="instrument"), instrument.Instrumentation(
+                observers=[observer], backends=[Sink()], log_interval=1, overhead_budget=None) as inst:
+            with inst.step(0) as s:
+                s.observer(instrument.StepContext(torch.zeros(2, 3), torch.tensor([[0.0, float("nan"), 1.0]] * 2)))
+        said = [r for r in caplog.records if "non-finite values at step 0" in r.getMessage()]
+        assert len(said) == 1, (run, [r.getMessage() for r in caplog.records])

@@ -488,7 +488,7 @@ def test_iteration_stats_never_change_a_state_handed_out_as_a_transposed_view(in
             assert scalars[f"iteration_stats/min/c{c}"] == pytest.approx(last[:, c].min(), rel=1e-6)
 
 
-@pytest.mark.parametrize("style", ["explicit", "watched"])
+@pytest.mark.parametrize("style", ["explicit", "watched", "from a whole seed", "broadcast"])
 def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
     """``traj[t + 1] = rule(traj[t])``: writing the next slice moves the version counter every slice of ``traj``
     shares, so the kept references of the first logging step read as changed in place and its values were dropped
@@ -509,7 +509,7 @@ def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
             return x + 0.1 * torch.tanh(self.conv(x))
 
     rule = Rule()
-    if style == "watched":
+    if style in ("watched", "from a whole seed"):
         inst.watch(rule)
     generator = torch.Generator().manual_seed(0)
     kept = []
@@ -519,11 +519,17 @@ def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
         with inst.step(step) as s, torch.no_grad():
             traj = torch.zeros(iterations + 1, batch, channels, size, size)
             traj[0] = seed
+            x = seed  # "from a whole seed": the first iteration's previous state is a whole tensor, the rest slices
             for t in range(iterations):
-                traj[t + 1] = rule(traj[t])
-                if style != "watched":
+                traj[t + 1] = rule(x if style == "from a whole seed" else traj[t])
+                if style == "broadcast":  # one sample's slice broadcast over the batch: reaches part of traj
+                    s.observer(instrument.StepContext(traj[t, :1].expand_as(seed), traj[t + 1, :1].expand_as(seed),
+                                                      step_index=t))
+                elif style == "explicit":
                     s.observer(instrument.StepContext(traj[t], traj[t + 1], step_index=t))
-        kept.append(traj.detach().double().numpy().copy())
+                x = traj[t + 1]
+        observed = traj[:, :1].expand_as(traj) if style == "broadcast" else traj
+        kept.append(observed.detach().double().numpy().copy())
     inst.close()
     assert dict(inst.failures) == {}
     for step in range(2):
@@ -585,3 +591,16 @@ def test_a_channel_dim_naming_the_batch_of_an_n_by_features_state_is_refused(cap
     assert len(refused) == 2 and all(isinstance(e, ConfigurationError) and "channel_dim=0" in str(e) and
                                      "[8, 4]" in str(e) for e in refused)
     assert not any(key.startswith(("stats/", "nf/first_channel")) for r in keep.records for key in r.scalars)
+
+
+def test_part_of_larger_tells_slices_and_broadcast_slices_from_whole_tensors():
+    from instrument.observers.buffer import part_of_larger
+
+    traj = torch.zeros(5, 3, 4)
+    assert part_of_larger(traj[0]) and part_of_larger(traj[2]) and part_of_larger(traj[:, :, :2])
+    assert part_of_larger(traj[1, :1].expand(100, 4))  # more elements than the storage, yet a part of it
+    assert part_of_larger(traj[0, :1].expand(100, 4))  # offset 0 too
+    whole = torch.zeros(3, 4)
+    assert not any(part_of_larger(t) for t in (whole, whole.T, whole.reshape(4, 3), whole.unsqueeze(0),
+                                               torch.zeros(1, 4).expand(100, 4), torch.zeros(0, 4), torch.tensor(1.0)))
+    assert not part_of_larger(torch.zeros(2, 3).to_sparse())  # no plain storage: kept as it is

@@ -229,6 +229,11 @@ class ActivationStats(Observer):
         self._names, self._sums, self._calls, self._error = [], [], [], None
         self._dropped: Set[int] = set()
 
+    def close(self) -> None:
+        # What a step that raised before its log kept: the buffered outputs, and an error whose traceback holds
+        # frames (the per-module call counts stay, for a look after the run).
+        self._sums, self._error = [], None
+
     def attach(self, modules: Sequence[nn.Module]) -> None:
         self.detach()
         self.reset()

@@ -25,8 +25,9 @@ A rollout that changes a state in place after it was observed would make the kep
 tensor's version counter is remembered and checked at read time, so that case is detected, never silently
 logged; the owner then falls back to reducing as it goes. Every view of a tensor shares its version counter,
 so a state that is one slice of a larger buffer (a preallocated trajectory, ``traj[t + 1] = rule(traj[t])``)
-would read as changed as soon as the next slice is written: when the first iteration of a step hands over such
-a slice (a tensor that covers only part of its storage), that step's iterations are kept as copies instead.
+would read as changed as soon as the next slice is written: from the first iteration that hands over such a
+slice (a tensor that reaches only part of its storage), the iterations are kept as copies instead, and those
+kept before it are copied then, while they still hold what was observed.
 Inference tensors have no version counter, so they are always reduced as they come. ``max_elements`` bounds the
 memory: once the buffered tensors hold that many elements, the owner reduces them early and lets them go. An
 iteration whose tensors have another shape than the one before (a batch size that changes within a step: a
@@ -50,11 +51,19 @@ class ModifiedInPlaceError(InstrumentError, RuntimeError):
 
 
 def part_of_larger(tensor: Tensor) -> bool:
-    """Whether ``tensor`` covers only part of its storage (``traj[t]`` of a preallocated trajectory): a write to
-    another part moves the version counter it shares with every view of that storage, so a reference to it cannot
-    be checked for changes of its own values."""
+    """Whether ``tensor`` reaches only part of its storage (``traj[t]`` of a preallocated trajectory, also
+    broadcast: ``traj[t].expand(...)``): a write to another part moves the version counter it shares with every
+    view of that storage, so a reference to it cannot be checked for changes of its own values."""
     try:
-        return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage().nbytes()
+        if tensor.storage_offset():
+            return True
+        span = 1  # the elements the view can reach, from its first: strides may be 0 (broadcast) or overlap
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+            if size == 0:
+                return storage > 0
+            span += (size - 1) * abs(stride)
+        return span * tensor.element_size() < storage
     except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, some subclasses): kept as is
         return False
 
@@ -119,15 +128,30 @@ class IterationBuffer:
         if shapes != self._shapes:  # a new shape (a batch size that changed mid-step): one stack, one shape
             self.drain()
             self._shapes = shapes
-            # Looked at once per shape (per step, as a rule): a rollout hands over slices at every iteration or
-            # at none, and the check costs about 0.5 us a tensor.
             self._copies = any(part_of_larger(t) for t in (tensors if sources is None else sources))
+        elif not self._copies:
+            # A rollout may start from a whole tensor and hand over slices from its second iteration on
+            # (``traj[t] = rule(x); x = traj[t]``): looked at every iteration until slices come, the full check
+            # only for a view or an offset one (about 0.2 us a tensor otherwise).
+            for t in (tensors if sources is None else sources):
+                if (t._base is not None or t.storage_offset()) and part_of_larger(t):
+                    self._copies = True
+                    self._copy_kept()
+                    break
         if self._copies:
             entry = [(t.clone(), 0) for t in tensors]  # a copy's version stays 0: nothing else writes it
         self._items.append(entry)
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:
             self.drain()
+
+    def _copy_kept(self) -> None:
+        """Slices came after whole tensors: the entries kept so far are copied while they still hold what was
+        observed (an entry already changed stays as it is, and the drain reports it)."""
+        self._items = [
+            [(t.clone(), 0) for t, _ in entry] if all(t._version == version for t, version in entry) else entry
+            for entry in self._items
+        ]
 
     def drain(self) -> None:
         """Reduce what is buffered (one batched call; on a CPU one per piece) and release the references."""
@@ -144,8 +168,8 @@ class IterationBuffer:
             self._results = []
             raise ModifiedInPlaceError(
                 "a state tensor was modified in place after it was observed (or, for a slice of a larger "
-                "buffer that this step's first iteration did not hand over, another slice of it was written: "
-                "every view shares one version counter), so the references kept for the batched reduction "
+                "buffer kept before any tensor was seen to be one, another slice of it was written: every view "
+                "shares one version counter), so the references kept for the batched reduction "
                 "cannot be trusted to hold the observed values; this step's values are dropped and from now on "
                 "each iteration is reduced as it comes (slower, but correct)"
             )

@@ -81,6 +81,9 @@ class IterationStats(Observer):
         self._states.clear()
         self._dim = None
 
+    def close(self) -> None:
+        self.reset()  # what a step that raised before its log kept (copies, when they are slices)
+
     def observe(self, context: StepContext) -> None:
         state = context.next_state
         if self._dim is None:  # the layout, once per step: metadata only

@@ -348,6 +348,9 @@ class NonFinite(Observer):
             self._report([(r, a) for r, a in self._pending if r.result(timeout=0) is not None or r.dropped])
         self._pending = []
         self.reset()  # the covered parameters and kept states go: the observer may outlive the model
+        # "Once per run": an observer handed to the next session (a notebook re-run) reports that run's first
+        # non-finite values too.
+        self._said, self._said_dropped = set(), set()
 
     def _report(self, ready: List[Tuple[Any, bool]]) -> None:
         for entry in ready:

@@ -116,6 +116,9 @@ class RolloutVideo(Observer):
     def reset(self) -> None:
         self._frames = []
 
+    def close(self) -> None:
+        self.reset()
+
     def observe(self, context: StepContext) -> None:
         if not self._frames and context.step_index % self.every == 0:
             self._keep(context.previous_state, seed=True)
@@ -172,6 +175,7 @@ class RolloutVideo(Observer):
         if not self._frames:
             return
         stack = torch.stack(self._frames)  # [T, k, H, W]
+        self._frames = []  # staged as the stack: not kept through the interval
         lut, nan = self._lut(stack.device)
         frames = render_frames(stack, self.premultiplied, self.value_range, lut, nan)
         if self.upscale > 1:

@@ -2,8 +2,8 @@
 
 A mean and a std hide what a histogram shows at once: a channel saturating at the ends of its range, a
 bimodal alive/dead split, a long tail growing over training. ``observe`` keeps a reference to the states of
-the chosen iterations only (no copy, no reduction); at log time each channel's values go to the logger as one
-histogram, copied to the host with the step's other values and binned there by the backend.
+the chosen iterations only (no copy unless it must, no reduction); at log time each channel's values go to the
+logger as one histogram, copied to the host with the step's other values and binned there by the backend.
 """
 
 import logging
@@ -35,7 +35,8 @@ class StateHistogram(Observer):
     delivered, or an explicit evolver that numbers its iterations), else the number of those calls (an explicit
     evolver that leaves it at 0). An iteration not observed (too short a rollout) logs nothing for it. The kept
     states are references, checked at log time for in-place changes (then this step's histograms are dropped
-    with an error and later steps copy the chosen states); inference-mode states are copied.
+    with an error and later steps copy the chosen states), and let go once logged; inference-mode states and
+    slices of a larger buffer (``traj[t]``, whose version counter every slice shares) are copied.
 
     Metric keys (``<name>`` defaults to ``state_hist``):
 

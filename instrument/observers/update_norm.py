@@ -82,6 +82,9 @@ class UpdateNorm(Observer):
         self._shape = None
         self._pairs = False
 
+    def close(self) -> None:
+        self.reset()  # what a step that raised before its log kept (copies, when they are slices)
+
     def observe(self, context: StepContext) -> None:
         # Keep references only; all iterations are reduced at once in `log` (see instrument.observers.buffer).
         state = context.next_state

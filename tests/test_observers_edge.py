@@ -488,7 +488,7 @@ def test_iteration_stats_never_change_a_state_handed_out_as_a_transposed_view(in
             assert scalars[f"iteration_stats/min/c{c}"] == pytest.approx(last[:, c].min(), rel=1e-6)
 
 
-@pytest.mark.parametrize("style", ["explicit", "watched", "from a whole seed", "broadcast"])
+@pytest.mark.parametrize("style", ["explicit", "watched", "from a whole seed", "broadcast", "inference mode"])
 def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
     """``traj[t + 1] = rule(traj[t])``: writing the next slice moves the version counter every slice of ``traj``
     shares, so the kept references of the first logging step read as changed in place and its values were dropped
@@ -516,8 +516,8 @@ def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
     for step in range(2):
         seed = torch.randn(batch, channels, size, size, generator=generator)
         # (Under autograd torch itself refuses this: a saved slice reads as changed once the next one is written.)
-        with inst.step(step) as s, torch.no_grad():
-            traj = torch.zeros(iterations + 1, batch, channels, size, size)
+        traj = torch.zeros(iterations + 1, batch, channels, size, size)  # made outside inference mode
+        with inst.step(step) as s, (torch.inference_mode() if style == "inference mode" else torch.no_grad()):
             traj[0] = seed
             x = seed  # "from a whole seed": the first iteration's previous state is a whole tensor, the rest slices
             for t in range(iterations):
@@ -525,7 +525,7 @@ def test_states_kept_in_a_preallocated_trajectory_buffer_lose_no_step(style):
                 if style == "broadcast":  # one sample's slice broadcast over the batch: reaches part of traj
                     s.observer(instrument.StepContext(traj[t, :1].expand_as(seed), traj[t + 1, :1].expand_as(seed),
                                                       step_index=t))
-                elif style == "explicit":
+                elif style in ("explicit", "inference mode"):
                     s.observer(instrument.StepContext(traj[t], traj[t + 1], step_index=t))
                 x = traj[t + 1]
         observed = traj[:, :1].expand_as(traj) if style == "broadcast" else traj

@@ -1225,3 +1225,44 @@ def test_a_copy_taken_in_a_logging_step_drops_its_inert_hooks_at_its_first_call(
     torch.testing.assert_close(twin(x), rule(x), rtol=0, atol=0)
     assert not any(getattr(twin, table) for table in tables)
     assert not any(getattr(rule, table) for table in tables)
+
+
+def test_a_gradient_probe_on_a_strided_view_leaves_training_bitwise_as_it_is():
+    """WatchGradient's copy of a non-dense view (``h[:, ::2]``) came out contiguous, so a reduction after the probe
+    added in another order and a logging step's numbers differed in their last bits from the same step without the
+    probe (a review). The copy now keeps the view's strides."""
+    from instrument.probes.copies import same_layout_copy
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(16, 64), torch.nn.Linear(32, 1)
+            self.probe = instrument.Probe("half", grad=True)
+
+        def forward(self, x):
+            h = self.probe(torch.tanh(self.l1(x))[:, ::2])
+            return self.l2(h).squeeze(-1) + h.sum(1) * 1e-3
+
+    def train(instrumented):
+        torch.manual_seed(0)
+        net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        inst = instrument.Instrumentation(observers=[], backends=[], log_interval=1) if instrumented else None
+        if inst is not None:
+            inst.watch(net, state=False)
+        for step in range(3):
+            x = torch.randn(256, 16)
+            with inst.step(step) if inst is not None else contextlib.nullcontext():
+                loss = net(x).square().mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        if inst is not None:
+            inst.close()
+        return [p.detach().clone() for p in net.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(False), train(True), strict=True))
+    view = torch.randn(8, 6)[:, ::2]
+    assert same_layout_copy(view).stride() == view.stride() and torch.equal(same_layout_copy(view), view)
+    broadcast = torch.randn(1, 3).expand(4, 3)
+    assert torch.equal(same_layout_copy(broadcast), broadcast)

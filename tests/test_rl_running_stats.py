@@ -280,3 +280,17 @@ def test_small_episodes_after_a_huge_bonus_keep_every_digit(tmp_path, bonus):
     assert logged["collection/main/episode/return/min"] == expected[(0, 3)] == 0.001 + 0.001 + 0.001
     assert logged["collection/main/episode/return/max"] == expected[(0, 0)] == bonus
     assert logged["collection/main/episode/length/mean"] == 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_reward_buffer_refilled_in_place_keeps_what_was_already_counted(dtype):
+    """One environment's 0-d reward, refilled in place between calls: with no batch dimension the first call kept
+    the caller's own tensor as its sum (float64), minimum and maximum, so the refills changed them (a review)."""
+    acc = RunningStats()
+    reward = torch.zeros((), dtype=dtype)
+    for value in (1.0, 2.0):
+        reward.fill_(value)
+        acc.add(reward)
+    reward.fill_(5.0)  # the next step's reward lands before the summary
+    summary = {k: float(v) for k, v in acc.summary().items()}
+    assert (summary["mean"], summary["min"], summary["max"]) == (1.5, 1.0, 2.0), summary

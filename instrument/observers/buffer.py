@@ -97,7 +97,8 @@ class IterationBuffer:
         self.max_elements = max_elements
         self.batched = batched
         self.batch_below = batch_below
-        self._items: List[List[Tuple[Tensor, int]]] = []  # one [(tensor, version), ...] per iteration
+        # One [(tensor, version), ...] per iteration; version None: a copy the buffer made, not checked.
+        self._items: List[List[Tuple[Tensor, Optional[int]]]] = []
         self._elements = 0
         self._results: List[Tensor] = []
         self._shapes: list = []  # the shapes of the buffered iterations' tensors (all alike)
@@ -139,7 +140,9 @@ class IterationBuffer:
                     self._copy_kept()
                     break
         if self._copies:
-            entry = [(t.clone(), 0) for t in tensors]  # a copy's version stays 0: nothing else writes it
+            # Copies, checked for nothing (nothing else writes them; made under inference mode, a slice of a buffer
+            # allocated outside it, they would have no version counter to read).
+            entry = [(t.clone(), None) for t in tensors]
         self._items.append(entry)
         self._elements += elements
         if self.max_elements is not None and self._elements >= self.max_elements:
@@ -149,7 +152,8 @@ class IterationBuffer:
         """Slices came after whole tensors: the entries kept so far are copied while they still hold what was
         observed (an entry already changed stays as it is, and the drain reports it)."""
         self._items = [
-            [(t.clone(), 0) for t, _ in entry] if all(t._version == version for t, version in entry) else entry
+            [(t if version is None else t.clone(), None) for t, version in entry]
+            if all(version is None or t._version == version for t, version in entry) else entry
             for entry in self._items
         ]
 
@@ -161,7 +165,7 @@ class IterationBuffer:
         changed = False
         for entry in items:  # plain loops: this runs over every buffered iteration of a logging step
             for t, version in entry:
-                if t._version != version:
+                if version is not None and t._version != version:
                     changed = True
         if changed:
             self.batched = False

@@ -61,6 +61,7 @@ from torch import Tensor
 
 from instrument.core.recompute import in_recompute
 from instrument.errors import ProbeError
+from instrument.probes.copies import same_layout_copy
 from instrument.probes.transforms import chunked_vmap_call
 
 __all__ = ["Recorder", "WatchGradient", "active_recorder", "install", "on_call_end", "take_interrupt", "uninstall"]
@@ -482,7 +483,7 @@ class WatchGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(value: Tensor, name: str) -> Tensor:
-        return value.clone()
+        return same_layout_copy(value)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:

@@ -81,9 +81,11 @@ class RunningStats:
             low = torch.full(values.shape[-1:], math.inf, dtype=values.dtype, device=values.device)
             high = -low
         else:
-            total = masked.sum(dim=batch_dims, dtype=wide) if batch_dims else masked.to(wide)
-            low = low_in.amin(dim=batch_dims) if batch_dims else low_in
-            high = high_in.amax(dim=batch_dims) if batch_dims else high_in
+            total = masked.sum(dim=batch_dims, dtype=wide) if batch_dims else masked.to(wide, copy=True)
+            # Without batch dimensions the extremes are the values themselves: a copy, never the caller's tensor
+            # (a reward buffer refilled in place would change what was already counted).
+            low = low_in.amin(dim=batch_dims) if batch_dims else low_in.clone()
+            high = high_in.amax(dim=batch_dims) if batch_dims else high_in.clone()
         if self.flatten:
             count = count * values.shape[-1]
             total, low, high = total.sum(), low.amin(), high.amax()

@@ -604,3 +604,38 @@ def test_part_of_larger_tells_slices_and_broadcast_slices_from_whole_tensors():
     assert not any(part_of_larger(t) for t in (whole, whole.T, whole.reshape(4, 3), whole.unsqueeze(0),
                                                torch.zeros(1, 4).expand(100, 4), torch.zeros(0, 4), torch.tensor(1.0)))
     assert not part_of_larger(torch.zeros(2, 3).to_sparse())  # no plain storage: kept as it is
+
+
+def test_a_differentiable_rollout_from_a_whole_seed_into_a_trajectory_buffer_loses_no_step():
+    """``traj[t] = rule(x); x = traj[t]`` under autograd (a rule that saves nothing for backward, so torch allows
+    it): the states reach observers detached, and a detached slice has no ``_base``, so the slice of the second
+    iteration went unseen and the step was dropped (a review). Checked against float64 NumPy."""
+
+    class Rule(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = torch.nn.Parameter(torch.linspace(-0.1, 0.1, 4).reshape(4, 1, 1))
+
+        def forward(self, x):
+            return x + self.b
+
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm(), instrument.IterationStats(images=False)],
+                                      backends=[keep], log_interval=1)
+    rule = Rule()
+    inst.watch(rule)
+    seed = torch.arange(2 * 4 * 3 * 3, dtype=torch.float32).reshape(2, 4, 3, 3) / 50.0
+    with inst.step(0):
+        traj = torch.zeros(5, 2, 4, 3, 3)
+        x = seed
+        for t in range(5):
+            traj[t] = rule(x)
+            x = traj[t]
+        x.square().mean().backward()
+    inst.close()
+    assert dict(inst.failures) == {}
+    states = [seed.double().numpy()] + [traj[t].detach().double().numpy() for t in range(5)]
+    norms = [np.sqrt(((states[t + 1] - states[t]) ** 2).reshape(2, -1).sum(1)).mean() for t in range(5)]
+    scalars = keep.records[0].scalars
+    assert scalars["update_norm/l2/mean"] == pytest.approx(np.mean(norms), rel=1e-5)
+    assert scalars["iteration_stats/mean/c1"] == pytest.approx(states[-1][:, 1].mean(), rel=1e-5)

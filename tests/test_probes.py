@@ -1266,3 +1266,11 @@ def test_a_gradient_probe_on_a_strided_view_leaves_training_bitwise_as_it_is():
     assert same_layout_copy(view).stride() == view.stride() and torch.equal(same_layout_copy(view), view)
     broadcast = torch.randn(1, 3).expand(4, 3)
     assert torch.equal(same_layout_copy(broadcast), broadcast)
+    token = torch.randn(4, 50, 8)[:, 0]  # one token of many: a contiguous copy, not the span of the whole tensor
+    assert torch.equal(same_layout_copy(token), token)
+    assert same_layout_copy(token).untyped_storage().nbytes() == token.numel() * token.element_size()
+    from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass keeps its type (and both parts)
+
+    pair = TwoTensor(torch.randn(4, 6), torch.randn(4, 6))[:, ::2]
+    copied = same_layout_copy(pair)
+    assert type(copied) is TwoTensor and torch.equal(copied.a, pair.a) and torch.equal(copied.b, pair.b)

@@ -132,10 +132,12 @@ class IterationBuffer:
             self._copies = any(part_of_larger(t) for t in (tensors if sources is None else sources))
         elif not self._copies:
             # A rollout may start from a whole tensor and hand over slices from its second iteration on
-            # (``traj[t] = rule(x); x = traj[t]``): looked at every iteration until slices come, the full check
-            # only for a view or an offset one (about 0.2 us a tensor otherwise).
+            # (``traj[t] = rule(x); x = traj[t]``): looked at every iteration until slices come (about 0.4 us a
+            # tensor). An offset, or a storage larger than the tensor, tells a slice (also a detached one, which
+            # has no ``_base``); a view whose storage is no larger (broadcast) gets the full check.
             for t in (tensors if sources is None else sources):
-                if (t._base is not None or t.storage_offset()) and part_of_larger(t):
+                if t.storage_offset() or t.untyped_storage().nbytes() > t.nbytes or (
+                        t._base is not None and part_of_larger(t)):
                     self._copies = True
                     self._copy_kept()
                     break

@@ -3,27 +3,39 @@
 ``clone()`` keeps the strides of a dense tensor but makes a non-dense one (a strided view, ``h[:, ::2]``)
 contiguous, and an op after the probe then reduces it in another order: the training numbers of a logging step
 differed in their last bits from those of the same step without the probe. The copy is made with the value's own
-strides instead (its span allocated, as the view's base was). A broadcast view (a stride of 0) cannot be written
-element by element, and inside torch.func transforms strides are the transform's: both keep ``clone()``.
+strides instead, which allocates the span the view reaches: kept to views that reach at most `MAX_SPAN` times
+their own size (every second or fourth element). A sparser view (one token or column of a larger tensor) gets
+``clone()``, as does a broadcast view (a stride of 0: it cannot be written element by element), a tensor subclass
+whose type a plain strided copy would lose, and a value inside a torch.func transform (whose strides are the
+transform's).
 """
 
 import torch
 from torch import Tensor
 
-__all__ = ["same_layout_copy"]
+__all__ = ["MAX_SPAN", "same_layout_copy"]
+
+MAX_SPAN = 4  # the most memory a strided copy may take, in multiples of the value's own size
 
 
 def same_layout_copy(value: Tensor) -> Tensor:
-    """A copy of ``value`` with its strides."""
+    """A copy of ``value`` with its strides, where that costs at most `MAX_SPAN` times its size."""
     copy = value.clone()
     if value.is_contiguous():  # the common case: clone kept the layout
         return copy
     try:
         strides = value.stride()
-        if copy.stride() == strides or any(stride == 0 and size > 1 for size, stride in zip(
-                value.shape, strides, strict=True)):
+        if copy.stride() == strides:
+            return copy
+        span = 1
+        for size, stride in zip(value.shape, strides, strict=True):
+            if stride == 0 and size > 1:
+                return copy
+            span += (size - 1) * abs(stride)
+        if span > MAX_SPAN * value.numel():
             return copy
         strided = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
-        return strided.copy_(value)
+        strided.copy_(value)
+        return strided if type(strided) is type(value) else copy
     except RuntimeError:  # no strides to read or to write (a transform's wrapper, an overlapping view)
         return copy

@@ -133,11 +133,10 @@ class IterationBuffer:
         elif not self._copies:
             # A rollout may start from a whole tensor and hand over slices from its second iteration on
             # (``traj[t] = rule(x); x = traj[t]``): looked at every iteration until slices come (about 0.4 us a
-            # tensor). An offset, or a storage larger than the tensor, tells a slice (also a detached one, which
-            # has no ``_base``); a view whose storage is no larger (broadcast) gets the full check.
+            # tensor). A storage larger than the tensor tells a slice (also a detached one, which has no
+            # ``_base``); a view whose storage is no larger (a broadcast slice) gets the full check.
             for t in (tensors if sources is None else sources):
-                if t.storage_offset() or t.untyped_storage().nbytes() > t.nbytes or (
-                        t._base is not None and part_of_larger(t)):
+                if t.untyped_storage().nbytes() > t.nbytes or (t._base is not None and part_of_larger(t)):
                     self._copies = True
                     self._copy_kept()
                     break

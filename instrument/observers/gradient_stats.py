@@ -277,14 +277,11 @@ class GradientStats(Observer):
             after = [p.detach() for _, p in self._params]
             # The snapshot is ours: in place. Grouped by whether the dtypes match, so that a float32 copy less a
             # half-precision parameter (a per-tensor loop on CUDA) does not take the others off the fused kernel.
-            mixed = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if b.dtype != a.dtype]
-            if not mixed:
-                torch._foreach_sub_(before, after)
-            else:
-                same = sorted(set(range(len(before))) - set(mixed))
-                for group in (same, mixed):
-                    if group:
-                        torch._foreach_sub_([before[i] for i in group], [after[i] for i in group])
+            widened = [b.dtype != a.dtype for b, a in zip(before, after, strict=True)]
+            for kind in (False, True):
+                group = [i for i, w in enumerate(widened) if w == kind]
+                if group:
+                    torch._foreach_sub_([before[i] for i in group], [after[i] for i in group])
             self._update = (foreach_norms(before), base)
 
     def _say_sparse(self, names: List[str]) -> None:

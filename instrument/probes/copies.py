@@ -6,8 +6,8 @@ differed in their last bits from those of the same step without the probe. The c
 strides instead, which allocates the span the view reaches: kept to views that reach at most `MAX_SPAN` times
 their own size (every second or fourth element). A sparser view (one token or column of a larger tensor) gets
 ``clone()``, as does a broadcast view (a stride of 0: it cannot be written element by element), a tensor subclass
-whose type a plain strided copy would lose, and a value inside a torch.func transform (whose strides are the
-transform's).
+whose type a plain strided copy would lose, and a value whose strides cannot be read or written (an overlapping
+view, some wrappers).
 """
 
 import torch

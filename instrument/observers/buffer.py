@@ -135,11 +135,14 @@ class IterationBuffer:
             # (``traj[t] = rule(x); x = traj[t]``): looked at every iteration until slices come (about 0.4 us a
             # tensor). A storage larger than the tensor tells a slice (also a detached one, which has no
             # ``_base``); a view whose storage is no larger (a broadcast slice) gets the full check.
-            for t in (tensors if sources is None else sources):
-                if t.untyped_storage().nbytes() > t.nbytes or (t._base is not None and part_of_larger(t)):
-                    self._copies = True
-                    self._copy_kept()
-                    break
+            try:
+                for t in (tensors if sources is None else sources):
+                    if t.untyped_storage().nbytes() > t.nbytes or (t._base is not None and part_of_larger(t)):
+                        self._copies = True
+                        self._copy_kept()
+                        break
+            except (RuntimeError, NotImplementedError):  # no plain storage (a torch.func wrapper): kept as it is
+                pass
         if self._copies:
             # Copies, checked for nothing (nothing else writes them; made under inference mode, a slice of a buffer
             # allocated outside it, they would have no version counter to read).

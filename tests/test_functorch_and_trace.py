@@ -472,3 +472,43 @@ def test_a_rollout_of_several_iterations_inside_a_chunked_vmap_delivers_its_last
     assert seen[2]["hidden"].shape[0] == 5
     for name in ("hidden", "update"):
         assert torch.equal(seen[2][name], seen[None][name])
+
+
+def test_a_vmapped_call_in_another_session_leaves_this_sessions_probe_values(tmp_path):
+    """A watched module called inside vmap drops the probe values its call recorded. It dropped them from the
+    process-wide active recorder, which may be another session's (a probe-free session in another thread, or as
+    here nested in one): that session's observers lost the probe value of the iteration (a review)."""
+    from torch import nn
+
+    other = nn.Linear(8, 8)
+
+    class Rule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.probe = nn.Linear(8, 8), instrument.Probe("h")
+
+        def forward(self, x):
+            h = self.probe(self.lin(x))
+            vmap(other)(torch.randn(3, 4, 8))  # session B's watched module, under vmap, before this call ends
+            return x + torch.tanh(h)
+
+    class Probed(instrument.Observer):
+        def reset(self):
+            self.missing = 0
+
+        def observe(self, context):
+            self.missing += "h" not in context.probes
+
+    probed = Probed()
+    a = instrument.Instrumentation(observers=[probed], backends=[], log_interval=1, overhead_budget=None)
+    b = instrument.Instrumentation(observers=[], backends=[], log_interval=1, overhead_budget=None)
+    rule = Rule()
+    a.watch(rule)
+    b.watch(other)
+    with a.step(0), b.step(0), torch.no_grad():
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            x = rule(x)
+        assert probed.missing == 0
+    a.close()
+    b.close()

@@ -36,7 +36,7 @@ from instrument.core.context import StepContext
 from instrument.core.dispatch import observer_name
 from instrument.core.recompute import RecomputeGuard, in_recompute
 from instrument.errors import ConfigurationError
-from instrument.probes import record, script
+from instrument.probes import script
 from instrument.probes.compiled import run_eagerly, unwrap
 from instrument.probes.step_hook import step_hook
 from instrument.probes.transforms import BATCHED, in_trace_check, outside_transforms, plain, transformed
@@ -206,9 +206,7 @@ class StateWatch:
         if torch._C._is_tracing():  # (torch.jit.is_tracing without its Python check for TorchScript)
             return
         if in_trace_check():  # and the probe values it recorded go with it
-            recorder = record.active_recorder()
-            if recorder is not None:
-                recorder.discard()
+            self._discard_probe_values()
             return
         if not transformed():
             self._after_call(args, kwargs, output, False)
@@ -283,14 +281,19 @@ class StateWatch:
             )
         self._deliver(previous, current, condition, returned)
 
+    def _discard_probe_values(self) -> None:
+        """Drop what this watch's session recorded since its last delivery: its own recorder (the dispatcher's),
+        never the process-wide active one, which another session's thread may be filling."""
+        recorder = getattr(self.deliver, "recorder", None)
+        if recorder is not None:
+            recorder.discard()
+
     def _skip_batched(self, shape: Optional[List[int]]) -> None:
         """A call inside ``torch.func.vmap``: the hook sees one sample of the batch (a BatchedTensor, whose
         other samples live in the physical tensor the transform holds), which observers cannot reduce or keep.
         Counted, so that the later iterations keep their step_index, not delivered, said once."""
         self.iterations += 1
-        recorder = record.active_recorder()
-        if recorder is not None:  # the probe values of this call go with it (else the next call would get them)
-            recorder.discard()
+        self._discard_probe_values()  # the probe values of this call go with it (else the next call would get them)
         if self._said_vmap:
             return
         self._said_vmap = True

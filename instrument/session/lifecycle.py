@@ -68,12 +68,40 @@ class StepLifecycle:
             raise
 
     def _end(self, scope: StepScope, failed: bool) -> None:
-        if self._closed:  # closed from another thread while this block ran: its hooks are off, nothing commits
+        with self._ending:  # a close() from another thread waits for this (`Instrumentation.close`)
+            if not self._closed:
+                self._end_open(scope, failed)
+                return
+            # Closed from another thread while this block ran: nothing commits, and what the step attached (the
+            # observers' own hooks, and hooks or probes a close during `_begin` could not yet see) comes off here,
+            # on the thread that runs the model.
             self._current, self._flush_on_commit = None, NO_FLUSH
-            if self._loss_scale is not None:
-                self._loss_scale.end()
-            self._stop_clock(True)
+            try:
+                self._detach_all(failed=True)
+            finally:
+                if self._loss_scale is not None:
+                    self._loss_scale.end()
+                self._stop_clock(True)
+
+    def _mark_closed(self, scope: Optional[StepScope], timeout: Optional[float]) -> None:
+        """`close` marks the session closed. From a thread other than the open block's, under the lock a block
+        ends under: a block ending there (its observers' log, its commit) ends first, whole (closed under it, the
+        commit raised and observers counted failures); a block still running sees the session closed at its exit,
+        undoes its hooks there and commits nothing."""
+        if scope is None or self._step_thread == threading.get_ident():
+            self._closed = True
             return
+        if not self._ending.acquire(timeout=-1 if timeout is None else timeout):
+            self._closed = True
+            log.warning("instrument: close() stopped waiting after %ss for logging step %d to end on another "
+                        "thread; it closes now, and that step's commit may fail", timeout, scope.step)
+            return
+        try:
+            self._closed = True
+        finally:
+            self._ending.release()
+
+    def _end_open(self, scope: StepScope, failed: bool) -> None:
         meter = self._overhead
         committed = detached = False
         try:

@@ -1,0 +1,69 @@
+"""``Instrumentation.close()`` called from another thread (a watchdog, a signal forwarded to a worker) while the
+training thread is inside a logging step: in the block's body, the block's exit undoes every hook the step
+attached and commits nothing; while the block ends (observers' log, commit), the close waits for it to end whole."""
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+import instrument
+from tests.test_checkpointing import Sink
+
+
+class Rule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(4, 4), nn.Tanh()
+
+    def forward(self, x):
+        return x + self.act(self.lin(x))
+
+
+def _hooks(module: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+def test_a_close_during_the_blocks_body_leaves_no_observer_hook_on_the_model():
+    """close() took the watch's hooks off but not ActivationStats' own: they ran (and buffered outputs) at every
+    later call of the model, for the rest of the process (a review)."""
+    rule = Rule()
+    inst = instrument.Instrumentation(observers=[instrument.ActivationStats(images=False)], backends=[Sink()],
+                                      log_interval=1, overhead_budget=None)
+    inst.watch(rule)
+    with inst.step(0):
+        rule(torch.randn(2, 4))
+        assert _hooks(rule) > 0
+        closer = threading.Thread(target=inst.close)
+        closer.start()
+        closer.join()
+    assert _hooks(rule) == 0
+    assert not inst.logger.backends[0].records  # the block's exit committed nothing
+
+
+def test_a_close_while_the_block_ends_waits_for_its_commit():
+    """close() from another thread while the training thread ran the observers' log closed the logger under it:
+    the training thread's block raised ConfigurationError blaming the user, and the observer was counted as
+    failed (a review). The step now ends whole first."""
+    in_log = threading.Event()
+
+    class Slow(instrument.Observer):
+        def observe(self, context):
+            pass
+
+        def log(self, logger, step):
+            in_log.set()
+            time.sleep(0.3)  # the other thread's close() comes now
+            logger.log_metrics({"seen": 1.0}, step=step, prefix="slow")
+
+    sink = Sink()
+    inst = instrument.Instrumentation(observers=[Slow(name="slow")], backends=[sink], log_interval=1,
+                                      overhead_budget=None)
+    closer = threading.Thread(target=lambda: (in_log.wait(), inst.close()))
+    closer.start()
+    with inst.step(0) as s:
+        s.observer(instrument.StepContext(torch.zeros(2), torch.ones(2)))
+    closer.join()
+    assert inst.failures == {}
+    assert [r.scalars.get("slow/seen") for r in sink.records] == [1.0]

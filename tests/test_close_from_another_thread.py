@@ -1,9 +1,9 @@
 """``Instrumentation.close()`` called from another thread (a watchdog, a signal forwarded to a worker) while the
 training thread is inside a logging step: in the block's body, the block's exit undoes every hook the step
-attached and commits nothing; while the block ends (observers' log, commit), the close waits for it to end whole."""
+attached and commits nothing; while the block ends (observers' log, commit), the step is not written and the
+block does not raise."""
 
 import threading
-import time
 
 import torch
 from torch import nn
@@ -42,11 +42,14 @@ def test_a_close_during_the_blocks_body_leaves_no_observer_hook_on_the_model():
     assert not inst.logger.backends[0].records  # the block's exit committed nothing
 
 
-def test_a_close_while_the_block_ends_waits_for_its_commit():
+def test_a_close_while_the_block_ends_does_not_raise_in_the_training_thread(caplog):
     """close() from another thread while the training thread ran the observers' log closed the logger under it:
-    the training thread's block raised ConfigurationError blaming the user, and the observer was counted as
-    failed (a review). The step now ends whole first."""
-    in_log = threading.Event()
+    the block raised ConfigurationError into the training loop, blaming the user (a review). The step is not
+    written (close() does not wait for it: the ending block may wait for the writer or a lock the closing thread
+    holds), and that is said once; the loop goes on to find the session closed."""
+    import logging
+
+    in_log, closed = threading.Event(), threading.Event()
 
     class Slow(instrument.Observer):
         def observe(self, context):
@@ -54,16 +57,17 @@ def test_a_close_while_the_block_ends_waits_for_its_commit():
 
         def log(self, logger, step):
             in_log.set()
-            time.sleep(0.3)  # the other thread's close() comes now
+            closed.wait(10)  # the other thread's close() comes now
             logger.log_metrics({"seen": 1.0}, step=step, prefix="slow")
 
     sink = Sink()
     inst = instrument.Instrumentation(observers=[Slow(name="slow")], backends=[sink], log_interval=1,
                                       overhead_budget=None)
-    closer = threading.Thread(target=lambda: (in_log.wait(), inst.close()))
+    closer = threading.Thread(target=lambda: (in_log.wait(), inst.close(), closed.set()))
     closer.start()
-    with inst.step(0) as s:
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0) as s:
         s.observer(instrument.StepContext(torch.zeros(2), torch.ones(2)))
     closer.join()
-    assert inst.failures == {}
-    assert [r.scalars.get("slow/seen") for r in sink.records] == [1.0]
+    assert any("closed from another thread while logging step 0 was ending" in r.getMessage()
+               for r in caplog.records)
+    assert not any("slow/seen" in r.scalars for r in sink.records)

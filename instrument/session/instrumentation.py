@@ -178,7 +178,6 @@ class Instrumentation(StepLifecycle):
         self._flush_on_commit: Any = NO_FLUSH  # a checkpoint counted the open step: flush its commit (`_end`)
         self._block_committed: Optional[int] = None  # the step the last logging block committed (`_begin`)
         self._step_thread: Optional[int] = None  # the thread that opened the current logging block (`close`)
-        self._ending = threading.RLock()  # held while a logging block ends (`_mark_closed`)
         self._said_staged = False  # a checkpoint left an unfinished interval's staged values out (`state_dict`)
         self._said_slow_checkpoint = False  # a checkpoint's flush timed out (`flush_for_checkpoint`)
         self.system_monitor = system_monitor
@@ -439,7 +438,7 @@ class Instrumentation(StepLifecycle):
                 log.exception("instrument: ending logging step %d at close failed", scope.step)
             except BaseException as exc:
                 interrupted = exc
-        self._mark_closed(scope, timeout)  # a block ending on another thread ends first, whole
+        self._closed = True  # from another thread: the open block's own exit then ends it, committing nothing
         dropped.untrack(self)
         try:  # hooks, probes and the recorder off even after a step cut short by Ctrl-C (they outlive the session)
             run_all([watch.detach for watch in self._watches] + [self._release_probes])

@@ -68,38 +68,28 @@ class StepLifecycle:
             raise
 
     def _end(self, scope: StepScope, failed: bool) -> None:
-        with self._ending:  # a close() from another thread waits for this (`Instrumentation.close`)
-            if not self._closed:
-                self._end_open(scope, failed)
-                return
-            # Closed from another thread while this block ran: nothing commits, and what the step attached (the
-            # observers' own hooks, and hooks or probes a close during `_begin` could not yet see) comes off here,
-            # on the thread that runs the model.
-            self._current, self._flush_on_commit = None, NO_FLUSH
+        if not self._closed:
             try:
-                self._detach_all(failed=True)
-            finally:
-                if self._loss_scale is not None:
-                    self._loss_scale.end()
-                self._stop_clock(True)
-
-    def _mark_closed(self, scope: Optional[StepScope], timeout: Optional[float]) -> None:
-        """`close` marks the session closed. From a thread other than the open block's, under the lock a block
-        ends under: a block ending there (its observers' log, its commit) ends first, whole (closed under it, the
-        commit raised and observers counted failures); a block still running sees the session closed at its exit,
-        undoes its hooks there and commits nothing."""
-        if scope is None or self._step_thread == threading.get_ident():
-            self._closed = True
+                self._end_open(scope, failed)
+            except ConfigurationError:
+                if not self._closed:
+                    raise
+                # Closed from another thread while this block ended (its observers logging, its commit): the
+                # logger refused the rest. Not the caller's error; the step is not written (waiting for it in
+                # close() could deadlock: this thread may wait for the writer or a lock the closing one holds).
+                log.warning("instrument: the session was closed from another thread while logging step %d was "
+                            "ending; that step is not written.", scope.step)
             return
-        if not self._ending.acquire(timeout=-1 if timeout is None else timeout):
-            self._closed = True
-            log.warning("instrument: close() stopped waiting after %ss for logging step %d to end on another "
-                        "thread; it closes now, and that step's commit may fail", timeout, scope.step)
-            return
+        # Closed from another thread while this block ran: nothing commits, and what the step attached (the
+        # observers' own hooks, and hooks or probes a close during `_begin` could not yet see) comes off here, on
+        # the thread that runs the model.
+        self._current, self._flush_on_commit = None, NO_FLUSH
         try:
-            self._closed = True
+            self._detach_all(failed=True)
         finally:
-            self._ending.release()
+            if self._loss_scale is not None:
+                self._loss_scale.end()
+            self._stop_clock(True)
 
     def _end_open(self, scope: StepScope, failed: bool) -> None:
         meter = self._overhead

@@ -594,7 +594,7 @@ def test_a_channel_dim_naming_the_batch_of_an_n_by_features_state_is_refused(cap
 
 
 def test_part_of_larger_tells_slices_and_broadcast_slices_from_whole_tensors():
-    from instrument.observers.buffer import part_of_larger
+    from instrument.core.storage import part_of_larger
 
     traj = torch.zeros(5, 3, 4)
     assert part_of_larger(traj[0]) and part_of_larger(traj[2]) and part_of_larger(traj[:, :, :2])

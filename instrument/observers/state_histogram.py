@@ -15,8 +15,9 @@ from torch import Tensor
 from instrument.checks import check_int
 from instrument.core.context import StepContext
 from instrument.core.observer import Observer
+from instrument.core.storage import part_of_larger
 from instrument.errors import ConfigurationError
-from instrument.observers.buffer import ModifiedInPlaceError, part_of_larger
+from instrument.observers.buffer import ModifiedInPlaceError
 from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import channel_labels, check_channel_names, check_limit
 

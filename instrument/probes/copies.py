@@ -13,6 +13,8 @@ view, some wrappers).
 import torch
 from torch import Tensor
 
+from instrument.core.storage import reach
+
 __all__ = ["MAX_SPAN", "same_layout_copy"]
 
 MAX_SPAN = 4  # the most memory a strided copy may take, in multiples of the value's own size
@@ -27,12 +29,8 @@ def same_layout_copy(value: Tensor) -> Tensor:
         strides = value.stride()
         if copy.stride() == strides:
             return copy
-        span = 1
-        for size, stride in zip(value.shape, strides, strict=True):
-            if stride == 0 and size > 1:
-                return copy
-            span += (size - 1) * abs(stride)
-        if span > MAX_SPAN * value.numel():
+        broadcast = any(stride == 0 and size > 1 for size, stride in zip(value.shape, strides, strict=True))
+        if broadcast or reach(value) > MAX_SPAN * value.numel():
             return copy
         strided = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
         strided.copy_(value)

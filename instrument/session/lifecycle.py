@@ -74,11 +74,11 @@ class StepLifecycle:
             except ConfigurationError:
                 if not self._closed:
                     raise
-                # Closed from another thread while this block ended (its observers logging, its commit): the
-                # logger refused the rest. Not the caller's error; the step is not written (waiting for it in
-                # close() could deadlock: this thread may wait for the writer or a lock the closing one holds).
-                log.warning("instrument: the session was closed from another thread while logging step %d was "
-                            "ending; that step is not written.", scope.step)
+                # Closed while this block ended (from another thread, or by an observer's log): the logger
+                # refused the rest. Not the caller's error; the step is not written (waiting for it in close()
+                # could deadlock: this thread may wait for the writer or a lock the closing one holds).
+                log.warning("instrument: the session was closed while logging step %d was ending (from another "
+                            "thread, or by code that step ran); that step is not written.", scope.step)
             return
         # Closed from another thread while this block ran: nothing commits, and what the step attached (the
         # observers' own hooks, and hooks or probes a close during `_begin` could not yet see) comes off here, on

@@ -639,3 +639,36 @@ def test_a_differentiable_rollout_from_a_whole_seed_into_a_trajectory_buffer_los
     scalars = keep.records[0].scalars
     assert scalars["update_norm/l2/mean"] == pytest.approx(np.mean(norms), rel=1e-5)
     assert scalars["iteration_stats/mean/c1"] == pytest.approx(states[-1][:, 1].mean(), rel=1e-5)
+
+
+def test_a_differentiable_rollout_handing_over_broadcast_slices_after_a_whole_seed_loses_no_step():
+    """A rollout that starts from a whole seed and then hands over one sample of a trajectory buffer broadcast over
+    the batch (``traj[t, :1].expand(...)``, offset 0 included) under autograd: the states reach observers
+    detached, so the slice has no ``_base``, and a broadcast view spans more bytes than its storage holds, so the
+    quick size check did not tell it either and the step was dropped as changed in place. Checked against
+    float64."""
+    batch, channels, size, iterations = 8, 4, 2, 4  # more samples than iterations: a view larger than traj
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm(), instrument.IterationStats(images=False)],
+                                      backends=[keep], log_interval=1)
+    bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, channels).reshape(channels, 1, 1))
+    seed = torch.arange(channels * size * size, dtype=torch.float32).reshape(1, channels, size, size) / 20.0
+    with inst.step(0) as s:
+        traj = torch.zeros(iterations, 1, channels, size, size)
+        x = seed.expand(batch, -1, -1, -1)  # a whole seed: not part of a larger storage
+        for t in range(iterations):
+            y = x[:1] + bias
+            traj[t] = y  # written in place (every slice's version moves), under autograd
+            # The first iteration hands over its own result (a whole tensor), the later ones the buffer's slice.
+            nxt = (y if t == 0 else traj[t, :1]).expand(batch, -1, -1, -1)
+            s.observer(instrument.StepContext(x, nxt, step_index=t))
+            x = nxt
+        traj.sum().backward()
+    inst.close()
+    assert dict(inst.failures) == {}
+    states = [seed.double().numpy()] + [traj[t].detach().double().numpy() for t in range(iterations)]
+    norms = [np.sqrt(((states[t + 1] - states[t]) ** 2).sum()) for t in range(iterations)]
+    scalars = keep.records[0].scalars
+    assert scalars["update_norm/l2/mean"] == pytest.approx(np.mean(norms), rel=1e-5)
+    assert scalars["iteration_stats/iterations"] == iterations
+    assert scalars["iteration_stats/mean/c1"] == pytest.approx(states[-1][:, 1].mean(), rel=1e-5)

@@ -117,10 +117,12 @@ class IterationBuffer:
             # A rollout may start from a whole tensor and hand over slices from its second iteration on
             # (``traj[t] = rule(x); x = traj[t]``): looked at every iteration until slices come (about 0.5 us a
             # tensor). A storage larger than the tensor tells a slice (also a detached one, which has no
-            # ``_base``); a view whose storage is no larger (a broadcast slice) gets the full check.
+            # ``_base``); a view, or a tensor whose size is not its storage's (a broadcast slice, detached or
+            # not), gets the full check.
             try:
                 for t in (tensors if sources is None else sources):
-                    if t.untyped_storage().nbytes() > t.nbytes or (t._base is not None and part_of_larger(t)):
+                    held = t.untyped_storage().nbytes()
+                    if held > t.nbytes or ((held != t.nbytes or t._base is not None) and part_of_larger(t)):
                         self._copies = True
                         self._copy_kept()
                         break

@@ -439,3 +439,73 @@ def test_a_resumed_run_does_not_write_again_a_step_it_holds_as_media_only(tmp_pa
     images = [a for a in _artifacts(client, again.run_id) if a.startswith("images/img") and a.endswith(".png")]
     # MLflow names an image images/<key><sep>step<sep><step><sep>timestamp...: one per step, 5 and 10 not twice
     assert sorted(int(re.search(r"step\W(\d+)\W", a).group(1)) for a in images) == [5, 10, 15], images
+
+
+@pytest.mark.parametrize("key", ["...", "..hidden/x", "..a"])
+def test_a_key_whose_name_starts_with_two_dots_costs_mlflow_no_other_value(tmp_path, key):
+    """MLflow refuses a name whose path starts with ``..`` (not only a part that is ``..``), and one refused name
+    failed the whole ``log_batch``: every metric of every step, and every param of the call, was lost."""
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("dots", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"loss": 0.5 * step, key: 1.0}, step=step)
+        logger.commit(step)
+    logger.log_hyperparams({"lr": 0.001, key: 3})
+    logger.close()
+    assert logger.failures == {}
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    run = client.get_run(backend.run_id)
+    name = "__" + key[2:]
+    assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "loss")] == [(1, 0.5), (2, 1.0)]
+    assert [m.value for m in client.get_metric_history(backend.run_id, name)] == [1.0, 1.0]
+    assert run.data.params == {"lr": "0.001", name: "3"}
+
+
+def test_a_resumed_run_logs_each_key_to_the_series_it_had_where_two_keys_sanitise_alike(tmp_path):
+    """``acc[top1]`` took the MLflow name ``acc_top1_`` and the later key ``acc_top1_`` the name ``acc_top1__2``.
+    A resumed run (a new backend, as in a new process) named its keys afresh: the key it saw first took the plain
+    name, so each series went on with the other key's values (media folders alike). Each renamed key is now written
+    down in a run tag."""
+    first = MlflowBackend()
+    logger = Logger([first], RunInfo("resumed", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"acc[top1]": 0.9}, step=step)  # every step
+        logger.log_text("notes[a]", f"a{step}", step=step)
+        if step == 2:
+            logger.log_metrics({"acc_top1_": 0.1}, step=step)  # evaluation steps only
+            logger.log_text("notes_a_", f"b{step}", step=step)
+        logger.commit(step)
+    logger.close()
+    again = MlflowBackend()
+    logger = Logger([again], RunInfo("resumed", tmp_path, resume={"MlflowBackend": first.run_id}))
+    for step in (3, 4):
+        if step == 3:
+            logger.log_metrics({"acc_top1_": 0.1}, step=step)  # evaluation comes first this time
+            logger.log_text("notes_a_", f"b{step}", step=step)
+        logger.log_metrics({"acc[top1]": 0.9}, step=step)
+        logger.log_text("notes[a]", f"a{step}", step=step)
+        logger.commit(step)
+    logger.log_metrics({"fresh[x]": 2.0, "loss": 1.0}, step=5)  # a key renamed only after the resume
+    logger.commit(5)
+    logger.close()
+    assert logger.failures == {} and again.run_id == first.run_id
+    client = MlflowClient(tracking_uri=again.tracking_uri)
+
+    def series(name):
+        return {m.step: m.value for m in client.get_metric_history(again.run_id, name)}
+
+    assert series("acc_top1_") == {1: 0.9, 2: 0.9, 3: 0.9, 4: 0.9}
+    assert series("acc_top1__2") == {2: 0.1, 3: 0.1}
+    assert series("fresh_x_") == {5: 2.0} and series("loss") == {5: 1.0}
+    texts = {path: open(client.download_artifacts(again.run_id, path)).read()
+             for path in _artifacts(client, again.run_id, "text")}
+    assert texts == {"text/notes_a_/step_00000001.txt": "a1", "text/notes_a_/step_00000002.txt": "a2",
+                     "text/notes_a_/step_00000003.txt": "a3", "text/notes_a_/step_00000004.txt": "a4",
+                     "text/notes_a__2/step_00000002.txt": "b2", "text/notes_a__2/step_00000003.txt": "b3"}
+    third = MlflowBackend()  # and once more: the names restored are kept, the plain ones too
+    logger = Logger([third], RunInfo("resumed", tmp_path, resume={"MlflowBackend": first.run_id}))
+    logger.log_metrics({"fresh_x_": 3.0, "acc_top1_": 0.2, "fresh[x]": 4.0, "loss": 0.5}, step=6)
+    logger.close()
+    assert logger.failures == {}
+    assert series("fresh_x_") == {5: 2.0, 6: 4.0} and series("fresh_x__2") == {6: 3.0}
+    assert series("acc_top1__2") == {2: 0.1, 3: 0.1, 6: 0.2} and series("loss") == {5: 1.0, 6: 0.5}

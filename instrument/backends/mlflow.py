@@ -13,7 +13,15 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
-from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, SYSTEM_HEADS, is_system, unique_name
+from instrument.backends.mlflow_names import (
+    MAX_IMAGE_KEY,
+    MAX_KEY,
+    SYSTEM_HEADS,
+    is_system,
+    name_tag,
+    restore_names,
+    unique_name,
+)
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
@@ -135,7 +143,8 @@ class MlflowBackend(Backend):
         self._end_status = "FINISHED"
         self._unreachable_until = 0.0
         self._names: Dict[str, str] = {}  # metric key -> MLflow name (`_metric_name`)
-        self._owners: Dict[str, str] = {}  # MLflow name -> the key that has it
+        self._owners: Dict[str, Optional[str]] = {}  # MLflow name -> the key that has it
+        self._name_tags: List[Any] = []  # RunTags of keys logged under another name, not yet written (`name_tag`)
         self._written: Optional[int] = None  # resumed: the last training step the run already holds
         self._params: Dict[str, str] = {}  # param name -> the value the run holds (MLflow cannot change one)
         self._param_names: Dict[str, str] = {}  # hyperparameter key -> param name
@@ -232,8 +241,10 @@ class MlflowBackend(Backend):
             client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")
             self.run_id = resumed
             self._written = _last_step(client, resumed)
-            self._params = dict(client.get_run(resumed).data.params)
+            data = client.get_run(resumed).data
+            self._params = dict(data.params)
             self._param_owners = dict.fromkeys(self._params)
+            restore_names(data.tags, data.metrics, self._name_table)  # each key keeps its series
             return
         self.run_id = client.create_run(
             experiment_id, run_name=self.run_name or run.name, tags=self.tags
@@ -283,9 +294,26 @@ class MlflowBackend(Backend):
         ]
         for i in range(0, len(items), _METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
+        self._write_name_tags()
+
+    def _write_name_tags(self) -> None:
+        """The run tags of keys named since the last call (after what they name: a call that raises sends them
+        again with the next record)."""
+        while self._name_tags:
+            self.client.log_batch(self.run_id, tags=self._name_tags[:_PARAMS_PER_BATCH])
+            del self._name_tags[:_PARAMS_PER_BATCH]
+
+    def _name_table(self, kind: str) -> Tuple[Dict[str, str], Dict[str, Optional[str]]]:
+        return (self._names, self._owners) if kind == "metric" else self._media_names.setdefault(kind, ({}, {}))
+
+    def _named(self, key: str, name: str, kind: str) -> str:
+        tag = name_tag(name, key, kind) if name != key else None
+        if tag is not None:  # a resumed run gives the key this name again (`restore_names`)
+            self._name_tags.append(self._entities.RunTag(*tag))
+        return name
 
     def _metric_name(self, key: str) -> str:
-        return unique_name(key, self._names, self._owners, "metric")
+        return self._named(key, unique_name(key, self._names, self._owners, "metric"), "metric")
 
     def _training_key(self, key: str) -> str:
         """A training metric's key: ``user/<key>`` (one warning) for one under ``system/``, where the system
@@ -302,10 +330,12 @@ class MlflowBackend(Backend):
     def _media_name(self, kind: str, key: str) -> str:
         """A media key's MLflow name, unique within its kind (two tags that sanitise alike would overwrite each
         other's files). An image's is ASCII and at most `MAX_IMAGE_KEY` long: it names the image's files."""
-        names, owners = self._media_names.setdefault(kind, ({}, {}))
+        names, owners = self._name_table(kind)
+        if key in names:
+            return names[key]
         if kind == "image":
-            return unique_name(key, names, owners, kind, MAX_IMAGE_KEY, re.ASCII)
-        return unique_name(key, names, owners, kind)
+            return self._named(key, unique_name(key, names, owners, kind, MAX_IMAGE_KEY, re.ASCII), kind)
+        return self._named(key, unique_name(key, names, owners, kind), kind)
 
     @property
     def resume_id(self) -> Optional[str]:
@@ -359,6 +389,7 @@ class MlflowBackend(Backend):
         each("samples table", tables.items(), table)
         if not record.scalars and not record.timings:  # no metric history holds this step: a resume must know it
             self.client.set_tag(self.run_id, _LAST_STEP_TAG, str(step))
+        self._write_name_tags()  # of the media keys named in this record
         raise_failures(self.name, step, failed, "media value(s)")
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:

@@ -4,15 +4,23 @@ MLflow allows fewer characters in a key than instrument does, so keys are saniti
 alike get numbered names instead of one merged series (`unique_name`). An image's key names its files, so it
 is ASCII and shorter. Training metrics under ``system/`` move to ``user/``: those keys hold the system
 monitor's samples (`instrument.backends.mlflow.MlflowBackend`).
+
+The run holds only the names, so a key (metric or media) logged under another name is also written down in a
+run tag (`name_tag`): a resumed run, in a new process, gives each key the name it had (`restore_names`).
+Otherwise the key seen first after the resume would take the plain name (``acc_top1_``), which held the other
+key's series.
 """
 
+import hashlib
+import json
 import logging
 import re
-from typing import Dict, Optional
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from instrument.backends.base import USER_HEAD
 
-__all__ = ["MAX_IMAGE_KEY", "MAX_KEY", "SYSTEM_HEADS", "is_system", "safe_name", "unique_name"]
+__all__ = ["MAX_IMAGE_KEY", "MAX_KEY", "SYSTEM_HEADS", "is_system", "name_tag", "restore_names", "safe_name",
+           "unique_name"]
 
 log = logging.getLogger("instrument")
 
@@ -21,6 +29,8 @@ MAX_KEY = 250
 # after the key, in a file name of at most 255 bytes. MLflow's log_image takes ASCII keys only.
 MAX_IMAGE_KEY = 150
 SYSTEM_HEADS = ("system/", USER_HEAD)
+NAME_TAG = "instrument.key."  # + a digest of the MLflow name: a run tag whose value is [name, key] (`name_tag`)
+_MAX_TAG_VALUE = 5000  # MLflow's limit on a tag's value (8000 since MLflow 2.x; 5000 before)
 
 
 def unique_name(key: str, names: Dict[str, str], owners: Dict[str, Optional[str]], what: str,
@@ -54,9 +64,12 @@ def safe_name(name: str, limit: int = MAX_KEY, flags: int = 0) -> str:
     as image keys must be), at most ``limit`` of them, and a path that normalises to itself.
 
     The path is normalised again after the cut: a cut that ends in ``/`` (or leaves a last part ``.`` or
-    ``..``) is a name MLflow refuses, which would fail the whole ``log_batch`` of the step."""
+    ``..``) is a name MLflow refuses, which would fail the whole ``log_batch`` of the step. So is a name that
+    starts with ``..`` (``...``, ``..hidden/x``: MLflow reads it as a path out of its folder): those two dots
+    are written ``__``."""
     cleaned = re.sub(r"[^/\w.\- ]", "_", str(name), flags=flags)
-    return _path(_path(cleaned)[:limit]) or "_"
+    path = _path(_path(cleaned)[:limit]) or "_"
+    return "__" + path[2:] if path.startswith("..") else path
 
 
 def is_system(key: str) -> bool:
@@ -66,3 +79,35 @@ def is_system(key: str) -> bool:
 def _path(name: str) -> str:
     """``name`` without empty parts, with the parts ``.`` and ``..`` written ``_`` and ``__``."""
     return "/".join(p if p not in (".", "..") else p.replace(".", "_") for p in name.split("/") if p)
+
+
+def name_tag(name: str, key: str, kind: str) -> Optional[Tuple[str, str]]:
+    """The run tag ``(tag key, value)`` that says ``key`` (a metric, or a media value of ``kind``) is logged as
+    ``name``; None for a key over about 5,000 characters (a tag cannot hold it: after a resume that key is taken
+    to own no name, so it may be numbered anew, never merged)."""
+    value = json.dumps([name, key, kind])  # ASCII: a lone surrogate or any other character is escaped
+    if len(value) > _MAX_TAG_VALUE:
+        return None
+    digest = hashlib.sha1(f"{kind}/{name}".encode("utf-8", "surrogatepass")).hexdigest()[:20]
+    return NAME_TAG + digest, value
+
+
+def restore_names(tags: Mapping[str, str], held: Iterable[str],
+                  tables: Callable[[str], Tuple[Dict[str, str], Dict[str, Optional[str]]]]) -> None:
+    """A resumed run's names: each key the tags name keeps its name (``tables(kind)``: that kind's key -> name and
+    name -> key tables), and a metric name the run ``held`` with no tag is its own key's (a key MLflow took as it
+    was)."""
+    for tag, value in tags.items():
+        if tag.startswith(NAME_TAG):
+            try:
+                name, key, kind = json.loads(value)
+            except (ValueError, TypeError):  # not ours after all: left alone
+                continue
+            if isinstance(name, str) and isinstance(key, str) and isinstance(kind, str):
+                names, owners = tables(kind)
+                names[key], owners[name] = name, key
+    names, owners = tables("metric")
+    for name in held:
+        if name not in owners:
+            owners[name] = name
+            names.setdefault(name, name)

@@ -468,6 +468,7 @@ def test_a_resumed_run_logs_each_key_to_the_series_it_had_where_two_keys_sanitis
     down in a run tag."""
     first = MlflowBackend()
     logger = Logger([first], RunInfo("resumed", tmp_path))
+    logger.log_hyperparams({"w[0]": 1, "w_0_": 2})
     for step in (1, 2):
         logger.log_metrics({"acc[top1]": 0.9}, step=step)  # every step
         logger.log_text("notes[a]", f"a{step}", step=step)
@@ -478,6 +479,7 @@ def test_a_resumed_run_logs_each_key_to_the_series_it_had_where_two_keys_sanitis
     logger.close()
     again = MlflowBackend()
     logger = Logger([again], RunInfo("resumed", tmp_path, resume={"MlflowBackend": first.run_id}))
+    logger.log_hyperparams({"w_0_": 2, "w[0]": 1})  # the same params, in another order: nothing changed
     for step in (3, 4):
         if step == 3:
             logger.log_metrics({"acc_top1_": 0.1}, step=step)  # evaluation comes first this time
@@ -497,6 +499,9 @@ def test_a_resumed_run_logs_each_key_to_the_series_it_had_where_two_keys_sanitis
     assert series("acc_top1_") == {1: 0.9, 2: 0.9, 3: 0.9, 4: 0.9}
     assert series("acc_top1__2") == {2: 0.1, 3: 0.1}
     assert series("fresh_x_") == {5: 2.0} and series("loss") == {5: 1.0}
+    run = client.get_run(again.run_id)
+    assert run.data.params == {"w_0_": "1", "w_0__2": "2"}
+    assert not any(tag.startswith("instrument.param/") for tag in run.data.tags)  # no param read as changed
     texts = {path: open(client.download_artifacts(again.run_id, path)).read()
              for path in _artifacts(client, again.run_id, "text")}
     assert texts == {"text/notes_a_/step_00000001.txt": "a1", "text/notes_a_/step_00000002.txt": "a2",

@@ -262,7 +262,7 @@ class MlflowBackend(Backend):
         drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
         items, changed = {}, []
         for key, value in params.items():
-            name = unique_name(key, self._param_names, self._param_owners, "hyperparameter")
+            name = self._named(key, unique_name(key, self._param_names, self._param_owners, "hyperparameter"), "param")
             text = utf8(drops, "hyperparameter", key, str(value))[:_MAX_PARAM_VALUE]
             held = self._params.get(name)
             if held is None:
@@ -281,6 +281,7 @@ class MlflowBackend(Backend):
                 self._params.update(part)  # held from now on (a batch that raised is sent again next time)
             if changed:
                 self.client.log_batch(self.run_id, tags=changed)
+            self._write_name_tags()
             if config_text:
                 text = utf8(drops, "text", "config/operative_config.gin", config_text)
                 self.client.log_text(self.run_id, text, "config/operative_config.gin")
@@ -304,7 +305,8 @@ class MlflowBackend(Backend):
             del self._name_tags[:_PARAMS_PER_BATCH]
 
     def _name_table(self, kind: str) -> Tuple[Dict[str, str], Dict[str, Optional[str]]]:
-        return (self._names, self._owners) if kind == "metric" else self._media_names.setdefault(kind, ({}, {}))
+        tables = {"param": (self._param_names, self._param_owners), "metric": (self._names, self._owners)}
+        return tables[kind] if kind in tables else self._media_names.setdefault(kind, ({}, {}))
 
     def _named(self, key: str, name: str, kind: str) -> str:
         tag = name_tag(name, key, kind) if name != key else None

@@ -543,3 +543,22 @@ def test_a_channel_dim_naming_no_channel_dimension_is_refused(channel_dim, caplo
     assert len(said) == 1 and isinstance(said[0], ConfigurationError)
     assert f"channel_dim={channel_dim}" in str(said[0]) and "[4, 3, 5, 5]" in str(said[0])
     assert not any("nf/first_channel/state" in r.scalars for r in sink.records)
+
+
+def test_a_nan_loss_over_many_parameters_names_eight_of_them_and_counts_the_rest(caplog):
+    """A NaN loss makes every gradient NaN: the report listed every parameter (77 KB in one log line at 3,000
+    tensors, and as much in a NonFiniteError). It names the first 8 in the model's order and counts the rest;
+    every parameter keeps its own grad_count key."""
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(10)])  # 20 parameter tensors
+    sink = Sink()
+    inst = Instrumentation([NonFinite(module=model)], backends=[sink], log_interval=1)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        (model(torch.ones(2, 3)).sum() * float("nan")).backward()
+    inst.close()
+    (message,) = [r.getMessage() for r in caplog.records if "non-finite gradient" in r.getMessage()]
+    names = [name for name, _ in model.named_parameters()]
+    assert all(f"{name} (" in message for name in names[:8]) and not any(f"{name} (" in message for name in names[8:])
+    assert "and 12 more parameters (see nonfinite/grad_count/*)" in message
+    scalars = sink.records[0].scalars
+    assert all(scalars[f"nonfinite/grad_count/{name}"] == float(p.numel()) for name, p in model.named_parameters())
+    assert scalars["nonfinite/grad_count"] == float(sum(p.numel() for p in model.parameters()))

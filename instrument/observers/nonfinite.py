@@ -443,8 +443,13 @@ class NonFinite(Observer):
                 f"{key[len(head + 'grad_count/'):]} ({int(value)})" for key, value in scalars.items()
                 if key.startswith(head + "grad_count/") and value > 0
             ]
-            gradients = f"{int(grad_count)} non-finite gradient elements in {', '.join(bad)}"
+            shown = ", ".join(bad[:_NAMED])  # a NaN loss makes every gradient NaN: 1,000 names said nothing more
+            more = f" and {len(bad) - _NAMED} more parameters (see {head}grad_count/*)" if len(bad) > _NAMED else ""
+            gradients = f"{int(grad_count)} non-finite gradient elements in {shown}{more}"
         return values, gradients
+
+
+_NAMED = 8  # the parameters a report names, in order; the rest are counted (each has its grad_count/<name> key)
 
 
 def _grad_counts(grads: List[Tensor]) -> Tensor:

@@ -95,6 +95,7 @@ class Dispatcher:
                     interrupted = interrupted or exc
                 if clock is not None:
                     clock.stop(name, start)
+                    clock.hooks(name, getattr(observer, "hook_seconds", 0.0))  # its own hooks, in the forward
         if interrupted is not None:
             raise interrupted
 

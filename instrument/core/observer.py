@@ -70,11 +70,16 @@ class Observer:
             ``default_name`` (snake_case of the class name for the built-ins).
         probes: names of embedded probes this observer reads from ``context.probes``; the session checks
             that each exists in a watched model.
+        hook_seconds: seconds this logging step spent in hooks the observer registered itself (in `attach`),
+            which run inside the user's forward where the session cannot time them. An observer with hooks of
+            its own adds each call's time and sets it to 0 in `reset`; the session adds it to the observer's
+            ``instrument/overhead/<name>`` and to the step's ``instrument/overhead/instrument`` after `detach`.
     """
 
     default_name: str = ""
     name: str = _DefaultName()  # type: ignore[assignment]  # set by __init__; the default until then
     probes: Tuple[str, ...] = ()
+    hook_seconds: float = 0.0
 
     def __init__(self, name: str = "") -> None:
         self.name = name or self.default_name or _snake_case(type(self).__name__)

@@ -7,7 +7,8 @@ logging step measures itself and the next logging step logs the result:
 key                                  meaning
 ===================================  ==============================================================
 ``instrument/overhead/<observer>``   seconds the observer took in that logging step: ``reset``,
-                                     ``attach``, every ``observe`` call, ``observe_gradients``,
+                                     ``attach``, every ``observe`` call, its own forward hooks
+                                     (``Observer.hook_seconds``: ActivationStats), ``observe_gradients``,
                                      ``detach`` and ``log``, summed (observers of one name add up)
 ``instrument/overhead/commit``       seconds the training thread spent in ``Logger.commit``
 ``instrument/overhead/fraction``     share (0-1) of the logging step, from entering
@@ -116,6 +117,14 @@ class OverheadMeter:
     def stop(self, name: str, start: float) -> None:
         """End an observer's span begun with ``start = meter.mark()``."""
         self.lap(name, start)
+
+    def hooks(self, name: str, seconds: Any) -> None:
+        """Add the time an observer spent in hooks of its own (`Observer.hook_seconds`) to its span and to the
+        step's time in instrument."""
+        sheet = self._sheet
+        if sheet is not None and type(seconds) is float and seconds > 0:
+            sheet.observers[name] = sheet.observers.get(name, 0.0) + seconds
+            sheet.calls += seconds
 
     def lap(self, name: str, start: float) -> float:
         """End an observer's span begun at ``start`` and return now, where the next observer's span begins (one

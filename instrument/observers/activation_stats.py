@@ -24,6 +24,7 @@ fits the dtype. ``zero_frac`` counts exact zeros as the mean of ``sign(x)^2`` wi
 
 import logging
 import re
+import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
@@ -228,6 +229,7 @@ class ActivationStats(Observer):
     def reset(self) -> None:
         self._names, self._sums, self._calls, self._error = [], [], [], None
         self._dropped: Set[int] = set()
+        self.hook_seconds = 0.0  # the step's time in the forward hooks, counted in this observer's overhead
 
     def close(self) -> None:
         # What a step that raised before its log kept: the buffered outputs, and an error whose traceback holds
@@ -263,6 +265,13 @@ class ActivationStats(Observer):
         buffer = self._sums[index]
 
         def hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            start = time.perf_counter()
+            try:
+                keep(output)
+            finally:
+                self.hook_seconds += time.perf_counter() - start
+
+        def keep(output: Any) -> None:
             if in_recompute():  # checkpoint recomputation: this call was already seen in forward
                 return
             if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: no iteration

@@ -257,15 +257,22 @@ def test_a_channel_spanning_more_than_float32s_range_maps_to_the_ends_of_the_col
     assert (frames[0][0, 0] == VIRIDIS_LUT[0]).all() and (frames[0][0, 1] == VIRIDIS_LUT[255]).all()
 
 
-def test_every_max_frames_and_upscale():
+def test_every_max_frames_and_upscale(caplog):
     states = [torch.full((1, 3, 2, 3), i / 10.0) for i in range(10)]  # state i is i/10 everywhere
     record = observed(RolloutVideo(channels=(0, 1, 2), every=3, upscale=3), states)
     frames, _ = record.videos["rollout/video"]
     assert frames.shape == (4, 6, 9, 3)  # states 0, 3, 6, 9
     assert [int(f[0, 0, 0]) for f in frames] == [int(np.floor(i / 10 * 255 + 0.5)) for i in (0, 3, 6, 9)]
-    record = observed(RolloutVideo(channels=(0, 1, 2), every=2, max_frames=3, upscale=1), states)
+    assert not [r for r in caplog.records if "max_frames" in r.getMessage()]
+    capped = RolloutVideo(channels=(0, 1, 2), every=2, max_frames=3, upscale=1)
+    with caplog.at_level(logging.INFO, logger="instrument"):
+        record = observed(capped, states)
+        observed(capped, states)
     frames, _ = record.videos["rollout/video"]
     assert [int(f[0, 0, 0]) for f in frames] == [int(np.floor(i / 10 * 255 + 0.5)) for i in (0, 2, 4)]
+    # the video stops part-way through the rollout: said once (it read as the rollout's end)
+    said = [r.getMessage() for r in caplog.records if "max_frames=3" in r.getMessage()]
+    assert len(said) == 1 and "every (now 2)" in said[0]
 
 
 def test_reset_forgets_the_previous_logging_step():

@@ -1,5 +1,6 @@
 """RolloutVideo: watch the automaton grow, one video per logging step."""
 
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,8 @@ __all__ = ["RolloutVideo", "render_frames"]
 MAX_FPS = 50
 _BATCH_DIM = ("RolloutVideo.channel_dim must not be 0: dimension 0 is the batch (see `sample`); use 1 for "
               "[B, C, H, W] or -1 for channels-last [B, H, W, C].")
+
+_log = logging.getLogger("instrument")
 
 
 class RolloutVideo(Observer):
@@ -110,6 +113,7 @@ class RolloutVideo(Observer):
                 f"{self.channels} renders {len(self.channels)}; drop value_range or pick one channel."
             )
         self._frames: List[Tensor] = []
+        self._said_full = False  # max_frames reached (`_keep`): said once
         self._index = self._host_index = torch.tensor(self.channels)
         self._luts: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
 
@@ -127,6 +131,11 @@ class RolloutVideo(Observer):
 
     def _keep(self, state: Tensor, seed: bool = False) -> None:
         if self.max_frames is not None and len(self._frames) >= self.max_frames:
+            if not self._said_full:  # a video that stops part-way through the rollout, unsaid, reads as its end
+                self._said_full = True
+                _log.info("instrument: RolloutVideo(%r) keeps at most max_frames=%d frames: the later iterations of "
+                          "this rollout are not in its video. Raise every (now %d) to cover the whole rollout, or "
+                          "max_frames. (Said once.)", self.name, self.max_frames, self.every)
             return
         self._frames.append(self._slice(state, seed))
 

@@ -7,12 +7,14 @@ The hierarchy::
     │   └── ProbeError                  a probe misuse: duplicate or unknown names, unsupported modes
     ├── StepOrderError (ValueError)     a step lower than one a backend already committed
     ├── InvalidValueError (ValueError, TypeError)  a logged value that can never be written (shape, type)
-    ├── MissingExtraError (ImportError) an optional SDK is not installed; names the pip extra
+    ├── MissingExtraError (ImportError) an optional SDK is not installed (or fails to import); names the pip extra
     └── NonFiniteError (FloatingPointError)  NonFinite(raise_on_nonfinite=True) found a NaN/Inf
 
 Failures inside observers and backends are not raised: they are reported once through the ``instrument``
 logger and the run goes on. NonFiniteError is the one exception: the user asked for it to stop training.
 """
+
+from typing import Optional
 
 __all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderError", "InvalidValueError",
            "MissingExtraError", "NonFiniteError"]
@@ -44,24 +46,32 @@ class InvalidValueError(InstrumentError, ValueError, TypeError):
 class MissingExtraError(InstrumentError, ImportError):
     """An optional SDK is missing; the message says which ``pip install`` fixes it."""
 
-    def __init__(self, package: str, extra: str, feature: str) -> None:
-        super().__init__(
-            f"{feature} needs the '{package}' package, which is not installed. "
-            f"Install it with: pip install 'torch-instrument[{extra}]'"
-        )
+    def __init__(self, package: str, extra: str, feature: str, broken: Optional[BaseException] = None) -> None:
+        if broken is None:
+            message = (f"{feature} needs the '{package}' package, which is not installed. "
+                       f"Install it with: pip install 'torch-instrument[{extra}]'")
+        else:  # installed, but its import failed: reinstalling the extra as it is would change nothing
+            message = (f"{feature} needs the '{package}' package, which is installed but failed to import: "
+                       f"{type(broken).__name__}: {broken}. Fix that install (a missing or incompatible dependency "
+                       f"of '{package}'; pip check lists them), or reinstall it: "
+                       f"pip install --force-reinstall 'torch-instrument[{extra}]'")
+        super().__init__(message)
         self.package = package
         self.extra = extra
         self.name = package  # ImportError.name: what is missing, as Python's own ImportError names it
 
 
 def require(package: str, extra: str, feature: str):
-    """Import an optional SDK lazily, turning ImportError into a MissingExtraError."""
+    """Import an optional SDK lazily, turning ImportError into a MissingExtraError: one that says the package is
+    not installed when the import could not find it, and one that gives the import's own error when the package is
+    there but something it imports is missing or broken (told by the name of the module that was not found)."""
     import importlib
 
     try:
         return importlib.import_module(package)
     except ImportError as exc:
-        raise MissingExtraError(package, extra, feature) from exc
+        missing = exc.name is not None and (package == exc.name or package.startswith(exc.name + "."))
+        raise MissingExtraError(package, extra, feature, None if missing else exc) from exc
 
 
 class NonFiniteError(InstrumentError, FloatingPointError):

@@ -143,6 +143,26 @@ def test_missing_wandb_names_the_extra(monkeypatch):
     assert raised.value.name == "wandb"  # as ImportError.name: code that skips a missing SDK by name sees it
 
 
+def test_an_sdk_installed_but_failing_to_import_is_not_called_missing(tmp_path, monkeypatch):
+    """An SDK that is installed but whose own import fails (mlflow 2.10 under today's setuptools: no
+    pkg_resources) was reported as "not installed, pip install ...", advice that changes nothing; the cause was
+    only on __cause__, which the CLI's gin traceback does not show. The message now gives the import's error."""
+    from instrument.errors import MissingExtraError, require
+
+    (tmp_path / "brokensdk").mkdir()
+    (tmp_path / "brokensdk" / "__init__.py").write_text("import a_dependency_that_is_not_there_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(MissingExtraError) as raised:
+        require("brokensdk", "wandb", "WandbBackend")
+    message = str(raised.value)
+    assert "installed but failed to import" in message and "a_dependency_that_is_not_there_xyz" in message
+    assert "not installed" not in message and "torch-instrument[wandb]" in message
+    with pytest.raises(MissingExtraError, match="which is not installed"):  # truly absent: as before
+        require("no_such_sdk_xyz", "wandb", "WandbBackend")
+    with pytest.raises(MissingExtraError, match="which is not installed"):  # a submodule of an absent package
+        require("no_such_sdk_xyz.sub", "x", "F")
+
+
 @pytest.mark.parametrize("values", [[math.nan, math.nan], [math.inf, 1.0, -math.inf], [1e308, -1e308]],
                          ids=["all_nan", "only_inf", "huge"])
 def test_a_histogram_tensorboard_cannot_bin_costs_that_histogram_only(values, tmp_path, caplog):

@@ -16,10 +16,15 @@ from typing import Callable, List, Tuple
 
 import numpy as np
 
-__all__ = ["encode_gif", "filmstrip", "write_each", "raise_failures", "VideoWriteError"]
+__all__ = ["encode_gif", "filmstrip", "write_each", "raise_failures", "MediaWriteError", "VideoWriteError"]
 
-class VideoWriteError(RuntimeError):
-    """Some videos (or other media values) of a record could not be written; everything else of that record was."""
+
+class MediaWriteError(RuntimeError):
+    """Some videos (or other media values: images, texts, tables) of a record could not be written; everything else
+    of that record was."""
+
+
+VideoWriteError = MediaWriteError  # its first name, from when only videos were written one by one
 
 
 def encode_gif(frames: np.ndarray, fps: float) -> bytes:
@@ -74,12 +79,12 @@ def write_each(videos: dict, write: Callable[[str, np.ndarray, int], None]) -> L
 
 
 def raise_failures(backend: str, step: int, failures: List[Tuple[str, Exception]], what: str = "video(s)") -> None:
-    """Raise one `VideoWriteError` naming every video (or other media value, ``what``) of the step that failed
+    """Raise one `MediaWriteError` naming every video (or other media value, ``what``) of the step that failed
     (chained from the first)."""
     if not failures:
         return
     named = "; ".join(f"{key!r}: {type(exc).__name__}: {exc}" for key, exc in failures)
-    raise VideoWriteError(
+    raise MediaWriteError(
         f"{backend}: {len(failures)} {what} of step {step} could not be written ({named}); the rest of the "
         f"step was written."
     ) from failures[0][1]

@@ -50,11 +50,11 @@ class MissingExtraError(InstrumentError, ImportError):
         if broken is None:
             message = (f"{feature} needs the '{package}' package, which is not installed. "
                        f"Install it with: pip install 'torch-instrument[{extra}]'")
-        else:  # installed, but its import failed: reinstalling the extra as it is would change nothing
+        else:  # installed, but its import failed: installing the extra again would change nothing
             message = (f"{feature} needs the '{package}' package, which is installed but failed to import: "
-                       f"{type(broken).__name__}: {broken}. Fix that install (a missing or incompatible dependency "
-                       f"of '{package}'; pip check lists them), or reinstall it: "
-                       f"pip install --force-reinstall 'torch-instrument[{extra}]'")
+                       f"{type(broken).__name__}: {broken}. Fix that install: `pip check` names a missing or "
+                       f"incompatible dependency; the versions the extra supports: pip install "
+                       f"'torch-instrument[{extra}]'")
         super().__init__(message)
         self.package = package
         self.extra = extra
@@ -66,11 +66,17 @@ def require(package: str, extra: str, feature: str):
     not installed when the import could not find it, and one that gives the import's own error when the package is
     there but something it imports is missing or broken (told by the name of the module that was not found)."""
     import importlib
+    import importlib.util
 
     try:
         return importlib.import_module(package)
     except ImportError as exc:
         missing = exc.name is not None and (package == exc.name or package.startswith(exc.name + "."))
+        if missing:  # or a package that is there and names itself (``from pkg import gone`` in its __init__)
+            try:
+                missing = importlib.util.find_spec(exc.name) is None
+            except (ImportError, ValueError):  # a parent that fails too, or a module set to None: not importable
+                pass
         raise MissingExtraError(package, extra, feature, None if missing else exc) from exc
 
 

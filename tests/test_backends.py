@@ -157,6 +157,10 @@ def test_an_sdk_installed_but_failing_to_import_is_not_called_missing(tmp_path, 
     message = str(raised.value)
     assert "installed but failed to import" in message and "a_dependency_that_is_not_there_xyz" in message
     assert "not installed" not in message and "torch-instrument[wandb]" in message
+    (tmp_path / "selfish").mkdir()  # installed, and its own import fails naming the package itself
+    (tmp_path / "selfish" / "__init__.py").write_text("from selfish import gone\n")
+    with pytest.raises(MissingExtraError, match="installed but failed to import: ImportError: cannot import name"):
+        require("selfish", "wandb", "WandbBackend")
     with pytest.raises(MissingExtraError, match="which is not installed"):  # truly absent: as before
         require("no_such_sdk_xyz", "wandb", "WandbBackend")
     with pytest.raises(MissingExtraError, match="which is not installed"):  # a submodule of an absent package

@@ -514,3 +514,115 @@ def test_a_resumed_run_logs_each_key_to_the_series_it_had_where_two_keys_sanitis
     assert logger.failures == {}
     assert series("fresh_x_") == {5: 2.0, 6: 4.0} and series("fresh_x__2") == {6: 3.0}
     assert series("acc_top1__2") == {2: 0.1, 3: 0.1, 6: 0.2} and series("loss") == {5: 1.0, 6: 0.5}
+
+
+def test_a_run_made_before_names_were_tagged_keeps_its_renamed_keys_series_on_resume(tmp_path):
+    """A run written before the name tags holds ``acc_1`` for the key ``acc@1`` with no tag saying so. Taking
+    every untagged name for its own key's (as in a run that tags its names) split that series at the resume
+    into ``acc_1`` and ``acc_1_2`` (a review): such a run's names go to the first key that maps to them, as
+    before."""
+    first = MlflowBackend()
+    logger = Logger([first], RunInfo("old", tmp_path))
+    logger.log_metrics({"acc@1": 0.5}, step=1)
+    logger.close()
+    client = MlflowClient(tracking_uri=first.tracking_uri)
+    for tag in list(client.get_run(first.run_id).data.tags):  # as a run written before the tags looks
+        if tag.startswith("instrument."):
+            client.delete_tag(first.run_id, tag)
+    again = MlflowBackend()
+    logger = Logger([again], RunInfo("old", tmp_path, resume={"MlflowBackend": first.run_id}))
+    logger.log_metrics({"acc@1": 0.75}, step=2)
+    logger.close()
+    assert logger.failures == {}
+    assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "acc_1")] == [(1, 0.5), (2, 0.75)]
+    assert "acc_1_2" not in client.get_run(first.run_id).data.metrics
+
+
+def test_a_resumed_run_keeps_media_and_param_names_held_under_the_keys_own_name(tmp_path):
+    """Media and params named as their keys were not written down: after a resume, a key that sanitises to such a
+    name took it (``notes[a]`` wrote into ``notes_a_``'s folder; ``w[0]``'s value read as a change of ``w_0_``)."""
+    first = MlflowBackend()
+    logger = Logger([first], RunInfo("held", tmp_path))
+    logger.log_hyperparams({"w_0_": 2})
+    logger.log_text("notes_a_", "b1", step=1)
+    logger.close()
+    again = MlflowBackend()
+    logger = Logger([again], RunInfo("held", tmp_path, resume={"MlflowBackend": first.run_id}))
+    logger.log_hyperparams({"w[0]": 1, "w_0_": 2})
+    logger.log_text("notes[a]", "a2", step=2)
+    logger.log_text("notes_a_", "b2", step=2)
+    logger.close()
+    assert logger.failures == {}
+    client = MlflowClient(tracking_uri=again.tracking_uri)
+    run = client.get_run(again.run_id)
+    assert run.data.params == {"w_0_": "2", "w_0__2": "1"}
+    assert not any(tag.startswith("instrument.param/") for tag in run.data.tags)
+    texts = {path: open(client.download_artifacts(again.run_id, path)).read()
+             for path in _artifacts(client, again.run_id, "text")}
+    assert texts == {"text/notes_a_/step_00000001.txt": "b1", "text/notes_a_/step_00000002.txt": "b2",
+                     "text/notes_a__2/step_00000002.txt": "a2"}
+
+
+def test_a_resume_that_fails_while_opening_opens_whole_at_the_next_try(tmp_path, monkeypatch):
+    """The run id was set before the resume read what the run holds: one failed read left the backend open with
+    no names restored (two keys swapped series) and no last step (steps written twice)."""
+    first = MlflowBackend()
+    logger = Logger([first], RunInfo("half", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"acc[top1]": 0.9}, step=step)
+        if step == 2:
+            logger.log_metrics({"acc_top1_": 0.1}, step=step)
+        logger.commit(step)
+    logger.close()
+    fail = [True]
+    history = MlflowClient.get_metric_history
+
+    def flaky(self, *args, **kwargs):
+        if fail and fail.pop():
+            raise ConnectionError("the store went away for a moment")
+        return history(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "get_metric_history", flaky)
+    again = MlflowBackend(retry_after=0)
+    logger = Logger([again], RunInfo("half", tmp_path, resume={"MlflowBackend": first.run_id}),
+                    on_backend_error="warn")
+    for step in (2, 3):  # step 2 is the resumed run's again
+        logger.log_metrics({"acc_top1_": 0.1, "acc[top1]": 0.9}, step=step)
+        logger.commit(step)
+    logger.close()
+    client = MlflowClient(tracking_uri=again.tracking_uri)
+    series = {name: [(m.step, m.value) for m in client.get_metric_history(first.run_id, name)]
+              for name in ("acc_top1_", "acc_top1__2")}
+    assert series == {"acc_top1_": [(1, 0.9), (2, 0.9), (3, 0.9)], "acc_top1__2": [(2, 0.1), (3, 0.1)]}
+
+
+def test_a_name_tag_that_cannot_be_written_costs_no_value_and_is_sent_once(tmp_path, monkeypatch):
+    """The name tags went out before the step's media, so a failed tag batch cost the step's text (a review);
+    and a hyperparameter's tag was sent again at every log_hyperparams call."""
+    batches = []
+    log_batch = MlflowClient.log_batch
+
+    def recording(self, run_id, metrics=(), params=(), tags=(), *args, **kwargs):
+        named = [tag.key for tag in tags if tag.key.startswith("instrument.key.")]
+        batches.append(len(named))
+        if named and len(batches) == 2:  # the first batch of name tags
+            raise ConnectionError("503")
+        return log_batch(self, run_id, metrics, params, tags, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", recording)
+    backend = MlflowBackend()
+    logger = Logger([backend], RunInfo("tags", tmp_path), on_backend_error="warn")
+    logger.log_metrics({"acc@1": 0.5}, step=1)
+    logger.log_text("note", "kept", step=1)
+    logger.commit(1)
+    logger.log_metrics({"acc@1": 0.6}, step=2)
+    logger.commit(2)
+    for _ in range(3):
+        logger.log_hyperparams({"w[0]": 1})
+    logger.close()
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    assert open(client.download_artifacts(backend.run_id, "text/note/step_00000001.txt")).read() == "kept"
+    assert [m.value for m in client.get_metric_history(backend.run_id, "acc_1")] == [0.5, 0.6]
+    tags = client.get_run(backend.run_id).data.tags
+    assert sum(tag.startswith("instrument.key.") for tag in tags) == 3  # acc@1, note, w[0]: each written
+    assert sum(1 for n in batches if n) == 3  # the failed batch, its retry with step 2, and w[0]'s tag once

@@ -13,15 +13,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
-from instrument.backends.mlflow_names import (
-    MAX_IMAGE_KEY,
-    MAX_KEY,
-    SYSTEM_HEADS,
-    is_system,
-    name_tag,
-    restore_names,
-    unique_name,
-)
+from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
@@ -101,7 +93,7 @@ class MlflowBackend(Backend):
     samples -> ``samples/<tag>/step_<step:08d>.json``; videos -> animated GIFs
     ``videos/<key>/step_<step:08d>.gif`` (encoded with Pillow; a video that cannot be written costs that video
     only). Histograms are not logged (MLflow has no such type). Names are sanitised to MLflow's allowed
-    characters; two metric keys that would share a name are kept apart (`_metric_name`).
+    characters; two metric keys that would share a name are kept apart (`RunNames`).
     """
 
     reopens = True  # a store that did not answer at open is tried again at later records (class doc)
@@ -142,15 +134,10 @@ class MlflowBackend(Backend):
         self._artifacts: Optional[str] = None
         self._end_status = "FINISHED"
         self._unreachable_until = 0.0
-        self._names: Dict[str, str] = {}  # metric key -> MLflow name (`_metric_name`)
-        self._owners: Dict[str, Optional[str]] = {}  # MLflow name -> the key that has it
-        self._name_tags: List[Any] = []  # RunTags of keys logged under another name, not yet written (`name_tag`)
+        self._names = RunNames()  # every key's MLflow name, per kind, and the run tags that write them down
         self._written: Optional[int] = None  # resumed: the last training step the run already holds
         self._params: Dict[str, str] = {}  # param name -> the value the run holds (MLflow cannot change one)
-        self._param_names: Dict[str, str] = {}  # hyperparameter key -> param name
-        self._param_owners: Dict[str, Optional[str]] = {}  # param name -> its key (None: held before a resume)
         self._drops = Drops(self.name)
-        self._media_names: Dict[str, Tuple[Dict[str, str], Dict[str, Optional[str]]]] = {}  # per kind (`_media_name`)
         self._said_system: set = set()  # training keys under system/ moved to user/ (`_training_key`), said once
         self._held_params: Optional[Tuple[Dict[str, Any], Optional[str]]] = None  # logged before the run opened
 
@@ -239,15 +226,15 @@ class MlflowBackend(Backend):
         resumed = (run.resume or {}).get(self.name)
         if resumed:  # continue the same run; steps it already has are not written again
             client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")
-            self.run_id = resumed
-            self._written = _last_step(client, resumed)
+            written = _last_step(client, resumed)
             data = client.get_run(resumed).data
             self._params = dict(data.params)
-            self._param_owners = dict.fromkeys(self._params)
-            restore_names(data.tags, data.metrics, self._name_table)  # each key keeps its series
+            self._names.restore(data.tags, data.metrics, data.params)  # each key keeps its name (its series)
+            # Last: a resume that raised before here has no run id, so the next record opens it again, whole.
+            self._written, self.run_id = written, resumed
             return
         self.run_id = client.create_run(
-            experiment_id, run_name=self.run_name or run.name, tags=self.tags
+            experiment_id, run_name=self.run_name or run.name, tags={**self.tags, **NAMES_TAGGED}
         ).info.run_id
 
     def log_hyperparams(self, params: Mapping[str, Any], config_text: Optional[str] = None) -> None:
@@ -262,7 +249,7 @@ class MlflowBackend(Backend):
         drops = self._drops  # MLflow stores text as UTF-8: lone surrogates escaped
         items, changed = {}, []
         for key, value in params.items():
-            name = self._named(key, unique_name(key, self._param_names, self._param_owners, "hyperparameter"), "param")
+            name = self._names.name(key, "param", "hyperparameter")
             text = utf8(drops, "hyperparameter", key, str(value))[:_MAX_PARAM_VALUE]
             held = self._params.get(name)
             if held is None:
@@ -289,33 +276,18 @@ class MlflowBackend(Backend):
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
         Metric = self._entities.Metric
         timestamp = int(wall_time * 1000)
-        names = self._names
-        items = [
-            Metric(names.get(k) or self._metric_name(k), float(v), timestamp, int(step)) for k, v in scalars.items()
-        ]
+        names, name = self._names.table("metric")[0], self._names.name
+        items = [Metric(names.get(k) or name(k, "metric"), float(v), timestamp, int(step)) for k, v in scalars.items()]
         for i in range(0, len(items), _METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
-        self._write_name_tags()
 
     def _write_name_tags(self) -> None:
-        """The run tags of keys named since the last call (after what they name: a call that raises sends them
-        again with the next record)."""
-        while self._name_tags:
-            self.client.log_batch(self.run_id, tags=self._name_tags[:_PARAMS_PER_BATCH])
-            del self._name_tags[:_PARAMS_PER_BATCH]
-
-    def _name_table(self, kind: str) -> Tuple[Dict[str, str], Dict[str, Optional[str]]]:
-        tables = {"param": (self._param_names, self._param_owners), "metric": (self._names, self._owners)}
-        return tables[kind] if kind in tables else self._media_names.setdefault(kind, ({}, {}))
-
-    def _named(self, key: str, name: str, kind: str) -> str:
-        tag = name_tag(name, key, kind) if name != key else None
-        if tag is not None:  # a resumed run gives the key this name again (`restore_names`)
-            self._name_tags.append(self._entities.RunTag(*tag))
-        return name
-
-    def _metric_name(self, key: str) -> str:
-        return self._named(key, unique_name(key, self._names, self._owners, "metric"), "metric")
+        """The run tags of keys named since the last call, after everything of the call that named them (a tag
+        that fails costs no value: it is sent again with the next record)."""
+        RunTag = self._entities.RunTag
+        while tags := self._names.take_tags(_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, tags=[RunTag(key, value) for key, value in tags])
+            self._names.taken(len(tags))
 
     def _training_key(self, key: str) -> str:
         """A training metric's key: ``user/<key>`` (one warning) for one under ``system/``, where the system
@@ -332,12 +304,9 @@ class MlflowBackend(Backend):
     def _media_name(self, kind: str, key: str) -> str:
         """A media key's MLflow name, unique within its kind (two tags that sanitise alike would overwrite each
         other's files). An image's is ASCII and at most `MAX_IMAGE_KEY` long: it names the image's files."""
-        names, owners = self._name_table(kind)
-        if key in names:
-            return names[key]
         if kind == "image":
-            return self._named(key, unique_name(key, names, owners, kind, MAX_IMAGE_KEY, re.ASCII), kind)
-        return self._named(key, unique_name(key, names, owners, kind), kind)
+            return self._names.name(key, kind, limit=MAX_IMAGE_KEY, flags=re.ASCII)
+        return self._names.name(key, kind)
 
     @property
     def resume_id(self) -> Optional[str]:
@@ -391,7 +360,7 @@ class MlflowBackend(Backend):
         each("samples table", tables.items(), table)
         if not record.scalars and not record.timings:  # no metric history holds this step: a resume must know it
             self.client.set_tag(self.run_id, _LAST_STEP_TAG, str(step))
-        self._write_name_tags()  # of the media keys named in this record
+        each("names", [("(run tags of the keys' MLflow names)", None)], lambda key, value: self._write_name_tags())
         raise_failures(self.name, step, failed, "media value(s)")
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:
@@ -406,6 +375,7 @@ class MlflowBackend(Backend):
         self._ensure_open()
         with self._bounded():
             self._log_metrics(record.scalars, record.step, record.wall_time)
+            self._write_name_tags()
 
     def flush(self) -> None:
         """Nothing to do: every call above has reached the store (or raised) when it returns."""

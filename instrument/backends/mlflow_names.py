@@ -15,12 +15,12 @@ import hashlib
 import json
 import logging
 import re
-from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from instrument.backends.base import USER_HEAD
 
-__all__ = ["MAX_IMAGE_KEY", "MAX_KEY", "SYSTEM_HEADS", "is_system", "name_tag", "restore_names", "safe_name",
-           "unique_name"]
+__all__ = ["MAX_IMAGE_KEY", "MAX_KEY", "NAMES_TAGGED", "RunNames", "SYSTEM_HEADS", "is_system", "name_tag",
+           "restore_names", "safe_name", "unique_name"]
 
 log = logging.getLogger("instrument")
 
@@ -29,7 +29,11 @@ MAX_KEY = 250
 # after the key, in a file name of at most 255 bytes. MLflow's log_image takes ASCII keys only.
 MAX_IMAGE_KEY = 150
 SYSTEM_HEADS = ("system/", USER_HEAD)
-NAME_TAG = "instrument.key."  # + a digest of the MLflow name: a run tag whose value is [name, key] (`name_tag`)
+NAME_TAG = "instrument.key."  # + a digest of kind and name: a run tag whose value is [name, key, kind] (`name_tag`)
+# A run tag set on the runs that write `name_tag`s: in those, a held name without a tag is its own key's. A run
+# made before them (no such tag) may hold renamed keys untagged: there a held name goes to the first key that maps
+# to it, as it did before.
+NAMES_TAGGED = {"instrument.names": "tagged"}
 _MAX_TAG_VALUE = 5000  # MLflow's limit on a tag's value (8000 since MLflow 2.x; 5000 before)
 
 
@@ -92,11 +96,11 @@ def name_tag(name: str, key: str, kind: str) -> Optional[Tuple[str, str]]:
     return NAME_TAG + digest, value
 
 
-def restore_names(tags: Mapping[str, str], held: Iterable[str],
+def restore_names(tags: Mapping[str, str], metrics: Iterable[str], params: Iterable[str],
                   tables: Callable[[str], Tuple[Dict[str, str], Dict[str, Optional[str]]]]) -> None:
     """A resumed run's names: each key the tags name keeps its name (``tables(kind)``: that kind's key -> name and
-    name -> key tables), and a metric name the run ``held`` with no tag is its own key's (a key MLflow took as it
-    was)."""
+    name -> key tables); in a run that tags its names (`NAMES_TAGGED`), a metric or param name it holds with no tag
+    is its own key's (a key MLflow took as it was). Media keys are all tagged."""
     for tag, value in tags.items():
         if tag.startswith(NAME_TAG):
             try:
@@ -106,8 +110,50 @@ def restore_names(tags: Mapping[str, str], held: Iterable[str],
             if isinstance(name, str) and isinstance(key, str) and isinstance(kind, str):
                 names, owners = tables(kind)
                 names[key], owners[name] = name, key
-    names, owners = tables("metric")
-    for name in held:
-        if name not in owners:
-            owners[name] = name
-            names.setdefault(name, name)
+    if all(tags.get(tag) == value for tag, value in NAMES_TAGGED.items()):
+        for kind, held in (("metric", metrics), ("param", params)):
+            names, owners = tables(kind)
+            for name in held:
+                if owners.get(name) is None:
+                    owners[name] = name
+                    names.setdefault(name, name)
+
+
+class RunNames:
+    """The MLflow names of one run, per kind (``"metric"``, ``"param"``, and each media kind): key -> name and
+    name -> key, and the run tags (`name_tag`) of the keys named since they were last taken (`take_tags`)."""
+
+    def __init__(self) -> None:
+        self.tables: Dict[str, Tuple[Dict[str, str], Dict[str, Optional[str]]]] = {}
+        self._tags: List[Tuple[str, str]] = []
+        self._tagged: Set[Tuple[str, str]] = set()  # (kind, key) whose tag is queued or taken
+
+    def table(self, kind: str) -> Tuple[Dict[str, str], Dict[str, Optional[str]]]:
+        return self.tables.setdefault(kind, ({}, {}))
+
+    def name(self, key: str, kind: str, what: Optional[str] = None, limit: int = MAX_KEY, flags: int = 0) -> str:
+        """``key``'s name for the whole run; the first time, its tag is queued: for a key logged under another
+        name, and for every media key (a resumed run cannot list which media names the run holds)."""
+        names, owners = self.table(kind)
+        name = names.get(key)
+        if name is not None:
+            return name
+        name = unique_name(key, names, owners, what or kind, limit, flags)
+        if (name != key or kind not in ("metric", "param")) and (kind, key) not in self._tagged:
+            self._tagged.add((kind, key))
+            tag = name_tag(name, key, kind)
+            if tag is not None:
+                self._tags.append(tag)
+        return name
+
+    def take_tags(self, count: int) -> List[Tuple[str, str]]:
+        """Up to ``count`` queued tags, oldest first, left queued until `taken`."""
+        return self._tags[:count]
+
+    def taken(self, count: int) -> None:
+        del self._tags[:count]
+
+    def restore(self, tags: Mapping[str, str], metrics: Iterable[str], params: Iterable[Any]) -> None:
+        """A resumed run's names (`restore_names`); the params it holds are taken to be free until then."""
+        self.table("param")[1].update(dict.fromkeys(params))
+        restore_names(tags, metrics, params, self.table)

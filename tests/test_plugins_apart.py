@@ -72,6 +72,16 @@ def test_two_observers_of_one_name_are_refused_with_how_to_name_them():
     inst.close()
 
 
+def test_observer_names_are_compared_as_the_logger_writes_them():
+    # log_metrics strips a prefix's trailing '/': 'stats' and 'stats/' would both write stats/... (averaged into
+    # one series), while the second's heatmaps went to stats//mean
+    with pytest.raises(ConfigurationError, match=r"named 'stats/', which ends with '/'.*\(name='stats'\)"):
+        instrument.Instrumentation(observers=[instrument.IterationStats(name="stats"),
+                                              instrument.IterationStats(name="stats/")], backends=[])
+    with pytest.raises(ConfigurationError, match="ends with '/'"):  # alone too: its scalars and media disagree
+        instrument.Instrumentation(observers=[instrument.IterationStats(name="stats//")], backends=[])
+
+
 def test_one_component_instance_registered_twice_is_refused():
     class Counter:
         def log(self, logger, step):

@@ -152,7 +152,9 @@ def check_observers(observers: Any) -> List[Any]:
     """``observers`` as a list, or a `ConfigurationError` unless it holds observer instances or callables taking a
     `StepContext` (a single observer, or a class where an instance goes, is named with the fix). One instance
     listed twice would see every iteration twice; two `Observer`s of one name would write one key each and
-    their values would be averaged into one series, a number of neither: both are refused."""
+    their values would be averaged into one series, a number of neither: both are refused. So is a name that ends
+    with ``/``: ``log_metrics`` strips it from a prefix (``stats/`` writes ``stats/...``, the keys of an observer
+    named ``stats``) while its media keep it (``stats//mean``), so names are compared as the logger writes them."""
     if isinstance(observers, (Observer, type, str, bytes, Mapping)) or not hasattr(observers, "__iter__"):
         raise ConfigurationError(
             f"observers must be a list of instrument.Observer instances, got {observers!r} "
@@ -177,6 +179,14 @@ def check_observers(observers: Any) -> List[Any]:
                 f"list it once (two of a kind need two instances with different names)."
             )
         if isinstance(obs, Observer):
+            if isinstance(obs.name, str) and obs.name.endswith("/"):
+                fixed = obs.name.rstrip("/")
+                raise ConfigurationError(
+                    f"{type(obs).__name__} is named {obs.name!r}, which ends with '/': log_metrics strips it from "
+                    f"the prefix (its scalars go to {fixed + '/...'!r}, the keys of an observer named {fixed!r}) but "
+                    f"its media tags keep it (e.g. {obs.name + '/mean'!r}). Name it without the trailing '/'"
+                    + (f", e.g. {type(obs).__name__}(name={fixed!r})." if fixed else ".")
+                )
             other = names.setdefault(obs.name, obs)
             if other is not obs:
                 raise ConfigurationError(

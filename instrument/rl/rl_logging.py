@@ -97,7 +97,7 @@ class RLLogging:
         counters: `Counters` (default: a fresh one); None stops logging them (they are still counted).
         evaluation: `Evaluation`, or None (the default) for no evaluation.
         progress: `ProgressBar` (default: one that shows only on a terminal); None turns it off.
-        components: further `RLComponent` instances, driven like the built-in ones.
+        components: further `RLComponent` instances, driven like the built-in ones; each logs under its own prefix.
         log_interval: for a bare `Logger`: log every n-th iteration (None: 1; 0 logs only evaluations).
             Attached to an `Instrumentation`, its ``log_interval`` decides (one session, one cadence): leave
             this None or give the same value.
@@ -140,7 +140,7 @@ class RLLogging:
                 raise ConfigurationError(
                     f"RLLogging.{name} must be a {kind.__name__} or None, got {type(comp).__name__}."
                 )
-        self.extra: List[RLComponent] = check_components(components)
+        self.extra: List[RLComponent] = list(components)  # a generator is read once; checked with the set below
         self.timing = StageTiming()
         # the component that drives the progress bar backend through the set's lifecycle
         self.progress_component = ProgressComponent(self.progress) if self.progress is not None else None
@@ -157,6 +157,7 @@ class RLLogging:
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
         self._failed_at: Optional[int] = None  # the step of an iteration that raised in its `inst.step` block
         self._unlogged = False  # an iteration completed since the last one logged here (or attach / load)
+        check_components(self.members)  # again at attach: `evaluation` may be set in between
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":
@@ -167,6 +168,7 @@ class RLLogging:
         """
         if self._logger is not None:
             raise ConfigurationError("this RLLogging is already attached; create another one for another run.")
+        check_components(self.members)
         if target is None:
             from instrument.session import Instrumentation
 
@@ -239,7 +241,8 @@ class RLLogging:
         ]
         named += [(f"extra{i}", c, True) for i, c in enumerate(self.extra)]
         named += [("timing", self.timing, False), ("progress", self.progress_component, False)]
-        return [(n, c, logs) for n, c, logs in named if c is not None]
+        off = ("evaluation", "collection", "training", "progress")  # None turns these off; a None extra is refused
+        return [(n, c, logs) for n, c, logs in named if c is not None or n not in off]
 
     @property
     def components(self) -> List[Tuple[str, RLComponent]]:

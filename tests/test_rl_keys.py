@@ -59,3 +59,48 @@ def test_an_evaluation_set_after_the_set_was_made_is_checked_at_attach():
         rl.attach(Logger([]))
     assert not rl.attached
 
+
+
+def vector_batch():
+    n, t = 2, 4
+    return {"next": {"reward": torch.ones(n, t, 1), "done": torch.zeros(n, t, 1, dtype=torch.bool),
+                     "shaped": torch.full((n, t, 1), 10.0),
+                     "vec": torch.stack([torch.ones(n, t), 2 * torch.ones(n, t)], -1)}}
+
+
+@pytest.mark.parametrize("name", ["reward", "episode/return", "episode/length", "reward/x", "reward/",
+                                  "episode/return/x"])
+def test_an_extra_entry_named_like_a_statistic_of_the_component_is_refused(name):
+    # keys={"reward": ...} replaced the reward statistics: reward/mean read the extra's 10.0 instead of 1.0
+    with pytest.raises(ConfigurationError, match=rf"extra entry '{name}'.*component's own.*keys=\{{'extra/{name}'"):
+        CollectionMetrics(keys={name: ("next", "shaped")})
+
+
+@pytest.mark.parametrize("names", [["x", "x"], ["x", ""], "xy", ["x", 1]])
+def test_objective_names_that_would_share_a_key_are_refused(names):
+    # objective_names=["x", "x"] kept only objective 1 under reward/x/...; objective 0 was lost
+    with pytest.raises(ConfigurationError, match="objective_names must be unique, non-empty strings"):
+        CollectionMetrics(reward_weights=[1.0, 1.0], objective_names=names)
+
+
+def test_extra_entries_and_objectives_named_apart_are_each_written():
+    with pytest.raises(ConfigurationError, match="extra entry 'reward'"):  # the review's two cases, then the fix
+        CollectionMetrics(group="a", keys={"reward": ("next", "shaped")})
+    with pytest.raises(ConfigurationError, match="objective_names must be unique"):
+        CollectionMetrics(group="b", reward_key=("next", "vec"), reward_weights=[1.0, 1.0], objective_names=["x", "x"])
+    history = instrument.RunHistoryBackend()
+    logger = Logger([history])
+    shaped = ("next", "shaped")
+    extra = CollectionMetrics(group="a", keys={"extra/reward": shaped, "episode/success": shaped}, mask_key=None)
+    objectives = CollectionMetrics(group="b", reward_key=("next", "vec"), reward_weights=[1.0, 1.0],
+                                   objective_names=["x", "y"], mask_key=None)
+    for metrics in (extra, objectives):
+        metrics.update(vector_batch())
+        metrics.log(logger, 0)
+    logger.commit(0)
+    logger.close()
+    last = {key: series[-1][1] for key, series in history.metrics.items()}
+    assert last["collection/a/reward/mean"] == 1.0 and last["collection/a/extra/reward/mean"] == 10.0
+    assert last["collection/a/episode/success/max"] == 10.0
+    assert last["collection/b/reward/x/mean"] == 1.0 and last["collection/b/reward/y/mean"] == 2.0
+    assert last["collection/b/reward/mean"] == 3.0

@@ -16,6 +16,11 @@ key                             meaning
 ``<name>/<stat>``               any extra batch entry bound in ``keys`` (all its elements, masked)
 ==============================  ===========================================================================
 
+An extra entry may not be named like the component's own statistics (``reward``, ``episode/return``,
+``episode/length``, or a name under ``reward/`` or ``episode/return/``, where the objectives go), and objective
+names are unique, non-empty strings: either would write two statistics to one key, one replacing the other. Both
+are refused with a `ConfigurationError` when the component is made.
+
 Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist; TensorBoard
 and W&B draw a gap); ``episode/count`` says 0 then.
 
@@ -53,6 +58,9 @@ __all__ = ["CollectionMetrics"]
 
 log = logging.getLogger("instrument")
 
+_OWN = ("reward", "episode/return", "episode/length")  # the statistics of every batch (see the key table)
+_PER_OBJECTIVE = ("reward/", "episode/return/")  # where each objective of a vector reward goes
+
 
 class CollectionMetrics(RLComponent):
     """Reward and episode statistics of collected batches, on plain tensors or TensorDicts.
@@ -64,8 +72,9 @@ class CollectionMetrics(RLComponent):
         episode_reward_key: the running episode return (TorchRL ``RewardSum``); used at ``done`` when present.
         step_count_key: the running episode length (TorchRL ``StepCounter``); used at ``done`` when present.
         reward_weights: weights that scalarise a vector reward ``[*batch, K]``; required when K > 1.
-        objective_names: names of the K objectives in metric keys (default ``obj0``, ``obj1``, ...).
-        keys: extra batch entries to reduce, ``{metric name: batch key}``.
+        objective_names: names of the K objectives in metric keys (default ``obj0``, ``obj1``, ...); unique.
+        keys: extra batch entries to reduce, ``{metric name: batch key}``; a name may not be one of the
+            component's own statistics (see the module doc: ``reward``, ``episode/return``, ``reward/...``).
         reduce_stats: log mean, min and max (True) or only the mean (False).
         time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
             the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one step
@@ -103,6 +112,7 @@ class CollectionMetrics(RLComponent):
                 f"CollectionMetrics got {len(objective_names)} objective_names for {len(reward_weights)} "
                 f"reward_weights; bind one name per objective."
             )
+        _check_names(objective_names, keys)
         self.group = group
         self.prefix = f"collection/{group}"
         self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
@@ -345,3 +355,30 @@ class CollectionMetrics(RLComponent):
             f"CollectionMetrics(group={self.group!r}, reward_key={self.reward_key!r}, "
             f"done_key={self.done_key!r})"
         )
+
+
+def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mapping[str, NestedKey]]) -> None:
+    """Objective names and extra entries that would write two statistics to one key are refused (module doc)."""
+    if objective_names is not None:
+        names = list(objective_names)
+        named = not isinstance(objective_names, str) and all(isinstance(n, str) and n for n in names)
+        if not named or len(set(names)) != len(names):
+            raise ConfigurationError(
+                f"CollectionMetrics.objective_names must be unique, non-empty strings, one per objective, got "
+                f"{objective_names!r}: each names the keys reward/<objective>/<stat> and episode/return/<objective>/"
+                f"<stat>, so two equal names would write one objective's statistics over the other's."
+            )
+    for name, key in (keys or {}).items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                f"CollectionMetrics.keys maps metric names to batch keys; got the name {name!r} for {key!r}: use a "
+                f"non-empty string, e.g. keys={{'action': {key!r}}}."
+            )
+        if name in _OWN or name.startswith(_PER_OBJECTIVE):
+            raise ConfigurationError(
+                f"CollectionMetrics.keys names an extra entry {name!r} (for {key!r}), whose keys {name}/<stat> are "
+                f"the component's own: reward/<stat> is the per-step reward, reward/<objective>/<stat> and "
+                f"episode/return/<objective>/<stat> each objective's, episode/return/<stat> and episode/length/<stat> "
+                f"the episodes'. The extra entry would replace that statistic. Name it otherwise, e.g. "
+                f"keys={{'extra/{name}': {key!r}}}."
+            )

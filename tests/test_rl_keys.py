@@ -6,7 +6,7 @@ import torch
 
 import instrument
 from instrument import ConfigurationError, Logger
-from instrument.rl import CollectionMetrics, Evaluation, RLComponent, RLLogging
+from instrument.rl import CollectionMetrics, Evaluation, RLComponent, RLLogging, TrainMetrics
 
 
 def two_rewards(rl: RLLogging, n: int = 2) -> None:
@@ -104,3 +104,63 @@ def test_extra_entries_and_objectives_named_apart_are_each_written():
     assert last["collection/a/episode/success/max"] == 10.0
     assert last["collection/b/reward/x/mean"] == 1.0 and last["collection/b/reward/y/mean"] == 2.0
     assert last["collection/b/reward/mean"] == 3.0
+
+
+def history_of(*calls, reduce_stats=False):
+    """What a TrainMetrics fed ``calls`` (one on_losses each) writes at step 0, and the errors the calls raised."""
+    history = instrument.RunHistoryBackend()
+    logger = Logger([history])
+    metrics = TrainMetrics(group="g", reduce_stats=reduce_stats)
+    errors = []
+    for losses in calls:
+        try:
+            metrics.on_losses(losses)
+        except ConfigurationError as exc:
+            errors.append(str(exc))
+    metrics.log(logger, 0)
+    logger.commit(0)
+    logger.close()
+    return {key: series[-1][1] for key, series in history.metrics.items()}, errors
+
+
+def test_two_training_entries_of_one_call_that_flatten_to_one_name_are_not_merged():
+    # {"a/b": 1, "a": {"b": 3}} gave train/main/a/b = 2.0, one average of two different statistics
+    got, errors = history_of({"a/b": torch.tensor(1.0), "a": {"b": torch.tensor(3.0)}, "c": 2.0},
+                             {"a/b": 5.0, "c": 4.0})  # one value per name: a/b is that entry's
+    assert got == {"train/g/c": 3.0, "train/g/a/b": 5.0}
+    assert len(errors) == 1 and "2 entries flatten to the name 'a/b'" in errors[0]
+    assert "the other entries were added" in errors[0]
+
+
+@pytest.mark.parametrize("first", ["entry", "statistic"])
+def test_a_training_entry_named_like_another_entrys_statistic_is_refused(first):
+    # reduce_stats=True and the user's own 'adv/max' beside 'adv': adv/max read 4.5, the true max 6.0 was lost
+    updates = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0])]
+    if first == "entry":
+        got, errors = history_of(*({"adv": adv, "adv/max": adv.max()} for adv in updates), reduce_stats=True)
+        assert got == {"train/g/adv": 3.5, "train/g/adv/min": 1.0, "train/g/adv/max": 6.0}
+        assert len(errors) == 2 and "entry 'adv/max' would be logged as train/g/adv/max" in errors[0]
+    else:  # the statistic's entry came first: it keeps its series, 'adv' is refused
+        got, errors = history_of({"adv/max": updates[0].max()}, *({"adv": adv} for adv in updates),
+                                 reduce_stats=True)
+        assert got == {"train/g/adv/max": 3.0, "train/g/adv/max/min": 3.0, "train/g/adv/max/max": 3.0}
+        assert len(errors) == 2 and "entry 'adv' would log its max as train/g/adv/max" in errors[0]
+    # without min and max the two keys are apart
+    got, errors = history_of(*({"adv": adv, "adv/max": adv.max()} for adv in updates))
+    assert got == {"train/g/adv": 3.5, "train/g/adv/max": 4.5} and errors == []
+
+
+def test_under_rl_logging_a_clash_stops_the_first_call_and_is_a_reported_fault_later(caplog):
+    history = instrument.RunHistoryBackend()
+    rl = RLLogging(collection=None, training=TrainMetrics(reduce_stats=True), progress=None).attach(Logger([history]))
+    with pytest.raises(ConfigurationError, match="'adv/max' would be logged as train/main/adv/max"):
+        rl.observe_losses({"adv": torch.tensor([1.0, 2.0]), "adv/max": 2.0})  # set up wrong: fix the names
+    for losses in ({"adv": torch.tensor([3.0])}, {"adv": torch.tensor([9.0]), "a/b": 1.0, "a": {"b": 2.0}}):
+        with rl.iteration():  # worked once: a loss dict that changes mid-run is a fault, not the end of training
+            rl.observe_losses(losses)
+    rl.close_session()
+    assert rl.failures == {"training": 1}
+    assert "2 entries flatten to the name 'a/b'" in caplog.text
+    # the true maxima (the first call's adv values count, its refused 'adv/max' entry does not), and no a/b
+    assert [value for _, value in history.metrics["train/main/adv/max"]] == [3.0, 9.0]
+    assert "train/main/a/b" not in history.metrics

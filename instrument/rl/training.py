@@ -14,6 +14,14 @@ key                       meaning
 ``<name>`` is the entry's key; nested keys are joined with ``/`` (``("loss", "actor")`` -> ``loss/actor``), so
 a name never depends on the shape of the value. Values may be tensors of any shape and dtype (bools count as
 0/1), Python numbers or NumPy scalars; None entries are skipped. Everything stays on the device until commit.
+
+One key holds one statistic. Two entries of one call that flatten to one name (``{"a/b": x, "a": {"b": y}}``)
+are both skipped in that call; an entry whose key is another entry's ``/min`` or ``/max`` statistic
+(``reduce_stats=True``: ``"adv/max"`` beside ``"adv"``) is skipped for as long as the first-seen of the two has
+its series (the run). Either way the other entries are added and a `ConfigurationError` names them: raised by
+the first call it stops the run (fix the names); under `RLLogging`, after ``on_losses`` has worked once, it is
+a reported fault like any other (`instrument.core.step_components`), so a loss dict that changes mid-run never
+ends training.
 """
 
 import numbers
@@ -67,10 +75,18 @@ class TrainMetrics(RLComponent):
 
     def on_losses(self, losses: Any) -> None:
         """Add one dict / TensorDict of values (e.g. the loss module's output for one update). An entry that is
-        not a number is skipped and named in one `TypeError` after the others were added."""
+        not a number is skipped and named in one `TypeError` after the others were added; entries that would
+        share a key with another (module doc) are skipped and named in one `ConfigurationError`."""
+        entries = [(name, value) for name, value in _flatten(losses) if value is not None and self._wanted(name)]
+        seen: Dict[str, int] = {}
+        for name, _ in entries:
+            seen[name] = seen.get(name, 0) + 1
+        merged = [name for name, n in seen.items() if n > 1]
+        clashes = [f"{seen[name]} entries flatten to the name {name!r} (nested keys are joined with '/'), so their "
+                   f"values would be averaged into one; none of them was added: rename all but one" for name in merged]
         refused = []
-        for name, value in _flatten(losses):
-            if not self._wanted(name):
+        for name, value in entries:
+            if name in merged:
                 continue
             try:
                 tensor = _as_tensor(name, value)
@@ -78,13 +94,36 @@ class TrainMetrics(RLComponent):
                     continue
                 acc = self._stats.get(name)
                 if acc is None:
+                    clash = self._clash(name)
+                    if clash:
+                        clashes.append(clash)
+                        continue
                     acc = self._stats[name] = RunningStats(flatten=True)
                 acc.add(tensor.detach().reshape(-1, 1))
             except (TypeError, ValueError, OverflowError) as exc:  # that entry only
                 text = str(exc)
                 refused.append(text if text.startswith("training entry") else f"training entry {name!r}: {text}")
+        if clashes:
+            raise ConfigurationError(f"TrainMetrics ({self.prefix}): " + "; ".join(clashes + refused)
+                                     + " (the other entries were added)")
         if refused:
             raise TypeError("; ".join(refused) + " (the other entries were added)")
+
+    def _clash(self, name: str) -> str:
+        """Why a new entry ``name`` would share a key with an entry already seen (``reduce_stats=True``), or ''."""
+        if not self.reduce_stats:
+            return ""
+        parent, _, stat = name.rpartition("/")
+        if stat in ("min", "max") and parent in self._stats:
+            return (f"training entry {name!r} would be logged as {self.prefix}/{name}, the key of the {stat} of entry "
+                    f"{parent!r} (reduce_stats=True), so one would overwrite the other; it is skipped: rename it, e.g. "
+                    f"{parent + '/' + stat + '_per_update'!r}")
+        for stat in ("min", "max"):
+            if f"{name}/{stat}" in self._stats:
+                return (f"training entry {name!r} would log its {stat} as {self.prefix}/{name}/{stat}, the key of "
+                        f"entry {name + '/' + stat!r} (reduce_stats=True), so one would overwrite the other; it is "
+                        f"skipped: rename one of them")
+        return ""
 
     def _wanted(self, name: str) -> bool:
         def matches(pattern: str) -> bool:

@@ -14,6 +14,7 @@ from instrument.backends.crc32c import use_fast_checksums
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import order_params
 from instrument.backends.png import encodable, encode_png
+from instrument.backends.tb_tags import TagKinds
 from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
 from instrument.errors import ConfigurationError
 from instrument.terminal.samples import markdown_table
@@ -98,13 +99,7 @@ class TensorBoardBackend(Backend):
         self.reopened = 0  # new event files opened after a fault
         self._drops = Drops(self.name)
         self._bin_edges: Optional[np.ndarray] = None
-        # TensorBoard shows one kind of value per tag: a scalar and a histogram (or an image) under one tag
-        # break the run's scalars view. The kind a tag first takes is kept (`_kinds`).
-        self._scalar_tags: set = set()
-        self._media_tags: dict = {}  # tag -> the media kind it holds
-        self._renamed: dict = {}  # kind -> {key: the tag a value of that kind and key is written under}
-        self._moved_tags: set = set()  # tags made for media values moved off a taken tag (``reward/histogram``)
-        self._moved_scalars: set = set()  # tags made for scalars moved off a media value's tag (``reward/scalar``)
+        self._tags = TagKinds()  # the tag of each value: one kind of value per tag (`instrument.backends.tb_tags`)
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
@@ -191,27 +186,29 @@ class TensorBoardBackend(Backend):
         from torch.utils.tensorboard import summary as tb
 
         step, t, drops = record.step, record.wall_time, self._drops
-        scalars = self._scalar_kind(record.flat_scalars())
+        scalars = self._tags.scalars(record.flat_scalars())
         _add_scalars(w, scalars, step, t, drops)
-        images = ((self._media_kind("image", k, scalars), v)
+        images = ((self._tags.media("image", k, scalars), v)
                   for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
-        histograms = ((self._media_kind("histogram", k, scalars), v)
+        histograms = ((self._tags.media("histogram", k, scalars), v)
                       for k, v in utf8_keys(drops, "histogram", record.histograms).items() if v.size)
+        texts = ((self._tags.text("text", k, scalars), v) for k, v in utf8_keys(drops, "text", record.texts).items())
         bins = self._bins(w)
         summaries = [
             *drops.each("image", images, _image, "an HWC image").values(),
             *drops.each("histogram", histograms, lambda k, v: _histogram(drops, k, v, bins),
                         "real numbers, at least one finite").values(),
-            *drops.each("text", utf8_keys(drops, "text", record.texts).items(),
-                        lambda k, v: tb.text(k, utf8(drops, "text", k, v)), "a str").values(),
+            *drops.each("text", texts, lambda k, v: tb.text(k, utf8(drops, "text", k, v)), "a str").values(),
         ]
         file_writer = w._get_file_writer()
         for summary in summaries:
             file_writer.add_summary(summary, step, t)
-        videos = {self._media_kind("video", k, scalars): v for k, v in utf8_keys(drops, "video", record.videos).items()}
+        videos = {self._tags.media("video", k, scalars): v for k, v in utf8_keys(drops, "video", record.videos).items()}
         failed = write_each(videos,
                             lambda key, frames, fps: self._write_video(w, key, frames, fps, step, t))
-        tables = drops.each("samples table", utf8_keys(drops, "samples table", record.samples).items(),
+        tables = ((self._tags.text("table", k, scalars), v)
+                  for k, v in utf8_keys(drops, "samples table", record.samples).items())
+        tables = drops.each("samples table", tables,
                             lambda k, v: tb.text(k, utf8(drops, "samples table", k, markdown_table(v.rows))),
                             "rows of strings and numbers")
         for summary in tables.values():
@@ -219,47 +216,6 @@ class TensorBoardBackend(Backend):
         if self.flush_every_commit:
             w.flush()
         raise_failures(self.name, step, failed)
-
-    def _scalar_kind(self, scalars: Mapping[str, float]) -> Mapping[str, float]:
-        """The scalars under their tags: ``<key>/scalar`` for a key a media value of the run holds (one warning)."""
-        if ((self._media_tags and not self._media_tags.keys().isdisjoint(scalars))
-                or (self._moved_scalars and not self._moved_scalars.isdisjoint(scalars))):
-            # a scalar whose key a media value holds moves; so does one whose key a moved scalar took (the user's
-            # own ``pic/scalar`` logged after ``pic`` moved there): one tag never mixes two series
-            scalars = {self._moved("scalar", k, scalars) if k in self._media_tags or k in self._moved_scalars else k: v
-                       for k, v in scalars.items()}
-        self._scalar_tags.update(scalars)
-        return scalars
-
-    def _media_kind(self, kind: str, key: str, scalars: Mapping[str, float]) -> str:
-        """The tag of a media value: its key, unless a scalar (of the run, or of this step) or a media value of
-        another kind has it: then ``<key>/<kind>`` for the rest of the run (one warning)."""
-        if self._media_tags.get(key) == kind and key not in self._moved_tags:  # a moved value's tag is not the user's
-            return key
-        if key in self._renamed.get(kind, {}):
-            return self._renamed[kind][key]
-        if key not in self._media_tags and key not in self._scalar_tags and key not in scalars:
-            self._media_tags[key] = kind
-            return key
-        return self._moved(kind, key)
-
-    def _moved(self, kind: str, key: str, row: Any = ()) -> str:
-        moved = self._renamed.setdefault(kind, {})
-        if key not in moved:
-            name, number = f"{key}/{kind}", 1
-            while name in self._scalar_tags or name in self._media_tags or name in row or name in self._moved_scalars:
-                number += 1
-                name = f"{key}/{kind}_{number}"
-            moved[key] = name
-            if kind == "scalar":
-                self._moved_scalars.add(name)
-            else:
-                self._media_tags[name] = kind
-                self._moved_tags.add(name)
-            log.warning("instrument: TensorBoardBackend writes the %s %r under the tag %r: the tag %r already holds "
-                        "another kind of value, and TensorBoard shows one kind per tag (the run's scalars could no "
-                        "longer be read). (Said once per key.)", kind, key, name, key)
-        return moved[key]
 
     def _bins(self, w) -> Any:
         """TensorBoard's own bucket limits (``SummaryWriter.default_bins``, +-1e-12 to +-1e20, 10% apart) with

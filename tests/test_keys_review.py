@@ -1,0 +1,60 @@
+"""Keys a review found hidden, replaced or garbled: TensorBoard texts and samples tables under one tag (or under
+the backend's own text tags), W&B's ``operative_config``, an escaped key meeting another key, the wording of a
+step committed twice, control characters in names shown as text. Read back with each destination's own reader."""
+
+import logging
+
+import instrument
+from tests.conftest import event_accumulator
+
+
+def _texts(acc):
+    """TensorBoard's text tags -> [(step, text)], read with its own EventAccumulator."""
+    return {tag: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+            for tag in acc.Tags()["tensors"] if tag.endswith("/text_summary")}
+
+
+def test_tensorboard_keeps_a_text_and_a_samples_table_of_one_key_apart(tmp_path, caplog):
+    """Both were written as the tag ``val/text_summary``: the event file held two texts per step, and TensorBoard's
+    UI showed only the table. The table now moves to ``val/table`` (as W&B moves it), with one warning."""
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("r", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"note/text_summary": float(step)}, step=step)  # a scalar under a text's tag, first
+        logger.log_text("note", f"note {step}", step)
+        logger.log_text("val", f"summary {step}", step)
+        logger.log_samples("val", [{"input": "q", "output": "a", "score": float(step)}], step)
+        logger.commit(step)
+    logger.close()
+    acc = event_accumulator(tmp_path / "r")
+    texts = _texts(acc)
+    assert texts["val/text_summary"] == [(1, "summary 1"), (2, "summary 2")]  # one text per step and tag
+    assert [step for step, _ in texts["val/table/text_summary"]] == [1, 2]
+    assert all(text.startswith("| input | output | score |") for _, text in texts["val/table/text_summary"])
+    assert texts["note/text/text_summary"] == [(1, "note 1"), (2, "note 2")]  # the scalar took the tag first
+    assert {e.step: e.value for e in acc.Scalars("note/text_summary")} == {1: 1.0, 2: 2.0}
+    assert "note/text_summary" not in texts  # no tag holds two kinds
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "TensorBoardBackend writes"
+            in r.getMessage()]
+    assert len(said) == 2  # once per moved key
+    assert any("samples table 'val' under the tag 'val/table/text_summary'" in m for m in said)
+
+
+def test_a_users_text_never_hides_the_tensorboard_backends_own_texts(tmp_path, caplog):
+    """A user's ``log_text("hyperparameters", ..., 0)`` shared tag and step with the hyperparameter table, and
+    TensorBoard's UI showed only the user's text; ``config/operative`` alike. The user's text moves."""
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("r", tmp_path))
+    logger.log_hyperparams({"lr": 0.001}, config_text="train.lr = 0.001")
+    logger.log_text("hyperparameters", "my notes", 0)
+    logger.log_samples("config/operative", [{"input": "q", "score": 1.0}], 0)
+    logger.commit(0)
+    logger.log_text("hyperparameters", "more notes", 3)  # a later step would mix two series in the tag
+    logger.commit(3)
+    logger.close()
+    texts = _texts(event_accumulator(tmp_path / "r"))
+    ((step, table),) = texts["hyperparameters/text_summary"]
+    assert step == 0 and table.startswith("| where | parameter | value |") and "| lr | 0.001 |" in table
+    assert texts["config/operative/text_summary"] == [(0, "    train.lr = 0.001")]
+    assert texts["hyperparameters/text/text_summary"] == [(0, "my notes"), (3, "more notes")]
+    assert [step for step, _ in texts["config/operative/table/text_summary"]] == [0]
+    said = [r.getMessage() for r in caplog.records if "TensorBoardBackend writes" in r.getMessage()]
+    assert len(said) == 2 and any("its hyperparameter table" in m for m in said)

@@ -4,8 +4,11 @@ step committed twice, control characters in names shown as text. Read back with 
 
 import logging
 
+import pytest
+
 import instrument
 from tests.conftest import event_accumulator
+from tests.wandb_reader import read_run
 
 
 def _texts(acc):
@@ -58,3 +61,20 @@ def test_a_users_text_never_hides_the_tensorboard_backends_own_texts(tmp_path, c
     assert [step for step, _ in texts["config/operative/table/text_summary"]] == [0]
     said = [r.getMessage() for r in caplog.records if "TensorBoardBackend writes" in r.getMessage()]
     assert len(said) == 2 and any("its hyperparameter table" in m for m in said)
+
+
+def test_wandb_keeps_a_hyperparameter_named_operative_config_beside_the_config_text(tmp_path, caplog):
+    """W&B's ``run.config["operative_config"]`` holds the gin config text, which silently replaced a hyperparameter
+    of that name (JSONL, MLflow and TensorBoard kept it). The hyperparameter now goes to ``operative_config__2``."""
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_hyperparams({"operative_config": "mine", "operative_config__2": 2, "lr": 0.1},
+                           config_text="Model.depth = 3\n")
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.commit(1)
+    logger.close()
+    _, config = read_run(tmp_path / "w")
+    assert config["operative_config"] == "Model.depth = 3\n"
+    assert (config["operative_config__3"], config["operative_config__2"], config["lr"]) == ("mine", 2, 0.1)
+    said = [r.getMessage() for r in caplog.records if "operative gin config text" in r.getMessage()]
+    assert len(said) == 1 and "'operative_config' as 'operative_config__3'" in said[0]

@@ -27,6 +27,9 @@ SCALAR = "scalar"  # the kind named in `_renamed` for a scalar moved off a media
 _RENAMED_HEADS = ("_", "system/", USER_HEAD)
 
 
+_CONFIG = "operative_config"  # the run.config key of the operative gin config text
+
+
 def _reserved(key: str) -> bool:
     return key[:1] == "_" or key.startswith("system/")
 
@@ -166,7 +169,16 @@ class WandbBackend(Backend):
         # W&B writes a NaN config value as null: as a string, like JSONL's "nan" (inf survives as it is)
         values = unflatten_params({k: "nan" if isinstance(v, float) and v != v else v for k, v in params.items()})
         if config_text:
-            values["operative_config"] = config_text
+            if _CONFIG in values:  # a hyperparameter of that name (or under it) is kept, beside the config text
+                name, number = f"{_CONFIG}__2", 2
+                while name in values:
+                    number += 1
+                    name = f"{_CONFIG}__{number}"
+                values[name] = values.pop(_CONFIG)
+                log.warning("instrument: WandbBackend logs the hyperparameter %r as %r in run.config: %r holds the "
+                            "operative gin config text there (JSONL, MLflow and TensorBoard keep it as %r).",
+                            _CONFIG, name, _CONFIG, _CONFIG)
+            values[_CONFIG] = config_text
         self.run.config.update(values, allow_val_change=True)
 
     def write(self, record: StepRecord) -> None:

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 import instrument
-from tests.conftest import event_accumulator
+from tests.conftest import event_accumulator, read_scalars
 from tests.wandb_reader import read_run
 
 
@@ -78,3 +78,37 @@ def test_wandb_keeps_a_hyperparameter_named_operative_config_beside_the_config_t
     assert (config["operative_config__3"], config["operative_config__2"], config["lr"]) == ("mine", 2, 0.1)
     said = [r.getMessage() for r in caplog.records if "operative gin config text" in r.getMessage()]
     assert len(said) == 1 and "'operative_config' as 'operative_config__3'" in said[0]
+
+
+RAW, PRINTED = "files/caf\udce9", "files/caf\\udce9"  # os.fsdecode(b"caf\xe9") and that name as repr prints it
+
+
+def test_an_escaped_key_never_takes_the_name_of_another_key(tmp_path, caplog):
+    """TensorBoard and W&B write a key with a lone surrogate escaped; a second key that already was that text
+    (in the same step) lost its value to it, unsaid. The escaped name is now numbered, the same at every step;
+    a key logged later under a name an escaped key took is numbered in turn. JSONL keeps every key as it is."""
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.TensorBoardBackend(), instrument.WandbBackend(project="tests")],
+                               instrument.RunInfo("r", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({RAW: 1.0 * step, PRINTED: 2.0 * step, "loss": 0.5}, step=step)
+        logger.commit(step)
+    logger.log_metrics({"b/\udce9": 3.0, "loss": 0.5}, step=3)  # escaped first, to a name no key had
+    logger.commit(3)
+    logger.log_metrics({"b/\\udce9": 4.0, "loss": 0.5}, step=4)  # then a key under that very name
+    logger.commit(4)
+    logger.close()
+    assert logger.failures == {}
+    expected = {PRINTED + "__2": {1: 1.0, 2: 2.0}, PRINTED: {1: 2.0, 2: 4.0}, "b/\\udce9": {3: 3.0},
+                "b/\\udce9__2": {4: 4.0}, "loss": {s: 0.5 for s in (1, 2, 3, 4)}}
+    assert read_scalars(tmp_path / "r") == expected
+    series: dict = {}
+    for row in read_run(tmp_path / "r")[0]:
+        for key, value in row.items():
+            if not key.startswith("_"):
+                series.setdefault(key, {})[row["_step"]] = value
+    assert series == expected
+    said = [r.getMessage() for r in caplog.records if "wrote the scalar" in r.getMessage()]
+    assert len(said) == 6  # once per backend and key: the two escaped keys and the later literal one
+    assert any(f"TensorBoardBackend wrote the scalar {RAW!r} as {PRINTED + '__2'!r}" in m and
+               f"{PRINTED!r} is already the name of another key" in m for m in said)

@@ -35,6 +35,11 @@ class Drops:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self._said: Set[Tuple[str, str]] = set()
+        # `utf8_keys`, per kind: every name written so far, the keys written under another name (escaped or
+        # numbered) and those names
+        self.names: Dict[str, Set[str]] = {}
+        self.renamed: Dict[str, Dict[str, str]] = {}
+        self.made: Dict[str, Set[str]] = {}
 
     def each(self, kind: str, items: Iterable[Tuple[str, Any]], convert: Callable[[str, Any], Any],
              expected: str) -> Dict[str, Any]:
@@ -98,28 +103,65 @@ def utf8(drops: Drops, kind: str, key: str, text: str) -> str:
 def utf8_keys(drops: Drops, kind: str, values: Dict[str, Any]) -> Dict[str, Any]:
     """``values`` itself when UTF-8 can encode every key (one C-level check); otherwise a copy with each key
     UTF-8 cannot encode (a metric named after an ``os.fsdecode``-d file) written as `utf8` writes a text, with
-    one warning per key, so that the SDK (protobuf) takes the step's other keys instead of refusing them all."""
+    one warning per key, so that the SDK (protobuf) takes the step's other keys instead of refusing them all.
+
+    An escaped name never takes a name another key of ``kind`` has in this step or had earlier in the run (a key
+    that already is the escaped text, backslash and all): it is numbered (``<escaped>__2``, ...), and a key seen
+    later under a name an escaped key already took is numbered in turn, so no two keys share a series. Said once
+    per key; the same name at every step."""
+    names = drops.names.setdefault(kind, set())
+    renamed, made = drops.renamed.setdefault(kind, {}), drops.made.setdefault(kind, set())
     try:
         "".join(values).encode("utf-8")
-        return values
+        if not renamed or (renamed.keys().isdisjoint(values) and made.isdisjoint(values)):
+            names.update(values)
+            return values
     except TypeError:  # a key that is not a str: left to the backend, as before
         return values
     except UnicodeEncodeError:
         pass
     out: Dict[str, Any] = {}
     for key, value in values.items():
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            escaped = key.encode("utf-8", "backslashreplace").decode("utf-8")
-            drops.say(key, "utf8 key", logging.WARNING,
-                      "instrument: %s wrote the %s %r as %r: its key has characters UTF-8 cannot encode (lone "
-                      "surrogates, e.g. from os.fsdecode of a non-UTF-8 name), which it cannot store; decode "
-                      "such names with errors='replace' (or name the metric yourself) to choose the key.",
-                      drops.backend, kind, key, escaped)
-            key = escaped
-        out[key] = value
+        name = renamed.get(key)
+        if name is None:
+            name = _escaped(key)
+            if name != key or key in made:
+                name = _numbered(drops, kind, key, name, names, values, out)
+                renamed[key] = name
+                made.add(name)
+        out[name] = value
+    names.update(out)
     return out
+
+
+def _escaped(key: str) -> str:
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _numbered(drops: Drops, kind: str, key: str, name: str, names: Set[str], values: Dict[str, Any],
+              out: Dict[str, Any]) -> str:
+    """``name`` for ``key``, numbered (``__2``, ...) while another key of the step or the run has it; said once."""
+    base, number = name, 1
+    while name in names or (name in values and name != key) or name in out:
+        number += 1
+        name = f"{base}__{number}"
+    if base != key:
+        drops.say(key, "utf8 key", logging.WARNING,
+                  "instrument: %s wrote the %s %r as %r: its key has characters UTF-8 cannot encode (lone "
+                  "surrogates, e.g. from os.fsdecode of a non-UTF-8 name), which it cannot store%s; decode such "
+                  "names with errors='replace' (or name the metric yourself) to choose the key.",
+                  drops.backend, kind, key, name,
+                  f", and {base!r} is already the name of another key of this step or the run" if name != base else "")
+    else:
+        drops.say(key, "utf8 key", logging.WARNING,
+                  "instrument: %s wrote the %s %r as %r: a key with characters UTF-8 cannot encode (lone "
+                  "surrogates) is already written under %r, escaped; so the two are kept apart.",
+                  drops.backend, kind, key, name, key)
+    return name
 
 
 def describe(value: Any) -> str:

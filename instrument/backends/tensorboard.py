@@ -186,7 +186,7 @@ class TensorBoardBackend(Backend):
         from torch.utils.tensorboard import summary as tb
 
         step, t, drops = record.step, record.wall_time, self._drops
-        scalars = self._tags.scalars(record.flat_scalars())
+        scalars = self._tags.scalars(utf8_keys(drops, "scalar", record.flat_scalars()))  # os.fsdecode names escaped
         _add_scalars(w, scalars, step, t, drops)
         images = ((self._tags.media("image", k, scalars), v)
                   for k, v in utf8_keys(drops, "image", record.images).items() if v is not None)
@@ -252,7 +252,8 @@ class TensorBoardBackend(Backend):
             use_fast_checksums(self._system)
         writer = self._system
         try:
-            _add_scalars(writer, record.scalars, record.step, record.wall_time, self._drops)
+            scalars = utf8_keys(self._drops, "system scalar", record.scalars)
+            _add_scalars(writer, scalars, record.step, record.wall_time, self._drops)
             if self.flush_every_commit:
                 writer.flush()
         except Exception:
@@ -427,7 +428,6 @@ def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Dr
         return
     from tensorboard.compat.proto.event_pb2 import Event
 
-    scalars = utf8_keys(drops, "scalar", scalars)  # a key with a lone surrogate (os.fsdecode): escaped
     event = Event()
     add = event.summary.value.add
     for key, value in scalars.items():

@@ -328,7 +328,7 @@ class WandbBackend(Backend):
         return out
 
     def write_system(self, record: StepRecord) -> None:
-        self._system = {**self._system, **utf8_keys(self._drops, "scalar", record.scalars)}
+        self._system = {**self._system, **utf8_keys(self._drops, "system scalar", record.scalars)}
 
     def flush(self) -> None:
         """W&B has no call that writes its buffer sooner; its service does so every ``flush_secs``."""

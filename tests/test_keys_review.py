@@ -112,3 +112,18 @@ def test_an_escaped_key_never_takes_the_name_of_another_key(tmp_path, caplog):
     assert len(said) == 6  # once per backend and key: the two escaped keys and the later literal one
     assert any(f"TensorBoardBackend wrote the scalar {RAW!r} as {PRINTED + '__2'!r}" in m and
                f"{PRINTED!r} is already the name of another key" in m for m in said)
+
+
+def test_the_warning_of_a_step_committed_twice_says_what_tensorboard_shows(tmp_path, caplog):
+    """The warning said TensorBoard keeps both records: its event file does, but TensorBoard's UI (its data
+    server) shows the last value written for a tag and step."""
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("r", tmp_path))
+    logger.log_metrics({"eval/acc": 0.25}, step=20, commit=True)
+    logger.log_metrics({"eval/acc": 0.75}, step=20)
+    logger.commit(20)
+    logger.close()
+    events = event_accumulator(tmp_path / "r").Scalars("eval/acc")
+    assert [(e.step, e.value) for e in events] == [(20, 0.25), (20, 0.75)]  # the event file holds both
+    (said,) = [r.getMessage() for r in caplog.records if "committed a second time" in r.getMessage()]
+    assert "TensorBoard's event file holds both but its UI shows only the last one written for a step" in said
+    assert "TensorBoard, MLflow and JSONL keep" not in said and "W&B keeps only the first" in said

@@ -136,9 +136,10 @@ class StepRecords:
         if step == self._last_step and names and _REPEAT not in self._warned:
             self._warned[_REPEAT] = None
             log.warning(
-                "instrument: step %d is committed a second time (keys %s); TensorBoard, MLflow and JSONL keep "
-                "both records at that step, W&B keeps only the first. Log values that belong to the next "
-                "logging step without commit=True, or commit them at their own step. (Said once per run.)",
+                "instrument: step %d is committed a second time (keys %s); MLflow and JSONL keep both records at "
+                "that step, TensorBoard's event file holds both but its UI shows only the last one written for a "
+                "step (a key in both shows the second value), W&B keeps only the first. Log values that belong to "
+                "the next logging step without commit=True, or commit them at their own step. (Said once per run.)",
                 step, sorted(names)[:5],
             )
 

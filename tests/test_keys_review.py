@@ -2,11 +2,14 @@
 the backend's own text tags), W&B's ``operative_config``, an escaped key meeting another key, the wording of a
 step committed twice, control characters in names shown as text. Read back with each destination's own reader."""
 
+import io
 import logging
+import re
 
 import pytest
 
 import instrument
+from instrument.backends.base import StepRecord
 from tests.conftest import event_accumulator, read_scalars
 from tests.wandb_reader import read_run
 
@@ -127,3 +130,36 @@ def test_the_warning_of_a_step_committed_twice_says_what_tensorboard_shows(tmp_p
     (said,) = [r.getMessage() for r in caplog.records if "committed a second time" in r.getMessage()]
     assert "TensorBoard's event file holds both but its UI shows only the last one written for a step" in said
     assert "TensorBoard, MLflow and JSONL keep" not in said and "W&B keeps only the first" in said
+
+
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+ODD = ["k\nl", "m\x1bn", "a\rb", "z\x00", "t\tu"]
+
+
+def test_the_console_shows_control_characters_in_names_escaped(tmp_path):
+    """A metric key with a newline split the console table's header and legend; an escape, a carriage return or
+    NUL was written raw to the terminal. Names are now shown escaped; the keys themselves do not change."""
+    out = io.StringIO()
+    console = instrument.ConsoleBackend(stream=out, max_keys=10, show_system=True, num_val_samples_to_print=1,
+                                        width=60)
+    history = instrument.RunHistoryBackend()
+    logger = instrument.Logger([console, history], instrument.RunInfo("r", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({**{key: float(step) for key in ODD}, "timing/x\ny": 0.5}, step=step)
+        logger.log_samples("val\x1b[2J", [{"in\nput": "a", "score": 1.0}], step)
+        logger.commit(step)
+    logger.write_system(StepRecord(1, {"system/gpu\r0": 1.0, "system/seconds": 1.0}))
+    logger.close()
+    lines = out.getvalue().split("\n")[:-1]
+    assert not [line for line in lines if CONTROL.search(line)]  # nothing raw reaches the terminal
+    (header,) = [line for line in lines if line.split()[:2] == ["step", "k\\nl"]]
+    assert header.split() == ["step", "k\\nl", "m\\x1bn", "a\\rb", "z\\x00", "t\\tu"]
+    rows = [line for line in lines if line.split()[:1] in (["1"], ["2"])]
+    assert [len(row) for row in rows] == [len(header)] * 2 and rows[1].split() == ["2"] + ["2"] * len(ODD)
+    assert all(any(line.split()[:2] == [shown, shown] for line in lines)  # the legend: header, key
+               for shown in ("k\\nl", "m\\x1bn", "a\\rb", "z\\x00", "t\\tu"))
+    assert any(line.startswith("timing/x\\ny ") for line in lines)  # the summary at close
+    assert any("system/gpu\\r0 1" in line for line in lines)
+    assert any("val\\x1b[2J | step 1" in line for line in lines) and any("in\\nput" in line for line in lines)
+    assert set(ODD) <= set(history.keys())  # stored as given
+

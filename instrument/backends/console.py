@@ -37,6 +37,7 @@ from instrument.errors import ConfigurationError, require
 from instrument.terminal.output import write_line
 from instrument.terminal.samples import finite_number, select_samples
 from instrument.terminal.table import Column, ColumnSpec, StepTable, resolve_columns, unique_headers
+from instrument.terminal.text import display_width, printable
 
 __all__ = ["ConsoleBackend"]
 
@@ -198,14 +199,15 @@ class ConsoleBackend(Backend):
         if not self.show_system:
             return
         items = sorted((k, v) for k, v in record.scalars.items() if k != "system/seconds")
-        self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{k} {_fmt(v)}" for k, v in items]))
+        self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{printable(k)} {_fmt(v)}" for k, v in items]))
 
     def close(self) -> None:
         if self._unshown and self._seen:  # a run that logged nothing (refused before its first step) says nothing
             self._say_unmatched("declared column(s)", sorted(self._unshown), "ConsoleBackend.columns")
         if not self._summaries:
             return
-        width = max(max(len(k) for k in self._summaries), len("metric"))
+        names = {key: printable(key) for key in self._summaries}  # display only: a newline would split the row
+        width = max(max(display_width(name) for name in names.values()), len("metric"))
         stats = [Column(name, name, 10, ".4g") for name in ("last", "mean", "min", "max")]
         table = StepTable(
             [Column("metric", "metric", width, "str"), *stats, Column("steps", "steps", 5, "d")]
@@ -213,7 +215,7 @@ class ConsoleBackend(Backend):
         self._emit(f"summary of metrics kept out of the table ({', '.join(self.summary)}):")
         self._emit(table.header())
         for key in sorted(self._summaries):
-            self._emit(table.row(self._summaries[key].row(key)))
+            self._emit(table.row(self._summaries[key].row(names[key])))
 
     # ------------------------------------------------------------------ internals
     def _print_samples(self, tag: str, table: SampleTable, step: int) -> None:
@@ -234,9 +236,9 @@ class ConsoleBackend(Backend):
             grid.add_column(style="bold", no_wrap=True)
             grid.add_column()
             for field, value in row.items():
-                grid.add_row(Text(str(field)), Text(_fmt(value) if isinstance(value, float) else str(value)))
+                grid.add_row(Text(printable(str(field))), Text(_fmt(value) if isinstance(value, float) else str(value)))
             score = row.get(table.score_key)
-            title = f"{tag} | step {step} | {label}"
+            title = f"{printable(tag)} | step {step} | {label}"
             if isinstance(score, (int, float)):
                 shown = _fmt(float(score)) if finite_number(score) or isinstance(score, float) else str(score)
                 title += f" | {table.score_key} {shown}"
@@ -274,13 +276,13 @@ class ConsoleBackend(Backend):
             shown = [k for want in self.keys for k in shown if _under(k, want)]
             shown = list(dict.fromkeys(shown))
         chosen = shown[: self.max_keys]
-        headers = unique_headers(chosen)
+        headers = {key: printable(header) for key, header in unique_headers(chosen).items()}  # display only
         # '.4g' whatever the first value looks like: a metric that starts at 0 or 1 is rarely a whole number
         # later. Nine characters hold most '.4g' values; a wider first value widens its column, and a wider
         # later one goes to compact scientific notation like every overflow.
         columns = []
         for key in chosen:
-            width = max(len(headers[key]), len(format(scalars[key], ".4g")), 9)  # timings are among them too
+            width = max(display_width(headers[key]), len(format(scalars[key], ".4g")), 9)  # timings are among them too
             columns.append(Column(key, headers[key], width, ".4g"))
         table = self._make_table(columns)
         left_out = len(shown) - len(chosen)
@@ -319,7 +321,7 @@ class ConsoleBackend(Backend):
             if found is None:
                 return col.key
             self._matched[col.key] = found
-            table_log.info("console: column %r shows %s (it matches %r)", col.header, found, col.key)
+            table_log.info("console: column %r shows %s (it matches %r)", col.header, printable(found), col.key)
         return self._matched[col.key]
 
     def _is_summary(self, key: str) -> bool:

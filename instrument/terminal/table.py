@@ -49,7 +49,7 @@ from typing import Any, Iterable, List, Mapping, Optional, Sequence, Set, Tuple,
 
 from instrument.checks import check_int, is_int
 from instrument.errors import ConfigurationError
-from instrument.terminal.text import cut, display_width, pad, unique_headers
+from instrument.terminal.text import cut, display_width, pad, printable, unique_headers
 
 __all__ = [
     "Column",
@@ -152,7 +152,7 @@ class Column:
                 raise ConfigurationError(f"{name}: with each=..., put '{{}}' in the key where the item goes.")
             self._expand_each()  # header and width are checked per item, even when ``when`` is False
             return
-        header = self.header or self.key.rstrip("/").rsplit("/", 1)[-1]
+        header = printable(self.header or self.key.rstrip("/").rsplit("/", 1)[-1])  # a newline would split the header
         width = self.width or max(display_width(header), DEFAULT_WIDTH)
         if display_width(header) > width:
             raise ConfigurationError(
@@ -481,8 +481,8 @@ def _pad(text: str, column: Column) -> str:
 
 def _legend_key(column: Column) -> str:
     if column.fmt == "frac" and column.denominator is not None:
-        return f"{column.key} / {column.denominator}"
-    return column.key
+        return printable(f"{column.key} / {column.denominator}")
+    return printable(column.key)
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:

@@ -9,7 +9,17 @@ import re
 import unicodedata
 from typing import Dict, Sequence
 
-__all__ = ["cut", "display_width", "pad", "unique_headers"]
+__all__ = ["cut", "display_width", "pad", "printable", "unique_headers"]
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode's control characters (category Cc)
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character written as its escape (``\\n``, ``\\r``, ``\\t``, ``\\x1b``,
+    ``\\x00``), as a name is shown on a terminal: a newline in a metric key split the table's header and legend,
+    and an escape or a carriage return was written raw to the terminal. Display only: keys are stored as given."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text) if _CONTROL.search(text) else text
 
 
 def _cell_width(char: str) -> int:

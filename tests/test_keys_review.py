@@ -163,3 +163,21 @@ def test_the_console_shows_control_characters_in_names_escaped(tmp_path):
     assert any("val\\x1b[2J | step 1" in line for line in lines) and any("in\\nput" in line for line in lines)
     assert set(ODD) <= set(history.keys())  # stored as given
 
+
+def test_the_tensorboard_hyperparameter_table_escapes_names_as_it_escapes_values(tmp_path):
+    """A name's ``|`` made a cell of its own and a newline broke the table; the HParams plugin keeps the names."""
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("r", tmp_path))
+    logger.log_hyperparams({"loss|weight": 0.5, "note\nx": 1, "lr": 0.001, "opt/a\r\nb|c": "v|w\nz"})
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.commit(1)
+    logger.close()
+    acc = event_accumulator(tmp_path / "r")
+    table = acc.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+    rows = table.split("\n")
+    assert len(rows) == 2 + 4 and all(len(re.findall(r"(?<!\\)\|", row)) == 4 for row in rows)  # 3 cells each
+    assert {"|  | loss\\|weight | 0.5 |", "|  | note x | 1 |", "| opt | a b\\|c | v\\|w z |"} <= set(rows)
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    content = acc.PluginTagToContent("hparams")[metadata.SESSION_START_INFO_TAG]
+    names = set(plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams)
+    assert names == {"loss|weight", "note\nx", "lr", "opt/a\r\nb|c"}

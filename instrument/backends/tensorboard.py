@@ -361,9 +361,14 @@ def hyperparameter_table(params: Mapping[str, Any]) -> str:
     rows = []
     for name in order_params(list(params)):
         where, _, leaf = _split_last(name)
-        value = str(params[name]).replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| {where} | {leaf} | {value} |")
+        rows.append(f"| {_cell(where)} | {_cell(leaf)} | {_cell(str(params[name]))} |")
     return "| where | parameter | value |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def _cell(text: str) -> str:
+    """A markdown table cell: ``|`` escaped and line breaks as spaces, in names and values alike (a name's ``|`` made
+    a cell of its own, a newline broke the table). Display only: the hparams keep the names as given."""
+    return text.replace("|", "\\|").replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
 
 
 def _sort_after_earlier_files(log_dir: str) -> None:

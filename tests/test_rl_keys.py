@@ -26,21 +26,21 @@ class Custom(RLComponent):
 def test_two_components_of_one_prefix_are_refused_when_the_set_is_made():
     # two CollectionMetrics left at group="main" (one per environment): rewards 1.0 and 100.0 read 50.5, and so did
     # their min and max
-    with pytest.raises(ConfigurationError, match=r"'collection' \(CollectionMetrics\) and 'extra0' \(Collection"
-                                                 r"Metrics\) both log under the prefix 'collection/main'.*group="):
+    with pytest.raises(ConfigurationError, match=r"'collection' and 'extra0' are two CollectionMetrics logging "
+                                                 r"under the prefix 'collection/main'.*group="):
         RLLogging(collection=CollectionMetrics(mask_key=None), components=[CollectionMetrics(mask_key=None)],
                   progress=None)
-    with pytest.raises(ConfigurationError, match="prefix 'collection/main'"):  # as log_metrics writes it
-        RLLogging(components=[Custom("collection/main/")], progress=None)
-    with pytest.raises(ConfigurationError, match="prefix 'custom'.*another prefix"):
-        RLLogging(components=[Custom("custom"), Custom("custom")], progress=None)
+    with pytest.raises(ConfigurationError, match="prefix 'custom'.*another prefix"):  # as log_metrics writes it
+        RLLogging(components=[Custom("custom"), Custom("custom/")], progress=None)
     with pytest.raises(ConfigurationError, match="lists one CollectionMetrics instance twice"):
         metrics = CollectionMetrics()
         RLLogging(collection=metrics, components=[metrics], progress=None)
     with pytest.raises(ConfigurationError, match="must be RLComponent instances, got NoneType"):
         RLLogging(components=[None], progress=None)  # only the built-ins are turned off by None
-    # counters that are not logged leave their prefix free; components with no prefix name their keys themselves
-    RLLogging(counters=None, components=[Custom("counters"), Custom(""), Custom("")], progress=None)
+    # counters that are not logged leave their prefix free; components with no prefix name their keys themselves;
+    # a component of another class may add keys under a built-in's prefix (a review: refusing it was too broad)
+    RLLogging(counters=None, components=[Custom("counters"), Custom(""), Custom(""), Custom("collection/main")],
+              progress=None)
     # what the error says to do: one group per environment, each written on its own
     history = instrument.RunHistoryBackend()
     env_b = CollectionMetrics(group="env_b", reward_key=("next", "reward_b"), mask_key=None)
@@ -53,12 +53,24 @@ def test_two_components_of_one_prefix_are_refused_when_the_set_is_made():
 
 
 def test_an_evaluation_set_after_the_set_was_made_is_checked_at_attach():
-    rl = RLLogging(components=[Custom("eval")], progress=None)
+    rl = RLLogging(components=[Evaluation(every_frames=8)], progress=None)
     rl.evaluation = Evaluation(every_frames=8)
-    with pytest.raises(ConfigurationError, match=r"'evaluation' \(Evaluation\) and 'extra0' \(Custom\)"):
+    with pytest.raises(ConfigurationError, match=r"'evaluation' and 'extra0' are two Evaluation"):
         rl.attach(Logger([]))
     assert not rl.attached
 
+
+def test_two_components_of_one_class_and_prefix_are_refused_by_add_component_too(tmp_path):
+    """The prefix check covered the members of one RLLogging set only: two CollectionMetrics registered with
+    inst.add_component (the docs' other route) still averaged rewards 1.0 and 100.0 into 50.5 (a review)."""
+    inst = instrument.Instrumentation(backends=[], log_dir=str(tmp_path), run_name="r")
+    inst.add_component(CollectionMetrics(mask_key=None), name="env_a")
+    with pytest.raises(ConfigurationError, match=r"'env_a' and 'env_b' are two CollectionMetrics logging under "
+                                                 r"the prefix 'collection/main'.*group="):
+        inst.add_component(CollectionMetrics(mask_key=None), name="env_b")
+    inst.add_component(CollectionMetrics(group="b", mask_key=None), name="env_b")  # its own group: fine
+    inst.add_component(CollectionMetrics(mask_key=None), name="quiet", logs=False)  # logs nothing: fine
+    inst.close()
 
 
 def vector_batch():
@@ -68,11 +80,15 @@ def vector_batch():
                      "vec": torch.stack([torch.ones(n, t), 2 * torch.ones(n, t)], -1)}}
 
 
-@pytest.mark.parametrize("name", ["reward", "episode/return", "episode/length", "reward/x", "reward/",
-                                  "episode/return/x"])
+@pytest.mark.parametrize("name", ["reward", "episode/return", "episode/length", "reward/obj1", "episode/return/obj0",
+                                  "reward/x"])
 def test_an_extra_entry_named_like_a_statistic_of_the_component_is_refused(name):
-    # keys={"reward": ...} replaced the reward statistics: reward/mean read the extra's 10.0 instead of 1.0
+    # keys={"reward": ...} replaced the reward statistics: reward/mean read the extra's 10.0 instead of 1.0; under a
+    # vector reward, reward/<objective> and episode/return/<objective> are its objectives' statistics
+    names = ["x", "y"] if name == "reward/x" else None
     with pytest.raises(ConfigurationError, match=rf"extra entry '{name}'.*component's own.*keys=\{{'extra/{name}'"):
+        CollectionMetrics(keys={name: ("next", "shaped")}, reward_weights=[1.0, 1.0], objective_names=names)
+    if name not in ("reward", "episode/return", "episode/length"):  # a scalar reward has no objective to clash with
         CollectionMetrics(keys={name: ("next", "shaped")})
 
 

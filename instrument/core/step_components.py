@@ -21,7 +21,7 @@ had), recorded and skipped, so it never ends a run that was set up right.
 """
 
 import contextlib
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError
@@ -71,6 +71,27 @@ class ComponentHandle:
         return f"ComponentHandle({self.name!r}, {self.component!r})"
 
 
+def same_keys(component: Any) -> Optional[Tuple[type, str]]:
+    """``(class, prefix)`` of a component that logs under a string prefix (compared as ``log_metrics`` writes it,
+    a trailing ``/`` stripped), else None. Two of one class and one prefix log the same keys, so their values would
+    be averaged into one series that belongs to neither (rewards 1.0 and 100.0 of two environments read 50.5, and so
+    did their min and max). Components of two classes may share a prefix (a custom one adding keys to a
+    ``collection/<group>``), and one with the prefix ``""`` names its keys itself: neither is compared."""
+    prefix = getattr(component, "prefix", None)
+    if not isinstance(prefix, str) or not prefix.rstrip("/"):
+        return None
+    return type(component), prefix.rstrip("/")
+
+
+def same_keys_message(which: str, component: Any) -> str:
+    kind, group = type(component).__name__, getattr(component, "group", None)
+    fix = (f"give each {kind} its own group=, e.g. {kind}(group='{group}_2')" if isinstance(group, str)
+           else f"give one {kind} another prefix")
+    return (f"{which} are two {kind} logging under the prefix {component.prefix.rstrip('/')!r}: their values "
+            f"would be averaged into one series that belongs to neither (min and max too). One prefix per "
+            f"{kind}: {fix}.")
+
+
 class StepComponents:
     """The ordered set of components of one session, and their failure ledger.
 
@@ -99,6 +120,10 @@ class StepComponents:
             raise ConfigurationError(
                 f"a component named {name!r} is already registered with this session; pass another name."
             )
+        keys = same_keys(component) if logs else None
+        twin = next((h for h in self._handles if h.logs and keys is not None and same_keys(h.component) == keys), None)
+        if twin is not None:  # `RLLogging` checks its set first, naming its members; this covers add_component too
+            raise ConfigurationError(same_keys_message(f"the components {twin.name!r} and {name!r}", component))
         handle = ComponentHandle(self, component, name, logs)
         self._handles.append(handle)
         return handle

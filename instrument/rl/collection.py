@@ -17,9 +17,10 @@ key                             meaning
 ==============================  ===========================================================================
 
 An extra entry may not be named like the component's own statistics (``reward``, ``episode/return``,
-``episode/length``, or a name under ``reward/`` or ``episode/return/``, where the objectives go), and objective
-names are unique, non-empty strings: either would write two statistics to one key, one replacing the other. Both
-are refused with a `ConfigurationError` when the component is made.
+``episode/length``, or ``reward/<objective>`` and ``episode/return/<objective>`` of a vector reward's objectives;
+``reward/clipped`` is fine), and objective names are unique, non-empty strings: either would write two
+statistics to one key, one replacing the other. Both are refused with a `ConfigurationError` when the component
+is made.
 
 Episode statistics are NaN when no episode ended in the interval (a mean of nothing does not exist; TensorBoard
 and W&B draw a gap); ``episode/count`` says 0 then.
@@ -74,7 +75,7 @@ class CollectionMetrics(RLComponent):
         reward_weights: weights that scalarise a vector reward ``[*batch, K]``; required when K > 1.
         objective_names: names of the K objectives in metric keys (default ``obj0``, ``obj1``, ...); unique.
         keys: extra batch entries to reduce, ``{metric name: batch key}``; a name may not be one of the
-            component's own statistics (see the module doc: ``reward``, ``episode/return``, ``reward/...``).
+            component's own statistics (see the module doc: ``reward``, ``episode/return``, ``reward/<objective>``).
         reduce_stats: log mean, min and max (True) or only the mean (False).
         time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
             the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one step
@@ -112,7 +113,7 @@ class CollectionMetrics(RLComponent):
                 f"CollectionMetrics got {len(objective_names)} objective_names for {len(reward_weights)} "
                 f"reward_weights; bind one name per objective."
             )
-        _check_names(objective_names, keys)
+        _check_names(objective_names, keys, len(reward_weights) if reward_weights is not None else 0)
         self.group = group
         self.prefix = f"collection/{group}"
         self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
@@ -357,8 +358,10 @@ class CollectionMetrics(RLComponent):
         )
 
 
-def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mapping[str, NestedKey]]) -> None:
-    """Objective names and extra entries that would write two statistics to one key are refused (module doc)."""
+def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mapping[str, NestedKey]],
+                 count: int) -> None:
+    """Objective names and extra entries that would write two statistics to one key are refused (module doc);
+    ``count``: the objectives of a vector reward (0 for a scalar one)."""
     if objective_names is not None:
         names = list(objective_names)
         named = not isinstance(objective_names, str) and all(isinstance(n, str) and n for n in names)
@@ -374,7 +377,8 @@ def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mappin
                 f"CollectionMetrics.keys maps metric names to batch keys; got the name {name!r} for {key!r}: use a "
                 f"non-empty string, e.g. keys={{'action': {key!r}}}."
             )
-        if name in _OWN or name.startswith(_PER_OBJECTIVE):
+        objectives = list(objective_names) if objective_names is not None else [f"obj{i}" for i in range(count)]
+        if name in _OWN or name in {f"{head}{objective}" for head in _PER_OBJECTIVE for objective in objectives}:
             raise ConfigurationError(
                 f"CollectionMetrics.keys names an extra entry {name!r} (for {key!r}), whose keys {name}/<stat> are "
                 f"the component's own: reward/<stat> is the per-step reward, reward/<objective>/<stat> and "

@@ -32,6 +32,7 @@ Rules a component follows:
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from instrument.core.step_components import same_keys, same_keys_message
 from instrument.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -123,10 +124,8 @@ def load_together(parts: List[Tuple[Any, Any]]) -> None:
 def check_components(members: List[Tuple[str, Any, bool]]) -> None:
     """Check a set's ``(name, component, logs)`` members (`RLLogging.members`), else a `ConfigurationError`: each
     is an `RLComponent` instance; none is there twice (its methods would run twice per iteration); no two logging
-    ones share a key prefix, compared as ``log_metrics`` writes it (a trailing ``/`` stripped), since their values
-    would be averaged into one series that belongs to neither (rewards 1.0 and 100.0 of two environments read
-    50.5, and so did their min and max). A component with the prefix ``""`` names its keys itself: not compared."""
-    prefixes: Dict[str, Tuple[str, Any]] = {}
+    ones of one class share a key prefix (`same_keys`)."""
+    prefixes: Dict[Tuple[type, str], Tuple[str, Any]] = {}
     for name, comp, logs in members:
         if not isinstance(comp, RLComponent):
             raise ConfigurationError(f"RLLogging.components must be RLComponent instances, got {type(comp).__name__}.")
@@ -136,16 +135,10 @@ def check_components(members: List[Tuple[str, Any, bool]]) -> None:
                 f"RLLogging lists one {type(comp).__name__} instance twice (as {places[0]!r} and {places[1]!r}), "
                 f"so its methods would run twice per iteration; list it once."
             )
-        prefix = comp.prefix.rstrip("/") if isinstance(comp.prefix, str) else comp.prefix
-        if not logs or not prefix:
+        prefix = same_keys(comp) if logs else None
+        if prefix is None:
             continue
         first, other = prefixes.setdefault(prefix, (name, comp))
         if other is not comp:
-            group = getattr(comp, "group", None)
-            fix = (f"give each {type(comp).__name__} its own group=, e.g. {type(comp).__name__}(group='{group}_2')"
-                   if isinstance(group, str) else f"give the {type(comp).__name__} another prefix")
-            raise ConfigurationError(
-                f"RLLogging's components {first!r} ({type(other).__name__}) and {name!r} ({type(comp).__name__}) "
-                f"both log under the prefix {prefix!r}: their values would be averaged into one series that belongs "
-                f"to neither (min and max too). One prefix per component: {fix}."
-            )
+            raise ConfigurationError(same_keys_message(f"RLLogging's components {first!r} and {name!r}", comp))
+

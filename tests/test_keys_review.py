@@ -83,6 +83,23 @@ def test_wandb_keeps_a_hyperparameter_named_operative_config_beside_the_config_t
     assert len(said) == 1 and "'operative_config' as 'operative_config__3'" in said[0]
 
 
+def test_wandb_keeps_hyperparameters_starting_with_an_underscore_under_user(tmp_path, caplog):
+    """W&B keeps the top-level config keys starting with "_" for itself: a hyperparameter named ``_wandb`` replaced
+    W&B's own metadata there, and the UI hides the others. They go under ``user/``, as such metrics do."""
+    pytest.importorskip("wandb")
+    logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
+    logger.log_hyperparams({"_wandb": 5, "_lr": 0.1, "user/_lr": 0.2, "lr": 0.3})
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.commit(1)
+    logger.close()
+    _, config = read_run(tmp_path / "w")
+    assert config["user"]["_wandb"] == 5 and config["user"]["_lr"] == 0.1 and config["lr"] == 0.3
+    assert config["user"]["user"]["_lr"] == 0.2  # a key already under user/ moves one level further: never merged
+    assert "_lr" not in config and config.get("_wandb") != 5
+    said = [r.getMessage() for r in caplog.records if "keys starting with '_'" in r.getMessage()]
+    assert len(said) == 1 and "'_wandb'" in said[0]
+
+
 RAW, PRINTED = "files/caf\udce9", "files/caf\\udce9"  # os.fsdecode(b"caf\xe9") and that name as repr prints it
 
 

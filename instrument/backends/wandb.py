@@ -30,6 +30,10 @@ _RENAMED_HEADS = ("_", "system/", USER_HEAD)
 _CONFIG = "operative_config"  # the run.config key of the operative gin config text
 
 
+def _underscored(key: str) -> bool:
+    return key.startswith("_")
+
+
 def _reserved(key: str) -> bool:
     return key[:1] == "_" or key.startswith("system/")
 
@@ -116,6 +120,7 @@ class WandbBackend(Backend):
         self.run = None
         self._external = run  # the user's run: logged into, never finished
         self._wandb = None
+        self._said_underscore = False  # hyperparameters starting with "_" moved under user/ (`log_hyperparams`)
         self._system: dict = {}
         self._drops = Drops(self.name)
         self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
@@ -166,8 +171,18 @@ class WandbBackend(Backend):
         """The run's config, nested (``optim/lr`` -> ``{"optim": {"lr": ...}}``, ``Model.depth`` ->
         ``{"Model": {"depth": ...}}``) so W&B's config panel and its run table group it; the operative gin
         config verbatim under ``operative_config``."""
-        # W&B writes a NaN config value as null: as a string, like JSONL's "nan" (inf survives as it is)
-        values = unflatten_params({k: "nan" if isinstance(v, float) and v != v else v for k, v in params.items()})
+        # W&B writes a NaN config value as null: as a string, like JSONL's "nan" (inf survives as it is). A key
+        # that starts with "_" is W&B's (its own metadata is run.config["_wandb"], which a hyperparameter of that
+        # name replaced, and the UI hides the rest): it goes under user/, as such a metric does, said once.
+        values = {under_user(k, _underscored) if isinstance(k, str) else k: "nan" if isinstance(v, float) and v != v
+                  else v for k, v in params.items()}
+        moved = [k for k in params if isinstance(k, str) and _underscored(strip_user(k))]
+        if moved and not self._said_underscore:
+            self._said_underscore = True
+            log.warning("instrument: WandbBackend logs the hyperparameters %s under user/ in run.config: W&B keeps the "
+                        "keys starting with '_' for itself (JSONL, MLflow and TensorBoard keep them as they are). "
+                        "(Said once.)", moved)
+        values = unflatten_params(values)
         if config_text:
             if _CONFIG in values:  # a hyperparameter of that name (or under it) is kept, beside the config text
                 name, number = f"{_CONFIG}__2", 2

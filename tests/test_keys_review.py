@@ -88,7 +88,7 @@ def test_wandb_keeps_hyperparameters_starting_with_an_underscore_under_user(tmp_
     W&B's own metadata there, and the UI hides the others. They go under ``user/``, as such metrics do."""
     pytest.importorskip("wandb")
     logger = instrument.Logger([instrument.WandbBackend(project="tests")], instrument.RunInfo("w", tmp_path))
-    logger.log_hyperparams({"_wandb": 5, "_lr": 0.1, "user/_lr": 0.2, "lr": 0.3})
+    logger.log_hyperparams({"_wandb": 5, "_lr": 0.1, "user/_lr": 0.2, "lr": 0.3, "/_x": 6, "._y": 7})
     logger.log_metrics({"loss": 1.0}, step=1)
     logger.commit(1)
     logger.close()
@@ -96,6 +96,8 @@ def test_wandb_keeps_hyperparameters_starting_with_an_underscore_under_user(tmp_
     assert config["user"]["_wandb"] == 5 and config["user"]["_lr"] == 0.1 and config["lr"] == 0.3
     assert config["user"]["user"]["_lr"] == 0.2  # a key already under user/ moves one level further: never merged
     assert "_lr" not in config and config.get("_wandb") != 5
+    # empty parts go when the names nest: "/_x" and "._y" were top-level "_x" and "_y" (a review)
+    assert config["user"]["_x"] == 6 and config["user"]["_y"] == 7 and "_x" not in config and "_y" not in config
     said = [r.getMessage() for r in caplog.records if "keys starting with '_'" in r.getMessage()]
     assert len(said) == 1 and "'_wandb'" in said[0]
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord, strip_user, under_user
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
-from instrument.backends.hparams import unflatten_params
+from instrument.backends.hparams import split_name, unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.backends.wandb_log import history_keys, last_step, run_files
 from instrument.checks import check_number
@@ -31,7 +31,9 @@ _CONFIG = "operative_config"  # the run.config key of the operative gin config t
 
 
 def _underscored(key: str) -> bool:
-    return key.startswith("_")
+    """A name whose first part in run.config (`split_name`: ``/`` and ``.`` separate, empty parts go) starts with
+    ``_``: ``_lr``, and ``/_wandb`` or ``._x`` too."""
+    return split_name(key)[0].startswith("_")
 
 
 def _reserved(key: str) -> bool:

@@ -72,24 +72,25 @@ class ComponentHandle:
 
 
 def same_keys(component: Any) -> Optional[Tuple[type, str]]:
-    """``(class, prefix)`` of a component that logs under a string prefix (compared as ``log_metrics`` writes it,
-    a trailing ``/`` stripped), else None. Two of one class and one prefix log the same keys, so their values would
-    be averaged into one series that belongs to neither (rewards 1.0 and 100.0 of two environments read 50.5, and so
-    did their min and max). Components of two classes may share a prefix (a custom one adding keys to a
-    ``collection/<group>``), and one with the prefix ``""`` names its keys itself: neither is compared."""
+    """``(class, prefix)`` of a component whose class says that two of it at one prefix log the same keys (a class
+    attribute ``exclusive_prefix = True``: `CollectionMetrics`, `Counters`), so their values would be averaged into
+    one series that belongs to neither (rewards 1.0 and 100.0 of two environments read 50.5, and so did their min
+    and max); else None. The class is the one that declares it, so a subclass compares equal to its base. The prefix
+    is compared as ``log_metrics`` writes it (a trailing ``/`` stripped). Other components may share a prefix: which
+    of their keys clash depends on what each logs (two ``TrainMetrics`` of one group with disjoint ``include``)."""
     prefix = getattr(component, "prefix", None)
-    if not isinstance(prefix, str) or not prefix.rstrip("/"):
+    if not getattr(component, "exclusive_prefix", False) or not isinstance(prefix, str) or not prefix.rstrip("/"):
         return None
-    return type(component), prefix.rstrip("/")
+    declared = next(c for c in type(component).__mro__ if "exclusive_prefix" in vars(c))
+    return declared, prefix.rstrip("/")
 
 
 def same_keys_message(which: str, component: Any) -> str:
     kind, group = type(component).__name__, getattr(component, "group", None)
-    fix = (f"give each {kind} its own group=, e.g. {kind}(group='{group}_2')" if isinstance(group, str)
-           else f"give one {kind} another prefix")
-    return (f"{which} are two {kind} logging under the prefix {component.prefix.rstrip('/')!r}: their values "
-            f"would be averaged into one series that belongs to neither (min and max too). One prefix per "
-            f"{kind}: {fix}.")
+    fix = (f"give each its own group=, e.g. {kind}(group='{group}_2')" if isinstance(group, str)
+           else f"register one {kind}")
+    return (f"{which} are two {kind} logging under the prefix {component.prefix.rstrip('/')!r}: they log the same "
+            f"keys, so their values would be averaged into one series that belongs to neither; {fix}.")
 
 
 class StepComponents:
@@ -116,14 +117,14 @@ class StepComponents:
                 f"this {type(component).__name__} instance is already registered with this session; its log would "
                 f"run twice at every logging step. Register it once (two of a kind need two instances)."
             )
-        if any(h.name == name for h in self._handles):
-            raise ConfigurationError(
-                f"a component named {name!r} is already registered with this session; pass another name."
-            )
         keys = same_keys(component) if logs else None
         twin = next((h for h in self._handles if h.logs and keys is not None and same_keys(h.component) == keys), None)
         if twin is not None:  # `RLLogging` checks its set first, naming its members; this covers add_component too
             raise ConfigurationError(same_keys_message(f"the components {twin.name!r} and {name!r}", component))
+        if any(h.name == name for h in self._handles):
+            raise ConfigurationError(
+                f"a component named {name!r} is already registered with this session; pass another name."
+            )
         handle = ComponentHandle(self, component, name, logs)
         self._handles.append(handle)
         return handle

@@ -82,6 +82,8 @@ class CollectionMetrics(RLComponent):
             of every environment.
     """
 
+    exclusive_prefix = True  # two at one group log the same keys (`instrument.core.step_components.same_keys`)
+
     def __init__(
         self,
         group: str = "main",
@@ -113,7 +115,9 @@ class CollectionMetrics(RLComponent):
                 f"CollectionMetrics got {len(objective_names)} objective_names for {len(reward_weights)} "
                 f"reward_weights; bind one name per objective."
             )
-        _check_names(objective_names, keys, len(reward_weights) if reward_weights is not None else 0)
+        # objectives of their own only for a vector reward of two or more (reward_weights=[1.0] logs none)
+        _check_names(objective_names, keys, len(reward_weights) if reward_weights is not None and
+                     len(reward_weights) > 1 else 0)
         self.group = group
         self.prefix = f"collection/{group}"
         self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
@@ -377,7 +381,8 @@ def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mappin
                 f"CollectionMetrics.keys maps metric names to batch keys; got the name {name!r} for {key!r}: use a "
                 f"non-empty string, e.g. keys={{'action': {key!r}}}."
             )
-        objectives = list(objective_names) if objective_names is not None else [f"obj{i}" for i in range(count)]
+        objectives = ([] if not count else list(objective_names) if objective_names is not None
+                      else [f"obj{i}" for i in range(count)])
         if name in _OWN or name in {f"{head}{objective}" for head in _PER_OBJECTIVE for objective in objectives}:
             raise ConfigurationError(
                 f"CollectionMetrics.keys names an extra entry {name!r} (for {key!r}), whose keys {name}/<stat> are "

@@ -51,6 +51,7 @@ class Counters(RLComponent):
     """
 
     prefix = "counters"
+    exclusive_prefix = True  # two at one prefix log the same keys (`instrument.core.step_components.same_keys`)
 
     def __init__(
         self,

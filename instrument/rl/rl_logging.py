@@ -443,8 +443,8 @@ class RLLogging:
         self._closed = True
         if self._logger is None:  # never attached: only the components' own resources
             unattached = StepComponents("RL component")
-            for name, comp, logs in self.members:
-                unattached.add(comp, name, logs)
+            for name, comp, _ in self.members:  # closed only: an attach its checks refused closes too
+                unattached.add(comp, name, logs=False)
             unattached.close()
             return
         timing = [h for h in self._handles if h.component is self.timing]

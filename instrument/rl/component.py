@@ -47,9 +47,13 @@ class RLComponent:
 
     Attributes:
         prefix: the key prefix this component logs under (e.g. ``collection/main``).
+        exclusive_prefix: True for a class two of which at one prefix log the same keys (`CollectionMetrics`,
+            `Counters`): a second one at a prefix is refused, its subclasses included (their values would be averaged
+            into one series). Left False, components may share a prefix.
     """
 
     prefix: str = ""
+    exclusive_prefix: bool = False
 
     def attach(self, logger: "Logger") -> None:
         """The set was attached: ``logger`` is where values will go (a component that adds a backend or

@@ -75,9 +75,10 @@ def same_keys(component: Any) -> Optional[Tuple[type, str]]:
     """``(class, prefix)`` of a component whose class says that two of it at one prefix log the same keys (a class
     attribute ``exclusive_prefix = True``: `CollectionMetrics`, `Counters`), so their values would be averaged into
     one series that belongs to neither (rewards 1.0 and 100.0 of two environments read 50.5, and so did their min
-    and max); else None. The class is the base-most one that declares it, so a subclass compares equal to its base. The prefix
-    is compared as ``log_metrics`` writes it (a trailing ``/`` stripped). Other components may share a prefix: which
-    of their keys clash depends on what each logs (two ``TrainMetrics`` of one group with disjoint ``include``)."""
+    and max); else None. The class is the base-most one that declares it, so a subclass compares equal to its
+    base. The prefix is compared as ``log_metrics`` writes it (a trailing ``/`` stripped). Other components may share
+    a prefix: which of their keys clash depends on what each logs (two ``TrainMetrics`` of one group with disjoint
+    ``include``)."""
     prefix = getattr(component, "prefix", None)
     if not getattr(component, "exclusive_prefix", False) or not isinstance(prefix, str) or not prefix.rstrip("/"):
         return None

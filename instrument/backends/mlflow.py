@@ -268,10 +268,10 @@ class MlflowBackend(Backend):
                 self._params.update(part)  # held from now on (a batch that raised is sent again next time)
             if changed:
                 self.client.log_batch(self.run_id, tags=changed)
-            self._write_name_tags()
             if config_text:
                 text = utf8(drops, "text", "config/operative_config.gin", config_text)
                 self.client.log_text(self.run_id, text, "config/operative_config.gin")
+            self._write_name_tags()  # last: a tag that fails costs none of the above
 
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
         Metric = self._entities.Metric
@@ -360,8 +360,11 @@ class MlflowBackend(Backend):
         each("samples table", tables.items(), table)
         if not record.scalars and not record.timings:  # no metric history holds this step: a resume must know it
             self.client.set_tag(self.run_id, _LAST_STEP_TAG, str(step))
-        each("names", [("(run tags of the keys' MLflow names)", None)], lambda key, value: self._write_name_tags())
-        raise_failures(self.name, step, failed, "media value(s)")
+        try:
+            self._write_name_tags()
+        except Exception as exc:  # sent again with the next record; the step's values are written
+            failed.append(("the run tags of its keys' MLflow names", exc))
+        raise_failures(self.name, step, failed, "media value(s) or name tag(s)")
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:
         """The video as an animated GIF artifact ``videos/<key>/step_<step:08d>.gif`` (MLflow has no video type)."""

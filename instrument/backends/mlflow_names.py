@@ -5,8 +5,9 @@ alike get numbered names instead of one merged series (`unique_name`). An image'
 is ASCII and shorter. Training metrics under ``system/`` move to ``user/``: those keys hold the system
 monitor's samples (`instrument.backends.mlflow.MlflowBackend`).
 
-The run holds only the names, so a key (metric or media) logged under another name is also written down in a
-run tag (`name_tag`): a resumed run, in a new process, gives each key the name it had (`restore_names`).
+The run holds only the names, so a metric or hyperparameter key logged under another name, and every media key,
+is also written down in a run tag (`name_tag`): a resumed run, in a new process, gives each key the name it had
+(`restore_names`).
 Otherwise the key seen first after the resume would take the plain name (``acc_top1_``), which held the other
 key's series.
 """

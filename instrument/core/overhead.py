@@ -14,7 +14,8 @@ key                                  meaning
 ``instrument/overhead/fraction``     share (0-1) of the logging step, from entering
                                      ``with inst.step(n)`` to leaving it, spent in instrument:
                                      starting and ending the step (hooks, probes, observer
-                                     lifecycle, components, the commit) and every observer call
+                                     lifecycle, components, the commit), every observer call
+                                     and the observers' own hooks
 ``instrument/overhead/instrument``   those seconds themselves (the numerator of the fraction)
 ===================================  ==============================================================
 

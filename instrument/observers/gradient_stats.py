@@ -26,6 +26,12 @@ log = logging.getLogger("instrument")
 
 __all__ = ["GradientStats", "grad_norms", "select_parameters"]
 
+
+def _key_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of every logged key: float64 (float32 on MPS, which has none), so one call is one block."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 _PER = ("param", "module", "global")
 Patterns = Union[None, str, Sequence[str]]
 
@@ -326,7 +332,7 @@ class GradientStats(Observer):
         """
         # A module's norm from its parameters' norms squared in float64 (float32 on MPS): a handful of values,
         # and float16 norms or float32 norms below ~3e-23 would square to inf or 0.
-        values = values.to(torch.float32 if values.device.type == "mps" else torch.float64)
+        values = values.to(_key_dtype(values.device))
         flat = [i for m in members for i in m]
         if flat != positions:  # keys over a subset, or grouped out of order: pick the members first
             where = {p: j for j, p in enumerate(positions)}
@@ -357,7 +363,7 @@ class GradientStats(Observer):
             # In the dtype of the other keys (float64; float32 on MPS), exact: one dtype keeps the whole call on the
             # logger's one-block path, where a float32 among float64 values sent every key, and every later call of
             # the interval, down the per-key path (1.3-1.6x the logging step's logger time at 100-1,000 tensors).
-            metrics["norm/global"] = total.to(torch.float32 if total.device.type == "mps" else torch.float64)
+            metrics["norm/global"] = total.to(_key_dtype(total.device))
             if self.per != "global":
                 keys, members = self._keys(dense)
                 per_key = self._per_key(norms, members, with_grad)

@@ -115,9 +115,7 @@ class CollectionMetrics(RLComponent):
                 f"CollectionMetrics got {len(objective_names)} objective_names for {len(reward_weights)} "
                 f"reward_weights; bind one name per objective."
             )
-        # objectives of their own only for a vector reward of two or more (reward_weights=[1.0] logs none)
-        _check_names(objective_names, keys, len(reward_weights) if reward_weights is not None and
-                     len(reward_weights) > 1 else 0)
+        _check_names(objective_names, keys, reward_weights)
         self.group = group
         self.prefix = f"collection/{group}"
         self.reward_key, self.done_key, self.mask_key = reward_key, done_key, mask_key
@@ -363,9 +361,13 @@ class CollectionMetrics(RLComponent):
 
 
 def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mapping[str, NestedKey]],
-                 count: int) -> None:
-    """Objective names and extra entries that would write two statistics to one key are refused (module doc);
-    ``count``: the objectives of a vector reward (0 for a scalar one)."""
+                 reward_weights: Any) -> None:
+    """Objective names and extra entries that would write two statistics to one key are refused (module doc)."""
+    # statistics per objective only for a vector reward of two or more (reward_weights=[1.0] logs none)
+    count = len(reward_weights) if reward_weights is not None and len(reward_weights) > 1 else 0
+    objectives = ([] if not count else list(objective_names) if objective_names is not None
+                  else [f"obj{i}" for i in range(count)])
+    theirs = {f"{head}{objective}" for head in _PER_OBJECTIVE for objective in objectives}
     if objective_names is not None:
         names = list(objective_names)
         named = not isinstance(objective_names, str) and all(isinstance(n, str) and n for n in names)
@@ -381,9 +383,7 @@ def _check_names(objective_names: Optional[Sequence[str]], keys: Optional[Mappin
                 f"CollectionMetrics.keys maps metric names to batch keys; got the name {name!r} for {key!r}: use a "
                 f"non-empty string, e.g. keys={{'action': {key!r}}}."
             )
-        objectives = ([] if not count else list(objective_names) if objective_names is not None
-                      else [f"obj{i}" for i in range(count)])
-        if name in _OWN or name in {f"{head}{objective}" for head in _PER_OBJECTIVE for objective in objectives}:
+        if name in _OWN or name in theirs:
             raise ConfigurationError(
                 f"CollectionMetrics.keys names an extra entry {name!r} (for {key!r}), whose keys {name}/<stat> are "
                 f"the component's own: reward/<stat> is the per-step reward, reward/<objective>/<stat> and "

@@ -157,7 +157,7 @@ class RLLogging:
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
         self._failed_at: Optional[int] = None  # the step of an iteration that raised in its `inst.step` block
         self._unlogged = False  # an iteration completed since the last one logged here (or attach / load)
-        check_components(self.members)  # again at attach: `evaluation` may be set in between
+        check_components(self.members)  # again at attach: `collection` or `evaluation` may be set in between
 
     # ------------------------------------------------------------------ wiring
     def attach(self, target: Any = None, eval_runner: Optional[EpisodeRunner] = None) -> "RLLogging":

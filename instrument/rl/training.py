@@ -25,6 +25,7 @@ ends training.
 """
 
 import numbers
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -79,14 +80,13 @@ class TrainMetrics(RLComponent):
         share a key with another (module doc) are skipped and named in one `ConfigurationError`."""
         entries = [(name, value) for name, value in _flatten(losses) if value is not None and self._wanted(name)]
         seen: Dict[str, int] = {}
-        for name, _ in entries:
-            seen[name] = seen.get(name, 0) + 1
-        merged = [name for name, n in seen.items() if n > 1]
+        if len({name for name, _ in entries}) != len(entries):  # counted only when two entries share a name
+            seen = {name: n for name, n in Counter(name for name, _ in entries).items() if n > 1}
         clashes = [f"{seen[name]} entries flatten to the name {name!r} (nested keys are joined with '/'), so their "
-                   f"values would be averaged into one; none of them was added: rename all but one" for name in merged]
+                   f"values would be averaged into one; none of them was added: rename all but one" for name in seen]
         refused = []
         for name, value in entries:
-            if name in merged:
+            if name in seen:
                 continue
             try:
                 tensor = _as_tensor(name, value)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 import numpy as np
 
+from instrument.core.names import numbered
+
 __all__ = ["Drops", "DroppedValue", "finite", "utf8", "utf8_keys", "describe"]
 
 log = logging.getLogger("instrument")
@@ -145,10 +147,12 @@ def _escaped(key: str) -> str:
 def _numbered(drops: Drops, kind: str, key: str, name: str, names: Set[str], values: Dict[str, Any],
               out: Dict[str, Any]) -> str:
     """``name`` for ``key``, numbered (``__2``, ...) while another key of the step or the run has it; said once."""
-    base, number = name, 1
-    while name in names or (name in values and name != key) or name in out:
-        number += 1
-        name = f"{base}__{number}"
+    def taken(candidate: str) -> bool:
+        return candidate in names or (candidate in values and candidate != key) or candidate in out
+
+    base = name
+    if taken(name):
+        name = numbered(name, taken)
     if base != key:
         drops.say(key, "utf8 key", logging.WARNING,
                   "instrument: %s wrote the %s %r as %r: its key has characters UTF-8 cannot encode (lone "

@@ -16,6 +16,7 @@ from instrument.backends.hparams import split_name, unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.backends.wandb_log import history_keys, last_step, run_files
 from instrument.checks import check_number
+from instrument.core.names import numbered
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.samples import cell, columns
 
@@ -187,10 +188,7 @@ class WandbBackend(Backend):
         values = unflatten_params(values)
         if config_text:
             if _CONFIG in values:  # a hyperparameter of that name (or under it) is kept, beside the config text
-                name, number = f"{_CONFIG}__2", 2
-                while name in values:
-                    number += 1
-                    name = f"{_CONFIG}__{number}"
+                name = numbered(_CONFIG, values.__contains__)
                 values[name] = values.pop(_CONFIG)
                 log.warning("instrument: WandbBackend logs the hyperparameter %r as %r in run.config: %r holds the "
                             "operative gin config text there (JSONL, MLflow and TensorBoard keep it as %r).",

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
+from instrument.core.names import numbered
+
 __all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_values", "redact_argv",
            "scrub", "is_secret", "set_secret_source", "REDACTED", "SECRET_PATTERNS"]
 
@@ -110,10 +112,7 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") 
     flat: Dict[str, Any] = {}
     for name, value in _leaves(params, prefix, sep):
         if name in flat:
-            taken, n = name, 2
-            while f"{taken}__{n}" in flat:
-                n += 1
-            name = f"{taken}__{n}"
+            taken, name = name, numbered(name, flat.__contains__)
             logging.getLogger("instrument").warning(
                 "instrument: two hyperparameters flatten to the name %r; the later one is logged as %r so that "
                 "both values are kept. Rename one of them.", taken, name)

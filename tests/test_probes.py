@@ -164,12 +164,13 @@ def _in_place_run(model, steps=2, n=4):
 
 @pytest.fixture()
 def fresh_copied():
-    """Which probes are copied at recording is learned per probe name for the process: isolate each test."""
-    saved = set(record._copied)
-    record._copied.clear()
+    """Which probes are copied at recording is learned per session, and for recorders without one per process:
+    isolate each test from the latter."""
+    saved = set(record._shared[1])
+    record._shared[1].clear()
     yield
-    record._copied.clear()
-    record._copied.update(saved)
+    record._shared[1].clear()
+    record._shared[1].update(saved)
 
 
 def test_probe_value_changed_in_place_after_the_probe_delivers_the_value_it_saw(fresh_copied):
@@ -206,6 +207,15 @@ def test_probe_changed_only_on_a_later_call_drops_that_value_and_copies_from_the
     # Step 1: every call is copied at recording, every value is the one the probe saw.
     for (before, _), values in zip(seen2, delivered2, strict=True):
         assert torch.equal(values["h"], before)
+
+
+def test_a_probe_copied_in_one_session_is_not_copied_for_another_sessions_model_of_that_name(fresh_copied):
+    """Which probes are copied at recording was learned per probe name for the whole process: once one model changed
+    its "h" in place, a later session's unrelated model paid a copy of every value of its own "h" and "out"."""
+    _, changing = _in_place_run(InPlaceAfterProbe(), steps=2)
+    assert [r.copies for r in changing] == [5, 5]  # "h" copied at each of its 4 calls, "out" once (its first)
+    _, fresh = _in_place_run(InPlaceAfterProbe(from_call=10**6), steps=2)
+    assert [(r.recorded, r.delivered, r.copies) for r in fresh] == [(8, 8, 2), (8, 8, 2)]  # as in a fresh process
 
 
 def test_whole_rollout_model_watched_for_probes_only_with_explicit_observer_calls():

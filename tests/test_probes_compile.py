@@ -143,7 +143,7 @@ def test_inductor_reusing_a_probed_buffer_or_the_caller_changing_the_output_neve
 
     from instrument.probes import record
 
-    monkeypatch.setattr(record, "_copied", set())
+    monkeypatch.setattr(record, "_shared", ({}, set()))
     torch.manual_seed(0)
     rule, observer = ReuseRule(), KeepProbes(("a", "out"))
     inst = instrument.Instrumentation(observers=[observer], backends=[], log_interval=1)

@@ -95,7 +95,7 @@ class Recorder:
         self._checked: Set[str] = set()  # probes whose first value this step was unchanged at delivery
         # Per pending value recorded in a chunked vmap call, that call's frame (`put`: its chunks are joined).
         self._chunks: Dict[str, Any] = {}
-        self._said = _said_for(owner)
+        self._said, self._copied = _learned_by(owner)
 
     def put(self, name: str, value: Tensor, copy: bool = False) -> None:
         """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
@@ -122,7 +122,7 @@ class Recorder:
             self._segment += 1
             self._after_gradient = False
         self.segments.setdefault(name, []).append(self._segment)
-        if copy or name in _copied or value.is_inference():
+        if copy or name in self._copied or value.is_inference():
             self.copies += 1
             self.pending[name] = (value.clone(), _UNTRACKED, None)
             return
@@ -150,9 +150,9 @@ class Recorder:
                     self._checked.add(name)
             elif backup is not None:
                 values[name] = backup
-                _copied.add(name)
+                self._copied.add(name)
             else:
-                _copied.add(name)
+                self._copied.add(name)
                 log.warning(
                     "instrument: the value of probe %r was modified in place after the probe, on a call where "
                     "earlier calls had left it unchanged; that value is dropped rather than logged wrong, and "
@@ -264,21 +264,21 @@ def _by_segment(values: List[Tensor], arrived: List[int], forward: List[int]) ->
 
 
 _UNTRACKED = -1  # no version to compare: the recorder holds its own copy
-# What was said once, per session: owner (the Instrumentation whose step made the Recorder) -> kind -> names.
-_said: "weakref.WeakKeyDictionary[object, Dict[str, Set[str]]]" = weakref.WeakKeyDictionary()
-_said_shared: Dict[str, Set[str]] = {}  # for a Recorder whose owner is unknown or cannot be weakly referenced
+# Per session (owner: the Instrumentation whose step made the Recorder), what it learned: what was said once (kind
+# -> names), and the names of probes whose value the model was seen to change in place after the probe (copied at
+# recording from then on). Per session, not per process: a later session's unrelated model that reuses a probe's
+# name ("hidden", in a sweep or a notebook) is not copied at every call for it.
+_learned: "weakref.WeakKeyDictionary[object, Tuple[Dict[str, Set[str]], Set[str]]]" = weakref.WeakKeyDictionary()
+_shared: Tuple[Dict[str, Set[str]], Set[str]] = ({}, set())  # an owner unknown or without weak references
 
 
-def _said_for(owner: object) -> Dict[str, Set[str]]:
-    """The said-once sets of ``owner``'s session, created on first use."""
+def _learned_by(owner: object) -> Tuple[Dict[str, Set[str]], Set[str]]:
+    """``owner``'s said-once sets and copied probe names, created on first use."""
     try:
-        return _said.setdefault(owner, {})
+        return _learned.setdefault(owner, ({}, set()))
     except TypeError:  # None, or an owner without weak references
-        return _said_shared
+        return _shared
 
-
-# Names of probes whose value the model was seen to change in place after the probe: copied at recording.
-_copied: Set[str] = set()
 
 _active: Optional[Recorder] = None
 

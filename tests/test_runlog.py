@@ -80,13 +80,43 @@ def test_chosen_user_loggers_go_to_both_places_and_are_restored(tmp_path):
         setup_run_logging(tmp_path, "mine", loggers=["instrument.console"])
 
 
-def test_setting_up_again_closes_the_previous_run_log(tmp_path):
+def test_a_second_run_log_takes_the_messages_until_it_is_closed_then_the_first_takes_them_again(tmp_path):
+    """Setting up a second run log (a second session with run_log=True) closed the first: that session's log
+    stopped without a word, and after the second was closed its messages reached no file at all."""
+    log = logging.getLogger("instrument")
+    before = len(log.handlers), log.level, log.propagate
     first = setup_run_logging(tmp_path / "a", "a", stream=io.StringIO())
-    count = len(logging.getLogger("instrument").handlers)
+    count = len(log.handlers)
+    log.warning("instrument: <one>")
     second = setup_run_logging(tmp_path / "b", "b", stream=io.StringIO())
-    assert first.closed and not second.closed
-    assert len(logging.getLogger("instrument").handlers) == count
+    assert not first.closed and not second.closed
+    assert len(log.handlers) == count  # never piled up
+    log.warning("instrument: <two>")
     second.close()
+    assert len(log.handlers) == count and not log.propagate
+    log.warning("instrument: <three>")
+    first.close()
+    assert (len(log.handlers), log.level, log.propagate) == before
+    log.warning("instrument: after both")  # reaches neither file
+    a, b = (r.path.read_text(encoding="utf-8") for r in (first, second))
+    assert "<one>" in a and "<three>" in a and "<two>" not in a and "after both" not in a
+    assert "<two>" in b and "<one>" not in b and "<three>" not in b
+    assert f"run log {second.path} was started while this one is open" in a  # each file says when and where
+    assert f"run log {second.path} was closed; this run log takes instrument's messages again" in a
+    assert f"while the run log {first.path} stays open" in b
+
+
+def test_closing_the_earlier_run_log_first_leaves_the_later_one_taking_the_messages(tmp_path):
+    log = logging.getLogger("instrument")
+    before = len(log.handlers), log.level, log.propagate
+    first = setup_run_logging(tmp_path / "a", "a", stream=io.StringIO())
+    second = setup_run_logging(tmp_path / "b", "b", stream=io.StringIO())
+    first.close()
+    log.warning("instrument: still the second's")
+    second.close()
+    assert (len(log.handlers), log.level, log.propagate) == before
+    assert "still the second's" in second.path.read_text(encoding="utf-8")
+    assert "still the second's" not in first.path.read_text(encoding="utf-8")
 
 
 def test_bad_arguments_say_what_was_expected(tmp_path):

@@ -78,7 +78,7 @@ class Instrumentation(StepLifecycle):
         run_log: True writes a verbose DEBUG log file into the run folder and terse ``instrument`` messages to
             the terminal (`instrument.terminal.runlog.setup_run_logging`); a callable taking
             ``(run_dir=, run_name=)`` (e.g. gin's ``@setup_run_logging``) sets it up its own way. Closed with
-            the session.
+            the session. One run log takes the messages at a time: the latest opened, until it is closed.
         queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
             writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
             written step is flushed to disk (docs/backends.md).

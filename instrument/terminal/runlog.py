@@ -42,7 +42,9 @@ _MARKS = {
     logging.CRITICAL: "C",
 }
 
-_active: Optional["RunLog"] = None
+# Open run logs, oldest first. One takes instrument's messages at a time (the last): the handlers never pile up, and
+# when it is closed the one before it takes them again. Messages carry no session, so two files cannot split them.
+_open: List["RunLog"] = []
 
 
 class TerseFormatter(logging.Formatter):
@@ -118,11 +120,13 @@ class RunLog:
         self.terminal = terminal
         self.file = file
         self._restore: List[Tuple[logging.Logger, int, bool, List[logging.Handler]]] = []
+        self._attached: List[Tuple[logging.Logger, List[logging.Handler], Optional[bool]]] = []
         self.closed = False
 
     def _attach(
         self, logger: logging.Logger, handlers: List[logging.Handler], propagate: Optional[bool]
     ) -> None:
+        self._attached.append((logger, handlers, propagate))
         self._restore.append((logger, logger.level, logger.propagate, handlers))
         for handler in handlers:
             logger.addHandler(handler)
@@ -133,22 +137,37 @@ class RunLog:
         if propagate is not None:
             logger.propagate = propagate
 
+    def _detach(self) -> None:
+        """Remove the handlers, restore levels and ``propagate``."""
+        restore, self._restore = self._restore, []
+        for logger, level, propagate, handlers in reversed(restore):
+            for handler in handlers:
+                logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
     def close(self) -> None:
-        """Remove the handlers, restore levels and ``propagate``, close the file."""
-        global _active
+        """Remove the handlers, restore levels and ``propagate``, close the file; the run log opened before this
+        one, if still open, takes the messages again."""
         if self.closed:
             return
         self.closed = True
+        taking = bool(_open) and _open[-1] is self
+        with contextlib.suppress(ValueError):
+            _open.remove(self)
         try:
-            for logger, level, propagate, handlers in reversed(self._restore):
-                for handler in handlers:
-                    logger.removeHandler(handler)
-                logger.setLevel(level)
-                logger.propagate = propagate
+            self._detach()
             self.file.close()
         finally:
-            if _active is self:
-                _active = None
+            if taking and _open:
+                _open[-1]._resume(self.path)
+
+    def _resume(self, closed: Path) -> None:
+        attached, self._attached = self._attached, []
+        for logger, handlers, propagate in attached:
+            self._attach(logger, handlers, propagate)
+        logging.getLogger("instrument").info(
+            "instrument: run log %s was closed; this run log takes instrument's messages again", closed)
 
     def __enter__(self) -> "RunLog":
         return self
@@ -183,9 +202,11 @@ def setup_run_logging(
         propagate: whether ``instrument`` keeps propagating to the root logger meanwhile (default False, so
             nothing prints twice).
 
-    Calling it again closes the previous run log first, so handlers never pile up.
+    One run log takes the messages at a time: calling it again while a run log is open (a second session with
+    ``run_log=True``) hands them to the new one until it is closed, then to the earlier one again, and both files
+    say so (instrument's messages name no session, so they cannot be split between two files). Handlers never
+    pile up: the earlier one's are taken off meanwhile. Close each run log (or use it as a context manager).
     """
-    global _active
     if isinstance(level, str):
         resolved = logging.getLevelName(level.upper())
         if not isinstance(resolved, int):
@@ -196,8 +217,6 @@ def setup_run_logging(
         level = resolved
     if not run_name or not isinstance(run_name, str):
         raise ConfigurationError(f"setup_run_logging needs a non-empty run_name string, got {run_name!r}.")
-    if _active is not None:
-        _active.close()
     folder = Path(run_dir)
     started = time.strftime("%Y%m%d-%H%M%S")
     # A run named by its start time (the default, `YYYYmmdd-HHMMSS-xxxxxx`) would otherwise get it twice.
@@ -216,6 +235,12 @@ def setup_run_logging(
     file_handler.setFormatter(_FileFormatter(FILE_FORMAT, FILE_DATEFMT))
     term = TerminalHandler(stream, level) if terminal else None
     run_log = RunLog(path, term, file_handler)
+    earlier = _open[-1] if _open else None
+    if earlier is not None:
+        logging.getLogger("instrument").info(
+            "instrument: run log %s was started while this one is open; it takes instrument's messages until it "
+            "is closed, then this run log takes them again", path)
+        earlier._detach()
     both: List[logging.Handler] = [h for h in (term, file_handler) if h is not None]
     run_log._attach(logging.getLogger("instrument"), both, propagate)
     run_log._attach(logging.getLogger("instrument.console"), [file_handler], None)  # it prints rows itself
@@ -223,10 +248,14 @@ def setup_run_logging(
         if name == "instrument" or name.startswith("instrument."):
             raise ConfigurationError(f"loggers names your own loggers; {name!r} is covered already.")
         run_log._attach(logging.getLogger(name), both, None)
-    _active = run_log
+    _open.append(run_log)
     logging.getLogger("instrument").debug(
         "instrument: run log %s started (terminal level %s)", path, logging.getLevelName(level)
     )
+    if earlier is not None:
+        logging.getLogger("instrument").warning(
+            "instrument: this run log takes instrument's messages while the run log %s stays open, from every "
+            "session in this process, until it is closed; then that one takes them again", earlier.path)
     return run_log
 
 

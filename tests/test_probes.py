@@ -833,8 +833,10 @@ def test_a_rule_that_changes_its_argument_and_returns_a_new_tensor_keeps_its_fir
 
     observers = [instrument.IterationStats(images=False), instrument.UpdateNorm(), instrument.StateHistogram(),
                  instrument.NonFinite()]
+    # overhead_budget=None: its report (a WARNING when a tiny step spends over 10 % in instrument, as on a loaded
+    # machine) is not what is checked here, and the check below would read it as a fault.
     inst = instrument.Instrumentation(observers, backends=[instrument.JsonlBackend()], log_interval=1, run_name="r",
-                                      log_dir=str(tmp_path))
+                                      log_dir=str(tmp_path), overhead_budget=None)
     rule = ClampThenStep()
     inst.watch(rule)
     clones = []
@@ -884,8 +886,10 @@ def test_a_rule_that_starts_changing_its_argument_mid_step_keeps_the_first_loggi
             return x + 0.25 * torch.tanh(3.0 * x + 0.5)
 
     observers = [instrument.IterationStats(images=False), instrument.UpdateNorm(), instrument.NonFinite()]
+    # overhead_budget=None: its report (a WARNING when a tiny step spends over 10 % in instrument, as on a loaded
+    # machine) is not what is checked here, and the check below would read it as a fault.
     inst = instrument.Instrumentation(observers, backends=[instrument.JsonlBackend()], log_interval=1, run_name="r",
-                                      log_dir=str(tmp_path))
+                                      log_dir=str(tmp_path), overhead_budget=None)
     rule = LateClamp()
     inst.watch(rule)
     with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0), torch.no_grad():

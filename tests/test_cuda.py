@@ -145,6 +145,28 @@ def test_timers_on_two_streams_are_read_on_the_writer_without_a_sync_on_the_call
     logger.close()
 
 
+def test_a_cuda_timer_folds_the_spans_that_have_run_without_a_sync_and_counts_every_span(tmp_path):
+    """Two CUDA events a span were kept until the next commit; pairs whose events have run are now folded into
+    count, sum, min and max (a query each, never a wait), so a timer never committed stays bounded."""
+    from instrument.logger.timer import FOLD_AT
+
+    logger = instrument.Logger([], instrument.RunInfo("fold", tmp_path))
+    timer = logger.timer("tiny", cuda=True)
+    x = torch.ones(64, device="cuda")
+    n, held = 3 * FOLD_AT, []
+    with no_host_sync():
+        for _ in range(n):
+            with timer:
+                x = x * 1.0
+            held.append(len(timer._events))
+        handle = logger.commit(0)
+    record = handle.result(timeout=60)
+    assert max(held) < n  # folded on the way (tiny kernels run long before a thousand more are launched)
+    stats = record.timings["tiny"]
+    assert stats["count"] == n and 0 <= stats["min"] <= stats["mean"] <= stats["max"]
+    logger.close()
+
+
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("scripted", [False, True])
 def test_embedded_probes_on_cuda_record_without_a_sync(scripted):

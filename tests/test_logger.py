@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -337,6 +338,63 @@ def test_timer_reports_interval_statistics():
     assert record.timings["decorated"]["count"] == 1.0
     assert record.flat_scalars()["timing/rollout/count"] == 3.0  # what scalar-only backends write
     assert not log.has_pending  # timers were drained by the commit
+
+
+def test_a_timer_never_committed_keeps_bounded_memory_and_counts_every_span():
+    """Every span was kept as a float until the next commit: with log_interval=0 (no commit until close), or a
+    Logger used without commits, a timer grew by one float a span for the whole run. Spans are now folded into
+    count, sum, min and max every FOLD_AT spans."""
+    from instrument.logger.timer import FOLD_AT
+
+    keep = Keep()
+    log = instrument.Logger([keep])
+    timer = log.timer("stage")
+    n = 3 * FOLD_AT + 5
+    began = time.perf_counter()
+    for _ in range(n):
+        with timer:
+            sum(range(10))
+        assert len(timer._seconds) < FOLD_AT
+    spent = time.perf_counter() - began
+    stats = log.commit(0).timings["stage"]
+    assert stats["count"] == n and 0 < stats["min"] <= stats["mean"] <= stats["max"] and stats["mean"] * n < spent
+    log.close()
+
+
+def test_a_failed_steps_spans_are_discarded_exactly_also_when_they_were_folded():
+    from instrument.logger.timer import FOLD_AT
+
+    log = instrument.Logger([Keep()])
+    timer = log.timer("stage")
+    for _ in range(10):
+        with timer:
+            pass
+    mark = log.mark()  # a step starts...
+    for _ in range(FOLD_AT + 7):  # ...measures enough to be folded, and fails
+        with timer:
+            pass
+    assert log.discard_staged(mark) == ["timer stage"]
+    for _ in range(3):
+        with timer:
+            pass
+    assert log.commit(0).timings["stage"]["count"] == 13  # the 10 before the step and the 3 after it
+    other = log.timer("other")
+    mark = log.mark()  # a timer not measured since its last take: what it holds later is all newer
+    for _ in range(FOLD_AT + 1):
+        with other:
+            pass
+    assert log.discard_staged(mark) == ["timer other"] and other.count == 0
+    log.close()
+
+
+def test_timing_statistics_of_folded_and_single_spans_together():
+    from instrument.logger.timer import timing_stats
+
+    # (count, sum, min, max) folded earlier, and two spans kept one by one
+    assert timing_stats(((2, 3.0, 1.0, 2.0), [0.5, 4.0], [])) == {"mean": 7.5 / 4, "min": 0.5, "max": 4.0,
+                                                                    "count": 4.0}
+    assert timing_stats((None, [0.25], [])) == {"mean": 0.25, "min": 0.25, "max": 0.25, "count": 1.0}
+    assert timing_stats((None, [], [])) is None
 
 
 def test_images_in_every_layout():

@@ -8,8 +8,7 @@ transfer is waited for and every value converted by its `MediaKind`; a value who
 through ``on_failure`` and left out, alone.
 """
 
-import math
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from torch import Tensor
@@ -17,10 +16,10 @@ from torch import Tensor
 from instrument.backends.base import StepRecord
 from instrument.logger.blocks import means
 from instrument.logger.media import KINDS
-from instrument.logger.timer import elapsed
+from instrument.logger.timer import timing_stats
 from instrument.logger.transfer import TransferError
 
-__all__ = ["build_record", "describe", "timing_stats"]
+__all__ = ["build_record", "describe"]
 
 OnFailure = Callable[[str, str, int, Any, str, Exception], None]
 _SCALAR = "a one-element tensor of numbers the commit's transfer can copy"
@@ -76,11 +75,10 @@ def build_record(payload: tuple, on_failure: OnFailure,
     for name, stats in timings.items():
         if isinstance(stats, tuple):  # (reduce, taken measurements): read here, off the training thread
             try:
-                seconds = elapsed(*stats[1])
+                stats = timing_stats(stats[1])
             except Exception as exc:
                 on_failure("timer", name, step, stats[1], "completed timings", exc)
                 continue
-            stats = timing_stats(seconds) if seconds else None
         if stats:
             record.timings[name] = stats
     return record
@@ -95,13 +93,3 @@ def describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} and dtype {value.dtype}"
     return f"a {type(value).__name__}"
-
-
-def timing_stats(seconds: List[float]) -> Dict[str, float]:
-    """A timer's durations as ``{mean, min, max, count}`` (seconds)."""
-    return {
-        "mean": math.fsum(seconds) / len(seconds),
-        "min": min(seconds),
-        "max": max(seconds),
-        "count": float(len(seconds)),
-    }

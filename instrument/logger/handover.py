@@ -13,11 +13,10 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 from torch import Tensor
 
-from instrument.logger.assemble import timing_stats
 from instrument.logger.blocks import fold
 from instrument.logger.media import tensors_of
 from instrument.logger.reduce import CrossRankReducer, Entry
-from instrument.logger.timer import elapsed
+from instrument.logger.timer import timing_stats
 from instrument.logger.transfer import start_transfer, to_host
 
 __all__ = ["PRESENCE", "handover"]
@@ -112,13 +111,13 @@ def _reduce(reducer: CrossRankReducer, totals, counts, ops, weights, timers, wid
             entries.append(Entry(name, ops.get(name, "mean"), total / counts[name] if name in counts else total))
     for name, (reduce, taken) in timers.items():
         try:
-            seconds = elapsed(*taken)
+            stats = timing_stats(taken)
         except RuntimeError:  # events that cannot be read (a span begun and ended on different devices): this
             # rank still enters the collective, without them, so the other ranks never wait for it
             log.warning("instrument: the CUDA events of timer %r could not be read; its timings of this commit "
                         "are left out", name, exc_info=True)
             continue
-        for key, value in timing_stats(seconds).items():
+        for key, value in (stats or {}).items():
             entries.append(Entry(f"{_TIMING}{name}/{key}", reduce, value))
     for names, flags in wide.items():
         entries.extend(Entry(_ROUNDED + name, "max", flag) for name, flag in zip(names, flags.unbind(), strict=True))

@@ -49,7 +49,7 @@ def check_step(step: object) -> None:
     if not 0 <= step <= MAX_STEP:  # type: ignore[operator]
         raise InvalidValueError(step_range_message("step", step))  # type: ignore[arg-type]
 
-_EMPTY = (None, 0, None, 0)
+_EMPTY = (None, None, 0)  # a `Timer.position` older than any take: rewinds to empty
 _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
 
 
@@ -178,7 +178,7 @@ class StepRecords:
                 return []
             snapshot, self._snapshot, self._mark = self._snapshot, None, 0
             # A timer not measured since its last take at the mark (or created after it) is rewound to empty:
-            # (None, 0, None, 0) matches none of its lists. Only timers measured since then can hold anything.
+            # `_EMPTY` is older than any take. Only timers measured since then can hold anything.
             dropped = [f"timer {name}" for name, t in self._timed.copy().items()
                        if t.rewind(timers.get(name, _EMPTY))]
             if snapshot is None or snapshot is LAZY:

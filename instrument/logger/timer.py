@@ -3,9 +3,15 @@
 A timer accumulates every interval measured between two commits and reports mean, min, max and count in
 ``StepRecord.timings[name]`` (``timing/<name>/<stat>`` for scalar-only backends). Timers belong to one
 `Logger`; there is no global registry.
+
+Memory stays bounded however long nothing commits (``log_interval=0``, a long interval, a Logger used without
+commits): every `FOLD_AT` spans the spans measured so far are folded into their count, sum, min and max (CUDA
+spans once their events have run: a query, never a wait), and CPU spans also at every step's start. Kept one by
+one, a million spans a day held about 30 MB on a CPU, and on a GPU two CUDA events each.
 """
 
 import functools
+import math
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
@@ -14,9 +20,11 @@ import torch
 
 from instrument.errors import ConfigurationError, InvalidValueError
 
-__all__ = ["Timer", "elapsed"]
+__all__ = ["FOLD_AT", "Timer", "elapsed", "timing_stats"]
 
 F = TypeVar("F", bound=Callable)
+FOLD_AT = 1024  # spans kept one by one before they are folded into count, sum, min and max (module docstring)
+Folded = Optional[Tuple[int, float, float, float]]  # (count, sum, min, max) of the spans folded so far
 
 
 class Timer:
@@ -46,6 +54,9 @@ class Timer:
         self.cuda = cuda  # None: CUDA events once CUDA is initialised (`_on_gpu`)
         self._seconds: List[float] = []
         self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._folded: Folded = None
+        self._takes = 0  # how many `take`s so far: a position from before the last one is older than all held
+        self._marked = 0  # `_events[:_marked]`: pairs held at the last `position`, folded only by the next one
         self._local = threading.local()  # .starts: this thread's open spans, innermost last
         self._lock = threading.Lock()  # measurements are appended and taken from different threads
         # The owning logger's timers with measurements not taken yet (`named_timer`): each measurement enters its
@@ -90,13 +101,32 @@ class Timer:
             end.record()
             with self._lock:
                 self._events.append((start, end))  # type: ignore[arg-type]
+                if len(self._events) - self._marked >= FOLD_AT:
+                    self._fold(self._marked)
                 if pending is not None:
                     pending[self.name] = self
         else:
             with self._lock:
                 self._seconds.append(now - start)  # type: ignore[operator]
+                if len(self._seconds) >= FOLD_AT:
+                    self._fold(self._marked)
                 if pending is not None:
                     pending[self.name] = self
+
+    def _fold(self, first_pair: int) -> None:
+        """Fold the CPU spans, and the event pairs from ``first_pair`` on up to the first that has not run yet,
+        into `_folded` (under the lock). A pair held at the last `position` is left for the next one, so that
+        `rewind` drops exactly what came after it; pairs that have run are read without a wait, and the first that
+        has not stops the walk, so a fold costs a query per pair folded and one more."""
+        seconds, self._seconds = self._seconds, []
+        events, done = self._events, first_pair
+        while done < len(events) and events[done][0].query() and events[done][1].query():
+            done += 1
+        if done > first_pair:
+            seconds += [start.elapsed_time(end) / 1000.0 for start, end in events[first_pair:done]]
+            self._events = events[:first_pair] + events[done:]
+        if seconds:
+            self._folded = _combined(self._folded, seconds)
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -108,43 +138,70 @@ class Timer:
 
     @property
     def count(self) -> int:
-        return len(self._seconds) + len(self._events)
+        folded = self._folded  # read once: another thread may fold or take meanwhile
+        return (folded[0] if folded is not None else 0) + len(self._seconds) + len(self._events)
 
     def position(self) -> tuple:
-        """Where the timer stands now, for `rewind` (a failed step's measurements are discarded)."""
+        """Where the timer stands now, for `rewind` (a failed step's measurements are discarded). Folds what it
+        holds first, so that what `rewind` drops is exactly what comes after."""
         with self._lock:
-            return (self._seconds, len(self._seconds), self._events, len(self._events))
+            # CUDA pairs only once FOLD_AT are held: a query per pair at every step's start would cost a GPU run's
+            # training thread microseconds at every step, non-logging ones too.
+            self._fold(0 if len(self._events) >= FOLD_AT else len(self._events))
+            self._marked = len(self._events)  # pairs not folded: they stay before the position
+            return (self._takes, self._folded, self._marked)
 
     def rewind(self, position: tuple) -> int:
         """Forget the measurements taken since ``position``; returns how many. After a `take` everything
         now held is newer than ``position``."""
-        seconds, n_seconds, events, n_events = position
+        takes, folded, n_events = position
         with self._lock:
             before = self.count
-            if self._seconds is seconds:
-                del self._seconds[n_seconds:]
-            else:
-                self._seconds.clear()
-            if self._events is events:
+            self._seconds.clear()  # folded at the position: every CPU span held now is newer
+            if takes == self._takes:
+                self._folded = folded
                 del self._events[n_events:]
             else:
+                self._folded, self._marked = None, 0
                 self._events.clear()
             return before - self.count
 
-    def take(self) -> Tuple[List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
-        """The raw measurements since the last take (CPU seconds, CUDA event pairs); empties the timer.
+    def take(self) -> Tuple[Folded, List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
+        """The measurements since the last take (folded statistics, CPU seconds, CUDA event pairs); empties the
+        timer.
 
-        The logger takes them on the training thread at commit and reads them with `elapsed` on its writer
+        The logger takes them on the training thread at commit and reads them with `timing_stats` on its writer
         thread, so CUDA event times never make the training thread wait.
         """
         with self._lock:  # a span ending on another thread lands in this take or the next, never in neither
-            taken = (self._seconds, self._events)
-            self._seconds, self._events = [], []
+            taken = (self._folded, self._seconds, self._events)
+            self._folded, self._seconds, self._events, self._marked = None, [], [], 0
+            self._takes += 1
         return taken
 
-    def drain(self) -> List[float]:
-        """Durations in seconds measured since the last drain; empties the timer."""
-        return elapsed(*self.take())
+    def drain(self) -> Optional[Dict[str, float]]:
+        """`timing_stats` of the spans measured since the last take; empties the timer."""
+        return timing_stats(self.take())
+
+
+def _combined(folded: Folded, seconds: List[float]) -> Folded:
+    """``folded`` with ``seconds`` folded in."""
+    if not seconds:
+        return folded
+    count, total, low, high = folded if folded is not None else (0, 0.0, math.inf, -math.inf)
+    return (count + len(seconds), math.fsum([total, *seconds]), min(low, min(seconds)), max(high, max(seconds)))
+
+
+def timing_stats(taken: Tuple[Folded, List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]
+                 ) -> Optional[Dict[str, float]]:
+    """A timer's taken measurements as ``{mean, min, max, count}`` (seconds), None when there are none; waits
+    for CUDA events to complete."""
+    folded, seconds, events = taken
+    folded = _combined(folded, elapsed(seconds, events))
+    if folded is None:
+        return None
+    count, total, low, high = folded
+    return {"mean": total / count, "min": low, "max": high, "count": float(count)}
 
 
 def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cuda.Event]]) -> List[float]:

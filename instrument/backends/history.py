@@ -22,6 +22,12 @@ Threads: the writer thread writes each committed step under one lock, and every 
 may query the history while the run goes on and sees whole steps only. The containers themselves
 (``metrics``, ``timelog``, ...) are the live ones: iterate them only after the run is closed.
 
+Runs: the history holds one run. Opening a new run starts it empty (new containers: ones taken from the run
+before keep that run, so read or copy a run's history before giving the instance to the next run). A run
+resumed in the same process (``Instrumentation(resume=True)`` and ``load_state_dict``, or a `Logger`'s
+``resume_after``) keeps it and drops every entry from the checkpoint's next step on (`on_resume`), as JSONL cuts
+its file, so the steps written again are not followed by their repeats.
+
 Memory: ``max_steps`` keeps the most recent committed steps of each series and batch log (and the most recent
 samples of each system series), ``max_samples``
 caps the set of unique samples. Neither bounds the number of series: each key ever logged keeps one (about 1 KB
@@ -70,20 +76,30 @@ class RunHistoryBackend(Backend):
         self.sample_key = sample_key
         self.max_steps = max_steps
         self.max_samples = max_samples
-        self.metrics: Dict[str, Deque[Tuple[int, float]]] = {}
-        self.timelog: Dict[str, Deque[Tuple[int, float, int]]] = {}
         self.batch_log: Dict[str, Deque[Tuple[int, np.ndarray]]] = {}
-        self.batch_samples: Deque[Tuple[int, Tuple[Hashable, ...]]] = collections.deque(maxlen=max_steps)
-        self.system: Dict[str, Deque[Tuple[float, float]]] = {}  # the system monitor's axis: seconds
-        self.unique_samples: Set[Hashable] = set()
         self.run: Optional[RunInfo] = None
         self._pending_samples: Dict[int, List[Hashable]] = {}
-        self._said: Set[str] = set()
         # The writer thread writes a step under it; queries copy under it (a deque iterated while it is
         # appended to raises "deque mutated during iteration"); add_samples comes from the training thread.
         self._lock = threading.RLock()
+        self._start_empty()
+        self._stash: Optional[Tuple[RunInfo, Dict[str, Any]]] = None  # `open`: the run a bare Logger may resume
         for key in batch_keys:
             self.add_log(key)
+
+    _HELD = ("metrics", "timelog", "batch_log", "batch_samples", "system", "unique_samples", "_first_seen", "_said")
+
+    def _start_empty(self) -> None:
+        """New containers for a new run (the registered batch-log tags stay registered); containers taken from
+        the run before keep that run."""
+        self.metrics: Dict[str, Deque[Tuple[int, float]]] = {}
+        self.timelog: Dict[str, Deque[Tuple[int, float, int]]] = {}
+        self.batch_log = {key: collections.deque(maxlen=self.max_steps) for key in self.batch_log}
+        self.batch_samples: Deque[Tuple[int, Tuple[Hashable, ...]]] = collections.deque(maxlen=self.max_steps)
+        self.system: Dict[str, Deque[Tuple[float, float]]] = {}  # the system monitor's axis: seconds
+        self.unique_samples: Set[Hashable] = set()
+        self._first_seen: Dict[Hashable, int] = {}  # sample -> the step it was first seen at (`on_resume`)
+        self._said: Set[str] = set()
 
     # ------------------------------------------------------------------ registration
     def add_log(self, key: str) -> None:
@@ -128,10 +144,49 @@ class RunHistoryBackend(Backend):
 
     # ------------------------------------------------------------------ backend
     def open(self, run: RunInfo) -> None:
-        self.run = run
+        """A new run starts an empty history: one instance given to run after run would otherwise append each
+        run's steps to the series of the runs before it. Only ``Instrumentation(resume=True)`` of the run this
+        history holds keeps it (`on_resume` then drops the steps the resumed run writes again)."""
+        with self._lock:
+            same = self.run is not None and self.run.dir == run.dir
+            self._stash = None
+            if not (same and run.resume is not None):
+                if same:  # a bare Logger resumes with resume_after only: on_resume may yet ask for this run
+                    self._stash = (self.run, {name: getattr(self, name) for name in self._HELD})
+                self._start_empty()
+            self.run = run
+
+    def on_resume(self, next_step: int) -> None:
+        """Drop every entry at ``next_step`` or later (metrics, timelog, batch log and samples; samples first
+        seen there leave ``unique_samples``), as JSONL cuts its file: the resumed run writes those steps again,
+        and kept they would be followed by their repeats. The system samples (their own axis) stay."""
+        with self._lock:
+            if self._stash is not None:  # `Logger.resume_after` of the run opened before: that run goes on
+                for name, value in self._stash[1].items():
+                    setattr(self, name, value)
+                self._stash = None
+            removed = 0
+            for table in (self.metrics, self.timelog, self.batch_log):
+                for key in list(table):
+                    removed += _cut(table[key], next_step)
+                    if not table[key] and table is not self.batch_log:  # registered batch-log tags stay
+                        del table[key]
+            removed += _cut(self.batch_samples, next_step)
+            for item in [item for item, step in self._first_seen.items() if step >= next_step]:
+                del self._first_seen[item]
+                self.unique_samples.discard(item)
+        if removed:
+            log.info("instrument: RunHistoryBackend: removed %d entries from step %d on for the resumed run",
+                     removed, next_step)
+
+    def close(self) -> None:
+        """Samples named for steps that were never committed would be paired with a later run's steps."""
+        with self._lock:
+            self._pending_samples.clear()
 
     def write(self, record: StepRecord) -> None:
         with self._lock:  # a query sees this step whole or not at all
+            self._stash = None  # the new run has begun: the one before is not resumed
             self._write(record)
 
     def _write(self, record: StepRecord) -> None:
@@ -166,7 +221,7 @@ class RunHistoryBackend(Backend):
                 self._append(self.batch_log[key], (step, values), "max_steps", f"batch log {key!r}")
         if samples is not None:
             self._append(self.batch_samples, (step, tuple(samples)), "max_steps", "batch samples")
-            self._add_unique(samples)
+            self._add_unique(samples, step)
 
     def write_system(self, record: StepRecord) -> None:
         """The system monitor's samples, kept on their own axis: the exact ``system/seconds`` since the monitor
@@ -186,16 +241,19 @@ class RunHistoryBackend(Backend):
             )
         series.append(item)
 
-    def _add_unique(self, samples: Iterable[Hashable]) -> None:
+    def _add_unique(self, samples: Iterable[Hashable], step: int) -> None:
         cap = self.max_samples
         for item in samples:
-            if cap is not None and len(self.unique_samples) >= cap and item not in self.unique_samples:
+            if item in self.unique_samples:
+                continue
+            if cap is not None and len(self.unique_samples) >= cap:
                 self._say_once(
                     "max_samples", f"unique samples reached max_samples={cap}; new samples are not added, and "
                     f"to_dataframe leaves out their rows"
                 )
                 return
             self.unique_samples.add(item)
+            self._first_seen[item] = step
 
     def _say_once(self, what: str, message: str) -> None:
         if what not in self._said:
@@ -318,6 +376,16 @@ class RunHistoryBackend(Backend):
             f"RunHistoryBackend(metrics={len(self.metrics)}, steps_cap={self.max_steps}, "
             f"samples={len(self.unique_samples)}, samples_cap={self.max_samples})"
         )
+
+
+def _cut(entries: Deque, next_step: int) -> int:
+    """Drop the entries of ``entries`` (``(step, ...)`` tuples, in place) at ``next_step`` or later; how many."""
+    kept = [entry for entry in entries if entry[0] < next_step]
+    removed = len(entries) - len(kept)
+    if removed:
+        entries.clear()
+        entries.extend(kept)
+    return removed
 
 
 def _misaligned(key: str, step: int, values: int, samples: int, named: Optional[str] = None) -> str:

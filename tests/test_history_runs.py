@@ -1,9 +1,10 @@
 """RunHistoryBackend across runs: a reused instance starts each new run empty; a resumed run drops what it writes
-again, as JSONL does."""
+again, as JSONL does; to_dataframe keeps ids and integer values exact."""
 
 import json
 
 import numpy as np
+import pytest
 
 import instrument
 from instrument import Logger, RunHistoryBackend
@@ -101,3 +102,45 @@ def test_a_new_run_under_the_same_name_with_a_bare_logger_starts_empty(tmp_path)
         logger.log_metrics({"loss": value}, step=0)
         logger.close()
         assert history.series("loss")[1].tolist() == [value]
+
+
+def test_to_dataframe_keeps_ids_and_integer_values_exact(tmp_path):
+    """Ids beyond 2**53 became one float64 id once any batch held a non-integral id, and integer per-item values
+    were rounded through float()."""
+    pytest.importorskip("pandas")
+    big = 2**53
+    history = RunHistoryBackend(sample_key="ids", batch_keys=["count", "score"])
+    inst = instrument.Instrumentation(backends=[history], log_interval=1, log_dir=str(tmp_path), run_name="ids",
+                                      overhead_budget=None)
+    with inst.step(0):
+        inst.logger.log_histogram("ids", np.array([big, big + 1], dtype=np.int64), 0)
+        inst.logger.log_histogram("count", np.array([big + 1, 2**62 + 1], dtype=np.int64), 0)
+        inst.logger.log_histogram("score", np.array([3, 4], dtype=np.int64), 0)
+    with inst.step(1):
+        inst.logger.log_histogram("ids", np.array([0.5]), 1)
+        inst.logger.log_histogram("count", np.array([1]), 1)
+        inst.logger.log_histogram("score", np.array([0.25]), 1)
+    inst.close()
+    frame = history.to_dataframe()
+    assert frame["sample"].tolist() == [big, big + 1, 0.5] and frame["sample"].dtype == object
+    assert frame["step"].dtype == np.int64
+    assert frame["count"].tolist() == [big + 1, 2**62 + 1, 1] and frame["count"].dtype == np.int64
+    assert frame["score"].tolist() == [3.0, 4.0, 0.25] and frame["score"].dtype == np.float64  # all exact
+    assert frame[frame.step == 0]["sample"].nunique() == 2
+
+    history = RunHistoryBackend(sample_key="ids", batch_keys=["count"])
+    logger = Logger([history])
+    logger.log_histogram("ids", np.array([1, 2]), 0)
+    logger.log_histogram("count", np.array([big + 1, -3], dtype=np.int64), 0)
+    logger.commit(0)
+    logger.log_histogram("ids", np.array([3]), 1)  # no count at this step: NaN
+    logger.commit(1)
+    history.add_samples(2, [2**64 + 5])  # an id past uint64, named with add_samples
+    logger.log_histogram("count", np.array([2**63 + 1], dtype=np.uint64), 2)
+    logger.commit(2)
+    logger.close()
+    frame = history.to_dataframe()
+    assert frame["sample"].tolist() == [1, 2, 3, 2**64 + 5] and frame["sample"].dtype == object
+    assert frame["count"].dtype == object  # a NaN beside ints that float64 would round
+    assert frame["count"].tolist()[:2] == [big + 1, -3] and np.isnan(frame["count"][2])
+    assert frame["count"][3] == 2**63 + 1

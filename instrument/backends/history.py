@@ -302,7 +302,11 @@ class RunHistoryBackend(Backend):
         key's per-item value. NaN where a key was not logged that step, or where its values were not one per
         sample of the batch: those are never paired by position (which would give samples another's values);
         each such batch is named in a warning, with its tag, step and both lengths, and its values stay in
-        ``batch_log`` as logged."""
+        ``batch_log`` as logged.
+
+        Every value is kept exact (`_exact_dtype`): a column of integers is int64 (uint64 past int64's range),
+        and a column that float64 would round (ids or counts beyond 2**53 beside a float or a NaN) is of
+        dtype object, holding the Python values, so two ids never become one."""
         pd = require("pandas", "analysis", "RunHistoryBackend.to_dataframe")
         with self._lock:  # one consistent copy: the writer may be appending meanwhile
             batch_log = {key: list(entries) for key, entries in self.batch_log.items()}
@@ -312,8 +316,8 @@ class RunHistoryBackend(Backend):
         for key, entries in batch_log.items():
             for step, values in entries:
                 by_step.setdefault(step, {}).setdefault(key, []).append(values)
-        rows: List[Dict[str, Any]] = []
         keys = list(batch_log)
+        columns: Dict[str, List[Any]] = {name: [] for name in ("sample", "step", *keys)}
         seen: Dict[int, int] = {}
         unpaired: List[str] = []
         for step, samples in batch_samples:
@@ -321,18 +325,20 @@ class RunHistoryBackend(Backend):
             values = {key: lists[k] for key, lists in by_step.get(step, {}).items() if k < len(lists)}
             for key in [key for key, v in values.items() if len(v) != len(samples)]:
                 unpaired.append(_misaligned(key, step, len(values.pop(key)), len(samples)))
+            items = {key: v.tolist() for key, v in values.items()}  # Python ints and floats: exact
             for i, sample in enumerate(samples):
                 if sample not in unique:
                     continue
-                row: Dict[str, Any] = {"sample": sample, "step": step}
+                columns["sample"].append(sample)
+                columns["step"].append(step)
                 for key in keys:
-                    v = values.get(key)
-                    row[key] = float(v[i]) if v is not None else math.nan
-                rows.append(row)
+                    v = items.get(key)
+                    columns[key].append(v[i] if v is not None else math.nan)
         if unpaired:
             log.warning("instrument: RunHistoryBackend.to_dataframe: %d batch(es) left unpaired (NaN): %s%s",
                         len(unpaired), "; ".join(unpaired[:5]), "; ..." if len(unpaired) > 5 else "")
-        return pd.DataFrame(rows, columns=["sample", "step", *keys])
+        return pd.DataFrame({name: pd.Series(column, dtype=_exact_dtype(column)) for name, column in columns.items()},
+                            columns=list(columns))
 
     def plot_metrics(self, keys: Sequence[str], title: Optional[str] = None):
         """One panel per key, value against step; returns the matplotlib Figure."""
@@ -392,6 +398,27 @@ def _misaligned(key: str, step: int, values: int, samples: int, named: Optional[
     by = f" (named by {named})" if named else ""
     return (f"batch log {key!r} at step {step} has {values} value(s) for {samples} sample(s){by}: "
             f"they cannot be paired with the samples (log one value per sample, in the order of the ids)")
+
+
+def _exact_dtype(values: List[Any]) -> str:
+    """The dtype that holds each value as it is. Left to pandas, ints beside a float or a NaN become float64,
+    which rounds those beyond 2**53 (two ids become one, a count changes): those columns stay ``object``."""
+    lo = hi = 0
+    floats = False
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return "object"  # strings, tuples, ...: as pandas would
+        if isinstance(v, int):
+            lo, hi = min(lo, v), max(hi, v)
+        else:
+            floats = True
+    if not values:
+        return "object"
+    if floats:
+        return "float64" if -(2**53) <= lo and hi <= 2**53 else "object"
+    if -(2**63) <= lo and hi < 2**63:
+        return "int64"
+    return "uint64" if hi < 2**64 and lo >= 0 else "object"
 
 
 def _as_id(value: float) -> Hashable:

@@ -14,7 +14,8 @@ It stores what the logger commits — host values only, like every backend:
   training step), as ``{key: [(seconds, value), ...]}``; `system_keys` and `system_series` query them.
 
 `to_dataframe` joins samples and per-item values into a pandas DataFrame, one row per (sample, step);
-`plot_metrics` and `plot_timelog` draw with matplotlib and return the figure, which a notebook shows.
+`plot_metrics` and `plot_timelog` draw with matplotlib (`instrument.backends.history_plot`) and return the
+figure, which a notebook shows.
 pandas and matplotlib are imported only there (``pip install 'torch-instrument[analysis]'``).
 
 Threads: the writer thread writes each committed step under one lock, and every query (`keys`, `series`,
@@ -45,6 +46,7 @@ from typing import Any, Deque, Dict, Hashable, Iterable, List, Optional, Sequenc
 
 import numpy as np
 
+from instrument.backends import history_plot
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.checks import check_int
 from instrument.errors import ConfigurationError, require
@@ -340,42 +342,35 @@ class RunHistoryBackend(Backend):
         return pd.DataFrame({name: pd.Series(column, dtype=_exact_dtype(column)) for name, column in columns.items()},
                             columns=list(columns))
 
-    def plot_metrics(self, keys: Sequence[str], title: Optional[str] = None):
-        """One panel per key, value against step; returns the matplotlib Figure."""
-        figure_cls = require("matplotlib.figure", "analysis", "RunHistoryBackend.plot_metrics").Figure
-        if isinstance(keys, str):
-            keys = [keys]
+    def plot_metrics(self, keys: Sequence[str], title: Optional[str] = None, max_panels: int = 24):
+        """One panel per key, value against step; returns the matplotlib Figure (`history_plot`: a marker on
+        each point a line cannot show, values not drawn (NaN, inf) counted in the panel's title, keys drawn as
+        literal text).
+
+        ``max_panels`` bounds the figure: each panel is 2.2 inches tall, so all of a run's keys (hundreds) would
+        make a figure metres tall that takes minutes to draw. More keys than that are refused, with the way to
+        select them; pass a larger ``max_panels`` to draw them all anyway."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        max_panels = check_int("RunHistoryBackend.plot_metrics max_panels", max_panels, least=1,
+                               fix="pass e.g. max_panels=48", why="the most panels one figure holds")
         if not keys:
             raise ConfigurationError("plot_metrics needs at least one metric key.")
-        fig = figure_cls(figsize=(6.4, 2.2 * len(keys)), layout="constrained")
-        axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
-        for ax, key in zip(axes, keys, strict=True):
-            steps, values = self.series(key)
-            ax.plot(steps, values, lw=1.2)
-            ax.set_ylabel(key.rsplit("/", 1)[-1], fontsize=8)
-            ax.set_title(key, fontsize=9, loc="left")
-            ax.grid(alpha=0.3)
-        axes[-1].set_xlabel("step")
-        if title:
-            fig.suptitle(title)
-        return fig
+        if len(keys) > max_panels:
+            raise ConfigurationError(
+                f"plot_metrics got {len(keys)} keys, more than max_panels={max_panels} (one panel of "
+                f"{history_plot.PANEL_INCHES} inches per key: a figure {history_plot.PANEL_INCHES * len(keys):.0f} "
+                f"inches tall, slow to draw and to read). Select the keys to plot, e.g. "
+                f"[k for k in history.keys() if k.startswith('train/')], split them over several figures, or pass "
+                f"max_panels={len(keys)} to draw them all in one."
+            )
+        return history_plot.plot_metrics([(key, *self.series(key)) for key in keys], title)
 
     def plot_timelog(self, title: Optional[str] = None):
-        """Mean seconds per stage against step, one line per stage; returns the matplotlib Figure."""
-        figure_cls = require("matplotlib.figure", "analysis", "RunHistoryBackend.plot_timelog").Figure
-        fig = figure_cls(figsize=(6.4, 3.2), layout="constrained")
-        ax = fig.subplots()
+        """Mean seconds per stage against step, one line per stage; returns the matplotlib Figure (drawn as
+        `plot_metrics` draws a panel)."""
         with self._lock:
             timelog = {stage: list(entries) for stage, entries in self.timelog.items()}
-        for stage, entries in sorted(timelog.items()):
-            ax.plot([s for s, _, _ in entries], [m for _, m, _ in entries], label=stage, lw=1.2)
-        ax.set_xlabel("step")
-        ax.set_ylabel("seconds (mean per call)")
-        if timelog:
-            ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.set_title(title or "stage timings", fontsize=10, loc="left")
-        return fig
+        return history_plot.plot_timelog(timelog, title)
 
     def __repr__(self) -> str:
         return (

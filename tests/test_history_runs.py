@@ -144,3 +144,21 @@ def test_to_dataframe_keeps_ids_and_integer_values_exact(tmp_path):
     assert frame["count"].dtype == object  # a NaN beside ints that float64 would round
     assert frame["count"].tolist()[:2] == [big + 1, -3] and np.isnan(frame["count"][2])
     assert frame["count"][3] == 2**63 + 1
+
+
+def test_the_run_history_docs_name_its_containers_as_they_are(tmp_path):
+    """docs/rl.md showed ``history.metrics[key]`` as a list ``[(step, value), ...]``: it is a deque, which cannot
+    be sliced. Each documented ``history.<container>[...]  # <form>`` line is checked against a real run."""
+    import re
+    from pathlib import Path
+
+    history = RunHistoryBackend(sample_key="ids", batch_keys=["reward"])
+    _run(history, tmp_path, "docs", range(2))
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
+    section = text[text.index("## Run history"):]
+    lines = re.findall(r"^history\.(metrics|timelog|batch_log)\[[^\]]*\]\s+# (\w*)\(?\[", section, re.M)
+    assert {name for name, _ in lines} == {"metrics", "timelog", "batch_log"}, lines
+    for name, form in lines:
+        form = form or "list"  # a bare [...]
+        container = next(iter(getattr(history, name).values()))
+        assert form == type(container).__name__, f"docs/rl.md shows history.{name}[...] as {form!r}"

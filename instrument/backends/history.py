@@ -2,12 +2,13 @@
 
 It stores what the logger commits — host values only, like every backend:
 
-- ``metrics``: every scalar, as ``{key: [(step, value), ...]}``; `series` gives NumPy arrays.
+- ``metrics``: every scalar, as ``{key: deque([(step, value), ...])}``: a deque (``max_steps`` bounds it), which
+  cannot be sliced; `series` gives NumPy arrays.
 - ``timelog``: per stage, the durations the logger's timers committed (``record.timings``), as
-  ``{stage: [(step, mean_seconds, count), ...]}``.
+  ``{stage: deque([(step, mean_seconds, count), ...])}``.
 - ``batch_log``: per-item values per batch for the histogram tags registered with `add_log` (log them with
   ``logger.log_histogram(tag, per_item_values, step)``, e.g. each sample's reward), as
-  ``{tag: [(step, values), ...]}``.
+  ``{tag: deque([(step, values), ...])}``.
 - ``unique_samples``: the set of samples seen: the values of the histogram tag ``sample_key`` (integer ids,
   e.g. pool indices, logged like any per-item value) or hashable items given to `add_samples`.
 - ``system``: the `SystemMonitor`'s samples on their own axis (seconds since the monitor started, not the

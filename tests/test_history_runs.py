@@ -2,6 +2,7 @@
 again, as JSONL does; to_dataframe keeps ids and integer values exact."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -81,7 +82,7 @@ def test_a_resume_drops_the_samples_first_seen_after_the_checkpoint_and_keys_lef
         logger.commit(step)
     logger.close()
     assert history.unique_samples == {7, 10, 11, 12, 13}
-    logger = Logger([history], run)
+    logger = Logger([history], instrument.RunInfo("bare", os.path.relpath(tmp_path)))  # the same folder
     logger.resume_after(1)
     logger.log_metrics({"loss": 20.0}, step=2)
     logger.log_histogram("ids", np.array([7, 12]), 2)

@@ -151,7 +151,7 @@ class RunHistoryBackend(Backend):
         run's steps to the series of the runs before it. Only ``Instrumentation(resume=True)`` of the run this
         history holds keeps it (`on_resume` then drops the steps the resumed run writes again)."""
         with self._lock:
-            same = self.run is not None and self.run.dir == run.dir
+            same = self.run is not None and self.run.dir.resolve() == run.dir.resolve()  # 'runs' is ./runs
             self._stash = None
             if not (same and run.resume is not None):
                 if same:  # a bare Logger resumes with resume_after only: on_resume may yet ask for this run

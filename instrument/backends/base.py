@@ -32,8 +32,8 @@ import numpy as np
 from instrument.errors import ConfigurationError
 
 __all__ = [
-    "USER_HEAD", "Backend", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_backends", "name_apart",
-    "strip_user", "under_user",
+    "USER_HEAD", "Backend", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_apart", "check_backends",
+    "name_apart", "strip_user", "under_user",
 ]
 
 log = logging.getLogger("instrument")
@@ -253,6 +253,12 @@ class Backend:
         ``Instrumentation(resume=True)`` continues it (``run.resume[self.name]`` at `open`). Default: None."""
         return None
 
+    def writes_to(self, run: RunInfo) -> Tuple[str, ...]:
+        """The local files or folders this backend will write for ``run`` and shares with no other backend,
+        resolved before it opens: a `Logger` refuses two backends that name one (`check_apart`), since both
+        would write every record into it. Default: none."""
+        return ()
+
     def on_resume(self, next_step: int) -> None:
         """A resumed run goes on from ``next_step`` (`Instrumentation.load_state_dict`): steps from it on
         that the interrupted run already wrote are overwritten where the backend can (TensorBoard, JSONL) or
@@ -294,6 +300,22 @@ def check_backends(backends: Any) -> List["Backend"]:
                 f"subclass instrument.Backend or use one of the built-in backends."
             )
     return items
+
+
+def check_apart(backends: List["Backend"], run: RunInfo) -> None:
+    """Refuse two backends of one logger that would write the same file or folder (`Backend.writes_to`): two
+    ``JsonlBackend()`` without a path both default to ``<run dir>/metrics.jsonl`` and wrote every record twice."""
+    owners: Dict[str, Backend] = {}
+    for backend in backends:
+        for path in backend.writes_to(run):
+            other = owners.setdefault(path, backend)
+            if other is not backend:
+                raise ConfigurationError(
+                    f"{other.name} and {backend.name} would both write {path}: every record would go into it "
+                    f"twice (got {other!r} and {backend!r}; two backends of a run need a path each). Give one of "
+                    f"them its own path, e.g. JsonlBackend(path='eval.jsonl') or "
+                    f"TensorBoardBackend(log_dir='runs/tb2'), or list the backend once."
+                )
 
 
 def name_apart(backend: "Backend", others: List["Backend"]) -> None:

@@ -5,7 +5,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -100,6 +100,10 @@ class TensorBoardBackend(Backend):
         self._drops = Drops(self.name)
         self._bin_edges: Optional[np.ndarray] = None
         self._tags = TagKinds()  # the tag of each value: one kind of value per tag (`instrument.backends.tb_tags`)
+
+    def writes_to(self, run: RunInfo) -> Tuple[str, ...]:
+        """The event files' folder: two writers there write every step twice (TensorBoard reads both files)."""
+        return (os.path.realpath(Path(self.log_dir) if self.log_dir else run.dir),)
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 from torch import Tensor
 
-from instrument.backends.base import Backend, RunInfo, StepRecord, check_backends, name_apart
+from instrument.backends.base import Backend, RunInfo, StepRecord, check_apart, check_backends, name_apart
 from instrument.checks import check_int, check_number
 from instrument.core.failures import FailureLedger
 from instrument.errors import ConfigurationError
@@ -116,6 +116,8 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self.on_step_regression = on_step_regression
         self.reducer = reducer if reducer is not None else CrossRankReducer()
         self.is_writer = rank(self.reducer.group) == 0  # only rank 0 opens backends and writes
+        if self.is_writer:  # before any opens: two that share a file would write every record twice
+            check_apart(backends, self.run)
         self.ledger = FailureLedger(
             "backend", "it gets the next record again; training and the other backends go on",
             catch=BaseException,  # on the writer thread: a backend's sys.exit or CancelledError costs it alone
@@ -172,6 +174,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         if not self.is_writer:
             return False
         name_apart(backend, self.backends)
+        check_apart([*self.backends, backend], self.run)  # a ConfigurationError: it would share a file
         self.backends.append(backend)
         return self._writer.call("open", self.run, backend=backend) > 0
 

@@ -1,0 +1,67 @@
+"""Two backends, or two live sessions, that would write one file: refused before a record is written twice.
+
+Two ``JsonlBackend()`` without a path both default to ``<run dir>/metrics.jsonl`` (and two ``TensorBoardBackend()``
+to the run folder): every record went into the file twice, steps 0, 0, 1, 1... Two sessions of one process given
+one explicit JSONL path interleaved their lines, and one's resume would cut the other's.
+"""
+
+import json
+
+import pytest
+
+import instrument
+from instrument import JsonlBackend, TensorBoardBackend
+from instrument.errors import ConfigurationError
+
+
+def _steps(path):
+    return [json.loads(line).get("step") for line in path.read_text().splitlines()]
+
+
+def _run(inst, steps):
+    for step in steps:
+        with inst.step(step):
+            inst.logger.log_metrics({"x": float(step)}, step)
+    inst.close()
+
+
+@pytest.mark.parametrize("make", [JsonlBackend, TensorBoardBackend], ids=["jsonl", "tensorboard"])
+def test_two_default_file_backends_of_one_session_are_refused_and_the_run_name_stays_free(tmp_path, make):
+    kind = make.__name__
+    with pytest.raises(ConfigurationError, match=rf"{kind} and {kind}#2 would both write .*{tmp_path / 'r'}.*"
+                                                 rf"Give one of them its own path"):
+        instrument.Instrumentation(backends=[make(), make()], log_dir=str(tmp_path), run_name="r", log_interval=1)
+    assert not (tmp_path / "r").exists()  # refused before anything opened: the run name is free again
+    inst = instrument.Instrumentation(backends=[JsonlBackend(), JsonlBackend(str(tmp_path / "eval.jsonl"))],
+                                      log_dir=str(tmp_path), run_name="r", log_interval=1)
+    _run(inst, range(3))
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == [0, 1, 2]  # each record once in each file
+    assert _steps(tmp_path / "eval.jsonl") == [0, 1, 2]
+
+
+def test_a_backend_added_later_that_shares_a_file_is_refused(tmp_path):
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], log_dir=str(tmp_path), run_name="r", log_interval=1)
+    try:
+        with pytest.raises(ConfigurationError, match=r"JsonlBackend and JsonlBackend#2 would both write"):
+            inst.logger.add_backend(JsonlBackend(str(tmp_path / "r" / "." / "metrics.jsonl")))  # the same file
+        assert len(inst.logger.backends) == 1
+    finally:
+        _run(inst, [0, 1])
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == [0, 1]
+
+
+def test_two_live_sessions_of_one_process_are_refused_one_jsonl_path_until_the_first_closes(tmp_path):
+    shared = tmp_path / "shared.jsonl"
+    first = instrument.Instrumentation(backends=[JsonlBackend(str(shared))], log_dir=str(tmp_path), run_name="a",
+                                       log_interval=1)
+    with pytest.raises(ConfigurationError, match=r"JsonlBackend.*would write .*shared\.jsonl, which .*another "
+                                                 r"session in this process still writes.*close the other session"):
+        instrument.Instrumentation(backends=[JsonlBackend(str(shared))], log_dir=str(tmp_path), run_name="b",
+                                   log_interval=1)
+    assert not (tmp_path / "b").exists()
+    _run(first, [0, 1])
+    second = instrument.Instrumentation(backends=[JsonlBackend(str(shared))], log_dir=str(tmp_path), run_name="b",
+                                        log_interval=1)
+    _run(second, [5])  # after a close the file is free: a later run appends to it, as before
+    assert _steps(shared) == [0, 1, 5]
+

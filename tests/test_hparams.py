@@ -173,3 +173,30 @@ def test_a_nan_hyperparameter_reaches_the_wandb_config_as_nan_not_null(tmp_path)
     logger.close()
     _, config = read_run(tmp_path / "w")
     assert config["eps"] == "nan" and config["optim"]["eps"] == float("inf")
+
+
+@pytest.mark.parametrize("commits", ["own", "logger", "none"])
+def test_hyperparameters_reach_every_backend_when_the_run_commits_only_through_the_logger(tmp_path, commits):
+    """An evaluation script that commits only through ``inst.logger`` (never ``inst.step``) wrote no
+    hyperparameters and no operative config to any backend: they were logged at the first ``inst.step``."""
+    import json
+
+    instrument.parse_config([], ["Instrumentation.overhead_budget = None"])
+    jsonl = instrument.JsonlBackend()
+    inst = instrument.Instrumentation(backends=[jsonl, instrument.TensorBoardBackend()], log_dir=str(tmp_path),
+                                      run_name="eval", hyperparams={"lr": 0.1, "ckpt": "a.pt"})
+    for step in (0, 100) if commits != "none" else ():
+        if commits == "own":
+            inst.logger.log_metrics({"eval/return": 1.0 + step}, step=step, commit=True)
+        else:
+            inst.logger.log_metrics({"eval/return": 1.0 + step}, step=step)
+            inst.logger.commit(step)
+    inst.close()
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    params = lines[0]["hyperparameters"]  # once, before the first record, with the gin parameters
+    assert params["lr"] == 0.1 and params["ckpt"] == "a.pt" and params["Instrumentation.overhead_budget"] is None
+    assert sum("hyperparameters" in line for line in lines) == 1
+    assert "Instrumentation.overhead_budget = None" in lines[0]["config"]
+    assert [line.get("step") for line in lines[1:]] == ([0, 100] if commits != "none" else [])
+    _, hparams = _session_start(tmp_path / "eval")
+    assert hparams["lr"] == 0.1 and hparams["ckpt"] == "a.pt"

@@ -49,7 +49,7 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
             "step's means over the steps after the checkpoint only. Save checkpoints at logging steps (inside "
             "or right after `with inst.step(k)` of a logging step) to keep every interval whole. (Said once.)",
             "" if inst.logger._pending_step is None else f" up to step {inst.logger._pending_step}")
-    return {"version": 1, "run_name": inst.run.name, "last_step": last, "config_logged": inst._config_logged}
+    return {"version": 1, "run_name": inst.run.name, "last_step": last, "config_logged": inst._config.logged}
 
 
 def flush_for_checkpoint(inst: "Instrumentation", timeout: Optional[float], what: str = "state_dict()") -> bool:

@@ -12,7 +12,7 @@ import logging
 import numbers
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Union
 
 from torch import nn
 
@@ -27,7 +27,6 @@ from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.logger import shutdown
 from instrument.logger.lifecycle import check_timeout
 from instrument.logger.logger import Logger
-from instrument.logger.ranks import check_same_config
 from instrument.logger.steps import MAX_STEP, step_range_message
 from instrument.probes import record
 from instrument.probes.compiled import unwrap
@@ -35,6 +34,7 @@ from instrument.probes.embedded import ProbeSet, check_unique_names
 from instrument.probes.hooks import StateWatch
 from instrument.session import dropped
 from instrument.session.checkpoint import flush_for_checkpoint, load_session_state, session_state
+from instrument.session.config_log import ConfigLog, ConfigSource
 from instrument.session.lifecycle import NO_FLUSH, StepLifecycle, run_all
 from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
@@ -43,7 +43,6 @@ __all__ = ["Instrumentation", "set_config_source"]
 
 log = logging.getLogger("instrument")
 
-ConfigSource = Callable[[], Tuple[Dict[str, Any], Optional[str]]]
 _config_source: Optional[ConfigSource] = None
 
 
@@ -71,7 +70,8 @@ class Instrumentation(StepLifecycle):
             path separator or an absolute path is refused, and so is one whose folder is not empty (unless
             ``resume``): nothing is written outside ``log_dir`` and two runs never share a folder.
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``); a leading ``~`` is the home folder.
-        hyperparams: logged once at the first step, with the operative gin config when gin is in use.
+        hyperparams: logged once at the first step, with the operative gin config when gin is in use (a run
+            that commits only through ``inst.logger`` logs them at its first commit, or else at close).
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
         system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
             `close`; it writes ``system/...`` metrics on its own wall-clock axis.
@@ -166,7 +166,6 @@ class Instrumentation(StepLifecycle):
         self._recorder: Optional[record.Recorder] = None
         self._current: Optional[StepScope] = None
         self._scope: Optional[StepScope] = None  # the open `with inst.step(n)` block, logging or not
-        self._config_logged = False
         self._closed = False
         self.overhead_budget = overhead_budget
         self._overhead = overhead
@@ -203,6 +202,7 @@ class Instrumentation(StepLifecycle):
                 save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
                 if system_monitor is not None:
                     system_monitor.start(self.logger)
+        self._config = ConfigLog(self, self.logger, lambda: _config_source)  # started: at close if not before
         dropped.say_dropped()  # earlier sessions that were never closed (a notebook cell run again)
         dropped.track(self, self.logger, self.run.dir)
 
@@ -312,8 +312,8 @@ class Instrumentation(StepLifecycle):
         last = self.logger._last_step
         if last is not None and step < last and self.logger.on_step_regression == "raise":
             self.logger._step_regressed(step, last)  # at the start, before the body and the observers run
-        if not self._config_logged:
-            self._log_config()
+        if not self._config.logged:
+            self._config.log()
         return StepScope(self, step, self.is_logging_step(step))
 
     def log(self, metrics: Mapping[str, Any], prefix: str = "", **options: Any) -> None:
@@ -359,8 +359,8 @@ class Instrumentation(StepLifecycle):
                     f"commit the block's own step, or end the block first."
                 )
             return None
-        if not self._config_logged:  # a loop that commits only here (RLLogging) logs its config too
-            self._log_config()
+        if not self._config.logged:  # a loop that commits only here (RLLogging) logs its config too
+            self._config.log()
         self._components.log(self.logger, step)
         return self.logger.commit(step, paired=False)  # the ranks' steps may differ here (RLLogging's frames)
 
@@ -482,15 +482,3 @@ class Instrumentation(StepLifecycle):
             f"Instrumentation(observers={self.observers!r}, backends={self.logger.backends!r}, "
             f"log_interval={self.log_interval}, run={str(self.run.dir)!r})"
         )
-
-    def _log_config(self) -> None:
-        self._config_logged = True
-        params = dict(self.hyperparams)
-        text = None
-        if _config_source is not None:  # installed by instrument.config; the session never imports gin
-            gin_params, text = _config_source()
-            params = {**gin_params, **params}
-        # A collective under torch.distributed (every rank reaches its first step); a no-op otherwise.
-        check_same_config(text or "", self.logger.reducer.group)
-        if params or text:
-            self.logger.log_hyperparams(params, text)

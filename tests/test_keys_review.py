@@ -151,6 +151,31 @@ def test_the_warning_of_a_step_committed_twice_says_what_tensorboard_shows(tmp_p
     assert "TensorBoard, MLflow and JSONL keep" not in said and "W&B keeps only the first" in said
 
 
+
+def test_the_warning_of_a_step_committed_twice_names_each_key_once_and_the_users_first(tmp_path, caplog):
+    """The warning listed a key once per call that staged it (``['...', 'x', 'x']``) and filled its sample of
+    five with the session's own ``instrument/overhead/*`` keys, sorted before the user's."""
+    import ast
+    import json
+
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=2, log_dir=str(tmp_path),
+                                      run_name="rep")
+    for step in range(3):
+        with inst.step(step):
+            inst.logger.log_metrics({"x": 1.0, "y": 2.0}, step=step)
+            if step == 2:
+                inst.logger.log_metrics({"ev": 1.0}, step=step, commit=True)  # the block then commits step 2 again
+    inst.close()
+    lines = [json.loads(line) for line in (tmp_path / "rep" / "metrics.jsonl").read_text().splitlines()]
+    again = [sorted(line["metrics"]) for line in lines if line.get("step") == 2][1]
+    assert {"x", "y", "instrument/overhead/fraction"} <= set(again)  # the record whose keys the warning names
+    (said,) = [r.getMessage() for r in caplog.records if "committed a second time" in r.getMessage()]
+    named = re.search(r"\(keys (\[.*?\])( and (\d+) more)?\)", said)
+    keys = ast.literal_eval(named.group(1))
+    assert keys[:2] == ["x", "y"]  # the user's keys first, each once
+    assert len(keys) == len(set(keys)) == min(5, len(again))
+    assert int(named.group(3) or 0) == len(again) - len(keys)
+
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 ODD = ["k\nl", "m\x1bn", "a\rb", "z\x00", "t\tu"]
 

@@ -51,6 +51,7 @@ def check_step(step: object) -> None:
 
 _EMPTY = (None, None, 0)  # a `Timer.position` older than any take: rewinds to empty
 _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
+_OWN = "instrument/"  # the session's own keys (`instrument/overhead/...`): named after the user's
 
 
 class StepRecords:
@@ -139,12 +140,15 @@ class StepRecords:
         """A second record at the step last committed: written, but said once (W&B keeps only the first)."""
         if step == self._last_step and names and _REPEAT not in self._warned:
             self._warned[_REPEAT] = None
+            unique = sorted(set(names))  # a key staged by several calls (blocks, timers) is named once
+            shown = [n for n in unique if not n.startswith(_OWN)] + [n for n in unique if n.startswith(_OWN)]
+            more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
             log.warning(
-                "instrument: step %d is committed a second time (keys %s); MLflow and JSONL keep both records at "
+                "instrument: step %d is committed a second time (keys %s%s); MLflow and JSONL keep both records at "
                 "that step, TensorBoard's event file holds both but its UI shows only the last one written for a "
                 "step (a key in both shows the second value), W&B keeps only the first. Log values that belong to "
                 "the next logging step without commit=True, or commit them at their own step. (Said once per run.)",
-                step, sorted(names)[:5],
+                step, shown[:5], more,
             )
 
     def _step_regressed(self, step: int, last: int) -> None:

@@ -319,3 +319,28 @@ def test_a_start_that_holds_the_folder_refuses_another_and_a_failed_start_releas
     inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path))
     inst.close()
     assert ".instrument-starting" not in [p.name for p in (tmp_path / "r").iterdir()]
+
+
+def test_a_run_kept_in_memory_leaves_no_empty_run_folder_and_can_still_be_resumed(tmp_path):
+    """A run whose only backend is the in-memory history created ``<log_dir>/<timestamp>`` and left it empty,
+    one more folder at every notebook cell run. A folder its start made and nothing wrote to is removed at
+    close; one that holds anything (a backend's file) stays, and so does one that existed before."""
+    def run(backends, **kwargs):
+        inst = instrument.Instrumentation(backends=backends, log_interval=1, log_dir=str(tmp_path), **kwargs)
+        with inst.step(0):
+            inst.logger.log_metrics({"loss": 1.0}, step=0)
+        inst.close()
+        return inst
+
+    for _ in range(2):
+        run([instrument.RunHistoryBackend()])
+    assert list(tmp_path.iterdir()) == []
+    run([instrument.RunHistoryBackend()], run_name="mem")
+    assert not (tmp_path / "mem").exists()
+    resumed = run([instrument.RunHistoryBackend()], run_name="mem", resume=True)  # this process's run, as it was
+    assert resumed.run.dir == tmp_path / "mem" and not (tmp_path / "mem").exists()
+    run([instrument.RunHistoryBackend(), instrument.JsonlBackend()], run_name="file")
+    assert [p.name for p in (tmp_path / "file").iterdir()] == ["metrics.jsonl"]
+    (tmp_path / "made-before").mkdir()
+    run([instrument.RunHistoryBackend()], run_name="made-before")
+    assert (tmp_path / "made-before").is_dir()

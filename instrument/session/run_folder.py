@@ -15,7 +15,7 @@ import shutil
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set
 
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
@@ -76,6 +76,10 @@ def _is_used(folder: Path) -> bool:
 
 # Run folders this process's starts claimed and have not finished starting -> whether the folder existed before.
 _claims: Dict[Path, bool] = {}
+# Run folders this process's starts made, removed at `release` if nothing was written there (a run whose only
+# backend is in memory), and those so removed: resuming one in this process makes it again.
+_made: Set[Path] = set()
+_emptied: Set[Path] = set()
 
 
 def _claim(run_dir: Path) -> Optional[str]:
@@ -135,6 +139,11 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
                 refusal = run_lock.lock(root / name)
                 if refusal is not None and _claims.pop(root / name, None) is not None:
                     _release(root / name)
+    elif rank() == 0 and (root / name) in _emptied and not (root / name).exists():
+        _emptied.discard(root / name)  # a run of this process that wrote nothing on disk: resumed as it was
+        (root / name).mkdir(parents=True)
+        _claims[root / name] = False  # made by this start: removed if it fails, or if it stays empty
+        refusal = run_lock.lock(root / name)
     elif rank() == 0 and (root / name).is_dir():  # a missing run is refused by `resume_ids`
         refusal = run_lock.lock(root / name)
     name, refusal = same_on_all_ranks((name, refusal))  # every rank names the run as rank 0 does
@@ -227,11 +236,23 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
         raise
     if claimed:  # started: what it wrote keeps the folder taken (`_is_used`)
         _release(run_dir)
+        if not existed:
+            _made.add(run_dir)
 
 
 def release(run_dir: Path) -> None:
-    """The session closed: another process may now resume the run (`run_lock`)."""
-    run_lock.unlock(run_dir)
+    """The session closed: another process may now resume the run (`run_lock`). A folder its start made that
+    stayed empty (no backend, run log or run file wrote there) is removed, so a run kept in memory leaves no
+    empty ``<log_dir>/<run_name>`` behind; ``rmdir`` removes only an empty folder, so anything written there
+    since, by anyone, keeps it."""
+    run_lock.unlock(run_dir)  # removes the lock file first
+    if run_dir in _made:
+        _made.discard(run_dir)
+        try:
+            run_dir.rmdir()
+        except OSError:  # not empty (the common case), or gone
+            return
+        _emptied.add(run_dir)
 
 
 def _undo_folder(run_dir: Path, existed: bool, writers: Sequence[Any]) -> None:

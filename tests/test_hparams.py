@@ -193,10 +193,34 @@ def test_hyperparameters_reach_every_backend_when_the_run_commits_only_through_t
             inst.logger.commit(step)
     inst.close()
     lines = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
-    params = lines[0]["hyperparameters"]  # once, before the first record, with the gin parameters
+    params = lines[-1]["hyperparameters"]  # once, at close (after the records), with the gin parameters
     assert params["lr"] == 0.1 and params["ckpt"] == "a.pt" and params["Instrumentation.overhead_budget"] is None
     assert sum("hyperparameters" in line for line in lines) == 1
-    assert "Instrumentation.overhead_budget = None" in lines[0]["config"]
-    assert [line.get("step") for line in lines[1:]] == ([0, 100] if commits != "none" else [])
+    assert "Instrumentation.overhead_budget = None" in lines[-1]["config"]
+    assert [line.get("step") for line in lines[:-1]] == ([0, 100] if commits != "none" else [])
     _, hparams = _session_start(tmp_path / "eval")
     assert hparams["lr"] == 0.1 and hparams["ckpt"] == "a.pt"
+
+
+def test_a_commit_before_the_first_step_leaves_the_config_to_that_step(tmp_path):
+    """Logged at the first commit, a training script's commit before its first step (dataset statistics) would
+    have logged an operative config without the bindings used after it, and never again."""
+    import json
+
+    import gin
+
+    @gin.configurable("LaterModel")
+    def later_model(width=1):
+        return width
+
+    instrument.parse_config([], ["LaterModel.width = 7"])
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_dir=str(tmp_path), run_name="r",
+                                      hyperparams={"lr": 0.1}, overhead_budget=None)
+    inst.logger.log_metrics({"data/size": 10.0}, step=0, commit=True)
+    later_model()  # configured after that commit, before the first step
+    with inst.step(1):
+        pass
+    inst.close()
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    said = [line for line in lines if "hyperparameters" in line]
+    assert len(said) == 1 and "LaterModel.width = 7" in said[0]["config"]

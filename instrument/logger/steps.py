@@ -15,7 +15,7 @@
 import logging
 import numbers
 from threading import get_ident
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from torch import Tensor
 
@@ -56,10 +56,6 @@ _OWN = "instrument/"  # the session's own keys (`instrument/overhead/...`): name
 
 class StepRecords:
     """Mixin of `Logger` (uses its ``_lock``, ``_commit_lock``, staged table and writer)."""
-
-    # Called once, before the first record is handed over: the session's hyperparameters reach the backends
-    # ahead of it however the run commits (`instrument.session.config_log`); None once done.
-    _first_commit: Optional[Callable[[], None]] = None
 
     @property
     def last_step(self) -> Optional[int]:
@@ -206,8 +202,6 @@ class StepRecords:
                 snapshot: Any, paired: bool = True) -> Optional[CommittedStep]:
         handle: Optional[CommittedStep] = None
         try:
-            if self._first_commit is not None:
-                self._first_commit()
             handle = CommittedStep(step, self._writer)
             payload = handover(step, staged, self.reducer if collective else None, self._warn_once, paired,
                                self._final)

@@ -3,8 +3,9 @@
 A training loop logs them at its first ``inst.step`` (or `commit_step`), where the operative gin config is
 complete (the model and optimizer were configured by then). A script that commits only through
 ``inst.logger`` (an evaluation script's ``log_metrics(..., commit=True)``) never gets there, and its
-hyperparameters reached no backend. So the logger also calls `ConfigLog.log` at its first commit, and its
-close does when nothing committed at all. After the first time it costs a commit one ``is None`` check.
+hyperparameters reached no backend; they are logged before the logger closes instead. Not at its first commit:
+a training script that commits something before its first step (dataset statistics) would log an operative
+config that lacks what is configured after it, and its first step would not log it again.
 """
 
 import weakref
@@ -29,14 +30,12 @@ class ConfigLog:
         self._logger = logger
         self._source_of = source_of
         self.logged = False
-        logger._first_commit = self.log  # a commit that comes before the session's first step
         logger.before_close(self._at_close)
 
     def log(self, check: bool = True) -> None:
         """Log them now. ``check``: under `torch.distributed`, compare the operative config across ranks (a
-        collective: every rank reaches it, at its first step or commit; not at a signal or at exit)."""
+        collective: every rank reaches it, at its first step or at close; not at a signal or at exit)."""
         self.logged = True
-        self._logger._first_commit = None
         session = self._session()
         params = dict(session.hyperparams if session is not None else self._hyperparams)
         text = None
@@ -50,6 +49,6 @@ class ConfigLog:
             self._logger.log_hyperparams(params, text)
 
     def _at_close(self, prompt: bool) -> None:
-        """Before the logger closes, if nothing logged them yet (a run that never committed)."""
+        """Before the logger closes, if nothing logged them yet (a run that never entered a step)."""
         if not self.logged:
             self.log(check=not prompt)

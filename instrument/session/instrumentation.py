@@ -71,7 +71,7 @@ class Instrumentation(StepLifecycle):
             ``resume``): nothing is written outside ``log_dir`` and two runs never share a folder.
         log_dir: the folder that holds every run (``<log_dir>/<run_name>``); a leading ``~`` is the home folder.
         hyperparams: logged once at the first step, with the operative gin config when gin is in use (a run
-            that commits only through ``inst.logger`` logs them at its first commit, or else at close).
+            that commits only through ``inst.logger`` logs them at close).
         on_step_regression: ``"raise"`` or ``"warn"`` when a logged step goes backwards.
         system_monitor: e.g. `instrument.SystemMonitor()`: started here (on rank 0 only) and stopped by
             `close`; it writes ``system/...`` metrics on its own wall-clock axis.

@@ -387,6 +387,42 @@ def test_a_failed_steps_spans_are_discarded_exactly_also_when_they_were_folded()
     log.close()
 
 
+def test_a_timers_count_never_misses_the_spans_being_folded(monkeypatch):
+    """A fold moved the spans out of the list before it set the folded count: a commit reading `count` meanwhile
+    saw 0 and skipped the timer (its spans went to the next record, or at close were never written)."""
+    from instrument.logger import timer as timer_module
+
+    timer = timer_module.Timer("work", cuda=False)
+    for _ in range(timer_module.FOLD_AT - 1):
+        with timer:
+            pass
+    folding, release = threading.Event(), threading.Event()
+    combined = timer_module._combined
+
+    def held_up(folded, seconds):  # the fold, caught between its two steps
+        folding.set()
+        release.wait(10)
+        return combined(folded, seconds)
+
+    monkeypatch.setattr(timer_module, "_combined", held_up)
+
+    def one_more_span():
+        with timer:  # the FOLD_AT-th span: it folds
+            pass
+
+    spanning = threading.Thread(target=one_more_span)
+    spanning.start()
+    assert folding.wait(10)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(timer.count))
+    reader.start()
+    reader.join(0.2)  # a commit's read, while the fold is held up
+    release.set()
+    spanning.join(10)
+    reader.join(10)
+    assert seen == [timer_module.FOLD_AT]
+
+
 def test_timing_statistics_of_folded_and_single_spans_together():
     from instrument.logger.timer import timing_stats
 

@@ -138,7 +138,13 @@ class Timer:
 
     @property
     def count(self) -> int:
-        folded = self._folded  # read once: another thread may fold or take meanwhile
+        """Spans held (since the last take). Under the lock: a fold moves spans from the lists into `_folded`, and
+        a read between the two steps would count them in neither (a commit then skipped the timer)."""
+        with self._lock:
+            return self._held()
+
+    def _held(self) -> int:
+        folded = self._folded
         return (folded[0] if folded is not None else 0) + len(self._seconds) + len(self._events)
 
     def position(self) -> tuple:
@@ -156,7 +162,7 @@ class Timer:
         now held is newer than ``position``."""
         takes, folded, n_events = position
         with self._lock:
-            before = self.count
+            before = self._held()
             self._seconds.clear()  # folded at the position: every CPU span held now is newer
             if takes == self._takes:
                 self._folded = folded
@@ -164,7 +170,7 @@ class Timer:
             else:
                 self._folded, self._marked = None, 0
                 self._events.clear()
-            return before - self.count
+            return before - self._held()
 
     def take(self) -> Tuple[Folded, List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
         """The measurements since the last take (folded statistics, CPU seconds, CUDA event pairs); empties the

@@ -32,6 +32,26 @@ def _run(history, root, name, steps, resume=False, state=None, checkpoint_at=Non
     return saved, jsonl
 
 
+def test_a_history_still_open_for_one_session_is_refused_to_another(tmp_path):
+    """Given to a second session while the first was open, the history was emptied under the first: its step 0 was
+    lost, its later steps landed in the second run's series, and its close dropped the second run's samples."""
+    history = RunHistoryBackend(batch_keys=["reward"])
+    train = instrument.Instrumentation(backends=[history], log_dir=str(tmp_path), run_name="train",
+                                       overhead_budget=None)
+    train.logger.log_metrics({"train/loss": 1.0}, step=0, commit=True)
+    with pytest.raises(instrument.ConfigurationError, match=r"already open for the run in .*train.*one instance "
+                                                            r"holds one run at a time.*its own RunHistoryBackend"):
+        instrument.Instrumentation(backends=[history], log_dir=str(tmp_path), run_name="eval", overhead_budget=None)
+    train.logger.log_metrics({"train/loss": 0.5}, step=1, commit=True)
+    train.close()
+    assert list(history.metrics["train/loss"]) == [(0, 1.0), (1, 0.5)]
+    evaluation = instrument.Instrumentation(backends=[history], log_dir=str(tmp_path), run_name="eval",
+                                            overhead_budget=None)  # once closed, it may hold the next run
+    evaluation.logger.log_metrics({"eval/return": 5.0}, step=0, commit=True)
+    evaluation.close()
+    assert {key: list(values) for key, values in history.metrics.items()} == {"eval/return": [(0, 5.0)]}
+
+
 def test_a_history_given_to_a_second_run_holds_only_that_run(tmp_path):
     """Reused for a second run, the history appended its steps to the first run's series (steps 0,1,2,0,1,2)."""
     history = RunHistoryBackend(sample_key="ids", batch_keys=["reward"])

@@ -25,7 +25,8 @@ may query the history while the run goes on and sees whole steps only. The conta
 (``metrics``, ``timelog``, ...) are the live ones: iterate them only after the run is closed.
 
 Runs: the history holds one run. Opening a new run starts it empty (new containers: ones taken from the run
-before keep that run, so read or copy a run's history before giving the instance to the next run). A run
+before keep that run, so read or copy a run's history before giving the instance to the next run); one still
+open for a session is refused to another. A run
 resumed in the same process (``Instrumentation(resume=True)`` and ``load_state_dict``, or a `Logger`'s
 ``resume_after``) keeps it and drops every entry from the checkpoint's next step on (`on_resume`), as JSONL cuts
 its file, so the steps written again are not followed by their repeats.
@@ -87,6 +88,7 @@ class RunHistoryBackend(Backend):
         self._lock = threading.RLock()
         self._start_empty()
         self._stash: Optional[Tuple[RunInfo, Dict[str, Any]]] = None  # `open`: the run a bare Logger may resume
+        self._open_for: Optional[RunInfo] = None  # the run it is open for, from open to close
         for key in batch_keys:
             self.add_log(key)
 
@@ -151,6 +153,14 @@ class RunHistoryBackend(Backend):
         run's steps to the series of the runs before it. Only ``Instrumentation(resume=True)`` of the run this
         history holds keeps it (`on_resume` then drops the steps the resumed run writes again)."""
         with self._lock:
+            if self._open_for is not None:
+                raise ConfigurationError(
+                    f"RunHistoryBackend is already open for the run in {str(self._open_for.dir)!r}, and was given to "
+                    f"the run in {str(run.dir)!r} too: one instance holds one run at a time (a second would wipe "
+                    f"the first's history and mix their steps). Give each session its own RunHistoryBackend(), or "
+                    f"close the first session before giving the instance to the next."
+                )
+            self._open_for = run
             same = self.run is not None and self.run.dir.resolve() == run.dir.resolve()  # 'runs' is ./runs
             self._stash = None
             if not (same and run.resume is not None):
@@ -186,6 +196,7 @@ class RunHistoryBackend(Backend):
         """Samples named for steps that were never committed would be paired with a later run's steps."""
         with self._lock:
             self._pending_samples.clear()
+            self._open_for = None
 
     def write(self, record: StepRecord) -> None:
         with self._lock:  # a query sees this step whole or not at all

@@ -106,6 +106,20 @@ def test_a_second_run_log_takes_the_messages_until_it_is_closed_then_the_first_t
     assert f"while the run log {first.path} stays open" in b
 
 
+def test_a_refused_second_run_log_leaves_the_first_taking_the_messages(tmp_path):
+    """A second run log refused for its ``loggers`` had already taken the first's handlers off (and left its own
+    attached): the first run log got nothing more, its file saying it would take the messages again."""
+    log = logging.getLogger("instrument")
+    first = setup_run_logging(tmp_path / "a", "a", stream=io.StringIO())
+    handlers = list(log.handlers)
+    with pytest.raises(ConfigurationError, match="covered already"):
+        setup_run_logging(tmp_path / "b", "b", stream=io.StringIO(), loggers=["instrument.rl"])
+    assert log.handlers == handlers and not (tmp_path / "b").exists()
+    log.warning("instrument: <after the refusal>")
+    first.close()
+    assert "<after the refusal>" in first.path.read_text(encoding="utf-8")
+
+
 def test_closing_the_earlier_run_log_first_leaves_the_later_one_taking_the_messages(tmp_path):
     log = logging.getLogger("instrument")
     before = len(log.handlers), log.level, log.propagate

@@ -217,6 +217,9 @@ def setup_run_logging(
         level = resolved
     if not run_name or not isinstance(run_name, str):
         raise ConfigurationError(f"setup_run_logging needs a non-empty run_name string, got {run_name!r}.")
+    for name in loggers:  # before anything is made or the open run log is taken off: a refusal changes nothing
+        if name == "instrument" or name.startswith("instrument."):
+            raise ConfigurationError(f"loggers names your own loggers; {name!r} is covered already.")
     folder = Path(run_dir)
     started = time.strftime("%Y%m%d-%H%M%S")
     # A run named by its start time (the default, `YYYYmmdd-HHMMSS-xxxxxx`) would otherwise get it twice.
@@ -245,8 +248,6 @@ def setup_run_logging(
     run_log._attach(logging.getLogger("instrument"), both, propagate)
     run_log._attach(logging.getLogger("instrument.console"), [file_handler], None)  # it prints rows itself
     for name in loggers:
-        if name == "instrument" or name.startswith("instrument."):
-            raise ConfigurationError(f"loggers names your own loggers; {name!r} is covered already.")
         run_log._attach(logging.getLogger(name), both, None)
     _open.append(run_log)
     logging.getLogger("instrument").debug(

@@ -65,3 +65,29 @@ def test_two_live_sessions_of_one_process_are_refused_one_jsonl_path_until_the_f
     _run(second, [5])  # after a close the file is free: a later run appends to it, as before
     assert _steps(shared) == [0, 1, 5]
 
+
+
+def test_a_file_held_by_a_session_dropped_without_close_is_given_to_the_next_session(tmp_path, caplog):
+    """A notebook cell whose session raised before close(): its JSONL file stayed held, and every later run given
+    that path was refused, with a fix (close the other session) that cannot be done: nothing reaches it."""
+    import gc
+    import logging
+
+    path = tmp_path / "shared.jsonl"
+
+    def train(name, fail):
+        inst = instrument.Instrumentation(backends=[JsonlBackend(path=str(path))], log_dir=str(tmp_path),
+                                          run_name=name, overhead_budget=None)
+        with inst.step(0):
+            inst.log({"loss": 1.0})
+        if fail:
+            raise RuntimeError("training failed before close()")
+        inst.close()
+
+    with pytest.raises(RuntimeError):
+        train("first", fail=True)
+    gc.collect()  # the failed call's frame is gone: the session is dropped
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        train("second", fail=False)
+    assert "dropped without close()" in caplog.text and "may be given to a new session" in caplog.text
+    assert 0 in _steps(path)

@@ -98,7 +98,8 @@ class JsonlBackend(Backend):
                         f"JsonlBackend(path={self._given!r}) would write {key}, which {other!r} of another "
                         f"session in this process still writes (expected one writer per file: two sessions' "
                         f"lines would interleave, and one's resume would cut the other's). Give this run its "
-                        f"own path, or close the other session first (inst.close())."
+                        f"own path, or close the other session first (inst.close(); `with "
+                        f"instrument.Instrumentation(...) as inst:` closes it also when the block raises)."
                     )
                 self._held = key
 

@@ -19,6 +19,7 @@ inverting the first 4 bytes from register 0. About 50 us for an 8 KB PNG, agains
 """
 
 import functools
+import os
 import struct
 import threading
 from typing import Any, List, Optional
@@ -88,6 +89,18 @@ def _apply(linear: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 _tables: Optional[_Tables] = None
 _build_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """Locks a writer thread of the parent held at the fork would stop the child's own TensorBoard writes."""
+    global _build_lock
+    _build_lock = threading.Lock()
+    if _tables is not None:
+        _tables._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _get_tables() -> _Tables:

@@ -40,6 +40,30 @@ _END_STATUS = {"killed": "KILLED", "failed": "FAILED"}
 # MLflow reads its HTTP settings from the environment at every request (rest_utils.http_request). They are
 # set only around this module's own calls; the lock keeps two backends from restoring each other's values.
 _ENV_LOCK = threading.RLock()
+_ENV_SAVED: List[Dict[str, Optional[str]]] = []  # the environment before each call in flight, outermost first
+
+
+def _put_back(saved: Dict[str, Optional[str]]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a writer thread was in an MLflow call inherits the lock held by a thread it does not
+    have (its own MlflowBackend's open then waited forever) and that call's settings: a new lock, and the
+    environment as it was before the call."""
+    global _ENV_LOCK
+    _ENV_LOCK = threading.RLock()
+    if _ENV_SAVED:
+        _put_back(_ENV_SAVED[0])
+        _ENV_SAVED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Waiting(ConnectionError):
@@ -157,6 +181,7 @@ class MlflowBackend(Backend):
         }
         with _ENV_LOCK:
             saved = {k: os.environ.get(k) for k in settings}
+            _ENV_SAVED.append(saved)
             os.environ.update(settings)
             try:
                 yield
@@ -165,11 +190,9 @@ class MlflowBackend(Backend):
                     self._unreachable_until = time.monotonic() + self.retry_after
                 raise
             finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                _put_back(saved)
+                if _ENV_SAVED and _ENV_SAVED[-1] is saved:
+                    _ENV_SAVED.pop()
 
     def open(self, run: RunInfo) -> None:
         require("mlflow", "mlflow", "MlflowBackend")

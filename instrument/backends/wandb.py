@@ -1,15 +1,13 @@
 """Weights & Biases: offline by default, so no account or network is needed until a user binds ``mode``."""
 
-import contextlib
 import io
 import logging
-import sys
-import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from instrument.backends.argv import redacted_argv
 from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord, strip_user, under_user
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import split_name, unflatten_params
@@ -148,7 +146,7 @@ class WandbBackend(Backend):
         # Older W&B (before the setting existed) writes on its own fixed schedule.
         flush_field = "x_transaction_log_flush_interval"
         flush = {flush_field: self.flush_secs} if flush_field in getattr(wandb.Settings, "model_fields", {}) else {}
-        with _argv(run.argv):  # W&B records sys.argv in the run's metadata: let it see the redacted one
+        with redacted_argv(run.argv):  # W&B records sys.argv in the run's metadata: let it see the redacted one
             self.run = wandb.init(
                 project=self.project, entity=self.entity, name=run.name, group=self.group, tags=self.tags,
                 notes=self.notes, dir=self.dir, mode=self.mode, reinit="create_new",
@@ -459,27 +457,6 @@ def _resume(run: RunInfo, name: str) -> dict:
     """``wandb.init`` arguments that continue the run whose id the run folder kept (offline too)."""
     run_id = (run.resume or {}).get(name)
     return {"id": run_id, "resume": "allow"} if run_id else {}
-
-
-_ARGV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _argv(argv: Optional[Sequence[str]]) -> Iterator[None]:
-    """``sys.argv`` replaced by ``argv`` (the redacted command line) while W&B reads it, when they differ.
-
-    W&B (``Settings._args``) takes the command line from ``sys.argv`` and has no setting to pass another;
-    the swap lasts only for ``wandb.init`` on the writer thread."""
-    if argv is None or list(argv) == sys.argv:
-        yield
-        return
-    with _ARGV_LOCK:
-        saved = sys.argv[:]
-        sys.argv[:] = list(argv)
-        try:
-            yield
-        finally:
-            sys.argv[:] = saved
 
 
 def _escape(text: str) -> str:

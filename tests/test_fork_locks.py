@@ -1,0 +1,63 @@
+"""Module-wide locks a writer thread holds during a backend call, and a child forked meanwhile.
+
+A forked child has the parent's locks in the state they were in, held by threads it does not have. MLflow's
+environment lock is held for a whole MLflow call (seconds against a slow server): a child forked then (a
+``multiprocessing`` pool of a sweep, each worker with its own session) waited forever in its own MlflowBackend's
+open, and the parent waited in ``pool.map`` for good. W&B's command-line swap and the TensorBoard checksum tables
+hold theirs more briefly, with the same outcome. Each module now makes new locks in a forked child, and puts back
+what the interrupted call had changed (MLflow's HTTP settings, ``sys.argv``).
+"""
+
+import textwrap
+
+from tests.conftest import run_child
+
+FORK_WHILE_HELD = textwrap.dedent(
+    """
+    import os, sys, threading
+    from instrument.backends import argv, crc32c, mlflow
+
+    before_env = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")}
+    before_argv = list(sys.argv)
+    crc32c.crc32c(bytes(2**20))  # the tables exist
+    inside, leave = threading.Event(), threading.Event()
+
+    def in_calls():  # a writer thread in the middle of an MLflow call, a wandb.init and a checksum
+        with mlflow.MlflowBackend(timeout=7, max_retries=1)._bounded():
+            with argv.redacted_argv(["train.py", "--api-key", "<redacted>"]):
+                with crc32c._get_tables()._lock:
+                    inside.set()
+                    leave.wait()
+
+    thread = threading.Thread(target=in_calls)
+    thread.start()
+    inside.wait()
+    pid = os.fork()
+    if pid == 0:
+        done = threading.Event()
+
+        def own_calls():  # what the child's own backends do
+            with mlflow.MlflowBackend()._bounded():
+                pass
+            with argv.redacted_argv(["worker.py"]):
+                pass
+            crc32c.crc32c(bytes(2**20))
+            done.set()
+
+        threading.Thread(target=own_calls, daemon=True).start()
+        ok = done.wait(30)
+        env = {k: os.environ.get(k) for k in before_env}
+        print("child", ok, env == before_env, sys.argv == before_argv, flush=True)
+        os._exit(0)
+    leave.set()
+    thread.join()
+    os.waitpid(pid, 0)
+    print("parent", {k: os.environ.get(k) for k in before_env} == before_env, sys.argv == before_argv, flush=True)
+    """
+)
+
+
+def test_a_child_forked_during_a_backend_call_gets_its_own_locks_and_the_settings_from_before_it(tmp_path):
+    done = run_child(tmp_path, FORK_WHILE_HELD, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["child True True True", "parent True True"], done.stdout + done.stderr[-2000:]

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -307,15 +307,25 @@ def check_apart(backends: List["Backend"], run: RunInfo) -> None:
     ``JsonlBackend()`` without a path both default to ``<run dir>/metrics.jsonl`` and wrote every record twice."""
     owners: Dict[str, Backend] = {}
     for backend in backends:
-        for path in backend.writes_to(run):
-            other = owners.setdefault(path, backend)
-            if other is not backend:
-                raise ConfigurationError(
-                    f"{other.name} and {backend.name} would both write {path}: every record would go into it "
-                    f"twice (got {other!r} and {backend!r}; two backends of a run need a path each). Give one of "
-                    f"them its own path, e.g. JsonlBackend(path='eval.jsonl') or "
-                    f"TensorBoardBackend(log_dir='runs/tb2'), or list the backend once."
-                )
+        taken = claim(owners, backend.writes_to(run), backend)
+        if taken is not None:
+            path, other = taken
+            raise ConfigurationError(
+                f"{other.name} and {backend.name} would both write {path}: every record would go into it "
+                f"twice (got {other!r} and {backend!r}; two backends of a run need a path each). Give one of "
+                f"them its own path, e.g. JsonlBackend(path='eval.jsonl') or "
+                f"TensorBoardBackend(log_dir='runs/tb2'), or list the backend once."
+            )
+
+
+def claim(owners: Dict[str, Any], paths: Sequence[str], claimant: Any) -> Optional[Tuple[str, Any]]:
+    """Enter ``claimant`` as the owner of each of ``paths``; the first path another owns, with that owner (None:
+    all of them are the claimant's now)."""
+    for path in paths:
+        other = owners.setdefault(path, claimant)
+        if other is not claimant:
+            return path, other
+    return None
 
 
 def name_apart(backend: "Backend", others: List["Backend"]) -> None:

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from instrument.backends.base import Backend, RunInfo, StepRecord
+from instrument.backends.base import Backend, RunInfo, StepRecord, claim
 from instrument.errors import ConfigurationError
 from instrument.terminal.samples import cell
 
@@ -91,17 +91,18 @@ class JsonlBackend(Backend):
     def _hold(self, run: RunInfo) -> None:
         """Take the file for this backend in this process (`_writing`), or refuse: another open one writes it."""
         with _writing_lock:
-            for key in self.writes_to(run):
-                other = _writing.setdefault(key, self)
-                if other is not self:
-                    raise ConfigurationError(
-                        f"JsonlBackend(path={self._given!r}) would write {key}, which {other!r} of another "
-                        f"session in this process still writes (expected one writer per file: two sessions' "
-                        f"lines would interleave, and one's resume would cut the other's). Give this run its "
-                        f"own path, or close the other session first (inst.close(); `with "
-                        f"instrument.Instrumentation(...) as inst:` closes it also when the block raises)."
-                    )
-                self._held = key
+            paths = self.writes_to(run)
+            taken = claim(_writing, paths, self)
+            if taken is not None:
+                key, other = taken
+                raise ConfigurationError(
+                    f"JsonlBackend(path={self._given!r}) would write {key}, which {other!r} of another "
+                    f"session in this process still writes (expected one writer per file: two sessions' "
+                    f"lines would interleave, and one's resume would cut the other's). Give this run its "
+                    f"own path, or close the other session first (inst.close(); `with "
+                    f"instrument.Instrumentation(...) as inst:` closes it also when the block raises)."
+                )
+            self._held = paths[0] if paths else None  # one file at most
 
     def _let_go(self) -> None:
         with _writing_lock:

@@ -99,8 +99,10 @@ class JsonlBackend(Backend):
                     f"JsonlBackend(path={self._given!r}) would write {key}, which {other!r} of another "
                     f"session in this process still writes (expected one writer per file: two sessions' "
                     f"lines would interleave, and one's resume would cut the other's). Give this run its "
-                    f"own path, or close the other session first (inst.close(); `with "
-                    f"instrument.Instrumentation(...) as inst:` closes it also when the block raises)."
+                    f"own path, or close the other session first (inst.close()). A session you no longer hold (a "
+                    f"notebook cell that raised before close()) keeps writing until the process ends: give this "
+                    f"run another path, or restart the process; `with instrument.Instrumentation(...) as inst:` "
+                    f"closes a session also when its block raises."
                 )
             self._held = paths[0] if paths else None  # one file at most
 

@@ -42,12 +42,6 @@ def say_dropped() -> None:
     """Warn once about the sessions whose object is gone while their logger is still open (each said once)."""
     with _lock:
         dropped = [run for ref, logger, run in _open if ref() is None and not logger._closed]
-        for ref, logger, _ in _open:
-            if ref() is None and not logger._closed:
-                for backend in list(getattr(logger, "backends", ())):
-                    let_go = getattr(backend, "_let_go", None)  # a JSONL file it holds: the new session may write it
-                    if callable(let_go):
-                        let_go()
         _said[:] = [entry for entry in _said if not entry[0]._closed]
         _said.extend((logger, run) for ref, logger, run in _open if ref() is None and not logger._closed)
         _open[:] = [entry for entry in _open if entry[0]() is not None and not entry[1]._closed]
@@ -56,7 +50,6 @@ def say_dropped() -> None:
         log.warning(
             "instrument: %d earlier Instrumentation session(s) were dropped without close() (%s); each keeps its "
             "writer thread and open files until the process exits, and its last staged values are written only "
-            "then (a JSONL file one of them writes may be given to a new session: their last lines may then mix). "
-            "Close a session before making the next: inst.close(), or `with instrument.Instrumentation(...) "
+            "then. Close a session before making the next: inst.close(), or `with instrument.Instrumentation(...) "
             "as inst:`.", len(dropped), shown,
         )

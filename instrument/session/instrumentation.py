@@ -182,7 +182,6 @@ class Instrumentation(StepLifecycle):
         self.system_monitor = system_monitor
         self._loss_scale: Optional[LossScale] = None
         self.grad_scaler = grad_scaler  # checked before the run folder is claimed
-        dropped.say_dropped()  # earlier sessions never closed (a notebook cell run again), before the backends open
         # SIGTERM during the start undoes it as Ctrl-C does, then ends the process (`shutdown.starting`)
         with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):
             if resume:  # a run file that cannot be read raises here, which releases the lock
@@ -204,6 +203,7 @@ class Instrumentation(StepLifecycle):
                 if system_monitor is not None:
                     system_monitor.start(self.logger)
         self._config = ConfigLog(self, self.logger, lambda: _config_source)  # started: at close if not before
+        dropped.say_dropped()  # earlier sessions that were never closed (a notebook cell run again)
         dropped.track(self, self.logger, self.run.dir)
 
     def _abort_start(self, status: str) -> None:

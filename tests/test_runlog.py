@@ -120,6 +120,13 @@ def test_a_refused_second_run_log_leaves_the_first_taking_the_messages(tmp_path)
     assert "<after the refusal>" in first.path.read_text(encoding="utf-8")
 
 
+def test_loggers_given_as_an_iterator_are_all_attached(tmp_path):
+    run_log = setup_run_logging(tmp_path, "it", stream=io.StringIO(), loggers=(n for n in ["myapp.gen"]))
+    logging.getLogger("myapp.gen").warning("from a generator's logger")
+    run_log.close()
+    assert "from a generator's logger" in run_log.path.read_text(encoding="utf-8")
+
+
 def test_closing_the_earlier_run_log_first_leaves_the_later_one_taking_the_messages(tmp_path):
     log = logging.getLogger("instrument")
     before = len(log.handlers), log.level, log.propagate

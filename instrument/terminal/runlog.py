@@ -217,6 +217,7 @@ def setup_run_logging(
         level = resolved
     if not run_name or not isinstance(run_name, str):
         raise ConfigurationError(f"setup_run_logging needs a non-empty run_name string, got {run_name!r}.")
+    loggers = list(loggers)  # read twice below: an iterator would be empty the second time
     for name in loggers:  # before anything is made or the open run log is taken off: a refusal changes nothing
         if name == "instrument" or name.startswith("instrument."):
             raise ConfigurationError(f"loggers names your own loggers; {name!r} is covered already.")

@@ -158,7 +158,8 @@ class RunHistoryBackend(Backend):
                     f"RunHistoryBackend is already open for the run in {str(self._open_for.dir)!r}, and was given to "
                     f"the run in {str(run.dir)!r} too: one instance holds one run at a time (a second would wipe "
                     f"the first's history and mix their steps). Give each session its own RunHistoryBackend(), or "
-                    f"close the first session before giving the instance to the next."
+                    f"close the first session before giving the instance to the next (one you no longer hold, such "
+                    f"as a notebook cell's that raised before close(), keeps it: make a new instance)."
                 )
             self._open_for = run
             same = self.run is not None and self.run.dir.resolve() == run.dir.resolve()  # 'runs' is ./runs

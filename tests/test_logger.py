@@ -423,6 +423,28 @@ def test_a_timers_count_never_misses_the_spans_being_folded(monkeypatch):
     assert seen == [timer_module.FOLD_AT]
 
 
+def test_a_span_whose_events_cannot_be_read_is_left_for_the_commit_and_never_raises_in_a_span():
+    """A CUDA span begun on one device and ended on another has no elapsed time (torch raises RuntimeError): the
+    commit reports it (docs/backends.md). Folding on the training thread read it inside the next span's exit and
+    would raise there, in the user's loop. It needs two GPUs, so a pair that runs and cannot be read stands in."""
+    from instrument.logger.timer import FOLD_AT, Timer
+
+    class RunOnTwoDevices:
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):
+            raise RuntimeError("events recorded on different devices")
+
+    timer = Timer("t", cuda=False)
+    pair = (RunOnTwoDevices(), RunOnTwoDevices())
+    timer._events.append(pair)
+    for _ in range(2 * FOLD_AT):  # two folds of CPU spans walk the events
+        with timer:
+            pass
+    assert timer._events == [pair] and timer.count == 2 * FOLD_AT + 1
+
+
 def test_timing_statistics_of_folded_and_single_spans_together():
     from instrument.logger.timer import timing_stats
 

@@ -57,6 +57,7 @@ class Timer:
         self._folded: Folded = None
         self._takes = 0  # how many `take`s so far: a position from before the last one is older than all held
         self._marked = 0  # `_events[:_marked]`: pairs held at the last `position`, folded only by the next one
+        self._readable = True  # False from a pair whose time cannot be read until the next take
         self._local = threading.local()  # .starts: this thread's open spans, innermost last
         self._lock = threading.Lock()  # measurements are appended and taken from different threads
         # The owning logger's timers with measurements not taken yet (`named_timer`): each measurement enters its
@@ -120,11 +121,14 @@ class Timer:
         has not stops the walk, so a fold costs a query per pair folded and one more."""
         seconds, self._seconds = self._seconds, []
         events, done = self._events, first_pair
-        while done < len(events) and events[done][0].query() and events[done][1].query():
+        while self._readable and done < len(events) and events[done][0].query() and events[done][1].query():
             done += 1
         if done > first_pair:
-            seconds += [start.elapsed_time(end) / 1000.0 for start, end in events[first_pair:done]]
-            self._events = events[:first_pair] + events[done:]
+            try:
+                seconds += [start.elapsed_time(end) / 1000.0 for start, end in events[first_pair:done]]
+                self._events = events[:first_pair] + events[done:]
+            except RuntimeError:  # a span begun on one device and ended on another: left for the commit to report,
+                self._readable = False  # and no more tries at every span until then
         if seconds:
             self._folded = _combined(self._folded, seconds)
 
@@ -183,6 +187,7 @@ class Timer:
             taken = (self._folded, self._seconds, self._events)
             self._folded, self._seconds, self._events, self._marked = None, [], [], 0
             self._takes += 1
+            self._readable = True
         return taken
 
     def drain(self) -> Optional[Dict[str, float]]:

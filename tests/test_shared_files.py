@@ -93,3 +93,18 @@ def test_a_file_held_by_a_session_no_longer_reachable_is_refused_with_a_way_out(
     path = tmp_path / "other.jsonl"  # another path is the way out
     train("third", fail=False)
     assert 0 in _steps(path)
+
+
+def test_a_tensorboard_backend_given_to_run_after_run_writes_each_run_into_its_own_folder(tmp_path):
+    """It kept the folder of its first run: every later run's events went there, and TensorBoard showed the
+    runs as one (JsonlBackend without a path already took each run's own folder)."""
+    from tests.conftest import read_scalars
+
+    tensorboard = TensorBoardBackend()
+    for name, value in (("first", 1.0), ("second", 2.0)):
+        inst = instrument.Instrumentation(backends=[tensorboard], log_dir=str(tmp_path), run_name=name,
+                                          overhead_budget=None)
+        inst.logger.log_metrics({"x": value}, step=0, commit=True)
+        inst.close()
+    assert read_scalars(tmp_path / "first")["x"] == {0: 1.0}
+    assert read_scalars(tmp_path / "second")["x"] == {0: 2.0}

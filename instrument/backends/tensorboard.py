@@ -31,7 +31,8 @@ class TensorBoardBackend(Backend):
     """Writes scalars, images, histograms, text and videos with ``torch.utils.tensorboard.SummaryWriter``.
 
     Args:
-        log_dir: where the event files go; None means the run directory (``runs/<run-name>``).
+        log_dir: where the event files go; None means the run directory (``runs/<run-name>``) of each run the
+            backend is given to.
             Training metrics use the training step as ``global_step``; system-monitor metrics (``system/...``)
             use whole seconds since the monitor started, with the sample's wall time, and go to the sibling
             run ``<log_dir>/system``: a resumed run's purge marker hides the training steps after the
@@ -92,6 +93,7 @@ class TensorBoardBackend(Backend):
                 )
             log_dir = str(writer.get_logdir())
         self.log_dir = log_dir
+        self._given = log_dir  # None: each run's own folder, also when the backend is given to a later run
         self.flush_every_commit = flush_every_commit
         self._external = writer  # the user's: flushed, never closed
         self._writer = None
@@ -103,15 +105,18 @@ class TensorBoardBackend(Backend):
 
     def writes_to(self, run: RunInfo) -> Tuple[str, ...]:
         """The event files' folder: two writers there write every step twice (TensorBoard reads both files)."""
-        return (os.path.realpath(Path(self.log_dir) if self.log_dir else run.dir),)
+        return (os.path.realpath(Path(self._given) if self._given else run.dir),)
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:
             self._writer = self._external
             use_fast_checksums(self._external)
             return
-        path = Path(self.log_dir) if self.log_dir else run.dir
+        # The folder given, or this run's: an instance given to run after run wrote every run into the first's
+        # folder (TensorBoard showed them as one run). What it learned of a run's tags starts afresh too.
+        path = Path(self._given) if self._given else run.dir
         self.log_dir = str(path)
+        self._tags, self._drops = TagKinds(), Drops(self.name)
         self._writer = self._new_writer()
 
     def _new_writer(self, purge_step: Optional[int] = None):

@@ -672,3 +672,36 @@ def test_a_differentiable_rollout_handing_over_broadcast_slices_after_a_whole_se
     assert scalars["update_norm/l2/mean"] == pytest.approx(np.mean(norms), rel=1e-5)
     assert scalars["iteration_stats/iterations"] == iterations
     assert scalars["iteration_stats/mean/c1"] == pytest.approx(states[-1][:, 1].mean(), rel=1e-5)
+
+
+def test_a_hooked_call_hands_observers_what_step_context_promises(tmp_path):
+    """The hook builds its StepContext without the public constructor's checks: every tensor outside autograd,
+    the condition too, the freeze channels a tuple, no probe values, and dx the exact difference."""
+    seen = []
+
+    class Rule(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((1, 3, 1, 1), 0.5))
+
+        def forward(self, x, condition):
+            return x + self.w * x * condition
+
+    rule = Rule()
+    inst = instrument.Instrumentation(observers=[seen.append], backends=[], log_interval=1, log_dir=str(tmp_path),
+                                      overhead_budget=None)
+    inst.watch(rule, freeze_channels=[0])
+    condition = torch.ones(2, 3, 4, 4, requires_grad=True)
+    with inst.step(0):
+        x = torch.rand(2, 3, 4, 4, requires_grad=True)
+        for _ in range(2):
+            x = rule(x, condition)
+        x.sum().backward()
+    inst.close()
+    assert [c.step_index for c in seen] == [0, 1]
+    for context in seen:
+        assert not any(t.requires_grad for t in (context.previous_state, context.next_state, context.condition))
+        assert context.freeze_channels == (0,) and dict(context.probes) == {} and context.dx_if_known is None
+        expected = context.next_state.double() - context.previous_state.double()
+        assert torch.equal(context.dx.double(), expected.float().double())
+    assert torch.equal(seen[1].previous_state, seen[0].next_state)

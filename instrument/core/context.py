@@ -124,6 +124,22 @@ class StepContext:
             {name: value.detach() for name, value in probes.items()} if probes else {}
         )
 
+    @classmethod
+    def _of_call(cls, previous: Tensor, following: Tensor, condition: Optional[Tensor], index: int,
+                 freeze: Optional[Tuple[int, ...]]) -> "StepContext":
+        """A watched module's call, from its hook (once per iteration of a logging step): what ``__init__`` does,
+        without checking what the hook already knows (two tensors, an int, a tuple or None) and without
+        keyword-argument handling, which took about half of the hook's time to build a context."""
+        self = cls.__new__(cls)
+        self._previous = previous.detach() if previous.requires_grad else previous
+        self._next = following.detach() if following.requires_grad else following
+        self._dx = None
+        self._condition = None if condition is None else _detached(condition, "condition")
+        self._index = index
+        self._freeze = freeze
+        self._probes = {}
+        return self
+
     @property
     def previous_state(self) -> Tensor:
         return self._previous

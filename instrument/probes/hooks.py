@@ -396,15 +396,7 @@ class StateWatch:
         index = self.iterations
         self.iterations += 1
         self.last_delivered = returned  # what a loop that also calls s.observer would hand over again
-        self.deliver(
-            StepContext(
-                previous_state=previous,
-                next_state=current,
-                condition=condition,
-                step_index=index,
-                freeze_channels=self.freeze_channels,
-            )
-        )
+        self.deliver(StepContext._of_call(previous, current, condition, index, self.freeze_channels))
 
 
 def _version(tensor: Tensor) -> Optional[int]:

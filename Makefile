@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Stable timings on shared machines (see docs/benchmarks.md).
 BENCH_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
-.PHONY: install demo demo-rl test test-cuda test-floor lint bench bench-check bench-quick bench-probes bench-headline bench-hostbound clean
+.PHONY: install demo demo-rl test test-cuda test-floor lint bench bench-check bench-quick bench-probes bench-headline bench-hostbound bench-phases clean
 
 install: $(STAMP)
 
@@ -62,6 +62,10 @@ bench-headline: install
 # The GPU's regime on a CPU: tiny workloads, ops dispatched and host time per variant (docs/benchmarks.md).
 bench-hostbound: install
 	$(BENCH_ENV) $(PY) -W "ignore::DeprecationWarning" -m bench.hostbound
+
+# Where the NCA's logging step spends the training thread's time, phase by phase (docs/benchmarks.md).
+bench-phases: install
+	$(BENCH_ENV) $(PY) -W "ignore::DeprecationWarning" -m bench.phases
 
 # Embedded probes: off/on vs a probe-free model, eager/scripted/compiled (docs/probes.md).
 bench-probes: install

@@ -200,3 +200,19 @@ def test_make_bench_probes_runs_to_its_table_and_leaves_no_session_or_run_folder
     assert all(float(value) > 0 for row in rows for value in row[2:])
     assert "dropped without close" not in done.stderr + done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_phase_rows_time_every_phase_of_each_kind_and_restore_the_workload_sizes(tmp_path, monkeypatch):
+    """`make bench-phases`, two rounds on the tiny NCA: every kind has every phase, the report is written, and
+    the sizes it set do not leak into the rest of the process."""
+    from bench import phases, workloads
+
+    monkeypatch.setattr(phases, "RESULTS", tmp_path)
+    before = dict(workloads.NCA_SIZE)
+    medians = phases.main(["--reps", "2", "--warmup", "1", "--hostbound"])
+    assert workloads.NCA_SIZE == before
+    assert set(medians) == set(phases.KINDS)
+    assert all(set(row) == set(phases.PHASES) for row in medians.values())
+    saved = json.loads((tmp_path / "phases.json").read_text())
+    assert saved["reps"] == 2 and saved["ms"]["bare"]["forward"] > 0
+    assert "| `log-tb` |" in (tmp_path / "phases.md").read_text()

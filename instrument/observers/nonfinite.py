@@ -23,6 +23,7 @@ from instrument.core.devices import to_device
 from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
+from instrument.observers.grad_counts import grad_counts
 from instrument.observers.gradient_stats import Patterns, select_parameters
 from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import check_limit
@@ -286,7 +287,7 @@ class NonFinite(Observer):
                  for name, p in self._params if p.grad is not None]
         self._amp = bool(grads) and self.loss_scale is not None and self.loss_scale.enabled
         if grads:
-            per_param = _grad_counts([g for _, g in grads])
+            per_param = grad_counts([g for _, g in grads])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
         scale = self.loss_scale.current() if self._amp else None  # None: no scale() call yet
@@ -450,23 +451,6 @@ class NonFinite(Observer):
 
 
 _NAMED = 8  # the parameters a report names, in order; the rest are counted (each has its grad_count/<name> key)
-
-
-def _grad_counts(grads: List[Tensor]) -> Tensor:
-    """Non-finite elements of each gradient, an int64 [P] tensor on the first one's device. Floats as in
-    `nonfinite_counts` (``g - g`` is NaN exactly where ``g`` is not finite): three kernels per gradient, the 0/1
-    indicator summed as int64 (exact, and a dtype every device has: MPS has no float64), against five for
-    ``isfinite(g).sum()`` (a composite of four)."""
-    device = grads[0].device
-    counts = []
-    for g in grads:
-        if g.is_floating_point():
-            indicator = g - g
-            torch.nan_to_num_(indicator, nan=1.0)
-            counts.append(indicator.sum(dtype=torch.int64))
-        else:  # complex (integer gradients do not exist)
-            counts.append(g.numel() - torch.isfinite(g).sum())
-    return torch.stack([c.to(device) for c in counts])
 
 
 def _first_nonfinite(tables: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:

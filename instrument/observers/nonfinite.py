@@ -283,7 +283,7 @@ class NonFinite(Observer):
             metrics["count"] = (counts[0] if len(counts) == 1 else torch.cat(counts)).sum()
         # A sparse gradient (nn.Embedding(sparse=True)) is checked through its stored values: isfinite has no
         # sparse kernel, so it failed the whole log, losing every other count of the step.
-        grads = [(name, p.grad.detach() if p.grad.layout == torch.strided else p.grad.detach()._values())
+        grads = [(name, p.grad if p.grad.layout == torch.strided else p.grad._values())  # `log`: under no_grad
                  for name, p in self._params if p.grad is not None]
         self._amp = bool(grads) and self.loss_scale is not None and self.loss_scale.enabled
         if grads:

@@ -236,7 +236,8 @@ class ConsoleBackend(Backend):
             grid.add_column(style="bold", no_wrap=True)
             grid.add_column()
             for field, value in row.items():
-                grid.add_row(Text(printable(str(field))), Text(_fmt(value) if isinstance(value, float) else str(value)))
+                shown = _fmt(value) if isinstance(value, float) else printable(str(value), keep="\n\t")  # lines kept
+                grid.add_row(Text(printable(str(field))), Text(shown))
             score = row.get(table.score_key)
             title = f"{printable(tag)} | step {step} | {label}"
             if isinstance(score, (int, float)):

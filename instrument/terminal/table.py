@@ -305,8 +305,8 @@ class StepTable:
         if _missing(value):
             return MISSING
         fmt = column.fmt
-        if fmt == "str":
-            return str(value)
+        if fmt == "str":  # a text's escape, carriage return or newline would reach the terminal or split the row
+            return printable(str(value))
         if fmt == "frac":
             pair = _pair(value)
             if pair is None:

@@ -12,14 +12,20 @@ from typing import Dict, Sequence
 __all__ = ["cut", "display_width", "pad", "printable", "unique_headers"]
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode's control characters (category Cc)
+# Unicode's control characters (category Cc), the bidirectional formatting characters (U+202E turns the rest of
+# a line around in a terminal that does bidi) and lone surrogates (``os.fsdecode``: no encoding can write them)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
-def printable(text: str) -> str:
+def printable(text: str, keep: str = "") -> str:
     """``text`` with each control character written as its escape (``\\n``, ``\\r``, ``\\t``, ``\\x1b``,
-    ``\\x00``), as a name is shown on a terminal: a newline in a metric key split the table's header and legend,
-    and an escape or a carriage return was written raw to the terminal. Display only: keys are stored as given."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text) if _CONTROL.search(text) else text
+    ``\\x00``, ``\\u202e``, a lone surrogate's ``\\ud800``), as a name or a logged text is shown on a terminal: a
+    newline in a metric key split the table's header and legend, and an escape or a carriage return was written raw
+    to the terminal. ``keep``: characters left as they are (a panel keeps a text's line breaks). Display only: keys
+    and values are stored as given."""
+    if not _CONTROL.search(text):
+        return text
+    return _CONTROL.sub(lambda m: m.group() if m.group() in keep else repr(m.group())[1:-1], text)
 
 
 def _cell_width(char: str) -> int:

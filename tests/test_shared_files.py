@@ -108,3 +108,33 @@ def test_a_tensorboard_backend_given_to_run_after_run_writes_each_run_into_its_o
         inst.close()
     assert read_scalars(tmp_path / "first")["x"] == {0: 1.0}
     assert read_scalars(tmp_path / "second")["x"] == {0: 2.0}
+
+
+@pytest.mark.parametrize("second", ["tensorboard", "jsonl"])
+def test_a_backend_pointed_at_tensorboards_system_folder_is_refused(tmp_path, second):
+    """TensorBoardBackend writes the system monitor's samples to ``<log_dir>/system``, a run of its own. A second
+    TensorBoardBackend given that folder wrote its training steps into it (TensorBoard showed them as the system
+    run's, and its resume marker would have hidden samples there); a JsonlBackend whose file was that path made
+    every system sample fail. Both are refused now; a file inside the folder is no event file and stays allowed."""
+    from instrument.backends.base import StepRecord
+    from tests.conftest import read_scalars
+
+    system = tmp_path / "r" / "system"
+    other = TensorBoardBackend(log_dir=str(system)) if second == "tensorboard" else JsonlBackend(path=str(system))
+    with pytest.raises(ConfigurationError, match=rf"TensorBoardBackend and {type(other).__name__}(#2)? would both "
+                                                 rf"write {system}: .*the system samples' run"):
+        instrument.Instrumentation(backends=[TensorBoardBackend(), other], log_dir=str(tmp_path), run_name="r")
+    assert not (tmp_path / "r").exists()
+    logger = instrument.Logger([TensorBoardBackend(), JsonlBackend(path=str(system / "eval.jsonl"))],
+                               instrument.RunInfo("r", tmp_path))
+    for step in (1, 2):
+        logger.log_metrics({"loss": float(step)}, step=step)
+        logger.commit(step)
+        logger.write_system(StepRecord(step, {"system/cpu": 10.0 * step, "system/seconds": float(step)}))
+    logger.close()
+    assert logger.failures == {}
+    assert read_scalars(system) == {"system/cpu": {1: 10.0, 2: 20.0}, "system/seconds": {1: 1.0, 2: 2.0}}
+    assert read_scalars(tmp_path / "r") == {"loss": {1: 1.0, 2: 2.0}}
+    lines = [json.loads(line) for line in (system / "eval.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "step" in line] == [1, 2]
+    assert [line["system_step"] for line in lines if "system_step" in line] == [1, 2]

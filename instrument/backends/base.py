@@ -312,8 +312,9 @@ def check_apart(backends: List["Backend"], run: RunInfo) -> None:
             path, other = taken
             raise ConfigurationError(
                 f"{other.name} and {backend.name} would both write {path}: every record would go into it "
-                f"twice (got {other!r} and {backend!r}; two backends of a run need a path each). Give one of "
-                f"them its own path, e.g. JsonlBackend(path='eval.jsonl') or "
+                f"twice, or their records would be mixed (a TensorBoardBackend also writes the folder 'system' "
+                f"in its log_dir: the system samples' run) (got {other!r} and {backend!r}; two backends of a run "
+                f"need a path each). Give one of them its own path, e.g. JsonlBackend(path='eval.jsonl') or "
                 f"TensorBoardBackend(log_dir='runs/tb2'), or list the backend once."
             )
 

@@ -104,8 +104,11 @@ class TensorBoardBackend(Backend):
         self._tags = TagKinds()  # the tag of each value: one kind of value per tag (`instrument.backends.tb_tags`)
 
     def writes_to(self, run: RunInfo) -> Tuple[str, ...]:
-        """The event files' folder: two writers there write every step twice (TensorBoard reads both files)."""
-        return (os.path.realpath(Path(self._given) if self._given else run.dir),)
+        """The event files' folder: two writers there write every step twice (TensorBoard reads both files). And
+        its `SYSTEM_RUN` subfolder, the system samples' run: another backend's steps there were shown as that run's
+        (a second TensorBoardBackend), or a file of that name (JSONL) made every system sample fail."""
+        folder = Path(self._given) if self._given else run.dir
+        return (os.path.realpath(folder), os.path.realpath(folder / SYSTEM_RUN))
 
     def open(self, run: RunInfo) -> None:
         if self._external is not None:

@@ -49,18 +49,18 @@ def measure(reps: int, warmup: int, tmp: str) -> Dict[str, Dict[str, List[float]
     n_iter = workloads.NCA_SIZE["n_iter"]
     opt = torch.optim.Adam(rule.parameters(), lr=1e-4)
     sessions = {}
-    for kind in KINDS[1:]:
-        backend = instrument.TensorBoardBackend() if kind == "log-tb" else workloads.SinkBackend()
-        sessions[kind] = workloads.opened(instrument.Instrumentation(
-            observers=workloads.make_observers(workloads.OBSERVERS, "nca"), backends=[backend], log_interval=1,
-            run_name=None, log_dir=tmp, overhead_budget=None,
-        ))
-        sessions[kind].watch(rule)
     sync = torch.cuda.synchronize if workloads.device().type == "cuda" else (lambda: None)
     clock = time.thread_time
     times: Dict[str, Dict[str, List[float]]] = {kind: {phase: [] for phase in PHASES} for kind in KINDS}
     step = 1
-    try:
+    try:  # from the first session made: one that fails to open or watch closes those before it
+        for kind in KINDS[1:]:
+            backend = instrument.TensorBoardBackend() if kind == "log-tb" else workloads.SinkBackend()
+            sessions[kind] = workloads.opened(instrument.Instrumentation(
+                observers=workloads.make_observers(workloads.OBSERVERS, "nca"), backends=[backend], log_interval=1,
+                run_name=None, log_dir=tmp, overhead_budget=None,
+            ))
+            sessions[kind].watch(rule)
         for rep in range(warmup + reps):
             for kind in KINDS:
                 step += 1
@@ -99,7 +99,8 @@ def markdown(medians: Dict[str, Dict[str, float]], reps: int) -> str:
     lines = [
         "# instrument: the NCA's logging step by phase (training thread's CPU time, median ms)",
         "",
-        f"{setup_line(reps)} NCA {workloads.NCA_SIZE}, IterationStats + UpdateNorm, hooks, "
+        f"{setup_line(reps).replace(' repetitions per group', ' rounds of one step of each kind')} NCA "
+        f"{workloads.NCA_SIZE}, IterationStats + UpdateNorm, hooks, "
         "`overhead_budget=None`. `wall`: the whole step's wall time, no sync.",
         "",
         "| kind | " + " | ".join(PHASES) + " |",

@@ -25,7 +25,7 @@ def _reference(grads):
                                              .numpy()))) for g in grads]
 
 
-@pytest.mark.parametrize("chunk", [module.CHUNK, 50])  # 50: every few gradients a chunk of their own
+@pytest.mark.parametrize("chunk", [module.CHUNK, 200])  # 200 bytes: a few gradients to a chunk, or one
 def test_counts_of_many_small_float_gradients_are_exact_and_in_order(monkeypatch, chunk):
     monkeypatch.setattr(module, "CHUNK", chunk)
     grads = [_poisoned(n, torch.float32, bad, seed) for seed, (n, bad) in
@@ -70,3 +70,21 @@ def test_cuda_gradients_are_counted_exactly_with_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert counts.device.type == "cuda" and counts.dtype == torch.int64
     assert counts.tolist() == _reference([g.cpu() for g in grads])
+
+
+def test_the_fused_path_holds_at_most_chunk_bytes_of_differences_at_once(monkeypatch):
+    """3,000 float64 gradients of 4,096 elements (96 MiB): differenced a group of at most CHUNK bytes at a time,
+    not all at once (the temporaries stay beside the gradients until their norms are taken)."""
+    sizes = []
+    real = torch._foreach_sub
+
+    def spy(tensors, others):
+        sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+        return real(tensors, others)
+
+    monkeypatch.setattr(module, "CPU_FUSED_MAX", 4096)
+    monkeypatch.setattr(torch, "_foreach_sub", spy)
+    grads = [torch.zeros(4096, dtype=torch.float64) for _ in range(3000)]
+    grads[-1][0] = float("nan")
+    assert grad_counts(grads).tolist() == [0] * 2999 + [1]
+    assert len(sizes) > 1 and max(sizes) <= module.CHUNK and sum(sizes) == 3000 * 4096 * 8

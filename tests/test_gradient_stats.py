@@ -475,3 +475,30 @@ def test_gradient_stats_stages_its_call_as_one_block_so_later_calls_keep_the_fas
     assert dict(inst.failures) == {} and seen == [True, True]
     for record, total in zip(sink.records, totals, strict=True):
         assert record.scalars["grad_stats/norm/global"] == float(total)  # bitwise, as clip_grad_norm_ returns it
+
+
+def test_log_called_by_hand_outside_no_grad_stages_no_value_that_carries_autograd_graph(monkeypatch):
+    """A session runs `log` under no_grad; an observer driven by hand (reset, attach, backward, detach, log) must
+    not hand the logger parameter norms that require grad (they would keep the model's graph alive), also with
+    gradients from a create_graph backward."""
+    staged = []
+    real = instrument.Logger.log_metrics
+
+    def spy(self, metrics, *args, **kwargs):
+        staged.extend(value for value in metrics.values() if isinstance(value, Tensor))
+        return real(self, metrics, *args, **kwargs)
+
+    monkeypatch.setattr(instrument.Logger, "log_metrics", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    observer = GradientStats(per="param", weight_norm=True, update_ratio=True)
+    logger = instrument.Logger([Sink()])
+    observer.reset()
+    observer.attach([model])
+    grads = torch.autograd.grad(model(torch.randn(8, 4)).square().sum(), list(model.parameters()), create_graph=True)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g
+    observer.detach()
+    observer.log(logger, 0)
+    logger.close()
+    assert len(staged) >= 9 and not [v for v in staged if v.requires_grad or v.grad_fn is not None]

@@ -91,3 +91,18 @@ def test_odd_texts_and_hyperparameters_reach_every_store_as_given_or_escaped(tmp
     stored = client.get_run(backends[3].run_id).data.params
     assert stored == {f"hp/{key}": _escaped(text)[:6000] for key, text in ODD.items()}
     assert [m.value for m in client.get_metric_history(backends[3].run_id, "loss")] == [1.0, 2.0]
+
+
+def test_hebrew_and_arabic_marks_are_shown_as_written_and_overrides_escaped():
+    """U+200F, U+200E and U+061C (marks that right-to-left text uses, which reorder nothing beyond their
+    neighbours) stay as written in headers and texts; an override (U+202E) is escaped."""
+    header = "\u05d4\u05e4\u05e1\u05d3\u200f"  # four Hebrew letters and a right-to-left mark: 4 cells
+    assert Column("train/loss", header, 6, ".4f").header == header
+    out = io.StringIO()
+    console = instrument.ConsoleBackend(columns=[Column("t/name", "name", 16, "str")], stream=out)
+    logger = instrument.Logger([console])
+    logger.log_text("t/name", "\u05e9\u05dc\u05d5\u05dd\u200f \u061c!\u202e", 1)
+    logger.commit(1)
+    logger.close()
+    row = next(line for line in out.getvalue().splitlines() if line.strip().startswith("1"))
+    assert "\u05e9\u05dc\u05d5\u05dd\u200f \u061c!\\u202e" in row and "\u202e" not in row

@@ -13,8 +13,9 @@ float32 only to 2**24, so a float32 gradient of more than 2**24 elements, and ev
 bfloat16, whose counts would be exact only to 2,048 and 256, and complex), takes the per-gradient path: the
 indicator summed as int64. So does a CPU gradient of more than ``CPU_FUSED_MAX`` elements (below).
 
-Memory: the differences are made a group of at most ``CHUNK`` elements at a time, so the temporary never holds
-more than that beside the gradients (one gradient's size, where one is larger).
+Memory: the differences are made for a group of at most ``CHUNK`` bytes of gradients at a time (16 MiB), so the
+temporaries never hold more than that beside the gradients (one gradient's size, where one is larger; the
+per-gradient path holds one gradient's difference too). Past a few hundred gradients a group saves little more.
 """
 
 from typing import Dict, List, Tuple
@@ -24,7 +25,7 @@ from torch import Tensor
 
 __all__ = ["CHUNK", "CPU_FUSED_MAX", "grad_counts"]
 
-CHUNK = 1 << 25  # elements differenced at a time (128 MiB of float32 temporaries)
+CHUNK = 16 << 20  # bytes of gradients differenced at a time: the temporaries the fused path holds at once
 # The most elements of a gradient counted on the fused path: float64 counts are exact to 2**53, float32 ones to
 # 2**24. On a CPU only small gradients: there the L0 norm has no vectorised kernel, and from about 8,000 elements
 # on the per-gradient path's three vectorised passes are faster than the launches it saves (torch 2.13, one thread).
@@ -57,12 +58,12 @@ def _fused_counts(grads: List[Tensor], members: List[int], device: torch.device)
     """The counts of ``grads[i]`` for ``i`` in ``members`` (one device and dtype), int64 [n] pieces on ``device``."""
     pieces, chunk, size = [], [], 0
     for index in members:
-        numel = grads[index].numel()
-        if chunk and size + numel > CHUNK:
+        nbytes = grads[index].numel() * grads[index].element_size()
+        if chunk and size + nbytes > CHUNK:
             pieces.append(_l0_of_differences([grads[i] for i in chunk], device))
             chunk, size = [], 0
         chunk.append(index)
-        size += numel
+        size += nbytes
     if chunk:
         pieces.append(_l0_of_differences([grads[i] for i in chunk], device))
     return pieces

@@ -12,9 +12,11 @@ from typing import Dict, Sequence
 __all__ = ["cut", "display_width", "pad", "printable", "unique_headers"]
 
 
-# Unicode's control characters (category Cc), the bidirectional formatting characters (U+202E turns the rest of
-# a line around in a terminal that does bidi) and lone surrogates (``os.fsdecode``: no encoding can write them)
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# Unicode's control characters (category Cc), the bidirectional embeddings, overrides and isolates (U+202E turns
+# the rest of a line around in a terminal that does bidi; the marks U+200E, U+200F and U+061C, which Hebrew and
+# Arabic text uses and which reorder nothing beyond their neighbours, are kept) and lone surrogates
+# (``os.fsdecode``: no encoding can write them)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: str, keep: str = "") -> str:

@@ -705,3 +705,24 @@ def test_a_hooked_call_hands_observers_what_step_context_promises(tmp_path):
         expected = context.next_state.double() - context.previous_state.double()
         assert torch.equal(context.dx.double(), expected.float().double())
     assert torch.equal(seen[1].previous_state, seen[0].next_state)
+
+
+def test_a_condition_keyword_that_is_not_a_tensor_is_not_handed_over_and_training_goes_on(tmp_path):
+    """`rule(x, condition=2.0)`: the hook raised a TypeError into the training loop (telling the user to pass a
+    state tensor). A number named condition is the module's business: observers see the call, condition None."""
+    seen = []
+
+    class Rule(torch.nn.Module):
+        def forward(self, x, condition=1.0):
+            return x * condition
+
+    rule = Rule()
+    inst = instrument.Instrumentation(observers=[seen.append], backends=[], log_interval=1, log_dir=str(tmp_path),
+                                      overhead_budget=None)
+    inst.watch(rule)
+    with inst.step(0):
+        x = rule(torch.ones(2, 3), condition=2.0)
+        x = rule(x, torch.full((2, 3), 0.5))
+    inst.close()
+    assert torch.equal(x, torch.ones(2, 3))
+    assert [c.condition for c in seen][0] is None and torch.equal(seen[1].condition, torch.full((2, 3), 0.5))

@@ -241,6 +241,8 @@ class StateWatch:
         condition = kwargs.get("condition")
         if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
             condition = args[1]
+        elif condition is not None and not isinstance(condition, Tensor):
+            condition = None  # a number or a flag named condition: a context's condition is a tensor or nothing
         if wrapped:
             shape = list(current.shape) if current is not None else None  # a BatchedTensor's: one sample's
             previous, current, condition = plain(previous), plain(current), plain(condition)

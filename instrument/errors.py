@@ -14,7 +14,8 @@ Failures inside observers and backends are not raised: they are reported once th
 logger and the run goes on. NonFiniteError is the one exception: the user asked for it to stop training.
 """
 
-from typing import Optional
+import sys
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderError", "InvalidValueError",
            "MissingExtraError", "NonFiniteError"]
@@ -22,6 +23,23 @@ __all__ = ["InstrumentError", "ConfigurationError", "ProbeError", "StepOrderErro
 
 class InstrumentError(Exception):
     """Base class of the errors instrument raises on purpose."""
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Pickled as its class, message and attributes, so that it crosses processes (a multiprocessing
+        ``Pool``'s result, ``concurrent.futures``): also an error whose ``__init__`` takes other arguments than
+        the message (`MissingExtraError`, which the default ``cls(*args)`` could not build again: the pool's
+        result thread died and ``pool.map`` waited forever), and one gin raised from inside a configurable
+        (``Instrumentation(...)``, a backend) as a subclass made on the spot, which pickle cannot name: that one
+        is pickled as the error it stands for, with gin's message (the parent saw only a ``PicklingError``)."""
+        if _named(type(self)):
+            return _rebuilt, (type(self), self.args, _state(self))
+        original = self.__context__  # gin raises its proxy while handling the error it stands for
+        while original is not None and not _named(type(original)):
+            original = original.__context__
+        if isinstance(original, InstrumentError):
+            return _rebuilt, (type(original), (str(self),), _state(original))
+        named = next(c for c in type(self).__mro__ if _named(c))
+        return _rebuilt, (named, (str(self),), {})
 
 
 class ConfigurationError(InstrumentError, ValueError):
@@ -86,3 +104,32 @@ class NonFiniteError(InstrumentError, FloatingPointError):
     The message names the step, the rollout iteration, the channel(s) and where the value was seen. It is the
     one error an observer may raise into training (the dispatcher lets it through): the user asked to stop.
     """
+
+
+def _named(cls: type) -> bool:
+    """Whether pickle can find ``cls`` by its module and name."""
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
+
+
+def _state(error: "InstrumentError") -> Dict[str, Any]:
+    """The attributes an error's built-in base pickles (its ``__dict__``; ImportError's ``name`` and ``path``)."""
+    reduced = super(InstrumentError, error).__reduce__()
+    return dict(reduced[2]) if len(reduced) > 2 and reduced[2] else {}
+
+
+def _rebuilt(cls: type, args: Tuple[Any, ...], state: Dict[str, Any]) -> BaseException:
+    """An error of ``cls`` with ``args`` and ``state``, built without its own ``__init__`` (`InstrumentError`)."""
+    builtins = [c for c in cls.__mro__ if c.__module__ == "builtins"]
+    for base in builtins:  # the built-in base that lays the error out (OSError beside ValueError) makes it
+        try:
+            error = base.__new__(cls, *args)
+        except TypeError:
+            continue
+        builtins[0].__init__(error, *args)  # as the error's own __init__ reached it (ImportError's ``msg``)
+        for name, value in state.items():
+            setattr(error, name, value)
+        return error
+    raise TypeError(f"cannot unpickle a {cls.__qualname__}: no built-in base of it can make one")

@@ -653,3 +653,38 @@ def test_a_name_tag_that_cannot_be_written_costs_the_hyperparameters_call_nothin
     run = client.get_run(backend.run_id)
     assert run.data.params == {"w_0_": "1"} and any(tag.startswith("instrument.key.") for tag in run.data.tags)
     assert [m.value for m in client.get_metric_history(backend.run_id, "loss")] == [0.5]  # sent with this record
+
+
+_POOL_OF_MLFLOW_RUNS = """
+import multiprocessing, sys
+import mlflow  # imported before the fork: every worker reaches the store's first use at about the same time
+import instrument
+
+def task(k):
+    with instrument.Instrumentation(log_interval=1, run_name=f"t{k}", log_dir=sys.argv[1], overhead_budget=None,
+                                    backends=[instrument.MlflowBackend()]) as inst:
+        for step in range(3):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": float(step)}, step=step)
+    return k
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        print(pool.map(task, range(4)))
+"""
+
+
+def test_pool_workers_sharing_a_log_dir_create_the_default_store_one_at_a_time(tmp_path):
+    """A sweep's Pool workers with one log_dir share `sqlite:///<log_dir>/mlflow.db`; created and migrated by
+    several processes at once, most workers' MLflow failed to open (MLflow's "Online migration expected to match
+    one row", "duplicate column name"). Each run is now there, finished, with every step."""
+    from tests.conftest import run_child
+
+    out = run_child(tmp_path, _POOL_OF_MLFLOW_RUNS, str(tmp_path / "runs"), timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("instrument").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["t0", "t1", "t2", "t3"]
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]

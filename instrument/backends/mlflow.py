@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
+from instrument.backends.store_lock import held
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
@@ -147,6 +148,7 @@ class MlflowBackend(Backend):
             fix="bind e.g. MlflowBackend.retry_after = 30.0, or 0 to try the server on every call",
         )
         self.tracking_uri = tracking_uri
+        self._store_lock = None  # the default store's lock file, a Path (`open`)
         self.experiment_name = experiment_name
         self.run_name = run_name
         self.tags = dict(tags or {})
@@ -202,6 +204,7 @@ class MlflowBackend(Backend):
             root = run.root
             root.mkdir(parents=True, exist_ok=True)
             self.tracking_uri = f"sqlite:///{(root / 'mlflow.db').resolve()}"
+            self._store_lock = root / "mlflow.db.lock"  # its first use creates it: one process at a time
             if self._artifacts is None:
                 self._artifacts = (root / "mlartifacts").resolve().as_uri()
         self._start()
@@ -234,18 +237,19 @@ class MlflowBackend(Backend):
 
         self._entities = entities
         artifacts = self._artifacts
-        self.client = client = MlflowClient(tracking_uri=self.tracking_uri)
-        experiment = client.get_experiment_by_name(self.experiment_name)
-        if experiment is None:
-            try:
-                experiment_id = client.create_experiment(self.experiment_name, artifact_location=artifacts)
-            except Exception:  # created meanwhile by another process
-                experiment = client.get_experiment_by_name(self.experiment_name)
-                if experiment is None:
-                    raise
+        with held(self._store_lock):  # the default store: created and migrated by one process at a time
+            self.client = client = MlflowClient(tracking_uri=self.tracking_uri)
+            experiment = client.get_experiment_by_name(self.experiment_name)
+            if experiment is None:
+                try:
+                    experiment_id = client.create_experiment(self.experiment_name, artifact_location=artifacts)
+                except Exception:  # created meanwhile by another process
+                    experiment = client.get_experiment_by_name(self.experiment_name)
+                    if experiment is None:
+                        raise
+                    experiment_id = experiment.experiment_id
+            else:
                 experiment_id = experiment.experiment_id
-        else:
-            experiment_id = experiment.experiment_id
         resumed = (run.resume or {}).get(self.name)
         if resumed:  # continue the same run; steps it already has are not written again
             client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")

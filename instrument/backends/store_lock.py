@@ -1,0 +1,40 @@
+"""A lock between processes (and threads) around opening a local store that several runs share.
+
+MLflow creates and migrates a new sqlite store at its first use. Several processes doing that at once, such as a
+sweep's ``multiprocessing.Pool`` workers that share one ``log_dir`` and so MlflowBackend's default
+``sqlite:///<log_dir>/mlflow.db``, fail: in a review, two of three workers' starts raised MLflow's "Online
+migration expected to match one row" and their runs went without MLflow. `held` serialises that first use with an
+exclusive ``flock`` on a file beside the store. The kernel drops the lock when its holder exits however it exits,
+so nothing stale is left. Where ``flock`` is not available (not POSIX, or a file system without it) the block runs
+unlocked, as before.
+"""
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["held"]
+
+
+@contextlib.contextmanager
+def held(path: Optional[Path]) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made if missing) for the block; None, or no ``flock``: no lock. The
+    lock is per open file, so two threads of one process each wait for the other too."""
+    fd = None
+    if path is not None and fcntl is not None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process opens the store
+        except OSError:  # no folder to write in (the store says why), or no flock there: unlocked
+            pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock

@@ -61,3 +61,49 @@ def test_a_child_forked_during_a_backend_call_gets_its_own_locks_and_the_setting
     done = run_child(tmp_path, FORK_WHILE_HELD, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["child True True True", "parent True True"], done.stdout + done.stderr[-2000:]
+
+
+STORE_LOCK_IN_CHILD = textwrap.dedent(
+    """
+    import fcntl, os, sys, threading
+    from pathlib import Path
+    from instrument.backends.store_lock import held
+
+    path = Path(sys.argv[1])
+    inside, leave = threading.Event(), threading.Event()
+
+    def opening():  # a writer thread opening MLflow's default store
+        with held(path):
+            inside.set()
+            leave.wait()
+
+    thread = threading.Thread(target=opening)
+    thread.start()
+    inside.wait()
+    ready, done = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a worker forked meanwhile; it lives on after the parent's block ends
+        os.write(ready[1], b"x")
+        os.read(done[0], 1)
+        os._exit(0)
+    os.read(ready[0], 1)
+    leave.set()
+    thread.join()
+    probe = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print("free")
+    except BlockingIOError:
+        print("held by the child")
+    os.write(done[1], b"x")
+    os.waitpid(pid, 0)
+    """
+)
+
+
+def test_a_child_forked_while_the_store_lock_is_held_does_not_keep_it(tmp_path):
+    """A flock belongs to the open file: a child forked while MLflow's default store was being opened kept the
+    parent's lock for as long as it lived, and every later open of that store (its own, other processes') waited."""
+    out = run_child(tmp_path, STORE_LOCK_IN_CHILD, str(tmp_path / "mlflow.db.lock"), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["free"]

@@ -12,7 +12,7 @@ unlocked, as before.
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Set
 
 try:
     import fcntl
@@ -20,6 +20,8 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["held"]
+
+_open: Set[int] = set()  # the descriptors `held` holds now, in this process
 
 
 @contextlib.contextmanager
@@ -30,6 +32,7 @@ def held(path: Optional[Path]) -> Iterator[None]:
     if path is not None and fcntl is not None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            _open.add(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process opens the store
         except OSError:  # no folder to write in (the store says why), or no flock there: unlocked
             pass
@@ -37,4 +40,22 @@ def held(path: Optional[Path]) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
+            _open.discard(fd)
             os.close(fd)  # closing the descriptor releases the lock
+
+
+def _close_in_child() -> None:
+    """A child forked while a thread of its parent held the lock has a copy of the descriptor, and a flock belongs
+    to the open file, not to a process: the copy would keep the store locked after the parent's block ended, for
+    as long as the child lives (its own MLflow open, or any other process's, would wait for it). Closing the
+    copy leaves the parent's lock as it is."""
+    for fd in list(_open):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _open.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)

@@ -104,6 +104,6 @@ STORE_LOCK_IN_CHILD = textwrap.dedent(
 def test_a_child_forked_while_the_store_lock_is_held_does_not_keep_it(tmp_path):
     """A flock belongs to the open file: a child forked while MLflow's default store was being opened kept the
     parent's lock for as long as it lived, and every later open of that store (its own, other processes') waited."""
-    out = run_child(tmp_path, STORE_LOCK_IN_CHILD, str(tmp_path / "mlflow.db.lock"), timeout=60)
+    out = run_child(tmp_path, STORE_LOCK_IN_CHILD, str(tmp_path / ".mlflow.db.lock"), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["free"]

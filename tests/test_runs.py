@@ -92,7 +92,8 @@ def test_every_backend_writes_inside_the_run_folder(tmp_path):
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert written and all(p.is_relative_to(tmp_path / "logs") for p in written)
     run_files = {p.relative_to(tmp_path / "logs").parts[0] for p in written}
-    assert run_files <= {"inside", "mlflow.db", "mlartifacts"}, run_files  # the MLflow store is per log_dir
+    # the MLflow store is per log_dir, with the lock its first use is made under
+    assert run_files <= {"inside", "mlflow.db", ".mlflow.db.lock", "mlartifacts"}, run_files
     assert set(Path.cwd().rglob("*")) - outside <= set(tmp_path.rglob("*"))
 
 

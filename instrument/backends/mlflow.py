@@ -204,7 +204,7 @@ class MlflowBackend(Backend):
             root = run.root
             root.mkdir(parents=True, exist_ok=True)
             self.tracking_uri = f"sqlite:///{(root / 'mlflow.db').resolve()}"
-            self._store_lock = root / "mlflow.db.lock"  # its first use creates it: one process at a time
+            self._store_lock = root / ".mlflow.db.lock"  # its first use creates it: one process at a time
             if self._artifacts is None:
                 self._artifacts = (root / "mlartifacts").resolve().as_uri()
         self._start()

@@ -11,6 +11,7 @@ unlocked, as before.
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 from typing import Iterator, Optional, Set
 
@@ -22,6 +23,9 @@ except ImportError:  # not POSIX
 __all__ = ["held"]
 
 _open: Set[int] = set()  # the descriptors `held` holds now, in this process
+# Held while a descriptor is opened and listed, or unlisted and closed, and by a thread forking (`_before_fork`):
+# a child forked between the two steps would get a copy that `_close_in_child` does not know.
+_guard = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -31,8 +35,9 @@ def held(path: Optional[Path]) -> Iterator[None]:
     fd = None
     if path is not None and fcntl is not None:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-            _open.add(fd)
+            with _guard:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                _open.add(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process opens the store
         except OSError:  # no folder to write in (the store says why), or no flock there: unlocked
             pass
@@ -40,8 +45,17 @@ def held(path: Optional[Path]) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
-            _open.discard(fd)
-            os.close(fd)  # closing the descriptor releases the lock
+            with _guard:
+                _open.discard(fd)
+                os.close(fd)  # closing the descriptor releases the lock
+
+
+def _before_fork() -> None:
+    _guard.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _guard.release()
 
 
 def _close_in_child() -> None:
@@ -49,13 +63,15 @@ def _close_in_child() -> None:
     to the open file, not to a process: the copy would keep the store locked after the parent's block ended, for
     as long as the child lives (its own MLflow open, or any other process's, would wait for it). Closing the
     copy leaves the parent's lock as it is."""
+    global _guard
     for fd in list(_open):
         try:
             os.close(fd)
         except OSError:
             pass
     _open.clear()
+    _guard = threading.Lock()  # the parent's, taken by the forking thread: a new one
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_close_in_child)

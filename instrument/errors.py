@@ -33,13 +33,15 @@ class InstrumentError(Exception):
         is pickled as the error it stands for, with gin's message (the parent saw only a ``PicklingError``)."""
         if _named(type(self)):
             return _rebuilt, (type(self), self.args, _state(self))
-        original = self.__context__  # gin raises its proxy while handling the error it stands for
-        while original is not None and not _named(type(original)):
+        named = next(c for c in type(self).__mro__ if _named(c))  # gin's proxy subclasses the error's own class
+        # Its attributes are the error's: gin raises the proxy while handling it, so it is in the context chain
+        # (looked for by its exact class, never another error handled around it; a chain may loop).
+        original, seen = self.__context__, set()
+        while original is not None and type(original) is not named and id(original) not in seen:
+            seen.add(id(original))
             original = original.__context__
-        if isinstance(original, InstrumentError):
-            return _rebuilt, (type(original), (str(self),), _state(original))
-        named = next(c for c in type(self).__mro__ if _named(c))
-        return _rebuilt, (named, (str(self),), {})
+        state = _state(original) if type(original) is named else {}
+        return _rebuilt, (named, (str(self),), {**state, **_state(self)})
 
 
 class ConfigurationError(InstrumentError, ValueError):

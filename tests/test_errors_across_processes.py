@@ -76,3 +76,32 @@ def test_every_error_class_pickles_as_itself_with_its_message_and_attributes():
         assert vars(copy) == vars(error)
     missing = pickle.loads(pickle.dumps(errors[5]))
     assert (missing.name, missing.package, missing.extra) == ("wandb", "wandb", "wandb")
+
+
+def test_an_error_that_pickle_cannot_name_is_pickled_as_its_own_named_class_never_one_handled_around_it():
+    """A gin proxy, or a local subclass, raised while another of instrument's errors was being handled: the walk
+    for its attributes took that other error (a ConfigurationError came back as a MissingExtraError), and a
+    context chain that loops made pickling hang."""
+
+    def raised_while_handling():
+        class LocalError(ConfigurationError):  # pickle cannot name it: a function's own class
+            pass
+
+        try:
+            try:
+                raise MissingExtraError("mlflow", "mlflow", "MLflow")
+            except MissingExtraError:
+                raise LocalError("local problem")  # noqa: B904 (the context is the point)
+        except LocalError as error:
+            return error
+
+    copy = pickle.loads(pickle.dumps(raised_while_handling()))
+    assert type(copy) is ConfigurationError and str(copy) == "local problem" and not hasattr(copy, "package")
+
+    class Unnamed(ConfigurationError):
+        pass
+
+    first, second = Unnamed("first"), RuntimeError("second")
+    first.__context__, second.__context__ = second, first  # a loop
+    copy = pickle.loads(pickle.dumps(first))
+    assert type(copy) is ConfigurationError and str(copy) == "first"

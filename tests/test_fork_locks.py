@@ -156,3 +156,38 @@ def test_no_fork_leaves_the_child_a_copy_of_the_store_lock(tmp_path):
     out = run_child(tmp_path, FORKS_WHILE_A_THREAD_LOCKS, str(tmp_path / ".mlflow.db.lock"), timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0"]
+
+
+def test_the_store_lock_opens_read_only_where_it_cannot_write_and_closes_on_interrupt(tmp_path, monkeypatch):
+    """A lock file another user made (no write access) is still locked, read-only; an interrupt while waiting
+    leaves no descriptor behind."""
+    import fcntl
+
+    from instrument.backends import store_lock
+
+    path = tmp_path / ".mlflow.db.lock"
+    path.touch()
+    real_open = os.open
+
+    def refused_for_writing(name, flags, *args):
+        if str(name) == str(path) and flags & os.O_RDWR:
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", refused_for_writing)
+    with store_lock.held(path):
+        assert len(store_lock._open) == 1
+        probe = real_open(path, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(probe)
+    assert not store_lock._open
+
+    def interrupted(fd, operation):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fcntl, "flock", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with store_lock.held(path):
+            pass
+    assert not store_lock._open

@@ -726,3 +726,21 @@ def test_a_condition_keyword_that_is_not_a_tensor_is_not_handed_over_and_trainin
     inst.close()
     assert torch.equal(x, torch.ones(2, 3))
     assert [c.condition for c in seen][0] is None and torch.equal(seen[1].condition, torch.full((2, 3), 0.5))
+
+
+def test_a_number_named_condition_leaves_a_second_positional_tensor_as_the_condition(tmp_path):
+    seen = []
+
+    class Rule(torch.nn.Module):
+        def forward(self, x, extra, condition=1.0):
+            return x * extra * condition
+
+    rule = Rule()
+    inst = instrument.Instrumentation(observers=[seen.append], backends=[], log_interval=1, log_dir=str(tmp_path),
+                                      overhead_budget=None)
+    inst.watch(rule)
+    extra = torch.full((2, 3), 0.5)
+    with inst.step(0):
+        rule(torch.ones(2, 3), extra, condition=2.0)
+    inst.close()
+    assert torch.equal(seen[0].condition, extra)

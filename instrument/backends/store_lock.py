@@ -36,18 +36,34 @@ def held(path: Optional[Path]) -> Iterator[None]:
     if path is not None and fcntl is not None:
         try:
             with _guard:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                fd = _opened(path)
                 _open.add(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process opens the store
-        except OSError:  # no folder to write in (the store says why), or no flock there: unlocked
-            pass
+        except BaseException as exc:  # no folder to write in (the store says why), no flock there: unlocked
+            _release(fd)
+            fd = None
+            if not isinstance(exc, OSError):  # Ctrl-C while waiting: the descriptor is closed first
+                raise
     try:
         yield
     finally:
-        if fd is not None:
-            with _guard:
-                _open.discard(fd)
-                os.close(fd)  # closing the descriptor releases the lock
+        _release(fd)
+
+
+def _opened(path: Path) -> int:
+    """The lock file's descriptor: read-only where another user made it (flock needs no write access)."""
+    cloexec = getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | cloexec, 0o644)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY | cloexec)
+
+
+def _release(fd: Optional[int]) -> None:
+    if fd is not None:
+        with _guard:
+            _open.discard(fd)
+            os.close(fd)  # closing the descriptor releases the lock
 
 
 def _before_fork() -> None:

@@ -239,10 +239,8 @@ class StateWatch:
         current = first_tensor(output)
         returned = None  # set where current becomes a copy of what the call returned
         condition = kwargs.get("condition")
-        if condition is None and len(args) > 1 and isinstance(args[1], Tensor):
-            condition = args[1]
-        elif condition is not None and not isinstance(condition, Tensor):
-            condition = None  # a number or a flag named condition: a context's condition is a tensor or nothing
+        if not isinstance(condition, Tensor):  # none, or a number or a flag named condition: a positional tensor
+            condition = args[1] if len(args) > 1 and isinstance(args[1], Tensor) else None
         if wrapped:
             shape = list(current.shape) if current is not None else None  # a BatchedTensor's: one sample's
             previous, current, condition = plain(previous), plain(current), plain(condition)

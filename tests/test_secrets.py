@@ -124,6 +124,32 @@ def test_config_text_values_wrapped_over_lines_and_references():
     assert "'lr': 0.1" in out and "Exp.max_tokens = 512" in out and "@foo" in out and "Model.width = 64" in out
 
 
+def test_config_text_keeps_its_line_ends_and_redacts_what_splitlines_cut():
+    """Lines are gin's (``\\n``, ``\\r\\n``): a review found the redaction splitting at ``\\x0b`` and U+2028
+    too, which gin takes inside a string literal. A secret holding one was cut in two and its tail written in
+    clear, and every such character came back as ``\\n``."""
+    import gin
+
+    text = (
+        "A.doc = 'one\u2028two\x0bthree'\n"
+        "X.api_key = 'sk-abc\x0bdef-ghij'\n"
+        "Y.token = 'tk-12\u2028345678'\n"
+        "Z.n = 3\n"
+    )
+    parsed = {(s.selector, s.arg_name): s.value for s in gin.config_parser.ConfigParser(
+        text, gin.config.ParserDelegate(skip_unknown=True))}
+    assert parsed[("X", "api_key")] == "sk-abc\x0bdef-ghij"  # what gin reads: one value, one line
+    out = redact_config_text(text)
+    assert out == f"A.doc = 'one\u2028two\x0bthree'\nX.api_key = '{REDACTED}'\nY.token = '{REDACTED}'\nZ.n = 3\n"
+    for tail in ("def-ghij", "345678"):
+        assert tail not in out
+    crlf = "X.settings = {\r\n    'token': 'sk-abcdefgh',\r\n    'n': 1,\r\n}\r\nY.k = \\\r\n  'x'\r\nZ.n = 3\r\n"
+    out = redact_config_text(crlf)
+    assert out == f"X.settings = {{'token': '{REDACTED}', 'n': 1}}\r\nY.k = \\\r\n  'x'\r\nZ.n = 3\r\n"  # order kept
+    untouched = "# a comment\rstays\r\nA.x = 1\r\n\r\nB.y = 'two\x85'\n"
+    assert redact_config_text(untouched) == untouched
+
+
 def test_structured_redaction_and_custom_keys():
     flat, text = redact_hyperparams(
         {"Instrumentation.hyperparams": {"api_key": "k-123456", "list": [{"password": "p-123456"}], "n": 3},

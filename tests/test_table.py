@@ -137,6 +137,17 @@ def test_overflow_too_narrow_even_for_scientific_fills_hash_and_warns_once(caplo
     assert any("column 'name' (width 5) cut the text 'stochastic'" in m for m in messages)
 
 
+def test_a_long_text_cut_in_a_column_is_named_by_its_start_and_length(caplog):
+    """A review found the warning repeating the whole value: a text of a megabyte made a megabyte of log."""
+    table = StepTable([Column("s", "note", 6, "str")])
+    text = "q" * 1_000_000
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        assert table.row({"s": text}) == "qqqqq…"
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert len(message) < 300, len(message)
+    assert "cut the text 'qqqq" in message and "(1000000 characters)" in message
+
+
 def test_header_repeats_every_n_rows():
     table = StepTable([Column("step", "step", 4, "d")], header_every=2)
     lines = [line for step in range(5) for line in table.render({"step": step})]

@@ -106,3 +106,35 @@ def test_hebrew_and_arabic_marks_are_shown_as_written_and_overrides_escaped():
     logger.close()
     row = next(line for line in out.getvalue().splitlines() if line.strip().startswith("1"))
     assert "\u05e9\u05dc\u05d5\u05dd\u200f \u061c!\\u202e" in row and "\u202e" not in row
+
+
+def test_log_text_takes_a_str_and_refuses_anything_else_on_the_caller(tmp_path):
+    """A review found ``log_text`` writing ``str(value)`` of whatever it got: of a tensor a host sync and a
+    summary with ``...``, of an object its repr. A str (a subclass as a plain str) is written; anything else is
+    refused where it is logged, saying what came and what to pass, and the step goes on."""
+    import numpy as np
+    import torch
+
+    class Loud(str):
+        def __str__(self) -> str:
+            return "not the text"
+
+    logger = instrument.Logger([instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    logger.log_text("t/sub", Loud("the text"), 1)
+    logger.log_text("t/np", np.str_("numpy text"), 1)
+    refused = {
+        "tensor": (torch.arange(3.0), "got a tensor (torch.float32, shape [3], on cpu)"),
+        "int": (3, "got int 3"),
+        "none": (None, "got NoneType None"),
+        "bytes": (b"abc", "got bytes of length 3"),
+        "list": (["a"], "got a builtins.list"),
+    }
+    for key, (value, said) in refused.items():
+        with pytest.raises(instrument.InvalidValueError, match="expected a str") as caught:
+            logger.log_text(f"t/{key}", value, 1)
+        assert said in str(caught.value) and f"log_text('t/{key}')" in str(caught.value)
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.commit(1)
+    logger.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert record["texts"] == {"t/sub": "the text", "t/np": "numpy text"} and record["metrics"] == {"loss": 1.0}

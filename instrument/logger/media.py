@@ -247,7 +247,24 @@ def _convert_histogram(tag: str, value: Any, extra: Any, host: Host) -> np.ndarr
 
 
 def _check_text(tag: str, value: Any, extra: Any) -> str:
-    return str(value)
+    """A str, as a plain str (a subclass's own ``__str__`` is not consulted). Anything else is refused rather
+    than written as ``str(value)``: of a device tensor that is a host sync and a summary with ``...`` in it, of
+    an object a repr nobody chose, and a number belongs in ``log_metrics``, where it can be plotted."""
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, Tensor):  # described by metadata only: its repr would copy it to the host
+        got = f"a tensor ({value.dtype}, shape {list(value.shape)}, on {value.device.type})"
+    elif value is None or isinstance(value, (bool, float)) or (isinstance(value, int) and abs(value) < 10**18):
+        got = f"{type(value).__name__} {value!r}"
+    elif isinstance(value, (bytes, bytearray)):
+        got = f"{type(value).__name__} of length {len(value)} (decode it: value.decode('utf-8'))"
+    else:
+        got = f"a {type(value).__module__}.{type(value).__qualname__}"
+    raise InvalidValueError(
+        f"log_text({tag!r}) got {got}; expected a str (markdown where the backend renders it). Pass the text "
+        f"you mean (log_text({tag!r}, f'...', step)); log numbers with log_metrics, arrays with log_image or "
+        f"log_heatmap."
+    )
 
 
 def _convert_text(tag: str, value: Any, extra: Any, host: Host) -> str:

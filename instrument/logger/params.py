@@ -178,10 +178,13 @@ def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set
     values gin wrapped over several lines), then scrub every known secret string from what is left.
 
     The operative config is logged verbatim to every backend, so a token bound in a .gin file would otherwise
-    reach W&B or MLflow in clear.
+    reach W&B or MLflow in clear. Lines are gin's: only ``\\n`` (or ``\\r\\n``) ends one. Other characters
+    `str.splitlines` also breaks at (``\\x0b``, ``\\x85``, U+2028) may stand inside a gin string literal; a
+    split there cut a secret's value in two, leaving its tail unredacted, and every one of them came back as
+    ``\\n``. Whatever is not redacted is kept character for character.
     """
     found = set() if found is None else found
-    lines = text.splitlines()
+    lines = text.split("\n")  # a "\r\n" file keeps each line's "\r": it is put back on every line rewritten
     out: List[str] = []
     i = 0
     while i < len(lines):
@@ -197,15 +200,19 @@ def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set
             j += 1
         indent, name, eq, first = match.groups()
         value = "\n".join([first] + lines[i + 1 : j])
-        out.extend(_redact_binding(indent, name, eq, value, extra, found).split("\n"))
+        redacted = _redact_binding(indent, name, eq, value, extra, found)
+        if redacted == f"{indent}{name}{eq}{value}":
+            out.extend(lines[i:j])
+        else:  # rewritten: each of its lines ends as the binding's last line did
+            end = "\r" if lines[j - 1].endswith("\r") else ""
+            out.extend(line.rstrip("\r") + end for line in redacted.split("\n"))
         i = j
-    result = "\n".join(scrub(line, found) for line in out)
-    return result + ("\n" if text.endswith("\n") else "")
+    return "\n".join(scrub(line, found) for line in out)
 
 
 def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence[str], found: Set[str]) -> str:
     try:
-        parsed = ast.literal_eval(value.replace("\\\n", " ").strip())
+        parsed = ast.literal_eval(re.sub(r"\\\r?\n", " ", value).strip())
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         parsed = _UNPARSED
     if is_secret(name, extra):
@@ -224,7 +231,7 @@ def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence
     redacted = redact_values(parsed, extra, found, name)
     if redacted == parsed:
         return f"{indent}{name}{eq}{value}"
-    return f"{indent}{name}{eq}{pprint.pformat(redacted, width=100)}"
+    return f"{indent}{name}{eq}{pprint.pformat(redacted, width=100, sort_dicts=False)}"
 
 
 _UNPARSED = object()

@@ -31,9 +31,9 @@ Rules, the same for every column:
   columns never shift. A number that does not fit is shown in compact scientific notation at the highest
   precision that fits (``1234567`` in a 6-wide column is ``1.23e6``). If even ``1e6`` does not fit, or a
   ``str``/``frac`` value is too long, the cell is filled with ``#`` (numbers, fractions) or cut with a
-  trailing ``…`` (text), and a warning naming the column and the full value is logged once. We chose
-  scientific notation over widening the row because a widened row shifts every column to its right, which
-  is exactly what a table read at a glance must not do.
+  trailing ``…`` (text), and a warning naming the column and the value (a long text's start and its
+  length) is logged once. We chose scientific notation over widening the row because a widened row shifts
+  every column to its right, which is exactly what a table read at a glance must not do.
 - Conditional columns are decided once, when the table is built: ``when=False`` drops a column, and
   ``each=(...)`` expands one column per mode or environment (``{}`` in key, header and description is
   replaced by the item). Tables from different runs or arms of an experiment therefore line up.
@@ -340,10 +340,12 @@ class StepTable:
                 column,
                 "overflow",
                 logging.WARNING,
-                "instrument: column %r (width %d) cut the text %r; widen the column to see it whole.",
+                "instrument: column %r (width %d) cut the text %s (%d characters); widen the column to see it "
+                "whole.",
                 column.header,
                 width,
-                text,
+                _short_repr(text[:200], 80),  # a text of megabytes is not repeated in the message whole
+                len(text),
             )
             return cut(text, width - 1) + "…"
         if column.fmt == "frac":

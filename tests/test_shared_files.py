@@ -6,6 +6,7 @@ one explicit JSONL path interleaved their lines, and one's resume would cut the 
 """
 
 import json
+import re
 
 import pytest
 
@@ -138,3 +139,223 @@ def test_a_backend_pointed_at_tensorboards_system_folder_is_refused(tmp_path, se
     lines = [json.loads(line) for line in (system / "eval.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "step" in line] == [1, 2]
     assert [line["system_step"] for line in lines if "system_step" in line] == [1, 2]
+
+
+# ------------------------------------------------------------ two open sessions of one process, any backend's files
+# Only JsonlBackend refused another session's file: two sessions given one TensorBoard folder (a notebook cell run
+# again while the first session was still open, or dropped without close()) both wrote it, and TensorBoard showed
+# both runs' steps as one run. Every backend's `writes_to` paths are now held from its open to its close.
+
+SESSION_HOLDS = r"would write .*{}, which .*another session in this process still writes.*close the other session"
+WAIT = 60.0
+
+
+def _tensorboard_run(inst, steps, value=float):
+    for step in steps:
+        with inst.step(step):
+            inst.logger.log_metrics({"x": value(step)}, step)
+
+
+@pytest.mark.parametrize("given", ["log_dir", "writer"])
+def test_two_open_sessions_are_refused_one_tensorboard_folder_until_the_first_closes(tmp_path, given):
+    """The first session's backend names the folder, or writes through the user's own SummaryWriter there (its
+    `writes_to` is that writer's folder): either way a second session's TensorBoardBackend on it is refused, and
+    so is one whose `system` subfolder it is; a backend of the refused start that did open lets its folder go."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from tests.conftest import read_scalars
+
+    folder, other = tmp_path / "tb", tmp_path / "tb2"
+    writer = SummaryWriter(str(folder)) if given == "writer" else None
+    backend = TensorBoardBackend(writer=writer) if writer else TensorBoardBackend(log_dir=str(folder))
+    first = instrument.Instrumentation(backends=[backend], log_dir=str(tmp_path), run_name="a", log_interval=1)
+    _tensorboard_run(first, [0])
+    with pytest.raises(ConfigurationError, match=r"could not open TensorBoardBackend#2: ConfigurationError: "
+                                                 r"TensorBoardBackend#2 .*" + SESSION_HOLDS.format(r"tb\b")):
+        instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(other)),
+                                             TensorBoardBackend(log_dir=str(folder))],
+                                   log_dir=str(tmp_path), run_name="b", log_interval=1)
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(ConfigurationError, match=SESSION_HOLDS.format("system")):  # the first's system samples' run
+        instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder / "system"))],
+                                   log_dir=str(tmp_path), run_name="b", log_interval=1)
+    beside = instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(other))], log_dir=str(tmp_path),
+                                        run_name="b", log_interval=1)  # the refused start let `other` go
+    _tensorboard_run(beside, [0], value=lambda step: -1.0)
+    beside.close()
+    _tensorboard_run(first, [1, 2])  # the first session still writes its folder, alone
+    first.close()
+    if writer:
+        writer.close()
+    assert read_scalars(folder)["x"] == {0: 0.0, 1: 1.0, 2: 2.0}
+    later = instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder))], log_dir=str(tmp_path),
+                                       run_name="c", log_interval=1)
+    _tensorboard_run(later, [5])  # closed: the folder is free for a later session
+    later.close()
+    assert read_scalars(folder)["x"] == {0: 0.0, 1: 1.0, 2: 2.0, 5: 5.0}
+    assert read_scalars(other)["x"] == {0: -1.0}
+
+
+def test_a_backend_added_to_another_session_on_a_held_folder_is_left_out_and_reported(tmp_path, caplog):
+    from tests.conftest import read_scalars
+
+    folder = tmp_path / "tb"
+    first = instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder))], log_dir=str(tmp_path),
+                                       run_name="a", log_interval=1)
+    second = instrument.Instrumentation(backends=[JsonlBackend()], log_dir=str(tmp_path), run_name="b",
+                                        log_interval=1)
+    added = TensorBoardBackend(log_dir=str(folder))
+    second.logger.add_backend(added)
+    assert not second.logger.flush(timeout=WAIT)  # its open failed
+    assert added not in second.logger.backends
+    assert "another session in this process still writes" in caplog.text
+    _tensorboard_run(second, [7])
+    _tensorboard_run(first, [0])
+    second.close()
+    first.close()
+    assert read_scalars(folder)["x"] == {0: 0.0}
+    assert _steps(tmp_path / "b" / "metrics.jsonl") == [7]
+
+
+def test_a_backend_whose_open_failed_lets_its_folder_go(tmp_path):
+    """A TensorBoardBackend whose folder cannot be made (a file is in the way) fails to open: under
+    on_backend_error='warn' its session goes on without it, and the folder it named is free for another session,
+    which then holds it like any other."""
+    from tests.conftest import read_scalars
+
+    folder = tmp_path / "tb"
+    folder.write_text("a file where the folder goes")
+    failed = instrument.Instrumentation(backends=[JsonlBackend(), TensorBoardBackend(log_dir=str(folder))],
+                                        log_dir=str(tmp_path), run_name="a", log_interval=1,
+                                        on_backend_error="warn")
+    assert [type(b) for b in failed.logger.backends] == [JsonlBackend]
+    folder.unlink()
+    second = instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder))], log_dir=str(tmp_path),
+                                        run_name="b", log_interval=1)  # `failed` is still open
+    with pytest.raises(ConfigurationError, match=SESSION_HOLDS.format(r"tb\b")):
+        instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder))], log_dir=str(tmp_path),
+                                   run_name="c", log_interval=1)
+    _tensorboard_run(second, [3])
+    _tensorboard_run(failed, [4])
+    second.close()
+    failed.close()
+    assert read_scalars(folder)["x"] == {3: 3.0}
+    assert _steps(tmp_path / "a" / "metrics.jsonl") == [4]
+
+
+class _Hung(instrument.Backend):
+    """Blocks in its first write until released (a remote that does not answer)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def write(self, record):
+        self.entered.set()
+        self.release.wait(WAIT)
+
+
+def test_a_close_that_gave_up_keeps_the_folder_until_its_writer_has_written_it(tmp_path):
+    """The writer of a close that timed out still writes the steps queued behind the hung call, into the folder:
+    it stays taken until that writer has closed its backends, then it is free."""
+    import threading
+
+    from tests.conftest import read_scalars
+
+    folder, hung = tmp_path / "tb", _Hung()
+    first = instrument.Instrumentation(backends=[hung, TensorBoardBackend(log_dir=str(folder))],
+                                       log_dir=str(tmp_path), run_name="a", log_interval=1)
+    _tensorboard_run(first, range(3))
+    assert hung.entered.wait(WAIT)
+    stopped = threading.Event()
+    try:
+        first.close(timeout=0.1)  # gives up: the hung write holds steps 0..2
+        first.logger.when_stopped(stopped.set)
+        with pytest.raises(ConfigurationError, match=SESSION_HOLDS.format(r"tb\b")):
+            instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder))], log_dir=str(tmp_path),
+                                       run_name="b", log_interval=1)
+    finally:
+        hung.release.set()
+    assert stopped.wait(WAIT)
+    later = instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=str(folder))], log_dir=str(tmp_path),
+                                       run_name="b", log_interval=1)
+    _tensorboard_run(later, [9])
+    later.close()
+    assert read_scalars(folder)["x"] == {0: 0.0, 1: 1.0, 2: 2.0, 9: 9.0}  # nothing mixed in while both ran
+
+
+def test_one_tensorboard_backend_given_to_two_open_sessions_is_refused_to_the_second(tmp_path):
+    """One instance, one run at a time: the second session's writer would have opened it again, replacing the
+    first session's event writer under it."""
+    from tests.conftest import read_scalars
+
+    shared = TensorBoardBackend(log_dir=str(tmp_path / "tb"))
+    first = instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="a", log_interval=1)
+    with pytest.raises(ConfigurationError, match=SESSION_HOLDS.format(r"tb\b")):
+        instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="b", log_interval=1)
+    _tensorboard_run(first, [1, 2])
+    first.close()
+    assert read_scalars(tmp_path / "tb")["x"] == {1: 1.0, 2: 2.0}
+
+
+FORKED = """
+import json, os, sys
+import instrument
+from instrument import TensorBoardBackend
+from instrument.errors import ConfigurationError
+
+root = sys.argv[1]
+
+def session(name, folder):
+    return instrument.Instrumentation(backends=[TensorBoardBackend(log_dir=os.path.join(root, folder))],
+                                      log_dir=root, run_name=name, log_interval=1)
+
+def step(inst, n):
+    with inst.step(n):
+        inst.logger.log_metrics({"x": float(n)}, n)
+
+def refusal(name, folder):
+    try:
+        session(name, folder)
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+parent = session("parent", "tb")
+step(parent, 0)
+pid = os.fork()
+if pid == 0:  # the child: the parent's writer still writes tb, and the child cannot tell when it stops
+    said = {"parent": os.getppid(), "parents": refusal("child-tb", "tb")}
+    own = session("child-own", "own")  # a folder of its own: held in the child as in any process
+    said["own"] = refusal("child-again", "own")
+    step(own, 1)
+    own.close()
+    print(json.dumps(said), flush=True)
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+step(parent, 2)
+parent.close()
+later = session("later", "tb")  # the parent let it go: the child never held it
+step(later, 3)
+later.close()
+print(json.dumps({"child status": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+def test_a_forked_child_is_refused_the_folders_its_parent_holds_and_holds_its_own(tmp_path):
+    """A forked child inherits no open backend, but its parent's writer goes on writing the parent's folders, and
+    the child cannot tell when it stops: the child refuses them, naming the parent, for as long as it runs. What
+    the child opens itself is held there as in any process (its own lock: another thread may have held the
+    parent's at the fork); the parent's folder is the parent's to let go."""
+    from tests.conftest import read_scalars, run_child
+
+    done = run_child(tmp_path, FORKED, str(tmp_path), timeout=WAIT * 2)
+    assert done.returncode == 0, done.stderr
+    child, parent = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    assert parent == {"child status": 0}
+    assert re.search(rf"would write .*tb, which .* of a session of the parent process \(pid {child['parent']}\) wrote "
+                     rf"when this process was forked from it.*Give this run its own path", child["parents"] or "")
+    assert re.search(SESSION_HOLDS.format("own"), child["own"] or ""), child["own"]
+    assert read_scalars(tmp_path / "tb")["x"] == {0: 0.0, 2: 2.0, 3: 3.0}  # nothing of the child's
+    assert read_scalars(tmp_path / "own")["x"] == {1: 1.0}

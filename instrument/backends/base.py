@@ -256,7 +256,9 @@ class Backend:
     def writes_to(self, run: RunInfo) -> Tuple[str, ...]:
         """The local files or folders this backend will write for ``run`` and shares with no other backend,
         resolved before it opens: a `Logger` refuses two backends that name one (`check_apart`), since both
-        would write every record into it. Default: none."""
+        would write every record into it, and its writer holds them from just before this backend opens until
+        it closes, refusing them to a backend of any other session of this process (`instrument.backends.held`).
+        Default: none."""
         return ()
 
     def on_resume(self, next_step: int) -> None:
@@ -304,7 +306,8 @@ def check_backends(backends: Any) -> List["Backend"]:
 
 def check_apart(backends: List["Backend"], run: RunInfo) -> None:
     """Refuse two backends of one logger that would write the same file or folder (`Backend.writes_to`): two
-    ``JsonlBackend()`` without a path both default to ``<run dir>/metrics.jsonl`` and wrote every record twice."""
+    ``JsonlBackend()`` without a path both default to ``<run dir>/metrics.jsonl`` and wrote every record twice.
+    Across the sessions of one process, `instrument.backends.held` refuses them when the second one opens."""
     owners: Dict[str, Backend] = {}
     for backend in backends:
         taken = claim(owners, backend.writes_to(run), backend)

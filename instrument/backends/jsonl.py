@@ -7,23 +7,15 @@ import math
 import os
 import shutil
 import stat
-import threading
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
-from instrument.backends.base import Backend, RunInfo, StepRecord, claim
-from instrument.errors import ConfigurationError
+from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.terminal.samples import cell
 
 __all__ = ["JsonlBackend"]
 
 log = logging.getLogger("instrument")
-
-# The files this process's open JSONL backends write (resolved path -> backend), held from open to close: two
-# sessions appending to one file interleave their lines with nothing to tell the runs apart, and one's resume
-# would cut the other's lines.
-_writing: Dict[str, "JsonlBackend"] = {}
-_writing_lock = threading.Lock()  # opens run on the writer threads of several sessions at once
 
 
 def _json_number(value: float) -> Any:
@@ -68,10 +60,12 @@ class JsonlBackend(Backend):
         self._fd: Optional[int] = None
         self._end = 0  # where the file ended after our own last write: another size means someone else changed it
         self._regular = True  # a regular file (not a pipe or a device): sizes, truncation and fsync apply
-        self._held: Optional[str] = None  # the file this backend holds in `_writing` while open
 
     def writes_to(self, run: RunInfo) -> Tuple[str, ...]:
-        """The file, resolved (symlinks too); none for a pipe or a device, which several writers may share."""
+        """The file, resolved (symlinks too); none for a pipe or a device, which several writers may share. While
+        the backend is open no other session in this process may open a backend on it (`instrument.backends.held`):
+        two sessions' lines would interleave with nothing to tell the runs apart, and one's resume would cut the
+        other's."""
         path = Path(self._given) if self._given else run.dir / "metrics.jsonl"
         if path.exists() and not path.is_file():
             return ()
@@ -81,36 +75,7 @@ class JsonlBackend(Backend):
         path = Path(self._given) if self._given else run.dir / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = str(path)
-        self._hold(run)
-        try:
-            self._open()
-        except BaseException:
-            self._let_go()
-            raise
-
-    def _hold(self, run: RunInfo) -> None:
-        """Take the file for this backend in this process (`_writing`), or refuse: another open one writes it."""
-        with _writing_lock:
-            paths = self.writes_to(run)
-            taken = claim(_writing, paths, self)
-            if taken is not None:
-                key, other = taken
-                raise ConfigurationError(
-                    f"JsonlBackend(path={self._given!r}) would write {key}, which {other!r} of another "
-                    f"session in this process still writes (expected one writer per file: two sessions' "
-                    f"lines would interleave, and one's resume would cut the other's). Give this run its "
-                    f"own path, or close the other session first (inst.close()). A session you no longer hold (a "
-                    f"notebook cell that raised before close()) keeps writing until the process ends: give this "
-                    f"run another path, or restart the process; `with instrument.Instrumentation(...) as inst:` "
-                    f"closes a session also when its block raises."
-                )
-            self._held = paths[0] if paths else None  # one file at most
-
-    def _let_go(self) -> None:
-        with _writing_lock:
-            key, self._held = self._held, None
-            if key is not None and _writing.get(key) is self:
-                del _writing[key]
+        self._open()
 
     def _open(self) -> int:
         flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -260,27 +225,15 @@ class JsonlBackend(Backend):
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
-        try:
-            if fd is not None:
-                try:
-                    if self._regular:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-        finally:
-            self._let_go()
+        if fd is not None:
+            try:
+                if self._regular:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def __repr__(self) -> str:
         return f"JsonlBackend(path={self.path!r})"
-
-
-def _forget_in_child() -> None:
-    """A forked child writes none of its parent's files through the parent's backends (`run_lock` alike)."""
-    _writing.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _step_of(line: bytes) -> Any:

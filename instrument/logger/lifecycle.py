@@ -15,7 +15,7 @@ from instrument.checks import check_number
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
 
-__all__ = ["LoggerEnd", "closed_use", "open_backends"]
+__all__ = ["LoggerEnd", "closed_use", "open_backends", "say_gave_up"]
 
 log = logging.getLogger("instrument")
 
@@ -212,6 +212,20 @@ def _owned_here(lock: Any) -> bool:
     own half-done use); True where that cannot be told."""
     owned = getattr(lock, "_is_owned", None)
     return owned() if callable(owned) else True
+
+
+def say_gave_up(timeout: Optional[float], running: Optional[Any], queued: int) -> None:
+    """A close that timed out returns with steps unwritten (`Writer.close`): say how many, and which backend call
+    (``running``: the ledger's ``(name, method)``, or None) held it."""
+    held = (f"backend {running[0]!r} was still in {running[1]}()" if running is not None
+            else "the writer was still busy")
+    log.warning(
+        "instrument: closing the logger gave up after %gs: %s, and %d committed step(s) queued behind it were "
+        "not written yet. They are written if that call returns, while this process runs (the run folder stays "
+        "locked, and the files its backends write taken, until then); a process that ends first loses them, and "
+        "backends that did not get to their flush and close may hold less than was committed. Pass a longer "
+        "timeout to close() (or none, to wait) to keep them.", timeout, held, queued,
+    )
 
 
 def check_timeout(what: str, timeout: Any) -> Optional[float]:

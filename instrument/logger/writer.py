@@ -22,10 +22,12 @@ import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from instrument.backends.base import Backend, StepRecord
+from instrument.backends.held import hold, let_go
 from instrument.core.failures import FailureLedger
 from instrument.errors import InstrumentError
 from instrument.logger import shutdown
 from instrument.logger.committed import CommittedStep
+from instrument.logger.lifecycle import say_gave_up
 
 __all__ = ["Writer", "CommittedStep", "ON_FULL", "WriterThread", "running_writers"]
 
@@ -200,23 +202,8 @@ class Writer:
         self._thread.join(5.0 if done or deadline is None else max(0.0, deadline - time.monotonic()))
         if seq > 0 and not done and not self._gave_up:
             self._gave_up = True  # said once: a second close (a signal's after the user's) waits for the same
-            self._say_gave_up(timeout)
+            say_gave_up(timeout, self.ledger.running, self.pending)
         return done
-
-    def _say_gave_up(self, timeout: Optional[float]) -> None:
-        """A close that timed out returns with steps unwritten: say how many, and which backend call held it."""
-        with self._cond:
-            queued = self._records
-        running = self.ledger.running
-        held = (f"backend {running[0]!r} was still in {running[1]}()" if running is not None
-                else "the writer was still busy")
-        log.warning(
-            "instrument: closing the logger gave up after %gs: %s, and %d committed step(s) queued behind it were "
-            "not written yet. They are written if that call returns, while this process runs (the run folder "
-            "stays locked until then); a process that ends first loses them, and backends that did not get to "
-            "their flush and close may hold less than was committed. Pass a longer timeout to close() (or none, "
-            "to wait) to keep them.", timeout, held, queued,
-        )
 
     def wait(self, seq: int, timeout: Optional[float] = None, ready: Optional[Callable[[], bool]] = None) -> bool:
         """Wait until item ``seq`` is done, or ``ready()`` (a record built, before the backends write it); False on
@@ -374,6 +361,7 @@ class Writer:
                 with self._cond:
                     self._done = seq
                     if kind == _CLOSE:
+                        let_go(self)  # before anyone sees it stopped: its backends' files are free once it is
                         self._stopped = True
                     self._cond.notify_all()
             # The item goes now: bound while the loop waits for the next one, a step's staged tensors (device
@@ -433,6 +421,7 @@ class Writer:
                 self._reopening_call(backend, method, *args)
             if method == "close" and only is not None and only in self._active:  # `Logger.close_backend`
                 self._active.remove(only)  # closed: no more records, and not closed again at the end
+                let_go(self, only)
                 if only in self._unopened:
                     self._unopened.remove(only)
             self._dirty = True
@@ -450,10 +439,12 @@ class Writer:
         """``backend.open``, and the backend joins the active ones. A failure is kept in `open_errors` for the
         logger to raise at start, and reported through the ledger only when nobody is waiting to raise it
         (``report_open``). A backend that ``reopens`` joins anyway, unless the failure was instrument's own
-        error (a bad option, a missing extra), which would only repeat."""
+        error (a bad option, a missing extra), which would only repeat. The files it writes (`Backend.writes_to`)
+        are this writer's from just before its open until it closes or is left out (`instrument.backends.held`)."""
         self.ledger.running = (backend.name, "open")
         try:
             hooks = shutdown.exit_hooks()
+            hold(self, backend, *args)  # its files: refused if another session's open backend writes one
             backend.open(*args)
             if getattr(backend, "sdk_exit_hook", False) or hooks is None or shutdown.exit_hooks() != hooks:
                 shutdown.keep_first_at_exit()  # so that the loggers are closed before that hook runs
@@ -477,6 +468,8 @@ class Writer:
             return False
         finally:
             self.ledger.running = None
+            if backend not in self._active:  # left out: its files are free again
+                let_go(self, backend)
 
     def _reopening_call(self, backend: Backend, method: str, *args: Any) -> None:
         """A call to a backend whose open failed and which opens itself on its next call (`Backend.reopens`).

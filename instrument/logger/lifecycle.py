@@ -285,10 +285,10 @@ def await_opens(logger: Any, seq: int, policy: str, timeout: float) -> None:
         return
     logger._closed, logger._closed_by = True, "close"
     writer.close("failed", timeout)  # end what did open (e.g. an MLflow run) as failed, not finished
+    said = "; ".join(describe_open_error(b, e) for b, e in writer.open_errors)
     raise ConfigurationError(
-        "could not open " + "; ".join(describe_open_error(b, e) for b, e in writer.open_errors)
-        + ". To run without a backend that cannot open, pass on_backend_error='warn' "
-        "(gin: Instrumentation.on_backend_error = 'warn')."
+        "could not open " + said + ("" if said.endswith(".") else ".") + " To run without a backend that cannot "
+        "open, pass on_backend_error='warn' (gin: Instrumentation.on_backend_error = 'warn')."
     ) from writer.open_errors[0][1]
 
 

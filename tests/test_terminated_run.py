@@ -3,6 +3,9 @@
 A real child process trains with TensorBoard, JSONL, W&B (offline) and MLflow (a local sqlite store), prints
 each step after committing it, and is sent a real SIGTERM once N steps are committed. Every backend is then
 read back as a user would: EventAccumulator, the JSONL lines, W&B's own transaction log, `MlflowClient`.
+
+A run made in a multiprocessing child and left open is closed by multiprocessing's finalizer as the child ends,
+and ends as the child's target did: failed, killed or finished.
 """
 
 import json
@@ -21,7 +24,7 @@ pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from tests.wandb_reader import read_run  # noqa: E402
+from tests.wandb_reader import exit_codes, read_run  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
@@ -49,12 +52,12 @@ CHILD = textwrap.dedent(
 )
 
 
-def _assert_killed_in_mlflow(uri: str, losses) -> None:
-    """The one MLflow run of the store at ``uri`` ended KILLED with exactly ``losses`` ((step, value) pairs)."""
+def _assert_mlflow_run(uri: str, status: str, losses) -> None:
+    """The one MLflow run of the store at ``uri`` ended ``status`` with exactly ``losses`` ((step, value) pairs)."""
     client = MlflowClient(tracking_uri=uri)
     (experiment,) = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
     (mlrun,) = client.search_runs([experiment.experiment_id])
-    assert mlrun.info.status == "KILLED"
+    assert mlrun.info.status == status
     assert sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "loss")) == losses
 
 
@@ -105,7 +108,7 @@ def test_sigterm_leaves_every_committed_step_in_tensorboard_jsonl_wandb_and_mlfl
     rows, _ = read_run(run)
     assert [(r["_step"], r["loss"]) for r in rows if "loss" in r] == [(s, s / 2) for s in jsonl]
 
-    _assert_killed_in_mlflow(uri, [(s, s / 2) for s in jsonl])
+    _assert_mlflow_run(uri, "KILLED", [(s, s / 2) for s in jsonl])
 
 
 def test_an_mlflow_server_that_never_answers_never_holds_the_training_thread(tmp_path, caplog):
@@ -228,7 +231,7 @@ def test_sigterm_to_the_process_group_with_dataloader_workers_keeps_every_commit
     jsonl = [json.loads(line)["step"] for line in (tmp_path / "child" / "metrics.jsonl").read_text().splitlines()
              if "step" in json.loads(line)]
     assert jsonl[:wanted] == list(range(wanted)) and jsonl == list(range(len(jsonl))), stderr
-    _assert_killed_in_mlflow(uri, [(s, s / 2) for s in jsonl])
+    _assert_mlflow_run(uri, "KILLED", [(s, s / 2) for s in jsonl])
 
 
 FORKED_WORKER = textwrap.dedent(
@@ -268,3 +271,113 @@ def test_a_logger_made_in_a_forked_multiprocessing_worker_keeps_every_step_witho
     acc = EventAccumulator(str(tmp_path / "worker"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == list(range(2000))
+
+
+CHILD_ENDINGS = textwrap.dedent(
+    """
+    import multiprocessing, sys
+    import instrument
+
+    def train(root, uri, ending, wandb):
+        backends = [instrument.MlflowBackend(tracking_uri=uri, run_name="child")]
+        if wandb:
+            backends.append(instrument.WandbBackend(mode="offline", project="child"))
+        logger = instrument.Logger(backends, run=instrument.RunInfo(name="child", root=root))
+        for step in range(2):
+            logger.log_metrics({"loss": step / 2}, step=step)
+            logger.commit(step)
+        # no close(): multiprocessing's finalizer closes the logger as the child ends
+        if ending == "raise":
+            raise RuntimeError("the experiment broke")
+        if ending == "exit3":
+            sys.exit(3)
+        if ending == "interrupt":
+            raise KeyboardInterrupt
+
+    def spawned(rank, root, uri):  # a session this time; torch's _wrap turns the exception into sys.exit(1)
+        inst = instrument.Instrumentation(backends=[instrument.MlflowBackend(tracking_uri=uri, run_name="child")],
+                                          log_interval=1, run_name="child", log_dir=root)
+        for step in range(2):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": step / 2}, step=step)
+        raise RuntimeError("the experiment broke")
+
+    def task(args):
+        train(*args)
+
+    if __name__ == "__main__":
+        how, method, ending, root, uri = sys.argv[1:6]
+        args = (root, uri, ending, how == "process+wandb")
+        if how == "torch":
+            import torch.multiprocessing
+            try:
+                torch.multiprocessing.spawn(spawned, args=(root, uri), nprocs=1)
+            except torch.multiprocessing.ProcessRaisedException as exc:
+                print("raised", "the experiment broke" in str(exc))
+        elif how == "pool":
+            pool = multiprocessing.get_context(method).Pool(1)
+            try:
+                pool.map(task, [args])
+            except RuntimeError as exc:
+                print("raised", exc)
+            pool.close()  # the worker ends when it is asked to, not by a terminate()
+            pool.join()
+        else:
+            child = multiprocessing.get_context(method).Process(target=train, args=args)
+            child.start()
+            child.join(120)
+            print("exitcode", child.exitcode)
+    """
+)
+
+
+def _store(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _end_a_child(tmp_path: Path, how: str, method: str, ending: str) -> str:
+    """Run `CHILD_ENDINGS` and the child it starts (MLflow's store: `_store`); what the parent printed."""
+    script = tmp_path / "parent.py"
+    script.write_text(CHILD_ENDINGS)
+    uri = _store(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = subprocess.run([sys.executable, str(script), how, method, ending, str(tmp_path), uri], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_multiprocessing_child_that_raises_ends_its_open_run_failed_with_every_committed_step(tmp_path, method):
+    """A child never calls sys.excepthook (Process._bootstrap prints the error itself), so the finalizer that
+    closes its open Logger ended the run FINISHED in MLflow and with exit code 0 in W&B."""
+    assert _end_a_child(tmp_path, "process+wandb", method, "raise") == "exitcode 1"
+    _assert_mlflow_run(_store(tmp_path), "FAILED", [(0, 0.0), (1, 0.5)])
+    rows, _ = read_run(tmp_path / "child")
+    assert [(r["_step"], r["loss"]) for r in rows if "loss" in r] == [(0, 0.0), (1, 0.5)]
+    assert exit_codes(tmp_path / "child") == [1]
+
+
+@pytest.mark.parametrize("ending, exitcode, status", [
+    ("exit3", 3, "FAILED"),
+    ("interrupt", 1, "KILLED"),
+    ("return", 0, "FINISHED"),  # a guard: nothing in flight, nothing marked
+])
+def test_a_multiprocessing_child_ends_its_open_run_as_its_target_ended(tmp_path, ending, exitcode, status):
+    assert _end_a_child(tmp_path, "process", "spawn", ending) == f"exitcode {exitcode}"
+    _assert_mlflow_run(_store(tmp_path), status, [(0, 0.0), (1, 0.5)])
+
+
+def test_a_torch_multiprocessing_spawn_child_that_raises_ends_its_open_run_failed(tmp_path):
+    """torch's spawn catches the exception, hands its traceback to the parent and calls sys.exit(1)."""
+    assert _end_a_child(tmp_path, "torch", "spawn", "raise") == "raised True"
+    _assert_mlflow_run(_store(tmp_path), "FAILED", [(0, 0.0), (1, 0.5)])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_pool_task_that_raises_does_not_fail_the_run_its_worker_closes(tmp_path, method):
+    """A guard: the pool catches the task's exception and the worker goes on, then ends normally; the run
+    the task left open is closed FINISHED (the error reached the parent, not the worker's end)."""
+    assert _end_a_child(tmp_path, "pool", method, "raise") == "raised the experiment broke"
+    _assert_mlflow_run(_store(tmp_path), "FINISHED", [(0, 0.0), (1, 0.5)])

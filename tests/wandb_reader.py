@@ -85,6 +85,12 @@ def _row(history) -> Dict[str, Any]:
     return row
 
 
+def exit_codes(run_dir: Path) -> List[int]:
+    """The exit codes of the exit records in the one offline ``.wandb`` file under ``run_dir`` (one: finished)."""
+    (path,) = list(Path(run_dir).rglob("*.wandb"))
+    return [r.exit.exit_code for r in _records(path) if r.WhichOneof("record_type") == "exit"]
+
+
 def read_history(path: Path, timeout: float = 0.0) -> List[Dict[str, Any]]:
     """The history rows of one ``run-<id>.wandb`` file; with a ``timeout``, once it holds the run's exit record
     (or the timeout passed). Without one: what it holds now (a run killed before `finish` has no exit record)."""

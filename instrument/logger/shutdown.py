@@ -27,11 +27,18 @@ Every live `Logger` is registered here (weakly). What happens:
   backend opened is torn down. Hooks registered otherwise (a user's own) keep their order.
 - ``os.fork``: the child does not inherit the loggers' writer threads, so it disowns every logger it inherits
   (a call on one raises, saying to create a Logger in the child); its exit closes nothing of the parent's.
-  A multiprocessing child ends with ``os._exit`` (no atexit hooks): a Logger created in one is closed by a
-  multiprocessing finalizer instead (`_close_in_child`).
+- A multiprocessing child (fork or spawn, a ``Process``, a ``Pool`` worker, ``torch.multiprocessing.spawn``)
+  never calls ``sys.excepthook`` and a forked one ends with ``os._exit`` (no atexit hooks): a Logger created in
+  one is closed by a multiprocessing finalizer instead (`_close_in_child`). It runs while the target's
+  exception is still in flight (``Process._bootstrap`` runs the finalizers in a ``finally``), and takes the
+  status from it: KeyboardInterrupt ``"killed"``, ``SystemExit`` with a code other than None or 0 and any
+  other exception ``"failed"`` (``torch.multiprocessing.spawn`` turns an exception into ``sys.exit(1)``, and
+  swallows a KeyboardInterrupt). A ``Pool`` worker catches its tasks' exceptions: a task that raised leaves
+  its run to close as finished when the worker ends.
 - A failure or an interruption is known at exit only where Python says so: an uncaught exception (through
-  ``sys.excepthook``), a signal, Ctrl-C. ``sys.exit(4)`` reaches no hook with its code: a run ended that way
-  outside ``with Instrumentation(...)`` closes as finished (pass ``close("failed")`` yourself, or use ``with``).
+  ``sys.excepthook``, or in flight when a multiprocessing child ends), a signal, Ctrl-C. In the main process
+  ``sys.exit(4)`` reaches no hook with its code: a run ended that way outside ``with Instrumentation(...)``
+  closes as finished (pass ``close("failed")`` yourself, or use ``with``).
 
 Handlers are installed once, from the main thread only (Python allows no other), and chain whatever handler
 was installed before; a signal that was ignored (``SIG_IGN``) stays ignored.
@@ -120,7 +127,8 @@ def _close_in_child() -> None:
     A forked child (``multiprocessing`` with the fork start method, a ``Pool`` worker) ends with ``os._exit``:
     atexit hooks never run there, so a Logger created in it and not closed would lose what its writer had not
     written yet. multiprocessing runs its own finalizers first (``util._exit_function``): one of them closes
-    the loggers as the atexit hook does (once: whichever runs first). Registered once per process.
+    the loggers as the atexit hook does (once: whichever runs first), with the status of the target's ending
+    (`_at_child_exit`). Registered once per process.
     """
     pid = os.getpid()
     if _state.get("finalizer_pid") == pid:
@@ -132,9 +140,32 @@ def _close_in_child() -> None:
     try:
         from multiprocessing import util
 
-        util.Finalize(None, _at_exit, exitpriority=100)  # before multiprocessing's own (queues, pools: 10-15)
+        # before multiprocessing's own (queues, pools: 10-15)
+        util.Finalize(None, _at_child_exit, exitpriority=100)
     except Exception:  # never fail a Logger over this
         log.debug("instrument: could not register a multiprocessing finalizer", exc_info=True)
+
+
+def _at_child_exit() -> None:
+    """multiprocessing's finalizer in a child (`_close_in_child`): mark how the target ended, then close as at
+    exit.
+
+    A child never calls ``sys.excepthook``: ``Process._bootstrap`` catches what ``run`` raised, prints it and
+    turns it into the exit code. It runs the finalizers (``util._exit_function``) in a ``finally`` around
+    ``run``, so that exception is still in flight here and ``sys.exc_info()`` holds it (checked on CPython
+    3.11, fork and spawn). A ``Pool`` worker catches its tasks' exceptions: none is in flight when it ends.
+    """
+    exc = sys.exc_info()[1]
+    if exc is not None and interrupted(exc):
+        mark("killed")
+    elif exc is not None and not (isinstance(exc, SystemExit) and _finished_code(exc.code)):
+        mark("failed")
+    _at_exit()
+
+
+def _finished_code(code: Any) -> bool:
+    """Whether ``sys.exit(code)`` ends a multiprocessing child with exit code 0 (``Process._bootstrap``'s rule)."""
+    return code is None or (isinstance(code, int) and code == 0)
 
 
 def unregister(logger: Any) -> None:

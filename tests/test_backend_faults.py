@@ -22,7 +22,7 @@ from instrument import ConfigurationError, JsonlBackend, MlflowBackend, RunInfo,
 from instrument.backends.base import StepRecord
 from instrument.backends.tensorboard import _event_thread
 from tests.conftest import read_scalars
-from tests.wandb_reader import _payloads, read_run
+from tests.wandb_reader import exit_codes, read_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -278,20 +278,6 @@ def test_mlflow_open_that_failed_is_retried_by_the_next_record(tmp_path):
 # --- W&B -------------------------------------------------------------------------------------------------
 
 
-def _exit_codes(run_dir: Path):
-    """The exit codes in the exit records of the one offline ``.wandb`` file under ``run_dir``."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = list(run_dir.rglob("*.wandb"))
-    codes = []
-    for payload in _payloads(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "exit":
-            codes.append(record.exit.exit_code)
-    return codes
-
-
 @pytest.mark.parametrize("status, code", [(None, 0), ("killed", 1), ("failed", 1)])
 def test_wandb_run_ends_with_the_exit_code_of_how_it_ended(tmp_path, status, code):
     pytest.importorskip("wandb")
@@ -305,7 +291,7 @@ def test_wandb_run_ends_with_the_exit_code_of_how_it_ended(tmp_path, status, cod
     backend.close()
     rows, _ = read_run(tmp_path / "ended")
     assert [(row["_step"], row["loss"]) for row in rows] == [(s, float(s)) for s in range(3)]
-    assert _exit_codes(tmp_path / "ended") == [code]
+    assert exit_codes(tmp_path / "ended") == [code]
 
 
 _WANDB_WRITER = textwrap.dedent(
@@ -350,7 +336,7 @@ def test_wandb_steps_reach_the_file_without_close_and_survive_sigkill(tmp_path):
     rows, _ = read_run(run_dir, timeout=0)
     assert [row["_step"] for row in rows] == list(range(300))
     assert rows[-1]["m9"] == pytest.approx(299.09)
-    assert _exit_codes(run_dir) == []  # it really ended without close
+    assert exit_codes(run_dir) == []  # it really ended without close
 
 
 def test_wandb_bad_options_name_what_was_expected():

@@ -13,6 +13,7 @@ from instrument.backends.jsonl import JsonlBackend
 from instrument.backends.tensorboard import TensorBoardBackend
 from instrument.errors import ConfigurationError
 from instrument.session.run_folder import default_run_name
+from tests.wandb_reader import exit_codes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,20 +132,6 @@ raise RuntimeError("the experiment broke")
 """
 
 
-def _wandb_exit_code(run_dir: Path) -> int:
-    from wandb.proto import wandb_internal_pb2
-
-    from tests.wandb_reader import _payloads
-
-    (path,) = run_dir.rglob("*.wandb")
-    for payload in _payloads(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "exit":
-            return record.exit.exit_code
-    raise AssertionError(f"no exit record in {path}")
-
-
 def test_a_process_that_raises_is_failed_in_mlflow_and_wandb(tmp_path):
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
@@ -157,7 +144,7 @@ def test_a_process_that_raises_is_failed_in_mlflow_and_wandb(tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{logs / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("instrument").experiment_id])
     assert run.info.status == "FAILED" and run.data.metrics == {"x": 1.0}
-    assert _wandb_exit_code(logs / "boom") == 1
+    assert exit_codes(logs / "boom") == [1]
 
 
 def test_cli_exits_non_zero_and_mlflow_says_failed_when_the_experiment_raises(tmp_path):

@@ -403,3 +403,39 @@ def test_to_device_moves_host_values_exactly_and_leaves_a_cpu_tensor_itself(devi
         assert torch.equal(moved.cpu(), host)
         if device == "cpu":
             assert moved is host
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reader", ["evaluation", "frames"])
+def test_a_frame_schedule_without_a_collector_mask_reads_nothing_back_and_counts_episodes_exactly(
+        device, reader, tmp_path):
+    """An `Evaluation`'s schedule and ``step_unit="frames"`` read ``Counters.frames`` every iteration. Without a
+    collector mask the frames are known from shapes, but that read also brought the episode count (on the device
+    since the batches have `done`) back to the host: a host sync every iteration (a review counted 100 in 100
+    iterations). It is left on the device now, and read with the commit's transfer, exact."""
+    from instrument.rl import CollectionMetrics, Evaluation
+
+    g = torch.Generator().manual_seed(5)
+    t_len, envs, iterations, interval = 8, 4, 12, 5
+    dones = [torch.rand(t_len, envs, generator=g) < 0.25 for _ in range(iterations)]
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=interval, run_name="rl",
+                                      log_dir=str(tmp_path))
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None,
+                   evaluation=Evaluation(every_frames=10**9) if reader == "evaluation" else None,
+                   step_unit="frames" if reader == "frames" else "iterations").attach(inst)
+    reward = torch.ones(t_len, envs, device=device)
+    with no_host_read(device):
+        for done in dones:
+            with rl.iteration():
+                rl.observe_batch(reward=reward, done=done.to(device))
+            assert rl.counters.frames_known
+    rl.close()
+    inst.close()
+    assert inst.failures == {}
+    got = jsonl_metrics(tmp_path / "rl" / "metrics.jsonl")
+    ended = np.cumsum([int(done.sum()) for done in dones])
+    logged = [0, 5, 10, iterations - 1]  # the session's cadence, and the record close writes after the last one
+    steps = logged if reader == "evaluation" else [(k + 1) * t_len * envs for k in logged]
+    assert sorted(got) == steps
+    for k, step in zip(logged, steps, strict=True):
+        assert got[step]["counters/episodes"] == ended[k] and got[step]["counters/frames"] == (k + 1) * t_len * envs

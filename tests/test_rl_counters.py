@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import instrument
-from instrument import ConfigurationError, Logger, StepOrderError
+from instrument import ConfigurationError, Logger
 from instrument.rl import CollectionMetrics, Counters, RLLogging
 
 TensorDict = pytest.importorskip("tensordict").TensorDict  # the 'torchrl' extra
@@ -104,15 +104,28 @@ def test_resume_from_state_dict_continues_steps_exactly(tmp_path):
     assert resumed[-1][1] == {"counters/frames": 7 * 8, "counters/iterations": 7, "counters/episodes": 7}
 
 
-def test_loading_an_older_state_into_a_live_logger_is_refused():
+@pytest.mark.parametrize("step_unit, committed, resumes_after", [("iterations", 3, 0), ("frames", 32, 8)])
+def test_loading_an_older_state_into_a_live_logger_is_refused_at_the_load_and_changes_nothing(
+        step_unit, committed, resumes_after):
+    """On a bare Logger the load went through and rolled the counters back: the next iteration then failed to
+    commit (StepOrderError, its components' values reported and dropped), or, counting frames, its values were
+    held back until the frame count passed the logger's step. Refused at the load now, as attached to a session
+    (tests/test_rl_state.py); the run goes on where it was."""
     logger = Logger([])
-    rl = RLLogging(log_interval=1, progress=None).attach(logger)
+    rl = RLLogging(log_interval=1, progress=None, step_unit=step_unit).attach(logger)
     run_iterations(rl, 1)
     early = rl.state_dict()
     run_iterations(rl, 3)
-    rl.load_state_dict(early)  # going back in time on the same logger ...
-    with pytest.raises(StepOrderError, match="step 1 is lower than step 3"):
-        run_iterations(rl, 1)  # ... would re-log step 1: the logger refuses
+    now = rl.state_dict()
+    assert logger.last_step == committed
+    with pytest.raises(ConfigurationError, match=rf"this logger has already committed step {committed}, but the "
+                       rf"state resumes after step {resumes_after} \({step_unit}\).*nothing was loaded"):
+        rl.load_state_dict(early)  # going back in time on the same logger would re-log its steps
+    assert rl.state_dict() == now
+    run_iterations(rl, 1)  # the run goes on where it was
+    assert logger.last_step == (4 if step_unit == "iterations" else 5 * 8)
+    rl.close()
+    logger.close()
 
 
 def test_state_dict_version_is_checked():

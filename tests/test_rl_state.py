@@ -1,14 +1,17 @@
 """RLLogging.load_state_dict refuses a state that is not what state_dict returned, saying which key and why,
-instead of resuming from a count it made up (3.7 -> 3, "7" -> 7, -50) or raising a bare KeyError."""
+instead of resuming from a count it made up (3.7 -> 3, "7" -> 7, -50) or raising a bare KeyError; a refused load,
+whichever part refuses, changes nothing; and state_dict leaves a collector thread free while the session flushes."""
 
 import copy
+import logging
+import threading
 
 import numpy as np
 import pytest
 
 import instrument
 from instrument import ConfigurationError
-from instrument.rl import Evaluation, RLLogging
+from instrument.rl import Evaluation, RLComponent, RLLogging
 
 
 def saved_state(tmp_path):
@@ -149,3 +152,181 @@ def test_a_checkpoint_saved_inside_an_iteration_resumes_without_a_repeated_step_
         for step in steps_a:
             kept = [key for key in a[step] if key.startswith(("counters/", "collection/main/reward/"))]
             assert {key: b[step][key] for key in kept} == {key: a[step][key] for key in kept}, step
+
+
+# ------------------------------------------------------------------ a refused load changes nothing
+class _Batches(RLComponent):
+    """An extra component with a state of its own: the batches it has seen."""
+
+    prefix = "batches"
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_batch(self, batch=None, frames=None) -> None:
+        self.seen += 1
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state) -> None:
+        if type(state.get("seen")) is not int:
+            raise ConfigurationError(f"Batches.load_state_dict: seen must be an int, got {state!r}")
+        self.seen = state["seen"]
+
+
+def _live(folder, resume=False):
+    from instrument.rl import CollectionMetrics
+
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=2, log_dir=str(folder),
+                                      run_name="r", resume=resume, overhead_budget=None)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, components=[_Batches()],
+                   evaluation=Evaluation(every_frames=10**6))
+    return inst, rl.attach(inst)
+
+
+def _where(inst, rl):
+    return (rl.counters.state_dict(), rl.evaluation.state_dict(), rl.extra[0].state_dict(), inst.logger.last_step)
+
+
+def _run(inst, rl, iterations):
+    for k in iterations:
+        with inst.step(k), rl.iteration():
+            rl.observe_batch(reward=np.ones((4, 2)), done=np.zeros((4, 2), bool))
+
+
+def test_an_older_state_refused_by_the_session_changes_nothing(tmp_path):
+    """The session refused the state (it had committed later steps), but the counters and the evaluation were
+    loaded first and stayed loaded, then the extra components, so the next `with inst.step(7)` iteration failed:
+    "RLLogging logs iteration 3 at step 3 inside `with inst.step(7)`" (a review). The session's state is checked
+    before any part is loaded."""
+    inst, rl = _live(tmp_path)
+    _run(inst, rl, range(3))
+    old = rl.state_dict()
+    _run(inst, rl, range(3, 7))
+    before = _where(inst, rl)
+    assert before[0] == {"frames": 56, "iterations": 7, "episodes": 0} and before[2:] == ({"seen": 7}, 6)
+    with pytest.raises(ConfigurationError, match=r"after this Instrumentation committed step 6: resuming at the "
+                                                 r"checkpoint's step 2"):
+        rl.load_state_dict(old)
+    assert _where(inst, rl) == before
+    _run(inst, rl, [7])  # the run goes on where it was
+    rl.close()
+    inst.close()
+    assert _written(tmp_path)[0] == [0, 2, 4, 6, 7]
+
+
+def test_a_component_refusing_its_state_leaves_the_counters_and_the_session_as_they_were(tmp_path):
+    """The extra components were loaded one by one after the counters, the session last: one refusing its state
+    left the counters loaded and the session not resumed, so the next iterations logged steps the files already
+    held, counted from the checkpoint. Loaded together now: all or none."""
+    inst, rl = _live(tmp_path)
+    _run(inst, rl, range(5))
+    state = rl.state_dict()
+    rl.close()
+    inst.close()
+    bad = copy.deepcopy(state)
+    bad["components"]["extra0"] = {"seen": "5"}
+    inst, rl = _live(tmp_path, resume=True)
+    fresh = _where(inst, rl)
+    with pytest.raises(ConfigurationError, match="Batches.load_state_dict: seen must be an int"):
+        rl.load_state_dict(bad)
+    assert _where(inst, rl) == fresh == ({"frames": 0, "iterations": 0, "episodes": 0},
+                                         {"next_due": 10**6, "runs": 0}, {"seen": 0}, None)
+    rl.load_state_dict(state)
+    assert _where(inst, rl) == (state["counters"], state["evaluation"], {"seen": 5}, 4)
+    _run(inst, rl, range(rl.step, 7))
+    rl.close()
+    inst.close()
+    assert _written(tmp_path)[0] == [0, 2, 4, 6]  # every step once: nothing written twice
+
+
+def test_a_session_state_refused_at_attach_leaves_the_session_as_it_was(tmp_path):
+    """Loaded before `attach`, the session's state is applied when the set is attached. Refused then, after the
+    components were registered, the session kept them: a set attached next was refused ("the same keys")."""
+    inst, rl = _live(tmp_path)
+    _run(inst, rl, range(2))
+    old = rl.state_dict()
+    _run(inst, rl, range(2, 5))
+    rl.close()
+    waiting = RLLogging(progress=None)
+    waiting.load_state_dict(old)  # applied to the session at attach
+    with pytest.raises(ConfigurationError, match="after this Instrumentation committed step 4"):
+        waiting.attach(inst)
+    assert not waiting.attached
+    other = RLLogging(progress=None).attach(inst)  # nothing of the refused set was left registered
+    other.close()
+    inst.close()
+
+
+# ------------------------------------------------------------------ a checkpoint beside a collector thread
+class _Gate(instrument.Backend):
+    """Once armed, holds every flush (what a checkpoint waits for) until released: a slow remote backend."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.flushing, self.release = threading.Event(), threading.Event()
+
+    def write(self, record) -> None:
+        pass
+
+    def flush(self) -> None:
+        if self.armed:
+            self.flushing.set()
+            self.release.wait(60)
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_checkpoint_waiting_for_the_backends_holds_neither_the_collector_nor_the_training_thread(tmp_path):
+    """`rl.state_dict()` held the set's lock while the session flushed the backends (up to 10 s): a collector
+    thread's `observe_batch` waited all that time (1.45 s behind a backend whose write took 1.5 s, in a review).
+    Now both go on while the checkpoint waits, the training thread even commits a logging step, and the state
+    saved still agrees with itself: its counters count exactly the iterations up to the session's last step."""
+    from instrument.rl import CollectionMetrics
+
+    gate, said = _Gate(), _Said()
+    inst = instrument.Instrumentation(backends=[gate], log_interval=1, log_dir=str(tmp_path), run_name="r",
+                                      flush_secs=3600.0, overhead_budget=None)  # no flush but the checkpoint's
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    reward, done = np.ones((4, 2)), np.zeros((4, 2), bool)
+    with rl.iteration():  # step 0
+        rl.observe_batch(reward=reward, done=done)
+    inst.flush()
+    gate.armed = True
+    saved, seen = {}, {}
+    saver = threading.Thread(target=lambda: saved.update(state=rl.state_dict()))
+    logging.getLogger("instrument").addHandler(said)
+    saver.start()
+    try:
+        assert gate.flushing.wait(60)  # the checkpoint is waiting for the backends now
+
+        def collect():
+            rl.observe_batch(reward=reward, done=done)
+            seen["while the checkpoint waited"] = saver.is_alive() and not said.messages
+
+        collector = threading.Thread(target=collect)
+        collector.start()
+        collector.join(60)
+        with rl.iteration():  # step 1, committed while the checkpoint waits
+            rl.observe_batch(reward=reward, done=done)
+        seen["training"] = saver.is_alive() and not said.messages
+    finally:
+        gate.release.set()
+        saver.join(60)
+        logging.getLogger("instrument").removeHandler(said)
+    assert seen == {"while the checkpoint waited": True, "training": True}, said.messages
+    state = saved["state"]
+    assert state["session"]["last_step"] == 1  # committed before the checkpoint returned: read again with it
+    assert state["counters"] == {"frames": 3 * 8, "iterations": 2, "episodes": 0}
+    rl.close()
+    inst.close()

@@ -26,7 +26,7 @@ from instrument.logger.handover import handover
 from instrument.logger.values import Wide, as_scalar, refuse_merged_keys, weighted
 from instrument.logger.writer import CommittedStep
 
-__all__ = ["LAZY", "MAX_STEP", "StepRecords", "check_step", "step_range_message"]
+__all__ = ["LAZY", "MAX_STEP", "StepRecords", "check_step", "resume_step", "step_range_message"]
 
 log = logging.getLogger("instrument")
 
@@ -49,6 +49,14 @@ def check_step(step: object) -> None:
     if not 0 <= step <= MAX_STEP:  # type: ignore[operator]
         raise InvalidValueError(step_range_message("step", step))  # type: ignore[arg-type]
 
+
+def resume_step(last_step: object) -> Optional[int]:
+    """``last_step`` of a checkpoint (`StepRecords.resume_after`) as an int, or None; anything else is refused."""
+    return check_int("resume_after: last_step", last_step, least=0, most=MAX_STEP, integral=True, none=True,
+                     expected="None or an int >= 0 (a step a checkpoint's state_dict() counted as committed)",
+                     fix="pass the 'last_step' of Instrumentation.state_dict() as it was saved")
+
+
 _EMPTY = (None, None, 0)  # a `Timer.position` older than any take: rewinds to empty
 _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
 _OWN = "instrument/"  # the session's own keys (`instrument/overhead/...`): named after the user's
@@ -68,11 +76,7 @@ class StepRecords:
         must follow it, and every backend is told before the next record that steps from ``last_step + 1`` on
         are written again (`Backend.on_resume`). `Instrumentation.load_state_dict` calls this. Anything but None
         or an int >= 0 is refused before anything changes."""
-        if last_step is not None:
-            check_int("resume_after: last_step", last_step, least=0, most=MAX_STEP, integral=True, none=True,
-                      expected="None or an int >= 0 (a step a checkpoint's state_dict() counted as committed)",
-                      fix="pass the 'last_step' of Instrumentation.state_dict() as it was saved")
-            last_step = int(last_step)
+        last_step = resume_step(last_step)
         with self._lock:
             self._last_step = last_step
         if self.is_writer:

@@ -30,7 +30,7 @@ Rules a component follows:
   they return plain Python values so any checkpoint format (torch.save, JSON, TorchRL's) can store them.
 """
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from instrument.core.step_components import same_keys, same_keys_message
 from instrument.errors import ConfigurationError
@@ -110,15 +110,18 @@ def state_entry(state: Dict[str, Any], key: str, owner: str) -> Any:
     return state[key]
 
 
-def load_together(parts: List[Tuple[Any, Any]]) -> None:
+def load_together(parts: List[Tuple[Any, Any]], then: Optional[Callable[[], None]] = None) -> None:
     """``component.load_state_dict(state)`` for each ``(component, state)``, all or none: when one refuses its
-    state, those loaded before it get their own state back, and the error is raised."""
+    state, those loaded before it get their own state back, and the error is raised. ``then``, when given, runs
+    once all are loaded, as the last part: when it raises, every part gets its own state back too."""
     done: List[Tuple[Any, Any]] = []
     try:
         for component, state in parts:
             before = component.state_dict()
             component.load_state_dict(state)
             done.append((component, before))
+        if then is not None:
+            then()
     except BaseException:
         for component, before in reversed(done):
             component.load_state_dict(before)

@@ -12,8 +12,9 @@ key               meaning
 
 Frames are counted from shapes (no device work) unless the batch has a collector mask, whose sum stays on the
 device; reading `Counters.frames` then costs one host sync (frame-based schedules and ``step_unit="frames"``
-read it, logging does not). Episodes stay on the device until commit. `state_dict` returns plain ints, read in one
-batched transfer, so a checkpoint stores them in any format and a resumed run continues counting exactly.
+read it, logging does not). Episodes stay on the device until commit: reading `frames` leaves them there, so
+without a mask it costs nothing. `state_dict` returns plain ints, read in one batched transfer, so a checkpoint
+stores them in any format and a resumed run continues counting exactly.
 """
 
 import numbers
@@ -121,8 +122,9 @@ class Counters(RLComponent):
     # ------------------------------------------------------------------ reading
     @property
     def frames(self) -> int:
-        """Frames so far, as an int (one host sync when a collector mask was counted since the last read)."""
-        self._fold()
+        """Frames so far, as an int (one host sync when a collector mask was counted since the last read, none
+        otherwise: the episode count stays on the device, read at commit)."""
+        self._fold(episodes=False)
         return self._frames
 
     @property
@@ -133,20 +135,26 @@ class Counters(RLComponent):
 
     @property
     def frames_known(self) -> bool:
-        """Whether `frames` can be read without a host sync."""
+        """Whether `frames` can be read without a host sync: no collector mask was counted since the last read
+        (episodes counted on the device do not matter, `frames` leaves them there)."""
         return self._frames_device is None
 
-    def _fold(self) -> None:
-        pending = [t for t in (self._frames_device, self._episodes_device) if t is not None]
+    def _fold(self, episodes: bool = True) -> None:
+        """Add the counts still on the device to the ints: the frames, and the episodes unless ``episodes`` is
+        False (a frame schedule reading `frames` every iteration must not read them: a sync each time)."""
+        frames_device = self._frames_device
+        episodes_device = self._episodes_device if episodes else None
+        pending = [t for t in (frames_device, episodes_device) if t is not None]
         if not pending:
             return
         # host sync: the device counts are read once here (checkpoints, frame schedules), never per metric.
         host = iter(to_host(pending))
-        if self._frames_device is not None:
+        if frames_device is not None:
             self._frames += int(next(host))
-        if self._episodes_device is not None:
+            self._frames_device = None
+        if episodes_device is not None:
             self._episodes += int(next(host))
-        self._frames_device = self._episodes_device = None
+            self._episodes_device = None
 
     def log(self, logger, step: int) -> None:
         metrics = {

@@ -32,7 +32,9 @@ iteration (default 1) and commits the logger itself.
 
 Resume: `state_dict` holds the counters, the evaluation schedule and, when attached to a session, the session's
 state (last committed step); after `load_state_dict` the next iteration continues the numbering, so no step is
-logged twice (``Instrumentation(resume=True)``). Saved inside an iteration, that iteration counts as done.
+logged twice (``Instrumentation(resume=True)``). Saved inside an iteration, that iteration counts as done. A load
+refused (a bad state, or one older than what the session or logger already committed) changes nothing
+(`instrument.rl.resume`).
 
 A component that raises is reported once and skipped; the others and the commit go on. A configuration error
 propagates (it needs fixing), unless the component's ``on_batch`` or ``on_losses`` has worked before.
@@ -53,17 +55,18 @@ from instrument.logger.timer import Timer
 from instrument.rl.bar import ProgressComponent
 from instrument.rl.batch import KeywordBatch
 from instrument.rl.collection import CollectionMetrics
-from instrument.rl.component import RLComponent, check_components, load_together, state_entry, step_disagreement
+from instrument.rl.component import RLComponent, check_components, step_disagreement
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
 from instrument.rl.ranks import distributed
+from instrument.rl.resume import load_state, saved_state
 from instrument.rl.timing import StageClock, StageTiming
 from instrument.rl.training import TrainMetrics
+from instrument.session.checkpoint import check_session_state
 
 __all__ = ["RLLogging", "DEFAULT"]
 
 _STEP_UNITS = ("iterations", "frames")
-_STATE_VERSION = 1
 
 
 class _Default:
@@ -196,6 +199,8 @@ class RLLogging:
             self.progress_component.prefixes = {"counters": self.counters.prefix}
             if self.collection is not None:
                 self.progress_component.prefixes["collection"] = self.collection.prefix
+        if target is not logger and self._session_state is not None:  # from load_state_dict: a refused one
+            check_session_state(target, self._session_state)  # leaves the session as it was
         register = target.add_component if target is not logger else self._own.add
         handles: List[ComponentHandle] = []
         try:
@@ -384,48 +389,20 @@ class RLLogging:
         self.evaluation.runner = runner
 
     # ------------------------------------------------------------------ resume and shutdown
-    @_locked
     def state_dict(self) -> Dict[str, Any]:
-        """What a resumed run needs to go on counting and scheduling (plain values; see Resume in the module doc)."""
-        counters, inst = self.counters.state_dict(), self.instrumentation
-        if self.counters.counting or (inst is not None and self.step_unit == "iterations" and inst.active_step ==
-                                      self.step):  # inside an iteration: done (else counted, or logged, twice)
-            counters["iterations"] += 1
-        state: Dict[str, Any] = {"version": _STATE_VERSION, "counters": counters}
-        if self.evaluation is not None:
-            state["evaluation"] = self.evaluation.state_dict()
-        comps = {
-            name: comp.state_dict()
-            for name, comp, _ in self.members
-            if name not in ("counters", "evaluation", "timing", "progress")
-        }
-        state["components"] = {k: v for k, v in comps.items() if v}
-        if inst is not None:  # the session's last committed step and run name
-            state["session"] = inst.state_dict()
-        return state
+        """What a resumed run needs to go on counting and scheduling (plain values; see Resume in the module doc).
+
+        The set's parts are read under its lock; the session's part, which first waits (up to 10 s) for the
+        backends to write what was committed, outside it, so a collector thread's `observe_batch` goes on
+        meanwhile (`instrument.rl.resume`)."""
+        return saved_state(self)
 
     @_locked
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        version = state.get("version") if isinstance(state, dict) else None
-        if version != _STATE_VERSION:
-            raise ConfigurationError(
-                f"RLLogging.load_state_dict expects a state from RLLogging.state_dict() (version "
-                f"{_STATE_VERSION}), got {type(state).__name__} with version {version!r}."
-            )
-        parts = [(self.counters, state_entry(state, "counters", "RLLogging"))]
-        if self.evaluation is not None and "evaluation" in state:
-            parts.append((self.evaluation, state["evaluation"]))
-        load_together(parts)  # all or none: a part refused leaves the others as they were
-        self._unlogged = False  # what the restored counters count was logged by the run that saved them
-        named = {name: comp for name, comp, _ in self.members}
-        for name, comp_state in state.get("components", {}).items():
-            if name in named:
-                named[name].load_state_dict(comp_state)
-        if "session" in state:  # applied to the session now, or when one is attached
-            self._session_state = state["session"]
-            if self.instrumentation is not None:
-                self.instrumentation.load_state_dict(self._session_state)
-                self._session_state = None
+        """Resume from `state_dict`'s state: all of it, or, refused (a `ConfigurationError` saying why), none of
+        it, the session's part included: the counters, the schedule, the components and the session stay as
+        they were."""
+        load_state(self, state)
 
     @property
     def failures(self) -> Dict[str, int]:

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from instrument.checks import check_number
 from instrument.errors import ConfigurationError
+from instrument.logger.steps import resume_step
 
 if TYPE_CHECKING:
     from instrument.session.instrumentation import Instrumentation
 
-__all__ = ["flush_for_checkpoint", "load_session_state", "session_state"]
+__all__ = ["check_session_state", "flush_for_checkpoint", "load_session_state", "session_state"]
 
 log = logging.getLogger("instrument")
 
@@ -72,6 +73,13 @@ def flush_for_checkpoint(inst: "Instrumentation", timeout: Optional[float], what
 
 def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
     """`Instrumentation.load_state_dict` (see its docstring): refused before anything changes, or resumed."""
+    check_session_state(inst, state)
+    inst.logger.resume_after(state["last_step"])
+
+
+def check_session_state(inst: "Instrumentation", state: Any) -> None:
+    """Raise the error `load_session_state` would raise for ``state``, changing nothing: a caller that loads
+    more than the session (`RLLogging.load_state_dict`) checks it before it loads any of it."""
     if inst._closed:
         raise ConfigurationError("this Instrumentation is closed, so load_state_dict() would resume nothing; "
                                  "create a new one with resume=True and load the checkpoint into it.")
@@ -97,4 +105,4 @@ def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
             f"run_name={saved!r} (and its log_dir) to continue that run. (A run folder renamed on purpose: set "
             f"state['run_name'] = {inst.run.name!r} first.)"
         )
-    inst.logger.resume_after(state["last_step"])
+    resume_step(state["last_step"])

@@ -1,0 +1,121 @@
+"""`RLLogging`'s checkpoint: what `RLLogging.state_dict` saves, and `load_state_dict` loading all of it or none.
+
+The state holds plain values, so any checkpoint format stores it::
+
+    {"version": 1,
+     "counters": {"frames": ..., "iterations": ..., "episodes": ...},   # Counters.state_dict()
+     "evaluation": {"next_due": ..., "runs": ...},                      # with an Evaluation
+     "components": {"training": {...}, "extra0": {...}},               # the other components' non-empty states
+     "session": {"last_step": ..., ...}}                                # Instrumentation.state_dict(), attached to one
+
+Saving: the set's own parts are read under its lock, one consistent view (a collector thread's batch is in it
+whole or not at all). The session's part is taken outside the lock: the session first waits, up to 10 s, until
+the backends have written every committed step, and a collector thread's `observe_batch` must not wait that
+long. Batches observed meanwhile are not in the state, as if observed just after it. A step committed meanwhile
+(by another thread) would leave the counters and the session's last step disagreeing on resume (a step logged
+twice, or cut from the files), so then both are read again as one, under the lock.
+
+Loading: the session's state is checked first; then every component's state is loaded with `load_together`
+and, last, the session resumes (with no session state, the logger's last committed step is checked against the
+step the state resumes after). Anything refused leaves every part as it was: a refused load changes nothing.
+"""
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from instrument.errors import ConfigurationError
+from instrument.rl.component import load_together, state_entry
+from instrument.session.checkpoint import check_session_state
+
+if TYPE_CHECKING:
+    from instrument.rl.rl_logging import RLLogging
+
+__all__ = ["STATE_VERSION", "load_state", "saved_state"]
+
+STATE_VERSION = 1
+_OWN_PARTS = ("counters", "evaluation", "timing", "progress")  # saved apart, or not at all
+
+
+def saved_state(rl: "RLLogging") -> Dict[str, Any]:
+    """`RLLogging.state_dict`: the set's parts under its lock, the session's (which flushes) outside it."""
+    with rl._lock:
+        state, inst = _own_state(rl), rl.instrumentation
+        if inst is None:
+            return state
+        seen = _progress(inst)
+    session = inst.state_dict()  # waits for the backends (up to 10 s): the set's lock is free meanwhile
+    with rl._lock:
+        if _progress(inst) != seen:  # another thread committed in between: both again, as one locked read
+            state, session = _own_state(rl), inst.state_dict()
+        state["session"] = session
+        return state
+
+
+def _own_state(rl: "RLLogging") -> Dict[str, Any]:
+    """The counters, the evaluation schedule and the other components' states (under the set's lock)."""
+    counters, inst = rl.counters.state_dict(), rl.instrumentation
+    if rl.counters.counting or (inst is not None and rl.step_unit == "iterations" and inst.active_step ==
+                                rl.step):  # inside an iteration: done (else counted, or logged, twice)
+        counters["iterations"] += 1
+    state: Dict[str, Any] = {"version": STATE_VERSION, "counters": counters}
+    if rl.evaluation is not None:
+        state["evaluation"] = rl.evaluation.state_dict()
+    comps = {name: comp.state_dict() for name, comp, _ in rl.members if name not in _OWN_PARTS}
+    state["components"] = {k: v for k, v in comps.items() if v}
+    return state
+
+
+def _progress(inst: Any) -> Tuple[Optional[int], Optional[int]]:
+    """What the session's state reads that a commit changes: its last committed step and open logging step."""
+    return inst.logger.last_step, inst.active_step
+
+
+def load_state(rl: "RLLogging", state: Dict[str, Any]) -> None:
+    """`RLLogging.load_state_dict` (under the set's lock): every part checked and loaded, or none."""
+    version = state.get("version") if isinstance(state, dict) else None
+    if version != STATE_VERSION:
+        raise ConfigurationError(
+            f"RLLogging.load_state_dict expects a state from RLLogging.state_dict() (version "
+            f"{STATE_VERSION}), got {type(state).__name__} with version {version!r}."
+        )
+    inst = rl.instrumentation
+    resumes_session = inst is not None and "session" in state
+    if resumes_session:
+        check_session_state(inst, state["session"])  # e.g. an older state into a session past it: before any part
+    parts: List[Tuple[Any, Any]] = [(rl.counters, state_entry(state, "counters", "RLLogging"))]
+    if rl.evaluation is not None and "evaluation" in state:
+        parts.append((rl.evaluation, state["evaluation"]))
+    components = state.get("components", {})
+    if not isinstance(components, Mapping):
+        raise ConfigurationError(
+            f"RLLogging.load_state_dict: 'components' must be the dict RLLogging.state_dict() saved (component "
+            f"name -> state), got {type(components).__name__} {components!r:.80}."
+        )
+    named = {name: comp for name, comp, _ in rl.members if name not in _OWN_PARTS}
+    parts += [(named[name], part) for name, part in components.items() if name in named]
+
+    def resume() -> None:  # last: when it refuses, `load_together` puts every part back
+        if resumes_session:
+            inst.load_state_dict(state["session"])
+        elif rl.attached:
+            _check_resume_point(rl)
+
+    load_together(parts, then=resume)
+    rl._unlogged = False  # what the restored counters count was logged by the run that saved them
+    if not rl.attached and "session" in state:
+        rl._session_state = state["session"]  # checked and applied when the set is attached to a session
+
+
+def _check_resume_point(rl: "RLLogging") -> None:
+    """With no session state to resume (a bare `Logger`): the loaded counters' next step must follow the
+    logger's last committed step, else the resumed iterations would log below steps already written (refused as
+    a `StepOrderError` at their commit, or, counting frames, held back until the count passes it)."""
+    last = rl.logger.last_step
+    after = rl.counters.iterations - 1 if rl.step_unit == "iterations" else rl.counters.frames
+    if last is not None and last > after:
+        raise ConfigurationError(
+            f"RLLogging.load_state_dict: this logger has already committed step {last}, but the state resumes "
+            f"after step {after} ({rl.step_unit}), so the next iterations would log below steps already "
+            f"written. Load a state into a set whose logger has not logged past it (a new run's, before its first "
+            f"iteration); nothing was loaded."
+        )

@@ -148,6 +148,15 @@ def test_config_text_keeps_its_line_ends_and_redacts_what_splitlines_cut():
     assert out == f"X.settings = {{'token': '{REDACTED}', 'n': 1}}\r\nY.k = \\\r\n  'x'\r\nZ.n = 3\r\n"  # order kept
     untouched = "# a comment\rstays\r\nA.x = 1\r\n\r\nB.y = 'two\x85'\n"
     assert redact_config_text(untouched) == untouched
+    # A line gin rejects, with a binding after such a character (pasted text; the CLI quotes it in its syntax
+    # error): a review found that binding read as part of the first one's value, and its secret kept in clear.
+    for brk in ("\u2028", "\x0c", "\x0b", "\x85", "\x1e"):
+        pasted = f"Instrumentation.run_name = 'a'{brk}MlflowBackend.api_token = 'sk-LEAK-123456'\nZ.n = 3\n"
+        assert redact_config_text(pasted) == (
+            f"Instrumentation.run_name = 'a'{brk}MlflowBackend.api_token = '{REDACTED}'\nZ.n = 3\n"
+        )
+    continued = "A.x = 1\u2028X.token = \\\u2028  'sk-zzzz'\u2028B.y = 2\n"
+    assert redact_config_text(continued) == f"A.x = 1\u2028X.token = '{REDACTED}'\u2028B.y = 2\n"
 
 
 def test_structured_redaction_and_custom_keys():

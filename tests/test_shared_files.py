@@ -292,11 +292,35 @@ def test_one_tensorboard_backend_given_to_two_open_sessions_is_refused_to_the_se
 
     shared = TensorBoardBackend(log_dir=str(tmp_path / "tb"))
     first = instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="a", log_interval=1)
-    with pytest.raises(ConfigurationError, match=SESSION_HOLDS.format(r"tb\b")):
+    with pytest.raises(ConfigurationError, match="is already open for another session in this process"):
         instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="b", log_interval=1)
     _tensorboard_run(first, [1, 2])
     first.close()
     assert read_scalars(tmp_path / "tb")["x"] == {1: 1.0, 2: 2.0}
+
+
+@pytest.mark.parametrize("make", [JsonlBackend, TensorBoardBackend], ids=["jsonl", "tensorboard"])
+def test_one_backend_without_a_path_given_to_two_open_sessions_is_refused_to_the_second(tmp_path, make):
+    """A review found one ``JsonlBackend()`` (or ``TensorBoardBackend()``), whose folder is each run's own, let
+    into a second open session: the two runs hold no path in common, but the second open took the instance's file
+    (writer) from the first, and every step of both runs went into the second run. Closed, it serves the next."""
+    from tests.conftest import read_scalars
+
+    shared = make()
+    first = instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="a", log_interval=1)
+    with pytest.raises(ConfigurationError, match="is already open for another session in this process: one backend "
+                                                 "object writes one run at a time"):
+        instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="b", log_interval=1)
+    _tensorboard_run(first, [1, 2])
+    first.close()
+    later = instrument.Instrumentation(backends=[shared], log_dir=str(tmp_path), run_name="c", log_interval=1)
+    _tensorboard_run(later, [5])
+    later.close()
+    if make is JsonlBackend:
+        assert _steps(tmp_path / "a" / "metrics.jsonl") == [1, 2] and _steps(tmp_path / "c" / "metrics.jsonl") == [5]
+    else:
+        assert read_scalars(tmp_path / "a")["x"] == {1: 1.0, 2: 2.0} and read_scalars(tmp_path / "c")["x"] == {5: 5.0}
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").rglob("*.jsonl"))
 
 
 FORKED = """
@@ -354,7 +378,7 @@ def test_a_forked_child_is_refused_the_folders_its_parent_holds_and_holds_its_ow
     assert done.returncode == 0, done.stderr
     child, parent = (json.loads(line) for line in done.stdout.splitlines()[-2:])
     assert parent == {"child status": 0}
-    assert re.search(rf"would write .*tb, which .* of a session of the parent process \(pid {child['parent']}\) wrote "
+    assert re.search(rf"would write .*tb, which .* of a session of process {child['parent']} wrote "
                      rf"when this process was forked from it.*Give this run its own path", child["parents"] or "")
     assert re.search(SESSION_HOLDS.format("own"), child["own"] or ""), child["own"]
     assert read_scalars(tmp_path / "tb")["x"] == {0: 0.0, 2: 2.0, 3: 3.0}  # nothing of the child's

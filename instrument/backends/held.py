@@ -9,8 +9,8 @@ logger (the ``holder``), and a backend of another logger that names one of them 
 let go when it closes (the logger's close, `Logger.close_backend`, or the close of a start that failed) and when
 its open fails. A close that gave up on a hung backend call lets them go only once that call returns and the
 writer has written the rest and closed the backends, since it writes them until then. A backend instance given
-to a later run holds that run's paths for that run's logger; the same instance in two open sessions is refused
-like two instances.
+to a later run holds that run's paths for that run's logger; one instance open for one session is refused to
+another, whatever its paths (`_open`).
 
 A session dropped without ``close()`` (a notebook cell that raised) keeps its paths until the process ends: its
 writer thread, and a system monitor, may still write them.
@@ -39,32 +39,50 @@ class _Hold(NamedTuple):
 
 
 _held: Dict[str, _Hold] = {}  # resolved path -> who writes it
+# id(backend) -> who has it open, whatever it writes: an instance without a path of its own (JsonlBackend(),
+# TensorBoardBackend()) names another folder for each run, so two sessions sharing it hold no path in common,
+# yet its second open took its file (or writer) from the first, whose records then went into the second run.
+_open: Dict[int, _Hold] = {}
 _lock = threading.Lock()  # the writer threads of several sessions open backends at once
 
 
 def hold(holder: Any, backend: Backend, run: RunInfo) -> None:
-    """Take every path of ``backend.writes_to(run)`` for ``holder``, or none of them: a `ConfigurationError` when
-    another open backend (or this backend, open for another holder) holds one."""
+    """Take ``backend`` and every path of ``backend.writes_to(run)`` for ``holder``, or nothing: a
+    `ConfigurationError` when another holder has this backend open, or another open backend holds one path."""
     paths = backend.writes_to(run)
     with _lock:
+        other = _open.get(id(backend))
+        # (a forked child's copy of an instance its parent has open is another object: its paths are checked)
+        if other is not None and other.backend is backend and other.holder is not holder and other.pid == os.getpid():
+            raise _refusal(backend, None, other, same_session=False)
         for path in paths:
             other = _held.get(path)
             if other is not None and (other.holder is not holder or other.backend is not backend):
                 raise _refusal(backend, path, other, same_session=other.holder is holder)
+        taken = _Hold(holder, backend, os.getpid())
+        _open[id(backend)] = taken
         for path in paths:
-            _held[path] = _Hold(holder, backend, os.getpid())
+            _held[path] = taken
 
 
 def let_go(holder: Any, backend: Optional[Backend] = None) -> None:
-    """Let go of the paths ``holder`` took for ``backend`` (None: for every backend)."""
+    """Let go of ``backend`` and the paths ``holder`` took for it (None: of every backend it holds)."""
     with _lock:
-        for path in [path for path, held in _held.items()
-                     if held.holder is holder and (backend is None or held.backend is backend)]:
-            del _held[path]
+        for table in (_held, _open):
+            for key in [key for key, held in table.items()
+                        if held.holder is holder and (backend is None or held.backend is backend)]:
+                del table[key]
 
 
-def _refusal(backend: Backend, path: str, other: _Hold, same_session: bool) -> ConfigurationError:
+def _refusal(backend: Backend, path: Optional[str], other: _Hold, same_session: bool) -> ConfigurationError:
     named = repr(backend) if backend.name == type(backend).__name__ else f"{backend.name} ({backend!r})"
+    if path is None:  # this very instance is open for another session (`_open`)
+        return ConfigurationError(
+            f"{named} is already open for another session in this process: one backend object "
+            f"writes one run at a time (its file or writer would be taken from that session, whose records would "
+            f"go into this run). Give this session a backend object of its own (e.g. JsonlBackend() made anew "
+            f"here), or close the other session first (inst.close())."
+        )
     why = ("(expected one open writer per file or folder: two runs written into one place are mixed there, "
            "TensorBoard showing both runs' steps as one run, JSONL interleaving their lines, and one's resume "
            "would cut or hide the other's steps; a TensorBoardBackend also writes the folder 'system' in its "
@@ -72,9 +90,9 @@ def _refusal(backend: Backend, path: str, other: _Hold, same_session: bool) -> C
     own = "Give this run its own path (e.g. JsonlBackend(path='eval.jsonl'), TensorBoardBackend(log_dir='runs/tb2'))"
     if other.pid != os.getpid():
         return ConfigurationError(
-            f"{named} would write {path}, which {other.backend!r} of a session of the parent process (pid "
-            f"{other.pid}) wrote when this process was forked from it; its writer may still write there, and this "
-            f"process cannot tell when it stops, so the path stays taken here for as long as this process runs "
+            f"{named} would write {path}, which {other.backend!r} of a session of process {other.pid} wrote "
+            f"when this process was forked from it (or from a child of it); its writer may still write there, and "
+            f"this process cannot tell when it stops, so the path stays taken here for as long as this process runs "
             f"{why}. {own}, or close the parent's session before forking."
         )
     return ConfigurationError(

@@ -181,10 +181,28 @@ def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set
     reach W&B or MLflow in clear. Lines are gin's: only ``\\n`` (or ``\\r\\n``) ends one. Other characters
     `str.splitlines` also breaks at (``\\x0b``, ``\\x85``, U+2028) may stand inside a gin string literal; a
     split there cut a secret's value in two, leaving its tail unredacted, and every one of them came back as
-    ``\\n``. Whatever is not redacted is kept character for character.
+    ``\\n``. A line gin rejects (text pasted with U+2028 between two bindings, which the CLI quotes in its
+    syntax error) is then read again in pieces split at those characters, so a binding after one is redacted
+    too. Outside a binding that holds a secret (rewritten whole), the text is kept character for character.
     """
     found = set() if found is None else found
-    lines = text.split("\n")  # a "\r\n" file keeps each line's "\r": it is put back on every line rewritten
+    lines = _redacted_lines(text.split("\n"), extra, found)  # "\r\n" lines keep their "\r" (`_redacted_lines`)
+    for n, line in enumerate(lines):
+        parts = _OTHER_BREAKS.split(line)  # [piece, break, piece, ...]
+        if len(parts) > 1:
+            pieces, breaks = _redacted_lines(parts[0::2], extra, found), parts[1::2]
+            if len(pieces) != len(breaks) + 1:  # a binding continued over pieces was rewritten as one
+                breaks = [breaks[0]] * (len(pieces) - 1)
+            lines[n] = "".join(piece + brk for piece, brk in zip(pieces, breaks + [""], strict=True))
+    return "\n".join(scrub(line, found) for line in lines)
+
+
+# What `str.splitlines` breaks at beside "\n" and "\r" (gin breaks at neither: they may stand inside a value).
+_OTHER_BREAKS = re.compile("([\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029])")
+
+
+def _redacted_lines(lines: List[str], extra: Sequence[str], found: Set[str]) -> List[str]:
+    """``lines`` with each binding that holds a secret rewritten (every other line kept as it is)."""
     out: List[str] = []
     i = 0
     while i < len(lines):
@@ -207,7 +225,7 @@ def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set
             end = "\r" if lines[j - 1].endswith("\r") else ""
             out.extend(line.rstrip("\r") + end for line in redacted.split("\n"))
         i = j
-    return "\n".join(scrub(line, found) for line in out)
+    return out
 
 
 def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence[str], found: Set[str]) -> str:

@@ -39,8 +39,9 @@ def test_a_history_still_open_for_one_session_is_refused_to_another(tmp_path):
     train = instrument.Instrumentation(backends=[history], log_dir=str(tmp_path), run_name="train",
                                        overhead_budget=None)
     train.logger.log_metrics({"train/loss": 1.0}, step=0, commit=True)
-    with pytest.raises(instrument.ConfigurationError, match=r"already open for the run in .*train.*one instance "
-                                                            r"holds one run at a time.*its own RunHistoryBackend"):
+    with pytest.raises(instrument.ConfigurationError, match=r"is already open for another session in this process: "
+                                                            r"one backend object writes one run at a time.*a "
+                                                            r"RunHistoryBackend made anew for it"):
         instrument.Instrumentation(backends=[history], log_dir=str(tmp_path), run_name="eval", overhead_budget=None)
     train.logger.log_metrics({"train/loss": 0.5}, step=1, commit=True)
     train.close()

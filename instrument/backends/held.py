@@ -80,8 +80,8 @@ def _refusal(backend: Backend, path: Optional[str], other: _Hold, same_session: 
         return ConfigurationError(
             f"{named} is already open for another session in this process: one backend object "
             f"writes one run at a time (its file or writer would be taken from that session, whose records would "
-            f"go into this run). Give this session a backend object of its own (e.g. JsonlBackend() made anew "
-            f"here), or close the other session first (inst.close())."
+            f"go into this run). Give this session a backend object of its own (a {type(backend).__name__} made "
+            f"anew for it), or close the other session first (inst.close())."
         )
     why = ("(expected one open writer per file or folder: two runs written into one place are mixed there, "
            "TensorBoard showing both runs' steps as one run, JSONL interleaving their lines, and one's resume "

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import instrument
-from instrument.rl import RLLogging
+from instrument.rl import CollectionMetrics, RLLogging
 from tests.conftest import NoHostSync, event_accumulator, read_scalars
 from tests.test_cuda import no_host_sync
 
@@ -319,7 +319,7 @@ def test_the_demos_train_on_the_device_and_log_the_numbers_they_return(device, t
     inst = instrument.Instrumentation([instrument.IterationStats(channel_dim=-1, images=False)],
                                       backends=[instrument.JsonlBackend()], log_interval=1, run_name="rl",
                                       log_dir=str(tmp_path))
-    rl = RLLogging(progress=None)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None)  # the demo's batches are [time, envs]
     cart = train_cartpole(inst, steps=3, num_envs=16, max_steps=20, rl_logging=rl, device=device)
     inst.close()
     assert next(cart["policy"].parameters()).device.type == device and inst.failures == {}

@@ -1,6 +1,7 @@
 """CollectionMetrics on hand-made batches with known answers: masks, episodes ending mid-batch and across
 batches, vector rewards with weights, TorchRL and plain-tensor layouts."""
 
+import logging
 import math
 
 import pytest
@@ -209,3 +210,55 @@ def test_a_bad_time_dim_is_refused_when_built_or_at_the_first_batch_naming_the_b
     metrics = CollectionMetrics(time_dim=7)
     with pytest.raises(ConfigurationError, match=r"CollectionMetrics.time_dim=7 is out of range .* in \[-2, 1\]"):
         metrics.update(reward=torch.ones(3, 2), done=torch.zeros(3, 2, dtype=torch.bool))
+
+
+def test_a_single_objective_reward_takes_its_one_weight_and_a_wrong_count_is_refused():
+    """reward_weights were ignored for a single-objective reward: [0.5] logged the reward 2.0 unweighted, and three
+    weights against one objective said nothing (two objectives with three weights were refused)."""
+    reward = torch.full((4, 2), 2.0)  # [T, envs]: both environments end an episode of 4 steps at the last one
+    done = torch.tensor([[0, 0], [0, 0], [0, 0], [1, 1]], dtype=torch.bool)
+    weighted = CollectionMetrics(time_dim=0, reward_weights=[0.5])
+    weighted.update(reward=reward, done=done)
+    got = logged(weighted)
+    assert got[P + "reward/mean"] == 1.0 and got[P + "episode/return/mean"] == 4.0  # 4 steps of 2.0 * 0.5
+    assert not [key for key in got if "obj0" in key]  # no per-objective keys for a single objective
+    with pytest.raises(ConfigurationError, match=r"has 3 weights but the reward has 1 objective .*batch \(4, 2\).*"
+                                                 r"or none \(reward_weights=None\)"):
+        CollectionMetrics(time_dim=0, reward_weights=[0.5, 2.0, 1.0]).update(reward=reward, done=done)
+    # from the batch's running returns (TorchRL RewardSum) too: one weight scales every statistic of the reward
+    td = torchrl_batch(reward=torch.full((2, 4), 2.0), done=done.T)
+    td.set(("next", "episode_reward"), torch.arange(1.0, 9.0).view(2, 4, 1) * 2.0)
+    weighted = CollectionMetrics(reward_weights=[0.5])
+    weighted.update(td)
+    assert logged(weighted)[P + "episode/return/mean"] == pytest.approx((8.0 + 16.0) / 2 * 0.5)
+
+
+def test_auto_time_dim_says_once_when_it_guesses_the_layout_of_plain_tensors(caplog):
+    """CleanRL's [T, N] buffers under the default time_dim='auto' were read as [envs, time] without a word: episodes
+    summed across environments (a return of 1.75 for 7.18). Where 'auto' guesses (two or more batch dimensions,
+    none named 'time') it says so once, naming the shape, the dimension taken and the fix; where the layout is
+    known (time_dim bound, a named TensorDict, one dimension) it says nothing, and no result changes."""
+    g = torch.Generator().manual_seed(0)
+    reward, done = torch.rand(16, 3, generator=g), torch.rand(16, 3, generator=g) < 0.2
+    said = []
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        guessed = CollectionMetrics()
+        for _ in range(3):
+            guessed.update(reward=reward, done=done)
+        said.append([r.getMessage() for r in caplog.records])
+        caplog.clear()
+        known = [CollectionMetrics(time_dim=0), CollectionMetrics(time_dim=-1), CollectionMetrics(time_dim=None),
+                 CollectionMetrics()]
+        known[0].update(reward=reward, done=done)
+        for _ in range(3):
+            known[1].update(reward=reward, done=done)
+        known[2].update(reward=reward[0], done=done[0])
+        known[3].update(torchrl_batch())  # [envs, time] named by TorchRL
+        one_dim = CollectionMetrics()
+        one_dim.update(reward=reward[:, 0], done=done[:, 0])
+        said.append([r.getMessage() for r in caplog.records])
+    assert len(said[0]) == 1, said[0]
+    assert ("time_dim='auto'" in said[0][0] and "shape (16, 3)" in said[0][0] and "last one (1) as time" in said[0][0]
+            and "CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL)" in said[0][0])
+    assert said[1] == []
+    assert logged(guessed) == logged(known[1])  # what 'auto' reads is unchanged: the last dimension

@@ -10,7 +10,9 @@ plain-tensor users do not need the package.
 Shapes follow TorchRL: entries are ``[*batch, *features]``; ``done`` may carry a trailing singleton
 (``[*batch, 1]``). The batch shape is the TensorDict's ``batch_size``; for plain mappings it is inferred from
 ``done`` (see `split_batch`). The time dimension is the batch dimension named ``"time"`` when the TensorDict
-has names (TorchRL collectors name it), otherwise the one given.
+has names (TorchRL collectors name it), otherwise the one given. ``"auto"`` without that name guesses the last
+one (TorchRL's ``[envs, time]``); with two or more batch dimensions that is a guess (`time_dim_guessed`), since
+CleanRL's ``[time, envs]`` buffers look the same: `CollectionMetrics` says so once.
 """
 
 from collections.abc import Mapping
@@ -35,6 +37,7 @@ __all__ = [
     "infer_batch_shape",
     "split_features",
     "resolve_time_dim",
+    "time_dim_guessed",
 ]
 
 NestedKey = Union[str, Tuple[str, ...]]
@@ -196,23 +199,40 @@ def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:
     return done.shape
 
 
+def _names(batch: Any) -> Optional[list]:
+    if isinstance(batch, KeywordBatch):
+        batch = batch.data
+    names = getattr(batch, "names", None) if is_tensordict(batch) else None
+    return None if names is None else list(names)
+
+
+def time_dim_guessed(batch: Any, time_dim: Union[int, str, None], batch_shape: Sequence[int]) -> bool:
+    """True when `resolve_time_dim` guesses: ``"auto"``, two or more batch dimensions and none named ``"time"``
+    (plain tensors, or a TensorDict without names). ``[envs, time]`` (TorchRL) and ``[time, envs]`` (CleanRL's
+    rollout buffers) have the same shape, and the guess (the last, TorchRL's) sums a CleanRL buffer's episodes
+    across environments."""
+    if time_dim != "auto" or len(batch_shape) < 2:
+        return False
+    names = _names(batch)
+    return names is None or "time" not in names
+
+
 def resolve_time_dim(
     batch: Any, time_dim: Union[int, str, None], batch_shape: Sequence[int]
 ) -> Optional[int]:
     """The non-negative index of the time dimension in ``batch_shape``, or None when there is none.
 
     ``"auto"`` uses the TensorDict dimension named ``"time"`` when there is one, else the last batch dimension
-    (TorchRL collectors put time last). ``None`` means every call holds one time step of every environment.
+    (TorchRL collectors put time last; a guess with two or more, `time_dim_guessed`). ``None`` means every call
+    holds one time step of every environment.
     """
     n = len(batch_shape)
-    if isinstance(batch, KeywordBatch):
-        batch = batch.data
     if time_dim is None:
         return None
     if time_dim == "auto":
-        names = getattr(batch, "names", None) if is_tensordict(batch) else None
-        if names is not None and "time" in list(names):
-            return list(names).index("time")
+        names = _names(batch)
+        if names is not None and "time" in names:
+            return names.index("time")
         time_dim = -1
     check_int("time_dim", time_dim, expected="an int, 'auto' or None", fix="bind e.g. CollectionMetrics.time_dim = 0")
     if n == 0:

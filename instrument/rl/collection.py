@@ -6,8 +6,8 @@ else only ``mean``). Every statistic covers the whole logging interval, not only
 ==============================  ===========================================================================
 key                             meaning
 ==============================  ===========================================================================
-``reward/<stat>``               per-step reward (scalarised with ``reward_weights`` when it is a vector),
-                                over the steps the collector mask keeps
+``reward/<stat>``               per-step reward (scalarised with ``reward_weights`` when it is a vector,
+                                times its one weight when it is not), over the steps the collector mask keeps
 ``reward/<objective>/<stat>``   each objective of a vector reward, unweighted
 ``episode/return/<stat>``       return of each episode that ended in the interval (scalarised)
 ``episode/return/<obj>/<stat>`` each objective's episode return (vector rewards only)
@@ -50,6 +50,7 @@ from instrument.rl.batch import (
     lookup,
     resolve_time_dim,
     split_features,
+    time_dim_guessed,
 )
 from instrument.rl.component import RLComponent
 from instrument.rl.ranks import log_reduced
@@ -72,14 +73,17 @@ class CollectionMetrics(RLComponent):
             mask (steps that count; padded steps are False) live in a batch.
         episode_reward_key: the running episode return (TorchRL ``RewardSum``); used at ``done`` when present.
         step_count_key: the running episode length (TorchRL ``StepCounter``); used at ``done`` when present.
-        reward_weights: weights that scalarise a vector reward ``[*batch, K]``; required when K > 1.
+        reward_weights: weights that scalarise a vector reward ``[*batch, K]``, one per objective; required when
+            K > 1. A single-objective reward takes one weight (``[w]``: the reward and returns are logged times w)
+            or none.
         objective_names: names of the K objectives in metric keys (default ``obj0``, ``obj1``, ...); unique.
         keys: extra batch entries to reduce, ``{metric name: batch key}``; a name may not be one of the
             component's own statistics (see the module doc: ``reward``, ``episode/return``, ``reward/<objective>``).
         reduce_stats: log mean, min and max (True) or only the mean (False).
         time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
             the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one step
-            of every environment.
+            of every environment. ``"auto"`` warns once when it has to guess (two or more batch dimensions, none
+            named ``time``: plain tensors): bind 0 for CleanRL's ``[time, envs]`` buffers, -1 for ``[envs, time]``.
     """
 
     exclusive_prefix = True  # two at one group log the same keys (`instrument.core.step_components.same_keys`)
@@ -144,6 +148,7 @@ class CollectionMetrics(RLComponent):
         # first one it ends is counted but left out of the return and length statistics.
         self._unknown_start: Optional[Tensor] = None
         self._warned_reset = False
+        self._said_layout = False  # time_dim="auto" guessed the time dimension of a batch (`time_dim_guessed`)
         self._rank: Optional[int] = None  # the rank of the last plain-tensor batch (`_plain_shape`)
 
     # ------------------------------------------------------------------ input
@@ -213,18 +218,21 @@ class CollectionMetrics(RLComponent):
 
     def _scalarise(self, rewards: Tensor) -> Tensor:
         k = rewards.shape[-1]
-        if k == 1:
-            return rewards
         if self.reward_weights is None:
+            if k == 1:
+                return rewards
             raise ConfigurationError(
                 f"the reward at {self.reward_key!r} has {k} objectives (shape {tuple(rewards.shape)}); bind "
                 f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each objective is "
                 f"also logged on its own)."
             )
-        if len(self.reward_weights) != k:
+        if len(self.reward_weights) != k:  # for every k: a single-objective reward takes one weight, or none
             raise ConfigurationError(
-                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the reward "
-                f"has {k} objectives; bind exactly one weight per objective."
+                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the reward has {k} "
+                f"objective{'s' if k != 1 else ''} (the reward at {self.reward_key!r} read as [*batch, K] with batch "
+                f"{tuple(rewards.shape[:-1])}: the TensorDict's batch size, else inferred from done); bind exactly "
+                f"one weight per objective"
+                + (", or none (reward_weights=None) for a single-objective reward." if k == 1 else ".")
             )
         wide = wide_dtype(rewards.device)  # as every sum of rewards (instrument.rl.running_stats)
         # Made once per device and dtype: a tensor made from a list on a GPU is a blocking copy, a host sync on
@@ -258,6 +266,16 @@ class CollectionMetrics(RLComponent):
             lengths = split_features(step_count, shape, f"step count at {self.step_count_key!r}")[..., 0]
         whole_returns = whole_lengths = ended_valid
         if returns is None or lengths is None:
+            if not self._said_layout and time_dim_guessed(batch, self.time_dim, shape):
+                self._said_layout = True
+                log.warning(
+                    "instrument: %s: time_dim='auto' found no batch dimension named 'time' in a batch of shape %s, "
+                    "so it takes the last one (%d) as time: TorchRL's [envs, time] layout. CleanRL's rollout "
+                    "buffers are [time, envs], and read this way their episodes are summed across environments. "
+                    "Bind CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL), -1 to keep [envs, time] "
+                    "(either silences this), or None when each call holds one step of every environment.",
+                    self.prefix, tuple(shape), len(shape) - 1,
+                )
             seg_returns, seg_lengths, partial = self._segments(
                 rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape)
             )

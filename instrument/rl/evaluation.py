@@ -22,11 +22,20 @@ policy in a gymnasium environment (``render_mode="rgb_array"`` needs no display)
 
 Evaluation runs under ``torch.no_grad()`` and inside ``torch.random.fork_rng``, so the stochastic episodes do
 not shift the random stream the training loop sees: turning evaluation on does not change training.
+
+Each mode and each video is a part of its own: one that raises costs the others nothing. A rendered episode that
+fails is run again without rendering, so its mode keeps its return and length; a video that cannot be logged
+leaves the metrics staged. The first failure is raised once every part has had its turn (a `ConfigurationError`
+first: it needs fixing, and propagates; any other is reported and counted by the session, which carries on).
+A video needs rgb frames: `GymnasiumRunner` refuses an environment made without ``render_mode="rgb_array"`` as
+soon as it can tell, when it becomes the runner of an `Evaluation` with ``video=True`` (an environment object),
+else at the first rendered episode (an environment made by a factory), before the episode starts.
 """
 
 import dataclasses
+import logging
 import numbers
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -35,10 +44,14 @@ from torch import Tensor
 from instrument.checks import check_int
 from instrument.errors import ConfigurationError, require
 from instrument.rl.component import RLComponent
+from instrument.rl.timing import stage_timer
 
 __all__ = ["Episode", "EpisodeRunner", "Evaluation", "GymnasiumRunner", "select_action"]
 
 MODES = ("deterministic", "stochastic")
+_UNKNOWN = object()  # an environment without a ``render_mode`` attribute: what it renders is seen from the frames
+
+log = logging.getLogger("instrument")
 
 
 @dataclasses.dataclass
@@ -102,10 +115,26 @@ class Evaluation(RLComponent):
         self.video, self.video_modes = video, tuple(video_modes)
         self.fps, self.video_stride = fps, video_stride
         self.at_start = at_start
+        self._runner: Optional[EpisodeRunner] = None
         self.runner = runner
         self.next_due = 0 if at_start else every_frames
         self.runs = 0
         self._due_at: Optional[int] = None  # the frame count of an evaluation that is due, until it runs
+        self._said: set = set()  # parts whose failure was reported here (not the raised one: the session reports it)
+
+    @property
+    def runner(self) -> Optional[EpisodeRunner]:
+        """The episode runner. Set with ``video`` on, a runner that can tell already whether it renders rgb frames
+        (`GymnasiumRunner.check_render`) is checked now: a `ConfigurationError` before training, not at the first
+        evaluation."""
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: Optional[EpisodeRunner]) -> None:
+        check = getattr(runner, "check_render", None)
+        if self.video and callable(check):
+            check(made_only=True)
+        self._runner = runner
 
     def due(self, frames: int) -> bool:
         return frames >= self.next_due
@@ -123,7 +152,7 @@ class Evaluation(RLComponent):
         frames, self._due_at = self._due_at, None
         if frames is None:
             return
-        with logger.timer("evaluation"):
+        with stage_timer(logger, "evaluation"):  # host-side episodes: wall time (`instrument.rl.timing`)
             self.run(logger, step, frames)
 
     def close(self) -> None:
@@ -147,12 +176,14 @@ class Evaluation(RLComponent):
         self.next_due = (frames // self.every_frames + 1) * self.every_frames
         self.runs += 1
         results: Dict[str, Episode] = {}
+        failed: List[Tuple[str, Exception]] = []  # (part, error): each mode and each video is a part of its own
         with torch.random.fork_rng(devices=_devices()), torch.no_grad():
             for mode in self.modes:
-                episodes: List[Episode] = []
-                for i in range(self.episodes):
-                    render = self.video and i == 0 and mode in self.video_modes
-                    episodes.append(runner(mode == "deterministic", self.max_steps, render))
+                try:
+                    episodes, render_error = self._episodes(runner, mode)
+                except Exception as exc:
+                    failed.append((f"the {mode} episodes", exc))
+                    continue
                 first = episodes[0]
                 results[mode] = first
                 logger.log_metrics(
@@ -163,10 +194,68 @@ class Evaluation(RLComponent):
                     step=step,
                     prefix=f"{self.prefix}/{mode}",
                 )
-                if self.video and mode in self.video_modes and first.frames is not None and len(first.frames):
-                    frames_ = first.frames[:, :: self.video_stride, :: self.video_stride]
-                    logger.log_video(f"{self.prefix}/{mode}/video", frames_, step=step, fps=self.fps)
+                if render_error is not None:
+                    failed.append((f"the {mode} video", render_error))
+                elif self.video and mode in self.video_modes:
+                    try:
+                        self._log_video(logger, step, mode, first.frames)
+                    except Exception as exc:
+                        failed.append((f"the {mode} video", exc))
+        if failed:
+            self._raise(failed)
         return results
+
+    def _episodes(self, runner: EpisodeRunner, mode: str) -> Tuple[List[Episode], Optional[Exception]]:
+        """The episodes of ``mode``, and the error of its rendered episode, which is then run again unrendered: a
+        video that fails costs its mode no metrics."""
+        episodes: List[Episode] = []
+        render_error: Optional[Exception] = None
+        for i in range(self.episodes):
+            render = self.video and i == 0 and mode in self.video_modes
+            try:
+                episodes.append(runner(mode == "deterministic", self.max_steps, render))
+            except Exception as exc:
+                if not render:
+                    raise
+                render_error = exc
+                episodes.append(runner(mode == "deterministic", self.max_steps, False))
+        return episodes, render_error
+
+    def _log_video(self, logger, step: int, mode: str, frames: Any) -> None:
+        tag = f"{self.prefix}/{mode}/video"
+        fix = (
+            "A gymnasium environment renders them when made with render_mode='rgb_array' "
+            "(gymnasium.make(env_id, render_mode='rgb_array'), or pass GymnasiumRunner the id); TorchRL's with "
+            "from_pixels=True. Or turn the video off: Evaluation(video=False)."
+        )
+        if frames is None:
+            raise ConfigurationError(
+                f"Evaluation(video=True): the episode runner returned no frames for the rendered {mode} episode "
+                f"({tag}); expected Episode.frames of rgb frames [T, H, W, C]. {fix}"
+            )
+        dtype = getattr(frames, "dtype", None)
+        objects = getattr(dtype, "kind", None) == "O"  # what np.stack makes of render() results that are None
+        if getattr(frames, "ndim", None) != 4 or objects:
+            got = f"a {type(frames).__name__} of shape {tuple(getattr(frames, 'shape', ()))} and dtype {dtype}"
+            if objects:
+                got += " (not frames: e.g. render() returned None)"
+            raise ConfigurationError(
+                f"Evaluation(video=True): the rendered {mode} episode's frames ({tag}) are {got}; expected rgb "
+                f"frames [T, H, W, C]. {fix}"
+            )
+        stride = self.video_stride
+        logger.log_video(tag, frames[:, ::stride, ::stride], step=step, fps=self.fps)
+
+    def _raise(self, failed: List[Tuple[str, Exception]]) -> None:
+        """Raise the first failure (a `ConfigurationError` first); the others are reported here, once per part."""
+        raised = next((f for f in failed if isinstance(f[1], ConfigurationError)), failed[0])
+        for failure in failed:
+            part, exc = failure
+            if failure is not raised and part not in self._said:
+                self._said.add(part)
+                log.error("instrument: %s: %s of the evaluation failed (%s: %s); the other parts were logged",
+                          self.prefix, part, type(exc).__name__, exc)
+        raise raised[1]
 
     def state_dict(self) -> Dict[str, Any]:
         return {"next_due": int(self.next_due), "runs": int(self.runs)}
@@ -228,8 +317,9 @@ class GymnasiumRunner:
     """Runs a torch policy for one episode in a gymnasium environment, rendering rgb frames on request.
 
     Args:
-        env: an environment id (made with ``render_mode="rgb_array"``), a ``gymnasium.Env`` made with that
-            render mode, or a callable returning one.
+        env: an environment id (made with ``render_mode="rgb_array"``), a ``gymnasium.Env``, or a callable
+            returning one. For videos (``Evaluation(video=True)``) the environment must be made with
+            ``render_mode="rgb_array"``; another is refused (`check_render`).
         policy: ``policy(observation[1, ...]) -> Distribution | logits``; see `select_action`.
         seed: the first episode's reset seed; each later episode adds one, so evaluations are reproducible.
         device: where observations go before the policy sees them.
@@ -264,8 +354,34 @@ class GymnasiumRunner:
                 self._env = spec
         return self._env
 
+    def check_render(self, made_only: bool = False) -> None:
+        """Raise a `ConfigurationError` when the environment cannot render rgb frames (its ``render_mode`` is not
+        ``"rgb_array"``: ``render()`` then returns None). An id is made with that mode; with ``made_only``, an
+        environment a factory has not made yet is left for the first rendered episode to check."""
+        env = self._env if self._env is not None else self._env_spec
+        if isinstance(env, str):
+            return
+        if callable(env) and not hasattr(env, "step"):  # a factory
+            if made_only:
+                return
+            env = self.env
+        mode = getattr(env, "render_mode", _UNKNOWN)
+        if mode is _UNKNOWN or mode == "rgb_array":
+            return
+        spec = getattr(env, "spec", None)
+        env_id = getattr(spec, "id", None) or "<env id>"
+        raise ConfigurationError(
+            f"Evaluation(video=True) needs rgb frames, but GymnasiumRunner's environment {env!s:.80} has "
+            f"render_mode={mode!r}, so its render() returns {'None' if mode is None else 'no rgb frame'}; expected "
+            f"render_mode='rgb_array'. Make it with gymnasium.make({env_id!r}, render_mode='rgb_array') (or pass "
+            f"the id: GymnasiumRunner({env_id!r}, policy) makes it so), or turn the video off: "
+            f"Evaluation(video=False)."
+        )
+
     def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
         env = self.env
+        if render:  # before the episode uses up its seed: an evaluation runs it again unrendered
+            self.check_render()
         seed = None if self.seed is None else self.seed + self._episode
         self._episode += 1
         obs, _ = env.reset(seed=seed)

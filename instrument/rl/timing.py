@@ -3,20 +3,30 @@
 Keys (under ``timing/<stage>/``, each with ``mean``, ``min``, ``max`` in seconds and ``count``, over the
 intervals measured since the previous commit; see `instrument.Logger.timer`):
 
-=================  =======================================================================================
-stage              what it measures
-=================  =======================================================================================
-``collection``     waiting for the collector / running the rollout that produced the batch
-``optimization``   the updates on that batch
-``evaluation``     evaluation episodes (only on iterations where evaluation runs)
-``iteration``      one whole iteration up to logging: collection + optimisation + the loop's own code
-=================  =======================================================================================
+=================  ===========  ==========================================================================
+stage              clock        what it measures
+=================  ===========  ==========================================================================
+``collection``     wall time    waiting for the collector / running the rollout that produced the batch
+``optimization``   GPU events   the updates on that batch (wall time on a run that never initialised CUDA)
+``evaluation``     wall time    evaluation episodes (only on iterations where evaluation runs)
+``iteration``      wall time    one whole iteration up to logging: collection + optimisation + the loop's
+                                own code
+=================  ===========  ==========================================================================
 
 Not to be confused with `instrument.logger.timer`, which measures one interval (wall time on the CPU, CUDA
 events on a GPU, nothing read before commit) and stages it with the logger. This module only decides *which*
-intervals an RL iteration has and where they start and stop: a plain loop uses ``with rl.timer("collection"):
-...``; trainer integrations start a stage in one hook and stop it in another, which is what `StageClock`'s
-``start(name)`` / ``stop(name)`` pairs around the logger's timers add.
+intervals an RL iteration has, where they start and stop, and which clock times each: a plain loop uses ``with
+rl.timer("collection"): ...``; trainer integrations start a stage in one hook and stop it in another, which is
+what `StageClock`'s ``start(name)`` / ``stop(name)`` pairs around the logger's timers add.
+
+The clocks: a logger timer left at its default (``cuda=None``) records CUDA events on the current stream once the
+process has initialised CUDA, and events time the GPU's queue, not the host. Environment steps and evaluation
+episodes run on the host (the policy's actions are read back at every step), so events would time them as the
+GPU catching up with work queued before, or as nothing; and an iteration is the loop's wall time, which also
+makes its sum over a run the run's time. These `HOST_STAGES` are timed with ``time.perf_counter``
+(``cuda=False``) on every device. ``optimization`` is GPU work: it stays on the logger's default, CUDA events of
+the updates queued on the stream on a GPU. The host stages' timers are made with their clock when the set is
+attached, so ``rl.timer(stage)``, `StageClock` and ``logger.timer(stage)`` all return the same wall-time timer.
 """
 
 from typing import TYPE_CHECKING, Dict, Optional
@@ -28,9 +38,16 @@ if TYPE_CHECKING:
     from instrument.logger.logger import Logger
     from instrument.logger.timer import Timer
 
-__all__ = ["StageClock", "StageTiming", "STAGES"]
+__all__ = ["HOST_STAGES", "StageClock", "StageTiming", "STAGES", "stage_timer"]
 
 STAGES = ("collection", "optimization", "evaluation", "iteration")
+HOST_STAGES = ("collection", "evaluation", "iteration")  # wall time on every device (module docstring)
+
+
+def stage_timer(logger: "Logger", name: str) -> "Timer":
+    """The logger's timer of stage ``name``: wall time (``cuda=False``) for the `HOST_STAGES`, the logger's
+    default (CUDA events once CUDA is initialised) for any other."""
+    return logger.timer(name, cuda=False if name in HOST_STAGES else None)
 
 
 class StageClock:
@@ -46,7 +63,7 @@ class StageClock:
 
     def start(self, name: str) -> None:
         self._running.pop(name, None)
-        timer = self.logger.timer(name)
+        timer = stage_timer(self.logger, name)
         timer.__enter__()
         self._running[name] = timer
 
@@ -67,8 +84,8 @@ class StageTiming(RLComponent):
     """The timing component of `RLLogging`: owns the `StageClock` of the attached logger.
 
     It stages nothing itself (the logger stages its timers at every commit, under ``timing/``); it makes the
-    clock when the set is attached and, at close, drops the stages still running, so a run that ends
-    mid-stage records no half-measured interval.
+    clock and the host stages' timers (wall time, `HOST_STAGES`) when the set is attached and, at close, drops the
+    stages still running, so a run that ends mid-stage records no half-measured interval.
     """
 
     prefix = "timing"
@@ -78,6 +95,8 @@ class StageTiming(RLComponent):
 
     def attach(self, logger: "Logger") -> None:
         self._clock = StageClock(logger)
+        for name in HOST_STAGES:  # made with their clock now: ``rl.timer(name)`` (cuda=None) keeps it
+            stage_timer(logger, name)
 
     @property
     def clock(self) -> StageClock:

@@ -1,0 +1,125 @@
+"""Evaluation's parts: a video needs rgb frames (refused with the fix, as early as it can be told), and each mode and
+each video is guarded on its own, so one that fails costs the others nothing. Real gymnasium environments; the
+values are read back from what the logger committed and from JSONL."""
+
+import json
+import os
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import instrument
+from instrument import ConfigurationError, Logger
+from instrument.rl import CollectionMetrics, Episode, Evaluation, GymnasiumRunner, RLLogging
+
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering) without a sound card
+
+NO_RGB = r"render_mode=None, so its render\(\) returns None; expected render_mode='rgb_array'"
+MAKE_IT = r"gymnasium\.make\('CartPole-v1', render_mode='rgb_array'\)"
+
+
+def policy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)
+
+
+def test_an_env_made_without_rgb_rendering_is_refused_when_it_becomes_a_video_runner(tmp_path):
+    """The review's case: every evaluation failed with an IndexError (None frames stacked into an object array)
+    and the stochastic mode was never logged. The environment object says its render mode: refused before
+    training, at attach or when the Evaluation is made with it, naming the fix."""
+    inst = instrument.Instrumentation(backends=[], log_interval=1, log_dir=tmp_path)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), evaluation=Evaluation(every_frames=8, video=True),
+                   progress=None)
+    with pytest.raises(ConfigurationError, match=NO_RGB + ".*" + MAKE_IT):
+        rl.attach(inst, eval_runner=GymnasiumRunner(gym.make("CartPole-v1"), policy()))
+    inst.close()
+    with pytest.raises(ConfigurationError, match=NO_RGB):
+        Evaluation(video=True, runner=GymnasiumRunner(gym.make("CartPole-v1"), policy()))
+    Evaluation(video=False, runner=GymnasiumRunner(gym.make("CartPole-v1"), policy()))  # no video: no frames needed
+    Evaluation(video=True, runner=GymnasiumRunner(gym.make("CartPole-v1", render_mode="rgb_array"), policy()))
+
+
+class NoFrames:
+    def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        return Episode(return_=3.0 if deterministic else 4.0, length=5)
+
+
+class ObjectFrames:
+    def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        frames = np.stack([None, None]) if render else None  # what render() of an env without render_mode gave
+        return Episode(return_=3.0 if deterministic else 4.0, length=5, frames=frames)
+
+
+@pytest.mark.parametrize(
+    "runner, match",
+    [
+        (lambda: GymnasiumRunner(lambda: gym.make("CartPole-v1"), policy(), seed=3), NO_RGB + ".*" + MAKE_IT),
+        (NoFrames, r"the episode runner returned no frames for the rendered deterministic episode"),
+        (ObjectFrames, r"frames \(eval/deterministic/video\) are a ndarray of shape \(2,\) and dtype object"),
+    ],
+    ids=["factory-env-without-render-mode", "no-frames", "object-frames"],
+)
+def test_frames_that_are_not_rgb_are_a_configuration_error_and_both_modes_are_still_staged(runner, match):
+    """A factory's environment is known only once made: refused at the first rendered episode, before it starts,
+    and the episode is run again unrendered, so the deterministic mode keeps its metrics (with the seed it would
+    have had) and the stochastic mode runs. A runner that returns no frames, or not [T, H, W, C], likewise."""
+    evaluation = Evaluation(every_frames=8, max_steps=40, video=True, runner=runner())
+    logger = Logger([])
+    with pytest.raises(ConfigurationError, match=match):
+        evaluation.run(logger, step=0, frames=8)
+    record = logger.commit(0)
+    logger.close()
+    got = record.scalars
+    assert set(got) >= {f"eval/{mode}/{key}" for mode in ("deterministic", "stochastic")
+                        for key in ("return", "length")}
+    assert not record.videos
+    if isinstance(evaluation.runner, GymnasiumRunner):  # the same episodes as an evaluation without video
+        reference = Evaluation(every_frames=8, max_steps=40, runner=GymnasiumRunner(
+            lambda: gym.make("CartPole-v1"), policy(), seed=3)).run(Logger([]), step=0, frames=8)
+        assert got["eval/deterministic/length"] == reference["deterministic"].length
+        assert got["eval/stochastic/return"] == reference["stochastic"].return_
+
+
+class DeterministicFails:
+    def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        if deterministic:
+            raise RuntimeError("the deterministic policy broke")
+        return Episode(return_=4.0, length=6)
+
+
+class RenderFails:
+    def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        if render:
+            raise RuntimeError("the renderer broke")
+        return Episode(return_=3.0 if deterministic else 4.0, length=6)
+
+
+@pytest.mark.parametrize(
+    "runner, video, modes",
+    [(DeterministicFails, False, ("stochastic",)), (RenderFails, True, ("deterministic", "stochastic"))],
+    ids=["a-mode-fails", "its-video-fails"],
+)
+def test_one_failing_part_of_an_evaluation_costs_the_others_nothing(tmp_path, runner, video, modes):
+    """A failing first mode stopped the evaluation before the second ran; a failing render lost its mode's return
+    and length too. Now each is a part of its own: the rest is logged at every evaluation, the failure is
+    reported once and counted."""
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=tmp_path)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None,
+                   evaluation=Evaluation(every_frames=8, video=video)).attach(inst, eval_runner=runner())
+    for k in range(2):
+        with inst.step(k), rl.iteration():
+            rl.observe_batch(reward=torch.ones(4, 2), done=torch.zeros(4, 2, dtype=torch.bool))
+    rl.close()
+    inst.close()
+    logged = {line["step"]: line["metrics"] for line in map(json.loads, path.read_text().splitlines())
+              if "metrics" in line}
+    assert inst.failures == {"evaluation": 2}
+    for step in (0, 1):
+        assert {key for key in logged[step] if key.startswith("eval/")} == {
+            f"eval/{mode}/{key}" for mode in modes for key in ("return", "length")}
+        assert logged[step]["eval/stochastic/return"] == 4.0

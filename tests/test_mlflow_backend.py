@@ -688,3 +688,42 @@ def test_pool_workers_sharing_a_log_dir_create_the_default_store_one_at_a_time(t
     for run in runs:
         assert run.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]
+
+
+
+@pytest.mark.parametrize("where", ["one", "two"])
+def test_one_instance_given_to_a_new_run_after_a_resume_writes_every_step_of_it_into_its_own_store(tmp_path, where):
+    """One MlflowBackend resumed run "a" (which held steps 0..4), closed, then opened a new run "b": it kept a's
+    last step, so b held only the steps above it (0..4 skipped, without a word), without the param a already
+    held, and ended KILLED as a did; given another log_dir, b went into a's store all the same (the default URI
+    resolved for a stuck)."""
+    first = MlflowBackend()
+    first.open(RunInfo("a", tmp_path / "one"))
+    first.log_hyperparams({"lr": 0.1})
+    for step in range(5):
+        first.write(StepRecord(step=step, scalars={"v": float(step)}))
+    first.close()
+    reused = MlflowBackend()
+    reused.open(RunInfo("a", tmp_path / "one", resume={"MlflowBackend": first.run_id}))
+    reused.write(StepRecord(step=4, scalars={"v": -1.0}))  # held: not written again
+    reused.write(StepRecord(step=5, scalars={"v": 5.0}))
+    reused.on_exit("killed")
+    reused.close()
+    reused.open(RunInfo("b", tmp_path / where))  # a new run through the same instance
+    reused.log_hyperparams({"lr": 0.1, "seed": 1})
+    for step in range(8):
+        reused.write(StepRecord(step=step, scalars={"v": 100.0 + step}))
+    reused.close()
+    client = MlflowClient(tracking_uri=reused.tracking_uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(reused.run_id, "v")] == [
+        (step, 100.0 + step) for step in range(8)]
+    run = client.get_run(reused.run_id)
+    assert run.data.params == {"lr": "0.1", "seed": "1"}
+    assert run.info.run_name == "b" and run.info.status == "FINISHED"
+    assert reused.tracking_uri == f"sqlite:///{(tmp_path / where / 'mlflow.db').resolve()}"
+    old = MlflowClient(tracking_uri=first.tracking_uri)
+    names = [run.info.run_name for run in old.search_runs([old.get_experiment_by_name("instrument").experiment_id])]
+    assert sorted(names) == (["a", "b"] if where == "one" else ["a"])
+    assert old.get_run(first.run_id).info.status == "KILLED"
+    assert [(m.step, m.value) for m in old.get_metric_history(first.run_id, "v")] == [
+        (step, float(step)) for step in range(6)]

@@ -89,7 +89,23 @@ def test_an_earlier_folder_it_cannot_read_costs_a_warning_and_every_step_is_writ
     assert _history(second) == [(30, 1030.0), (40, 1040.0)]
 
 
-def test_system_samples_left_at_close_of_a_resumed_offline_run_take_a_step_above_the_held_ones(tmp_path):
+def _summary(path: Path) -> dict:
+    """The run summary's updates in the file at ``path`` (W&B writes them as summary records), the last wins."""
+    import json
+
+    out = {}
+    for _, record in record_ends(path):
+        if record.WhichOneof("record_type") == "summary":
+            out.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in record.summary.update})
+    return out
+
+
+def _exit_codes(path: Path) -> list:
+    return [record.exit.exit_code for _, record in record_ends(path) if record.WhichOneof("record_type") == "exit"]
+
+
+def test_system_samples_left_at_close_of_a_resumed_offline_run_go_into_the_summary_and_take_no_step(tmp_path):
     pytest.importorskip("wandb")
     first = _write(tmp_path)
     run_id = first.stem[len("run-"):]
@@ -99,8 +115,70 @@ def test_system_samples_left_at_close_of_a_resumed_offline_run_take_a_step_above
     backend.write_system(StepRecord(step=3, scalars={"system/cpu": 12.5, "system/seconds": 3.0}))
     second = Path(backend.run.settings.sync_file)
     backend.close()
-    rows = read_history(second, timeout=60.0)
-    assert [(row["_step"], row["system/cpu"], "v" in row) for row in rows] == [(41, 12.5, False)]
+    assert read_history(second, timeout=60.0) == []
+    assert _summary(second)["system/cpu"] == 12.5 and _summary(second)["system/seconds"] == 3.0
+
+
+def test_a_job_that_closes_normally_and_is_resumed_keeps_every_training_step(tmp_path):
+    """With the system monitor, each job's close logged the samples left over as a row of their own at the step
+    after its last, and the next job, resumed, counted that row as written and skipped its first training step:
+    steps 0..4, 6..9, 11..14 of 0..14. Now those samples go into the run summary and every step is in a row."""
+    pytest.importorskip("wandb")
+    files, run_id = [], None
+    for job in range(3):
+        backend = WandbBackend(project="tests")
+        backend.open(RunInfo("r", tmp_path, resume={"WandbBackend": run_id} if run_id else None))
+        for step in range(5 * job, 5 * job + 5):
+            backend.write_system(StepRecord(step=step, scalars={"system/cpu": float(step), "system/seconds": step}))
+            backend.write(StepRecord(step=step, scalars={"v": 1000.0 * job + step}))
+        backend.write_system(StepRecord(step=99, scalars={"system/cpu": 100.0 + job, "system/seconds": 99.0}))
+        run_id, path = backend.run.id, Path(backend.run.settings.sync_file)
+        backend.close()
+        read_history(path, timeout=60.0)
+        files.append(path)
+    assert run_files(tmp_path / "r" / "wandb", run_id) == files
+    rows = [row for path in files for row in read_history(path)]
+    assert [(row["_step"], row.get("v")) for row in rows] == [(step, 1000.0 * (step // 5) + step) for step in range(15)]
+    assert [row["system/cpu"] for row in rows] == [float(step) for step in range(15)]  # each rode on its row
+    assert [_summary(path)["system/cpu"] for path in files] == [100.0, 101.0, 102.0]
+
+
+def test_one_instance_given_to_a_new_run_after_a_resume_writes_every_step_of_it_into_its_own_folder(tmp_path):
+    """One WandbBackend resumed run "a" (which held steps 0..4), closed, then opened a new run "b": it kept a's
+    folder, so b's W&B run was written under a's, and a's last step, so b held only the steps above it (0..4
+    skipped, without a word); b also kept a's keys (b's histogram "x" went under x/histogram, beside a scalar
+    "x" of a) and a's exit code."""
+    pytest.importorskip("wandb")
+    import numpy as np
+
+    first = WandbBackend(project="tests")
+    first.open(RunInfo("a", tmp_path / "one"))
+    for step in range(5):
+        first.write(StepRecord(step=step, scalars={"v": float(step), "x": 1.0}))
+    run_a = first.run.id
+    first.close()
+    reused = WandbBackend(project="tests")
+    reused.open(RunInfo("a", tmp_path / "one", resume={"WandbBackend": run_a}))
+    reused.write(StepRecord(step=4, scalars={"v": -1.0}))  # held: not written again
+    reused.write(StepRecord(step=5, scalars={"v": 5.0}))
+    reused.on_exit("killed")
+    reused.close()
+    reused.open(RunInfo("b", tmp_path / "two"))  # a new run through the same instance
+    for step in range(8):
+        reused.write(StepRecord(step=step, scalars={"v": 100.0 + step}, histograms={"x": np.arange(3.0)}))
+    run_b, path = reused.run.id, Path(reused.run.settings.sync_file)
+    reused.close()
+    assert run_b != run_a
+    rows = read_history(path, timeout=60.0)
+    assert [(row["_step"], row["v"]) for row in rows] == [(step, 100.0 + step) for step in range(8)]
+    assert path.parent.parent == (tmp_path / "two" / "b" / "wandb").resolve()
+    assert not list((tmp_path / "one").rglob(f"run-{run_b}.wandb"))
+    assert all(isinstance(row["x"], dict) and "x/histogram" not in row for row in rows)
+    assert _exit_codes(path) == [0]
+    held = run_files(tmp_path / "one" / "a" / "wandb", run_a)
+    assert [[(row["_step"], row["v"]) for row in read_history(f, timeout=60.0)] for f in held] == [
+        [(step, float(step)) for step in range(5)], [(5, 5.0)]]
+    assert _exit_codes(held[1]) == [1]
 
 
 def test_a_resumed_offline_run_keeps_each_key_to_the_kind_it_took_before(tmp_path):

@@ -8,12 +8,12 @@ import re
 import tempfile
 import threading
 import time
-import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
+from instrument.backends.mlflow_store import LAST_STEP_TAG, check_uri, is_unreachable, last_step
 from instrument.backends.store_lock import held
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
@@ -30,10 +30,6 @@ _THUMBNAIL = 256  # MLflow's thumbnail side (mlflow.tracking.multimedia.COMPRESS
 _CHANGED = "instrument.param/"  # run tags holding a param's later values (MLflow params cannot change)
 log = logging.getLogger("instrument")
 
-# Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
-# through the ``mlflow.tracking_store`` entry point group. "" is a local path (a file store).
-_SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc", "sqlite", "postgresql", "mysql",
-            "mssql")
 # MLflow's own bounds on these settings (mlflow/environment_variables.py, _validate_max_retries/backoff).
 _MAX_RETRIES_LIMIT = 10
 _MAX_BACKOFF_LIMIT = 120
@@ -119,6 +115,9 @@ class MlflowBackend(Backend):
     ``videos/<key>/step_<step:08d>.gif`` (encoded with Pillow; a video that cannot be written costs that video
     only). Histograms are not logged (MLflow has no such type). Names are sanitised to MLflow's allowed
     characters; two metric keys that would share a name are kept apart (`RunNames`).
+
+    Reuse: one instance given to run after run (`open` again after `close`) starts each with nothing of the
+    run before (`_new_run`): its store (unless ``tracking_uri`` was given), held steps, params, names, status.
     """
 
     reopens = True  # a store that did not answer at open is tried again at later records (class doc)
@@ -135,7 +134,7 @@ class MlflowBackend(Backend):
         backoff_factor: int = 1,
         retry_after: float = 30.0,
     ) -> None:
-        _check_uri(tracking_uri)
+        check_uri(tracking_uri)
         self.timeout = check_int("MlflowBackend.timeout", timeout, least=1, why="MLflow reads it as whole seconds",
                                  fix="bind e.g. MlflowBackend.timeout = 10")
         self.max_retries = check_int("MlflowBackend.max_retries", max_retries, least=0, most=_MAX_RETRIES_LIMIT,
@@ -147,17 +146,24 @@ class MlflowBackend(Backend):
             "MlflowBackend.retry_after", retry_after, least=0, noun="a number of seconds",
             fix="bind e.g. MlflowBackend.retry_after = 30.0, or 0 to try the server on every call",
         )
-        self.tracking_uri = tracking_uri
-        self._store_lock = None  # the default store's lock file, a Path (`open`)
+        self._given_uri = tracking_uri  # None: each run's own log_dir store, also when given to a later run
         self.experiment_name = experiment_name
         self.run_name = run_name
         self.tags = dict(tags or {})
         self.artifact_location = artifact_location
+        self._new_run(None)
+
+    def _new_run(self, run: Optional[RunInfo]) -> None:
+        """Everything that belongs to one run, fresh at every `open`: one instance given to run after run (or to
+        a resume, then a new run) kept the earlier run's last step (the new run's first steps were skipped as
+        held), its store, params, names and end status. What the user gave stays."""
+        self.tracking_uri = self._given_uri  # resolved in `open` when None
+        self._store_lock = None  # the default store's lock file, a Path (`open`)
         self.client = None
         self.run_id: Optional[str] = None
         self._entities = None
-        self._run: Optional[RunInfo] = None
-        self._artifacts: Optional[str] = None
+        self._run: Optional[RunInfo] = run
+        self._artifacts: Optional[str] = self.artifact_location
         self._end_status = "FINISHED"
         self._unreachable_until = 0.0
         self._names = RunNames()  # every key's MLflow name, per kind, and the run tags that write them down
@@ -188,7 +194,7 @@ class MlflowBackend(Backend):
             try:
                 yield
             except Exception as exc:
-                if _is_unreachable(exc):
+                if is_unreachable(exc):
                     self._unreachable_until = time.monotonic() + self.retry_after
                 raise
             finally:
@@ -198,8 +204,7 @@ class MlflowBackend(Backend):
 
     def open(self, run: RunInfo) -> None:
         require("mlflow", "mlflow", "MlflowBackend")
-        self._run = run
-        self._artifacts = self.artifact_location
+        self._new_run(run)
         if self.tracking_uri is None:  # one store per log_dir: the runs of a project compare in one `mlflow ui`
             root = run.root
             root.mkdir(parents=True, exist_ok=True)
@@ -253,7 +258,7 @@ class MlflowBackend(Backend):
         resumed = (run.resume or {}).get(self.name)
         if resumed:  # continue the same run; steps it already has are not written again
             client.update_run(client.get_run(resumed).info.run_id, status="RUNNING")
-            written = _last_step(client, resumed)
+            written = last_step(client, resumed)
             data = client.get_run(resumed).data
             self._params = dict(data.params)
             self._names.restore(data.tags, data.metrics, data.params)  # each key keeps its name (its series)
@@ -386,7 +391,7 @@ class MlflowBackend(Backend):
                                   "rows of JSON values")
         each("samples table", tables.items(), table)
         if not record.scalars and not record.timings:  # no metric history holds this step: a resume must know it
-            self.client.set_tag(self.run_id, _LAST_STEP_TAG, str(step))
+            self.client.set_tag(self.run_id, LAST_STEP_TAG, str(step))
         try:
             self._write_name_tags()
         except Exception as exc:  # sent again with the next record; the step's values are written
@@ -432,55 +437,6 @@ class MlflowBackend(Backend):
             f"MlflowBackend(tracking_uri={self.tracking_uri!r}, experiment_name={self.experiment_name!r}, "
             f"run_name={self.run_name!r})"
         )
-
-
-# A run tag: the last step written with media only (images, texts, videos, tables and no scalar), which no
-# metric history holds; a resumed run skips it too, instead of writing its media a second time.
-_LAST_STEP_TAG = "instrument.media_step"
-
-
-def _last_step(client: Any, run_id: str) -> Optional[int]:
-    """The highest training step the run holds: of any metric (not ``system/...``), or of a step written with
-    media only (`_LAST_STEP_TAG`); None when it has none."""
-    data = client.get_run(run_id).data
-    keys = [k for k in data.metrics if not k.startswith("system/")]
-    steps = [m.step for k in keys for m in client.get_metric_history(run_id, k)]
-    tagged = data.tags.get(_LAST_STEP_TAG)
-    if tagged is not None and tagged.isdigit():
-        steps.append(int(tagged))
-    return max(steps) if steps else None
-
-
-def _check_uri(uri: Optional[str]) -> None:
-    if uri is None:
-        return
-    if not isinstance(uri, str) or not uri:
-        raise ConfigurationError(
-            f"MlflowBackend.tracking_uri must be a non-empty string or None, got {uri!r}; e.g. "
-            "'http://localhost:5000' or 'sqlite:///runs/mlflow.db'."
-        )
-    scheme = urllib.parse.urlparse(uri).scheme.lower()
-    base = scheme.split("+", 1)[0]  # postgresql+psycopg2://, mysql+pymysql://
-    if base in _SCHEMES or scheme in _plugin_schemes():
-        return
-    raise ConfigurationError(
-        f"MlflowBackend.tracking_uri has the scheme {scheme!r} ({uri!r}), which MLflow does not serve; "
-        f"expected one of {[s for s in _SCHEMES if s]} (or a plain local path, or a scheme registered by an "
-        "installed MLflow plugin), e.g. 'http://localhost:5000'."
-    )
-
-
-def _plugin_schemes() -> List[str]:
-    from importlib.metadata import entry_points
-
-    return [ep.name for ep in entry_points(group="mlflow.tracking_store")]
-
-
-def _is_unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the server could not be reached, not that it refused the request: MLflow wraps a
-    transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
-    text = str(exc)
-    return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
 
 
 def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -12,7 +12,7 @@ from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord, st
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import split_name, unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
-from instrument.backends.wandb_log import history_keys, last_step, run_files
+from instrument.backends.wandb_log import offline_keys, offline_last_step
 from instrument.checks import check_number
 from instrument.core.names import numbered
 from instrument.errors import ConfigurationError, require
@@ -78,7 +78,12 @@ class WandbBackend(Backend):
     Step axes: training metrics use ``step=`` (the training step). System-monitor metrics (``system/...``)
     are plotted against ``system/seconds`` (``define_metric``); W&B keeps one history row per step, so they
     ride on the next training row (the newest sample wins) instead of advancing W&B's step, which would make
-    W&B drop the next training step. Validation samples are logged as a ``wandb.Table`` under their tag.
+    W&B drop the next training step. The samples left at `close` (after the process's last training row) have
+    no row to ride on: the newest of each goes into the run summary, and none is in the history. A row of
+    their own would take the step after the last one, which the next training step needs: a resumed run
+    (online, where W&B counts it; offline, from the earlier folders) then skipped that step, so a job that
+    closed normally and resumed lost one training step at every resume. Validation samples are logged as a
+    ``wandb.Table`` under their tag.
 
     Resume (``Instrumentation(resume=True)``): ``wandb.init(id=<kept id>, resume="allow")``. Steps the run
     already holds are not written again (W&B cannot replace a step). Online, W&B knows the run's last step.
@@ -86,8 +91,11 @@ class WandbBackend(Backend):
     earlier ones, so `open` reads the last ``_step`` of their ``run-<id>.wandb`` files
     (`instrument.backends.wandb_log`; a torn last record after a kill is ignored, an unreadable file costs
     one warning and every step is written). ``wandb sync`` of the folders, oldest first, then gives each
-    step once. The system samples left at `close` take the step after the last one the run holds, and a
-    resume counts that step as written, online and offline alike.
+    step once. Each process's last row is a training row (see Step axes), so the next training step is the
+    resumed run's first.
+
+    Reuse: one instance given to run after run (`open` again after `close`) starts each with nothing of the
+    run before (`_new_run`): its folder (unless ``dir`` was given), held steps, key names, exit code.
     """
 
     sdk_exit_hook = True  # wandb stops its service process at exit: close the logger before that
@@ -115,12 +123,21 @@ class WandbBackend(Backend):
             )
         self.flush_secs = check_number("WandbBackend.flush_secs", flush_secs, least=0, noun="a number of seconds",
                                        fix="bind e.g. WandbBackend.flush_secs = 2.0")
-        self._exit_code = 0
         self.project, self.mode, self.entity, self.group = project, mode, entity, group
-        self.tags, self.notes, self.dir = list(tags or []), notes, dir
-        self.run = None
+        self.tags, self.notes = list(tags or []), notes
+        self._given_dir = dir  # None: each run's own folder, also when the backend is given to a later run
         self._external = run  # the user's run: logged into, never finished
         self._wandb = None
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """Everything that belongs to one run, fresh at every `open`: one instance given to run after run (or to
+        a resume, then a new run) kept the earlier run's folder (the new W&B run was written into it), its last
+        step (the new run's first steps were skipped as held), its keys' names and its exit code. What the user
+        gave stays."""
+        self.dir = self._given_dir  # resolved in `open`
+        self.run = None
+        self._exit_code = 0
         self._said_underscore = False  # hyperparameters starting with "_" moved under user/ (`log_hyperparams`)
         self._system: dict = {}
         self._drops = Drops(self.name)
@@ -134,7 +151,9 @@ class WandbBackend(Backend):
 
     def open(self, run: RunInfo) -> None:
         wandb = self._wandb = require("wandb", "wandb", "WandbBackend")
-        if self._external is not None:
+        if self._external is None:  # the user's run (run=) is the same W&B run at every open: its keys stay
+            self._new_run()
+        else:
             self.run = self._external
             self.dir = getattr(self.run, "dir", self.dir)
             self.run.define_metric("system/seconds")
@@ -155,8 +174,8 @@ class WandbBackend(Backend):
         self.run.define_metric("system/seconds")
         self.run.define_metric("system/*", step_metric="system/seconds")
         if _resume(run, self.name) and getattr(self.run, "offline", False):
-            self._written = _offline_last_step(self.run)
-            self._scalar_keys, self._media_names = _offline_keys(self.run)
+            self._written = offline_last_step(self.run)
+            self._scalar_keys, self._media_names = offline_keys(self.run)
             self._resumed = self._scalar_keys | self._media_names  # maybe names of values moved before: kept
 
     def _holds(self, step: int) -> bool:
@@ -357,12 +376,11 @@ class WandbBackend(Backend):
     def close(self) -> None:
         """Finish the run instrument started (a ``run=`` passed in is left running: it is the caller's)."""
         run, self.run = self.run, None
+        system, self._system = self._system, {}
         if run is not None:
             try:
-                if self._system:  # the last samples, on the step after the last one the run holds
-                    after = -1 if self._written is None else self._written
-                    run.log(self._system, step=max(run.step, after + 1), commit=True)
-                    self._system = {}
+                if system:  # samples after the last training row: the newest in the summary, no row (class doc)
+                    run.summary.update(system)
             finally:
                 if run is not self._external:
                     run.finish(exit_code=self._exit_code)  # writes the buffered block and the exit record
@@ -416,41 +434,6 @@ def _table(wandb, drops: Drops, tag: str, table: Any):
 
 def _text_cell(drops: Drops, tag: str, value: Any) -> Any:
     return utf8(drops, "samples table", tag, value) if isinstance(value, str) else value
-
-
-def _offline_last_step(run: Any) -> Optional[int]:
-    """The last step the earlier offline folders of this run hold (None: none, or they could not be read;
-    then every step is written, with one warning)."""
-    try:
-        this = Path(run.settings.sync_dir).resolve()
-        files = [f for f in run_files(this.parent, run.id) if f.parent.resolve() != this]
-        steps = [step for step in map(last_step, files) if step is not None]
-    except Exception as exc:  # a missing or foreign file, a W&B that names its folders differently
-        log.warning(
-            "instrument: WandbBackend could not read the last step of the earlier offline folders of run %s "
-            "(%s: %s); every step is written, so steps logged before the interruption may appear twice after "
-            "`wandb sync`.", run.id, type(exc).__name__, exc,
-        )
-        return None
-    return max(steps) if steps else None
-
-
-def _offline_keys(run: Any) -> Tuple[set, set]:
-    """The scalar and media keys the earlier offline folders of this run hold, so that the resumed run keeps
-    each key to one kind as the run before did (a histogram renamed ``reward/histogram`` beside a scalar
-    ``reward`` stays renamed); empty sets when they cannot be read (`_offline_last_step` said so)."""
-    scalars: set = set()
-    media: set = set()
-    try:
-        this = Path(run.settings.sync_dir).resolve()
-        for path in run_files(this.parent, run.id):
-            if path.parent.resolve() != this:
-                found = history_keys(path)
-                scalars |= found[0]
-                media |= found[1]
-    except Exception:
-        log.debug("instrument: WandbBackend could not read the keys of the earlier offline folders", exc_info=True)
-    return scalars, media
 
 
 def _resume(run: RunInfo, name: str) -> dict:

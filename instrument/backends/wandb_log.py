@@ -13,12 +13,15 @@ checksums are not verified (the standard library has no CRC32C); those two check
 """
 
 import json
+import logging
 import re
 import struct
 from pathlib import Path
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Any, Iterable, List, Optional, Set, Tuple
 
-__all__ = ["history_keys", "last_step", "run_files"]
+__all__ = ["history_keys", "last_step", "offline_keys", "offline_last_step", "run_files"]
+
+log = logging.getLogger("instrument")
 
 _MAGIC = b":W&B"
 _FILE_HEADER = 7
@@ -100,6 +103,41 @@ def history_keys(path: Path) -> Tuple[Set[str], Set[str]]:
             except ValueError:
                 continue
             (media if isinstance(value, dict) and "_type" in value else scalars).add(path[0])
+    return scalars, media
+
+
+def offline_last_step(run: Any) -> Optional[int]:
+    """The last step the earlier offline folders of this run hold (None: none, or they could not be read;
+    then every step is written, with one warning)."""
+    try:
+        this = Path(run.settings.sync_dir).resolve()
+        files = [f for f in run_files(this.parent, run.id) if f.parent.resolve() != this]
+        steps = [step for step in map(last_step, files) if step is not None]
+    except Exception as exc:  # a missing or foreign file, a W&B that names its folders differently
+        log.warning(
+            "instrument: WandbBackend could not read the last step of the earlier offline folders of run %s "
+            "(%s: %s); every step is written, so steps logged before the interruption may appear twice after "
+            "`wandb sync`.", run.id, type(exc).__name__, exc,
+        )
+        return None
+    return max(steps) if steps else None
+
+
+def offline_keys(run: Any) -> Tuple[set, set]:
+    """The scalar and media keys the earlier offline folders of this run hold, so that the resumed run keeps
+    each key to one kind as the run before did (a histogram renamed ``reward/histogram`` beside a scalar
+    ``reward`` stays renamed); empty sets when they cannot be read (`offline_last_step` said so)."""
+    scalars: set = set()
+    media: set = set()
+    try:
+        this = Path(run.settings.sync_dir).resolve()
+        for path in run_files(this.parent, run.id):
+            if path.parent.resolve() != this:
+                found = history_keys(path)
+                scalars |= found[0]
+                media |= found[1]
+    except Exception:
+        log.debug("instrument: WandbBackend could not read the keys of the earlier offline folders", exc_info=True)
     return scalars, media
 
 

@@ -166,6 +166,27 @@ def test_two_backends_of_one_class_have_their_own_name_failures_and_first_report
     assert len(reported) == 2 and any("'Flaky#2'" in m for m in reported)  # the second's first failure is said
 
 
+def test_a_number_given_in_one_logger_is_not_kept_by_the_instance_in_the_next(tmp_path):
+    """A review found ``Flaky#2`` kept by the instance given alone to a later logger: its failures and its run id
+    in ``run.json`` went under a name that a fresh instance of the class does not have."""
+
+    class Named(instrument.Backend):
+        name = "custom"  # a class attribute: numbered through an instance attribute
+
+        def write(self, record):
+            pass
+
+    first, second, third, fourth = Flaky(99), Flaky(99), Named(), Named()
+    instrument.Logger([first, second, third, fourth], instrument.RunInfo("a", tmp_path)).close()
+    assert (second.name, fourth.name) == ("Flaky#2", "custom#2")
+    alone = instrument.Logger([second, fourth], instrument.RunInfo("b", tmp_path))
+    assert (second.name, fourth.name) == ("Flaky", "custom")
+    alone.close()
+    again = instrument.Logger([Flaky(99), second, Named(), fourth], instrument.RunInfo("c", tmp_path))
+    assert (second.name, fourth.name) == ("Flaky#2", "custom#2")  # numbered afresh, never "Flaky#2#2"
+    again.close()
+
+
 def test_an_observer_and_a_backend_of_one_name_are_counted_apart(tmp_path):
     class Broken(instrument.Observer):
         def observe(self, context):

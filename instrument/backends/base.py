@@ -335,7 +335,18 @@ def claim(owners: Dict[str, Any], paths: Sequence[str], claimant: Any) -> Option
 def name_apart(backend: "Backend", others: List["Backend"]) -> None:
     """Give ``backend`` a name none of ``others`` has (``JsonlBackend#2``): the name keys its failure counts and
     its run id in ``run.json``, so two of one class would share one count (one's first failure unreported) and
-    one resumed run id. A backend whose subclass defines ``name`` as a property keeps it."""
+    one resumed run id. A backend whose subclass defines ``name`` as a property keeps it.
+
+    A number is the name in that logger only: an instance given to a later logger starts again from its own name
+    (one numbered ``#2`` beside another JSONL backend once kept ``#2`` alone in the next run, whose resume then
+    looked for its run id under a name a fresh instance does not have)."""
+    numbered = backend.__dict__.pop("_numbered", None)  # (attribute, name before) of an earlier logger's number
+    if numbered is not None:
+        attribute, before = numbered
+        if before is None:
+            backend.__dict__.pop(attribute, None)
+        else:
+            backend.__dict__[attribute] = before
     taken = {other.name for other in others if other is not backend}
     base = backend.name
     if base not in taken:
@@ -345,6 +356,8 @@ def name_apart(backend: "Backend", others: List["Backend"]) -> None:
         number += 1
     attribute = getattr(type(backend), "name", None)
     if attribute is Backend.__dict__["name"]:
+        backend._numbered = ("_name", backend.__dict__.get("_name"))
         backend._name = f"{base}#{number}"
     elif not isinstance(attribute, property):  # a class attribute: an instance attribute shadows it
+        backend._numbered = ("name", backend.__dict__.get("name"))
         backend.name = f"{base}#{number}"

@@ -52,12 +52,14 @@ class LoggerEnd:
         buffered are handed over before the backends close. A hook that takes one argument is called
         ``hook(prompt)``: ``prompt`` is True when the close runs from a signal handler or at exit, where it must
         not wait for another thread (which may be waiting for a lock the interrupted code holds, a commit's).
-        Hooks run in the order registered; one that raises is reported and the close goes on."""
+        One that takes two is called ``hook(prompt, timeout)``: the seconds it may take, what is left of the
+        close's ``timeout`` (None: no bound). Hooks run in the order registered; one that raises is reported and
+        the close goes on."""
         try:
-            takes_prompt = len(inspect.signature(hook).parameters) >= 1
+            takes = min(2, len(inspect.signature(hook).parameters))
         except (TypeError, ValueError):  # no signature to read (a builtin): called without an argument
-            takes_prompt = False
-        self._before_close.append((hook, takes_prompt))
+            takes = 0
+        self._before_close.append((hook, takes))
 
     def close_backend(self, backend: Any, timeout: Optional[float] = None) -> bool:
         """Close one backend (``backend.close()`` on the writer thread) once every record handed over before is
@@ -71,11 +73,13 @@ class LoggerEnd:
         seq = self._writer.call("close", backend=backend)  # 0: the logger is closed, and closed it
         return seq > 0 and self._writer.wait(seq, timeout)
 
-    def _run_before_close(self, prompt: bool = False) -> None:
+    def _run_before_close(self, prompt: bool = False, timeout: Optional[float] = None) -> None:
         hooks, self._before_close = self._before_close, []
-        for hook, takes_prompt in hooks:
+        started = time.monotonic()
+        for hook, takes in hooks:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
             try:
-                hook(prompt) if takes_prompt else hook()
+                hook(*(prompt, left)[:takes])
             except Exception:
                 log.exception("instrument: a hook run before the logger closes (%r) failed", hook)
 
@@ -92,7 +96,7 @@ class LoggerEnd:
         timeout = check_timeout("close", timeout)
         started = time.monotonic()
         if not self._closed:
-            self._run_before_close()
+            self._run_before_close(timeout=timeout)
         locked = self._gate("close()", "the logger closes without a last commit: what is staged is not written",
                             timeout)  # bounded too: the commit holding the lock may wait for a backend for ever
         if timeout is not None:

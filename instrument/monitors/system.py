@@ -10,12 +10,15 @@ Lifecycle (the `Instrumentation` drives it when given ``system_monitor=``)::
     monitor.start(logger)      # starts a daemon thread on rank 0; samples every collection_interval seconds,
                                # the first one interval after the start (CPU use is measured over a window)
     ...                        # every flush_interval seconds the buffered samples go to the backends
-    monitor.stop()             # wakes the thread, samples the time since the last sample (when it is at least
-                               # half an interval), flushes what is buffered, joins it
+    monitor.stop(timeout)      # wakes the thread, samples the time since the last sample (when it is at least
+                               # half an interval), flushes what is buffered, joins it for at most timeout s
 
 A `Logger` stops its monitor before it closes, however it closes (``logger.close()`` first, SIGTERM, the process
 exit after a crash or without ``inst.close()``: `Logger.before_close`), so the buffered samples are written
-before the backends close, not lost.
+before the backends close, not lost; that stop takes at most half of a close's ``timeout``. A sample that hangs
+(an NVML call on a wedged GPU, a read of a stuck ``/proc``) does not hold the close: the stop hands the buffered
+samples over itself, says which call hung, and leaves the thread behind (a daemon: it never holds the process at
+exit), which drops the sample it was taking and shuts NVML down once that call returns.
 
 The training thread never waits on sampling (psutil, NVML): that happens in the monitor's thread, outside any
 lock; the only shared step is the backend write, which the logger serialises with its commits. At most
@@ -30,7 +33,7 @@ Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process 
 |---|---|
 | ``system/seconds`` | seconds since the monitor started (the x axis) |
 | ``system/process_cpu_percent`` | this process's CPU use; 100 = one core |
-| ``system/cpu_window_seconds`` | the seconds the CPU percentages are measured over: since the previous sample |
+| ``system/cpu_window_seconds`` | the seconds the CPU percentages are measured over: since the previous reading |
 | ``system/process_rss_gib`` | this process's resident memory |
 | ``system/host_cpu_percent`` | the whole host's CPU use, 0-100 |
 | ``system/host_memory_percent`` | host memory in use, 0-100 |
@@ -40,7 +43,12 @@ Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process 
 | ``system/gpu<i>/torch_peak_allocated_gib`` | ``torch.cuda.max_memory_allocated`` |
 | ``system/gpu<i>/utilization_percent`` | NVML GPU utilisation (with ``nvidia-ml-py``) |
 | ``system/gpu<i>/memory_used_gib`` | NVML memory used, all processes |
-| ``system/gpu<i>/memory_used_percent`` | NVML memory used / total |
+| ``system/gpu<i>/memory_used_percent`` | NVML memory used / total (left out when NVML reports no total) |
+
+The kernel counts CPU time in ticks of 10 ms (``USER_HZ`` = 100), so a CPU percentage measured over a few
+milliseconds is noise (a busy process read 9773 % over 1 us): the three CPU keys are measured over at least
+``MIN_CPU_WINDOW`` (0.1 s, ten ticks: one tick is at most 10 points of a core). A sample taken sooner after the
+last CPU reading (a ``collection_interval`` under 0.1 s) leaves them out, and the window goes on to the next.
 
 NVML numbers devices physically; its keys use the process's numbering, read from ``CUDA_VISIBLE_DEVICES`` as the
 CUDA runtime reads it (indices, or UUIDs and their prefixes as Slurm and Kubernetes set them: `visible_nvml_handles`).
@@ -66,15 +74,23 @@ _GIB = float(2**30)
 # How long a close from a signal handler or at exit gives the monitor's thread to stop before handing the
 # buffered samples over itself (`SystemMonitor._before_close`): a stop takes a sample at most, milliseconds.
 _PROMPT_WAIT = 0.2
+# How long `SystemMonitor.stop` waits for the thread when no timeout is given (a close with timeout=None).
+STOP_WAIT = 10.0
+# The shortest window a CPU percentage is measured over: ten of the kernel's 10 ms accounting ticks.
+MIN_CPU_WINDOW = 0.1
+# The longest interval: a week. Far below what a thread's wait accepts (threading.TIMEOUT_MAX, ~292 years);
+# a longer one (inf) ended the thread with an OverflowError.
+MAX_INTERVAL = 7 * 24 * 3600.0
 
 
 class SystemMonitor:
     """Samples resources every ``collection_interval`` seconds and flushes them every ``flush_interval``.
 
     Args:
-        collection_interval: seconds between samples (after a stall, the missed ones are skipped, not made up
-            in a burst).
-        flush_interval: seconds between writes to the backends (>= collection_interval).
+        collection_interval: seconds between samples, at most a week (after a stall, the missed ones are
+            skipped, not made up in a burst). Under ``MIN_CPU_WINDOW`` (0.1 s) the CPU keys come in every few
+            samples only: each is measured over at least 0.1 s.
+        flush_interval: seconds between writes to the backends (>= collection_interval, at most a week).
         gpu: include GPU memory (torch.cuda stats, once CUDA is initialised) and NVML utilisation/memory
             (when ``nvidia-ml-py`` is installed); False skips both.
         max_buffered: most samples kept between flushes; when that many are buffered they are flushed at
@@ -93,7 +109,8 @@ class SystemMonitor:
     ) -> None:
         for name, value, example in (("collection_interval", collection_interval, 10.0),
                                      ("flush_interval", flush_interval, 60.0)):
-            check_number(f"SystemMonitor.{name}", value, above=0, expected="a positive number of seconds",
+            check_number(f"SystemMonitor.{name}", value, above=0, most=MAX_INTERVAL,
+                         expected=f"a positive number of seconds, at most {MAX_INTERVAL:.0f} (a week)",
                          fix=f"bind e.g. SystemMonitor.{name} = {example}")
         if flush_interval < collection_interval:
             raise ConfigurationError(
@@ -116,6 +133,11 @@ class SystemMonitor:
         self._logger: Any = None
         self._t0 = 0.0
         self._read_at = 0.0  # when the CPU counters were last read: a sample measures the time since
+        self._cpu_due = True  # the sample being taken reads the CPU counters (MIN_CPU_WINDOW has passed)
+        self._doing: Optional[str] = None  # what the thread is inside of, for a stop that gives up on it
+        self._left = False  # a stop gave up on the thread: it drops what it takes and shuts NVML down itself
+        self._ended = False  # the thread has ended (`_leave`)
+        self._end_lock = threading.Lock()
         self._process: Any = None
         self._nvml: Any = None
         self._nvml_handles: List[Tuple[int, Any]] = []
@@ -155,44 +177,70 @@ class SystemMonitor:
         self._thread = threading.Thread(target=self._run, name="instrument-system-monitor", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: Optional[float] = None) -> None:
         """Wake the thread, take a last sample when at least half an interval passed since the previous one,
-        flush what is buffered and join. Idempotent."""
+        flush what is buffered and join, waiting at most ``timeout`` seconds (None: ``STOP_WAIT``, 10 s). A
+        thread still busy then (a hung sample) is left behind, said in a warning naming the call it is in: what
+        it buffered is handed over from this thread, and the sample it is taking is dropped. Idempotent."""
         if self._thread is None or self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("instrument: the system monitor thread did not stop within %.1f s", timeout)
-        self._stopped()
+        wait = STOP_WAIT if timeout is None else max(0.0, float(timeout))
+        self._thread.join(wait)
+        doing = self._doing
+        if not self._leave():
+            self._stopped()
+            return
+        log.warning("instrument: the system monitor's thread did not stop within %.1f s: %s. Its buffered samples "
+                    "are written now; the sample it holds is dropped when that call returns, and the thread "
+                    "(a daemon) does not hold the process at exit", wait,
+                    f"it is still inside {doing}" if doing else "it is still running")
+        self._flush()  # the deque's pops are atomic: each sample is handed over by one thread only
+        self._stopped(nvml=False)  # NVML stays up while the thread may still be inside an NVML call
 
-    def _before_close(self, prompt: bool) -> None:
-        """Its logger is about to close. ``prompt`` (a signal handler or the exit closes it): the monitor's thread
-        may be waiting for a lock the interrupted code holds (a commit's, to hand over a sample), so it is
-        given a moment only, and what is still buffered is handed over from this thread."""
+    def _before_close(self, prompt: bool, timeout: Optional[float] = None) -> None:
+        """Its logger is about to close within ``timeout`` seconds (None: no bound): the stop takes half of them
+        at most, so a hung sample leaves the other half to the logger's writer. ``prompt`` (a signal handler or
+        the exit closes it): the monitor's thread may be waiting for a lock the interrupted code holds (a
+        commit's, to hand over a sample), so it is given a moment only, and what is still buffered is handed
+        over from this thread."""
         if not prompt:
-            self.stop()
+            self.stop(None if timeout is None else timeout / 2)
             return
         if self._thread is None or self._stop.is_set():
             return
         self._last_sample = False  # no sample after this hand-over: the logger closes right after it
         self._stop.set()
         self._thread.join(_PROMPT_WAIT)
-        alive = self._thread.is_alive()
+        alive = self._leave()
         if alive:
             self._flush()  # the deque's pops are atomic: each sample is handed over by one thread only
         self._stopped(nvml=not alive)  # NVML stays up while the thread may still read it
+
+    def _leave(self) -> bool:
+        """After a join that timed out or not: True when the thread still runs, which then drops the sample it
+        is taking and shuts NVML down as it ends (never under its own NVML call)."""
+        with self._end_lock:
+            self._left = not self._ended
+        if self._left:
+            self._last_sample = False  # nor a last sample once the hung one returns
+        return self._left
 
     def _stopped(self, nvml: bool = True) -> None:
         if self._dropped > self._reported:  # more than the first warning said
             log.warning("instrument: the system monitor could not write %d of its samples in all (see the warning "
                         "above)", self._dropped)
-        if self._nvml is not None and nvml:
+        if nvml:
+            self._shutdown_nvml()
+
+    def _shutdown_nvml(self) -> None:
+        with self._end_lock:
+            nvml, self._nvml = self._nvml, None
+        if nvml is not None:
             try:
-                self._nvml.nvmlShutdown()
+                nvml.nvmlShutdown()
             except Exception:
                 pass
-            self._nvml = None
 
     # ------------------------------------------------------------------ sampling
     def sample(self) -> Dict[str, float]:
@@ -202,11 +250,14 @@ class SystemMonitor:
         out: Dict[str, float] = {}
         parts = [("host", self._host)] + ([("torch.cuda", self._torch_cuda), ("NVML", self._nvml_sample)]
                                           if self.gpu else [])
+        doing = self._doing
         for name, part in parts:
+            self._doing = f"the {name} reading" + (" (psutil)" if name == "host" else "")
             try:
                 out.update(part())
             except Exception as exc:
                 self._part_failed(name, exc)
+        self._doing = doing
         return out
 
     def _part_failed(self, part: str, exc: BaseException) -> None:
@@ -218,13 +269,15 @@ class SystemMonitor:
     def _host(self) -> Dict[str, float]:
         ps, proc = self._psutil, self._process
         vm = ps.virtual_memory()
-        return {
-            "system/process_cpu_percent": float(proc.cpu_percent(None)),
+        out = {
             "system/process_rss_gib": proc.memory_info().rss / _GIB,
-            "system/host_cpu_percent": float(ps.cpu_percent(None)),
             "system/host_memory_percent": float(vm.percent),
             "system/host_memory_available_gib": vm.available / _GIB,
         }
+        if self._cpu_due:  # else too soon after the last reading to mean much: the window goes on (MIN_CPU_WINDOW)
+            out["system/process_cpu_percent"] = float(proc.cpu_percent(None))
+            out["system/host_cpu_percent"] = float(ps.cpu_percent(None))
+        return out
 
     def _torch_cuda(self) -> Dict[str, float]:
         # Never initialise CUDA from this thread: that would create a context the training never asked for.
@@ -256,20 +309,32 @@ class SystemMonitor:
             return {}
         out = {}
         for i, handle in self._nvml_handles:  # each query on its own: one a device does not support costs its keys
+            self._doing = f"nvmlDeviceGetUtilizationRates (GPU {i})"
             try:
                 out[f"system/gpu{i}/utilization_percent"] = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except Exception as exc:
                 self._part_failed(f"NVML utilization of GPU {i}", exc)
+            self._doing = f"nvmlDeviceGetMemoryInfo (GPU {i})"
             try:
                 mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
                 out[f"system/gpu{i}/memory_used_gib"] = mem.used / _GIB
-                out[f"system/gpu{i}/memory_used_percent"] = 100.0 * mem.used / mem.total if mem.total else 0.0
+                if mem.total > 0:  # a device reporting no total has no percentage, not 0 %
+                    out[f"system/gpu{i}/memory_used_percent"] = 100.0 * mem.used / mem.total
             except Exception as exc:
                 self._part_failed(f"NVML memory of GPU {i}", exc)
         return out
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
+        try:
+            self._sample_until_stopped()
+        finally:
+            with self._end_lock:
+                self._ended, left = True, self._left
+            if left:  # the stop gave up on this thread and left NVML up for it
+                self._shutdown_nvml()
+
+    def _sample_until_stopped(self) -> None:
         # The first sample comes one interval after the counters were primed: taken at once, its CPU
         # percentages were measured over the few milliseconds since (the host's read 0, a busy process's 150).
         # The first reading is always 0: prime both counters, here, since psutil keeps the host's per thread.
@@ -298,33 +363,45 @@ class SystemMonitor:
 
     def _collect(self) -> None:
         started = time.monotonic()
+        self._cpu_due = started - self._read_at >= MIN_CPU_WINDOW
+        self._doing = f"{type(self).__name__}.sample()"
         try:
             values = self.sample()
         except Exception as exc:  # a subclass's sample: the whole sample is lost
             self._part_failed("a sample", exc)
             return
-        if "system/host_cpu_percent" not in values:  # the CPU counters were not read: the window goes on
-            if values:
-                self._buffer.append((time.monotonic() - self._t0, time.time(), values))
+        finally:
+            self._doing = None
+        if self._left:  # a stop gave up waiting for this sample (and said so): too late to write it
+            self._dropped += 1
             return
-        window, self._read_at = started - self._read_at, started  # what the CPU percentages are measured over
-        values["system/cpu_window_seconds"] = window
+        if "system/host_cpu_percent" in values:  # else the CPU counters were not read: the window goes on
+            window, self._read_at = started - self._read_at, started  # what the CPU percentages are measured over
+            values["system/cpu_window_seconds"] = window
+        if not values:
+            return
         self._buffer.append((time.monotonic() - self._t0, time.time(), values))
         if len(self._buffer) >= self.max_buffered:  # full before the flush is due: flush now, drop nothing
             self._flush()
 
     def _flush(self) -> None:
         dropped, error = 0, None
+        mine = threading.current_thread() is self._thread
         while self._buffer:
             seconds, wall, values = self._buffer.popleft()
             record = StepRecord(
                 step=int(seconds), scalars={**values, "system/seconds": seconds}, wall_time=wall
             )
+            if mine:
+                self._doing = "the logger's write_system"
             try:
                 if self._logger.write_system(record) is False:  # the logger is closed: not written
                     dropped += 1
             except Exception as exc:
                 dropped, error = dropped + 1, exc
+            finally:
+                if mine:
+                    self._doing = None
         if not dropped:
             return
         self._dropped += dropped
@@ -332,6 +409,7 @@ class SystemMonitor:
             return
         self._reported = self._dropped
         why = (f"its write_system raised {error!r}" if error is not None else
+               "a stop gave up waiting for the monitor's thread (see the warning above)" if self._left else
                "the process was ending (a signal or the exit closed the logger) while the monitor's thread was "
                "handing them over" if not self._last_sample else
                "the logger was closed before the monitor handed them over (stop the monitor, or close the "

@@ -35,7 +35,7 @@ from instrument.probes.hooks import StateWatch
 from instrument.session import dropped
 from instrument.session.checkpoint import flush_for_checkpoint, load_session_state, session_state
 from instrument.session.config_log import ConfigLog, ConfigSource
-from instrument.session.lifecycle import NO_FLUSH, StepLifecycle, run_all
+from instrument.session.lifecycle import NO_FLUSH, StepLifecycle, run_all, stop_monitor
 from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
 from instrument.session.scope import StepScope, WatchHandle
 
@@ -448,8 +448,8 @@ class Instrumentation(StepLifecycle):
             interrupted = exc  # then it is raised (a second close() would do nothing: the session is closed)
         try:
             self._components.close()
-            if self.system_monitor is not None:
-                self.system_monitor.stop()
+            if self.system_monitor is not None:  # within the timeout: what is left of it goes to the logger
+                timeout = stop_monitor(self.system_monitor, timeout)
         finally:
             try:
                 self.logger.close(status, timeout)

@@ -7,6 +7,7 @@ collective pairs with the same step on every rank (a rank that skipped one would
 other ranks' later steps, mixing their values, and leave the others waiting at close).
 """
 
+import inspect
 import logging
 import threading
 import time
@@ -290,3 +291,16 @@ def run_all(parts: List[Callable[[], Any]]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def stop_monitor(monitor: Any, timeout: Optional[float]) -> Optional[float]:
+    """Stop the session's system monitor within half of the close's ``timeout`` when its ``stop`` takes one (a
+    `SystemMonitor`'s does): a hung sample neither holds the close longer nor leaves the logger's writer no time.
+    Returns what is left of ``timeout``, for the logger."""
+    started = time.monotonic()
+    try:
+        bounded = timeout is not None and "timeout" in inspect.signature(monitor.stop).parameters
+    except (TypeError, ValueError):  # no signature to read
+        bounded = False
+    monitor.stop(timeout=timeout / 2) if bounded else monitor.stop()
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))

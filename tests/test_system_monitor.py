@@ -66,7 +66,8 @@ def test_starts_and_stops_with_the_instrumentation(tmp_path):
     assert len(system) >= 3
     seconds = [line["metrics"]["system/seconds"] for line in system]
     assert seconds == sorted(seconds) and all(s >= 0 for s in seconds)
-    assert all(line["system_step"] == int(line["metrics"]["system/seconds"]) for line in system)
+    ms = [line["system_step"] for line in system]  # milliseconds since the run started: one step per sample
+    assert ms == sorted(set(ms)) and all(step >= int(s * 1000) for step, s in zip(ms, seconds, strict=True))
     first = system[0]["metrics"]
     assert first["system/process_rss_gib"] > 0.001
     assert 0 < first["system/host_memory_percent"] < 100
@@ -119,7 +120,11 @@ def test_tensorboard_system_axis_is_seconds(tmp_path):
     acc = EventAccumulator(str(tmp_path / "r" / "system"))  # a run of its own: a resume's purge never hides it
     acc.Reload()
     rss = acc.Scalars("system/process_rss_gib")
-    assert rss and all(e.step == 0 for e in rss) and all(e.value > 0 for e in rss)
+    assert rss and all(e.value > 0 for e in rss)
+    # a step of its own per sample: the milliseconds since the monitor started (a Logger's run has no start)
+    steps = [e.step for e in rss]
+    assert steps == sorted(set(steps))
+    assert all(abs(e.step - 1000 * e.value) <= 1 for e in acc.Scalars("system/seconds"))  # float32 seconds
 
 
 def test_memory_is_bounded_when_nothing_flushes():
@@ -153,7 +158,7 @@ def test_only_started_once():
     "kwargs, match",
     [
         ({"collection_interval": 0},
-         r"collection_interval must be a positive number of seconds, at most 604800 \(a week\), got 0"),
+         r"collection_interval must be a number of seconds from 0.001 \(1 ms\) to 604800 \(a week\).*got 0"),
         (
             {"collection_interval": 5.0, "flush_interval": 1.0},
             r"flush_interval \(1.0\) must be >= collection_interval",

@@ -7,7 +7,7 @@ Lifecycle, driven by the `Logger`'s writer thread::
     for each logging step, in step order:
         backend.write(record)                  # host values only: floats, numpy images, histograms, text
     now and then (system monitor samples):
-        backend.write_system(record)           # its own axis: record.step is whole seconds since it started
+        backend.write_system(record)           # its own axis: record.step is milliseconds since the run started
     at most flush_secs after a write, and on Logger.flush():
         backend.flush()                        # make what was written durable
     backend.on_resume(next_step)               # a resumed run: steps from next_step on are written again
@@ -51,6 +51,9 @@ class RunInfo:
     argv: Optional[Tuple[str, ...]] = None  # the command line with secrets redacted (set by the Logger)
     # None: a new run. Resuming: backend name -> the run id it kept (`Backend.resume_id`), maybe empty.
     resume: Optional[Dict[str, str]] = dataclasses.field(default=None, hash=False)
+    # When the run first started (``time.time()``; kept in its run.json across resumes): the origin of the system
+    # monitor's steps, so that they go on increasing in a resumed process. None: the monitor's own start.
+    started: Optional[float] = None
 
     @property
     def dir(self) -> Path:
@@ -228,8 +231,9 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} must implement write(record)")
 
     def write_system(self, record: StepRecord) -> None:
-        """System-monitor scalars (``system/...``) on their own axis: ``record.step`` is whole seconds since
-        the monitor started, not a training step, so it must not pass through a training-step order check.
+        """System-monitor scalars (``system/...``) on their own axis: ``record.step`` is milliseconds since the
+        run first started (`RunInfo.started`), increasing across the processes of a resumed run, not a training
+        step, so it must not pass through a training-step order check.
         Called on the writer thread, like `write`. Default: ignored."""
 
     def flush(self) -> None:

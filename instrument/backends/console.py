@@ -92,7 +92,8 @@ class ConsoleBackend(Backend):
         num_val_samples_to_print: how many validation samples (``logger.log_samples``) to print per tag and
             commit, as panels: the best and the worst by score, interleaved. 0 prints none. Needs ``rich``
             (``pip install 'torch-instrument[rich]'``).
-        show_system: also print a line per system-monitor sample (``system ... s | ...``).
+        show_system: also print a line per system-monitor sample (``system <whole seconds since the monitor
+            started>s | ...``).
         width: panel width in characters; None uses the stream's width as rich detects it.
     """
 
@@ -199,7 +200,8 @@ class ConsoleBackend(Backend):
         if not self.show_system:
             return
         items = sorted((k, v) for k, v in record.scalars.items() if k != "system/seconds")
-        self._emit(" | ".join([f"system {record.step:>6}s"] + [f"{printable(k)} {_fmt(v)}" for k, v in items]))
+        seconds = int(record.scalars.get("system/seconds", record.step / 1000))  # the step is in milliseconds
+        self._emit(" | ".join([f"system {seconds:>6}s"] + [f"{printable(k)} {_fmt(v)}" for k, v in items]))
 
     def close(self) -> None:
         if self._unshown and self._seen:  # a run that logged nothing (refused before its first step) says nothing

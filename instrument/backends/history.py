@@ -240,7 +240,8 @@ class RunHistoryBackend(Backend):
 
     def write_system(self, record: StepRecord) -> None:
         """The system monitor's samples, kept on their own axis: the exact ``system/seconds`` since the monitor
-        started (the record's step is its whole seconds), never mixed with the training steps in ``metrics``."""
+        started (the record's step counts milliseconds since the run first started), never mixed with the
+        training steps in ``metrics``."""
         seconds = float(record.scalars.get("system/seconds", record.step))
         with self._lock:
             for key, value in record.scalars.items():

@@ -39,7 +39,7 @@ class JsonlBackend(Backend):
 
     Hyperparameters are written as one ``{"hyperparameters": ..., "config": ...}`` line. Images, videos and
     histograms are summarised (shape, or count/min/max), not embedded; validation samples are written in full
-    under ``"samples"``. System-monitor samples are ``{"system_step": <whole seconds since the monitor
+    under ``"samples"``. System-monitor samples are ``{"system_step": <milliseconds since the run first
     started>, "time", "metrics"}`` lines, so a reader tells the two axes apart by the key.
 
     Every line parses. Each line goes to an ``O_APPEND`` descriptor in one ``os.write``, so a killed process

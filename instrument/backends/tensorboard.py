@@ -34,10 +34,11 @@ class TensorBoardBackend(Backend):
         log_dir: where the event files go; None means the run directory (``runs/<run-name>``) of each run the
             backend is given to.
             Training metrics use the training step as ``global_step``; system-monitor metrics (``system/...``)
-            use whole seconds since the monitor started, with the sample's wall time, and go to the sibling
-            run ``<log_dir>/system``: a resumed run's purge marker hides the training steps after the
-            checkpoint, in its own directory only, and would otherwise hide every sample taken past that many
-            seconds as well.
+            use milliseconds since the run first started (one step above the last for each sample, across the
+            processes of a resumed run: TensorBoard's server hides a stored sample at or above a step that
+            arrives after it), with the sample's wall time, and go to the sibling run ``<log_dir>/system``: a
+            resumed run's purge marker hides the training steps after the checkpoint, in its own directory
+            only, and would otherwise hide every sample stepped past it as well.
         flush_every_commit: flush after each committed step so ``tensorboard`` shows it at once (one small
             file write per logging step), and so a failed write is raised by the record that hit it.
         video_format: ``"gif"`` (default): each video is an animated GIF in the Images tab, with a step slider

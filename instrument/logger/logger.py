@@ -314,7 +314,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
     def write_system(self, record: StepRecord) -> bool:
         """Side channel for the system monitor: its own step axis, never the training step's order check.
 
-        ``record.step`` is whole seconds since the monitor started. Safe to call from any thread; written on
+        ``record.step`` is milliseconds since the run first started. Safe to call from any thread; written on
         the writer thread between training records. False when the logger's writer is closed (not written).
         """
         return self._writer.call("write_system", record) > 0

@@ -2,8 +2,15 @@
 
 Training steps and wall time are different axes: a monitor that logged at the training step would either wait
 for the loop or push the step ahead (W&B then drops the loop's next step). So the monitor writes through the
-logger's side channel (`Logger.write_system`), which never touches the training step's order check, and its
-records are stamped with whole seconds since the monitor started (``system/seconds`` holds the exact value).
+logger's side channel (`Logger.write_system`), which never touches the training step's order check.
+
+A sample's step (TensorBoard's ``global_step``, MLflow's ``step``, JSONL's ``system_step``) is the milliseconds
+since the run first started (`RunInfo.started`, kept in the run folder's ``run.json``, so a resumed process goes
+on from where the wall clock is, not from 0), and each sample's is above the one before: TensorBoard's server
+hides a stored sample whose step is at or above a newly arriving one, so steps that went back at a resume hid
+the earlier process's samples, and whole seconds kept one sample per second. ``system/seconds`` is the exact
+seconds since this monitor started. Across processes the steps follow the wall clock (a resume on a host whose
+clock is behind the first one's could go back); within one, a monotonic clock.
 
 Lifecycle (the `Instrumentation` drives it when given ``system_monitor=``)::
 
@@ -31,7 +38,7 @@ Metric keys (GiB = 2**30 bytes; ``<i>`` is the CUDA device index as the process 
 
 | key | meaning |
 |---|---|
-| ``system/seconds`` | seconds since the monitor started (the x axis) |
+| ``system/seconds`` | seconds since this monitor started (W&B's and `RunHistoryBackend`'s x axis) |
 | ``system/process_cpu_percent`` | this process's CPU use; 100 = one core |
 | ``system/cpu_window_seconds`` | the seconds the CPU percentages are measured over: since the previous reading |
 | ``system/process_rss_gib`` | this process's resident memory |
@@ -81,13 +88,16 @@ MIN_CPU_WINDOW = 0.1
 # The longest interval: a week. Far below what a thread's wait accepts (threading.TIMEOUT_MAX, ~292 years);
 # a longer one (inf) ended the thread with an OverflowError.
 MAX_INTERVAL = 7 * 24 * 3600.0
+# The shortest collection interval: a sample's step is in milliseconds, one step above the last at least, so
+# samples taken faster than one a millisecond would run their steps ahead of the clock (and of a resumed run's).
+MIN_INTERVAL = 0.001
 
 
 class SystemMonitor:
     """Samples resources every ``collection_interval`` seconds and flushes them every ``flush_interval``.
 
     Args:
-        collection_interval: seconds between samples, at most a week (after a stall, the missed ones are
+        collection_interval: seconds between samples, from 1 ms to a week (after a stall, the missed ones are
             skipped, not made up in a burst). Under ``MIN_CPU_WINDOW`` (0.1 s) the CPU keys come in every few
             samples only: each is measured over at least 0.1 s.
         flush_interval: seconds between writes to the backends (>= collection_interval, at most a week).
@@ -107,11 +117,13 @@ class SystemMonitor:
         gpu: bool = True,
         max_buffered: int = 1024,
     ) -> None:
-        for name, value, example in (("collection_interval", collection_interval, 10.0),
-                                     ("flush_interval", flush_interval, 60.0)):
-            check_number(f"SystemMonitor.{name}", value, above=0, most=MAX_INTERVAL,
-                         expected=f"a positive number of seconds, at most {MAX_INTERVAL:.0f} (a week)",
-                         fix=f"bind e.g. SystemMonitor.{name} = {example}")
+        check_number("SystemMonitor.collection_interval", collection_interval, least=MIN_INTERVAL,
+                     most=MAX_INTERVAL, expected=f"a number of seconds from {MIN_INTERVAL} (1 ms) to "
+                     f"{MAX_INTERVAL:.0f} (a week)", why="a sample's step is the milliseconds since the run started",
+                     fix="bind e.g. SystemMonitor.collection_interval = 10.0")
+        check_number("SystemMonitor.flush_interval", flush_interval, above=0, most=MAX_INTERVAL,
+                     expected=f"a positive number of seconds, at most {MAX_INTERVAL:.0f} (a week)",
+                     fix="bind e.g. SystemMonitor.flush_interval = 60.0")
         if flush_interval < collection_interval:
             raise ConfigurationError(
                 f"SystemMonitor.flush_interval ({flush_interval}) must be >= collection_interval "
@@ -124,7 +136,7 @@ class SystemMonitor:
         self.flush_interval = float(flush_interval)
         self.gpu = gpu
         self.max_buffered = max_buffered
-        self._buffer: Deque[Tuple[float, float, Dict[str, float]]] = collections.deque()
+        self._buffer: Deque[Tuple[int, float, float, Dict[str, float]]] = collections.deque()
         self._dropped = 0  # samples that could not be written (`dropped`)
         self._reported = 0  # of those, how many a warning already reported
         self._last_sample = True  # a stop takes one more sample (not a hand-over at a signal or the exit)
@@ -132,8 +144,11 @@ class SystemMonitor:
         self._thread: Optional[threading.Thread] = None
         self._logger: Any = None
         self._t0 = 0.0
+        self._t0_ms = 0.0  # the milliseconds from the run's first start to _t0: the first sample's step
+        self._last_step = -1  # the step of the last sample: each one's is above it
         self._read_at = 0.0  # when the CPU counters were last read: a sample measures the time since
         self._cpu_due = True  # the sample being taken reads the CPU counters (MIN_CPU_WINDOW has passed)
+        self._sampled_at = 0.0  # when the last sample was taken
         self._doing: Optional[str] = None  # what the thread is inside of, for a stop that gives up on it
         self._left = False  # a stop gave up on the thread: it drops what it takes and shuts NVML down itself
         self._ended = False  # the thread has ended (`_leave`)
@@ -163,7 +178,8 @@ class SystemMonitor:
     def start(self, logger: Any) -> None:
         """Start sampling into ``logger`` (anything with ``write_system(record)``; one that returns False did
         not take the record). Once per monitor. A logger with ``before_close`` (a `Logger`) stops this monitor
-        before it closes, so the samples still buffered are written before its backends close."""
+        before it closes, so the samples still buffered are written before its backends close. The steps count
+        milliseconds from its ``run.started`` (`RunInfo.started`), else from now."""
         if self._thread is not None:
             raise ConfigurationError("this SystemMonitor was already started; create a new one per run.")
         self._logger = logger
@@ -174,6 +190,8 @@ class SystemMonitor:
         if self.gpu:
             self._init_nvml()
         self._t0 = time.monotonic()  # the counters are primed, and _read_at set, in the monitor's thread
+        started = getattr(getattr(logger, "run", None), "started", None)
+        self._t0_ms = max(0.0, (time.time() - started) * 1000.0) if started is not None else 0.0
         self._thread = threading.Thread(target=self._run, name="instrument-system-monitor", daemon=True)
         self._thread.start()
 
@@ -343,7 +361,7 @@ class SystemMonitor:
             self._psutil.cpu_percent(None)
         except Exception as exc:  # a transient psutil error must not end the thread: the samples say what they can
             self._part_failed("host", exc)
-        self._read_at = time.monotonic()
+        self._read_at = self._sampled_at = time.monotonic()
         next_sample = self._t0 + self.collection_interval
         next_flush = self._t0 + self.flush_interval
         while not self._stop.wait(max(0.0, next_sample - time.monotonic())):
@@ -357,12 +375,12 @@ class SystemMonitor:
             if time.monotonic() >= next_flush:
                 self._flush()
                 next_flush = max(next_flush + self.flush_interval, time.monotonic())
-        if self._last_sample and time.monotonic() - self._read_at >= self.collection_interval / 2:  # stopping: the
+        if self._last_sample and time.monotonic() - self._sampled_at >= self.collection_interval / 2:  # stopping: the
             self._collect()  # time since the last sample is measured too, unless too short a window to mean much
         self._flush()
 
     def _collect(self) -> None:
-        started = time.monotonic()
+        started = self._sampled_at = time.monotonic()
         self._cpu_due = started - self._read_at >= MIN_CPU_WINDOW
         self._doing = f"{type(self).__name__}.sample()"
         try:
@@ -380,7 +398,9 @@ class SystemMonitor:
             values["system/cpu_window_seconds"] = window
         if not values:
             return
-        self._buffer.append((time.monotonic() - self._t0, time.time(), values))
+        seconds = time.monotonic() - self._t0
+        step = self._last_step = max(int(self._t0_ms + seconds * 1000.0), self._last_step + 1)
+        self._buffer.append((step, seconds, time.time(), values))
         if len(self._buffer) >= self.max_buffered:  # full before the flush is due: flush now, drop nothing
             self._flush()
 
@@ -388,10 +408,8 @@ class SystemMonitor:
         dropped, error = 0, None
         mine = threading.current_thread() is self._thread
         while self._buffer:
-            seconds, wall, values = self._buffer.popleft()
-            record = StepRecord(
-                step=int(seconds), scalars={**values, "system/seconds": seconds}, wall_time=wall
-            )
+            step, seconds, wall, values = self._buffer.popleft()
+            record = StepRecord(step=step, scalars={**values, "system/seconds": seconds}, wall_time=wall)
             if mine:
                 self._doing = "the logger's write_system"
             try:

@@ -8,6 +8,7 @@ on, no observer runs, no value leaves the device.
 """
 
 import collections
+import dataclasses
 import logging
 import numbers
 import threading
@@ -36,7 +37,14 @@ from instrument.session import dropped
 from instrument.session.checkpoint import flush_for_checkpoint, load_session_state, session_state
 from instrument.session.config_log import ConfigLog, ConfigSource
 from instrument.session.lifecycle import NO_FLUSH, StepLifecycle, run_all, stop_monitor
-from instrument.session.run_folder import release, removed_if_start_fails, resume_ids, run_name_for, save_ids
+from instrument.session.run_folder import (
+    first_start,
+    release,
+    removed_if_start_fails,
+    resume_ids,
+    run_name_for,
+    save_ids,
+)
 from instrument.session.scope import StepScope, WatchHandle
 
 __all__ = ["Instrumentation", "set_config_source"]
@@ -186,6 +194,8 @@ class Instrumentation(StepLifecycle):
         with shutdown.starting(), removed_if_start_fails(self.run.dir, resume, self._abort_start):
             if resume:  # a run file that cannot be read raises here, which releases the lock
                 self.run = RunInfo(name=name, root=root, resume=resume_ids(self.run.dir))
+            if system_monitor is not None:  # the origin of its steps, kept in run.json: they go on after a resume
+                self.run = dataclasses.replace(self.run, started=first_start(self.run.dir, resume))
             if run_log:  # before the logger, so what backends print while opening is in the file too
                 from instrument.terminal.runlog import setup_run_logging
 
@@ -199,7 +209,7 @@ class Instrumentation(StepLifecycle):
                 open_timeout=open_timeout, secret_keys=secret_keys,
             )
             if self.logger.is_writer:
-                save_ids(self.run.dir, self.logger.backends)  # what resume=True reads back
+                save_ids(self.run.dir, self.logger.backends, started=self.run.started)  # what resume=True reads
                 if system_monitor is not None:
                     system_monitor.start(self.logger)
         self._config = ConfigLog(self, self.logger, lambda: _config_source)  # started: at close if not before

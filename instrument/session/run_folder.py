@@ -23,7 +23,7 @@ from instrument.logger.ranks import rank, same_on_all_ranks
 from instrument.logger.writer import running_writers
 from instrument.session import run_lock
 
-__all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "RUN_FILE",
+__all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "first_start", "RUN_FILE",
            "removed_if_start_fails", "release"]
 
 log = logging.getLogger("instrument")
@@ -152,7 +152,8 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
     return name
 
 
-RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a resumed run continues the same runs
+RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a resumed run continues the same runs,
+# and, with a system monitor, when the run first started (`first_start`)
 
 
 def resume_ids(run_dir: Path) -> Dict[str, str]:
@@ -177,21 +178,40 @@ def resume_ids(run_dir: Path) -> Dict[str, str]:
                                  f"without the backends' run ids (W&B and MLflow then start new runs).") from exc
 
 
-def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False) -> None:
-    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically. ``quiet``: a file
-    that cannot be written (a full disk at close) is said in a warning instead of raised. Ids already in the
-    file are kept unless a backend of that name has one now (a closed W&B backend no longer has its id)."""
+def first_start(run_dir: Path, resume: bool) -> float:
+    """When the run in ``run_dir`` first started (``time.time()``): the ``"started"`` its `RUN_FILE` kept when
+    resuming, else now (a new run, or one whose earlier processes had no system monitor)."""
+    if resume:
+        try:
+            started = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8")).get("started")
+            if isinstance(started, (int, float)) and not isinstance(started, bool) and started > 0:
+                return float(started)
+        except (OSError, ValueError, AttributeError):
+            pass
+    return time.time()
+
+
+def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False, started: Optional[float] = None) -> None:
+    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically, and ``started``
+    (`first_start`) when given and the file has none. ``quiet``: a file that cannot be written (a full disk at
+    close) is said in a warning instead of raised. Ids already in the file are kept unless a backend of that
+    name has one now (a closed W&B backend no longer has its id)."""
     ids = {b.name: b.resume_id for b in backends if getattr(b, "resume_id", None)}
-    if not ids:
+    if not ids and started is None:
         return
+    kept: Dict[str, Any] = {}
     try:
         ids = {**resume_ids(run_dir), **ids}
-    except (ConfigurationError, OSError):  # no run folder yet, or not a run file of ours (replaced)
+        kept = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+    except (ConfigurationError, OSError, ValueError):  # no run folder or file yet, or not a run file of ours
         pass
+    data = {**(kept if isinstance(kept, dict) else {}), "backends": ids}
+    if started is not None:
+        data.setdefault("started", started)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps({"backends": ids}, indent=1), encoding="utf-8")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         os.replace(tmp, run_dir / RUN_FILE)
     except OSError as exc:
         if not quiet:

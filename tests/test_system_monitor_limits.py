@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from instrument import ConfigurationError, Instrumentation, JsonlBackend, SystemMonitor
+from instrument import ConfigurationError, Instrumentation, JsonlBackend, Logger, RunInfo, SystemMonitor
 from instrument.monitors.system import MIN_CPU_WINDOW
 
 pytest.importorskip("psutil")
@@ -33,10 +33,12 @@ def _system_lines(path):
     return [line for line in map(json.loads, path.read_text().splitlines()) if "system_step" in line]
 
 
+@pytest.mark.parametrize("closes", ["session", "logger"])
 def test_a_close_whose_monitor_hangs_in_a_sample_returns_within_its_timeout_with_the_buffered_samples(tmp_path,
-                                                                                                       caplog):
+                                                                                                       caplog, closes):
     """The stop waited a fixed 10 s whatever the close's timeout, then left the buffered samples to a thread that
-    could only drop them once the logger had closed, and blamed the user for closing the logger first."""
+    could only drop them once the logger had closed, and blamed the user for closing the logger first. Closing
+    the Instrumentation stops the monitor itself; closing a Logger stops it through its before_close hook."""
     entered, release = threading.Event(), threading.Event()
 
     class Hangs(SystemMonitor):
@@ -50,12 +52,16 @@ def test_a_close_whose_monitor_hangs_in_a_sample_returns_within_its_timeout_with
             return super().sample()
 
     monitor = Hangs(collection_interval=0.05, flush_interval=3600.0, gpu=False)
-    inst = Instrumentation(backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r",
-                           system_monitor=monitor, overhead_budget=None)
+    if closes == "session":
+        closing = Instrumentation(backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path), run_name="r",
+                                  system_monitor=monitor, overhead_budget=None)
+    else:
+        closing = Logger([JsonlBackend()], RunInfo("r", tmp_path))
+        monitor.start(closing)
     try:
         assert entered.wait(60)
         with caplog.at_level(logging.WARNING, logger="instrument"):
-            inst.close(timeout=1.0)
+            closing.close(timeout=1.0)
         returned_while_hung = monitor.running and not release.is_set()
     finally:
         release.set()

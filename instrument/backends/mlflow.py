@@ -107,7 +107,7 @@ class MlflowBackend(Backend):
     to it (docs/backends.md). A bad option or a missing extra is not retried. `on_exit`
     ("killed"/"failed") makes `close` end the run KILLED or FAILED instead of FINISHED.
 
-    What goes where: scalars -> metrics (training ``step``; system metrics use whole seconds since the monitor
+    What goes where: scalars -> metrics (training ``step``; system metrics use milliseconds since the run first
     started as their step); hyperparameters -> params (values cut to 6000 characters), the operative config ->
     ``config/operative_config.gin``; images -> ``log_image(key=, step=)`` (one image card per key, with a step
     slider; MLflow stores them under ``images/``); text -> ``text/<key>/step_<step:08d>.txt``; validation

@@ -10,9 +10,10 @@ import numbers
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from instrument.checks import check_number
+from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError
-from instrument.logger.steps import resume_step
+from instrument.logger.steps import MAX_STEP
+from instrument.session.run_folder import RUN_FILE, is_used, save_ids
 
 if TYPE_CHECKING:
     from instrument.session.instrumentation import Instrumentation
@@ -50,7 +51,13 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
             "step's means over the steps after the checkpoint only. Save checkpoints at logging steps (inside "
             "or right after `with inst.step(k)` of a logging step) to keep every interval whole. (Said once.)",
             "" if inst.logger._pending_step is None else f" up to step {inst.logger._pending_step}")
-    return {"version": 1, "run_name": inst.run.name, "last_step": last, "config_logged": inst._config.logged}
+    if not inst._run_id_saved and inst.logger.is_writer and is_used(inst.run.dir):  # the id the checkpoint names
+        inst._run_id_saved = save_ids(inst.run.dir, [], quiet=True, run_id=inst._run_id, force=True)
+    state = {"version": 1, "run_name": inst.run.name, "run_id": inst._run_id, "last_step": last,
+             "config_logged": inst._config.logged}
+    if inst.logger.is_writer:  # the backends that wrote its steps (`_say_left_out`)
+        state["backends"] = [backend.name for backend in inst.logger.backends]
+    return state
 
 
 def flush_for_checkpoint(inst: "Instrumentation", timeout: Optional[float], what: str = "state_dict()") -> bool:
@@ -73,29 +80,57 @@ def flush_for_checkpoint(inst: "Instrumentation", timeout: Optional[float], what
 
 def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
     """`Instrumentation.load_state_dict` (see its docstring): refused before anything changes, or resumed."""
-    check_session_state(inst, state)
-    inst.logger.resume_after(state["last_step"])
+    saved_step = check_session_state(inst, state)
+    inst.logger.resume_after(saved_step)
+    inst._resumed_at = -1 if saved_step is None else saved_step
+    _say_left_out(inst, state.get("backends"), saved_step)
 
 
-def check_session_state(inst: "Instrumentation", state: Any) -> None:
-    """Raise the error `load_session_state` would raise for ``state``, changing nothing: a caller that loads
-    more than the session (`RLLogging.load_state_dict`) checks it before it loads any of it."""
+def _say_left_out(inst: "Instrumentation", saved: Any, step: Optional[int]) -> None:
+    """A backend of this session that the session which saved the checkpoint did not have: it lacks that
+    session's steps, and its files keep what they held in that range (from a branch an earlier resume left)."""
+    if step is None or not inst.logger.is_writer or not isinstance(saved, list):
+        return
+    absent = [backend.name for backend in inst.logger.backends if backend.name not in saved]
+    if absent:
+        log.warning(
+            "instrument: %s %s not among the backends of the session that saved this checkpoint (%s), so %s none "
+            "of the steps that session wrote up to step %d. What %s files hold up to step %d is kept (a resume "
+            "cuts only the steps after the checkpoint): steps of a run an earlier resume went back from may be "
+            "among them, and the run's other backends disagree there. Expected for a backend added to the run "
+            "now; otherwise give every session of a run the same backends.",
+            ", ".join(absent), "is" if len(absent) == 1 else "are", ", ".join(map(str, saved)) or "none",
+            "it holds" if len(absent) == 1 else "they hold", step, "its" if len(absent) == 1 else "their", step)
+
+
+def check_session_state(inst: "Instrumentation", state: Any) -> Optional[int]:
+    """The checkpoint's last step, or the error `load_session_state` would raise for ``state``, changing
+    nothing: a caller that loads more than the session (`RLLogging.load_state_dict`) checks it before it loads
+    any of it."""
     if inst._closed:
         raise ConfigurationError("this Instrumentation is closed, so load_state_dict() would resume nothing; "
                                  "create a new one with resume=True and load the checkpoint into it.")
-    if not isinstance(state, dict) or state.get("version") != 1 or "last_step" not in state:
+    saved_step = _checked(state)
+    saved, saved_id = state.get("run_name", inst.run.name), state.get("run_id")
+    committed, loaded = inst.logger._last_step, inst._resumed_at  # -1 stands for None below
+    at, now = -1 if saved_step is None else saved_step, -1 if committed is None else committed
+    if loaded is not None and at > now:  # the first load had the steps after it cut: nothing brings them back
+        since = "" if now == loaded else f", and this session has committed steps up to {now} since"
         raise ConfigurationError(
-            f"Instrumentation.load_state_dict expects a dict from Instrumentation.state_dict(), got {state!r}."
+            f"load_state_dict already resumed this run in this session at {_named(loaded)}{since}. Every backend "
+            f"was told then to drop the interrupted run's steps after {_named(loaded)} (JSONL and the in-memory "
+            f"history removed them, TensorBoard hides them; MLflow and W&B keep theirs and skip those steps), so "
+            f"resuming now at the checkpoint's step {at} would leave {_steps(now + 1, at)} missing from those "
+            f"backends. Load one checkpoint per session, right after creating the Instrumentation, and go on from "
+            f"the one loaded first: restore its model and optimizer state, the run's next step is {now + 1}. "
+            f"Loading the same checkpoint again, or an earlier one before any step, is accepted: the run then goes "
+            f"on from it."
         )
-    saved = state.get("run_name", inst.run.name)
-    committed, saved_step = inst.logger._last_step, state["last_step"]
-    if committed is not None and (saved_step is None or (
-            isinstance(saved_step, numbers.Integral) and not isinstance(saved_step, bool) and saved_step < committed)):
+    if committed is not None and at < now and (loaded is None or now != loaded):
         raise ConfigurationError(
             f"load_state_dict was called after this Instrumentation committed step {committed}: resuming at "
-            f"the checkpoint's step {saved_step!r} would cut this session's own steps "
-            f"after it out of every backend. Call load_state_dict right after creating the Instrumentation, "
-            f"before the first step."
+            f"the checkpoint's {_named(at)} would cut this session's own steps after it out of every backend. "
+            f"Call load_state_dict right after creating the Instrumentation, before the first step."
         )
     if inst.run.resume is not None and saved != inst.run.name:  # a new run may branch off another's state
         raise ConfigurationError(
@@ -105,4 +140,78 @@ def check_session_state(inst: "Instrumentation", state: Any) -> None:
             f"run_name={saved!r} (and its log_dir) to continue that run. (A run folder renamed on purpose: set "
             f"state['run_name'] = {inst.run.name!r} first.)"
         )
-    resume_step(state["last_step"])
+    if inst.run.resume is not None and saved_id is not None and saved_id != inst._run_id:
+        here = (f"whose run id is {inst._run_id!r}" if inst._run_id_kept else
+                f"whose {RUN_FILE} holds no run id (no checkpoint of it was saved, or the file was lost or replaced)")
+        raise ConfigurationError(
+            f"load_state_dict got a checkpoint of another run folder: run {saved!r} with run id {saved_id!r} (kept "
+            f"in the {RUN_FILE} of the folder that saved it), but this Instrumentation continues the run in "
+            f"{str(inst.run.dir)!r}, {here}. Two experiments may both name their run {saved!r} in different "
+            f"log_dirs; resuming at that checkpoint's {_named(at)} would cut this run's steps after it. Pass the "
+            f"log_dir of the run that saved the checkpoint (a copy of that folder keeps its run.json, and its id), "
+            f"or load this run's own checkpoint. If this checkpoint is this folder's and its {RUN_FILE} was lost, "
+            f"load it without the id: inst.load_state_dict({{**state, 'run_id': None}})."
+        )
+    return saved_step
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first} to {last}"
+
+
+def _named(step: int) -> str:
+    return "the start (no step committed)" if step < 0 else f"step {step}"
+
+
+_FIELDS = "{'version': 1, 'run_name': ..., 'run_id': ..., 'last_step': ..., 'config_logged': ...}"
+
+
+def _checked(state: Any) -> Optional[int]:
+    """The checkpoint's ``last_step``, or a `ConfigurationError` that names the field that is wrong or missing,
+    what was expected, and (given a whole checkpoint) the key that holds instrument's state."""
+    where = "Instrumentation.load_state_dict expects the dict Instrumentation.state_dict() returned"
+    if not isinstance(state, dict):
+        raise ConfigurationError(f"{where} ({_FIELDS}), got {_short(state)}.")
+    if "version" not in state or "last_step" not in state:
+        inner = _inner(state)
+        if inner is not None:
+            raise ConfigurationError(
+                f"{where}, got a dict with the keys {_short(list(state))}: it has no 'version' and 'last_step', "
+                f"but its {inner} looks like instrument's state. Pass that: e.g. "
+                f"inst.load_state_dict(ckpt['instrument']), with the state_dict() saved under that key.")
+        missing = [key for key in ("version", "last_step") if key not in state]
+        raise ConfigurationError(
+            f"{where} ({_FIELDS}), got a dict without {' and '.join(map(repr, missing))} (its keys: "
+            f"{_short(list(state))}). Pass the state_dict() saved with the checkpoint as it was saved.")
+    version = state["version"]
+    if not (isinstance(version, numbers.Integral) and not isinstance(version, bool) and version == 1):
+        raise ConfigurationError(
+            f"{where}: its 'version' is {_short(state['version'])}, expected 1 (the only version this instrument "
+            f"reads). A checkpoint of another instrument version needs that version, or its state made again.")
+    for key, kind in (("run_name", "a run name (str)"), ("run_id", "a run id (str) or None")):
+        value = state.get(key, "")
+        if not isinstance(value, str) and not (value is None and key == "run_id"):
+            raise ConfigurationError(f"{where}: its {key!r} is {_short(value)}, expected {kind}. Pass the "
+                                     f"state_dict() saved with the checkpoint as it was saved.")
+    return check_int("load_state_dict: the state's 'last_step'", state["last_step"], least=0, most=MAX_STEP,
+                     integral=True, none=True, expected="None or an int >= 0 (the last step the checkpoint's "
+                     "state_dict() counted as committed)", fix="pass the state_dict() saved with the checkpoint "
+                     "as it was saved")
+
+
+def _inner(state: Dict[Any, Any], depth: int = 2) -> Optional[str]:
+    """Where in ``state`` (a whole checkpoint) a value that looks like instrument's state is: ``"key 'x'"``."""
+    for key, value in list(state.items())[:100]:
+        if isinstance(value, dict):
+            if "version" in value and "last_step" in value:
+                return f"key {key!r}"
+            found = _inner(value, depth - 1) if depth > 1 else None
+            if found is not None:
+                return f"key {key!r} -> {found}"
+    return None
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a whole checkpoint's repr is the model's weights)."""
+    text = repr(value) if not isinstance(value, dict) else f"a dict with the keys {list(value)!r}"
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__}, {len(text)} characters)"

@@ -164,7 +164,9 @@ class Instrumentation(StepLifecycle):
         self.log_interval = log_interval
         self.hyperparams = dict(hyperparams or {})  # before the run folder is claimed: nothing after it raises
         root = Path(log_dir).expanduser()  # '~/runs' is the home folder's, as a shell would read it
-        name = run_name_for(run_name, root, resume)  # rank 0 holds the folder's lock from here (`run_lock`)
+        name, self._run_id, self._run_id_kept = run_name_for(run_name, root, resume)  # rank 0 holds its lock now
+        self._run_id_saved = resume and self._run_id_kept  # in run.json (`checkpoint.session_state` saves it)
+        self._resumed_at: Optional[int] = None  # the last_step load_state_dict resumed at, -1 for None (`checkpoint`)
         self.run = RunInfo(name=name, root=root, resume=None)
         self.run_log: Any = None
         self._dispatch = Dispatcher(self.observers)
@@ -209,7 +211,8 @@ class Instrumentation(StepLifecycle):
                 open_timeout=open_timeout, secret_keys=secret_keys,
             )
             if self.logger.is_writer:
-                save_ids(self.run.dir, self.logger.backends, started=self.run.started)  # what resume=True reads
+                self._run_id_saved |= save_ids(self.run.dir, self.logger.backends, run_id=self._run_id,
+                                               started=self.run.started)  # what resume=True reads back
                 if system_monitor is not None:
                     system_monitor.start(self.logger)
         self._config = ConfigLog(self, self.logger, lambda: _config_source)  # started: at close if not before
@@ -396,8 +399,9 @@ class Instrumentation(StepLifecycle):
                 for name, count in counts.items()}
 
     def state_dict(self, flush_timeout: Optional[float] = 10.0) -> Dict[str, Any]:
-        """What a checkpoint keeps to resume this run: its name, the last committed step, whether the config
-        was logged. Save it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``.
+        """What a checkpoint keeps to resume this run: its name and id (kept in the run folder's run.json), the
+        last committed step, whether the config was logged. Save it with the model; pass it to `load_state_dict`
+        of ``Instrumentation(resume=True)``.
 
         It first waits (at most ``flush_timeout`` seconds; None: as long as it takes, 0: not at all) until
         every step committed before it is written and flushed by every backend. Resuming from this checkpoint
@@ -418,8 +422,10 @@ class Instrumentation(StepLifecycle):
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
         every backend is told that steps after it are written again (`Backend.on_resume`).
 
-        Resuming, a checkpoint of another run is refused before anything changes: its step would cut this
-        run's files (a new run may start from another run's checkpoint: it has nothing to cut).
+        Resuming, a checkpoint of another run (another name, or another folder's run id) is refused before
+        anything changes: its step would cut this run's files (a new run may start from another run's checkpoint:
+        it has nothing to cut). So is a second load of a later step than one already loaded (the first had the
+        steps after it cut); the same or an earlier one, before any step, is where the run goes on from.
         The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
         a value changed on resume, or a backend new to the run, would otherwise never get them."""
         load_session_state(self, state)
@@ -464,7 +470,7 @@ class Instrumentation(StepLifecycle):
             try:
                 self.logger.close(status, timeout)
                 if self.logger.is_writer:  # again: a backend that opened late (`Backend.reopens`) has its id now
-                    save_ids(self.run.dir, self.logger.backends, quiet=True)
+                    save_ids(self.run.dir, self.logger.backends, quiet=True, run_id=self._run_id)
                 self._dispatch.close()
             finally:
                 # another process may resume the run once nothing of this one writes to it any more: now, or

@@ -15,7 +15,7 @@ import shutil
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
 
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
@@ -24,7 +24,7 @@ from instrument.logger.writer import running_writers
 from instrument.session import run_lock
 
 __all__ = ["default_run_name", "check_run_name", "run_name_for", "resume_ids", "save_ids", "first_start", "RUN_FILE",
-           "removed_if_start_fails", "release"]
+           "removed_if_start_fails", "release", "is_used"]
 
 log = logging.getLogger("instrument")
 
@@ -68,7 +68,8 @@ def check_run_name(name: Any) -> str:
 CLAIM_FILE = ".instrument-starting"
 
 
-def _is_used(folder: Path) -> bool:
+def is_used(folder: Path) -> bool:
+    """Whether anything but a start's claim or the writer lock is in ``folder`` (or it is not a folder)."""
     if folder.is_dir():
         return any(child.name not in (CLAIM_FILE, run_lock.LOCK_FILE) for child in folder.iterdir())
     return folder.exists()
@@ -99,7 +100,7 @@ def _claim(run_dir: Path) -> Optional[str]:
         return None
     with contextlib.suppress(OSError), os.fdopen(fd, "w") as f:  # the pid is for people; a full disk leaves it out
         f.write(f"{os.getpid()}\n")
-    if _is_used(run_dir):  # another run finished its start (and wrote) between our check and the claim
+    if is_used(run_dir):  # another run finished its start (and wrote) between our check and the claim
         _release(run_dir)
         return (f"run {run_dir.name!r} already exists in {str(run_dir.parent)!r} (another process started it a "
                 f"moment ago); choose another run_name, or leave it unset for a unique default.")
@@ -112,8 +113,9 @@ def _release(run_dir: Path) -> None:
         (run_dir / CLAIM_FILE).unlink()
 
 
-def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
-    """The run's folder name: checked, and never one that another run already wrote to (unless resuming).
+def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> Tuple[str, str, bool]:
+    """The run's folder name: checked, and never one that another run already wrote to (unless resuming); and
+    the run's id with whether its folder holds it (`run_id_of`), rank 0's on every rank.
 
     Rank 0 checks and claims the folder (`_claim`) before any rank goes on (one broadcast of the name and the
     outcome): another rank's run log written there first would otherwise make rank 0 refuse its own run, and
@@ -123,13 +125,14 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
         if resume:
             raise ConfigurationError("resume=True needs the run_name of the run to continue.")
         name = default_run_name()
-        while _is_used(root / name):  # a suffix collision: vanishingly rare, but never share a folder
+        while is_used(root / name):  # a suffix collision: vanishingly rare, but never share a folder
             name = default_run_name()
     else:
         name = check_run_name(run_name)
+    ident = run_id_of(root / name, resume) if rank() == 0 else ("", False)  # before `_emptied` forgets it
     refusal: Optional[str] = None
     if not resume and rank() == 0:  # rank 0 writes; others may see its files
-        if run_name is not None and _is_used(root / name):
+        if run_name is not None and is_used(root / name):
             refusal = (f"run {name!r} already exists in {str(root)!r} ({root / name} is not empty); a new run "
                        f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
                        f"default, or pass resume=True to continue that run.")
@@ -146,14 +149,37 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> str:
         refusal = run_lock.lock(root / name)
     elif rank() == 0 and (root / name).is_dir():  # a missing run is refused by `resume_ids`
         refusal = run_lock.lock(root / name)
-    name, refusal = same_on_all_ranks((name, refusal))  # every rank names the run as rank 0 does
+    name, refusal, ident = same_on_all_ranks((name, refusal, ident))  # every rank names the run as rank 0 does
     if refusal is not None:
         raise ConfigurationError(refusal)
-    return name
+    return name, ident[0], ident[1]
 
 
 RUN_FILE = "run.json"  # in the run folder: the backends' run ids, so that a resumed run continues the same runs,
-# and, with a system monitor, when the run first started (`first_start`)
+# the run's own id ("run_id"), which its checkpoints carry: a checkpoint of another folder is told apart by it
+# even where both runs have one name (two experiments' "r" in two log_dirs), and a copy of the folder keeps it;
+# and, with a system monitor, when the run first started (`first_start`).
+
+# This process's runs -> their id: a run kept in memory, whose folder was removed at close (`_emptied`), is
+# resumed in this process with the id its checkpoints carry.
+_ids: Dict[Path, str] = {}
+
+
+def run_id_of(run_dir: Path, resume: bool) -> Tuple[str, bool]:
+    """The run's id and whether the run folder holds it: a new run's is made here; a resumed run's is read from
+    its `RUN_FILE` (or this process's, for a run kept in memory: `_ids`), or made afresh when the folder holds
+    none (False then: a run started by an instrument without run ids, one no checkpoint was saved of, or a run
+    file that was lost)."""
+    ident: Optional[str] = None
+    if resume:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a bad run file is refused by `resume_ids`
+            found = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8")).get("run_id")
+            ident = found if isinstance(found, str) and found else None
+        ident = ident or (_ids.get(run_dir) if run_dir in _emptied else None)
+    kept = ident is not None or not resume
+    ident = ident or secrets.token_hex(8)
+    _ids[run_dir] = ident
+    return ident, kept
 
 
 def resume_ids(run_dir: Path) -> Dict[str, str]:
@@ -191,21 +217,30 @@ def first_start(run_dir: Path, resume: bool) -> float:
     return time.time()
 
 
-def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False, started: Optional[float] = None) -> None:
-    """Write the open backends' run ids (``Backend.resume_id``) to `RUN_FILE`, atomically, and ``started``
-    (`first_start`) when given and the file has none. ``quiet``: a file that cannot be written (a full disk at
+def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False, run_id: Optional[str] = None,
+             force: bool = False, started: Optional[float] = None) -> bool:
+    """Write the open backends' run ids (``Backend.resume_id``) and the run's ``run_id`` to `RUN_FILE`,
+    atomically, when a backend has an id, ``started`` is given, or ``force``; True once written. ``started``
+    (`first_start`) is written when the file has none. ``quiet``: a file that cannot be written (a full disk at
     close) is said in a warning instead of raised. Ids already in the file are kept unless a backend of that
-    name has one now (a closed W&B backend no longer has its id)."""
+    name has one now (a closed W&B backend no longer has its id), and so is the run id already there when
+    ``run_id`` is None."""
     ids = {b.name: b.resume_id for b in backends if getattr(b, "resume_id", None)}
-    if not ids and started is None:
-        return
-    kept: Dict[str, Any] = {}
+    if not ids and not force and started is None:
+        return False
+    kept: Any = {}
     try:
         ids = {**resume_ids(run_dir), **ids}
         kept = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
     except (ConfigurationError, OSError, ValueError):  # no run folder or file yet, or not a run file of ours
         pass
     data = {**(kept if isinstance(kept, dict) else {}), "backends": ids}
+    found = data.get("run_id")
+    run_id = run_id or (found if isinstance(found, str) and found else None)
+    if run_id:
+        data["run_id"] = run_id
+    else:
+        data.pop("run_id", None)
     if started is not None:
         data.setdefault("started", started)
     try:
@@ -213,11 +248,13 @@ def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False, starte
         tmp = run_dir / (RUN_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         os.replace(tmp, run_dir / RUN_FILE)
+        return True
     except OSError as exc:
         if not quiet:
             raise
-        log.warning("instrument: could not save the backends' run ids to %s (%s); resume=True would start new "
-                    "W&B and MLflow runs", run_dir / RUN_FILE, exc)
+        log.warning("instrument: could not save the run's ids to %s (%s); resume=True would start new W&B and "
+                    "MLflow runs, and refuse this run's checkpoints as another folder's", run_dir / RUN_FILE, exc)
+        return False
 
 
 @contextlib.contextmanager
@@ -234,7 +271,7 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
     """
     claimed = run_dir in _claims  # by `run_name_for`, on rank 0
     existed = _claims.pop(run_dir) if claimed else run_dir.is_dir()
-    owned = claimed or (not resume and rank() == 0 and not _is_used(run_dir))  # rank 0 writes; others read
+    owned = claimed or (not resume and rank() == 0 and not is_used(run_dir))  # rank 0 writes; others read
     writers = set(running_writers())
     try:
         yield
@@ -254,7 +291,7 @@ def removed_if_start_fails(run_dir: Path, resume: bool, close: Callable[[str], N
             finally:  # after the folder is put back: no other process starts in it while it is undone
                 run_lock.unlock(run_dir)
         raise
-    if claimed:  # started: what it wrote keeps the folder taken (`_is_used`)
+    if claimed:  # started: what it wrote keeps the folder taken (`is_used`)
         _release(run_dir)
         if not existed:
             _made.add(run_dir)
@@ -291,7 +328,7 @@ def _undo_folder(run_dir: Path, existed: bool, writers: Sequence[Any]) -> None:
         except OSError as exc:
             error = exc
             time.sleep(0.2 * (attempt + 1))
-    if error is not None or _is_used(run_dir):
+    if error is not None or is_used(run_dir):
         log.warning("instrument: the start of run %r failed and %s could not be removed (%s): delete it before "
                     "starting run_name=%r again", name, str(run_dir), error or "it is not empty", name)
     else:

@@ -79,3 +79,21 @@ def test_a_collection_interval_under_a_millisecond_is_refused():
     with pytest.raises(ConfigurationError, match=r"collection_interval must be a number of seconds from 0.001 "
                                                  r"\(1 ms\) to 604800 \(a week\).*got 0.0001"):
         SystemMonitor(collection_interval=1e-4, flush_interval=1.0)
+
+
+def test_a_resumed_run_without_its_first_start_steps_on_from_what_its_files_hold(tmp_path):
+    """A review found the steps going back where run.json has no "started" (a run made before it was kept, or
+    its run file lost): counted from the resumed process's start, they fell below the earlier process's, and
+    TensorBoard's server hid every earlier sample. The origin is then the earliest time the run's files record."""
+    _session(tmp_path, resume=False)
+    first = _jsonl_steps(tmp_path)
+    run_file = tmp_path / "r" / "run.json"
+    data = json.loads(run_file.read_text())
+    data.pop("started")
+    run_file.write_text(json.dumps(data))
+    _session(tmp_path, resume=True)
+    steps = _jsonl_steps(tmp_path)
+    assert len(steps) >= len(first) + 4
+    assert min(steps[len(first):]) > max(first), (first, steps[len(first):])
+    assert _served(_tensorboard_steps(tmp_path)) == steps  # every sample shown
+    assert _started(tmp_path) is not None  # the origin found is kept for the next resume

@@ -7,6 +7,7 @@ that fails after some backends wrote there would block its own ``run_name``: `re
 """
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import shutil
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
@@ -206,7 +207,13 @@ def resume_ids(run_dir: Path) -> Dict[str, str]:
 
 def first_start(run_dir: Path, resume: bool) -> float:
     """When the run in ``run_dir`` first started (``time.time()``): the ``"started"`` its `RUN_FILE` kept when
-    resuming, else now (a new run, or one whose earlier processes had no system monitor)."""
+    resuming; else, resuming, the earliest time the run's own files record (`_earliest_written`); else now (a
+    new run, or one whose earlier processes wrote nothing that says when).
+
+    A resumed run without ``"started"`` (made before it was kept, or its run file lost) already holds system
+    samples: counted from now, the new steps started below theirs, and TensorBoard's server hid every earlier
+    one. Counted from when its files were first written, they are above them (a run made before ``"started"``
+    stepped in seconds since each process's start, far below milliseconds since the run's first file)."""
     if resume:
         try:
             started = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8")).get("started")
@@ -214,7 +221,29 @@ def first_start(run_dir: Path, resume: bool) -> float:
                 return float(started)
         except (OSError, ValueError, AttributeError):
             pass
+        earliest = _earliest_written(run_dir)
+        if earliest is not None:
+            return min(earliest, time.time())
     return time.time()
+
+
+def _earliest_written(run_dir: Path) -> Optional[float]:
+    """The earliest wall time the run folder's own files record: a TensorBoard event file's name holds the
+    whole second it was made in (``events.out.tfevents.<seconds>.<host>...``, in the folder and its ``system``
+    run), a JSONL line its ``"time"``. None when neither is there."""
+    times: List[float] = []
+    for folder in (run_dir, run_dir / "system"):
+        for path in folder.glob("events.out.tfevents.*"):
+            with contextlib.suppress(IndexError, ValueError):
+                times.append(float(path.name.split(".")[3]))
+    with contextlib.suppress(OSError, ValueError, AttributeError), \
+            (run_dir / "metrics.jsonl").open(encoding="utf-8") as lines:
+        for line in itertools.islice(lines, 64):  # the first lines: a record's "time" comes within a few
+            found = json.loads(line).get("time") if line.strip() else None
+            if isinstance(found, (int, float)) and not isinstance(found, bool) and found > 0:
+                times.append(float(found))
+                break
+    return min(times) if times else None
 
 
 def save_ids(run_dir: Path, backends: Sequence[Any], quiet: bool = False, run_id: Optional[str] = None,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import instrument
-from instrument import ConfigurationError, Logger
+from instrument import ConfigurationError, InvalidValueError, Logger
 from instrument.rl import CollectionMetrics, Episode, Evaluation, GymnasiumRunner, RLLogging
 
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering) without a sound card
@@ -53,23 +53,34 @@ class ObjectFrames:
         return Episode(return_=3.0 if deterministic else 4.0, length=5, frames=frames)
 
 
+class GrayFrames:
+    def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        frames = np.zeros((5, 8, 8), np.uint8) if render else None  # grayscale [T, H, W]
+        return Episode(return_=3.0 if deterministic else 4.0, length=5, frames=frames)
+
+
 @pytest.mark.parametrize(
     "runner, match",
     [
         (lambda: GymnasiumRunner(lambda: gym.make("CartPole-v1"), policy(), seed=3), NO_RGB + ".*" + MAKE_IT),
         (NoFrames, r"the episode runner returned no frames for the rendered deterministic episode"),
         (ObjectFrames, r"frames \(eval/deterministic/video\) are a ndarray of shape \(2,\) and dtype object"),
+        (GrayFrames, r"frames \(eval/deterministic/video\) are a ndarray of shape \(5, 8, 8\) and dtype uint8; "
+                     r"expected rgb frames \[T, H, W, C\]"),
     ],
-    ids=["factory-env-without-render-mode", "no-frames", "object-frames"],
+    ids=["factory-env-without-render-mode", "no-frames", "object-frames", "grayscale-frames"],
 )
-def test_frames_that_are_not_rgb_are_a_configuration_error_and_both_modes_are_still_staged(runner, match):
-    """A factory's environment is known only once made: refused at the first rendered episode, before it starts,
+def test_frames_that_are_not_rgb_are_a_fault_and_both_modes_are_still_staged(runner, match):
+    """A factory's environment is known only once made: checked at the first rendered episode, before it starts,
     and the episode is run again unrendered, so the deterministic mode keeps its metrics (with the seed it would
-    have had) and the stochastic mode runs. A runner that returns no frames, or not [T, H, W, C], likewise."""
+    have had) and the stochastic mode runs. A runner that returns no frames, or not [T, H, W, C], likewise. Found
+    during training, it is an `InvalidValueError` (a fault the session reports and counts), not a
+    `ConfigurationError` that would stop the run hours in."""
     evaluation = Evaluation(every_frames=8, max_steps=40, video=True, runner=runner())
     logger = Logger([])
-    with pytest.raises(ConfigurationError, match=match):
+    with pytest.raises(InvalidValueError, match=match) as raised:
         evaluation.run(logger, step=0, frames=8)
+    assert not isinstance(raised.value, ConfigurationError)
     record = logger.commit(0)
     logger.close()
     got = record.scalars
@@ -123,3 +134,78 @@ def test_one_failing_part_of_an_evaluation_costs_the_others_nothing(tmp_path, ru
         assert {key for key in logged[step] if key.startswith("eval/")} == {
             f"eval/{mode}/{key}" for mode in modes for key in ("return", "length")}
         assert logged[step]["eval/stochastic/return"] == 4.0
+
+
+def jsonl_steps(path) -> dict:
+    return {line["step"]: line["metrics"] for line in map(json.loads, path.read_text().splitlines())
+            if "metrics" in line}
+
+
+@pytest.mark.parametrize("runner", [NoFrames, GrayFrames, lambda: GymnasiumRunner(
+    lambda: gym.make("CartPole-v1"), policy(), seed=3)], ids=["no-frames", "grayscale-frames", "factory-env"])
+def test_a_video_problem_found_during_training_drops_the_video_not_the_run_or_the_step(tmp_path, runner):
+    """The review's case: a ConfigurationError at the first evaluation (maybe hours in) stopped training, and the
+    evaluation step's eval, counter and collection metrics never reached the files. Now the loop goes on, every
+    metric of every step is written, and the failure is counted at each evaluation."""
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=tmp_path)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None,
+                   evaluation=Evaluation(every_frames=16, max_steps=20, video=True)).attach(inst, eval_runner=runner())
+    for k in range(4):
+        with inst.step(k), rl.iteration():
+            rl.observe_batch(reward=torch.ones(4, 2), done=torch.zeros(4, 2, dtype=torch.bool))
+    rl.close()
+    inst.close()
+    logged = jsonl_steps(path)
+    assert sorted(logged) == [0, 1, 2, 3]
+    assert inst.failures == {"evaluation": 2}
+    for step in (1, 3):  # evaluations at 16 and 32 frames
+        assert {"eval/deterministic/return", "eval/stochastic/return", "counters/frames"} <= set(logged[step])
+        assert logged[step]["counters/frames"] == 8 * (step + 1)
+        assert not any(key.endswith("/video") for key in logged[step])
+
+
+class FailingRender(gym.Wrapper):
+    def __init__(self, env, seeds):
+        super().__init__(env)
+        self.seeds = seeds
+
+    def reset(self, **kwargs):
+        self.seeds.append(kwargs.get("seed"))
+        return super().reset(**kwargs)
+
+    def render(self):
+        raise RuntimeError("no display")
+
+
+def test_a_rendered_episode_that_fails_is_run_again_as_a_run_without_video_would_run_it(tmp_path):
+    """The review's case: the re-run took the next seed and the random state the failed try had moved on, so the
+    logged returns differed from video=False (57.5 against 72.0) and every later evaluation shifted. Now the
+    numbers and the reset seeds (each episode's, re-runs aside) are those of a run with video=False."""
+    def run(video):
+        seeds = []
+        env = FailingRender(gym.make("CartPole-v1", render_mode="rgb_array"), seeds)
+        path = tmp_path / f"video{video}.jsonl"
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                          log_dir=tmp_path / str(video))
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, evaluation=Evaluation(
+            every_frames=16, episodes=2, video=video, max_steps=200)).attach(
+            inst, eval_runner=GymnasiumRunner(env, policy(), seed=100))
+        torch.manual_seed(1)
+        for k in range(3):
+            with inst.step(k), rl.iteration():
+                rl.observe_batch(reward=torch.ones(4, 4), done=torch.zeros(4, 4, dtype=torch.bool))
+        rl.close()
+        inst.close()
+        evals = {step: {key: value for key, value in metrics.items() if key.startswith("eval/")}
+                 for step, metrics in jsonl_steps(path).items()}
+        return evals, seeds, inst.failures
+
+    plain, plain_seeds, plain_failures = run(False)
+    rendered, rendered_seeds, failures = run(True)
+    assert plain_failures == {} and failures == {"evaluation": 3}
+    assert all(len(metrics) == 4 for metrics in plain.values())
+    assert rendered == plain
+    assert plain_seeds == list(range(100, 112))
+    assert sorted(set(rendered_seeds)) == plain_seeds  # each failed try's seed is used again by its re-run

@@ -24,12 +24,16 @@ Evaluation runs under ``torch.no_grad()`` and inside ``torch.random.fork_rng``, 
 not shift the random stream the training loop sees: turning evaluation on does not change training.
 
 Each mode and each video is a part of its own: one that raises costs the others nothing. A rendered episode that
-fails is run again without rendering, so its mode keeps its return and length; a video that cannot be logged
-leaves the metrics staged. The first failure is raised once every part has had its turn (a `ConfigurationError`
+fails is run again without rendering, with the random state it started from (and `GymnasiumRunner` with the same
+reset seed), so its mode logs the return and length a run with ``video=False`` logs; a video that cannot be logged
+leaves every metric staged. The first failure is raised once every part has had its turn (a `ConfigurationError`
 first: it needs fixing, and propagates; any other is reported and counted by the session, which carries on).
-A video needs rgb frames: `GymnasiumRunner` refuses an environment made without ``render_mode="rgb_array"`` as
-soon as it can tell, when it becomes the runner of an `Evaluation` with ``video=True`` (an environment object),
-else at the first rendered episode (an environment made by a factory), before the episode starts.
+A video needs rgb frames: `GymnasiumRunner` refuses an environment object made without ``render_mode="rgb_array"``
+when it becomes the runner of an `Evaluation` with ``video=True``, a `ConfigurationError` before training. A video
+problem found during training (no frames, frames not ``[T, H, W, C]``, an environment made by a factory without
+that render mode) is an `InvalidValueError` naming what was received and the fix: the session reports it and
+counts it in ``inst.failures``, the video is dropped, the step's metrics are written, and training goes on. A
+factory's environment is not made at attach to be checked: a factory may need what is not ready then.
 """
 
 import dataclasses
@@ -42,7 +46,7 @@ import torch
 from torch import Tensor
 
 from instrument.checks import check_int
-from instrument.errors import ConfigurationError, require
+from instrument.errors import ConfigurationError, InvalidValueError, require
 from instrument.rl.component import RLComponent
 from instrument.rl.timing import stage_timer
 
@@ -195,7 +199,7 @@ class Evaluation(RLComponent):
                     prefix=f"{self.prefix}/{mode}",
                 )
                 if render_error is not None:
-                    failed.append((f"the {mode} video", render_error))
+                    failed.append((f"the {mode} video", _late(render_error)))
                 elif self.video and mode in self.video_modes:
                     try:
                         self._log_video(logger, step, mode, first.frames)
@@ -212,12 +216,14 @@ class Evaluation(RLComponent):
         render_error: Optional[Exception] = None
         for i in range(self.episodes):
             render = self.video and i == 0 and mode in self.video_modes
+            state = _rng_state() if render else None  # the re-run draws what the rendered try drew
             try:
                 episodes.append(runner(mode == "deterministic", self.max_steps, render))
             except Exception as exc:
                 if not render:
                     raise
                 render_error = exc
+                _set_rng_state(state)
                 episodes.append(runner(mode == "deterministic", self.max_steps, False))
         return episodes, render_error
 
@@ -229,7 +235,7 @@ class Evaluation(RLComponent):
             "from_pixels=True. Or turn the video off: Evaluation(video=False)."
         )
         if frames is None:
-            raise ConfigurationError(
+            raise InvalidValueError(
                 f"Evaluation(video=True): the episode runner returned no frames for the rendered {mode} episode "
                 f"({tag}); expected Episode.frames of rgb frames [T, H, W, C]. {fix}"
             )
@@ -239,7 +245,7 @@ class Evaluation(RLComponent):
             got = f"a {type(frames).__name__} of shape {tuple(getattr(frames, 'shape', ()))} and dtype {dtype}"
             if objects:
                 got += " (not frames: e.g. render() returned None)"
-            raise ConfigurationError(
+            raise InvalidValueError(
                 f"Evaluation(video=True): the rendered {mode} episode's frames ({tag}) are {got}; expected rgb "
                 f"frames [T, H, W, C]. {fix}"
             )
@@ -286,6 +292,27 @@ class Evaluation(RLComponent):
 
 def _devices() -> List[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def _rng_state() -> Tuple[Tensor, List[Tensor]]:
+    return torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in _devices()]
+
+
+def _set_rng_state(state: Tuple[Tensor, List[Tensor]]) -> None:
+    cpu, cuda = state
+    torch.random.set_rng_state(cpu)
+    for device, device_state in zip(_devices(), cuda, strict=True):
+        torch.cuda.set_rng_state(device_state, device)
+
+
+def _late(exc: Exception) -> Exception:
+    """A video's `ConfigurationError` found during training, as a fault the session reports and counts: a video
+    set-up problem found hours in drops the video, not the run."""
+    if not isinstance(exc, ConfigurationError):
+        return exc
+    late = InvalidValueError(f"{exc} The video is dropped; the metrics are logged and training goes on.")
+    late.__cause__ = exc
+    return late
 
 
 def _mean(values: Sequence[Any]) -> Union[float, Tensor]:
@@ -383,7 +410,6 @@ class GymnasiumRunner:
         if render:  # before the episode uses up its seed: an evaluation runs it again unrendered
             self.check_render()
         seed = None if self.seed is None else self.seed + self._episode
-        self._episode += 1
         obs, _ = env.reset(seed=seed)
         device = self.device or _device_of(self.policy)
         discrete = hasattr(env.action_space, "n")
@@ -403,6 +429,7 @@ class GymnasiumRunner:
                 break
         if render:
             frames.append(np.asarray(env.render()))
+        self._episode += 1  # only now: an episode whose render() raised is run again with its seed
         return Episode(return_=total, length=length, frames=np.stack(frames) if frames else None)
 
     def close(self) -> None:

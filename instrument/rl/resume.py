@@ -9,11 +9,14 @@ The state holds plain values, so any checkpoint format stores it::
      "session": {"last_step": ..., ...}}                                # Instrumentation.state_dict(), attached to one
 
 Saving: the set's own parts are read under its lock, one consistent view (a collector thread's batch is in it
-whole or not at all). The session's part is taken outside the lock: the session first waits, up to 10 s, until
-the backends have written every committed step, and a collector thread's `observe_batch` must not wait that
-long. Batches observed meanwhile are not in the state, as if observed just after it. A step committed meanwhile
-(by another thread) would leave the counters and the session's last step disagreeing on resume (a step logged
-twice, or cut from the files), so then both are read again as one, under the lock.
+whole or not at all). The session's part is taken outside the lock, and after them: the session first waits, up
+to 10 s, until the backends have written every committed step, and a collector thread's `observe_batch` must
+not wait that long. Batches observed meanwhile are not in the state, as if observed just after it. A step the
+training thread commits or opens meanwhile (its ``inst.step(k)`` block opens and commits without the set's lock)
+leaves the session's last step ahead of the counters, never behind them (they were read first), so with
+``step_unit="iterations"`` the saved ``iterations`` are taken as at least the saved session's last step + 1: the
+resumed run never logs a step the session holds twice, nor leaves a gap. A batch observed between two
+`RLLogging.iteration` blocks (a collector thread's) does not count an iteration as done: no block is open.
 
 Loading: the session's state is checked first; then every component's state is loaded with `load_together`
 and, last, the session resumes (with no session state, the logger's last committed step is checked against the
@@ -45,17 +48,21 @@ def saved_state(rl: "RLLogging") -> Dict[str, Any]:
         seen = _progress(inst)
     session = inst.state_dict()  # waits for the backends (up to 10 s): the set's lock is free meanwhile
     with rl._lock:
-        if _progress(inst) != seen:  # another thread committed in between: both again, as one locked read
+        if _progress(inst) != seen:  # another thread committed in between: both again, the counters first
             state, session = _own_state(rl), inst.state_dict()
-        state["session"] = session
-        return state
+    last = session.get("last_step")
+    if rl.step_unit == "iterations" and isinstance(last, int):  # the session's step, read last, may be ahead
+        state["counters"]["iterations"] = max(state["counters"]["iterations"], last + 1)
+    state["session"] = session
+    return state
 
 
 def _own_state(rl: "RLLogging") -> Dict[str, Any]:
     """The counters, the evaluation schedule and the other components' states (under the set's lock)."""
     counters, inst = rl.counters.state_dict(), rl.instrumentation
-    if rl.counters.counting or (inst is not None and rl.step_unit == "iterations" and inst.active_step ==
-                                rl.step):  # inside an iteration: done (else counted, or logged, twice)
+    inside = rl._in_block or not rl._blocks  # a loop without `iteration` blocks: a batch since the last end
+    if (rl.counters.counting and inside) or (inst is not None and rl.step_unit == "iterations" and
+                                             inst.active_step == rl.step):  # inside an iteration: done
         counters["iterations"] += 1
     state: Dict[str, Any] = {"version": STATE_VERSION, "counters": counters}
     if rl.evaluation is not None:

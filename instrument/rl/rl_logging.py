@@ -160,6 +160,9 @@ class RLLogging:
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
         self._failed_at: Optional[int] = None  # the step of an iteration that raised in its `inst.step` block
         self._unlogged = False  # an iteration completed since the last one logged here (or attach / load)
+        # `iteration` blocks: whether the loop uses them, and whether one is open (a collector thread's batch
+        # between two blocks belongs to no iteration yet: a state saved then does not count one as done)
+        self._blocks, self._in_block = False, False
         check_components(self.members)  # again at attach: `collection` or `evaluation` may be set in between
 
     # ------------------------------------------------------------------ wiring
@@ -299,16 +302,21 @@ class RLLogging:
         normally. A failed one (it raised) is not logged; what it observed goes with the next logged iteration,
         and inside its own `inst.step(k)` block it uses step k up, so the next iteration is k + 1."""
         self.clock.start("iteration")
+        self._blocks = self._in_block = True
         try:
             yield self
         except BaseException:
+            self._in_block = False
             self.clock.cancel_all()
             self.counters.counting = False
             if self.step_unit == "iterations" and getattr(self.instrumentation, "open_step", None) == self.step:
                 self._failed_at = self.step  # counted at the next iteration if the loop goes on past it
             raise
         self.clock.stop("iteration")
-        self.end_iteration(eval_runner)
+        try:
+            self.end_iteration(eval_runner)
+        finally:
+            self._in_block = False
 
     @_locked
     def observe_batch(self, batch: Any = None, *, frames: Optional[int] = None, **tensors: Any) -> None:

@@ -330,3 +330,35 @@ def test_a_checkpoint_waiting_for_the_backends_holds_neither_the_collector_nor_t
     assert state["counters"] == {"frames": 3 * 8, "iterations": 2, "episodes": 0}
     rl.close()
     inst.close()
+
+
+def _logger_at(steps):
+    logger = instrument.Logger([])
+    for step in range(steps):
+        logger.log_metrics({"x": 1.0}, step=step)
+        logger.commit(step)
+    return logger
+
+
+def test_a_state_loaded_before_attach_to_a_bare_logger_is_checked_at_attach():
+    """The review's case: loaded first, then attached to a Logger that had committed step 4, the state was never
+    checked and the loop died at iteration 0 with a StepOrderError. Now attach refuses, naming both steps, and
+    leaves the set unattached; attached to a logger it follows, the same set runs."""
+    old = {"version": 1, "counters": {"frames": 8, "iterations": 1, "episodes": 0}, "components": {}}
+    rl = RLLogging(progress=None)
+    rl.load_state_dict(old)
+    logger = _logger_at(5)
+    with pytest.raises(ConfigurationError, match=r"RLLogging\.attach: this logger has already committed step 4, "
+                                                 r"but the state loaded resumes after step 0 \(iterations\).*the "
+                                                 r"set was not attached"):
+        rl.attach(logger)
+    assert not rl.attached and rl.counters.iterations == 1
+    fresh = _logger_at(1)  # step 0 committed: the state resumes after it
+    rl.attach(fresh)
+    for _ in range(2):
+        with rl.iteration():
+            rl.observe_batch(reward=np.ones(2), done=np.zeros(2, bool))
+    assert fresh.last_step == 2
+    rl.close()
+    logger.close()
+    fresh.close()

@@ -33,7 +33,7 @@ from instrument.session.checkpoint import check_session_state
 if TYPE_CHECKING:
     from instrument.rl.rl_logging import RLLogging
 
-__all__ = ["STATE_VERSION", "load_state", "saved_state"]
+__all__ = ["STATE_VERSION", "check_resume_point", "load_state", "saved_state"]
 
 STATE_VERSION = 1
 _OWN_PARTS = ("counters", "evaluation", "timing", "progress")  # saved apart, or not at all
@@ -105,24 +105,27 @@ def load_state(rl: "RLLogging", state: Dict[str, Any]) -> None:
         if resumes_session:
             inst.load_state_dict(state["session"])
         elif rl.attached:
-            _check_resume_point(rl)
+            check_resume_point(rl, rl.logger)
 
     load_together(parts, then=resume)
     rl._unlogged = False  # what the restored counters count was logged by the run that saved them
-    if not rl.attached and "session" in state:
-        rl._session_state = state["session"]  # checked and applied when the set is attached to a session
+    if not rl.attached:  # checked when the set is attached: the session's part, else the resume point
+        rl._session_state, rl._check_at_attach = state.get("session"), True
 
 
-def _check_resume_point(rl: "RLLogging") -> None:
+def check_resume_point(rl: "RLLogging", logger: Any, attaching: bool = False) -> None:
     """With no session state to resume (a bare `Logger`): the loaded counters' next step must follow the
     logger's last committed step, else the resumed iterations would log below steps already written (refused as
-    a `StepOrderError` at their commit, or, counting frames, held back until the count passes it)."""
-    last = rl.logger.last_step
+    a `StepOrderError` at their commit, or, counting frames, held back until the count passes it). Checked at
+    the load, or, for a state loaded before the set was attached, at ``attach`` (``attaching``)."""
+    last = logger.last_step
     after = rl.counters.iterations - 1 if rl.step_unit == "iterations" else rl.counters.frames
     if last is not None and last > after:
+        where, outcome = ("RLLogging.attach", "the set was not attached") if attaching else (
+            "RLLogging.load_state_dict", "nothing was loaded")
         raise ConfigurationError(
-            f"RLLogging.load_state_dict: this logger has already committed step {last}, but the state resumes "
+            f"{where}: this logger has already committed step {last}, but the state loaded resumes "
             f"after step {after} ({rl.step_unit}), so the next iterations would log below steps already "
             f"written. Load a state into a set whose logger has not logged past it (a new run's, before its first "
-            f"iteration); nothing was loaded."
+            f"iteration); {outcome}."
         )

@@ -59,7 +59,7 @@ from instrument.rl.component import RLComponent, check_components, step_disagree
 from instrument.rl.counters import Counters
 from instrument.rl.evaluation import EpisodeRunner, Evaluation
 from instrument.rl.ranks import distributed
-from instrument.rl.resume import load_state, saved_state
+from instrument.rl.resume import check_resume_point, load_state, saved_state
 from instrument.rl.timing import StageClock, StageTiming
 from instrument.rl.training import TrainMetrics
 from instrument.session.checkpoint import check_session_state
@@ -157,6 +157,7 @@ class RLLogging:
         self._closed = False
         self._lock = threading.RLock()  # one thread at a time through the components (`_locked`)
         self._session_state: Optional[Dict[str, Any]] = None  # from load_state_dict, for a later attach
+        self._check_at_attach = False  # a state was loaded before attach: checked there (`resume`)
         self._deferred = False  # step_unit="frames": a logging iteration waits for its frame count to move on
         self._failed_at: Optional[int] = None  # the step of an iteration that raised in its `inst.step` block
         self._unlogged = False  # an iteration completed since the last one logged here (or attach / load)
@@ -195,6 +196,10 @@ class RLLogging:
             raise ConfigurationError(
                 f"RLLogging.attach takes an Instrumentation or a Logger, got {type(target).__name__}."
             )
+        if target is not logger and self._session_state is not None:  # from load_state_dict: a refused one
+            check_session_state(target, self._session_state)  # leaves the session as it was
+        elif self._check_at_attach:  # a bare Logger, or no session part: where the loaded counters go on
+            check_resume_point(self, logger, attaching=True)
         if eval_runner is not None:
             self._set_runner(eval_runner)
         if self.progress_component is not None:  # the bar's key templates follow this set's prefixes
@@ -202,8 +207,6 @@ class RLLogging:
             self.progress_component.prefixes = {"counters": self.counters.prefix}
             if self.collection is not None:
                 self.progress_component.prefixes["collection"] = self.collection.prefix
-        if target is not logger and self._session_state is not None:  # from load_state_dict: a refused one
-            check_session_state(target, self._session_state)  # leaves the session as it was
         register = target.add_component if target is not logger else self._own.add
         handles: List[ComponentHandle] = []
         try:
@@ -218,7 +221,7 @@ class RLLogging:
             self.instrumentation = target
             if self._session_state is not None:
                 target.load_state_dict(self._session_state)
-                self._session_state = None
+        self._session_state, self._check_at_attach = None, False
         self._logger = logger
         self._handles = handles
         for handle in handles:

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 import instrument
 from instrument import ConfigurationError
@@ -349,7 +350,7 @@ def test_a_state_loaded_before_attach_to_a_bare_logger_is_checked_at_attach():
     rl.load_state_dict(old)
     logger = _logger_at(5)
     with pytest.raises(ConfigurationError, match=r"RLLogging\.attach: this logger has already committed step 4, "
-                                                 r"but the state loaded resumes after step 0 \(iterations\).*the "
+                                                 r"but the state resumes after step 0 \(iterations\).*the "
                                                  r"set was not attached"):
         rl.attach(logger)
     assert not rl.attached and rl.counters.iterations == 1
@@ -362,3 +363,48 @@ def test_a_state_loaded_before_attach_to_a_bare_logger_is_checked_at_attach():
     rl.close()
     logger.close()
     fresh.close()
+
+
+class _LiveBuffer(RLComponent):
+    """The nn.Module idiom: state_dict returns the live tensor, load_state_dict copies into it."""
+
+    prefix = "live"
+
+    def __init__(self) -> None:
+        self.buf = torch.tensor([5.0])
+
+    def state_dict(self):
+        return {"buf": self.buf}
+
+    def load_state_dict(self, state) -> None:
+        self.buf.copy_(torch.as_tensor(state["buf"]))
+
+
+class _AssignsThenRefuses(RLComponent):
+    prefix = "partial"
+
+    def __init__(self) -> None:
+        self.a, self.b = 1, 2
+
+    def state_dict(self):
+        return {"a": self.a, "b": self.b}
+
+    def load_state_dict(self, state) -> None:
+        self.a = state["a"]
+        if not isinstance(state["b"], int):
+            raise ConfigurationError(f"b must be an int, got {state['b']!r}")
+        self.b = state["b"]
+
+
+def test_a_refused_load_gives_back_live_tensors_and_a_field_assigned_before_the_refusal():
+    """The review's cases: a component that assigned a field and then refused kept it (a: 1 -> 9), and one whose
+    state_dict returns its live tensor got the new value back on rollback (5.0 -> 9.0). Now both are as before."""
+    live, partial = _LiveBuffer(), _AssignsThenRefuses()
+    rl = RLLogging(progress=None, components=[live, partial]).attach(instrument.Logger([]))
+    state = rl.state_dict()
+    state["components"] = {"extra0": {"buf": torch.tensor([9.0])}, "extra1": {"a": 9, "b": "x"}}
+    with pytest.raises(ConfigurationError, match="b must be an int"):
+        rl.load_state_dict(state)
+    assert live.buf.tolist() == [5.0]
+    assert (partial.a, partial.b) == (1, 2)
+    rl.close()

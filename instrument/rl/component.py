@@ -30,7 +30,11 @@ Rules a component follows:
   they return plain Python values so any checkpoint format (torch.save, JSON, TorchRL's) can store them.
 """
 
+import copy
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import torch
 
 from instrument.core.step_components import same_keys, same_keys_message
 from instrument.errors import ConfigurationError
@@ -112,20 +116,42 @@ def state_entry(state: Dict[str, Any], key: str, owner: str) -> Any:
 
 def load_together(parts: List[Tuple[Any, Any]], then: Optional[Callable[[], None]] = None) -> None:
     """``component.load_state_dict(state)`` for each ``(component, state)``, all or none: when one refuses its
-    state, those loaded before it get their own state back, and the error is raised. ``then``, when given, runs
-    once all are loaded, as the last part: when it raises, every part gets its own state back too."""
-    done: List[Tuple[Any, Any]] = []
+    state, every part tried (the one that refused too: it may have assigned a field first) gets its own state
+    back, and the error is raised. ``then``, when given, runs once all are loaded, as the last part: when it
+    raises, every part gets its own state back too. The states put back are copies taken before any load
+    (tensors cloned): a ``state_dict`` that returns live objects (``{"buf": self.buf}``, loaded with ``copy_``)
+    would otherwise give back the new value."""
+    befores = [_snapshot(component.state_dict()) for component, _ in parts]
+    tried: List[Tuple[Any, Any]] = []
     try:
-        for component, state in parts:
-            before = component.state_dict()
+        for (component, state), before in zip(parts, befores, strict=True):
+            tried.append((component, before))
             component.load_state_dict(state)
-            done.append((component, before))
         if then is not None:
             then()
     except BaseException:
-        for component, before in reversed(done):
+        for component, before in reversed(tried):
             component.load_state_dict(before)
         raise
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of a component's state that no later load can change: tensors cloned, containers copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):  # its own type (an OrderedDict stays one), every value copied
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = _snapshot(item)
+        return copied
+    if isinstance(value, Mapping):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_snapshot(v) for v in value)
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # an object that cannot be copied is given back as it is
+        return value
 
 
 def check_components(members: List[Tuple[str, Any, bool]]) -> None:

@@ -124,7 +124,7 @@ def check_resume_point(rl: "RLLogging", logger: Any, attaching: bool = False) ->
         where, outcome = ("RLLogging.attach", "the set was not attached") if attaching else (
             "RLLogging.load_state_dict", "nothing was loaded")
         raise ConfigurationError(
-            f"{where}: this logger has already committed step {last}, but the state loaded resumes "
+            f"{where}: this logger has already committed step {last}, but the state resumes "
             f"after step {after} ({rl.step_unit}), so the next iterations would log below steps already "
             f"written. Load a state into a set whose logger has not logged past it (a new run's, before its first "
             f"iteration); {outcome}."

@@ -237,7 +237,7 @@ def test_auto_time_dim_says_once_when_it_guesses_the_layout_of_plain_tensors(cap
     """CleanRL's [T, N] buffers under the default time_dim='auto' were read as [envs, time] without a word: episodes
     summed across environments (a return of 1.75 for 7.18). Where 'auto' guesses (two or more batch dimensions,
     none named 'time') it says so once, naming the shape, the dimension taken and the fix; where the layout is
-    known (time_dim bound, a named TensorDict, one dimension) it says nothing, and no result changes."""
+    known (time_dim bound, a named TensorDict) it says nothing, and no result changes."""
     g = torch.Generator().manual_seed(0)
     reward, done = torch.rand(16, 3, generator=g), torch.rand(16, 3, generator=g) < 0.2
     said = []
@@ -254,11 +254,34 @@ def test_auto_time_dim_says_once_when_it_guesses_the_layout_of_plain_tensors(cap
             known[1].update(reward=reward, done=done)
         known[2].update(reward=reward[0], done=done[0])
         known[3].update(torchrl_batch())  # [envs, time] named by TorchRL
-        one_dim = CollectionMetrics()
-        one_dim.update(reward=reward[:, 0], done=done[:, 0])
         said.append([r.getMessage() for r in caplog.records])
     assert len(said[0]) == 1, said[0]
     assert ("time_dim='auto'" in said[0][0] and "shape (16, 3)" in said[0][0] and "last one (1) as time" in said[0][0]
             and "CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL)" in said[0][0])
     assert said[1] == []
     assert logged(guessed) == logged(known[1])  # what 'auto' reads is unchanged: the last dimension
+
+
+def test_auto_time_dim_says_once_when_a_plain_batch_has_one_dimension(caplog):
+    """The review's case: a per-step loop passing reward/done [N] (one step of N environments) under time_dim='auto'
+    had them read as one environment's [time]: episodes summed across environments (a return mean of 12.88 for
+    12.08), and nothing said, though [N] is as ambiguous as [T, N]. Now it says so once, naming the shape and the
+    fix; with time_dim bound, or a TensorDict (TorchRL's one-dimension batch is [time]), it says nothing."""
+    g = torch.Generator().manual_seed(0)
+    reward, done = torch.rand(16, 4, generator=g), torch.rand(16, 4, generator=g) < 0.2
+    said = []
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        per_step = CollectionMetrics()
+        for t in range(16):
+            per_step.update(reward=reward[t], done=done[t])
+        said.append([r.getMessage() for r in caplog.records])
+        caplog.clear()
+        for time_dim in (None, 0, -1):
+            CollectionMetrics(time_dim=time_dim).update(reward=reward[0], done=done[0])
+        CollectionMetrics().update(TensorDict({"next": {"reward": reward[:, :1], "done": done[:, :1]}},
+                                              batch_size=[16]))
+        said.append([r.getMessage() for r in caplog.records])
+    assert len(said[0]) == 1, said[0]
+    assert ("time_dim='auto' got a batch of shape (4,)" in said[0][0]
+            and "CollectionMetrics.time_dim = None when each call holds one step of every environment" in said[0][0])
+    assert said[1] == []

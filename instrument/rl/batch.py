@@ -12,7 +12,8 @@ Shapes follow TorchRL: entries are ``[*batch, *features]``; ``done`` may carry a
 ``done`` (see `split_batch`). The time dimension is the batch dimension named ``"time"`` when the TensorDict
 has names (TorchRL collectors name it), otherwise the one given. ``"auto"`` without that name guesses the last
 one (TorchRL's ``[envs, time]``); with two or more batch dimensions that is a guess (`time_dim_guessed`), since
-CleanRL's ``[time, envs]`` buffers look the same: `CollectionMetrics` says so once.
+CleanRL's ``[time, envs]`` buffers look the same, and so it is for plain tensors of one batch dimension (one
+environment's ``[time]``, or one step of ``[envs]``): `CollectionMetrics` says so once.
 """
 
 from collections.abc import Mapping
@@ -210,10 +211,15 @@ def time_dim_guessed(batch: Any, time_dim: Union[int, str, None], batch_shape: S
     """True when `resolve_time_dim` guesses: ``"auto"``, two or more batch dimensions and none named ``"time"``
     (plain tensors, or a TensorDict without names). ``[envs, time]`` (TorchRL) and ``[time, envs]`` (CleanRL's
     rollout buffers) have the same shape, and the guess (the last, TorchRL's) sums a CleanRL buffer's episodes
-    across environments."""
-    if time_dim != "auto" or len(batch_shape) < 2:
+    across environments. Also a plain-tensor batch of one dimension: one environment's ``[time]`` and one step of
+    ``[envs]`` (a per-step loop) look the same, and the guess (time) sums that loop's episodes across
+    environments. (A TensorDict of one dimension is TorchRL's: a single environment's ``[time]``.)"""
+    if time_dim != "auto" or not batch_shape:
         return False
     names = _names(batch)
+    if len(batch_shape) == 1:
+        plain = batch.data if isinstance(batch, KeywordBatch) else batch
+        return not is_tensordict(plain)
     return names is None or "time" not in names
 
 

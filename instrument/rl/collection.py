@@ -83,7 +83,8 @@ class CollectionMetrics(RLComponent):
         time_dim: the batch dimension that is time: ``"auto"`` (the TensorDict dimension named ``time``, else
             the last one, as TorchRL collectors lay batches out), an int, or None when each call holds one step
             of every environment. ``"auto"`` warns once when it has to guess (two or more batch dimensions, none
-            named ``time``: plain tensors): bind 0 for CleanRL's ``[time, envs]`` buffers, -1 for ``[envs, time]``.
+            named ``time``: plain tensors): bind 0 for CleanRL's ``[time, envs]`` buffers, -1 for ``[envs, time]``;
+            and for plain tensors of one dimension (``[envs]`` of a per-step loop looks like ``[time]``): bind None.
     """
 
     exclusive_prefix = True  # two at one group log the same keys (`instrument.core.step_components.same_keys`)
@@ -268,14 +269,23 @@ class CollectionMetrics(RLComponent):
         if returns is None or lengths is None:
             if not self._said_layout and time_dim_guessed(batch, self.time_dim, shape):
                 self._said_layout = True
-                log.warning(
-                    "instrument: %s: time_dim='auto' found no batch dimension named 'time' in a batch of shape %s, "
-                    "so it takes the last one (%d) as time: TorchRL's [envs, time] layout. CleanRL's rollout "
-                    "buffers are [time, envs], and read this way their episodes are summed across environments. "
-                    "Bind CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL), -1 to keep [envs, time] "
-                    "(either silences this), or None when each call holds one step of every environment.",
-                    self.prefix, tuple(shape), len(shape) - 1,
-                )
+                if len(shape) == 1:
+                    log.warning(
+                        "instrument: %s: time_dim='auto' got a batch of shape %s with one batch dimension and takes "
+                        "it as time: one environment's steps. A per-step loop's batch, one step of every environment "
+                        "([envs]), read this way has its episodes summed across environments. Bind "
+                        "CollectionMetrics.time_dim = None when each call holds one step of every environment, 0 "
+                        "when it holds one environment's steps (either silences this).", self.prefix, tuple(shape),
+                    )
+                else:
+                    log.warning(
+                        "instrument: %s: time_dim='auto' found no batch dimension named 'time' in a batch of shape %s, "
+                        "so it takes the last one (%d) as time: TorchRL's [envs, time] layout. CleanRL's rollout "
+                        "buffers are [time, envs], and read this way their episodes are summed across environments. "
+                        "Bind CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL), -1 to keep [envs, time] "
+                        "(either silences this), or None when each call holds one step of every environment.",
+                        self.prefix, tuple(shape), len(shape) - 1,
+                    )
             seg_returns, seg_lengths, partial = self._segments(
                 rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape)
             )

@@ -285,3 +285,30 @@ def test_auto_time_dim_says_once_when_a_plain_batch_has_one_dimension(caplog):
     assert ("time_dim='auto' got a batch of shape (4,)" in said[0][0]
             and "CollectionMetrics.time_dim = None when each call holds one step of every environment" in said[0][0])
     assert said[1] == []
+
+
+def _vector_batch(episode_objectives):
+    g = torch.Generator().manual_seed(0)
+    reward = torch.rand(2, 6, 3, generator=g, dtype=torch.float64)
+    done = torch.zeros(2, 6, 1, dtype=torch.bool)
+    done[:, -1] = True
+    running = reward.sum(-1, keepdim=True).cumsum(1) if episode_objectives == 1 else reward[..., :2].cumsum(1)
+    return reward, {"next": {"reward": reward, "done": done, "episode_reward": running}}
+
+
+def test_a_scalar_episode_reward_beside_a_weighted_vector_reward_is_taken_as_it_is():
+    """The review's case: a vector reward [*, 3] with 3 weights and an episode reward [*, 1] (a scalar running
+    return) worked before the weights were checked (weights on the reward, the episode reward as it is), then was
+    refused at the first batch, saying the reward (which has 3) had 1 objective. It works as before again; an
+    episode reward whose objectives do not match is refused naming the episode reward."""
+    reward, batch = _vector_batch(1)
+    metrics = CollectionMetrics(reward_weights=[1.0, 0.5, 0.2], time_dim=-1)
+    metrics.update(batch)
+    got = logged(metrics)
+    weighted = (reward * torch.tensor([1.0, 0.5, 0.2], dtype=torch.float64)).sum(-1)
+    assert got[P + "reward/mean"] == pytest.approx(weighted.mean().item())
+    assert got[P + "episode/return/mean"] == pytest.approx(reward.sum((1, 2)).mean().item())
+    _, batch = _vector_batch(2)
+    with pytest.raises(ConfigurationError, match=r"reward_weights has 3 weights but the episode reward has 2 "
+                                                 r"objectives \(the episode reward at \('next', 'episode_reward'\)"):
+        CollectionMetrics(reward_weights=[1.0, 0.5, 0.2], time_dim=-1).update(batch)

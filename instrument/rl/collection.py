@@ -32,7 +32,7 @@ stays in its episode; no Python loop over steps).
 """
 
 import logging
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ class CollectionMetrics(RLComponent):
         step_count_key: the running episode length (TorchRL ``StepCounter``); used at ``done`` when present.
         reward_weights: weights that scalarise a vector reward ``[*batch, K]``, one per objective; required when
             K > 1. A single-objective reward takes one weight (``[w]``: the reward and returns are logged times w)
-            or none.
+            or none. An episode reward of one objective beside a vector reward is a scalar return: taken as it is.
         objective_names: names of the K objectives in metric keys (default ``obj0``, ``obj1``, ...); unique.
         keys: extra batch entries to reduce, ``{metric name: batch key}``; a name may not be one of the
             component's own statistics (see the module doc: ``reward``, ``episode/return``, ``reward/<objective>``).
@@ -217,20 +217,30 @@ class CollectionMetrics(RLComponent):
         self._rank = len(shape)
         return shape
 
-    def _scalarise(self, rewards: Tensor) -> Tensor:
+    def _scalar_returns(self, returns: Tensor, given: bool, objectives: int) -> Tensor:
+        """The episode returns, scalarised like the reward. A running return the batch gives (``given``) of one
+        objective beside a vector reward is already a scalar: taken as it is (as before weights were checked)."""
+        if given and returns.shape[-1] == 1 and objectives > 1:
+            return returns
+        return self._scalarise(returns, ("episode reward", self.episode_reward_key) if given else None)
+
+    def _scalarise(self, rewards: Tensor, entry: Optional[Tuple[str, Any]] = None) -> Tensor:
+        """``rewards`` ``[*batch, K]`` weighted into ``[*batch, 1]``; ``entry``, ``(what, key)``, names them in
+        messages (default: the reward)."""
+        noun, key = entry or ("reward", self.reward_key)
         k = rewards.shape[-1]
         if self.reward_weights is None:
             if k == 1:
                 return rewards
             raise ConfigurationError(
-                f"the reward at {self.reward_key!r} has {k} objectives (shape {tuple(rewards.shape)}); bind "
+                f"the {noun} at {key!r} has {k} objectives (shape {tuple(rewards.shape)}); bind "
                 f"CollectionMetrics.reward_weights = [w_1, ..., w_{k}] to scalarise it (each objective is "
                 f"also logged on its own)."
             )
         if len(self.reward_weights) != k:  # for every k: a single-objective reward takes one weight, or none
             raise ConfigurationError(
-                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the reward has {k} "
-                f"objective{'s' if k != 1 else ''} (the reward at {self.reward_key!r} read as [*batch, K] with batch "
+                f"CollectionMetrics.reward_weights has {len(self.reward_weights)} weights but the {noun} has {k} "
+                f"objective{'s' if k != 1 else ''} (the {noun} at {key!r} read as [*batch, K] with batch "
                 f"{tuple(rewards.shape[:-1])}: the TensorDict's batch size, else inferred from done); bind exactly "
                 f"one weight per objective"
                 + (", or none (reward_weights=None) for a single-objective reward." if k == 1 else ".")
@@ -294,7 +304,8 @@ class CollectionMetrics(RLComponent):
                 returns, whole_returns = seg_returns, whole
             if lengths is None:
                 lengths, whole_lengths = seg_lengths, whole
-        self._ep_return.add(self._scalarise(returns), whole_returns)
+        self._ep_return.add(self._scalar_returns(returns, episode_reward is not None, rewards.shape[-1]),
+                            whole_returns)
         if returns.shape[-1] > 1:
             self._ep_objectives.add(returns, whole_returns)
         self._ep_length.add(lengths.unsqueeze(-1), whole_lengths)

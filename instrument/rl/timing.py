@@ -9,8 +9,8 @@ stage              clock        what it measures
 ``collection``     wall time    waiting for the collector / running the rollout that produced the batch
 ``optimization``   GPU events   the updates on that batch (wall time on a run that never initialised CUDA)
 ``evaluation``     wall time    evaluation episodes (only on iterations where evaluation runs)
-``iteration``      wall time    one whole iteration up to logging: collection + optimisation + the loop's
-                                own code
+``iteration``      wall time    the ``rl.iteration()`` block's body: collection + optimisation + the loop's
+                                own code; not the logging at its end (evaluation, components, commit)
 =================  ===========  ==========================================================================
 
 Not to be confused with `instrument.logger.timer`, which measures one interval (wall time on the CPU, CUDA
@@ -22,8 +22,9 @@ what `StageClock`'s ``start(name)`` / ``stop(name)`` pairs around the logger's t
 The clocks: a logger timer left at its default (``cuda=None``) records CUDA events on the current stream once the
 process has initialised CUDA, and events time the GPU's queue, not the host. Environment steps and evaluation
 episodes run on the host (the policy's actions are read back at every step), so events would time them as the
-GPU catching up with work queued before, or as nothing; and an iteration is the loop's wall time, which also
-makes its sum over a run the run's time. These `HOST_STAGES` are timed with ``time.perf_counter``
+GPU catching up with work queued before, or as nothing; and an iteration is the loop's wall time (its block's
+body: the evaluation and the logging that end it, and code outside the block, are not in it, so its sum over a
+run is less than the run's time). These `HOST_STAGES` are timed with ``time.perf_counter``
 (``cuda=False``) on every device. ``optimization`` is GPU work: it stays on the logger's default, CUDA events of
 the updates queued on the stream on a GPU. The host stages' timers are made with their clock when the set is
 attached, so ``rl.timer(stage)``, `StageClock` and ``logger.timer(stage)`` all return the same wall-time timer.

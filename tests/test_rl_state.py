@@ -408,3 +408,34 @@ def test_a_refused_load_gives_back_live_tensors_and_a_field_assigned_before_the_
     assert live.buf.tolist() == [5.0]
     assert (partial.a, partial.b) == (1, 2)
     rl.close()
+
+
+def test_a_refused_load_gives_a_tensordict_state_back_as_a_tensordict():
+    """A review found the rollback's copy of a TensorDict state made a plain dict: the component given it back
+    raised an AttributeError that hid the refusal, and kept the state it was refused."""
+    tensordict = pytest.importorskip("tensordict")
+    from instrument.rl.component import load_together
+
+    class Running:
+        def __init__(self):
+            self.td = tensordict.TensorDict({"mean": torch.zeros(3)}, batch_size=[])
+
+        def state_dict(self):
+            return self.td.clone()
+
+        def load_state_dict(self, state):
+            assert state.batch_size == torch.Size([])  # the TensorDict API
+            self.td = state.clone()
+
+    class Refuses:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            if state:
+                raise ValueError("refused")
+
+    running = Running()
+    with pytest.raises(ValueError, match="refused"):
+        load_together([(running, tensordict.TensorDict({"mean": torch.ones(3)}, batch_size=[])), (Refuses(), {"x": 1})])
+    assert isinstance(running.td, tensordict.TensorDict) and running.td["mean"].tolist() == [0.0, 0.0, 0.0]

@@ -144,7 +144,14 @@ def _snapshot(value: Any) -> Any:
         for key, item in value.items():
             copied[key] = _snapshot(item)
         return copied
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping):  # another mapping (a TensorDict): its own copy, so it keeps its type and API
+        clone = getattr(value, "clone", None)
+        for copied in (clone, lambda: copy.deepcopy(value)):
+            if callable(copied):
+                try:
+                    return copied()
+                except Exception:  # a clone or deepcopy that fails: the next way, then a plain dict
+                    pass
         return {key: _snapshot(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         return type(value)(_snapshot(v) for v in value)

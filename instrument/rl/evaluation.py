@@ -410,6 +410,16 @@ class GymnasiumRunner:
         if render:  # before the episode uses up its seed: an evaluation runs it again unrendered
             self.check_render()
         seed = None if self.seed is None else self.seed + self._episode
+        try:
+            episode = self._run(env, seed, deterministic, max_steps, render)
+        except Exception:
+            if not render:  # it used its seed: the next episode takes the next one, as it would have
+                self._episode += 1
+            raise  # a rendered try is run again unrendered with its seed (`Evaluation._episodes`)
+        self._episode += 1
+        return episode
+
+    def _run(self, env: Any, seed: Optional[int], deterministic: bool, max_steps: int, render: bool) -> "Episode":
         obs, _ = env.reset(seed=seed)
         device = self.device or _device_of(self.policy)
         discrete = hasattr(env.action_space, "n")
@@ -429,7 +439,6 @@ class GymnasiumRunner:
                 break
         if render:
             frames.append(np.asarray(env.render()))
-        self._episode += 1  # only now: an episode whose render() raised is run again with its seed
         return Episode(return_=total, length=length, frames=np.stack(frames) if frames else None)
 
     def close(self) -> None:

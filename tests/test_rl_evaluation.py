@@ -240,3 +240,18 @@ def test_an_unrendered_episode_that_raises_uses_up_its_seed():
     for deterministic in (True, False, True):
         runner(deterministic, 50, False)
     assert seeds == [100, 101, 102, 103]
+
+
+def test_a_default_session_made_by_an_attach_that_is_refused_is_closed_again(tmp_path, monkeypatch):
+    """``attach()`` without a target makes its own Instrumentation; refused after that (here: a video runner
+    that cannot render), it left that session open: its writer thread and its run folder's lock stayed until the
+    process ended."""
+    from instrument.logger.writer import running_writers
+
+    monkeypatch.chdir(tmp_path)
+    before = set(running_writers())
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), evaluation=Evaluation(every_frames=8, video=True),
+                   progress=None, log_interval=1)
+    with pytest.raises(ConfigurationError, match=NO_RGB):
+        rl.attach(None, eval_runner=GymnasiumRunner(gym.make("CartPole-v1"), policy()))
+    assert set(running_writers()) == before and not rl.attached

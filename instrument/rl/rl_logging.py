@@ -180,8 +180,17 @@ class RLLogging:
             from instrument.session import Instrumentation
 
             interval = {} if self.log_interval is None else {"log_interval": self.log_interval}
-            target = Instrumentation(**interval)
+            made = Instrumentation(**interval)
+            try:
+                self._attach(made, eval_runner)
+            except BaseException:  # refused (a loaded state, a runner): the session made for it is closed again
+                made.close()
+                raise
             self._owns_session = True
+            return self
+        return self._attach(target, eval_runner)
+
+    def _attach(self, target: Any, eval_runner: Optional[EpisodeRunner]) -> "RLLogging":
         if isinstance(target, Logger):
             logger = target
         elif isinstance(getattr(target, "logger", None), Logger) and hasattr(target, "add_component"):

@@ -17,16 +17,9 @@ import pytest
 
 from instrument import ConfigurationError, Instrumentation, JsonlBackend, Logger, RunInfo, SystemMonitor
 from instrument.monitors.system import MIN_CPU_WINDOW
+from tests.test_system_monitor import _Sink  # keeps the monitor's records
 
 pytest.importorskip("psutil")
-
-
-class _Sink:
-    def __init__(self):
-        self.records = []
-
-    def write_system(self, record):
-        self.records.append(record)
 
 
 def _system_lines(path):

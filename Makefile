@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull several GB of CUDA packages.
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(PY) -m pip install -q -e ".[dev]"
+	# The pin again: pip may otherwise upgrade torch past it while resolving the extras' dependencies (it took
+	# torch 2.10.0 to 2.14.1 in `make test-floor`'s venv, which then tested no floor at all).
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH)"
 	touch $(STAMP)
 
 demo: install
@@ -39,9 +41,15 @@ test: install
 test-cuda: install
 	WANDB_MODE=offline WANDB_SILENT=true $(PY) -m pytest -m cuda -rs
 
-# The suite on the oldest torch instrument supports (instrument/torch_floor.py), in a venv of its own.
+# The suite on the oldest torch instrument supports (instrument/torch_floor.py), in a venv of its own; the
+# check between the two steps makes sure that venv's torch is the floor and not a release pip chose instead.
+TORCH_FLOOR := 2.10.0
+FLOOR_VENV := .venv-torch-floor
 test-floor:
-	$(MAKE) VENV=.venv-torch-floor TORCH=torch==2.10.0 test
+	$(MAKE) VENV=$(FLOOR_VENV) TORCH=torch==$(TORCH_FLOOR) install
+	$(FLOOR_VENV)/bin/python -c "import sys, torch; v = torch.__version__; \
+	sys.exit(None if v.split('+')[0] == '$(TORCH_FLOOR)' else 'make test-floor: expected torch $(TORCH_FLOOR), found ' + v)"
+	$(MAKE) VENV=$(FLOOR_VENV) TORCH=torch==$(TORCH_FLOOR) test
 
 lint: install
 	$(PY) -m ruff check instrument tests bench

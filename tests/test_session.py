@@ -1,7 +1,10 @@
 """The session's promises: nothing attached off logging steps, lifecycle order, isolation of failures."""
 
+import contextlib
 import copy
 import logging
+import sys
+import threading
 
 import pytest
 import torch
@@ -203,6 +206,81 @@ def test_closed_session_refuses_steps():
     inst.close()
     with pytest.raises(instrument.ConfigurationError, match="closed"):
         inst.step(0)
+
+
+def test_a_step_scope_made_before_close_and_entered_after_it_is_refused(rule):
+    """A review found `s = inst.step(5); inst.close(); with s:` attaching the hooks and running the observers'
+    reset and observe on the closed session, and writing nothing, without a word."""
+    obs = Attaching()
+    inst = instrument.Instrumentation([obs], backends=[], log_interval=5)
+    inst.watch(rule)
+    scope = inst.step(5)
+    inst.close()
+    obs.calls.clear()
+    with pytest.raises(instrument.ConfigurationError, match="this Instrumentation is closed"):
+        with scope:
+            _rollout(rule, n_iter=1)
+    assert obs.calls == [] and not rule._forward_hooks and not rule._forward_pre_hooks
+
+
+def test_two_threads_entering_steps_of_one_session_are_never_both_inside_and_are_told_why():
+    """A review found the "steps do not nest" check racy: checked, then the logger's mark (a lock, where the GIL
+    may switch), then taken. Both threads were inside a step thousands of times per run; one's exit then cleared
+    the other's open step, whose inst.log raised "outside a `with inst.step(n):` block", and the refusals said
+    "steps do not nest" of steps on two threads."""
+    inst = instrument.Instrumentation(backends=[], log_interval=10**9, overhead_budget=None)
+    inside, both, errors, lock = [0], [0], [], threading.Lock()
+
+    def worker(offset):
+        for i in range(3000):
+            try:
+                with inst.step(1 + 2 * i + offset):
+                    with lock:
+                        inside[0] += 1
+                        both[0] += inside[0] > 1
+                    inst.log({"x": 1.0})
+                    with lock:
+                        inside[0] -= 1
+            except instrument.ConfigurationError as exc:
+                errors.append(str(exc))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the race is then met at once
+    try:
+        threads = [threading.Thread(target=worker, args=(offset,)) for offset in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    inst.close()
+    assert both[0] == 0
+    assert all("is open on another thread" in message and "its own Instrumentation" in message for message in errors)
+
+
+def test_log_interval_zero_a_step_that_raises_discards_what_it_staged(tmp_path):
+    """A review found that with log_interval=0 a failed step kept what it handed to inst.logger: it reached the
+    next commit (a loss mean of 34 instead of 1, three timer spans instead of two)."""
+    keep = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            keep.append(record)
+
+    inst = instrument.Instrumentation(backends=[Keep()], log_interval=0, log_dir=str(tmp_path), overhead_budget=None)
+    timer = inst.logger.timer("t")
+    for step in (1, 2, 3):
+        with contextlib.suppress(ValueError):
+            with inst.step(step):
+                with timer:
+                    pass
+                inst.logger.log_metrics({"loss": 100.0 if step == 2 else 1.0}, step=step)
+                if step == 2:
+                    raise ValueError("a failed step")
+    inst.logger.commit(3)
+    inst.close()
+    assert [(r.step, r.flat_scalars()["loss"], r.flat_scalars()["timing/t/count"]) for r in keep] == [(3, 1.0, 2.0)]
 
 
 class Attaching(instrument.Observer):

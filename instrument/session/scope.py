@@ -2,9 +2,12 @@
 
 Both are thin: they call back into their `Instrumentation`, which owns the lifecycle. A non-logging step's
 scope does nothing on enter and exit but a mark of what the logger holds (so a step that raises drops what it
-staged) and one attribute store (what `Instrumentation.log` logs at).
+staged) and taking the session's one step slot (what `Instrumentation.log` logs at), under a lock: of two
+threads entering steps of one session at once, one gets in and the other is refused, never both.
 """
 
+import os
+import threading
 from typing import TYPE_CHECKING, Optional
 
 from instrument.errors import ConfigurationError
@@ -16,6 +19,9 @@ if TYPE_CHECKING:
     from instrument.session.instrumentation import Instrumentation
 
 __all__ = ["StepScope", "WatchHandle"]
+
+# Checks a session's step slot and takes it in one go (any session: it is held for a few bytecodes).
+_slot_lock = threading.Lock()
 
 
 class WatchHandle:
@@ -57,7 +63,7 @@ class StepScope:
             ``if s.observer is not None:`` skips building the context entirely.
     """
 
-    __slots__ = ("step", "active", "observer", "_session", "_mark")
+    __slots__ = ("step", "active", "observer", "_session", "_mark", "_thread")
 
     def __init__(self, session: "Instrumentation", step: int, active: bool) -> None:
         self.step = step
@@ -65,30 +71,50 @@ class StepScope:
         self.observer = session._observe if active else None
         self._session = session
         self._mark: Optional[tuple] = None
+        self._thread: Optional[int] = None
 
     def __enter__(self) -> "StepScope":
-        open_scope = self._session._scope
-        if open_scope is not None:  # whichever of the two is a logging step
-            raise ConfigurationError(
-                f"inst.step({self.step}) entered while step {open_scope.step} is still open; steps do not nest."
-            )
+        session = self._session
+        with _slot_lock:  # checked and taken at once: two threads never both hold the slot
+            self._refuse_to_open()
+            self._thread = threading.get_ident()
+            session._scope = self  # what `Instrumentation.log` logs at
         if self.active:
-            self._session._begin(self)
             try:
-                self._session._scope = self  # what `Instrumentation.log` logs at (one attribute store)
-            except BaseException:  # Ctrl-C right after the start: no block runs, so no __exit__ would end it
-                self._session._scope = None
-                self._session._end(self, failed=True)
+                session._begin(self)
+            except BaseException:  # a start that failed (or Ctrl-C in it): no block runs, no __exit__ frees the slot
+                session._scope = None
                 raise
             return self
-        if self._session.log_interval:  # what this step stages is dropped if its body raises
-            self._mark = self._session.logger.mark()
-        self._session._scope = self
+        # What this step stages is dropped if its body raises (with log_interval=0 too: what the block hands to
+        # inst.logger itself is still written, and a failed block's values must not reach a later commit).
+        self._mark = session.logger.mark()
         return self
+
+    def _refuse_to_open(self) -> None:
+        session = self._session
+        if session._closed:  # a scope made before close() and entered after it
+            raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
+        open_scope = session._scope
+        if open_scope is None:
+            return
+        if open_scope._thread != threading.get_ident():
+            raise ConfigurationError(
+                f"inst.step({self.step}) was entered on thread {threading.current_thread().name!r} while step "
+                f"{open_scope.step} is open on another thread: one session runs one step at a time, and its "
+                f"observers, hooks and inst.log belong to that step. Give each thread its own Instrumentation, or "
+                f"log from this thread without a step block: inst.logger.log_metrics(metrics, step=n) may be "
+                f"called from any thread."
+            )
+        # whichever of the two is a logging step
+        raise ConfigurationError(
+            f"inst.step({self.step}) entered while step {open_scope.step} is still open; steps do not nest."
+        )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self._session._scope = None
+            if self._session._scope is self:
+                self._session._scope = None
         finally:  # the step is ended whatever interrupts the line above (Ctrl-C): left open, it refused every later one
             if self.active and self._session._current is self:  # not ended already (`close()` inside the block)
                 interrupt = record.take_interrupt()  # Ctrl-C in observers called from TorchScript code (`record`)
@@ -99,3 +125,13 @@ class StepScope:
                         raise interrupt
             elif exc_type is not None and self._mark is not None:
                 self._session._discard(self)
+
+
+def _fresh_lock_in_child() -> None:
+    """A thread of the parent may have held the lock at the fork."""
+    global _slot_lock
+    _slot_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)

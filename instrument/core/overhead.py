@@ -11,17 +11,28 @@ key                                  meaning
                                      (``Observer.hook_seconds``: ActivationStats), ``observe_gradients``,
                                      ``detach`` and ``log``, summed (observers of one name add up)
 ``instrument/overhead/commit``       seconds the training thread spent in ``Logger.commit``
+``instrument/overhead/hooks``        seconds the session's own per-call work took outside the
+                                     observers: the watched modules' pre- and post-forward hooks
+                                     (`StateWatch`, with the state copies they make) and the
+                                     embedded probes' ``record`` kernel (the values it keeps)
 ``instrument/overhead/fraction``     share (0-1) of the logging step, from entering
                                      ``with inst.step(n)`` to leaving it, spent in instrument:
-                                     starting and ending the step (hooks, probes, observer
-                                     lifecycle, components, the commit), every observer call
-                                     and the observers' own hooks
+                                     starting and ending the step (attaching and removing hooks,
+                                     probes on and off, observer lifecycle, components, the
+                                     commit), every observer fan-out (handing over probe values
+                                     included), the observers' own hooks, and ``hooks`` above
+                                     (a fan-out run from inside a hook counted once)
 ``instrument/overhead/instrument``   those seconds themselves (the numerator of the fraction)
 ===================================  ==============================================================
 
 The step, the commit and the fraction of logging step ``n`` are known only after its commit, so they are
 logged with the record of the NEXT logging step (the keys at step ``n + log_interval`` describe step
 ``n``); the last logging step of a run is measured but not logged.
+
+Not counted, because no code of instrument runs there to time it: torch's own slower ``Module.__call__`` path
+that any registered hook switches a module to (its hook dispatch, per call of a watched module or of a module
+hooked by an observer), the dispatch of the ``instrument::record`` operator and a `Probe` module's own call. On a
+loop of many small watched calls that is a real share of the step, so the keys are a lower bound of the cost.
 
 Clocks: every span is training-thread time (``time.perf_counter``): what instrument keeps the loop's thread
 busy, which on a GPU includes launching the observers' kernels but not their run time on the device (that
@@ -49,7 +60,7 @@ PREFIX = "instrument/overhead/"
 # Below this much instrument time in a logging step the budget warning stays quiet: a toy loop whose step is
 # a millisecond is "over budget" at any share, and a warning there would only teach users to ignore it.
 QUIET_SECONDS = 0.005
-_RESERVED = ("commit", "fraction", "instrument")
+_RESERVED = ("commit", "fraction", "instrument", "hooks")
 _MAX_PENDING = 8  # measured steps whose CUDA events have not completed yet
 
 
@@ -57,7 +68,7 @@ class _Sheet:
     """The raw marks of one logging step: ``time.perf_counter`` readings, and on a CUDA run the two events
     recorded on the current stream at its start and end."""
 
-    __slots__ = ("step", "events", "enter", "begun", "ending", "exit", "calls", "observers", "commit")
+    __slots__ = ("step", "events", "enter", "begun", "ending", "exit", "calls", "observers", "commit", "own")
 
     def __init__(self, step: int, events: Optional[List[Any]], enter: float) -> None:
         self.step, self.events, self.enter = step, events, enter
@@ -69,6 +80,7 @@ class _Sheet:
         self.calls = 0.0
         self.observers: Dict[str, float] = {}
         self.commit = 0.0
+        self.own = 0.0  # the session's own per-call work outside observers (`own_start` / `own_stop`)
 
 
 class OverheadMeter:
@@ -76,7 +88,8 @@ class OverheadMeter:
 
     The session calls ``enter`` / ``begun`` around its start of the step, the dispatcher ``mark`` /
     ``stop`` around an observer's lifecycle call, ``call_start`` / ``lap`` (after each observer) /
-    ``call_stop`` around each fan-out, the session ``ending``, ``commit_seconds`` and ``exit`` around its end
+    ``call_stop`` around each fan-out, the watched modules' hooks and the probes' record op ``own_start`` /
+    ``own_stop`` around their own work, the session ``ending``, ``commit_seconds`` and ``exit`` around its end
     of the step, or ``discard`` when it raised.
     """
 
@@ -126,6 +139,31 @@ class OverheadMeter:
         if sheet is not None and type(seconds) is float and seconds > 0:
             sheet.observers[name] = sheet.observers.get(name, 0.0) + seconds
             sheet.calls += seconds
+
+    def own_start(self) -> Tuple[float, float]:
+        """Begin a span of the session's own per-call work (a watched module's hook, a probe's record); the token
+        for `own_stop`. Two clock reads per span in all."""
+        sheet = self._sheet
+        return time.perf_counter(), (sheet.calls if sheet is not None else 0.0)
+
+    def own_stop(self, token: Tuple[float, float]) -> None:
+        """End a span begun with ``token = own_start()``: the whole span counts once in the step's time in
+        instrument (a fan-out to the observers inside it, already counted by `call_stop`, is not added twice) and
+        what it spent outside observer fan-outs goes to ``hooks``."""
+        sheet = self._sheet
+        if sheet is not None:
+            start, before = token
+            span = time.perf_counter() - start
+            sheet.own += span - (sheet.calls - before)
+            sheet.calls = before + span
+
+    def timed(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` inside an `own_start` / `own_stop` span."""
+        token = self.own_start()
+        try:
+            return fn(*args)
+        finally:
+            self.own_stop(token)
 
     def lap(self, name: str, start: float) -> float:
         """End an observer's span begun at ``start`` and return now, where the next observer's span begins (one
@@ -194,6 +232,7 @@ def _scalars(sheet: _Sheet) -> Dict[str, float]:
         key = PREFIX + (f"{name}_observer" if name in _RESERVED else name)  # an observer named "commit"
         out[key] = out.get(key, 0.0) + seconds
     out[PREFIX + "commit"] = sheet.commit
+    out[PREFIX + "hooks"] = max(0.0, sheet.own)
     inside = (sheet.begun - sheet.enter) + (sheet.exit - sheet.ending) + sheet.calls
     total = sheet.exit - sheet.enter
     if sheet.events is not None:  # both completed (checked by query), so elapsed_time does not wait
@@ -221,6 +260,9 @@ def over_budget(step: int, scalars: Dict[str, float], budget: Optional[float], l
     name, seconds = costliest(scalars)
     if name == "commit":
         advice = f"log fewer values or images per step, or raise log_interval (now {log_interval})"
+    elif name == "hooks":
+        advice = (f"raise log_interval (now {log_interval}), or watch a module called fewer times per step (the "
+                  f"watch and probe hooks run on every call)")
     else:
         advice = (f"raise log_interval (now {log_interval}), drop that observer, or turn its images off "
                   f"(e.g. IterationStats(images=False))")

@@ -196,11 +196,17 @@ class StateWatch:
         hook after the call has the state as it was."""
         if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: not an iteration
             return
-        if not transformed():  # outside torch.func transforms, no tensor is wrapped
-            self._before_call(args, kwargs, False)
-        else:  # inside one: copies are made outside it (`instrument.probes.transforms`), of the plain tensors
-            with outside_transforms():
-                self._before_call(args, kwargs, True)
+        clock = getattr(self.deliver, "clock", None)  # the session's overhead meter, on measured logging steps
+        token = clock.own_start() if clock is not None else None
+        try:
+            if not transformed():  # outside torch.func transforms, no tensor is wrapped
+                self._before_call(args, kwargs, False)
+            else:  # inside one: copies are made outside it (`instrument.probes.transforms`), of the plain tensors
+                with outside_transforms():
+                    self._before_call(args, kwargs, True)
+        finally:
+            if token is not None:
+                clock.own_stop(token)
 
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if torch._C._is_tracing():  # (torch.jit.is_tracing without its Python check for TorchScript)
@@ -208,11 +214,17 @@ class StateWatch:
         if in_trace_check():  # and the probe values it recorded go with it
             self._discard_probe_values()
             return
-        if not transformed():
-            self._after_call(args, kwargs, output, False)
-        else:  # observers too run outside the transform
-            with outside_transforms():
-                self._after_call(args, kwargs, output, True)
+        clock = getattr(self.deliver, "clock", None)  # its own work counts, the observers' fan-out inside it once
+        token = clock.own_start() if clock is not None else None
+        try:
+            if not transformed():
+                self._after_call(args, kwargs, output, False)
+            else:  # observers too run outside the transform
+                with outside_transforms():
+                    self._after_call(args, kwargs, output, True)
+        finally:
+            if token is not None:
+                clock.own_stop(token)
 
     def _before_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], wrapped: bool) -> None:
         """`_before`'s work; ``wrapped``: inside a torch.func transform, whose wrappers are taken off first."""
@@ -359,9 +371,14 @@ class StateWatch:
         if in_recompute():
             self.guard.skipped()
             return
-        if self._unseen_change(previous, current):
-            return
-        self._deliver(previous, current, condition)
+        clock = getattr(self.deliver, "clock", None)
+        token = clock.own_start() if clock is not None else None
+        try:
+            if not self._unseen_change(previous, current):
+                self._deliver(previous, current, condition)
+        finally:
+            if token is not None:
+                clock.own_stop(token)
 
     def _unseen_change(self, previous: Tensor, current: Tensor) -> bool:
         """A call whose state before it nobody copied (from TorchScript code, or a ScriptModule called with the

@@ -44,11 +44,9 @@ scripted with `instrument.script`, which compiles a forward hook calling it into
 ``token`` with `on_call_end` (for one logging step): the probes recorded during that call are then delivered
 with it, exactly as a Python forward hook does for an eager module.
 
-``instrument::probe`` (with ``instrument::probe_grad`` for its backward) is the operator of earlier versions (it
-records a copy and returns a copy); it stays registered so that modules saved with ``torch.jit.save`` by them
-still load and record.
-
-All operators are registered when this module is imported (``import instrument`` does it).
+``instrument::probe`` (with ``instrument::probe_grad`` for its backward), the operator of earlier versions (it
+records a copy, returns a copy), stays registered: modules saved by them with ``torch.jit.save`` still record.
+All operators are registered when this module is imported. The overhead meter times ``record``'s kernel only.
 """
 
 import logging
@@ -96,6 +94,7 @@ class Recorder:
         # Per pending value recorded in a chunked vmap call, that call's frame (`put`: its chunks are joined).
         self._chunks: Dict[str, Any] = {}
         self._said, self._copied = _learned_by(owner)
+        self.clock: Any = None  # the session's overhead meter, on a measured logging step (`_record` is timed)
 
     def put(self, name: str, value: Tensor, copy: bool = False) -> None:
         """Keep ``value`` for delivery: by reference when that is safe, else as a copy (module docstring)."""
@@ -351,7 +350,8 @@ _lib.define("probe_grad(Tensor gradient, str name) -> Tensor", tags=_FLEXIBLE)
 def _record(value: Tensor, name: str, copy: bool) -> None:
     recorder = _active
     if recorder is not None and not in_recompute():
-        recorder.put(name, value, copy)
+        clock = recorder.clock
+        recorder.put(name, value, copy) if clock is None else clock.timed(recorder.put, name, value, copy)
 
 
 # Ctrl-C (or a SystemExit) raised while observers ran from a call boundary: TorchScript would hand it to the

@@ -276,6 +276,7 @@ class StepLifecycle:
             self._recorder = record.Recorder(owner=self)  # what it says once, it says once per session
             record.install(self._recorder)
             self._dispatch.recorder = self._recorder
+        self._recorder.clock = self._dispatch.clock  # the overhead meter on a measured logging step: records timed
         self._probes_turned_on = True  # before the first on(): one that raises half way is turned off again
         for probes in self._probe_sets:
             probes.on()

@@ -333,3 +333,41 @@ def test_the_watch_and_probe_hooks_own_work_is_counted(tmp_path, monkeypatch, ca
         assert scalars["instrument/overhead/fraction"][step] > 0.5  # the body did nothing but call the rule
     warnings = [r.getMessage() for r in caplog.records if "overhead_budget" in r.getMessage()]
     assert len(warnings) == 1 and "'hooks'" in warnings[0] and "watch a module called fewer times" in warnings[0]
+
+
+def test_steps_readable_at_one_logging_step_log_the_newest_not_their_mean(tmp_path, monkeypatch):
+    """CUDA events that complete late make several measured steps readable at one logging step: each was logged
+    at that step, and the logger averaged them into one value per key, so no step's number survived. Only the
+    newest is logged now. Events are faked (no GPU needed): none completes before logging step 8."""
+    import types
+
+    from instrument.core import overhead
+
+    done = {"ok": False}
+
+    class FakeEvent:
+        def query(self):
+            return done["ok"]
+
+        def elapsed_time(self, other):
+            return 0.0
+
+    shim = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True))
+    monkeypatch.setattr(overhead, "torch", shim)
+    monkeypatch.setattr(overhead, "_recorded", FakeEvent)
+
+    class SlowAtSix(instrument.Observer):
+        def log(self, logger, step):
+            if step == 6:
+                time.sleep(4 * SLEEP)
+
+    inst = instrument.Instrumentation([SlowAtSix("slow")], backends=[instrument.TensorBoardBackend()],
+                                      log_interval=2, log_dir=str(tmp_path), run_name="r", overhead_budget=1.0)
+    for step in range(10):
+        done["ok"] = step >= 8
+        with inst.step(step):
+            pass
+    inst.close()
+    slow = read_scalars(tmp_path / "r")["instrument/overhead/slow"]
+    assert sorted(slow) == [8]  # steps 0, 2, 4 and 6 became readable there
+    assert slow[8] >= 4 * SLEEP  # step 6's own value, not the mean of four steps (about a quarter of it)

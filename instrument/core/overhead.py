@@ -26,8 +26,14 @@ key                                  meaning
 ===================================  ==============================================================
 
 The step, the commit and the fraction of logging step ``n`` are known only after its commit, so they are
-logged with the record of the NEXT logging step (the keys at step ``n + log_interval`` describe step
-``n``); the last logging step of a run is measured but not logged.
+logged with the record of a later logging step: the keys at a logging step describe the newest earlier logging
+step that was measured and whose clocks can be read. That is normally the logging step before it (the keys at
+step ``n + log_interval`` describe step ``n``); a logging step that raised is not measured, so the one after it
+logs the one before it, or nothing when there is none left unlogged; on a CUDA run a step whose events have not
+completed is logged at a later logging step. When several measured steps become readable at the same logging
+step, only the newest is logged: the older ones it supersedes are dropped (the logger would otherwise average
+them into one value per key at that step), though each is still judged against the budget. The last logging
+step of a run is measured but not logged.
 
 Not counted, because no code of instrument runs there to time it: torch's own slower ``Module.__call__`` path
 that any registered hook switches a module to (its hook dispatch, per call of a watched module or of a module

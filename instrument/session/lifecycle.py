@@ -229,9 +229,13 @@ class StepLifecycle:
             self._overhead.discard() if failed else self._overhead.exit()
 
     def _report_overhead(self, meter: OverheadMeter, step: int) -> None:
-        """Log the overhead of the logging steps measured before this one; warn once over the budget."""
-        for measured, scalars, warm in meter.ready():
-            self.logger.log_metrics(scalars, step)
+        """Log the overhead of the newest logging step measured before this one whose clocks can be read; warn
+        once over the budget. Several steps readable at once (CUDA events that completed late) would be averaged
+        into one value by the logger at this one step: only the newest is logged, every one is judged."""
+        ready = meter.ready()
+        if ready:
+            self.logger.log_metrics(ready[-1][1], step)
+        for measured, scalars, warm in ready:
             message = over_budget(measured, scalars, self.overhead_budget, self.log_interval)
             if message and warm and not self._overhead_warned:
                 self._overhead_warned = True

@@ -371,3 +371,35 @@ def test_steps_readable_at_one_logging_step_log_the_newest_not_their_mean(tmp_pa
     slow = read_scalars(tmp_path / "r")["instrument/overhead/slow"]
     assert sorted(slow) == [8]  # steps 0, 2, 4 and 6 became readable there
     assert slow[8] >= 4 * SLEEP  # step 6's own value, not the mean of four steps (about a quarter of it)
+
+
+def test_costliest_names_components_and_hooks_too():
+    """The warning chose among observers and the commit only: a step component 30x costlier was never named."""
+    from instrument.core.overhead import PREFIX, costliest, over_budget
+
+    scalars = {PREFIX + "cheap": 0.001, PREFIX + "commit": 0.0001, PREFIX + "hooks": 0.002,
+               PREFIX + "component/slow": 0.03, PREFIX + "fraction": 0.6, PREFIX + "instrument": 0.04}
+    assert costliest(scalars) == ("component/slow", 0.03)
+    message = over_budget(2, scalars, 0.1, 2)
+    assert "step component 'slow'" in message and "log less" in message
+    assert costliest({**scalars, PREFIX + "hooks": 0.05})[0] == "hooks"
+
+
+def test_over_budget_names_a_costly_step_component(tmp_path, caplog):
+    class SlowComponent:
+        def log(self, logger, step):
+            time.sleep(20 * SLEEP)
+
+    inst = instrument.Instrumentation([Noop()], backends=[instrument.TensorBoardBackend()], log_interval=2,
+                                      log_dir=str(tmp_path), run_name="r", overhead_budget=0.1)
+    inst.add_component(SlowComponent(), name="slow_component")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(6):
+            with inst.step(step) as s:
+                if s.observer is not None:
+                    s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1)))
+        inst.close()
+    own = read_scalars(tmp_path / "r")["instrument/overhead/component/slow_component"]
+    assert sorted(own) == [2, 4] and all(v >= 20 * SLEEP for v in own.values())
+    warnings = [r.getMessage() for r in caplog.records if "overhead_budget" in r.getMessage()]
+    assert len(warnings) == 1 and "step component 'slow_component'" in warnings[0], warnings

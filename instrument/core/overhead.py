@@ -11,6 +11,7 @@ key                                  meaning
                                      (``Observer.hook_seconds``: ActivationStats), ``observe_gradients``,
                                      ``detach`` and ``log``, summed (observers of one name add up)
 ``instrument/overhead/commit``       seconds the training thread spent in ``Logger.commit``
+``instrument/overhead/component/<c>`` seconds step component ``c``'s ``log`` took (by its name)
 ``instrument/overhead/hooks``        seconds the session's own per-call work took outside the
                                      observers: the watched modules' pre- and post-forward hooks
                                      (`StateWatch`, with the state copies they make) and the
@@ -49,8 +50,9 @@ are read at a later logging step once ``query()`` says they completed, never wit
 events are still pending is logged at a later logging step). Per-call CUDA events are not used on purpose:
 an event pair around every observer call and fan-out (six per rollout iteration) cost a launch-bound RL loop
 on an H100 more than the observers themselves. Non-logging steps run none of this. The budget warning
-(``Instrumentation(overhead_budget=...)``) judges the second measured logging step on (the first pays one-time
-costs: imports, first renders, opening files) and stays quiet while a step spends under 5 ms in instrument.
+(``Instrumentation(overhead_budget=...)``) names what cost the most (`costliest`: an observer, a step component,
+the hooks or the commit), judges the second measured logging step on (the first pays one-time costs: imports,
+first renders, opening files) and stays quiet while a step spends under 5 ms in instrument.
 """
 
 import time
@@ -63,6 +65,7 @@ from instrument.checks import check_number
 __all__ = ["OverheadMeter", "PREFIX", "costliest", "over_budget"]
 
 PREFIX = "instrument/overhead/"
+COMPONENT = PREFIX + "component/"  # a step component's key: its name after this
 # Below this much instrument time in a logging step the budget warning stays quiet: a toy loop whose step is
 # a millisecond is "over budget" at any share, and a warning there would only teach users to ignore it.
 QUIET_SECONDS = 0.005
@@ -74,7 +77,8 @@ class _Sheet:
     """The raw marks of one logging step: ``time.perf_counter`` readings, and on a CUDA run the two events
     recorded on the current stream at its start and end."""
 
-    __slots__ = ("step", "events", "enter", "begun", "ending", "exit", "calls", "observers", "commit", "own")
+    __slots__ = ("step", "events", "enter", "begun", "ending", "exit", "calls", "observers", "commit", "own",
+                 "components")
 
     def __init__(self, step: int, events: Optional[List[Any]], enter: float) -> None:
         self.step, self.events, self.enter = step, events, enter
@@ -87,6 +91,7 @@ class _Sheet:
         self.observers: Dict[str, float] = {}
         self.commit = 0.0
         self.own = 0.0  # the session's own per-call work outside observers (`own_start` / `own_stop`)
+        self.components: Dict[str, float] = {}  # step components' log, by name (inside the step's end already)
 
 
 class OverheadMeter:
@@ -181,6 +186,13 @@ class OverheadMeter:
             spans[name] = spans.get(name, 0.0) + (now - start)
         return now
 
+    def component(self, name: str, start: float) -> None:
+        """End a step component's ``log`` begun with ``start = meter.mark()`` (attributed by name only: the time
+        is inside the step's end, which is counted whole)."""
+        sheet = self._sheet
+        if sheet is not None:
+            sheet.components[name] = sheet.components.get(name, 0.0) + (time.perf_counter() - start)
+
     def ending(self) -> None:
         if self._sheet is not None:
             self._sheet.ending = self.mark()
@@ -239,6 +251,8 @@ def _scalars(sheet: _Sheet) -> Dict[str, float]:
         out[key] = out.get(key, 0.0) + seconds
     out[PREFIX + "commit"] = sheet.commit
     out[PREFIX + "hooks"] = max(0.0, sheet.own)
+    for name, seconds in sheet.components.items():
+        out[COMPONENT + name] = seconds
     inside = (sheet.begun - sheet.enter) + (sheet.exit - sheet.ending) + sheet.calls
     total = sheet.exit - sheet.enter
     if sheet.events is not None:  # both completed (checked by query), so elapsed_time does not wait
@@ -252,7 +266,8 @@ def _scalars(sheet: _Sheet) -> Dict[str, float]:
 
 
 def costliest(scalars: Dict[str, float]) -> Tuple[str, float]:
-    """The observer (or ``commit``) that took the most time in a measured step."""
+    """What took the most time in a measured step, among all the meter attributes by name: each observer,
+    ``commit``, ``hooks`` and each step component (``component/<name>``)."""
     costs = {k[len(PREFIX):]: v for k, v in scalars.items() if k not in (PREFIX + "fraction", PREFIX + "instrument")}
     name = max(costs, key=costs.get)
     return name, costs[name]
@@ -266,6 +281,9 @@ def over_budget(step: int, scalars: Dict[str, float], budget: Optional[float], l
     name, seconds = costliest(scalars)
     if name == "commit":
         advice = f"log fewer values or images per step, or raise log_interval (now {log_interval})"
+    elif name.startswith("component/"):
+        advice = (f"make that step component log less, raise log_interval (now {log_interval}), or remove it "
+                  f"(ComponentHandle.remove)")
     elif name == "hooks":
         advice = (f"raise log_interval (now {log_interval}), or watch a module called fewer times per step (the "
                   f"watch and probe hooks run on every call)")
@@ -274,7 +292,16 @@ def over_budget(step: int, scalars: Dict[str, float], budget: Optional[float], l
                   f"(e.g. IterationStats(images=False))")
     return (
         f"logging step {step} spent {100 * fraction:.0f}% of its time in instrument, over overhead_budget="
-        f"{budget:g}; the costliest is {name!r} ({seconds:.4f} s in that step). To spend less: {advice}. The share "
-        f"of the whole run is about this divided by log_interval. Instrumentation(overhead_budget=None) turns "
-        f"this report off; this warning is given once per run."
+        f"{budget:g}; the costliest is {_what(name)} ({seconds:.4f} s in that step). To spend less: {advice}. "
+        f"The share of the whole run is about this divided by log_interval. Instrumentation(overhead_budget=None) "
+        f"turns this report off; this warning is given once per run."
     )
+
+
+def _what(name: str) -> str:
+    """How the warning names a key's subject: ``observer 'x'``, ``step component 'y'``, ``the commit``..."""
+    if name.startswith("component/"):
+        return f"step component {name[len('component/'):]!r}"
+    if name in ("commit", "hooks"):
+        return {"commit": "'commit' (Logger.commit)", "hooks": "'hooks' (the watch and probe hooks)"}[name]
+    return f"observer {name!r}"

@@ -152,17 +152,21 @@ class StepComponents:
             handle.worked.add(method)
         return result
 
-    def log(self, logger: Any, step: int) -> None:
+    def log(self, logger: Any, step: int, clock: Any = None) -> None:
         """Every logging component stages its values at ``step``, in registration order. The handles' locks are
         held across the whole pass, so a feeding thread's batch lands wholly before or after it (a set's
-        counters and statistics in one record agree)."""
+        counters and statistics in one record agree). ``clock``: the session's overhead meter on a measured
+        logging step (`instrument.core.overhead.OverheadMeter`), which times each component's ``log`` by name."""
         handles = list(self._handles)
         with contextlib.ExitStack() as held:
             for lock in {id(h.lock): h.lock for h in handles if h.logs}.values():
                 held.enter_context(lock)
             for handle in handles:
                 if handle.logs:
+                    start = clock.mark() if clock is not None else None
                     handle.call("log", logger, step)
+                    if clock is not None:
+                        clock.component(handle.name, start)
 
     def close(self) -> None:
         """Close every component (each under the guard and its handle's lock, so one failing close costs the

@@ -90,9 +90,9 @@ class Instrumentation(StepLifecycle):
         queue_size, on_full, flush_secs: passed to the `Logger`: how many committed steps may wait for its
             writer thread, what a full queue does (``"block"`` or ``"drop"`` the oldest), and how soon a
             written step is flushed to disk (docs/backends.md).
-        overhead_budget: logging steps measure their own cost, logged as ``instrument/overhead/...`` with the
-            next logging step (`instrument.core.overhead`); the first time the fraction exceeds this budget one
-            warning names the costliest observer. None turns both off; 1.0 keeps the keys, never warns.
+        overhead_budget: logging steps measure their own cost, logged as ``instrument/overhead/...`` with a
+            later logging step (`instrument.core.overhead`); the first time the fraction exceeds this budget one
+            warning names what cost the most (`costliest`). None turns both off; 1.0 keeps the keys, never warns.
         channel_dim: the dimension of the watched states that holds channels, said once for every observer
             (1 for ``[B, C, H, W]``, -1 for channels-last ``[B, H, W, C]``). An observer's own ``channel_dim``
             wins; observers whose ``channel_dim`` is None take this one; with neither, each observer's

@@ -120,7 +120,7 @@ class StepLifecycle:
                 self._dispatch.end(self.logger, scope.step, gradients)
                 if meter is not None:
                     self._report_overhead(meter, scope.step)
-                self._components.log(self.logger, scope.step)
+                self._components.log(self.logger, scope.step, meter)
                 started = time.perf_counter()
                 handle = self.logger.commit(scope.step)
                 committed = True

@@ -167,9 +167,10 @@ def test_a_heatmap_read_back_has_every_cell_pixel_and_pillows_labels(tmp_path, s
     reference = Image.new("RGB", (image.shape[1], image.shape[0]), (255, 255, 255))
     draw = ImageDraw.Draw(reference)
     font = render._font(11)
-    for value, y in render.colorbar_ticks(lo, hi, ch * shape[0]):
+    ticks = render.colorbar_ticks(lo, hi, ch * shape[0])
+    for (_, y), text in zip(ticks, render.colorbar_labels(ticks), strict=True):
         draw.line([(tick_x, y + top), (tick_x + 3, y + top)], fill=(0, 0, 0))
-        draw.text((tick_x + 5, y + top - 6), render._fmt(value), fill=(0, 0, 0), font=font)
+        draw.text((tick_x + 5, y + top - 6), text, fill=(0, 0, 0), font=font)
     reference = np.asarray(reference)
     np.testing.assert_array_equal(image[:, tick_x:], reference[:, tick_x:])
 
@@ -234,3 +235,22 @@ def test_a_font_whose_characters_cannot_be_laid_side_by_side_gets_pillows_labels
         want, want_dx, want_dy = _pillow_label(text, font)
         assert (dx, dy) == (want_dx, want_dy)
         np.testing.assert_array_equal(pixels, want, err_msg=text)
+
+
+
+@pytest.mark.parametrize("lo, hi", [(100.1, 100.9), (1000.0, 1000.5), (0.99901, 0.99999), (12345.0, 12349.0),
+                                    (-12345.6, -12001.0), (1.0, 1.0 + 1e-12), (1e16, 1e16 + 64.0), (-1.0, 1.0),
+                                    (0.013, 0.97), (999999.4, 1000001.0)])
+def test_neighbouring_colorbar_labels_differ_and_are_the_values_rounded(lo, hi):
+    from instrument.logger import render
+
+    ticks = sorted(render.colorbar_ticks(lo, hi, 256), key=lambda tick: tick[1])
+    texts = render.colorbar_labels(ticks)
+    assert all(a != b for a, b in zip(texts[:-1], texts[1:], strict=True)), texts
+    for (value, _), text in zip(ticks, texts, strict=True):
+        assert abs(float(text) - value) <= 5e-3 * abs(value), (value, text)  # 3 significant digits or more
+        assert len(text) <= 18
+    # short where the range allows
+    assert render.colorbar_labels(sorted(render.colorbar_ticks(-1.0, 1.0, 256), key=lambda t: t[1])) == [
+        "1", "0.5", "0", "-0.5", "-1"]
+    assert render.colorbar_labels([(1000.0, 0), (2000.0, 100)]) == ["1000", "2000"]

@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw, ImageFont
 from instrument.core.colormap import NAN_COLOUR as _NAN_COLOUR
 from instrument.core.colormap import VIRIDIS_LUT as _LUT
 
-__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks", "is_degenerate"]
+__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks", "colorbar_labels", "is_degenerate"]
 
 
 def to_hwc_uint8(image: np.ndarray, tag: str = "image") -> np.ndarray:
@@ -51,8 +51,13 @@ def _font(size: int) -> ImageFont.ImageFont:
         return ImageFont.load_default()
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3g}" if math.isfinite(v) else "nan"
+def _fmt(v: float, precision: int = 3) -> str:
+    """``v`` to ``precision`` significant digits; a number below a million that ``g`` would write with an exponent
+    (12345.6 as ``1.23e+04``) as the whole number it rounds to (``12346``): as short, and more precise."""
+    if not math.isfinite(v):
+        return "nan"
+    text = f"{v:.{precision}g}"
+    return f"{v:.0f}" if "e+" in text and abs(v) < 999999.5 else text
 
 
 # Layout of a heatmap canvas, in pixels: margins around the cells.
@@ -268,6 +273,26 @@ def colorbar_ticks(lo: float, hi: float, height: int):
     return ticks
 
 
+def colorbar_labels(ticks) -> list:
+    """The texts drawn beside `colorbar_ticks`'s ``ticks``, in their order: each value rounded to the fewest
+    significant digits (3 at least) that resolve the step between round ticks and leave every two neighbouring
+    labels different (100.1 .. 100.9 reads 100.9, 100.8, 100.6, ..., not 101 three times, then 100 three times).
+    A range of float rounding noise (`is_degenerate`, drawn in one colour) is labelled to 3 digits."""
+    values = [v for v, _ in ticks]
+    precision = 3
+    lo, hi = min(values), max(values)
+    if all(math.isfinite(v) for v in values) and hi > lo and not is_degenerate(lo, hi):
+        if math.isfinite(hi - lo):
+            magnitude = int(np.floor(np.log10(max(abs(lo), abs(hi)))))
+            precision = max(3, magnitude - int(np.floor(np.log10(_nice_step(hi - lo)))) + 1)
+        order = [v for v, _ in sorted(ticks, key=lambda tick: tick[1])]  # along the bar
+        pairs = list(zip(order[:-1], order[1:], strict=True))
+        # 17 significant digits tell any two float64 apart: the loop ends
+        while precision < 17 and any(_fmt(a, precision) == _fmt(b, precision) for a, b in pairs):
+            precision += 1
+    return [_fmt(v, min(precision, 17)) for v in values]
+
+
 def render_heatmap(
     matrix: np.ndarray,
     title: str = "",
@@ -319,9 +344,10 @@ def render_heatmap(
     widened = np.repeat(cells, cw, axis=1)  # [rows, cols * cw, 3]
     canvas[top:top + ch * rows, left:left + cw * cols].reshape(rows, ch, cols * cw, 3)[...] = widened[:, None]
     tick_x = bar_x + _BAR_WIDTH
-    for value, y in colorbar_ticks(lo, hi, ch * rows):
+    bar_ticks = colorbar_ticks(lo, hi, ch * rows)
+    for (_, y), text in zip(bar_ticks, colorbar_labels(bar_ticks), strict=True):
         y += top
         canvas[y, tick_x:tick_x + 4] = 0  # the tick: a black line 4 pixels long
-        pixels, dx, dy = _label(_fmt(value), font)
+        pixels, dx, dy = _label(text, font)
         _darken(canvas, pixels, tick_x + 5 + dx, y - 6 + dy)
     return canvas

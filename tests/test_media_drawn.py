@@ -237,6 +237,31 @@ def test_a_font_whose_characters_cannot_be_laid_side_by_side_gets_pillows_labels
         np.testing.assert_array_equal(pixels, want, err_msg=text)
 
 
+def _logged_heatmap(tmp_path: Path, matrix, **options) -> np.ndarray:
+    """``matrix`` logged as heatmap "h" and read back from TensorBoard's PNG."""
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    logger.log_heatmap("h", matrix, step=0, **options)
+    logger.commit(0)
+    logger.close()
+    return _tb_pixels(tmp_path / "r", "h")
+
+
+@pytest.mark.parametrize("lo, hi", [(-12345.6, -12001.0), (-0.000123456, 0.000987), (-1.2345e-300, 3.0)])
+def test_colorbar_labels_are_never_cut_at_the_canvas_edge(tmp_path, lo, hi):
+    """The right margin is widened to the widest colour-bar label: every label's text box lies inside the PNG."""
+    from instrument.logger import render
+
+    matrix = np.linspace(lo, hi, 8).reshape(4, 2)
+    image = _logged_heatmap(tmp_path, matrix)
+    assert (image[:, -2:] == 255).all(), "a label reaches the canvas's edge: it is cut"
+    left, top, cw, ch = render.heatmap_geometry(4, 2)
+    tick_x = left + 2 * cw + 8 + 10
+    font = render._font(11)
+    texts = render.colorbar_labels(render.colorbar_ticks(lo, hi, ch * 4))
+    assert image.shape[1] >= tick_x + 5 + max(font.getbbox(text)[2] for text in texts)
+    # where every label fits, the canvas keeps its width
+    assert render.render_heatmap(np.array([[0.0, 1.0]])).shape[1] == left + 2 * 128 + render.RIGHT
+
 
 @pytest.mark.parametrize("lo, hi", [(100.1, 100.9), (1000.0, 1000.5), (0.99901, 0.99999), (12345.0, 12349.0),
                                     (-12345.6, -12001.0), (1.0, 1.0 + 1e-12), (1e16, 1e16 + 64.0), (-1.0, 1.0),

@@ -338,16 +338,22 @@ def render_heatmap(
     cells[~known] = _NAN_COLOUR
     ticks = tuple(x_ticks) if x_ticks is not None else None
     frame, (left, top), (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
-    canvas = frame.copy()
+    tick_x = bar_x + _BAR_WIDTH
+    bar_ticks = colorbar_ticks(lo, hi, ch * rows)
+    labels = [_label(text, font) for text in colorbar_labels(bar_ticks)]
+    # the canvas is widened where a label would not fit the right margin: a label is never cut
+    width = max(frame.shape[1], max(tick_x + 5 + dx + pixels.shape[1] for pixels, dx, _ in labels) + 2)
+    if width > frame.shape[1]:
+        canvas = np.full((frame.shape[0], width, 3), 255, dtype=np.uint8)
+        canvas[:, :frame.shape[1]] = frame
+    else:
+        canvas = frame.copy()
     # Each row of cells widened to its pixels once, then broadcast over its ch pixel rows through a view of the
     # canvas (splitting the height axis is always a view): whole rows copied, no upscaled image, no PIL round trip.
     widened = np.repeat(cells, cw, axis=1)  # [rows, cols * cw, 3]
     canvas[top:top + ch * rows, left:left + cw * cols].reshape(rows, ch, cols * cw, 3)[...] = widened[:, None]
-    tick_x = bar_x + _BAR_WIDTH
-    bar_ticks = colorbar_ticks(lo, hi, ch * rows)
-    for (_, y), text in zip(bar_ticks, colorbar_labels(bar_ticks), strict=True):
+    for (_, y), (pixels, dx, dy) in zip(bar_ticks, labels, strict=True):
         y += top
         canvas[y, tick_x:tick_x + 4] = 0  # the tick: a black line 4 pixels long
-        pixels, dx, dy = _label(text, font)
         _darken(canvas, pixels, tick_x + 5 + dx, y - 6 + dy)
     return canvas

@@ -279,3 +279,47 @@ def test_neighbouring_colorbar_labels_differ_and_are_the_values_rounded(lo, hi):
     assert render.colorbar_labels(sorted(render.colorbar_ticks(-1.0, 1.0, 256), key=lambda t: t[1])) == [
         "1", "0.5", "0", "-0.5", "-1"]
     assert render.colorbar_labels([(1000.0, 0), (2000.0, 100)]) == ["1000", "2000"]
+
+
+def test_row_labels_of_many_digits_end_before_the_cells():
+    """Row numbers of 5 digits and more are drawn whole, left of the cells: the band of the last labelled row is
+    what Pillow draws for its number, not cut by the cells drawn over it."""
+    from PIL import ImageDraw
+
+    from instrument.logger import render
+
+    rows = 12000
+    image = render.render_heatmap(np.zeros((rows, 2)), target_size=64)
+    left, top, cw, ch = render.heatmap_geometry(rows, 2, target_size=64)
+    row = 10500  # the last row labelled: every 1500th (at most ~8 labels)
+    y = top + row * ch + ch // 2
+    band = image[y - 6:y + 8, :left - 3]
+    font = render._font(11)
+
+    def drawn_at(x0):
+        reference = Image.new("RGB", (left + 64, 14), (255, 255, 255))
+        ImageDraw.Draw(reference).text((x0, 0), str(row), fill=(0, 0, 0), font=font)
+        return np.asarray(reference)[:, :left - 3]
+
+    found = [x0 for x0 in range(left - 3) if np.array_equal(band, drawn_at(x0))]
+    assert found, f"the row label {row} is not drawn whole left of the cells"
+    x0 = found[0]
+    assert x0 + font.getbbox(str(row))[2] < left - 3
+
+
+def test_the_y_label_is_drawn_whole_and_rotated_beside_the_row_labels():
+    from instrument.logger import render
+
+    matrix = np.arange(32.0).reshape(16, 2)
+    long, cut = (render.render_heatmap(matrix, y_label=label) for label in ("iteration", "iterati"))
+    assert not np.array_equal(long, cut)  # not cut to 7 characters
+    left, top, cw, ch = render.heatmap_geometry(16, 2, y_label="iteration")
+    column = (long[:, :left - render._ROW_GAP] < 128).any(axis=2)  # left of the row labels
+    ys, xs = np.nonzero(column)
+    font = render._font(11)
+    assert ys.max() - ys.min() + 1 >= font.getbbox("iteration")[2] - 3  # written bottom to top
+    assert xs.max() - xs.min() + 1 <= font.getbbox("Agjy|")[3]
+    # the row labels' column holds the row numbers only
+    rows_column = long[:, left - render._ROW_GAP:left - 3]
+    no_y = render.render_heatmap(matrix)
+    np.testing.assert_array_equal(rows_column, no_y[:, left - render._ROW_GAP:left - 3])

@@ -60,18 +60,30 @@ def _fmt(v: float, precision: int = 3) -> str:
     return f"{v:.0f}" if "e+" in text and abs(v) < 999999.5 else text
 
 
-# Layout of a heatmap canvas, in pixels: margins around the cells.
+# Layout of a heatmap canvas, in pixels: the least margins around the cells (wider where labels need it).
 LEFT, TOP, RIGHT = 48, 22, 64
 _BAR_WIDTH = 10
+_ROW_GAP = 26  # row labels start this far left of the cells, or further where they are wider
 
 
-def heatmap_geometry(rows: int, cols: int, target_size: int = 256):
+def _row_labels(rows: int) -> range:
+    """The row indices labelled: at most ~8."""
+    return range(0, rows, max(1, int(np.ceil(rows / 8))))
+
+
+@functools.lru_cache(maxsize=256)
+def heatmap_geometry(rows: int, cols: int, target_size: int = 256, y_label: str = ""):
     """Where the cells of a ``rows`` x ``cols`` heatmap are drawn: ``(left, top, cell_width, cell_height)``.
 
     Cell ``(r, c)`` covers ``x`` in ``[left + c * cell_width, left + (c + 1) * cell_width)`` and the same for
-    rows; its centre is the pixel to read back when checking colours.
+    rows; its centre is the pixel to read back when checking colours. ``left`` is `LEFT` unless the row labels
+    (5 digits and more) and the y label (drawn rotated, in a column of its own) need more room.
     """
-    return LEFT, TOP, max(1, target_size // cols), max(1, target_size // rows)
+    font = _font(11)
+    widest = max(font.getbbox(str(r))[2] for r in _row_labels(rows))
+    label_column = font.getbbox("Agjy|")[3] + 6 if y_label else 2
+    left = max(LEFT, label_column + max(_ROW_GAP, widest + 6))
+    return left, TOP, max(1, target_size // cols), max(1, target_size // rows)
 
 
 def _vertical_text(text: str, font, fill=(0, 0, 0)) -> Image.Image:
@@ -88,7 +100,7 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
 
     Text drawing is most of a heatmap's cost, and the axes, tick labels and colour bar repeat every logging step.
     """
-    left, top, cw, ch = heatmap_geometry(rows, cols, target_size)
+    left, top, cw, ch = heatmap_geometry(rows, cols, target_size, y_label)
     pw, ph = cw * cols, ch * rows
     font = _font(11)
     labels = list(x_ticks) if x_ticks is not None else [str(c) for c in range(cols)]
@@ -98,7 +110,9 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     stride = max(1, int(np.ceil(12 / cw))) if vertical else max(1, int(np.ceil(cols / 8)))
     label_height = max(widths) + 4 if vertical else 14
     bottom = 6 + label_height + 16
-    canvas = Image.new("RGB", (left + pw + RIGHT, top + ph + bottom), (255, 255, 255))
+    y_text = _vertical_text(y_label, font) if y_label else None  # bottom to top, left of the row labels
+    height = max(top + ph + bottom, 0 if y_text is None else y_text.height + 4)
+    canvas = Image.new("RGB", (left + pw + RIGHT, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     draw.text((left, 4), title, fill=(0, 0, 0), font=font)
     for c in range(0, cols, stride):  # at most ~8 index labels per axis; names as many as fit
@@ -110,11 +124,13 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
         else:
             draw.text((x - widths[c] // 2, top + ph + 4), labels[c], fill=(0, 0, 0), font=font)
     draw.text((left + pw // 2 - 3 * len(x_label), top + ph + 6 + label_height), x_label, fill=(0, 0, 0), font=font)
-    for r in range(0, rows, max(1, int(np.ceil(rows / 8)))):
+    row_x = left - max(_ROW_GAP, max(font.getbbox(str(r))[2] for r in _row_labels(rows)) + 6)
+    for r in _row_labels(rows):
         y = top + r * ch + ch // 2
         draw.line([(left - 3, y), (left, y)], fill=(0, 0, 0))
-        draw.text((left - 26, y - 6), str(r), fill=(0, 0, 0), font=font)
-    draw.text((2, top + ph // 2), y_label[:7], fill=(0, 0, 0), font=font)
+        draw.text((row_x, y - 6), str(r), fill=(0, 0, 0), font=font)
+    if y_text is not None:  # centred on the cells, within the canvas
+        canvas.paste(y_text, (2, min(max(2, top + ph // 2 - y_text.height // 2), height - y_text.height - 2)))
     bar_x = left + pw + 8
     bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(_BAR_WIDTH, axis=1)
     canvas.paste(Image.fromarray(np.ascontiguousarray(bar)), (bar_x, top))

@@ -323,3 +323,24 @@ def test_the_y_label_is_drawn_whole_and_rotated_beside_the_row_labels():
     rows_column = long[:, left - render._ROW_GAP:left - 3]
     no_y = render.render_heatmap(matrix)
     np.testing.assert_array_equal(rows_column, no_y[:, left - render._ROW_GAP:left - 3])
+
+
+def test_characters_the_font_lacks_are_drawn_as_escapes_so_names_stay_apart(tmp_path):
+    """Pillow's default font has ASCII only: "θ" and "ω" would both be the missing-glyph box. They are drawn as
+    ``\\u03b8`` and ``\\u03c9``; the metric key keeps the name."""
+    from instrument.logger import render
+
+    matrix = np.arange(4.0).reshape(2, 2)
+    assert render.drawable_text("θ-ω é\n") == "\\u03b8-\\u03c9 \\u00e9\\u000a"
+    assert render.drawable_text("conv1.weight") == "conv1.weight"
+    theta, omega = (render.render_heatmap(matrix, title=name) for name in ("θ", "ω"))
+    assert not np.array_equal(theta, omega)
+    theta, omega = (render.render_heatmap(matrix, x_ticks=[name, "a"]) for name in ("θ", "ω"))
+    assert not np.array_equal(theta, omega)
+    np.testing.assert_array_equal(theta, render.render_heatmap(matrix, x_ticks=["\\u03b8", "a"]))
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    logger.log_heatmap("act/θ", matrix, step=0, y_label="θ")
+    logger.commit(0)
+    logger.close()
+    drawn = _tb_pixels(tmp_path / "r", "act/θ")
+    np.testing.assert_array_equal(drawn, render.render_heatmap(matrix, title="act/\\u03b8", y_label="\\u03b8"))

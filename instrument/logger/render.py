@@ -20,7 +20,8 @@ from PIL import Image, ImageDraw, ImageFont
 from instrument.core.colormap import NAN_COLOUR as _NAN_COLOUR
 from instrument.core.colormap import VIRIDIS_LUT as _LUT
 
-__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks", "colorbar_labels", "is_degenerate"]
+__all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks", "colorbar_labels", "drawable_text",
+           "is_degenerate"]
 
 
 def to_hwc_uint8(image: np.ndarray, tag: str = "image") -> np.ndarray:
@@ -58,6 +59,33 @@ def _fmt(v: float, precision: int = 3) -> str:
         return "nan"
     text = f"{v:.{precision}g}"
     return f"{v:.0f}" if "e+" in text and abs(v) < 999999.5 else text
+
+
+_MISSING = "\uffff"  # a noncharacter: no font has it, so it is drawn as the font's missing-glyph box
+
+
+@functools.lru_cache(maxsize=4096)
+def _drawable(char: str, font) -> bool:
+    """Whether ``font`` draws ``char`` as itself, not as its missing-glyph box (a control character: never)."""
+    if not char.isprintable():
+        return False
+    if char.isascii():
+        return True
+    mask, missing = font.getmask(char), font.getmask(_MISSING)
+    return mask.size != missing.size or bytes(mask) != bytes(missing)
+
+
+def drawable_text(text: str, font=None) -> str:
+    """``text`` as a heatmap draws it: each character the font cannot draw (Pillow's default font has ASCII only:
+    "θ", "ü", a newline) written as its escape (``\\u03b8``), so that names differing in such characters stay
+    distinguishable on the image instead of all showing the same missing-glyph boxes. Only the drawn text: the
+    metric's key is unchanged."""
+    if text.isascii() and text.isprintable():
+        return text
+    font = _font(11) if font is None else font
+    return "".join(
+        c if _drawable(c, font) else (f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}") for c in text
+    )
 
 
 # Layout of a heatmap canvas, in pixels: the least margins around the cells (wider where labels need it).
@@ -103,7 +131,8 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     left, top, cw, ch = heatmap_geometry(rows, cols, target_size, y_label)
     pw, ph = cw * cols, ch * rows
     font = _font(11)
-    labels = list(x_ticks) if x_ticks is not None else [str(c) for c in range(cols)]
+    title, x_label, y_label = (drawable_text(text, font) for text in (title, x_label, y_label))
+    labels = [drawable_text(t, font) for t in x_ticks] if x_ticks is not None else [str(c) for c in range(cols)]
     widths = [font.getbbox(label)[2] for label in labels]
     # Names (channel or module names) wider than their cell are written vertically, every one that fits.
     vertical = x_ticks is not None and max(widths) > cw - 2

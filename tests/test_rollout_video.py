@@ -345,6 +345,9 @@ def test_bad_input_is_refused_with_what_was_received():
         RolloutVideo(value_range=(0, 1))
     with pytest.raises(err, match=r"value_range must be None or \(low, high\)"):
         RolloutVideo(channels=(0,), value_range=(1, 1))
+    for infinite in ((0.0, float("inf")), (float("-inf"), 1.0), (0.0, 1e308 * 10)):  # every frame one colour
+        with pytest.raises(err, match=r"value_range must be None or \(low, high\) finite numbers with low < high"):
+            RolloutVideo(channels=(0,), value_range=infinite)
     with pytest.raises(err, match=r"every must be an int >= 1"):
         RolloutVideo(every=0)
     observer = RolloutVideo(sample=4)

@@ -1,6 +1,7 @@
 """RolloutVideo: watch the automaton grow, one video per logging step."""
 
 import logging
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,7 +70,7 @@ class RolloutVideo(Observer):
             [B, H, W, C]; None: the session's (``Instrumentation(channel_dim=...)``), else 1. The state is
             [B, C, H, W] or [B, C, L] in either layout (a 1-D state renders as a one-pixel-high strip).
         premultiplied: for 4 channels, whether RGB is premultiplied by alpha (as in the growing-NCA papers).
-        value_range: for 1 channel, the (low, high) mapped to the ends of the colour map; None: per video.
+        value_range: for 1 channel, the finite (low, high) mapped to the ends of the colour map; None: per video.
         name: the key prefix.
     """
 
@@ -269,8 +270,9 @@ def _check_range(value_range) -> Optional[Tuple[float, float]]:
         lo, hi = (float(v) for v in value_range)
     except (TypeError, ValueError):
         lo = hi = float("nan")
-    if not lo < hi:  # also catches NaN
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):  # NaN too; an infinite end maps all to one colour
         raise ConfigurationError(
-            f"RolloutVideo.value_range must be None or (low, high) numbers with low < high, got {value_range!r}."
+            f"RolloutVideo.value_range must be None or (low, high) finite numbers with low < high, got "
+            f"{value_range!r}; e.g. (0.0, 1.0), or None for the channel's own finite min..max."
         )
     return lo, hi

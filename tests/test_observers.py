@@ -447,6 +447,14 @@ def test_bad_color_range_and_x_ticks_are_refused_clearly():
         logger.log_heatmap("hm", torch.zeros(2, 2), 0, x_ticks=["a"])
     with pytest.raises(instrument.ConfigurationError, match="not among its heatmaps"):
         instrument.IterationStats(color_range={"median": (0, 1)})
+    # two characters or two keys are not a pair of bounds: refused, not read as (0, 1)
+    for bad, kind in (("01", "str"), (b"01", "bytes"), ({0.0: "a", 1.0: "b"}, "dict")):
+        with pytest.raises(instrument.InvalidValueError, match=rf"got .* \(a {kind}\); give the bounds as numbers"):
+            logger.log_heatmap("hm", torch.zeros(2, 2), 0, color_range=bad)
+    for bad in ("01", {"mean": "01"}, {"mean": {0: 1, 1: 2}}):
+        with pytest.raises(instrument.ConfigurationError, match=r"give the bounds as numbers, e\.g\. \(0\.0, 1\.0\)"):
+            instrument.IterationStats(color_range=bad)
+    assert instrument.IterationStats(color_range={"mean": (0, 1)}).color_range["mean"] == (0.0, 1.0)  # per stat
     logger.close()
 
 

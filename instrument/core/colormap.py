@@ -5,6 +5,7 @@ It lives in ``core`` because both layers may import it and neither may import th
 """
 
 import math
+from collections.abc import Mapping
 from typing import Any, Type
 
 import numpy as np
@@ -36,13 +37,16 @@ def parse_color_range(where: str, value: Any, error: Type[Exception], more: str 
     ``where``, what was received and what is accepted (``more`` adds accepted forms to the message)."""
     if value is None or (isinstance(value, str) and value == "running"):
         return value
+    accepted = (f"{where}: color_range must be None (each image scaled to its own values), 'running' (the range "
+                f"seen so far) or a pair (lo, hi) of numbers{more}, got {value!r}")
+    # a string or mapping of two items is not a pair of bounds: "01" would be read as (0, 1), {0: .., 1: ..} as
+    # its keys
+    if isinstance(value, (str, bytes, bytearray, Mapping)):
+        raise error(f"{accepted} (a {type(value).__name__}); give the bounds as numbers, e.g. (0.0, 1.0).")
     try:
         lo, hi = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise error(
-            f"{where}: color_range must be None (each image scaled to its own values), 'running' (the range seen "
-            f"so far) or a pair (lo, hi) of numbers{more}, got {value!r}."
-        ) from None
+        raise error(f"{accepted}.") from None
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise error(f"{where}: color_range (lo, hi) needs finite numbers with lo < hi, got {value!r}.")
     return (lo, hi)

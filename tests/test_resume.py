@@ -225,3 +225,47 @@ def test_a_checkpoint_saved_inside_a_logging_steps_block_keeps_that_step(tmp_pat
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["metrics"]["v"]) for r in rows if "metrics" in r] == [(0, 0.0), (10, 10.0), (20, 20.0),
                                                                                (30, 30.0)]
+
+
+def test_a_running_heatmap_colour_range_goes_on_after_a_resume(tmp_path):
+    """color_range="running" is the range of every heatmap of its tag so far: the checkpoint keeps it, so the
+    same matrix is drawn alike before and after a resume (it started again, drawing [[4, 5]] at full contrast).
+    A checkpoint saved before the ranges were kept still loads (they start again); a bad one is refused."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from instrument.backends.tensorboard import TensorBoardBackend
+    from tests.conftest import event_accumulator
+
+    wide, narrow = np.array([[0.0, 10.0]]), np.array([[4.0, 5.0]])
+
+    def session(resume):
+        return instrument.Instrumentation(backends=[TensorBoardBackend()], run_name="s", log_dir=str(tmp_path),
+                                          resume=resume)
+
+    inst = session(False)
+    for step, matrix in ((0, wide), (10, narrow)):
+        with inst.step(step):
+            inst.logger.log_heatmap("h", matrix, step, color_range="running")
+    state = json.loads(json.dumps(inst.state_dict()))  # a checkpoint round trip
+    inst.close()
+    assert state["heatmap_ranges"] == {"h": [0.0, 10.0]}
+    again = session(True)
+    again.load_state_dict(state)
+    with again.step(20):
+        again.logger.log_heatmap("h", narrow, 20, color_range="running")
+    again.close()
+    images = {e.step: np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB"))
+              for e in event_accumulator(tmp_path / "s").Images("h")}
+    np.testing.assert_array_equal(images[20], images[10])
+
+    old = {key: value for key, value in state.items() if key != "heatmap_ranges"}
+    for bad in ({"h": [1.0, 0.0]}, {"h": [0.0, float("inf")]}, [0.0, 1.0], {"h": "01"}):
+        late = session(True)
+        with pytest.raises(ConfigurationError, match="'heatmap_ranges'"):
+            late.load_state_dict({**state, "heatmap_ranges": bad})
+        late.load_state_dict(old)  # refused before anything changed; a checkpoint without them loads
+        assert late.logger._ranges == {}
+        late.close()

@@ -8,7 +8,7 @@ import logging
 import math
 import numbers
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError
@@ -57,6 +57,9 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
              "config_logged": inst._config.logged}
     if inst.logger.is_writer:  # the backends that wrote its steps (`_say_left_out`)
         state["backends"] = [backend.name for backend in inst.logger.backends]
+    ranges = dict(inst.logger._ranges)  # heatmap tag -> color_range="running" so far (writer thread: flushed)
+    if ranges:
+        state["heatmap_ranges"] = {tag: [lo, hi] for tag, (lo, hi) in ranges.items()}
     return state
 
 
@@ -82,6 +85,10 @@ def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
     """`Instrumentation.load_state_dict` (see its docstring): refused before anything changes, or resumed."""
     saved_step = check_session_state(inst, state)
     inst.logger.resume_after(saved_step)
+    if "heatmap_ranges" in state:  # a checkpoint saved before they were kept has none: those start again
+        ranges = _heatmap_ranges(state["heatmap_ranges"])
+        inst.logger._ranges.clear()  # no heatmap drawn yet: load_state_dict comes before the first step
+        inst.logger._ranges.update(ranges)
     inst._resumed_at = -1 if saved_step is None else saved_step
     _say_left_out(inst, state.get("backends"), saved_step)
 
@@ -193,10 +200,33 @@ def _checked(state: Any) -> Optional[int]:
         if not isinstance(value, str) and not (value is None and key == "run_id"):
             raise ConfigurationError(f"{where}: its {key!r} is {_short(value)}, expected {kind}. Pass the "
                                      f"state_dict() saved with the checkpoint as it was saved.")
+    _heatmap_ranges(state.get("heatmap_ranges", {}))
     return check_int("load_state_dict: the state's 'last_step'", state["last_step"], least=0, most=MAX_STEP,
                      integral=True, none=True, expected="None or an int >= 0 (the last step the checkpoint's "
                      "state_dict() counted as committed)", fix="pass the state_dict() saved with the checkpoint "
                      "as it was saved")
+
+
+def _heatmap_ranges(value: Any) -> Dict[str, Tuple[float, float]]:
+    """The state's ``heatmap_ranges`` (heatmap tag -> ``[lo, hi]`` of ``color_range="running"``, finite and
+    ``lo <= hi``) as the logger keeps them, or a `ConfigurationError` naming what is wrong."""
+    def number(v: Any) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"load_state_dict: the state's 'heatmap_ranges' is {_short(value)}, expected a dict "
+                                 f"heatmap tag -> [lo, hi]. Pass the state_dict() saved with the checkpoint as it "
+                                 f"was saved, or drop the key (the running colour ranges then start again).")
+    ranges = {}
+    for tag, pair in value.items():
+        if not (isinstance(tag, str) and isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(number(v) for v in pair) and pair[0] <= pair[1]):
+            raise ConfigurationError(
+                f"load_state_dict: the state's 'heatmap_ranges' maps {_short(tag)} to {_short(pair)}, expected a "
+                f"heatmap tag (str) -> [lo, hi] of finite numbers with lo <= hi. Pass the state_dict() saved with "
+                f"the checkpoint as it was saved, or drop the key (the running colour ranges then start again).")
+        ranges[tag] = (float(pair[0]), float(pair[1]))
+    return ranges
 
 
 def _inner(state: Dict[Any, Any], depth: int = 2) -> Optional[str]:

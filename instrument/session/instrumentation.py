@@ -400,8 +400,8 @@ class Instrumentation(StepLifecycle):
 
     def state_dict(self, flush_timeout: Optional[float] = 10.0) -> Dict[str, Any]:
         """What a checkpoint keeps to resume this run: its name and id (kept in the run folder's run.json), the
-        last committed step, whether the config was logged. Save it with the model; pass it to `load_state_dict`
-        of ``Instrumentation(resume=True)``.
+        last committed step, whether the config was logged, the heatmaps' ``color_range="running"`` ranges. Save
+        it with the model; pass it to `load_state_dict` of ``Instrumentation(resume=True)``.
 
         It first waits (at most ``flush_timeout`` seconds; None: as long as it takes, 0: not at all) until
         every step committed before it is written and flushed by every backend. Resuming from this checkpoint

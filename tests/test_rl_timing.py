@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 import instrument
+from instrument.logger.timer import timing_stats
 from instrument.rl import CollectionMetrics, Evaluation, GymnasiumRunner, RLLogging
+from instrument.rl.timing import stage_timer
 
 HOST = ("collection", "evaluation", "iteration")
 
@@ -87,3 +89,65 @@ def test_on_a_gpu_host_stages_measure_wall_time_and_optimisation_records_cuda_ev
         inst.close()
     logged = [json.loads(line)["metrics"] for line in path.read_text().splitlines() if "metrics" in line]
     assert all(m[f"timing/{stage}/count"] >= 1.0 for m in logged[:2] for stage in ("collection", "evaluation"))
+
+
+def test_a_restarted_or_cancelled_stage_leaves_no_open_span(tmp_path, monkeypatch):
+    """`StageClock.start` on a running stage and `cancel_all` cancel the timer's open span: they only dropped
+    the clock's reference, and the timer's per-thread stack kept every start (a CUDA event on a GPU), one per
+    restart and per failed iteration. The span measured after a restart runs from the last start."""
+    from instrument.logger import timer as timer_module
+    from instrument.rl import StageClock
+
+    now = [0.0]
+    monkeypatch.setattr(timer_module, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    logger = instrument.Logger([])
+    clock = StageClock(logger)
+    try:
+        for _ in range(1000):
+            clock.start("collection")
+            now[0] += 100.0  # the abandoned start: not in the span measured below
+            clock.start("collection")
+        now[0] += 2.0
+        clock.stop("collection")
+        timer = stage_timer(logger, "collection")
+        assert timer._starts() == []
+        assert timing_stats(timer.take()) == {"mean": 2.0, "min": 2.0, "max": 2.0, "count": 1.0}
+        clock.start("evaluation")
+        clock.start("optimization")
+        clock.cancel_all()
+        assert not clock.running("evaluation") and not clock.running("optimization")
+        for stage in ("evaluation", "optimization"):
+            assert stage_timer(logger, stage)._starts() == [], stage
+            assert stage_timer(logger, stage).count == 0, stage
+        with stage_timer(logger, "evaluation"):  # entered by hand around the clock's: only the clock's is cancelled
+            clock.start("evaluation")
+            clock.cancel_all()
+            assert len(stage_timer(logger, "evaluation")._starts()) == 1
+            now[0] += 3.0
+        assert timing_stats(stage_timer(logger, "evaluation").take())["max"] == 3.0
+    finally:
+        logger.close()
+
+
+def test_failed_iterations_leave_no_open_spans(tmp_path):
+    """`RLLogging.iteration` cancels the running stages of a failed iteration: their timers' stacks stay empty
+    however many iterations fail, and the next iteration's timing counts its own span alone."""
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=tmp_path)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    try:
+        for _ in range(200):
+            with pytest.raises(RuntimeError), inst.step(rl.step), rl.iteration():
+                rl.clock.start("optimization")
+                raise RuntimeError("failed iteration")
+        for stage in ("iteration", "optimization"):
+            assert rl.logger.timer(stage)._starts() == [], stage
+        with inst.step(rl.step), rl.iteration():
+            rl.clock.start("optimization")
+            rl.clock.stop("optimization")
+    finally:
+        rl.close()
+        inst.close()
+    logged = [json.loads(line)["metrics"] for line in path.read_text().splitlines() if "metrics" in line]
+    assert logged[-1]["timing/iteration/count"] == 1.0 and logged[-1]["timing/optimization/count"] == 1.0

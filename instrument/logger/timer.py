@@ -114,6 +114,16 @@ class Timer:
                 if pending is not None:
                     pending[self.name] = self
 
+    def cancel(self) -> bool:
+        """Drop this thread's innermost open span without measuring it (a stage restarted or abandoned before
+        its end, `instrument.rl.StageClock`); returns whether there was one. Nothing is recorded: the span's
+        start (a CUDA event on a GPU) is forgotten, and spans opened before it stay open."""
+        starts = self._starts()
+        if not starts:
+            return False
+        starts.pop()
+        return True
+
     def _fold(self, first_pair: int) -> None:
         """Fold the CPU spans, and the event pairs from ``first_pair`` on up to the first that has not run yet,
         into `_folded` (under the lock). A pair held at the last `position` is left for the next one, so that

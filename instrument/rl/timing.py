@@ -30,7 +30,8 @@ the updates queued on the stream on a GPU. The host stages' timers are made with
 attached, so ``rl.timer(stage)``, `StageClock` and ``logger.timer(stage)`` all return the same wall-time timer.
 """
 
-from typing import TYPE_CHECKING, Dict, Optional
+from threading import get_ident
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from instrument.errors import ConfigurationError
 from instrument.rl.component import RLComponent
@@ -55,30 +56,38 @@ class StageClock:
     """Starts and stops named logger timers from different call sites.
 
     Stopping a stage that is not running does nothing (a trainer may skip optimisation on an iteration);
-    starting one that is already running restarts it.
+    starting one that is already running restarts it: the span begun first is cancelled (`Timer.cancel`), not
+    measured. A stage is started and stopped on one thread; `cancel_all` cancels the stages begun on its own
+    thread and forgets the others (a timer's open spans belong to the thread that entered it).
     """
 
     def __init__(self, logger: "Logger") -> None:
         self.logger = logger
-        self._running: Dict[str, Timer] = {}
+        self._running: Dict[str, Tuple[Timer, int]] = {}  # name: (timer, the thread that started it)
 
     def start(self, name: str) -> None:
-        self._running.pop(name, None)
+        self._cancel(name)
         timer = stage_timer(self.logger, name)
         timer.__enter__()
-        self._running[name] = timer
+        self._running[name] = (timer, get_ident())
 
     def stop(self, name: str) -> None:
-        timer = self._running.pop(name, None)
-        if timer is not None:
-            timer.__exit__(None, None, None)
+        running = self._running.pop(name, None)
+        if running is not None:
+            running[0].__exit__(None, None, None)
 
     def running(self, name: str) -> bool:
         return name in self._running
 
     def cancel_all(self) -> None:
-        """Forget every running stage without recording it (a run that ends mid-stage)."""
-        self._running.clear()
+        """Forget every running stage without recording it (a run that ends mid-stage, a failed iteration)."""
+        for name in list(self._running):
+            self._cancel(name)
+
+    def _cancel(self, name: str) -> None:
+        running = self._running.pop(name, None)
+        if running is not None and running[1] == get_ident():  # another thread's open span is out of reach
+            running[0].cancel()
 
 
 class StageTiming(RLComponent):

@@ -150,6 +150,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self._value_failures: Dict[str, int] = {}
         self._warned: Dict[str, None] = {}  # keys (or "step <n>") already warned about once
         self._mark = 0  # the live `mark` (0: none)
+        self._marks: List[int] = [0]  # the last mark's number, read by this logger's timers (`Timer.rewind`)
         self._snapshot: Any = None  # the staged table as it was at the mark; LAZY: not taken yet
         self.backends: List[Backend] = list(backends) if self.is_writer else []
         self._writer = Writer(
@@ -309,7 +310,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         ``reduce`` (default ``"max"``: the slowest rank sets the pace).
         """
         with self._lock:
-            return named_timer(self._timers, name, reduce, self._timed, cuda)
+            return named_timer(self._timers, name, reduce, self._timed, cuda, self._marks)
 
     def write_system(self, record: StepRecord) -> bool:
         """Side channel for the system monitor: its own step axis, never the training step's order check.

@@ -57,7 +57,6 @@ def resume_step(last_step: object) -> Optional[int]:
                      fix="pass the 'last_step' of Instrumentation.state_dict() as it was saved")
 
 
-_EMPTY = (None, None, 0)  # a `Timer.position` older than any take: rewinds to empty
 _REPEAT = "\0repeated step"  # never a metric key: the empty key is refused
 _OWN = "instrument/"  # the session's own keys (`instrument/overhead/...`): named after the user's
 
@@ -165,30 +164,29 @@ class StepRecords:
     def mark(self) -> tuple:
         """Remember what is staged now, so that `discard_staged` can drop what is staged after it.
 
-        The session marks the start of every step and discards when the step's body raised. Cheap: the
-        staged table is copied only when something is staged after the mark (once per mark), timers are
-        noted by position. A new mark replaces the previous one.
+        The session marks the start of every step and discards when the step's body raised. Cheap, whatever
+        is pending: the staged table is copied only when something is staged after the mark (once per mark),
+        and no timer is visited: a mark bumps the number its timers read at their next span, where each notes
+        where it stood (`Timer.rewind`). A new mark replaces the previous one.
         """
         with self._lock:
-            self._mark += 1
+            self._mark = self._marks[0] = self._marks[0] + 1  # never reused: a timer compares it with the last seen
             self._snapshot = LAZY
-            # .copy(): one C-level step, which another thread's timer entering itself cannot interrupt (a
-            # Python-level walk allocates, which can run the collector, finalizers and another thread)
-            return (self._mark, {name: t.position() for name, t in self._timed.copy().items()})
+            return (self._mark,)
 
     def discard_staged(self, mark: tuple) -> List[str]:
         """Drop every value staged (from any thread) since ``mark``: they are never committed, at this step or
         a later one. Values staged before the mark stay. Returns the names dropped (timers as
         ``timer <name>``); nothing when a later mark replaced ``mark``."""
-        number, timers = mark
+        (number,) = mark
         with self._lock:
             if number != self._mark:
                 return []
             snapshot, self._snapshot, self._mark = self._snapshot, None, 0
-            # A timer not measured since its last take at the mark (or created after it) is rewound to empty:
-            # `_EMPTY` is older than any take. Only timers measured since then can hold anything.
-            dropped = [f"timer {name}" for name, t in self._timed.copy().items()
-                       if t.rewind(timers.get(name, _EMPTY))]
+            # Only timers measured since their last take can hold anything; each knows what it held at the mark.
+            # .copy(): one C-level step, which another thread's timer entering itself cannot interrupt (a
+            # Python-level walk allocates, which can run the collector, finalizers and another thread)
+            dropped = [f"timer {name}" for name, t in self._timed.copy().items() if t.rewind(number)]
             if snapshot is None or snapshot is LAZY:
                 return dropped
             totals, counts, ops, weights, on_device, media, pending, blocks, wide, tags = snapshot

@@ -6,8 +6,12 @@ A timer accumulates every interval measured between two commits and reports mean
 
 Memory stays bounded however long nothing commits (``log_interval=0``, a long interval, a Logger used without
 commits): every `FOLD_AT` spans the spans measured so far are folded into their count, sum, min and max (CUDA
-spans once their events have run: a query, never a wait), and CPU spans also at every step's start. Kept one by
-one, a million spans a day held about 30 MB on a CPU, and on a GPU two CUDA events each.
+spans once their events have run: a query, never a wait). Kept one by one, a million spans a day held about
+30 MB on a CPU, and on a GPU two CUDA events each.
+
+A failed step's spans are dropped (`Logger.mark` / `Logger.discard_staged`) without any work at a step's start:
+a mark only bumps the logger's mark number (`_marks`), and a timer notes where it stood (`_at`) at its first
+span after it, so a step costs its timers nothing more than their spans, however many are pending.
 """
 
 import functools
@@ -25,6 +29,7 @@ __all__ = ["FOLD_AT", "Timer", "elapsed", "timing_stats"]
 F = TypeVar("F", bound=Callable)
 FOLD_AT = 1024  # spans kept one by one before they are folded into count, sum, min and max (module docstring)
 Folded = Optional[Tuple[int, float, float, float]]  # (count, sum, min, max) of the spans folded so far
+_NO_MARKS = [0]  # a timer outside a logger: never marked
 
 
 class Timer:
@@ -55,8 +60,12 @@ class Timer:
         self._seconds: List[float] = []
         self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._folded: Folded = None
-        self._takes = 0  # how many `take`s so far: a position from before the last one is older than all held
-        self._marked = 0  # `_events[:_marked]`: pairs held at the last `position`, folded only by the next one
+        self._takes = 0  # how many `take`s so far: a mark noted before the last one is older than all held
+        # The owning logger's mark number (a shared one-element list, `Logger.mark`), the mark this timer last
+        # saw at a span, and where it stood then: (takes, folded, CPU spans held, pairs held), for `rewind`.
+        self._marks: List[int] = _NO_MARKS
+        self._seen = 0
+        self._at: Optional[Tuple[int, Folded, int, int]] = None
         self._readable = True  # False from a pair whose time cannot be read until the next take
         self._local = threading.local()  # .starts: this thread's open spans, innermost last
         self._lock = threading.Lock()  # measurements are appended and taken from different threads
@@ -94,25 +103,34 @@ class Timer:
                 f"as a decorator, so that each span starts and ends on one thread."
             )
         start = starts.pop()
-        # Entered in the logger's pending timers under the lock, with the measurement: a step's start that sees
-        # this timer not pending reads its position after any measurement in flight (`position` takes the lock).
+        # Entered in the logger's pending timers under the lock, with the measurement: a commit or a discard that
+        # sees this timer not pending reads it after any measurement in flight (`take` and `rewind` take the lock).
         pending = self._pending
         if not isinstance(start, float):  # the span began with a CUDA event: it ends with one
             end = torch.cuda.Event(enable_timing=True, blocking=True)
             end.record()
             with self._lock:
+                if self._marks[0] != self._seen:  # the first span since a mark: where the timer stood at it
+                    self._note_mark()
                 self._events.append((start, end))  # type: ignore[arg-type]
-                if len(self._events) - self._marked >= FOLD_AT:
-                    self._fold(self._marked)
+                if len(self._events) >= FOLD_AT:
+                    self._fold()
                 if pending is not None:
                     pending[self.name] = self
         else:
             with self._lock:
+                if self._marks[0] != self._seen:
+                    self._note_mark()
                 self._seconds.append(now - start)  # type: ignore[operator]
                 if len(self._seconds) >= FOLD_AT:
-                    self._fold(self._marked)
+                    self._fold()
                 if pending is not None:
                     pending[self.name] = self
+
+    def _note_mark(self) -> None:
+        """The first span since the logger's last mark: remember where the timer stands (under the lock)."""
+        self._seen = self._marks[0]
+        self._at = (self._takes, self._folded, len(self._seconds), len(self._events))
 
     def cancel(self) -> bool:
         """Drop this thread's innermost open span without measuring it (a stage restarted or abandoned before
@@ -124,23 +142,29 @@ class Timer:
         starts.pop()
         return True
 
-    def _fold(self, first_pair: int) -> None:
-        """Fold the CPU spans, and the event pairs from ``first_pair`` on up to the first that has not run yet,
-        into `_folded` (under the lock). A pair held at the last `position` is left for the next one, so that
-        `rewind` drops exactly what came after it; pairs that have run are read without a wait, and the first that
-        has not stops the walk, so a fold costs a query per pair folded and one more."""
+    def _fold(self) -> None:
+        """Fold the CPU spans, and the event pairs up to the first that has not run yet, into `_folded` (under the
+        lock). Those held at the last mark are folded into where the timer stood at it (`_at`) too, so that
+        `rewind` still drops exactly what came after the mark. Pairs that have run are read without a wait, and
+        the first that has not stops the walk, so a fold costs a query per pair folded and one more."""
         seconds, self._seconds = self._seconds, []
-        events, done = self._events, first_pair
+        events, done = self._events, 0
         while self._readable and done < len(events) and events[done][0].query() and events[done][1].query():
             done += 1
-        if done > first_pair:
+        pairs: List[float] = []
+        if done:
             try:
-                seconds += [start.elapsed_time(end) / 1000.0 for start, end in events[first_pair:done]]
-                self._events = events[:first_pair] + events[done:]
+                pairs = [start.elapsed_time(end) / 1000.0 for start, end in events[:done]]
+                self._events = events[done:]
             except RuntimeError:  # a span begun on one device and ended on another: left for the commit to report,
                 self._readable = False  # and no more tries at every span until then
-        if seconds:
-            self._folded = _combined(self._folded, seconds)
+                done = 0
+        at = self._at
+        if at is not None and at[0] == self._takes and (at[2] or min(at[3], done)):
+            before = min(at[3], done)  # pairs held at the mark that are folded now
+            self._at = (at[0], _combined(at[1], seconds[:at[2]] + pairs[:before]), 0, at[3] - before)
+        if seconds or pairs:
+            self._folded = _combined(self._folded, seconds + pairs)
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -161,29 +185,23 @@ class Timer:
         folded = self._folded
         return (folded[0] if folded is not None else 0) + len(self._seconds) + len(self._events)
 
-    def position(self) -> tuple:
-        """Where the timer stands now, for `rewind` (a failed step's measurements are discarded). Folds what it
-        holds first, so that what `rewind` drops is exactly what comes after."""
+    def rewind(self, mark: int) -> int:
+        """Forget the measurements taken since the logger's mark number ``mark`` (a failed step's, `Logger.mark`);
+        returns how many. A timer not measured since that mark holds nothing newer; after a `take` everything
+        now held is newer than the mark."""
         with self._lock:
-            # CUDA pairs only once FOLD_AT are held: a query per pair at every step's start would cost a GPU run's
-            # training thread microseconds at every step, non-logging ones too.
-            self._fold(0 if len(self._events) >= FOLD_AT else len(self._events))
-            self._marked = len(self._events)  # pairs not folded: they stay before the position
-            return (self._takes, self._folded, self._marked)
-
-    def rewind(self, position: tuple) -> int:
-        """Forget the measurements taken since ``position``; returns how many. After a `take` everything
-        now held is newer than ``position``."""
-        takes, folded, n_events = position
-        with self._lock:
+            at = self._at
+            if self._seen != mark or at is None:
+                return 0
             before = self._held()
-            self._seconds.clear()  # folded at the position: every CPU span held now is newer
+            takes, folded, n_seconds, n_events = at
             if takes == self._takes:
                 self._folded = folded
+                del self._seconds[n_seconds:]
                 del self._events[n_events:]
             else:
-                self._folded, self._marked = None, 0
-                self._events.clear()
+                self._folded, self._seconds, self._events = None, [], []
+            self._at = (self._takes, self._folded, len(self._seconds), len(self._events))  # a second rewind: none
             return before - self._held()
 
     def take(self) -> Tuple[Folded, List[float], List[Tuple[torch.cuda.Event, torch.cuda.Event]]]:
@@ -195,7 +213,7 @@ class Timer:
         """
         with self._lock:  # a span ending on another thread lands in this take or the next, never in neither
             taken = (self._folded, self._seconds, self._events)
-            self._folded, self._seconds, self._events, self._marked = None, [], [], 0
+            self._folded, self._seconds, self._events = None, [], []
             self._takes += 1
             self._readable = True
         return taken
@@ -238,13 +256,17 @@ def elapsed(seconds: List[float], events: List[Tuple[torch.cuda.Event, torch.cud
 
 
 def named_timer(timers: Dict[str, "Timer"], name: str, reduce: Optional[str],
-                pending: Optional[Dict[str, "Timer"]] = None, cuda: Optional[bool] = None) -> "Timer":
+                pending: Optional[Dict[str, "Timer"]] = None, cuda: Optional[bool] = None,
+                marks: Optional[List[int]] = None) -> "Timer":
     """``timers[name]``, made with ``reduce`` (default ``"max"``) and ``cuda`` when missing; a different reduce
-    raises, a ``cuda`` given sets the timer's. ``pending``: where it enters itself at each measurement."""
+    raises, a ``cuda`` given sets the timer's. ``pending``: where it enters itself at each measurement;
+    ``marks``: the owning logger's mark number (`Logger.mark`)."""
     timer = timers.get(name)
     if timer is None:
         timer = timers[name] = Timer(name, cuda=cuda, reduce=reduce or "max")
         timer._pending = pending
+        if marks is not None:
+            timer._marks = marks
         return timer
     if reduce is not None and reduce != timer.reduce:
         raise ConfigurationError(f"timer {name!r} already exists with reduce={timer.reduce!r}, asked for {reduce!r}.")

@@ -224,3 +224,50 @@ def test_a_commit_before_the_first_step_leaves_the_config_to_that_step(tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     said = [line for line in lines if "hyperparameters" in line]
     assert len(said) == 1 and "LaterModel.width = 7" in said[0]["config"]
+
+
+def test_tensorboard_escapes_a_hyperparameter_name_with_a_lone_surrogate(tmp_path, caplog):
+    """A name from os.fsdecode of a non-UTF-8 file name made protobuf refuse the whole call: the HParams session
+    info and config/operative were lost and the backend counted as failed. Now it is escaped, one warning."""
+    import logging
+    import os
+
+    name = "weights/" + os.fsdecode(b"caf\xe9")  # 'weights/caf\udce9'
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("s", tmp_path),
+                               on_backend_error="warn")
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        logger.log_hyperparams({name: 0.5, "weights/caf\\udce9": 0.25, "lr": 0.1}, "train.lr = 0.1\n")
+        logger.log_metrics({"loss": 1.0}, step=0)
+        logger.commit()
+        logger.close()
+    assert logger.failures == {}
+    _, hparams = _session_start(tmp_path / "s")
+    # The escaped name does not take the name a key already had: it is numbered.
+    assert hparams == {"weights/caf\\udce9": 0.25, "weights/caf\\udce9__2": 0.5, "lr": 0.1}
+    acc = event_accumulator(tmp_path / "s")
+    config = acc.Tensors("config/operative/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert config == "    train.lr = 0.1"
+    table = acc.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| weights | caf\\udce9__2 | 0.5 |" in table
+    warned = [r.getMessage() for r in caplog.records if "udce9" in r.getMessage()]
+    assert len(warned) == 1 and "hyperparameter" in warned[0], warned
+
+
+def test_tensorboard_writes_the_operative_config_when_the_hparams_summary_fails(tmp_path, monkeypatch):
+    """The config text was written after the HParams summary in the same call, so a summary that failed lost it."""
+    from instrument.backends import tensorboard
+
+    def broken(params, trial):
+        raise ValueError("no summary")
+
+    monkeypatch.setattr(tensorboard, "hparams_summary", broken)
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("c", tmp_path),
+                               on_backend_error="warn")
+    logger.log_hyperparams({"lr": 0.1}, "train.lr = 0.1\n")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.commit()
+    logger.close()
+    assert logger.failures == {"TensorBoardBackend": 1}
+    acc = event_accumulator(tmp_path / "c")
+    assert acc.Tensors("config/operative/text_summary")[0].tensor_proto.string_val[0].decode() == "    train.lr = 0.1"
+    assert [e.step for e in acc.Scalars("loss")] == [0]

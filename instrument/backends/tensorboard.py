@@ -175,20 +175,33 @@ class TensorBoardBackend(Backend):
         """A markdown table (``hyperparameters``), the operative config verbatim (``config/operative``) and
         the HParams plugin's session-start data, so runs can be compared in TensorBoard's HParams tab."""
 
-        def log(w) -> None:
-            if params:
-                table = utf8(self._drops, "text", "hyperparameters", hyperparameter_table(params))
-                w.add_text("hyperparameters", table, 0)
-                values = {k: utf8(self._drops, "hyperparameter", k, v) if isinstance(v, str) else v
-                          for k, v in params.items()}
-                w._get_file_writer().add_summary(hparams_summary(values, Path(self.log_dir).name), 0)
-            if config_text:
-                # Four leading spaces make TensorBoard's markdown show the config verbatim.
-                text = "\n".join("    " + line for line in config_text.splitlines())
-                w.add_text("config/operative", utf8(self._drops, "text", "config/operative", text), 0)
+        def log_params(w) -> None:
+            # Names escaped as metric keys are (an os.fsdecode-d file name), so protobuf takes them.
+            named = utf8_keys(self._drops, "hyperparameter", dict(params))
+            table = utf8(self._drops, "text", "hyperparameters", hyperparameter_table(named))
+            w.add_text("hyperparameters", table, 0)
+            values = {k: utf8(self._drops, "hyperparameter", k, v) if isinstance(v, str) else v
+                      for k, v in named.items()}
+            w._get_file_writer().add_summary(hparams_summary(values, Path(self.log_dir).name), 0)
             w.flush()
 
-        self._guarded(log)
+        def log_config(w) -> None:
+            # Four leading spaces make TensorBoard's markdown show the config verbatim.
+            text = "\n".join("    " + line for line in config_text.splitlines())
+            w.add_text("config/operative", utf8(self._drops, "text", "config/operative", text), 0)
+            w.flush()
+
+        # Each part on its own: one that fails costs neither the other nor the rest of the run.
+        failed: Optional[BaseException] = None
+        for part, wanted in ((log_params, bool(params)), (log_config, bool(config_text))):
+            if not wanted:
+                continue
+            try:
+                self._guarded(part)
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def write(self, record: StepRecord) -> None:
         self._guarded(lambda w: self._write(w, record))

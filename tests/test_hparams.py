@@ -253,8 +253,11 @@ def test_tensorboard_escapes_a_hyperparameter_name_with_a_lone_surrogate(tmp_pat
     assert len(warned) == 1 and "hyperparameter" in warned[0], warned
 
 
-def test_tensorboard_writes_the_operative_config_when_the_hparams_summary_fails(tmp_path, monkeypatch):
-    """The config text was written after the HParams summary in the same call, so a summary that failed lost it."""
+def test_tensorboard_writes_the_operative_config_when_the_hparams_summary_fails(tmp_path, monkeypatch, caplog):
+    """The config text was written after the HParams summary in the same call, so a summary that failed lost it;
+    the report said the backend 'gets the next record again', though log_hyperparams is never called again."""
+    import logging
+
     from instrument.backends import tensorboard
 
     def broken(params, trial):
@@ -263,11 +266,14 @@ def test_tensorboard_writes_the_operative_config_when_the_hparams_summary_fails(
     monkeypatch.setattr(tensorboard, "hparams_summary", broken)
     logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("c", tmp_path),
                                on_backend_error="warn")
-    logger.log_hyperparams({"lr": 0.1}, "train.lr = 0.1\n")
-    logger.log_metrics({"loss": 1.0}, step=0)
-    logger.commit()
-    logger.close()
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        logger.log_hyperparams({"lr": 0.1}, "train.lr = 0.1\n")
+        logger.log_metrics({"loss": 1.0}, step=0)
+        logger.commit()
+        logger.close()
     assert logger.failures == {"TensorBoardBackend": 1}
+    (said,) = [r.getMessage() for r in caplog.records if "failed in log_hyperparams()" in r.getMessage()]
+    assert "next record" not in said and "not sent to it again" in said, said
     acc = event_accumulator(tmp_path / "c")
     assert acc.Tensors("config/operative/text_summary")[0].tensor_proto.string_val[0].decode() == "    train.lr = 0.1"
     assert [e.step for e in acc.Scalars("loss")] == [0]

@@ -33,13 +33,17 @@ class FailureLedger:
     Args:
         kind: what the plug-ins are, used in messages (``"observer"``, ``"backend"``, ``"RL component"``).
         consequence: what happens to the failing plug-in, appended to the first report.
+        consequences: the consequence of a failure in a given method where it differs (a call that is not
+            retried must not be reported as one the plug-in gets again).
     """
 
     def __init__(self, kind: str, consequence: str = "training and the others go on",
-                 catch: Tuple[Type[BaseException], ...] = (Exception,)) -> None:
+                 catch: Tuple[Type[BaseException], ...] = (Exception,),
+                 consequences: Optional[Dict[str, str]] = None) -> None:
         self.kind = kind
         self.catch = catch
         self.consequence = consequence
+        self.consequences = dict(consequences or {})
         self._counts: Dict[str, int] = {}
         self._lock = threading.Lock()
         # The call under way, ``(name, method)``, else None: for whoever gives up waiting for it to say which
@@ -74,7 +78,8 @@ class FailureLedger:
                 self._lock.release()
         if count == 1:
             log.error(
-                "instrument: %s %r failed in %s(); %s", self.kind, name, method, consequence or self.consequence,
+                "instrument: %s %r failed in %s(); %s", self.kind, name, method,
+                consequence or self.consequences.get(method, self.consequence),
                 exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
             )
         else:

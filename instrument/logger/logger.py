@@ -121,6 +121,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self.ledger = FailureLedger(
             "backend", "it gets the next record again; training and the other backends go on",
             catch=BaseException,  # on the writer thread: a backend's sys.exit or CancelledError costs it alone
+            consequences={"log_hyperparams": "they are not sent to it again; training and the other backends go on"},
         )
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order

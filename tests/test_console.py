@@ -110,6 +110,27 @@ def test_no_columns_builds_the_table_from_the_first_step_and_says_so_once(run_lo
     ]
 
 
+def test_a_first_step_with_only_timings_does_not_fix_an_empty_inferred_table():
+    """A timed warm-up committed before any metric built a table of no columns: no row showed all run."""
+    out = io.StringIO()
+    backend = ConsoleBackend(legend=False, stream=out)
+    backend.open(RunInfo("warm"))
+    backend.write(StepRecord(0, timings={"warmup": {"mean": 0.01}}))
+    assert out.getvalue() == ""
+    for step in (1, 2):
+        metrics = {"train/loss": 1.0 / step, "train/acc": 0.5}
+        backend.write(StepRecord(step, metrics, timings={"warmup": {"mean": 0.01}}))
+    backend.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("console: no columns declared; showing 2 metrics from step 1")
+    assert lines[1:4] == [
+        "   step       loss        acc",
+        "      1          1        0.5",
+        "      2        0.5        0.5",
+    ]
+    assert any(line.startswith("timing/warmup/mean") for line in lines)  # still summarised at the end
+
+
 def test_keys_choose_and_order_the_inferred_table():
     out = io.StringIO()
     backend = ConsoleBackend(keys=["update_norm", "train/loss"], legend=False, stream=out)

@@ -183,7 +183,9 @@ class ConsoleBackend(Backend):
         for key, value in scalars.items():
             if self._is_summary(key):
                 self._summaries.setdefault(key, _Summary()).add(value)
-        if self.table is None and scalars:
+        # Inferred from the first step with a metric for the table: one with only timings (a timed warm-up) fixed
+        # a table of no columns for the whole run.
+        if self.table is None and any(not self._is_summary(k) for k in scalars):
             self.table = self._infer(record, scalars)
         if self.table is not None:
             values = self._values(record, scalars)

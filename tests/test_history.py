@@ -296,3 +296,14 @@ def test_add_samples_reads_tensors_and_arrays_of_ids_as_values_and_refuses_a_ste
     with pytest.raises(ConfigurationError, match=r"takes the batch's items, one per item .* got str 'abc'"):
         history.add_samples(5, "abc")
     assert 5 not in history._pending_samples
+
+
+@pytest.mark.parametrize("keys", ["batch/reward", b"batch/reward"])
+def test_batch_keys_given_as_one_string_is_refused_saying_how_to_fix_it(keys):
+    """A lone string was taken apart into its characters: ten one-letter tags, and the reward never kept."""
+    with pytest.raises(ConfigurationError) as caught:
+        RunHistoryBackend(sample_key="batch/ids", batch_keys=keys)
+    message = str(caught.value)
+    assert f"got the {type(keys).__name__} {keys!r}" in message
+    assert "list of histogram tags" in message and f"batch_keys=[{keys!r}]" in message
+    assert list(RunHistoryBackend(batch_keys=["batch/reward"]).batch_log) == ["batch/reward"]

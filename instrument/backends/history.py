@@ -77,6 +77,10 @@ class RunHistoryBackend(Backend):
         for name, cap in (("max_steps", max_steps), ("max_samples", max_samples)):
             check_int(f"RunHistoryBackend.{name}", cap, least=1, none=True, expected="None or a positive int",
                       why="None keeps everything", fix=f"bind e.g. RunHistoryBackend.{name} = 1000")
+        if isinstance(batch_keys, (str, bytes)):  # a lone tag would be taken apart into its characters
+            raise ConfigurationError(
+                f"RunHistoryBackend batch_keys must be a list of histogram tags, got the {type(batch_keys).__name__} "
+                f"{batch_keys!r}: its characters would be the tags. Put it in a list: batch_keys=[{batch_keys!r}].")
         self.sample_key = sample_key
         self.max_steps = max_steps
         self.max_samples = max_samples

@@ -44,7 +44,7 @@ def test_tensorboard_hparams_plugin_data_read_back(tmp_path):
     info, hparams = _session_start(tmp_path / "a")
     assert info.group_name == "a"
     assert hparams["optim/lr"] == pytest.approx(0.003) and hparams["seed"] == 7.0
-    assert hparams["optim/betas"] == "[0.9, 0.99]" and hparams["tags"] == "None"
+    assert hparams["optim/betas"] == "(0.9, 0.99)" and hparams["tags"] == "None"
     assert hparams["hub_token"] == "<redacted>"
     # The operative gin bindings are hparams too.
     assert hparams["Instrumentation.log_interval"] == 1.0
@@ -112,7 +112,7 @@ def test_wandb_config_is_nested(tmp_path):
     pytest.importorskip("wandb")
     _run(tmp_path, "w", [instrument.WandbBackend(dir=str(tmp_path / "wandb"))])
     _, config = read_run(tmp_path / "wandb")
-    assert config["optim"] == {"lr": 0.003, "betas": "[0.9, 0.99]"}
+    assert config["optim"] == {"lr": 0.003, "betas": "(0.9, 0.99)"}
     assert config["seed"] == 7 and config["hub_token"] == "<redacted>"
     assert config["Instrumentation"]["log_interval"] == 1
     assert config["IterationStats"]["channel_scalars"] is False
@@ -154,7 +154,7 @@ def test_hyperparameters_that_collide_or_are_numpy_or_tensors_keep_their_values(
                                "clip": torch.tensor(0.123456789, dtype=torch.float64), "seed": np.int64(1234567890123),
                                "betas": (0.9, torch.tensor(0.99951, dtype=torch.float64))})
     assert flat == {"optim/lr": 0.1, "optim/lr__2": 0.001, "1": "int-key", "1__2": "str-key", "clip": 0.123456789,
-                    "seed": 1234567890123, "betas": "[0.9, 0.99951]"}
+                    "seed": 1234567890123, "betas": "(0.9, 0.99951)"}
     assert len([r for r in caplog.records if "flatten to the name" in r.getMessage()]) == 2
     assert unflatten_params({"a/b": 1, "a/": 2, "a": 3}) in ({"a": {"b": 1}, "a/": 2, "a//": 3},
                                                                {"a": {"b": 1}, "a/": 3, "a//": 2})
@@ -277,3 +277,36 @@ def test_tensorboard_writes_the_operative_config_when_the_hparams_summary_fails(
     acc = event_accumulator(tmp_path / "c")
     assert acc.Tensors("config/operative/text_summary")[0].tensor_proto.string_val[0].decode() == "    train.lr = 0.1"
     assert [e.step for e in acc.Scalars("loss")] == [0]
+
+
+def test_numpy_items_tuples_and_empty_groups_reach_every_backend_as_written(tmp_path):
+    """A list of np.float64 (np.str_) was logged as '[np.float64(0.9), ...]' (they are floats and strs, so they
+    were kept as they were and str(list) showed their repr); a tuple was shown as a list; an empty dict value
+    (model_kwargs = {}) vanished from every backend."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    import json
+
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    params = {"betas": tuple(np.linspace(0.9, 0.999, 2)), "names": ["a", np.str_("b")], "one": np.str_("x"),
+              "t": [torch.tensor(0.5, dtype=torch.float64), np.float32(0.25)], "model_kwargs": {},
+              "api_key": np.str_("hunter2"), "url": "https://u:hunter2@host"}
+    expected = {"betas": "(0.9, 0.999)", "names": "['a', 'b']", "one": "x", "t": "[0.5, 0.25]", "model_kwargs": "{}",
+                "api_key": "<redacted>", "url": "https://u:<redacted>@host"}
+    mlflow = instrument.MlflowBackend(tracking_uri=f"sqlite:///{tmp_path}/ml.db", experiment_name="e")
+    backends = [instrument.JsonlBackend(), instrument.TensorBoardBackend(), mlflow,
+                instrument.WandbBackend(dir=str(tmp_path / "wandb"))]
+    logger = instrument.Logger(backends, instrument.RunInfo("n", tmp_path))
+    logger.log_hyperparams(params)
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.close()
+    assert logger.failures == {}
+    first = json.loads((tmp_path / "n" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["hyperparameters"] == expected
+    _, hparams = _session_start(tmp_path / "n")
+    assert hparams == expected
+    assert MlflowClient(mlflow.tracking_uri).get_run(mlflow.run_id).data.params == expected
+    _, config = read_run(tmp_path / "wandb")
+    assert {k: v for k, v in config.items() if k in expected} == expected

@@ -313,7 +313,7 @@ def test_hyperparams_flattened_and_secrets_redacted():
                          "reward_key": "reward", "hf_token": "xyz"}, "a.b = 1")
     log.flush()
     params, text = keep.params
-    assert params == {"optim/lr": 1e-3, "optim/betas": "[0.9, 0.99]", "wandb/api_key": "<redacted>",
+    assert params == {"optim/lr": 1e-3, "optim/betas": "(0.9, 0.99)", "wandb/api_key": "<redacted>",
                       "wandb/project": "p", "reward_key": "reward", "hf_token": "<redacted>"}
     assert text == "a.b = 1"
 

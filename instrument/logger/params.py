@@ -123,8 +123,10 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") 
 def _leaves(params: Mapping[Any, Any], prefix: str, sep: str) -> Iterable[Tuple[str, Any]]:
     for key, value in params.items():
         name = f"{prefix}{sep}{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and value:
             yield from _leaves(value, name, sep)
+        elif isinstance(value, Mapping):  # an empty group (model_kwargs = {}) is a value too: it was left out
+            yield name, "{}"
         else:
             yield name, _number(value)
 
@@ -135,25 +137,27 @@ _NOT_A_NUMBER = object()
 def _scalar(value: Any) -> Any:
     """``value`` as a Python scalar: a scalar as it is, a NumPy number or a one-element tensor as its Python
     number; `_NOT_A_NUMBER` for anything else."""
+    if isinstance(value, np.generic):  # first: np.float64 and np.str_ are a float and a str whose repr says so
+        item = value.item()
+        return item if isinstance(item, _SCALAR) and value.dtype.kind in "biufU" else _NOT_A_NUMBER
     if isinstance(value, _SCALAR):
         return value
-    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-        return value.item()
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not value.is_meta:
         return value.item()  # host sync: once, when the hyperparameters are logged
     return _NOT_A_NUMBER
 
 
 def _number(value: Any) -> Any:
-    """A leaf as backends take it: a scalar (`_scalar`: a tensor's repr would round to 4 digits), a list of
-    scalars as its str, anything else as its repr."""
+    """A leaf as backends take it: a scalar (`_scalar`: a tensor's repr would round to 4 digits), a list or
+    tuple of scalars as its str (of Python scalars: ``[0.9, 0.999]``, never ``[np.float64(0.9), ...]``),
+    anything else as its repr."""
     scalar = _scalar(value)
     if scalar is not _NOT_A_NUMBER:
         return scalar
     if isinstance(value, (list, tuple)):
         items = [_scalar(v) for v in value]
         if all(item is not _NOT_A_NUMBER for item in items):
-            return str(items)
+            return str(tuple(items) if isinstance(value, tuple) else items)  # a tuple shown as one
     return repr(value)
 
 

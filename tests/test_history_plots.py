@@ -67,6 +67,25 @@ def test_single_points_and_points_between_nan_or_inf_are_drawn_and_values_left_o
     assert all(float(tick).is_integer() for tick in fig.axes[0].get_xticks())
 
 
+def test_finite_values_whose_span_overflows_are_counted_not_drawn_and_the_figure_draws(tmp_path):
+    """A diverging series at the float64 limit ([0, 1e308], or 1e308 beside -1e308) made matplotlib fail when the
+    figure was drawn ('arange: cannot compute length'), losing every other panel too."""
+    from instrument.backends.history_plot import plot_timelog
+
+    series = {"grad_norm": [0.0, 1e308, -1e308, INF, 1.0], "wide": [0.0, 1e308], "edge": [-1e307, 1e307],
+              "loss": [1.0, 0.5, 0.25]}
+    history = _history(tmp_path, series)
+    fig = history.plot_metrics(list(series))
+    counts = _blue_pixels(fig)  # draws the figure on the Agg canvas
+    assert all(count > 0 for count in counts), dict(zip(series, counts, strict=True))
+    assert [ax.get_title(loc="left") for ax in fig.axes] == [
+        "grad_norm  (3 of 5 values not drawn: 1 +inf, 2 beyond +-1e+307)",
+        "wide  (1 of 2 values not drawn: 1 beyond +-1e+307)", "edge", "loss"]
+    fig = plot_timelog({"step": [(0, 0.1, 1), (1, 1e308, 1), (2, 0.2, 1)]}, None)
+    assert _blue_pixels(fig)[0] > 0
+    assert fig.axes[0].get_title(loc="left") == "stage timings  (1 of 3 values not drawn: 1 beyond +-1e+307)"
+
+
 def test_keys_and_stage_names_are_drawn_as_written_never_as_math(tmp_path):
     """Two '$' made a key matplotlib mathtext: ``cost/$usd$`` was drawn as math, ``cost/$_$`` made savefig raise."""
     keys = ["cost/$usd$", "cost/$_$", "a_{b}/x^2"]

@@ -4,7 +4,8 @@
 Every text drawn from a metric key or a stage name is literal (``parse_math=False``): keys are the user's
 strings, and matplotlib would read two ``$`` in them as math (``cost/$_$`` makes ``savefig`` raise). A line
 needs two neighbouring finite points, so a marker goes on each point drawn alone (a single value, one between
-NaNs), and values that cannot be drawn (NaN, inf) are counted in the panel's title instead of vanishing.
+NaNs), and values that cannot be drawn (NaN, inf, and finite values beyond +-1e307, whose span matplotlib cannot
+compute) are counted in the panel's title instead of vanishing.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -16,6 +17,10 @@ from instrument.errors import require
 __all__ = ["PANEL_INCHES", "plot_metrics", "plot_timelog"]
 
 PANEL_INCHES = 2.2  # the height of one plot_metrics panel
+# The largest magnitude drawn. matplotlib computes an axis' span, margins and ticks in float64: finite values whose
+# span overflows ([0, 1e308], [-6e307, 6e307]) made the whole figure fail when drawn ("arange: cannot compute
+# length"). Within +-1e307 every span (2e307 at most) leaves it room.
+DRAWN_LIMIT = 1e307
 
 
 def plot_metrics(series: Sequence[Tuple[str, np.ndarray, np.ndarray]], title: Optional[str]):
@@ -60,15 +65,18 @@ def plot_timelog(timelog: Dict[str, List[Tuple[int, float, int]]], title: Option
 
 
 def _draw(ax, steps, values: np.ndarray, label: str) -> Dict[str, int]:
-    """The series as one line, with a small marker on each finite point that has no finite neighbour (the line
-    alone would not show it). Returns how many values of each kind (NaN, +inf, -inf) could not be drawn."""
+    """The series as one line, with a small marker on each drawn point that has no drawn neighbour (the line
+    alone would not show it). Returns how many values of each kind (NaN, +inf, -inf, finite beyond
+    +-`DRAWN_LIMIT`) could not be drawn."""
     values = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(values)
-    alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
-    shown = np.where(finite, values, np.nan)  # a gap, as NaN already is: inf would stretch the axis
+    huge = finite & (np.abs(values) > DRAWN_LIMIT)
+    drawn = finite & ~huge
+    alone = drawn & ~np.r_[False, drawn[:-1]] & ~np.r_[drawn[1:], False]
+    shown = np.where(drawn, values, np.nan)  # a gap, as NaN already is: inf would stretch the axis
     ax.plot(steps, shown, lw=1.2, marker="o", ms=3.5, markevery=alone.tolist(), label=label)
     return {"NaN": int(np.isnan(values).sum()), "+inf": int(np.isposinf(values).sum()),
-            "-inf": int(np.isneginf(values).sum())}
+            "-inf": int(np.isneginf(values).sum()), f"beyond +-{DRAWN_LIMIT:g}": int(huge.sum())}
 
 
 def _not_drawn(left_out: Dict[str, int], total: int) -> str:

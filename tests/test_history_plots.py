@@ -86,6 +86,34 @@ def test_finite_values_whose_span_overflows_are_counted_not_drawn_and_the_figure
     assert fig.axes[0].get_title(loc="left") == "stage timings  (1 of 3 values not drawn: 1 beyond +-1e+307)"
 
 
+def test_a_step_committed_while_a_figure_reads_the_history_is_in_every_panel_or_in_none(tmp_path):
+    """plot_metrics read each key under its own hold of the lock, so a step the writer committed between two keys
+    was in the later panels only: panels of keys logged at every step ended at different steps. The hook commits
+    a step right after the first key is read; with one hold for all keys the writer waits, whatever the timing."""
+    import threading
+
+    from instrument import StepRecord
+
+    history = _history(tmp_path, {"a": [0.0, 1.0], "b": [0.0, 1.0]})
+    read, writers = history.series, []
+
+    def series_then_commit(key):
+        out = read(key)
+        if not writers:  # once: the writer thread commits step 2 (every key) while the figure reads
+            writers.append(threading.Thread(target=history.write, args=(StepRecord(2, {"a": 2.0, "b": 2.0}),)))
+            writers[0].start()
+            writers[0].join(timeout=1.0)  # done by now unless it waits for the lock: either way the test holds
+        return out
+
+    history.series = series_then_commit
+    fig = history.plot_metrics(["a", "b"])
+    writers[0].join()
+    ends = [ax.lines[0].get_xdata()[-1] for ax in fig.axes]
+    assert ends == [1, 1], ends  # the step the writer committed meanwhile is in no panel
+    del history.series
+    assert [ax.lines[0].get_xdata()[-1] for ax in history.plot_metrics(["a", "b"]).axes] == [2, 2]
+
+
 def test_keys_and_stage_names_are_drawn_as_written_never_as_math(tmp_path):
     """Two '$' made a key matplotlib mathtext: ``cost/$usd$`` was drawn as math, ``cost/$_$`` made savefig raise."""
     keys = ["cost/$usd$", "cost/$_$", "a_{b}/x^2"]

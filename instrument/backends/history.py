@@ -381,7 +381,9 @@ class RunHistoryBackend(Backend):
                 f"[k for k in history.keys() if k.startswith('train/')], split them over several figures, or pass "
                 f"max_panels={len(keys)} to draw them all in one."
             )
-        return history_plot.plot_metrics([(key, *self.series(key)) for key in keys], title)
+        with self._lock:  # every panel from one state: a step committed meanwhile is in all of them or in none
+            series = [(key, *self.series(key)) for key in keys]
+        return history_plot.plot_metrics(series, title)
 
     def plot_timelog(self, title: Optional[str] = None):
         """Mean seconds per stage against step, one line per stage; returns the matplotlib Figure (drawn as

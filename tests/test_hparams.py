@@ -248,7 +248,7 @@ def test_tensorboard_escapes_a_hyperparameter_name_with_a_lone_surrogate(tmp_pat
     config = acc.Tensors("config/operative/text_summary")[0].tensor_proto.string_val[0].decode()
     assert config == "    train.lr = 0.1"
     table = acc.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "| weights | caf\\udce9__2 | 0.5 |" in table
+    assert "| weights | caf\\\\udce9__2 | 0.5 |" in table  # markdown source: the backslash escaped
     warned = [r.getMessage() for r in caplog.records if "udce9" in r.getMessage()]
     assert len(warned) == 1 and "hyperparameter" in warned[0], warned
 
@@ -310,3 +310,19 @@ def test_numpy_items_tuples_and_empty_groups_reach_every_backend_as_written(tmp_
     assert MlflowClient(mlflow.tracking_uri).get_run(mlflow.run_id).data.params == expected
     _, config = read_run(tmp_path / "wandb")
     assert {k: v for k, v in config.items() if k in expected} == expected
+
+
+def test_the_tensorboard_table_keeps_a_backslash_before_a_pipe_in_its_cell(tmp_path):
+    """A value holding '\\|' (a grep alternation 'cat\\|dog') was cut at the pipe, the rest in a fourth cell, and a
+    cell ending in '\\' escaped the row's next pipe: the backslash was not escaped before the pipe was."""
+    import re
+
+    from tensorboard import plugin_util
+
+    logger = instrument.Logger([instrument.TensorBoardBackend()], instrument.RunInfo("b", tmp_path))
+    logger.log_hyperparams({"data/filter": "cat\\|dog", "C:\\dir\\/lr": 0.1, "seed": 3})
+    logger.close()
+    md = event_accumulator(tmp_path / "b").Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0]
+    html = plugin_util.markdown_to_safe_html(md.decode())  # what TensorBoard's Text tab shows
+    rows = [re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S) for row in re.findall(r"<tr>(.*?)</tr>", html, re.S)]
+    assert sorted(rows[1:]) == [["", "seed", "3"], ["C:\\dir\\", "lr", "0.1"], ["data", "filter", "cat\\|dog"]]

@@ -392,9 +392,11 @@ def hyperparameter_table(params: Mapping[str, Any]) -> str:
 
 
 def _cell(text: str) -> str:
-    """A markdown table cell: ``|`` escaped and line breaks as spaces, in names and values alike (a name's ``|`` made
-    a cell of its own, a newline broke the table). Display only: the hparams keep the names as given."""
-    return text.replace("|", "\\|").replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
+    """A markdown table cell: ``\\`` and ``|`` escaped (the backslash first: ``cat\\|dog`` or a cell ending in ``\\``
+    would cancel the pipe's escape and split the row) and line breaks as spaces, in names and values alike (a name's
+    ``|`` made a cell of its own, a newline broke the table). Display only: the hparams keep the names as given."""
+    text = text.replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
 
 
 def _sort_after_earlier_files(log_dir: str) -> None:

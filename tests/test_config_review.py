@@ -292,3 +292,20 @@ def test_gins_own_parse_functions_get_past_an_empty_backends_folder_on_sys_path(
         assert [type(b).__name__ for b in config.backend_set()] == ["JsonlBackend"]
     finally:
         gin.clear_config()
+
+
+# ----------------------------------------------------------------------------------- a review of the CLI's errors
+@pytest.mark.parametrize("body", ["train_nca.steps = 1\ntrain_nca.steps = [1,\n",
+                                  "train_nca.steps = 1\nInstrumentation.run_name = '''abc\n"])
+def test_an_included_file_ending_inside_a_bracket_or_quote_is_named_with_its_line(tmp_path, capsys, body):
+    """gin re-raises an included file's TokenError without args: the CLI crashed with an IndexError."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "top.gin").write_text("include 'nca.gin'\ninclude 'inner.gin'\n")
+    (tmp_path / "sub" / "inner.gin").write_text(body)
+    with pytest.raises(config.ConfigSyntaxError) as caught:
+        instrument.parse_config(["sub/top.gin"])
+    assert caught.value.where == "sub/inner.gin, line 2 (included from sub/top.gin, line 2)", caught.value.where
+    assert caught.value.statement == body.splitlines()[1] and "never closed" in caught.value.problem
+    assert cli.main(["run", "sub/top.gin"]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error in sub/inner.gin, line 2 (included from sub/top.gin, line 2)" in err, err

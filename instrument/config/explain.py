@@ -5,6 +5,7 @@ secret-looking binding from it (``my_train.api_token = sk_live_...`` unquoted, a
 ``api_token = ``, a secret bound to a misspelt parameter), as the CLI does for a ``--bind``.
 """
 
+import ast
 import difflib
 import re
 import tokenize
@@ -23,7 +24,7 @@ from instrument.config.files import (
     read_text,
     shipped_configs,
 )
-from instrument.config.located import file_holding
+from instrument.config.located import file_holding, included_file
 from instrument.config.secrets import secret_keys
 from instrument.logger.params import REDACTED, is_secret, redact_config_text, scrub
 
@@ -77,10 +78,7 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
                 f"the file is not UTF-8: byte 0x{data[start]:02x} at byte offset {start} ({decode[2].strip()})",
                 where, statement, "save the file as UTF-8 (your editor's 'encoding' setting), or remove the character.")
     if isinstance(exc, tokenize.TokenError):  # an unclosed bracket or quote: the tokenizer ran out of input
-        line, statement = unclosed(binding if binding is not None else read_text(source))
-        where = source if binding is not None or not line else f"{source}, line {line}"
-        return ConfigSyntaxError(f"syntax error: {exc.args[0]} (a bracket or quote is never closed)", where,
-                                 statement or binding or "", "close the bracket or quote that this statement opens.")
+        return _unclosed_at_end(exc, text, source, binding)
     if isinstance(exc, SyntaxError):
         kind = ConfigSyntaxError
         problem = f"syntax error: {exc.msg}"
@@ -128,6 +126,33 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _unclosed_at_end(exc: BaseException, text: str, source: str, binding: Optional[str]) -> GinConfigError:
+    """The file (an included one too) and line of the bracket or quote that runs to the end of the input.
+
+    gin re-raises an included file's TokenError as a copy without its args, naming only the include lines
+    (``In file "top.gin", line 2``): the file is the one the innermost include line names."""
+    reason = exc.args[0] if exc.args else ""
+    if not reason:
+        try:
+            reason = str(ast.literal_eval(text.split("\n", 1)[0])[0])
+        except (ValueError, SyntaxError, TypeError, IndexError):
+            reason = "EOF in multi-line statement"
+    locations = list(_WHERE.finditer(text)) if binding is None else []
+    holder = None
+    if locations:
+        inner = locations[0]
+        holder = included_file(inner["stmt"], Path(source), Path(inner["file"]))
+        if holder is None:  # not where gin found it: the first included file that leaves something open
+            holder = file_holding(Path(source), lambda data: unclosed(data.decode("utf-8", "replace"))[0] > 0)
+    name = str(holder) if holder is not None else source
+    line, statement = unclosed(binding if binding is not None else read_text(name))
+    where = source if binding is not None or not line else f"{name}, line {line}"
+    if holder is not None and holder.resolve() != Path(source).resolve() and line:
+        where += " (included from " + ", ".join(f"{m['file']}, line {m['line']}" for m in locations) + ")"
+    return ConfigSyntaxError(f"syntax error: {reason} (a bracket or quote is never closed)", where,
+                             statement or binding or "", "close the bracket or quote that this statement opens.")
 
 
 def _bare_word(token: str, statement: str) -> Tuple[str, str]:

@@ -16,7 +16,8 @@ from instrument.config.secrets import config_secrets, secret_keys
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text, scrub
 
-__all__ = ["bound_pair", "file_holding", "include_cycle", "secret_keys", "unused_bindings", "where_bound"]
+__all__ = ["bound_pair", "file_holding", "include_cycle", "included_file", "secret_keys", "unused_bindings",
+           "where_bound"]
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -29,6 +30,12 @@ def _included(line: str, top: Path, current: Path) -> Optional[Path]:
             if (base / include.group(1)).is_file():
                 return base / include.group(1)
     return None
+
+
+def included_file(line: str, top: Path, current: Path) -> Optional[Path]:
+    """The file the ``include`` line ``line`` of ``current`` names, where gin finds it (``top``: the file given),
+    named as gin names it (``sub/inner.gin`` for ``include 'inner.gin'`` in ``sub/top.gin``); None when none."""
+    return _included(line, top.parent, current)
 
 
 def include_cycle(path: Path) -> List[str]:

@@ -282,3 +282,21 @@ def test_an_error_about_a_secret_bound_in_a_file_leaves_it_out(tmp_path, how):
     assert f"  bound at login.gin, line {line}: login_train.api_token = '{REDACTED}'\n" in out.stderr, out.stderr
     assert f"login_train.api_token '{REDACTED}' must start" in out.stderr
     assert secret not in out.stderr + out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("value", ["DICTPWBARE77", "'DICTPWOPEN78"])  # unquoted; a quote never closed
+@pytest.mark.parametrize("in_file", [True, False])
+def test_a_line_gin_rejects_never_prints_a_value_under_a_secret_dict_key(tmp_path, value, in_file):
+    """A review found ``{'password': hunter2}`` (no quotes, or an unclosed one) printed in clear three times: in
+    the statement and in the "quote it" and "write @..." hints; only a quoted value was redacted."""
+    binding = f"Instrumentation.hyperparams = {{'password': {value}}}"
+    (tmp_path / "bad.gin").write_text(f"include 'nca.gin'\n{binding}\n")
+    args = ["bad.gin"] if in_file else ["nca", "--bind", binding]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "configuration error in" in out.stderr, out.stderr
+    secret = value.strip("'")
+    assert secret not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
+    assert redact_config_text(binding).startswith(f"Instrumentation.hyperparams = {{'password': '{REDACTED}'")
+    assert redact_config_text("X.env = {'HOME': ~/me, 'token': None}") == "X.env = {'HOME': ~/me, 'token': None}"

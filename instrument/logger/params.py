@@ -175,6 +175,11 @@ def redact_secrets(
 _BINDING = re.compile(r"^(\s*)([\w./]+)(\s*=\s*)(.*)$")
 # Inside a value gin could not have us evaluate (references, macros): ``'secret_key': 'string'``.
 _DICT_ITEM = re.compile(r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+# The same on a line gin rejects, whose value may also be a bare word (``'password': hunter2``, no quotes) or a
+# string never closed (``'password': 'hunter2}``, to the end of the line); not a reference or macro (@, %).
+_LOOSE_DICT_ITEM = re.compile(
+    r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|'[^'\n]*(?=\n|$)|"[^"\n]*(?=\n|$)"""
+    r"""|(?![@%])[^\s,'"{}\[\]()]+)""")
 
 
 def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set[str]] = None) -> str:
@@ -242,14 +247,21 @@ def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence
             return f"{indent}{name}{eq}{value}"
         _strings(parsed if parsed is not _UNPARSED else _literal_strings(value), found)
         return f"{indent}{name}{eq}'{REDACTED}'"
-    if parsed is _UNPARSED:  # a reference or macro: redact the dict items we can see
+    if parsed is _UNPARSED:  # a reference, a macro or a line gin rejects: redact the dict items we can see
         def item(m: "re.Match[str]") -> str:
-            if not is_secret(m.group(2), extra, name):
-                return m.group(0)
-            _strings(_literal_strings(m.group(4)), found)
+            value = m.group(4)
+            if not is_secret(m.group(2), extra, name) or re.fullmatch(r"[-+.\w]+", value) and (
+                    value in ("True", "False", "None") or re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?", value)):
+                return m.group(0)  # a number, a boolean or None is never secret, as elsewhere
+            closed = len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]
+            if closed:
+                _strings(_literal_strings(value), found)
+            else:  # a bare word or an unclosed string: the whole of it, and each word in it
+                words = [w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None")]
+                _strings([value.strip(), value.strip().strip("'\"").strip(), *words], found)
             return f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}'{REDACTED}'"
 
-        return f"{indent}{name}{eq}{_DICT_ITEM.sub(item, value)}"
+        return f"{indent}{name}{eq}{_LOOSE_DICT_ITEM.sub(item, value)}"
     redacted = redact_values(parsed, extra, found, name)
     if redacted == parsed:
         return f"{indent}{name}{eq}{value}"

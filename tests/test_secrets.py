@@ -300,3 +300,23 @@ def test_a_line_gin_rejects_never_prints_a_value_under_a_secret_dict_key(tmp_pat
     assert secret not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
     assert redact_config_text(binding).startswith(f"Instrumentation.hyperparams = {{'password': '{REDACTED}'")
     assert redact_config_text("X.env = {'HOME': ~/me, 'token': None}") == "X.env = {'HOME': ~/me, 'token': None}"
+
+
+@pytest.mark.parametrize("how", ["later_in_the_file", "included", "bind"])
+def test_a_value_under_the_runs_own_secret_pattern_is_left_out_before_that_pattern_is_parsed(tmp_path, how):
+    """A review found a value under a name made secret by ``Instrumentation.secret_keys`` printed in clear when
+    the error came before gin parsed that binding: later in the file, in a file included after, or a --bind."""
+    (tmp_path / "noteexp.py").write_text("import gin\n\n\n@gin.configurable\ndef note_train(instrumentation=None, "
+                                         "note=''):\n    return {}\n")
+    keys = "Instrumentation.secret_keys = [\n    'note',\n]\n"
+    (tmp_path / "keys.gin").write_text(keys)
+    bad = "note_train.note = 'UNCLOSEDNOTE55\n" if how != "bind" else "note_train.notee = 'TYPONOTE66'\n"
+    after = {"later_in_the_file": keys, "included": "include 'keys.gin'\n", "bind": ""}[how]
+    (tmp_path / "sk.gin").write_text("import noteexp\ninclude 'nca.gin'\n" + bad + after)
+    args = ["sk.gin"] + (["--bind", keys.replace("\n", "")] if how == "bind" else [])
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "configuration error in sk.gin, line 3" in out.stderr, out.stderr
+    secret = "TYPONOTE66" if how == "bind" else "UNCLOSEDNOTE55"
+    assert secret not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr

@@ -5,6 +5,7 @@ Error messages point at the binding at fault (`where_bound`), the run names bind
 locations, so the files are read again here, includes expanded where gin finds them.
 """
 
+import ast
 import re
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -16,8 +17,8 @@ from instrument.config.secrets import config_secrets, secret_keys
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text, scrub
 
-__all__ = ["bound_pair", "file_holding", "include_cycle", "included_file", "secret_keys", "unused_bindings",
-           "where_bound"]
+__all__ = ["bound_pair", "declared_secret_keys", "file_holding", "include_cycle", "included_file", "secret_keys",
+           "unused_bindings", "where_bound"]
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -185,3 +186,49 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
             statement = scrub(redact_config_text(statement or f"{selector}.{param} = ...", extra, set(found)), found)
             unused.append(f"{place}: {statement}" if place else statement)
     return unused
+
+
+_SECRET_KEYS = re.compile(r"^[ \t]*(?:[\w.]*/)?(?:[\w.]*\.)?Instrumentation\.secret_keys[ \t]*=[ \t]*", re.M)
+
+
+def declared_secret_keys(files: Sequence[str], bindings: Sequence[str]) -> List[str]:
+    """The patterns bound to ``Instrumentation.secret_keys`` anywhere in the text of ``files`` (their includes
+    too, found where gin finds them) and ``bindings``, read before gin parses them; a value that is no literal
+    list, tuple or string is left out."""
+    texts: List[str] = []
+
+    def walk(path: Path, top: Path, depth: int) -> None:
+        text = read_text(str(path))
+        texts.append(text)
+        for line in text.splitlines():
+            included = _included(line, top, path) if depth < 20 else None
+            if included is not None:
+                walk(included, top, depth + 1)
+
+    for f in files:
+        try:
+            path = resolve_config(str(f))
+        except InstrumentError:  # parse_config says so
+            continue
+        walk(path, path.parent, 0)
+    keys: List[str] = []
+    for text in [*texts, *bindings]:
+        for match in _SECRET_KEYS.finditer(text):
+            keys.extend(_literal_keys(text[match.end():]))
+    return keys
+
+
+def _literal_keys(rest: str) -> List[str]:
+    """The strings of the literal list, tuple or string at the start of ``rest`` (empty when there is none)."""
+    ends = [i + 1 for i, ch in enumerate(rest[:20000]) if ch in "])'\"\n"]
+    for end in ends:
+        try:
+            value = ast.literal_eval(rest[:end].strip())
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return [k for k in value if isinstance(k, str)]
+        return []
+    return []

@@ -32,9 +32,10 @@ from instrument.config.files import (
 )
 from instrument.config.gin_logging import ImplicitRootHandlers, QuietIncludeProbes
 from instrument.config.includes import include_search, quiet_readers
-from instrument.config.located import bound_pair, include_cycle
+from instrument.config.located import bound_pair, declared_secret_keys, include_cycle
 from instrument.config.secrets import (
     bound_macros,
+    declare_secret_keys,
     macro_name,
     macro_patterns,
     resolve_secret_macros,
@@ -85,6 +86,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             f"write parse_config(['exp.gin'], ['Instrumentation.log_interval = 5'])."
         )
     paths = [resolve_config(str(f)) for f in files]
+    declare_secret_keys(declared_secret_keys([str(p) for p in paths], bindings))  # for an error before them
     for prepare in BEFORE_PARSE:
         prepare()
     quiet = QuietIncludeProbes()
@@ -130,6 +132,7 @@ def clear_config() -> None:
     """Forget every binding parsed so far (files, ``--bind``, macros), so the next `parse_config` starts clean:
     the CLI's `main` calls it first, so a sweep calling it twice in one process runs each config as given."""
     gin.clear_config()
+    declare_secret_keys(())
 
 
 def check_types(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> None:

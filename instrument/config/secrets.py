@@ -14,18 +14,31 @@ import gin
 
 from instrument.logger.params import is_secret, redact_values
 
-__all__ = ["bound_macros", "config_secrets", "macro_name", "macro_patterns", "resolve_secret_macros", "secret_keys"]
+__all__ = ["bound_macros", "config_secrets", "declare_secret_keys", "macro_name", "macro_patterns",
+           "resolve_secret_macros", "secret_keys"]
+
+
+_declared: Dict[str, Tuple[str, ...]] = {"keys": ()}
+
+
+def declare_secret_keys(keys: Iterable[str]) -> None:
+    """The patterns the config's text binds to ``Instrumentation.secret_keys`` (read before gin parses it, see
+    `located.declared_secret_keys`): an error before gin reaches that binding (later in the file, a --bind, which
+    gin parses after the files) must leave out what it names too. `parse_config` sets them, `clear_config`
+    forgets them."""
+    _declared["keys"] = tuple(dict.fromkeys(keys))
 
 
 def secret_keys() -> Tuple[str, ...]:
-    """The run's own secret patterns (``Instrumentation.secret_keys``) where the parsed config binds them, to
-    redact along with the built-in ones: an error message quoting a binding must leave out what the run's log
-    would."""
+    """The run's own secret patterns (``Instrumentation.secret_keys``) where the parsed config binds them, or its
+    text does (`declare_secret_keys`), to redact along with the built-in ones: an error message quoting a binding
+    must leave out what the run's log would."""
     try:
         keys = gin.query_parameter("Instrumentation.secret_keys") or ()
     except Exception:  # noqa: BLE001 - not bound (or not registered): the built-in patterns only
-        return ()
-    return (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
+        keys = ()
+    bound = (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
+    return tuple(dict.fromkeys((*bound, *_declared["keys"])))
 
 
 def macro_name(value: Any) -> Any:

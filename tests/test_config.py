@@ -206,6 +206,19 @@ def test_bad_files_fail_before_training_naming_file_line_and_fix(tmp_path, text,
     assert len(str(exc).splitlines()) <= 4, str(exc)
 
 
+@pytest.mark.parametrize("written, meant", [("nca", "nca.gin"), ("backends/wandbb.gin", "backends/wandb.gin"),
+                                            ("backends/wandb", "backends/wandb.gin")])
+def test_a_missing_include_names_the_shipped_configs_as_include_needs_them(tmp_path, written, meant):
+    """A review found the fix listing ``nca, backends/wandb`` (which include does not find: it needs the .gin),
+    and no "did you mean" for a near miss."""
+    (tmp_path / "exp.gin").write_text(f"include '{written}'\n")
+    with pytest.raises(config.ConfigFileError) as info:
+        instrument.parse_config(["exp.gin"])
+    fix = info.value.fix
+    assert fix.startswith(f"did you mean {meant!r}? "), fix
+    assert "shipped config: nca.gin, " in fix and "backends/wandb.gin" in fix and ", nca," not in fix, fix
+
+
 def test_an_included_file_error_names_both_files(tmp_path):
     (tmp_path / "inner.gin").write_text("UpdateNorm.alive_chanel = 3\n")
     (tmp_path / "outer.gin").write_text("\ninclude 'inner.gin'\n")

@@ -121,11 +121,24 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
     elif isinstance(exc, OSError):
         kind = ConfigFileError
         problem = problem.split(" Searched config paths", 1)[0]
-        names = ", ".join(c.name for c in shipped_configs())
-        fix = f"give the path relative to the including file or the working directory, or a shipped config: {names}."
+        fix = _include_fix(statement)
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _include_fix(statement: str) -> str:
+    """The fix for an ``include`` gin found nowhere: the shipped configs as ``include`` names them
+    (``'backends/wandb.gin'``), the closest first as a "did you mean" (``.gin`` added where it was left out)."""
+    names = [f"{c.name}.gin" for c in shipped_configs()]
+    written = re.match(r"\s*include\s+(['\"])(.*)\1", statement)
+    hint = ""
+    if written:
+        wanted = written[2] if written[2].endswith(".gin") else f"{written[2]}.gin"
+        close = difflib.get_close_matches(wanted, names, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"{hint}give the path relative to the including file or the working directory, or a shipped config: "
+            f"{', '.join(names)}.")
 
 
 def _unclosed_at_end(exc: BaseException, text: str, source: str, binding: Optional[str]) -> GinConfigError:

@@ -323,6 +323,17 @@ def test_a_scoped_binding_of_a_scope_never_called_is_named_at_the_end(tmp_path):
     named = out.stderr.split("these bindings were never used", 1)[1].splitlines()[1:]
     assert named == ["  cols.gin, line 4: loss/Column.header = 'L'", "  cols.gin, line 5: loss/Column.fmt = '.2e'"]
 
+def test_an_unscoped_and_a_scoped_unused_binding_are_each_named_at_their_own_line(tmp_path):
+    """A review found the unscoped binding reported at the scoped one's line (and so that line twice)."""
+    (tmp_path / "u.gin").write_text("include 'nca.gin'\nColumn.header = 'y'\nloss/Column.header = 'x'\n"
+                                    "Column.width = 9\n")
+    config.clear_config()
+    config.parse_config(["u.gin"])
+    assert sorted(line for line in config.unused_bindings(["u.gin"]) if line.startswith("u.gin")) == [
+        "u.gin, line 2: Column.header = 'y'", "u.gin, line 3: loss/Column.header = 'x'",
+        "u.gin, line 4: Column.width = 9"]
+
+
 @pytest.mark.parametrize("channels", [4, 16])
 def test_the_nca_tables_alpha_column_shows_what_jsonl_has_for_any_channel_count(tmp_path, channels):
     # Channel 3 is c3 with 4 channels and c03 with 16: the shipped table matches either, not nan.

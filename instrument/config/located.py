@@ -182,7 +182,7 @@ def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> 
         if used(scope, selector) or selector.split(".")[0] == "gin":  # gin's own macros and constants
             continue
         for param in params:
-            place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope or None)
+            place, statement = bound_pair(selector, lambda p, param=param: p == param, files, bindings, scope)
             statement = scrub(redact_config_text(statement or f"{selector}.{param} = ...", extra, set(found)), found)
             unused.append(f"{place}: {statement}" if place else statement)
     return unused

@@ -219,6 +219,18 @@ def test_a_missing_include_names_the_shipped_configs_as_include_needs_them(tmp_p
     assert "shipped config: nca.gin, " in fix and "backends/wandb.gin" in fix and ", nca," not in fix, fix
 
 
+def test_an_error_in_a_folder_whose_name_holds_a_double_quote_keeps_its_file_line_and_statement(tmp_path):
+    """A review found the file name read up to the first '"': no line, no statement, the top file blamed."""
+    folder = tmp_path / 'q"dir'
+    folder.mkdir()
+    (folder / "top.gin").write_text("include 'nca.gin'\ninclude 'inner.gin'\n")
+    (folder / "inner.gin").write_text("train_nca.stepz = 1\n")
+    with pytest.raises(config.GinConfigError) as info:
+        instrument.parse_config(['q"dir/top.gin'])
+    assert info.value.where == 'q"dir/inner.gin, line 1 (included from q"dir/top.gin, line 2)', info.value.where
+    assert info.value.statement == "train_nca.stepz = 1"
+
+
 def test_an_included_file_error_names_both_files(tmp_path):
     (tmp_path / "inner.gin").write_text("UpdateNorm.alive_chanel = 3\n")
     (tmp_path / "outer.gin").write_text("\ninclude 'inner.gin'\n")

@@ -40,7 +40,7 @@ _REGISTERED_ON_IMPORT = {
 
 
 GIN_ERRORS = (ValueError, KeyError, SyntaxError, tokenize.TokenError, OSError, ImportError, TypeError)
-_WHERE = re.compile(r'\n  In file "(?P<file>[^"]+)", line (?P<line>\d+)\n    (?P<stmt>[^\n]*)')
+_WHERE = re.compile(r'\n  In file "(?P<file>[^\n]+?)", line (?P<line>\d+)\n    (?P<stmt>[^\n]*)')
 _BINDING_WHERE = re.compile(r"\n  In bindings string line \d+\n    (?P<stmt>[^\n]*)")
 
 

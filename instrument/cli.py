@@ -207,7 +207,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         atexit.register(_ignore_late_interrupts)
         _interrupt["hook"] = True
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    if extras and args.command == "run" and not any(e.startswith("-") for e in extras):
+        # A config after a --bind (argparse ends the configs at the first option): the configs are those before
+        # it and these, in order. (parse_intermixed_args refuses a parser with subcommands.)
+        args.config = [*args.config, *extras]
+    elif extras:
+        (run if args.command == "run" else parser).error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "list" or args.list:
         try:
             print(list_configs(), flush=True)
@@ -215,7 +222,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if not args.config:
-        parser.error("run needs a config: a shipped name (instrument list shows them) or a path to a .gin file")
+        run.error("run needs a config: a shipped name (instrument list shows them) or a path to a .gin file")
 
     from instrument import config
     from instrument.errors import InstrumentError

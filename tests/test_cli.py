@@ -334,6 +334,18 @@ def test_an_unscoped_and_a_scoped_unused_binding_are_each_named_at_their_own_lin
         "u.gin, line 4: Column.width = 9"]
 
 
+def test_a_config_after_a_bind_is_a_config_and_run_without_one_shows_runs_usage(tmp_path, capsys):
+    """A review found ``run nca --bind ... backends/wandb`` refused as "unrecognized arguments" under the
+    top-level usage, and ``run`` alone answered with the top-level usage."""
+    (tmp_path / "bad.gin").write_text("train_nca.steps = = 1\n")
+    code, _, err = _main(capsys, "run", "nca", "--bind", "train_nca.steps = 1", "bad.gin")
+    assert code == 2 and "configuration error in bad.gin, line 1" in err, err
+    code, _, err = _main(capsys, "run")
+    assert code == 2 and err.startswith("usage: instrument run ") and "run needs a config" in err, err
+    code, _, err = _main(capsys, "run", "nca", "--bnd", "x")
+    assert code == 2 and err.startswith("usage: instrument run ") and "unrecognized arguments: --bnd x" in err
+
+
 @pytest.mark.parametrize("channels", [4, 16])
 def test_the_nca_tables_alpha_column_shows_what_jsonl_has_for_any_channel_count(tmp_path, channels):
     # Channel 3 is c3 with 4 channels and c03 with 16: the shipped table matches either, not nan.

@@ -252,7 +252,7 @@ def test_an_error_in_an_included_file_points_at_the_file_beside_the_including_on
     (exp / "my.gin").write_text("include 'base.gin'\n")
     with pytest.raises(config.GinConfigError) as caught:
         instrument.parse_config(["exp/my.gin"])
-    assert caught.value.where == "base.gin, line 3 (included from my.gin, line 1)", caught.value.where
+    assert caught.value.where == "exp/base.gin, line 3 (included from exp/my.gin, line 1)", caught.value.where
     assert "'eleven'" in caught.value.statement
 
 
@@ -309,3 +309,16 @@ def test_an_included_file_ending_inside_a_bracket_or_quote_is_named_with_its_lin
     assert cli.main(["run", "sub/top.gin"]) == 2
     err = capsys.readouterr().err
     assert "configuration error in sub/inner.gin, line 2 (included from sub/top.gin, line 2)" in err, err
+
+
+@pytest.mark.parametrize("line", ["train_nca.steps = = 2", "train_nca.stepz = 2", "train_nca.steps = 'x'",
+                                  "train_nca.steps = [1,\ntrain_nca.size = 3"])
+def test_an_included_file_is_named_one_way_whatever_the_error(tmp_path, line):
+    """A review found one included file named three ways: gin's errors ``sub/inner.gin, line 2 (included from
+    top.gin, line 2)``, a type error found after parsing ``inner.gin, ...``, a syntax error without the include."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "top.gin").write_text("include 'nca.gin'\ninclude 'sub/inner.gin'\n")
+    (tmp_path / "sub" / "inner.gin").write_text(f"train_nca.steps = 1\n{line}\n")
+    with pytest.raises(config.GinConfigError) as caught:
+        instrument.parse_config(["top.gin"])
+    assert caught.value.where == "sub/inner.gin, line 2 (included from top.gin, line 2)", caught.value.where

@@ -126,7 +126,7 @@ def test_a_wrong_literal_in_an_included_file_names_that_file_and_the_include(tmp
     (tmp_path / "outer.gin").write_text("include 'nca.gin'\ninclude 'inner.gin'\n")
     with pytest.raises(ConfigTypeError) as info:
         instrument.parse_config([str(tmp_path / "outer.gin")])
-    assert info.value.where == "inner.gin, line 3 (included from outer.gin, line 2)"
+    assert info.value.where == f"{tmp_path}/inner.gin, line 3 (included from {tmp_path}/outer.gin, line 2)"
     assert info.value.statement == "ConsoleBackend.keys = 'loss'"
 
 

@@ -23,8 +23,9 @@ from instrument.config.files import (
     GinConfigError,
     read_text,
     shipped_configs,
+    shown,
 )
-from instrument.config.located import file_holding, included_file
+from instrument.config.located import file_holding, included_file, line_where
 from instrument.config.secrets import secret_keys
 from instrument.logger.params import REDACTED, is_secret, redact_config_text, scrub
 
@@ -73,7 +74,8 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
             line = data.count(b"\n", 0, start) + 1
             statement = data.split(b"\n")[line - 1].decode("utf-8", "backslashreplace").strip()
             top = holder.resolve() == Path(source).resolve()
-            where = f"{source if top else holder.name}, line {line}" + ("" if top else f" (included from {source})")
+            where = f"{shown(source)}, line {line}" if top else f"{_gin_name(holder, text, source)}, line {line}" + (
+                _included_from(text) or f" (included from {shown(source)})")
             return GinConfigError(
                 f"the file is not UTF-8: byte 0x{data[start]:02x} at byte offset {start} ({decode[2].strip()})",
                 where, statement, "save the file as UTF-8 (your editor's 'encoding' setting), or remove the character.")
@@ -82,7 +84,14 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
     if isinstance(exc, SyntaxError):
         kind = ConfigSyntaxError
         problem = f"syntax error: {exc.msg}"
-        where = f"{exc.filename or source}, line {exc.lineno}" if exc.lineno else source
+        # an included file's: gin names no include line for a SyntaxError, so find the includes that read it
+        included = binding is None and exc.filename not in (None, source)
+
+        def at(line: int) -> str:
+            plain = f"{shown(exc.filename or source)}, line {line}"
+            return (line_where(source, exc.filename, line) or plain) if included else plain
+
+        where = at(exc.lineno) if exc.lineno else source
         if binding is not None:
             where = source
         statement = (exc.text or binding or "").strip()
@@ -90,7 +99,7 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
             line, opened = unclosed(read_text(exc.filename or source))
             if 0 < line < exc.lineno:
                 return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
-                            f"{exc.lineno}: {exc.msg})", f"{exc.filename or source}, line {line}", opened,
+                            f"{exc.lineno}: {exc.msg})", at(line), opened,
                             "close the bracket or quote that this statement opens.")
         token = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")
         if token:  # a bare word: nan, inf, float('nan'), an unquoted string
@@ -102,9 +111,9 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
     problem = _unquoted(text.split("\n  In ", 1)[0].strip())
     if locations:
         inner = locations[0]
-        where = f"{inner['file']}, line {inner['line']}"
+        where = f"{shown(inner['file'])}, line {inner['line']}"
         statement = inner["stmt"].strip()
-        outer = [f"{m['file']}, line {m['line']}" for m in locations[1:]]
+        outer = [f"{shown(m['file'])}, line {m['line']}" for m in locations[1:]]
         if outer:
             where += " (included from " + ", ".join(outer) + ")"
     else:
@@ -125,6 +134,22 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
     else:
         fix = _fix_for(problem)
     return kind(problem, where, statement, fix)
+
+
+def _included_from(text: str) -> str:
+    """`` (included from top.gin, line 2)``: the include lines gin's message names, innermost first; or empty."""
+    outer = [f"{shown(m['file'])}, line {m['line']}" for m in _WHERE.finditer(text)]
+    return " (included from " + ", ".join(outer) + ")" if outer else ""
+
+
+def _gin_name(holder: Path, text: str, source: str) -> str:
+    """The name of the included file ``holder`` as gin names it (``sub/inner.gin``), from the include line that
+    reached it; its bare name when that line cannot tell."""
+    for m in _WHERE.finditer(text):
+        named = included_file(m["stmt"], Path(source), Path(m["file"]))
+        if named is not None and named.resolve() == holder.resolve():
+            return shown(str(named))
+    return holder.name
 
 
 def _include_fix(statement: str) -> str:
@@ -161,9 +186,9 @@ def _unclosed_at_end(exc: BaseException, text: str, source: str, binding: Option
             holder = file_holding(Path(source), lambda data: unclosed(data.decode("utf-8", "replace"))[0] > 0)
     name = str(holder) if holder is not None else source
     line, statement = unclosed(binding if binding is not None else read_text(name))
-    where = source if binding is not None or not line else f"{name}, line {line}"
+    where = source if binding is not None or not line else f"{shown(name)}, line {line}"
     if holder is not None and holder.resolve() != Path(source).resolve() and line:
-        where += " (included from " + ", ".join(f"{m['file']}, line {m['line']}" for m in locations) + ")"
+        where += _included_from(text)
     return ConfigSyntaxError(f"syntax error: {reason} (a bracket or quote is never closed)", where,
                              statement or binding or "", "close the bracket or quote that this statement opens.")
 

@@ -12,7 +12,8 @@ from typing import List
 from instrument.errors import ConfigurationError
 
 __all__ = ["CONFIG_DIR", "AmbiguousNameError", "ConfigFileError", "ConfigImportError", "ConfigSyntaxError",
-           "ConfigTypeError", "GinConfigError", "ShippedConfig", "read_text", "resolve_config", "shipped_configs"]
+           "ConfigTypeError", "GinConfigError", "ShippedConfig", "read_text", "resolve_config", "shipped_configs",
+           "shown"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -110,3 +111,12 @@ def read_text(path: str) -> str:
         return Path(path).read_text(encoding="utf-8-sig", errors="replace")  # a BOM is no part of line 1
     except OSError:
         return ""
+
+
+def shown(path: str) -> str:
+    """A config file's name in a message: as gin names it (the path given, an included file's joined to the
+    including file's folder: ``sub/inner.gin``), a shipped one as ``include`` names it (``backends/wandb.gin``)."""
+    try:
+        return Path(path).relative_to(CONFIG_DIR).as_posix() if Path(path).is_absolute() else path
+    except ValueError:
+        return path

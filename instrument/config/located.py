@@ -12,13 +12,13 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 
-from instrument.config.files import CONFIG_DIR, read_text, resolve_config
+from instrument.config.files import CONFIG_DIR, read_text, resolve_config, shown
 from instrument.config.secrets import config_secrets, secret_keys
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text, scrub
 
-__all__ = ["bound_pair", "declared_secret_keys", "file_holding", "include_cycle", "included_file", "secret_keys",
-           "unused_bindings", "where_bound"]
+__all__ = ["bound_pair", "declared_secret_keys", "file_holding", "include_cycle", "included_file", "line_where",
+           "secret_keys", "unused_bindings", "where_bound"]
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -27,7 +27,7 @@ def _included(line: str, top: Path, current: Path) -> Optional[Path]:
     is searched last, as it once was.)"""
     include = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
     if include:
-        for base in (current.parent, Path.cwd(), CONFIG_DIR, top):
+        for base in (current.parent, Path(), CONFIG_DIR, top):  # Path(): the working directory, named as gin does
             if (base / include.group(1)).is_file():
                 return base / include.group(1)
     return None
@@ -153,11 +153,22 @@ def _lines(files: Sequence[str], bindings: Sequence[str]) -> Iterator[Tuple[str,
 def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple[str, str]]:
     """A file's lines, each included file's lines after its ``include`` line (found where gin finds it)."""
     for n, line in enumerate(read_text(str(path)).splitlines(), 1):
-        where = f"{path.name}, line {n}"
+        where = f"{shown(str(path))}, line {n}"  # as gin's own errors name it
         yield where + (f" (included from {outer})" if outer else ""), line
         included = _included(line, top, path) if depth < 20 else None
         if included is not None:
             yield from _file_lines(included, top, where + (f", {outer}" if outer else ""), depth + 1)
+
+
+def line_where(source: str, filename: str, lineno: int) -> str:
+    """``filename, line N (included from top.gin, line 2)`` for line ``lineno`` of the file gin names
+    ``filename``, read through the includes of ``source``; empty when no include of it reaches that file."""
+    head = f"{shown(filename)}, line {lineno}"
+    path = Path(source)
+    for where, _ in _file_lines(path, path.parent, "", 0):
+        if where == head or where.startswith(head + " "):
+            return where
+    return ""
 
 
 def unused_bindings(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> List[str]:

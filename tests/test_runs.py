@@ -69,8 +69,9 @@ def test_an_existing_run_name_is_refused_unless_resuming(tmp_path):
     with first.step(0):
         first.logger.log_metrics({"x": 1.0}, 0)
     first.close()
-    with pytest.raises(ConfigurationError, match="already exists.*resume=True"):
+    with pytest.raises(ConfigurationError, match="already exists.*resume=True") as refused:
         instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path))
+    assert "--bind 'Instrumentation.resume = True'" in str(refused.value)  # what a CLI user writes
     # an empty folder made beforehand is not a run
     (tmp_path / "empty").mkdir()
     instrument.Instrumentation(backends=[], run_name="empty", log_dir=str(tmp_path)).close()

@@ -136,7 +136,8 @@ def run_name_for(run_name: Optional[str], root: Path, resume: bool) -> Tuple[str
         if run_name is not None and is_used(root / name):
             refusal = (f"run {name!r} already exists in {str(root)!r} ({root / name} is not empty); a new run "
                        f"would mix its steps with the old one. Choose another run_name, leave it unset for a unique "
-                       f"default, or pass resume=True to continue that run.")
+                       f"default, or pass resume=True to continue that run (from the command line: "
+                       f"--bind 'Instrumentation.resume = True').")
         else:
             refusal = _claim(root / name)
             if refusal is None:

@@ -404,3 +404,37 @@ def test_over_budget_names_a_costly_step_component(tmp_path, caplog):
     assert sorted(own) == [2, 4] and all(v >= 20 * SLEEP for v in own.values())
     warnings = [r.getMessage() for r in caplog.records if "overhead_budget" in r.getMessage()]
     assert len(warnings) == 1 and "step component 'slow_component'" in warnings[0], warnings
+
+
+def test_an_observer_named_like_a_components_key_keeps_its_own_time_and_is_named_an_observer(tmp_path):
+    """A review found an observer named "component/Foo" sharing its key with a step component "Foo": the
+    component's 1 ms overwrote the observer's 50 ms, and the budget warning named the component."""
+    from instrument.core.overhead import costliest, over_budget
+
+    keep = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            keep.append(dict(record.scalars))
+
+    class Slow(instrument.Observer):
+        def observe(self, context):
+            time.sleep(0.05)
+
+    class Quick:
+        def log(self, logger, step):
+            pass
+
+    inst = instrument.Instrumentation([Slow("component/Foo")], backends=[Keep()], log_interval=1,
+                                      overhead_budget=1.0, log_dir=str(tmp_path))
+    inst.add_component(Quick(), name="Foo")
+    for step in range(3):
+        with inst.step(step) as s:
+            s.observer(instrument.StepContext(torch.zeros(1), torch.ones(1)))
+    inst.close()
+    measured = [scalars for scalars in keep if "instrument/overhead/instrument" in scalars][-1]
+    assert measured["instrument/overhead/observer/component/Foo"] >= 0.05
+    assert measured["instrument/overhead/component/Foo"] < 0.05
+    assert costliest(measured)[0] == "observer/component/Foo"
+    warning = over_budget(2, {**measured, "instrument/overhead/fraction": 0.9}, 0.1, 1)
+    assert "the costliest is observer 'component/Foo'" in warning

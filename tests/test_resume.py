@@ -269,3 +269,11 @@ def test_a_running_heatmap_colour_range_goes_on_after_a_resume(tmp_path):
         late.load_state_dict(old)  # refused before anything changed; a checkpoint without them loads
         assert late.logger._ranges == {}
         late.close()
+    # A review found a second load of a state without them (an earlier checkpoint of an older instrument, which a
+    # second load may take) keeping the first load's ranges, taken from steps after the second one's.
+    twice = session(True)
+    twice.load_state_dict(state)
+    assert twice.logger._ranges == {"h": (0.0, 10.0)}
+    twice.load_state_dict({**old, "last_step": 0})
+    assert twice.logger._ranges == {}
+    twice.close()

@@ -259,6 +259,59 @@ def test_two_threads_entering_steps_of_one_session_are_never_both_inside_and_are
     assert all("is open on another thread" in message and "its own Instrumentation" in message for message in errors)
 
 
+def test_a_step_keeps_its_slot_until_it_has_ended_and_an_interrupted_entry_frees_it():
+    """A review of the slot lock found the slot freed before the logging step's end (observers' log, commit): a
+    step entered on another thread meanwhile got in, and its values went into this step's record (or its mark
+    replaced a failed step's, whose values then reached a later commit). And a Ctrl-C in a non-logging step's
+    mark, after the slot was taken, left it taken: every later step was refused."""
+    seen = []
+
+    class StartsAStepElsewhere(instrument.Observer):
+        def log(self, logger, step):  # the step's end is under way: another thread tries a step of its own
+            def other():
+                try:
+                    with inst.step(3):
+                        inst.log({"from_the_other_thread": 1.0})
+                    seen.append("entered")
+                except instrument.ConfigurationError as exc:
+                    seen.append(str(exc))
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+
+    keep = []
+
+    class Keep(instrument.Backend):
+        def write(self, record):
+            keep.append(record)
+
+    inst = instrument.Instrumentation([StartsAStepElsewhere("elsewhere")], backends=[Keep()], log_interval=2,
+                                      overhead_budget=None)
+    with inst.step(2):
+        inst.log({"mine": 1.0})
+    inst.logger.flush()
+    assert len(seen) == 1 and "is open on another thread" in seen[0], seen
+    assert [sorted(r.scalars) for r in keep] == [["mine"]] and inst.open_step is None
+
+    mark, calls = inst.logger.mark, []
+
+    def interrupted_mark():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return mark()
+
+    inst.logger.mark = interrupted_mark
+    with pytest.raises(KeyboardInterrupt):
+        with inst.step(5):
+            pass
+    assert inst.open_step is None
+    with inst.step(7):  # refused before the fix: "steps do not nest"
+        pass
+    inst.close()
+
+
 def test_log_interval_zero_a_step_that_raises_discards_what_it_staged(tmp_path):
     """A review found that with log_interval=0 a failed step kept what it handed to inst.logger: it reached the
     next commit (a loss mean of 34 instead of 1, three timer spans instead of two)."""

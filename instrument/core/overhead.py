@@ -70,6 +70,7 @@ COMPONENT = PREFIX + "component/"  # a step component's key: its name after this
 # a millisecond is "over budget" at any share, and a warning there would only teach users to ignore it.
 QUIET_SECONDS = 0.005
 _RESERVED = ("commit", "fraction", "instrument", "hooks")
+_PREFIXED = ("component/", "observer/")  # an observer so named is keyed under "observer/": never a component's key
 _MAX_PENDING = 8  # measured steps whose CUDA events have not completed yet
 
 
@@ -247,7 +248,8 @@ def _complete(sheet: _Sheet) -> bool:
 def _scalars(sheet: _Sheet) -> Dict[str, float]:
     out = {}
     for name, seconds in sheet.observers.items():
-        key = PREFIX + (f"{name}_observer" if name in _RESERVED else name)  # an observer named "commit"
+        key = PREFIX + (f"{name}_observer" if name in _RESERVED  # an observer named "commit"
+                        else f"observer/{name}" if name.startswith(_PREFIXED) else name)  # or "component/x"
         out[key] = out.get(key, 0.0) + seconds
     out[PREFIX + "commit"] = sheet.commit
     out[PREFIX + "hooks"] = max(0.0, sheet.own)
@@ -302,6 +304,8 @@ def _what(name: str) -> str:
     """How the warning names a key's subject: ``observer 'x'``, ``step component 'y'``, ``the commit``..."""
     if name.startswith("component/"):
         return f"step component {name[len('component/'):]!r}"
+    if name.startswith("observer/"):
+        return f"observer {name[len('observer/'):]!r}"
     if name in ("commit", "hooks"):
         return {"commit": "'commit' (Logger.commit)", "hooks": "'hooks' (the watch and probe hooks)"}[name]
     return f"observer {name!r}"

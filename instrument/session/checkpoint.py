@@ -85,10 +85,11 @@ def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
     """`Instrumentation.load_state_dict` (see its docstring): refused before anything changes, or resumed."""
     saved_step = check_session_state(inst, state)
     inst.logger.resume_after(saved_step)
-    if "heatmap_ranges" in state:  # a checkpoint saved before they were kept has none: those start again
-        ranges = _heatmap_ranges(state["heatmap_ranges"])
-        inst.logger._ranges.clear()  # no heatmap drawn yet: load_state_dict comes before the first step
-        inst.logger._ranges.update(ranges)
+    # The checkpoint's ranges replace whatever an earlier load set (a second load of an earlier state without
+    # them must not keep ranges from later steps); one saved before they were kept has none: those start again.
+    ranges = _heatmap_ranges(state["heatmap_ranges"]) if "heatmap_ranges" in state else {}
+    inst.logger._ranges.clear()  # no heatmap drawn yet: load_state_dict comes before the first step
+    inst.logger._ranges.update(ranges)
     inst._resumed_at = -1 if saved_step is None else saved_step
     _say_left_out(inst, state.get("backends"), saved_step)
 

@@ -75,20 +75,22 @@ class StepScope:
 
     def __enter__(self) -> "StepScope":
         session = self._session
-        with _slot_lock:  # checked and taken at once: two threads never both hold the slot
-            self._refuse_to_open()
-            self._thread = threading.get_ident()
-            session._scope = self  # what `Instrumentation.log` logs at
-        if self.active:
-            try:
+        try:
+            with _slot_lock:  # checked and taken at once: two threads never both hold the slot
+                self._refuse_to_open()
+                self._thread = threading.get_ident()
+                session._scope = self  # what `Instrumentation.log` logs at
+            if self.active:
                 session._begin(self)
-            except BaseException:  # a start that failed (or Ctrl-C in it): no block runs, no __exit__ frees the slot
+            else:
+                # What this step stages is dropped if its body raises (with log_interval=0 too: what the block
+                # hands to inst.logger itself is still written, and a failed block's values must not reach a later
+                # commit). Taken after the slot: a refused thread's mark would replace the open step's.
+                self._mark = session.logger.mark()
+        except BaseException:  # refused, a start that failed, or Ctrl-C in it: no block runs, no __exit__ frees it
+            if session._scope is self:
                 session._scope = None
-                raise
-            return self
-        # What this step stages is dropped if its body raises (with log_interval=0 too: what the block hands to
-        # inst.logger itself is still written, and a failed block's values must not reach a later commit).
-        self._mark = session.logger.mark()
+            raise
         return self
 
     def _refuse_to_open(self) -> None:
@@ -112,19 +114,22 @@ class StepScope:
         )
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        session = self._session
         try:
-            if self._session._scope is self:
-                self._session._scope = None
-        finally:  # the step is ended whatever interrupts the line above (Ctrl-C): left open, it refused every later one
-            if self.active and self._session._current is self:  # not ended already (`close()` inside the block)
+            if self.active and session._current is self:  # not ended already (`close()` inside the block)
                 interrupt = record.take_interrupt()  # Ctrl-C in observers called from TorchScript code (`record`)
                 try:
-                    self._session._end(self, failed=exc_type is not None or interrupt is not None)
+                    session._end(self, failed=exc_type is not None or interrupt is not None)
                 finally:
                     if interrupt is not None:
                         raise interrupt
             elif exc_type is not None and self._mark is not None:
-                self._session._discard(self)
+                session._discard(self)
+        finally:
+            # Freed once the step has ended (its observers' log, its commit or its discard), whatever interrupts
+            # that: another thread's step let in before would stage into this step's commit or replace its mark.
+            if session._scope is self:
+                session._scope = None
 
 
 def _fresh_lock_in_child() -> None:

@@ -337,10 +337,26 @@ def test_characters_the_font_lacks_are_drawn_as_escapes_so_names_stay_apart(tmp_
     assert not np.array_equal(theta, omega)
     theta, omega = (render.render_heatmap(matrix, x_ticks=[name, "a"]) for name in ("θ", "ω"))
     assert not np.array_equal(theta, omega)
-    np.testing.assert_array_equal(theta, render.render_heatmap(matrix, x_ticks=["\\u03b8", "a"]))
+    # a backslash typed before "u" is drawn doubled: not the escape of "θ"
+    assert not np.array_equal(theta, render.render_heatmap(matrix, x_ticks=["\\u03b8", "a"]))
     logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
     logger.log_heatmap("act/θ", matrix, step=0, y_label="θ")
     logger.commit(0)
     logger.close()
     drawn = _tb_pixels(tmp_path / "r", "act/θ")
-    np.testing.assert_array_equal(drawn, render.render_heatmap(matrix, title="act/\\u03b8", y_label="\\u03b8"))
+    np.testing.assert_array_equal(drawn, render.render_heatmap(matrix, title="act/θ", y_label="θ"))
+    assert not np.array_equal(drawn, render.render_heatmap(matrix, title="act/\\u03b8", y_label="\\u03b8"))
+
+
+def test_a_typed_backslash_is_drawn_doubled_where_escapes_could_be_read_into_it():
+    """``act/caf\\u00e9`` typed with a real backslash and ``act/café`` are drawn differently; a backslash in a
+    text with nothing escaped and no backslash before "u" is drawn as it is."""
+    from instrument.logger import render
+
+    typed, accented = "act/caf\\u00e9", "act/caf\u00e9"
+    assert render.drawable_text(accented) == "act/caf\\u00e9"
+    assert render.drawable_text(typed) == "act/caf\\\\u00e9"
+    assert render.drawable_text("a\\θ") == "a\\\\\\u03b8"
+    assert render.drawable_text("C:\\dir\\x") == "C:\\dir\\x"
+    matrix = np.arange(4.0).reshape(2, 2)
+    assert not np.array_equal(render.render_heatmap(matrix, title=typed), render.render_heatmap(matrix, title=accented))

@@ -80,12 +80,19 @@ def drawable_text(text: str, font=None) -> str:
     "θ", "ü", a newline) written as its escape (``\\u03b8``), so that names differing in such characters stay
     distinguishable on the image instead of all showing the same missing-glyph boxes. Only the drawn text: the
     metric's key is unchanged."""
-    if text.isascii() and text.isprintable():
-        return text
-    font = _font(11) if font is None else font
-    return "".join(
+    return "".join(_drawn_units(text, _font(11) if font is None else font))
+
+
+def _drawn_units(text: str, font) -> tuple:
+    """`drawable_text` per character of ``text``: what each is drawn as. Where anything is escaped, or the text
+    holds a backslash before "u" or "U" itself, a backslash is drawn as ``\\\\``: a typed ``caf\\u00e9`` and
+    ``café`` are drawn differently (a text left as it is never shows a backslash before "u" or "U")."""
+    if text.isascii() and text.isprintable() and "\\u" not in text and "\\U" not in text:
+        return tuple(text)
+    units = tuple(
         c if _drawable(c, font) else (f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}") for c in text
     )
+    return tuple("\\\\" if c == "\\" else c for c in units)
 
 
 # Layout of a heatmap canvas, in pixels: the least margins around the cells (wider where labels need it).

@@ -348,6 +348,10 @@ def test_bad_input_is_refused_with_what_was_received():
     for infinite in ((0.0, float("inf")), (float("-inf"), 1.0), (0.0, 1e308 * 10)):  # every frame one colour
         with pytest.raises(err, match=r"value_range must be None or \(low, high\) finite numbers with low < high"):
             RolloutVideo(channels=(0,), value_range=infinite)
+    for text_or_mapping in ("01", b"01", bytearray(b"01"), {0: 1, 1: 2}):  # not read as (0, 1), (48, 49), keys
+        with pytest.raises(err, match=r"value_range must be None or \(low, high\).*not a pair of bounds"):
+            RolloutVideo(channels=(0,), value_range=text_or_mapping)
+    assert RolloutVideo(channels=(0,), value_range=[0, 2]).value_range == (0.0, 2.0)
     with pytest.raises(err, match=r"every must be an int >= 1"):
         RolloutVideo(every=0)
     observer = RolloutVideo(sample=4)

@@ -10,7 +10,7 @@ from typing import Any, Type
 
 import numpy as np
 
-__all__ = ["VIRIDIS_LUT", "NAN_COLOUR", "parse_color_range"]
+__all__ = ["VIRIDIS_LUT", "NAN_COLOUR", "parse_color_range", "not_a_pair"]
 
 # viridis, sampled at 9 evenly spaced points and interpolated linearly.
 _VIRIDIS = np.array(
@@ -39,9 +39,7 @@ def parse_color_range(where: str, value: Any, error: Type[Exception], more: str 
         return value
     accepted = (f"{where}: color_range must be None (each image scaled to its own values), 'running' (the range "
                 f"seen so far) or a pair (lo, hi) of numbers{more}, got {value!r}")
-    # a string or mapping of two items is not a pair of bounds: "01" would be read as (0, 1), {0: .., 1: ..} as
-    # its keys
-    if isinstance(value, (str, bytes, bytearray, Mapping)):
+    if not_a_pair(value):
         raise error(f"{accepted} (a {type(value).__name__}); give the bounds as numbers, e.g. (0.0, 1.0).")
     try:
         lo, hi = (float(v) for v in value)
@@ -50,3 +48,10 @@ def parse_color_range(where: str, value: Any, error: Type[Exception], more: str 
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise error(f"{where}: color_range (lo, hi) needs finite numbers with lo < hi, got {value!r}.")
     return (lo, hi)
+
+
+def not_a_pair(value: Any) -> bool:
+    """Whether ``value`` iterates as two items without being a pair of bounds: a string or bytes ("01" would be
+    read as (0, 1), b"01" as (48, 49)) or a mapping ({0: .., 1: ..} as its keys). Refused as a colour range
+    (`parse_color_range`) and as `RolloutVideo`'s value range alike."""
+    return isinstance(value, (str, bytes, bytearray, memoryview, Mapping))

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from instrument.checks import check_int, is_int
-from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT
+from instrument.core.colormap import NAN_COLOUR, VIRIDIS_LUT, not_a_pair
 from instrument.core.context import StepContext, reduction_dtype
 from instrument.core.devices import to_device
 from instrument.core.observer import Observer
@@ -266,6 +266,12 @@ def _check_channels(channels) -> Tuple[int, ...]:
 def _check_range(value_range) -> Optional[Tuple[float, float]]:
     if value_range is None:
         return None
+    if not_a_pair(value_range):
+        raise ConfigurationError(
+            f"RolloutVideo.value_range must be None or (low, high) finite numbers with low < high, got "
+            f"{value_range!r} (a {type(value_range).__name__}, not a pair of bounds); give the bounds as numbers, "
+            f"e.g. (0.0, 1.0)."
+        )
     try:
         lo, hi = (float(v) for v in value_range)
     except (TypeError, ValueError):

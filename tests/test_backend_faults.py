@@ -441,3 +441,32 @@ def test_jsonl_into_a_pipe_resumes_without_reading_it(tmp_path):
     backend.close()
     reader.join(30)
     assert [json.loads(line)["step"] for line in received] == [3]
+
+
+def test_a_backend_failing_in_flush_on_exit_or_close_is_told_what_that_costs_it(tmp_path, caplog):
+    """Each report says what follows: a close or on_exit that raised is not followed by "the next record" (the
+    report used to say so for every method but log_hyperparams)."""
+    import logging
+
+    from instrument import Logger
+    from instrument.backends.base import Backend
+
+    def failing(method):
+        def boom(self, *args):
+            raise RuntimeError(f"{method} boom")
+
+        name = f"Fails{method.title().replace('_', '')}"
+        return type(name, (Backend,), {"write": lambda self, record: None, method: boom})()
+
+    backends = [failing(method) for method in ("flush", "on_exit", "close")]
+    logger = Logger(backends, RunInfo("f", tmp_path), on_backend_error="warn")
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        logger.log_metrics({"loss": 1.0}, step=0)
+        logger.commit()
+        logger.close(status="failed")
+    said = {r.getMessage().split(" failed in ")[1].split("()")[0]: r.getMessage() for r in caplog.records
+            if " failed in " in r.getMessage()}
+    assert sorted(said) == ["close", "flush", "on_exit"], said
+    assert "next record again" not in said["close"] and "not closed again" in said["close"], said["close"]
+    assert "next record again" not in said["on_exit"] and "closed next" in said["on_exit"], said["on_exit"]
+    assert "flushed again" in said["flush"], said["flush"]

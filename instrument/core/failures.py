@@ -20,9 +20,20 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple, Type
 
-__all__ = ["FailureLedger"]
+__all__ = ["FailureLedger", "BACKEND_CONSEQUENCE", "BACKEND_CONSEQUENCES"]
 
 log = logging.getLogger("instrument")
+
+# What a failure in each of a backend's methods costs it (the backends' ledger, `instrument.logger.Logger`): a
+# write or a system record that raised is followed by the next record, but a method called once is not retried.
+_GO_ON = "training and the other backends go on"
+BACKEND_CONSEQUENCE = f"it gets the next record again; {_GO_ON}"
+BACKEND_CONSEQUENCES = {
+    "log_hyperparams": f"they are not sent to it again; {_GO_ON}",
+    "flush": f"what it holds may not be saved yet; it gets the next record and is flushed again; {_GO_ON}",
+    "on_exit": f"how the run ended may not be recorded by it; it is closed next; {_GO_ON}",
+    "close": f"it is not closed again and gets no more records (what it had not saved may be lost); {_GO_ON}",
+}
 
 _LOCK_WAIT = 0.5  # seconds `record` waits for the lock (it is held for a few bytecodes at a time)
 

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, check_apart, check_backends, name_apart
 from instrument.checks import check_int, check_number
-from instrument.core.failures import FailureLedger
+from instrument.core.failures import BACKEND_CONSEQUENCE, BACKEND_CONSEQUENCES, FailureLedger
 from instrument.errors import ConfigurationError
 from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
@@ -119,9 +119,8 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         if self.is_writer:  # before any opens: two that share a file would write every record twice
             check_apart(backends, self.run)
         self.ledger = FailureLedger(
-            "backend", "it gets the next record again; training and the other backends go on",
+            "backend", BACKEND_CONSEQUENCE, consequences=BACKEND_CONSEQUENCES,
             catch=BaseException,  # on the writer thread: a backend's sys.exit or CancelledError costs it alone
-            consequences={"log_hyperparams": "they are not sent to it again; training and the other backends go on"},
         )
         self._lock = threading.RLock()  # staging and the swap of the staged table
         self._commit_lock = threading.RLock()  # commits hand over one at a time, in step order

@@ -281,6 +281,26 @@ def test_neighbouring_colorbar_labels_differ_and_are_the_values_rounded(lo, hi):
     assert render.colorbar_labels([(1000.0, 0), (2000.0, 100)]) == ["1000", "2000"]
 
 
+def test_a_users_range_narrower_than_rounding_noise_is_drawn_in_contrast_and_its_ends_labelled_apart():
+    """color_range=(1.0, 1.0 + 4 ulp) is the user's scale: drawn in full contrast, so its two labels differ (both
+    read '1' when the labels took it for a data range of rounding noise, drawn in one colour)."""
+    from instrument.logger import render
+
+    lo, hi = 1.0, 1.0 + 4 * np.spacing(1.0)
+    image = render.render_heatmap(np.array([[lo, hi]]), color_range=(lo, hi))
+    left, top, cw, ch = render.heatmap_geometry(1, 2)
+    np.testing.assert_array_equal(image[top + ch // 2, [left + cw // 2, left + cw + cw // 2]], VIRIDIS_LUT[[0, 255]])
+    tick_x = left + 2 * cw + 8 + 10
+    top_label, bottom_label = (image[y - 6:y + 8, tick_x + 5:] for y in (top, top + ch - 1))
+    assert not np.array_equal(top_label, bottom_label), "both ends of the colour bar read the same"
+    texts = render.colorbar_labels(render.colorbar_ticks(lo, hi, ch), one_colour=False)
+    assert texts[0] != texts[1] and float(texts[0]) == hi and float(texts[1]) == lo, texts
+    # the same range taken from the data is drawn in one colour, labelled to 3 digits
+    assert render.colorbar_labels(render.colorbar_ticks(lo, hi, ch)) == ["1", "1"]
+    data = render.render_heatmap(np.array([[lo, hi]]))
+    assert (data[top + ch // 2, left + cw // 2] == data[top + ch // 2, left + cw + cw // 2]).all()
+
+
 def test_row_labels_of_many_digits_end_before_the_cells():
     """Row numbers of 5 digits and more are drawn whole, left of the cells: the band of the last labelled row is
     what Pillow draws for its number, not cut by the cells drawn over it."""

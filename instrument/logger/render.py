@@ -325,15 +325,19 @@ def colorbar_ticks(lo: float, hi: float, height: int):
     return ticks
 
 
-def colorbar_labels(ticks) -> list:
+def colorbar_labels(ticks, one_colour: Optional[bool] = None) -> list:
     """The texts drawn beside `colorbar_ticks`'s ``ticks``, in their order: each value rounded to the fewest
     significant digits (3 at least) that resolve the step between round ticks and leave every two neighbouring
     labels different (100.1 .. 100.9 reads 100.9, 100.8, 100.6, ..., not 101 three times, then 100 three times).
-    A range of float rounding noise (`is_degenerate`, drawn in one colour) is labelled to 3 digits."""
+    An image drawn in one colour (``one_colour``; None: whether the range is float rounding noise,
+    `is_degenerate`, as for a range taken from the data) is labelled to 3 digits. A user's range that narrow is
+    drawn in full contrast: its ends are labelled apart."""
     values = [v for v, _ in ticks]
     precision = 3
     lo, hi = min(values), max(values)
-    if all(math.isfinite(v) for v in values) and hi > lo and not is_degenerate(lo, hi):
+    if one_colour is None:
+        one_colour = hi > lo and is_degenerate(lo, hi)
+    if all(math.isfinite(v) for v in values) and hi > lo and not one_colour:
         if math.isfinite(hi - lo):
             magnitude = int(np.floor(np.log10(max(abs(lo), abs(hi)))))
             precision = max(3, magnitude - int(np.floor(np.log10(_nice_step(hi - lo)))) + 1)
@@ -376,7 +380,8 @@ def render_heatmap(
     else:
         lo, hi = float(color_range[0]), float(color_range[1])
     # A constant image, or one whose range is float rounding noise (`is_degenerate`), is drawn in one colour.
-    span = hi - lo if hi > lo and not (color_range is None and is_degenerate(lo, hi)) else 1.0
+    one_colour = not hi > lo or (color_range is None and is_degenerate(lo, hi))
+    span = 1.0 if one_colour else hi - lo
     # NaN and -inf as lo, +inf as hi: np.nan_to_num's replacement, without its Python (a tenth of a heatmap's
     # time on the writer thread, with cold caches).
     filled = np.where(known, m, np.where(m > 0, hi, lo))
@@ -392,7 +397,7 @@ def render_heatmap(
     frame, (left, top), (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
     tick_x = bar_x + _BAR_WIDTH
     bar_ticks = colorbar_ticks(lo, hi, ch * rows)
-    labels = [_label(text, font) for text in colorbar_labels(bar_ticks)]
+    labels = [_label(text, font) for text in colorbar_labels(bar_ticks, one_colour)]
     # the canvas is widened where a label would not fit the right margin: a label is never cut
     width = max(frame.shape[1], max(tick_x + 5 + dx + pixels.shape[1] for pixels, dx, _ in labels) + 2)
     if width > frame.shape[1]:

@@ -279,7 +279,7 @@ def _darken(canvas: np.ndarray, pixels: np.ndarray, x: int, y: int) -> None:
 def _nice_step(span: float, count: int = 4) -> float:
     """A step of 1, 2 or 5 times a power of ten giving about ``count`` intervals over ``span``."""
     raw = span / count
-    power = 10.0 ** np.floor(np.log10(raw))
+    power = 10.0 ** math.floor(math.log10(raw))
     for factor, below in ((1.0, 1.5), (2.0, 3.0), (5.0, 7.0)):
         if raw / power < below:
             return factor * power
@@ -292,7 +292,8 @@ def is_degenerate(lo: float, hi: float) -> bool:
     A range taken from the data that narrow (e.g. alive fractions all 1.0 but one 0.9999999999999999) holds
     one value in every sense a reader cares about: it is drawn as a constant image, not as full contrast.
     """
-    return hi - lo <= 8.0 * float(np.spacing(max(abs(lo), abs(hi))))
+    span = hi - lo  # an infinite span is never noise (math.ulp(inf) is inf, np.spacing's NaN)
+    return span < math.inf and span <= 8.0 * math.ulp(max(abs(lo), abs(hi)))
 
 
 _MAX_TICKS = 64  # a bound, whatever the range: drawing never loops on its values
@@ -305,48 +306,63 @@ def colorbar_ticks(lo: float, hi: float, height: int):
     The round values are computed by index (``i * step``), never by adding ``step`` until ``hi`` is reached:
     a step below the float spacing at ``lo`` would never move the sum, and the writer thread would spin.
     """
+    return _ticks(lo, hi, height)[0]
+
+
+def _ticks(lo: float, hi: float, height: int):
+    """`colorbar_ticks`, and the step between its round values (None where it has none): `colorbar_labels`
+    needs it too. Python's math on single numbers: NumPy's functions cost a microsecond each there."""
+    lo, hi = float(lo), float(hi)
     ticks = [(hi, 0), (lo, height - 1)]
-    if not (np.isfinite(lo) and np.isfinite(hi)) or hi <= lo or height < 42 or is_degenerate(lo, hi):
-        return ticks
-    if not np.isfinite(hi - lo):  # the span overflows float64
-        return ticks
-    step = float(_nice_step(hi - lo))
-    first, last = np.ceil(lo / step), np.floor(hi / step)
-    if max(abs(first), abs(last)) > 2.0**52 or last - first > _MAX_TICKS:  # indices no longer exact
-        return ticks
-    digits = 1 - int(np.floor(np.log10(step)))  # 3 * 0.2 is 0.6000000000000001: labelled values are round
-    for i in range(int(first), int(last) + 1):
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo or height < 42 or is_degenerate(lo, hi):
+        return ticks, None
+    if not math.isfinite(hi - lo):  # the span overflows float64
+        return ticks, None
+    step = _nice_step(hi - lo)
+    first, last = math.ceil(lo / step), math.floor(hi / step)
+    if max(abs(first), abs(last)) > 2**52 or last - first > _MAX_TICKS:  # indices no longer exact
+        return ticks, step
+    digits = 1 - math.floor(math.log10(step))  # 3 * 0.2 is 0.6000000000000001: labelled values are round
+    for i in range(first, last + 1):
         value = round(i * step, digits) if digits > 0 else i * step  # Python floats: exact for any digits
         if not lo <= value < hi:
             continue
         y = int(round((hi - value) / (hi - lo) * (height - 1)))
         if all(abs(y - other) >= 14 for _, other in ticks):
             ticks.append((float(value), y))
-    return ticks
+    return ticks, step
 
 
-def colorbar_labels(ticks, one_colour: Optional[bool] = None) -> list:
+def colorbar_labels(ticks, one_colour: Optional[bool] = None, step: Optional[float] = None) -> list:
     """The texts drawn beside `colorbar_ticks`'s ``ticks``, in their order: each value rounded to the fewest
     significant digits (3 at least) that resolve the step between round ticks and leave every two neighbouring
     labels different (100.1 .. 100.9 reads 100.9, 100.8, 100.6, ..., not 101 three times, then 100 three times).
     An image drawn in one colour (``one_colour``; None: whether the range is float rounding noise,
     `is_degenerate`, as for a range taken from the data) is labelled to 3 digits. A user's range that narrow is
-    drawn in full contrast: its ends are labelled apart."""
+    drawn in full contrast: its ends are labelled apart. ``step``: the one `colorbar_ticks` used, if known."""
     values = [v for v, _ in ticks]
-    precision = 3
     lo, hi = min(values), max(values)
     if one_colour is None:
         one_colour = hi > lo and is_degenerate(lo, hi)
-    if all(math.isfinite(v) for v in values) and hi > lo and not one_colour:
-        if math.isfinite(hi - lo):
-            magnitude = int(np.floor(np.log10(max(abs(lo), abs(hi)))))
-            precision = max(3, magnitude - int(np.floor(np.log10(_nice_step(hi - lo)))) + 1)
-        order = [v for v, _ in sorted(ticks, key=lambda tick: tick[1])]  # along the bar
-        pairs = list(zip(order[:-1], order[1:], strict=True))
-        # 17 significant digits tell any two float64 apart: the loop ends
-        while precision < 17 and any(_fmt(a, precision) == _fmt(b, precision) for a, b in pairs):
-            precision += 1
-    return [_fmt(v, min(precision, 17)) for v in values]
+    if not (hi > lo and not one_colour and all(map(math.isfinite, values))):
+        return [_fmt(v) for v in values]
+    precision = 3
+    if hi - lo < math.inf:
+        magnitude = math.floor(math.log10(max(abs(lo), abs(hi))))
+        step = _nice_step(hi - lo) if step is None else step
+        precision = max(3, magnitude - math.floor(math.log10(step)) + 1)
+    # Each value formatted once per precision (`_fmt` inlined: the values are finite). The values are distinct
+    # and rounding keeps their order, so two labels alike anywhere means two neighbours alike; 17 significant
+    # digits tell any two float64 apart: the loop ends.
+    while True:
+        digits = min(precision, 17)
+        spec = f".{digits}g"
+        texts = [format(v, spec) for v in values]
+        if "e+" in "".join(texts):  # as `_fmt`: 12345.6 as 12346, not 1.23e+04
+            texts = [f"{v:.0f}" if "e+" in t and abs(v) < 999999.5 else t for v, t in zip(values, texts, strict=True)]
+        if digits == 17 or len(set(texts)) == len(texts):
+            return texts
+        precision += 1
 
 
 def render_heatmap(
@@ -396,8 +412,8 @@ def render_heatmap(
     ticks = tuple(x_ticks) if x_ticks is not None else None
     frame, (left, top), (cw, ch), bar_x, font = _heatmap_frame(rows, cols, title, x_label, y_label, target_size, ticks)
     tick_x = bar_x + _BAR_WIDTH
-    bar_ticks = colorbar_ticks(lo, hi, ch * rows)
-    labels = [_label(text, font) for text in colorbar_labels(bar_ticks, one_colour)]
+    bar_ticks, step = _ticks(lo, hi, ch * rows)
+    labels = [_label(text, font) for text in colorbar_labels(bar_ticks, one_colour, step)]
     # the canvas is widened where a label would not fit the right margin: a label is never cut
     width = max(frame.shape[1], max(tick_x + 5 + dx + pixels.shape[1] for pixels, dx, _ in labels) + 2)
     if width > frame.shape[1]:

@@ -345,6 +345,67 @@ def test_the_y_label_is_drawn_whole_and_rotated_beside_the_row_labels():
     np.testing.assert_array_equal(rows_column, no_y[:, left - render._ROW_GAP:left - 3])
 
 
+def _dark_columns(band: np.ndarray) -> np.ndarray:
+    return np.nonzero((band < 128).any(axis=(0, 2)))[0]
+
+
+def test_texts_too_long_for_their_room_are_shortened_from_the_middle_keeping_their_ends():
+    """A Cyrillic tag escapes to ~500 px on a 368 px canvas: its end (``1`` / ``2``) was cut off, so two tags had
+    the same title row. A long y label made the image as tall as the label (2406 px for 400 characters), and a long
+    x label was cut on both sides. Each is now shortened from the middle to its room, start and end kept."""
+    from instrument.logger import render
+
+    matrix = np.arange(512.0).reshape(32, 16)
+    usual = render.render_heatmap(matrix, title="grad/norm", x_label="module", y_label="iteration")
+    height, width = usual.shape[:2]
+    left, top, cw, ch = render.heatmap_geometry(32, 16, y_label="iteration")
+    first, second = (render.render_heatmap(matrix, title=f"градиенты/слой{i}") for i in (1, 2))
+    assert first.shape[:2] == (height, width)
+    assert not np.array_equal(first[:top - 2], second[:top - 2]), "the titles' distinguishing ends are cut off"
+    assert _dark_columns(first[:top - 2]).max() < width - 2
+    # the start is kept too: titles differing in their first character differ
+    assert not np.array_equal(*(render.render_heatmap(matrix, title=f"{c}радиенты/слой1")[:top - 2] for c in "аб"))
+
+    for label in ("y" * 400, "шаг обучения", "é" * 60, "layer." * 30 + "end"):  # the canvas never grows for it
+        image = render.render_heatmap(matrix, y_label=label)
+        assert image.shape[:2] == (height, width), label
+        ys = np.nonzero((image[:, :left - render._ROW_GAP] < 128).any(axis=(1, 2)))[0]
+        assert top <= ys.min() and ys.max() < top + ch * 32, label  # beside the cells
+    ends = [render.render_heatmap(matrix, y_label="layer." * 30 + e)[:, :left - render._ROW_GAP] for e in "ab"]
+    assert not np.array_equal(*ends)
+
+    band = slice(top + ch * 32 + 6 + 14, height)  # the x label's row
+    for label in ("x" * 200, "module/" * 40 + "end"):
+        image = render.render_heatmap(matrix, x_label=label)
+        assert image.shape[:2] == (height, width)
+        columns = _dark_columns(image[band])
+        assert columns.min() >= 2 and columns.max() < width - 2, label  # not cut on either side
+    ends = [render.render_heatmap(matrix, x_label="module/" * 40 + e)[band] for e in "ab"]
+    assert not np.array_equal(*ends)
+
+
+def test_usual_labels_are_drawn_whole_as_before():
+    """Short ASCII labels are drawn as given, where they were drawn (the x label as before: 3 px per character
+    left of the cells' centre)."""
+    from PIL import ImageDraw
+
+    from instrument.logger import render
+
+    matrix = np.arange(512.0).reshape(32, 16)
+    image = render.render_heatmap(matrix, title="grad/norm", x_label="module", y_label="iteration")
+    left, top, cw, ch = render.heatmap_geometry(32, 16, y_label="iteration")
+    font = render._font(11)
+    reference = Image.new("RGB", (image.shape[1], image.shape[0]), (255, 255, 255))
+    draw = ImageDraw.Draw(reference)
+    draw.text((left, 4), "grad/norm", fill=(0, 0, 0), font=font)
+    y = top + ch * 32 + 6 + 14
+    draw.text((left + cw * 16 // 2 - 3 * len("module"), y), "module", fill=(0, 0, 0), font=font)
+    reference = np.asarray(reference)
+    bar_x = left + cw * 16 + 8  # the colour bar's top label reaches up into the title's rows
+    np.testing.assert_array_equal(image[:top - 2, :bar_x], reference[:top - 2, :bar_x])
+    np.testing.assert_array_equal(image[y:], reference[y:])
+
+
 def test_characters_the_font_lacks_are_drawn_as_escapes_so_names_stay_apart(tmp_path):
     """Pillow's default font has ASCII only: "θ" and "ω" would both be the missing-glyph box. They are drawn as
     ``\\u03b8`` and ``\\u03c9``; the metric key keeps the name."""

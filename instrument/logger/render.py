@@ -95,6 +95,32 @@ def _drawn_units(text: str, font) -> tuple:
     return tuple("\\\\" if c == "\\" else c for c in units)
 
 
+_CUT = ".."  # where a text too long for its room is shortened (the default font has no ellipsis glyph)
+
+
+def _fitted(text: str, font, room: int) -> str:
+    """``text`` as drawn (`drawable_text`), shortened from the middle where it is wider than ``room`` pixels: its
+    start and its end kept (a tag's distinguishing part is usually at its end: ``grad/.../layer2``) around
+    ``..``, whole characters (escapes) only, measured with the font's own text width."""
+    units = _drawn_units(text, font)
+    whole = "".join(units)
+    if font.getbbox(whole)[2] <= room:
+        return whole
+
+    def cut(keep: int) -> str:  # the end gets the odd character
+        head = keep // 2
+        return "".join(units[:head]) + _CUT + "".join(units[len(units) - (keep - head):])
+
+    fits, wider = 0, len(units)  # keep `fits` characters: fits; `wider`: does not (the whole text)
+    while wider - fits > 1:
+        keep = (fits + wider) // 2
+        if font.getbbox(cut(keep))[2] <= room:
+            fits = keep
+        else:
+            wider = keep
+    return cut(fits)
+
+
 # Layout of a heatmap canvas, in pixels: the least margins around the cells (wider where labels need it).
 LEFT, TOP, RIGHT = 48, 22, 64
 _BAR_WIDTH = 10
@@ -138,7 +164,11 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     left, top, cw, ch = heatmap_geometry(rows, cols, target_size, y_label)
     pw, ph = cw * cols, ch * rows
     font = _font(11)
-    title, x_label, y_label = (drawable_text(text, font) for text in (title, x_label, y_label))
+    width = left + pw + RIGHT
+    # Each text shortened from the middle to its room (`_fitted`): the title right of `left`, the x label the
+    # canvas's width, the y label (rotated) the cells' height. The canvas never grows for them.
+    shown_x = _fitted(x_label, font, width - 4)
+    title, y_label = _fitted(title, font, width - left - 2), _fitted(y_label, font, ph - 2)
     labels = [drawable_text(t, font) for t in x_ticks] if x_ticks is not None else [str(c) for c in range(cols)]
     widths = [font.getbbox(label)[2] for label in labels]
     # Names (channel or module names) wider than their cell are written vertically, every one that fits.
@@ -147,8 +177,8 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     label_height = max(widths) + 4 if vertical else 14
     bottom = 6 + label_height + 16
     y_text = _vertical_text(y_label, font) if y_label else None  # bottom to top, left of the row labels
-    height = max(top + ph + bottom, 0 if y_text is None else y_text.height + 4)
-    canvas = Image.new("RGB", (left + pw + RIGHT, height), (255, 255, 255))
+    height = top + ph + bottom
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     draw.text((left, 4), title, fill=(0, 0, 0), font=font)
     for c in range(0, cols, stride):  # at most ~8 index labels per axis; names as many as fit
@@ -159,7 +189,11 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
             canvas.paste(text, (x - text.width // 2, top + ph + 5))
         else:
             draw.text((x - widths[c] // 2, top + ph + 4), labels[c], fill=(0, 0, 0), font=font)
-    draw.text((left + pw // 2 - 3 * len(x_label), top + ph + 6 + label_height), x_label, fill=(0, 0, 0), font=font)
+    if shown_x:  # centred under the cells, within the canvas; a label shown as given placed as it always was
+        shown_width = font.getbbox(shown_x)[2]
+        x = left + pw // 2 - (3 * len(shown_x) if shown_x == x_label else shown_width // 2)
+        x = max(2, min(x, width - 2 - shown_width))
+        draw.text((x, top + ph + 6 + label_height), shown_x, fill=(0, 0, 0), font=font)
     row_x = left - max(_ROW_GAP, max(font.getbbox(str(r))[2] for r in _row_labels(rows)) + 6)
     for r in _row_labels(rows):
         y = top + r * ch + ch // 2

@@ -299,6 +299,27 @@ def test_an_include_cycle_is_named_instead_of_a_recursion_error(tmp_path):
         instrument.parse_config([str(tmp_path / "self.gin")])
 
 
+def test_a_file_that_includes_itself_several_times_is_read_a_few_times_not_3_to_the_20th(tmp_path, monkeypatch):
+    """A review found the secret_keys pre-scan walking every include again at each depth (no record of the files
+    read): three self-includes meant 3^20 reads before gin's cycle error. Each file is now read once there."""
+    from instrument.config import located
+
+    reads = []
+
+    def counted(path: str) -> str:
+        reads.append(path)
+        if len(reads) > 200:  # the old walk would go on for hours
+            raise RuntimeError("read too often")
+        return real(path)
+
+    real = located.read_text
+    monkeypatch.setattr(located, "read_text", counted)
+    (tmp_path / "self3.gin").write_text("include 'self3.gin'\n" * 3)
+    with pytest.raises(ConfigurationError, match=r"includes itself, through self3.gin, line 1 -> self3.gin\n"):
+        instrument.parse_config([str(tmp_path / "self3.gin")])
+    assert len(reads) < 20
+
+
 def test_small_setting_checks_found_by_review(tmp_path):
     """max_keys=-1 silently dropped the last column, train_nca(steps=-5) 'succeeded' with a NaN loss, and
     gin's 'No module named ...' lost its closing quote."""

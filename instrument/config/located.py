@@ -207,8 +207,13 @@ def declared_secret_keys(files: Sequence[str], bindings: Sequence[str]) -> List[
     too, found where gin finds them) and ``bindings``, read before gin parses them; a value that is no literal
     list, tuple or string is left out."""
     texts: List[str] = []
+    read: set = set()  # each file once: a file that includes itself twice made 2^20 reads before gin's own error
 
     def walk(path: Path, top: Path, depth: int) -> None:
+        key = path.resolve()
+        if key in read:
+            return
+        read.add(key)
         text = read_text(str(path))
         texts.append(text)
         for line in text.splitlines():

@@ -320,3 +320,25 @@ def test_a_value_under_the_runs_own_secret_pattern_is_left_out_before_that_patte
     assert out.returncode == 2 and "configuration error in sk.gin, line 3" in out.stderr, out.stderr
     secret = "TYPONOTE66" if how == "bind" else "UNCLOSEDNOTE55"
     assert secret not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("value", [
+    "{'api_key': {'value': DICTLEAK91abc}}",  # a container under the secret key
+    "{'tokens': [DICTLEAK91abc, 'x']}",
+    "{'password': (DICTLEAK91abc)}",
+    "{'password': 'DICTLEAK91\\'abc}",  # an unclosed string holding an escaped quote
+    "{'password': '''DICTLEAK91abc",  # an unclosed triple-quoted string
+    "{'password': f'DICTLEAK91{x}'}",
+    "{\n    'password': DICTLEAK91abc,\n}",  # gin quotes only the continuation line
+    "{\n    'creds': {\n        'password': DICTLEAK91abc}}",
+])
+def test_a_rejected_value_of_any_shape_under_a_secret_dict_key_is_never_printed(tmp_path, value):
+    """A review found the value under a secret dict key printed when it was a dict, list or tuple, an unclosed
+    string with an escaped quote or three quotes, ``f'...'``, or on a line of its own gin quotes alone."""
+    (tmp_path / "bad.gin").write_text(f"import instrument\nInstrumentation.tags = {value}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "bad.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "configuration error in" in out.stderr, out.stderr
+    assert "DICTLEAK91" not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
+

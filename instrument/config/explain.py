@@ -27,7 +27,7 @@ from instrument.config.files import (
 )
 from instrument.config.located import file_holding, included_file, line_where
 from instrument.config.secrets import secret_keys
-from instrument.logger.params import REDACTED, is_secret, redact_config_text, scrub
+from instrument.logger.params import REDACTED, is_secret, redact_config_text, redact_dict_items, scrub
 
 __all__ = ["GIN_ERRORS", "explain", "secret_free", "unclosed"]
 
@@ -308,11 +308,14 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     ``api_token = ``, a secret-looking dict key's value, and a secret bound to a misspelt or unknown parameter
     whose name, or the parameter it was meant to be, looks secret (``WandbBackend.api_key``, ``api_tokn``)."""
     match = _STATEMENT.match(error.statement or "")
-    if not match:
-        return error
-    name, value = match.groups()
     extra = secret_keys()
     found: Set[str] = set()
+    if not match:  # a line of a value gin quotes alone (``'password': hunter2,`` inside a dict over lines)
+        statement = redact_dict_items(error.statement or "", extra, found)
+        if not found:
+            return error
+        return type(error)(scrub(error.problem, found), error.where, scrub(statement, found), scrub(error.fix, found))
+    name, value = match.groups()
     statement = redact_config_text(error.statement, extra, found)
     if is_secret(name, extra) or _meant_secret(name, error.problem, extra):
         statement = f"{name} = '{REDACTED}'"

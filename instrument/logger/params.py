@@ -20,8 +20,8 @@ import torch
 
 from instrument.core.names import numbered
 
-__all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_values", "redact_argv",
-           "scrub", "is_secret", "set_secret_source", "REDACTED", "SECRET_PATTERNS"]
+__all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_dict_items", "redact_values",
+           "redact_argv", "scrub", "is_secret", "set_secret_source", "REDACTED", "SECRET_PATTERNS"]
 
 REDACTED = "<redacted>"
 # The usual credential names: generic ones, then AWS, GCP, Azure, Hugging Face and W&B. "reward_key" names a
@@ -175,11 +175,65 @@ def redact_secrets(
 _BINDING = re.compile(r"^(\s*)([\w./]+)(\s*=\s*)(.*)$")
 # Inside a value gin could not have us evaluate (references, macros): ``'secret_key': 'string'``.
 _DICT_ITEM = re.compile(r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
-# The same on a line gin rejects, whose value may also be a bare word (``'password': hunter2``, no quotes) or a
-# string never closed (``'password': 'hunter2}``, to the end of the line); not a reference or macro (@, %).
-_LOOSE_DICT_ITEM = re.compile(
-    r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|'[^'\n]*(?=\n|$)|"[^"\n]*(?=\n|$)"""
-    r"""|(?![@%])[^\s,'"{}\[\]()]+)""")
+# A quoted dict key and its colon, on a line gin rejects; the value after it is read by `_value_end`.
+_DICT_KEY = re.compile(r"""(['"])([^'"\n]+)\1(\s*:\s*)""")
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value starting at ``start`` ends: the next ``,`` or closing bracket at its own depth, or the end
+    of ``text``; brackets and strings (escapes, triple quotes, never closed: to the end) read as Python does."""
+    depth, i = 0, start
+    while i < len(text):
+        ch = text[i]
+        if ch in "'\"":
+            quote = text[i:i + 3] if text[i:i + 3] == ch * 3 else ch
+            i += len(quote)
+            while i < len(text) and not text.startswith(quote, i):
+                i += 2 if text[i] == "\\" else 1
+            i += len(quote)
+            continue
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}" or ch == "," and depth == 0:
+            if depth == 0:
+                return i
+            depth -= 1
+        i += 1
+    return len(text)
+
+
+def _closed_string(value: str) -> bool:
+    try:
+        return isinstance(ast.literal_eval(value), str)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def redact_dict_items(text: str, extra: Sequence[str], found: Set[str], parent: Optional[str] = None) -> str:
+    """``text`` (a value gin could not have us evaluate, or a line it rejects) with the value under each
+    secret-looking quoted dict key replaced whole: a string, a bare word, a container, a string never closed
+    (to the end). Its strings, and each word in it, go into ``found``. A reference or macro (@, %), a number, a
+    boolean or None is kept, as elsewhere."""
+    out, pos = [], 0
+    while (m := _DICT_KEY.search(text, pos)) is not None:
+        start = m.end()
+        out.append(text[pos:start])
+        pos = start
+        if not is_secret(m.group(2), extra, parent) or text[start:start + 1] in ("@", "%"):
+            continue
+        end = _value_end(text, start)
+        value = text[start:end].rstrip()
+        if not value or value in ("True", "False", "None") or re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?", value):
+            continue
+        if value[0] in "'\"" and _closed_string(value):
+            _strings(_literal_strings(value), found)
+        else:  # a bare word, a container, an unclosed string: the whole of it, its strings and each word in it
+            keys = re.sub(r"""(['"])[^'"\n]*\1\s*:""", " ", value)  # a nested dict's keys are no secret
+            words = [w for w in re.findall(r"[\w-]{4,}", keys) if w not in ("True", "False", "None")]
+            _strings([value, value.strip("'\""), *words], found)
+        out.append(f"'{REDACTED}'")
+        pos = start + len(value)
+    return "".join(out) + text[pos:]
 
 
 def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set[str]] = None) -> str:
@@ -248,20 +302,7 @@ def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence
         _strings(parsed if parsed is not _UNPARSED else _literal_strings(value), found)
         return f"{indent}{name}{eq}'{REDACTED}'"
     if parsed is _UNPARSED:  # a reference, a macro or a line gin rejects: redact the dict items we can see
-        def item(m: "re.Match[str]") -> str:
-            value = m.group(4)
-            if not is_secret(m.group(2), extra, name) or re.fullmatch(r"[-+.\w]+", value) and (
-                    value in ("True", "False", "None") or re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?", value)):
-                return m.group(0)  # a number, a boolean or None is never secret, as elsewhere
-            closed = len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]
-            if closed:
-                _strings(_literal_strings(value), found)
-            else:  # a bare word or an unclosed string: the whole of it, and each word in it
-                words = [w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None")]
-                _strings([value.strip(), value.strip().strip("'\"").strip(), *words], found)
-            return f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}'{REDACTED}'"
-
-        return f"{indent}{name}{eq}{_LOOSE_DICT_ITEM.sub(item, value)}"
+        return f"{indent}{name}{eq}{redact_dict_items(value, extra, found, name)}"
     redacted = redact_values(parsed, extra, found, name)
     if redacted == parsed:
         return f"{indent}{name}{eq}{value}"

@@ -342,3 +342,36 @@ def test_a_rejected_value_of_any_shape_under_a_secret_dict_key_is_never_printed(
     assert out.returncode == 2 and "configuration error in" in out.stderr, out.stderr
     assert "DICTLEAK91" not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
 
+
+@pytest.mark.parametrize("text", [
+    "my_train.my_cred = MACROKEY93abc +\nKEYS = ['my_cred']\nInstrumentation.secret_keys = %KEYS\n",
+    "my_train.my_cred = MACROKEY93abc +\nInstrumentation.secret_keys = \\\n    ['my_cred']\n",
+    "my_train.my_cred = MACROKEY93abc +\nMORE = 'x'\nInstrumentation.secret_keys = ['my_cred', %MORE]\n",
+    "KEYS = ['my_cred']\nInstrumentation.secret_keys = %KEYS\nmy_train.my_cred = MACROKEY93abc +\n",
+])
+def test_secret_keys_bound_through_a_macro_leave_out_the_value_before_and_after_gin_reads_them(tmp_path, text):
+    """A review found ``Instrumentation.secret_keys = %KEYS`` (or over a backslash, or a list holding a macro)
+    unread by the pre-scan, so an earlier error printed the custom-key secret, and, once gin had parsed it, every
+    config error ending in a TypeError traceback (the reference iterated as a list)."""
+    (tmp_path / "m.gin").write_text("import instrument\n" + text)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "m.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "configuration error in" in out.stderr, out.stderr
+    assert "MACROKEY93" not in out.stdout + out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_secret_keys_bound_to_a_macro_are_read_through_it():
+    """A valid ``--bind "KEYS=['my_cred']" --bind 'Instrumentation.secret_keys = %KEYS'`` could not start."""
+    import gin
+
+    from instrument.config.secrets import secret_keys
+
+    gin.clear_config()
+    try:
+        gin.parse_config(["KEYS = ['my_cred']", "MORE = 'other'", "Instrumentation.secret_keys = %KEYS"])
+        assert secret_keys()[:1] == ("my_cred",)
+        gin.parse_config(["Instrumentation.secret_keys = ['a_key', %MORE, 3]"])
+        assert secret_keys()[:2] == ("a_key", "other")
+    finally:
+        gin.clear_config()

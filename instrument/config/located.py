@@ -8,7 +8,7 @@ locations, so the files are read again here, includes expanded where gin finds t
 import ast
 import re
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import gin
 
@@ -227,24 +227,70 @@ def declared_secret_keys(files: Sequence[str], bindings: Sequence[str]) -> List[
         except InstrumentError:  # parse_config says so
             continue
         walk(path, path.parent, 0)
+    texts = [re.sub(r"\\\r?\n", " ", text) for text in [*texts, *bindings]]  # a line continued with a backslash
+    macros = {m.group(1): text[m.end():] for text in texts for m in _MACRO.finditer(text)}
     keys: List[str] = []
-    for text in [*texts, *bindings]:
+    for text in texts:
         for match in _SECRET_KEYS.finditer(text):
-            keys.extend(_literal_keys(text[match.end():]))
+            keys.extend(_literal_keys(text[match.end():], macros))
     return keys
 
 
-def _literal_keys(rest: str) -> List[str]:
-    """The strings of the literal list, tuple or string at the start of ``rest`` (empty when there is none)."""
-    ends = [i + 1 for i, ch in enumerate(rest[:20000]) if ch in "])'\"\n"]
-    for end in ends:
-        try:
-            value = ast.literal_eval(rest[:end].strip())
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            continue
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, (list, tuple)):
-            return [k for k in value if isinstance(k, str)]
+_MACRO = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*", re.M)
+_STRING = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"")
+
+
+def _literal_end(rest: str) -> Optional[int]:
+    """Where the string, list or tuple at the start of ``rest`` ends (one pass: brackets paired, strings with
+    their escapes and triple quotes skipped); None when none starts there or it is never closed."""
+    depth, i = 0, 0
+    while i < len(rest):
+        ch = rest[i]
+        if ch in "'\"":
+            quote = rest[i:i + 3] if rest[i:i + 3] == ch * 3 else ch
+            close = i + len(quote)
+            while close < len(rest) and not rest.startswith(quote, close):
+                if rest[close] == "\n" and len(quote) == 1:
+                    return None
+                close += 2 if rest[close] == "\\" else 1
+            if close >= len(rest):
+                return None
+            i = close + len(quote)
+        elif ch in "([":
+            depth, i = depth + 1, i + 1
+        elif ch in ")]" and depth:
+            depth, i = depth - 1, i + 1
+        elif depth == 0 or ch in ")]":
+            return None
+        else:
+            i += 1
+        if depth == 0:
+            return i
+    return None
+
+
+def _literal_keys(rest: str, macros: Optional[Dict[str, str]] = None, depth: int = 0) -> List[str]:
+    """The strings of the literal list, tuple or string at the start of ``rest`` (empty when there is none): a
+    macro (``%KEYS``) read from its ``KEYS = [...]`` in ``macros``, and a list that holds macros
+    (``['my_cred', %MORE]``) read for every string literal in it."""
+    rest, macros = rest.lstrip(), macros or {}
+    macro = re.match(r"%(\w+)", rest)
+    if macro:
+        found = macros.get(macro.group(1))
+        return _literal_keys(found, macros, depth + 1) if found is not None and depth < 20 else []
+    end = _literal_end(rest[:20000])
+    if end is None:
         return []
+    try:
+        value = ast.literal_eval(rest[:end])
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        if "%" not in rest[:end]:
+            return []
+        value = [s[1:-1] for s in _STRING.findall(rest[:end])]  # as written: a pattern has no escapes
+        value += [k for name in re.findall(r"%(\w+)", rest[:end]) if name in macros and depth < 20
+                  for k in _literal_keys(macros[name], macros, depth + 1)]
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [k for k in value if isinstance(k, str)]
     return []

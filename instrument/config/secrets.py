@@ -37,7 +37,18 @@ def secret_keys() -> Tuple[str, ...]:
         keys = gin.query_parameter("Instrumentation.secret_keys") or ()
     except Exception:  # noqa: BLE001 - not bound (or not registered): the built-in patterns only
         keys = ()
-    bound = (keys,) if isinstance(keys, str) else tuple(str(k) for k in keys if isinstance(k, str))
+    macros = bound_macros()
+    for _ in range(100):  # ``= %KEYS``: the macro's value (through macros of macros; a cycle gin refuses)
+        if macro_name(keys) not in macros:
+            break
+        keys = macros[macro_name(keys)]
+    if isinstance(keys, str):
+        bound: Tuple[str, ...] = (keys,)
+    elif isinstance(keys, (list, tuple)):  # ``['my_cred', %MORE]``: each macro item resolved once
+        items = [macros.get(macro_name(k), k) if macro_name(k) is not None else k for k in keys]
+        bound = tuple(k for k in items if isinstance(k, str))
+    else:
+        bound = ()
     return tuple(dict.fromkeys((*bound, *_declared["keys"])))
 
 

@@ -6,6 +6,7 @@ The module docstring is not the help text: `_DESCRIPTION` is plain text, as a te
 import argparse
 import glob
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -200,6 +201,32 @@ def entry() -> int:
     return main()
 
 
+def _take_extras(args: argparse.Namespace, extras: List[str], argv: List[str], parser: argparse.ArgumentParser,
+                 run: argparse.ArgumentParser) -> None:
+    """Configs after a --bind (argparse ends the configs at the first option): the configs are those before it
+    and these, in order, everything after ``--`` included. (parse_intermixed_args refuses a parser with
+    subcommands.) An unknown option is refused alone, by the parser it was typed to (the top-level one before
+    ``run``), and a binding typed without --bind is named as one; whatever is echoed is redacted."""
+    from instrument.logger.params import redact_argv
+
+    after: List[str] = []
+    if "--" in extras:
+        extras, after = extras[:extras.index("--")], extras[extras.index("--") + 1:]
+    options = [e for e in extras if e.startswith("-")]
+    if options:
+        before_run = "run" not in argv or argv.index(options[0]) < argv.index("run") if options[0] in argv else False
+        (parser if args.command != "run" or before_run else run).error(
+            f"unrecognized arguments: {' '.join(redact_argv(options))}")
+    if args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(redact_argv(extras + after))}")
+    for extra in extras:
+        if re.match(r"\s*[\w./]+\s*=", extra):
+            shown = redact_argv([extra])[0]
+            quoted = f'"{shown}"' if "'" in shown and '"' not in shown else shlex.quote(shown)
+            run.error(f"{shown} is a binding, not a config: pass it with --bind {quoted}")
+    args.config = [*args.config, *extras, *after]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     if not _interrupt["hook"]:  # first, so it runs after the hooks the run registers (atexit runs them LIFO)
         import atexit
@@ -209,12 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args, extras = parser.parse_known_args(argv)
     run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
-    if extras and args.command == "run" and not any(e.startswith("-") for e in extras):
-        # A config after a --bind (argparse ends the configs at the first option): the configs are those before
-        # it and these, in order. (parse_intermixed_args refuses a parser with subcommands.)
-        args.config = [*args.config, *extras]
-    elif extras:
-        (run if args.command == "run" else parser).error(f"unrecognized arguments: {' '.join(extras)}")
+    if extras:
+        _take_extras(args, extras, list(sys.argv[1:] if argv is None else argv), parser, run)
     if args.command == "list" or args.list:
         try:
             print(list_configs(), flush=True)

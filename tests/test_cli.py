@@ -343,7 +343,22 @@ def test_a_config_after_a_bind_is_a_config_and_run_without_one_shows_runs_usage(
     code, _, err = _main(capsys, "run")
     assert code == 2 and err.startswith("usage: instrument run ") and "run needs a config" in err, err
     code, _, err = _main(capsys, "run", "nca", "--bnd", "x")
-    assert code == 2 and err.startswith("usage: instrument run ") and "unrecognized arguments: --bnd x" in err
+    assert code == 2 and err.startswith("usage: instrument run ") and "unrecognized arguments: --bnd\n" in err
+
+
+def test_extras_after_a_bind_double_dash_options_and_bindings_typed_without_bind(tmp_path, capsys):
+    """A review found ``-- ok.gin`` after a --bind refused, ``ok.gin -x`` blamed whole, ``--bogus run`` answered
+    with run's usage, and a binding typed without --bind read as a config name and echoed unredacted."""
+    (tmp_path / "bad.gin").write_text("train_nca.steps = = 1\n")
+    code, _, err = _main(capsys, "run", "nca", "--bind", "train_nca.steps = 1", "--", str(tmp_path / "bad.gin"))
+    assert code == 2 and "configuration error in" in err and "bad.gin, line 1" in err, err
+    code, _, err = _main(capsys, "run", "nca", "--bind", "train_nca.steps = 1", "ok.gin", "-x")
+    assert code == 2 and err.startswith("usage: instrument run ") and "unrecognized arguments: -x\n" in err, err
+    code, _, err = _main(capsys, "--bogus", "run", "nca")
+    assert code == 2 and err.startswith("usage: instrument [") and "unrecognized arguments: --bogus\n" in err, err
+    out = _cli("run", "nca", "--bind", "train_nca.steps = 2", "my_train.api_token = 'EXTRASECRET77'", cwd=tmp_path)
+    assert out.returncode == 2 and "pass it with --bind" in out.stderr, out.stderr
+    assert "EXTRASECRET77" not in out.stdout + out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("channels", [4, 16])

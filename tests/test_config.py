@@ -288,15 +288,29 @@ def test_run_without_an_experiment_says_what_to_bind():
         config.run()
 
 
-def test_an_include_cycle_is_named_instead_of_a_recursion_error(tmp_path):
+def test_an_include_cycle_is_named_instead_of_a_recursion_error(tmp_path, monkeypatch):
     """A review found 3,277 lines of RecursionError for two files that include each other."""
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "a.gin").write_text("include 'b.gin'\n")
     (tmp_path / "b.gin").write_text("# b\ninclude 'a.gin'\n")
     (tmp_path / "self.gin").write_text("include 'self.gin'\n")
     with pytest.raises(ConfigurationError, match=r"includes itself, through a.gin, line 1 -> b.gin, line 2 -> a.gin"):
-        instrument.parse_config([str(tmp_path / "a.gin")])
+        instrument.parse_config(["a.gin"])
     with pytest.raises(ConfigurationError, match=r"includes itself, through self.gin, line 1 -> self.gin\n"):
-        instrument.parse_config([str(tmp_path / "self.gin")])
+        instrument.parse_config(["self.gin"])
+
+
+def test_an_include_cycle_names_each_file_as_the_other_messages_do(tmp_path, monkeypatch):
+    """A review found a cycle through a/x.gin and b/x.gin named ``x.gin, line 2 -> x.gin, line 3 -> x.gin``."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "top.gin").write_text("include 'a/x.gin'\n")
+    (tmp_path / "a" / "x.gin").write_text("\ninclude '../b/x.gin'\n")
+    (tmp_path / "b" / "x.gin").write_text("\n\ninclude '../a/x.gin'\n")
+    with pytest.raises(ConfigurationError) as raised:
+        instrument.parse_config(["top.gin"])
+    assert "through a/x.gin, line 2 -> a/../b/x.gin, line 3 -> a/x.gin\n" in str(raised.value), raised.value
 
 
 def test_a_file_that_includes_itself_several_times_is_read_a_few_times_not_3_to_the_20th(tmp_path, monkeypatch):
@@ -304,6 +318,7 @@ def test_a_file_that_includes_itself_several_times_is_read_a_few_times_not_3_to_
     read): three self-includes meant 3^20 reads before gin's cycle error. Each file is now read once there."""
     from instrument.config import located
 
+    monkeypatch.chdir(tmp_path)
     reads = []
 
     def counted(path: str) -> str:
@@ -316,7 +331,7 @@ def test_a_file_that_includes_itself_several_times_is_read_a_few_times_not_3_to_
     monkeypatch.setattr(located, "read_text", counted)
     (tmp_path / "self3.gin").write_text("include 'self3.gin'\n" * 3)
     with pytest.raises(ConfigurationError, match=r"includes itself, through self3.gin, line 1 -> self3.gin\n"):
-        instrument.parse_config([str(tmp_path / "self3.gin")])
+        instrument.parse_config(["self3.gin"])
     assert len(reads) < 20
 
 

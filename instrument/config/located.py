@@ -44,20 +44,20 @@ def include_cycle(path: Path) -> List[str]:
     started from; just ``path`` when none is found."""
     def walk(current: Path, trail: List[Tuple[Path, str]]) -> Optional[List[str]]:
         for n, line in enumerate(read_text(str(current)).splitlines(), 1):
-            target = _included(line, path.parent, current)
+            target = _included(line, path.parent, current)  # named as gin names it (`shown`), as elsewhere
             if target is None:
                 continue
-            target = target.resolve()
-            here = trail + [(current, f"{current.name}, line {n}")]
+            here = trail + [(current.resolve(), f"{shown(str(current))}, line {n}")]
             seen = [p for p, _ in here]
-            if target in seen:
-                return [where for _, where in here[seen.index(target):]] + [target.name]
+            if target.resolve() in seen:  # ends with the name the cycle's first file had
+                cycle = [where for _, where in here[seen.index(target.resolve()):]]
+                return cycle + [cycle[0].rsplit(", line ", 1)[0]]
             found = walk(target, here) if len(trail) < 50 else None
             if found:
                 return found
         return None
 
-    return walk(path.resolve(), []) or [str(path)]
+    return walk(path, []) or [shown(str(path))]
 
 
 def file_holding(path: Path, wanted: Callable[[bytes], bool]) -> Optional[Path]:

@@ -98,8 +98,11 @@ def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> G
         if binding is None and exc.lineno:  # an unclosed list runs into the next binding: point at its start
             line, opened = unclosed(read_text(exc.filename or source))
             if 0 < line < exc.lineno:
+                stopped = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")  # not ``<ast.Name ...>``
+                said = f"it cannot read {stopped[1]!r} there" if stopped else re.sub(
+                    r"<ast\.\w+ object at 0x[0-9a-fA-F]+>", "a name, not a value", " ".join((exc.msg or "").split()))
                 return kind(f"syntax error: a bracket opened on this line is never closed (gin stopped at line "
-                            f"{exc.lineno}: {exc.msg})", at(line), opened,
+                            f"{exc.lineno}: {said})", at(line), opened,
                             "close the bracket or quote that this statement opens.")
         token = re.search(r"Failed to parse token '([^']*)'", exc.msg or "")
         if token:  # a bare word: nan, inf, float('nan'), an unquoted string
@@ -158,6 +161,10 @@ def _include_fix(statement: str) -> str:
     names = [f"{c.name}.gin" for c in shipped_configs()]
     written = re.match(r"\s*include\s+(['\"])(.*)\1", statement)
     hint = ""
+    if written and written[2].startswith("~") and Path(written[2]).expanduser().is_file():
+        full = str(Path(written[2]).expanduser())
+        return (f"gin does not expand '~' in an include: write the path in full ({full!r}), or relative to the "
+                "including file or the working directory.")
     if written:
         wanted = written[2] if written[2].endswith(".gin") else f"{written[2]}.gin"
         close = difflib.get_close_matches(wanted, names, n=1, cutoff=0.75)

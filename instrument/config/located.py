@@ -278,7 +278,7 @@ def _literal_keys(rest: str, macros: Optional[Dict[str, str]] = None, depth: int
     if macro:
         found = macros.get(macro.group(1))
         return _literal_keys(found, macros, depth + 1) if found is not None and depth < 20 else []
-    end = _literal_end(rest[:20000])
+    end = _literal_end(rest)
     if end is None:
         return []
     try:

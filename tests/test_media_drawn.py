@@ -384,6 +384,22 @@ def test_texts_too_long_for_their_room_are_shortened_from_the_middle_keeping_the
     assert not np.array_equal(*ends)
 
 
+def test_a_label_without_room_draws_nothing_and_a_huge_one_is_shortened_not_refused():
+    """A review found an empty y label on a 1x1 heatmap drawn as a stray rotated '..' (no room, so the cut mark
+    alone was drawn), and a title of a million escaped characters raising Pillow's 'too many characters in
+    string' (the whole text was measured before it was shortened)."""
+    from instrument.logger import render
+
+    font = render._font(11)
+    assert render._fitted("", font, -1) == "" and render._fitted("abc", font, 1) == ""
+    plain = render.render_heatmap(np.zeros((1, 1)), target_size=1)
+    assert np.array_equal(render.render_heatmap(np.zeros((1, 1)), y_label="", target_size=1), plain)
+    huge = render.render_heatmap(np.arange(4.0).reshape(2, 2), title="\u03b8" * 10**6, x_label="x" * 10**6)
+    assert huge.shape == render.render_heatmap(np.arange(4.0).reshape(2, 2)).shape
+    shortened = render._fitted("θ" * 10**6 + "end", font, 200)
+    assert shortened.startswith("\\u03b8") and shortened.endswith("end") and ".." in shortened
+
+
 def test_usual_labels_are_drawn_whole_as_before():
     """Short ASCII labels are drawn as given, where they were drawn (the x label as before: 3 px per character
     left of the cells' centre)."""

@@ -102,10 +102,15 @@ def _fitted(text: str, font, room: int) -> str:
     """``text`` as drawn (`drawable_text`), shortened from the middle where it is wider than ``room`` pixels: its
     start and its end kept (a tag's distinguishing part is usually at its end: ``grad/.../layer2``) around
     ``..``, whole characters (escapes) only, measured with the font's own text width."""
-    units = _drawn_units(text, font)
-    whole = "".join(units)
-    if font.getbbox(whole)[2] <= room:
-        return whole
+    units = _drawn_units(text, font) if text else ()
+    if not units or font.getbbox(_CUT)[2] > room:  # nothing to draw, or no room even for the cut mark
+        return "" if not units or len(units) > room or font.getbbox("".join(units))[2] > room else "".join(units)
+    if len(units) <= room:  # every character is a pixel wide at least: a longer text cannot fit
+        whole = "".join(units)
+        if font.getbbox(whole)[2] <= room:
+            return whole
+    if len(units) > 2 * room:  # only the first and last `room` characters can be kept: measure no more
+        units = units[:room] + units[-room:]
 
     def cut(keep: int) -> str:  # the end gets the odd character
         head = keep // 2

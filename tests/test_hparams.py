@@ -326,3 +326,28 @@ def test_the_tensorboard_table_keeps_a_backslash_before_a_pipe_in_its_cell(tmp_p
     html = plugin_util.markdown_to_safe_html(md.decode())  # what TensorBoard's Text tab shows
     rows = [re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S) for row in re.findall(r"<tr>(.*?)</tr>", html, re.S)]
     assert sorted(rows[1:]) == [["", "seed", "3"], ["C:\\dir\\", "lr", "0.1"], ["data", "filter", "cat\\|dog"]]
+
+
+def test_a_container_under_a_secret_key_of_a_reference_valued_dict_keeps_other_parameters():
+    """Its every word of 4+ characters went into the secrets found, and the words were blanked in unrelated
+    parameters ('main', 'each month', 'rotate'); a container of numbers blanked the same list elsewhere."""
+    from instrument.logger.params import redact_argv, redact_hyperparams
+
+    text = ("Foo.settings = {'credentials': {'path': 'keys/main.json', 'note': 'rotate each month'}, "
+            "'model': @Model()}\nTrainer.name = 'main'\nTrainer.schedule = 'each month'\nModel.block = 'rotate'\n"
+            "Bar.env = {'secret_sauce': [1, 2], 'm': @M()}\nBar.sizes = [1, 2]\n")
+    params = {"Foo.settings": {"credentials": {"path": "keys/main.json", "note": "rotate each month"},
+                               "model": "@Model()"},
+              "Trainer.name": "main", "Trainer.schedule": "each month", "Model.block": "rotate",
+              "Bar.env": {"secret_sauce": [1, 2], "m": "@M()"}, "Bar.sizes": [1, 2]}
+    flat, logged = redact_hyperparams(params, text)
+    assert (flat["Trainer.name"], flat["Trainer.schedule"], flat["Model.block"]) == ("main", "each month", "rotate")
+    assert flat["Foo.settings/credentials"] == "<redacted>"
+    assert logged.splitlines() == [
+        "Foo.settings = {'credentials': '<redacted>', 'model': @Model()}", "Trainer.name = 'main'",
+        "Trainer.schedule = 'each month'", "Model.block = 'rotate'", "Bar.env = {'secret_sauce': '<redacted>', "
+        "'m': @M()}", "Bar.sizes = [1, 2]"]
+    argv = redact_argv(["--bind", text.splitlines()[0], "--bind", "Trainer.name = 'main'", "--bind",
+                        text.splitlines()[4], "--bind", "Bar.sizes = [1, 2]"])
+    assert argv[3] == "Trainer.name = 'main'" and argv[7] == "Bar.sizes = [1, 2]"
+    assert "keys/main.json" not in " ".join(argv) and "rotate" not in argv[1]

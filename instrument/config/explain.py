@@ -318,12 +318,12 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     extra = secret_keys()
     found: Set[str] = set()
     if not match:  # a line of a value gin quotes alone (``'password': hunter2,`` inside a dict over lines)
-        statement = redact_dict_items(error.statement or "", extra, found)
+        statement = redact_dict_items(error.statement or "", extra, found, loose=True)
         if not found:
             return error
         return type(error)(scrub(error.problem, found), error.where, scrub(statement, found), scrub(error.fix, found))
     name, value = match.groups()
-    statement = redact_config_text(error.statement, extra, found)
+    statement = redact_config_text(error.statement, extra, found, loose=True)
     if is_secret(name, extra) or _meant_secret(name, error.problem, extra):
         statement = f"{name} = '{REDACTED}'"
         words = {w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None")}

@@ -209,11 +209,15 @@ def _closed_string(value: str) -> bool:
         return False
 
 
-def redact_dict_items(text: str, extra: Sequence[str], found: Set[str], parent: Optional[str] = None) -> str:
-    """``text`` (a value gin could not have us evaluate, or a line it rejects) with the value under each
-    secret-looking quoted dict key replaced whole: a string, a bare word, a container, a string never closed
-    (to the end). Its strings, and each word in it, go into ``found``. A reference or macro (@, %), a number, a
-    boolean or None is kept, as elsewhere."""
+def redact_dict_items(
+    text: str, extra: Sequence[str], found: Set[str], parent: Optional[str] = None, loose: bool = False
+) -> str:
+    """``text`` (a value gin could not have us evaluate, or with ``loose`` a line it rejects) with the value under
+    each secret-looking quoted dict key replaced whole: a string, a bare word, a container, a string never closed
+    (to the end). Its strings go into ``found`` whole, as the literal path's do (a nested dict's keys and a
+    container's numbers are no secret). Only with ``loose`` does a bare word, an unclosed string or an unclosed
+    container also give its whole text and each word in it: a valid binding's words would blank the same words
+    in unrelated parameters. A reference or macro (@, %), a number, a boolean or None is kept, as elsewhere."""
     out, pos = [], 0
     while (m := _DICT_KEY.search(text, pos)) is not None:
         start = m.end()
@@ -227,16 +231,67 @@ def redact_dict_items(text: str, extra: Sequence[str], found: Set[str], parent: 
             continue
         if value[0] in "'\"" and _closed_string(value):
             _strings(_literal_strings(value), found)
-        else:  # a bare word, a container, an unclosed string: the whole of it, its strings and each word in it
+        elif value[0] in "([{" and _closes(value) and not loose:
+            _strings(_container_strings(value), found)
+        elif loose:  # a bare word, a container, an unclosed string: the whole of it, its strings and each word
             keys = re.sub(r"""(['"])[^'"\n]*\1\s*:""", " ", value)  # a nested dict's keys are no secret
             words = [w for w in re.findall(r"[\w-]{4,}", keys) if w not in ("True", "False", "None")]
-            _strings([value, value.strip("'\""), *words], found)
+            _strings([value, value.strip("'\""), *words, *_container_strings(value)], found)
+        else:
+            _strings([value, value.strip("'\"")], found)
         out.append(f"'{REDACTED}'")
         pos = start + len(value)
     return "".join(out) + text[pos:]
 
 
-def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set[str]] = None) -> str:
+def _closes(value: str) -> bool:
+    """``value`` (from its opening bracket) is closed by its last character, brackets and strings read as
+    `_value_end` reads them."""
+    depth, i = 0, 0
+    while i < len(value):
+        ch = value[i]
+        if ch in "'\"":
+            quote = value[i:i + 3] if value[i:i + 3] == ch * 3 else ch
+            i += len(quote)
+            while i < len(value) and not value.startswith(quote, i):
+                i += 2 if value[i] == "\\" else 1
+            if i >= len(value):
+                return False
+            i += len(quote)
+            continue
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth == 0:
+            return i == len(value) - 1
+        i += 1
+    return False
+
+
+# A string literal (triple-quoted or one-line), then a ':' when it is a dict key.
+_STRING_LITERAL = re.compile(
+    r"""('''(?:[^\\]|\\.)*?'''|\"\"\"(?:[^\\]|\\.)*?\"\"\"|'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")(\s*:)?""")
+
+
+def _container_strings(value: str) -> List[Any]:
+    """The strings a container's text holds, as `_strings` takes them from its value: the literal's own or,
+    where it holds a reference or macro, each string literal in it that is not a dict key."""
+    try:
+        return [ast.literal_eval(value)]
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    strings: List[Any] = []
+    for literal, key in _STRING_LITERAL.findall(value):
+        if not key:
+            try:
+                strings.append(ast.literal_eval(literal))
+            except (ValueError, SyntaxError):
+                strings.append(literal.strip("'\""))
+    return strings
+
+
+def redact_config_text(
+    text: str, extra: Sequence[str] = (), found: Optional[Set[str]] = None, loose: bool = False
+) -> str:
     """Redact a gin config text binding by binding (``X.api_key = '...'``, ``X.env = {'WANDB_API_KEY': ...}``,
     values gin wrapped over several lines), then scrub every known secret string from what is left.
 
@@ -247,13 +302,14 @@ def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set
     ``\\n``. A line gin rejects (text pasted with U+2028 between two bindings, which the CLI quotes in its
     syntax error) is then read again in pieces split at those characters, so a binding after one is redacted
     too. Outside a binding that holds a secret (rewritten whole), the text is kept character for character.
+    ``loose``: a line gin rejects (`redact_dict_items`: the words of a value under a secret dict key are found too).
     """
     found = set() if found is None else found
-    lines = _redacted_lines(text.split("\n"), extra, found)  # "\r\n" lines keep their "\r" (`_redacted_lines`)
+    lines = _redacted_lines(text.split("\n"), extra, found, loose)  # "\r\n" lines keep their "\r" (`_redacted_lines`)
     for n, line in enumerate(lines):
         parts = _OTHER_BREAKS.split(line)  # [piece, break, piece, ...]
         if len(parts) > 1:
-            pieces, breaks = _redacted_lines(parts[0::2], extra, found), parts[1::2]
+            pieces, breaks = _redacted_lines(parts[0::2], extra, found, loose), parts[1::2]
             if len(pieces) != len(breaks) + 1:  # a binding continued over pieces was rewritten as one
                 breaks = [breaks[0]] * (len(pieces) - 1)
             lines[n] = "".join(piece + brk for piece, brk in zip(pieces, breaks + [""], strict=True))
@@ -264,7 +320,7 @@ def redact_config_text(text: str, extra: Sequence[str] = (), found: Optional[Set
 _OTHER_BREAKS = re.compile("([\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029])")
 
 
-def _redacted_lines(lines: List[str], extra: Sequence[str], found: Set[str]) -> List[str]:
+def _redacted_lines(lines: List[str], extra: Sequence[str], found: Set[str], loose: bool = False) -> List[str]:
     """``lines`` with each binding that holds a secret rewritten (every other line kept as it is)."""
     out: List[str] = []
     i = 0
@@ -281,7 +337,7 @@ def _redacted_lines(lines: List[str], extra: Sequence[str], found: Set[str]) -> 
             j += 1
         indent, name, eq, first = match.groups()
         value = "\n".join([first] + lines[i + 1 : j])
-        redacted = _redact_binding(indent, name, eq, value, extra, found)
+        redacted = _redact_binding(indent, name, eq, value, extra, found, loose)
         if redacted == f"{indent}{name}{eq}{value}":
             out.extend(lines[i:j])
         else:  # rewritten: each of its lines ends as the binding's last line did
@@ -291,7 +347,9 @@ def _redacted_lines(lines: List[str], extra: Sequence[str], found: Set[str]) -> 
     return out
 
 
-def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence[str], found: Set[str]) -> str:
+def _redact_binding(
+    indent: str, name: str, eq: str, value: str, extra: Sequence[str], found: Set[str], loose: bool = False
+) -> str:
     try:
         parsed = ast.literal_eval(re.sub(r"\\\r?\n", " ", value).strip())
     except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -302,7 +360,7 @@ def _redact_binding(indent: str, name: str, eq: str, value: str, extra: Sequence
         _strings(parsed if parsed is not _UNPARSED else _literal_strings(value), found)
         return f"{indent}{name}{eq}'{REDACTED}'"
     if parsed is _UNPARSED:  # a reference, a macro or a line gin rejects: redact the dict items we can see
-        return f"{indent}{name}{eq}{redact_dict_items(value, extra, found, name)}"
+        return f"{indent}{name}{eq}{redact_dict_items(value, extra, found, name, loose)}"
     redacted = redact_values(parsed, extra, found, name)
     if redacted == parsed:
         return f"{indent}{name}{eq}{value}"

@@ -375,3 +375,30 @@ def test_secret_keys_bound_to_a_macro_are_read_through_it():
         assert secret_keys()[:2] == ("a_key", "other")
     finally:
         gin.clear_config()
+
+
+@pytest.mark.parametrize("value", [
+    "{\n    'password': ('CONTLEAK1a',\n       CONTLEAK2b),\n}",  # gin rejects the second line of the value
+    "{\n    'password':\n       CONTLEAK2b,\n}",
+    "['ok',\n   CONTLEAK2b]",  # under a secret name: Instrumentation.api_key
+    "{'password': 'CONTLEAK1a' \\\n  'CONTLEAK2b' oops}",  # a backslash continuation
+    "{'api_key': '''CONTLEAK1a\nCONTLEAK2b''' oops}",  # a triple-quoted string over two lines
+])
+def test_a_rejected_continuation_line_of_a_secret_value_is_never_printed(tmp_path, value):
+    """A review found the continuation line gin rejects printed in clear (and in the "quote it" fix): the
+    statement gin quotes is that line alone, and the secret key stands on an earlier line."""
+    name = "api_key" if value.startswith("[") else "tags"
+    (tmp_path / "bad.gin").write_text(f"import instrument\nInstrumentation.{name} = {value}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "bad.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "configuration error in bad.gin, line" in out.stderr, out.stderr
+    assert "CONTLEAK" not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
+
+
+def test_a_rejected_continuation_line_of_a_plain_value_is_still_shown(tmp_path):
+    (tmp_path / "bad.gin").write_text("import instrument\nInstrumentation.tags = {\n  'lr': oopsword,\n}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "bad.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "    'lr': oopsword,\n" in out.stderr and REDACTED not in out.stderr, out.stderr

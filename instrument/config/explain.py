@@ -54,7 +54,15 @@ def _unquoted(text: str) -> str:
 
 
 def explain(exc: BaseException, source: str, binding: Optional[str] = None) -> GinConfigError:
-    """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix."""
+    """gin's exception as a `GinConfigError`: innermost file and line, the statement, the problem, a fix. A
+    syntax error in a file keeps its file and line (``origin``) for `secret_free`."""
+    error = _explain(exc, source, binding)
+    if isinstance(exc, SyntaxError) and binding is None and exc.lineno:
+        error.origin = (exc.filename or source, exc.lineno)
+    return error
+
+
+def _explain(exc: BaseException, source: str, binding: Optional[str]) -> GinConfigError:
     text = str(exc)
     kind = GinConfigError
     decode = re.search(r"can't decode byte 0x[0-9a-f]+ in position (\d+): ([^\n]*)", text)
@@ -314,9 +322,12 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     logged config leaves it out: ``my_train.api_token = sk_live_...`` (unquoted), an unclosed quote after
     ``api_token = ``, a secret-looking dict key's value, and a secret bound to a misspelt or unknown parameter
     whose name, or the parameter it was meant to be, looks secret (``WandbBackend.api_key``, ``api_tokn``)."""
-    match = _STATEMENT.match(error.statement or "")
     extra = secret_keys()
     found: Set[str] = set()
+    continued = _continued(error, extra, found)
+    if continued is not None:  # a line of a statement begun on an earlier line: redacted as the whole statement
+        return type(error)(scrub(error.problem, found), error.where, continued, scrub(error.fix, found))
+    match = _STATEMENT.match(error.statement or "")
     if not match:  # a line of a value gin quotes alone (``'password': hunter2,`` inside a dict over lines)
         statement = redact_dict_items(error.statement or "", extra, found, loose=True)
         if not found:
@@ -331,6 +342,44 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     if statement == error.statement and not found:
         return error
     return type(error)(scrub(error.problem, found), error.where, scrub(statement, found), scrub(error.fix, found))
+
+
+def _continued(error: GinConfigError, extra: Tuple[str, ...], found: Set[str]) -> Optional[str]:
+    """The line gin rejected, when it goes on a statement begun on an earlier line of its file (a bracket,
+    a quote or a backslash left open): that statement is redacted whole from its first line, its secrets go into
+    ``found``, and the line is shown with them scrubbed. None for a statement of one line."""
+    path, lineno = getattr(error, "origin", ("", 0))
+    lines = read_text(path).split("\n") if path else []
+    n = lineno - 1
+    if not 0 < n < len(lines) or lines[n].strip() != (error.statement or "").strip():
+        return None
+    first = next((k for k in range(n, -1, -1) if re.match(r"[\w./]+\s*=", lines[k])), n)
+    if first == n or not _left_open("\n".join(lines[first:n])):
+        return None
+    text = "\n".join(lines[first:n + 1])
+    match = _STATEMENT.match(text)
+    if match is None:
+        return None
+    name, value = match.groups()
+    redacted = redact_dict_items(text, extra, found, name, loose=True).split("\n")  # one value over its lines
+    if is_secret(name, extra) or _meant_secret(name, error.problem, extra):  # the whole value: each word of it too
+        redacted = []
+        found |= {value.strip(), *(w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None"))}
+    line = redacted[n - first] if len(redacted) == n - first + 1 else lines[n]
+    return scrub(line.strip(), found)
+
+
+def _left_open(text: str) -> bool:
+    """``text`` (a statement's first lines) leaves a bracket, a quote or a backslash open at its end."""
+    if text.rstrip().endswith("\\"):
+        return True
+    try:
+        list(tokenize.generate_tokens(iter(text.splitlines(keepends=True)).__next__))
+    except tokenize.TokenError:
+        return True
+    except (SyntaxError, ValueError):  # IndentationError and the like: not a continuation we can tell
+        return False
+    return False
 
 
 def _meant_secret(name: str, problem: str, extra: Tuple[str, ...]) -> bool:

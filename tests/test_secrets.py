@@ -402,3 +402,20 @@ def test_a_rejected_continuation_line_of_a_plain_value_is_still_shown(tmp_path):
     out = subprocess.run([sys.executable, "-m", "instrument", "run", "bad.gin"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 2 and "    'lr': oopsword,\n" in out.stderr and REDACTED not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("text", ["Instrumentation.api_key = ['a',\n  STOPLEAK7x\n",
+                                  "Instrumentation.tags = {'password': ['a',\n  STOPLEAK7x\n"])
+def test_the_token_gin_stopped_at_in_an_unclosed_secret_value_is_never_printed(tmp_path, text):
+    """A review found the unclosed-bracket message quoting the token gin stopped at ('it cannot read
+    'sekP1' there') when that token lay inside the secret value the statement left out."""
+    (tmp_path / "bad.gin").write_text("import instrument\n" + text)
+    (tmp_path / "plain.gin").write_text("import instrument\nInstrumentation.tags = ['a',\n  plainword\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "bad.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "gin stopped at line 3" in out.stderr, out.stderr
+    assert "STOPLEAK7" not in out.stdout + out.stderr and REDACTED in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "plain.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert "gin stopped at line 3: it cannot read 'plainword' there" in out.stderr, out.stderr

@@ -327,6 +327,7 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     continued = _continued(error, extra, found)
     if continued is not None:  # a line of a statement begun on an earlier line: redacted as the whole statement
         return type(error)(scrub(error.problem, found), error.where, continued, scrub(error.fix, found))
+    error = _stopped_in_secret(error, extra, found)
     match = _STATEMENT.match(error.statement or "")
     if not match:  # a line of a value gin quotes alone (``'password': hunter2,`` inside a dict over lines)
         statement = redact_dict_items(error.statement or "", extra, found, loose=True)
@@ -353,6 +354,19 @@ def _continued(error: GinConfigError, extra: Tuple[str, ...], found: Set[str]) -
     n = lineno - 1
     if not 0 < n < len(lines) or lines[n].strip() != (error.statement or "").strip():
         return None
+    statement = _redacted_through(lines, n, error.problem, extra, found)
+    if statement is None:
+        return None
+    first, redacted = statement
+    line = redacted[n - first] if len(redacted) == n - first + 1 else lines[n]
+    return scrub(line.strip(), found)
+
+
+def _redacted_through(
+    lines: List[str], n: int, problem: str, extra: Tuple[str, ...], found: Set[str]
+) -> Optional[Tuple[int, List[str]]]:
+    """The first line of the statement that line ``n`` goes on, and that statement's lines through ``n`` redacted
+    (none left where its name is secret; every word of a redacted value into ``found``). None: ``n`` is its own."""
     first = next((k for k in range(n, -1, -1) if re.match(r"[\w./]+\s*=", lines[k])), n)
     if first == n or not _left_open("\n".join(lines[first:n])):
         return None
@@ -362,11 +376,28 @@ def _continued(error: GinConfigError, extra: Tuple[str, ...], found: Set[str]) -
         return None
     name, value = match.groups()
     redacted = redact_dict_items(text, extra, found, name, loose=True).split("\n")  # one value over its lines
-    if is_secret(name, extra) or _meant_secret(name, error.problem, extra):  # the whole value: each word of it too
+    if is_secret(name, extra) or _meant_secret(name, problem, extra):  # the whole value: each word of it too
         redacted = []
         found |= {value.strip(), *(w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None"))}
-    line = redacted[n - first] if len(redacted) == n - first + 1 else lines[n]
-    return scrub(line.strip(), found)
+    return first, redacted
+
+
+def _stopped_in_secret(error: GinConfigError, extra: Tuple[str, ...], found: Set[str]) -> GinConfigError:
+    """``error`` without the token gin stopped at (``gin stopped at line 3: it cannot read 'x' there``, an
+    unclosed bracket) where that token lies inside a value redacted from the statement opened above it."""
+    stopped = re.search(r"gin stopped at line (\d+): it cannot read ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") there",
+                        error.problem)
+    path = getattr(error, "origin", ("", 0))[0]
+    if stopped is None or not path:
+        return error
+    lines = read_text(path).split("\n")
+    n = int(stopped[1]) - 1
+    statement = _redacted_through(lines, n, error.problem, extra, found) if 0 < n < len(lines) else None
+    token = ast.literal_eval(stopped[2])
+    if statement is None or token in scrub("\n".join(statement[1]), found):
+        return error
+    problem = error.problem.replace(stopped[0], f"gin stopped at line {stopped[1]}: it cannot read '{REDACTED}' there")
+    return type(error)(problem, error.where, error.statement, error.fix)
 
 
 def _left_open(text: str) -> bool:

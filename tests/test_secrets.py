@@ -419,3 +419,19 @@ def test_the_token_gin_stopped_at_in_an_unclosed_secret_value_is_never_printed(t
     out = subprocess.run([sys.executable, "-m", "instrument", "run", "plain.gin"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     assert "gin stopped at line 3: it cannot read 'plainword' there" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("comment", ["# it's mine", "# see ]", "# was ['old'] %X"])
+def test_a_comment_inside_the_secret_keys_list_hides_no_key(tmp_path, comment):
+    """A review found a comment holding a quote (``# it's mine``) or a ``]`` inside the ``secret_keys`` list read
+    as a string start or the list's end by the pre-scan: no key was read, so an earlier error printed the secret."""
+    from instrument.config import located
+
+    (tmp_path / "c.gin").write_text("include 'nca.gin'\nFoo.bar = {'zzz': 'sekN1' oops}\n"
+                                    f"Instrumentation.secret_keys = ['zzz',  {comment}\n   'other']\n")
+    assert located.declared_secret_keys([str(tmp_path / "c.gin")], []) == ["zzz", "other"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-m", "instrument", "run", "c.gin"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2 and "configuration error in" in out.stderr, out.stderr
+    assert "sekN1" not in out.stdout + out.stderr, out.stderr

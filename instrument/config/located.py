@@ -240,12 +240,13 @@ _MACRO = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*", re.M)
 _STRING = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"")
 
 
-def _literal_end(rest: str) -> Optional[int]:
-    """Where the string, list or tuple at the start of ``rest`` ends (one pass: brackets paired, strings with
-    their escapes and triple quotes skipped); None when none starts there or it is never closed."""
-    depth, i = 0, 0
+def _literal_end(rest: str) -> Optional[Tuple[int, str]]:
+    """Where the string, list or tuple at the start of ``rest`` ends, and its text with its ``#`` comments left
+    out (one pass: brackets paired, strings with their escapes and triple quotes skipped, a comment skipped to
+    its line's end: a quote or bracket in it is no token); None when none starts there or it is never closed."""
+    depth, i, kept = 0, 0, []
     while i < len(rest):
-        ch = rest[i]
+        ch, start = rest[i], i
         if ch in "'\"":
             quote = rest[i:i + 3] if rest[i:i + 3] == ch * 3 else ch
             close = i + len(quote)
@@ -256,6 +257,11 @@ def _literal_end(rest: str) -> Optional[int]:
             if close >= len(rest):
                 return None
             i = close + len(quote)
+        elif ch == "#" and depth:
+            newline = rest.find("\n", i)
+            i = len(rest) if newline < 0 else newline
+            kept.append(" ")
+            continue
         elif ch in "([":
             depth, i = depth + 1, i + 1
         elif ch in ")]" and depth:
@@ -264,8 +270,9 @@ def _literal_end(rest: str) -> Optional[int]:
             return None
         else:
             i += 1
+        kept.append(rest[start:i])
         if depth == 0:
-            return i
+            return i, "".join(kept)
     return None
 
 
@@ -278,16 +285,17 @@ def _literal_keys(rest: str, macros: Optional[Dict[str, str]] = None, depth: int
     if macro:
         found = macros.get(macro.group(1))
         return _literal_keys(found, macros, depth + 1) if found is not None and depth < 20 else []
-    end = _literal_end(rest)
-    if end is None:
+    scanned = _literal_end(rest)
+    if scanned is None:
         return []
+    literal = scanned[1]  # its comments left out: a string in '# was ['old']' is no key
     try:
-        value = ast.literal_eval(rest[:end])
+        value = ast.literal_eval(literal)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
-        if "%" not in rest[:end]:
+        if "%" not in literal:
             return []
-        value = [s[1:-1] for s in _STRING.findall(rest[:end])]  # as written: a pattern has no escapes
-        value += [k for name in re.findall(r"%(\w+)", rest[:end]) if name in macros and depth < 20
+        value = [s[1:-1] for s in _STRING.findall(literal)]  # as written: a pattern has no escapes
+        value += [k for name in re.findall(r"%(\w+)", literal) if name in macros and depth < 20
                   for k in _literal_keys(macros[name], macros, depth + 1)]
     if isinstance(value, str):
         return [value]

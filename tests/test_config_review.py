@@ -353,3 +353,22 @@ def test_a_tilde_include_and_a_bracket_left_open_are_told_plainly(tmp_path, monk
         instrument.parse_config(["open.gin"])
     assert "never closed" in str(raised.value) and "object at 0x" not in str(raised.value), raised.value
     assert "it cannot read 'other' there" in str(raised.value), raised.value
+
+
+def test_the_secret_keys_pre_scan_copies_no_text_per_macro_line(tmp_path):
+    """A review found the pre-scan's macro table holding a copy of the rest of the file for every macro line
+    (20,000 macro lines: 3 GB and 3.1 s); it now holds where each value starts. 5,000 lines copied ~110 MB."""
+    import tracemalloc
+
+    from instrument.config import located
+
+    lines = "".join(f"M{i} = {i}\n" for i in range(5000))
+    (tmp_path / "many.gin").write_text(f"Instrumentation.secret_keys = %KEYS\n{lines}KEYS = ['zzz', %MORE]\n"
+                                       "MORE = 'other'\n")
+    tracemalloc.start()
+    try:
+        keys = located.declared_secret_keys([str(tmp_path / "many.gin")], [])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert keys == ["zzz", "other"] and peak < 10_000_000, (keys, peak)

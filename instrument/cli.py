@@ -219,12 +219,19 @@ def _take_extras(args: argparse.Namespace, extras: List[str], argv: List[str], p
             f"unrecognized arguments: {' '.join(redact_argv(options))}")
     if args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(redact_argv(extras + after))}")
-    for extra in extras:
-        if re.match(r"\s*[\w./]+\s*=", extra):
-            shown = redact_argv([extra])[0]
+    args.config = [*args.config, *extras, *after]
+
+
+def _refuse_bindings(configs: Sequence[str], run: argparse.ArgumentParser) -> None:
+    """A binding typed where a config goes (before or after a --bind, or after ``--``) is named as one, redacted:
+    read as a config name, it was echoed in clear in 'no config file ...'."""
+    from instrument.logger.params import redact_argv
+
+    for name in configs:
+        if re.match(r"\s*[\w./]+\s*=", name):
+            shown = redact_argv([name])[0]
             quoted = f'"{shown}"' if "'" in shown and '"' not in shown else shlex.quote(shown)
             run.error(f"{shown} is a binding, not a config: pass it with --bind {quoted}")
-    args.config = [*args.config, *extras, *after]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -244,6 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except BrokenPipeError:  # `instrument list | head`: the reader left; say nothing more
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    _refuse_bindings(args.config or [], run)
     if not args.config:
         run.error("run needs a config: a shipped name (instrument list shows them) or a path to a .gin file")
 
@@ -258,7 +266,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.debug:
             raise
         lead = " in " if getattr(exc, "where", "") else ": "
-        print(f"instrument: configuration error{lead}{_redacted(str(exc), args.bind)}", file=sys.stderr)
+        # the config names too: 'no config file ...' echoes one, and 'api_key=sek.gin' is secret-looking
+        message = _redacted(str(exc), [*args.bind, *args.config])
+        print(f"instrument: configuration error{lead}{message}", file=sys.stderr)
         print("(instrument run ... --debug shows the traceback)", file=sys.stderr)
         return 2
     try:

@@ -522,3 +522,17 @@ def test_a_second_ctrl_c_after_the_run_was_closed_still_exits_130(tmp_path):
     assert "Traceback" not in "".join(stderr) and "interrupted (Ctrl-C)" in "".join(stderr)
     steps = [json.loads(line)["step"] for line in jsonl.read_text().splitlines() if '"step"' in line]
     assert len(steps) >= 3 and steps == sorted(set(steps)), steps
+
+
+@pytest.mark.parametrize("args", [
+    ["WandbBackend.api_key=CLEARSEK81"], ["WandbBackend.api_key=CLEARSEK81", "--bind", "Foo.x=1"],
+    ["--", "WandbBackend.api_key=CLEARSEK81"], ["--bind", "Foo.x=1", "--", "WandbBackend.api_key=CLEARSEK81"],
+    ["WandbBackend.api_key=CLEARSEK81.gin"],
+])
+def test_a_binding_typed_as_a_config_anywhere_is_never_echoed(tmp_path, capsys, monkeypatch, args):
+    """A review found a binding typed without --bind echoed in clear ('no config file ...') unless it came after
+    a --bind: before one, alone, or after ``--``."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _main(capsys, "run", "nca", *args)
+    assert code == 2 and "CLEARSEK81" not in out + err, err
+    assert "pass it with --bind" in err or "no config file 'WandbBackend.api_key=" in err, err

@@ -224,11 +224,12 @@ def _take_extras(args: argparse.Namespace, extras: List[str], argv: List[str], p
 
 def _refuse_bindings(configs: Sequence[str], run: argparse.ArgumentParser) -> None:
     """A binding typed where a config goes (before or after a --bind, or after ``--``) is named as one, redacted:
-    read as a config name, it was echoed in clear in 'no config file ...'."""
+    read as a config name, it was echoed in clear in 'no config file ...'. A name that is a file, or ends in
+    ``.gin`` (``x=y.gin``), is a config."""
     from instrument.logger.params import redact_argv
 
     for name in configs:
-        if re.match(r"\s*[\w./]+\s*=", name):
+        if re.match(r"\s*[\w./]+\s*=", name) and not name.endswith(".gin") and not os.path.exists(name):
             shown = redact_argv([name])[0]
             quoted = f'"{shown}"' if "'" in shown and '"' not in shown else shlex.quote(shown)
             run.error(f"{shown} is a binding, not a config: pass it with --bind {quoted}")

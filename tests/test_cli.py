@@ -536,3 +536,15 @@ def test_a_binding_typed_as_a_config_anywhere_is_never_echoed(tmp_path, capsys, 
     code, out, err = _main(capsys, "run", "nca", *args)
     assert code == 2 and "CLEARSEK81" not in out + err, err
     assert "pass it with --bind" in err or "no config file 'WandbBackend.api_key=" in err, err
+
+
+def test_a_config_path_holding_an_equals_sign_is_a_config(tmp_path, capsys, monkeypatch):
+    """A review found ``run nca --bind X.a=1 x=y.gin`` refused as 'a binding, not a config'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x=y.gin").write_text("train_nca.steps = = 1\n")
+    (tmp_path / "a=b").write_text("train_nca.steps = = 1\n")
+    for name in ("x=y.gin", "a=b"):
+        code, _, err = _main(capsys, "run", "nca", "--bind", "train_nca.steps = 1", name)
+        assert code == 2 and "is a binding" not in err and f"configuration error in {name}, line 1" in err, err
+    code, _, err = _main(capsys, "run", "nca", "missing=y.gin")
+    assert code == 2 and "no config file 'missing=y.gin'" in err, err

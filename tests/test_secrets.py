@@ -383,6 +383,9 @@ def test_secret_keys_bound_to_a_macro_are_read_through_it():
     "['ok',\n   CONTLEAK2b]",  # under a secret name: Instrumentation.api_key
     "{'password': 'CONTLEAK1a' \\\n  'CONTLEAK2b' oops}",  # a backslash continuation
     "{'api_key': '''CONTLEAK1a\nCONTLEAK2b''' oops}",  # a triple-quoted string over two lines
+    # A line of the string that reads like a statement's start was taken for one (a later review found it)
+    "{'api_key': '''CONTLEAK1a\nnote = CONTLEAK2b''' oops}",
+    "{'api_key': '''CONTLEAK1a\nabc/def==\nCONTLEAK2b''' oops}",
 ])
 def test_a_rejected_continuation_line_of_a_secret_value_is_never_printed(tmp_path, value):
     """A review found the continuation line gin rejects printed in clear (and in the "quote it" fix): the

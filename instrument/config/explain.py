@@ -367,7 +367,10 @@ def _redacted_through(
 ) -> Optional[Tuple[int, List[str]]]:
     """The first line of the statement that line ``n`` goes on, and that statement's lines through ``n`` redacted
     (none left where its name is secret; every word of a redacted value into ``found``). None: ``n`` is its own."""
-    first = next((k for k in range(n, -1, -1) if re.match(r"[\w./]+\s*=", lines[k])), n)
+    # The nearest line above that starts a statement: `name =` with nothing left open before it (a line of a
+    # triple-quoted value may read `note = ...` too).
+    first = next((k for k in range(n, -1, -1)
+                  if re.match(r"[\w./]+\s*=", lines[k]) and not _left_open("\n".join(lines[:k]))), n)
     if first == n or not _left_open("\n".join(lines[first:n])):
         return None
     text = "\n".join(lines[first:n + 1])

@@ -46,6 +46,38 @@ def test_a_close_that_times_out_says_which_backend_held_it_and_how_many_steps_ar
     assert "timeout" in messages[0]
 
 
+def test_a_close_that_spent_its_bound_waiting_for_a_blocked_commit_names_the_whole_bound(tmp_path, caplog):
+    # A commit waiting for room in a full queue holds the commit lock: the close spends its whole bound there and
+    # gives up with nothing left for the writer. The message said "gave up after 0s".
+    hung = Blocking()
+    logger = Logger([hung], RunInfo("r", tmp_path), queue_size=1)
+    for step in range(2):  # step 0 in the hung write, step 1 fills the queue
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.commit()
+    assert hung.entered.wait(WAIT)
+    blocked = threading.Event()
+
+    def third():
+        logger.log_metrics({"x": 2.0}, step=2)
+        blocked.set()
+        logger.commit()  # waits for room, holding the commit lock
+
+    thread = threading.Thread(target=third, daemon=True)
+    thread.start()
+    try:
+        assert blocked.wait(WAIT)
+        while logger._commit_lock.acquire(blocking=False):  # until the third commit holds it
+            logger._commit_lock.release()
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="instrument"):
+            logger.close(timeout=0.25)
+    finally:
+        hung.release.set()
+        thread.join(WAIT)
+    messages = gave_up(caplog)
+    assert len(messages) == 1 and "gave up after 0.25s" in messages[0], messages
+
+
 def test_a_close_that_finishes_in_time_says_nothing(tmp_path, caplog):
     logger = Logger([JsonlBackend()], RunInfo("r", tmp_path))
     logger.log_metrics({"x": 1.0}, step=0)

@@ -93,7 +93,7 @@ class LoggerEnd:
         closed) must not wait for a lock whose holder waits for it. The last commit never waits for room in
         a full queue: the close right behind it is bounded by ``timeout`` alone. The `before_close` hooks run
         first (a system monitor hands over its buffered samples)."""
-        timeout = check_timeout("close", timeout)
+        timeout = asked = check_timeout("close", timeout)
         started = time.monotonic()
         if not self._closed:
             self._run_before_close(timeout=timeout)
@@ -117,7 +117,8 @@ class LoggerEnd:
         finally:
             if locked:
                 self._commit_lock.release()
-        self._writer.close(status or self._exit_status, timeout)  # a second close waits for the first one's
+        # a second close waits for the first one's; a close that gives up names the whole bound it was given
+        self._writer.close(status or self._exit_status, timeout, asked=asked)
         if closing:
             shutdown.unregister(self)
 

@@ -188,9 +188,11 @@ class Writer:
             self._failed_told = max(self._failed_told, answer[0])
         return clean
 
-    def close(self, status: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+    def close(self, status: Optional[str] = None, timeout: Optional[float] = None,
+              asked: Optional[float] = None) -> bool:
         """Write what is queued, flush, call ``on_exit(status)`` when given, close the backends, stop. A close
-        when one is already queued (another thread's, a signal handler's) waits for that one the same way."""
+        when one is already queued (another thread's, a signal handler's) waits for that one the same way.
+        ``asked``: the caller's whole bound, of which ``timeout`` is what is left (the message names it)."""
         if timeout is not None:  # before the close is queued: the writer reads it once it sees `_closing`
             self._close_bound = timeout
         seq = self._put(_CLOSE, status, closing=True) or self._close_seq
@@ -202,7 +204,7 @@ class Writer:
         self._thread.join(5.0 if done or deadline is None else max(0.0, deadline - time.monotonic()))
         if seq > 0 and not done and not self._gave_up:
             self._gave_up = True  # said once: a second close (a signal's after the user's) waits for the same
-            say_gave_up(timeout, self.ledger.running, self.pending)
+            say_gave_up(timeout if asked is None else asked, self.ledger.running, self.pending)
         return done
 
     def wait(self, seq: int, timeout: Optional[float] = None, ready: Optional[Callable[[], bool]] = None) -> bool:

@@ -24,6 +24,7 @@ fits the dtype. ``zero_frac`` counts exact zeros as the mean of ``sign(x)^2`` wi
 
 import logging
 import re
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
@@ -38,7 +39,7 @@ from instrument.errors import ConfigurationError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
 from instrument.observers.stats import pow2_scale, refuse_complex
-from instrument.probes.compiled import unwrap
+from instrument.probes.compiled import ForwardSwitch, ancestors, hook_switch, unwrap
 from instrument.probes.hooks import first_tensor
 from instrument.probes.step_hook import step_hook
 from instrument.probes.transforms import in_trace_check, outside_transforms, physical, transformed
@@ -176,6 +177,7 @@ class ActivationStats(Observer):
         self.max_modules = max_modules
         self.max_elements = max_elements
         self._handles: List[RemovableHandle] = []
+        self._switch: Optional[ForwardSwitch] = None  # under torch.compile, during a logging step (`hook_switch`)
         self._names: List[str] = []
         self._sums: List[IterationBuffer] = []  # per hooked module: its outputs, reduced to [calls, 6]
         self._calls: List[int] = []
@@ -255,8 +257,14 @@ class ActivationStats(Observer):
             self._sums.append(IterationBuffer(batched_moments, budget, batched=name not in self._unbatched))
             self._calls.append(0)
             self._handles.append(module.register_forward_hook(step_hook(self._hook_for(index))))
+        self._switch = hook_switch(_on_the_way([unwrap(r) for r in roots], [module for _, module in chosen]))
+        if self._switch is not None:
+            self._switch.on()
 
     def detach(self) -> None:
+        switch, self._switch = self._switch, None
+        if switch is not None:
+            switch.off()
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -365,3 +373,16 @@ class ActivationStats(Observer):
         if not self._warned.get(kind):
             self._warned[kind] = True
             log.warning(message)
+
+
+def _on_the_way(roots: Sequence[nn.Module], hooked: Sequence[nn.Module]) -> List[nn.Module]:
+    """Each hooked module and the modules from its root down to it (`instrument.probes.compiled.hook_switch`);
+    only looked up while torch.compile is in use."""
+    if "torch._dynamo" not in sys.modules or not hooked:
+        return []
+    wanted = {id(module) for module in hooked}
+    out: List[nn.Module] = []
+    for root in roots:
+        paths = [path for path, module in root.named_modules() if id(module) in wanted]
+        out.extend(ancestors(root, paths, itself=True))
+    return out

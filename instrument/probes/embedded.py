@@ -57,7 +57,7 @@ class ProbeSet:
             self.probes[name] = probe
             self.paths[name] = path
         self._switch = None if self.scripted or not self.probes else compiled.ForwardSwitch(
-            _ancestors(root, list(self.paths.values()))
+            compiled.ancestors(root, list(self.paths.values()))
         )
 
     @property
@@ -100,21 +100,6 @@ def _eager_tree_probes(root: nn.Module) -> List[Tuple[str, Any]]:
                 script.check_scriptable(probe)
                 found.append((f"{path}.{inner}", probe))
     return found
-
-
-def _ancestors(root: nn.Module, paths: List[str]) -> List[nn.Module]:
-    """Every eager module on the way from ``root`` to each probe (the probe itself excluded), root first; a
-    ScriptModule and what is inside it are left out (no instance-level forward to switch there)."""
-    out: List[nn.Module] = []
-    for path in paths:
-        module = root
-        out.append(module)
-        for part in path.split(".")[:-1]:
-            module = getattr(module, part)
-            if script.is_scripted(module):
-                break
-            out.append(module)
-    return out
 
 
 def check_unique_names(watched: Sequence["ProbeSet"], new: "ProbeSet") -> None:

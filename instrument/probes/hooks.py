@@ -25,6 +25,7 @@ iterations keep their ``step_index``) but not delivered, and said once (`_skip_b
 import ast
 import inspect
 import logging
+import os
 import sys
 import textwrap
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -37,13 +38,14 @@ from instrument.core.dispatch import observer_name
 from instrument.core.recompute import RecomputeGuard, in_recompute
 from instrument.errors import ConfigurationError
 from instrument.probes import script
-from instrument.probes.compiled import run_eagerly, unwrap
+from instrument.probes.compiled import hook_switch, run_eagerly, unwrap
 from instrument.probes.step_hook import step_hook
 from instrument.probes.transforms import BATCHED, in_trace_check, outside_transforms, plain, transformed
 
 __all__ = ["StateWatch"]
 
 log = logging.getLogger("instrument")
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")  # where torch.compile's frame wrapper lives
 
 
 _UNKNOWN = object()
@@ -84,6 +86,7 @@ class StateWatch:
         self.iterations = 0
         self._handle: Optional[Any] = None  # a RemovableHandle, or the scripted equivalent
         self._before_handle: Optional[Any] = None  # the pre-hook's (eager modules): the state before each call
+        self._switch: Optional[Any] = None  # a compiled caller's hooked variant, during a step (`hook_switch`)
         # Per call in progress, keyed by id() of its state argument (calls may run on several threads): the state
         # tensor, its version before the call (None: an inference tensor keeps none) and a copy of it, taken
         # throughout the first logging step that calls the module (so that a forward changing its argument in
@@ -98,6 +101,7 @@ class StateWatch:
         self._check_rollout = True  # checked once, after the first logging step (`_rollout_report`)
         self._said_uncalled = False  # a logging step that never called the module was reported
         self._said_vmap = False  # a call inside torch.func.vmap was reported (`_skip_batched`)
+        self._said_compiled = False  # a call from inside a torch.compile'd caller was reported
         self._first_parameter: Any = _UNKNOWN  # forward's first parameter name (`_state_keyword`)
         self.guard = RecomputeGuard(
             f"watched module {self.name}",
@@ -127,10 +131,17 @@ class StateWatch:
             # never traces the observers (`instrument.probes.step_hook`).
             self._before_handle = self.module.register_forward_pre_hook(step_hook(self._before), with_kwargs=True)
             self._handle = self.module.register_forward_hook(step_hook(self._hook), with_kwargs=True)
+            if root is self.module:  # a compiled wrapper calls its hooks outside its own compiled code
+                self._switch = hook_switch([root])
+                if self._switch is not None:
+                    self._switch.on()
         return self._handle
 
     def detach(self, report: bool = True) -> None:
         """Remove the step's hooks; ``report``: the step ran to its end, so a module it never called is said."""
+        switch, self._switch = self._switch, None
+        if switch is not None:
+            switch.off()
         if self._before_handle is not None:  # first, and also when attach was cut short between the two hooks
             self._before_handle.remove()  # (removing is idempotent: a detach interrupted here is done again)
             self._before_handle = None
@@ -151,6 +162,27 @@ class StateWatch:
                 except Exception:  # a diagnostic: it never costs the step
                     log.debug("instrument: the whole-rollout check of %s failed", self.name, exc_info=True)
 
+    def _say_compiled_caller(self) -> None:
+        """Warn once when the module is called from inside torch.compile'd code (a compiled caller of it): the
+        step's hooks split that caller's graph, and Dynamo keeps the split for non-logging steps too."""
+        self._said_compiled = True
+        frame, depth = sys._getframe(2), 0
+        while frame is not None and depth < 64:
+            code = frame.f_code
+            if code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME):
+                if getattr(frame.f_locals.get("fn"), "__self__", None) is self.module:
+                    return  # the module's own compiled wrapper (torch.compile(rule), watched inside): no caller
+                log.warning(
+                    "instrument: watched module %s is called inside a torch.compile'd caller. On a logging step its "
+                    "hooks (run outside compiled code) split that caller's graph at each call, and Dynamo, which "
+                    "does not guard on hooks, goes on running the split graph on non-logging steps too, so those "
+                    "cost more than a bare step. Compile the watched module itself instead (`model.rule = "
+                    "torch.compile(model.rule)`, watching it before or after), or embed instrument.Probe modules "
+                    "in the model (docs/probes.md). (Said once.)", self.name,
+                )
+                return
+            frame, depth = frame.f_back, depth + 1
+
     def _report_uncalled(self) -> None:
         if self._said_uncalled:
             return
@@ -164,9 +196,10 @@ class StateWatch:
             f" Its class {type(root).__name__} defines its own __call__: if that calls self.forward, no hook runs; "
             f"call the module through nn.Module.__call__ (rename the method), or watch with state=False and call "
             f"s.observer(StepContext(...)) in the loop." if custom_call else "",
-            " If it runs inside a torch.compile'd caller, that caller was compiled without the hook (Dynamo does "
-            "not guard on hooks, so a caller first compiled on a non-logging step never calls it): compile the "
-            "watched module itself, or watch with state=False and call s.observer(StepContext(...)) in the loop."
+            " If it runs inside a torch.compile'd caller, that caller may have been compiled without the hook "
+            "(Dynamo does not guard on hooks; a forward of your own set on the module keeps instrument from "
+            "switching it): compile the watched module itself, or watch with state=False and call "
+            "s.observer(StepContext(...)) in the loop."
             if "torch._dynamo" in sys.modules else "",
         )
 
@@ -196,6 +229,8 @@ class StateWatch:
         hook after the call has the state as it was."""
         if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: not an iteration
             return
+        if not self.iterations and not self._said_compiled and self._switch is not None:
+            self._say_compiled_caller()
         clock = getattr(self.deliver, "clock", None)  # the session's overhead meter, on measured logging steps
         token = clock.own_start() if clock is not None else None
         try:

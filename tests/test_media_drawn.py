@@ -200,7 +200,7 @@ def test_colorbar_labels_laid_from_cached_characters_are_what_pillow_draws():
     and NaN, it is Pillow's drawing pixel for pixel, with the same offsets."""
     import itertools
 
-    from instrument.logger import render
+    from instrument.logger import colorbar, render
 
     font = render._font(11)
     assert render._glyphs(font) is not None, (
@@ -209,7 +209,7 @@ def test_colorbar_labels_laid_from_cached_characters_are_what_pillow_draws():
     rng = np.random.default_rng(3)
     values = rng.normal(size=1500) * 10.0 ** rng.integers(-15, 16, size=1500)
     ends = [*values, 0.0, -0.0, np.nan, 5e-324, -1.7976931348623157e308, 4.44, -44.4]
-    texts = [""] + [render._fmt(v) for v in ends]
+    texts = [""] + [colorbar._fmt(v) for v in ends]
     texts += ["".join(t) for n in (1, 2, 3) for t in itertools.product(render._LABEL_CHARACTERS, repeat=n)]
     for text in texts:
         pixels, dx, dy = render._label(text, font)

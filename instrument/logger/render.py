@@ -22,7 +22,7 @@ from instrument.core.colormap import VIRIDIS_LUT as _LUT
 from instrument.logger.colorbar import colorbar_labels, colorbar_ticks, is_degenerate, ticks_and_step
 
 __all__ = ["to_hwc_uint8", "render_heatmap", "heatmap_geometry", "colorbar_ticks", "colorbar_labels", "drawable_text",
-           "is_degenerate"]
+           "is_degenerate", "TICK_ROOM"]
 
 
 def to_hwc_uint8(image: np.ndarray, tag: str = "image") -> np.ndarray:
@@ -122,6 +122,7 @@ def _fitted(text: str, font, room: int) -> str:
 LEFT, TOP, RIGHT = 48, 22, 64
 _BAR_WIDTH = 10
 _ROW_GAP = 26  # row labels start this far left of the cells, or further where they are wider
+TICK_ROOM = 128  # the most pixels a column name written vertically takes: longer ones are shortened
 
 
 def _row_labels(rows: int) -> range:
@@ -168,8 +169,12 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     title, y_label = _fitted(title, font, width - left - 2), _fitted(y_label, font, ph - 2)
     labels = [drawable_text(t, font) for t in x_ticks] if x_ticks is not None else [str(c) for c in range(cols)]
     widths = [font.getbbox(label)[2] for label in labels]
-    # Names (channel or module names) wider than their cell are written vertically, every one that fits.
+    # Names (channel or module names) wider than their cell are written vertically, every one that fits, each
+    # shortened from the middle to `TICK_ROOM` pixels: the canvas is never taller than that for them.
     vertical = x_ticks is not None and max(widths) > cw - 2
+    if vertical and max(widths) > TICK_ROOM:
+        labels = [_fitted(t, font, TICK_ROOM) for t in x_ticks]
+        widths = [font.getbbox(label)[2] for label in labels]
     stride = max(1, int(np.ceil(12 / cw))) if vertical else max(1, int(np.ceil(cols / 8)))
     label_height = max(widths) + 4 if vertical else 14
     bottom = 6 + label_height + 16

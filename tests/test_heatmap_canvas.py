@@ -1,15 +1,17 @@
-"""A heatmap's canvas stays bounded where its text is long.
+"""A heatmap's canvas under one tag keeps its size from step to step, and stays bounded where its text is long.
 
 Read back from what a user opens: TensorBoard event files (EventAccumulator) and JSONL lines.
 """
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from instrument import Logger, RunInfo, TensorBoardBackend
+from instrument import JsonlBackend, Logger, RunInfo, TensorBoardBackend
+from instrument.core.colormap import VIRIDIS_LUT
 from instrument.logger import render
 from tests.conftest import event_accumulator
 
@@ -18,6 +20,57 @@ def _tb_images(log_dir: Path, tag: str) -> dict:
     """step -> the RGB pixels of ``tag``'s image at that step, as TensorBoard shows them."""
     return {event.step: np.asarray(Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB"))
             for event in event_accumulator(log_dir).Images(tag)}
+
+
+def _jsonl_shapes(path: Path, tag: str) -> dict:
+    """step -> the shape JSONL wrote for ``tag``'s image at that step."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return {line["step"]: tuple(line["images"][tag]) for line in lines if tag in line.get("images", {})}
+
+
+def test_a_heatmaps_canvas_keeps_its_size_across_steps_when_its_labels_need_more_room(tmp_path):
+    """A review found the image of one tag changing width from step to step: the canvas was widened for a wide
+    colour-bar label (-1.23e+06) at one step and narrow again at the next (9.5), so the image jumped in
+    TensorBoard's slider. Each tag's canvas now grows where a step needs more room and then stays that size;
+    the cells, the colour bar and its labels are where they would be alone, the rest white."""
+    small, wide = np.linspace(0.0, 9.5, 512).reshape(32, 16), np.linspace(-1234567.8, 3.0, 512).reshape(32, 16)
+    logger = Logger([TensorBoardBackend(), JsonlBackend()], RunInfo("r", tmp_path))
+    for step, matrix in enumerate((small, wide, small, small)):
+        logger.log_heatmap("h", matrix, step, x_label="channel", y_label="iteration")
+        logger.log_heatmap("other", small, step)  # a tag of its own: never widened by "h"
+        logger.commit(step)
+    logger.close()
+    images = _tb_images(tmp_path / "r", "h")
+    alone = [render.render_heatmap(m, title="h", x_label="channel", y_label="iteration") for m in (small, wide)]
+    assert alone[1].shape[1] > alone[0].shape[1]  # the wide label needs room: the canvas grows at step 1
+    np.testing.assert_array_equal(images[0], alone[0])
+    np.testing.assert_array_equal(images[1], alone[1])
+    for step in (2, 3):  # and then keeps its size, the room it grew by white
+        assert images[step].shape == images[1].shape, step
+        height, width = alone[0].shape[:2]
+        np.testing.assert_array_equal(images[step][:height, :width], alone[0])
+        assert (images[step][:, width:] == 255).all() and (images[step][height:] == 255).all()
+    shapes = _jsonl_shapes(tmp_path / "r" / "metrics.jsonl", "h")
+    assert shapes == {step: images[step].shape for step in range(4)}
+    others = _tb_images(tmp_path / "r", "other")
+    assert {image.shape for image in others.values()} == {render.render_heatmap(small, title="other").shape}
+
+
+def test_a_heatmaps_canvas_grows_with_its_matrix_and_does_not_shrink_back(tmp_path):
+    """A matrix of another shape under the same tag (a rollout of another length) is drawn at its own cell size,
+    on a canvas no smaller than the tag's largest so far: rows numbered in 5 digits and more take a wider left
+    margin, and the canvas keeps that width after."""
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    shapes = ((4, 2), (12000, 2), (4, 2))
+    for step, shape in enumerate(shapes):
+        logger.log_heatmap("h", np.zeros(shape), step)
+        logger.commit(step)
+    logger.close()
+    images = _tb_images(tmp_path / "r", "h")
+    big = render.render_heatmap(np.zeros((12000, 2)), title="h")
+    assert images[1].shape == big.shape == images[2].shape
+    left, top, cw, ch = render.heatmap_geometry(4, 2)
+    assert (images[2][top + ch // 2, left + cw // 2] == VIRIDIS_LUT[0]).all()  # the cells where geometry says
 
 
 def test_long_vertical_column_names_are_shortened_so_the_canvas_height_stays_bounded(tmp_path):
@@ -42,3 +95,4 @@ def test_long_vertical_column_names_are_shortened_so_the_canvas_height_stays_bou
     last = slice(left + 15 * cw, left + 16 * cw)
     assert not np.array_equal(image[below, last], other[below, last])
     assert np.array_equal(image[below, :left + 15 * cw], other[below, :left + 15 * cw])
+

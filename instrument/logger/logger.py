@@ -47,7 +47,7 @@ from instrument.logger import shutdown
 from instrument.logger.assemble import build_record, describe
 from instrument.logger.blocks import MAX_BLOCKS, Block, float_block, fold, tensor_block
 from instrument.logger.lifecycle import LoggerEnd, check_timeout, closed_use, open_backends
-from instrument.logger.media import check_media, heatmap_options, refuse_shared_tag, video_fps
+from instrument.logger.media import CanvasSizes, check_media, heatmap_options, refuse_shared_tag, video_fps
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
@@ -135,6 +135,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         self._tags: Dict[Tuple[str, str], None] = {}  # (kind, tag) logged since the last commit, on every rank
         self._wide: Wide = {}  # flags of int64 values beyond 2**53, read on the writer (`values.note_beyond`)
         self._ranges: Dict[str, Tuple[float, float]] = {}  # heatmap tag -> running (lo, hi); writer thread only
+        self._sizes = CanvasSizes()  # heatmap tag -> its largest canvas so far: its images keep one size
         self._noted: set = set()  # (image tag, note) said once by the writer (`media._convert_image`)
         self._timers: Dict[str, Timer] = {}
         self._timed: Dict[str, Timer] = {}  # the timers measured since their last take (`Timer._pending`)
@@ -252,7 +253,7 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
         ``"running"`` (the range of every matrix of this tag so far, tracked on the writer thread: no host
         sync); None scales each image to its own values. The colour bar has round intermediate ticks.
         """
-        extra = (*heatmap_options(tag, x_label, y_label, x_ticks, color_range), self._ranges)
+        extra = (*heatmap_options(tag, x_label, y_label, x_ticks, color_range), self._ranges, self._sizes)
         self._stage("heatmap", tag, matrix, step, extra)
 
     def log_histogram(self, tag: str, values: Union[Tensor, np.ndarray, Sequence[float]], step: int) -> None:

@@ -13,7 +13,9 @@ import dataclasses
 import logging
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from instrument.logger.plain import plain_tensor
 from instrument.logger.render import is_degenerate, render_heatmap, to_hwc_uint8
 from instrument.logger.samples import check_samples, convert_samples
 
-__all__ = ["MediaKind", "KINDS", "check_color_range", "check_media", "heatmap_options", "plain_tensor",
+__all__ = ["MediaKind", "KINDS", "CanvasSizes", "check_color_range", "check_media", "heatmap_options", "plain_tensor",
            "refuse_shared_tag", "tensors_of", "video_fps"]
 
 Host = Callable[[Any], Any]
@@ -207,8 +209,48 @@ def _check_heatmap(tag: str, value: Any, extra: Any) -> Any:
     return value
 
 
+class CanvasSizes:
+    """Per heatmap tag, its largest canvas so far, ``(height, width)``: each heatmap of the tag is drawn on a
+    canvas at least that large (`render_heatmap`'s ``at_least``), so the images of one tag keep one size in
+    TensorBoard's step slider. A step whose colour-bar labels, row numbers or matrix need more room grows it, and
+    it stays grown: it never shrinks back within a run (`Instrumentation.state_dict` keeps it for a resume).
+
+    One per Logger. The writer thread draws; a checkpoint reads it from the training thread: under a lock. At
+    most `LIMIT` tags are kept (the least recently drawn forgotten first: such a tag starts again at its own
+    size), so a run that logs heatmaps under ever new tags does not grow it without end."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[str, Tuple[int, int]] = OrderedDict()
+
+    def get(self, tag: str) -> Optional[Tuple[int, int]]:
+        """The tag's largest canvas so far, or None."""
+        with self._lock:
+            return self._sizes.get(tag)
+
+    def grow(self, tag: str, height: int, width: int) -> None:
+        """Note a canvas drawn for ``tag``: its size is now at least ``(height, width)``."""
+        with self._lock:
+            old = self._sizes.pop(tag, (0, 0))  # popped and set again: the most recently drawn last
+            self._sizes[tag] = (max(old[0], int(height)), max(old[1], int(width)))
+            while len(self._sizes) > self.LIMIT:
+                self._sizes.popitem(last=False)
+
+    def snapshot(self) -> Dict[str, Tuple[int, int]]:
+        """A copy of every tag's size, for a checkpoint."""
+        with self._lock:
+            return dict(self._sizes)
+
+    def replace(self, sizes: Mapping[str, Tuple[int, int]]) -> None:
+        """Start from ``sizes`` (a checkpoint's) instead of what is kept; the last `LIMIT` of them."""
+        with self._lock:
+            self._sizes = OrderedDict(list(sizes.items())[-self.LIMIT:])
+
+
 def _convert_heatmap(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray:
-    x_label, y_label, x_ticks, color_range, running = extra
+    x_label, y_label, x_ticks, color_range, running, sizes = extra
     matrix = np.asarray(host(value), dtype=np.float64)
     if color_range == "running":  # the range of every matrix drawn under this tag so far (this thread only)
         finite = matrix[np.isfinite(matrix)]
@@ -218,8 +260,10 @@ def _convert_heatmap(tag: str, value: Any, extra: Any, host: Host) -> np.ndarray
             seen = (min(lo, seen[0]), max(hi, seen[1])) if seen else (lo, hi)
             running[tag] = seen
         color_range = seen if seen and seen[1] > seen[0] and not is_degenerate(*seen) else None
-    return render_heatmap(matrix, title=tag, x_label=x_label, y_label=y_label, color_range=color_range,
-                          x_ticks=x_ticks)
+    image = render_heatmap(matrix, title=tag, x_label=x_label, y_label=y_label, color_range=color_range,
+                           x_ticks=x_ticks, at_least=sizes.get(tag))
+    sizes.grow(tag, *image.shape[:2])
+    return image
 
 
 _HISTOGRAM = "numbers of any shape (flattened)"

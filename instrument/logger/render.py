@@ -12,7 +12,7 @@ milliseconds with matplotlib), pixel for pixel the same image.
 
 import functools
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -320,6 +320,7 @@ def render_heatmap(
     target_size: int = 256,
     color_range=None,
     x_ticks=None,
+    at_least: Optional[Tuple[int, int]] = None,
 ) -> np.ndarray:
     """Draw ``matrix`` [rows, cols] as a colour-mapped image with tick labels, axis names and a colour bar.
 
@@ -327,6 +328,11 @@ def render_heatmap(
     ``(lo, hi)`` fixes the scale (values outside it get the end colours), so the same value has the same colour
     in every image drawn with that range; None scales each matrix to its own finite min and max. ``x_ticks``
     names the columns (one string per column) instead of numbering them. NaN and infinite cells are grey.
+
+    Each row and column of cells is ``target_size // rows`` (``// cols``) pixels, and one pixel at least: a matrix
+    of more than ``target_size`` rows is drawn one pixel per row, every value its own pixel (never averaged).
+    ``at_least`` ``(height, width)``: the canvas is made at least that large, white below and right of what is
+    drawn, which stays where it would be (the logger passes a tag's largest canvas so far: `media.CanvasSizes`).
     """
     m = np.asarray(matrix, dtype=np.float64)
     if m.ndim == 1:
@@ -363,9 +369,11 @@ def render_heatmap(
     labels = [_label(text, font) for text in colorbar_labels(bar_ticks, one_colour, step)]
     # the canvas is widened where a label would not fit the right margin: a label is never cut
     width = max(frame.shape[1], max(tick_x + 5 + dx + pixels.shape[1] for pixels, dx, _ in labels) + 2)
-    if width > frame.shape[1]:
-        canvas = np.full((frame.shape[0], width, 3), 255, dtype=np.uint8)
-        canvas[:, :frame.shape[1]] = frame
+    height = frame.shape[0] if at_least is None else max(frame.shape[0], at_least[0])
+    width = width if at_least is None else max(width, at_least[1])
+    if (height, width) != frame.shape[:2]:
+        canvas = np.full((height, width, 3), 255, dtype=np.uint8)
+        canvas[:frame.shape[0], :frame.shape[1]] = frame
     else:
         canvas = frame.copy()
     # Each row of cells widened to its pixels once, then broadcast over its ch pixel rows through a view of the

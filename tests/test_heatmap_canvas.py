@@ -96,3 +96,43 @@ def test_long_vertical_column_names_are_shortened_so_the_canvas_height_stays_bou
     assert not np.array_equal(image[below, last], other[below, last])
     assert np.array_equal(image[below, :left + 15 * cw], other[below, :left + 15 * cw])
 
+
+def test_a_resumed_run_draws_each_heatmap_on_the_canvas_its_tag_had(tmp_path):
+    """The sizes are in `state_dict()`, as the running colour ranges are: a run resumed from a checkpoint drew a
+    tag narrower than before it (its size started again), so the slider jumped at the resume. A checkpoint without
+    them (an older instrument's) loads, and a bad one is refused before anything changes."""
+    import pytest
+
+    import instrument
+    from instrument.errors import ConfigurationError
+
+    small, wide = np.linspace(0.0, 9.5, 8).reshape(4, 2), np.linspace(-1234567.8, 3.0, 8).reshape(4, 2)
+
+    def session(resume):
+        return instrument.Instrumentation(backends=[TensorBoardBackend()], run_name="s", log_dir=str(tmp_path),
+                                          resume=resume)
+
+    inst = session(False)
+    for step, matrix in ((0, small), (10, wide)):
+        with inst.step(step):
+            inst.logger.log_heatmap("h", matrix, step)
+    state = json.loads(json.dumps(inst.state_dict()))  # a checkpoint round trip
+    inst.close()
+    assert state["heatmap_sizes"] == {"h": list(render.render_heatmap(wide, title="h").shape[:2])}
+    again = session(True)
+    again.load_state_dict(state)
+    with again.step(20):
+        again.logger.log_heatmap("h", small, 20)
+    again.close()
+    images = _tb_images(tmp_path / "s", "h")
+    assert images[20].shape == images[10].shape != images[0].shape
+
+    old = {key: value for key, value in state.items() if key != "heatmap_sizes"}
+    for bad in ({"h": [0, 10]}, {"h": [10.5, 10]}, {"h": [10, True]}, [314, 368], {"h": [10, 2**40]}, {1: [1, 1]}):
+        late = session(True)
+        with pytest.raises(ConfigurationError, match="'heatmap_sizes'"):
+            late.load_state_dict({**state, "heatmap_sizes": bad})
+        late.load_state_dict(old)  # refused before anything changed; a checkpoint without them loads
+        assert late.logger._sizes.snapshot() == {}
+        late.close()
+

@@ -60,6 +60,9 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
     ranges = dict(inst.logger._ranges)  # heatmap tag -> color_range="running" so far (writer thread: flushed)
     if ranges:
         state["heatmap_ranges"] = {tag: [lo, hi] for tag, (lo, hi) in ranges.items()}
+    sizes = inst.logger._sizes.snapshot()  # heatmap tag -> its largest canvas so far: a resume keeps the size
+    if sizes:
+        state["heatmap_sizes"] = {tag: [height, width] for tag, (height, width) in sizes.items()}
     return state
 
 
@@ -90,6 +93,7 @@ def load_session_state(inst: "Instrumentation", state: Dict[str, Any]) -> None:
     ranges = _heatmap_ranges(state["heatmap_ranges"]) if "heatmap_ranges" in state else {}
     inst.logger._ranges.clear()  # no heatmap drawn yet: load_state_dict comes before the first step
     inst.logger._ranges.update(ranges)
+    inst.logger._sizes.replace(_heatmap_sizes(state["heatmap_sizes"]) if "heatmap_sizes" in state else {})
     inst._resumed_at = -1 if saved_step is None else saved_step
     _say_left_out(inst, state.get("backends"), saved_step)
 
@@ -202,6 +206,7 @@ def _checked(state: Any) -> Optional[int]:
             raise ConfigurationError(f"{where}: its {key!r} is {_short(value)}, expected {kind}. Pass the "
                                      f"state_dict() saved with the checkpoint as it was saved.")
     _heatmap_ranges(state.get("heatmap_ranges", {}))
+    _heatmap_sizes(state.get("heatmap_sizes", {}))
     return check_int("load_state_dict: the state's 'last_step'", state["last_step"], least=0, most=MAX_STEP,
                      integral=True, none=True, expected="None or an int >= 0 (the last step the checkpoint's "
                      "state_dict() counted as committed)", fix="pass the state_dict() saved with the checkpoint "
@@ -228,6 +233,31 @@ def _heatmap_ranges(value: Any) -> Dict[str, Tuple[float, float]]:
                 f"the checkpoint as it was saved, or drop the key (the running colour ranges then start again).")
         ranges[tag] = (float(pair[0]), float(pair[1]))
     return ranges
+
+
+_MOST_PIXELS = 2**20  # a bound on a saved canvas side: a damaged checkpoint must not make every image huge
+
+
+def _heatmap_sizes(value: Any) -> Dict[str, Tuple[int, int]]:
+    """The state's ``heatmap_sizes`` (heatmap tag -> ``[height, width]`` of its largest canvas so far, whole
+    numbers of pixels) as the logger keeps them, or a `ConfigurationError` naming what is wrong."""
+    def pixels(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and 1 <= v <= _MOST_PIXELS
+
+    fix = ("Pass the state_dict() saved with the checkpoint as it was saved, or drop the key (the heatmaps' canvas "
+           "sizes then start again).")
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"load_state_dict: the state's 'heatmap_sizes' is {_short(value)}, expected a dict "
+                                 f"heatmap tag -> [height, width]. {fix}")
+    sizes = {}
+    for tag, pair in value.items():
+        if not (isinstance(tag, str) and isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(pixels(v) for v in pair)):
+            raise ConfigurationError(
+                f"load_state_dict: the state's 'heatmap_sizes' maps {_short(tag)} to {_short(pair)}, expected a "
+                f"heatmap tag (str) -> [height, width], whole numbers of pixels from 1 to {_MOST_PIXELS}. {fix}")
+        sizes[tag] = (int(pair[0]), int(pair[1]))
+    return sizes
 
 
 def _inner(state: Dict[Any, Any], depth: int = 2) -> Optional[str]:

@@ -136,3 +136,19 @@ def test_a_resumed_run_draws_each_heatmap_on_the_canvas_its_tag_had(tmp_path):
         assert late.logger._sizes.snapshot() == {}
         late.close()
 
+
+def test_a_matrix_of_thousands_of_rows_is_drawn_one_pixel_per_row_every_value_its_own(tmp_path):
+    """What the docs promise for a long rollout: no row averaged or left out, so a lone spike shows (the image is
+    as tall as the matrix has rows, documented rather than bounded)."""
+    matrix = np.zeros((3000, 4))
+    matrix[1234, 2] = 1.0  # one exploding value among 12,000
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    logger.log_heatmap("h", matrix, 0)
+    logger.commit(0)
+    logger.close()
+    image = _tb_images(tmp_path / "r", "h")[0]
+    left, top, cw, ch = render.heatmap_geometry(3000, 4)
+    assert ch == 1
+    cells = image[top:top + 3000, left:left + 4 * cw:cw]
+    expected = np.where(matrix[..., None] == 1.0, VIRIDIS_LUT[255], VIRIDIS_LUT[0])
+    np.testing.assert_array_equal(cells, expected)

@@ -152,3 +152,10 @@ def test_a_matrix_of_thousands_of_rows_is_drawn_one_pixel_per_row_every_value_it
     cells = image[top:top + 3000, left:left + 4 * cw:cw]
     expected = np.where(matrix[..., None] == 1.0, VIRIDIS_LUT[255], VIRIDIS_LUT[0])
     np.testing.assert_array_equal(cells, expected)
+
+
+def test_a_long_name_of_a_wide_column_is_shortened_to_its_cell_and_laid_flat():
+    """A column 256 pixels wide has room for its name flat once shortened: not a vertical one 128 pixels tall."""
+    matrix = np.arange(4.0).reshape(4, 1)
+    image = render.render_heatmap(matrix, x_ticks=["encoder.blocks." * 20 + "end"])
+    assert image.shape == render.render_heatmap(matrix, x_ticks=["end"]).shape

@@ -170,11 +170,13 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     labels = [drawable_text(t, font) for t in x_ticks] if x_ticks is not None else [str(c) for c in range(cols)]
     widths = [font.getbbox(label)[2] for label in labels]
     # Names (channel or module names) wider than their cell are written vertically, every one that fits, each
-    # shortened from the middle to `TICK_ROOM` pixels: the canvas is never taller than that for them.
-    vertical = x_ticks is not None and max(widths) > cw - 2
-    if vertical and max(widths) > TICK_ROOM:
-        labels = [_fitted(t, font, TICK_ROOM) for t in x_ticks]
+    # shortened from the middle to `TICK_ROOM` pixels: the canvas is never taller than that for them. Cells wider
+    # than that (one or two columns) have their names shortened to the cell and laid flat.
+    room = max(cw - 2, TICK_ROOM)
+    if x_ticks is not None and max(widths) > room:
+        labels = [_fitted(t, font, room) for t in x_ticks]
         widths = [font.getbbox(label)[2] for label in labels]
+    vertical = x_ticks is not None and max(widths) > cw - 2
     stride = max(1, int(np.ceil(12 / cw))) if vertical else max(1, int(np.ceil(cols / 8)))
     label_height = max(widths) + 4 if vertical else 14
     bottom = 6 + label_height + 16

@@ -373,9 +373,11 @@ def render_heatmap(
     width = max(frame.shape[1], max(tick_x + 5 + dx + pixels.shape[1] for pixels, dx, _ in labels) + 2)
     height = frame.shape[0] if at_least is None else max(frame.shape[0], at_least[0])
     width = width if at_least is None else max(width, at_least[1])
-    if (height, width) != frame.shape[:2]:
-        canvas = np.full((height, width, 3), 255, dtype=np.uint8)
+    if (height, width) != frame.shape[:2]:  # the frame copied once, white written only where it is not
+        canvas = np.empty((height, width, 3), dtype=np.uint8)
         canvas[:frame.shape[0], :frame.shape[1]] = frame
+        canvas[:frame.shape[0], frame.shape[1]:] = 255
+        canvas[frame.shape[0]:] = 255
     else:
         canvas = frame.copy()
     # Each row of cells widened to its pixels once, then broadcast over its ch pixel rows through a view of the

@@ -126,3 +126,45 @@ def test_tensorboard_keeps_one_kind_of_value_per_tag(tmp_path, caplog):
     assert [e.step for e in acc.Images("picture")] == [1, 2]
     said = [r.getMessage() for r in caplog.records if "TensorBoard shows one kind per tag" in r.getMessage()]
     assert len(said) == 2
+
+
+def test_keys_that_escape_alike_keep_their_names_across_a_resume(tmp_path):
+    """``a\\udcff`` (a lone surrogate) is written escaped as the text ``a\\\\udcff``; a key that already is that text
+    is numbered (``a\\\\udcff__2``). Those choices lived in memory: a run resumed in a new process numbered afresh,
+    so the key seen first after the resume took the plain name, and the two keys swapped series in TensorBoard
+    and W&B. They are now kept with the run and read back (JSONL writes both keys exactly)."""
+    pytest.importorskip("wandb")
+    from tests.wandb_reader import read_history
+
+    surrogate, literal = os.fsdecode(b"a\xff"), "a\\udcff"
+
+    def session(resume, steps):
+        inst = instrument.Instrumentation(
+            backends=[instrument.TensorBoardBackend(), instrument.JsonlBackend(),
+                      instrument.WandbBackend(project="tests")],
+            run_name="r", log_dir=str(tmp_path), resume=resume, log_interval=1)
+        if resume:
+            inst.load_state_dict(state)
+        for step, key in steps:
+            with inst.step(step):
+                inst.log({key: float(step)})
+        saved = inst.state_dict()
+        inst.close()
+        return saved
+
+    state = session(False, [(0, surrogate), (1, literal)])  # the surrogate's key first: it takes the plain name
+    state = session(True, [(2, literal), (3, surrogate)])  # the literal key first this time
+    session(True, [(4, surrogate), (5, literal)])
+    tb = read_scalars(tmp_path / "r")
+    assert tb[literal] == {0: 0.0, 3: 3.0, 4: 4.0} and tb[literal + "__2"] == {1: 1.0, 2: 2.0, 5: 5.0}
+    files = sorted((tmp_path / "r" / "wandb").glob("offline-run-*/run-*.wandb"))
+    rows = [row for path in files for row in read_history(path, timeout=60.0)]
+    assert len(files) == 3 and all(not key.startswith("_instrument") for row in rows for key in row)
+    assert {key: [row["_step"] for row in rows if key in row] for key in (literal, literal + "__2")} == {
+        literal: [0, 3, 4], literal + "__2": [1, 2, 5]}
+    series = {}
+    for line in _jsonl(tmp_path / "r"):
+        for key in (surrogate, literal):
+            if key in line["metrics"]:
+                series.setdefault(key, []).append(line["step"])
+    assert series == {surrogate: [0, 3, 4], literal: [1, 2, 5]}

@@ -11,14 +11,17 @@ The helpers below also repair what can be repaired instead of dropping it: `fini
 of a histogram, `utf8` writes a text with the characters UTF-8 cannot encode escaped.
 """
 
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 import numpy as np
 
 from instrument.core.names import numbered
 
-__all__ = ["Drops", "DroppedValue", "finite", "utf8", "utf8_keys", "describe"]
+__all__ = ["Drops", "DroppedValue", "KEYS_FILE", "finite", "load_keys", "save_keys", "utf8", "utf8_keys", "describe"]
 
 log = logging.getLogger("instrument")
 
@@ -42,6 +45,40 @@ class Drops:
         self.names: Dict[str, Set[str]] = {}
         self.renamed: Dict[str, Dict[str, str]] = {}
         self.made: Dict[str, Set[str]] = {}
+        # the names written that hold a backslash: only those can be the name an escaped key would take
+        self.marked: Dict[str, Set[str]] = {}
+        self.version = 0  # counts the changes to what `key_state` returns
+
+    def key_state(self) -> str:
+        """What `utf8_keys` chose, as ASCII JSON, for a resumed run in a new process (`restore_keys`): per kind,
+        the keys written under another name and the names written that hold a backslash. Without it a resumed
+        run numbered its keys afresh: the key seen first after the resume took the plain escaped name, which
+        held the other key's series (two keys swapped names, or one's series went on under two)."""
+        return json.dumps({kind: {"renamed": self.renamed.get(kind, {}), "names": sorted(names)}
+                           for kind, names in self.marked.items()}, sort_keys=True)
+
+    def restore_keys(self, text: str) -> None:
+        """Take back what `key_state` returned; a text that is not such a state is ignored (one warning)."""
+        try:
+            state = json.loads(text)
+            for kind, held in state.items():
+                renamed, names = dict(held["renamed"]), set(held["names"])
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in renamed.items()):
+                    raise TypeError("a key or name that is not a str")
+                self.renamed.setdefault(kind, {}).update(renamed)
+                self.made.setdefault(kind, set()).update(renamed.values())
+                self.names.setdefault(kind, set()).update(names, renamed.values())
+                self.marked.setdefault(kind, set()).update(names, renamed.values())
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("instrument: %s could not read back the names it gave escaped keys before the resume (%s: "
+                        "%s); such keys are named afresh.", self.backend, type(exc).__name__, exc)
+
+    def mark(self, kind: str, names: Iterable[str]) -> None:
+        marked = self.marked.setdefault(kind, set())
+        new = {name for name in names if "\\" in name and name not in marked}
+        if new:
+            marked.update(new)
+            self.version += 1
 
     def each(self, kind: str, items: Iterable[Tuple[str, Any]], convert: Callable[[str, Any], Any],
              expected: str) -> Dict[str, Any]:
@@ -114,9 +151,12 @@ def utf8_keys(drops: Drops, kind: str, values: Dict[str, Any]) -> Dict[str, Any]
     names = drops.names.setdefault(kind, set())
     renamed, made = drops.renamed.setdefault(kind, {}), drops.made.setdefault(kind, set())
     try:
-        "".join(values).encode("utf-8")
+        joined = "".join(values)
+        joined.encode("utf-8")
         if not renamed or (renamed.keys().isdisjoint(values) and made.isdisjoint(values)):
             names.update(values)
+            if "\\" in joined:  # a name an escaped key could take: kept for a resume (`Drops.key_state`)
+                drops.mark(kind, values)
             return values
     except TypeError:  # a key that is not a str: left to the backend, as before
         return values
@@ -133,6 +173,7 @@ def utf8_keys(drops: Drops, kind: str, values: Dict[str, Any]) -> Dict[str, Any]
                 made.add(name)
         out[name] = value
     names.update(out)
+    drops.mark(kind, out)
     return out
 
 
@@ -166,6 +207,39 @@ def _numbered(drops: Drops, kind: str, key: str, name: str, names: Set[str], val
                   "surrogates) is already written under %r, escaped; so the two are kept apart.",
                   drops.backend, kind, key, name, key)
     return name
+
+
+KEYS_FILE = "instrument-keys.json"  # `save_keys`: in a TensorBoard run's folder, beside its event files
+
+
+def save_keys(drops: Drops, folder: Any, saved: int) -> int:
+    """Write ``drops.key_state()`` to `KEYS_FILE` in ``folder`` when it changed since version ``saved`` (whole:
+    a temporary file replaces it); returns the version now saved. A write that fails is said once and tried
+    again at the next change."""
+    if drops.version == saved:
+        return saved
+    path = Path(folder) / KEYS_FILE
+    try:
+        part = path.with_name(path.name + ".part")
+        part.write_text(drops.key_state(), encoding="ascii")
+        os.replace(part, path)
+    except OSError as exc:
+        drops.say(str(path), "keys file", logging.WARNING,
+                  "instrument: %s could not write %s (%s); a resumed run may name its escaped keys afresh.",
+                  drops.backend, path, exc)
+        return saved
+    return drops.version
+
+
+def load_keys(drops: Drops, folder: Any) -> None:
+    """Take back the names `save_keys` wrote in ``folder`` (a resumed run); none there: nothing to take."""
+    try:
+        text = (Path(folder) / KEYS_FILE).read_text(encoding="ascii")
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        text = f"unreadable: {exc}"
+    drops.restore_keys(text)
 
 
 def describe(value: Any) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.crc32c import use_fast_checksums
-from instrument.backends.drops import Drops, finite, utf8, utf8_keys
+from instrument.backends.drops import Drops, finite, load_keys, save_keys, utf8, utf8_keys
 from instrument.backends.hparams import order_params
 from instrument.backends.png import encodable, encode_png
 from instrument.backends.tb_tags import TagKinds
@@ -101,6 +101,7 @@ class TensorBoardBackend(Backend):
         self._system = None  # the system samples' own writer, in `SYSTEM_RUN` (opened at the first sample)
         self.reopened = 0  # new event files opened after a fault
         self._drops = Drops(self.name)
+        self._keys_saved = 0  # the version of the escaped keys' names saved (`save_keys`)
         self._bin_edges: Optional[np.ndarray] = None
         self._tags = TagKinds()  # the tag of each value: one kind of value per tag (`instrument.backends.tb_tags`)
 
@@ -115,13 +116,16 @@ class TensorBoardBackend(Backend):
         if self._external is not None:
             self._writer = self._external
             use_fast_checksums(self._external)
-            return
-        # The folder given, or this run's: an instance given to run after run wrote every run into the first's
-        # folder (TensorBoard showed them as one run). What it learned of a run's tags starts afresh too.
-        path = Path(self._given) if self._given else run.dir
-        self.log_dir = str(path)
-        self._tags, self._drops = TagKinds(), Drops(self.name)
-        self._writer = self._new_writer()
+        else:
+            # The folder given, or this run's: an instance given to run after run wrote every run into the first's
+            # folder (TensorBoard showed them as one run). What it learned of a run's tags starts afresh too.
+            path = Path(self._given) if self._given else run.dir
+            self.log_dir = str(path)
+            self._tags, self._drops = TagKinds(), Drops(self.name)
+            self._writer = self._new_writer()
+        self._keys_saved = self._drops.version
+        if run.resume is not None:  # the names escaped keys took before: each key's series goes on under its name
+            load_keys(self._drops, self.log_dir)
 
     def _new_writer(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
@@ -178,6 +182,7 @@ class TensorBoardBackend(Backend):
         def log_params(w) -> None:
             # Names escaped as metric keys are (an os.fsdecode-d file name), so protobuf takes them.
             named = utf8_keys(self._drops, "hyperparameter", dict(params))
+            self._keys_saved = save_keys(self._drops, self.log_dir, self._keys_saved)
             table = utf8(self._drops, "text", "hyperparameters", hyperparameter_table(named))
             w.add_text("hyperparameters", table, 0)
             values = {k: utf8(self._drops, "hyperparameter", k, v) if isinstance(v, str) else v
@@ -204,7 +209,10 @@ class TensorBoardBackend(Backend):
             raise failed
 
     def write(self, record: StepRecord) -> None:
-        self._guarded(lambda w: self._write(w, record))
+        try:
+            self._guarded(lambda w: self._write(w, record))
+        finally:  # the names escaped keys took, for a resumed run (`instrument.backends.drops.save_keys`)
+            self._keys_saved = save_keys(self._drops, self.log_dir, self._keys_saved)
 
     def _write(self, w, record: StepRecord) -> None:
         """Each image, histogram, text and samples table is converted to its summary on its own, so one that
@@ -279,6 +287,7 @@ class TensorBoardBackend(Backend):
         writer = self._system
         try:
             scalars = utf8_keys(self._drops, "system scalar", record.scalars)
+            self._keys_saved = save_keys(self._drops, self.log_dir, self._keys_saved)
             _add_scalars(writer, scalars, record.step, record.wall_time, self._drops)
             if self.flush_every_commit:
                 writer.flush()

@@ -12,7 +12,7 @@ from instrument.backends.base import USER_HEAD, Backend, RunInfo, StepRecord, st
 from instrument.backends.drops import Drops, finite, utf8, utf8_keys
 from instrument.backends.hparams import split_name, unflatten_params
 from instrument.backends.video import encode_gif, raise_failures, write_each
-from instrument.backends.wandb_log import offline_keys, offline_last_step
+from instrument.backends.wandb_log import offline_config, offline_keys, offline_last_step
 from instrument.checks import check_number
 from instrument.core.names import numbered
 from instrument.errors import ConfigurationError, require
@@ -27,6 +27,9 @@ _RENAMED_HEADS = ("_", "system/", USER_HEAD)
 
 
 _CONFIG = "operative_config"  # the run.config key of the operative gin config text
+# The run.config key of the names escaped keys took (`Drops.key_state`), read back by a resumed run. It starts with
+# "_": W&B's UI hides it, and no hyperparameter takes it (those go under user/).
+_KEYS = "_instrument_keys"
 
 
 def _underscored(key: str) -> bool:
@@ -141,6 +144,7 @@ class WandbBackend(Backend):
         self._said_underscore = False  # hyperparameters starting with "_" moved under user/ (`log_hyperparams`)
         self._system: dict = {}
         self._drops = Drops(self.name)
+        self._keys_saved = 0  # the version of the escaped keys' names in run.config (`_save_keys`)
         self._scalar_keys: set = set()  # every scalar key logged so far: media never take one (`_media_key`)
         self._renamed: dict = {}  # (kind, key) -> the W&B key a value of that kind and key is logged under
         self._media_names: set = set()  # W&B keys media values took under their own name
@@ -177,6 +181,19 @@ class WandbBackend(Backend):
             self._written = offline_last_step(self.run)
             self._scalar_keys, self._media_names = offline_keys(self.run)
             self._resumed = self._scalar_keys | self._media_names  # maybe names of values moved before: kept
+            keys = offline_config(self.run, _KEYS)
+        else:  # online, W&B may hand a resumed run its config
+            keys = self.run.config.get(_KEYS) if _resume(run, self.name) else None
+        if isinstance(keys, str):  # the names escaped keys took before: each key's series goes on under its name
+            self._drops.restore_keys(keys)
+            self._keys_saved = self._drops.version
+
+    def _save_keys(self) -> None:
+        """The names escaped keys took (`utf8_keys`), into run.config when they changed: a resumed run reads them
+        back at `open`, so each key keeps its name."""
+        if self._drops.version != self._keys_saved:
+            self.run.config.update({_KEYS: self._drops.key_state()}, allow_val_change=True)
+            self._keys_saved = self._drops.version
 
     def _holds(self, step: int) -> bool:
         """Whether the run already holds ``step``: online W&B knows its last step; a resumed offline run
@@ -264,6 +281,7 @@ class WandbBackend(Backend):
         self._log(data, scalars, record.step,
                   lambda name: convert[made[name][0]](made[name][1], sources[made[name][0]][made[name][1]]))
         self._system = {}
+        self._save_keys()
         raise_failures(self.name, record.step, failed)
 
     def _log(self, data: dict, scalars: dict, step: int, remake: Callable[[str], Any]) -> None:
@@ -361,6 +379,7 @@ class WandbBackend(Backend):
 
     def write_system(self, record: StepRecord) -> None:
         self._system = {**self._system, **utf8_keys(self._drops, "system scalar", record.scalars)}
+        self._save_keys()
 
     def flush(self) -> None:
         """W&B has no call that writes its buffer sooner; its service does so every ``flush_secs``."""

@@ -19,7 +19,7 @@ import struct
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Set, Tuple
 
-__all__ = ["history_keys", "last_step", "offline_keys", "offline_last_step", "run_files"]
+__all__ = ["history_keys", "last_step", "offline_config", "offline_keys", "offline_last_step", "run_files"]
 
 log = logging.getLogger("instrument")
 
@@ -139,6 +139,32 @@ def offline_keys(run: Any) -> Tuple[set, set]:
     except Exception:
         log.debug("instrument: WandbBackend could not read the keys of the earlier offline folders", exc_info=True)
     return scalars, media
+
+
+def offline_config(run: Any, key: str) -> Optional[str]:
+    """The last string the earlier offline folders of this run hold under the config key ``key`` (None: none, or
+    they could not be read)."""
+    from wandb.proto import wandb_internal_pb2
+
+    found = None
+    try:
+        this = Path(run.settings.sync_dir).resolve()
+        for path in run_files(this.parent, run.id):
+            data = path.read_bytes() if path.parent.resolve() != this else b""
+            for payload in _payloads(data) if data[: len(_MAGIC)] == _MAGIC else ():
+                record = wandb_internal_pb2.Record()
+                try:
+                    record.ParseFromString(payload)
+                except Exception:  # a torn or corrupt record: skip it
+                    continue
+                if record.WhichOneof("record_type") == "config":
+                    for item in record.config.update:
+                        if item.key == key and not item.nested_key:
+                            value = json.loads(item.value_json)
+                            found = value if isinstance(value, str) else found
+    except Exception:
+        log.debug("instrument: WandbBackend could not read the config of the earlier offline folders", exc_info=True)
+    return found
 
 
 def _payloads(data: bytes) -> Iterable[bytes]:

@@ -727,3 +727,31 @@ def test_one_instance_given_to_a_new_run_after_a_resume_writes_every_step_of_it_
     assert old.get_run(first.run_id).info.status == "KILLED"
     assert [(m.step, m.value) for m in old.get_metric_history(first.run_id, "v")] == [
         (step, float(step)) for step in range(6)]
+
+
+def test_keys_too_long_for_a_name_tag_go_on_under_their_names_after_a_resume(tmp_path, monkeypatch):
+    """Two keys of 6,001 characters sharing their first 6,000 are cut to one 250-character name: the later is
+    numbered. Their name tags could not hold them (a tag's value takes about 5,000 characters), so a resumed run
+    found no tag, took each held name for its own key's and numbered both keys anew: each series split in three
+    names. The tag now holds such a key's SHA-256."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path}/mlruns"
+    first_key, second_key = "p" * 6000 + "A", "p" * 6000 + "B"
+    first = MlflowBackend(tracking_uri=uri)
+    logger = Logger([first], RunInfo("long", tmp_path))
+    for step, key in ((0, first_key), (1, second_key)):
+        logger.log_metrics({key: float(step)}, step=step)
+        logger.commit(step)
+    logger.close()
+    for order in ((2, second_key), (3, first_key)), ((4, first_key), (5, second_key)):
+        again = MlflowBackend(tracking_uri=uri)
+        logger = Logger([again], RunInfo("long", tmp_path, resume={"MlflowBackend": first.run_id}))
+        for step, key in order:
+            logger.log_metrics({key: float(step)}, step=step)
+            logger.commit(step)
+        logger.close()
+        assert logger.failures == {} and again.run_id == first.run_id
+    client = MlflowClient(tracking_uri=uri)
+    cut = "p" * 250
+    assert {name: [m.step for m in client.get_metric_history(first.run_id, name)]
+            for name in client.get_run(first.run_id).data.metrics} == {cut: [0, 3, 4], cut[:242] + "_2": [1, 2, 5]}

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, 
 
 from instrument.backends.base import USER_HEAD
 
-__all__ = ["MAX_IMAGE_KEY", "MAX_KEY", "NAMES_TAGGED", "RunNames", "SYSTEM_HEADS", "is_system", "name_tag",
-           "restore_names", "safe_name", "unique_name"]
+__all__ = ["MAX_IMAGE_KEY", "MAX_KEY", "NAMES_TAGGED", "RunNames", "SYSTEM_HEADS", "is_system", "key_digest",
+           "name_tag", "restore_names", "safe_name", "unique_name"]
 
 log = logging.getLogger("instrument")
 
@@ -86,31 +86,43 @@ def _path(name: str) -> str:
     return "/".join(p if p not in (".", "..") else p.replace(".", "_") for p in name.split("/") if p)
 
 
-def name_tag(name: str, key: str, kind: str) -> Optional[Tuple[str, str]]:
+def name_tag(name: str, key: str, kind: str) -> Tuple[str, str]:
     """The run tag ``(tag key, value)`` that says ``key`` (a metric, or a media value of ``kind``) is logged as
-    ``name``; None for a key over about 5,000 characters (a tag cannot hold it: after a resume that key is taken
-    to own no name, so it may be numbered anew, never merged)."""
+    ``name``: ``[name, key, kind]``; for a key over about 5,000 characters, which a tag cannot hold,
+    ``[name, null, kind, <sha256 of the key>]`` (`key_digest`): a resumed run knows the key by its digest."""
     value = json.dumps([name, key, kind])  # ASCII: a lone surrogate or any other character is escaped
     if len(value) > _MAX_TAG_VALUE:
-        return None
+        value = json.dumps([name, None, kind, key_digest(key)])
     digest = hashlib.sha1(f"{kind}/{name}".encode("utf-8", "surrogatepass")).hexdigest()[:20]
     return NAME_TAG + digest, value
 
 
+def key_digest(key: str) -> str:
+    """What a name tag holds of a key too long for it (`name_tag`)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def restore_names(tags: Mapping[str, str], metrics: Iterable[str], params: Iterable[str],
-                  tables: Callable[[str], Tuple[Dict[str, str], Dict[str, Optional[str]]]]) -> None:
+                  tables: Callable[[str], Tuple[Dict[str, str], Dict[str, Optional[str]]]],
+                  hashed: Optional[Callable[[str], Dict[str, str]]] = None) -> None:
     """A resumed run's names: each key the tags name keeps its name (``tables(kind)``: that kind's key -> name and
-    name -> key tables); in a run that tags its names (`NAMES_TAGGED`), a metric or param name it holds with no tag
-    is its own key's (a key MLflow took as it was). Media keys are all tagged."""
+    name -> key tables; ``hashed(kind)``: key digest -> name, for the keys a tag holds by their digest); in a run
+    that tags its names (`NAMES_TAGGED`), a metric or param name it holds with no tag is its own key's (a key
+    MLflow took as it was). Media keys are all tagged."""
     for tag, value in tags.items():
         if tag.startswith(NAME_TAG):
             try:
-                name, key, kind = json.loads(value)
+                name, key, kind, *digest = json.loads(value)
             except (ValueError, TypeError):  # not ours after all: left alone
                 continue
-            if isinstance(name, str) and isinstance(key, str) and isinstance(kind, str):
-                names, owners = tables(kind)
+            if not (isinstance(name, str) and isinstance(kind, str)):
+                continue
+            names, owners = tables(kind)
+            if isinstance(key, str):
                 names[key], owners[name] = name, key
+            elif key is None and len(digest) == 1 and isinstance(digest[0], str) and hashed is not None:
+                hashed(kind)[digest[0]] = name
+                owners[name] = f"<a key of sha256 {digest[0][:16]}...>"  # held: no other key takes the name
     if all(tags.get(tag) == value for tag, value in NAMES_TAGGED.items()):
         for kind, held in (("metric", metrics), ("param", params)):
             names, owners = tables(kind)
@@ -128,6 +140,7 @@ class RunNames:
         self.tables: Dict[str, Tuple[Dict[str, str], Dict[str, Optional[str]]]] = {}
         self._tags: List[Tuple[str, str]] = []
         self._tagged: Set[Tuple[str, str]] = set()  # (kind, key) whose tag is queued or taken
+        self._hashed: Dict[str, Dict[str, str]] = {}  # kind -> {key digest: name}: long keys of a resumed run
 
     def table(self, kind: str) -> Tuple[Dict[str, str], Dict[str, Optional[str]]]:
         return self.tables.setdefault(kind, ({}, {}))
@@ -139,12 +152,16 @@ class RunNames:
         name = names.get(key)
         if name is not None:
             return name
+        hashed = self._hashed.get(kind)
+        name = hashed.pop(key_digest(key), None) if hashed and len(key) > limit else None
+        if name is not None:  # a long key of the run before the resume: its tag holds its digest
+            names[key], owners[name] = name, key
+            self._tagged.add((kind, key))
+            return name
         name = unique_name(key, names, owners, what or kind, limit, flags)
         if (name != key or kind not in ("metric", "param")) and (kind, key) not in self._tagged:
             self._tagged.add((kind, key))
-            tag = name_tag(name, key, kind)
-            if tag is not None:
-                self._tags.append(tag)
+            self._tags.append(name_tag(name, key, kind))
         return name
 
     def take_tags(self, count: int) -> List[Tuple[str, str]]:
@@ -157,4 +174,4 @@ class RunNames:
     def restore(self, tags: Mapping[str, str], metrics: Iterable[str], params: Iterable[Any]) -> None:
         """A resumed run's names (`restore_names`); the params it holds are taken to be free until then."""
         self.table("param")[1].update(dict.fromkeys(params))
-        restore_names(tags, metrics, params, self.table)
+        restore_names(tags, metrics, params, self.table, lambda kind: self._hashed.setdefault(kind, {}))

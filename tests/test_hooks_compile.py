@@ -145,3 +145,38 @@ def test_a_watched_module_compiled_itself_is_not_said_and_runs_one_graph_per_cal
     assert all(n == 4 for n in calls.values()), calls  # one graph per call of the rule: no split, no hook inside
     assert [metrics[step]["iteration_stats/iterations"] for step in (0, 2, 4)] == [4.0, 4.0, 4.0]
     assert not [r for r in caplog.records if "compiled" in r.getMessage()], caplog.records
+
+
+def test_a_module_saved_in_a_logging_step_loads_and_a_forward_set_in_the_step_is_kept(tmp_path, fresh_dynamo):
+    # Before: the ModuleList on the way to the hooked layers got a copy named _forward_unimplemented, so
+    # torch.load of a model saved inside the step raised AttributeError; and the step's end popped every
+    # instance forward it had switched, also one the user (an accelerate or peft wrapper) set meanwhile.
+    import io
+
+    torch.manual_seed(0)
+    model = Net()
+    compiled = torch.compile(model, backend="eager")
+    inst = instrument.Instrumentation(observers=[instrument.ActivationStats()], backends=[], log_interval=1,
+                                      overhead_budget=None)
+    inst.watch(compiled)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    buffer = io.BytesIO()
+
+    def own_forward(self, x):
+        return x
+
+    try:
+        with inst.step(0), torch.no_grad():
+            compiled(x)
+            torch.save(model, buffer)
+            model.blocks[1].forward = own_forward.__get__(model.blocks[1])
+    finally:
+        inst.close()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), expected)
+    assert model.blocks[1].__dict__["forward"].__func__ is own_forward
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["blocks.1"]

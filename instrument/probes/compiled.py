@@ -42,6 +42,8 @@ def run_eagerly(function: Callable) -> Callable:
     return torch.compiler.disable(function, recursive=True)
 
 _COPIES: "weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType]" = weakref.WeakKeyDictionary()
+# module -> how many switches have it on now: the copy goes when the last of them turns off
+_SWITCHED: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -60,6 +62,8 @@ def _code_copy(function: types.FunctionType) -> types.FunctionType:
             code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
         )
         copy.__kwdefaults__ = function.__kwdefaults__
+        # A pickle of a bound method is getattr(module, its __name__): "forward" finds the class's at load
+        copy.__name__ = "forward"
         copy.__qualname__ = function.__qualname__
         copy.__module__ = function.__module__
         copy.instrument_switched = True  # how `ForwardSwitch` recognises one a copy of a module carried along
@@ -89,22 +93,37 @@ class ForwardSwitch:
         seen: Dict[int, nn.Module] = {}
         for module in modules:
             forward = getattr(type(module), "forward", None)
-            if id(module) in seen or not isinstance(forward, types.FunctionType):
+            # A container's (ModuleList, ModuleDict) forward is nn.Module's placeholder: never called, nothing to
+            # switch; its copy, named _forward_unimplemented, would make a pickle of the module unloadable.
+            if id(module) in seen or not isinstance(forward, types.FunctionType) or forward is nn.Module.forward:
                 continue
             seen[id(module)] = module
             self._targets.append((module, _code_copy(forward)))
-        self._on: List[nn.Module] = []
+        self._on: List[Tuple[nn.Module, types.FunctionType]] = []
 
     def on(self) -> None:
         for module, copy in self._targets:
-            if _replaceable(module):  # a user's own instance-level forward is left alone
-                module.__dict__["forward"] = types.MethodType(copy, module)
-                self._on.append(module)
+            count = _SWITCHED.get(module, 0)
+            if count or _replaceable(module):  # a user's own instance-level forward is left alone
+                if not count:
+                    module.__dict__["forward"] = types.MethodType(copy, module)
+                _SWITCHED[module] = count + 1
+                self._on.append((module, copy))
 
     def off(self) -> None:
-        for module in self._on:
-            module.__dict__.pop("forward", None)
-        self._on.clear()
+        """Drop the copies this switch put in, once no other switch still has the module on (ActivationStats'
+        and the probes' switches share the watched model's path); a forward set on the module meanwhile (a
+        user's, an accelerate or peft wrapper's) is left in place."""
+        on, self._on = self._on, []
+        for module, copy in on:
+            count = _SWITCHED.get(module, 1) - 1
+            if count > 0:
+                _SWITCHED[module] = count
+                continue
+            _SWITCHED.pop(module, None)
+            current = module.__dict__.get("forward")
+            if getattr(current, "__func__", None) is copy and getattr(current, "__self__", None) is module:
+                del module.__dict__["forward"]
 
 
 def ancestors(root: nn.Module, paths: Sequence[str], itself: bool = False) -> List[nn.Module]:

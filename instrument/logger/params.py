@@ -179,9 +179,11 @@ _DICT_ITEM = re.compile(r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\
 _DICT_KEY = re.compile(r"""(['"])([^'"\n]+)\1(\s*:\s*)""")
 
 
-def _value_end(text: str, start: int) -> int:
-    """Where the value starting at ``start`` ends: the next ``,`` or closing bracket at its own depth, or the end
-    of ``text``; brackets and strings (escapes, triple quotes, never closed: to the end) read as Python does."""
+def _scan(text: str, start: int, closed: bool) -> int:
+    """One pass over the value at ``start``, brackets and strings (escapes, triple quotes) read as Python does:
+    where it ends, the next ``,`` or closing bracket at its own depth (the end of ``text`` when none, or when a
+    string is never closed); with ``closed``, just after the bracket that brings the depth back to 0 (-1 when
+    none does). `_value_end` and `_closes` share it, so the two never read a value differently."""
     depth, i = 0, start
     while i < len(text):
         ch = text[i]
@@ -190,16 +192,30 @@ def _value_end(text: str, start: int) -> int:
             i += len(quote)
             while i < len(text) and not text.startswith(quote, i):
                 i += 2 if text[i] == "\\" else 1
+            if i >= len(text):
+                break
             i += len(quote)
             continue
         if ch in "([{":
             depth += 1
-        elif ch in ")]}" or ch == "," and depth == 0:
-            if depth == 0:
+        elif ch in ")]}" or ch == "," and depth == 0 and not closed:
+            if depth == 0 and not closed:
                 return i
             depth -= 1
+        if closed and depth == 0:
+            return i + 1
         i += 1
-    return len(text)
+    return -1 if closed else len(text)
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value starting at ``start`` ends (`_scan`): a never-closed string or bracket runs to the end."""
+    return _scan(text, start, closed=False)
+
+
+def _closes(value: str) -> bool:
+    """``value`` (from its opening bracket) is closed by its last character, read as `_value_end` reads it."""
+    return _scan(value, 0, closed=True) == len(value)
 
 
 def _closed_string(value: str) -> bool:
@@ -242,29 +258,6 @@ def redact_dict_items(
         out.append(f"'{REDACTED}'")
         pos = start + len(value)
     return "".join(out) + text[pos:]
-
-
-def _closes(value: str) -> bool:
-    """``value`` (from its opening bracket) is closed by its last character, brackets and strings read as
-    `_value_end` reads them."""
-    depth, i = 0, 0
-    while i < len(value):
-        ch = value[i]
-        if ch in "'\"":
-            quote = value[i:i + 3] if value[i:i + 3] == ch * 3 else ch
-            i += len(quote)
-            while i < len(value) and not value.startswith(quote, i):
-                i += 2 if value[i] == "\\" else 1
-            if i >= len(value):
-                return False
-            i += len(quote)
-            continue
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if depth == 0:
-            return i == len(value) - 1
-        i += 1
-    return False
 
 
 # A string literal (triple-quoted or one-line), then a ':' when it is a dict key.

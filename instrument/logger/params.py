@@ -13,6 +13,7 @@ import fnmatch
 import logging
 import pprint
 import re
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -175,8 +176,10 @@ def redact_secrets(
 _BINDING = re.compile(r"^(\s*)([\w./]+)(\s*=\s*)(.*)$")
 # Inside a value gin could not have us evaluate (references, macros): ``'secret_key': 'string'``.
 _DICT_ITEM = re.compile(r"""(['"])([^'"]+)\1(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
-# A quoted dict key and its colon, on a line gin rejects; the value after it is read by `_value_end`.
-_DICT_KEY = re.compile(r"""(['"])([^'"\n]+)\1(\s*:\s*)""")
+# A quoted dict key and its colon, on a line gin rejects; the value after it is read by `_value_end`. The key may
+# hold the other quote or an escape (``"api_key'"``) and be adjacent literals, which Python joins (``'api' '_key'``).
+_ONE_LITERAL = r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\""
+_DICT_KEY = re.compile(rf"((?:{_ONE_LITERAL})(?:(?:\s|\\\r?\n)*(?:{_ONE_LITERAL}))*)(\s*:\s*)")
 
 
 def _scan(text: str, start: int, closed: bool) -> int:
@@ -218,6 +221,21 @@ def _closes(value: str) -> bool:
     return _scan(value, 0, closed=True) == len(value)
 
 
+def _secret_key(literals: str, extra: Sequence[str], parent: Optional[str]) -> bool:
+    """Whether the key the string literals ``literals`` spell looks secret: as Python reads them (adjacent ones
+    joined, escapes decoded; their text between the quotes, joined, where it cannot), or its last literal alone
+    (on a line gin rejects, the literal before it may be a value whose comma is missing)."""
+    pieces = [piece[1:-1] for piece in re.findall(_ONE_LITERAL, literals)]
+    try:
+        with warnings.catch_warnings():  # an invalid escape ('\\q') warns: the key is still what it spells
+            warnings.simplefilter("ignore")
+            key = ast.literal_eval(literals.replace("\\\n", " "))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        key = None
+    key = key if isinstance(key, str) else "".join(pieces)
+    return is_secret(key, extra, parent) or bool(pieces) and is_secret(pieces[-1], extra, parent)
+
+
 def _closed_string(value: str) -> bool:
     try:
         return isinstance(ast.literal_eval(value), str)
@@ -239,7 +257,7 @@ def redact_dict_items(
         start = m.end()
         out.append(text[pos:start])
         pos = start
-        if not is_secret(m.group(2), extra, parent) or text[start:start + 1] in ("@", "%"):
+        if not _secret_key(m.group(1), extra, parent) or text[start:start + 1] in ("@", "%"):
             continue
         end = _value_end(text, start)
         value = text[start:end].rstrip()

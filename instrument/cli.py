@@ -117,16 +117,16 @@ def _redacted(message: str, binds: Sequence[str]) -> str:
     """An error message with every secret the config binds left out: the value of a secret-looking ``--bind``
     (under a built-in pattern, or one of the run's own, ``Instrumentation.secret_keys``), and every string bound
     under a secret-looking name in a file, macros resolved (a user's own error may quote the value)."""
-    import re
 
     from instrument.config.secrets import config_secrets
     from instrument.logger.params import REDACTED, redact_argv, scrub
+    from instrument.logger.secret_text import secret_words
 
     patterns, found = config_secrets()
     for bind, safe in zip(binds, redact_argv(binds, patterns), strict=True):
         if bind != safe:
             value = bind.split("=", 1)[-1]
-            for piece in sorted({value.strip(), *re.findall(r"[\w-]{4,}", value)}, key=len, reverse=True):
+            for piece in sorted({value.strip(), *secret_words(value)}, key=len, reverse=True):
                 if piece:
                     message = message.replace(piece, REDACTED)
     return scrub(message, found)

@@ -6,6 +6,7 @@ import pytest
 import instrument
 from instrument.config import GinConfigError, clear_config
 from instrument.logger.params import REDACTED
+from instrument.logger.secret_text import secret_words
 
 
 def _error(tmp_path, text: str, bindings=()) -> str:
@@ -25,3 +26,23 @@ def test_a_dict_key_with_a_quote_or_of_adjacent_literals_is_seen_as_secret(tmp_p
     Python joins) not seen as secret on a line gin rejects: the value printed in clear."""
     message = _error(tmp_path, f"Instrumentation.tags = {{{key}: 'KEYLEAK21' oops}}\n")
     assert "KEYLEAK21" not in message and REDACTED in message, message
+
+
+@pytest.mark.parametrize("comment", ["# quote it for a string", "# was 'quote it' for a string"])
+@pytest.mark.parametrize("value", ["tags = {{'password': ['abc',  {}\n   CMTLEAK31]}}",
+                                   "api_key = ('abc',  {}\n   CMTLEAK31)"])
+def test_the_words_of_a_comment_inside_a_secret_value_blank_nothing_else(tmp_path, comment, value):
+    """A review found a comment's words inside a secret value taken for the secret's: the same ordinary words of
+    the message were blanked (``fix: <redacted> it for a string``)."""
+    message = _error(tmp_path, f"Instrumentation.{value.format(comment)}\n")
+    assert "CMTLEAK31" not in message and REDACTED in message, message
+    assert "fix: quote it for a string" in message, message
+
+
+def test_a_reference_inside_a_secret_value_is_no_secret_word(tmp_path):
+    """A review found ``@train_nca`` inside a container under a secret key blanked everywhere in the message (the
+    fix's ``this parameter takes e.g. train_nca.env = ...`` too): a configurable's name is no part of the secret."""
+    message = _error(tmp_path, "Instrumentation.tags = {'password': [@Instrumentation, REFLEAK41 oops]}\n")
+    assert "REFLEAK41" not in message and REDACTED in message, message
+    assert "e.g. Instrumentation.tags = " in message, message
+    assert secret_words("[@train_nca(), %TOK, 'x#y' REFLEAK41  # note it\n]") == ["REFLEAK41"]

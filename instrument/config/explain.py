@@ -28,6 +28,7 @@ from instrument.config.files import (
 from instrument.config.located import file_holding, included_file, line_where
 from instrument.config.secrets import secret_keys
 from instrument.logger.params import REDACTED, is_secret, redact_config_text, redact_dict_items, scrub
+from instrument.logger.secret_text import secret_words
 
 __all__ = ["GIN_ERRORS", "explain", "secret_free", "unclosed"]
 
@@ -338,8 +339,7 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     statement = redact_config_text(error.statement, extra, found, loose=True)
     if is_secret(name, extra) or _meant_secret(name, error.problem, extra):
         statement = f"{name} = '{REDACTED}'"
-        words = {w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None")}
-        found |= {value.strip(), value.strip().strip("'\""), *words} - {""}
+        found |= {value.strip(), value.strip().strip("'\""), *secret_words(value)} - {""}
     if statement == error.statement and not found:
         return error
     return type(error)(scrub(error.problem, found), error.where, scrub(statement, found), scrub(error.fix, found))
@@ -381,7 +381,7 @@ def _redacted_through(
     redacted = redact_dict_items(text, extra, found, name, loose=True).split("\n")  # one value over its lines
     if is_secret(name, extra) or _meant_secret(name, problem, extra):  # the whole value: each word of it too
         redacted = []
-        found |= {value.strip(), *(w for w in re.findall(r"[\w-]{4,}", value) if w not in ("True", "False", "None"))}
+        found |= {value.strip(), *secret_words(value)}
     return first, redacted
 
 

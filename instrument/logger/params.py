@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from instrument.core.names import numbered
+from instrument.logger.secret_text import secret_words, uncommented
 
 __all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_dict_items", "redact_values",
            "redact_argv", "scrub", "is_secret", "set_secret_source", "REDACTED", "SECRET_PATTERNS"]
@@ -268,9 +269,9 @@ def redact_dict_items(
         elif value[0] in "([{" and _closes(value) and not loose:
             _strings(_container_strings(value), found)
         elif loose:  # a bare word, a container, an unclosed string: the whole of it, its strings and each word
-            keys = re.sub(r"""(['"])[^'"\n]*\1\s*:""", " ", value)  # a nested dict's keys are no secret
-            words = [w for w in re.findall(r"[\w-]{4,}", keys) if w not in ("True", "False", "None")]
-            _strings([value, value.strip("'\""), *words, *_container_strings(value)], found)
+            code = uncommented(value)  # a comment's words are no secret (`secret_words`)
+            keys = re.sub(r"""(['"])[^'"\n]*\1\s*:""", " ", code)  # a nested dict's keys are no secret
+            _strings([value, value.strip("'\""), *secret_words(keys), *_container_strings(code)], found)
         else:
             _strings([value, value.strip("'\"")], found)
         out.append(f"'{REDACTED}'")

@@ -46,3 +46,17 @@ def test_a_reference_inside_a_secret_value_is_no_secret_word(tmp_path):
     assert "REFLEAK41" not in message and REDACTED in message, message
     assert "e.g. Instrumentation.tags = " in message, message
     assert secret_words("[@train_nca(), %TOK, 'x#y' REFLEAK41  # note it\n]") == ["REFLEAK41"]
+
+
+@pytest.mark.parametrize("comment", ["# old \\", "# it's old \\", "# see 'x' \\"])
+def test_a_comment_ending_in_a_backslash_inside_the_secret_keys_list_hides_no_key(tmp_path, comment):
+    """A review found the pre-scan joining a comment that ends in a backslash with the next line, as if it went on
+    (it continues nothing, in gin as in Python): the keys on that line were never read, so an error before gin
+    read the list printed their values."""
+    from instrument.config import located
+
+    text = (f"Instrumentation.tags = {{'mycred': 'BSLEAK51' oops}}\n"
+            f"Instrumentation.secret_keys = ['foo',  {comment}\n    'mycred']\n")
+    message = _error(tmp_path, text)
+    assert "BSLEAK51" not in message and REDACTED in message, message
+    assert located.declared_secret_keys([str(tmp_path / "bad.gin")], []) == ["foo", "mycred"]

@@ -16,6 +16,7 @@ from instrument.config.files import CONFIG_DIR, read_text, resolve_config, shown
 from instrument.config.secrets import config_secrets, secret_keys
 from instrument.errors import InstrumentError
 from instrument.logger.params import redact_config_text, scrub
+from instrument.logger.secret_text import uncommented
 
 __all__ = ["bound_pair", "declared_secret_keys", "file_holding", "include_cycle", "included_file", "line_where",
            "secret_keys", "unused_bindings", "where_bound"]
@@ -227,7 +228,8 @@ def declared_secret_keys(files: Sequence[str], bindings: Sequence[str]) -> List[
         except InstrumentError:  # parse_config says so
             continue
         walk(path, path.parent, 0)
-    texts = [re.sub(r"\\\r?\n", " ", text) for text in [*texts, *bindings]]  # a line continued with a backslash
+    # a line continued with a backslash; not one ending a comment (which continues nothing, in gin as in Python)
+    texts = [re.sub(r"\\\r?\n", " ", uncommented(text)) for text in [*texts, *bindings]]
     # where each macro's value starts, not a copy of the text after it (20,000 macro lines copied 1.8 GB)
     macros = {m.group(1): (text, m.end()) for text in texts for m in _MACRO.finditer(text)}
     keys: List[str] = []

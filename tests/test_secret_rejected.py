@@ -60,3 +60,14 @@ def test_a_comment_ending_in_a_backslash_inside_the_secret_keys_list_hides_no_ke
     message = _error(tmp_path, text)
     assert "BSLEAK51" not in message and REDACTED in message, message
     assert located.declared_secret_keys([str(tmp_path / "bad.gin")], []) == ["foo", "mycred"]
+
+
+@pytest.mark.parametrize("value", ["Instrumentation.api_key = ['INCLEAK61',",
+                                   "Instrumentation.tags = {'password': ('INCLEAK61',"])
+@pytest.mark.parametrize("line, word", [("include 'other.gin'", "include"), ("import instrument  # again", "import")])
+def test_an_include_line_after_an_unclosed_secret_value_is_named(tmp_path, value, line, word):
+    """A review found an unclosed secret list followed by an ``include`` line saying gin stopped at
+    '<redacted>': the include line was read as part of the secret value, though it is a statement of its own."""
+    message = _error(tmp_path, f"{value}\n{line}\n")
+    assert "INCLEAK61" not in message and REDACTED in message, message
+    assert f"gin stopped at line 3: it cannot read '{word}' there" in message, message

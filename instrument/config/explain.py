@@ -395,12 +395,20 @@ def _stopped_in_secret(error: GinConfigError, extra: Tuple[str, ...], found: Set
         return error
     lines = read_text(path).split("\n")
     n = int(stopped[1]) - 1
-    statement = _redacted_through(lines, n, error.problem, extra, found) if 0 < n < len(lines) else None
     token = ast.literal_eval(stopped[2])
+    if 0 < n < len(lines) and (_OWN_STATEMENT.match(lines[n]) or [""])[0].split()[:1] == [token]:
+        return error  # an include or import line after the unclosed value: a statement of its own, no part of it
+    statement = _redacted_through(lines, n, error.problem, extra, found) if 0 < n < len(lines) else None
     if statement is None or token in scrub("\n".join(statement[1]), found):
         return error
     problem = error.problem.replace(stopped[0], f"gin stopped at line {stopped[1]}: it cannot read '{REDACTED}' there")
     return type(error)(problem, error.where, error.statement, error.fix)
+
+
+# A whole include or import line (a comment after it allowed): gin stops at its first word when a value above it is
+# left open, and that word is no part of the value.
+_OWN_STATEMENT = re.compile(r"""\s*(?:include\s+(['"])[^'"\n]*\1|import\s+[\w.]+|from\s+[\w.]+\s+import\s+[\w., ]+)"""
+                            r"\s*(?:#.*)?$")
 
 
 def _left_open(text: str) -> bool:

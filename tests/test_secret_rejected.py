@@ -71,3 +71,21 @@ def test_an_include_line_after_an_unclosed_secret_value_is_named(tmp_path, value
     message = _error(tmp_path, f"{value}\n{line}\n")
     assert "INCLEAK61" not in message and REDACTED in message, message
     assert f"gin stopped at line 3: it cannot read '{word}' there" in message, message
+
+
+@pytest.mark.parametrize("use", [
+    "Instrumentation.hyperparams = {'api_key': %TOK}",
+    "Instrumentation.hyperparams = {'password': [%INNER]}\nINNER = %TOK",  # in a container, a macro of a macro
+    "Instrumentation.secret_keys = ['mycred']\nInstrumentation.hyperparams = {'mycred': %TOK}",  # the run's own
+    "Instrumentation.secret_keys = ['run_name']\nInstrumentation.run_name = %TOK",
+])
+@pytest.mark.parametrize("in_file", [True])
+def test_a_macro_rejected_before_the_line_that_makes_it_secret_leaves_its_value_out(tmp_path, use, in_file):
+    """A review found ``TOK = 'hunter2' oops`` printed in clear when gin rejected it before reading the line that
+    uses it under a secret name (``Sink.api_key = %TOK``, later in the file, or the file when TOK is a --bind)."""
+    macro = "TOK = 'MACLEAK71' oops"
+    message = _error(tmp_path, f"{macro}\n{use}\n" if in_file else f"{use}\n", [] if in_file else [macro])
+    assert ("bad.gin, line 2" if in_file else "--bind") in message, message
+    assert "MACLEAK71" not in message and REDACTED in message, message
+    plain = "LR = 0.5 oops\nInstrumentation.hyperparams = {'password': %TOK, 'lr': %LR}\n"
+    assert "LR = 0.5 oops" in _error(tmp_path, plain)  # a macro used beside a secret, not under it

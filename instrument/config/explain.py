@@ -26,7 +26,7 @@ from instrument.config.files import (
     shown,
 )
 from instrument.config.located import file_holding, included_file, line_where
-from instrument.config.secrets import secret_keys
+from instrument.config.secrets import declared_macro_patterns, secret_keys
 from instrument.logger.params import REDACTED, is_secret, redact_config_text, redact_dict_items, scrub
 from instrument.logger.secret_text import secret_words
 
@@ -323,7 +323,7 @@ def secret_free(error: GinConfigError) -> GinConfigError:
     logged config leaves it out: ``my_train.api_token = sk_live_...`` (unquoted), an unclosed quote after
     ``api_token = ``, a secret-looking dict key's value, and a secret bound to a misspelt or unknown parameter
     whose name, or the parameter it was meant to be, looks secret (``WandbBackend.api_key``, ``api_tokn``)."""
-    extra = secret_keys()
+    extra = secret_keys() + declared_macro_patterns()  # a macro the text uses as a secret, before gin read that
     found: Set[str] = set()
     continued = _continued(error, extra, found)
     if continued is not None:  # a line of a statement begun on an earlier line: redacted as the whole statement

@@ -13,13 +13,13 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import gin
 
 from instrument.config.files import CONFIG_DIR, read_text, resolve_config, shown
-from instrument.config.secrets import config_secrets, secret_keys
+from instrument.config.secrets import config_secrets, macro_patterns, secret_keys
 from instrument.errors import InstrumentError
-from instrument.logger.params import redact_config_text, scrub
+from instrument.logger.params import is_secret, redact_config_text, scrub, secret_item_values
 from instrument.logger.secret_text import uncommented
 
-__all__ = ["bound_pair", "declared_secret_keys", "file_holding", "include_cycle", "included_file", "line_where",
-           "secret_keys", "unused_bindings", "where_bound"]
+__all__ = ["bound_pair", "declared_secret_keys", "declared_secrets", "file_holding", "include_cycle", "included_file",
+           "line_where", "secret_keys", "unused_bindings", "where_bound"]
 
 
 def _included(line: str, top: Path, current: Path) -> Optional[Path]:
@@ -207,6 +207,13 @@ def declared_secret_keys(files: Sequence[str], bindings: Sequence[str]) -> List[
     """The patterns bound to ``Instrumentation.secret_keys`` anywhere in the text of ``files`` (their includes
     too, found where gin finds them) and ``bindings``, read before gin parses them; a value that is no literal
     list, tuple or string is left out."""
+    return declared_secrets(files, bindings)[0]
+
+
+def declared_secrets(files: Sequence[str], bindings: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """`declared_secret_keys`, and the names of the macros the same text uses under a secret-looking name or dict
+    key (``Sink.api_key = %TOK``, ``{'password': [%TOK]}``, through macros of macros): a macro's line that gin
+    rejects before it reads the line that makes it secret must leave its value out too."""
     texts: List[str] = []
     read: set = set()  # each file once: a file that includes itself twice made 2^20 reads before gin's own error
 
@@ -236,9 +243,30 @@ def declared_secret_keys(files: Sequence[str], bindings: Sequence[str]) -> List[
     for text in texts:
         for match in _SECRET_KEYS.finditer(text):
             keys.extend(_literal_keys(text, match.end(), macros))
-    return keys
+    return keys, _secret_macros(texts, keys)
 
 
+def _secret_macros(texts: List[str], keys: List[str]) -> List[str]:
+    """The macros ``texts`` use under a secret-looking name or dict key (``keys``: the run's own patterns); a macro
+    bound to a secret macro's value is one too."""
+    statements = []  # (name, value): each statement runs to the next line that starts one
+    for text in texts:
+        starts = list(_BINDING_START.finditer(text))
+        for m, end in zip(starts, [s.start() for s in starts[1:]] + [len(text)], strict=True):
+            statements.append((m.group(1), text[m.end():end]))
+    secret: List[str] = []
+    for _ in range(20):  # macros of macros, as deep as gin would follow them
+        patterns = (*keys, *macro_patterns(secret))
+        found = [name for bound, value in statements
+                 for part in ([value] if is_secret(bound, patterns) else secret_item_values(value, patterns, bound))
+                 for name in re.findall(r"%([\w./]+)", part) if name not in secret]
+        if not found:
+            break
+        secret.extend(dict.fromkeys(found))
+    return secret
+
+
+_BINDING_START = re.compile(r"^[ \t]*([\w./]+)[ \t]*=", re.M)
 _MACRO = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*", re.M)
 _MACRO_USE = re.compile(r"\s*(?:%(\w+))?")  # the blanks before a value, and its macro
 _STRING = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"")

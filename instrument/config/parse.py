@@ -32,7 +32,7 @@ from instrument.config.files import (
 )
 from instrument.config.gin_logging import ImplicitRootHandlers, QuietIncludeProbes
 from instrument.config.includes import include_search, quiet_readers
-from instrument.config.located import bound_pair, declared_secret_keys, include_cycle
+from instrument.config.located import bound_pair, declared_secrets, include_cycle
 from instrument.config.secrets import (
     bound_macros,
     declare_secret_keys,
@@ -86,7 +86,7 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
             f"write parse_config(['exp.gin'], ['Instrumentation.log_interval = 5'])."
         )
     paths = [resolve_config(str(f)) for f in files]
-    declare_secret_keys(declared_secret_keys([str(p) for p in paths], bindings))  # for an error before them
+    declare_secret_keys(*declared_secrets([str(p) for p in paths], bindings))  # for an error before them
     for prepare in BEFORE_PARSE:
         prepare()
     quiet = QuietIncludeProbes()

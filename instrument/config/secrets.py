@@ -14,19 +14,26 @@ import gin
 
 from instrument.logger.params import is_secret, redact_values
 
-__all__ = ["bound_macros", "config_secrets", "declare_secret_keys", "macro_name", "macro_patterns",
-           "resolve_secret_macros", "secret_keys"]
+__all__ = ["bound_macros", "config_secrets", "declare_secret_keys", "declared_macro_patterns", "macro_name",
+           "macro_patterns", "resolve_secret_macros", "secret_keys"]
 
 
-_declared: Dict[str, Tuple[str, ...]] = {"keys": ()}
+_declared: Dict[str, Tuple[str, ...]] = {"keys": (), "macros": ()}
 
 
-def declare_secret_keys(keys: Iterable[str]) -> None:
-    """The patterns the config's text binds to ``Instrumentation.secret_keys`` (read before gin parses it, see
-    `located.declared_secret_keys`): an error before gin reaches that binding (later in the file, a --bind, which
-    gin parses after the files) must leave out what it names too. `parse_config` sets them, `clear_config`
-    forgets them."""
+def declare_secret_keys(keys: Iterable[str], macros: Iterable[str] = ()) -> None:
+    """The patterns the config's text binds to ``Instrumentation.secret_keys``, and the macros it uses under a
+    secret-looking name (``api_key = %TOK``), read before gin parses it (`located.declared_secrets`): an error
+    before gin reaches that binding (later in the file, a --bind, which gin parses after the files) must leave out
+    what it names too. `parse_config` sets them, `clear_config` forgets them."""
     _declared["keys"] = tuple(dict.fromkeys(keys))
+    _declared["macros"] = tuple(dict.fromkeys(macros))
+
+
+def declared_macro_patterns() -> Tuple[str, ...]:
+    """Patterns matching the bindings of the macros the config's text uses as secrets (`declare_secret_keys`), for
+    an error message only: ``TOK = '...' oops`` rejected before gin read ``api_key = %TOK``."""
+    return macro_patterns(_declared["macros"])
 
 
 def secret_keys() -> Tuple[str, ...]:

@@ -23,7 +23,8 @@ from instrument.core.names import numbered
 from instrument.logger.secret_text import secret_words, uncommented
 
 __all__ = ["flatten_params", "redact_secrets", "redact_config_text", "redact_dict_items", "redact_values",
-           "redact_argv", "scrub", "is_secret", "set_secret_source", "REDACTED", "SECRET_PATTERNS"]
+           "redact_argv", "scrub", "is_secret", "secret_item_values", "set_secret_source", "REDACTED",
+           "SECRET_PATTERNS"]
 
 REDACTED = "<redacted>"
 # The usual credential names: generic ones, then AWS, GCP, Azure, Hugging Face and W&B. "reward_key" names a
@@ -235,6 +236,17 @@ def _secret_key(literals: str, extra: Sequence[str], parent: Optional[str]) -> b
         key = None
     key = key if isinstance(key, str) else "".join(pieces)
     return is_secret(key, extra, parent) or bool(pieces) and is_secret(pieces[-1], extra, parent)
+
+
+def secret_item_values(text: str, extra: Sequence[str], parent: Optional[str] = None) -> List[str]:
+    """The text of each value under a secret-looking quoted dict key in ``text``, read as `redact_dict_items` reads
+    it: where a config's text uses a macro as a secret (``{'api_key': %TOK}``) before gin has read it."""
+    values, pos = [], 0
+    while (m := _DICT_KEY.search(text, pos)) is not None:
+        pos = m.end()
+        if _secret_key(m.group(1), extra, parent):
+            values.append(text[pos:_value_end(text, pos)])
+    return values
 
 
 def _closed_string(value: str) -> bool:

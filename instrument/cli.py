@@ -114,22 +114,11 @@ def _print_result(outcome: dict) -> None:
 
 
 def _redacted(message: str, binds: Sequence[str]) -> str:
-    """An error message with every secret the config binds left out: the value of a secret-looking ``--bind``
-    (under a built-in pattern, or one of the run's own, ``Instrumentation.secret_keys``), and every string bound
-    under a secret-looking name in a file, macros resolved (a user's own error may quote the value)."""
+    """An error message with every secret the config binds left out (`secrets.redacted_text`), as
+    `parse_config` leaves them out of its own errors."""
+    from instrument.config.secrets import redacted_text
 
-    from instrument.config.secrets import config_secrets
-    from instrument.logger.params import REDACTED, redact_argv, scrub
-    from instrument.logger.secret_text import secret_words
-
-    patterns, found = config_secrets()
-    for bind, safe in zip(binds, redact_argv(binds, patterns), strict=True):
-        if bind != safe:
-            value = bind.split("=", 1)[-1]
-            for piece in sorted({value.strip(), *secret_words(value)}, key=len, reverse=True):
-                if piece:
-                    message = message.replace(piece, REDACTED)
-    return scrub(message, found)
+    return redacted_text(message, binds)
 
 
 _interrupt = {"seen": False, "hook": False, "entry": False}

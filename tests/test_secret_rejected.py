@@ -79,7 +79,7 @@ def test_an_include_line_after_an_unclosed_secret_value_is_named(tmp_path, value
     "Instrumentation.secret_keys = ['mycred']\nInstrumentation.hyperparams = {'mycred': %TOK}",  # the run's own
     "Instrumentation.secret_keys = ['run_name']\nInstrumentation.run_name = %TOK",
 ])
-@pytest.mark.parametrize("in_file", [True])
+@pytest.mark.parametrize("in_file", [True, False])
 def test_a_macro_rejected_before_the_line_that_makes_it_secret_leaves_its_value_out(tmp_path, use, in_file):
     """A review found ``TOK = 'hunter2' oops`` printed in clear when gin rejected it before reading the line that
     uses it under a secret name (``Sink.api_key = %TOK``, later in the file, or the file when TOK is a --bind)."""
@@ -89,3 +89,20 @@ def test_a_macro_rejected_before_the_line_that_makes_it_secret_leaves_its_value_
     assert "MACLEAK71" not in message and REDACTED in message, message
     plain = "LR = 0.5 oops\nInstrumentation.hyperparams = {'password': %TOK, 'lr': %LR}\n"
     assert "LR = 0.5 oops" in _error(tmp_path, plain)  # a macro used beside a secret, not under it
+
+
+@pytest.mark.parametrize("binding", ["Instrumentation.api_key = APILEAK81 oops", "Instrumentation.api_key = 'APILEAK81",
+                                     "Instrumentation.hyperparams = {'password': APILEAK81}"])
+def test_the_python_api_leaves_a_rejected_binding_out_as_the_cli_does(tmp_path, binding):
+    """A review found ``parse_config(files, bindings)`` naming a rejected binding in clear in the error's
+    ``where`` (``--bind 'X.api_key = ...'``), which the CLI redacts: both now show the same."""
+    clear_config()
+    with pytest.raises(GinConfigError) as info:
+        instrument.parse_config([], [binding])
+    error = info.value
+    for text in (str(error), error.problem, error.where, error.statement, error.fix, *error.args):
+        assert "APILEAK81" not in text, text
+    assert error.where.startswith("--bind ") and REDACTED in error.where, error.where
+    with pytest.raises(instrument.ConfigurationError) as info:
+        instrument.parse_config([], binding)  # a string, not a list: echoed, redacted
+    assert "APILEAK81" not in str(info.value) and REDACTED in str(info.value), info.value

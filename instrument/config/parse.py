@@ -38,11 +38,12 @@ from instrument.config.secrets import (
     declare_secret_keys,
     macro_name,
     macro_patterns,
+    redacted_text,
     resolve_secret_macros,
     secret_keys,
 )
 from instrument.errors import ConfigurationError
-from instrument.logger.params import REDACTED, redact_config_text, scrub
+from instrument.logger.params import REDACTED, redact_argv, redact_config_text, scrub
 
 __all__ = [
     "CONFIG_DIR",
@@ -81,10 +82,23 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
     Returns the resolved paths of ``files``.
     """
     if isinstance(files, (str, Path)) or isinstance(bindings, str):
-        raise ConfigurationError(
-            f"parse_config takes lists: files={files!r}, bindings={bindings!r}; "
+        shown = [redact_argv([v], secret_keys())[0] if isinstance(v, str) else v for v in (files, bindings)]
+        raise ConfigurationError(  # a binding passed as a string is echoed, its secret left out
+            f"parse_config takes lists: files={shown[0]!r}, bindings={shown[1]!r}; "
             f"write parse_config(['exp.gin'], ['Instrumentation.log_interval = 5'])."
         )
+    try:
+        return _parse(files, bindings)
+    except GinConfigError as exc:  # as the CLI shows it: a --bind (or a config name) that holds a secret left out
+        texts = [*bindings, *(str(f) for f in files)]
+        fields = [redacted_text(getattr(exc, f), texts) for f in ("problem", "where", "statement", "fix")]
+        if fields != [exc.problem, exc.where, exc.statement, exc.fix]:
+            GinConfigError.__init__(exc, *fields)  # in place: its traceback and cause stay as they were
+        raise
+
+
+def _parse(files: Sequence[str], bindings: Sequence[str]) -> List[Path]:
+    """`parse_config`'s work; its errors are redacted by `parse_config`, once, for every way out of here."""
     paths = [resolve_config(str(f)) for f in files]
     declare_secret_keys(*declared_secrets([str(p) for p in paths], bindings))  # for an error before them
     for prepare in BEFORE_PARSE:

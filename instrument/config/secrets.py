@@ -8,14 +8,15 @@ every other text, wherever it appears (the logged config and hyperparameters, th
 """
 
 import re
-from typing import Any, Dict, Iterable, Set, Tuple
+from typing import Any, Dict, Iterable, Sequence, Set, Tuple
 
 import gin
 
-from instrument.logger.params import is_secret, redact_values
+from instrument.logger.params import REDACTED, is_secret, redact_argv, redact_values, scrub
+from instrument.logger.secret_text import secret_words
 
 __all__ = ["bound_macros", "config_secrets", "declare_secret_keys", "declared_macro_patterns", "macro_name",
-           "macro_patterns", "resolve_secret_macros", "secret_keys"]
+           "macro_patterns", "redacted_text", "resolve_secret_macros", "secret_keys"]
 
 
 _declared: Dict[str, Tuple[str, ...]] = {"keys": (), "macros": ()}
@@ -131,3 +132,18 @@ def config_secrets() -> Tuple[Tuple[str, ...], Set[str]]:
     for name in names:  # a secret macro's own value, however it is named
         redact_values({"token": _resolve(macros[name], macros, True, name, extra, set(), 0)}, (), found)
     return extra + macro_patterns(names), found
+
+
+def redacted_text(message: str, binds: Sequence[str]) -> str:
+    """``message`` with every secret the config binds left out: the value of a secret-looking binding of ``binds``
+    (a ``--bind``, or a config name typed like one; under a built-in pattern, one of the run's own, or a macro
+    used as a secret), each word of it too, and every string bound under a secret-looking name in a file, macros
+    resolved (a user's own error may quote the value). The CLI's messages and `parse_config`'s errors alike."""
+    patterns, found = config_secrets()
+    for bind, safe in zip(binds, redact_argv(binds, (*patterns, *declared_macro_patterns())), strict=True):
+        if bind != safe:
+            value = bind.split("=", 1)[-1]
+            for piece in sorted({value.strip(), *secret_words(value)}, key=len, reverse=True):
+                if piece:
+                    message = message.replace(piece, REDACTED)
+    return scrub(message, found)

@@ -106,3 +106,10 @@ def test_the_python_api_leaves_a_rejected_binding_out_as_the_cli_does(tmp_path, 
     with pytest.raises(instrument.ConfigurationError) as info:
         instrument.parse_config([], binding)  # a string, not a list: echoed, redacted
     assert "APILEAK81" not in str(info.value) and REDACTED in str(info.value), info.value
+
+
+def test_the_macro_prescan_reads_a_text_that_binds_nothing(tmp_path):
+    from instrument.config import located
+
+    (tmp_path / "empty.gin").write_text("# nothing bound\nimport instrument\n")
+    assert located.declared_secrets([str(tmp_path / "empty.gin")], []) == ([], [])

@@ -252,7 +252,8 @@ def _secret_macros(texts: List[str], keys: List[str]) -> List[str]:
     statements = []  # (name, value): each statement runs to the next line that starts one
     for text in texts:
         starts = list(_BINDING_START.finditer(text))
-        for m, end in zip(starts, [s.start() for s in starts[1:]] + [len(text)], strict=True):
+        ends = [s.start() for s in starts[1:]] + [len(text)] if starts else []
+        for m, end in zip(starts, ends, strict=True):
             statements.append((m.group(1), text[m.end():end]))
     secret: List[str] = []
     for _ in range(20):  # macros of macros, as deep as gin would follow them

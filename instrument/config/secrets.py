@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, Sequence, Set, Tuple
 
 import gin
 
-from instrument.logger.params import REDACTED, is_secret, redact_argv, redact_values, scrub
+from instrument.logger.params import REDACTED, is_secret, redact_config_text, redact_values, scrub
 from instrument.logger.secret_text import secret_words
 
 __all__ = ["bound_macros", "config_secrets", "declare_secret_keys", "declared_macro_patterns", "macro_name",
@@ -138,12 +138,14 @@ def redacted_text(message: str, binds: Sequence[str]) -> str:
     """``message`` with every secret the config binds left out: the value of a secret-looking binding of ``binds``
     (a ``--bind``, or a config name typed like one; under a built-in pattern, one of the run's own, or a macro
     used as a secret), each word of it too, and every string bound under a secret-looking name in a file, macros
-    resolved (a user's own error may quote the value). The CLI's messages and `parse_config`'s errors alike."""
+    resolved (a user's own error may quote the value). Only the secret's words: ``'epochs'`` beside a secret dict
+    key stays. The CLI's messages and `parse_config`'s errors alike."""
     patterns, found = config_secrets()
-    for bind, safe in zip(binds, redact_argv(binds, (*patterns, *declared_macro_patterns())), strict=True):
-        if bind != safe:
-            value = bind.split("=", 1)[-1]
-            for piece in sorted({value.strip(), *secret_words(value)}, key=len, reverse=True):
-                if piece:
-                    message = message.replace(piece, REDACTED)
-    return scrub(message, found)
+    patterns = (*patterns, *declared_macro_patterns())
+    for bind in binds:
+        secrets: Set[str] = set()
+        if redact_config_text(bind, patterns, secrets, loose=True) == bind:
+            continue
+        name, _, value = bind.partition("=")
+        found |= secrets | ({value.strip(), *secret_words(value)} if is_secret(name.strip(), patterns) else set())
+    return scrub(message, {s for s in found if s and s != REDACTED})

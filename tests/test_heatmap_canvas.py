@@ -128,7 +128,8 @@ def test_a_resumed_run_draws_each_heatmap_on_the_canvas_its_tag_had(tmp_path):
     assert images[20].shape == images[10].shape != images[0].shape
 
     old = {key: value for key, value in state.items() if key != "heatmap_sizes"}
-    for bad in ({"h": [0, 10]}, {"h": [10.5, 10]}, {"h": [10, True]}, [314, 368], {"h": [10, 2**40]}, {1: [1, 1]}):
+    for bad in ({"h": [0, 10]}, {"h": [10.5, 10]}, {"h": [10, True]}, [314, 368], {"h": [10, 2**40]}, {1: [1, 1]},
+                {"h": [2**20, 2**13]}):  # each side within bounds, 24 GiB of RGB in all
         late = session(True)
         with pytest.raises(ConfigurationError, match="'heatmap_sizes'"):
             late.load_state_dict({**state, "heatmap_sizes": bad})

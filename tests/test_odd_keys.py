@@ -168,3 +168,19 @@ def test_keys_that_escape_alike_keep_their_names_across_a_resume(tmp_path):
             if key in line["metrics"]:
                 series.setdefault(key, []).append(line["step"])
     assert series == {surrogate: [0, 3, 4], literal: [1, 2, 5]}
+
+
+def test_a_damaged_key_state_is_ignored_whole_with_one_warning_and_later_keys_are_saved(caplog):
+    # A names list holding a non-str was taken: the next key with a backslash then raised TypeError at every
+    # save (sorted() of mixed types), and a damaged later kind left the kinds before it half restored.
+    from instrument.backends.drops import Drops
+
+    drops = Drops("TensorBoardBackend")
+    damaged = json.dumps({"scalar": {"renamed": {"a\\udcff": "a\\\\udcff"}, "names": ["x\\y"]},
+                          "image": {"renamed": {}, "names": [1, "a\\b"]}})
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        drops.restore_keys(damaged)
+    assert [r for r in caplog.records if "could not read back" in r.getMessage()]
+    assert drops.renamed.get("scalar", {}) == {} and not drops.names.get("scalar")
+    drops.mark("image", ["k\\1"])
+    assert json.loads(drops.key_state())["image"]["names"] == ["k\\1"]

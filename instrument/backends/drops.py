@@ -61,10 +61,14 @@ class Drops:
         """Take back what `key_state` returned; a text that is not such a state is ignored (one warning)."""
         try:
             state = json.loads(text)
+            read = []  # every kind checked before any is taken: a damaged text changes nothing
             for kind, held in state.items():
-                renamed, names = dict(held["renamed"]), set(held["names"])
-                if not all(isinstance(k, str) and isinstance(v, str) for k, v in renamed.items()):
-                    raise TypeError("a key or name that is not a str")
+                renamed, names = dict(held["renamed"]), list(held["names"])
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in renamed.items()) or not all(
+                        isinstance(name, str) for name in names):
+                    raise TypeError(f"a key or name of {kind!r} that is not a str")
+                read.append((kind, renamed, names))
+            for kind, renamed, names in read:
                 self.renamed.setdefault(kind, {}).update(renamed)
                 self.made.setdefault(kind, set()).update(renamed.values())
                 self.names.setdefault(kind, set()).update(names, renamed.values())

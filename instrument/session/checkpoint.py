@@ -236,6 +236,7 @@ def _heatmap_ranges(value: Any) -> Dict[str, Tuple[float, float]]:
 
 
 _MOST_PIXELS = 2**20  # a bound on a saved canvas side: a damaged checkpoint must not make every image huge
+_MOST_AREA = 2**26  # and on its area (192 MiB of RGB): each side within bounds still made 3 TiB images
 
 
 def _heatmap_sizes(value: Any) -> Dict[str, Tuple[int, int]]:
@@ -252,10 +253,11 @@ def _heatmap_sizes(value: Any) -> Dict[str, Tuple[int, int]]:
     sizes = {}
     for tag, pair in value.items():
         if not (isinstance(tag, str) and isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(pixels(v) for v in pair)):
+                and all(pixels(v) for v in pair) and pair[0] * pair[1] <= _MOST_AREA):
             raise ConfigurationError(
                 f"load_state_dict: the state's 'heatmap_sizes' maps {_short(tag)} to {_short(pair)}, expected a "
-                f"heatmap tag (str) -> [height, width], whole numbers of pixels from 1 to {_MOST_PIXELS}. {fix}")
+                f"heatmap tag (str) -> [height, width], whole numbers of pixels from 1 to {_MOST_PIXELS}, at most "
+                f"{_MOST_AREA} in all. {fix}")
         sizes[tag] = (int(pair[0]), int(pair[1]))
     return sizes
 

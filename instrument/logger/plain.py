@@ -7,9 +7,10 @@ values); what has none is refused there, with a message naming the call, what it
 import torch
 from torch import Tensor
 
+from instrument.core.dtensors import local_value
 from instrument.errors import InvalidValueError
 
-__all__ = ["NUMERIC_DTYPES", "plain_tensor"]
+__all__ = ["NUMERIC_DTYPES", "plain_tensor", "sharded_dtensor"]
 
 
 # Tensor dtypes whose values the commit's transfer carries: bool, integers (exact, as int64) and floats (as
@@ -24,13 +25,26 @@ NUMERIC_DTYPES = _INTEGER_DTYPES | frozenset(
 )
 
 
+def sharded_dtensor(where: str, placements: tuple, fix: str) -> InvalidValueError:
+    """The refusal of a DTensor that is not replicated (``where``: ``"metric 'loss'"`` or the media call)."""
+    return InvalidValueError(
+        f"{where} is a DTensor with placements {placements}: its local tensor on this rank is a shard or a partial "
+        f"value, not the global value, and logging it would write rank-local numbers. Expected a plain tensor, or a "
+        f"DTensor whose placements are all Replicate() (it holds the global value on every rank). {fix}"
+    )
+
+
 def plain_tensor(where: str, value: Tensor, expected: str) -> Tensor:
     """``value`` detached as a dense, non-quantized real tensor the commit's transfer can copy; metadata checks
     and conversions that keep every value exactly (no host sync), as `log_metrics` does for scalars.
 
     Sparse tensors become dense (``to_dense``), quantized ones their values (``dequantize``); meta, nested,
     complex tensors and dtypes with no numeric value (bits, sub-byte, packed float4) raise `InvalidValueError`
-    naming ``where`` (e.g. ``"log_histogram('grads')"``)."""
+    naming ``where`` (e.g. ``"log_histogram('grads')"``). A replicated DTensor becomes its local tensor (the
+    global value); any other DTensor is refused: its local tensor is a shard or a partial value."""
+    if type(value) is not Tensor:
+        value = local_value(value, lambda placements: sharded_dtensor(
+            where, placements, "Log value.full_tensor() (a collective: call it on every rank) instead."))
     if value.is_meta:
         raise InvalidValueError(
             f"{where}: got a meta tensor of shape {tuple(value.shape)}, which has no data; expected {expected}. "

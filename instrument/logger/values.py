@@ -49,8 +49,9 @@ import torch
 from torch import Tensor
 
 from instrument.core.devices import to_device
+from instrument.core.dtensors import local_value
 from instrument.errors import InvalidValueError
-from instrument.logger.plain import NUMERIC_DTYPES
+from instrument.logger.plain import NUMERIC_DTYPES, sharded_dtensor
 
 __all__ = ["EXACT_INT", "ExactSum", "Wide", "add", "as_scalar", "check_keys", "merge_wide", "note_beyond", "overflowed",
            "refuse_merged_keys", "rounded_message", "wide_int"]
@@ -223,6 +224,10 @@ def check_keys(metrics: Any) -> None:
         )
 
 
+_FIX = ("Log value.full_tensor() (a collective: call it on every rank), or, for a Partial sum or norm, its "
+        "local part value.to_local() with reduce='sum' or reduce='l2' (the logger then combines ranks).")
+
+
 def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) -> Union[float, Tensor]:
     """``value`` as a float or a 0-d floating device tensor; ``warn(name, message)`` reports rounding once.
 
@@ -230,6 +235,8 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
     writer thread says whether it was too large for float64.
     """
     if isinstance(value, Tensor):
+        if type(value) is not Tensor:  # a replicated DTensor: its local tensor; a sharded or partial one refused
+            value = local_value(value, lambda placements: sharded_dtensor(f"metric {name!r}", placements, _FIX))
         if value.numel() != 1:
             raise InvalidValueError(
                 f"metric {name!r} is a tensor of shape {tuple(value.shape)}; log_metrics takes scalars "

@@ -18,6 +18,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from instrument.core.dtensors import dtensor_placements, is_replicated
 from instrument.core.loss_scale import LossScale, divided, divisors
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
@@ -245,6 +246,7 @@ class GradientStats(Observer):
         self._update: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._modules: List[nn.Module] = []
         self._said_sparse = False
+        self._said_sharded = False  # histograms of sharded DTensor parameters were left out (said once)
         self._said_no_grad = False  # a logging step where no covered parameter had a gradient was reported
         # Set by Instrumentation(grad_scaler=...): gradients read while still loss-scaled are divided by the scale.
         self.loss_scale: Optional[LossScale] = None
@@ -297,6 +299,17 @@ class GradientStats(Observer):
                 "instrument: GradientStats(%r): the gradients of %s are sparse (nn.Embedding(sparse=True)); they are "
                 "left out of every gradient norm and histogram (torch's clip_grad_norm_ cannot take them either), "
                 "the other parameters are logged. (Said once.)", self.name, names,
+            )
+
+    def _say_sharded(self, name: str, placements: tuple) -> None:
+        if not self._said_sharded:
+            self._said_sharded = True
+            log.warning(
+                "instrument: GradientStats(%r): the parameter %r and its gradient are DTensors with placements %s "
+                "(FSDP2 fully_shard): each rank holds only a shard, so their histograms are not logged (a shard's "
+                "values are not the parameter's, and gathering every parameter would cost a collective and its full "
+                "size each logging step). The norms are logged, reduced over the whole parameter. (Said once.)",
+                self.name, name, placements,
             )
 
     def _say_no_gradient(self, step: int) -> None:
@@ -391,6 +404,10 @@ class GradientStats(Observer):
             logger.log_metrics(metrics, step=step, prefix=self.name)
         if self.histograms:
             for (name, p), ok, scale in zip(self._params, dense, scales, strict=True):
+                placements = dtensor_placements(p)
+                if placements is not None and not is_replicated(placements):
+                    self._say_sharded(name, placements)
+                    continue
                 if ok:
                     grad = p.grad.detach()
                     logger.log_histogram(f"{self.name}/grad_hist/{name}", grad if scale is None else

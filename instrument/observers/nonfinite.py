@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from instrument.checks import check_int
 from instrument.core.context import StepContext
 from instrument.core.devices import to_device
+from instrument.core.dtensors import dtensor_placements, is_replicated
 from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
@@ -286,8 +287,13 @@ class NonFinite(Observer):
         grads = [(name, p.grad if p.grad.layout == torch.strided else p.grad._values())  # `log`: under no_grad
                  for name, p in self._params if p.grad is not None]
         self._amp = bool(grads) and self.loss_scale is not None and self.loss_scale.enabled
+        global_counts = False
         if grads:
             per_param = grad_counts([g for _, g in grads])
+            placements = dtensor_placements(per_param)
+            if placements is not None:  # DTensor gradients (FSDP2): every rank gets the whole parameters' counts
+                per_param = per_param.to_local() if is_replicated(placements) else per_param.full_tensor()
+                global_counts = True  # already over all ranks: reduced with max, as a sum would count them again
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
         scale = self.loss_scale.current() if self._amp else None  # None: no scale() call yet
@@ -296,7 +302,8 @@ class NonFinite(Observer):
         if metrics:
             # Every value is an int64 tensor, and on one process the reduce ops change nothing: the logger then
             # stages the call as one block (one stack and conversion) instead of key by key (a few kernels each).
-            reduce = {key: ("sum" if key.startswith(("count", "grad_count")) else "max") for key in metrics}
+            summed = ("count",) if global_counts else ("count", "grad_count")
+            reduce = {key: ("sum" if key.startswith(summed) else "max") for key in metrics}
             logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, reduce))
         if tables or dropped:  # max over ranks: marked wherever a rank dropped one; every rank logs the key
             logger.log_metrics({"incomplete": 1.0 if dropped else 0.0}, step=step, prefix=self.name,

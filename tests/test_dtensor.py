@@ -1,0 +1,140 @@
+"""DTensors (FSDP2's ``fully_shard``) on real 2-process gloo groups (spawn, FileStore rendezvous).
+
+A DTensor's ``item()`` and host copy act on the rank's local tensor: for a Shard or Partial placement a shard or a
+partial value. Such values are refused at the call (not averaged over ranks as if they were the global value);
+replicated ones hold the global value and are logged as it. One spawn runs every scenario and writes what each
+rank saw to a JSON file.
+"""
+
+import datetime
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from instrument import Instrumentation, JsonlBackend, Logger
+from instrument.errors import InvalidValueError
+
+
+def _fsdp2_model():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 6))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    return model
+
+
+def _records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _worker(rank, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from instrument import GradientStats, NonFinite
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(Path(out_dir) / "store"), 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    out: dict = {}
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("instrument").addHandler(handler)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = distribute_tensor(torch.arange(1.0, 9.0), mesh, [Shard(0)])  # global norm sqrt(204)
+        logger = Logger([])
+        for key, value in {"norm": torch.linalg.vector_norm(sharded), "sum": sharded.sum()}.items():
+            try:
+                logger.log_metrics({key: value}, step=0)
+            except InvalidValueError as exc:
+                out[f"refused_{key}"] = str(exc)
+        # the fix the message names: the local part, combined over ranks
+        logger.log_metrics({"norm": torch.linalg.vector_norm(sharded).to_local()}, step=0, reduce="l2")
+        replicated = distribute_tensor(torch.tensor(3.5), mesh, [Replicate()])
+        logger.log_metrics({"rep": replicated}, step=0)
+        logger.log_metrics({"rep_sum": replicated}, step=0, reduce="sum")
+        logger.log_metrics({"rep_int": distribute_tensor(torch.tensor(3), mesh, [Replicate()])}, step=0)
+        out["scalars"] = logger.commit(0).flat_scalars()
+        try:
+            logger.log_histogram("h", sharded, step=1)
+        except InvalidValueError as exc:
+            out["refused_hist"] = str(exc)
+        logger.log_histogram("rep_h", distribute_tensor(torch.arange(4.0), mesh, [Replicate()]), step=1)
+        record = logger.commit(1)
+        out["histograms"] = sorted(record.histograms) if record is not None else None
+        logger.close()
+
+        # FSDP2: GradientStats with histograms, NonFinite with one NaN on rank 0's shard of a gradient.
+        model = _fsdp2_model()
+        inst = Instrumentation([GradientStats(histograms=True), NonFinite()], backends=[JsonlBackend()],
+                               log_interval=1, log_dir=out_dir, run_name="fsdp2", overhead_budget=None)
+        inst.watch(model)
+        with inst.step(0):
+            model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+            if rank == 0:
+                model[0].weight.grad.to_local()[0, 0] = math.nan
+        inst.close()
+        out["warnings"] = records
+    finally:
+        logging.getLogger("instrument").removeHandler(handler)
+        dist.destroy_process_group()
+    Path(out_dir, f"result{rank}.json").write_text(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("dtensor")
+    mp.spawn(_worker, args=(str(tmp),), nprocs=2, join=True)
+    return [json.loads((tmp / f"result{r}.json").read_text()) for r in range(2)], tmp
+
+
+def test_a_sharded_or_partial_dtensor_metric_is_refused_on_every_rank_naming_the_fix(ranks):
+    results, _ = ranks
+    for out in results:
+        for key in ("norm", "sum"):
+            message = out[f"refused_{key}"]
+            assert f"metric {key!r}" in message and "Partial" in message and "Replicate()" in message
+            assert "full_tensor()" in message and "to_local()" in message
+
+
+def test_replicated_dtensors_are_logged_as_their_global_value(ranks):
+    results, _ = ranks
+    scalars = results[0]["scalars"]
+    assert scalars["norm"] == pytest.approx(math.sqrt(204.0), rel=1e-6)
+    assert scalars["rep"] == 3.5
+    assert scalars["rep_sum"] == 7.0
+    assert scalars["rep_int"] == 3.0
+
+
+def test_a_sharded_dtensor_histogram_is_refused_on_every_rank_and_a_replicated_one_written(ranks):
+    results, _ = ranks
+    for out in results:
+        assert "log_histogram('h')" in out["refused_hist"] and "Shard(dim=0)" in out["refused_hist"]
+    assert results[0]["histograms"] == ["rep_h"]
+
+
+def test_fsdp2_gradient_histograms_are_left_out_with_one_warning_and_nonfinite_counts_exact(ranks):
+    results, tmp = ranks
+    for out in results:
+        said = [m for m in out["warnings"] if "histograms are not logged" in m]
+        assert len(said) == 1 and "Shard(dim=0)" in said[0]
+    metrics = {}
+    for record in _records(tmp / "fsdp2" / "metrics.jsonl"):
+        metrics.update(record.get("metrics", {}))
+    assert metrics["grad_stats/norm/2.weight"] > 0  # norm/0.weight and norm/global are NaN
+    assert not any("hist" in key for key in metrics)
+    assert metrics["nonfinite/grad_count"] == 1.0
+    assert metrics["nonfinite/grad_count/0.weight"] == 1.0
+    assert metrics["nonfinite/grad_count/2.weight"] == 0.0

@@ -84,6 +84,20 @@ def _worker(rank, out_dir):
             if rank == 0:
                 model[0].weight.grad.to_local()[0, 0] = math.nan
         inst.close()
+        # Classic FullyShardedDataParallel: flat parameters, one shard per rank, whose norms are not the model's.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        torch.manual_seed(0)
+        classic = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 6)),
+                                           device_id=torch.device("cpu"))
+        inst = Instrumentation([GradientStats()], backends=[JsonlBackend()], log_interval=1, log_dir=out_dir,
+                               run_name="classic", overhead_budget=None)
+        inst.watch(classic)
+        for step in range(2):
+            with inst.step(step):
+                classic(torch.randn(4, 6)).square().mean().backward()
+                inst.logger.log_metrics({"x": 1.0}, step=step)
+        inst.close()
         out["warnings"] = records
     finally:
         logging.getLogger("instrument").removeHandler(handler)
@@ -138,3 +152,12 @@ def test_fsdp2_gradient_histograms_are_left_out_with_one_warning_and_nonfinite_c
     assert metrics["nonfinite/grad_count"] == 1.0
     assert metrics["nonfinite/grad_count/0.weight"] == 1.0
     assert metrics["nonfinite/grad_count/2.weight"] == 0.0
+
+
+def test_classic_fsdp_shard_norms_are_not_logged_and_the_fix_is_said_once(ranks):
+    results, tmp = ranks
+    for out in results:
+        said = [m for m in out["warnings"] if "classic FullyShardedDataParallel" in m]
+        assert len(said) == 1 and "fully_shard" in said[0]
+    keys = {key for record in _records(tmp / "classic" / "metrics.jsonl") for key in record.get("metrics", {})}
+    assert "x" in keys and not any(key.startswith("grad_stats/") for key in keys)

@@ -10,7 +10,7 @@ imported, no DTensor exists.
 import sys
 from typing import Any, Optional, Tuple
 
-__all__ = ["dtensor_placements", "is_replicated", "local_value"]
+__all__ = ["classic_fsdp", "dtensor_placements", "is_replicated", "local_value"]
 
 
 def dtensor_placements(value: Any) -> Optional[Tuple[Any, ...]]:
@@ -36,3 +36,11 @@ def local_value(value: Any, refuse: Any) -> Any:
     if is_replicated(placements):
         return value.to_local()
     raise refuse(placements)
+
+
+def classic_fsdp(names: Any) -> bool:
+    """Whether parameter ``names`` (``named_parameters()``) are those of a classic ``FullyShardedDataParallel``
+    (not FSDP2): its flat parameter, or the originals as views into this rank's shard of it."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    return any("_flat_param" in name or "_fsdp_wrapped_module" in name for name in names)

@@ -18,7 +18,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from instrument.core.dtensors import dtensor_placements, is_replicated
+from instrument.core.dtensors import classic_fsdp, dtensor_placements, is_replicated
 from instrument.core.loss_scale import LossScale, divided, divisors
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
@@ -246,6 +246,7 @@ class GradientStats(Observer):
         self._update: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._modules: List[nn.Module] = []
         self._said_sparse = False
+        self._said_fsdp = False  # classic FSDP parameters were left out (said once)
         self._said_sharded = False  # histograms of sharded DTensor parameters were left out (said once)
         self._said_no_grad = False  # a logging step where no covered parameter had a gradient was reported
         # Set by Instrumentation(grad_scaler=...): gradients read while still loss-scaled are divided by the scale.
@@ -262,6 +263,9 @@ class GradientStats(Observer):
     def attach(self, modules: Sequence[nn.Module]) -> None:
         self._modules = [self.module] if self.module is not None else list(modules)
         self._params = select_parameters(self._modules, self.include, self.exclude)
+        if classic_fsdp(name for name, _ in self._params):  # a rank's shard norms, not the parameters'
+            self._say_classic_fsdp()
+            self._params = []
         if self.loss_scale is not None:  # a gradient this step leaves untouched is not its scaled backward's
             self.loss_scale.track([p for _, p in self._params])
         if self.update_ratio and self._params:
@@ -299,6 +303,17 @@ class GradientStats(Observer):
                 "instrument: GradientStats(%r): the gradients of %s are sparse (nn.Embedding(sparse=True)); they are "
                 "left out of every gradient norm and histogram (torch's clip_grad_norm_ cannot take them either), "
                 "the other parameters are logged. (Said once.)", self.name, names,
+            )
+
+    def _say_classic_fsdp(self) -> None:
+        if not self._said_fsdp:
+            self._said_fsdp = True
+            log.warning(
+                "instrument: GradientStats(%r): the covered parameters are those of a classic FullyShardedDataParallel"
+                " (flat parameters): each rank holds only its shard of them, and their norms, update ratios and "
+                "histograms would be one rank's shard's, not the parameters', so none is logged. Shard the model "
+                "with FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor gradients are reduced over the whole "
+                "parameter, to log them. (Said once.)", self.name,
             )
 
     def _say_sharded(self, name: str, placements: tuple) -> None:

@@ -98,6 +98,18 @@ def _worker(rank, out_dir):
                 classic(torch.randn(4, 6)).square().mean().backward()
                 inst.logger.log_metrics({"x": 1.0}, step=step)
         inst.close()
+        # use_orig_params=True, watching the module inside the wrapper: names carry no sign of FSDP (before: its
+        # shard norms were logged, wrong and unsaid)
+        torch.manual_seed(0)
+        inner = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 6)),
+                                         device_id=torch.device("cpu"), use_orig_params=True)
+        inst = Instrumentation([GradientStats()], backends=[JsonlBackend()], log_interval=1, log_dir=out_dir,
+                               run_name="classic_inner", overhead_budget=None)
+        inst.watch(inner.module)
+        with inst.step(0):
+            inner(torch.randn(4, 6)).square().mean().backward()
+            inst.logger.log_metrics({"x": 1.0}, step=0)
+        inst.close()
         out["warnings"] = records
     finally:
         logging.getLogger("instrument").removeHandler(handler)
@@ -158,6 +170,27 @@ def test_classic_fsdp_shard_norms_are_not_logged_and_the_fix_is_said_once(ranks)
     results, tmp = ranks
     for out in results:
         said = [m for m in out["warnings"] if "classic FullyShardedDataParallel" in m]
-        assert len(said) == 1 and "fully_shard" in said[0]
-    keys = {key for record in _records(tmp / "classic" / "metrics.jsonl") for key in record.get("metrics", {})}
-    assert "x" in keys and not any(key.startswith("grad_stats/") for key in keys)
+        assert len(said) == 2 and all("fully_shard" in m for m in said), said  # once per run (each its own)
+    for run in ("classic", "classic_inner"):
+        keys = {key for record in _records(tmp / run / "metrics.jsonl") for key in record.get("metrics", {})}
+        assert "x" in keys and not any(key.startswith("grad_stats/") for key in keys), (run, keys)
+
+
+def test_a_parameter_named_like_fsdp_s_is_not_taken_for_one(tmp_path):
+    # Detection by name left out every parameter of a model with a module named 'proj_flat_params' once
+    # torch.distributed.fsdp was imported (as any FSDP2 user's script does): no GradientStats key at all.
+    import torch.distributed.fsdp  # noqa: F401
+
+    from instrument import GradientStats
+
+    model = torch.nn.Sequential()
+    model.add_module("proj_flat_params", torch.nn.Linear(4, 4))
+    model.add_module("out", torch.nn.Linear(4, 1))
+    inst = Instrumentation([GradientStats()], backends=[JsonlBackend()], log_interval=1, log_dir=str(tmp_path),
+                           run_name="r", overhead_budget=None)
+    inst.watch(model)
+    with inst.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+    inst.close()
+    keys = set(_records(tmp_path / "r" / "metrics.jsonl")[0]["metrics"])
+    assert {"grad_stats/norm/proj_flat_params.weight", "grad_stats/norm/out.weight"} <= keys

@@ -38,9 +38,9 @@ def local_value(value: Any, refuse: Any) -> Any:
     raise refuse(placements)
 
 
-def classic_fsdp(names: Any) -> bool:
-    """Whether parameter ``names`` (``named_parameters()``) are those of a classic ``FullyShardedDataParallel``
-    (not FSDP2): its flat parameter, or the originals as views into this rank's shard of it."""
-    if "torch.distributed.fsdp" not in sys.modules:
-        return False
-    return any("_flat_param" in name or "_fsdp_wrapped_module" in name for name in names)
+def classic_fsdp(param: Any) -> bool:
+    """Whether ``param`` was flattened by a classic ``FullyShardedDataParallel`` (not FSDP2): its flat parameter,
+    or, with ``use_orig_params=True``, an original parameter made a view into this rank's shard of it. FSDP marks
+    both (``_fsdp_flattened``), also where the watched module is one inside the wrapper, whose parameter names
+    carry no sign of it; FSDP2 marks none (its parameters are DTensors)."""
+    return getattr(param, "_fsdp_flattened", False) is True

@@ -263,9 +263,10 @@ class GradientStats(Observer):
     def attach(self, modules: Sequence[nn.Module]) -> None:
         self._modules = [self.module] if self.module is not None else list(modules)
         self._params = select_parameters(self._modules, self.include, self.exclude)
-        if classic_fsdp(name for name, _ in self._params):  # a rank's shard norms, not the parameters'
-            self._say_classic_fsdp()
-            self._params = []
+        flattened = [name for name, p in self._params if classic_fsdp(p)]
+        if flattened:  # a rank's shard norms, not the parameters': those are left out, the others logged
+            self._say_classic_fsdp(flattened)
+            self._params = [(name, p) for name, p in self._params if not classic_fsdp(p)]
         if self.loss_scale is not None:  # a gradient this step leaves untouched is not its scaled backward's
             self.loss_scale.track([p for _, p in self._params])
         if self.update_ratio and self._params:
@@ -305,15 +306,16 @@ class GradientStats(Observer):
                 "the other parameters are logged. (Said once.)", self.name, names,
             )
 
-    def _say_classic_fsdp(self) -> None:
+    def _say_classic_fsdp(self, names: List[str]) -> None:
         if not self._said_fsdp:
             self._said_fsdp = True
+            shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             log.warning(
-                "instrument: GradientStats(%r): the covered parameters are those of a classic FullyShardedDataParallel"
-                " (flat parameters): each rank holds only its shard of them, and their norms, update ratios and "
-                "histograms would be one rank's shard's, not the parameters', so none is logged. Shard the model "
-                "with FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor gradients are reduced over the whole "
-                "parameter, to log them. (Said once.)", self.name,
+                "instrument: GradientStats(%r): %s were flattened by a classic FullyShardedDataParallel: each rank "
+                "holds only its shard of them, and their norms, update ratios and histograms would be one rank's "
+                "shard's, not the parameters', so they are left out, as if excluded (norm/global covers the other "
+                "parameters). Shard the model with FSDP2 (torch.distributed.fsdp.fully_shard), whose DTensor "
+                "gradients are reduced over the whole parameter, to log them. (Said once.)", self.name, shown,
             )
 
     def _say_sharded(self, name: str, placements: tuple) -> None:

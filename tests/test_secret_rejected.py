@@ -113,3 +113,31 @@ def test_the_macro_prescan_reads_a_text_that_binds_nothing(tmp_path):
 
     (tmp_path / "empty.gin").write_text("# nothing bound\nimport instrument\n")
     assert located.declared_secrets([str(tmp_path / "empty.gin")], []) == ([], [])
+
+
+def test_an_uncaught_error_s_traceback_leaves_the_secret_out_of_its_cause_too(tmp_path):
+    """A review found the redacted error raised ``from`` gin's own exception, whose text quotes the rejected line:
+    a script that does not catch it printed the secret in the traceback's cause."""
+    import traceback
+
+    (tmp_path / "bad.gin").write_text("import instrument\nWandbBackend.api_key = 'CAUSELEAK41' oops\n")
+    for files, bindings in (([str(tmp_path / "bad.gin")], []), ([], ["WandbBackend.api_key = 'CAUSELEAK41' x"])):
+        clear_config()
+        with pytest.raises(GinConfigError) as info:
+            instrument.parse_config(files, bindings)
+        shown = "".join(traceback.format_exception(info.value))
+        assert "CAUSELEAK41" not in shown and "ConfigSyntaxError" in shown, shown
+
+
+@pytest.mark.parametrize("value", ["hf_DASHLEAK42abc-tail", "DASHLEAK42ab-cd.ef/gh"])
+def test_an_unquoted_secret_with_a_dash_is_left_out_of_the_problem_and_the_fix(tmp_path, value):
+    """gin's token ends at the '-', and the message quoted that first part, which was not among the secret's words."""
+    message = _error(tmp_path, f"Foo.token = {value}\n")
+    assert "DASHLEAK42" not in message, message
+
+
+def test_a_secret_macro_at_the_end_of_a_long_chain_is_left_out(tmp_path):
+    """The pre-scan followed macros of macros 20 deep: the 21st's rejected line printed its value."""
+    chain = "".join(f"T{i} = %T{i + 1}\n" for i in range(25))
+    message = _error(tmp_path, f"T25 = 'CHAINLEAK43' oops\n{chain}Foo.api_key = %T0\n")
+    assert "CHAINLEAK43" not in message, message

@@ -255,16 +255,23 @@ def _secret_macros(texts: List[str], keys: List[str]) -> List[str]:
         ends = [s.start() for s in starts[1:]] + [len(text)] if starts else []
         for m, end in zip(starts, ends, strict=True):
             statements.append((m.group(1), text[m.end():end]))
-    secret: List[str] = []
-    for _ in range(20):  # macros of macros, as deep as gin would follow them
-        patterns = (*keys, *macro_patterns(secret))
-        found = [name for bound, value in statements
-                 for part in ([value] if is_secret(bound, patterns) else secret_item_values(value, patterns, bound))
-                 for name in re.findall(r"%([\w./]+)", part) if name not in secret]
-        if not found:
-            break
-        secret.extend(dict.fromkeys(found))
-    return secret
+    by_leaf: Dict[str, List[str]] = {}  # a bound name's last component -> the values bound to such names
+    for bound, value in statements:
+        by_leaf.setdefault(re.split(r"[/.]", bound)[-1].lower().replace("-", "_"), []).append(value)
+    # Used under a secret name or dict key; then, through each secret macro's own binding (``TOK = %OTHER``),
+    # what it uses, as deep as gin follows macros: each macro visited once, looked up by its name.
+    queue = [name for bound, value in statements
+             for part in ([value] if is_secret(bound, keys) else secret_item_values(value, keys, bound))
+             for name in re.findall(r"%([\w./]+)", part)]
+    secret: Dict[str, None] = {}
+    while queue:
+        name = queue.pop()
+        if name in secret:
+            continue
+        secret[name] = None
+        for value in by_leaf.get(macro_patterns([name])[0].lower(), ()):
+            queue.extend(re.findall(r"%([\w./]+)", value))
+    return list(secret)
 
 
 _BINDING_START = re.compile(r"^[ \t]*([\w./]+)[ \t]*=", re.M)

@@ -93,8 +93,24 @@ def parse_config(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Lis
         texts = [*bindings, *(str(f) for f in files)]
         fields = [redacted_text(getattr(exc, f), texts) for f in ("problem", "where", "statement", "fix")]
         if fields != [exc.problem, exc.where, exc.statement, exc.fix]:
-            GinConfigError.__init__(exc, *fields)  # in place: its traceback and cause stay as they were
+            GinConfigError.__init__(exc, *fields)  # in place: its traceback stays as it was
+            _drop_cause(exc)
         raise
+
+
+def _cleaned(error: GinConfigError, cause: BaseException) -> Tuple[GinConfigError, Optional[BaseException]]:
+    """``error`` with its secrets left out (`secret_free`), and its cause: gin's own exception, or None when a
+    secret was left out, since gin's quotes the rejected text in clear and an uncaught error's traceback (a
+    script's, the CLI's ``--debug``) prints its cause too."""
+    clean = secret_free(error)
+    fields = (error.problem, error.where, error.statement, error.fix)
+    return clean, cause if (clean.problem, clean.where, clean.statement, clean.fix) == fields else None
+
+
+def _drop_cause(error: BaseException) -> None:
+    error.__cause__ = None
+    error.__context__ = None
+    error.__suppress_context__ = True
 
 
 def _parse(files: Sequence[str], bindings: Sequence[str]) -> List[Path]:
@@ -115,12 +131,14 @@ def _parse(files: Sequence[str], bindings: Sequence[str]) -> List[Path]:
                     raise GinConfigError("the config includes itself, through " + " -> ".join(include_cycle(path)),
                                          str(path), "", "remove one of the include lines of that cycle.") from exc
                 except GIN_ERRORS as exc:
-                    raise secret_free(explain(exc, source=str(path))) from exc
+                    clean, cause = _cleaned(explain(exc, source=str(path)), exc)
+                    raise clean from cause
             for binding in bindings:
                 try:
                     gin.parse_config(binding)
                 except GIN_ERRORS as exc:
-                    raise secret_free(explain(exc, source=f"--bind {binding!r}", binding=binding)) from exc
+                    clean, cause = _cleaned(explain(exc, source=f"--bind {binding!r}", binding=binding), exc)
+                    raise clean from cause
     finally:
         logging.getLogger().removeFilter(quiet)
         implicit.undo()

@@ -50,4 +50,6 @@ def secret_words(value: str) -> List[str]:
     """The words (4 characters or more) of a secret value's text to scrub from other text: not its comments,
     references or macros, nor True, False and None."""
     text = uncommented(value, references=False)
-    return [w for w in re.findall(r"[\w-]{4,}", text) if w not in ("True", "False", "None")]
+    # gin's token ends at a '-' (an unquoted ``hf_abcd-efgh`` is quoted back as 'hf_abcd'): the parts too
+    words = re.findall(r"[\w-]{4,}", text) + [w for w in re.findall(r"\w{4,}", text)]
+    return [w for w in dict.fromkeys(words) if w not in ("True", "False", "None")]

@@ -8,7 +8,7 @@ import logging
 import math
 import numbers
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError
@@ -213,26 +213,33 @@ def _checked(state: Any) -> Optional[int]:
                      "as it was saved")
 
 
+def _tag_pairs(value: Any, key: str, pair_of: str, wanted: str, fits: Callable[[Any, Any], bool],
+               again: str) -> Dict[str, Tuple[Any, Any]]:
+    """The state's ``key`` (heatmap tag -> a pair ``pair_of`` for which ``fits(a, b)``), or a `ConfigurationError`
+    naming what is wrong; ``wanted`` says what fits, ``again`` what starts again when the key is dropped."""
+    fix = f"Pass the state_dict() saved with the checkpoint as it was saved, or drop the key ({again})."
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"load_state_dict: the state's {key!r} is {_short(value)}, expected a dict "
+                                 f"heatmap tag -> {pair_of}. {fix}")
+    pairs = {}
+    for tag, pair in value.items():
+        if not (isinstance(tag, str) and isinstance(pair, (list, tuple)) and len(pair) == 2 and fits(*pair)):
+            raise ConfigurationError(f"load_state_dict: the state's {key!r} maps {_short(tag)} to {_short(pair)}, "
+                                     f"expected a heatmap tag (str) -> {pair_of}, {wanted}. {fix}")
+        pairs[tag] = (pair[0], pair[1])
+    return pairs
+
+
 def _heatmap_ranges(value: Any) -> Dict[str, Tuple[float, float]]:
     """The state's ``heatmap_ranges`` (heatmap tag -> ``[lo, hi]`` of ``color_range="running"``, finite and
     ``lo <= hi``) as the logger keeps them, or a `ConfigurationError` naming what is wrong."""
     def number(v: Any) -> bool:
         return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-    if not isinstance(value, dict):
-        raise ConfigurationError(f"load_state_dict: the state's 'heatmap_ranges' is {_short(value)}, expected a dict "
-                                 f"heatmap tag -> [lo, hi]. Pass the state_dict() saved with the checkpoint as it "
-                                 f"was saved, or drop the key (the running colour ranges then start again).")
-    ranges = {}
-    for tag, pair in value.items():
-        if not (isinstance(tag, str) and isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(number(v) for v in pair) and pair[0] <= pair[1]):
-            raise ConfigurationError(
-                f"load_state_dict: the state's 'heatmap_ranges' maps {_short(tag)} to {_short(pair)}, expected a "
-                f"heatmap tag (str) -> [lo, hi] of finite numbers with lo <= hi. Pass the state_dict() saved with "
-                f"the checkpoint as it was saved, or drop the key (the running colour ranges then start again).")
-        ranges[tag] = (float(pair[0]), float(pair[1]))
-    return ranges
+    pairs = _tag_pairs(value, "heatmap_ranges", "[lo, hi]", "finite numbers with lo <= hi",
+                       lambda lo, hi: number(lo) and number(hi) and lo <= hi, "the running colour ranges then start "
+                       "again")
+    return {tag: (float(lo), float(hi)) for tag, (lo, hi) in pairs.items()}
 
 
 _MOST_PIXELS = 2**20  # a bound on a saved canvas side: a damaged checkpoint must not make every image huge
@@ -245,21 +252,11 @@ def _heatmap_sizes(value: Any) -> Dict[str, Tuple[int, int]]:
     def pixels(v: Any) -> bool:
         return isinstance(v, numbers.Integral) and not isinstance(v, bool) and 1 <= v <= _MOST_PIXELS
 
-    fix = ("Pass the state_dict() saved with the checkpoint as it was saved, or drop the key (the heatmaps' canvas "
-           "sizes then start again).")
-    if not isinstance(value, dict):
-        raise ConfigurationError(f"load_state_dict: the state's 'heatmap_sizes' is {_short(value)}, expected a dict "
-                                 f"heatmap tag -> [height, width]. {fix}")
-    sizes = {}
-    for tag, pair in value.items():
-        if not (isinstance(tag, str) and isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(pixels(v) for v in pair) and pair[0] * pair[1] <= _MOST_AREA):
-            raise ConfigurationError(
-                f"load_state_dict: the state's 'heatmap_sizes' maps {_short(tag)} to {_short(pair)}, expected a "
-                f"heatmap tag (str) -> [height, width], whole numbers of pixels from 1 to {_MOST_PIXELS}, at most "
-                f"{_MOST_AREA} in all. {fix}")
-        sizes[tag] = (int(pair[0]), int(pair[1]))
-    return sizes
+    pairs = _tag_pairs(value, "heatmap_sizes", "[height, width]", f"whole numbers of pixels from 1 to "
+                       f"{_MOST_PIXELS}, at most {_MOST_AREA} in all",
+                       lambda h, w: pixels(h) and pixels(w) and h * w <= _MOST_AREA,
+                       "the heatmaps' canvas sizes then start again")
+    return {tag: (int(h), int(w)) for tag, (h, w) in pairs.items()}
 
 
 def _inner(state: Dict[Any, Any], depth: int = 2) -> Optional[str]:

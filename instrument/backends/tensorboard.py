@@ -124,7 +124,9 @@ class TensorBoardBackend(Backend):
             self._tags, self._drops = TagKinds(), Drops(self.name)
             self._writer = self._new_writer()
         self._keys_saved = self._drops.version
-        if run.resume is not None:  # the names escaped keys took before: each key's series goes on under its name
+        # the names escaped keys took before a resume: each key's series goes on under its name (open(None) with a
+        # log_dir of its own, as torch's own tools use it, has no run to resume)
+        if run is not None and run.resume is not None:
             load_keys(self._drops, self.log_dir)
 
     def _new_writer(self, purge_step: Optional[int] = None):

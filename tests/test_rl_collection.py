@@ -201,6 +201,9 @@ def test_missing_reward_and_bad_shapes_are_explained():
 def test_nothing_leaves_the_device_before_commit():
     metrics = CollectionMetrics()
     metrics.update(torchrl_batch())
+    kept = [f for f in metrics._pending._rows[0] if f is not None]  # kept until log (instrument.rl.pending)
+    assert kept and all(isinstance(f, torch.Tensor) for f in kept)
+    metrics._pending.drain()
     assert isinstance(metrics._reward.total, torch.Tensor) and isinstance(metrics._episodes, torch.Tensor)
 
 

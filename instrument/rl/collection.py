@@ -53,6 +53,7 @@ from instrument.rl.batch import (
     time_dim_guessed,
 )
 from instrument.rl.component import RLComponent
+from instrument.rl.pending import PendingBatches
 from instrument.rl.ranks import log_reduced
 from instrument.rl.running_stats import STATS, RunningStats, episode_segments, wide_dtype
 
@@ -62,6 +63,7 @@ log = logging.getLogger("instrument")
 
 _OWN = ("reward", "episode/return", "episode/length")  # the statistics of every batch (see the key table)
 _PER_OBJECTIVE = ("reward/", "episode/return/")  # where each objective of a vector reward goes
+_NOW = "now"  # weights in a device tensor, which may change in place: batches reduced at once (`_keep`)
 
 
 class CollectionMetrics(RLComponent):
@@ -151,6 +153,8 @@ class CollectionMetrics(RLComponent):
         self._warned_reset = False
         self._said_layout = False  # time_dim="auto" guessed the time dimension of a batch (`time_dim_guessed`)
         self._rank: Optional[int] = None  # the rank of the last plain-tensor batch (`_plain_shape`)
+        # Batches kept until reduced together; the helper reaches `_process` only through this component.
+        self._pending = PendingBatches(lambda fields, key: self._process(fields, key))
 
     # ------------------------------------------------------------------ input
     def update(
@@ -189,18 +193,65 @@ class CollectionMetrics(RLComponent):
         valid = (
             None if mask is None else split_features(mask, shape, "the collector mask")[..., 0].to(torch.bool)
         )
-        scalar = self._scalarise(rewards)
-
-        self._reward.add(scalar, valid)
-        if rewards.shape[-1] > 1:
-            self._objectives.add(rewards, valid)
+        values = self._weight_values()
+        scalar = self._scalarise(rewards, values=values)
+        extras = []
         for name, key in self.keys.items():
             value = lookup(batch, key)
             if value is None:
                 raise ConfigurationError(f"CollectionMetrics.keys[{name!r}] = {key!r} is not in the batch.")
-            self._extra[name].add(split_features(value.detach(), shape, f"{key!r}"), valid)
+            extras.append(split_features(value.detach(), shape, f"{key!r}"))
+        ended = returns = lengths = None
+        t: Optional[int] = -1  # -1: no episode is summed from these rewards, so the batch is kept flattened
         if done is not None:
-            self._add_episodes(batch, shape, rewards, done, valid, episode_reward)
+            ended = split_features(done, shape, f"done at {self.done_key!r}").to(torch.bool).any(dim=-1)
+            step_count = lookup(batch, self.step_count_key) if self.step_count_key else None
+            if episode_reward is not None:  # running returns in the batch (TorchRL RewardSum): read them at done
+                returns = split_features(
+                    episode_reward.detach(), shape, f"episode reward at {self.episode_reward_key!r}"
+                )
+                self._scalar_returns(returns, True, rewards.shape[-1], values, check=True)  # refused now
+            if step_count is not None:  # running lengths in the batch (TorchRL StepCounter)
+                lengths = split_features(step_count, shape, f"step count at {self.step_count_key!r}")[..., 0]
+            if returns is None or lengths is None:
+                self._say_layout(batch, shape)
+                t = resolve_time_dim(batch, self.time_dim, shape)
+        objectives = None if scalar is rewards else rewards  # kept for the episodes' and objectives' sums
+        self._keep((scalar, objectives, valid, ended, returns, lengths, *extras), t, len(shape), values)
+
+    def _keep(self, fields: Sequence[Optional[Tensor]], t: Optional[int], n: int, values: Any) -> None:
+        """Lay one batch out time first (``t``; None: one step per call; -1: flattened) and keep it until the
+        batches are reduced together (`instrument.rl.pending`)."""
+        if t == -1:
+            laid = tuple(None if f is None else f.reshape((-1,) + tuple(f.shape[n:])) for f in fields)
+        elif t is None:
+            laid = tuple(None if f is None else f.unsqueeze(0) for f in fields)
+        else:
+            laid = tuple(None if f is None else f.movedim(t, 0) for f in fields)
+        pending = self._pending
+        key = (values, t == -1, tuple(None if f is None else (f.shape[1:], f.dtype, f.device) for f in laid))
+        if len(pending) and key != pending.key:
+            pending.drain()
+        carry = self._carry_return
+        rewards = laid[1] if laid[1] is not None else laid[0]
+        if values is _NOW or (  # a layout change is warned at its batch
+            t != -1 and carry is not None and (carry.shape != rewards.shape[1:] or carry.device != rewards.device)
+        ):
+            self._process(laid, key)
+            return
+        # Owned already: a weighted reward and the ``done`` flags (both made here); the rest is copied.
+        pending.add(laid, key, (laid[1] is not None, False, False, True, False, False) + (False,) * len(self.keys))
+
+    def _process(self, fields: Sequence[Optional[Tensor]], key: Any) -> None:
+        """Reduce kept batches (concatenated; first dimension time, or flattened) into the running statistics."""
+        scalar, rewards, valid, ended, returns, lengths, *extras = fields
+        self._reward.add(scalar, valid)
+        if rewards is not None and rewards.shape[-1] > 1:
+            self._objectives.add(rewards, valid)
+        for name, value in zip(self.keys, extras, strict=True):
+            self._extra[name].add(value, valid)
+        if ended is not None:
+            self._add_episodes(scalar if rewards is None else rewards, ended, valid, returns, lengths, key[0])
 
     def _plain_shape(self, done: Optional[Tensor], reward: Tensor) -> Sequence[int]:
         """The batch shape of plain tensors. A ``done`` of ``[N, 1]`` is TorchRL's trailing singleton (batch
@@ -217,16 +268,29 @@ class CollectionMetrics(RLComponent):
         self._rank = len(shape)
         return shape
 
-    def _scalar_returns(self, returns: Tensor, given: bool, objectives: int) -> Tensor:
+    def _scalar_returns(self, returns: Tensor, given: bool, objectives: int, values: Any, check: bool = False):
         """The episode returns, scalarised like the reward. A running return the batch gives (``given``) of one
         objective beside a vector reward is already a scalar: taken as it is (as before weights were checked)."""
         if given and returns.shape[-1] == 1 and objectives > 1:
             return returns
-        return self._scalarise(returns, ("episode reward", self.episode_reward_key) if given else None)
+        return self._scalarise(returns, ("episode reward", self.episode_reward_key) if given else None, values, check)
 
-    def _scalarise(self, rewards: Tensor, entry: Optional[Tuple[str, Any]] = None) -> Tensor:
-        """``rewards`` ``[*batch, K]`` weighted into ``[*batch, 1]``; ``entry``, ``(what, key)``, names them in
-        messages (default: the reward)."""
+    def _weight_values(self) -> Any:
+        """The reward weights of this batch: None, their values (read off the host), or `_NOW` (a device tensor,
+        not read: the batch is reduced at once, with the weights as they are then)."""
+        given = self.reward_weights
+        if given is None:
+            return None
+        if isinstance(given, Tensor) and not given.is_cpu:
+            return _NOW
+        # The weights may be rebound or changed (annealed): compared by value (a CPU tensor's too: no device).
+        return tuple(float(w) for w in (given.tolist() if isinstance(given, Tensor) else given))
+
+    def _scalarise(self, rewards: Tensor, entry: Optional[Tuple[str, Any]] = None, values: Any = _NOW,
+                   check: bool = False) -> Optional[Tensor]:
+        """``rewards`` ``[*batch, K]`` weighted into ``[*batch, 1]`` with the weights ``values`` (`_weight_values`,
+        those of the batch); ``entry``, ``(what, key)``, names them in messages (default: the reward). ``check``:
+        only refuse what does not fit."""
         noun, key = entry or ("reward", self.reward_key)
         k = rewards.shape[-1]
         if self.reward_weights is None:
@@ -245,16 +309,15 @@ class CollectionMetrics(RLComponent):
                 f"one weight per objective"
                 + (", or none (reward_weights=None) for a single-objective reward." if k == 1 else ".")
             )
+        if check:
+            return None
         wide = wide_dtype(rewards.device)  # as every sum of rewards (instrument.rl.running_stats)
         # Made once per device and dtype: a tensor made from a list on a GPU is a blocking copy, a host sync on
         # every observed batch.
         given = self.reward_weights
-        if isinstance(given, Tensor) and not given.is_cpu:  # a device tensor: moved (a no-op where it already is)
+        if values is _NOW:  # a device tensor: moved (a no-op where it already is)
             weights = given.detach().to(device=rewards.device, dtype=wide)
         else:
-            # The weights may be rebound or changed (annealed): compared by value, read off the host (a CPU
-            # tensor's too: no device involved).
-            values = tuple(float(w) for w in (given.tolist() if isinstance(given, Tensor) else given))
             cached = self._weights.get((rewards.device, wide))
             if cached is None or cached[0] != values:
                 cached = self._weights[(rewards.device, wide)] = (
@@ -262,53 +325,45 @@ class CollectionMetrics(RLComponent):
             weights = cached[1]
         return (rewards.to(wide) * weights).sum(dim=-1, keepdim=True)
 
-    def _add_episodes(self, batch, shape, rewards, done, valid, episode_reward) -> None:
-        ended = split_features(done, shape, f"done at {self.done_key!r}").to(torch.bool).any(dim=-1)
+    def _add_episodes(self, rewards, ended, valid, returns, lengths, values) -> None:
         ended_valid = ended if valid is None else ended & valid
         count = ended_valid.sum(dtype=torch.int64)
         self._episodes = count if self._episodes is None else self._episodes + count
-        step_count = lookup(batch, self.step_count_key) if self.step_count_key else None
-        returns = lengths = None
-        if episode_reward is not None:  # running returns in the batch (TorchRL RewardSum): read them at done
-            returns = split_features(
-                episode_reward.detach(), shape, f"episode reward at {self.episode_reward_key!r}"
-            )
-        if step_count is not None:  # running lengths in the batch (TorchRL StepCounter)
-            lengths = split_features(step_count, shape, f"step count at {self.step_count_key!r}")[..., 0]
+        given = returns is not None
         whole_returns = whole_lengths = ended_valid
-        if returns is None or lengths is None:
-            if not self._said_layout and time_dim_guessed(batch, self.time_dim, shape):
-                self._said_layout = True
-                if len(shape) == 1:
-                    log.warning(
-                        "instrument: %s: time_dim='auto' got a batch of shape %s with one batch dimension and takes "
-                        "it as time: one environment's steps. A per-step loop's batch, one step of every environment "
-                        "([envs]), read this way has its episodes summed across environments. Bind "
-                        "CollectionMetrics.time_dim = None when each call holds one step of every environment, 0 "
-                        "when it holds one environment's steps (either silences this).", self.prefix, tuple(shape),
-                    )
-                else:
-                    log.warning(
-                        "instrument: %s: time_dim='auto' found no batch dimension named 'time' in a batch of shape %s, "
-                        "so it takes the last one (%d) as time: TorchRL's [envs, time] layout. CleanRL's rollout "
-                        "buffers are [time, envs], and read this way their episodes are summed across environments. "
-                        "Bind CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL), -1 to keep [envs, time] "
-                        "(either silences this), or None when each call holds one step of every environment.",
-                        self.prefix, tuple(shape), len(shape) - 1,
-                    )
-            seg_returns, seg_lengths, partial = self._segments(
-                rewards, ended, valid, resolve_time_dim(batch, self.time_dim, shape)
-            )
+        if returns is None or lengths is None:  # summed from the rewards, kept time first
+            seg_returns, seg_lengths, partial = self._segments(rewards, ended, valid, 0)
             whole = ended_valid if partial is None else ended_valid & ~partial
             if returns is None:
                 returns, whole_returns = seg_returns, whole
             if lengths is None:
                 lengths, whole_lengths = seg_lengths, whole
-        self._ep_return.add(self._scalar_returns(returns, episode_reward is not None, rewards.shape[-1]),
-                            whole_returns)
+        self._ep_return.add(self._scalar_returns(returns, given, rewards.shape[-1], values), whole_returns)
         if returns.shape[-1] > 1:
             self._ep_objectives.add(returns, whole_returns)
         self._ep_length.add(lengths.unsqueeze(-1), whole_lengths)
+
+    def _say_layout(self, batch: Any, shape: Sequence[int]) -> None:
+        """Warn once when ``time_dim="auto"`` guessed which dimension is time (`time_dim_guessed`)."""
+        if not self._said_layout and time_dim_guessed(batch, self.time_dim, shape):
+            self._said_layout = True
+            if len(shape) == 1:
+                log.warning(
+                    "instrument: %s: time_dim='auto' got a batch of shape %s with one batch dimension and takes "
+                    "it as time: one environment's steps. A per-step loop's batch, one step of every environment "
+                    "([envs]), read this way has its episodes summed across environments. Bind "
+                    "CollectionMetrics.time_dim = None when each call holds one step of every environment, 0 "
+                    "when it holds one environment's steps (either silences this).", self.prefix, tuple(shape),
+                )
+            else:
+                log.warning(
+                    "instrument: %s: time_dim='auto' found no batch dimension named 'time' in a batch of shape %s, "
+                    "so it takes the last one (%d) as time: TorchRL's [envs, time] layout. CleanRL's rollout "
+                    "buffers are [time, envs], and read this way their episodes are summed across environments. "
+                    "Bind CollectionMetrics.time_dim = 0 for [time, envs] (CleanRL), -1 to keep [envs, time] "
+                    "(either silences this), or None when each call holds one step of every environment.",
+                    self.prefix, tuple(shape), len(shape) - 1,
+                )
 
     def _segments(self, rewards: Tensor, ended: Tensor, valid: Optional[Tensor], t: Optional[int]):
         squeeze = t is None
@@ -347,6 +402,7 @@ class CollectionMetrics(RLComponent):
 
     # ------------------------------------------------------------------ output
     def log(self, logger, step: int) -> None:
+        self._pending.drain()
         metrics: Dict[str, Tensor] = {}
         counts: Dict[str, Tensor] = {}  # how many values each key summarises: how ranks combine it
         ops: Dict[str, str] = {"episode/count": "sum"}  # min and max too, as they are emitted; the rest: mean
@@ -390,6 +446,7 @@ class CollectionMetrics(RLComponent):
     def reset_episodes(self) -> None:
         """Forget unfinished episodes (e.g. after the environments were reset outside the collector): the next
         episodes start with the next batch."""
+        self._pending.drain()  # the episodes of the batches kept so far end or carry as before
         self._carry_return = self._carry_length = self._unknown_start = None
 
     def __repr__(self) -> str:

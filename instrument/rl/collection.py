@@ -55,7 +55,7 @@ from instrument.rl.batch import (
 from instrument.rl.component import RLComponent
 from instrument.rl.pending import PendingBatches
 from instrument.rl.ranks import log_reduced
-from instrument.rl.running_stats import STATS, RunningStats, episode_segments, wide_dtype
+from instrument.rl.running_stats import STATS, RunningStats, episode_buckets, wide_dtype
 
 __all__ = ["CollectionMetrics"]
 
@@ -331,13 +331,12 @@ class CollectionMetrics(RLComponent):
         self._episodes = count if self._episodes is None else self._episodes + count
         given = returns is not None
         whole_returns = whole_lengths = ended_valid
-        if returns is None or lengths is None:  # summed from the rewards, kept time first
-            seg_returns, seg_lengths, partial = self._segments(rewards, ended, valid, 0)
-            whole = ended_valid if partial is None else ended_valid & ~partial
+        if returns is None or lengths is None:  # summed from the rewards (kept time first): one value per episode
+            sums, counts, whole = self._episode_sums(rewards, ended, valid)
             if returns is None:
-                returns, whole_returns = seg_returns, whole
+                returns, whole_returns = sums, whole
             if lengths is None:
-                lengths, whole_lengths = seg_lengths, whole
+                lengths, whole_lengths = counts, whole
         self._ep_return.add(self._scalar_returns(returns, given, rewards.shape[-1], values), whole_returns)
         if returns.shape[-1] > 1:
             self._ep_objectives.add(returns, whole_returns)
@@ -365,15 +364,9 @@ class CollectionMetrics(RLComponent):
                     self.prefix, tuple(shape), len(shape) - 1,
                 )
 
-    def _segments(self, rewards: Tensor, ended: Tensor, valid: Optional[Tensor], t: Optional[int]):
-        squeeze = t is None
-        if squeeze:  # one step of every environment per call
-            rewards, ended = rewards.unsqueeze(0), ended.unsqueeze(0)
-            valid = None if valid is None else valid.unsqueeze(0)
-            t = 0
-        r = rewards.movedim(t, 0)
-        d = ended.movedim(t, 0)
-        v = None if valid is None else valid.movedim(t, 0)
+    def _episode_sums(self, r: Tensor, d: Tensor, v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+        """Every episode's return and length of time-first rewards ``r`` ``[T, *envs, K]`` (ends ``d``, mask
+        ``v``), one per (environment, segment) bucket (`episode_buckets`), and which buckets are whole episodes."""
         carry_r, carry_n = self._carry_return, self._carry_length
         if carry_r is not None and (carry_r.shape != r.shape[1:] or carry_r.device != r.device):
             if not self._warned_reset:
@@ -388,17 +381,17 @@ class CollectionMetrics(RLComponent):
                 self._warned_reset = True
             carry_r = carry_n = None
             self._unknown_start = torch.ones(r.shape[1:-1], dtype=torch.bool, device=r.device)
-        returns, lengths, _, self._carry_return, self._carry_length = episode_segments(
-            r, d, v, carry_r, carry_n
-        )
-        partial = None
+        if r.shape[0] == 0:  # no step: no episode
+            return r.new_zeros((0, r.shape[-1])), d.new_zeros(0, dtype=torch.int64), d.new_zeros(0, dtype=torch.bool)
+        sums, counts, ends, _, self._carry_return, self._carry_length = episode_buckets(r, d, v, carry_r, carry_n)
+        segment = torch.arange(sums.shape[1], device=r.device)
+        whole = segment < ends.unsqueeze(-1)  # [E, T + 1]: the segments each environment ended
         if self._unknown_start is not None:  # the first end of each such environment: not a whole episode
-            ends = d if v is None else d & v
-            partial = ends & (ends.cumsum(0) == 1) & self._unknown_start
-            self._unknown_start = self._unknown_start & ~ends.any(0)  # on the device: no sync to drop it
-        if squeeze:
-            return returns[0], lengths[0], None if partial is None else partial[0]
-        return returns.movedim(0, t), lengths.movedim(0, t), None if partial is None else partial.movedim(0, t)
+            unknown = self._unknown_start.reshape(-1, 1)
+            whole = whole & ~(unknown & (segment == 0))
+            started = self._unknown_start.shape  # on the device: no sync to drop it
+            self._unknown_start = self._unknown_start & (ends == 0).reshape(started)
+        return sums.reshape(-1, sums.shape[-1]), counts.reshape(-1), whole.reshape(-1)
 
     # ------------------------------------------------------------------ output
     def log(self, logger, step: int) -> None:

@@ -33,7 +33,7 @@ class PendingBatches:
     """
 
     def __init__(
-        self, process: Callable[[Fields, Hashable], None], max_elements: int = 2**20, max_batches: int = 256
+        self, process: Callable[[Fields, Hashable], None], max_elements: int = 2**18, max_batches: int = 256
     ) -> None:
         self.process = process
         self.max_elements = max_elements

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RunningStats", "episode_segments", "STATS", "wide_dtype"]
+__all__ = ["RunningStats", "episode_buckets", "episode_segments", "STATS", "wide_dtype"]
 
 STATS = ("mean", "min", "max")
 
@@ -159,47 +159,74 @@ def episode_segments(
     t_len = reward.shape[0]
     envs = reward.shape[1:-1]
     k = reward.shape[-1]
-    reward = _float(reward)
-    if valid is None:
-        valid = torch.ones(done.shape, dtype=torch.bool, device=done.device)
-    valid = valid.to(torch.bool)
-    ended = done.to(torch.bool) & valid
-    wide = wide_dtype(reward.device)
-    if carry_return is None:
-        carry_return = torch.zeros(reward.shape[1:], dtype=wide, device=reward.device)
-    if carry_length is None:
-        carry_length = torch.zeros(envs, dtype=torch.int64, device=reward.device)
     if t_len == 0:
-        empty = done.to(torch.bool)
+        wide = wide_dtype(reward.device)
         return (
             reward.to(wide),
             torch.zeros(done.shape, dtype=torch.int64, device=done.device),
-            empty,
-            carry_return,
-            carry_length,
+            done.to(torch.bool),
+            torch.zeros(reward.shape[1:], dtype=wide, device=reward.device) if carry_return is None else carry_return,
+            torch.zeros(envs, dtype=torch.int64, device=reward.device) if carry_length is None else carry_length,
         )
+    sums, counts, ends, bucket, carry_return, carry_length = episode_buckets(
+        reward, done, valid, carry_return, carry_length
+    )
+    ended = done.to(torch.bool) if valid is None else done.to(torch.bool) & valid.to(torch.bool)
+    returns = sums.reshape(-1, k)[bucket].reshape(reward.shape[:-1] + (k,))
+    lengths = counts.reshape(-1)[bucket].reshape(done.shape)
+    return returns, lengths, ended, carry_return, carry_length
 
+
+def episode_buckets(
+    reward: Tensor,
+    done: Tensor,
+    valid: Optional[Tensor],
+    carry_return: Optional[Tensor],
+    carry_length: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The per-episode sums behind `episode_segments` (same arguments; ``T`` at least 1), one bucket per
+    (environment, segment): ``(sums [E, T + 1, K], counts [E, T + 1], ends [E], bucket [T, E], carry_return,
+    carry_length)`` with ``E`` the environments flattened. Environment e's segments ``0 .. ends[e] - 1`` are the
+    episodes it ended in the batch (segment 0 continues the carry); the others are its unfinished one and unused
+    buckets. Statistics over whole episodes can be taken over the buckets directly (``T + 1`` per environment),
+    without gathering them back to every step.
+    """
+    t_len = reward.shape[0]
+    envs = reward.shape[1:-1]
+    k = reward.shape[-1]
+    wide = wide_dtype(reward.device)
     n_env = _numel(envs)
     per_env = t_len + 1  # segments an environment can have in this batch: one more than its ends
-    flat_ended = ended.reshape(t_len, n_env)
-    ends_so_far = torch.cumsum(flat_ended.to(torch.int64), dim=0)
-    segment = ends_so_far - flat_ended.to(torch.int64)  # ends strictly before t: t belongs to this segment
+    flat_ended = done.to(torch.bool).reshape(t_len, n_env)
+    flat_valid = None if valid is None else valid.to(torch.bool).reshape(t_len, n_env)
+    if flat_valid is not None:
+        flat_ended = flat_ended & flat_valid
+    ended_int = flat_ended.to(torch.int64)
+    ends_so_far = torch.cumsum(ended_int, dim=0)
     env_base = torch.arange(n_env, device=reward.device, dtype=torch.int64) * per_env
-    bucket = segment + env_base  # [T, E]: one bucket per (env, segment)
-    flat_valid = valid.reshape(t_len, n_env)
-    kept = torch.where(
-        flat_valid.unsqueeze(-1),
-        reward.reshape(t_len, n_env, k).to(wide),
-        torch.zeros((), dtype=wide, device=reward.device),
-    )
+    bucket = (ends_so_far + env_base).sub_(ended_int)  # [T, E]: ends strictly before t: t's (env, segment)
+    flat_bucket = bucket.reshape(-1)
+    kept = reward.reshape(t_len * n_env, k).to(wide)
+    if flat_valid is not None:
+        kept = torch.where(flat_valid.reshape(-1, 1), kept, torch.zeros((), dtype=wide, device=reward.device))
     sums = torch.zeros(n_env * per_env, k, dtype=wide, device=reward.device)
-    sums.index_add_(0, env_base, carry_return.reshape(n_env, k).to(wide))  # the carry continues segment 0
-    sums.index_add_(0, bucket.reshape(-1), kept.reshape(-1, k))
     counts = torch.zeros(n_env * per_env, dtype=torch.int64, device=reward.device)
-    counts.index_add_(0, env_base, carry_length.reshape(n_env).to(torch.int64))
-    counts.index_add_(0, bucket.reshape(-1), flat_valid.reshape(-1).to(torch.int64))
-    returns = sums[bucket].reshape(reward.shape[:-1] + (k,))
-    lengths = counts[bucket].reshape(done.shape)
-    open_bucket = ends_so_far[-1] + env_base  # the unfinished segment of each env
-    new_return = sums[open_bucket].reshape(reward.shape[1:])
-    return returns, lengths, ended, new_return, counts[open_bucket].reshape(envs)
+    if carry_return is not None:  # the carry continues segment 0
+        sums.index_add_(0, env_base, carry_return.reshape(n_env, k).to(wide))
+    if carry_length is not None:
+        counts.index_add_(0, env_base, carry_length.reshape(n_env).to(torch.int64))
+    sums.index_add_(0, flat_bucket, kept)
+    if flat_valid is None:
+        counts.index_add_(0, flat_bucket, torch.ones((), dtype=torch.int64, device=reward.device).expand(t_len * n_env))
+    else:
+        counts.index_add_(0, flat_bucket, flat_valid.reshape(-1).to(torch.int64))
+    ends = ends_so_far[-1]
+    open_bucket = ends + env_base  # the unfinished segment of each env
+    return (
+        sums.reshape(n_env, per_env, k),
+        counts.reshape(n_env, per_env),
+        ends,
+        bucket,
+        sums[open_bucket].reshape(reward.shape[1:]),
+        counts[open_bucket].reshape(envs),
+    )

@@ -29,6 +29,9 @@ Episode returns come from ``episode_reward_key`` when the batch has it (TorchRL'
 ``("next", "episode_reward")``); otherwise they are summed from the rewards, carrying unfinished episodes over
 to the next batch, vectorised over time (each episode summed on its own in float64, so an inf or NaN reward
 stays in its episode; no Python loop over steps).
+
+Batches are kept (copied, time first) and reduced together at the logging step or a bound
+(`instrument.rl.pending`), with the same results as reducing each as it comes, for fewer ops per batch.
 """
 
 import logging

@@ -63,32 +63,34 @@ class RunningStats:
         values = _float(values.detach())
         if values.dim() == 0:
             values = values.reshape(1)
-        batch_dims = tuple(range(values.dim() - 1))
+        # flatten: every element at once (batch and features); else over the batch dimensions, per feature
+        dims = tuple(range(values.dim() if self.flatten else values.dim() - 1))
+        per_value = values.shape[-1] if self.flatten else 1  # elements a kept row counts
         if mask is None:
-            keep = None
-            count = torch.full((), _numel(values.shape[:-1]), dtype=torch.int64, device=values.device)
+            count = torch.full((), _numel(values.shape[:-1]) * per_value, dtype=torch.int64, device=values.device)
+            masked = low_in = high_in = values
         else:
             keep = mask.to(torch.bool).unsqueeze(-1)
             count = keep.sum(dtype=torch.int64)
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        inf = torch.full((), math.inf, dtype=values.dtype, device=values.device)
-        masked = values if keep is None else torch.where(keep, values, zero)
-        low_in = values if keep is None else torch.where(keep, values, inf)
-        high_in = values if keep is None else torch.where(keep, values, -inf)
+            if per_value != 1:
+                count = count * per_value
+            inf = torch.full((), math.inf, dtype=values.dtype, device=values.device)
+            masked = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+            low_in = torch.where(keep, values, inf)
+            high_in = torch.where(keep, values, -inf)
         wide = wide_dtype(values.device)
         if values.numel() == 0:
-            total = torch.zeros(values.shape[-1:], dtype=wide, device=values.device)
-            low = torch.full(values.shape[-1:], math.inf, dtype=values.dtype, device=values.device)
+            shape = () if self.flatten else values.shape[-1:]
+            total = torch.zeros(shape, dtype=wide, device=values.device)
+            low = torch.full(shape, math.inf, dtype=values.dtype, device=values.device)
             high = -low
+        elif dims:
+            total = masked.sum(dim=dims, dtype=wide)
+            low, high = low_in.amin(dim=dims), high_in.amax(dim=dims)
         else:
-            total = masked.sum(dim=batch_dims, dtype=wide) if batch_dims else masked.to(wide, copy=True)
             # Without batch dimensions the extremes are the values themselves: a copy, never the caller's tensor
             # (a reward buffer refilled in place would change what was already counted).
-            low = low_in.amin(dim=batch_dims) if batch_dims else low_in.clone()
-            high = high_in.amax(dim=batch_dims) if batch_dims else high_in.clone()
-        if self.flatten:
-            count = count * values.shape[-1]
-            total, low, high = total.sum(), low.amin(), high.amax()
+            total, low, high = masked.to(wide, copy=True), low_in.clone(), high_in.clone()
         if self.count is None:
             self.count, self.total, self.low, self.high = count, total, low, high
         else:

@@ -153,3 +153,33 @@ def test_a_kept_batch_dispatches_a_dozen_ops_whatever_its_size(with_mask):
     with _Ops() as ops:
         metrics.update(reward=reward, done=done, mask=mask)
     assert ops.n <= 16, ops.n
+
+
+def test_training_values_are_kept_as_copies_and_logged_as_a_float64_reference():
+    from instrument.rl import TrainMetrics
+
+    metrics = TrainMetrics(reduce_stats=True)
+    running = torch.zeros(())  # a statistic the loop updates in place after each call
+    values = []
+    for i in range(300):  # past the 1024-tensor bound with three entries a call
+        loss = torch.tensor(i / 4, dtype=torch.float16 if i % 2 else torch.float32)
+        running.fill_(-i / 8)
+        metrics.on_losses({"loss": loss, "stat": running, "n": torch.tensor(i)})
+        values.append((i / 4, -i / 8, i))
+    running.fill_(1e9)
+    got = logged(metrics)
+    for j, name in enumerate(("loss", "stat", "n")):
+        column = [v[j] for v in values]
+        assert got[f"train/main/{name}"] == sum(column) / len(column)
+        assert (got[f"train/main/{name}/min"], got[f"train/main/{name}/max"]) == (min(column), max(column))
+
+
+def test_a_loss_call_dispatches_a_few_ops_per_entry():
+    from instrument.rl import TrainMetrics
+
+    metrics = TrainMetrics()
+    loss = torch.tensor(1.5)
+    metrics.on_losses({"loss": loss})
+    with _Ops() as ops:
+        metrics.on_losses({"loss": loss})
+    assert ops.n <= 4, ops.n  # detach, view, clone (12 when each call was reduced as it came)

@@ -27,7 +27,7 @@ ends training.
 import numbers
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -69,6 +69,10 @@ class TrainMetrics(RLComponent):
         self.include = list(include) if include is not None else None
         self.exclude = list(exclude)
         self._stats: Dict[str, RunningStats] = {}
+        # Values kept (flattened copies) until reduced together at log or at a bound (`_keep`), as the collection
+        # keeps batches (instrument.rl.pending): one reduction per entry and interval instead of one per call.
+        self._kept: Dict[str, List[Tensor]] = {}
+        self._kept_size = [0, 0]  # tensors, elements
 
     def update(self, losses: Any) -> None:
         """`on_losses` under its older name, for a loop without `RLLogging`."""
@@ -99,7 +103,7 @@ class TrainMetrics(RLComponent):
                         clashes.append(clash)
                         continue
                     acc = self._stats[name] = RunningStats(flatten=True)
-                acc.add(tensor.detach().reshape(-1, 1))
+                self._keep(name, tensor, owned=tensor is not value)
             except (TypeError, ValueError, OverflowError) as exc:  # that entry only
                 text = str(exc)
                 refused.append(text if text.startswith("training entry") else f"training entry {name!r}: {text}")
@@ -108,6 +112,27 @@ class TrainMetrics(RLComponent):
                                      + " (the other entries were added)")
         if refused:
             raise TypeError("; ".join(refused) + " (the other entries were added)")
+
+    def _keep(self, name: str, tensor: Tensor, owned: bool) -> None:
+        """Keep one entry's values (a copy unless made here) until `_reduce_kept`; another device reduces first."""
+        flat = tensor.detach().reshape(-1)
+        if not owned:
+            flat = flat.clone()  # never the caller's tensor: one updated in place would change what was counted
+        kept = self._kept
+        if kept and next(iter(kept.values()))[0].device != flat.device:
+            self._reduce_kept()
+        kept.setdefault(name, []).append(flat)
+        size = self._kept_size
+        size[0] += 1
+        size[1] += flat.numel()
+        if size[0] >= 1024 or size[1] >= 2**18:
+            self._reduce_kept()
+
+    def _reduce_kept(self) -> None:
+        kept, self._kept, self._kept_size = self._kept, {}, [0, 0]
+        for name, parts in kept.items():
+            values = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self._stats[name].add(values.unsqueeze(-1))
 
     def _clash(self, name: str) -> str:
         """Why a new entry ``name`` would share a key with an entry already seen (``reduce_stats=True``), or ''."""
@@ -137,6 +162,7 @@ class TrainMetrics(RLComponent):
         metrics: Dict[str, Tensor] = {}
         counts: Dict[str, Tensor] = {}
         ops: Dict[str, str] = {}
+        self._reduce_kept()
         for name, acc in self._stats.items():
             if acc.empty:
                 continue

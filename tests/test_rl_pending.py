@@ -183,3 +183,43 @@ def test_a_loss_call_dispatches_a_few_ops_per_entry():
     with _Ops() as ops:
         metrics.on_losses({"loss": loss})
     assert ops.n <= 4, ops.n  # detach, view, clone (12 when each call was reduced as it came)
+
+
+class _Large(TorchDispatchMode):
+    """The copies and concatenations of 2**20 elements or more a call makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if isinstance(out, torch.Tensor) and out.numel() >= 2**20 and ("clone" in name or "cat" in name):
+            self.made.append(name)
+        return out
+
+
+def test_a_batch_too_large_to_keep_after_a_kept_one_is_neither_kept_nor_concatenated():
+    # A review found that only a first batch was reduced as it came: after a small kept one, a [64, 2**15] batch
+    # was copied and then concatenated twice (about three times its size at once; the code before kept none).
+    from instrument.rl.training import TrainMetrics
+
+    def batch(t):
+        return {"next": {"reward": torch.ones(64, t), "done": torch.zeros(64, t, dtype=torch.bool)}}
+
+    made = {}
+    for first in (False, True):
+        metrics = CollectionMetrics(time_dim=-1, mask_key=None, episode_reward_key=None, step_count_key=None)
+        if first:
+            metrics.on_batch(batch(4))
+        with _Large() as large:
+            metrics.on_batch(batch(2**15))
+        made[first] = large.made
+        assert logged(metrics)[P + "reward/mean"] == 1.0
+    assert made[True] == made[False] and not any("cat" in name for name in made[True]), made
+    losses = TrainMetrics()
+    losses.on_losses({"a": torch.tensor(1.0)})
+    with _Large() as large:
+        losses.on_losses({"a": torch.zeros(2**21)})
+    assert large.made == []

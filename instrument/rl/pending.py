@@ -56,7 +56,8 @@ class PendingBatches:
         if self._rows and key != self._key:
             self.drain()
         elements = sum(f.numel() for f in fields if f is not None)
-        if not self._rows and elements >= self.max_elements:  # too large to keep: reduced now, as it is
+        if elements >= self.max_elements:  # too large to keep: what is kept first, then this one as it is (no
+            self.drain()  # copy, no concatenation: a huge rollout after a small batch cost three times its size)
             self.process(fields, key)
             return
         kept = tuple(f if f is None or own else f.clone() for f, own in zip(fields, owned, strict=True))

@@ -116,11 +116,15 @@ class TrainMetrics(RLComponent):
     def _keep(self, name: str, tensor: Tensor, owned: bool) -> None:
         """Keep one entry's values (a copy unless made here) until `_reduce_kept`; another device reduces first."""
         flat = tensor.detach().reshape(-1)
-        if not owned:
-            flat = flat.clone()  # never the caller's tensor: one updated in place would change what was counted
         kept = self._kept
         if kept and next(iter(kept.values()))[0].device != flat.device:
             self._reduce_kept()
+        if flat.numel() >= 2**18:  # too large to keep: reduced now, after what is kept (no copy, no concatenation)
+            self._reduce_kept()
+            self._stats[name].add(flat.unsqueeze(-1))
+            return
+        if not owned:
+            flat = flat.clone()  # never the caller's tensor: one updated in place would change what was counted
         kept.setdefault(name, []).append(flat)
         size = self._kept_size
         size[0] += 1

@@ -216,10 +216,17 @@ class Backend:
     that goes on after a failed open (``on_backend_error="warn"``, or an open that outlasted
     ``open_timeout``) then keeps it in the run instead of leaving it out; a failure that is instrument's own
     error (a bad option, a missing extra) still leaves it out, since trying again would only repeat it.
+
+    ``remote``: True for a backend whose calls wait on a server over the network (MLflow with a tracking
+    server, W&B online). A `Logger` makes its calls on a thread of its own (`instrument.logger.lane`), so that
+    a slow or silent server costs that backend alone its steps: it falls behind, and past ``queue_size``
+    waiting records loses its oldest ones (counted in ``failures``), while the other backends and the training
+    thread never wait for it.
     """
 
     sdk_exit_hook = False
     reopens = False
+    remote = False
 
     def open(self, run: RunInfo) -> None:
         """Create files or remote runs. Called once, before anything else."""

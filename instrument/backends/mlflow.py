@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
-from instrument.backends.mlflow_store import LAST_STEP_TAG, check_uri, is_unreachable, last_step
+from instrument.backends.mlflow_store import LAST_STEP_TAG, check_uri, is_remote, is_unreachable, last_step
 from instrument.backends.store_lock import held
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
@@ -121,6 +121,12 @@ class MlflowBackend(Backend):
     """
 
     reopens = True  # a store that did not answer at open is tried again at later records (class doc)
+
+    @property
+    def remote(self) -> bool:
+        """A tracking server (or a database or plugin store): the logger calls it on a thread of its own, so
+        that a server that does not answer costs this backend alone its steps (`Backend.remote`)."""
+        return is_remote(self._given_uri)
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from typing import Any, List, Optional
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["LAST_STEP_TAG", "check_uri", "is_unreachable", "last_step"]
+__all__ = ["LAST_STEP_TAG", "check_uri", "is_remote", "is_unreachable", "last_step"]
 
 # Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
 # through the ``mlflow.tracking_store`` entry point group. "" is a local path (a file store).
@@ -48,6 +48,12 @@ def check_uri(uri: Optional[str]) -> None:
         f"expected one of {[s for s in _SCHEMES if s]} (or a plain local path, or a scheme registered by an "
         "installed MLflow plugin), e.g. 'http://localhost:5000'."
     )
+
+
+def is_remote(uri: Optional[str]) -> bool:
+    """Whether a store at ``uri`` is reached over the network (a tracking server, a database server, a
+    plugin's store), not a local file (None: the run's own SQLite file; a plain path; ``file:``; ``sqlite:``)."""
+    return uri is not None and urllib.parse.urlparse(uri).scheme.lower() not in ("", "file", "sqlite")
 
 
 def _plugin_schemes() -> List[str]:

@@ -103,6 +103,12 @@ class WandbBackend(Backend):
 
     sdk_exit_hook = True  # wandb stops its service process at exit: close the logger before that
 
+    @property
+    def remote(self) -> bool:
+        """Online (or shared): ``wandb.init`` waits for W&B's servers, so the logger calls this backend on a
+        thread of its own (`Backend.remote`). Offline and disabled runs write local files only."""
+        return self.mode in ("online", "shared")
+
     def __init__(
         self,
         project: str = "instrument",

@@ -3,7 +3,9 @@
 The training thread hands each committed step over as an immutable record of staged values (plus the
 started device->host transfer); this thread waits for the transfer, converts and renders, and calls every
 backend, one call at a time and in the order things were handed over. Backend calls are isolated by the
-shared `FailureLedger`: a backend that raises is reported once, counted, and still gets the next record.
+shared `FailureLedger`: a backend that raises is reported once, counted, and still gets the next record. A
+remote backend (`Backend.remote`) is called on a thread of its own instead (`instrument.logger.lane`), so
+that a server that does not answer holds that backend alone.
 
 Backpressure: at most ``queue_size`` step records wait here. When the queue is full, ``on_full="block"``
 makes the committing thread wait for room (nothing is lost); ``"drop"`` drops the oldest waiting record,
@@ -22,12 +24,12 @@ import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from instrument.backends.base import Backend, StepRecord
-from instrument.backends.held import hold, let_go
+from instrument.backends.held import let_go
 from instrument.core.failures import FailureLedger
-from instrument.errors import InstrumentError
-from instrument.logger import shutdown
 from instrument.logger.committed import CommittedStep
+from instrument.logger.lane import Lanes, WriterThread, running_writers
 from instrument.logger.lifecycle import say_gave_up
+from instrument.logger.opening import open_backend, reopening_call
 
 __all__ = ["Writer", "CommittedStep", "ON_FULL", "WriterThread", "running_writers"]
 
@@ -46,15 +48,6 @@ _MAX_POLL = 0.5
 # commit after such a pause pays one wake instead.
 _PARK_AFTER = 30.0
 _RECORD, _CALL, _FLUSH, _CLOSE = "record", "call", "flush", "close"
-
-
-class WriterThread(threading.Thread):
-    """The thread type of every `Writer`, so that a failed start can tell whether its writer has stopped."""
-
-
-def running_writers() -> List[threading.Thread]:
-    """The writer threads of this process that are still running."""
-    return [t for t in threading.enumerate() if isinstance(t, WriterThread) and t.is_alive()]
 
 
 class Writer:
@@ -84,6 +77,7 @@ class Writer:
         self.backends = backends
         self._active: List[Backend] = []  # opened, in order; touched only on the writer thread
         self._unopened: List[Backend] = []  # active ones whose open failed, opening themselves again (reopens)
+        self._lanes = Lanes(self)  # each remote backend's own thread (`Backend.remote`, `instrument.logger.lane`)
         self._build = build
         self.ledger = ledger
         self.queue_size = queue_size
@@ -179,13 +173,20 @@ class Writer:
         when a backend failed to write or flush something handed over since the previous `flush`."""
         if threading.current_thread() is self._thread:
             return False
-        answer = [0]  # the writer's failure count once this flush is done (set before it marks it done)
+        # The writer's failure count, and each lane's flush with its failure count, once this flush is done.
+        answer: list = [0, ()]
+        deadline = None if timeout is None else time.monotonic() + timeout
         seq = self._put(_FLUSH, answer)
         if seq <= 0 or not self.wait(seq, timeout):
             return False
+        failed = answer[0]
+        for lane, lane_seq, slot in answer[1]:  # remote backends flush on their own threads (`Lanes.flush`)
+            if not lane.wait(lane_seq, None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+            failed += slot[0]
         with self._mutex:
-            clean = answer[0] <= self._failed_told
-            self._failed_told = max(self._failed_told, answer[0])
+            clean = failed <= self._failed_told
+            self._failed_told = max(self._failed_told, failed)
         return clean
 
     def close(self, status: Optional[str] = None, timeout: Optional[float] = None,
@@ -204,7 +205,8 @@ class Writer:
         self._thread.join(5.0 if done or deadline is None else max(0.0, deadline - time.monotonic()))
         if seq > 0 and not done and not self._gave_up:
             self._gave_up = True  # said once: a second close (a signal's after the user's) waits for the same
-            say_gave_up(timeout if asked is None else asked, self.ledger.running, self.pending)
+            say_gave_up(timeout if asked is None else asked, self.ledger.running or self._lanes.running(),
+                        self.pending + self._lanes.pending())
         return done
 
     def wait(self, seq: int, timeout: Optional[float] = None, ready: Optional[Callable[[], bool]] = None) -> bool:
@@ -222,7 +224,10 @@ class Writer:
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
-            return self._done >= seq or (ready is not None and ready())
+            if ready is not None and ready():
+                return True
+            done = self._done >= seq
+        return done and self._lanes.wait(seq, deadline)  # an open or a close is made on a remote backend's lane
 
     def disown(self) -> None:
         """In a forked child, where this writer's thread does not exist: new locks, nothing queued, closed (so
@@ -233,6 +238,7 @@ class Writer:
         self._waiting.clear()
         self._records = 0
         self._closing = self._stopped = True
+        self._lanes.disown()
 
     @property
     def pending(self) -> int:
@@ -356,7 +362,7 @@ class Writer:
                 continue
             kind, seq, payload = item
             try:
-                self._process(kind, payload)
+                self._process(kind, seq, payload)
             except BaseException:  # never let the writer die (not even by a backend's sys.exit)
                 log.exception("instrument: the logger's writer failed on a %s item; it goes on", kind)
             finally:
@@ -382,7 +388,7 @@ class Writer:
             ):
                 self._flush_backends()
 
-    def _process(self, kind: str, payload: Any) -> None:
+    def _process(self, kind: str, seq: int, payload: Any) -> None:
         if kind == _RECORD:
             handle, data = payload
             record = self._build(data)
@@ -392,8 +398,12 @@ class Writer:
             with self._cond:  # a reader of this step (`CommittedStep.result`) need not wait for the writes below
                 self._cond.notify_all()
             if record is not None and not record.is_empty():
-                unopened = self._unopened
+                unopened, lanes = self._unopened, self._lanes
                 for backend in self._active:
+                    lane = lanes.get(backend)
+                    if lane is not None:  # a remote backend: its own thread writes it (`instrument.logger.lane`)
+                        lane.put("write", record)
+                        continue
                     if unopened and backend in unopened:
                         continue  # after the others: a slow try to open never holds up their copy
                     if not self.ledger.call(backend.name, "write", backend.write, record):
@@ -408,8 +418,15 @@ class Writer:
             for backend in [only] if only is not None else list(self._active):
                 if method == "close" and backend not in self._active:
                     continue  # closed already (`Logger.close_backend` twice), or never opened
+                lane = self._lanes.get(backend)
+                if lane is None and method == "open" and getattr(backend, "remote", False):
+                    lane = self._lanes.start(backend)  # it opens the backend and makes every call to it from now
+                    self._active.append(backend)
+                if lane is not None:
+                    lane.put(method, *args)
+                    continue
                 if method == "open":
-                    ok = self._open(backend, *args)
+                    ok = open_backend(self, backend, *args)
                 elif backend in self._unopened and method in ("log_hyperparams", "write_system"):
                     later.append(backend)
                     continue
@@ -423,72 +440,51 @@ class Writer:
                 self._reopening_call(backend, method, *args)
             if method == "close" and only is not None and only in self._active:  # `Logger.close_backend`
                 self._active.remove(only)  # closed: no more records, and not closed again at the end
-                let_go(self, only)
+                if self._lanes.current.pop(id(only), None) is None:  # a lane lets go once it closed its backend
+                    let_go(self, only)
                 if only in self._unopened:
                     self._unopened.remove(only)
+            if method in ("open", "close") and self._lanes.made:  # waiting for this call waits for the lanes too
+                self._lanes.mark(seq)
             self._dirty = True
         elif kind == _FLUSH:
-            self._flush_backends()
+            self._flush_backends(payload)
             payload[0] = self._failed
         elif kind == _CLOSE:
             self._flush_backends()
+            self._lanes.close(payload)  # first: remote backends close on their own threads meanwhile
             for backend in self._active:
+                if self._lanes.get(backend) is not None:
+                    continue
                 if payload:
                     self.ledger.call(backend.name, "on_exit", backend.on_exit, payload)
                 self.ledger.call(backend.name, "close", backend.close)
+            self._lanes.join()  # closed once every backend is: the caller's close bounds this wait
 
-    def _open(self, backend: Backend, *args: Any) -> bool:
-        """``backend.open``, and the backend joins the active ones. A failure is kept in `open_errors` for the
-        logger to raise at start, and reported through the ledger only when nobody is waiting to raise it
-        (``report_open``). A backend that ``reopens`` joins anyway, unless the failure was instrument's own
-        error (a bad option, a missing extra), which would only repeat. The files it writes (`Backend.writes_to`)
-        are this writer's from just before its open until it closes or is left out (`instrument.backends.held`)."""
-        self.ledger.running = (backend.name, "open")
-        try:
-            hooks = shutdown.exit_hooks()
-            hold(self, backend, *args)  # its files: refused if another session's open backend writes one
-            backend.open(*args)
-            if getattr(backend, "sdk_exit_hook", False) or hooks is None or shutdown.exit_hooks() != hooks:
-                shutdown.keep_first_at_exit()  # so that the loggers are closed before that hook runs
-            self._active.append(backend)
-            return True
-        except BaseException as exc:  # on this thread a SystemExit or CancelledError is the backend's failure too
-            self.open_errors.append((backend, exc))
-            again = getattr(backend, "reopens", False) and not isinstance(exc, InstrumentError)
-            if again:
-                self._active.append(backend)
-                self._unopened.append(backend)
-            if self.report_open:
-                consequence = (
-                    "it stays in the run and tries to open again at its next record (bounded by its own "
-                    "timeouts); the records before it opens are not written to it; training and the other "
-                    "backends go on"
-                    if again
-                    else "it is left out of this run and gets no steps; training and the other backends go on"
-                )
-                self.ledger.record(backend.name, "open", exc, consequence)
-            return False
-        finally:
-            self.ledger.running = None
-            if backend not in self._active:  # left out: its files are free again
-                let_go(self, backend)
+    def leave_out(self, backend: Backend) -> None:
+        """A remote backend whose open failed for good: it gets nothing more (its lane has ended)."""
+        if backend in self.backends:
+            self.backends.remove(backend)
+
+    def closing_bounded(self) -> bool:
+        """A close with a time bound (SIGTERM's, a failed start's) is queued: no try to open a backend now."""
+        return self._closing and self._close_bound is not None
 
     def _reopening_call(self, backend: Backend, method: str, *args: Any) -> None:
-        """A call to a backend whose open failed and which opens itself on its next call (`Backend.reopens`).
-        Once a close with a time bound is queued (SIGTERM's, a failed start's) it is not called at all: a try
-        to open may take the backend's whole timeout, which the steps still queued for the other backends must
-        not wait for. The call missed counts as a failure either way."""
-        if self._closing and self._close_bound is not None:
-            self.ledger.record(backend.name, method)
-            self._failed += 1
-        elif self.ledger.call(backend.name, method, getattr(backend, method), *args):
+        """A call to a backend whose open failed and which opens itself on its next call (`reopening_call`)."""
+        if reopening_call(self, backend.name, method,
+                          lambda: self.ledger.call(backend.name, method, getattr(backend, method), *args)):
             self._unopened.remove(backend)  # it opened: called in its place from now on
         else:
             self._failed += 1
 
-    def _flush_backends(self) -> None:
+    def _flush_backends(self, answer: Optional[list] = None) -> None:
+        """Flush every backend; a remote one's lane flushes it on its thread (for `flush`, whose ``answer[1]``
+        gets each lane's flush and its failure count then)."""
+        lanes = self._lanes
         for backend in self._active:
-            if not self.ledger.call(backend.name, "flush", backend.flush):
+            if lanes.get(backend) is None and not self.ledger.call(backend.name, "flush", backend.flush):
                 self._failed += 1
+        lanes.flush(answer)
         self._dirty = False
         self._last_flush = time.monotonic()

@@ -1,0 +1,283 @@
+"""A thread of its own for one remote backend, so that a slow or silent server costs that backend alone.
+
+The logger's writer thread calls the backends one at a time. A backend whose calls wait on a server
+(`Backend.remote`: MLflow with a tracking server, W&B online) could hold it for as long as the server takes to
+answer or to time out (33 s per call with MLflow's defaults against a server that accepts connections and never
+answers); the steps committed meanwhile would wait in the writer's queue, and once it is full, ``on_full="block"``
+would make the training thread wait too. So the writer hands such a backend's calls to a `Lane` instead of making
+them: the lane makes them on its own thread, in the order the writer handed them over, and the writer goes on
+with the next record at once.
+
+Bound: at most ``bound`` records (steps and system samples) wait in a lane. When a record comes to a full lane
+whose backend is still answering, the writer waits for room under ``on_full="block"`` (nothing is lost: a
+server slower than the steps paces training, as a slow disk does). Once the lane's current call has run for
+``patience`` seconds (the logger's ``flush_secs``: the backend is behind its durability promise; a server that
+stopped answering), and at once under ``on_full="drop"``, the oldest waiting record is dropped for that backend
+alone instead (the other backends have it already), counted in the logger's ``failures`` under the backend's
+name, and said once. So a silent server holds the writer, and through a full queue the training thread, at most
+``patience`` seconds once, and then costs that backend alone its steps. Periodic flushes are not queued twice.
+Control calls (open, hyperparameters, an explicit flush, on_exit, close) are never dropped.
+
+Waiting: `Writer.flush` and the logger's start (waiting for the backends to open) wait for a lane to reach the
+call they queued (`wait`); the writer's close waits for every lane to close its backend, so a closed logger
+has every backend closed, remote ones included.
+"""
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from instrument.backends.base import Backend
+from instrument.backends.held import let_go
+from instrument.logger.opening import open_backend, reopening_call
+
+__all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "running_writers"]
+
+log = logging.getLogger("instrument")
+
+DROPPABLE = ("write", "write_system")  # what a full lane drops (the oldest first); nothing else is dropped
+_REOPENING = ("write", "log_hyperparams", "write_system")  # calls with which a backend whose open failed opens
+
+
+class WriterThread(threading.Thread):
+    """The thread type of every `Writer` and `Lane`, so that a failed start can tell whether its writer has
+    stopped."""
+
+
+def running_writers() -> List[threading.Thread]:
+    """The writer threads of this process that are still running."""
+    return [t for t in threading.enumerate() if isinstance(t, WriterThread) and t.is_alive()]
+
+
+class Lane:
+    """One remote backend's calls, made on a thread of its own in the order `put` was called.
+
+    Args:
+        backend: the backend; only this lane calls it once the lane exists.
+        writer: the logger's `Writer` (its ledger, its open, its close's time bound).
+        bound: most records waiting at once (the logger's ``queue_size``).
+    """
+
+    def __init__(self, backend: Backend, writer: Any, bound: int):
+        self.backend = backend
+        self.name = backend.name
+        self._writer = writer
+        self.bound = bound
+        self.patience = writer.flush_secs
+        self._block = writer.on_full == "block"
+        self._since: Optional[float] = None  # when the call under way began (under the lock)
+        self._queue: Deque[Tuple[int, str, tuple, Optional[list]]] = collections.deque()
+        self._records = 0
+        self._flush_queued = False  # a periodic flush waits already: another one adds nothing
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self._ended = False  # closed, or left out of the run: nothing more is queued
+        self.failed = 0  # calls that raised (this lane's thread only)
+        self.dropped = 0  # records dropped because the lane was full (the writer's thread only)
+        self.unopened = False  # its open failed and it opens itself at a later record (`Backend.reopens`)
+        self.running: Optional[Tuple[str, str]] = None  # the call under way: for a close that gives up on it
+        self._thread = WriterThread(target=self._run, name=f"instrument-lane-{self.name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the writer's side
+    def put(self, method: str, *args: Any, answer: Optional[list] = None) -> int:
+        """Queue ``backend.method(*args)``; returns its sequence number in this lane. ``answer`` (a flush's):
+        set to this lane's failure count once the flush is made. A periodic flush (no ``answer``) while one
+        waits already, and any call to a lane that has ended, queue nothing."""
+        dropped = None
+        with self._cond:
+            if self._ended or (method == "flush" and answer is None and self._flush_queued):
+                return self._submitted
+            if method in DROPPABLE and self._records >= self.bound:
+                while self._block and self._records >= self.bound and not self._ended:
+                    stalled = None if self._since is None else self.patience - (time.monotonic() - self._since)
+                    if stalled is not None and stalled <= 0:
+                        break  # its call has run for `patience`: the server does not answer; drop, never wait more
+                    self._cond.wait(self.patience if stalled is None else stalled)
+                if self._records >= self.bound and not self._ended:
+                    dropped = self._drop_oldest()
+                if self._ended:
+                    return self._submitted
+            self._submitted += 1
+            self._queue.append((self._submitted, method, args, answer))
+            if method in DROPPABLE:
+                self._records += 1
+            elif method == "flush" and answer is None:
+                self._flush_queued = True
+            self._cond.notify()
+            seq = self._submitted
+        if dropped is not None:
+            self._say_dropped(dropped)
+        return seq
+
+    @property
+    def submitted(self) -> int:
+        return self._submitted
+
+    @property
+    def pending(self) -> int:
+        """Records waiting in this lane."""
+        return self._records
+
+    def wait(self, seq: int, timeout: Optional[float]) -> bool:
+        """Wait (at most ``timeout`` seconds) until this lane has made call ``seq``, or has ended."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done >= seq or self._ended, timeout)
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def disown(self) -> None:
+        """In a forked child, where this lane's thread does not exist: ended, nothing queued."""
+        self._cond = threading.Condition()
+        self._queue.clear()
+        self._records = 0
+        self._ended = True
+
+    def _drop_oldest(self) -> Any:
+        for index, (_, method, args, _) in enumerate(self._queue):
+            if method in DROPPABLE:
+                del self._queue[index]
+                self._records -= 1
+                self.dropped += 1
+                return args[0]
+        return None
+
+    def _say_dropped(self, record: Any) -> None:
+        said = (f"step {getattr(record, 'step', '?')} was dropped for it alone: it is {self.bound} records behind (its "
+                f"calls wait on its server), and it loses its oldest waiting record for each new one while it is "
+                f"this slow; the other backends get every step and training does not wait for it (a larger "
+                f"queue_size lets it fall further behind first)")
+        if self._writer.ledger.record(self.name, "write", None, said) > 1 and self.dropped == 1:
+            log.warning("instrument: backend %r: %s", self.name, said)  # its first failure was another one
+
+    # ------------------------------------------------------------------ the lane's thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue:
+                        self._cond.wait()
+                    seq, method, args, answer = self._queue.popleft()
+                    if method in DROPPABLE:
+                        self._records -= 1
+                        self._cond.notify_all()  # room: a writer waiting in `put` goes on
+                    elif method == "flush" and answer is None:
+                        self._flush_queued = False
+                    self._since = time.monotonic()
+                try:
+                    end = self._make(method, args, answer)
+                except BaseException:  # never let the lane die (not even by a backend's sys.exit)
+                    log.exception("instrument: the lane of backend %r failed on %s(); it goes on", self.name, method)
+                    end = method == "close"
+                with self._cond:
+                    self._done = seq
+                    self._since = None
+                    if end:
+                        self._ended = True
+                        self._queue.clear()
+                        self._records = 0
+                    self._cond.notify_all()
+                if end:
+                    return
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+
+    def _make(self, method: str, args: tuple, answer: Optional[list]) -> bool:
+        """Make one call; True when the lane ends with it (its backend closed, or left out of the run)."""
+        writer = self._writer
+        if method == "open":
+            if open_backend(writer, self.backend, *args, lane=self) or self.unopened:
+                return False
+            writer.leave_out(self.backend)
+            return True
+        if self.unopened and method in _REOPENING:
+            if reopening_call(writer, self.name, method, lambda: self._call(method, args)):
+                self.unopened = False
+            else:
+                self.failed += 1
+            return False
+        if not self._call(method, args):
+            self.failed += 1
+        if method == "flush" and answer is not None:
+            answer[0] = self.failed + self.dropped
+        if method == "close":
+            let_go(writer, self.backend)
+        return method == "close"
+
+    def _call(self, method: str, args: tuple) -> bool:
+        ledger = self._writer.ledger
+        self.running = (self.name, method)
+        try:
+            getattr(self.backend, method)(*args)
+            return True
+        except ledger.catch as exc:
+            ledger.record(self.name, method, exc)
+            return False
+        finally:
+            self.running = None
+
+
+class Lanes:
+    """A writer's lanes: the current one of each open remote backend, and every one it made (whose failures
+    count in every `Writer.flush`), and where they stood at each open or close queued on them (`mark`)."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.current: Dict[int, Lane] = {}  # id(backend) -> its lane, while it is open
+        self.made: List[Lane] = []
+        self._marks: Dict[int, List[Tuple[Lane, int]]] = {}  # a writer item's seq -> each lane's last call then
+
+    def get(self, backend: Backend) -> Optional[Lane]:
+        return self.current.get(id(backend)) if self.current else None
+
+    def start(self, backend: Backend) -> Lane:
+        lane = self.current[id(backend)] = Lane(backend, self._writer, self._writer.queue_size)
+        self.made.append(lane)
+        return lane
+
+    def mark(self, seq: int) -> None:
+        """Waiting for the writer's item ``seq`` (done now) waits for every lane's calls so far too (`wait`)."""
+        self._marks[seq] = [(lane, lane.submitted) for lane in self.made]
+
+    def wait(self, seq: int, deadline: Optional[float]) -> bool:
+        for lane, mark in self._marks.get(seq, ()):
+            if not lane.wait(mark, None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def flush(self, answer: Optional[list]) -> None:
+        """Queue a flush on each lane; for `Writer.flush` (``answer``), each lane's flush and its failure count
+        (an ended lane's last) go to ``answer[1]``."""
+        if answer is None:
+            for lane in self.current.values():
+                lane.put("flush")
+            return
+        slots = [(lane, [lane.failed + lane.dropped]) for lane in self.made]
+        answer[1] = [(lane, lane.put("flush", answer=slot), slot) for lane, slot in slots]
+
+    def close(self, status: Optional[str]) -> None:
+        for lane in self.current.values():
+            if status:
+                lane.put("on_exit", status)
+            lane.put("close")
+
+    def join(self) -> None:
+        for lane in self.made:
+            lane.join()
+
+    def running(self) -> Optional[Tuple[str, str]]:
+        """The call one of the lanes is making, if any (for a close that gives up waiting)."""
+        return next((lane.running for lane in self.made if lane.running is not None), None)
+
+    def pending(self) -> int:
+        return sum(lane.pending for lane in self.made)
+
+    def disown(self) -> None:
+        for lane in self.made:
+            lane.disown()

@@ -1,0 +1,285 @@
+"""A remote backend (`Backend.remote`) is called on a thread of its own: a slow or silent server costs that backend
+alone its steps, never the training thread and never another backend.
+
+Real parts: a loopback socket that accepts connections and never answers; a real `mlflow server` process, made
+silent with SIGSTOP (it still accepts connections: the kernel queues them) and brought back with SIGCONT; a child
+process killed with SIGTERM; every backend read back from what a user would open (JSONL lines, `MlflowClient`).
+"""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import instrument
+from instrument.backends.base import RunInfo
+
+pytest.importorskip("mlflow")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from tests.test_terminated_run import _terminate_after  # noqa: E402
+
+DROP_SAID = "dropped for it alone"
+
+
+class Silent:
+    """A loopback server that accepts connections, reads what comes, and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.uri = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def waiting(self) -> bool:
+        """Whether a client connected and still waits for its answer (it has not given up and hung up)."""
+        for conn in list(self.conns):
+            try:
+                while conn.recv(65536, socket.MSG_DONTWAIT):
+                    pass
+            except BlockingIOError:
+                return True  # open, and everything it sent read: it waits for us
+            except OSError:
+                continue
+        return False
+
+    def __enter__(self) -> "Silent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()  # a client still waiting gets its connection reset: its call fails at once
+        for conn in self.conns:
+            conn.close()
+
+
+def _steps(path: Path, key: str = "loss") -> list:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [row["step"] for row in rows if key in row.get("metrics", {})]
+
+
+def test_a_silent_mlflow_server_holds_neither_training_nor_the_other_backends(tmp_path, caplog):
+    """40 steps go through a queue of 4 while MLflow's first request still waits for an answer: before, the writer
+    sat in MLflow's open, the queue filled, and commit waited the whole request timeout (34 s in a review)."""
+    caplog.set_level(logging.WARNING, logger="instrument")
+    with Silent() as server:
+        mlflow_backend = instrument.MlflowBackend(tracking_uri=server.uri, timeout=30, max_retries=0,
+                                                  retry_after=3600)
+        assert mlflow_backend.remote
+        inst = instrument.Instrumentation(
+            backends=[instrument.JsonlBackend(), mlflow_backend], log_interval=1, log_dir=str(tmp_path),
+            run_name="silent", on_backend_error="warn", open_timeout=0.2, queue_size=4,
+        )
+        for step in range(40):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": float(step)}, step=step)
+        assert server.waiting(), "MLflow's open gave up: the loop waited for it"
+        assert not inst.flush(timeout=0.5)  # MLflow has written nothing; the other backends are flushed
+        assert _steps(tmp_path / "silent" / "metrics.jsonl") == list(range(40))
+        # A close that gives up on the silent server names the call that held it.
+        inst.close(timeout=0.5)
+        said = [r.getMessage() for r in caplog.records if "gave up after 0.5s" in r.getMessage()]
+        assert said and "'MlflowBackend' was still in open()" in said[0]
+    dropped = [r for r in caplog.records if DROP_SAID in r.getMessage()]
+    assert len(dropped) == 1 and "MlflowBackend" in dropped[0].getMessage()
+    assert inst.failures["MlflowBackend"] >= 36  # each step dropped for it is counted
+    assert list(inst.failures) == ["MlflowBackend"]
+
+
+class RemoteJsonl(instrument.JsonlBackend):
+    """A JSONL file driven like a remote backend: the lane's order, flush and close, read back from the file."""
+
+    remote = True
+
+
+class FailingRemote(instrument.Backend):
+    remote = True
+
+    def write(self, record):
+        raise OSError("the server said 503")
+
+
+def test_a_remote_backend_gets_every_step_in_order_and_flush_waits_for_it(tmp_path):
+    local, remote = instrument.JsonlBackend(), RemoteJsonl(path=str(tmp_path / "remote.jsonl"))
+    logger = instrument.Logger([local, remote], run=RunInfo(name="r", root=tmp_path), queue_size=16)
+    for step in range(2000):
+        logger.log_metrics({"loss": step / 3, "other": float(step)}, step=step)
+        logger.commit(step)
+    assert logger.flush(timeout=60)  # True only once the remote backend's own thread wrote and flushed
+    remote_lines = (tmp_path / "remote.jsonl").read_text().splitlines()
+    assert remote_lines == (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert _steps(tmp_path / "remote.jsonl") == list(range(2000))  # every step, once, in order (the bound was
+    # never reached: a lane drops only for a backend that falls queue_size records behind)
+    assert logger.close_backend(remote, timeout=60)  # waits for the lane to close it
+    logger.log_metrics({"after": 1.0}, step=2000)
+    logger.commit(2000)
+    logger.close()
+    assert (tmp_path / "remote.jsonl").read_text().splitlines() == remote_lines
+    assert "after" in (tmp_path / "r" / "metrics.jsonl").read_text()
+    assert logger.failures == {}
+
+
+def test_a_remote_backend_that_raises_is_counted_and_flush_says_so_once(tmp_path, caplog):
+    logger = instrument.Logger([instrument.JsonlBackend(), FailingRemote()], run=RunInfo(name="f", root=tmp_path))
+    for step in range(5):
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.commit(step)
+    assert not logger.flush(timeout=60)  # the lane's failures count in the flush that follows them
+    assert logger.flush(timeout=60)  # and only in that one
+    logger.close()
+    assert logger.failures == {"FailingRemote": 5}
+    assert [r.getMessage() for r in caplog.records].count(next(
+        r.getMessage() for r in caplog.records if "FailingRemote" in r.getMessage())) == 1
+    assert _steps(tmp_path / "f" / "metrics.jsonl", "x") == list(range(5))
+
+
+def test_which_backends_are_remote():
+    assert instrument.MlflowBackend(tracking_uri="http://localhost:5000").remote
+    assert instrument.MlflowBackend(tracking_uri="postgresql://db/mlflow").remote
+    for local in (None, "sqlite:///runs/mlflow.db", "file:/tmp/mlruns", "/tmp/mlruns"):
+        assert not instrument.MlflowBackend(tracking_uri=local).remote, local
+    assert instrument.WandbBackend(mode="online").remote
+    assert not instrument.WandbBackend(mode="offline").remote
+    assert not instrument.JsonlBackend().remote and not instrument.TensorBoardBackend().remote
+
+
+# ---------------------------------------------------------------------------------------------- a real server
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a loopback port, in a process group of its own (SIGSTOP reaches its workers)."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
+         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        yield uri, server
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.killpg(server.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def _history(uri: str, run_name: str) -> tuple:
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string=f"tags.mlflow.runName = '{run_name}'")
+    return run.info.status, [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+
+
+def test_a_tracking_server_that_stops_answering_costs_mlflow_alone_and_catches_up(mlflow_server, tmp_path, caplog):
+    """The server is stopped mid-run (SIGSTOP: connections are still accepted, nothing answers) and continued
+    later: training and JSONL never wait; MLflow keeps what it had, falls behind, loses its oldest waiting steps
+    (counted, said once), and gets the newest ones once the server answers again."""
+    uri, server = mlflow_server
+    caplog.set_level(logging.WARNING, logger="instrument")
+    mlflow_backend = instrument.MlflowBackend(tracking_uri=uri, run_name="stopped", timeout=120, max_retries=0)
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), mlflow_backend], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="stopped", queue_size=8)
+    try:
+        for step in range(10):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": step / 2}, step=step)
+        assert inst.flush(timeout=60)
+        os.killpg(server.pid, signal.SIGSTOP)
+        try:
+            for step in range(10, 50):
+                with inst.step(step):
+                    inst.logger.log_metrics({"loss": step / 2}, step=step)
+            assert not inst.flush(timeout=1.0)  # MLflow's write waits on the stopped server
+            assert _steps(tmp_path / "stopped" / "metrics.jsonl") == list(range(50))
+        finally:
+            os.killpg(server.pid, signal.SIGCONT)
+        inst.close(timeout=120)
+    finally:
+        inst.close()
+    status, history = _history(uri, "stopped")
+    assert status == "FINISHED"
+    steps = [s for s, _ in history]
+    assert all(value == s / 2 for s, value in history)
+    assert steps == sorted(set(steps)) and steps[:11] == list(range(11)) and steps[-1] == 49
+    assert inst.failures == {"MlflowBackend": 50 - len(steps)} and len(steps) < 50
+    assert len([r for r in caplog.records if DROP_SAID in r.getMessage()]) == 1
+
+
+SIGTERM_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import instrument
+
+    root, uri = sys.argv[1], sys.argv[2]
+    inst = instrument.Instrumentation(
+        backends=[instrument.JsonlBackend(), instrument.MlflowBackend(tracking_uri=uri, run_name="remote-sigterm")],
+        log_interval=1, run_name="child", log_dir=root, flush_secs=3600,
+    )
+    step = 0
+    while True:
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": step / 2}, step=step)
+        print(step, flush=True)
+        step += 1
+        time.sleep(0.005)
+    """
+)
+
+
+def test_sigterm_keeps_every_committed_step_on_a_tracking_server_and_ends_the_run_killed(mlflow_server, tmp_path):
+    """The remote backend's lane is closed with the rest: the steps it had queued are written before the process
+    dies by the signal, and the run ends KILLED."""
+    uri, _ = mlflow_server
+    script = tmp_path / "child.py"
+    script.write_text(SIGTERM_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), uri], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=tmp_path)
+    wanted = 15
+    _terminate_after(child, wanted, group=False)
+    assert child.returncode == -signal.SIGTERM
+    jsonl = _steps(tmp_path / "child" / "metrics.jsonl")
+    assert jsonl[:wanted] == list(range(wanted)) and jsonl == list(range(len(jsonl)))
+    status, history = _history(uri, "remote-sigterm")
+    assert status == "KILLED"
+    assert sorted(history) == [(s, s / 2) for s in jsonl]

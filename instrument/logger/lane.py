@@ -11,8 +11,8 @@ with the next record at once.
 Bound: at most ``bound`` records (steps and system samples) wait in a lane. When a record comes to a full lane
 whose backend is still answering, the writer waits for room under ``on_full="block"`` (nothing is lost: a
 server slower than the steps paces training, as a slow disk does). Once the lane's current call has run for
-``patience`` seconds (the logger's ``flush_secs``: the backend is behind its durability promise; a server that
-stopped answering), and at once under ``on_full="drop"``, the oldest waiting record is dropped for that backend
+``patience`` seconds (the logger's ``flush_secs``, at least `PATIENCE`: the backend is behind its durability
+promise; a server that stopped answering), and at once under ``on_full="drop"``, the oldest waiting record is dropped for that backend
 alone instead (the other backends have it already), counted in the logger's ``failures`` under the backend's
 name, and said once. So a silent server holds the writer, and through a full queue the training thread, at most
 ``patience`` seconds once, and then costs that backend alone its steps. Periodic flushes are not queued twice.
@@ -37,6 +37,9 @@ __all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "running_writers"]
 
 log = logging.getLogger("instrument")
 
+# The least time one call may take before the lane's backend counts as not answering: a short flush_secs (for
+# a snappy TensorBoard) must not make a slow but answering server lose steps.
+PATIENCE = 2.0
 DROPPABLE = ("write", "write_system")  # what a full lane drops (the oldest first); nothing else is dropped
 _REOPENING = ("write", "log_hyperparams", "write_system")  # calls with which a backend whose open failed opens
 
@@ -65,7 +68,7 @@ class Lane:
         self.name = backend.name
         self._writer = writer
         self.bound = bound
-        self.patience = writer.flush_secs
+        self.patience = max(writer.flush_secs, PATIENCE)
         self._block = writer.on_full == "block"
         self._since: Optional[float] = None  # when the call under way began (under the lock)
         self._queue: Deque[Tuple[int, str, tuple, Optional[list]]] = collections.deque()

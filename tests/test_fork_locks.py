@@ -26,7 +26,7 @@ FORK_WHILE_HELD = textwrap.dedent(
     inside, leave = threading.Event(), threading.Event()
 
     def in_calls():  # a writer thread in the middle of an MLflow call, a wandb.init and a checksum
-        with mlflow.MlflowBackend(timeout=7, max_retries=1)._bounded():
+        with mlflow.MlflowBackend("http://127.0.0.1:1", timeout=7, max_retries=1)._bounded():
             with argv.redacted_argv(["train.py", "--api-key", "<redacted>"]):
                 with crc32c._get_tables()._lock:
                     inside.set()
@@ -40,7 +40,7 @@ FORK_WHILE_HELD = textwrap.dedent(
         done = threading.Event()
 
         def own_calls():  # what the child's own backends do
-            with mlflow.MlflowBackend()._bounded():
+            with mlflow.MlflowBackend("http://127.0.0.1:2")._bounded():  # other settings: waits for none
                 pass
             with argv.redacted_argv(["worker.py"]):
                 pass

@@ -283,3 +283,32 @@ def test_sigterm_keeps_every_committed_step_on_a_tracking_server_and_ends_the_ru
     status, history = _history(uri, "remote-sigterm")
     assert status == "KILLED"
     assert sorted(history) == [(s, s / 2) for s in jsonl]
+
+
+def test_a_silent_server_holds_no_other_mlflow_backend(mlflow_server, tmp_path):
+    """MLflow's HTTP settings are process-wide environment variables, set around each call: a call to a silent
+    server held them (and a lock) for its whole timeout, so a second MLflow backend, on a live server and with a
+    thread of its own, waited for it too. Calls with the same settings now run at once."""
+    uri, _ = mlflow_server
+    with Silent() as silent:
+        dead = instrument.MlflowBackend(tracking_uri=silent.uri, run_name="dead", timeout=30, max_retries=0)
+        live = instrument.MlflowBackend(tracking_uri=uri, run_name="beside-dead", timeout=30, max_retries=0)
+        inst = instrument.Instrumentation(backends=[dead, live], log_interval=1, log_dir=str(tmp_path),
+                                          run_name="two", on_backend_error="warn", open_timeout=0.2)
+        for step in range(20):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": step / 2}, step=step)
+        deadline = time.monotonic() + 60  # not a timing assertion: the live server needs well under a second
+        while len(_history_or_none(uri, "beside-dead")) < 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert silent.waiting(), "the silent server's call gave up: the test proves nothing"
+        assert _history(uri, "beside-dead")[1] == [(s, s / 2) for s in range(20)]
+    inst.close(timeout=60)
+    assert _history(uri, "beside-dead")[0] == "FINISHED"
+
+
+def _history_or_none(uri: str, run_name: str) -> list:
+    try:
+        return _history(uri, run_name)[1]
+    except ValueError:  # the run is not there yet
+        return []

@@ -6,14 +6,20 @@ import logging
 import os
 import re
 import tempfile
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
-from instrument.backends.mlflow_store import LAST_STEP_TAG, check_uri, is_remote, is_unreachable, last_step
+from instrument.backends.mlflow_store import (
+    LAST_STEP_TAG,
+    check_uri,
+    http_settings,
+    is_remote,
+    is_unreachable,
+    last_step,
+)
 from instrument.backends.store_lock import held
 from instrument.backends.video import encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
@@ -34,35 +40,6 @@ log = logging.getLogger("instrument")
 _MAX_RETRIES_LIMIT = 10
 _MAX_BACKOFF_LIMIT = 120
 _END_STATUS = {"killed": "KILLED", "failed": "FAILED"}
-# MLflow reads its HTTP settings from the environment at every request (rest_utils.http_request). They are
-# set only around this module's own calls; the lock keeps two backends from restoring each other's values.
-_ENV_LOCK = threading.RLock()
-_ENV_SAVED: List[Dict[str, Optional[str]]] = []  # the environment before each call in flight, outermost first
-
-
-def _put_back(saved: Dict[str, Optional[str]]) -> None:
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def _after_fork_in_child() -> None:
-    """A child forked while a writer thread was in an MLflow call inherits the lock held by a thread it does not
-    have (its own MlflowBackend's open then waited forever) and that call's settings: a new lock, and the
-    environment as it was before the call."""
-    global _ENV_LOCK
-    _ENV_LOCK = threading.RLock()
-    if _ENV_SAVED:
-        _put_back(_ENV_SAVED[0])
-        _ENV_SAVED.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 class _Waiting(ConnectionError):
     """A call skipped because the server was unreachable, or the run failed to open, within ``retry_after``."""
 
@@ -193,20 +170,14 @@ class MlflowBackend(Backend):
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(self.max_retries if retries is None else retries),
             "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": str(self.backoff_factor),
         }
-        with _ENV_LOCK:
-            saved = {k: os.environ.get(k) for k in settings}
-            _ENV_SAVED.append(saved)
-            os.environ.update(settings)
+        # A local store makes no HTTP request: its calls need no settings, and never wait for a server's.
+        with http_settings(settings) if is_remote(self.tracking_uri) else contextlib.nullcontext():
             try:
                 yield
             except Exception as exc:
                 if is_unreachable(exc):
                     self._unreachable_until = time.monotonic() + self.retry_after
                 raise
-            finally:
-                _put_back(saved)
-                if _ENV_SAVED and _ENV_SAVED[-1] is saved:
-                    _ENV_SAVED.pop()
 
     def open(self, run: RunInfo) -> None:
         require("mlflow", "mlflow", "MlflowBackend")

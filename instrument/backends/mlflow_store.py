@@ -1,13 +1,16 @@
 """MLflow's tracking store as `instrument.backends.mlflow.MlflowBackend` meets it: the URIs MLflow serves, a
-failure that says the server could not be reached, and the last training step a run already holds (a resumed
-run does not write it again: MLflow appends, it cannot replace)."""
+failure that says the server could not be reached, the HTTP settings of its calls, and the last training step
+a run already holds (a resumed run does not write it again: MLflow appends, it cannot replace)."""
 
+import contextlib
+import os
+import threading
 import urllib.parse
-from typing import Any, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["LAST_STEP_TAG", "check_uri", "is_remote", "is_unreachable", "last_step"]
+__all__ = ["LAST_STEP_TAG", "check_uri", "http_settings", "is_remote", "is_unreachable", "last_step"]
 
 # Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
 # through the ``mlflow.tracking_store`` entry point group. "" is a local path (a file store).
@@ -67,3 +70,62 @@ def is_unreachable(exc: BaseException) -> bool:
     transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
     text = str(exc)
     return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
+
+
+# MLflow reads its HTTP settings (timeout, retries, backoff) from the environment at every request
+# (rest_utils.http_request), so `http_settings` sets them around each call to a tracking server. Calls with the
+# same settings run at once: each remote backend has a thread of its own, and one waiting on a silent server must
+# not hold another backend's calls. A call with other settings waits until none is in flight, so that no call
+# runs with another's; the environment is put back once the last call in flight returns. A call made inside
+# another on the same thread runs with the outer call's settings (it would otherwise wait for itself).
+_ENV = threading.Condition()
+_in_flight: Dict[str, Any] = {"settings": None, "calls": 0, "saved": {}}
+_depth = threading.local()
+
+
+@contextlib.contextmanager
+def http_settings(settings: Dict[str, str]) -> Iterator[None]:
+    """Set MLflow's HTTP environment variables to ``settings`` for one call (module comment above)."""
+    nested = getattr(_depth, "calls", 0) > 0
+    with _ENV:
+        while not nested and _in_flight["calls"] and _in_flight["settings"] != settings:
+            _ENV.wait()
+        if not _in_flight["calls"]:
+            _in_flight.update(settings=dict(settings), saved={k: os.environ.get(k) for k in settings})
+            os.environ.update(settings)
+        _in_flight["calls"] += 1
+    _depth.calls = getattr(_depth, "calls", 0) + 1
+    try:
+        yield
+    finally:
+        _depth.calls -= 1
+        with _ENV:
+            _in_flight["calls"] -= 1
+            if not _in_flight["calls"]:
+                _put_back(_in_flight["saved"])
+                _in_flight.update(settings=None, saved={})
+                _ENV.notify_all()
+
+
+def _put_back(saved: Dict[str, Optional[str]]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a writer thread was in an MLflow call inherits the condition's lock, maybe held by a
+    thread it does not have (its own MlflowBackend's open then waited forever), and that call's settings: a new
+    lock, no call in flight, and the environment as it was before the calls."""
+    global _ENV
+    _ENV = threading.Condition()
+    _depth.calls = 0
+    if _in_flight["calls"]:
+        _put_back(_in_flight["saved"])
+    _in_flight.update(settings=None, calls=0, saved={})
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

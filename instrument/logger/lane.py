@@ -12,11 +12,12 @@ Bound: at most ``bound`` records (steps and system samples) wait in a lane. When
 whose backend is still answering, the writer waits for room under ``on_full="block"`` (nothing is lost: a
 server slower than the steps paces training, as a slow disk does). Once the lane's current call has run for
 ``patience`` seconds (the logger's ``flush_secs``, at least `PATIENCE`: the backend is behind its durability
-promise; a server that stopped answering), and at once under ``on_full="drop"``, the oldest waiting record is dropped for that backend
-alone instead (the other backends have it already), counted in the logger's ``failures`` under the backend's
-name, and said once. So a silent server holds the writer, and through a full queue the training thread, at most
-``patience`` seconds once, and then costs that backend alone its steps. Periodic flushes are not queued twice.
-Control calls (open, hyperparameters, an explicit flush, on_exit, close) are never dropped.
+promise; a server that stopped answering), and at once under ``on_full="drop"``, the oldest waiting record is
+dropped for that backend alone instead (the other backends have it already), counted in the logger's
+``failures`` under the backend's name, and said once. So a silent server holds the writer, and through a full
+queue the training thread, at most ``patience`` seconds once, and then costs that backend alone its steps.
+Periodic flushes are not queued twice. Control calls (open, hyperparameters, an explicit flush, on_exit, close)
+are never dropped.
 
 Waiting: `Writer.flush` and the logger's start (waiting for the backends to open) wait for a lane to reach the
 call they queued (`wait`); the writer's close waits for every lane to close its backend, so a closed logger

@@ -312,3 +312,31 @@ def _history_or_none(uri: str, run_name: str) -> list:
         return _history(uri, run_name)[1]
     except ValueError:  # the run is not there yet
         return []
+
+
+def test_wandb_online_against_a_silent_server_holds_neither_training_nor_the_other_backends(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """W&B online (its base URL a loopback socket that never answers; no account, no network): ``wandb.init``
+    waits on its lane while every step is committed and written to JSONL."""
+    pytest.importorskip("wandb")
+    caplog.set_level(logging.WARNING, logger="instrument")
+    with Silent() as server:
+        monkeypatch.setenv("WANDB_BASE_URL", server.uri)
+        monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+        monkeypatch.setenv("WANDB_MODE", "online")
+        monkeypatch.setenv("WANDB_INIT_TIMEOUT", "15")
+        wandb_backend = instrument.WandbBackend(mode="online")
+        assert wandb_backend.remote
+        inst = instrument.Instrumentation(
+            backends=[instrument.JsonlBackend(), wandb_backend], log_interval=1, log_dir=str(tmp_path),
+            run_name="online", on_backend_error="warn", open_timeout=0.2, queue_size=4,
+        )
+        for step in range(40):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": float(step)}, step=step)
+        assert server.waiting(), "wandb.init gave up: the loop waited for it"
+        assert not inst.flush(timeout=0.5)
+        assert _steps(tmp_path / "online" / "metrics.jsonl") == list(range(40))
+    inst.close(timeout=120)
+    assert inst.failures["WandbBackend"] >= 36
+    assert len([r for r in caplog.records if DROP_SAID in r.getMessage()]) == 1

@@ -153,6 +153,140 @@ def test_a_remote_backend_that_raises_is_counted_and_flush_says_so_once(tmp_path
     assert _steps(tmp_path / "f" / "metrics.jsonl", "x") == list(range(5))
 
 
+class Recorder(instrument.Backend):
+    """A remote backend that records its calls; ``gate`` (an Event) holds its writes, ``fail_open`` its open."""
+
+    remote = True
+
+    def __init__(self, gate=None, fail_open=False, on_write=None):
+        self.gate, self.fail_open, self.on_write = gate, fail_open, on_write
+        self.calls, self.steps = [], []
+
+    def open(self, run):
+        self.calls.append("open")
+        if self.fail_open:
+            raise OSError("the server said 503 at open")
+
+    def write(self, record):
+        self.calls.append("write")
+        if self.gate is not None:
+            self.gate.wait()
+        self.steps.append(record.step)
+        if self.on_write is not None:
+            self.on_write(record.step)
+
+    def flush(self):
+        self.calls.append("flush")
+
+    def close(self):
+        self.calls.append("close")
+
+
+def _commit(logger, steps) -> None:
+    for step in steps:
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.commit(step)
+
+
+def test_a_remote_backend_may_flush_or_close_the_logger_from_its_own_thread(tmp_path):
+    """On its lane, a backend's `flush()` or `close_backend(self)` cannot wait for its own lane: False at once, as
+    on the writer thread; before, the lane waited for itself for good."""
+    answers = {}
+
+    def call_back(step: int) -> None:
+        if step == 1:
+            answers["flush"] = logger.flush()
+        if step == 2:
+            answers["close_backend"] = logger.close_backend(remote)
+
+    remote = Recorder(on_write=call_back)
+    logger = instrument.Logger([remote, instrument.JsonlBackend()], run=RunInfo(name="own", root=tmp_path))
+    _commit(logger, range(4))
+    assert logger.flush(timeout=60)
+    logger.close(timeout=60)
+    assert answers == {"flush": False, "close_backend": False}
+    assert remote.steps[:3] == [0, 1, 2] and remote.calls[-1] == "close"  # closed, once, after what came before
+    assert remote.calls.count("close") == 1
+
+
+def test_closing_a_local_backend_does_not_wait_for_a_stuck_remote_one(tmp_path):
+    gate = threading.Event()
+    remote, local = Recorder(gate=gate), instrument.JsonlBackend()
+    logger = instrument.Logger([remote, local], run=RunInfo(name="stuck", root=tmp_path))
+    try:
+        _commit(logger, range(3))
+        assert logger.close_backend(local, timeout=60)  # the writer reached it; the remote still waits
+        assert not gate.is_set() and remote.steps == []
+    finally:
+        gate.set()
+        logger.close(timeout=60)
+    assert remote.steps == [0, 1, 2]
+
+
+def test_a_remote_backend_that_could_not_open_makes_the_next_flush_false_and_can_be_added_again(tmp_path):
+    logger = instrument.Logger([instrument.JsonlBackend()], run=RunInfo(name="late", root=tmp_path),
+                               on_backend_error="warn")
+    remote = Recorder(fail_open=True)
+    assert logger.add_backend(remote)
+    _commit(logger, [0])
+    assert not logger.flush(timeout=60) and logger.flush(timeout=60)  # the failed open, said once
+    assert remote not in logger.backends
+    remote.fail_open = False
+    assert logger.add_backend(remote)  # left out once, then added again: it gets the steps after that
+    _commit(logger, [1, 2])
+    assert logger.flush(timeout=60)
+    logger.close()
+    assert remote.steps == [1, 2] and remote.calls[:4] == ["open", "open", "write", "write"]
+    assert remote.calls[-1] == "close" and set(remote.calls[4:-1]) == {"flush"}
+
+
+def test_a_flush_counts_only_the_drops_of_steps_handed_over_before_it(tmp_path):
+    """Steps dropped for a remote backend after a flush was queued are the next flush's to report."""
+    gate = threading.Event()
+    remote = Recorder(gate=gate)
+    logger = instrument.Logger([remote, instrument.JsonlBackend()], run=RunInfo(name="drops", root=tmp_path),
+                               queue_size=2)
+    _commit(logger, [0])  # the remote's write of step 0 waits on the gate
+    first = {}
+    waiter = threading.Thread(target=lambda: first.setdefault("answer", logger.flush(timeout=120)))
+    waiter.start()
+    lane = logger._writer._lanes.current[id(remote)]
+    deadline = time.monotonic() + 60
+    while lane.submitted < 3 and time.monotonic() < deadline:  # open, write 0, and the flush queued behind it
+        time.sleep(0.01)
+    assert lane.submitted == 3
+    _commit(logger, [1, 2, 3, 4])  # two of these find the lane full: steps 1 and 2 are dropped for it
+    deadline = time.monotonic() + 60
+    while lane.dropped < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    waiter.join(60)
+    assert first == {"answer": True}  # step 0, all it was handed, is written and flushed
+    assert not logger.flush(timeout=60)  # the drops of steps 1 and 2
+    logger.close()
+    assert remote.steps == [0, 3, 4] and logger.failures == {"Recorder": 2}
+
+
+def test_a_remote_backend_is_flushed_after_its_last_write_while_training_stalls(tmp_path):
+    """A periodic flush is not queued behind another one waiting in the lane, yet one always follows the last
+    write: before, the last steps of a busy lane waited for `close` to reach the disk."""
+
+    class SlowRecorder(Recorder):
+        def write(self, record):
+            time.sleep(0.05)
+            super().write(record)
+
+    remote = SlowRecorder()
+    logger = instrument.Logger([remote, instrument.JsonlBackend()], run=RunInfo(name="stall", root=tmp_path),
+                               flush_secs=0.2)
+    _commit(logger, range(30))
+    deadline = time.monotonic() + 60  # not a timing assertion: the flush is due 0.2 s after the last write
+    while (len(remote.steps) < 30 or remote.calls[-1] != "flush") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.steps == list(range(30)) and remote.calls[-1] == "flush"
+    logger.close()
+
+
 def test_which_backends_are_remote():
     assert instrument.MlflowBackend(tracking_uri="http://localhost:5000").remote
     assert instrument.MlflowBackend(tracking_uri="postgresql://db/mlflow").remote

@@ -220,8 +220,8 @@ class Backend:
     ``remote``: True for a backend whose calls wait on a server over the network (MLflow with a tracking
     server, W&B online). A `Logger` makes its calls on a thread of its own (`instrument.logger.lane`), so that
     a slow or silent server costs that backend alone its steps: it falls behind, and past ``queue_size``
-    waiting records loses its oldest ones (counted in ``failures``), while the other backends and the training
-    thread never wait for it.
+    waiting records loses its oldest ones (counted in ``failures``), while the other backends never wait for it
+    and the training thread at most half a second until it catches up.
     """
 
     sdk_exit_hook = False

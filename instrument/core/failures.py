@@ -18,7 +18,7 @@ the user's own Ctrl-C).
 
 import logging
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Type
 
 __all__ = ["FailureLedger", "BACKEND_CONSEQUENCE", "BACKEND_CONSEQUENCES"]
 
@@ -56,6 +56,7 @@ class FailureLedger:
         self.consequence = consequence
         self.consequences = dict(consequences or {})
         self._counts: Dict[str, int] = {}
+        self._reported: Set[str] = set()  # names whose first failure was reported
         self._lock = threading.Lock()
         # The call under way, ``(name, method)``, else None: for whoever gives up waiting for it to say which
         # plug-in held it up (a logger's close that timed out). Two plain stores per call.
@@ -74,9 +75,11 @@ class FailureLedger:
             self.running = None
 
     def record(self, name: str, method: str, exc: Optional[BaseException] = None,
-               consequence: Optional[str] = None) -> int:
-        """Count one failure of ``name`` in ``method``; report it if it is the first (with ``consequence``, when
-        it differs from the ledger's). Returns the count."""
+               consequence: Optional[str] = None, quiet: bool = False) -> int:
+        """Count one failure of ``name`` in ``method``; report it if it is the first reported one (with
+        ``consequence``, when it differs from the ledger's). ``quiet``: counted only, the caller said what
+        happened itself (a step dropped for a backend that fell behind); a later failure is still reported
+        first. Returns the count."""
         # Never an unbounded wait: the training thread may hold this lock when a signal arrives, and the
         # handler then waits for the logger's writer thread (closing it), which may be recording here. Past
         # the bound the count is taken without the lock (at worst one lost count), never a deadlock.
@@ -84,10 +87,15 @@ class FailureLedger:
         try:
             count = self._counts.get(name, 0) + 1
             self._counts[name] = count
+            first = not quiet and name not in self._reported
+            if first:
+                self._reported.add(name)
         finally:
             if locked:
                 self._lock.release()
-        if count == 1:
+        if quiet:
+            log.debug("instrument: %s %r: %s counted as a failure (%d failures)", self.kind, name, method, count)
+        elif first:
             log.error(
                 "instrument: %s %r failed in %s(); %s", self.kind, name, method,
                 consequence or self.consequences.get(method, self.consequence),

@@ -8,16 +8,16 @@ would make the training thread wait too. So the writer hands such a backend's ca
 them: the lane makes them on its own thread, in the order the writer handed them over, and the writer goes on
 with the next record at once.
 
-Bound: at most ``bound`` records (steps and system samples) wait in a lane. When a record comes to a full lane
-whose backend is still answering, the writer waits for room under ``on_full="block"`` (nothing is lost: a
-server slower than the steps paces training, as a slow disk does). Once the lane's current call has run for
-``patience`` seconds (the logger's ``flush_secs``, at least `PATIENCE`: the backend is behind its durability
-promise; a server that stopped answering), and at once under ``on_full="drop"``, the oldest waiting record is
-dropped for that backend alone instead (the other backends have it already), counted in the logger's
-``failures`` under the backend's name, and said once. So a silent server holds the writer, and through a full
-queue the training thread, at most ``patience`` seconds once, and then costs that backend alone its steps.
-Periodic flushes are not queued twice. Control calls (open, hyperparameters, an explicit flush, on_exit, close)
-are never dropped.
+Bound: at most ``bound`` records (steps and system samples, the logger's ``queue_size``) wait in a lane. Under
+``on_full="block"`` a record that finds its lane full waits for room, so that a backend that keeps up (its
+thread only needed a turn at the GIL) loses nothing; but the writer waits for one lane at most `PATIENCE`
+seconds in all until that lane has written every record waiting in it. Past that, and at once under
+``on_full="drop"``, a record that finds the lane full drops the lane's oldest waiting record, for that backend
+alone (the other backends have it already). So a server that is slower than the steps come, or stopped
+answering, holds the writer, and through a full queue the training thread, at most `PATIENCE` seconds until
+it catches up, and then costs that backend alone its steps. Each drop counts as a failure of that backend in
+the logger's ``failures`` and the first is said once. A periodic flush is not queued right behind another one.
+Control calls (open, hyperparameters, an explicit flush, on_exit, close) are never dropped.
 
 Waiting: `Writer.flush` and the logger's start (waiting for the backends to open) wait for a lane to reach the
 call they queued (`wait`); the writer's close waits for every lane to close its backend, so a closed logger
@@ -38,9 +38,9 @@ __all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "running_writers"]
 
 log = logging.getLogger("instrument")
 
-# The least time one call may take before the lane's backend counts as not answering: a short flush_secs (for
-# a snappy TensorBoard) must not make a slow but answering server lose steps.
-PATIENCE = 2.0
+# Seconds the writer waits for room in one lane, in all, until the lane has caught up: enough for a backend that
+# keeps up to get its turn at the GIL, short enough that a dead server barely holds training.
+PATIENCE = 0.5
 DROPPABLE = ("write", "write_system")  # what a full lane drops (the oldest first); nothing else is dropped
 _REOPENING = ("write", "log_hyperparams", "write_system")  # calls with which a backend whose open failed opens
 
@@ -69,12 +69,10 @@ class Lane:
         self.name = backend.name
         self._writer = writer
         self.bound = bound
-        self.patience = max(writer.flush_secs, PATIENCE)
         self._block = writer.on_full == "block"
-        self._since: Optional[float] = None  # when the call under way began (under the lock)
+        self._waited = 0.0  # seconds the writer waited for room since this lane last had nothing waiting
         self._queue: Deque[Tuple[int, str, tuple, Optional[list]]] = collections.deque()
         self._records = 0
-        self._flush_queued = False  # a periodic flush waits already: another one adds nothing
         self._cond = threading.Condition()
         self._submitted = 0
         self._done = 0
@@ -88,29 +86,27 @@ class Lane:
 
     # ------------------------------------------------------------------ the writer's side
     def put(self, method: str, *args: Any, answer: Optional[list] = None) -> int:
-        """Queue ``backend.method(*args)``; returns its sequence number in this lane. ``answer`` (a flush's):
-        set to this lane's failure count once the flush is made. A periodic flush (no ``answer``) while one
-        waits already, and any call to a lane that has ended, queue nothing."""
+        """Queue ``backend.method(*args)``; returns its sequence number in this lane. ``answer`` (a flush's,
+        ``[count, 0]``): set to this lane's failure count before the flush once it is made (`_drop_oldest`). A
+        periodic flush (no ``answer``) right behind another flush, and any call to a lane that has ended,
+        queue nothing."""
         dropped = None
         with self._cond:
-            if self._ended or (method == "flush" and answer is None and self._flush_queued):
+            if self._ended or (method == "flush" and answer is None and self._queue and self._queue[-1][1] == "flush"):
                 return self._submitted
             if method in DROPPABLE and self._records >= self.bound:
-                while self._block and self._records >= self.bound and not self._ended:
-                    stalled = None if self._since is None else self.patience - (time.monotonic() - self._since)
-                    if stalled is not None and stalled <= 0:
-                        break  # its call has run for `patience`: the server does not answer; drop, never wait more
-                    self._cond.wait(self.patience if stalled is None else stalled)
-                if self._records >= self.bound and not self._ended:
-                    dropped = self._drop_oldest()
+                while self._block and self._waited < PATIENCE and self._records >= self.bound and not self._ended:
+                    began = time.monotonic()
+                    self._cond.wait(PATIENCE - self._waited)
+                    self._waited += time.monotonic() - began
                 if self._ended:
                     return self._submitted
+                if self._records >= self.bound:
+                    dropped = self._drop_oldest()
             self._submitted += 1
             self._queue.append((self._submitted, method, args, answer))
             if method in DROPPABLE:
                 self._records += 1
-            elif method == "flush" and answer is None:
-                self._flush_queued = True
             self._cond.notify()
             seq = self._submitted
         if dropped is not None:
@@ -126,9 +122,20 @@ class Lane:
         """Records waiting in this lane."""
         return self._records
 
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def owns(self, thread: threading.Thread) -> bool:
+        return thread is self._thread
+
     def wait(self, seq: int, timeout: Optional[float]) -> bool:
-        """Wait (at most ``timeout`` seconds) until this lane has made call ``seq``, or has ended."""
+        """Wait (at most ``timeout`` seconds) until this lane has made call ``seq``, or has ended. On the lane's
+        own thread (its backend flushing or closing the logger) a call not made yet never is while it waits:
+        False at once, not a hang."""
         with self._cond:
+            if self._done < seq and not self._ended and threading.current_thread() is self._thread:
+                return False
             return self._cond.wait_for(lambda: self._done >= seq or self._ended, timeout)
 
     def join(self) -> None:
@@ -142,12 +149,16 @@ class Lane:
         self._ended = True
 
     def _drop_oldest(self) -> Any:
-        for index, (_, method, args, _) in enumerate(self._queue):
+        """Drop the oldest waiting record. A `Writer.flush` queued before it was handed its steps whole: the drop
+        is not counted in that flush's answer (``answer[1]``), only in the ones after it."""
+        for index, (_, method, args, answer) in enumerate(self._queue):
             if method in DROPPABLE:
                 del self._queue[index]
                 self._records -= 1
                 self.dropped += 1
                 return args[0]
+            if answer is not None:
+                answer[1] += 1
         return None
 
     def _say_dropped(self, record: Any) -> None:
@@ -155,8 +166,9 @@ class Lane:
                 f"calls wait on its server), and it loses its oldest waiting record for each new one while it is "
                 f"this slow; the other backends get every step and training does not wait for it (a larger "
                 f"queue_size lets it fall further behind first)")
-        if self._writer.ledger.record(self.name, "write", None, said) > 1 and self.dropped == 1:
-            log.warning("instrument: backend %r: %s", self.name, said)  # its first failure was another one
+        self._writer.ledger.record(self.name, "write", quiet=True)  # counted; not a failure of its write to report
+        if self.dropped == 1:
+            log.warning("instrument: backend %r: %s", self.name, said)
 
     # ------------------------------------------------------------------ the lane's thread
     def _run(self) -> None:
@@ -168,10 +180,9 @@ class Lane:
                     seq, method, args, answer = self._queue.popleft()
                     if method in DROPPABLE:
                         self._records -= 1
+                        if not self._records:
+                            self._waited = 0.0  # caught up: the writer may wait for room again
                         self._cond.notify_all()  # room: a writer waiting in `put` goes on
-                    elif method == "flush" and answer is None:
-                        self._flush_queued = False
-                    self._since = time.monotonic()
                 try:
                     end = self._make(method, args, answer)
                 except BaseException:  # never let the lane die (not even by a backend's sys.exit)
@@ -179,7 +190,6 @@ class Lane:
                     end = method == "close"
                 with self._cond:
                     self._done = seq
-                    self._since = None
                     if end:
                         self._ended = True
                         self._queue.clear()
@@ -196,7 +206,10 @@ class Lane:
         """Make one call; True when the lane ends with it (its backend closed, or left out of the run)."""
         writer = self._writer
         if method == "open":
-            if open_backend(writer, self.backend, *args, lane=self) or self.unopened:
+            if open_backend(writer, self.backend, *args, lane=self):
+                return False
+            self.failed += 1  # the next flush says so, as for a backend the writer opens
+            if self.unopened:
                 return False
             writer.leave_out(self.backend)
             return True
@@ -209,7 +222,7 @@ class Lane:
         if not self._call(method, args):
             self.failed += 1
         if method == "flush" and answer is not None:
-            answer[0] = self.failed + self.dropped
+            answer[0] = self.failed + self.dropped - answer[1]
         if method == "close":
             let_go(writer, self.backend)
         return method == "close"
@@ -228,26 +241,36 @@ class Lane:
 
 
 class Lanes:
-    """A writer's lanes: the current one of each open remote backend, and every one it made (whose failures
-    count in every `Writer.flush`), and where they stood at each open or close queued on them (`mark`)."""
+    """A writer's lanes: the current one of each open remote backend, the ones made since the last flush (whose
+    failures count in `Writer.flush`; an ended one's are folded into `folded`), and where a lane stood when an
+    open or a close was queued on it (`mark`), so that waiting for that call waits for the lane too."""
+
+    _MARKS = 256  # marks kept: a waiter for a close or an open waits right after queueing it
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
         self.current: Dict[int, Lane] = {}  # id(backend) -> its lane, while it is open
         self.made: List[Lane] = []
-        self._marks: Dict[int, List[Tuple[Lane, int]]] = {}  # a writer item's seq -> each lane's last call then
+        self.folded = 0  # the failures of lanes that ended, no longer in `made`
+        self._marks: Dict[int, List[Tuple[Lane, int]]] = {}  # a writer item's seq -> lanes and their call then
 
     def get(self, backend: Backend) -> Optional[Lane]:
         return self.current.get(id(backend)) if self.current else None
 
     def start(self, backend: Backend) -> Lane:
+        self._prune()
         lane = self.current[id(backend)] = Lane(backend, self._writer, self._writer.queue_size)
         self.made.append(lane)
         return lane
 
-    def mark(self, seq: int) -> None:
-        """Waiting for the writer's item ``seq`` (done now) waits for every lane's calls so far too (`wait`)."""
-        self._marks[seq] = [(lane, lane.submitted) for lane in self.made]
+    def owns(self, thread: threading.Thread) -> bool:
+        return any(lane.owns(thread) for lane in self.made)
+
+    def mark(self, seq: int, lanes: List[Lane]) -> None:
+        """Waiting for the writer's item ``seq`` (done now) waits for ``lanes``' calls so far too (`wait`)."""
+        self._marks[seq] = [(lane, lane.submitted) for lane in lanes]
+        if len(self._marks) > self._MARKS:
+            del self._marks[next(iter(self._marks))]
 
     def wait(self, seq: int, deadline: Optional[float]) -> bool:
         for lane, mark in self._marks.get(seq, ()):
@@ -257,13 +280,21 @@ class Lanes:
 
     def flush(self, answer: Optional[list]) -> None:
         """Queue a flush on each lane; for `Writer.flush` (``answer``), each lane's flush and its failure count
-        (an ended lane's last) go to ``answer[1]``."""
+        go to ``answer[1]``."""
         if answer is None:
             for lane in self.current.values():
                 lane.put("flush")
             return
-        slots = [(lane, [lane.failed + lane.dropped]) for lane in self.made]
+        self._prune()
+        slots = [(lane, [lane.failed + lane.dropped, 0]) for lane in self.made]
         answer[1] = [(lane, lane.put("flush", answer=slot), slot) for lane, slot in slots]
+
+    def _prune(self) -> None:
+        """Let go of lanes that ended and are nobody's current one, keeping their failure counts."""
+        current = set(map(id, self.current.values()))
+        for lane in [lane for lane in self.made if lane.ended and id(lane) not in current]:
+            self.folded += lane.failed + lane.dropped
+            self.made.remove(lane)
 
     def close(self, status: Optional[str]) -> None:
         for lane in self.current.values():
@@ -275,12 +306,10 @@ class Lanes:
         for lane in self.made:
             lane.join()
 
-    def running(self) -> Optional[Tuple[str, str]]:
-        """The call one of the lanes is making, if any (for a close that gives up waiting)."""
-        return next((lane.running for lane in self.made if lane.running is not None), None)
-
-    def pending(self) -> int:
-        return sum(lane.pending for lane in self.made)
+    def running(self) -> Optional[Tuple[str, str, int]]:
+        """The call one of the lanes is making, if any, and the records waiting for it (for a close that gives
+        up waiting)."""
+        return next(((*lane.running, lane.pending) for lane in self.made if lane.running is not None), None)
 
     def disown(self) -> None:
         for lane in self.made:

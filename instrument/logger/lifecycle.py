@@ -219,9 +219,20 @@ def _owned_here(lock: Any) -> bool:
     return owned() if callable(owned) else True
 
 
-def say_gave_up(timeout: Optional[float], running: Optional[Any], queued: int) -> None:
+def say_gave_up(timeout: Optional[float], running: Optional[Any], queued: int, lane: Optional[Any] = None) -> None:
     """A close that timed out returns with steps unwritten (`Writer.close`): say how many, and which backend call
-    (``running``: the ledger's ``(name, method)``, or None) held it."""
+    (``running``: the ledger's ``(name, method)``, or None) held it; ``lane``: ``(name, method, waiting)`` of a
+    remote backend's call under way on its own thread, whose waiting records the other backends have."""
+    if running is None and lane is not None:
+        log.warning(
+            "instrument: closing the logger gave up after %gs: remote backend %r was still in %s() on its own "
+            "thread, and %d record(s) waiting for it alone were not written to it yet (the other backends have "
+            "them). They are written if that call returns, while this process runs (the run folder stays locked "
+            "until then); a process that ends first loses them. Pass a longer timeout to close() (or none, to "
+            "wait) to keep them.",
+            timeout, lane[0], lane[1], lane[2],
+        )
+        return
     held = (f"backend {running[0]!r} was still in {running[1]}()" if running is not None
             else "the writer was still busy")
     log.warning(

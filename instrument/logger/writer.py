@@ -125,7 +125,7 @@ class Writer:
         with self._mutex:
             if self._closing:
                 return False
-            if self._records >= self.queue_size and threading.current_thread() is not self._thread:
+            if self._records >= self.queue_size and not self._on_own_thread():
                 if self.on_full == "drop":
                     self._drop_oldest()
                 elif wait:
@@ -171,7 +171,7 @@ class Writer:
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until everything handed over so far is written and flushed; False on timeout, when closed, or
         when a backend failed to write or flush something handed over since the previous `flush`."""
-        if threading.current_thread() is self._thread:
+        if self._on_own_thread():
             return False
         # The writer's failure count, and each lane's flush with its failure count, once this flush is done.
         answer: list = [0, ()]
@@ -197,7 +197,7 @@ class Writer:
         if timeout is not None:  # before the close is queued: the writer reads it once it sees `_closing`
             self._close_bound = timeout
         seq = self._put(_CLOSE, status, closing=True) or self._close_seq
-        if threading.current_thread() is self._thread:
+        if self._on_own_thread():
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
         done = seq > 0 and self.wait(seq, timeout)
@@ -205,8 +205,7 @@ class Writer:
         self._thread.join(5.0 if done or deadline is None else max(0.0, deadline - time.monotonic()))
         if seq > 0 and not done and not self._gave_up:
             self._gave_up = True  # said once: a second close (a signal's after the user's) waits for the same
-            say_gave_up(timeout if asked is None else asked, self.ledger.running or self._lanes.running(),
-                        self.pending + self._lanes.pending())
+            say_gave_up(timeout if asked is None else asked, self.ledger.running, self.pending, self._lanes.running())
         return done
 
     def wait(self, seq: int, timeout: Optional[float] = None, ready: Optional[Callable[[], bool]] = None) -> bool:
@@ -215,7 +214,7 @@ class Writer:
         be done while it waits: False at once, not a hang."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if self._done < seq and threading.current_thread() is self._thread:
+            if self._done < seq and self._on_own_thread():
                 return False
             if self._done < seq:
                 self._cond.notify_all()  # a reader waits: the writer need not wait for its next poll
@@ -415,15 +414,22 @@ class Writer:
         elif kind == _CALL:
             method, args, only = payload
             later = []  # reopening backends not open yet: after the others, as for records
+            marked = list(self._lanes.current.values()) if method == "open" else []  # a start waits for them all
             for backend in [only] if only is not None else list(self._active):
                 if method == "close" and backend not in self._active:
                     continue  # closed already (`Logger.close_backend` twice), or never opened
                 lane = self._lanes.get(backend)
+                if lane is not None and lane.ended and method == "open":  # left out before, added again
+                    del self._lanes.current[id(backend)]
+                    self._active.remove(backend)
+                    lane = None
                 if lane is None and method == "open" and getattr(backend, "remote", False):
                     lane = self._lanes.start(backend)  # it opens the backend and makes every call to it from now
                     self._active.append(backend)
                 if lane is not None:
                     lane.put(method, *args)
+                    if method == "close" or method == "open":  # waiting for it waits for this lane (`Writer.wait`)
+                        marked.append(lane)
                     continue
                 if method == "open":
                     ok = open_backend(self, backend, *args)
@@ -444,12 +450,12 @@ class Writer:
                     let_go(self, only)
                 if only in self._unopened:
                     self._unopened.remove(only)
-            if method in ("open", "close") and self._lanes.made:  # waiting for this call waits for the lanes too
-                self._lanes.mark(seq)
+            if marked:
+                self._lanes.mark(seq, marked)
             self._dirty = True
         elif kind == _FLUSH:
             self._flush_backends(payload)
-            payload[0] = self._failed
+            payload[0] = self._failed + self._lanes.folded
         elif kind == _CLOSE:
             self._flush_backends()
             self._lanes.close(payload)  # first: remote backends close on their own threads meanwhile
@@ -460,6 +466,10 @@ class Writer:
                     self.ledger.call(backend.name, "on_exit", backend.on_exit, payload)
                 self.ledger.call(backend.name, "close", backend.close)
             self._lanes.join()  # closed once every backend is: the caller's close bounds this wait
+
+    def _on_own_thread(self) -> bool:  # what this thread would wait for could only be done by itself
+        thread = threading.current_thread()
+        return thread is self._thread or (bool(self._lanes.made) and self._lanes.owns(thread))
 
     def leave_out(self, backend: Backend) -> None:
         """A remote backend whose open failed for good: it gets nothing more (its lane has ended)."""

@@ -273,13 +273,15 @@ def test_a_remote_backend_is_flushed_after_its_last_write_while_training_stalls(
 
     class SlowRecorder(Recorder):
         def write(self, record):
-            time.sleep(0.05)
+            time.sleep(0.1)  # slower than the steps come: the lane falls behind while they do
             super().write(record)
 
     remote = SlowRecorder()
     logger = instrument.Logger([remote, instrument.JsonlBackend()], run=RunInfo(name="stall", root=tmp_path),
-                               flush_secs=0.2)
-    _commit(logger, range(30))
+                               flush_secs=0.3, queue_size=64)
+    for step in range(30):
+        _commit(logger, [step])
+        time.sleep(0.05)
     deadline = time.monotonic() + 60  # not a timing assertion: the flush is due 0.2 s after the last write
     while (len(remote.steps) < 30 or remote.calls[-1] != "flush") and time.monotonic() < deadline:
         time.sleep(0.05)

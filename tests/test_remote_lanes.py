@@ -268,6 +268,61 @@ def test_a_flush_counts_only_the_drops_of_steps_handed_over_before_it(tmp_path):
     assert remote.steps == [0, 3, 4] and logger.failures == {"Recorder": 2}
 
 
+@pytest.mark.parametrize("fault", ["write", "close", "late open"])
+def test_a_flush_behind_a_remote_backend_that_ended_reports_its_failure(tmp_path, fault):
+    """A flush queued behind a remote backend's close (or an open that failed for good) is never made on its
+    lane: it said True, and the next flush reported the failure instead."""
+    gate = threading.Event()
+
+    class Ending(Recorder):
+        def open(self, run):
+            if fault == "late open":
+                gate.wait()
+                raise OSError("the server said 503 at open")
+
+        def write(self, record):
+            gate.wait()
+            if fault == "write":
+                raise OSError("the server said 503")
+
+        def close(self):
+            if fault == "close":
+                raise OSError("the server said 503 at close")
+
+    remote = Ending()
+    logger = instrument.Logger([instrument.JsonlBackend(), remote], run=RunInfo(name="end", root=tmp_path),
+                               on_backend_error="warn", open_timeout=0.1)
+    _commit(logger, [0])
+    if fault != "late open":
+        assert not logger.close_backend(remote, timeout=0.1)  # queued behind the write that waits on the gate
+    threading.Timer(0.3, gate.set).start()
+    assert not logger.flush(timeout=60)
+    assert logger.flush(timeout=60)
+    logger.close()
+    assert logger.failures == {"Ending": 1}
+
+
+def test_the_writer_waits_for_room_half_a_second_in_all_over_several_stuck_lanes(tmp_path):
+    """Each lane counted its own 0.5 s: four remote backends that never answer held a commit 2 s."""
+    gate = threading.Event()
+    remotes = [Recorder(gate=gate) for _ in range(4)]
+    for k, remote in enumerate(remotes):
+        remote._name = f"stuck{k}"
+    logger = instrument.Logger([instrument.JsonlBackend(), *remotes], run=RunInfo(name="four", root=tmp_path),
+                               queue_size=2)
+    try:
+        _commit(logger, range(20))
+        assert logger.flush(timeout=0.5) is False
+        from instrument.logger.lane import PATIENCE
+
+        # the writer's own account of its waits (not a timing of the test: 2 s before, in four 0.5 s waits)
+        assert logger._writer._lanes.waited() < PATIENCE + 0.75
+    finally:
+        gate.set()
+        logger.close(timeout=60)
+    assert _steps(tmp_path / "four" / "metrics.jsonl", "x") == list(range(20))
+
+
 def test_a_remote_backend_is_flushed_after_its_last_write_while_training_stalls(tmp_path):
     """A periodic flush is not queued behind another one waiting in the lane, yet one always follows the last
     write: before, the last steps of a busy lane waited for `close` to reach the disk."""
@@ -425,11 +480,12 @@ def test_sigterm_keeps_every_committed_step_on_a_tracking_server_and_ends_the_ru
 def test_a_silent_server_holds_no_other_mlflow_backend(mlflow_server, tmp_path):
     """MLflow's HTTP settings are process-wide environment variables, set around each call: a call to a silent
     server held them (and a lock) for its whole timeout, so a second MLflow backend, on a live server and with a
-    thread of its own, waited for it too. Calls with the same settings now run at once."""
+    thread of its own, waited for it too; then, calls with other settings still waited (a retried open's
+    retries=0 among them). No call waits for another's settings now."""
     uri, _ = mlflow_server
     with Silent() as silent:
         dead = instrument.MlflowBackend(tracking_uri=silent.uri, run_name="dead", timeout=30, max_retries=0)
-        live = instrument.MlflowBackend(tracking_uri=uri, run_name="beside-dead", timeout=30, max_retries=0)
+        live = instrument.MlflowBackend(tracking_uri=uri, run_name="beside-dead", timeout=5, max_retries=1)
         inst = instrument.Instrumentation(backends=[dead, live], log_interval=1, log_dir=str(tmp_path),
                                           run_name="two", on_backend_error="warn", open_timeout=0.2)
         for step in range(20):

@@ -73,38 +73,33 @@ def is_unreachable(exc: BaseException) -> bool:
 
 
 # MLflow reads its HTTP settings (timeout, retries, backoff) from the environment at every request
-# (rest_utils.http_request), so `http_settings` sets them around each call to a tracking server. Calls with the
-# same settings run at once: each remote backend has a thread of its own, and one waiting on a silent server must
-# not hold another backend's calls. A call with other settings waits until none is in flight, so that no call
-# runs with another's; the environment is put back once the last call in flight returns. A call made inside
-# another on the same thread runs with the outer call's settings (it would otherwise wait for itself).
-_ENV = threading.Condition()
-_in_flight: Dict[str, Any] = {"settings": None, "calls": 0, "saved": {}}
-_depth = threading.local()
+# (rest_utils.http_request), so `http_settings` sets them around each call to a tracking server. They are one
+# process-wide set, and no call waits for another's: each remote backend has a thread of its own, and one waiting
+# on a silent server must not hold another backend's calls (waiting whenever the settings differed held a live
+# backend for a dead one's whole timeout, also between backends of the same options: a retry of a failed open uses
+# retries=0). A call made while others are in flight runs with the settings of the first of them, all bounded;
+# the environment is put back once the last call in flight returns.
+_ENV = threading.Lock()
+_in_flight: Dict[str, Any] = {"calls": 0, "saved": {}}
 
 
 @contextlib.contextmanager
 def http_settings(settings: Dict[str, str]) -> Iterator[None]:
-    """Set MLflow's HTTP environment variables to ``settings`` for one call (module comment above)."""
-    nested = getattr(_depth, "calls", 0) > 0
+    """Set MLflow's HTTP environment variables to ``settings`` for one call, unless calls are in flight
+    (module comment above)."""
     with _ENV:
-        while not nested and _in_flight["calls"] and _in_flight["settings"] != settings:
-            _ENV.wait()
         if not _in_flight["calls"]:
-            _in_flight.update(settings=dict(settings), saved={k: os.environ.get(k) for k in settings})
+            _in_flight["saved"] = {k: os.environ.get(k) for k in settings}
             os.environ.update(settings)
         _in_flight["calls"] += 1
-    _depth.calls = getattr(_depth, "calls", 0) + 1
     try:
         yield
     finally:
-        _depth.calls -= 1
         with _ENV:
             _in_flight["calls"] -= 1
             if not _in_flight["calls"]:
                 _put_back(_in_flight["saved"])
-                _in_flight.update(settings=None, saved={})
-                _ENV.notify_all()
+                _in_flight["saved"] = {}
 
 
 def _put_back(saved: Dict[str, Optional[str]]) -> None:
@@ -116,15 +111,14 @@ def _put_back(saved: Dict[str, Optional[str]]) -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A child forked while a writer thread was in an MLflow call inherits the condition's lock, maybe held by a
-    thread it does not have (its own MlflowBackend's open then waited forever), and that call's settings: a new
-    lock, no call in flight, and the environment as it was before the calls."""
+    """A child forked while a writer thread was in an MLflow call inherits the lock, maybe held by a thread it does
+    not have (its own MlflowBackend's open then waited forever), and that call's settings: a new lock, no call in
+    flight, and the environment as it was before the calls."""
     global _ENV
-    _ENV = threading.Condition()
-    _depth.calls = 0
+    _ENV = threading.Lock()
     if _in_flight["calls"]:
         _put_back(_in_flight["saved"])
-    _in_flight.update(settings=None, calls=0, saved={})
+    _in_flight.update(calls=0, saved={})
 
 
 if hasattr(os, "register_at_fork"):

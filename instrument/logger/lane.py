@@ -10,14 +10,14 @@ with the next record at once.
 
 Bound: at most ``bound`` records (steps and system samples, the logger's ``queue_size``) wait in a lane. Under
 ``on_full="block"`` a record that finds its lane full waits for room, so that a backend that keeps up (its
-thread only needed a turn at the GIL) loses nothing; but the writer waits for one lane at most `PATIENCE`
-seconds in all until that lane has written every record waiting in it. Past that, and at once under
-``on_full="drop"``, a record that finds the lane full drops the lane's oldest waiting record, for that backend
-alone (the other backends have it already). So a server that is slower than the steps come, or stopped
-answering, holds the writer, and through a full queue the training thread, at most `PATIENCE` seconds until
-it catches up, and then costs that backend alone its steps. Each drop counts as a failure of that backend in
-the logger's ``failures`` and the first is said once. A periodic flush is not queued right behind another one.
-Control calls (open, hyperparameters, an explicit flush, on_exit, close) are never dropped.
+thread only needed a turn at the GIL) loses nothing; but the writer waits for room at most `PATIENCE` seconds
+in all, over all its lanes, until the lanes it waited for have written every record waiting in them. Past
+that, and at once under ``on_full="drop"``, a record that finds the lane full drops the lane's oldest waiting
+record, for that backend alone (the other backends have it already). So servers slower than the steps come,
+or stopped answering, hold the writer, and through a full queue the training thread, at most `PATIENCE`
+seconds until they catch up, and then cost those backends alone their steps. Each drop counts as a failure of
+that backend in the logger's ``failures`` and the first is said once. A periodic flush is not queued right
+behind another one. Control calls (open, hyperparameters, an explicit flush, on_exit, close) are never dropped.
 
 Waiting: `Writer.flush` and the logger's start (waiting for the backends to open) wait for a lane to reach the
 call they queued (`wait`); the writer's close waits for every lane to close its backend, so a closed logger
@@ -28,7 +28,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from instrument.backends.base import Backend
 from instrument.backends.held import let_go
@@ -64,13 +64,14 @@ class Lane:
         bound: most records waiting at once (the logger's ``queue_size``).
     """
 
-    def __init__(self, backend: Backend, writer: Any, bound: int):
+    def __init__(self, backend: Backend, writer: Any, bound: int, waited: Callable[[], float]):
         self.backend = backend
         self.name = backend.name
         self._writer = writer
         self.bound = bound
         self._block = writer.on_full == "block"
         self._waited = 0.0  # seconds the writer waited for room since this lane last had nothing waiting
+        self._all_waited = waited  # the same, summed over the writer's lanes: PATIENCE bounds the sum
         self._queue: Deque[Tuple[int, str, tuple, Optional[list]]] = collections.deque()
         self._records = 0
         self._cond = threading.Condition()
@@ -95,9 +96,12 @@ class Lane:
             if self._ended or (method == "flush" and answer is None and self._queue and self._queue[-1][1] == "flush"):
                 return self._submitted
             if method in DROPPABLE and self._records >= self.bound:
-                while self._block and self._waited < PATIENCE and self._records >= self.bound and not self._ended:
+                while self._block and self._records >= self.bound and not self._ended:
+                    left = PATIENCE - self._all_waited()
+                    if left <= 0:
+                        break
                     began = time.monotonic()
-                    self._cond.wait(PATIENCE - self._waited)
+                    self._cond.wait(left)
                     self._waited += time.monotonic() - began
                 if self._ended:
                     return self._submitted
@@ -191,16 +195,24 @@ class Lane:
                 with self._cond:
                     self._done = seq
                     if end:
-                        self._ended = True
-                        self._queue.clear()
-                        self._records = 0
+                        self._end()
                     self._cond.notify_all()
                 if end:
                     return
         finally:
             with self._cond:
-                self._ended = True
+                self._end()
                 self._cond.notify_all()
+
+    def _end(self) -> None:
+        """Ended (under the lock): nothing queued is made; a `Writer.flush` queued behind the end gets this
+        lane's failures so far, as if made (a failed open, a failed close)."""
+        for *_, answer in self._queue:
+            if answer is not None:
+                answer[0] = self.failed + self.dropped - answer[1]
+        self._ended = True
+        self._queue.clear()
+        self._records = 0
 
     def _make(self, method: str, args: tuple, answer: Optional[list]) -> bool:
         """Make one call; True when the lane ends with it (its backend closed, or left out of the run)."""
@@ -259,9 +271,13 @@ class Lanes:
 
     def start(self, backend: Backend) -> Lane:
         self._prune()
-        lane = self.current[id(backend)] = Lane(backend, self._writer, self._writer.queue_size)
+        lane = self.current[id(backend)] = Lane(backend, self._writer, self._writer.queue_size, self.waited)
         self.made.append(lane)
         return lane
+
+    def waited(self) -> float:
+        """Seconds the writer has waited for room in lanes that have not caught up since (`Lane.put`)."""
+        return sum(lane._waited for lane in self.made)
 
     def owns(self, thread: threading.Thread) -> bool:
         return any(lane.owns(thread) for lane in self.made)

@@ -78,6 +78,19 @@ def _steps(path: Path, key: str = "loss") -> list:
     return [row["step"] for row in rows if key in row.get("metrics", {})]
 
 
+def _forty_steps_beside(remote, tmp_path: Path, name: str):
+    """A session of JSONL and ``remote`` (whose open does not answer) that committed 40 logging steps through a
+    queue of 4."""
+    inst = instrument.Instrumentation(
+        backends=[instrument.JsonlBackend(), remote], log_interval=1, log_dir=str(tmp_path), run_name=name,
+        on_backend_error="warn", open_timeout=0.2, queue_size=4,
+    )
+    for step in range(40):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+    return inst
+
+
 def test_a_silent_mlflow_server_holds_neither_training_nor_the_other_backends(tmp_path, caplog):
     """40 steps go through a queue of 4 while MLflow's first request still waits for an answer: before, the writer
     sat in MLflow's open, the queue filled, and commit waited the whole request timeout (34 s in a review)."""
@@ -86,13 +99,7 @@ def test_a_silent_mlflow_server_holds_neither_training_nor_the_other_backends(tm
         mlflow_backend = instrument.MlflowBackend(tracking_uri=server.uri, timeout=30, max_retries=0,
                                                   retry_after=3600)
         assert mlflow_backend.remote
-        inst = instrument.Instrumentation(
-            backends=[instrument.JsonlBackend(), mlflow_backend], log_interval=1, log_dir=str(tmp_path),
-            run_name="silent", on_backend_error="warn", open_timeout=0.2, queue_size=4,
-        )
-        for step in range(40):
-            with inst.step(step):
-                inst.logger.log_metrics({"loss": float(step)}, step=step)
+        inst = _forty_steps_beside(mlflow_backend, tmp_path, "silent")
         assert mlflow_backend.run_id is None  # its open has not returned
         assert not server.conns or server.waiting(), "MLflow's open gave up: the loop waited for it"
         assert not inst.flush(timeout=0.5)  # MLflow has written nothing; the other backends are flushed
@@ -520,13 +527,7 @@ def test_wandb_online_against_a_silent_server_holds_neither_training_nor_the_oth
         monkeypatch.setenv("WANDB_INIT_TIMEOUT", "15")
         wandb_backend = instrument.WandbBackend(mode="online")
         assert wandb_backend.remote
-        inst = instrument.Instrumentation(
-            backends=[instrument.JsonlBackend(), wandb_backend], log_interval=1, log_dir=str(tmp_path),
-            run_name="online", on_backend_error="warn", open_timeout=0.2, queue_size=4,
-        )
-        for step in range(40):
-            with inst.step(step):
-                inst.logger.log_metrics({"loss": float(step)}, step=step)
+        inst = _forty_steps_beside(wandb_backend, tmp_path, "online")
         # wandb.init has not returned: its service has not reached the server yet (a loaded machine) or waits
         # for its answer; had the loop waited for it, it would have given up and hung up.
         assert wandb_backend.run is None

@@ -72,8 +72,9 @@ class MlflowBackend(Backend):
             whatever the cause), later calls fail at once instead of waiting for the same dead server again (0
             turns this off).
 
-    Faults: every MLflow call of this backend runs with ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
-    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` set from the options above,
+    Faults: every MLflow call of this backend to a server runs with ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
+    ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` set from the options above
+    (calls made at once by several backends share the first one's: `mlflow_store.http_settings`),
     so one call against an unreachable server gives up after about ``(max_retries + 1) * timeout`` seconds
     plus backoff and raises. MLflow reads these from the process environment at each request, so they are set
     just around this backend's calls (another thread's MLflow calls made at that moment see them too). Driven

@@ -1,9 +1,13 @@
-"""Shared fixtures: a tiny update rule, a recording observer, readers for real backend outputs."""
+"""Shared fixtures: a tiny update rule, a recording observer, readers for real backend outputs, an `mlflow server`."""
 
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Dict, List
 
@@ -200,3 +204,42 @@ def watched_rollout(inst, rule, seed, n: int, step: int = 0):
             states.append(rule(states[-1]))
     inst.close()
     return states
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a loopback port, in a process group of its own (SIGSTOP reaches its workers)."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
+         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        yield uri, server
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.killpg(server.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()

@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -363,45 +362,6 @@ def test_which_backends_are_remote():
 
 
 # ---------------------------------------------------------------------------------------------- a real server
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on a loopback port, in a process group of its own (SIGSTOP reaches its workers)."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
-         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()[-3000:]
-                time.sleep(0.5)
-        yield uri, server
-    finally:
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            try:
-                os.killpg(server.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
-
-
 def _history(uri: str, run_name: str) -> tuple:
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],

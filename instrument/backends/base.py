@@ -6,6 +6,7 @@ Lifecycle, driven by the `Logger`'s writer thread::
     backend.log_hyperparams(params, config)    # at start: flattened params and the operative gin config
     for each logging step, in step order:
         backend.write(record)                  # host values only: floats, numpy images, histograms, text
+        (or backend.write_many(records))       # a remote backend's lane catching up: several steps, in order
     now and then (system monitor samples):
         backend.write_system(record)           # its own axis: record.step is milliseconds since the run started
     at most flush_secs after a write, and on Logger.flush():
@@ -236,6 +237,19 @@ class Backend:
 
     def write(self, record: StepRecord) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement write(record)")
+
+    def write_many(self, records: Sequence[StepRecord]) -> None:
+        """Several steps at once, in step order: what waited in a remote backend's lane while its last call was
+        under way (`instrument.logger.lane`). Override it in a backend whose every call is a request to a server,
+        to send them in as few requests as the server takes (MLflow: one ``log_batch`` holds 1,000 metrics of
+        any steps): a lane then keeps up with steps that come faster than one request each. Only a lane calls
+        it, and only where a backend overrides it; the default writes each record.
+
+        An exception counts every record of the call as failed (lost for this backend; none is written
+        again), except a `MediaWriteError`, which says that every step's scalars were written and some media
+        values were not: one failure, as from `write`."""
+        for record in records:
+            self.write(record)
 
     def write_system(self, record: StepRecord) -> None:
         """System-monitor scalars (``system/...``) on their own axis: ``record.step`` is milliseconds since the

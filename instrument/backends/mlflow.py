@@ -7,7 +7,7 @@ import os
 import re
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
@@ -284,10 +284,15 @@ class MlflowBackend(Backend):
             self._write_name_tags()  # last: a tag that fails costs none of the above
 
     def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
+        self._send_metrics(self._metrics(scalars, step, wall_time))
+
+    def _metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> list:
         Metric = self._entities.Metric
         timestamp = int(wall_time * 1000)
         names, name = self._names.table("metric")[0], self._names.name
-        items = [Metric(names.get(k) or name(k, "metric"), float(v), timestamp, int(step)) for k, v in scalars.items()]
+        return [Metric(names.get(k) or name(k, "metric"), float(v), timestamp, int(step)) for k, v in scalars.items()]
+
+    def _send_metrics(self, items: list) -> None:
         for i in range(0, len(items), _METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i : i + _METRICS_PER_BATCH])
 
@@ -323,18 +328,42 @@ class MlflowBackend(Backend):
         return self.run_id
 
     def write(self, record: StepRecord) -> None:
-        self._ensure_open()
-        if self._written is not None and record.step <= self._written:
-            return  # a resumed run: MLflow already holds this step from before the crash (it would duplicate)
-        with self._bounded():
-            self._write(record)
+        self.write_many((record,))
 
-    def _write(self, record: StepRecord) -> None:
-        step = record.step
+    def write_many(self, records: Sequence[StepRecord]) -> None:
+        """The steps' metrics in as few ``log_batch`` requests as MLflow takes (1,000 metrics of any steps in
+        each), then each step's media: a lane catching up on a slow server sends what waited in one request."""
+        self._ensure_open()
+        if self._written is not None:  # a resumed run: MLflow holds these steps from before the crash (no duplicates)
+            records = [record for record in records if record.step > self._written]
+        if not records:
+            return
+        failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
+        with self._bounded():
+            self._send_metrics([metric for record in records for metric in self._metrics(
+                self._training_scalars(record), record.step, record.wall_time)])
+            for record in records:
+                failed += self._write_media(record, len(records) > 1)
+            bare = [record.step for record in records if not record.scalars and not record.timings]
+            if bare:  # no metric history holds that step: a resume must know it
+                self.client.set_tag(self.run_id, LAST_STEP_TAG, str(max(bare)))
+            try:
+                self._write_name_tags()
+            except Exception as exc:  # sent again with the next record; the step's values are written
+                failed.append(("the run tags of its keys' MLflow names", exc))
+            steps = records[0].step if len(records) == 1 else f"{records[0].step}-{records[-1].step}"
+            raise_failures(self.name, steps, failed, "media value(s) or name tag(s)")
+
+    def _training_scalars(self, record: StepRecord) -> Dict[str, float]:
         scalars = record.flat_scalars()
         if any(key.startswith(SYSTEM_HEADS) for key in scalars):
             scalars = {self._training_key(key): value for key, value in scalars.items()}
-        self._log_metrics(scalars, step, record.wall_time)
+        return scalars
+
+    def _write_media(self, record: StepRecord, named: bool) -> List[Tuple[str, Exception]]:
+        """One step's images, text, videos and samples tables; the values that failed (``named``: with their
+        step in the name)."""
+        step = record.step
         failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
 
         def each(kind: str, items, write) -> None:
@@ -342,7 +371,7 @@ class MlflowBackend(Backend):
                 try:
                     write(key, value)
                 except Exception as exc:  # raised after the rest is written: counted in `failures`, as always
-                    failed.append((f"{kind} {key}", exc))
+                    failed.append((f"step {step} {kind} {key}" if named else f"{kind} {key}", exc))
 
         stamp = int(record.wall_time * 1000)
 
@@ -364,17 +393,12 @@ class MlflowBackend(Backend):
 
         each("image", ((k, v) for k, v in record.images.items() if v is not None), image)
         each("text", record.texts.items(), text)
-        failed += write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
+        videos = write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
+        failed += [(f"step {step} {key}" if named else key, exc) for key, exc in videos]
         tables = self._drops.each("samples table", record.samples.items(), lambda tag, rows: _table(rows.rows),
                                   "rows of JSON values")
         each("samples table", tables.items(), table)
-        if not record.scalars and not record.timings:  # no metric history holds this step: a resume must know it
-            self.client.set_tag(self.run_id, LAST_STEP_TAG, str(step))
-        try:
-            self._write_name_tags()
-        except Exception as exc:  # sent again with the next record; the step's values are written
-            failed.append(("the run tags of its keys' MLflow names", exc))
-        raise_failures(self.name, step, failed, "media value(s) or name tag(s)")
+        return failed
 
     def _log_video(self, key: str, frames, fps: int, step: int) -> None:
         """The video as an animated GIF artifact ``videos/<key>/step_<step:08d>.gif`` (MLflow has no video type)."""

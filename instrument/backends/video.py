@@ -12,7 +12,7 @@ before it into that frame's delay, so a video that holds still has fewer, longer
 """
 
 import io
-from typing import Callable, List, Tuple
+from typing import Callable, List, Tuple, Union
 
 import numpy as np
 
@@ -78,13 +78,16 @@ def write_each(videos: dict, write: Callable[[str, np.ndarray, int], None]) -> L
     return failures
 
 
-def raise_failures(backend: str, step: int, failures: List[Tuple[str, Exception]], what: str = "video(s)") -> None:
+def raise_failures(
+    backend: str, step: Union[int, str], failures: List[Tuple[str, Exception]], what: str = "video(s)"
+) -> None:
     """Raise one `MediaWriteError` naming every video (or other media value, ``what``) of the step that failed
-    (chained from the first)."""
+    (chained from the first). ``step``: ``"first-last"`` for several steps written in one call."""
     if not failures:
         return
     named = "; ".join(f"{key!r}: {type(exc).__name__}: {exc}" for key, exc in failures)
+    one = isinstance(step, int)
     raise MediaWriteError(
-        f"{backend}: {len(failures)} {what} of step {step} could not be written ({named}); the rest of the "
-        f"step was written."
+        f"{backend}: {len(failures)} {what} of {'step' if one else 'steps'} {step} could not be written ({named}); "
+        f"the rest of the {'step was' if one else 'steps were'} written."
     ) from failures[0][1]

@@ -19,6 +19,10 @@ seconds until they catch up, and then cost those backends alone their steps. Eac
 that backend in the logger's ``failures`` and the first is said once. A periodic flush is not queued right
 behind another one. Control calls (open, hyperparameters, an explicit flush, on_exit, close) are never dropped.
 
+Catching up: a backend that overrides `Backend.write_many` (MLflow) gets every step waiting in its lane in one
+call, at most `MANY` at a time, instead of one call each, so that a server that takes longer per request than
+the steps take to come keeps up (a request per batch) instead of falling behind for good.
+
 Waiting: `Writer.flush` and the logger's start (waiting for the backends to open) wait for a lane to reach the
 call they queued (`wait`); the writer's close waits for every lane to close its backend, so a closed logger
 has every backend closed, remote ones included.
@@ -32,6 +36,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from instrument.backends.base import Backend
 from instrument.backends.held import let_go
+from instrument.backends.video import MediaWriteError
 from instrument.logger.opening import open_backend, reopening_call
 
 __all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "running_writers"]
@@ -42,6 +47,7 @@ log = logging.getLogger("instrument")
 # keeps up to get its turn at the GIL, short enough that a dead server barely holds training.
 PATIENCE = 0.5
 DROPPABLE = ("write", "write_system")  # what a full lane drops (the oldest first); nothing else is dropped
+MANY = 1000  # most steps handed to one `Backend.write_many` call
 _REOPENING = ("write", "log_hyperparams", "write_system")  # calls with which a backend whose open failed opens
 
 
@@ -82,6 +88,7 @@ class Lane:
         self.dropped = 0  # records dropped because the lane was full (the writer's thread only)
         self.unopened = False  # its open failed and it opens itself at a later record (`Backend.reopens`)
         self.running: Optional[Tuple[str, str]] = None  # the call under way: for a close that gives up on it
+        self._many = type(backend).write_many is not Backend.write_many  # it sends waiting steps together
         self._thread = WriterThread(target=self._run, name=f"instrument-lane-{self.name}", daemon=True)
         self._thread.start()
 
@@ -182,18 +189,30 @@ class Lane:
                     while not self._queue:
                         self._cond.wait()
                     seq, method, args, answer = self._queue.popleft()
+                    records = None
+                    if method == "write" and self._many and not self.unopened and self._queue and \
+                            self._queue[0][1] == "write":  # steps waiting right behind it: one call for them all
+                        records = [args[0]]
+                        while self._queue and self._queue[0][1] == "write" and len(records) < MANY:
+                            seq, _, more, _ = self._queue.popleft()
+                            records.append(more[0])
+                        self._records -= len(records) - 1
                     if method in DROPPABLE:
                         self._records -= 1
-                        if not self._records:
+                        if not self._records and records is None:
                             self._waited = 0.0  # caught up: the writer may wait for room again
                         self._cond.notify_all()  # room: a writer waiting in `put` goes on
                 try:
-                    end = self._make(method, args, answer)
+                    end = self._write_many(records) if records is not None else self._make(method, args, answer)
                 except BaseException:  # never let the lane die (not even by a backend's sys.exit)
                     log.exception("instrument: the lane of backend %r failed on %s(); it goes on", self.name, method)
                     end = method == "close"
                 with self._cond:
                     self._done = seq
+                    if records is not None and not self._records:
+                        # Caught up once the steps it took are written and none came meanwhile (taking them all
+                        # is not catching up: a server slower than they come would renew the wait each time).
+                        self._waited = 0.0
                     if end:
                         self._end()
                     self._cond.notify_all()
@@ -238,6 +257,23 @@ class Lane:
         if method == "close":
             let_go(writer, self.backend)
         return method == "close"
+
+    def _write_many(self, records: List[Any]) -> bool:
+        """`Backend.write_many`; an exception costs every record of the call (a `MediaWriteError` one: the steps'
+        scalars were written)."""
+        ledger = self._writer.ledger
+        self.running = (self.name, "write")
+        try:
+            self.backend.write_many(records)
+        except ledger.catch as exc:
+            lost = 1 if isinstance(exc, MediaWriteError) else len(records)
+            ledger.record(self.name, "write", exc)
+            for _ in range(lost - 1):  # each step lost counts, as when each was written apart
+                ledger.record(self.name, "write", quiet=True)
+            self.failed += lost
+        finally:
+            self.running = None
+        return False
 
     def _call(self, method: str, args: tuple) -> bool:
         ledger = self._writer.ledger

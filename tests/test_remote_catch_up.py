@@ -1,0 +1,204 @@
+"""A remote backend that overrides `Backend.write_many` gets the steps waiting in its lane in one call, so that a
+server slower per request than the steps come keeps up instead of losing steps.
+
+Real parts: the logger and its lanes; a real `mlflow server` process behind a loopback proxy that holds every chunk
+a client sends for 150 ms (a distant server); two MLflow runs on local stores read back with `MlflowClient`.
+"""
+
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import instrument
+from instrument.backends.base import RunInfo, SampleTable, StepRecord
+from instrument.backends.video import MediaWriteError
+
+pytest.importorskip("mlflow")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from tests.test_remote_lanes import _history, _steps  # noqa: E402
+
+
+class Batching(instrument.Backend):
+    """Records every call's steps; its first write waits for ``gate``, so that the steps after it wait in the lane."""
+
+    remote = True
+
+    def __init__(self, gate: threading.Event, fail=None):
+        self.gate, self.fail, self.calls = gate, fail, []
+
+    def write(self, record):
+        self.gate.wait(60)
+        self.calls.append(("write", [record.step]))
+
+    def write_many(self, records):
+        self.calls.append(("write_many", [record.step for record in records]))
+        if self.fail is not None:
+            raise self.fail
+
+
+def _held_then_released(backend, tmp_path, steps: int = 10):
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), backend], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="batch", queue_size=64, flush_secs=3600)
+    for step in range(steps):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+    lane = inst.logger._writer._lanes.get(backend)
+    while lane.pending < steps - 1:  # the first step's write is under way, the others wait behind it
+        time.sleep(0.01)
+    backend.gate.set()
+    return inst
+
+
+def test_the_steps_waiting_behind_a_slow_call_go_to_write_many_in_one_call_in_order(tmp_path):
+    backend = Batching(threading.Event())
+    inst = _held_then_released(backend, tmp_path)
+    assert inst.flush(timeout=30)
+    inst.close()
+    assert backend.calls == [("write", [0]), ("write_many", list(range(1, 10)))]
+    assert _steps(tmp_path / "batch" / "metrics.jsonl") == list(range(10))
+    assert inst.failures == {}
+
+
+@pytest.mark.parametrize("fault, lost", [(OSError("the server said 503"), 9),
+                                         (MediaWriteError("1 image of steps 1-9 could not be written"), 1)])
+def test_a_write_many_that_raises_costs_each_step_it_held_or_one_for_media(tmp_path, caplog, fault, lost):
+    """An exception loses every step of the call for that backend (each counted, as when written apart); a
+    `MediaWriteError` says the steps' scalars were written: one failure, as from `write`."""
+    backend = Batching(threading.Event(), fail=fault)
+    inst = _held_then_released(backend, tmp_path)
+    assert not inst.flush(timeout=30)
+    inst.close()
+    assert inst.failures == {"Batching": lost}
+    said = [r for r in caplog.records if "failed in write()" in r.getMessage()]
+    assert len(said) == 1  # reported once, the rest counted quietly
+    assert _steps(tmp_path / "batch" / "metrics.jsonl") == list(range(10))
+
+
+def _records():
+    """Steps as a training loop commits them: scalars and a timer, an image, text, a samples table, a step of
+    media only (its step is kept in a run tag, no metric history holds it), a training key under system/."""
+    picture = np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3)
+    table = SampleTable([{"input": "a", "output": "b", "score": 0.5}])
+    return [
+        StepRecord(step=0, scalars={"loss": 1.5, "acc/top1": 0.25}, timings={"fwd": {"mean": 0.1, "min": 0.1,
+                                                                                      "max": 0.1, "count": 1.0}},
+                   wall_time=1000.0),
+        StepRecord(step=1, scalars={"loss": 1.25}, images={"state": picture}, texts={"note": "hello"},
+                   wall_time=1001.0),
+        StepRecord(step=2, scalars={"loss": 1.0, "system/gpu": 3.0}, samples={"val": table}, wall_time=1002.0),
+        StepRecord(step=3, images={"state": picture + 1}, wall_time=1003.0),
+    ]
+
+
+def _read_run(store_root, run_name):
+    client = MlflowClient(tracking_uri=f"sqlite:///{store_root / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string=f"tags.mlflow.runName = '{run_name}'")
+    metrics = {key: [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in run.data.metrics}
+
+    def files(path=None):
+        out = []
+        for item in client.list_artifacts(run.info.run_id, path):
+            out += files(item.path) if item.is_dir else [item.path]
+        return out
+
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")}
+    # MLflow names an image's files with a fresh uuid each time
+    return metrics, sorted(re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}", "<uuid>", path) for path in files()), tags
+
+
+def test_mlflow_write_many_stores_what_writing_each_step_stores(tmp_path):
+    """One batched call and four single ones leave the same metric histories (values, steps, timestamps), media
+    files and run tags, read back with `MlflowClient`."""
+    runs = {}
+    for how in ("each", "many"):
+        backend = instrument.MlflowBackend(run_name=how)
+        root = tmp_path / how
+        backend.open(RunInfo(how, root))
+        records = [record.freeze() for record in _records()]
+        if how == "each":
+            for record in records:
+                backend.write(record)
+        else:
+            backend.write_many(records)
+        backend.close()
+        runs[how] = _read_run(root, how)
+    assert runs["each"] == runs["many"]
+    metrics, files, tags = runs["many"]
+    assert metrics["loss"] == [(0, 1.5, 1000000), (1, 1.25, 1001000), (2, 1.0, 1002000)]
+    assert "user/system/gpu" in metrics and "timing/fwd/mean" in metrics
+    assert any(path.startswith("text/note/") for path in files) and any(path.startswith("samples/") for path in files)
+    assert tags["instrument.media_step"] == "3"
+
+
+class Delayed:
+    """A loopback proxy to ``port`` that holds every chunk a client sends for ``delay`` seconds before passing it
+    on: each request to the server behind it takes at least that long, as to a distant server."""
+
+    def __init__(self, port: int, delay: float) -> None:
+        self.port, self.delay = port, delay
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.uri = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self._pipe, args=(client, server, self.delay), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, delay: float) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(delay)
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_distant_tracking_server_gets_every_step_of_a_loop_faster_than_its_requests(mlflow_server, tmp_path):
+    """150 steps 10 ms apart to a server 150 ms away: before, one request per step (at least 150 ms each) fell
+    further behind with every step and lost most of them; now each request takes every step waiting."""
+    uri, _ = mlflow_server
+    proxy = Delayed(int(uri.rsplit(":", 1)[1]), 0.15)
+    try:
+        mlflow_backend = instrument.MlflowBackend(tracking_uri=proxy.uri, run_name="distant", max_retries=0)
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), mlflow_backend], log_interval=1,
+                                          log_dir=str(tmp_path), run_name="distant", queue_size=128)
+        try:
+            for step in range(150):
+                with inst.step(step):
+                    inst.logger.log_metrics({"loss": step / 4}, step=step)
+                time.sleep(0.01)
+            inst.close(timeout=120)
+        finally:
+            inst.close()
+    finally:
+        proxy.close()
+    status, history = _history(uri, "distant")
+    assert status == "FINISHED"
+    assert history == [(step, step / 4) for step in range(150)]
+    assert inst.failures == {}
+    assert _steps(tmp_path / "distant" / "metrics.jsonl") == list(range(150))

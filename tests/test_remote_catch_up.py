@@ -16,6 +16,7 @@ import pytest
 import instrument
 from instrument.backends.base import RunInfo, SampleTable, StepRecord
 from instrument.backends.video import MediaWriteError
+from instrument.logger.lane import batches
 
 pytest.importorskip("mlflow")
 
@@ -25,15 +26,17 @@ from tests.test_remote_lanes import _history, _steps  # noqa: E402
 
 
 class Batching(instrument.Backend):
-    """Records every call's steps; its first write waits for ``gate``, so that the steps after it wait in the lane."""
+    """Records every call's steps; a flush waits for ``gate``, so that the steps after it wait in the lane."""
 
     remote = True
 
     def __init__(self, gate: threading.Event, fail=None):
         self.gate, self.fail, self.calls = gate, fail, []
 
-    def write(self, record):
+    def flush(self):
         self.gate.wait(60)
+
+    def write(self, record):
         self.calls.append(("write", [record.step]))
 
     def write_many(self, records):
@@ -43,13 +46,15 @@ class Batching(instrument.Backend):
 
 
 def _held_then_released(backend, tmp_path, steps: int = 10):
+    """A session whose ``steps`` steps waited in ``backend``'s lane behind a slow flush, then went on."""
     inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), backend], log_interval=1,
                                       log_dir=str(tmp_path), run_name="batch", queue_size=64, flush_secs=3600)
+    assert not inst.flush(timeout=0.2)  # the lane is held in that flush
     for step in range(steps):
         with inst.step(step):
             inst.logger.log_metrics({"loss": float(step)}, step=step)
     lane = inst.logger._writer._lanes.get(backend)
-    while lane.pending < steps - 1:  # the first step's write is under way, the others wait behind it
+    while lane.pending < steps:
         time.sleep(0.01)
     backend.gate.set()
     return inst
@@ -60,22 +65,23 @@ def test_the_steps_waiting_behind_a_slow_call_go_to_write_many_in_one_call_in_or
     inst = _held_then_released(backend, tmp_path)
     assert inst.flush(timeout=30)
     inst.close()
-    assert backend.calls == [("write", [0]), ("write_many", list(range(1, 10)))]
+    assert backend.calls == [("write_many", list(range(10)))]
     assert _steps(tmp_path / "batch" / "metrics.jsonl") == list(range(10))
     assert inst.failures == {}
 
 
-@pytest.mark.parametrize("fault, lost", [(OSError("the server said 503"), 9),
-                                         (MediaWriteError("1 image of steps 1-9 could not be written"), 1)])
-def test_a_write_many_that_raises_costs_each_step_it_held_or_one_for_media(tmp_path, caplog, fault, lost):
+@pytest.mark.parametrize("fault, lost", [(OSError("the server said 503"), 10),
+                                         (MediaWriteError("3 images of steps 0-9 could not be written", steps=3), 3)])
+def test_a_write_many_that_raises_costs_each_step_it_held_or_each_with_a_failed_media_value(tmp_path, caplog, fault,
+                                                                                           lost):
     """An exception loses every step of the call for that backend (each counted, as when written apart); a
-    `MediaWriteError` says the steps' scalars were written: one failure, as from `write`."""
+    `MediaWriteError` says the steps' scalars were written: one failure per step with a value that failed."""
     backend = Batching(threading.Event(), fail=fault)
     inst = _held_then_released(backend, tmp_path)
     assert not inst.flush(timeout=30)
     inst.close()
     assert inst.failures == {"Batching": lost}
-    said = [r for r in caplog.records if "failed in write()" in r.getMessage()]
+    said = [r for r in caplog.records if "failed in write_many()" in r.getMessage()]
     assert len(said) == 1  # reported once, the rest counted quietly
     assert _steps(tmp_path / "batch" / "metrics.jsonl") == list(range(10))
 
@@ -202,3 +208,127 @@ def test_a_distant_tracking_server_gets_every_step_of_a_loop_faster_than_its_req
     assert history == [(step, step / 4) for step in range(150)]
     assert inst.failures == {}
     assert _steps(tmp_path / "distant" / "metrics.jsonl") == list(range(150))
+
+
+class GatedMlflow(instrument.MlflowBackend):
+    """MLflow on a local store, driven as a remote backend; a flush waits for ``gate``."""
+
+    remote = True
+
+    def __init__(self, gate: threading.Event, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+
+    def flush(self):
+        self.gate.wait(60)
+
+
+def _loss_steps(root):
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_each_step_whose_text_mlflow_cannot_store_counts_once_whether_or_not_its_lane_fell_behind(tmp_path, behind):
+    """The artifact store lies under a regular file: every step's text fails and its scalars are written. Ten
+    steps are ten failures, written one by one or caught up in one call (a review found 2 for the second)."""
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    gate = threading.Event()
+    if not behind:
+        gate.set()
+    backend = GatedMlflow(gate, run_name="texts", artifact_location=(tmp_path / "blocker" / "art").as_uri())
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), backend], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="texts", queue_size=64, flush_secs=3600)
+    if behind:
+        assert not inst.flush(timeout=0.2)  # the lane is held in that flush
+    for step in range(10):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+            inst.logger.log_text("note", f"text {step}", step=step)
+        if not behind:
+            assert not inst.flush(timeout=30)
+    if behind:
+        lane = inst.logger._writer._lanes.get(backend)
+        while lane.pending < 10:
+            time.sleep(0.01)
+        gate.set()
+        assert not inst.flush(timeout=30)
+    inst.close()
+    assert inst.failures == {"GatedMlflow": 10}
+    assert _loss_steps(tmp_path) == list(range(10))
+
+
+def test_a_subclass_that_overrides_only_write_gets_every_step_through_it(tmp_path):
+    """A lane hands steps to `write_many` only where it is defined no higher than `write`: a subclass of MLflow's
+    that keeps even steps in its `write` keeps them also when its lane fell behind (a review found every step
+    written then)."""
+
+    class EvenOnly(instrument.MlflowBackend):
+        remote = True
+        gate = threading.Event()
+
+        def flush(self):
+            self.gate.wait(60)  # a slow call: the steps after it wait in the lane
+
+        def write(self, record):
+            if record.step % 2 == 0:
+                super().write(record)
+
+    class Batched(EvenOnly):
+        def write_many(self, records):
+            super().write_many([record for record in records if record.step % 2 == 0])
+
+    assert not batches(EvenOnly) and batches(Batched) and batches(instrument.MlflowBackend)
+    assert not batches(instrument.JsonlBackend)
+    backend = EvenOnly(run_name="even")
+    inst = instrument.Instrumentation(backends=[backend], log_interval=1, log_dir=str(tmp_path), run_name="even",
+                                      queue_size=64, flush_secs=3600)
+    assert not inst.flush(timeout=0.2)  # its lane is held in flush()
+    for step in range(10):
+        with inst.step(step):
+            inst.logger.log_metrics({"loss": float(step)}, step=step)
+    lane = inst.logger._writer._lanes.get(backend)
+    while lane.pending < 10:
+        time.sleep(0.01)
+    EvenOnly.gate.set()
+    inst.close()
+    assert _loss_steps(tmp_path) == [0, 2, 4, 6, 8]
+
+
+def test_a_close_that_gives_up_counts_the_steps_inside_the_call_under_way(tmp_path, caplog):
+    """Steps handed to a `write_many` that hangs are not written either: the message counts them (it said 0)."""
+
+    class Hanging(instrument.Backend):
+        remote = True
+        held, hung = threading.Event(), threading.Event()
+
+        def flush(self):
+            self.held.wait(60)  # a slow call: the steps after it wait in the lane
+
+        def write(self, record):
+            self.hung.wait(60)
+
+        def write_many(self, records):
+            self.hung.wait(60)
+
+    backend = Hanging()
+    inst = instrument.Instrumentation(backends=[backend], log_interval=1, log_dir=str(tmp_path), run_name="hung",
+                                      queue_size=64, flush_secs=3600)
+    try:
+        assert not inst.flush(timeout=0.2)
+        for step in range(10):
+            with inst.step(step):
+                inst.logger.log_metrics({"loss": float(step)}, step=step)
+        lane = inst.logger._writer._lanes.get(backend)
+        while lane.pending < 10:
+            time.sleep(0.01)
+        Hanging.held.set()  # the ten steps go to one write_many, which hangs
+        while lane.in_call < 10:
+            time.sleep(0.01)
+        inst.close(timeout=0.5)
+    finally:
+        Hanging.held.set()
+        Hanging.hung.set()
+    (said,) = [r.getMessage() for r in caplog.records if "gave up after 0.5s" in r.getMessage()]
+    assert "was still in write_many() with 10 record(s) on its own thread, and 10 record(s)" in said

@@ -243,11 +243,12 @@ class Backend:
         under way (`instrument.logger.lane`). Override it in a backend whose every call is a request to a server,
         to send them in as few requests as the server takes (MLflow: one ``log_batch`` holds 1,000 metrics of
         any steps): a lane then keeps up with steps that come faster than one request each. Only a lane calls
-        it, and only where a backend overrides it; the default writes each record.
+        it, and only where a class defines it no higher than `write` (a subclass that overrides only ``write``
+        gets every step through it); the default writes each record.
 
         An exception counts every record of the call as failed (lost for this backend; none is written
         again), except a `MediaWriteError`, which says that every step's scalars were written and some media
-        values were not: one failure, as from `write`."""
+        values were not: one failure per step with a value that failed (its ``steps``), as from `write`."""
         for record in records:
             self.write(record)
 

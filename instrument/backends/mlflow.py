@@ -342,17 +342,20 @@ class MlflowBackend(Backend):
         with self._bounded():
             self._send_metrics([metric for record in records for metric in self._metrics(
                 self._training_scalars(record), record.step, record.wall_time)])
+            steps = 0  # those with a value that failed: each is a failure, as when written apart
             for record in records:
-                failed += self._write_media(record, len(records) > 1)
+                media = self._write_media(record, len(records) > 1)
+                failed += media
+                steps += bool(media)
             bare = [record.step for record in records if not record.scalars and not record.timings]
-            if bare:  # no metric history holds that step: a resume must know it
-                self.client.set_tag(self.run_id, LAST_STEP_TAG, str(max(bare)))
             try:
+                if bare:  # no metric history holds that step: a resume must know it
+                    self.client.set_tag(self.run_id, LAST_STEP_TAG, str(max(bare)))
                 self._write_name_tags()
-            except Exception as exc:  # sent again with the next record; the step's values are written
-                failed.append(("the run tags of its keys' MLflow names", exc))
-            steps = records[0].step if len(records) == 1 else f"{records[0].step}-{records[-1].step}"
-            raise_failures(self.name, steps, failed, "media value(s) or name tag(s)")
+            except Exception as exc:  # the name tags are sent again with the next record; the values are written
+                failed.append(("the run tags of its last media-only step or its keys' MLflow names", exc))
+            span = records[0].step if len(records) == 1 else f"{records[0].step}-{records[-1].step}"
+            raise_failures(self.name, span, failed, "media value(s) or run tag(s)", steps=max(1, steps))
 
     def _training_scalars(self, record: StepRecord) -> Dict[str, float]:
         scalars = record.flat_scalars()

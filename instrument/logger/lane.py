@@ -39,7 +39,7 @@ from instrument.backends.held import let_go
 from instrument.backends.video import MediaWriteError
 from instrument.logger.opening import open_backend, reopening_call
 
-__all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "running_writers"]
+__all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "batches", "running_writers"]
 
 log = logging.getLogger("instrument")
 
@@ -59,6 +59,18 @@ class WriterThread(threading.Thread):
 def running_writers() -> List[threading.Thread]:
     """The writer threads of this process that are still running."""
     return [t for t in threading.enumerate() if isinstance(t, WriterThread) and t.is_alive()]
+
+
+def _definer(cls: type, name: str) -> type:
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+def batches(cls: type) -> bool:
+    """Whether a lane hands ``cls`` several steps in one `Backend.write_many` call: where it overrides it, and no
+    lower in its classes than `write` (a subclass that overrides only ``write``, to skip or change steps, gets
+    every step through it)."""
+    many = _definer(cls, "write_many")
+    return many is not Backend and issubclass(many, _definer(cls, "write"))
 
 
 class Lane:
@@ -88,7 +100,8 @@ class Lane:
         self.dropped = 0  # records dropped because the lane was full (the writer's thread only)
         self.unopened = False  # its open failed and it opens itself at a later record (`Backend.reopens`)
         self.running: Optional[Tuple[str, str]] = None  # the call under way: for a close that gives up on it
-        self._many = type(backend).write_many is not Backend.write_many  # it sends waiting steps together
+        self._many = batches(type(backend))  # it sends the steps waiting in its lane together
+        self.in_call = 0  # records in the call under way (several in a `Backend.write_many`)
         self._thread = WriterThread(target=self._run, name=f"instrument-lane-{self.name}", daemon=True)
         self._thread.start()
 
@@ -262,22 +275,23 @@ class Lane:
         """`Backend.write_many`; an exception costs every record of the call (a `MediaWriteError` one: the steps'
         scalars were written)."""
         ledger = self._writer.ledger
-        self.running = (self.name, "write")
+        self.running, self.in_call = (self.name, "write_many"), len(records)
         try:
             self.backend.write_many(records)
         except ledger.catch as exc:
-            lost = 1 if isinstance(exc, MediaWriteError) else len(records)
-            ledger.record(self.name, "write", exc)
-            for _ in range(lost - 1):  # each step lost counts, as when each was written apart
-                ledger.record(self.name, "write", quiet=True)
+            # each step that failed counts, as when each was written apart
+            lost = min(len(records), max(1, exc.steps)) if isinstance(exc, MediaWriteError) else len(records)
+            ledger.record(self.name, "write_many", exc)
+            for _ in range(lost - 1):
+                ledger.record(self.name, "write_many", quiet=True)
             self.failed += lost
         finally:
-            self.running = None
+            self.running, self.in_call = None, 0
         return False
 
     def _call(self, method: str, args: tuple) -> bool:
         ledger = self._writer.ledger
-        self.running = (self.name, method)
+        self.running, self.in_call = (self.name, method), int(method in DROPPABLE)
         try:
             getattr(self.backend, method)(*args)
             return True
@@ -285,7 +299,7 @@ class Lane:
             ledger.record(self.name, method, exc)
             return False
         finally:
-            self.running = None
+            self.running, self.in_call = None, 0
 
 
 class Lanes:
@@ -358,10 +372,11 @@ class Lanes:
         for lane in self.made:
             lane.join()
 
-    def running(self) -> Optional[Tuple[str, str, int]]:
-        """The call one of the lanes is making, if any, and the records waiting for it (for a close that gives
-        up waiting)."""
-        return next(((*lane.running, lane.pending) for lane in self.made if lane.running is not None), None)
+    def running(self) -> Optional[Tuple[str, str, int, int]]:
+        """The call one of the lanes is making, if any, the records waiting for it and those in the call (for a
+        close that gives up waiting)."""
+        return next(((*lane.running, lane.pending, lane.in_call) for lane in self.made if lane.running is not None),
+                    None)
 
     def disown(self) -> None:
         for lane in self.made:

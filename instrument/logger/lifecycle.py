@@ -221,16 +221,18 @@ def _owned_here(lock: Any) -> bool:
 
 def say_gave_up(timeout: Optional[float], running: Optional[Any], queued: int, lane: Optional[Any] = None) -> None:
     """A close that timed out returns with steps unwritten (`Writer.close`): say how many, and which backend call
-    (``running``: the ledger's ``(name, method)``, or None) held it; ``lane``: ``(name, method, waiting)`` of a
-    remote backend's call under way on its own thread, whose waiting records the other backends have."""
+    (``running``: the ledger's ``(name, method)``, or None) held it; ``lane``: ``(name, method, waiting, in_call)``
+    of a remote backend's call under way on its own thread (holding ``in_call`` records: several, a lane's
+    `Backend.write_many`), whose records the other backends have."""
     if running is None and lane is not None:
+        name, method, waiting, in_call = lane
         log.warning(
-            "instrument: closing the logger gave up after %gs: remote backend %r was still in %s() on its own "
+            "instrument: closing the logger gave up after %gs: remote backend %r was still in %s()%s on its own "
             "thread, and %d record(s) waiting for it alone were not written to it yet (the other backends have "
             "them). They are written if that call returns, while this process runs (the run folder stays locked "
             "until then); a process that ends first loses them. Pass a longer timeout to close() (or none, to "
             "wait) to keep them.",
-            timeout, lane[0], lane[1], lane[2],
+            timeout, name, method, f" with {in_call} record(s)" if in_call > 1 else "", waiting + in_call,
         )
         return
     held = (f"backend {running[0]!r} was still in {running[1]}()" if running is not None

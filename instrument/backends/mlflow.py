@@ -344,9 +344,18 @@ class MlflowBackend(Backend):
                 self._training_scalars(record), record.step, record.wall_time)])
             steps = 0  # those with a value that failed: each is a failure, as when written apart
             for record in records:
+                if time.monotonic() < self._unreachable_until:  # a media request of an earlier step found it dead
+                    if _has_media(record):  # not waited for again per step (as `_bounded` skips a later write)
+                        failed.append((f"step {record.step} media", _Waiting(
+                            f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s "
+                            f"ago; this step's media values were skipped (retry_after)")))
+                        steps += 1
+                    continue
                 media = self._write_media(record, len(records) > 1)
                 failed += media
                 steps += bool(media)
+                if any(is_unreachable(exc) for _, exc in media):
+                    self._unreachable_until = time.monotonic() + self.retry_after
             bare = [record.step for record in records if not record.scalars and not record.timings]
             try:
                 if bare:  # no metric history holds that step: a resume must know it
@@ -442,6 +451,10 @@ class MlflowBackend(Backend):
             f"MlflowBackend(tracking_uri={self.tracking_uri!r}, experiment_name={self.experiment_name!r}, "
             f"run_name={self.run_name!r})"
         )
+
+
+def _has_media(record: StepRecord) -> bool:
+    return bool(any(v is not None for v in record.images.values()) or record.texts or record.videos or record.samples)
 
 
 def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -24,7 +24,7 @@ class MediaWriteError(RuntimeError):
     of that record was. ``steps``: how many steps had a value that failed (several records written in one
     `Backend.write_many` call); each counts as a failure of the backend, as when written apart."""
 
-    def __init__(self, message: str, steps: int = 1) -> None:
+    def __init__(self, message: str = "", steps: int = 1) -> None:
         super().__init__(message)
         self.steps = steps
 

@@ -275,7 +275,8 @@ class Lane:
         """`Backend.write_many`; an exception costs every record of the call (a `MediaWriteError` one: the steps'
         scalars were written)."""
         ledger = self._writer.ledger
-        self.running, self.in_call = (self.name, "write_many"), len(records)
+        self.in_call = len(records)  # before `running`, which a close that gives up reads first
+        self.running = (self.name, "write_many")
         try:
             self.backend.write_many(records)
         except ledger.catch as exc:
@@ -291,7 +292,8 @@ class Lane:
 
     def _call(self, method: str, args: tuple) -> bool:
         ledger = self._writer.ledger
-        self.running, self.in_call = (self.name, method), int(method in DROPPABLE)
+        self.in_call = int(method in DROPPABLE)
+        self.running = (self.name, method)
         try:
             getattr(self.backend, method)(*args)
             return True
@@ -375,8 +377,11 @@ class Lanes:
     def running(self) -> Optional[Tuple[str, str, int, int]]:
         """The call one of the lanes is making, if any, the records waiting for it and those in the call (for a
         close that gives up waiting)."""
-        return next(((*lane.running, lane.pending, lane.in_call) for lane in self.made if lane.running is not None),
-                    None)
+        for lane in self.made:
+            running = lane.running  # read once: the lane's thread may end the call meanwhile
+            if running is not None:
+                return (*running, lane.pending, lane.in_call)
+        return None
 
     def disown(self) -> None:
         for lane in self.made:

@@ -45,10 +45,9 @@ class Batching(instrument.Backend):
             raise self.fail
 
 
-def _held_then_released(backend, tmp_path, steps: int = 10):
-    """A session whose ``steps`` steps waited in ``backend``'s lane behind a slow flush, then went on."""
-    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), backend], log_interval=1,
-                                      log_dir=str(tmp_path), run_name="batch", queue_size=64, flush_secs=3600)
+def _queued_behind_a_flush(inst, backend, steps: int = 10):
+    """Commit ``steps`` steps while ``backend``'s flush (held by the test) holds its lane: they all wait in it.
+    Returns the lane."""
     assert not inst.flush(timeout=0.2)  # the lane is held in that flush
     for step in range(steps):
         with inst.step(step):
@@ -56,6 +55,14 @@ def _held_then_released(backend, tmp_path, steps: int = 10):
     lane = inst.logger._writer._lanes.get(backend)
     while lane.pending < steps:
         time.sleep(0.01)
+    return lane
+
+
+def _held_then_released(backend, tmp_path, steps: int = 10):
+    """A session whose ``steps`` steps waited in ``backend``'s lane behind a slow flush, then went on."""
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(), backend], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="batch", queue_size=64, flush_secs=3600)
+    _queued_behind_a_flush(inst, backend, steps)
     backend.gate.set()
     return inst
 
@@ -284,13 +291,7 @@ def test_a_subclass_that_overrides_only_write_gets_every_step_through_it(tmp_pat
     backend = EvenOnly(run_name="even")
     inst = instrument.Instrumentation(backends=[backend], log_interval=1, log_dir=str(tmp_path), run_name="even",
                                       queue_size=64, flush_secs=3600)
-    assert not inst.flush(timeout=0.2)  # its lane is held in flush()
-    for step in range(10):
-        with inst.step(step):
-            inst.logger.log_metrics({"loss": float(step)}, step=step)
-    lane = inst.logger._writer._lanes.get(backend)
-    while lane.pending < 10:
-        time.sleep(0.01)
+    _queued_behind_a_flush(inst, backend)
     EvenOnly.gate.set()
     inst.close()
     assert _loss_steps(tmp_path) == [0, 2, 4, 6, 8]
@@ -316,13 +317,7 @@ def test_a_close_that_gives_up_counts_the_steps_inside_the_call_under_way(tmp_pa
     inst = instrument.Instrumentation(backends=[backend], log_interval=1, log_dir=str(tmp_path), run_name="hung",
                                       queue_size=64, flush_secs=3600)
     try:
-        assert not inst.flush(timeout=0.2)
-        for step in range(10):
-            with inst.step(step):
-                inst.logger.log_metrics({"loss": float(step)}, step=step)
-        lane = inst.logger._writer._lanes.get(backend)
-        while lane.pending < 10:
-            time.sleep(0.01)
+        lane = _queued_behind_a_flush(inst, backend)
         Hanging.held.set()  # the ten steps go to one write_many, which hangs
         while lane.in_call < 10:
             time.sleep(0.01)

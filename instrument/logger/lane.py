@@ -272,8 +272,8 @@ class Lane:
         return method == "close"
 
     def _write_many(self, records: List[Any]) -> bool:
-        """`Backend.write_many`; an exception costs every record of the call (a `MediaWriteError` one: the steps'
-        scalars were written)."""
+        """`Backend.write_many`; an exception costs every record of the call, a `MediaWriteError` one per step with
+        a media value that failed (their scalars were written)."""
         ledger = self._writer.ledger
         self.in_call = len(records)  # before `running`, which a close that gives up reads first
         self.running = (self.name, "write_many")

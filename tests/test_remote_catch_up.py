@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import instrument
-from instrument.backends.base import RunInfo, SampleTable, StepRecord
+from instrument.backends.base import PartialWriteError, RunInfo, SampleTable, StepRecord
 from instrument.backends.video import MediaWriteError
 from instrument.logger.lane import batches
 
@@ -78,7 +78,8 @@ def test_the_steps_waiting_behind_a_slow_call_go_to_write_many_in_one_call_in_or
 
 
 @pytest.mark.parametrize("fault, lost", [(OSError("the server said 503"), 10),
-                                         (MediaWriteError("3 images of steps 0-9 could not be written", steps=3), 3)])
+                                         (MediaWriteError("3 images of steps 0-9 could not be written", steps=3), 3),
+                                         (PartialWriteError("the metrics of steps 4-7 were refused", steps=4), 4)])
 def test_a_write_many_that_raises_costs_each_step_it_held_or_each_with_a_failed_media_value(tmp_path, caplog, fault,
                                                                                            lost):
     """An exception loses every step of the call for that backend (each counted, as when written apart); a
@@ -351,3 +352,72 @@ def test_a_batch_whose_media_find_the_server_dead_waits_for_it_once(tmp_path, mo
 
 def test_a_media_write_error_raised_bare_is_one_failing_step():
     assert MediaWriteError().steps == 1 and str(MediaWriteError("x", steps=3)) == "x"
+
+
+def _wide(step: int, wall_time: float = 1000.0, **media) -> StepRecord:
+    """A step of 400 metrics: 1,000 metrics to a request, so that steps share requests."""
+    return StepRecord(step=step, scalars={f"k{j:03d}": float(step) for j in range(400)}, wall_time=wall_time,
+                      **media).freeze()
+
+
+def _series(root, key):
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+    texts = sorted(item.path for item in client.list_artifacts(run.info.run_id, "text/note"))
+    return steps, texts
+
+
+def test_a_metric_request_the_store_refuses_costs_only_the_steps_with_a_metric_in_it(tmp_path):
+    """Six steps of 400 metrics go in three requests; the store refuses the second (step 3's timestamp is more than
+    SQLite holds): steps 2-4 fail, and 0, 1 and 5 are written whole, media too (every step counted as lost before,
+    although most were stored)."""
+    backend = instrument.MlflowBackend(run_name="refused")
+    backend.open(RunInfo("refused", tmp_path))
+    records = [_wide(i, 1e30 if i == 3 else 1000.0 + i, texts={"note": f"text {i}"}) for i in range(6)]
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many(records)
+    backend.close()
+    assert raised.value.steps == 3 and not isinstance(raised.value, MediaWriteError)
+    assert "'the metrics of steps 2-4'" in str(raised.value) and "of steps 0-5" in str(raised.value)
+    assert _series(tmp_path, "k000") == ([0, 1, 2, 5], ["text/note/step_00000000.txt", "text/note/step_00000001.txt",
+                                                       "text/note/step_00000005.txt"])
+    assert _series(tmp_path, "k399")[0] == [0, 1, 5]  # step 2's first metrics went in the request that was stored
+
+
+def test_a_call_whose_every_metric_request_fails_raises_what_the_store_raised(tmp_path):
+    """Nothing of the call was written: its own exception, every step lost, as a single write raises it."""
+    backend = instrument.MlflowBackend(run_name="none")
+    backend.open(RunInfo("none", tmp_path))
+    with pytest.raises(Exception, match="too large") as raised:
+        backend.write_many([_wide(0, 1e30), _wide(1, 1e30)])
+    backend.close()
+    assert not isinstance(raised.value, PartialWriteError)
+
+
+def test_a_metric_request_that_finds_the_server_gone_skips_the_rest_of_the_call(tmp_path, monkeypatch):
+    """The second of four requests cannot reach the server: the third and fourth are not made (each would wait out
+    the timeout again), nor step 1's text or the run tags; step 0 whole and step 1's metrics are stored."""
+    backend = instrument.MlflowBackend(run_name="gone", retry_after=3600)
+    backend.open(RunInfo("gone", tmp_path))
+    sent, log_batch = [], backend.client.log_batch
+
+    def once_then_gone(*args, **kwargs):
+        sent.append(kwargs)
+        if len(sent) > 1:
+            raise ConnectionError("connection refused")
+        return log_batch(*args, **kwargs)
+
+    monkeypatch.setattr(backend.client, "log_batch", once_then_gone)
+    records = [_wide(i, texts={"note": "text"} if i == 1 else {}) for i in range(8)]
+    records[0] = StepRecord(step=0, scalars={**records[0].scalars, "odd name!": 1.0}, wall_time=1000.0).freeze()
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many(records)
+    assert len(sent) == 2 and all("metrics" in kwargs for kwargs in sent)
+    assert raised.value.steps == 7  # 1 (its text skipped), and 2-7
+    assert "skipped (retry_after)" in str(raised.value)
+    monkeypatch.undo()
+    backend.close()
+    assert _series(tmp_path, "k000") == ([0, 1, 2], [])  # step 2's first 200 metrics were in the first request
+    assert _series(tmp_path, "k399")[0] == [0, 1]
+    assert len(_series(tmp_path, "odd name_")[0]) == 1

@@ -1,6 +1,6 @@
 """One module per destination; each imports its SDK lazily, so importing this package imports none."""
 
-from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
+from instrument.backends.base import Backend, PartialWriteError, RunInfo, SampleTable, StepRecord
 from instrument.backends.console import ConsoleBackend
 from instrument.backends.history import RunHistoryBackend
 from instrument.backends.jsonl import JsonlBackend
@@ -14,6 +14,7 @@ __all__ = [
     "ConsoleBackend",
     "JsonlBackend",
     "MlflowBackend",
+    "PartialWriteError",
     "ProgressBar",
     "RunHistoryBackend",
     "RunInfo",

@@ -33,8 +33,8 @@ import numpy as np
 from instrument.errors import ConfigurationError
 
 __all__ = [
-    "USER_HEAD", "Backend", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_apart", "check_backends",
-    "name_apart", "strip_user", "under_user",
+    "USER_HEAD", "Backend", "PartialWriteError", "ReadOnlyDict", "RunInfo", "SampleTable", "StepRecord", "check_apart",
+    "check_backends", "name_apart", "strip_user", "under_user",
 ]
 
 log = logging.getLogger("instrument")
@@ -204,6 +204,17 @@ def _is_timer_key(key: str) -> bool:
 _TIMER_STATS = frozenset({"mean", "min", "max", "count"})
 
 
+class PartialWriteError(RuntimeError):
+    """Part of what a `Backend.write` or `Backend.write_many` call was given could not be written; the rest was.
+    ``steps``: how many of the call's steps had something that failed; each counts as one failure of the
+    backend, as when each step is written apart (any other exception from `Backend.write_many` counts every step
+    of the call). `instrument.backends.video.MediaWriteError` is the one for media values."""
+
+    def __init__(self, message: str = "", steps: int = 1) -> None:
+        super().__init__(message)
+        self.steps = steps
+
+
 class Backend:
     """Base class for destinations. Override `write`; the other methods default to doing nothing.
 
@@ -247,8 +258,8 @@ class Backend:
         gets every step through it); the default writes each record.
 
         An exception counts every record of the call as failed (lost for this backend; none is written
-        again), except a `MediaWriteError`, which says that every step's scalars were written and some media
-        values were not: one failure per step with a value that failed (its ``steps``), as from `write`."""
+        again), except a `PartialWriteError` (a `MediaWriteError` among them), which says that the rest was
+        written: one failure per step with something that failed (its ``steps``), as from `write`."""
         for record in records:
             self.write(record)
 

@@ -9,7 +9,7 @@ import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from instrument.backends.base import Backend, RunInfo, StepRecord, under_user
+from instrument.backends.base import Backend, PartialWriteError, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
 from instrument.backends.mlflow_store import (
@@ -21,10 +21,10 @@ from instrument.backends.mlflow_store import (
     last_step,
 )
 from instrument.backends.store_lock import held
-from instrument.backends.video import encode_gif, raise_failures, write_each
+from instrument.backends.video import MediaWriteError, encode_gif, raise_failures, write_each
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
-from instrument.terminal.samples import cell
+from instrument.terminal.samples import cell, columns
 
 __all__ = ["MlflowBackend"]
 
@@ -283,9 +283,6 @@ class MlflowBackend(Backend):
                 self.client.log_text(self.run_id, text, "config/operative_config.gin")
             self._write_name_tags()  # last: a tag that fails costs none of the above
 
-    def _log_metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> None:
-        self._send_metrics(self._metrics(scalars, step, wall_time))
-
     def _metrics(self, scalars: Mapping[str, float], step: int, wall_time: float) -> list:
         Metric = self._entities.Metric
         timestamp = int(wall_time * 1000)
@@ -332,7 +329,9 @@ class MlflowBackend(Backend):
 
     def write_many(self, records: Sequence[StepRecord]) -> None:
         """The steps' metrics in as few ``log_batch`` requests as MLflow takes (1,000 metrics of any steps in
-        each), then each step's media: a lane catching up on a slow server sends what waited in one request."""
+        each), then each step's media: a lane catching up on a slow server sends what waited in one request.
+        A request that fails costs the steps with a metric in it (their media are not sent: as when each step is
+        written apart); the others are written, and `PartialWriteError` counts the steps that failed."""
         self._ensure_open()
         if self._written is not None:  # a resumed run: MLflow holds these steps from before the crash (no duplicates)
             records = [record for record in records if record.step > self._written]
@@ -340,31 +339,64 @@ class MlflowBackend(Backend):
             return
         failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
         with self._bounded():
-            self._send_metrics([metric for record in records for metric in self._metrics(
-                self._training_scalars(record), record.step, record.wall_time)])
-            steps = 0  # those with a value that failed: each is a failure, as when written apart
-            for record in records:
-                if time.monotonic() < self._unreachable_until:  # a media request of an earlier step found it dead
+            lost = self._send_steps(records, failed)  # the indices of the records whose metrics failed
+            metrics = bool(lost)
+            for i, record in enumerate(records):
+                if i in lost:
+                    continue
+                if time.monotonic() < self._unreachable_until:  # a request of an earlier step found it dead
                     if _has_media(record):  # not waited for again per step (as `_bounded` skips a later write)
                         failed.append((f"step {record.step} media", _Waiting(
                             f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s "
                             f"ago; this step's media values were skipped (retry_after)")))
-                        steps += 1
+                        lost.add(i)
                     continue
                 media = self._write_media(record, len(records) > 1)
                 failed += media
-                steps += bool(media)
+                if media:
+                    lost.add(i)
                 if any(is_unreachable(exc) for _, exc in media):
                     self._unreachable_until = time.monotonic() + self.retry_after
-            bare = [record.step for record in records if not record.scalars and not record.timings]
+            bare = [r.step for i, r in enumerate(records) if i not in lost and not r.scalars and not r.timings]
             try:
+                if time.monotonic() < self._unreachable_until:  # found dead in this call: not waited for again
+                    raise _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
+                                   f"{self.retry_after:g} s ago; these run tags were skipped (retry_after)")
                 if bare:  # no metric history holds that step: a resume must know it
                     self.client.set_tag(self.run_id, LAST_STEP_TAG, str(max(bare)))
                 self._write_name_tags()
             except Exception as exc:  # the name tags are sent again with the next record; the values are written
                 failed.append(("the run tags of its last media-only step or its keys' MLflow names", exc))
             span = records[0].step if len(records) == 1 else f"{records[0].step}-{records[-1].step}"
-            raise_failures(self.name, span, failed, "media value(s) or run tag(s)", steps=max(1, steps))
+            raise_failures(self.name, span, failed, "metric request(s), media value(s) or run tag(s)" if metrics
+                           else "media value(s) or run tag(s)", steps=max(1, len(lost)),
+                           error=PartialWriteError if metrics else MediaWriteError)
+
+    def _send_steps(self, records: Sequence[StepRecord], failed: List[Tuple[str, Exception]]) -> set:
+        """Every step's metrics, 1,000 to a request; the indices of the records with a metric in a request that
+        failed (its failure added to ``failed``). Once one finds the server unreachable the rest are not sent
+        (each would wait for it again); when every request fails, its exception is raised as it is."""
+        items = [(i, metric) for i, record in enumerate(records)
+                 for metric in self._metrics(self._training_scalars(record), record.step, record.wall_time)]
+        lost: set = set()
+        for start in range(0, len(items), _METRICS_PER_BATCH):
+            part = items[start : start + _METRICS_PER_BATCH]
+            steps = {i for i, _ in part}
+            if time.monotonic() < self._unreachable_until:  # an earlier request of this call found it dead
+                lost |= steps
+                continue
+            try:
+                self.client.log_batch(self.run_id, metrics=[metric for _, metric in part])
+            except Exception as exc:
+                if len(steps | lost) == len(records):
+                    raise  # no step of the call was written whole: the call failed, as a single write does
+                lost |= steps
+                first, last = records[min(steps)].step, records[max(steps)].step
+                failed.append((f"the metrics of step {first}" if first == last else
+                               f"the metrics of steps {first}-{last}", exc))
+                if is_unreachable(exc):
+                    self._unreachable_until = time.monotonic() + self.retry_after
+        return lost
 
     def _training_scalars(self, record: StepRecord) -> Dict[str, float]:
         scalars = record.flat_scalars()
@@ -423,7 +455,7 @@ class MlflowBackend(Backend):
     def write_system(self, record: StepRecord) -> None:
         self._ensure_open()
         with self._bounded():
-            self._log_metrics(record.scalars, record.step, record.wall_time)
+            self._send_metrics(self._metrics(record.scalars, record.step, record.wall_time))
             self._write_name_tags()
 
     def flush(self) -> None:
@@ -460,15 +492,8 @@ def _has_media(record: StepRecord) -> bool:
 def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """``{"columns", "data"}`` of a samples table, every cell a JSON value (checked here, so a value JSON
     cannot hold costs that table only)."""
-    columns = _columns(rows)
-    data = {"columns": columns, "data": [[cell(row.get(c)) for c in columns] for row in rows]}
+    names = columns(rows)
+    data = {"columns": names, "data": [[cell(row.get(c)) for c in names] for row in rows]}
     json.dumps(data, allow_nan=False)
     return data
-
-
-def _columns(rows: List[Dict[str, Any]]) -> List[str]:
-    columns: List[str] = []
-    for row in rows:
-        columns += [c for c in row if c not in columns]
-    return columns
 

@@ -12,21 +12,19 @@ before it into that frame's delay, so a video that holds still has fewer, longer
 """
 
 import io
-from typing import Callable, List, Tuple, Union
+from typing import Callable, List, Tuple, Type, Union
 
 import numpy as np
+
+from instrument.backends.base import PartialWriteError
 
 __all__ = ["encode_gif", "filmstrip", "write_each", "raise_failures", "MediaWriteError", "VideoWriteError"]
 
 
-class MediaWriteError(RuntimeError):
+class MediaWriteError(PartialWriteError):
     """Some videos (or other media values: images, texts, tables) of a record could not be written; everything else
     of that record was. ``steps``: how many steps had a value that failed (several records written in one
     `Backend.write_many` call); each counts as a failure of the backend, as when written apart."""
-
-    def __init__(self, message: str = "", steps: int = 1) -> None:
-        super().__init__(message)
-        self.steps = steps
 
 
 VideoWriteError = MediaWriteError  # its first name, from when only videos were written one by one
@@ -85,16 +83,16 @@ def write_each(videos: dict, write: Callable[[str, np.ndarray, int], None]) -> L
 
 def raise_failures(
     backend: str, step: Union[int, str], failures: List[Tuple[str, Exception]], what: str = "video(s)",
-    steps: int = 1,
+    steps: int = 1, error: Type[PartialWriteError] = MediaWriteError,
 ) -> None:
-    """Raise one `MediaWriteError` naming every video (or other media value, ``what``) of the step that failed
-    (chained from the first). ``step``: ``"first-last"`` for several steps written in one call, ``steps`` of
-    which had a value that failed."""
+    """Raise one ``error`` naming every video (or other media value, ``what``) of the step that failed (chained
+    from the first). ``step``: ``"first-last"`` for several steps written in one call, ``steps`` of which had a
+    value that failed."""
     if not failures:
         return
     named = "; ".join(f"{key!r}: {type(exc).__name__}: {exc}" for key, exc in failures)
     one = isinstance(step, int)
-    raise MediaWriteError(
+    raise error(
         f"{backend}: {len(failures)} {what} of {'step' if one else 'steps'} {step} could not be written ({named}); "
         f"the rest of the {'step was' if one else 'steps were'} written.", steps=steps,
     ) from failures[0][1]

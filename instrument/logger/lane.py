@@ -34,9 +34,8 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from instrument.backends.base import Backend
+from instrument.backends.base import Backend, PartialWriteError
 from instrument.backends.held import let_go
-from instrument.backends.video import MediaWriteError
 from instrument.logger.opening import open_backend, reopening_call
 
 __all__ = ["Lane", "Lanes", "DROPPABLE", "WriterThread", "batches", "running_writers"]
@@ -272,8 +271,8 @@ class Lane:
         return method == "close"
 
     def _write_many(self, records: List[Any]) -> bool:
-        """`Backend.write_many`; an exception costs every record of the call, a `MediaWriteError` one per step with
-        a media value that failed (their scalars were written)."""
+        """`Backend.write_many`; an exception costs every record of the call, a `PartialWriteError` one per step
+        with something that failed (the rest was written)."""
         ledger = self._writer.ledger
         self.in_call = len(records)  # before `running`, which a close that gives up reads first
         self.running = (self.name, "write_many")
@@ -281,7 +280,7 @@ class Lane:
             self.backend.write_many(records)
         except ledger.catch as exc:
             # each step that failed counts, as when each was written apart
-            lost = min(len(records), max(1, exc.steps)) if isinstance(exc, MediaWriteError) else len(records)
+            lost = min(len(records), max(1, exc.steps)) if isinstance(exc, PartialWriteError) else len(records)
             ledger.record(self.name, "write_many", exc)
             for _ in range(lost - 1):
                 ledger.record(self.name, "write_many", quiet=True)

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import instrument
-from instrument.backends.hparams import order_params, unflatten_params
-from instrument.backends.tensorboard import hyperparameter_table
+from instrument.backends.hparams import hyperparameter_table, order_params, unflatten_params
 from tests.conftest import event_accumulator
 from tests.wandb_reader import read_run
 

@@ -128,6 +128,72 @@ def test_tensorboard_keeps_one_kind_of_value_per_tag(tmp_path, caplog):
     assert len(said) == 2
 
 
+def _tb_session(tmp_path, resume, state, steps):
+    """One process's part of run ``k``: ``steps`` of (step, scalars, histograms, images); returns its state."""
+    import torch
+
+    inst = instrument.Instrumentation(backends=[instrument.TensorBoardBackend()], run_name="k",
+                                      log_dir=str(tmp_path), resume=resume, log_interval=1)
+    if resume:
+        inst.load_state_dict(state)
+    for step, scalars, histograms, images in steps:
+        with inst.step(step):
+            inst.log(scalars)
+            for key in histograms:
+                inst.logger.log_histogram(key, torch.arange(5.0), step=step)
+            for key in images:
+                inst.logger.log_image(key, torch.zeros(4, 4), step=step)
+    saved = inst.state_dict()
+    inst.close()
+    return saved
+
+
+def test_tensorboard_keeps_each_tags_kind_across_a_resume(tmp_path, caplog):
+    """The kind each tag held lived in memory: a resumed run's first histogram of ``reward`` took the scalar's tag
+    (its scalars unreadable) and the scalar ``picture``, moved to ``picture/scalar`` beside the images, went back
+    under ``picture`` (its series split). They are now kept with the run (`TAGS_FILE`) and read back."""
+    from instrument.backends.tb_tags import TAGS_FILE
+
+    state = _tb_session(tmp_path, False, None, [(0, {"reward": 0.0}, [], ["picture"]),
+                                                (1, {"reward": 1.0, "picture": 1.0}, [], ["picture"])])
+    assert (tmp_path / "k" / TAGS_FILE).is_file()
+    _tb_session(tmp_path, True, state, [(2, {"picture": 2.0}, ["reward"], []), (3, {"reward": 3.0}, [], ["picture"])])
+    tb = read_scalars(tmp_path / "k")
+    assert tb["reward"] == {0: 0.0, 1: 1.0, 3: 3.0} and tb["picture/scalar"] == {1: 1.0, 2: 2.0}
+    assert "picture" not in tb
+    acc = event_accumulator(tmp_path / "k")
+    assert [e.step for e in acc.Histograms("reward/histogram")] == [2]
+    assert [e.step for e in acc.Images("picture")] == [0, 1, 3]
+
+
+def test_a_damaged_tags_file_is_ignored_with_one_warning_and_written_again(tmp_path, caplog):
+    from instrument.backends.tb_tags import TAGS_FILE
+
+    state = _tb_session(tmp_path, False, None, [(0, {"reward": 0.0}, [], [])])
+    path = tmp_path / "k" / TAGS_FILE
+    path.write_text('{"scalars": [1], "media": {}, "renamed": {}, "moved": [], "moved_scalars": []}')
+    _tb_session(tmp_path, True, state, [(1, {"loss": 1.0}, ["reward"], [])])
+    said = [r.getMessage() for r in caplog.records if "could not read back which kind" in r.getMessage()]
+    assert len(said) == 1 and "TypeError" in said[0]
+    assert "loss" in json.loads(path.read_text())["scalars"]  # what this process decided is saved whole again
+    assert "reward" in json.loads(path.read_text())["media"]  # the resumed run's histogram took the tag afresh
+
+
+def test_tag_kinds_come_back_whole_from_their_state():
+    from instrument.backends.tb_tags import TagKinds
+
+    kinds = TagKinds()
+    kinds.scalars({"a": 1.0, "b": 2.0})
+    assert kinds.media("image", "a", {}) == "a/image" and kinds.media("image", "c", {}) == "c"
+    assert kinds.text("table", "val", {}) == "val" and kinds.text("text", "val", {}) == "val/text"
+    assert kinds.scalars({"c": 3.0}) == {"c/scalar": 3.0}
+    back = TagKinds()
+    back.restore(kinds.state())
+    assert back.state() == kinds.state()
+    assert back.media("histogram", "b", {}) == "b/histogram" and back.scalars({"c": 1.0}) == {"c/scalar": 1.0}
+    assert back.text("text", "val", {}) == "val/text" and back.media("image", "a", {}) == "a/image"
+
+
 def test_keys_that_escape_alike_keep_their_names_across_a_resume(tmp_path):
     """``a\\udcff`` (a lone surrogate) is written escaped as the text ``a\\\\udcff``; a key that already is that text
     is numbered (``a\\\\udcff__2``). Those choices lived in memory: a run resumed in a new process numbered afresh,

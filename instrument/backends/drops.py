@@ -21,7 +21,8 @@ import numpy as np
 
 from instrument.core.names import numbered
 
-__all__ = ["Drops", "DroppedValue", "KEYS_FILE", "finite", "load_keys", "save_keys", "utf8", "utf8_keys", "describe"]
+__all__ = ["Drops", "DroppedValue", "KEYS_FILE", "finite", "load_keys", "read_state", "save_keys", "save_state", "utf8",
+           "utf8_keys", "describe"]
 
 log = logging.getLogger("instrument")
 
@@ -217,33 +218,45 @@ KEYS_FILE = "instrument-keys.json"  # `save_keys`: in a TensorBoard run's folder
 
 
 def save_keys(drops: Drops, folder: Any, saved: int) -> int:
-    """Write ``drops.key_state()`` to `KEYS_FILE` in ``folder`` when it changed since version ``saved`` (whole:
-    a temporary file replaces it); returns the version now saved. A write that fails is said once and tried
-    again at the next change."""
-    if drops.version == saved:
-        return saved
-    path = Path(folder) / KEYS_FILE
-    try:
-        part = path.with_name(path.name + ".part")
-        part.write_text(drops.key_state(), encoding="ascii")
-        os.replace(part, path)
-    except OSError as exc:
-        drops.say(str(path), "keys file", logging.WARNING,
-                  "instrument: %s could not write %s (%s); a resumed run may name its escaped keys afresh.",
-                  drops.backend, path, exc)
-        return saved
-    return drops.version
+    """Write ``drops.key_state()`` to `KEYS_FILE` in ``folder`` when it changed since version ``saved``; returns
+    the version now saved (`save_state`)."""
+    return save_state(drops, Path(folder) / KEYS_FILE, drops.key_state, drops.version, saved,
+                      "a resumed run may name its escaped keys afresh")
 
 
 def load_keys(drops: Drops, folder: Any) -> None:
     """Take back the names `save_keys` wrote in ``folder`` (a resumed run); none there: nothing to take."""
+    text = read_state(Path(folder) / KEYS_FILE)
+    if text is not None:
+        drops.restore_keys(text)
+
+
+def save_state(drops: Drops, path: Path, state: Callable[[], str], version: int, saved: int, lost: str) -> int:
+    """Write ``state()`` (ASCII) to ``path`` when ``version`` moved on from ``saved``, whole: a temporary file
+    replaces it, so a crash leaves the old state or the new one. Returns the version now saved. A write that
+    fails is said once (``lost``: what a resumed run then misses) and tried again at the next change."""
+    if version == saved:
+        return saved
     try:
-        text = (Path(folder) / KEYS_FILE).read_text(encoding="ascii")
+        part = path.with_name(path.name + ".part")
+        part.write_text(state(), encoding="ascii")
+        os.replace(part, path)
+    except OSError as exc:
+        drops.say(str(path), "state file", logging.WARNING, "instrument: %s could not write %s (%s); %s.",
+                  drops.backend, path, exc, lost)
+        return saved
+    return version
+
+
+def read_state(path: Path) -> Optional[str]:
+    """What `save_state` wrote at ``path``; None when there is none, a text that is not JSON when unreadable (its
+    reader says so and ignores it)."""
+    try:
+        return path.read_text(encoding="ascii")
     except FileNotFoundError:
-        return
+        return None
     except (OSError, ValueError) as exc:
-        text = f"unreadable: {exc}"
-    drops.restore_keys(text)
+        return f"unreadable: {exc}"
 
 
 def describe(value: Any) -> str:

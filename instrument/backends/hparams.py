@@ -7,7 +7,7 @@ module turns them back into what each destination shows best.
 import re
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
-__all__ = ["order_params", "split_name", "unflatten_params"]
+__all__ = ["hyperparameter_table", "order_params", "split_name", "unflatten_params"]
 
 
 def split_name(name: str) -> List[str]:
@@ -70,3 +70,27 @@ def order_params(names: Sequence[str]) -> List[str]:
     return sorted(names, key=rank)
 
 
+def hyperparameter_table(params: Mapping[str, Any]) -> str:
+    """A markdown table of the hyperparameters: training settings first, backend plumbing last.
+
+    A flat name ``section/Configurable.param`` is shown as two cells, where (``section/Configurable``) and
+    what (``param``), so a narrow column wraps between them, never inside a name.
+    """
+    rows = []
+    for name in order_params(list(params)):
+        where, _, leaf = _split_last(name)
+        rows.append(f"| {_cell(where)} | {_cell(leaf)} | {_cell(str(params[name]))} |")
+    return "| where | parameter | value |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def _cell(text: str) -> str:
+    """A markdown table cell: ``\\`` and ``|`` escaped (the backslash first: ``cat\\|dog`` or a cell ending in ``\\``
+    would cancel the pipe's escape and split the row) and line breaks as spaces, in names and values alike (a name's
+    ``|`` made a cell of its own, a newline broke the table). Display only: the hparams keep the names as given."""
+    text = text.replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
+
+
+def _split_last(name: str):
+    cut = max(name.rfind("/"), name.rfind("."))
+    return (name[:cut], name[cut], name[cut + 1 :]) if cut > 0 else ("", "", name)

@@ -7,12 +7,21 @@ keeps the kind a tag first takes for the process's run and moves a value of anot
 (``reward/histogram``, ``picture/scalar``, ``val/table``), with one warning per key, as W&B does. The backend's
 own texts (`RESERVED`: the hyperparameter table, the operative config) hold their tags from the start, so a
 user's text of that name moves too.
+
+A resumed run keeps them: `TagKinds.save` writes what was decided to `TAGS_FILE` beside the event files whenever it
+changes, and a resumed run's backend reads it back (`TagKinds.load`). Decided afresh, the first value of a tag after
+the resume took it, whatever it held before: a histogram under a scalar's tag (its scalars unreadable), or a scalar
+moved to ``picture/scalar`` before the crash back under ``picture``, beside the images (its series split in two).
 """
 
+import json
 import logging
+from pathlib import Path
 from typing import Any, Dict, Mapping, Set
 
-__all__ = ["RESERVED", "TEXT_TAG", "TagKinds"]
+from instrument.backends.drops import Drops, read_state, save_state
+
+__all__ = ["RESERVED", "TAGS_FILE", "TEXT_TAG", "TagKinds"]
 
 log = logging.getLogger("instrument")
 
@@ -20,6 +29,7 @@ TEXT_TAG = "/text_summary"  # what ``summary.text(key)`` appends: the tag of a t
 # The texts the backend writes itself (`TensorBoardBackend.log_hyperparams`) -> what they hold.
 RESERVED = {"hyperparameters": "its hyperparameter table", "config/operative": "the operative config"}
 _NOUNS = {"table": "samples table"}
+TAGS_FILE = "instrument-tags.json"  # `TagKinds.save`: in a TensorBoard run's folder, beside its event files
 
 
 class TagKinds:
@@ -34,6 +44,46 @@ class TagKinds:
         for key in RESERVED:  # the backend's own: a user's text (or any value) of that tag moves
             self._media_tags[key + TEXT_TAG] = "text"
             self._moved_tags.add(key + TEXT_TAG)
+        self.version = self._saved = 0  # the changes to what `state` returns; the version `save` last wrote
+
+    def state(self) -> str:
+        """What was decided, as ASCII JSON (`restore`)."""
+        return json.dumps({"scalars": sorted(self._scalar_tags), "media": self._media_tags, "renamed": self._renamed,
+                           "moved": sorted(self._moved_tags), "moved_scalars": sorted(self._moved_scalars)},
+                          sort_keys=True)
+
+    def restore(self, text: str) -> None:
+        """Take back what `state` returned, added to what this run decided; a text that is not such a state
+        changes nothing (one warning)."""
+        try:
+            state = json.loads(text)
+            scalars, moved, moved_scalars = (_strs(state[k]) for k in ("scalars", "moved", "moved_scalars"))
+            media = dict(state["media"])
+            renamed = {kind: dict(keys) for kind, keys in dict(state["renamed"]).items()}
+            names = [name for keys in renamed.values() for name in (*keys, *keys.values())]
+            _strs([*media, *media.values(), *renamed, *names])
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("instrument: TensorBoardBackend could not read back which kind of value each tag held before "
+                        "the resume (%s: %s); tags are given afresh.", type(exc).__name__, exc)
+            return
+        self._scalar_tags |= scalars
+        self._media_tags.update(media)
+        for kind, keys in renamed.items():
+            self._renamed.setdefault(kind, {}).update(keys)
+        self._moved_tags |= moved
+        self._moved_scalars |= moved_scalars
+        self.version += 1
+
+    def save(self, folder: Any, drops: Drops) -> None:
+        """Write `state` to `TAGS_FILE` in ``folder`` when it changed since the last save (`save_state`)."""
+        self._saved = save_state(drops, Path(folder) / TAGS_FILE, self.state, self.version, self._saved,
+                                 "a resumed run may give its tags afresh")
+
+    def load(self, folder: Any) -> None:
+        """Take back what `save` wrote in ``folder`` (a resumed run); none there: nothing to take."""
+        text = read_state(Path(folder) / TAGS_FILE)
+        if text is not None:
+            self.restore(text)
 
     def scalars(self, scalars: Mapping[str, float]) -> Mapping[str, float]:
         """The scalars under their tags: ``<key>/scalar`` for a key a media value of the run holds (one warning)."""
@@ -43,7 +93,9 @@ class TagKinds:
             # own ``pic/scalar`` logged after ``pic`` moved there): one tag never mixes two series
             scalars = {self._moved("scalar", k, scalars) if k in self._media_tags or k in self._moved_scalars else k: v
                        for k, v in scalars.items()}
-        self._scalar_tags.update(scalars)
+        if not self._scalar_tags.issuperset(scalars):
+            self._scalar_tags.update(scalars)
+            self.version += 1
         return scalars
 
     def media(self, kind: str, key: str, scalars: Mapping[str, float]) -> str:
@@ -65,6 +117,7 @@ class TagKinds:
             return self._renamed[kind][key]
         if tag not in self._media_tags and tag not in self._scalar_tags and tag not in scalars:
             self._media_tags[tag] = kind
+            self.version += 1
             return key
         return self._moved(kind, key, suffix=suffix)
 
@@ -76,6 +129,7 @@ class TagKinds:
                 number += 1
                 name = f"{key}/{kind}_{number}"
             moved[key] = name
+            self.version += 1
             tag = name + suffix
             if kind == "scalar":
                 self._moved_scalars.add(tag)
@@ -99,3 +153,11 @@ class TagKinds:
 
     def _taken(self, tag: str, row: Any) -> bool:
         return tag in self._scalar_tags or tag in self._media_tags or tag in row or tag in self._moved_scalars
+
+
+def _strs(items: Any) -> Set[str]:
+    """``items`` as a set of str; TypeError when one is not."""
+    items = set(items)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"a tag that is not a str among {sorted(map(repr, items))[:3]}")
+    return items

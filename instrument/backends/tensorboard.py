@@ -12,7 +12,7 @@ import numpy as np
 from instrument.backends.base import Backend, RunInfo, StepRecord
 from instrument.backends.crc32c import use_fast_checksums
 from instrument.backends.drops import Drops, finite, load_keys, save_keys, utf8, utf8_keys
-from instrument.backends.hparams import order_params
+from instrument.backends.hparams import hyperparameter_table
 from instrument.backends.png import encodable, encode_png
 from instrument.backends.tb_tags import TagKinds
 from instrument.backends.video import encode_gif, filmstrip, raise_failures, write_each
@@ -124,10 +124,11 @@ class TensorBoardBackend(Backend):
             self._tags, self._drops = TagKinds(), Drops(self.name)
             self._writer = self._new_writer()
         self._keys_saved = self._drops.version
-        # the names escaped keys took before a resume: each key's series goes on under its name (open(None) with a
+        # a resume: each key's series goes on under its name, each tag holds its kind of value (open(None) with a
         # log_dir of its own, as torch's own tools use it, has no run to resume)
         if run is not None and run.resume is not None:
             load_keys(self._drops, self.log_dir)
+            self._tags.load(self.log_dir)
 
     def _new_writer(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
@@ -213,8 +214,9 @@ class TensorBoardBackend(Backend):
     def write(self, record: StepRecord) -> None:
         try:
             self._guarded(lambda w: self._write(w, record))
-        finally:  # the names escaped keys took, for a resumed run (`instrument.backends.drops.save_keys`)
+        finally:  # the names escaped keys took and each tag's kind, for a resumed run (`save_keys`, `TagKinds.save`)
             self._keys_saved = save_keys(self._drops, self.log_dir, self._keys_saved)
+            self._tags.save(self.log_dir, self._drops)
 
     def _write(self, w, record: StepRecord) -> None:
         """Each image, histogram, text and samples table is converted to its summary on its own, so one that
@@ -389,27 +391,6 @@ def _event_thread(writer) -> Any:
     return getattr(async_writer, "_worker", None)
 
 
-def hyperparameter_table(params: Mapping[str, Any]) -> str:
-    """A markdown table of the hyperparameters: training settings first, backend plumbing last.
-
-    A flat name ``section/Configurable.param`` is shown as two cells, where (``section/Configurable``) and
-    what (``param``), so a narrow column wraps between them, never inside a name.
-    """
-    rows = []
-    for name in order_params(list(params)):
-        where, _, leaf = _split_last(name)
-        rows.append(f"| {_cell(where)} | {_cell(leaf)} | {_cell(str(params[name]))} |")
-    return "| where | parameter | value |\n|---|---|---|\n" + "\n".join(rows)
-
-
-def _cell(text: str) -> str:
-    """A markdown table cell: ``\\`` and ``|`` escaped (the backslash first: ``cat\\|dog`` or a cell ending in ``\\``
-    would cancel the pipe's escape and split the row) and line breaks as spaces, in names and values alike (a name's
-    ``|`` made a cell of its own, a newline broke the table). Display only: the hparams keep the names as given."""
-    text = text.replace("\\", "\\\\").replace("|", "\\|")
-    return text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
-
-
 def _sort_after_earlier_files(log_dir: str) -> None:
     """TensorBoard reads a run's event files in name order, ``events.out.tfevents.<seconds>.<host>.<pid>.<n>``: a
     resumed file named within the same second as the crashed process's, with a pid that sorts lower ("123" before
@@ -448,11 +429,6 @@ def _hparam(value: Any) -> Any:
     if isinstance(value, int):
         return value if -(2**53) <= value <= 2**53 else str(value)
     return str(value)
-
-
-def _split_last(name: str):
-    cut = max(name.rfind("/"), name.rfind("."))
-    return (name[:cut], name[cut], name[cut + 1 :]) if cut > 0 else ("", "", name)
 
 
 def _add_scalars(w, scalars: Mapping[str, float], step: int, t: float, drops: Drops) -> None:

@@ -421,3 +421,91 @@ def test_a_metric_request_that_finds_the_server_gone_skips_the_rest_of_the_call(
     assert _series(tmp_path, "k000") == ([0, 1, 2], [])  # step 2's first 200 metrics were in the first request
     assert _series(tmp_path, "k399")[0] == [0, 1]
     assert len(_series(tmp_path, "odd name_")[0]) == 1
+
+
+def _refusing(monkeypatch, backend, method, refuse):
+    """``backend.client.<method>`` raises where ``refuse(kwargs, args)`` says so; the real call otherwise."""
+    real = getattr(backend.client, method)
+
+    def call(*args, **kwargs):
+        fault = refuse(args, kwargs)
+        if fault is not None:
+            raise fault
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend.client, method, call)
+
+
+def test_a_media_only_step_written_in_part_is_still_one_a_resume_does_not_write_again(tmp_path, monkeypatch):
+    """Step 1 holds two texts; one is refused. Its other text is stored, so the run tag that tells a resume which
+    media-only steps it holds names it (a review found it left out: a resume wrote the step again, twice its
+    files)."""
+    from instrument.backends.mlflow_store import LAST_STEP_TAG
+
+    backend = instrument.MlflowBackend(run_name="part")
+    backend.open(RunInfo("part", tmp_path))
+    backend.write(_wide(0))
+    _refusing(monkeypatch, backend, "log_text", lambda args, kwargs: OSError("no room") if "bad" in args[2] else None)
+    with pytest.raises(MediaWriteError):
+        backend.write(StepRecord(step=1, texts={"good": "g", "bad": "b"}, wall_time=1001.0).freeze())
+    monkeypatch.undo()
+    run_id = backend.run_id
+    backend.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(run_id).data.tags[LAST_STEP_TAG] == "1"
+
+
+@pytest.mark.parametrize("second", ["metrics", "media"])
+def test_a_call_of_which_nothing_reached_the_server_raises_what_it_raised(tmp_path, monkeypatch, second):
+    """The first request finds the server gone and the rest of the call is skipped: nothing was stored, so the
+    call raises the ConnectionError itself (a review found a PartialWriteError saying the rest was written)."""
+    backend = instrument.MlflowBackend(run_name="gone", retry_after=3600)
+    backend.open(RunInfo("gone", tmp_path))
+    _refusing(monkeypatch, backend, "log_batch",
+              lambda args, kwargs: ConnectionError("connection refused") if "metrics" in kwargs else None)
+    other = _wide(1, 1000.0) if second == "metrics" else StepRecord(step=1, texts={"note": "t"}).freeze()
+    records = [StepRecord(step=0, scalars={f"k{j:04d}": 0.0 for j in range(1000)}, wall_time=999.0).freeze(), other]
+    with pytest.raises(ConnectionError, match="connection refused"):
+        backend.write_many(records)
+    monkeypatch.undo()
+    backend._unreachable_until = 0.0  # closed at once, not after retry_after
+    backend.close()
+    assert _series(tmp_path, "k000") == ([], [])
+
+
+def test_the_message_names_the_metric_requests_skipped_and_no_run_tags_when_none_were_due(tmp_path, monkeypatch):
+    """Steps 1-2 stored, the request with steps 3-5 finds the server gone, the one with steps 5-7 is skipped: the
+    message names both (a review found the skipped steps unnamed, and run tags named that nobody was to send)."""
+    backend = instrument.MlflowBackend(run_name="named", retry_after=3600)
+    backend.open(RunInfo("named", tmp_path))
+    backend.write(_wide(0))  # the keys' names are held: no run tag is due in the call below
+    sent = []
+    _refusing(monkeypatch, backend, "log_batch", lambda args, kwargs: sent.append(kwargs) or (
+        ConnectionError("connection refused") if len(sent) == 2 else None))
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many([_wide(i) for i in range(1, 8)])
+    said = str(raised.value)
+    assert len(sent) == 2 and raised.value.steps == 5
+    assert "'the metrics of steps 3-5': ConnectionError" in said and "'the metrics of steps 6-7': _Waiting" in said
+    assert "run tags" not in said.split("could not be written")[1]
+    monkeypatch.undo()
+    backend.close()
+
+
+def test_a_resumed_call_that_fails_counts_only_the_steps_the_run_did_not_hold(tmp_path, monkeypatch):
+    """A resumed run holds steps 0-6; a call of steps 0-9 whose request is refused lost 7-9 only (a review found the
+    lane counting 10: the exception said nothing of the 7 held)."""
+    first = instrument.MlflowBackend(run_name="held")
+    first.open(RunInfo("held", tmp_path))
+    first.write_many([_wide(i) for i in range(7)])
+    run_id = first.run_id
+    backend = instrument.MlflowBackend(run_name="held")
+    backend.open(RunInfo("held", tmp_path, resume={first.name: run_id}))
+    _refusing(monkeypatch, backend, "log_batch",
+              lambda args, kwargs: OSError("refused") if "metrics" in kwargs else None)
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many([_wide(i) for i in range(10)])
+    assert raised.value.steps == 3 and isinstance(raised.value.__cause__, OSError)
+    assert "steps 7-9 could not be written (OSError: refused)" in str(raised.value)
+    monkeypatch.undo()
+    backend.close()

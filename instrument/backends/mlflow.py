@@ -1,16 +1,14 @@
 """MLflow: a local tracking store per log_dir by default (shared by its runs), so no server is needed."""
 
 import contextlib
-import json
 import logging
-import os
 import re
-import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from instrument.backends.base import Backend, PartialWriteError, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
+from instrument.backends.mlflow_media import has_media, write_media
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
 from instrument.backends.mlflow_store import (
     LAST_STEP_TAG,
@@ -21,10 +19,9 @@ from instrument.backends.mlflow_store import (
     last_step,
 )
 from instrument.backends.store_lock import held
-from instrument.backends.video import MediaWriteError, encode_gif, raise_failures, write_each
+from instrument.backends.video import MediaWriteError, raise_failures
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
-from instrument.terminal.samples import cell, columns
 
 __all__ = ["MlflowBackend"]
 
@@ -32,7 +29,6 @@ __all__ = ["MlflowBackend"]
 _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _MAX_PARAM_VALUE = 6000
-_THUMBNAIL = 256  # MLflow's thumbnail side (mlflow.tracking.multimedia.COMPRESSED_IMAGE_SIZE)
 _CHANGED = "instrument.param/"  # run tags holding a param's later values (MLflow params cannot change)
 log = logging.getLogger("instrument")
 
@@ -331,38 +327,45 @@ class MlflowBackend(Backend):
         """The steps' metrics in as few ``log_batch`` requests as MLflow takes (1,000 metrics of any steps in
         each), then each step's media: a lane catching up on a slow server sends what waited in one request.
         A request that fails costs the steps with a metric in it (their media are not sent: as when each step is
-        written apart); the others are written, and `PartialWriteError` counts the steps that failed."""
+        written apart); the others are written, and `PartialWriteError` counts the steps that failed. A call of
+        which nothing reached the store raises what the store raised, as a single write does."""
         self._ensure_open()
+        given = len(records)
         if self._written is not None:  # a resumed run: MLflow holds these steps from before the crash (no duplicates)
             records = [record for record in records if record.step > self._written]
         if not records:
             return
         failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
         with self._bounded():
-            lost = self._send_steps(records, failed)  # the indices of the records whose metrics failed
-            metrics = bool(lost)
+            lost, sent = self._send_steps(records, failed)  # the records whose metrics failed; any stored
+            metrics, skipped = bool(lost), set()  # skipped: steps whose media were not sent
             for i, record in enumerate(records):
                 if i in lost:
                     continue
                 if time.monotonic() < self._unreachable_until:  # a request of an earlier step found it dead
-                    if _has_media(record):  # not waited for again per step (as `_bounded` skips a later write)
+                    if has_media(record):  # not waited for again per step (as `_bounded` skips a later write)
                         failed.append((f"step {record.step} media", _Waiting(
                             f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s "
                             f"ago; this step's media values were skipped (retry_after)")))
                         lost.add(i)
+                        skipped.add(i)
                     continue
-                media = self._write_media(record, len(records) > 1)
+                sent = sent or has_media(record)
+                media = write_media(self.client, self.run_id, record, self._media_name, self._drops, len(records) > 1)
                 failed += media
                 if media:
                     lost.add(i)
                 if any(is_unreachable(exc) for _, exc in media):
                     self._unreachable_until = time.monotonic() + self.retry_after
-            bare = [r.step for i, r in enumerate(records) if i not in lost and not r.scalars and not r.timings]
+            if failed and not sent:  # nothing of the call reached the store
+                self._raise_whole(failed[0][1], records, given)
+            # a media-only step sent (whole or in part) is one a resume must not write again: no metric holds it
+            bare = [r.step for i, r in enumerate(records) if i not in skipped and not r.scalars and not r.timings]
             try:
-                if time.monotonic() < self._unreachable_until:  # found dead in this call: not waited for again
+                if (bare or self._names.take_tags(1)) and time.monotonic() < self._unreachable_until:
                     raise _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
                                    f"{self.retry_after:g} s ago; these run tags were skipped (retry_after)")
-                if bare:  # no metric history holds that step: a resume must know it
+                if bare:
                     self.client.set_tag(self.run_id, LAST_STEP_TAG, str(max(bare)))
                 self._write_name_tags()
             except Exception as exc:  # the name tags are sent again with the next record; the values are written
@@ -372,85 +375,53 @@ class MlflowBackend(Backend):
                            else "media value(s) or run tag(s)", steps=max(1, len(lost)),
                            error=PartialWriteError if metrics else MediaWriteError)
 
-    def _send_steps(self, records: Sequence[StepRecord], failed: List[Tuple[str, Exception]]) -> set:
-        """Every step's metrics, 1,000 to a request; the indices of the records with a metric in a request that
-        failed (its failure added to ``failed``). Once one finds the server unreachable the rest are not sent
-        (each would wait for it again); when every request fails, its exception is raised as it is."""
+    def _send_steps(self, records: Sequence[StepRecord], failed: List[Tuple[str, Exception]]) -> Tuple[set, bool]:
+        """Every step's metrics, 1,000 to a request: the indices of the records with a metric in a request that
+        failed or was skipped (each named in ``failed``), and whether a request was stored. Once one finds the
+        server unreachable the rest are skipped (each would wait for it again)."""
         items = [(i, metric) for i, record in enumerate(records)
                  for metric in self._metrics(self._training_scalars(record), record.step, record.wall_time)]
-        lost: set = set()
+        lost, skipped, stored = set(), set(), False
+
+        def named(steps: set) -> str:
+            first, last = records[min(steps)].step, records[max(steps)].step
+            return f"the metrics of step {first}" if first == last else f"the metrics of steps {first}-{last}"
+
         for start in range(0, len(items), _METRICS_PER_BATCH):
             part = items[start : start + _METRICS_PER_BATCH]
             steps = {i for i, _ in part}
             if time.monotonic() < self._unreachable_until:  # an earlier request of this call found it dead
+                skipped |= steps - lost
                 lost |= steps
                 continue
             try:
                 self.client.log_batch(self.run_id, metrics=[metric for _, metric in part])
+                stored = True
             except Exception as exc:
-                if len(steps | lost) == len(records):
-                    raise  # no step of the call was written whole: the call failed, as a single write does
                 lost |= steps
-                first, last = records[min(steps)].step, records[max(steps)].step
-                failed.append((f"the metrics of step {first}" if first == last else
-                               f"the metrics of steps {first}-{last}", exc))
+                failed.append((named(steps), exc))
                 if is_unreachable(exc):
                     self._unreachable_until = time.monotonic() + self.retry_after
-        return lost
+        if skipped:
+            failed.append((named(skipped), _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
+                                                    f"{self.retry_after:g} s ago; these were skipped (retry_after)")))
+        return lost, stored
+
+    def _raise_whole(self, exc: Exception, records: Sequence[StepRecord], given: int) -> None:
+        """Raise ``exc``, which cost every step of a call: as it is, or, where a resumed run held some of the steps
+        the call was given (not written again), as a `PartialWriteError` that counts only the others."""
+        if len(records) == given:
+            raise exc
+        raise PartialWriteError(
+            f"{self.name}: steps {records[0].step}-{records[-1].step} could not be written ({type(exc).__name__}: "
+            f"{exc}); the {given - len(records)} step(s) before them were held by the run from before the resume.",
+            steps=len(records)) from exc
 
     def _training_scalars(self, record: StepRecord) -> Dict[str, float]:
         scalars = record.flat_scalars()
         if any(key.startswith(SYSTEM_HEADS) for key in scalars):
             scalars = {self._training_key(key): value for key, value in scalars.items()}
         return scalars
-
-    def _write_media(self, record: StepRecord, named: bool) -> List[Tuple[str, Exception]]:
-        """One step's images, text, videos and samples tables; the values that failed (``named``: with their
-        step in the name)."""
-        step = record.step
-        failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
-
-        def each(kind: str, items, write) -> None:
-            for key, value in items:
-                try:
-                    write(key, value)
-                except Exception as exc:  # raised after the rest is written: counted in `failures`, as always
-                    failed.append((f"step {step} {kind} {key}" if named else f"{kind} {key}", exc))
-
-        stamp = int(record.wall_time * 1000)
-
-        def image(key: str, value) -> None:  # key + step: the UI shows one image card per key, with a step slider
-            name = self._media_name("image", key)
-            height, width = value.shape[:2]
-            if int(min(height, width) * (_THUMBNAIL / max(height, width))) == 0:  # MLflow's thumbnail: a side of 0
-                self.client.log_image(self.run_id, value, artifact_file=f"images/{name}/step_{step:08d}.png")
-                return
-            self.client.log_image(self.run_id, value, key=name, step=step, timestamp=stamp)
-
-        def text(key: str, value) -> None:  # MLflow writes text as UTF-8: lone surrogates escaped
-            path = f"text/{self._media_name('text', key)}/step_{step:08d}.txt"
-            self.client.log_text(self.run_id, utf8(self._drops, "text", key, value), path)
-
-        def table(tag: str, data) -> None:
-            path = f"samples/{self._media_name('samples table', tag)}/step_{step:08d}.json"
-            self.client.log_dict(self.run_id, data, path)
-
-        each("image", ((k, v) for k, v in record.images.items() if v is not None), image)
-        each("text", record.texts.items(), text)
-        videos = write_each(record.videos, lambda key, frames, fps: self._log_video(key, frames, fps, step))
-        failed += [(f"step {step} {key}" if named else key, exc) for key, exc in videos]
-        tables = self._drops.each("samples table", record.samples.items(), lambda tag, rows: _table(rows.rows),
-                                  "rows of JSON values")
-        each("samples table", tables.items(), table)
-        return failed
-
-    def _log_video(self, key: str, frames, fps: int, step: int) -> None:
-        """The video as an animated GIF artifact ``videos/<key>/step_<step:08d>.gif`` (MLflow has no video type)."""
-        with tempfile.TemporaryDirectory(prefix="instrument-video-") as tmp:
-            path = os.path.join(tmp, f"step_{step:08d}.gif")
-            with open(path, "wb") as f:
-                f.write(encode_gif(frames, fps))
-            self.client.log_artifact(self.run_id, path, artifact_path=f"videos/{self._media_name('video', key)}")
 
     def write_system(self, record: StepRecord) -> None:
         self._ensure_open()
@@ -483,17 +454,3 @@ class MlflowBackend(Backend):
             f"MlflowBackend(tracking_uri={self.tracking_uri!r}, experiment_name={self.experiment_name!r}, "
             f"run_name={self.run_name!r})"
         )
-
-
-def _has_media(record: StepRecord) -> bool:
-    return bool(any(v is not None for v in record.images.values()) or record.texts or record.videos or record.samples)
-
-
-def _table(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """``{"columns", "data"}`` of a samples table, every cell a JSON value (checked here, so a value JSON
-    cannot hold costs that table only)."""
-    names = columns(rows)
-    data = {"columns": names, "data": [[cell(row.get(c)) for c in names] for row in rows]}
-    json.dumps(data, allow_nan=False)
-    return data
-

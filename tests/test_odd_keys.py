@@ -166,17 +166,44 @@ def test_tensorboard_keeps_each_tags_kind_across_a_resume(tmp_path, caplog):
     assert [e.step for e in acc.Images("picture")] == [0, 1, 3]
 
 
-def test_a_damaged_tags_file_is_ignored_with_one_warning_and_written_again(tmp_path, caplog):
+_FIELDS = '"media": {}, "renamed": {}, "moved": [], "moved_scalars": []'
+
+
+@pytest.mark.parametrize("damage, error", [
+    ('{"scalars": [1], ' + _FIELDS + "}", "TypeError"),
+    ('{"scalars": "reward", ' + _FIELDS + "}", "TypeError"),  # a review found it taken as its characters
+    ('{"scalars": [], "media": ["ab"], "renamed": {}, "moved": [], "moved_scalars": []}', "TypeError"),
+    ('{"scalars": [], "media": {}, "renamed": {"image": ["ab"]}, "moved": [], "moved_scalars": []}', "TypeError"),
+    ("[" * 100_000 + "]" * 100_000, "RecursionError"),  # the resumed run failed to start
+])
+def test_a_damaged_tags_file_is_ignored_with_one_warning_and_written_again(tmp_path, caplog, damage, error):
     from instrument.backends.tb_tags import TAGS_FILE
 
     state = _tb_session(tmp_path, False, None, [(0, {"reward": 0.0}, [], [])])
     path = tmp_path / "k" / TAGS_FILE
-    path.write_text('{"scalars": [1], "media": {}, "renamed": {}, "moved": [], "moved_scalars": []}')
+    path.write_text(damage)
     _tb_session(tmp_path, True, state, [(1, {"loss": 1.0}, ["reward"], [])])
     said = [r.getMessage() for r in caplog.records if "could not read back which kind" in r.getMessage()]
-    assert len(said) == 1 and "TypeError" in said[0]
+    assert len(said) == 1 and error in said[0]
     assert "loss" in json.loads(path.read_text())["scalars"]  # what this process decided is saved whole again
     assert "reward" in json.loads(path.read_text())["media"]  # the resumed run's histogram took the tag afresh
+
+
+def test_a_tags_file_that_cannot_be_read_or_written_costs_no_step_and_is_named(tmp_path, caplog):
+    """A folder where the tags file should be: the run resumes and writes every step; the warning names the file
+    and the real cause (it said a JSON error), and no ``.part`` file is left behind."""
+    from instrument.backends.tb_tags import TAGS_FILE
+
+    state = _tb_session(tmp_path, False, None, [(0, {"reward": 0.0}, [], [])])
+    path = tmp_path / "k" / TAGS_FILE
+    path.unlink()
+    path.mkdir()
+    _tb_session(tmp_path, True, state, [(1, {"reward": 1.0, "loss": 1.0}, [], [])])
+    said = [r.getMessage() for r in caplog.records if TAGS_FILE in r.getMessage()]
+    assert len(said) == 2 and "could not read" in said[0] and "IsADirectoryError" in said[0]
+    assert "could not write" in said[1]
+    assert read_scalars(tmp_path / "k")["reward"] == {0: 0.0, 1: 1.0}
+    assert not list((tmp_path / "k").glob("*.part"))
 
 
 def test_tag_kinds_come_back_whole_from_their_state():

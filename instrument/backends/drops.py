@@ -15,14 +15,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
 from instrument.core.names import numbered
 
-__all__ = ["Drops", "DroppedValue", "KEYS_FILE", "finite", "load_keys", "read_state", "save_keys", "save_state", "utf8",
-           "utf8_keys", "describe"]
+__all__ = ["Drops", "DroppedValue", "KEYS_FILE", "STATE_ERRORS", "finite", "load_keys", "read_state", "save_keys",
+           "save_state", "str_list", "str_map", "utf8", "utf8_keys", "describe"]
 
 log = logging.getLogger("instrument")
 
@@ -63,18 +63,14 @@ class Drops:
         try:
             state = json.loads(text)
             read = []  # every kind checked before any is taken: a damaged text changes nothing
-            for kind, held in state.items():
-                renamed, names = dict(held["renamed"]), list(held["names"])
-                if not all(isinstance(k, str) and isinstance(v, str) for k, v in renamed.items()) or not all(
-                        isinstance(name, str) for name in names):
-                    raise TypeError(f"a key or name of {kind!r} that is not a str")
-                read.append((kind, renamed, names))
+            for kind, held in str_map(state, lambda held: str_map(held, bool)).items():
+                read.append((kind, str_map(held["renamed"]), str_list(held["names"])))
             for kind, renamed, names in read:
                 self.renamed.setdefault(kind, {}).update(renamed)
                 self.made.setdefault(kind, set()).update(renamed.values())
                 self.names.setdefault(kind, set()).update(names, renamed.values())
                 self.marked.setdefault(kind, set()).update(names, renamed.values())
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except STATE_ERRORS as exc:
             log.warning("instrument: %s could not read back the names it gave escaped keys before the resume (%s: "
                         "%s); such keys are named afresh.", self.backend, type(exc).__name__, exc)
 
@@ -217,6 +213,28 @@ def _numbered(drops: Drops, kind: str, key: str, name: str, names: Set[str], val
 KEYS_FILE = "instrument-keys.json"  # `save_keys`: in a TensorBoard run's folder, beside its event files
 
 
+# What a state file that is not what `save_state` wrote raises when read back (nested too deep: RecursionError).
+STATE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, RecursionError)
+
+
+def str_list(value: Any) -> List[str]:
+    """``value``, a JSON list of str; TypeError otherwise (a str or a dict is not taken for its characters or keys)."""
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise TypeError(f"expected a list of str, got {describe(value)}: {str(value)[:80]}")
+    return value
+
+
+def str_map(value: Any, check: Optional[Callable[[Any], Any]] = None) -> Dict[str, Any]:
+    """``value``, a JSON object of str keys whose values are str (or pass ``check``, which raises on a value it
+    refuses; ``bool`` takes any); TypeError otherwise."""
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value) or (
+            check is None and not all(isinstance(item, str) for item in value.values())):
+        raise TypeError(f"expected an object of str, got {describe(value)}: {str(value)[:80]}")
+    for item in value.values() if check is not None else ():
+        check(item)
+    return value
+
+
 def save_keys(drops: Drops, folder: Any, saved: int) -> int:
     """Write ``drops.key_state()`` to `KEYS_FILE` in ``folder`` when it changed since version ``saved``; returns
     the version now saved (`save_state`)."""
@@ -226,7 +244,7 @@ def save_keys(drops: Drops, folder: Any, saved: int) -> int:
 
 def load_keys(drops: Drops, folder: Any) -> None:
     """Take back the names `save_keys` wrote in ``folder`` (a resumed run); none there: nothing to take."""
-    text = read_state(Path(folder) / KEYS_FILE)
+    text = read_state(Path(folder) / KEYS_FILE, drops.backend, "escaped keys are named afresh")
     if text is not None:
         drops.restore_keys(text)
 
@@ -234,29 +252,34 @@ def load_keys(drops: Drops, folder: Any) -> None:
 def save_state(drops: Drops, path: Path, state: Callable[[], str], version: int, saved: int, lost: str) -> int:
     """Write ``state()`` (ASCII) to ``path`` when ``version`` moved on from ``saved``, whole: a temporary file
     replaces it, so a crash leaves the old state or the new one. Returns the version now saved. A write that
-    fails is said once (``lost``: what a resumed run then misses) and tried again at the next change."""
+    fails is said once (``lost``: what a resumed run then misses) and tried again with the next record."""
     if version == saved:
         return saved
+    part = path.with_name(path.name + ".part")
     try:
-        part = path.with_name(path.name + ".part")
         part.write_text(state(), encoding="ascii")
         os.replace(part, path)
     except OSError as exc:
         drops.say(str(path), "state file", logging.WARNING, "instrument: %s could not write %s (%s); %s.",
                   drops.backend, path, exc, lost)
+        try:
+            part.unlink()
+        except OSError:
+            pass
         return saved
     return version
 
 
-def read_state(path: Path) -> Optional[str]:
-    """What `save_state` wrote at ``path``; None when there is none, a text that is not JSON when unreadable (its
-    reader says so and ignores it)."""
+def read_state(path: Path, backend: str, lost: str) -> Optional[str]:
+    """What `save_state` wrote at ``path``; None when there is none, or when it cannot be read (one warning that
+    names the file and why; ``lost``: what the resumed run does instead)."""
     try:
         return path.read_text(encoding="ascii")
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        return f"unreadable: {exc}"
+        log.warning("instrument: %s could not read %s (%s: %s); %s.", backend, path, type(exc).__name__, exc, lost)
+        return None
 
 
 def describe(value: Any) -> str:

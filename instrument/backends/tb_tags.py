@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Mapping, Set
 
-from instrument.backends.drops import Drops, read_state, save_state
+from instrument.backends.drops import STATE_ERRORS, Drops, read_state, save_state, str_list, str_map
 
 __all__ = ["RESERVED", "TAGS_FILE", "TEXT_TAG", "TagKinds"]
 
@@ -56,22 +56,20 @@ class TagKinds:
         """Take back what `state` returned, added to what this run decided; a text that is not such a state
         changes nothing (one warning)."""
         try:
-            state = json.loads(text)
-            scalars, moved, moved_scalars = (_strs(state[k]) for k in ("scalars", "moved", "moved_scalars"))
-            media = dict(state["media"])
-            renamed = {kind: dict(keys) for kind, keys in dict(state["renamed"]).items()}
-            names = [name for keys in renamed.values() for name in (*keys, *keys.values())]
-            _strs([*media, *media.values(), *renamed, *names])
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            state = str_map(json.loads(text), bool)
+            scalars, moved, moved_scalars = (str_list(state[k]) for k in ("scalars", "moved", "moved_scalars"))
+            media = str_map(state["media"])
+            renamed = str_map(state["renamed"], str_map)
+        except STATE_ERRORS as exc:
             log.warning("instrument: TensorBoardBackend could not read back which kind of value each tag held before "
                         "the resume (%s: %s); tags are given afresh.", type(exc).__name__, exc)
             return
-        self._scalar_tags |= scalars
+        self._scalar_tags.update(scalars)
         self._media_tags.update(media)
         for kind, keys in renamed.items():
             self._renamed.setdefault(kind, {}).update(keys)
-        self._moved_tags |= moved
-        self._moved_scalars |= moved_scalars
+        self._moved_tags.update(moved)
+        self._moved_scalars.update(moved_scalars)
         self.version += 1
 
     def save(self, folder: Any, drops: Drops) -> None:
@@ -81,7 +79,7 @@ class TagKinds:
 
     def load(self, folder: Any) -> None:
         """Take back what `save` wrote in ``folder`` (a resumed run); none there: nothing to take."""
-        text = read_state(Path(folder) / TAGS_FILE)
+        text = read_state(Path(folder) / TAGS_FILE, "TensorBoardBackend", "tags are given afresh")
         if text is not None:
             self.restore(text)
 
@@ -154,10 +152,3 @@ class TagKinds:
     def _taken(self, tag: str, row: Any) -> bool:
         return tag in self._scalar_tags or tag in self._media_tags or tag in row or tag in self._moved_scalars
 
-
-def _strs(items: Any) -> Set[str]:
-    """``items`` as a set of str; TypeError when one is not."""
-    items = set(items)
-    if not all(isinstance(item, str) for item in items):
-        raise TypeError(f"a tag that is not a str among {sorted(map(repr, items))[:3]}")
-    return items

@@ -175,6 +175,7 @@ _FIELDS = '"media": {}, "renamed": {}, "moved": [], "moved_scalars": []'
     ('{"scalars": [], "media": ["ab"], "renamed": {}, "moved": [], "moved_scalars": []}', "TypeError"),
     ('{"scalars": [], "media": {}, "renamed": {"image": ["ab"]}, "moved": [], "moved_scalars": []}', "TypeError"),
     ("[" * 100_000 + "]" * 100_000, "RecursionError"),  # the resumed run failed to start
+    ('{"scalars": ["h\\ud800"], ' + _FIELDS + "}", "UnicodeEncodeError"),  # a tag `state` never writes
 ])
 def test_a_damaged_tags_file_is_ignored_with_one_warning_and_written_again(tmp_path, caplog, damage, error):
     from instrument.backends.tb_tags import TAGS_FILE

@@ -509,3 +509,75 @@ def test_a_resumed_call_that_fails_counts_only_the_steps_the_run_did_not_hold(tm
     assert "steps 7-9 could not be written (OSError: refused)" in str(raised.value)
     monkeypatch.undo()
     backend.close()
+
+
+def test_a_resumed_call_skipped_while_the_server_is_waited_for_counts_only_the_steps_the_run_did_not_hold(
+        tmp_path, monkeypatch):
+    """The run holds steps 0-4; a call of steps 2-9 comes while an earlier call's dead server is waited for
+    (retry_after): steps 5-9 are lost, not 8 (a review found the skip raised before the count was made)."""
+    first = instrument.MlflowBackend(run_name="held")
+    first.open(RunInfo("held", tmp_path))
+    first.write_many([_wide(i) for i in range(5)])
+    run_id = first.run_id
+    backend = instrument.MlflowBackend(run_name="held", retry_after=3600)
+    backend.open(RunInfo("held", tmp_path, resume={first.name: run_id}))
+    _refusing(monkeypatch, backend, "log_batch", lambda args, kwargs: ConnectionError("refused"))
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many([_wide(i) for i in range(3, 8)])
+    assert raised.value.steps == 3  # 5-7 lost; 3 and 4 held
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many([_wide(i) for i in range(2, 10)])
+    assert raised.value.steps == 5 and "skipped (retry_after)" in str(raised.value.__cause__)
+    monkeypatch.undo()
+    backend._unreachable_until = 0.0
+    backend.close()
+
+
+def test_a_step_with_nothing_mlflow_stores_is_not_lost_with_a_refused_one(tmp_path):
+    """Step 0's metrics are refused; step 1 holds a histogram only (MLflow logs none): one step failed, as written
+    apart (a review counted two: the call was taken for one of which nothing was stored)."""
+    backend = instrument.MlflowBackend(run_name="empty")
+    backend.open(RunInfo("empty", tmp_path))
+    histogram = (np.array([1.0, 2.0]), np.array([0.0, 1.0, 2.0]))
+    with pytest.raises(PartialWriteError) as raised:
+        backend.write_many([_wide(0, 1e30), StepRecord(step=1, histograms={"h": histogram}, wall_time=1001.0).freeze()])
+    backend.close()
+    assert raised.value.steps == 1
+
+
+def test_a_media_only_step_of_which_nothing_was_stored_is_one_a_resume_writes_again(tmp_path, monkeypatch):
+    """Every text of step 1 is refused: the run tag that tells a resume which media-only steps it holds does not
+    name it (it did, so a resume never wrote it)."""
+    from instrument.backends.mlflow_store import LAST_STEP_TAG
+
+    backend = instrument.MlflowBackend(run_name="none")
+    backend.open(RunInfo("none", tmp_path))
+    backend.write(_wide(0))
+    _refusing(monkeypatch, backend, "log_text", lambda args, kwargs: OSError("no room"))
+    with pytest.raises(MediaWriteError) as raised:
+        backend.write(StepRecord(step=1, texts={"a": "x", "b": "y"}, wall_time=1001.0).freeze())
+    assert "'text a'" in str(raised.value) and "'text b'" in str(raised.value)  # each value named
+    monkeypatch.undo()
+    run_id = backend.run_id
+    backend.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert LAST_STEP_TAG not in client.get_run(run_id).data.tags
+
+
+@pytest.mark.parametrize("text, unreachable", [
+    ("API request to http://h/api failed with exception HTTPConnectionPool: Max retries exceeded", True),
+    ("API request to http://h/api failed with timeout exception Read timed out.", True),
+    ("API request to endpoint /api/2.0/mlflow/runs/log-batch failed with error code 503 != 200. Response body: ''",
+     True),
+    ("API request to endpoint /api/2.0/mlflow/runs/log-batch failed with error code 413 != 200. Response body: "
+     "'<html>Request Entity Too Large</html>'", False),  # a proxy's refusal: the server is there
+    ("RESOURCE_DOES_NOT_EXIST: Run 'x' not found", False),
+])
+def test_a_refusal_worded_as_a_failed_request_is_not_taken_for_an_unreachable_server(text, unreachable):
+    """MLflow words a non-JSON answer as it words a transport failure; taken for one, a proxy's 413 made every
+    later call wait out retry_after (a review read it in MLflow's rest_utils)."""
+    from mlflow.exceptions import MlflowException
+
+    from instrument.backends.mlflow_store import is_unreachable
+
+    assert is_unreachable(MlflowException(text)) is unreachable

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from instrument.backends.base import Backend, PartialWriteError, RunInfo, StepRecord, under_user
 from instrument.backends.drops import Drops, utf8
-from instrument.backends.mlflow_media import has_media, write_media
+from instrument.backends.mlflow_media import media_count, write_media
 from instrument.backends.mlflow_names import MAX_IMAGE_KEY, MAX_KEY, NAMES_TAGGED, SYSTEM_HEADS, RunNames, is_system
 from instrument.backends.mlflow_store import (
     LAST_STEP_TAG,
@@ -328,39 +328,55 @@ class MlflowBackend(Backend):
         each), then each step's media: a lane catching up on a slow server sends what waited in one request.
         A request that fails costs the steps with a metric in it (their media are not sent: as when each step is
         written apart); the others are written, and `PartialWriteError` counts the steps that failed. A call of
-        which nothing reached the store raises what the store raised, as a single write does."""
+        which nothing reached the store raises what the store raised, as a single write does (a resumed run's
+        call that it was given steps the run already held: a `PartialWriteError` that counts only the others)."""
         self._ensure_open()
         given = len(records)
         if self._written is not None:  # a resumed run: MLflow holds these steps from before the crash (no duplicates)
             records = [record for record in records if record.step > self._written]
         if not records:
             return
+        try:
+            self._write_steps(records)
+        except PartialWriteError:
+            raise
+        except Exception as exc:
+            if len(records) == given:
+                raise
+            raise PartialWriteError(
+                f"{self.name}: steps {records[0].step}-{records[-1].step} could not be written ({type(exc).__name__}: "
+                f"{exc}); the {given - len(records)} step(s) before them were held by the run from before the resume.",
+                steps=len(records)) from exc
+
+    def _write_steps(self, records: Sequence[StepRecord]) -> None:
         failed: List[Tuple[str, Exception]] = []  # a media value that fails costs that value only
         with self._bounded():
             lost, sent = self._send_steps(records, failed)  # the records whose metrics failed; any stored
-            metrics, skipped = bool(lost), set()  # skipped: steps whose media were not sent
+            metrics, unstored = bool(lost), set()  # unstored: media-only steps of which nothing was stored
             for i, record in enumerate(records):
                 if i in lost:
                     continue
                 if time.monotonic() < self._unreachable_until:  # a request of an earlier step found it dead
-                    if has_media(record):  # not waited for again per step (as `_bounded` skips a later write)
+                    if media_count(record):  # not waited for again per step (as `_bounded` skips a later write)
                         failed.append((f"step {record.step} media", _Waiting(
                             f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s "
                             f"ago; this step's media values were skipped (retry_after)")))
                         lost.add(i)
-                        skipped.add(i)
+                        unstored.add(i)
                     continue
-                sent = sent or has_media(record)
+                sent = sent or media_count(record) > 0  # a media request made: its failures are named (MediaWriteError)
                 media = write_media(self.client, self.run_id, record, self._media_name, self._drops, len(records) > 1)
                 failed += media
                 if media:
                     lost.add(i)
+                    if len(media) >= media_count(record):
+                        unstored.add(i)
                 if any(is_unreachable(exc) for _, exc in media):
                     self._unreachable_until = time.monotonic() + self.retry_after
-            if failed and not sent:  # nothing of the call reached the store
-                self._raise_whole(failed[0][1], records, given)
-            # a media-only step sent (whole or in part) is one a resume must not write again: no metric holds it
-            bare = [r.step for i, r in enumerate(records) if i not in skipped and not r.scalars and not r.timings]
+            if failed and not sent and len(lost) == len(records):  # nothing of the call reached the store
+                raise failed[0][1]
+            # a media-only step stored (whole or in part) is one a resume must not write again: no metric holds it
+            bare = [r.step for i, r in enumerate(records) if i not in unstored and not r.scalars and not r.timings]
             try:
                 if (bare or self._names.take_tags(1)) and time.monotonic() < self._unreachable_until:
                     raise _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
@@ -406,16 +422,6 @@ class MlflowBackend(Backend):
             failed.append((named(skipped), _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
                                                     f"{self.retry_after:g} s ago; these were skipped (retry_after)")))
         return lost, stored
-
-    def _raise_whole(self, exc: Exception, records: Sequence[StepRecord], given: int) -> None:
-        """Raise ``exc``, which cost every step of a call: as it is, or, where a resumed run held some of the steps
-        the call was given (not written again), as a `PartialWriteError` that counts only the others."""
-        if len(records) == given:
-            raise exc
-        raise PartialWriteError(
-            f"{self.name}: steps {records[0].step}-{records[-1].step} could not be written ({type(exc).__name__}: "
-            f"{exc}); the {given - len(records)} step(s) before them were held by the run from before the resume.",
-            steps=len(records)) from exc
 
     def _training_scalars(self, record: StepRecord) -> Dict[str, float]:
         scalars = record.flat_scalars()

@@ -12,13 +12,15 @@ from instrument.backends.drops import Drops, utf8
 from instrument.backends.video import encode_gif, write_each
 from instrument.terminal.samples import cell, columns
 
-__all__ = ["has_media", "write_media"]
+__all__ = ["media_count", "write_media"]
 
 _THUMBNAIL = 256  # MLflow's thumbnail side (mlflow.tracking.multimedia.COMPRESSED_IMAGE_SIZE)
 
 
-def has_media(record: StepRecord) -> bool:
-    return bool(any(v is not None for v in record.images.values()) or record.texts or record.videos or record.samples)
+def media_count(record: StepRecord) -> int:
+    """How many media values of the step `write_media` writes."""
+    images = sum(value is not None for value in record.images.values())
+    return images + len(record.texts) + len(record.videos) + len(record.samples)
 
 
 def write_media(client: Any, run_id: str, record: StepRecord, name: Callable[[str, str], str], drops: Drops,

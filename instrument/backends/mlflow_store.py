@@ -4,6 +4,7 @@ a run already holds (a resumed run does not write it again: MLflow appends, it c
 
 import contextlib
 import os
+import re
 import threading
 import urllib.parse
 from typing import Any, Dict, Iterator, List, Optional
@@ -19,6 +20,7 @@ _SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc", "s
 # A run tag: the last step written with media only (images, texts, videos, tables and no scalar), which no
 # metric history holds; a resumed run skips it too, instead of writing its media a second time.
 LAST_STEP_TAG = "instrument.media_step"
+_GATEWAY = (502, 503, 504)  # a proxy's answers that the server behind it could not be reached
 
 
 def last_step(client: Any, run_id: str) -> Optional[int]:
@@ -67,9 +69,16 @@ def _plugin_schemes() -> List[str]:
 
 def is_unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` says the server could not be reached, not that it refused the request: MLflow wraps a
-    transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``."""
+    transport failure (refused, timed out, retries used up) as ``API request to <url> failed with ...``. It words
+    an answer that is not JSON the same way (``... failed with error code 413 != 200``, a proxy's error page):
+    that is a refusal, unless a gateway says the server behind it did not answer (502, 503, 504)."""
     text = str(exc)
-    return isinstance(exc, (ConnectionError, TimeoutError)) or ("API request to" in text and "failed with" in text)
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if "API request to" not in text or "failed with" not in text:
+        return False
+    code = re.search(r"failed with error code (\d+)", text)
+    return code is None or int(code.group(1)) in _GATEWAY
 
 
 # MLflow reads its HTTP settings (timeout, retries, backoff) from the environment at every request

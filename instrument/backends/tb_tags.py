@@ -60,6 +60,9 @@ class TagKinds:
             scalars, moved, moved_scalars = (str_list(state[k]) for k in ("scalars", "moved", "moved_scalars"))
             media = str_map(state["media"])
             renamed = str_map(state["renamed"], str_map)
+            for name in (*scalars, *moved, *moved_scalars, *media, *media.values(), *renamed,
+                         *(name for keys in renamed.values() for name in (*keys, *keys.values()))):
+                name.encode("utf-8")  # `state` writes tags escaped: a lone surrogate is a file it did not write
         except STATE_ERRORS as exc:
             log.warning("instrument: TensorBoardBackend could not read back which kind of value each tag held before "
                         "the resume (%s: %s); tags are given afresh.", type(exc).__name__, exc)

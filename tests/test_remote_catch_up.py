@@ -581,3 +581,31 @@ def test_a_refusal_worded_as_a_failed_request_is_not_taken_for_an_unreachable_se
     from instrument.backends.mlflow_store import is_unreachable
 
     assert is_unreachable(MlflowException(text)) is unreachable
+
+
+@pytest.mark.parametrize("then", ["next call", "close"])
+def test_a_media_only_steps_run_tag_that_a_dead_server_kept_back_is_set_by_the_next_call_or_close(tmp_path,
+                                                                                                 monkeypatch, then):
+    """Step 0 (a text only) is stored; step 1's text finds the server gone, so the call's run tags are skipped: the
+    tag that tells a resume the run holds step 0 was lost, and a resume wrote step 0 again (a review found it).
+    It is now set by the next call that reaches the server, or by close."""
+    from instrument.backends.mlflow_store import LAST_STEP_TAG
+
+    backend = instrument.MlflowBackend(run_name="later", retry_after=3600)
+    backend.open(RunInfo("later", tmp_path))
+    _refusing(monkeypatch, backend, "log_text",
+              lambda args, kwargs: ConnectionError("connection refused") if "/b/" in args[2] else None)
+    with pytest.raises(MediaWriteError):
+        backend.write_many([StepRecord(step=0, texts={"a": "x"}, wall_time=1000.0).freeze(),
+                            StepRecord(step=1, texts={"b": "y"}, wall_time=1001.0).freeze()])
+    monkeypatch.undo()
+    run_id = backend.run_id
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert LAST_STEP_TAG not in client.get_run(run_id).data.tags
+    if then == "next call":
+        backend._unreachable_until = 0.0  # the server is back
+        backend.write(_wide(2))
+        assert client.get_run(run_id).data.tags[LAST_STEP_TAG] == "0"
+    backend.close()
+    assert client.get_run(run_id).data.tags[LAST_STEP_TAG] == "0"
+    assert client.get_run(run_id).info.status == "FINISHED"

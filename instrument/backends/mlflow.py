@@ -148,6 +148,7 @@ class MlflowBackend(Backend):
         self._unreachable_until = 0.0
         self._names = RunNames()  # every key's MLflow name, per kind, and the run tags that write them down
         self._written: Optional[int] = None  # resumed: the last training step the run already holds
+        self._media_step: Optional[int] = None  # a media-only step written whose run tag is not set yet
         self._params: Dict[str, str] = {}  # param name -> the value the run holds (MLflow cannot change one)
         self._drops = Drops(self.name)
         self._said_system: set = set()  # training keys under system/ moved to user/ (`_training_key`), said once
@@ -377,12 +378,13 @@ class MlflowBackend(Backend):
                 raise failed[0][1]
             # a media-only step stored (whole or in part) is one a resume must not write again: no metric holds it
             bare = [r.step for i, r in enumerate(records) if i not in unstored and not r.scalars and not r.timings]
+            if bare:  # kept until the tag is set: a call that cannot set it leaves it to the next one, or to close
+                self._media_step = max(bare + [self._media_step or 0])
             try:
                 if (bare or self._names.take_tags(1)) and time.monotonic() < self._unreachable_until:
                     raise _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
                                    f"{self.retry_after:g} s ago; these run tags were skipped (retry_after)")
-                if bare:
-                    self.client.set_tag(self.run_id, LAST_STEP_TAG, str(max(bare)))
+                self._set_media_step()
                 self._write_name_tags()
             except Exception as exc:  # the name tags are sent again with the next record; the values are written
                 failed.append(("the run tags of its last media-only step or its keys' MLflow names", exc))
@@ -390,6 +392,12 @@ class MlflowBackend(Backend):
             raise_failures(self.name, span, failed, "metric request(s), media value(s) or run tag(s)" if metrics
                            else "media value(s) or run tag(s)", steps=max(1, len(lost)),
                            error=PartialWriteError if metrics else MediaWriteError)
+
+    def _set_media_step(self) -> None:
+        """Set the run tag naming the last media-only step written, if one is waiting for it."""
+        if self._media_step is not None:
+            self.client.set_tag(self.run_id, LAST_STEP_TAG, str(self._media_step))
+            self._media_step = None
 
     def _send_steps(self, records: Sequence[StepRecord], failed: List[Tuple[str, Exception]]) -> Tuple[set, bool]:
         """Every step's metrics, 1,000 to a request: the indices of the records with a metric in a request that
@@ -453,6 +461,12 @@ class MlflowBackend(Backend):
         if client is not None and run_id is not None:
             self._unreachable_until = 0.0  # the end status is worth one more bounded try
             with self._bounded():
+                if self._media_step is not None:  # a media-only step's run tag no call could set
+                    try:
+                        client.set_tag(run_id, LAST_STEP_TAG, str(self._media_step))
+                    except Exception as exc:  # the end status still counts, unless the server is gone
+                        if is_unreachable(exc):
+                            raise
                 client.set_terminated(run_id, self._end_status)
 
     def __repr__(self) -> str:

@@ -110,11 +110,54 @@ def _worker(rank, out_dir):
             inner(torch.randn(4, 6)).square().mean().backward()
             inst.logger.log_metrics({"x": 1.0}, step=0)
         inst.close()
+        _mixed_and_ddp(rank, out_dir, out)
         out["warnings"] = records
     finally:
         logging.getLogger("instrument").removeHandler(handler)
         dist.destroy_process_group()
     Path(out_dir, f"result{rank}.json").write_text(json.dumps(out))
+
+
+def _mixed_and_ddp(rank, out_dir, out):
+    """FSDP2 on one submodule only (its parameters DTensors, the others plain), and a DDP model whose averaged
+    gradients hold a NaN on both ranks; each rank keeps its own float64 reference."""
+    from torch.distributed.fsdp import fully_shard
+
+    from instrument import GradientStats, NonFinite
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 6))
+    fully_shard(model[0])
+    inst = Instrumentation([GradientStats(), NonFinite()], backends=[JsonlBackend()], log_interval=1,
+                           log_dir=out_dir, run_name="mixed", overhead_budget=None)
+    inst.watch(model)
+    for step in range(2):
+        with inst.step(step):
+            model.zero_grad()
+            model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+            grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).double()
+                     for name, p in model.named_parameters()}
+            out["mixed_norms"] = {name: torch.linalg.vector_norm(g).item() for name, g in grads.items()}
+            out["mixed_global"] = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])).item()
+            if rank == 0 and step == 1:
+                model[2].weight.grad[0, :3] = math.nan  # a plain parameter's gradient, on one rank
+                model[0].weight.grad.to_local()[0, 0] = math.inf  # and a DTensor's shard
+    inst.close()
+    out["mixed_failures"] = inst.failures
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 6))
+    ddp = torch.nn.parallel.DistributedDataParallel(plain)
+    inst = Instrumentation([NonFinite()], backends=[JsonlBackend()], log_interval=1, log_dir=out_dir,
+                           run_name="ddp_nan", overhead_budget=None)
+    inst.watch(plain)
+    with inst.step(0):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+        if rank == 0:
+            x[0, 0] = math.nan  # after DDP's average every rank's gradient holds the NaNs
+        ddp(x).square().mean().backward()
+        out["ddp_counts"] = {name: int((~p.grad.isfinite()).sum()) for name, p in plain.named_parameters()}
+    inst.close()
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +237,41 @@ def test_a_parameter_named_like_fsdp_s_is_not_taken_for_one(tmp_path):
     inst.close()
     keys = set(_records(tmp_path / "r" / "metrics.jsonl")[0]["metrics"])
     assert {"grad_stats/norm/proj_flat_params.weight", "grad_stats/norm/out.weight"} <= keys
+
+
+def _metrics(path, step=None):
+    metrics = {}
+    for record in _records(path):
+        if step is None or record.get("step") == step:
+            metrics.update(record.get("metrics", {}))
+    return metrics
+
+
+def test_fsdp2_on_a_submodule_only_logs_norms_and_counts_of_every_parameter(ranks):
+    """Plain parameters beside DTensor ones made GradientStats and NonFinite fail at every logging step (torch's
+    fused kernels refuse the mix). Each kind is now computed apart: the DTensor's norm is the whole parameter's,
+    a plain one's this rank's (averaged over ranks, as any norm), checked against a float64 reference."""
+    results, tmp = ranks
+    assert all(out["mixed_failures"] == {} for out in results)
+    metrics = _metrics(tmp / "mixed" / "metrics.jsonl", step=0)
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        want = sum(out["mixed_norms"][name] for out in results) / 2
+        assert metrics[f"grad_stats/norm/{name}"] == pytest.approx(want, rel=1e-6), name
+    assert metrics["grad_stats/norm/global"] == pytest.approx(sum(out["mixed_global"] for out in results) / 2,
+                                                              rel=1e-6)
+    assert metrics["grad_stats/weight_norm/2.bias"] > 0 and metrics["nonfinite/grad_count"] == 0.0
+    metrics = _metrics(tmp / "mixed" / "metrics.jsonl", step=1)
+    assert metrics["nonfinite/grad_count/2.weight"] == 3.0 and metrics["nonfinite/grad_count/0.weight"] == 1.0
+    assert metrics["nonfinite/grad_count"] == 4.0
+
+
+def test_ddp_gradient_counts_are_not_counted_once_per_rank(ranks):
+    """DDP averages the gradients, so every rank holds the same NaNs: the sum over ranks logged 120 non-finite
+    elements for a 60-element weight (a review of this stop found it). Gradient counts take the largest rank's."""
+    results, tmp = ranks
+    counts = results[0]["ddp_counts"]
+    assert counts == results[1]["ddp_counts"] and counts["0.weight"] == 60
+    metrics = _metrics(tmp / "ddp_nan" / "metrics.jsonl")
+    assert {key.rpartition("/")[2]: value for key, value in metrics.items()
+            if key.startswith("nonfinite/grad_count/")} == counts
+    assert metrics["nonfinite/grad_count"] == sum(counts.values())

@@ -114,6 +114,7 @@ SUBPACKAGE_ALL = {
         "ConsoleBackend",
         "JsonlBackend",
         "MlflowBackend",
+        "PartialWriteError",
         "ProgressBar",
         "RunHistoryBackend",
         "RunInfo",

@@ -18,7 +18,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from instrument.core.dtensors import classic_fsdp, dtensor_placements, is_replicated
+from instrument.core.dtensors import by_kind, classic_fsdp, dtensor_placements, is_replicated, kinds
 from instrument.core.loss_scale import LossScale, divided, divisors
 from instrument.core.observer import Observer
 from instrument.errors import ConfigurationError
@@ -110,6 +110,9 @@ def foreach_norms(tensors: Sequence[Tensor]) -> List[Tensor]:
     returned in float32: in their own dtype a float16 weight norm above 65504 read inf (a [10000] tensor of
     1000s) and a bfloat16 one kept 3 significant digits. For weights and updates only: gradient norms stay
     those of ``clip_grad_norm_`` (`grad_norms`)."""
+    mixed = by_kind(tensors, foreach_norms)
+    if mixed is not None:
+        return mixed
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -123,12 +126,20 @@ def foreach_norms(tensors: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
+def _copies(tensors: List[Tensor]) -> List[Tensor]:
+    return list(torch._foreach_mul(tensors, 1.0))
+
+
 def grad_norms(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
     """``(per-tensor L2 norms [n], global L2 norm)`` with the global one computed as ``clip_grad_norm_`` does.
 
     One ``_foreach_norm`` per (device, dtype) group; the per-tensor norms come back in the order given, on the
     first tensor's device.
     """
+    mixed = by_kind(tensors, lambda group: grad_norms(group)[0].unbind())
+    if mixed is not None:  # plain tensors beside DTensors: each kind's norms apart, the global norm of them all
+        norms = torch.stack([norm.to(tensors[0].device) for norm in mixed])
+        return norms, torch.linalg.vector_norm(norms, 2.0)
     first = tensors[0].device
     if _group_tensors_by_device_and_dtype is not None:
         groups = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
@@ -277,7 +288,7 @@ class GradientStats(Observer):
                 # for 1.0019 (docs/observers.md: half-precision update ratios are computed in float32).
                 params = [p for _, p in self._params]  # under no_grad: no detached alias of each needed
                 others = [p for p in params if p.dtype not in _HALF]
-                copies = iter(torch._foreach_mul(others, 1.0) if others else ())
+                copies = iter((by_kind(others, _copies, scalars=False) or _copies(others)) if others else ())
                 self._before = [p.float() if p.dtype in _HALF else next(copies) for p in params]
 
     def detach(self) -> None:
@@ -293,8 +304,8 @@ class GradientStats(Observer):
             widened = [b.dtype != a.dtype for b, a in zip(before, after, strict=True)]
             for kind in (False, True):
                 group = [i for i, w in enumerate(widened) if w == kind]
-                if group:
-                    torch._foreach_sub_([before[i] for i in group], [after[i] for i in group])
+                for members in kinds(after, group):  # each kind apart: the fused kernel refuses a mix
+                    torch._foreach_sub_([before[i] for i in members], [after[i] for i in members])
             self._update = (foreach_norms(before), base)
 
     def _say_sparse(self, names: List[str]) -> None:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from instrument.checks import check_int
 from instrument.core.context import StepContext
 from instrument.core.devices import to_device
-from instrument.core.dtensors import dtensor_placements, is_replicated
+from instrument.core.dtensors import by_kind, global_value
 from instrument.core.observer import Observer, over_ranks
 from instrument.errors import ConfigurationError, NonFiniteError
 from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
@@ -117,8 +117,9 @@ class NonFinite(Observer):
         max_elements: reduce the kept tensors early once they hold this many elements (bounds memory).
         name: the key prefix.
 
-    Under ``torch.distributed`` counts are summed over ranks and first iterations/channels take the largest
-    rank's value (still -1 only when every rank was finite).
+    Under ``torch.distributed`` the counts of observed values are summed over ranks; gradient counts and first
+    iterations/channels take the largest rank's value (still -1 only when every rank was finite; a gradient DDP
+    averaged is the same on every rank, and a sum counted it once per rank).
 
     A source whose tensor is changed in place after it was observed (an environment that writes the next
     observation into the same buffer) is caught at log time: that source's values of the step are dropped,
@@ -287,13 +288,12 @@ class NonFinite(Observer):
         grads = [(name, p.grad if p.grad.layout == torch.strided else p.grad._values())  # `log`: under no_grad
                  for name, p in self._params if p.grad is not None]
         self._amp = bool(grads) and self.loss_scale is not None and self.loss_scale.enabled
-        global_counts = False
         if grads:
-            per_param = grad_counts([g for _, g in grads])
-            placements = dtensor_placements(per_param)
-            if placements is not None:  # DTensor gradients (FSDP2): every rank gets the whole parameters' counts
-                per_param = per_param.to_local() if is_replicated(placements) else per_param.full_tensor()
-                global_counts = True  # already over all ranks: reduced with max, as a sum would count them again
+            # DTensor gradients (FSDP2): every rank gets the whole parameters' counts (`global_value`); plain ones
+            # beside them (fully_shard on a submodule only) counted apart, each kind with its own fused kernel
+            mixed = by_kind([g for _, g in grads], lambda group: grad_counts(group).unbind())
+            per_param = global_value(grad_counts([g for _, g in grads])) if mixed is None else torch.stack(
+                [count.to(grads[0][1].device) for count in mixed])
             metrics["grad_count"] = per_param.sum()
             metrics.update(zip([f"grad_count/{name}" for name, _ in grads], per_param.unbind(), strict=True))
         scale = self.loss_scale.current() if self._amp else None  # None: no scale() call yet
@@ -302,8 +302,9 @@ class NonFinite(Observer):
         if metrics:
             # Every value is an int64 tensor, and on one process the reduce ops change nothing: the logger then
             # stages the call as one block (one stack and conversion) instead of key by key (a few kernels each).
-            summed = ("count",) if global_counts else ("count", "grad_count")
-            reduce = {key: ("sum" if key.startswith(summed) else "max") for key in metrics}
+            # Gradient counts take the largest rank's: DDP's averaged gradients and FSDP2's global counts are the
+            # same on every rank (a sum counted each element once per rank: more than the parameter holds).
+            reduce = {key: ("sum" if key.startswith("count") else "max") for key in metrics}
             logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, reduce))
         if tables or dropped:  # max over ranks: marked wherever a rank dropped one; every rank logs the key
             logger.log_metrics({"incomplete": 1.0 if dropped else 0.0}, step=step, prefix=self.name,

@@ -154,4 +154,3 @@ class TagKinds:
 
     def _taken(self, tag: str, row: Any) -> bool:
         return tag in self._scalar_tags or tag in self._media_tags or tag in row or tag in self._moved_scalars
-

@@ -609,3 +609,21 @@ def test_a_media_only_steps_run_tag_that_a_dead_server_kept_back_is_set_by_the_n
     backend.close()
     assert client.get_run(run_id).data.tags[LAST_STEP_TAG] == "0"
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_kept_back_run_tag_is_not_sent_to_a_server_a_call_just_found_gone(tmp_path, monkeypatch):
+    """A media-only step's tag kept back by a dead server waits for the next call; a next call whose second metric
+    request finds the server gone again does not send it (it would wait out the timeout once more)."""
+    backend = instrument.MlflowBackend(run_name="again", retry_after=3600)
+    backend.open(RunInfo("again", tmp_path))
+    backend._media_step = 0  # what a call that found the server gone left for the next one
+    tags, sent = [], []
+    _refusing(monkeypatch, backend, "set_tag", lambda args, kwargs: tags.append(args) or None)
+    _refusing(monkeypatch, backend, "log_batch", lambda args, kwargs: sent.append(kwargs) or (
+        ConnectionError("connection refused") if len(sent) == 2 else None))
+    with pytest.raises(PartialWriteError):
+        backend.write_many([_wide(i) for i in range(1, 4)])
+    assert tags == [] and backend._media_step == 0
+    monkeypatch.undo()
+    backend._unreachable_until = 0.0
+    backend.close()

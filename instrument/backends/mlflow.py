@@ -359,9 +359,7 @@ class MlflowBackend(Backend):
                     continue
                 if time.monotonic() < self._unreachable_until:  # a request of an earlier step found it dead
                     if media_count(record):  # not waited for again per step (as `_bounded` skips a later write)
-                        failed.append((f"step {record.step} media", _Waiting(
-                            f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s "
-                            f"ago; this step's media values were skipped (retry_after)")))
+                        failed.append((f"step {record.step} media", self._skipped("this step's media values")))
                         lost.add(i)
                         unstored.add(i)
                     continue
@@ -381,9 +379,9 @@ class MlflowBackend(Backend):
             if bare:  # kept until the tag is set: a call that cannot set it leaves it to the next one, or to close
                 self._media_step = max(bare + [self._media_step or 0])
             try:
-                if (bare or self._names.take_tags(1)) and time.monotonic() < self._unreachable_until:
-                    raise _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
-                                   f"{self.retry_after:g} s ago; these run tags were skipped (retry_after)")
+                due = self._media_step is not None or self._names.take_tags(1)
+                if due and time.monotonic() < self._unreachable_until:  # not waited for again in this call
+                    raise self._skipped("these run tags")
                 self._set_media_step()
                 self._write_name_tags()
             except Exception as exc:  # the name tags are sent again with the next record; the values are written
@@ -392,6 +390,11 @@ class MlflowBackend(Backend):
             raise_failures(self.name, span, failed, "metric request(s), media value(s) or run tag(s)" if metrics
                            else "media value(s) or run tag(s)", steps=max(1, len(lost)),
                            error=PartialWriteError if metrics else MediaWriteError)
+
+    def _skipped(self, what: str) -> "_Waiting":
+        """What a call made after one of its requests found the server unreachable says of what it skipped."""
+        return _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than {self.retry_after:g} s ago; "
+                        f"{what} were skipped (retry_after)")
 
     def _set_media_step(self) -> None:
         """Set the run tag naming the last media-only step written, if one is waiting for it."""
@@ -427,8 +430,7 @@ class MlflowBackend(Backend):
                 if is_unreachable(exc):
                     self._unreachable_until = time.monotonic() + self.retry_after
         if skipped:
-            failed.append((named(skipped), _Waiting(f"MlflowBackend: {self.tracking_uri} was unreachable less than "
-                                                    f"{self.retry_after:g} s ago; these were skipped (retry_after)")))
+            failed.append((named(skipped), self._skipped("these")))
         return lost, stored
 
     def _training_scalars(self, record: StepRecord) -> Dict[str, float]:

@@ -321,3 +321,28 @@ def test_a_bad_console_argument_bound_in_gin_stops_the_run_before_training(tmp_p
     assert out.returncode == 2, out.stderr
     assert "header_every must be an int >= 0" in out.stderr and "inferred.gin, line 3" in out.stderr
     assert not list(tmp_path.rglob("*.jsonl"))  # nothing trained
+
+
+def test_the_summary_mean_of_finite_values_near_float64s_limit_is_finite_and_exact():
+    from fractions import Fraction
+
+    out = io.StringIO()
+    backend = ConsoleBackend(legend=False, stream=out, summary=["s/"])
+    values = [1e308, 1e308, -5e307, 1e308, 3.0]  # their running sum leaves float64's range and comes back
+    for step, value in enumerate(values):
+        backend.write(StepRecord(step, {"loss": 0.0, "s/v": value}))
+    backend.close()
+    row = [line.split() for line in out.getvalue().splitlines() if line.startswith("s/v")]
+    expected = float(sum(Fraction(v) for v in values) / len(values))  # the float64 of the exact mean
+    assert row == [["s/v", "3", f"{expected:.5g}", "-5e+307", "1e+308", "5"]]
+
+
+def test_sample_panels_keep_their_text_on_a_terminal_that_reports_no_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "0")  # a pipe or a CI runner can say so; the panels were drawn empty
+    out = io.StringIO()
+    backend = ConsoleBackend(legend=False, stream=out, num_val_samples_to_print=1)
+    samples = instrument.backends.base.SampleTable([{"input": "the prompt", "score": 1.0}])
+    backend.write(StepRecord(3, {"val/score": 1.0}, samples={"val": samples}))
+    panel = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert any("input" in line and "the" in line for line in panel), out.getvalue()
+    assert min(map(len, panel)) >= 20

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import instrument
-from instrument import ConfigurationError, Logger, RunHistoryBackend
+from instrument import ConfigurationError, Logger, RunHistoryBackend, StepRecord
 
 
 def test_metrics_and_timelog_per_step():
@@ -307,3 +307,11 @@ def test_batch_keys_given_as_one_string_is_refused_saying_how_to_fix_it(keys):
     assert f"got the {type(keys).__name__} {keys!r}" in message
     assert "list of histogram tags" in message and f"batch_keys=[{keys!r}]" in message
     assert list(RunHistoryBackend(batch_keys=["batch/reward"]).batch_log) == ["batch/reward"]
+
+
+def test_a_system_record_without_seconds_is_placed_by_its_step_in_milliseconds():
+    history = RunHistoryBackend()
+    history.write_system(StepRecord(step=2500, scalars={"system/cpu": 7.0}))  # Logger.write_system: step in ms
+    history.write_system(StepRecord(step=4000, scalars={"system/cpu": 8.0, "system/seconds": 3.75}))
+    seconds, values = history.system_series("system/cpu")
+    assert seconds.tolist() == [2.5, 3.75] and values.tolist() == [7.0, 8.0]

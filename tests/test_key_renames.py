@@ -53,14 +53,16 @@ def test_timer_form_keys_are_renamed_the_same_way_at_every_step_in_every_backend
     _commit(logger, {"user/timing/t/mean": 1000.0, "timing/t/mean": 1.0}, 1)
     _commit(logger, {"timing/t/mean": 2.0}, 2)
     _commit(logger, {"user/timing/t/mean": 3000.0}, 3)
+    _commit(logger, {"timing/t/mean": 4.0, "user/timing/t/mean": 4000.0}, 4)  # the other order in one step
     with logger.timer("t"):
         pass
-    _commit(logger, {"x": 0.0}, 4)
+    _commit(logger, {"x": 0.0}, 5)
     logger.close()
-    expected = {"user/timing/t/mean": [(1, 1.0), (2, 2.0)], "user/user/timing/t/mean": [(1, 1000.0), (3, 3000.0)]}
+    expected = {"user/timing/t/mean": [(1, 1.0), (2, 2.0), (4, 4.0)],
+                "user/user/timing/t/mean": [(1, 1000.0), (3, 3000.0), (4, 4000.0)]}
     for series in (_jsonl(tmp_path / "r" / "metrics.jsonl"), _tb(tmp_path / "r")):
         assert {k: v for k, v in series.items() if k in expected} == expected  # exact in float32 too
-        assert [step for step, _ in series["timing/t/mean"]] == [4]  # the timer's own, apart
+        assert [step for step, _ in series["timing/t/mean"]] == [5]  # the timer's own, apart
 
 
 def _moved_scalar_run(backend, tmp_path):

@@ -158,10 +158,13 @@ class StepRecord:
         ``user/timing/t/mean`` is written as ``user/user/timing/t/mean``): the renaming is then one-to-one and
         the same at every step (`under_user`), so no two of the user's series, and no user series and a timer,
         ever share a key. Any other ``timing/...`` metric is written as logged."""
-        out = dict(self.scalars)
-        for key in [key for key in out if key.startswith(_TIMER_HEADS) and _is_timer_key(strip_user(key))]:
+        out: Dict[str, float] = {}
+        for key, value in self.scalars.items():  # into a new dict: renamed in place, ``timing/t/mean`` would take
+            if not (key.startswith(_TIMER_HEADS) and _is_timer_key(strip_user(key))):  # the place of a logged
+                out[key] = value  # ``user/timing/t/mean`` before that one moved on, losing it
+                continue
             name = USER_HEAD + key
-            out[name] = out.pop(key)
+            out[name] = value
             if key not in _SAID:
                 _SAID[key] = None
                 log.warning("instrument: the metric %r was logged under a key of the form [user/]timing/<name>/<stat>, "

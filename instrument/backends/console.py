@@ -29,7 +29,8 @@ import logging
 import math
 import re
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
+from fractions import Fraction
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Union
 
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
 from instrument.checks import check_int
@@ -45,11 +46,13 @@ log = logging.getLogger("instrument")
 table_log = logging.getLogger("instrument.console")
 table_log.propagate = False  # rows are printed by the backend itself; handlers here are files (run logs)
 
+_LEAST_WIDTH = 20  # columns a sample panel is drawn in at least: its border, a field name and some text
+
 
 @dataclasses.dataclass
 class _Summary:
     last: float = math.nan
-    total: float = 0.0
+    total: Union[float, Fraction] = 0.0  # a Fraction once a sum of finite values left float64's range
     count: int = 0
     low: float = math.inf
     high: float = -math.inf
@@ -57,7 +60,13 @@ class _Summary:
     def add(self, value: float) -> None:
         self.last = value
         if not math.isnan(value):
-            self.total += value
+            if type(self.total) is Fraction and math.isfinite(value):
+                self.total += Fraction(value)
+            else:
+                total = self.total + value
+                if math.isinf(total) and math.isfinite(value) and math.isfinite(self.total):  # 1e308 + 1e308:
+                    total = Fraction(self.total) + Fraction(value)  # exact from there, so the mean stays finite
+                self.total = total
             self.count += 1
             self.low = min(self.low, value)
             self.high = max(self.high, value)
@@ -68,7 +77,7 @@ class _Summary:
         return {
             "metric": key,
             "last": self.last,
-            "mean": self.total / self.count,
+            "mean": float(self.total / self.count),
             "min": self.low,
             "max": self.high,
             "steps": self.count,
@@ -140,7 +149,7 @@ class ConsoleBackend(Backend):
         self.stream = stream
         check_int("ConsoleBackend num_val_samples_to_print", num_val_samples_to_print, least=0, why="0: none",
                   fix="bind e.g. ConsoleBackend.num_val_samples_to_print = 4")
-        check_int("ConsoleBackend width", width, least=20, none=True, why="the stream's width",
+        check_int("ConsoleBackend width", width, least=_LEAST_WIDTH, none=True, why="the stream's width",
                   fix="bind e.g. ConsoleBackend.width = 100")
         self.num_val_samples_to_print = num_val_samples_to_print
         self.show_system = show_system
@@ -232,7 +241,8 @@ class ConsoleBackend(Backend):
         from rich.table import Table
         from rich.text import Text
 
-        width = self.width or Console(file=self.stream or sys.stdout).width
+        # a terminal that reports a width of 0 or a few columns (a pipe under COLUMNS=0) would draw empty boxes
+        width = self.width or max(_LEAST_WIDTH, Console(file=self.stream or sys.stdout).width)
         buffer = io.StringIO()
         console = Console(file=buffer, width=width, highlight=False, soft_wrap=False)
         for label, row in chosen:

@@ -246,7 +246,7 @@ class RunHistoryBackend(Backend):
         """The system monitor's samples, kept on their own axis: the exact ``system/seconds`` since the monitor
         started (the record's step counts milliseconds since the run first started), never mixed with the
         training steps in ``metrics``."""
-        seconds = float(record.scalars.get("system/seconds", record.step))
+        seconds = float(record.scalars.get("system/seconds", record.step / 1000))  # the step counts milliseconds
         with self._lock:
             for key, value in record.scalars.items():
                 series = self.system.get(key)

@@ -196,3 +196,26 @@ def test_a_bounded_close_is_bounded_while_another_thread_waits_for_room_behind_a
     assert stopped.wait(WAIT)
     thread.join(WAIT)
     assert backend.steps == handed and handed[:3] == [0, 1, 2]  # every step handed over, once, in order
+
+
+@pytest.mark.parametrize("timeout", [1e10, 1e300])
+def test_a_timeout_longer_than_a_thread_can_wait_waits_as_none_does(tmp_path, timeout):
+    # threading.TIMEOUT_MAX is about 292 years: beyond it Lock.acquire and Condition.wait raise OverflowError,
+    # which left close() raising and the logger open (its staged step never committed)
+    logger = Logger([JsonlBackend()], RunInfo("r", tmp_path), open_timeout=timeout)
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.commit()
+    assert logger.flush(timeout=timeout) is True
+    logger.log_metrics({"x": 2.0}, step=1)
+    logger.close(timeout=timeout)
+    with pytest.raises(ConfigurationError, match="closed"):  # closed: what it staged was committed
+        logger.log_metrics({"x": 3.0}, step=2)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+
+    inst = instrument.Instrumentation(observers=[], backends=[JsonlBackend()], log_dir=str(tmp_path / "i"),
+                                      open_timeout=timeout)
+    with inst.step(0):
+        inst.logger.log_metrics({"loss": 1.0}, step=0)
+        inst.state_dict(flush_timeout=timeout)
+    inst.close(timeout=timeout)

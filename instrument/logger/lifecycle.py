@@ -5,7 +5,6 @@ Kept apart from the logger's hot path: these run once per run (or once per mista
 
 import inspect
 import logging
-import math
 import os
 import threading
 import time
@@ -252,7 +251,13 @@ def check_timeout(what: str, timeout: Any) -> Optional[float]:
     seconds = check_number(f"{what}: timeout", timeout, least=0, none=True, noun="a number of seconds",
                            why="how long to wait for the logger's writer thread",
                            fix=f"pass e.g. {what}(timeout=30.0), or timeout=None to wait until it is done")
-    return None if seconds is None or math.isinf(seconds) else seconds
+    return wait_seconds(seconds)
+
+
+def wait_seconds(seconds: Optional[float]) -> Optional[float]:
+    """``seconds`` as a thread's wait takes it: None (no limit) from ``threading.TIMEOUT_MAX`` on (about 292
+    years; inf too), where ``Lock.acquire`` and ``Condition.wait`` raise OverflowError instead of waiting."""
+    return None if seconds is None or seconds >= threading.TIMEOUT_MAX else seconds
 
 
 def check_open_policy(policy: Any, timeout: Any) -> str:
@@ -277,6 +282,7 @@ def open_backends(logger: Any, policy: Any, timeout: Any) -> None:
     writer = logger._writer
     try:
         writer.report_open = check_open_policy(policy, timeout) == "warn"
+        timeout = wait_seconds(timeout)
         opened = [writer.call("open", logger.run, backend=backend) for backend in logger.backends]
         if opened:
             await_opens(logger, opened[-1], policy, timeout)
@@ -289,13 +295,13 @@ def open_backends(logger: Any, policy: Any, timeout: Any) -> None:
         raise
 
 
-def await_opens(logger: Any, seq: int, policy: str, timeout: float) -> None:
+def await_opens(logger: Any, seq: int, policy: str, timeout: Optional[float]) -> None:
     """Wait (at most ``timeout`` s) until the writer has opened every backend; under ``"raise"``, raise a
     `ConfigurationError` for those that failed, after closing the ones that opened."""
     writer = logger._writer
     if not writer.wait(seq, timeout):
         writer.report_open = True  # a failure after this is reported by the writer, as under "warn"
-        log.warning("instrument: the backends did not finish opening within open_timeout=%gs; the run starts "
+        log.warning("instrument: the backends did not finish opening within open_timeout=%ss; the run starts "
                     "anyway and they are written once open (a backend that fails to open is reported then)",
                     timeout)
         return

@@ -18,7 +18,9 @@ Every live `Logger` is registered here (weakly). What happens:
   exception goes on. A handler that ends the process with ``os._exit`` leaves them flushed but not closed.
 - SIGINT: every live logger flushes (at most ``INTERRUPT_TIMEOUT`` seconds each), then the previous handler
   runs (by default it raises `KeyboardInterrupt`, so ``with`` blocks and ``finally`` clauses still run). A
-  KeyboardInterrupt that ends the process marks the run ``"killed"``.
+  KeyboardInterrupt that ends the process marks the run ``"killed"``, and so does anything else that handler
+  raises (``sys.exit``). Where SIGINT's action was the default one (``SIG_DFL``, which a launcher may set),
+  which ends the process at once, every logger is closed ``"killed"`` first, as for SIGTERM.
 - An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
 - ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked). atexit
   runs its hooks last registered first, and an SDK registers its own teardown when a backend opens (W&B
@@ -262,7 +264,8 @@ def _loggers() -> list:
 
 def _on_signal(signum: int, frame: Optional[Any]) -> None:
     loggers = _loggers()
-    if signum == signal.SIGINT:
+    previous = _previous.get(signum)
+    if signum == signal.SIGINT and callable(previous):
         if not _state["interrupting"]:
             _state["interrupting"] = True
             try:
@@ -273,19 +276,23 @@ def _on_signal(signum: int, frame: Optional[Any]) -> None:
                         log.exception("instrument: flushing a logger on SIGINT failed")
             finally:
                 _state["interrupting"] = False
-    elif callable(_previous.get(signum)):
+        try:
+            previous(signum, frame)
+        except KeyboardInterrupt:  # Python's own handler: where it ends the process, the excepthook marks it
+            raise
+        except BaseException:  # a handler of the user's that ends the process (sys.exit): the run was killed
+            mark("killed")
+            raise
+        return
+    if callable(previous):
         _chain_terminate(signum, frame, loggers)
         return
-    elif _state["starting"]:
+    if _state["starting"]:
         raise _Terminated(signum)  # `starting` undoes the start, then delivers the signal again
-    else:
-        for logger in loggers:
-            _close_within(logger, "killed", commit=False, why=f"on signal {signum}")
-    previous = _previous.get(signum)
-    if callable(previous):
-        previous(signum, frame)
-        return
-    # The default action: restore it and deliver the signal again, so the process ends by it.
+    # The default action (SIGTERM's, or SIGINT's where SIG_DFL was set before us) ends the process at once:
+    # close every logger first, then restore it and deliver the signal again, so the process ends by it.
+    for logger in loggers:
+        _close_within(logger, "killed", commit=False, why=f"on signal {signum}")
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 

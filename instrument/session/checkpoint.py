@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError
+from instrument.logger.lifecycle import wait_seconds
 from instrument.logger.steps import MAX_STEP
 from instrument.session.run_folder import RUN_FILE, is_used, save_ids
 
@@ -28,7 +29,7 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
     timeout = check_number("state_dict: flush_timeout", flush_timeout, least=0, none=True,
                            noun="a number of seconds", why="how long to wait for committed steps to be written",
                            fix="pass e.g. state_dict(flush_timeout=30.0), or None to wait until they are")
-    timeout = None if timeout is None or math.isinf(timeout) else timeout
+    timeout = wait_seconds(timeout)  # inf, and what a thread's wait cannot take, as None
     written = True
     if timeout != 0 and not inst.logger._closed:
         written = flush_for_checkpoint(inst, timeout)

@@ -225,9 +225,9 @@ def test_a_bad_step_is_refused_on_every_path_and_stages_nothing(path, step, patt
     log.log_metrics({"b": 2.0}, step=4)
     with pytest.raises(instrument.InvalidValueError, match=pattern):
         log.commit(step)
-    assert not log.has_pending  # staged values are cleared whatever happens
+    assert log.has_pending  # a step the commit refuses takes nothing off the staged table
     log.close()
-    assert keep.records == []
+    assert [(r.step, dict(r.scalars)) for r in keep.records] == [(4, {"b": 2.0})]  # close()'s commit
 
 
 @pytest.mark.parametrize("path", sorted(_PATHS))
@@ -617,6 +617,21 @@ def test_per_prefix_key_names_stay_bounded_and_a_bad_step_is_refused_with_nothin
             log.commit(bad)
     assert log.commit(np.int64(1000)) is None  # an integral type, nothing staged: nothing to do
     log.close()
+
+
+def test_a_commit_refused_for_its_step_keeps_what_is_staged_for_the_next_commit():
+    """commit(True) or commit(9.0) raised after taking the staged values off the table: the retry with a good
+    step committed nothing, and the interval's values were gone (a review)."""
+    keep = Keep()
+    log = instrument.Logger([keep])
+    log.log_metrics({"a": 1.0}, step=5)
+    log.log_image("pic", np.zeros((2, 2)), step=5)
+    for bad in (True, 9.0, 10.5, -1, 2**63, "5"):
+        with pytest.raises(instrument.InvalidValueError, match="step must be.*Nothing was committed"):
+            log.commit(bad)
+    assert log.commit(5) is not None
+    log.close()
+    assert [(r.step, dict(r.scalars), list(r.images)) for r in keep.records] == [(5, {"a": 1.0}, ["pic"])]
 
 
 def test_a_timer_used_reentrantly_measures_every_span_and_never_raises():

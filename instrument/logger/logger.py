@@ -51,7 +51,7 @@ from instrument.logger.media import CanvasSizes, check_media, heatmap_options, r
 from instrument.logger.params import redact_argv, redact_hyperparams
 from instrument.logger.ranks import initialized, rank
 from instrument.logger.reduce import CrossRankReducer, resolve_ops
-from instrument.logger.steps import LAZY, MAX_STEP, StepRecords, check_step
+from instrument.logger.steps import LAZY, MAX_STEP, StepRecords, check_commit_step, check_step
 from instrument.logger.table import StagedTable
 from instrument.logger.timer import Timer, named_timer
 from instrument.logger.values import Wide, check_keys, merge_wide, rounded_message
@@ -330,11 +330,11 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
     def commit(self, step: Optional[int] = None, paired: bool = True) -> Optional[CommittedStep]:
         """Hand everything staged over to the writer thread, with one batched host transfer started.
 
-        Returns a `CommittedStep` (its ``step`` at once; reading ``scalars``, ``images``... waits for the
-        writer to build the `StepRecord`), or None when nothing was staged. With a process group this is a
-        collective: every rank calls it at the same steps, also ranks with nothing staged. Staged values are
-        cleared whatever happens. Without ``step`` the record goes to the highest step staged since the last
-        commit, or to the last committed step where that is higher (values staged before a
+        Returns a `CommittedStep` (its ``step`` at once; reading ``scalars``, ``images``... waits for the writer to
+        build the `StepRecord`), or None when nothing was staged. With a process group this is a collective: every
+        rank calls it at the same steps, also ranks with nothing staged. Staged values are cleared whatever happens
+        (a ``step`` refused as no int in range takes none). Without ``step`` the record goes to the highest step
+        staged since the last commit, or to the last committed step where that is higher (values staged before a
         ``log_metrics(..., commit=True)`` record at a later step), so an implicit commit never goes backwards.
         Timer measurements carry no step: they go with the next record, and with ``step`` given they make one.
         Under a process group a ``step`` given is checked to be every rank's (one more value in the collective):
@@ -357,12 +357,12 @@ class Logger(StagedTable, StepRecords, LoggerEnd):
                 implicit = step is None
                 if implicit:
                     step = self._pending_step
+                elif not (type(step) is int and 0 <= step <= MAX_STEP):
+                    check_commit_step(step)  # a bad argument commits nothing and keeps what is staged
                 # Timer measurements alone carry no step: they wait for the next record that has one (and
                 # those taken after the last logging step are not written at close, see docs/backends.md).
                 if not collective and (step is None or not (self._blocks or self.has_pending)):
                     self._pending_step = None
-                    if not implicit:  # nothing to write, but a step that could never be written is refused
-                        check_step(step)
                     return None
                 last = self._last_step
                 snapshot = self._snapshot  # the table as a session's step found it (`mark`), if one was taken

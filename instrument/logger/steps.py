@@ -26,7 +26,7 @@ from instrument.logger.handover import handover
 from instrument.logger.values import Wide, as_scalar, refuse_merged_keys, weighted
 from instrument.logger.writer import CommittedStep
 
-__all__ = ["LAZY", "MAX_STEP", "StepRecords", "check_step", "resume_step", "step_range_message"]
+__all__ = ["LAZY", "MAX_STEP", "StepRecords", "check_commit_step", "check_step", "resume_step", "step_range_message"]
 
 log = logging.getLogger("instrument")
 
@@ -48,6 +48,16 @@ def check_step(step: object) -> None:
         raise InvalidValueError(f"step must be an int, got {type(step).__name__} ({step!r}).")
     if not 0 <= step <= MAX_STEP:  # type: ignore[operator]
         raise InvalidValueError(step_range_message("step", step))  # type: ignore[arg-type]
+
+
+def check_commit_step(step: object) -> None:
+    """`check_step` for ``commit(step)``, before anything is taken off the staged table: a step that is not an
+    int in range is the caller's slip, and the values staged for it stay staged for a commit with a good one."""
+    try:
+        check_step(step)
+    except InvalidValueError as exc:
+        raise InvalidValueError(f"commit: {exc} Nothing was committed: the values staged since the last commit "
+                                f"stay staged, for a commit with an int step.") from None
 
 
 def resume_step(last_step: object) -> Optional[int]:

@@ -1,6 +1,7 @@
 """Media values the logger must convert exactly, refuse at the call, or drop alone (docs/backends.md, issue 13):
 quantized, sparse and nested tensors, a tag staged as both an image and a heatmap, integer sample fields."""
 
+import io
 import json
 import logging
 
@@ -378,4 +379,49 @@ def test_heatmap_ticks_that_are_not_an_ordered_list_of_labels_are_refused():
     for ticks in (torch.arange(3), {"a", "b", "c"}, iter("abc"), np.array(["a", "b", "c"]).reshape(1, 3)):
         with pytest.raises(InvalidValueError, match="x_ticks must be None or one label per column"):
             logger.log_heatmap("hm", torch.rand(2, 3), 0, x_ticks=ticks)
+    logger.close()
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("cannot print")
+
+    __repr__ = __str__
+
+
+@pytest.mark.parametrize("where", ["field", "nested"])
+def test_a_sample_field_that_cannot_print_costs_its_table_only(tmp_path, caplog, where):
+    """The backends write such a field as str(value): one whose str raised cost JSONL and the console the whole
+    step, its metrics included, under a message that named neither the tag nor the field (a review)."""
+    from instrument import ConsoleBackend, RunHistoryBackend
+
+    path, history = tmp_path / "m.jsonl", RunHistoryBackend()
+    logger = Logger([JsonlBackend(str(path)), ConsoleBackend(stream=io.StringIO()), history],
+                    RunInfo("x", tmp_path))
+    bad = Unprintable() if where == "field" else {"inner": [1, Unprintable()]}
+    with caplog.at_level(logging.ERROR, logger="instrument"):
+        for step in range(3):
+            logger.log_metrics({"ok": float(step)}, step=step)
+            logger.log_samples("val", [{"input": "a", "score": 1.0}], step=step)
+            if step == 1:
+                logger.log_samples("bad", [{"input": "a", "odd": bad, "score": 0.5}], step=step)
+            logger.commit(step)
+        logger.close()
+    records = _lines(path)
+    assert [(r["step"], r["metrics"]) for r in records] == [(s, {"ok": float(s)}) for s in range(3)]
+    assert all(list(r["samples"]) == ["val"] for r in records)
+    assert history.series("ok")[1].tolist() == [0.0, 1.0, 2.0]
+    assert logger.failures == {"samples bad": 1}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("dropped samples 'bad' at step 1" in m and "field 'odd' of sample 0 holds a Unprintable" in m
+               and "cannot print" in m for m in said) == 1, said
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_as_a_metric_is_refused_naming_its_key(layout):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    logger = Logger([])
+    for values in ({"n": nested}, {"a": 1.0, "n": nested}, {"a": torch.ones(()), "n": nested}):
+        with pytest.raises(InvalidValueError, match=r"metric 'n' is a nested tensor \(of 2 tensors\)"):
+            logger.log_metrics(values, step=0)
     logger.close()

@@ -132,6 +132,52 @@ def test_a_backend_cannot_change_the_record_every_other_backend_writes(tmp_path,
     assert "read-only" in caplog.text
 
 
+class ChangesSampleLists(instrument.Backend):
+    """Changes the lists inside sample fields, and deletes the record's fields (a review: both went through)."""
+
+    def __init__(self):
+        self.refused = []
+
+    def write(self, record):
+        row = record.samples["val"].rows[0]
+        for change in (lambda: row["input"].append(99), lambda: row["input"].sort(reverse=True),
+                       lambda: row["input"].__setitem__(0, -5), lambda: row["nested"][1][1].pop(),
+                       lambda: row["nested"][2]["k"].clear(), lambda: delattr(record, "scalars"),
+                       lambda: delattr(record, "_frozen")):
+            try:
+                change()
+            except (TypeError, AttributeError) as exc:
+                self.refused.append("read-only" in str(exc))
+
+
+class Reads(instrument.Backend):
+    def __init__(self):
+        self.seen = []
+
+    def write(self, record):
+        self.seen.append((dict(record.scalars), repr(record.samples["val"].rows[0])))
+
+
+def test_a_backend_cannot_change_a_sample_field_or_delete_a_field_of_the_record(tmp_path):
+    careless, reads = ChangesSampleLists(), Reads()
+    logger = instrument.Logger([careless, reads, instrument.JsonlBackend()], instrument.RunInfo("r", tmp_path))
+    row = {"input": torch.tensor([3, 1, 2]), "nested": ([0], [1, [2, 3]], {"k": [4]})}
+    logger.log_samples("val", [row], step=0)
+    logger.log_metrics({"x": 1.0}, step=0)
+    handle = logger.commit(0)
+    logger.close()
+    assert careless.refused == [True] * 7 and logger.failures == {}
+    written = "{'input': [3, 1, 2], 'nested': ([0], [1, [2, 3]], {'k': [4]})}"
+    assert reads.seen == [({"x": 1.0}, written)] and repr(handle.samples["val"].rows[0]) == written
+    line = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+    assert line[0]["metrics"] == {"x": 1.0}
+    import copy
+    import pickle
+
+    assert type(copy.copy(handle.samples["val"].rows[0]["input"])) is list
+    assert pickle.loads(pickle.dumps(handle.samples["val"].rows[0]["nested"])) == ([0], [1, [2, 3]], {"k": [4]})
+
+
 def test_a_record_reads_and_copies_as_plain_data():
     record = StepRecord(step=3, scalars={"a": 1.0}, timings={"t": {"mean": 0.5}}).freeze()
     assert json.loads(json.dumps(record.scalars)) == {"a": 1.0} and dict(record.scalars) == {"a": 1.0}

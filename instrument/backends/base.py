@@ -87,16 +87,34 @@ class ReadOnlyDict(dict):
         return dict, (dict(self),)
 
 
+class ReadOnlyList(list):
+    """A list in a sample field of a record: reads as a list (json writes it as an array, ``str`` as ``[...]``);
+    changing it raises `TypeError`. A copy or an unpickled one is a plain list."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(_SHARED)
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse  # type: ignore
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse  # type: ignore
+
+    def __reduce__(self) -> Any:
+        return list, (list(self),)
+
+
 def _read_only(value: Any) -> Any:
     if isinstance(value, SampleTable):
         return SampleTable(tuple(_read_only(row) for row in value.rows), value.score_key)  # type: ignore[arg-type]
     if isinstance(value, np.ndarray):
         value.flags.writeable = False
-    elif isinstance(value, tuple):  # a video: (frames, fps)
+    elif type(value) is tuple:  # a video's (frames, fps), or a tuple in a sample field (its lists made read-only)
+        return tuple(_read_only(item) for item in value)
+    elif isinstance(value, tuple):  # a named tuple in a sample field: kept as it is, its arrays read-only
         for item in value:
             _read_only(item)
     elif type(value) is dict:  # the record's own dicts; a user's container type in a sample field is kept as is
         return ReadOnlyDict((key, _read_only(item)) for key, item in value.items())
+    elif type(value) is list:  # a sample field's list (a tensor or an array's values)
+        return ReadOnlyList(_read_only(item) for item in value)
     return value
 
 
@@ -142,6 +160,11 @@ class StepRecord:
         if self.__dict__.get("_frozen"):
             raise AttributeError(f"cannot set StepRecord.{name}: {_SHARED}.")
         object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_frozen"):  # ``del record._frozen`` would switch the freeze off
+            raise AttributeError(f"cannot delete StepRecord.{name}: {_SHARED}.")
+        object.__delattr__(self, name)
 
     def is_empty(self) -> bool:
         return not (

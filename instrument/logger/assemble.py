@@ -92,4 +92,6 @@ def describe(value: Any) -> str:
         return f"a {value.device.type} tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} and dtype {value.dtype}"
+    if isinstance(value, list):  # the staged rows of log_samples too (a list of their own type)
+        return f"a list of {len(value)} items"
     return f"a {type(value).__name__}"

@@ -114,15 +114,28 @@ def _host_field(value: Any, staged: Any) -> Any:
 
 
 def convert_samples(tag: str, rows: Any, score_key: Any, host: Any) -> SampleTable:
-    """On the writer: every staged tensor replaced by its transferred values (``host``)."""
-    def field(v: Any) -> Any:
+    """On the writer: every staged tensor replaced by its transferred values (``host``).
+
+    A field of some other type is passed on as it is, and a backend writes it as ``str(value)``: one whose
+    ``str`` raises is refused here, naming it, so that it costs this table only, not every backend's whole step.
+    """
+    def field(i: int, name: str, v: Any) -> Any:
         if isinstance(v, dict):
-            return _rebuilt(v, [(k, field(e)) for k, e in v.items()])
+            return _rebuilt(v, [(k, field(i, name, e)) for k, e in v.items()])
         if isinstance(v, (list, tuple)):
             if all(type(e) in _PLAIN for e in v):
                 return v  # staged as a copy: nothing to convert
-            return _rebuilt(v, [field(e) for e in v])
-        return _host_field(host(v), v)
+            return _rebuilt(v, [field(i, name, e) for e in v])
+        value = _host_field(host(v), v)
+        if type(value) not in _PLAIN:
+            try:
+                str(value)
+            except Exception as exc:
+                raise InvalidValueError(
+                    f"log_samples({tag!r}): field {name!r} of sample {i} holds a {type(value).__name__} whose str() "
+                    f"raised {type(exc).__name__}: {exc}; expected {_FIELD}, or an object that prints as text."
+                ) from exc
+        return value
 
-    converted: List[Dict[str, Any]] = [{f: field(v) for f, v in row.items()} for row in rows]
+    converted: List[Dict[str, Any]] = [{f: field(i, f, v) for f, v in row.items()} for i, row in enumerate(rows)]
     return SampleTable(converted, score_key)

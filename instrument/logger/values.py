@@ -237,6 +237,12 @@ def as_scalar(name: str, value: Any, warn: Warn, wide: Optional[Wide] = None) ->
     if isinstance(value, Tensor):
         if type(value) is not Tensor:  # a replicated DTensor: its local tensor; a sharded or partial one refused
             value = local_value(value, lambda placements: sharded_dtensor(f"metric {name!r}", placements, _FIX))
+        if value.is_nested:  # has no shape to name
+            raise InvalidValueError(
+                f"metric {name!r} is a nested tensor (of {value.size(0)} tensors); log_metrics takes scalars "
+                f"(one-element tensors or numbers). Reduce it first, e.g. torch.stack([t.mean() for t in "
+                f"value.unbind()]).mean(), or log each part under a key of its own."
+            )
         if value.numel() != 1:
             raise InvalidValueError(
                 f"metric {name!r} is a tensor of shape {tuple(value.shape)}; log_metrics takes scalars "

@@ -355,14 +355,15 @@ def test_iteration_stats_refuses_a_complex_state_and_says_what_to_observe(caplog
     assert "complex state (torch.complex64, shape [2, 3, 4, 4])" in str(error) and "view_as_real" in str(error)
 
 
-@pytest.mark.parametrize("shape", [(0, 4, 5, 5), (2, 4, 0, 0), (3, 0)])
+@pytest.mark.parametrize("shape", [(0, 4, 5, 5), (2, 4, 0, 0), (3, 0), (2, 0, 4, 4)])
 def test_states_with_no_elements_cost_no_observer_a_failure(shape, caplog):
     """UpdateNorm failed at every logging step on an empty batch (reshape could not infer -1) and StateHistogram
-    on an empty batch or grid (the logger refuses an empty histogram); found by a review."""
+    on an empty batch or grid (the logger refuses an empty histogram); IterationStats' heatmaps of a state of no
+    channels (the logger refuses a matrix of no columns); found by reviews."""
     import logging
 
     keep = Keep()
-    observers = [instrument.UpdateNorm(), instrument.StateHistogram(), instrument.IterationStats(images=False)]
+    observers = [instrument.UpdateNorm(), instrument.StateHistogram(), instrument.IterationStats()]
     inst = instrument.Instrumentation(observers=observers, backends=[keep], log_interval=1)
     x = torch.zeros(shape)
     with caplog.at_level(logging.INFO, logger="instrument"):
@@ -376,6 +377,8 @@ def test_states_with_no_elements_cost_no_observer_a_failure(shape, caplog):
         norms = record.scalars["update_norm/l2/mean"]
         assert np.isnan(norms) if shape[0] == 0 else norms == 0.0  # no sample: NaN; samples of no values: 0
         assert not [key for key in record.histograms if key.startswith("state_hist/")]
+        assert record.scalars["iteration_stats/iterations"] == 2.0
+        assert len([key for key in record.images if key.startswith("iteration_stats/")]) == (4 if shape[1] else 0)
     said = [r.getMessage() for r in caplog.records if "no values, so no histogram" in r.getMessage()]
     assert len(said) == 1
 

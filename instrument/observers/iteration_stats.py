@@ -112,7 +112,7 @@ class IterationStats(Observer):
         count = channels if self.max_channels is None else min(channels, self.max_channels)
         labels = channel_labels(f"IterationStats({self.name!r})", self.channel_names, channels, count)
         logger.log_metrics({"iterations": table.shape[0]}, step=step, prefix=self.name)
-        if self.images:
+        if self.images and channels:  # a state of no channels (shape [B, 0, ...]) has no heatmap to draw
             # One copy makes each stat's [iterations, channels] matrix contiguous: the commit's transfer then
             # packs them as views, instead of copying each strided column apart (a kernel each on a GPU).
             by_stat = table.transpose(0, 1).contiguous()

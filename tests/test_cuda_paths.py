@@ -424,10 +424,11 @@ def test_a_frame_schedule_without_a_collector_mask_reads_nothing_back_and_counts
                    evaluation=Evaluation(every_frames=10**9) if reader == "evaluation" else None,
                    step_unit="frames" if reader == "frames" else "iterations").attach(inst)
     reward = torch.ones(t_len, envs, device=device)
+    on_device = [done.to(device) for done in dones]  # before the check: a copy from pageable memory synchronises
     with no_host_read(device):
-        for done in dones:
+        for done in on_device:
             with rl.iteration():
-                rl.observe_batch(reward=reward, done=done.to(device))
+                rl.observe_batch(reward=reward, done=done)
             assert rl.counters.frames_known
     rl.close()
     inst.close()

@@ -5,7 +5,6 @@ values are read back from what the logger committed and from JSONL."""
 import json
 import os
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -14,6 +13,8 @@ from torch import nn
 import instrument
 from instrument import ConfigurationError, InvalidValueError, Logger
 from instrument.rl import CollectionMetrics, Episode, Evaluation, GymnasiumRunner, RLLogging
+
+gym = pytest.importorskip("gymnasium")  # the `rl` extra (in `dev`); a GPU host running `pytest -m cuda` may lack it
 
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")  # pygame (CartPole rendering) without a sound card
 

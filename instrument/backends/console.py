@@ -29,11 +29,11 @@ import logging
 import math
 import re
 import sys
-from fractions import Fraction
-from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
 
 from instrument.backends.base import Backend, RunInfo, SampleTable, StepRecord
 from instrument.checks import check_int
+from instrument.core.exact import overflowed
 from instrument.errors import ConfigurationError, require
 from instrument.terminal.output import write_line
 from instrument.terminal.samples import finite_number, select_samples
@@ -52,7 +52,7 @@ _LEAST_WIDTH = 20  # columns a sample panel is drawn in at least: its border, a 
 @dataclasses.dataclass
 class _Summary:
     last: float = math.nan
-    total: Union[float, Fraction] = 0.0  # a Fraction once a sum of finite values left float64's range
+    total: Any = 0.0  # an ExactSum once a sum of finite values left float64's range
     count: int = 0
     low: float = math.inf
     high: float = -math.inf
@@ -60,13 +60,10 @@ class _Summary:
     def add(self, value: float) -> None:
         self.last = value
         if not math.isnan(value):
-            if type(self.total) is Fraction and math.isfinite(value):
-                self.total += Fraction(value)
-            else:
-                total = self.total + value
-                if math.isinf(total) and math.isfinite(value) and math.isfinite(self.total):  # 1e308 + 1e308:
-                    total = Fraction(self.total) + Fraction(value)  # exact from there, so the mean stays finite
-                self.total = total
+            total = self.total + value
+            if type(total) is float and math.isinf(total):  # 1e308 + 1e308: exact from there, the mean stays finite
+                total = overflowed(self.total, value, total)
+            self.total = total
             self.count += 1
             self.low = min(self.low, value)
             self.high = max(self.high, value)

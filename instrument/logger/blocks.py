@@ -9,7 +9,7 @@ one pass over the values instead of a conversion per key: on a CPU, 100 floats l
 after other work (cold caches) take about 85 us instead of 125 us, 100 0-d tensors about 500 us instead of
 700 us. The writer thread turns the blocks of an interval into prefixed names and means: values summed in
 the order logged (in float64), then divided by their count; a name logged once is its value, exactly. A sum
-of finite floats that leaves float64's range goes on exactly (`instrument.logger.values.ExactSum`), so the
+of finite floats that leaves float64's range goes on exactly (`instrument.core.exact.ExactSum`), so the
 mean of finite values is finite. Not `math.fsum`: the per-key table (and a device tensor's sum) adds values
 as they are logged, and an interval folded into it must keep the mean its blocks give.
 

@@ -48,3 +48,36 @@ def test_ctrl_c_closes_every_logger_killed_whatever_sigint_did_before(tmp_path, 
     assert done.returncode == returncode, done.stderr
     assert done.stdout.splitlines() == ["on_exit killed"], done.stdout + done.stderr
     assert steps_of(tmp_path / "child" / "metrics.jsonl") == [0, 1, 2, 3, 4]
+
+
+THREADED = """
+import signal, sys, threading
+from instrument.backends.base import RunInfo
+from instrument.backends.jsonl import JsonlBackend
+from instrument.logger.logger import Logger
+
+default = signal.getsignal(signal.SIGTERM)
+made = []
+for name in ("first", "second"):
+    worker = threading.Thread(target=lambda n=name: made.append(Logger([JsonlBackend()], RunInfo(n, sys.argv[1]))),
+                              name=f"worker-{name}")
+    worker.start()
+    worker.join()
+print("after threads:", signal.getsignal(signal.SIGTERM) is default, flush=True)
+made.append(Logger([JsonlBackend()], RunInfo("main", sys.argv[1])))
+print("after main:", signal.getsignal(signal.SIGTERM) is default, flush=True)
+for logger in made:
+    logger.close()
+"""
+
+
+def test_a_logger_made_off_the_main_thread_says_once_that_no_signal_handler_guards_it(tmp_path):
+    """Python installs signal handlers on the main thread only. A Logger made on a worker thread (and none yet on
+    the main one) was left without SIGTERM handling in silence: a SIGTERM then lost what it had queued. It now says
+    so once, naming the thread; the first Logger made on the main thread still installs the handlers."""
+    done = run_child(tmp_path, THREADED, str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["after threads: True", "after main: False"], done.stdout + done.stderr
+    said = [line for line in done.stderr.splitlines() if "no SIGTERM/SIGINT handler" in line]
+    assert len(said) == 1, done.stderr
+    assert "'worker-first'" in said[0] and "Make the first Logger (or Instrumentation) on the main thread" in said[0]

@@ -192,7 +192,17 @@ def install() -> None:
             _state["excepthook"] = previous_hook
             sys.excepthook = _excepthook
             _state["atexit"] = True
-        if _state["installed"] or threading.current_thread() is not threading.main_thread():
+        if _state["installed"]:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            if not _state.get("said_thread"):
+                _state["said_thread"] = True
+                log.warning(
+                    "instrument: a Logger was made on thread %r, not the main thread, so no SIGTERM/SIGINT handler "
+                    "is installed (Python allows them on the main thread only): until a Logger is made on the main "
+                    "thread, a SIGTERM ends the process without closing this one, and what it has queued is not "
+                    "written. Make the first Logger (or Instrumentation) on the main thread, or close() this one "
+                    "yourself before the process ends. (Said once.)", threading.current_thread().name)
             return
         _state["installed"] = True
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -182,3 +182,48 @@ def test_a_resumed_tensorboard_file_sorts_after_the_crashed_processes_file(tmp_p
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("v")] == [(s, float(s)) for s in range(6)] + [
         (s, 100.0 + s) for s in range(6, 11)]  # each step once, the re-run ones with their new values
+
+
+def _interrupted_run(tmp_path, last: int = 8, saved_at: int = 6):
+    """A run that committed steps 0..``last`` (every step logs) and saved its state at ``saved_at``."""
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), log_interval=1)
+    for step in range(last + 1):
+        with inst.step(step):
+            inst.log({"v": float(step)})
+        if step == saved_at:
+            state = inst.state_dict()
+    inst.close()
+    return state
+
+
+def test_a_resumed_session_that_committed_a_step_before_loading_is_refused_whatever_the_checkpoints_step(tmp_path):
+    """A review found a resumed session that logged step 0 (an evaluation first, say) and then loaded a later
+    checkpoint accepted: its step 0 stayed in the run's files beside the interrupted run's, out of order ([0, ..,
+    6, 0, 7, ..]). Only a checkpoint older than the committed step was refused."""
+    state = _interrupted_run(tmp_path)
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), log_interval=1,
+                                      resume=True)
+    with inst.step(0):
+        inst.log({"v": 100.0})
+    with pytest.raises(ConfigurationError, match=r"after this Instrumentation committed step 0 in the run it "
+                                                 r"continues.*resuming at the checkpoint's step 6 keeps both"):
+        inst.load_state_dict(state)
+    inst.close()
+    assert [step for step, _ in _steps(tmp_path / "r" / "metrics.jsonl")] == [*range(9), 0]  # nothing was cut
+
+
+def test_loading_a_checkpoint_with_values_staged_is_refused_and_keeps_them(tmp_path):
+    """Values staged and not committed when the checkpoint was loaded went into the first step after it,
+    averaged into its means (a review read 31.0 at step 9 for a run that logged 8.0 there)."""
+    state = _interrupted_run(tmp_path)
+    inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=str(tmp_path), log_interval=1,
+                                      resume=True)
+    inst.logger.log_metrics({"v": 100.0}, step=0)
+    with pytest.raises(ConfigurationError, match=r"called with values staged for step 0 and not yet committed: the "
+                                                 r"first commit after resuming at the checkpoint's step 6"):
+        inst.load_state_dict(state)
+    assert inst.logger.has_pending  # nothing changed: still staged, and the run was not cut
+    inst.logger.commit()
+    inst.close()
+    assert _steps(tmp_path / "r" / "metrics.jsonl")[-1] == (0, 100.0)
+    assert [step for step, _ in _steps(tmp_path / "r" / "metrics.jsonl")] == [*range(9), 0]

@@ -139,6 +139,21 @@ def check_session_state(inst: "Instrumentation", state: Any) -> Optional[int]:
             f"Loading the same checkpoint again, or an earlier one before any step, is accepted: the run then goes "
             f"on from it."
         )
+    if inst.logger.has_pending:  # they would be committed with the first step after the checkpoint's
+        pending = inst.logger._pending_step
+        raise ConfigurationError(
+            f"load_state_dict was called with values staged{'' if pending is None else f' for step {pending}'} "
+            f"and not yet committed: the first commit after resuming at the checkpoint's {_named(at)} would take "
+            f"them into that later step, mixed into its means. Call load_state_dict right after creating the "
+            f"Instrumentation, before anything is logged."
+        )
+    if inst.run.resume is not None and loaded is None and committed is not None and at >= now:
+        raise ConfigurationError(
+            f"load_state_dict was called after this Instrumentation committed step {committed} in the run it "
+            f"continues: those steps went into the run's files beside the interrupted run's own steps, and resuming "
+            f"at the checkpoint's {_named(at)} keeps both there (a step twice, or steps out of order). Call "
+            f"load_state_dict right after creating the Instrumentation, before the first step."
+        )
     if committed is not None and at < now and (loaded is None or now != loaded):
         raise ConfigurationError(
             f"load_state_dict was called after this Instrumentation committed step {committed}: resuming at "

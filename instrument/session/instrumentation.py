@@ -420,14 +420,11 @@ class Instrumentation(StepLifecycle):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
-        every backend is told that steps after it are written again (`Backend.on_resume`).
-
-        Resuming, a checkpoint of another run (another name, or another folder's run id) is refused before
+        every backend is told that steps after it are written again (`Backend.on_resume`). Resuming, a checkpoint of another run (another name, or another folder's run id) is refused before
         anything changes: its step would cut this run's files (a new run may start from another run's checkpoint:
         it has nothing to cut). So is a second load of a later step than one already loaded (the first had the
-        steps after it cut); the same or an earlier one, before any step, is where the run goes on from.
-        Call it before the first step: a resumed session that committed a step, or any session with values
-        staged, is refused (either would leave a step twice, out of order, or in a later step's means).
+        steps after it cut); the same or an earlier one, before any step, is where the run goes on from. Call
+        it before anything is logged: a resumed session that committed a step, or one with values staged, is refused.
         The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
         a value changed on resume, or a backend new to the run, would otherwise never get them."""
         load_session_state(self, state)

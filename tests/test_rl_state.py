@@ -155,6 +155,53 @@ def test_a_checkpoint_saved_inside_an_iteration_resumes_without_a_repeated_step_
             assert {key: b[step][key] for key in kept} == {key: a[step][key] for key in kept}, step
 
 
+@pytest.mark.parametrize("step_unit", ["iterations", "frames"])
+def test_a_checkpoint_saved_inside_an_iteration_with_no_step_block_keeps_the_step_that_iteration_commits(
+        tmp_path, step_unit, caplog):
+    """With no `inst.step` block (frames, or a loop that leaves it out) a logging iteration commits at its end
+    through `commit_step`. A checkpoint saved inside it counted the iteration as done, but the session's last
+    step was the step before: the resumed run cut the iteration's step from the files and never logged it again
+    (a review found step 6, or frames 140, missing). Against the same run uninterrupted, read back from JSONL."""
+    from instrument.rl import CollectionMetrics
+
+    def session(folder, resume=False):
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=INTERVAL,
+                                          log_dir=str(folder), run_name="r", resume=resume, overhead_budget=None)
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, step_unit=step_unit)
+        return inst, rl.attach(inst)
+
+    def iterate(rl, iteration, save=False):
+        reward, done = _batch(iteration)
+        with rl.iteration():
+            rl.observe_batch(reward=reward, done=done)
+            return rl.state_dict() if save else None
+
+    inst, rl = session(tmp_path / "a")
+    for iteration in range(ITERATIONS):
+        iterate(rl, iteration)
+    rl.close()
+    inst.close()
+    inst, rl = session(tmp_path / "b")
+    checkpoint = [iterate(rl, iteration, save=iteration == 6) for iteration in range(9)][6]  # 7, 8: lost
+    rl.close()
+    inst.close()
+    inst, rl = session(tmp_path / "b", resume=True)
+    rl.load_state_dict(checkpoint)
+    assert rl.counters.iterations == 7
+    for iteration in range(7, ITERATIONS):
+        iterate(rl, iteration)
+    rl.close()
+    inst.close()
+    (steps_a, a), (steps_b, b) = _written(tmp_path / "a"), _written(tmp_path / "b")
+    logged = [0, 3, 6, 9]  # the iterations that log; counting frames, at the frames after them
+    assert steps_b == steps_a == (logged if step_unit == "iterations" else [T * N * (k + 1) for k in logged])
+    untimed = {step: {key: v for key, v in values.items() if not key.startswith("timing/")}
+               for step, values in a.items()}
+    assert {step: {key: b[step].get(key) for key in values} for step, values in untimed.items()} == untimed
+    # what was staged at the save is that step's, and committed by it: no warning that the checkpoint loses it
+    assert not [r for r in caplog.records if "called with values staged" in r.getMessage()]
+
+
 # ------------------------------------------------------------------ a refused load changes nothing
 class _Batches(RLComponent):
     """An extra component with a state of its own: the batches it has seen."""

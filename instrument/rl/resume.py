@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from instrument.errors import ConfigurationError
 from instrument.rl.component import load_together, state_entry
+from instrument.rl.ranks import distributed
 from instrument.session.checkpoint import check_session_state
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["STATE_VERSION", "check_resume_point", "load_state", "saved_state"]
 
 STATE_VERSION = 1
+_FLUSH_SECONDS = 10.0  # `Instrumentation.state_dict`'s default wait, for the commit of a step counted ahead
 _OWN_PARTS = ("counters", "evaluation", "timing", "progress")  # saved apart, or not at all
 
 
@@ -45,12 +47,21 @@ def saved_state(rl: "RLLogging") -> Dict[str, Any]:
         state, inst = _own_state(rl), rl.instrumentation
         if inst is None:
             return state
-        seen = _progress(inst)
-    session = inst.state_dict()  # waits for the backends (up to 10 s): the set's lock is free meanwhile
+        seen, ahead = _progress(inst), _commits_at_end(rl)
+    session = _session_state(inst, ahead)  # waits for the backends (up to 10 s): the set's lock is free meanwhile
     with rl._lock:
         if _progress(inst) != seen:  # another thread committed in between: both again, the counters first
-            state, session = _own_state(rl), inst.state_dict()
+            state, ahead = _own_state(rl), _commits_at_end(rl)
+            session = _session_state(inst, ahead)
     last = session.get("last_step")
+    if ahead is not None and isinstance(last, (int, type(None))) and (last is None or ahead > last):
+        # The open iteration counts as done and commits `ahead` at its end, with no block that the session's
+        # state sees: the resumed run starts after it, so the checkpoint counts that step as committed, as the
+        # session does for a step whose block is open (a signal before the commit writes it; the commit is
+        # flushed at once), instead of cutting it from the files and never logging it again.
+        last = session["last_step"] = ahead
+        inst.logger.keep_on_shutdown(ahead)
+        inst._flush_on_commit = _FLUSH_SECONDS
     if rl.step_unit == "iterations" and isinstance(last, int):  # the session's step, read last, may be ahead
         state["counters"]["iterations"] = max(state["counters"]["iterations"], last + 1)
     state["session"] = session
@@ -70,6 +81,33 @@ def _own_state(rl: "RLLogging") -> Dict[str, Any]:
     comps = {name: comp.state_dict() for name, comp, _ in rl.members if name not in _OWN_PARTS}
     state["components"] = {k: v for k, v in comps.items() if v}
     return state
+
+
+def _session_state(inst: Any, ahead: Optional[int]) -> Dict[str, Any]:
+    """The session's state. With a step counted ahead, what is staged is that step's own and is committed by
+    it: the session's warning that staged values are lost to the checkpoint is not given then."""
+    quiet = ahead is not None and not inst._said_staged
+    if quiet:
+        inst._said_staged = True
+    try:
+        return inst.state_dict()
+    finally:
+        if quiet:
+            inst._said_staged = False
+
+
+def _commits_at_end(rl: "RLLogging") -> Optional[int]:
+    """The step the open `RLLogging.iteration` commits at its end through `Instrumentation.commit_step` (no
+    logging block open), when `_own_state` counts it as done; None otherwise. `end_iteration`'s decision, made
+    without its side effects: the cadence, a deferred step, a due evaluation (not under a process group)."""
+    inst = rl.instrumentation
+    if inst is None or inst._current is not None or not (rl._in_block and rl.counters.counting):
+        return None
+    due = rl._deferred or rl._is_logging_iteration(rl.counters.iterations)
+    evaluation = rl.evaluation
+    if not due and evaluation is not None and not distributed(rl._logger):
+        due = evaluation._due_at is not None or evaluation.due(rl.counters.frames)
+    return rl.step if due else None
 
 
 def _progress(inst: Any) -> Tuple[Optional[int], Optional[int]]:

@@ -358,11 +358,9 @@ class Instrumentation(StepLifecycle):
     def commit_step(self, step: int) -> Optional[StepRecord]:
         """End logging step ``step`` where no ``with inst.step(...)`` block frames it: the components stage
         their values and the logger commits once. For loops whose step is known only at its end (`RLLogging`
-        with ``step_unit="frames"``, an evaluation off the cadence).
-
-        Inside the open block of the same step it does nothing and returns None: the block's exit does both,
-        once (W&B drops a second write to a committed step). Returns the committed record.
-        """
+        with ``step_unit="frames"``, an evaluation off the cadence). Inside the open block of the same step it
+        does nothing and returns None: the block's exit does both, once (W&B drops a second write to a committed
+        step). Returns the committed record."""
         if self._closed:
             raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
         if self._current is not None:
@@ -375,7 +373,9 @@ class Instrumentation(StepLifecycle):
         if not self._config.logged:  # a loop that commits only here (RLLogging) logs its config too
             self._config.log()
         self._components.log(self.logger, step)
-        return self.logger.commit(step, paired=False)  # the ranks' steps may differ here (RLLogging's frames)
+        record = self.logger.commit(step, paired=False)  # the ranks' steps may differ here (RLLogging's frames)
+        self._flush_checkpointed()  # a checkpoint counted this step ahead of its commit (`instrument.rl.resume`)
+        return record
 
     @property
     def open_step(self) -> Optional[int]:
@@ -420,13 +420,14 @@ class Instrumentation(StepLifecycle):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a checkpoint's `state_dict`: the next step must follow its last committed step, and
-        every backend is told that steps after it are written again (`Backend.on_resume`). Resuming, a checkpoint of another run (another name, or another folder's run id) is refused before
-        anything changes: its step would cut this run's files (a new run may start from another run's checkpoint:
-        it has nothing to cut). So is a second load of a later step than one already loaded (the first had the
-        steps after it cut); the same or an earlier one, before any step, is where the run goes on from. Call
-        it before anything is logged: a resumed session that committed a step, or one with values staged, is refused.
-        The hyperparameters are logged again at this process's first step (``config_logged`` is not restored):
-        a value changed on resume, or a backend new to the run, would otherwise never get them."""
+        every backend is told that steps after it are written again (`Backend.on_resume`). Resuming, a checkpoint
+        of another run (another name, or another folder's run id) is refused before anything changes: its step
+        would cut this run's files (a new run may start from another run's checkpoint: it has nothing to cut). So
+        is a second load of a later step than one already loaded (the first had the steps after it cut); the same
+        or an earlier one, before any step, is where the run goes on from. Call it before anything is logged: a
+        resumed session that committed a step, or one with values staged, is refused. The hyperparameters are
+        logged again at this process's first step (``config_logged`` is not restored): a value changed on
+        resume, or a backend new to the run, would otherwise never get them."""
         load_session_state(self, state)
 
     def flush(self, timeout: Optional[float] = None) -> bool:

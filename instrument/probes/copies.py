@@ -6,8 +6,8 @@ differed in their last bits from those of the same step without the probe. The c
 strides instead, which allocates the span the view reaches: kept to views that reach at most `MAX_SPAN` times
 their own size (every second or fourth element). A sparser view (one token or column of a larger tensor) gets
 ``clone()``, as does a broadcast view (a stride of 0: it cannot be written element by element), a tensor subclass
-whose type a plain strided copy would lose, and a value whose strides cannot be read or written (an overlapping
-view, some wrappers).
+whose type a plain strided copy would lose, a sparse tensor (no strides), and a value whose strides cannot be read
+or written (an overlapping view, some wrappers).
 """
 
 import torch
@@ -22,18 +22,15 @@ MAX_SPAN = 4  # the most memory a strided copy may take, in multiples of the val
 
 def same_layout_copy(value: Tensor) -> Tensor:
     """A copy of ``value`` with its strides, where that costs at most `MAX_SPAN` times its size."""
-    copy = value.clone()
-    if value.is_contiguous():  # the common case: clone kept the layout
-        return copy
+    if value.layout != torch.strided or value.is_contiguous():  # sparse or contiguous: clone keeps the layout
+        return value.clone()
     try:
         strides = value.stride()
-        if copy.stride() == strides:
-            return copy
         broadcast = any(stride == 0 and size > 1 for size, stride in zip(value.shape, strides, strict=True))
         if broadcast or reach(value) > MAX_SPAN * value.numel():
-            return copy
+            return value.clone()
         strided = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
-        strided.copy_(value)
-        return strided if type(strided) is type(value) else copy
+        strided.copy_(value)  # one copy: a clone first, kept only where this fails, cost every view two
+        return strided if type(strided) is type(value) else value.clone()
     except RuntimeError:  # no strides to read or to write (a transform's wrapper, an overlapping view)
-        return copy
+        return value.clone()

@@ -25,9 +25,11 @@ iterations keep their ``step_index``) but not delivered, and said once (`_skip_b
 import ast
 import inspect
 import logging
+import numbers
 import os
 import sys
 import textwrap
+from collections import abc
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,6 +61,18 @@ def first_tensor(value: Any) -> Optional[Tensor]:
     return None
 
 
+def _channels(freeze_channels: Any) -> Optional[Tuple[int, ...]]:
+    """``watch(freeze_channels=...)``: None, or channel indices (ints), refused otherwise before any step."""
+    if freeze_channels is None:
+        return None
+    ok = isinstance(freeze_channels, abc.Sequence) and not isinstance(freeze_channels, (str, bytes))
+    if not ok or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in freeze_channels):
+        raise ConfigurationError(
+            f"watch(freeze_channels=...) takes channel indices, a sequence of ints, got {freeze_channels!r} "
+            f"({type(freeze_channels).__name__}); pass e.g. freeze_channels=(0, 1, 2), or None.")
+    return tuple(int(k) for k in freeze_channels)
+
+
 class StateWatch:
     """Observes every call of one module during a logging step.
 
@@ -80,7 +94,7 @@ class StateWatch:
             )
         self.module = module
         self.deliver = deliver
-        self.freeze_channels = tuple(freeze_channels) if freeze_channels is not None else None
+        self.freeze_channels = _channels(freeze_channels)
         # a ScriptModule's class is RecursiveScriptModule: its original_name is the class it was scripted from
         self.name = name or getattr(unwrap(module), "original_name", None) or type(module).__name__
         self.iterations = 0

@@ -60,7 +60,7 @@ class Probe(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.enabled:
             if not torch.jit.is_scripting():  # TorchScript checks its types itself (and skips this branch)
-                if not isinstance(x, Tensor):
+                if not isinstance(x, Tensor) or x.is_nested:
                     _refuse(self.name, x)
                 if torch.jit.is_tracing():  # a trace taken in a logging step must not hold a record op
                     return x
@@ -93,6 +93,11 @@ class Probe(nn.Module):
 
 def _refuse(name: str, value: object) -> None:
     """A probe called on something that is not a tensor (outside TorchScript, which checks types itself)."""
+    if isinstance(value, Tensor):  # nested: its values are not one tensor, and the record op has no kernel for it
+        raise ProbeError(
+            f"Probe {name!r} records one regular tensor, got a nested tensor (layout {value.layout}); probe a "
+            f"regular tensor instead: x.values() of a jagged one, or each of x.unbind(), one probe each."
+        )
     raise ProbeError(
         f"Probe {name!r} records a Tensor, got {type(value).__name__}; put the probe around one tensor (e.g. "
         f"Probe('out')(output) for an LSTM's (output, (h, c))), one probe per tensor."

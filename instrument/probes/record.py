@@ -60,7 +60,7 @@ from torch import Tensor
 from instrument.core.recompute import in_recompute
 from instrument.errors import ProbeError
 from instrument.probes.copies import same_layout_copy
-from instrument.probes.transforms import chunked_vmap_call
+from instrument.probes.transforms import chunked_vmap_call, in_trace_check
 
 __all__ = ["Recorder", "WatchGradient", "active_recorder", "install", "on_call_end", "take_interrupt", "uninstall"]
 
@@ -349,7 +349,8 @@ _lib.define("probe_grad(Tensor gradient, str name) -> Tensor", tags=_FLEXIBLE)
 
 def _record(value: Tensor, name: str, copy: bool) -> None:
     recorder = _active
-    if recorder is not None and not in_recompute():
+    # torch.jit.trace's check runs the module again as plain Python: a probe records nothing while traced
+    if recorder is not None and not in_recompute() and not in_trace_check():
         clock = recorder.clock
         recorder.put(name, value, copy) if clock is None else clock.timed(recorder.put, name, value, copy)
 

@@ -1,0 +1,135 @@
+"""Probes, from a review of instrument/probes: torch.jit.trace's check run records nothing, a nested tensor is
+refused by name and a sparse one copied, a strided view is copied once, ``freeze_channels`` is checked, and a
+model with a probe added after ``watch`` is watched again after its handle is removed. Each failed before."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import instrument
+from instrument.errors import ConfigurationError, ProbeError
+from instrument.probes.copies import same_layout_copy
+
+
+class Keep(instrument.Observer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = []
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, context) -> None:
+        self.probes.append(dict(context.probes))
+
+    def log(self, logger, step) -> None:
+        pass
+
+
+class Rule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.p = instrument.Probe("h")
+
+    def forward(self, x):
+        return x + self.p(self.lin(x)).tanh()
+
+
+@pytest.mark.parametrize("state", [True, False])
+def test_a_trace_taken_inside_a_logging_step_records_nothing_in_its_check_run(state):
+    """torch.jit.trace runs the module again as plain Python to check the trace (``check_trace=True``); that run
+    recorded the trace's input into the step, replacing the iteration's probe value (state=False)."""
+    torch.manual_seed(0)
+    rule, keep = Rule(), Keep()
+    inst = instrument.Instrumentation([keep], backends=[], log_interval=1)
+    inst.watch(rule, state=state)
+    x = torch.zeros(2, 4)
+    with inst.step(0) as s:
+        y = rule(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the trace's own warnings
+            torch.jit.trace(rule, torch.full((2, 4), 100.0))
+        if not state:
+            s.observer(instrument.StepContext(previous_state=x, next_state=y))
+    inst.close()
+    assert len(keep.probes) == 1
+    torch.testing.assert_close(keep.probes[0]["h"], rule.lin(x).detach(), rtol=0, atol=0)
+
+
+class Probed(nn.Module):
+    def __init__(self, grad: bool) -> None:
+        super().__init__()
+        self.p = instrument.Probe("v", grad=grad)
+
+    def forward(self, x):
+        return self.p(x)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_a_nested_tensor_given_to_a_probe_is_refused_by_name(layout):
+    value = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    module = Probed(grad=False)
+    inst = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
+    inst.watch(module, state=False)
+    module(value)  # a non-logging step: the probe is off
+    with pytest.raises(ProbeError, match=r"Probe 'v' records one regular tensor, got a nested tensor \(layout "):
+        with inst.step(0):
+            module(value)
+    inst.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_a_sparse_value_of_a_gradient_probe_is_copied_as_it_is():
+    """A sparse CSR tensor has no strides: reading its layout raised before the copy was made."""
+    value = torch.eye(3).to_sparse_csr()
+    copy = same_layout_copy(value)
+    assert copy.layout == torch.sparse_csr and copy is not value
+    torch.testing.assert_close(copy.to_dense(), torch.eye(3))
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_strided_view_is_copied_once_with_its_strides():
+    view = torch.randn(4, 64)[:, ::2]
+    with Ops() as ops:
+        copy = same_layout_copy(view)
+    assert copy.stride() == view.stride() and torch.equal(copy, view)
+    assert not [name for name in ops.names if "clone" in name], ops.names  # a clone first, thrown away, before
+
+
+@pytest.mark.parametrize("bad", [3, "01", [1.5], [True], {0, 1}])
+def test_freeze_channels_other_than_a_sequence_of_ints_is_refused_at_watch(bad):
+    inst = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
+    with pytest.raises(ConfigurationError, match=r"watch\(freeze_channels=\.\.\.\) takes channel indices, a sequence "
+                                                 r"of ints, got .*pass e\.g\. freeze_channels=\(0, 1, 2\)"):
+        inst.watch(Rule(), freeze_channels=bad)
+    inst.close()
+
+
+def test_a_probe_added_after_watch_is_seen_once_the_handle_is_removed_and_the_model_watched_again():
+    rule, keep = Rule(), Keep()
+    inst = instrument.Instrumentation([keep], backends=[], log_interval=1)
+    handle = inst.watch(rule, freeze_channels=[0, 1])
+    rule.late = instrument.Probe("late")
+    rule.forward = lambda x: x + rule.late(rule.p(rule.lin(x)))
+    with pytest.raises(ConfigurationError, match=r"already watched .*remove\(\) its handle, rewatch"):
+        inst.watch(rule)
+    handle.remove()
+    inst.watch(rule)
+    with inst.step(0):
+        rule(torch.randn(2, 4))
+    inst.close()
+    assert sorted(keep.probes[0]) == ["h", "late"]

@@ -133,3 +133,30 @@ def test_a_probe_added_after_watch_is_seen_once_the_handle_is_removed_and_the_mo
         rule(torch.randn(2, 4))
     inst.close()
     assert sorted(keep.probes[0]) == ["h", "late"]
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rule = Rule()
+
+    def forward(self, x):
+        return self.rule(x)
+
+
+def test_removing_one_watch_mid_step_leaves_on_the_probes_another_watch_of_the_session_holds():
+    """A model watched for its probes and its rule watched for its calls: removing the rule's watch in a
+    logging step switched the probe off for the rest of the step, though the model's watch still held it."""
+    outer, keep = Outer(), Keep()
+    inst = instrument.Instrumentation([keep], backends=[], log_interval=1)
+    inst.watch(outer, state=False)
+    handle = inst.watch(outer.rule, state=True)
+    with inst.step(0) as s:
+        x = outer(torch.randn(2, 4))
+        handle.remove()
+        assert outer.rule.p.enabled
+        y = outer(x)
+        s.observer(instrument.StepContext(previous_state=x, next_state=y))
+    assert not outer.rule.p.enabled  # off after the step, as always
+    inst.close()
+    assert [sorted(probes) for probes in keep.probes] == [["h"], ["h"]]

@@ -6,7 +6,7 @@ checks that names are unique. On a logging step the session calls `on` (set ``en
 compiled models route the forward through `ForwardSwitch`) and `off` when the step ends, also when it raises.
 """
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from torch import nn
 
@@ -74,11 +74,14 @@ class ProbeSet:
         if self._switch is not None:
             self._switch.on()
 
-    def off(self) -> None:
+    def off(self, keep: Iterable[Any] = ()) -> None:
+        """Switch the probes off, but those in ``keep`` (probes another watched set of the session holds)."""
         if self._switch is not None:
             self._switch.off()
+        kept = {id(probe) for probe in keep}
         for probe in self.probes.values():
-            probe.enabled = False
+            if id(probe) not in kept:
+                probe.enabled = False
 
     def __len__(self) -> int:
         return len(self.probes)

@@ -40,8 +40,9 @@ class WatchHandle:
             if self.watch in self._session._watches:
                 self._session._watches.remove(self.watch)
         if self.probes is not None and self.probes in self._session._probe_sets:
-            self.probes.off()
             self._session._probe_sets.remove(self.probes)
+            # a probe another watched set holds too (a model and a submodule of it) stays on for the rest of a step
+            self.probes.off(keep=[p for kept in self._session._probe_sets for p in kept.probes.values()])
 
     def __enter__(self) -> "WatchHandle":
         return self

@@ -17,13 +17,13 @@ from instrument.probes.copies import same_layout_copy
 class Keep(instrument.Observer):
     def __init__(self) -> None:
         super().__init__()
-        self.probes = []
+        self.seen = []
 
     def reset(self) -> None:
         pass
 
     def observe(self, context) -> None:
-        self.probes.append(dict(context.probes))
+        self.seen.append(dict(context.probes))
 
     def log(self, logger, step) -> None:
         pass
@@ -56,8 +56,8 @@ def test_a_trace_taken_inside_a_logging_step_records_nothing_in_its_check_run(st
         if not state:
             s.observer(instrument.StepContext(previous_state=x, next_state=y))
     inst.close()
-    assert len(keep.probes) == 1
-    torch.testing.assert_close(keep.probes[0]["h"], rule.lin(x).detach(), rtol=0, atol=0)
+    assert len(keep.seen) == 1
+    torch.testing.assert_close(keep.seen[0]["h"], rule.lin(x).detach(), rtol=0, atol=0)
 
 
 class Probed(nn.Module):
@@ -132,7 +132,7 @@ def test_a_probe_added_after_watch_is_seen_once_the_handle_is_removed_and_the_mo
     with inst.step(0):
         rule(torch.randn(2, 4))
     inst.close()
-    assert sorted(keep.probes[0]) == ["h", "late"]
+    assert sorted(keep.seen[0]) == ["h", "late"]
 
 
 class Outer(nn.Module):
@@ -159,4 +159,32 @@ def test_removing_one_watch_mid_step_leaves_on_the_probes_another_watch_of_the_s
         s.observer(instrument.StepContext(previous_state=x, next_state=y))
     assert not outer.rule.p.enabled  # off after the step, as always
     inst.close()
-    assert [sorted(probes) for probes in keep.probes] == [["h"], ["h"]]
+    assert [sorted(probes) for probes in keep.seen] == [["h"], ["h"]]
+
+
+def test_plain_torch_jit_script_of_a_module_whose_probes_are_on_is_refused_and_instrument_script_is_not():
+    """Plain torch.jit.script copies each probe's ``enabled``: a rule scripted during a logging step (an export)
+    kept its probe on for good, and its calls replaced the watched model's values in every later step."""
+    outer, keep = Outer(), Keep()
+    inst = instrument.Instrumentation([keep], backends=[], log_interval=1)
+    inst.watch(outer, state=False)
+    with inst.step(0) as s:
+        x = torch.randn(2, 4)
+        y = outer(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation
+            with pytest.raises(ProbeError, match=r"torch\.jit\.script of a module holding probe 'h' while it is on "
+                                                 r".*or with instrument\.script\(module\)"):
+                torch.jit.script(outer.rule)
+        exported = instrument.script(outer.rule)
+        s.observer(instrument.StepContext(previous_state=x, next_state=y))
+    with inst.step(1) as s:
+        x = torch.zeros(2, 4)
+        y = outer(x)
+        exported(torch.full((2, 4), 100.0))  # not watched: records nothing
+        s.observer(instrument.StepContext(previous_state=x, next_state=y))
+    inst.close()
+    torch.testing.assert_close(keep.seen[-1]["h"], outer.rule.lin(x).detach(), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.script(outer.rule)  # outside a step: its probes are off, and scripting is as before

@@ -82,9 +82,15 @@ class Probe(nn.Module):
 
     def __prepare_scriptable__(self) -> "Probe":
         # torch.jit.script calls this before compiling; the refusal itself lives with the TorchScript code.
-        from instrument.probes.script import check_scriptable
+        from instrument.probes.script import check_scriptable, scripting_here
 
         check_scriptable(self)
+        if self.enabled and not scripting_here():  # plain torch.jit.script copies `enabled`: on for good
+            raise ProbeError(
+                f"torch.jit.script of a module holding probe {self.name!r} while it is on (during a logging step of "
+                f"a session that watches it): the scripted copy would keep recording into later steps. Script it "
+                f"before or after the step, or with instrument.script(module), which scripts it with its probes off."
+            )
         return self  # (torch.jit.script puts what this returns into the parent: it must be this probe)
 
     def extra_repr(self) -> str:

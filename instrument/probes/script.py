@@ -14,11 +14,10 @@
   ``instrument::call_end(previous, next, condition, token)``; it survives ``torch.jit.save``/``load`` and is
   removed by freezing. Its Python mirror is dropped (`drop_python_boundaries`), so calls from Python never
   run it.
-* `check_scriptable`: refuses gradient probes before scripting. TorchScript drops backward hooks silently,
-  and instrument would rather refuse than risk a gradient probe that quietly records nothing.
+* `check_scriptable`: refuses gradient probes before scripting (TorchScript drops backward hooks silently).
+  `scripting_here` tells ``Probe.__prepare_scriptable__`` that `script` switches its copies' probes off.
 
-TorchScript is deprecated in favour of torch.export (torch 2.5+ warns on every call); the helpers here filter
-exactly that warning.
+TorchScript is deprecated in favour of torch.export (torch 2.5+ warns); the helpers here filter that warning.
 """
 
 import contextlib
@@ -27,6 +26,7 @@ import linecache
 import logging
 import secrets
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -38,11 +38,10 @@ from instrument.probes import record
 
 __all__ = [
     "CallBoundary", "ScriptedProbe", "check_scriptable", "drop_python_boundaries", "freeze", "has_call_boundary",
-    "is_scripted", "observe_calls", "quiet", "script", "scripted_probes",
+    "is_scripted", "observe_calls", "quiet", "script", "scripted_probes", "scripting_here",
 ]
 
 log = logging.getLogger("instrument")
-
 _DEPRECATION = r"`torch\.jit\.\w+` is deprecated"
 
 
@@ -58,7 +57,12 @@ def is_scripted(module: nn.Module) -> bool:
     return isinstance(module, torch.jit.ScriptModule)
 
 
+def scripting_here() -> bool:
+    return getattr(_here, "scripting", False)
+
+
 _PROBE_TYPE = "instrument.probes.probe."
+_here = threading.local()  # `script` is scripting on this thread (`scripting_here`)
 
 
 def _is_probe_type(qualified_name: str) -> bool:
@@ -173,6 +177,14 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
     The boundary needs a forward whose first argument is a Tensor and which returns a Tensor or a tuple starting
     with one; any other module (or ``call_boundary=False``) is scripted as ``torch.jit.script`` does it.
     """
+    before, _here.scripting = scripting_here(), True  # its copies' probes are switched off: not refused
+    try:
+        return _script_all(module, call_boundary)
+    finally:
+        _here.scripting = before
+
+
+def _script_all(module: nn.Module, call_boundary: bool) -> torch.jit.ScriptModule:
     _drop_inert_hooks(module)
     plain = _probes_off(_script(module))
     if not call_boundary or is_scripted(module) or _BOUNDARY in module._modules or hasattr(module, _BOUNDARY):
@@ -196,8 +208,7 @@ def script(module: nn.Module, call_boundary: bool = True) -> torch.jit.ScriptMod
 
 
 def _drop_inert_hooks(module: nn.Module) -> None:
-    """A copy of a model made during a logging step holds inert stand-ins of the session's hooks and pre-hook
-    (`instrument.probes.step_hook.StepHook`), which TorchScript cannot compile: they do nothing, so they go."""
+    """A copy made during a logging step holds inert stand-ins of the session's hooks (`step_hook.StepHook`)."""
     for sub in module.modules():
         for table, kwargs in (("_forward_hooks", "_forward_hooks_with_kwargs"),
                               ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")):
@@ -209,8 +220,7 @@ def _drop_inert_hooks(module: nn.Module) -> None:
 
 
 def _probes_off(scripted: torch.jit.ScriptModule) -> torch.jit.ScriptModule:
-    """A module scripted during a logging step copies its probes' ``enabled``: the compiled copy starts off, like
-    every probe outside a step, until a session watching it turns it on."""
+    """A copy scripted during a logging step starts with its probes off, until a session watching it turns them on."""
     for _, probe in scripted_probes(scripted):
         probe.enabled = False
     return scripted

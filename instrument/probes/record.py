@@ -348,8 +348,7 @@ _lib.define("probe_grad(Tensor gradient, str name) -> Tensor", tags=_FLEXIBLE)
 
 
 def _record(value: Tensor, name: str, copy: bool) -> None:
-    recorder = _active
-    # torch.jit.trace's check runs the module again as plain Python: a probe records nothing while traced
+    recorder = _active  # not in torch.jit.trace's check either, which runs the module again as plain Python
     if recorder is not None and not in_recompute() and not in_trace_check():
         clock = recorder.clock
         recorder.put(name, value, copy) if clock is None else clock.timed(recorder.put, name, value, copy)

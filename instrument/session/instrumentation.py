@@ -258,8 +258,8 @@ class Instrumentation(StepLifecycle):
                                      f"({type(state).__name__}).")
         inner, watched = unwrap(module), [w.module for w in self._watches] + [p.module for p in self._probe_sets]
         if any(unwrap(m) is inner for m in watched):  # a compile wrapper and its module: one module, one hook
-            raise ConfigurationError(f"{type(inner).__name__} is already watched by this Instrumentation (itself or "
-                                     f"its compile wrapper): watch it once (new probes: remove() its handle, rewatch).")
+            raise ConfigurationError(f"{type(inner).__name__} is already watched (or its torch.compile wrapper is) "
+                                     f"by this session: watch it once (new probes: remove() its handle, rewatch).")
         probes = ProbeSet(module, label=name or type(module).__name__)
         check_unique_names(self._probe_sets, probes)
         if state is False and not probes:

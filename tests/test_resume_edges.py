@@ -119,6 +119,41 @@ def test_a_checkpointed_step_whose_block_raised_is_not_written_by_a_later_sigter
     assert 10 not in [step for step, _ in _steps(tmp_path / "r" / "metrics.jsonl")]
 
 
+_RETRIED_ITERATION = """
+import os, signal, sys
+import numpy as np
+import instrument
+from instrument.backends.jsonl import JsonlBackend
+from instrument.rl import CollectionMetrics, RLLogging
+inst = instrument.Instrumentation(backends=[JsonlBackend()], run_name="r", log_dir=sys.argv[1], log_interval=1)
+rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+for attempt in range(3):
+    try:
+        with rl.iteration():  # no inst.step block: each iteration commits at its end, at its index
+            rl.observe_batch(reward=np.full((2, 4), float(attempt)), done=np.zeros((2, 4), bool))
+            inst.logger.log_metrics({"v": float(attempt)}, rl.step)
+            if attempt == 1:
+                rl.state_dict()  # counts step 1 as committed: this iteration commits it at its end...
+                raise RuntimeError("...but it fails first")
+            if attempt == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # inside the retry of iteration 1, before its commit
+    except RuntimeError:
+        pass
+"""
+
+
+def test_a_checkpoint_counting_an_rl_iterations_commit_is_kept_by_its_retry_when_a_sigterm_stops_it(tmp_path):
+    """An iteration with no `inst.step` block that raises does not use its step up: the next one retries it.
+    The checkpoint saved in the failed one counted that step, so a signal during the retry writes it with what
+    was staged for it, and the run resumed from that checkpoint (after step 1) leaves no gap."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-c", _RETRIED_ITERATION, str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == -signal.SIGTERM, child.stderr
+    # what the failed attempt staged goes with the next logged iteration (RLLogging.iteration): mean of 1 and 2
+    assert _steps(tmp_path / "r" / "metrics.jsonl") == [(0, 0.0), (1, 1.5)]
+
+
 def test_ctrl_c_while_close_undoes_the_hooks_still_closes_the_logger_and_releases_the_run(tmp_path, monkeypatch):
     inst = instrument.Instrumentation(observers=[instrument.IterationStats()], backends=[JsonlBackend()],
                                       run_name="r", log_dir=str(tmp_path), log_interval=1)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from instrument.errors import ConfigurationError
 from instrument.rl.component import load_together, state_entry
 from instrument.rl.ranks import distributed
-from instrument.session.checkpoint import check_session_state
+from instrument.session.checkpoint import check_session_state, session_state
 
 if TYPE_CHECKING:
     from instrument.rl.rl_logging import RLLogging
@@ -53,15 +53,7 @@ def saved_state(rl: "RLLogging") -> Dict[str, Any]:
         if _progress(inst) != seen:  # another thread committed in between: both again, the counters first
             state, ahead = _own_state(rl), _commits_at_end(rl)
             session = _session_state(inst, ahead)
-    last = session.get("last_step")
-    if ahead is not None and isinstance(last, (int, type(None))) and (last is None or ahead > last):
-        # The open iteration counts as done and commits `ahead` at its end, with no block that the session's
-        # state sees: the resumed run starts after it, so the checkpoint counts that step as committed, as the
-        # session does for a step whose block is open (a signal before the commit writes it; the commit is
-        # flushed at once), instead of cutting it from the files and never logging it again.
-        last = session["last_step"] = ahead
-        inst.logger.keep_on_shutdown(ahead)
-        inst._flush_on_commit = _FLUSH_SECONDS
+    last = session.get("last_step")  # `ahead` counted: the open iteration commits it at its end, with no block
     if rl.step_unit == "iterations" and isinstance(last, int):  # the session's step, read last, may be ahead
         state["counters"]["iterations"] = max(state["counters"]["iterations"], last + 1)
     state["session"] = session
@@ -84,16 +76,11 @@ def _own_state(rl: "RLLogging") -> Dict[str, Any]:
 
 
 def _session_state(inst: Any, ahead: Optional[int]) -> Dict[str, Any]:
-    """The session's state. With a step counted ahead, what is staged is that step's own and is committed by
-    it: the session's warning that staged values are lost to the checkpoint is not given then."""
-    quiet = ahead is not None and not inst._said_staged
-    if quiet:
-        inst._said_staged = True
-    try:
-        return inst.state_dict()
-    finally:
-        if quiet:
-            inst._said_staged = False
+    """The session's state with the step the open iteration commits at its end (`_commits_at_end`) counted as
+    committed, as the session counts an open block's: the resumed run starts after it, so it is kept in the files
+    instead of cut from them and never logged again. Its commit is flushed at once, and a signal before it
+    still writes it (`session_state`'s ``ahead``)."""
+    return session_state(inst, _FLUSH_SECONDS, ahead=ahead)
 
 
 def _commits_at_end(rl: "RLLogging") -> Optional[int]:

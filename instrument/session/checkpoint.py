@@ -24,8 +24,15 @@ __all__ = ["check_session_state", "flush_for_checkpoint", "load_session_state", 
 log = logging.getLogger("instrument")
 
 
-def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Dict[str, Any]:
-    """`Instrumentation.state_dict` (see its docstring): flushed first, the open logging step counted."""
+def session_state(inst: "Instrumentation", flush_timeout: Optional[float],
+                  ahead: Optional[int] = None) -> Dict[str, Any]:
+    """`Instrumentation.state_dict` (see its docstring): flushed first, the open logging step counted.
+
+    ``ahead``: a step that no block frames but that the caller commits through `Instrumentation.commit_step`
+    when its own unit of work ends (an open `RLLogging.iteration` counted as done by its checkpoint). It counts
+    as committed as an open block's step does, and what is staged then is that step's own, so the warning about
+    staged values left out is not given. Should that work raise, the promise stands: unlike a block's step, which
+    its failure uses up, the step is retried by the next unit of work, whose commit (or a signal's close) keeps it."""
     timeout = check_number("state_dict: flush_timeout", flush_timeout, least=0, none=True,
                            noun="a number of seconds", why="how long to wait for committed steps to be written",
                            fix="pass e.g. state_dict(flush_timeout=30.0), or None to wait until they are")
@@ -34,17 +41,17 @@ def session_state(inst: "Instrumentation", flush_timeout: Optional[float]) -> Di
     if timeout != 0 and not inst.logger._closed:
         written = flush_for_checkpoint(inst, timeout)
     last = inst.logger._last_step
-    if inst._current is not None and (last is None or inst._current.step > last):
+    counted = inst._current.step if inst._current is not None else ahead  # committed when its work ends
+    if counted is not None and (last is None or counted > last):
         if inst.logger._closed:  # closed under the open block (a signal, another thread): it never commits
             log.warning("instrument: state_dict() inside logging step %d, but the logger is already closed, "
-                        "so that step is never written; the checkpoint counts only the steps before it",
-                        inst._current.step)
+                        "so that step is never written; the checkpoint counts only the steps before it", counted)
         else:
-            last = inst._current.step
+            last = counted
             inst.logger.keep_on_shutdown(last)  # a signal before the block exits still writes it
             if written:  # and the block's commit is flushed at once (`_end`); not behind a backend that is stuck
                 inst._flush_on_commit = timeout
-    elif inst._current is None and inst.logger.has_pending and not inst._said_staged:
+    elif counted is None and inst.logger.has_pending and not inst._said_staged:
         inst._said_staged = True  # values of an unfinished interval: not in the checkpoint
         log.warning(
             "instrument: state_dict() was called with values staged%s for the next logging step "

@@ -195,13 +195,14 @@ class Keep(instrument.Backend):
         self.records.append(record)
 
 
-def observed(observer: RolloutVideo, states: List[torch.Tensor]) -> StepRecord:
+def observed(observer: RolloutVideo, states: List[torch.Tensor], numbered: bool = True) -> StepRecord:
+    """``numbered=False``: an explicit evolver that leaves ``step_index`` at its default 0."""
     keep = Keep()
     logger = Logger([keep])
     observer.reset()
     with torch.no_grad():
         for i in range(len(states) - 1):
-            observer.observe(StepContext(states[i], states[i + 1], step_index=i))
+            observer.observe(StepContext(states[i], states[i + 1], step_index=i if numbered else 0))
     observer.log(logger, step=0)
     logger.commit()
     logger.close()
@@ -273,6 +274,29 @@ def test_every_max_frames_and_upscale(caplog):
     # the video stops part-way through the rollout: said once (it read as the rollout's end)
     said = [r.getMessage() for r in caplog.records if "max_frames=3" in r.getMessage()]
     assert len(said) == 1 and "every (now 2)" in said[0]
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_every_counts_the_iterations_of_an_evolver_that_leaves_step_index_at_0(every):
+    """Such an evolver's video was its seed alone for every > 1: each call read as iteration 0."""
+    states = [torch.full((1, 3, 2, 2), i / 10.0) for i in range(9)]  # 8 iterations; state i is i/10
+    for numbered in (True, False):
+        frames, _ = observed(RolloutVideo(channels=(0, 1, 2), every=every, upscale=1), states,
+                             numbered=numbered).videos["rollout/video"]
+        assert [int(f[0, 0, 0]) for f in frames] == [int(np.floor(i / 10 * 255 + 0.5)) for i in range(0, 9, every)]
+
+
+def test_negative_channels_count_from_the_last_one():
+    """They passed the check and then failed every observe call (index_select refuses negative indices)."""
+    g = torch.Generator().manual_seed(4)
+    states = [torch.rand(2, 5, 3, 4, generator=g) for _ in range(3)]
+    for channels in [(-1,), (-5, -4, -3, -2), (0, 1, -3)]:
+        got, _ = observed(RolloutVideo(channels=channels, upscale=1), states).videos["rollout/video"]
+        want, _ = observed(RolloutVideo(channels=tuple(c % 5 for c in channels), upscale=1),
+                           states).videos["rollout/video"]
+        assert got.shape[0] == 3 and np.array_equal(got, want)
+    with pytest.raises(instrument.InvalidValueError, match=r"channels \[-6\] do not exist in a state with 5"):
+        observed(RolloutVideo(channels=(-6,), upscale=1), states)
 
 
 def test_reset_forgets_the_previous_logging_step():

@@ -59,7 +59,8 @@ class RolloutVideo(Observer):
     =============================== ======== ==========================================================
 
     Args:
-        channels: the channels to render: 4 (RGBA), 3 (RGB) or 1 (colour-mapped) indices along ``channel_dim``.
+        channels: the channels to render: 4 (RGBA), 3 (RGB) or 1 (colour-mapped) indices along ``channel_dim``
+            (negative ones count from the last channel).
         sample: which batch element (index along dimension 0) to render.
         every: keep every k-th state (the seed and the states after iterations k-1, 2k-1, ...).
         fps: frames per second of the video, 1 to 50 (GIF delays are whole centiseconds).
@@ -115,19 +116,23 @@ class RolloutVideo(Observer):
             )
         self._frames: List[Tensor] = []
         self._said_full = False  # max_frames reached (`_keep`): said once
-        self._index = self._host_index = torch.tensor(self.channels)
+        self._indices: Dict[Tuple[int, torch.device], Tensor] = {}  # (channel count, device) -> channels to keep
+        self._calls = 0  # the iteration index the next observe call is at (at least: `observe`)
         self._luts: Dict[torch.device, Tuple[Tensor, Tensor]] = {}
 
     def reset(self) -> None:
-        self._frames = []
+        self._frames, self._calls = [], 0
 
     def close(self) -> None:
         self.reset()
 
     def observe(self, context: StepContext) -> None:
-        if not self._frames and context.step_index % self.every == 0:
+        # The rollout's index, as NonFinite counts it: an explicit evolver that leaves step_index at 0 is counted.
+        index = self._calls = max(self._calls, context.step_index)
+        self._calls += 1
+        if not self._frames and index % self.every == 0:
             self._keep(context.previous_state, seed=True)
-        if (context.step_index + 1) % self.every == 0:
+        if (index + 1) % self.every == 0:
             self._keep(context.next_state)
 
     def _keep(self, state: Tensor, seed: bool = False) -> None:
@@ -176,9 +181,10 @@ class RolloutVideo(Observer):
             )
         if x.dim() == 2:  # [C, L] -> [C, 1, L]
             x = x.unsqueeze(1)
-        index = self._index
-        if index.device != x.device:  # made on the host once (the constructor), moved from there, never GPU to GPU
-            index = self._index = to_device(self._host_index, x.device)
+        index = self._indices.get((count, x.device))
+        if index is None:  # made on the host once per channel count and device, negative channels counted from the end
+            index = self._indices[(count, x.device)] = to_device(torch.tensor([c % count for c in self.channels]),
+                                                                  x.device)
         return x.index_select(0, index)  # a copy: later in-place changes of the state do not reach it
 
     def log(self, logger, step: int) -> None:

@@ -529,6 +529,32 @@ def test_a_probe_recorded_in_some_iterations_is_placed_at_the_rollout_s_iteratio
     assert len(said) == 1 and "first at rollout iteration 6 in probe.hidden" in said[0], said
 
 
+def test_a_probe_whose_channel_count_changes_within_a_step_is_counted_with_the_state(tmp_path):
+    """A per-token probe, [2, 6] then [2, 3]: its per-channel tables could not be concatenated, so the step lost
+    every NonFinite metric, the state's own NaN at iteration 2 among them (a review). Now the narrower iterations
+    count no non-finite value in the channels they lack. Read back from TensorBoard, against NumPy."""
+    g = torch.Generator().manual_seed(5)
+    states = [torch.rand(4, 3, generator=g) for _ in range(5)]
+    states[3][1, 0] = float("nan")  # iteration 2's output
+    probes = [torch.rand(2, 6 if i < 2 else 3, generator=g) for i in range(4)]
+    probes[3][0, 2] = float("inf")  # iteration 3, channel 2 of the narrower probe
+    probes[1][1, 5] = float("nan")  # iteration 1, channel 5: only the wider probe has it
+    inst = Instrumentation([NonFinite(dx=False, channel_dim=-1)], backends=[instrument.TensorBoardBackend()],
+                           log_interval=1, log_dir=str(tmp_path), run_name="r")
+    with inst.step(0) as s:
+        for i in range(4):
+            s.observer(StepContext(states[i], states[i + 1], step_index=i, probes={"p": probes[i]}))
+    inst.close()
+    assert inst.failures == {}
+    scalars = read_scalars(tmp_path / "r")
+    bad = [int((~np.isfinite(p.numpy())).sum()) for p in probes]
+    assert scalars["nonfinite/count/probe.p"] == {0: float(sum(bad))} == {0: 2.0}
+    assert scalars["nonfinite/first_iteration/probe.p"] == {0: 1.0}
+    assert scalars["nonfinite/first_channel/probe.p"] == {0: 5.0}
+    assert scalars["nonfinite/count/state"] == {0: 1.0} and scalars["nonfinite/first_iteration/state"] == {0: 2.0}
+    assert scalars["nonfinite/first_iteration"] == {0: 1.0} and scalars["nonfinite/count"] == {0: 3.0}
+
+
 @pytest.mark.parametrize("channel_dim", [0, 4, -5])
 def test_a_channel_dim_naming_no_channel_dimension_is_refused(channel_dim, caplog):
     """channel_dim=0 read the batch row as the channel, and one out of range read the whole state as one channel,

@@ -1,6 +1,8 @@
 """Observer edge cases read back against float64 NumPy references: a batch size that changes within one logging
-step, an inf where the statistics take their shift from, a 0-d state, a diverging or vanishing float32 state."""
+step, an inf where the statistics take their shift from, a 0-d state, a diverging or vanishing float32 state; and
+a channel count that changes within a step."""
 
+import logging
 import re
 
 import numpy as np
@@ -8,8 +10,10 @@ import pytest
 import torch
 
 import instrument
+from instrument import Instrumentation, StepContext
 from instrument.observers.stats import iteration_channel_stats
 from tests.conftest import iteration_stats_in_tensorboard
+from tests.test_checkpointing import Sink
 
 
 class Keep(instrument.Backend):
@@ -747,3 +751,19 @@ def test_a_number_named_condition_leaves_a_second_positional_tensor_as_the_condi
         rule(torch.ones(2, 3), extra, condition=2.0)
     inst.close()
     assert torch.equal(seen[0].condition, extra)
+
+
+def test_iteration_stats_of_a_state_whose_channel_count_changes_within_a_step_say_why(caplog):
+    """Its tables (heatmaps of iterations x channels) hold one channel count: a torch error about sizes named
+    nothing of that. UpdateNorm, which reduces every channel to one norm, goes on."""
+    sink = Sink()
+    inst = Instrumentation([instrument.IterationStats(), instrument.UpdateNorm()], backends=[sink], log_interval=1)
+    with caplog.at_level(logging.ERROR, logger="instrument"), inst.step(0) as s:
+        for i in range(4):
+            x = torch.rand(2, 4 if i < 2 else 3, 5, 5)
+            s.observer(StepContext(x, torch.rand_like(x), step_index=i))
+    inst.close()
+    assert inst.failures == {"iteration_stats": 1}
+    assert "reduce to tables of different shapes [(4, 3), (4, 4)]" in caplog.text
+    assert "Keep the number of channels fixed within a logging step" in caplog.text
+    assert "update_norm/l2/mean" in sink.records[-1].scalars

@@ -31,7 +31,9 @@ kept before it are copied then, while they still hold what was observed.
 Inference tensors have no version counter, so they are always reduced as they come. ``max_elements`` bounds the
 memory: once the buffered tensors hold that many elements, the owner reduces them early and lets them go. An
 iteration whose tensors have another shape than the one before (a batch size that changes within a step: a
-rollout, then minibatches) first reduces what is buffered, since one stack holds one shape.
+rollout, then minibatches) first reduces what is buffered, since one stack holds one shape. Reductions that then
+differ in shape (a channel count that changed) are padded by an owner that has a neutral value (NonFinite's count
+0), and refused with a clear error by the others (`IterationBuffer.results`).
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -40,15 +42,19 @@ import torch
 from torch import Tensor
 
 from instrument.core.storage import part_of_larger
-from instrument.errors import InstrumentError
+from instrument.errors import InstrumentError, InvalidValueError
 
-__all__ = ["IterationBuffer", "ModifiedInPlaceError", "PIECE_BYTES"]
+__all__ = ["IterationBuffer", "ModifiedInPlaceError", "PIECE_BYTES", "ShapeChangedError"]
 
 PIECE_BYTES = 4 * 2**20  # on a CPU, the most bytes stacked and reduced at once (see the module docstring)
 
 
 class ModifiedInPlaceError(InstrumentError, RuntimeError):
     """A buffered tensor was modified in place after it was observed."""
+
+
+class ShapeChangedError(InvalidValueError):
+    """The buffered iterations' reductions differ in shape and the owner has no value to pad them with."""
 
 
 class IterationBuffer:
@@ -180,9 +186,33 @@ class IterationBuffer:
             stacked = self.stack(part) if self.stack is not None else [torch.stack(column) for column in part]
             self._results.append(self.reduce(*stacked, scratch=True))
 
-    def results(self) -> Optional[Tensor]:
-        """Every iteration's reduction so far, concatenated along dim 0; None when nothing was buffered."""
+    def results(self, pad: Optional[float] = None) -> Optional[Tensor]:
+        """Every iteration's reduction so far, concatenated along dim 0; None when nothing was buffered.
+
+        Iterations whose reductions differ in shape beyond dim 0 (a state or probe whose channel count changed
+        within the step) are padded with ``pad`` to the largest, where the owner has a value that means "none
+        here" (a count of 0); with ``pad=None`` they raise `ShapeChangedError`, saying which shapes came."""
         self.drain()
         if not self._results:
             return None
-        return self._results[0] if len(self._results) == 1 else torch.cat(self._results)
+        if len(self._results) == 1:
+            return self._results[0]
+        shapes = [tuple(r.shape[1:]) for r in self._results]
+        if len(set(shapes)) == 1:
+            return torch.cat(self._results)
+        if pad is None:
+            raise ShapeChangedError(
+                f"the iterations of this logging step reduce to tables of different shapes {sorted(set(shapes))} "
+                f"(a state whose channel count changed within the step): one table holds one shape. Keep the "
+                f"number of channels fixed within a logging step, or observe the differently shaped part with "
+                f"another observer."
+            )
+        widest = [max(sizes) for sizes in zip(*shapes, strict=True)]
+        parts = []
+        for r in self._results:
+            if list(r.shape[1:]) != widest:
+                wider = r.new_full((r.shape[0], *widest), pad)
+                wider[(slice(None), *[slice(0, n) for n in r.shape[1:]])] = r
+                r = wider
+            parts.append(r)
+        return torch.cat(parts)

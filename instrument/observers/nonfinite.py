@@ -245,7 +245,7 @@ class NonFinite(Observer):
                 dropped.append(source)
                 continue
             try:
-                table = buffer.results()  # [T, C] non-finite counts
+                table = buffer.results(pad=0)  # [T, C] non-finite counts; none in a channel a probe lacked then
             except ModifiedInPlaceError:  # the buffer now reduces as it comes; this step's values of it go
                 dropped.append(source)
                 continue

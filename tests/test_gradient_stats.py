@@ -215,6 +215,47 @@ def test_per_module_groups_and_filters():
     assert scalars["grad_stats/norm/global"] == pytest.approx(want, rel=1e-6)
 
 
+class _TwoBranch(nn.Module):
+    """A global/local two-branch model: a submodule and a root parameter named ``global``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("global", nn.Linear(4, 4))
+        self.local = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return getattr(self, "global")(x).sum() + 10 * self.local(x).sum()
+
+
+@pytest.mark.parametrize("per", ["module", "param"])
+def test_a_submodule_or_parameter_named_global_does_not_overwrite_the_global_norm(per):
+    """Its key was norm/global: the module's own norm replaced the global one, unsaid (a review)."""
+    torch.manual_seed(0)
+    net = _TwoBranch()
+    if per == "param":  # a root parameter named global instead of the submodule
+        net = nn.Module()
+        net.register_parameter("global", nn.Parameter(torch.randn(3)))
+        net.register_parameter("local", nn.Parameter(torch.randn(3)))
+    sink = Sink()
+    inst = Instrumentation([GradientStats(module=net, per=per, histograms=per == "param")], backends=[sink],
+                           log_interval=1)
+    with inst.step(0):
+        net.zero_grad()
+        loss = net(torch.randn(3, 4)) if per == "module" else (getattr(net, "global") + 10 * net.local).sum()
+        loss.backward()
+    inst.close()
+    scalars = sink.records[0].scalars
+    grads = {name: p.grad.double().numpy() for name, p in net.named_parameters()}
+    want = np.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
+    assert scalars["grad_stats/norm/global"] == pytest.approx(want, rel=1e-6)
+    root = type(net).__name__
+    own = np.sqrt(sum(np.sum(g ** 2) for name, g in grads.items() if name.startswith("global")))
+    assert scalars[f"grad_stats/norm/{root}.global"] == pytest.approx(own, rel=1e-6)
+    assert f"grad_stats/weight_norm/{root}.global" in scalars and "grad_stats/weight_norm/global" not in scalars
+    if per == "param":
+        assert f"grad_stats/grad_hist/{root}.global" in sink.records[0].histograms
+
+
 def test_under_gradient_checkpointing_values_and_gradients_unchanged():
     """The checkpointed step gives the norms of the plain step, and gradients bitwise equal to observers off."""
     values = {}

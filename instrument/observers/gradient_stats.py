@@ -42,6 +42,12 @@ except ImportError:  # pragma: no cover - depends on the torch version
     _group_tensors_by_device_and_dtype = None
 
 
+def _not_global(key: str, root: str) -> str:
+    """A parameter or submodule named ``global`` (``add_module("global", ...)``) would log ``norm/global`` and
+    overwrite the global norm: it is named from its root module's class instead (``Net.global``)."""
+    return f"{root}.global" if key == "global" else key
+
+
 def _compile(patterns: Patterns, what: str) -> List["re.Pattern[str]"]:
     if patterns is None:
         return []
@@ -180,7 +186,7 @@ class GradientStats(Observer):
     of the step (``opt.zero_grad()`` before ``loss.backward()``), as usual.
 
     Metric keys (``<name>`` defaults to ``grad_stats``; ``<param>`` as in ``named_parameters()`` of the watched
-    module, or ``<module>`` with ``per="module"``):
+    module, or ``<module>`` with ``per="module"``; one named ``global`` is ``<RootClass>.global``):
 
     =================================== ========= ================================================================
     key                                 kind      meaning
@@ -355,14 +361,15 @@ class GradientStats(Observer):
 
     def _keys(self, present: Sequence[bool]) -> Tuple[List[str], List[List[int]]]:
         """Key names and the parameter positions behind each, over the parameters marked ``present``."""
+        root = type(self._modules[0]).__name__ if self._modules else ""
         if self.per != "module":
             positions = [i for i, ok in enumerate(present) if ok]
-            return [self._params[i][0] for i in positions], [[i] for i in positions]
+            return [_not_global(self._params[i][0], root) for i in positions], [[i] for i in positions]
         grouped: Dict[str, List[int]] = {}  # module -> its parameters' positions, in first-seen order (a dict: a
         for i, (name, _) in enumerate(self._params):  # list's index() made this quadratic in the modules)
             if present[i]:
-                grouped.setdefault(name.rpartition(".")[0] or type(self._modules[0]).__name__, []).append(i)
-        return list(grouped), list(grouped.values())
+                grouped.setdefault(name.rpartition(".")[0] or root, []).append(i)
+        return [_not_global(key, root) for key in grouped], list(grouped.values())
 
     @staticmethod
     def _per_key(values: Tensor, members: List[List[int]], positions: List[int]) -> Tensor:
@@ -431,7 +438,9 @@ class GradientStats(Observer):
         if metrics:
             logger.log_metrics(metrics, step=step, prefix=self.name)
         if self.histograms:
+            root = type(self._modules[0]).__name__ if self._modules else ""
             for (name, p), ok, scale in zip(self._params, dense, scales, strict=True):
+                name = _not_global(name, root)
                 placements = dtensor_placements(p)
                 if placements is not None and not is_replicated(placements):
                     self._say_sharded(name, placements)

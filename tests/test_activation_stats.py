@@ -273,7 +273,7 @@ def test_a_failing_hook_never_reaches_training_and_is_reported_once(monkeypatch,
     def broken(output):
         raise ValueError("boom")
 
-    monkeypatch.setattr(module, "first_tensor", broken)  # the first thing each hook call does
+    monkeypatch.setattr(module, "output_tensor", broken)  # the first thing each hook call does
     rule = _rule()
     inst = instrument.Instrumentation([instrument.ActivationStats()], backends=[], log_interval=1)
     inst.watch(rule)
@@ -384,3 +384,63 @@ def test_a_float64_layer_after_a_float32_one_keeps_its_float64_statistics(tmp_pa
         assert np.isfinite(want["std"]) and want["std"] > (1e148 if n == "b" else 0.0)
         for stat, value in want.items():
             assert history.metrics[f"activations/{n}/{stat}"][-1][1] == pytest.approx(value, rel=rel, abs=1e-7), stat
+
+
+class _Structured(nn.Module):
+    """Submodules whose outputs are not plain tensors: a tuple led by None, a dict, a nested tuple, and None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = _Wrap(lambda y: (None, y))
+        self.named = _Wrap(lambda y: {"mask": None, "hidden": y * 2.0})
+        self.nested = _Wrap(lambda y: ((y - 1.0,), 1))
+        self.nothing = _Wrap(lambda y: None)
+
+    def forward(self, x):
+        y = self.pair(x)[1]
+        y = self.named(y)["hidden"]
+        y = self.nested(y)[0][0]
+        self.nothing(y)
+        return y
+
+
+class _Wrap(nn.Module):
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.make = make
+
+    def forward(self, x):
+        return self.make(self.lin(x))
+
+
+def test_an_output_led_by_a_non_tensor_is_reduced_as_its_first_tensor_and_none_is_said_by_name(tmp_path, caplog):
+    """A tuple whose first element was not a tensor (None, y), a dict (a ModelOutput) or a nested tuple was
+    skipped, and the warning said no module had run, blaming torch.compile (a review)."""
+    torch.manual_seed(0)
+    model = _Structured()
+    seen: Dict[str, np.ndarray] = {}
+    x = torch.randn(3, 4)
+    with torch.no_grad():  # the reference: each wrapper's linear output through its own structure, in float64
+        y = model.pair.lin(x)
+        seen["pair"] = y.double().numpy()
+        y = model.named.lin(y) * 2.0
+        seen["named"] = y.double().numpy()
+        y = model.nested.lin(y) - 1.0
+        seen["nested"] = y.double().numpy()
+    observer = instrument.ActivationStats(pattern=r"^(pair|named|nested|nothing)$", images=False)
+    inst = instrument.Instrumentation([observer], backends=[instrument.TensorBoardBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r")
+    inst.watch(model)
+    with caplog.at_level(logging.WARNING, logger="instrument"), inst.step(0):
+        with torch.no_grad():
+            model(x)
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    for module, out in seen.items():
+        for stat, value in _np_stats(out).items():
+            assert scalars[f"activations/{module}/{stat}"][0] == pytest.approx(value, rel=1e-5, abs=1e-6)
+    assert not [k for k in scalars if k.startswith("activations/nothing/")]
+    said = [r.getMessage() for r in caplog.records if "holds no real tensor" in r.getMessage()]
+    assert len(said) == 1 and "module 'nothing' ran in logging step 0, but its output (None)" in said[0]
+    assert "torch.compile" not in caplog.text

@@ -26,6 +26,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
@@ -40,7 +41,6 @@ from instrument.observers.buffer import IterationBuffer, ModifiedInPlaceError
 from instrument.observers.options import color_ranges
 from instrument.observers.stats import pow2_scale, refuse_complex
 from instrument.probes.compiled import ForwardSwitch, ancestors, hook_switch, unwrap
-from instrument.probes.hooks import first_tensor
 from instrument.probes.step_hook import step_hook
 from instrument.probes.transforms import in_trace_check, outside_transforms, physical, transformed
 
@@ -98,7 +98,8 @@ def _module_class(value: Any) -> bool:
 class ActivationStats(Observer):
     """Per-submodule output statistics over the rollout: mean, std, absmax and the fraction of exact zeros.
 
-    Each chosen submodule's forward output (its first tensor, for a tuple) is reduced over all its elements on
+    Each chosen submodule's forward output (its first tensor, depth first, for a tuple, list or dict such as a
+    ``ModelOutput``) is reduced over all its elements on
     every call during a logging step; a ReLU layer whose ``zero_frac`` nears 1 has dead units. Row ``k`` of a
     heatmap is the module's ``k``-th call in the step, which is rollout iteration ``k`` when each module runs
     once per iteration (a module called twice per iteration has twice the rows; missing rows are grey).
@@ -181,6 +182,7 @@ class ActivationStats(Observer):
         self._names: List[str] = []
         self._sums: List[IterationBuffer] = []  # per hooked module: its outputs, reduced to [calls, 6]
         self._calls: List[int] = []
+        self._no_tensor: Dict[int, str] = {}  # this step's modules that ran with no real tensor in their output
         self._unbatched: Set[str] = set()  # modules whose outputs were modified in place: reduced as they come
         self._dropped: Set[int] = set()  # this step's modules whose values were lost that way
         self._warned: Dict[str, bool] = {}
@@ -231,6 +233,7 @@ class ActivationStats(Observer):
     def reset(self) -> None:
         self._names, self._sums, self._calls, self._error = [], [], [], None
         self._dropped: Set[int] = set()
+        self._no_tensor = {}
         self.hook_seconds = 0.0  # the step's time in the forward hooks, counted in this observer's overhead
 
     def close(self) -> None:
@@ -285,8 +288,10 @@ class ActivationStats(Observer):
             if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: no iteration
                 return
             try:  # a hook runs inside the user's forward: a fault here must never reach training
-                out = first_tensor(output)
-                if out is None or out.is_complex():
+                out = output_tensor(output)
+                if out is None or out.is_complex():  # said at log time (`_say_no_tensor`)
+                    if index not in self._no_tensor:
+                        self._no_tensor[index] = _described(output, out)
                     return
                 self._calls[index] += 1
                 if transformed():  # under torch.func: the plain tensor (vmap: the whole batch), kept outside it
@@ -331,10 +336,23 @@ class ActivationStats(Observer):
         self._dropped.add(index)
         self._unbatched.add(self._names[index])
 
+    def _say_no_tensor(self, step: int) -> None:
+        for index, what in self._no_tensor.items():
+            if not self._calls[index]:  # each call of the step had no tensor
+                name = self._names[index]
+                self._warn_once(
+                    f"no tensor {name}",
+                    f"instrument: ActivationStats({self.name!r}): module {name!r} ran in logging step {step}, but "
+                    f"its output ({what}) holds no real tensor to reduce, so it has no statistics. It reduces a "
+                    f"tensor output, or the first tensor (depth first) of a tuple, list or dict output; choose "
+                    f"the submodule that makes the tensor (types=/pattern=). (Said once per module.)",
+                )
+
     def _log_results(self, logger, step: int, results: Dict[int, Tensor]) -> None:
+        self._say_no_tensor(step)
         present = sorted(results)
         if not present:
-            if self._names and not any(self._calls):
+            if self._names and not any(self._calls) and not self._no_tensor:
                 self._warn_once(
                     "silent",
                     f"instrument: none of the {len(self._names)} modules ActivationStats({self.name!r}) hooked "
@@ -373,6 +391,26 @@ class ActivationStats(Observer):
         if not self._warned.get(kind):
             self._warned[kind] = True
             log.warning(message)
+
+
+def output_tensor(value: Any, depth: int = 0) -> Optional[Tensor]:
+    """The tensor a module's output is reduced as: itself, or the first tensor, depth first, of a tuple, list or
+    dict (a HuggingFace ``ModelOutput``: ``last_hidden_state``), a few levels deep."""
+    if isinstance(value, Tensor):
+        return value
+    if depth < 4:
+        items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+        for item in items:
+            found = output_tensor(item, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _described(output: Any, found: Optional[Tensor]) -> str:
+    if found is not None:
+        return f"a complex tensor, {found.dtype}"
+    return "None" if output is None else f"a {type(output).__name__}"
 
 
 def _on_the_way(roots: Sequence[nn.Module], hooked: Sequence[nn.Module]) -> List[nn.Module]:

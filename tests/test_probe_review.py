@@ -162,6 +162,30 @@ def test_removing_one_watch_mid_step_leaves_on_the_probes_another_watch_of_the_s
     assert [sorted(probes) for probes in keep.seen] == [["h"], ["h"]]
 
 
+def test_another_session_unwatching_the_model_mid_step_leaves_this_steps_probes_on():
+    """Two sessions watch one model (training and evaluation). The second removing its watch while the first's
+    logging step was open switched the probe off, and the rest of that step recorded nothing."""
+    rule, keep = Rule(), Keep()
+    train = instrument.Instrumentation([keep], backends=[], log_interval=1)
+    evaluation = instrument.Instrumentation([Keep()], backends=[], log_interval=1)
+    train.watch(rule, state=False)
+    handle = evaluation.watch(rule, state=False)
+    with train.step(0) as s:
+        x = torch.randn(2, 4)
+        handle.remove()
+        assert rule.p.enabled
+        y = rule(x)
+        s.observer(instrument.StepContext(previous_state=x, next_state=y))
+    assert not rule.p.enabled
+    with evaluation.step(0):  # unwatched there: nothing turns the probe on
+        rule(x)
+        assert not rule.p.enabled
+    train.close()
+    evaluation.close()
+    assert [sorted(probes) for probes in keep.seen] == [["h"]]
+    torch.testing.assert_close(keep.seen[0]["h"], rule.lin(x).detach(), rtol=0, atol=0)
+
+
 def test_plain_torch_jit_script_of_a_module_whose_probes_are_on_is_refused_and_instrument_script_is_not():
     """Plain torch.jit.script copies each probe's ``enabled``: a rule scripted during a logging step (an export)
     kept its probe on for good, and its calls replaced the watched model's values in every later step."""

@@ -6,7 +6,8 @@ checks that names are unique. On a logging step the session calls `on` (set ``en
 compiled models route the forward through `ForwardSwitch`) and `off` when the step ends, also when it raises.
 """
 
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+import threading
+from typing import Any, Dict, List, Sequence, Tuple
 
 from torch import nn
 
@@ -16,6 +17,10 @@ from instrument.probes import compiled, script
 from instrument.probes.probe import Probe
 
 __all__ = ["ProbeSet"]
+
+# id(probe) -> [probe, how many sets have it on]: sets of one session or several share a probe's one ``enabled``
+_holders: Dict[int, List[Any]] = {}
+_holders_lock = threading.Lock()
 
 
 class ProbeSet:
@@ -56,6 +61,7 @@ class ProbeSet:
                 )
             self.probes[name] = probe
             self.paths[name] = path
+        self._held = False  # its probes are counted on in `_holders` (`on`)
         self._switch = None if self.scripted or not self.probes else compiled.ForwardSwitch(
             compiled.ancestors(root, list(self.paths.values()))
         )
@@ -69,19 +75,34 @@ class ProbeSet:
         return any(bool(p.grad) for p in self.probes.values())
 
     def on(self) -> None:
-        for probe in self.probes.values():
-            probe.enabled = True
+        with _holders_lock:
+            if self._held:  # on already (and counted once)
+                return
+            for probe in self.probes.values():
+                entry = _holders.setdefault(id(probe), [probe, 0])
+                entry[1] += 1
+                probe.enabled = True
+            self._held = True
         if self._switch is not None:
             self._switch.on()
 
-    def off(self, keep: Iterable[Any] = ()) -> None:
-        """Switch the probes off, but those in ``keep`` (probes another watched set of the session holds)."""
+    def off(self) -> None:
+        """Switch the probes off, but those another set still holds on: the same probe watched twice by one
+        session (a model and a submodule of it), or by another session whose logging step is open (an evaluation
+        session on its own thread): one set's `off` mid-step turned that step's probes off for the rest of it."""
         if self._switch is not None:
             self._switch.off()
-        kept = {id(probe) for probe in keep}
-        for probe in self.probes.values():
-            if id(probe) not in kept:
-                probe.enabled = False
+        with _holders_lock:
+            if not self._held:
+                return
+            self._held = False
+            for probe in self.probes.values():
+                entry = _holders.get(id(probe))
+                if entry is None or entry[1] <= 1:
+                    _holders.pop(id(probe), None)
+                    probe.enabled = False
+                else:
+                    entry[1] -= 1
 
     def __len__(self) -> int:
         return len(self.probes)

@@ -41,8 +41,9 @@ class WatchHandle:
                 self._session._watches.remove(self.watch)
         if self.probes is not None and self.probes in self._session._probe_sets:
             self._session._probe_sets.remove(self.probes)
-            # a probe another watched set holds too (a model and a submodule of it) stays on for the rest of a step
-            self.probes.off(keep=[p for kept in self._session._probe_sets for p in kept.probes.values()])
+            # a probe another watched set holds too (a model and a submodule of it, or another session's watch of
+            # it) stays on for the rest of that set's step
+            self.probes.off()
 
     def __enter__(self) -> "WatchHandle":
         return self

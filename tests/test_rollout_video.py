@@ -286,6 +286,22 @@ def test_every_counts_the_iterations_of_an_evolver_that_leaves_step_index_at_0(e
         assert [int(f[0, 0, 0]) for f in frames] == [int(np.floor(i / 10 * 255 + 0.5)) for i in range(0, 9, every)]
 
 
+def test_the_first_observed_iteration_gives_the_seed_frame_whatever_its_index():
+    """A rollout observed from iteration 3 with every=2 had no seed frame: frame 0 was the state after it."""
+    states = [torch.full((1, 3, 2, 2), i / 10.0) for i in range(8)]
+    observer = RolloutVideo(channels=(0, 1, 2), every=2, upscale=1)
+    keep = Keep()
+    logger = Logger([keep])
+    observer.reset()
+    for i in range(3, 7):  # iterations 3..6 of a rollout: states 3 -> 7
+        observer.observe(StepContext(states[i], states[i + 1], step_index=i))
+    observer.log(logger, step=0)
+    logger.commit()
+    logger.close()
+    frames, _ = keep.records[0].videos["rollout/video"]
+    assert [int(f[0, 0, 0]) for f in frames] == [int(np.floor(i / 10 * 255 + 0.5)) for i in (3, 4, 6)]
+
+
 def test_negative_channels_count_from_the_last_one():
     """They passed the check and then failed every observe call (index_select refuses negative indices)."""
     g = torch.Generator().manual_seed(4)

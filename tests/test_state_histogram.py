@@ -157,3 +157,19 @@ def test_an_iteration_beyond_the_rollout_is_said_once_and_the_others_are_logged(
     assert len(said) == 2 and "entry 100" in said[0] and "entry -50" in said[1] and "observed 6" in said[0]
     assert sorted(tag for tag in acc.Tags()["histograms"]) == ["state_hist/c0/it0"]
     _check(acc.Histograms("state_hist/c0/it0")[0].histogram_value, states[1][:, 0].numpy())
+
+
+def test_a_complex_state_is_refused_with_what_to_observe_instead(caplog):
+    """Its values reached the logger, which refused the histogram at the commit with a message about a metric,
+    not about the state or what to observe instead."""
+    import logging
+
+    states = [torch.randn(2, 3, 4, 4, dtype=torch.complex64) for _ in range(3)]
+    inst = instrument.Instrumentation([instrument.StateHistogram()], backends=[Sink()], log_interval=1)
+    with caplog.at_level(logging.ERROR, logger="instrument"), inst.step(0) as s:
+        for i in range(2):
+            s.observer(instrument.StepContext(states[i], states[i + 1], step_index=i))
+    inst.close()
+    assert inst.failures == {"state_hist": 1}
+    assert "StateHistogram('state_hist') computes statistics of real values, got a complex tensor" in caplog.text
+    assert "torch.view_as_real(x), or x.abs()" in caplog.text

@@ -130,7 +130,7 @@ class RolloutVideo(Observer):
         # The rollout's index, as NonFinite counts it: an explicit evolver that leaves step_index at 0 is counted.
         index = self._calls = max(self._calls, context.step_index)
         self._calls += 1
-        if not self._frames and index % self.every == 0:
+        if not self._frames:  # the seed: what the first observed iteration started from, whatever its index
             self._keep(context.previous_state, seed=True)
         if (index + 1) % self.every == 0:
             self._keep(context.next_state)

@@ -20,6 +20,7 @@ from instrument.errors import ConfigurationError
 from instrument.observers.buffer import ModifiedInPlaceError
 from instrument.observers.layout import check_channel_dim, said_channel_dim
 from instrument.observers.options import channel_labels, check_channel_names, check_limit
+from instrument.observers.stats import refuse_complex
 
 _log = logging.getLogger("instrument")
 
@@ -118,6 +119,7 @@ class StateHistogram(Observer):
         self._count = index + 1
         self._observed += 1
         if index in self._from_start or self._from_end:
+            refuse_complex(f"StateHistogram({self.name!r})", context.next_state)  # bins of real values
             kept = self._keep(context.next_state)
             if index in self._from_start:
                 self._kept[index] = kept

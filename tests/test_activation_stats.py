@@ -444,3 +444,35 @@ def test_an_output_led_by_a_non_tensor_is_reduced_as_its_first_tensor_and_none_i
     said = [r.getMessage() for r in caplog.records if "holds no real tensor" in r.getMessage()]
     assert len(said) == 1 and "module 'nothing' ran in logging step 0, but its output (None)" in said[0]
     assert "torch.compile" not in caplog.text
+
+
+def test_multihead_attention_is_hooked_itself_not_its_never_called_out_proj(tmp_path):
+    """The default chose the leaf ``attn.out_proj``, which the attention never calls (it reads its weights), so
+    the attention had no statistics and nothing said why (a review)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y, _ = self.attn(x, x, x)
+            return self.lin(y)
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        want = block.attn(x, x, x)[0].double().numpy()
+    observer = instrument.ActivationStats(images=False)
+    assert [name for name, _ in observer.select([block])] == ["attn", "lin"]
+    inst = instrument.Instrumentation([observer], backends=[instrument.TensorBoardBackend()], log_interval=1,
+                                      log_dir=str(tmp_path), run_name="r")
+    inst.watch(block)
+    with inst.step(0), torch.no_grad():
+        block(x)
+    inst.close()
+    scalars = read_scalars(tmp_path / "r")
+    for stat, value in _np_stats(want).items():
+        assert scalars[f"activations/attn/{stat}"][0] == pytest.approx(value, rel=1e-5, abs=1e-6)
+    assert instrument.ActivationStats(types=[nn.Linear]).select([block])[0][0] == "lin"  # out_proj: never runs

@@ -107,9 +107,11 @@ class ActivationStats(Observer):
 
     Which modules: ``types`` (classes, or class names such as ``"Conv2d"``) and/or ``pattern`` (a regular
     expression searched in the module's qualified name, e.g. ``"^mlp\\."``); a module must match both when both
-    are given. Default: every leaf module with parameters of its own. Modules are looked up in ``module`` if
-    given, else in the modules watched with ``inst.watch`` (names then start with the watched module's class
-    name when more than one is watched, plus its position when two share a class). ``torch.compile`` wrappers
+    are given. Default: every leaf module with parameters of its own, and ``nn.MultiheadAttention`` modules (their
+    ``out_proj`` is never called: the attention reads its weights; their output's first tensor is the
+    attention's). Modules are looked up in ``module`` if given, else in the modules watched with ``inst.watch``
+    (names then start with the watched module's class name when more than one is watched, plus its position when
+    two share a class). ``torch.compile`` wrappers
     are unwrapped; TorchScript modules cannot take Python forward hooks and are skipped with one warning (so a
     scripted model needs its eager original). A compiled model never calls hooks registered after its first
     compiled call: use the eager model on logging steps, or embedded probes (`instrument.Probe`).
@@ -191,6 +193,8 @@ class ActivationStats(Observer):
     # ------------------------------------------------------------------ selection
     def _wanted(self, qualified: str, module: nn.Module) -> bool:
         if self.types is None and self.pattern is None:
+            if isinstance(module, nn.MultiheadAttention):  # a leaf as far as its calls go (`_never_called`)
+                return True
             return not any(True for _ in module.children()) and any(True for _ in module.parameters(recurse=False))
         if self.types is not None and not any(
             (type(module).__name__ == t) if isinstance(t, str) else isinstance(module, t) for t in self.types
@@ -208,6 +212,8 @@ class ActivationStats(Observer):
             for qualified, module in root.named_modules():
                 if isinstance(module, torch.jit.ScriptModule):
                     scripted.append(qualified or type(module).__name__)
+                    continue
+                if _never_called(root, qualified):
                     continue
                 if id(module) in seen or not self._wanted(qualified, module):
                     continue
@@ -391,6 +397,19 @@ class ActivationStats(Observer):
         if not self._warned.get(kind):
             self._warned[kind] = True
             log.warning(message)
+
+
+def _never_called(root: nn.Module, qualified: str) -> bool:
+    """``nn.MultiheadAttention``'s ``out_proj``: the attention reads its weights in a functional call and never
+    calls it, so a hook on it never runs (the attention itself is hooked by default instead)."""
+    parent, _, leaf = qualified.rpartition(".")
+    if leaf != "out_proj" or not qualified:
+        return False
+    try:
+        owner = root.get_submodule(parent) if parent else root
+    except AttributeError:
+        return False
+    return isinstance(owner, nn.MultiheadAttention)
 
 
 def output_tensor(value: Any, depth: int = 0) -> Optional[Tensor]:

@@ -315,3 +315,19 @@ def test_a_system_record_without_seconds_is_placed_by_its_step_in_milliseconds()
     history.write_system(StepRecord(step=4000, scalars={"system/cpu": 8.0, "system/seconds": 3.75}))
     seconds, values = history.system_series("system/cpu")
     assert seconds.tolist() == [2.5, 3.75] and values.tolist() == [7.0, 8.0]
+
+
+def test_a_step_whose_write_raises_part_way_keeps_nothing_of_that_step():
+    """Its scalars and timings were kept before a sample id failed its conversion: the history then held part
+    of a step that every other backend's failure report called not written."""
+    history = RunHistoryBackend(sample_key="ids", batch_keys=["r"])  # written directly, as the writer thread does
+    history.write(StepRecord(step=0, scalars={"loss": 1.0}, histograms={"ids": [1.0, 2.0], "r": [0.5, 0.25]},
+                             timings={"iteration": {"mean": 0.1, "count": 2}}))
+    with pytest.raises(ValueError):
+        history.write(StepRecord(step=1, scalars={"loss": 2.0}, histograms={"ids": ["one", 2.0], "r": [1.0, 1.0]},
+                                 timings={"iteration": {"mean": 0.2, "count": 2}}))
+    history.write(StepRecord(step=2, scalars={"loss": 3.0}, histograms={"ids": [1.0, 3.0], "r": [2.0, 2.0]}))
+    assert list(history.metrics["loss"]) == [(0, 1.0), (2, 3.0)]
+    assert [step for step, *_ in history.timelog["iteration"]] == [0]
+    assert [step for step, _ in history.batch_log["r"]] == [0, 2]
+    assert [step for step, _ in history.batch_samples] == [0, 2] and history.unique_samples == {1, 2, 3}

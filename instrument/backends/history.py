@@ -209,35 +209,36 @@ class RunHistoryBackend(Backend):
             self._write(record)
 
     def _write(self, record: StepRecord) -> None:
+        """Every value is converted first and stored after: a value that fails its conversion (a sample id that
+        is not a number) raises before anything of the step is kept, so the history never holds part of a step."""
         step = record.step
-        for key, value in record.flat_scalars().items():  # timings too, as timing/<stage>/<stat> series
-            series = self.metrics.get(key)
-            if series is None:
-                series = self.metrics[key] = collections.deque(maxlen=self.max_steps)
-            self._append(series, (step, float(value)), "max_steps", f"metric {key!r}")
-        for stage, stats in record.timings.items():
-            if "mean" in stats:
-                series_t = self.timelog.setdefault(stage, collections.deque(maxlen=self.max_steps))
-                self._append(
-                    series_t,
-                    (step, float(stats["mean"]), int(stats.get("count", 1))),
-                    "max_steps",
-                    f"timelog {stage!r}",
-                )
-        samples = self._pending_samples.pop(step, None)
-        for stale in [s for s in self._pending_samples if s < step]:
-            del self._pending_samples[stale]
+        scalars = [(key, (step, float(value))) for key, value in record.flat_scalars().items()]  # timings too
+        times = [(stage, (step, float(stats["mean"]), int(stats.get("count", 1))))
+                 for stage, stats in record.timings.items() if "mean" in stats]
+        samples = self._pending_samples.get(step)
         named = "add_samples"
         if samples is None and self.sample_key is not None and self.sample_key in record.histograms:
             samples, named = [_as_id(v) for v in record.histograms[self.sample_key]], repr(self.sample_key)
-        for key, values in record.histograms.items():
-            if key in self.batch_log:
-                values = np.asarray(values).copy()
-                if samples is not None and len(values) != len(samples):  # kept as logged, never paired
-                    self._say_once(f"misaligned {key}", _misaligned(key, step, len(values), len(samples), named)
-                                   + "; kept in batch_log as logged, left unpaired (NaN) by to_dataframe, which "
-                                   "says so each time")
-                self._append(self.batch_log[key], (step, values), "max_steps", f"batch log {key!r}")
+        batches = [(key, np.asarray(values).copy()) for key, values in record.histograms.items()
+                   if key in self.batch_log]
+        # stored: nothing below converts a value
+        for key, item in scalars:
+            series = self.metrics.get(key)
+            if series is None:
+                series = self.metrics[key] = collections.deque(maxlen=self.max_steps)
+            self._append(series, item, "max_steps", f"metric {key!r}")
+        for stage, item in times:
+            series_t = self.timelog.setdefault(stage, collections.deque(maxlen=self.max_steps))
+            self._append(series_t, item, "max_steps", f"timelog {stage!r}")
+        self._pending_samples.pop(step, None)
+        for stale in [s for s in self._pending_samples if s < step]:
+            del self._pending_samples[stale]
+        for key, values in batches:
+            if samples is not None and len(values) != len(samples):  # kept as logged, never paired
+                self._say_once(f"misaligned {key}", _misaligned(key, step, len(values), len(samples), named)
+                               + "; kept in batch_log as logged, left unpaired (NaN) by to_dataframe, which "
+                               "says so each time")
+            self._append(self.batch_log[key], (step, values), "max_steps", f"batch log {key!r}")
         if samples is not None:
             self._append(self.batch_samples, (step, tuple(samples)), "max_steps", "batch samples")
             self._add_unique(samples, step)

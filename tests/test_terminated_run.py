@@ -381,3 +381,34 @@ def test_a_pool_task_that_raises_does_not_fail_the_run_its_worker_closes(tmp_pat
     the task left open is closed FINISHED (the error reached the parent, not the worker's end)."""
     assert _end_a_child(tmp_path, "pool", method, "raise") == "raised the experiment broke"
     _assert_mlflow_run(_store(tmp_path), "FINISHED", [(0, 0.0), (1, 0.5)])
+
+
+_NON_CHAINING_HOOK = textwrap.dedent(
+    """
+    import sys
+    import instrument
+
+    root, uri, hook = sys.argv[1:4]
+    logger = instrument.Logger([instrument.MlflowBackend(tracking_uri=uri, run_name="main")],
+                               run=instrument.RunInfo(name="main", root=root))
+    if hook == "own":  # a crash reporter installed after the Logger, which does not call the hook before it
+        sys.excepthook = lambda kind, value, tb: print("reported", kind.__name__, file=sys.stderr)
+    for step in range(2):
+        logger.log_metrics({"loss": step / 2}, step=step)
+        logger.commit(step)
+    raise RuntimeError("the experiment broke")  # no close(): the exit closes it
+    """
+)
+
+
+@pytest.mark.parametrize("hook", ["own", "default"])
+def test_an_uncaught_exception_past_a_non_chaining_excepthook_still_ends_the_run_failed(tmp_path, hook):
+    """The later hook kept the exception from instrument's, and the exit closed the run FINISHED."""
+    script = tmp_path / "main.py"
+    script.write_text(_NON_CHAINING_HOOK)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), _store(tmp_path), hook], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert ("reported RuntimeError" in out.stderr) == (hook == "own")
+    _assert_mlflow_run(_store(tmp_path), "FAILED", [(0, 0.0), (1, 0.5)])

@@ -21,7 +21,10 @@ Every live `Logger` is registered here (weakly). What happens:
   KeyboardInterrupt that ends the process marks the run ``"killed"``, and so does anything else that handler
   raises (``sys.exit``). Where SIGINT's action was the default one (``SIG_DFL``, which a launcher may set),
   which ends the process at once, every logger is closed ``"killed"`` first, as for SIGTERM.
-- An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it.
+- An uncaught exception (``sys.excepthook``) marks every live logger's run ``"failed"``; the exit closes it. A
+  hook installed after ours that does not call the one before it (a crash reporter's) is caught at exit: the
+  interpreter sets ``sys.last_value`` before it calls any hook (not in an interactive session, where an error at
+  the prompt does not end it).
 - ``atexit``: every logger still open is closed (with ``on_exit(status)`` when a status was marked). atexit
   runs its hooks last registered first, and an SDK registers its own teardown when a backend opens (W&B
   stops its service process): an open that registered an exit hook moves this hook behind it
@@ -190,6 +193,7 @@ def install() -> None:
             _note_shutdown_start()
             previous_hook = sys.excepthook
             _state["excepthook"] = previous_hook
+            _state["seen_error"] = _last_error()  # one from before (a REPL's): not this run's end
             sys.excepthook = _excepthook
             _state["atexit"] = True
         if _state["installed"]:
@@ -325,6 +329,7 @@ def _chain_terminate(signum: int, frame: Optional[Any], loggers: list) -> None:
 
 
 def _excepthook(exc_type, exc, tb) -> None:
+    _state["seen_error"] = exc
     mark("killed" if issubclass(exc_type, (KeyboardInterrupt, _Terminated)) else "failed")
     previous = _state["excepthook"] or sys.__excepthook__
     previous(exc_type, exc, tb)
@@ -349,11 +354,32 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _last_error() -> Optional[BaseException]:
+    """The exception the interpreter last reported as uncaught: it sets ``sys.last_value`` (``sys.last_exc``)
+    before it calls ``sys.excepthook``, whichever hook that is."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+def _uncaught_unseen() -> Optional[BaseException]:
+    """An uncaught exception that ends the process without reaching `_excepthook`: a hook installed after ours
+    that does not call the one before it (a crash reporter's). Not in an interactive session, where an error
+    at the prompt is reported and the session goes on."""
+    error = _last_error()
+    if error is None or error is _state.get("seen_error"):
+        return None
+    if hasattr(sys, "ps1") or sys.flags.interactive or sys.flags.inspect or "IPython" in sys.modules:
+        return None
+    return error
+
+
 def _at_exit() -> None:
     with _lock:
         if _state["exited"]:
             return
         _state["exiting"] = _state["exited"] = True
+    error = _uncaught_unseen()
+    if error is not None:  # as `_excepthook` marks it: the run ended by an error, not FINISHED
+        mark("killed" if isinstance(error, (KeyboardInterrupt, _Terminated)) else "failed")
     for logger in _loggers():
         _close_within(logger, None, commit=True, why="at exit")
 

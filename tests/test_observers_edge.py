@@ -235,6 +235,22 @@ def test_iteration_stats_of_integers_beyond_float32_match_float64_and_min_max_ar
                                    ).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.bool])
+def test_small_integer_states_are_shifted_by_a_whole_number_so_their_mean_is_exact(dtype):
+    """A fractional shift reference rounded x - r in float32: int16 values -32768, 32767, 0 read a mean of
+    -0.332899 instead of -1/3, in IterationStats and ActivationStats alike (a review)."""
+    from instrument.observers.activation_stats import _finish, batched_moments
+
+    values = {torch.int16: [-32768, 32767, 0], torch.uint8: [255, 0, 0, 1, 255, 2, 0], torch.bool: [1, 0, 0]}[dtype]
+    x = torch.tensor(values).to(dtype)
+    want_mean, want_std = np.mean(values), np.std(values)
+    stats = iteration_channel_stats(x.reshape(1, 1, 1, -1))[0, :, 0]  # one iteration, [B=1, C=1, N]
+    moments = _finish(batched_moments(x.reshape(1, -1)))[0]
+    for mean, std in ((stats[0], stats[1]), (moments[0], moments[1])):
+        assert mean.item() == pytest.approx(want_mean, rel=1e-7, abs=1e-7)
+        assert std.item() == pytest.approx(want_std, rel=1e-6)
+
+
 @pytest.mark.parametrize("dtype", WIDE_INTEGERS)
 def test_activation_stats_of_integer_outputs_beyond_float32_match_float64(dtype):
     """batched_moments cast every non-float output to float32 as well: an int64 output near 2**40 read std 0."""

@@ -59,6 +59,7 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
     (``scratch`` is accepted for `IterationBuffer` and not needed), no host sync.
     """
     refuse_complex("batched_moments", outputs)
+    integral = not outputs.dtype.is_floating_point  # integers and bools: a whole reference keeps x - r exact
     k = outputs.shape[0]
     flat = outputs.reshape(k, -1)
     wide = reduction_dtype(flat.dtype, flat.device)  # float64 for int32/int64/uint32/uint64, else float32
@@ -70,6 +71,8 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
     low, high = flat.amin(1), flat.amax(1)
     reference = flat[:, :: max(1, n // _SAMPLE)][:, :_SAMPLE].mean(1, keepdim=True)
     reference = torch.where(reference.isfinite(), reference, 0.0)  # an inf in the sample: no inf - inf = NaN
+    if integral:
+        reference = reference.round_()
     scale = pow2_scale(torch.maximum(high - reference[:, 0], reference[:, 0] - low))  # [k]
     temp = torch.nan_to_num(flat, nan=1.0)  # a NaN is not an exact zero, but torch.sign(NaN) is 0
     nonzero = temp.sign_().square_().mean(1)  # means, not sums: no division kernel

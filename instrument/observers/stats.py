@@ -12,16 +12,16 @@ state): ``torch.var_mean`` (Welford) over the last dim runs at about 0.5 GB/s an
 1.3 GB/s, while ``sum``/``amin``/``amax`` run at 35-45 GB/s; ``std_mean`` and ``aminmax`` over [16, 4096] are
 9-13x slower than separate passes.
 
-Numerics: the variance is the mean of ``(d - E[d])^2`` for ``d = x - r``, two passes over the buffered states:
-the first sums ``d`` (its mean), the second the squares of the deviations from it. ``r`` is a per-iteration,
-per-channel reference taken from the data (the mean of a strided sample of the channel: up to 4 batch rows x
-32 values). Subtracting ``r`` removes the channel's offset before anything is summed, so a state whose mean is
-large relative to its spread (values ``1e4 + N(0, 1e-2)`` in float32) keeps its precision: there ``x - r`` is
-exact. The second pass makes the result independent of how good ``r`` is: the one-pass ``E[d^2] - E[d]^2``
-cancelled when the sample missed the bulk of the values (a 1024 x 1024 grid whose border column is 0 and the rest
-near 1: the stride of 32768 elements is 32 whole rows, so every sample was a border cell, and the std was 2e-5
-off). The error is that of float32 pairwise sums, well under 1e-5 relative for the std. min and max are taken
-from ``x`` itself, so they are exact.
+Numerics: the variance is the mean of ``(d - E[d])^2`` for ``d = x - r``, two passes over the buffered states: the
+first sums ``d`` (its mean), the second the squares of the deviations from it. ``r`` is a per-iteration, per-channel
+reference taken from the data (the mean of a strided sample of the channel: up to 4 batch rows x 32 values; rounded
+to a whole number for integer and bool states, whose ``x - r`` is then exact). Subtracting ``r`` removes the
+channel's offset before anything is summed, so a state whose mean is large relative to its spread (values ``1e4 +
+N(0, 1e-2)`` in float32) keeps its precision: there ``x - r`` is exact. The second pass makes the result independent
+of how good ``r`` is: the one-pass ``E[d^2] - E[d]^2`` cancelled when the sample missed the bulk of the values (a
+1024 x 1024 grid whose border column is 0 and the rest near 1: the stride of 32768 elements is 32 whole rows, so
+every sample was a border cell, and the std was 2e-5 off). The error is that of float32 pairwise sums, well under
+1e-5 relative for the std. min and max are taken from ``x`` itself, so they are exact.
 
 Dtypes (`instrument.core.context.reduction_dtype`): float32 and float64 states are reduced in their own dtype;
 bool, int8, int16, uint8, uint16, float16 and bfloat16 ones in float32, which holds each of their values exactly;
@@ -86,6 +86,7 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     lets the function overwrite ``states`` (a stacked copy the caller owns) instead of allocating a temporary.
     """
     refuse_complex("iteration_channel_stats", states)
+    integral = not states.dtype.is_floating_point  # integers and bools: a whole reference keeps x - r exact
     wide = reduction_dtype(states.dtype, states.device)  # float64 for int32/int64/uint32/uint64, else float32
     if states.dtype != wide:  # half precision, bool or integers: a converted copy, ours to overwrite
         states, scratch = states.to(wide), True
@@ -107,6 +108,8 @@ def iteration_channel_stats(states: Tensor, channel_dim: int = 1, scratch: bool 
     reference = sample[:, :_ROWS, :, :_SAMPLE].mean(dim=(1, 3), keepdim=True)  # [T, 1, C, 1]
     # An inf or NaN in the sample would make x - reference NaN where x is inf: the shift is only for precision.
     reference = torch.where(reference.isfinite(), reference, 0.0)
+    if integral:  # a fractional one rounded x - r: int16 values +-32767 and 0 read a mean 1e-4 off
+        reference = reference.round_()
     # Reduce the contiguous last dim first, then the (small) batch dim: several times faster than one
     # reduction over both on CPU.
     low = x.amin(dim=3).amin(dim=1)

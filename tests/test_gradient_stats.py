@@ -543,3 +543,27 @@ def test_log_called_by_hand_outside_no_grad_stages_no_value_that_carries_autogra
     observer.log(logger, 0)
     logger.close()
     assert len(staged) >= 9 and not [v for v in staged if v.requires_grad or v.grad_fn is not None]
+
+
+def test_watched_modules_whose_labels_would_coincide_keep_a_key_each():
+    """Two Rule instances and a class named Rule1: the second Rule's label, Rule1, was the class's too, and one
+    of their norms replaced the other's (a review)."""
+    from instrument.observers.activation_stats import ActivationStats
+    from instrument.observers.gradient_stats import select_parameters
+
+    class Rule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Rule1(Rule):
+        pass
+
+    names = [name for name, _ in select_parameters([Rule(), Rule(), Rule1()])]
+    assert len(set(names)) == 6 and names[:4] == ["Rule.lin.weight", "Rule.lin.bias", "Rule1.lin.weight",
+                                                  "Rule1.lin.bias"]
+    hooked = [name for name, _ in ActivationStats().select([Rule1(), Rule(), Rule()])]
+    assert len(set(hooked)) == 3 and hooked[0] == "Rule1.lin"

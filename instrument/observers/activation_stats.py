@@ -208,10 +208,13 @@ class ActivationStats(Observer):
     def select(self, roots: Sequence[nn.Module]) -> List[Tuple[str, nn.Module]]:
         """The (qualified name, module) pairs this observer hooks under ``roots``, each module once."""
         roots = [unwrap(r) for r in roots]
-        seen, chosen, scripted = set(), [], []
+        seen, chosen, scripted, prefixes = set(), [], [], set()
         classes = [type(r).__name__ for r in roots]
         for i, root in enumerate(roots):
             prefix = "" if len(roots) == 1 else classes[i] + (str(i) if classes.count(classes[i]) > 1 else "")
+            while prefix and prefix in prefixes:  # Rule at position 1 is Rule1, and so may a class be named
+                prefix += "_"
+            prefixes.add(prefix)
             for qualified, module in root.named_modules():
                 if isinstance(module, torch.jit.ScriptModule):
                     scripted.append(qualified or type(module).__name__)

@@ -80,6 +80,7 @@ def select_parameters(
     seen = set()
     out: List[Tuple[str, nn.Parameter]] = []
     labels: Dict[str, int] = {}
+    used = set()
     for module in modules:
         module = getattr(module, "_orig_mod", module)  # a torch.compile wrapper: its module's own names
         label = ""
@@ -88,6 +89,9 @@ def select_parameters(
             labels[label] = labels.get(label, 0) + 1
             if labels[label] > 1:
                 label = f"{label}{labels[label] - 1}"
+            while label in used:  # a second Rule is Rule1, and so may a class be named: one key per parameter
+                label += "_"
+            used.add(label)
             label += "."
         for name, param in module.named_parameters():
             name = label + name

@@ -365,6 +365,45 @@ def test_after_a_layout_change_the_first_episode_of_each_environment_is_counted_
     assert any("left out of the return and length" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("empty", [(0, 2), (0, 1), (0, 3, 1)], ids=["two-envs", "one-env", "a-feature-dim"])
+def test_a_batch_of_no_steps_counts_nothing_and_breaks_nothing(tmp_path, caplog, empty):
+    """A zero-step batch of another environment count read as a layout change that left the carried episodes
+    inconsistent: every later reduction raised and the collection metrics were lost for the rest of the run. One
+    with a feature dimension ([0, 3, 1]) failed to reshape, in the collection and the counters (a review)."""
+    import json
+
+    from instrument.rl import CollectionMetrics
+
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                      log_dir=str(tmp_path))
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None).attach(inst)
+    dones = [[[0, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]], None, [[0, 1, 0], [0, 0, 0], [1, 0, 1], [0, 0, 0]],
+             [[0, 0, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1]]]
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step, done in enumerate(dones):
+            with inst.step(step), rl.iteration():
+                if done is None:
+                    rl.observe_batch(reward=torch.ones(empty), done=torch.zeros(empty, dtype=torch.bool))
+                else:
+                    rl.observe_batch(reward=torch.ones(4, 3), done=torch.tensor(done, dtype=torch.bool))
+    rl.close()
+    inst.close()
+    assert rl.failures == {} and inst.failures == {}
+    assert not [r for r in caplog.records if "layout changed" in r.getMessage()]
+    records = {r["step"]: r["metrics"] for r in map(json.loads, path.read_text().splitlines()) if "metrics" in r}
+    # float64 reference: rewards of 1, so an episode's return is its length; the empty batch adds no step
+    ends = [(0, 2), (1, 4 + 1), (0, 2 + 3), (2, 4 + 3), (0, 1 + 4), (1, 3 + 4), (2, 1 + 4)]  # (env, length)
+    by_step = {0: ends[:1], 2: ends[1:4], 3: ends[4:]}
+    for step, episodes in by_step.items():
+        lengths = np.array([n for _, n in episodes], dtype=np.float64)
+        assert records[step]["collection/main/episode/count"] == len(episodes)
+        assert records[step]["collection/main/episode/return/mean"] == pytest.approx(lengths.mean(), rel=1e-12)
+        assert records[step]["collection/main/episode/length/max"] == lengths.max()
+    assert records[1]["collection/main/episode/count"] == 0.0 and records[1]["counters/frames"] == 12.0
+    assert records[3]["counters/frames"] == 36.0 and records[3]["counters/episodes"] == 7.0
+
+
 def test_two_threads_feeding_one_set_lose_nothing(tmp_path):
     """A collector thread and the training thread may feed one RLLogging; without a lock about 1 update in 200
     was lost (frames and episodes counted by both at once)."""

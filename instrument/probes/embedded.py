@@ -61,7 +61,7 @@ class ProbeSet:
                 )
             self.probes[name] = probe
             self.paths[name] = path
-        self._held = False  # its probes are counted on in `_holders` (`on`)
+        self._held: List[Any] = []  # the probes it counted on in `_holders` (`on`)
         self._switch = None if self.scripted or not self.probes else compiled.ForwardSwitch(
             compiled.ancestors(root, list(self.paths.values()))
         )
@@ -81,8 +81,8 @@ class ProbeSet:
             for probe in self.probes.values():
                 entry = _holders.setdefault(id(probe), [probe, 0])
                 entry[1] += 1
+                self._held.append(probe)  # as it goes: an `on` that raises half way is undone by `off` exactly
                 probe.enabled = True
-            self._held = True
         if self._switch is not None:
             self._switch.on()
 
@@ -93,10 +93,8 @@ class ProbeSet:
         if self._switch is not None:
             self._switch.off()
         with _holders_lock:
-            if not self._held:
-                return
-            self._held = False
-            for probe in self.probes.values():
+            held, self._held = self._held, []
+            for probe in held:
                 entry = _holders.get(id(probe))
                 if entry is None or entry[1] <= 1:
                     _holders.pop(id(probe), None)

@@ -185,7 +185,10 @@ def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tens
             f"{name} has shape {tuple(value.shape)}, which does not start with the batch shape "
             f"{batch_shape}; entries must be shaped [*batch, *features] like done / the TensorDict batch size."
         )
-    return value.reshape(*batch_shape, -1) if value.dim() > n else value.reshape(*batch_shape, 1)
+    features = 1
+    for size in value.shape[n:]:  # not -1: a batch with a 0 in its shape (no steps) leaves -1 undetermined
+        features *= size
+    return value.reshape(*batch_shape, features)
 
 
 def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:

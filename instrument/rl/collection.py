@@ -370,6 +370,8 @@ class CollectionMetrics(RLComponent):
     def _episode_sums(self, r: Tensor, d: Tensor, v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
         """Every episode's return and length of time-first rewards ``r`` ``[T, *envs, K]`` (ends ``d``, mask
         ``v``), one per (environment, segment) bucket (`episode_buckets`), and which buckets are whole episodes."""
+        if r.shape[0] == 0:  # no step: no episode, and no layout to go by (its environments may be any number)
+            return r.new_zeros((0, r.shape[-1])), d.new_zeros(0, dtype=torch.int64), d.new_zeros(0, dtype=torch.bool)
         carry_r, carry_n = self._carry_return, self._carry_length
         if carry_r is not None and (carry_r.shape != r.shape[1:] or carry_r.device != r.device):
             if not self._warned_reset:
@@ -384,8 +386,6 @@ class CollectionMetrics(RLComponent):
                 self._warned_reset = True
             carry_r = carry_n = None
             self._unknown_start = torch.ones(r.shape[1:-1], dtype=torch.bool, device=r.device)
-        if r.shape[0] == 0:  # no step: no episode
-            return r.new_zeros((0, r.shape[-1])), d.new_zeros(0, dtype=torch.int64), d.new_zeros(0, dtype=torch.bool)
         sums, counts, ends, _, self._carry_return, self._carry_length = episode_buckets(r, d, v, carry_r, carry_n)
         segment = torch.arange(sums.shape[1], device=r.device)
         whole = segment < ends.unsqueeze(-1)  # [E, T + 1]: the segments each environment ended

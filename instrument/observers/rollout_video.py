@@ -128,8 +128,8 @@ class RolloutVideo(Observer):
 
     def observe(self, context: StepContext) -> None:
         # The rollout's index, as NonFinite counts it: an explicit evolver that leaves step_index at 0 is counted.
-        index = self._calls = max(self._calls, context.step_index)
-        self._calls += 1
+        index = max(self._calls, context.step_index)
+        self._calls = index + 1
         if not self._frames:  # the seed: what the first observed iteration started from, whatever its index
             self._keep(context.previous_state, seed=True)
         if (index + 1) % self.every == 0:

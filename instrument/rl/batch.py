@@ -16,6 +16,7 @@ CleanRL's ``[time, envs]`` buffers look the same, and so it is for plain tensors
 environment's ``[time]``, or one step of ``[envs]``): `CollectionMetrics` says so once.
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -185,10 +186,8 @@ def split_features(value: Tensor, batch_shape: Sequence[int], name: str) -> Tens
             f"{name} has shape {tuple(value.shape)}, which does not start with the batch shape "
             f"{batch_shape}; entries must be shaped [*batch, *features] like done / the TensorDict batch size."
         )
-    features = 1
-    for size in value.shape[n:]:  # not -1: a batch with a 0 in its shape (no steps) leaves -1 undetermined
-        features *= size
-    return value.reshape(*batch_shape, features)
+    # the features' count, not -1: with a 0 in the batch shape (a batch of no steps) -1 is undetermined
+    return value.reshape(*batch_shape, math.prod(value.shape[n:]))
 
 
 def infer_batch_shape(done: Tensor, other: Optional[Tensor]) -> torch.Size:

@@ -783,3 +783,26 @@ def test_iteration_stats_of_a_state_whose_channel_count_changes_within_a_step_sa
     assert "reduce to tables of different shapes [(4, 3), (4, 4)]" in caplog.text
     assert "Keep the number of channels fixed within a logging step" in caplog.text
     assert "update_norm/l2/mean" in sink.records[-1].scalars
+
+
+@pytest.mark.parametrize("alpha_first", [True, False])
+def test_a_step_of_states_with_and_without_an_alpha_channel_logs_the_alive_fraction_of_those_with_one(alpha_first):
+    """UpdateNorm read whether to log `alive/*` off the step's last shape: a step whose last iterations had no alpha
+    channel (RGBA states, then RGB ones) logged none, and one whose first iterations had none logged a NaN mean.
+    Both now log the fraction over the iterations that have one, as a float64 reference computes it."""
+    keep = Keep()
+    inst = instrument.Instrumentation(observers=[instrument.UpdateNorm()], backends=[keep], log_interval=1)
+    generator = torch.Generator().manual_seed(3)
+    rgba = [torch.rand(2, 4, 5, 5, generator=generator) for _ in range(4)]
+    rgb = [torch.rand(2, 3, 5, 5, generator=generator) for _ in range(3)]
+    states = rgba + rgb if alpha_first else rgb + rgba
+    with inst.step(0) as s:
+        for previous, state in zip([torch.zeros_like(states[0]), *states[:-1]], states, strict=True):
+            if previous.shape != state.shape:
+                previous = torch.zeros_like(state)
+            s.observer(instrument.StepContext(previous_state=previous, next_state=state))
+    inst.close()
+    scalars = keep.records[0].scalars
+    fractions = [(state[:, 3].double().numpy() > np.float32(0.1)).mean() for state in rgba]
+    assert scalars["update_norm/alive/last"] == pytest.approx(fractions[-1], rel=1e-6)  # a float32 mean
+    assert scalars["update_norm/alive/mean"] == pytest.approx(np.mean(fractions), rel=1e-6)

@@ -32,7 +32,9 @@ class UpdateNorm(Observer):
       A shape that fits both or neither (``[B, 16, 16, 16]``, a non-square grid) gets one warning and no
       alive fraction: never a number read from the wrong dimension.
 
-    The alive fraction is logged only when the channel dimension has more than ``alive_channel`` entries.
+    The alive fraction is logged only when the channel dimension has more than ``alive_channel`` entries. In a
+    step whose state changes shape (a rollout, then minibatches), it is taken over the iterations that have one:
+    ``alive/last`` is the last such iteration's and ``alive/mean`` their mean.
 
     Metric keys (``<name>`` defaults to ``update_norm``):
 
@@ -75,12 +77,20 @@ class UpdateNorm(Observer):
         self._shape: Optional[tuple] = None
         # True while the buffer holds (previous_state, next_state) pairs, False while it holds (dx[, alpha]).
         self._pairs = False
+        # This step's iterations, those with an alive fraction, and the index of the last of those: counted on the
+        # host, so that a step mixing states with and without an alpha channel logs the fraction of those that
+        # have one (read from the last shape alone, it logged none, or a NaN mean).
+        self._iterations = 0
+        self._alive_iterations = 0
+        self._last_alive = -1
 
     def reset(self) -> None:
         self._steps.clear()
         self._has_alpha = False
         self._shape = None
         self._pairs = False
+        self._iterations = self._alive_iterations = 0
+        self._last_alive = -1
 
     def close(self) -> None:
         self.reset()  # what a step that raised before its log kept (copies, when they are slices)
@@ -115,6 +125,10 @@ class UpdateNorm(Observer):
             self._steps.append(dx, state.select(self._alpha_dim, self.alive_channel), sources=(dx, state))
         else:
             self._steps.append(dx)
+        if self._has_alpha:
+            self._alive_iterations += 1
+            self._last_alive = self._iterations
+        self._iterations += 1
 
     def _stack(self, columns: List[List[Tensor]]) -> List[Tensor]:
         """Stack the buffered columns; a chain of pairs (each iteration starting from the state the one before
@@ -154,10 +168,11 @@ class UpdateNorm(Observer):
         return dim
 
     def _reduce(self, dx: Tensor, alpha: Optional[Tensor] = None, scratch: bool = False) -> Tensor:
-        """[k, *state] dx and [k, B, *grid] alpha -> [k, 2]: batch-mean L2 norm of dx, alive fraction (NaN if
-        no alpha). While pairs are buffered the arguments are [k, *state] previous and next states instead.
-        Only a dx this call owns is written in place (a stack, ``scratch``, or a difference taken here): the
-        stacked pairs may be overlapping views, and an unbatched dx may be the context's own."""
+        """[k, *state] dx and [k, B, *grid] alpha -> [k, 2]: batch-mean L2 norm of dx, alive fraction (0 if no
+        alpha: `log` counts those iterations out). While pairs are buffered the arguments are [k, *state] previous
+        and next states instead. Only a dx this call owns is written in place (a stack, ``scratch``, or a
+        difference taken here): the stacked pairs may be overlapping views, and an unbatched dx may be the
+        context's own."""
         owned = scratch  # dx is a copy this call may overwrite: a stack the buffer made, or a difference taken here
         if self._pairs:
             previous, following = dx, alpha
@@ -186,7 +201,7 @@ class UpdateNorm(Observer):
         if alpha is not None:
             alive = (alpha > self.alive_threshold).reshape(k, -1).float().mean(dim=1)
         else:
-            alive = torch.full_like(norms, float("nan"))
+            alive = torch.zeros_like(norms)
         return torch.stack([norms, alive], dim=1)
 
     def log(self, logger, step: int) -> None:
@@ -195,8 +210,11 @@ class UpdateNorm(Observer):
             return
         norms, alive = table[:, 0], table[:, 1]
         metrics = {"l2/mean": norms.mean(), "l2/first": norms[0], "l2/last": norms[-1], "l2/max": norms.amax()}
-        if self._has_alpha:  # known from the state's shape: no sync to look at values
+        # Which iterations have an alive fraction is known from the states' shapes: no sync to look at values.
+        if self._alive_iterations == table.shape[0]:
             metrics.update({"alive/last": alive[-1], "alive/mean": alive.mean()})
+        elif self._alive_iterations and self._iterations == table.shape[0]:  # a step of states with and without
+            metrics.update({"alive/last": alive[self._last_alive], "alive/mean": alive.sum() / self._alive_iterations})
         logger.log_metrics(metrics, step=step, prefix=self.name, reduce=over_ranks(logger, {"l2/max": "max"}))
         logger.log_histogram(f"{self.name}/l2", norms, step)
 

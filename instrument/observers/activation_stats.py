@@ -70,7 +70,7 @@ def batched_moments(outputs: Tensor, scratch: bool = False) -> Tensor:
         return torch.full((k, 6), float("nan"), dtype=flat.dtype, device=flat.device)
     low, high = flat.amin(1), flat.amax(1)
     reference = flat[:, :: max(1, n // _SAMPLE)][:, :_SAMPLE].mean(1, keepdim=True)
-    reference = torch.where(reference.isfinite(), reference, 0.0)  # an inf in the sample: no inf - inf = NaN
+    reference = reference.nan_to_num_(0.0, 0.0, 0.0)  # an inf in the sample: no inf - inf = NaN (one kernel)
     if integral:
         reference = reference.round_()
     scale = pow2_scale(torch.maximum(high - reference[:, 0], reference[:, 0] - low))  # [k]

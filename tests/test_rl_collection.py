@@ -315,3 +315,32 @@ def test_a_scalar_episode_reward_beside_a_weighted_vector_reward_is_taken_as_it_
     with pytest.raises(ConfigurationError, match=r"reward_weights has 3 weights but the episode reward has 2 "
                                                  r"objectives \(the episode reward at \('next', 'episode_reward'\)"):
         CollectionMetrics(reward_weights=[1.0, 0.5, 0.2], time_dim=-1).update(batch)
+
+
+def test_episodes_summed_after_batches_that_carried_their_own_running_returns_leave_out_the_unknown_starts():
+    """Batches that carry both running returns and lengths (RewardSum + StepCounter) are read at done and sum no
+    rewards, so the carried episode sums stood still meanwhile. A later batch without them (the transforms taken
+    off, an evaluation collector) summed its first episodes from the stale carry (3 steps from before) or from its
+    own start: lengths 5 and 7 where the episodes had run 4 and 11 steps. Those first episodes are now counted
+    but left out of the return and length statistics, as after a layout change."""
+    ones = torch.ones(2, 3)
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch(ones, torch.zeros(2, 3, dtype=torch.bool)))  # summed: 3 steps under way
+    logged(metrics)
+    done_a = torch.tensor([[False, True, False, False], [False, False, False, False]])
+    given = torchrl_batch(torch.ones(2, 4), done_a)
+    given.set(("next", "episode_reward"), torch.tensor([[4.0, 5.0, 1.0, 2.0], [4.0, 5.0, 6.0, 7.0]]).unsqueeze(-1))
+    given.set(("next", "step_count"), torch.tensor([[4, 5, 1, 2], [4, 5, 6, 7]]).unsqueeze(-1))
+    metrics.update(given)
+    got = logged(metrics)
+    assert got[P + "episode/count"] == 1 and got[P + "episode/length/max"] == 5.0
+    done_b = torch.tensor([[False, True, False, True], [False, False, False, True]])
+    metrics.update(torchrl_batch(torch.ones(2, 4), done_b))
+    got = logged(metrics)
+    assert got[P + "episode/count"] == 3  # every end is counted
+    # the one whole episode: env 0's second, t = 2..3
+    assert got[P + "episode/return/mean"] == 2.0 and got[P + "episode/length/max"] == 2.0
+    metrics.update(torchrl_batch(torch.ones(2, 4), done_b))  # from here on the carry is known again
+    got = logged(metrics)
+    assert got[P + "episode/count"] == 3 and got[P + "episode/length/max"] == 4.0
+    assert got[P + "episode/return/mean"] == pytest.approx((2 + 2 + 4) / 3, rel=1e-12)

@@ -153,6 +153,7 @@ class CollectionMetrics(RLComponent):
         # After a layout change, per environment: its episode in progress began before (start unknown), so the
         # first one it ends is counted but left out of the return and length statistics.
         self._unknown_start: Optional[Tensor] = None
+        self._read_episodes = False  # the last batch with steps carried both running returns and lengths
         self._warned_reset = False
         self._said_layout = False  # time_dim="auto" guessed the time dimension of a batch (`time_dim_guessed`)
         self._rank: Optional[int] = None  # the rank of the last plain-tensor batch (`_plain_shape`)
@@ -334,7 +335,15 @@ class CollectionMetrics(RLComponent):
         self._episodes = count if self._episodes is None else self._episodes + count
         given = returns is not None
         whole_returns = whole_lengths = ended_valid
-        if returns is None or lengths is None:  # summed from the rewards (kept time first): one value per episode
+        summed = returns is None or lengths is None
+        if rewards.shape[0]:  # a batch of no steps says nothing about the episodes under way
+            if summed and self._read_episodes:
+                # The batches before carried their own running returns and lengths and summed no reward, so the
+                # carried sums stood still: the episodes under way began before, at a step not known here.
+                self._carry_return = self._carry_length = None
+                self._unknown_start = torch.ones(rewards.shape[1:-1], dtype=torch.bool, device=rewards.device)
+            self._read_episodes = not summed
+        if summed:  # summed from the rewards (kept time first): one value per episode
             sums, counts, whole = self._episode_sums(rewards, ended, valid)
             if returns is None:
                 returns, whole_returns = sums, whole
@@ -444,6 +453,7 @@ class CollectionMetrics(RLComponent):
         episodes start with the next batch."""
         self._pending.drain()  # the episodes of the batches kept so far end or carry as before
         self._carry_return = self._carry_length = self._unknown_start = None
+        self._read_episodes = False
 
     def __repr__(self) -> str:
         return (

@@ -137,6 +137,18 @@ def test_overflow_too_narrow_even_for_scientific_fills_hash_and_warns_once(caplo
     assert any("column 'name' (width 5) cut the text 'stochastic'" in m for m in messages)
 
 
+@pytest.mark.parametrize("fmt, value", [("x", 0x12345), ("X", 0xABCDEF), ("o", 0o77777), ("b", 0b111111)])
+def test_a_whole_number_in_another_base_too_wide_for_its_column_fills_hash_not_decimal_notation(caplog, fmt, value):
+    """0x12345 in a 4-wide 'x' column showed "7e4": a hex number to the eye (0x7e4 = 2020), and in 'X', 'o' or 'b'
+    a cell that cannot be read in the column's base at all. Such a cell is filled with '#' and said once."""
+    table = StepTable([Column("v", "v", 4, fmt)])
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        assert table.row({"v": value}) == "####"
+        assert table.row({"v": 3}) == format(3, fmt).rjust(4)  # what fits is shown in its base
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and f"too narrow for {value};" in messages[0]
+
+
 def test_a_long_text_cut_in_a_column_is_named_by_its_start_and_length(caplog):
     """A review found the warning repeating the whole value: a text of a megabyte made a megabyte of log."""
     table = StepTable([Column("s", "note", 6, "str")])

@@ -76,6 +76,9 @@ _SPEC = re.compile(
     re.DOTALL,
 )
 _INT_TYPES = frozenset("bdoxX")
+# Formats whose overflow is never put in (decimal) scientific notation: a character, and whole numbers in another
+# base, where 0x12345 in a 4-wide 'x' column read "7e4", a hex number (0x7e4 = 2020) to the eye.
+_NO_SCIENTIFIC = frozenset("cboxX")
 _FLOAT_TYPES = frozenset("eEfFgGn%")
 _SPECIAL_FORMATS = ("frac", "str")
 
@@ -354,7 +357,7 @@ class StepTable:
                 short = f"{_sci(n, p)}/{_sci(d, p)}"
                 if len(short) <= width:
                     return short
-        elif _spec_type(column.fmt) != "c" and _decimal(value).is_finite():
+        elif _spec_type(column.fmt) not in _NO_SCIENTIFIC and _decimal(value).is_finite():
             x = _decimal(value) * (100 if column.fmt.endswith("%") else 1)  # exact: 1e306 * 100 is no inf
             sign = "+" if "+" in column.fmt and x >= 0 else ""
             suffix = "%" if column.fmt.endswith("%") else ""
@@ -366,11 +369,11 @@ class StepTable:
             column,
             "hash",
             logging.WARNING,
-            "instrument: column %r (width %d) is too narrow for %r even in scientific notation; showing "
-            "'#'. Widen the column.",
+            "instrument: column %r (width %d) is too narrow for %r%s; showing '#'. Widen the column.",
             column.header,
             width,
             value,
+            "" if _spec_type(column.fmt) in _NO_SCIENTIFIC else " even in scientific notation",
         )
         return "#" * width
 

@@ -63,6 +63,7 @@ CUDA runtime reads it (indices, or UUIDs and their prefixes as Slurm and Kuberne
 
 import collections
 import logging
+import numbers
 import os
 import threading
 import time
@@ -73,6 +74,7 @@ import torch
 from instrument.backends.base import StepRecord
 from instrument.checks import check_int, check_number
 from instrument.errors import ConfigurationError, require
+from instrument.monitors.nvml import visible_nvml_handles
 
 __all__ = ["SystemMonitor"]
 
@@ -107,7 +109,8 @@ class SystemMonitor:
             once, before ``flush_interval`` is up (nothing is dropped).
 
     Needs ``psutil`` (``pip install 'torch-instrument[monitor]'``). Subclass and extend `sample` to add
-    quantities; keep keys under ``system/``.
+    quantities; keep keys under ``system/``, values real numbers (NumPy scalars and one-element tensors are
+    converted; anything else costs its key, said once).
     """
 
     def __init__(
@@ -148,6 +151,9 @@ class SystemMonitor:
         self._last_step = -1  # the step of the last sample: each one's is above it
         self._read_at = 0.0  # when the CPU counters were last read: a sample measures the time since
         self._cpu_due = True  # the sample being taken reads the CPU counters (MIN_CPU_WINDOW has passed)
+        self._cpu_read = False  # the sample being taken did read (and so reset) them
+        self._pid = os.getpid()  # the process that started the monitor (`_forked`)
+        self._said_values: set = set()  # keys of a subclass's sample whose value was not a number (`_numbers`)
         self._sampled_at = 0.0  # when the last sample was taken
         self._doing: Optional[str] = None  # what the thread is inside of, for a stop that gives up on it
         self._left = False  # a stop gave up on the thread: it drops what it takes and shuts NVML down itself
@@ -183,6 +189,7 @@ class SystemMonitor:
         if self._thread is not None:
             raise ConfigurationError("this SystemMonitor was already started; create a new one per run.")
         self._logger = logger
+        self._pid = os.getpid()
         before_close = getattr(logger, "before_close", None)
         if callable(before_close):
             before_close(self._before_close)
@@ -200,7 +207,7 @@ class SystemMonitor:
         flush what is buffered and join, waiting at most ``timeout`` seconds (None: ``STOP_WAIT``, 10 s). A
         thread still busy then (a hung sample) is left behind, said in a warning naming the call it is in: what
         it buffered is handed over from this thread, and the sample it is taking is dropped. Idempotent."""
-        if self._thread is None or self._stop.is_set():
+        if self._thread is None or self._stop.is_set() or self._forked():
             return
         self._stop.set()
         wait = STOP_WAIT if timeout is None else max(0.0, float(timeout))
@@ -225,7 +232,7 @@ class SystemMonitor:
         if not prompt:
             self.stop(None if timeout is None else timeout / 2)
             return
-        if self._thread is None or self._stop.is_set():
+        if self._thread is None or self._stop.is_set() or self._forked():
             return
         self._last_sample = False  # no sample after this hand-over: the logger closes right after it
         self._stop.set()
@@ -234,6 +241,16 @@ class SystemMonitor:
         if alive:
             self._flush()  # the deque's pops are atomic: each sample is handed over by one thread only
         self._stopped(nvml=not alive)  # NVML stays up while the thread may still read it
+
+    def _forked(self) -> bool:
+        """True in a child forked from the process that started the monitor: the thread did not follow, and the
+        samples it buffered are the parent's, which writes them itself; the child neither writes them again nor
+        waits for a thread it does not have (nor shuts down the parent's NVML session)."""
+        if self._pid == os.getpid():
+            return False
+        self._stop.set()
+        self._buffer.clear()
+        return True
 
     def _leave(self) -> bool:
         """After a join that timed out or not: True when the thread still runs, which then drops the sample it
@@ -293,7 +310,9 @@ class SystemMonitor:
             "system/host_memory_available_gib": vm.available / _GIB,
         }
         if self._cpu_due:  # else too soon after the last reading to mean much: the window goes on (MIN_CPU_WINDOW)
-            out["system/process_cpu_percent"] = float(proc.cpu_percent(None))
+            process = float(proc.cpu_percent(None))
+            self._cpu_read = True  # the counters are reset: the next window starts at this sample, kept or not
+            out["system/process_cpu_percent"] = process
             out["system/host_cpu_percent"] = float(ps.cpu_percent(None))
         return out
 
@@ -382,19 +401,24 @@ class SystemMonitor:
     def _collect(self) -> None:
         started = self._sampled_at = time.monotonic()
         self._cpu_due = started - self._read_at >= MIN_CPU_WINDOW
+        self._cpu_read = False
         self._doing = f"{type(self).__name__}.sample()"
         try:
-            values = self.sample()
+            values = self._numbers(self.sample())
         except Exception as exc:  # a subclass's sample: the whole sample is lost
             self._part_failed("a sample", exc)
             return
         finally:
             self._doing = None
+            # The window the CPU percentages are measured over: from the last reading of the counters, which a
+            # lost sample made too (the next sample's percentages cover only the time since that reading).
+            window = started - self._read_at
+            if self._cpu_read:
+                self._read_at = started
         if self._left:  # a stop gave up waiting for this sample (and said so): too late to write it
             self._dropped += 1
             return
-        if "system/host_cpu_percent" in values:  # else the CPU counters were not read: the window goes on
-            window, self._read_at = started - self._read_at, started  # what the CPU percentages are measured over
+        if self._cpu_read and "system/host_cpu_percent" in values:  # else the window goes on
             values["system/cpu_window_seconds"] = window
         if not values:
             return
@@ -403,6 +427,37 @@ class SystemMonitor:
         self._buffer.append((step, seconds, time.time(), values))
         if len(self._buffer) >= self.max_buffered:  # full before the flush is due: flush now, drop nothing
             self._flush()
+
+    def _numbers(self, values: Any) -> Dict[str, float]:
+        """A sample as plain floats: a subclass's NumPy scalar or one-element tensor is converted (JSONL could not
+        write one, and every sample was lost there); a value that is no real number (None for a sensor that could
+        not be read) costs its own key, said once per key."""
+        if not isinstance(values, dict):
+            raise TypeError(f"sample() must return a dict of str keys to numbers, got {type(values).__name__}")
+        out: Dict[str, float] = {}
+        for key, value in values.items():
+            if isinstance(value, float) and isinstance(key, str):
+                out[key] = value
+                continue
+            number: Optional[float] = None
+            if isinstance(key, str):
+                if isinstance(value, torch.Tensor):
+                    if value.numel() == 1 and not value.is_complex():
+                        number = float(value.detach().reshape(()).item())  # host sync: the monitor's thread
+                elif isinstance(value, numbers.Real):  # also a NumPy integer or floating scalar, and a bool
+                    try:
+                        number = float(value)
+                    except (TypeError, ValueError, OverflowError):
+                        number = None
+            if number is not None:
+                out[key] = number
+            elif key not in self._said_values:
+                self._said_values.add(key)
+                log.warning("instrument: %s.sample() gave %r for key %r; expected a real number (a float, an int, a "
+                            "NumPy scalar or a one-element tensor) under a str key. That key is left out of the "
+                            "samples while that lasts, the others are written. (Said once per key.)",
+                            type(self).__name__, value, key)
+        return out
 
     def _flush(self) -> None:
         dropped, error = 0, None
@@ -441,40 +496,3 @@ class SystemMonitor:
             f"flush_interval={self.flush_interval}, "
             f"gpu={self.gpu})"
         )
-
-
-def visible_nvml_handles(nvml: Any, visible: Optional[str]) -> List[Any]:
-    """NVML handles of the devices the process sees, in its own order (``cuda:0`` first), as the CUDA runtime
-    reads ``CUDA_VISIBLE_DEVICES``: entries are indices or (prefixes of) UUIDs, ``GPU-...`` or ``MIG-...``, and
-    the list ends at the first entry that names no device, or one already named. Unset: every device, in NVML's
-    order (PCI bus order, which is CUDA's for identical devices or with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``)."""
-    count = nvml.nvmlDeviceGetCount()
-    if visible is None:
-        return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-    uuids: Optional[List[str]] = None
-    chosen: List[Any] = []
-    seen: set = set()
-    for entry in (part.strip() for part in visible.split(",")):
-        key: Any = None
-        if entry.isdigit():  # an index among the physical devices
-            key = int(entry) if int(entry) < count else None
-        elif entry.startswith("GPU-"):  # a whole UUID, or a unique prefix of one
-            if uuids is None:
-                uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
-            matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
-            key = matches[0] if len(matches) == 1 else None
-        elif entry.startswith("MIG-"):  # a MIG instance: NVML finds it by its whole UUID
-            key = entry
-        if key is None or key in seen:
-            break
-        try:
-            chosen.append(nvml.nvmlDeviceGetHandleByIndex(key) if isinstance(key, int)
-                          else nvml.nvmlDeviceGetHandleByUUID(key))
-        except Exception:  # an unknown MIG UUID: as the CUDA runtime, the list ends here
-            break
-        seen.add(key)
-    return chosen
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -256,3 +256,69 @@ def test_a_default_session_made_by_an_attach_that_is_refused_is_closed_again(tmp
     with pytest.raises(ConfigurationError, match=NO_RGB):
         rl.attach(None, eval_runner=GymnasiumRunner(gym.make("CartPole-v1"), policy()))
     assert set(running_writers()) == before and not rl.attached
+
+
+class Seeds(gym.Wrapper):
+    def __init__(self, env, seeds):
+        super().__init__(env)
+        self.seeds = seeds
+
+    def reset(self, **kwargs):
+        self.seeds.append(kwargs.get("seed"))
+        return super().reset(**kwargs)
+
+
+def test_a_resumed_run_evaluates_with_the_seeds_and_returns_of_the_uninterrupted_one(tmp_path):
+    """GymnasiumRunner seeds episode k with seed + k, and that count was not in the state: a resumed run evaluated
+    from seed 100 again, replaying the first evaluations' returns (34, 42, 60 where the uninterrupted run logged 66,
+    81, 49). Evaluation.state_dict now holds the runner's count, also when the runner is set after the load."""
+
+    def run(name, iterations, state=None, runner_after_load=False):
+        seeds = []
+        path = tmp_path / f"{name}.jsonl"
+        inst = instrument.Instrumentation(backends=[instrument.JsonlBackend(str(path))], log_interval=1,
+                                          log_dir=tmp_path / name)
+        runner = GymnasiumRunner(Seeds(gym.make("CartPole-v1"), seeds), policy(), seed=100)
+        evaluation = Evaluation(every_frames=16, max_steps=200)
+        rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None, evaluation=evaluation)
+        rl.attach(inst, eval_runner=None if runner_after_load else runner)
+        if state is not None:
+            rl.load_state_dict(state)
+        if runner_after_load:
+            evaluation.runner = runner
+        torch.manual_seed(1)
+        for _ in range(iterations):
+            with rl.iteration():
+                rl.observe_batch(reward=torch.ones(4, 4), done=torch.zeros(4, 4, dtype=torch.bool))
+        saved = rl.state_dict()
+        rl.close()
+        inst.close()
+        returns = {step: metrics["eval/deterministic/return"] for step, metrics in jsonl_steps(path).items()
+                   if "eval/deterministic/return" in metrics}
+        return returns, seeds, saved
+
+    whole, whole_seeds, _ = run("whole", 6)
+    assert whole_seeds == list(range(100, 112)) and len(set(whole.values())) > 1
+    first, first_seeds, state = run("first", 3)
+    assert state["evaluation"]["runner"] == {"episode": 6}
+    for later in (False, True):
+        second, second_seeds, _ = run(f"second{later}", 3, state, runner_after_load=later)
+        assert second_seeds == list(range(106, 112))
+        assert {**first, **second} == whole
+
+
+class VectorReturns:
+    def __call__(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        return Episode(return_=torch.tensor([1.0, 2.0]), length=7)
+
+
+def test_an_episode_return_that_is_not_one_value_is_named_and_costs_its_mode_the_return_only(tmp_path):
+    """With episodes > 1 a runner's vector return failed as torch's "shape '[]' is invalid for input of size 2",
+    naming neither the key nor what was expected, and the mode's length went with it."""
+    logger = Logger([])
+    evaluation = Evaluation(every_frames=8, episodes=2, modes=("deterministic",))
+    with pytest.raises(InvalidValueError, match=r"eval/deterministic/return: the episode runner returned Tensor of "
+                                                r"shape \[2\].*for episode 0; expected a real number or a one-element"):
+        evaluation.run(logger, 0, 8, runner=VectorReturns())
+    scalars = logger.commit(0).scalars
+    assert scalars == {"eval/deterministic/length": 7.0}

@@ -120,6 +120,7 @@ class Evaluation(RLComponent):
         self.fps, self.video_stride = fps, video_stride
         self.at_start = at_start
         self._runner: Optional[EpisodeRunner] = None
+        self._runner_state: Optional[Dict[str, Any]] = None  # a loaded runner state no runner has taken yet
         self.runner = runner
         self.next_due = 0 if at_start else every_frames
         self.runs = 0
@@ -138,6 +139,10 @@ class Evaluation(RLComponent):
         check = getattr(runner, "check_render", None)
         if self.video and callable(check):
             check(made_only=True)
+        pending, load = getattr(self, "_runner_state", None), getattr(runner, "load_state_dict", None)
+        if pending is not None and callable(load):  # a resumed run's state, loaded before this runner was set
+            load(pending)
+            self._runner_state = None
         self._runner = runner
 
     def due(self, frames: int) -> bool:
@@ -190,14 +195,15 @@ class Evaluation(RLComponent):
                     continue
                 first = episodes[0]
                 results[mode] = first
-                logger.log_metrics(
-                    {
-                        "return": _mean([e.return_ for e in episodes]),
-                        "length": _mean([e.length for e in episodes]),
-                    },
-                    step=step,
-                    prefix=f"{self.prefix}/{mode}",
-                )
+                metrics: Dict[str, Any] = {}
+                for key, values in (("return", [e.return_ for e in episodes]),
+                                    ("length", [e.length for e in episodes])):
+                    try:  # each on its own: a return the runner got wrong costs the mode its return only
+                        metrics[key] = _mean(values, f"{self.prefix}/{mode}/{key}")
+                    except InvalidValueError as exc:
+                        failed.append((f"the {mode} episodes' {key}", exc))
+                if metrics:
+                    logger.log_metrics(metrics, step=step, prefix=f"{self.prefix}/{mode}")
                 if render_error is not None:
                     failed.append((f"the {mode} video", _late(render_error)))
                 elif self.video and mode in self.video_modes:
@@ -264,7 +270,13 @@ class Evaluation(RLComponent):
         raise raised[1]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"next_due": int(self.next_due), "runs": int(self.runs)}
+        state: Dict[str, Any] = {"next_due": int(self.next_due), "runs": int(self.runs)}
+        runner_state = getattr(self._runner, "state_dict", None)
+        if callable(runner_state):  # which seeds the next episodes take (`GymnasiumRunner`): a resumed run's too
+            state["runner"] = runner_state()
+        elif self._runner_state is not None:  # loaded before a runner was set: kept for it
+            state["runner"] = self._runner_state
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         source = "Evaluation.state_dict() (RLLogging.state_dict()['evaluation'])"
@@ -280,8 +292,14 @@ class Evaluation(RLComponent):
                     f"Evaluation.load_state_dict: {key} must be a non-negative int, got {value!r} "
                     f"({type(value).__name__}); {source} holds plain ints: load the state it returned."
                 )
+        runner_state = state.get("runner")
+        load = getattr(self._runner, "load_state_dict", None)
+        if runner_state is not None and callable(load):
+            load(runner_state)  # refuses a wrong state before anything here changed
         self.next_due = int(state["next_due"])
         self.runs = int(state.get("runs", 0))
+        # A runner set later (once the policy exists) gets it then (`runner`).
+        self._runner_state = runner_state if runner_state is not None and not callable(load) else None
 
     def __repr__(self) -> str:
         return (
@@ -315,12 +333,29 @@ def _late(exc: Exception) -> Exception:
     return late
 
 
-def _mean(values: Sequence[Any]) -> Union[float, Tensor]:
+def _mean(values: Sequence[Any], key: str) -> Union[float, Tensor]:
+    """The mean of the episodes' values of ``key``: each a real number or a one-element tensor or array."""
+    for i, v in enumerate(values):
+        if not _one_value(v):
+            shape = f" of shape {list(v.shape)}" if isinstance(v, (Tensor, np.ndarray)) else ""
+            raise InvalidValueError(
+                f"{key}: the episode runner returned {type(v).__name__}{shape} ({v!r:.60}) for episode {i}; expected "
+                f"a real number or a one-element tensor (Episode(return_=..., length=...), one value per episode)."
+            )
     if len(values) == 1:
         return values[0]
     if all(isinstance(v, numbers.Real) for v in values):
         return float(sum(values)) / len(values)
     return torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in values]).mean()
+
+
+def _one_value(value: Any) -> bool:
+    """A real number, or a one-element tensor or array of real numbers."""
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    if isinstance(value, np.ndarray):
+        return value.size == 1 and value.dtype.kind in "biuf"
+    return isinstance(value, (numbers.Real, np.bool_))
 
 
 def select_action(output: Any, deterministic: bool) -> Tensor:
@@ -418,6 +453,20 @@ class GymnasiumRunner:
             raise  # a rendered try is run again unrendered with its seed (`Evaluation._episodes`)
         self._episode += 1
         return episode
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The episodes run so far, which sets the next one's seed: a resumed run evaluates with the seeds the
+        uninterrupted run would have used, not the first ones again (`Evaluation.state_dict` holds it)."""
+        return {"episode": int(self._episode)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        episode = state.get("episode") if isinstance(state, dict) else None
+        if isinstance(episode, bool) or not isinstance(episode, numbers.Integral) or episode < 0:
+            raise ConfigurationError(
+                f"GymnasiumRunner.load_state_dict: expected {{'episode': <a non-negative int>}} as "
+                f"GymnasiumRunner.state_dict() returns it (Evaluation.state_dict()['runner']), got {state!r:.80}."
+            )
+        self._episode = int(episode)
 
     def _run(self, env: Any, seed: Optional[int], deterministic: bool, max_steps: int, render: bool) -> "Episode":
         obs, _ = env.reset(seed=seed)

@@ -23,8 +23,12 @@ STATS = ("mean", "min", "max")
 
 
 def _float(values: Tensor) -> Tensor:
-    """Floating values as they are; integers and bools in float64 (float32 on MPS): exact up to 2**53."""
-    return values if values.is_floating_point() else values.to(wide_dtype(values.device))
+    """Floating values as they are; integers and bools in float64 (float32 on MPS): exact up to 2**53. The 8-bit
+    floats (float8_e4m3fn, float8_e5m2, ...) in float32, which holds each of their values: torch has no min or
+    max of them on a CPU, so a float8 loss or reward failed its whole interval at log time."""
+    if values.is_floating_point():
+        return values if values.element_size() > 1 else values.float()
+    return values.to(wide_dtype(values.device))
 
 
 def wide_dtype(device: torch.device) -> torch.dtype:

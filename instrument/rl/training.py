@@ -166,19 +166,25 @@ class TrainMetrics(RLComponent):
         metrics: Dict[str, Tensor] = {}
         counts: Dict[str, Tensor] = {}
         ops: Dict[str, str] = {}
-        self._reduce_kept()
-        for name, acc in self._stats.items():
-            if acc.empty:
-                continue
-            summary = acc.summary()
-            metrics[name] = summary["mean"]
-            counts[name] = acc.count
-            if self.reduce_stats:
-                metrics[f"{name}/min"] = summary["min"]
-                metrics[f"{name}/max"] = summary["max"]
-                counts[f"{name}/min"] = counts[f"{name}/max"] = acc.count
-                ops[f"{name}/min"], ops[f"{name}/max"] = "min", "max"
-            acc.reset()
+        try:
+            self._reduce_kept()
+            for name, acc in self._stats.items():
+                if acc.empty:
+                    continue
+                summary = acc.summary()
+                metrics[name] = summary["mean"]
+                counts[name] = acc.count
+                if self.reduce_stats:
+                    metrics[f"{name}/min"] = summary["min"]
+                    metrics[f"{name}/max"] = summary["max"]
+                    counts[f"{name}/min"] = counts[f"{name}/max"] = acc.count
+                    ops[f"{name}/min"], ops[f"{name}/max"] = "min", "max"
+                acc.reset()
+        except BaseException:  # this interval is lost (the failure is reported): none of it is counted in the next
+            self._kept, self._kept_size = {}, [0, 0]
+            for acc in self._stats.values():
+                acc.reset()
+            raise
         if metrics:  # over ranks: means weighted by each rank's updates, min of mins, max of maxes
             log_reduced(logger, metrics, step, self.prefix, ops, counts)
 
@@ -198,7 +204,7 @@ def _flatten(losses: Any, prefix: Tuple[str, ...] = ()) -> Iterator[Tuple[str, A
             f"wrap a single loss as {{'loss': loss}}."
         )
     for key, value in losses.items():
-        parts = key if isinstance(key, tuple) else (str(key),)
+        parts = tuple(str(part) for part in key) if isinstance(key, tuple) else (str(key),)
         if isinstance(value, Mapping) or is_tensordict(value):
             yield from _flatten(value, prefix + parts)
         else:
@@ -217,8 +223,11 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
             )
         return value if value.is_floating_point() else value.to(wide_dtype(value.device))  # ints exact to 2**53
     if isinstance(value, np.ndarray):  # a copy: read-only, byte-swapped or reversed arrays are losses too
+        if value.dtype.kind not in "biuf":  # a complex one read its real part, strings were parsed, dates counted
+            raise TypeError(f"training entry {name!r} is a NumPy array of dtype {value.dtype}; expected real numbers "
+                            f"(bool, int, uint or float): log its abs() or real part, or leave it out")
         return torch.from_numpy(np.array(value, dtype=np.float64)) if value.size else None
-    if isinstance(value, (numbers.Real, np.number)):
+    if isinstance(value, (numbers.Real, np.bool_, np.integer, np.floating)):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(
         f"training entry {name!r} has type {type(value).__name__}; "

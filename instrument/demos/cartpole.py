@@ -235,7 +235,7 @@ def train_cartpole(
     inst = instrumentation
     rl = rl_logging
     if rl is not None and not rl.attached:
-        from instrument.rl.evaluation import GymnasiumRunner
+        from instrument.rl.runner import GymnasiumRunner
 
         runner = GymnasiumRunner("CartPole-v1", policy, seed=seed) if rl.evaluation is not None else None
         rl.attach(inst, eval_runner=runner)

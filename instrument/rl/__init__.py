@@ -10,8 +10,9 @@ from instrument.backends.progress import ProgressBar
 from instrument.rl.collection import CollectionMetrics
 from instrument.rl.component import RLComponent
 from instrument.rl.counters import Counters
-from instrument.rl.evaluation import Episode, EpisodeRunner, Evaluation, GymnasiumRunner, select_action
+from instrument.rl.evaluation import Episode, EpisodeRunner, Evaluation
 from instrument.rl.rl_logging import RLLogging
+from instrument.rl.runner import GymnasiumRunner, select_action
 from instrument.rl.timing import StageClock
 from instrument.rl.training import TrainMetrics
 

@@ -69,10 +69,13 @@ def test_a_fractional_frame_rate_is_kept_to_the_gifs_centiseconds(tmp_path):
     logger.log_video("a", frames, 0, fps=2.5)
     logger.log_video("b", frames, 0, fps=1.9)
     logger.log_video("c", frames, 0, fps=10)
+    logger.log_video("d", frames, 0, fps=100)  # written as 10 ms, which browsers play as 100 ms: slower than 60 fps
+    logger.log_video("e", frames, 0, fps=60)
     logger.commit(0)
     logger.close()
     acc = event_accumulator(tmp_path / "r")
-    for tag, delay in (("a", 400), ("b", 530), ("c", 100)):  # 1/fps to the nearest centisecond (it was 1/int(fps))
+    # 1/fps to the nearest centisecond (it was 1/int(fps)), at least 2: 50 fps at most
+    for tag, delay in (("a", 400), ("b", 530), ("c", 100), ("d", 20), ("e", 20)):
         gif = Image.open(io.BytesIO(acc.Images(tag)[-1].encoded_image_string))
         delays = []
         for index in range(gif.n_frames):
@@ -80,7 +83,7 @@ def test_a_fractional_frame_rate_is_kept_to_the_gifs_centiseconds(tmp_path):
             delays.append(gif.info["duration"])
         assert delays == [delay] * 3, (tag, delays)
     line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
-    assert {k: v["fps"] for k, v in line["videos"].items()} == {"a": 2.5, "b": 1.9, "c": 10}
+    assert {k: v["fps"] for k, v in line["videos"].items()} == {"a": 2.5, "b": 1.9, "c": 10, "d": 100, "e": 60}
     assert isinstance(line["videos"]["c"]["fps"], int)
 
 
@@ -457,3 +460,20 @@ def test_a_typed_backslash_is_drawn_doubled_where_escapes_could_be_read_into_it(
     assert render.drawable_text("C:\\dir\\x") == "C:\\dir\\x"
     matrix = np.arange(4.0).reshape(2, 2)
     assert not np.array_equal(render.render_heatmap(matrix, title=typed), render.render_heatmap(matrix, title=accented))
+
+
+def test_video_frames_that_read_as_tchw_and_as_thwc_are_drawn_as_thwc_and_said_once_per_tag(tmp_path, caplog):
+    """A [T, C, H, W] video whose width is 1, 3 or 4 was read as [T, H, W, C] without a word (log_image says so for
+    the same ambiguity). It is drawn as [T, H, W, C], as documented, and said once per tag."""
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    frames = np.zeros((2, 3, 16, 4), dtype=np.uint8)
+    frames[1] = 255
+    with caplog.at_level(logging.WARNING, logger="instrument"):
+        for step in range(2):
+            logger.log_video("v", frames, step, fps=2)
+            logger.commit(step)
+    logger.close()
+    said = _warnings(caplog, "reads as [T,C,H,W] and as [T,H,W,C]")
+    assert len(said) == 1 and "log_video('v')" in said[0] and "permute(0, 2, 3, 1)" in said[0]
+    gif = Image.open(io.BytesIO(event_accumulator(tmp_path / "r").Images("v")[-1].encoded_image_string))
+    assert gif.size == (16, 3)  # width 16, height 3: [T, H=3, W=16, C=4]

@@ -6,9 +6,10 @@ and ``wandb.Video`` use for raw frames, hands imageio >= 2.28 the frame delay in
 are expected: its GIFs carry a delay of 0 and browsers play them at their own default rate.)
 
 GIF facts that shape what a reader gets back: frame delays are whole centiseconds (so at most 50 fps plays as
-asked; browsers slow delays under 20 ms to 100 ms); each frame is quantised to its own palette of at most 256
-colours (exact when a frame has no more colours than that); and Pillow merges a frame identical to the one
-before it into that frame's delay, so a video that holds still has fewer, longer frames and the same duration.
+asked; browsers slow delays under 20 ms to 100 ms, so a higher fps is written as 50); each frame is quantised to
+its own palette of at most 256 colours (exact when a frame has no more colours than that); and Pillow merges a
+frame identical to the one before it into that frame's delay, so a video that holds still has fewer, longer frames
+and the same duration.
 """
 
 import io
@@ -43,8 +44,9 @@ def encode_gif(frames: np.ndarray, fps: float) -> bytes:
         alpha = frames[..., 3:].astype(np.float64) / 255.0
         frames = (frames[..., :3] * alpha + 255.0 * (1.0 - alpha) + 0.5).astype(np.uint8)
     images = [Image.fromarray(np.ascontiguousarray(f)) for f in frames]
-    # GIF delays are whole centiseconds: the nearest to 1/fps (2.5 fps: 40 cs), at least 1 (100 fps)
-    delay = 10 * max(1, int(round(100.0 / max(float(fps), 1.0))))
+    # GIF delays are whole centiseconds: the nearest to 1/fps (2.5 fps: 40 cs), at least 2 (50 fps): browsers play
+    # a delay of 1 cs as 10 (100 ms), so 100 fps asked played at 10, slower than 60 fps asked (20 ms, 50 fps).
+    delay = 10 * max(2, int(round(100.0 / max(float(fps), 1.0))))
     buffer = io.BytesIO()
     images[0].save(
         buffer, format="GIF", save_all=True, append_images=images[1:], duration=delay, loop=0, optimize=False

@@ -331,6 +331,11 @@ def _convert_video(tag: str, value: Any, extra: Any, host: Host) -> tuple:
     fps, said = extra
     frames = _host_pixels(value, host)
     _check_pixel_values("log_video", tag, frames, said)
+    shape = frames.shape
+    if len(shape) == 4 and shape[1] in (1, 3, 4) and shape[-1] in (1, 3, 4):
+        _say_once(said, tag, "layout", "instrument: log_video(%r) got shape %s, which reads as [T,C,H,W] and as "
+                  "[T,H,W,C]; it is drawn as [T,H,W,C]. For [T,C,H,W] frames pass video.permute(0, 2, 3, 1) (NumPy: "
+                  "transpose(0, 2, 3, 1)). (Said once per tag.)", tag, shape)
     return np.stack([to_hwc_uint8(f, tag) for f in frames]), fps
 
 

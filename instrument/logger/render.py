@@ -206,7 +206,8 @@ def _heatmap_frame(rows: int, cols: int, title: str, x_label: str, y_label: str,
     if y_text is not None:  # centred on the cells, within the canvas
         canvas.paste(y_text, (2, min(max(2, top + ph // 2 - y_text.height // 2), height - y_text.height - 2)))
     bar_x = left + pw + 8
-    bar = _LUT[np.linspace(255, 0, ph).astype(np.uint8)][:, None, :].repeat(_BAR_WIDTH, axis=1)
+    # Rounded, as the cells' indices are: truncated, a tick's colour was one entry off its value's cell.
+    bar = _LUT[np.rint(np.linspace(255, 0, ph)).astype(np.uint8)][:, None, :].repeat(_BAR_WIDTH, axis=1)
     canvas.paste(Image.fromarray(np.ascontiguousarray(bar)), (bar_x, top))
     frame = np.array(canvas, dtype=np.uint8)
     frame.flags.writeable = False  # shared by every heatmap of this layout: each draws on a copy

@@ -272,7 +272,7 @@ def _numpy_stats(states: np.ndarray, channel_axis: int) -> np.ndarray:
     return np.stack([per_channel.mean(2), per_channel.std(2), per_channel.min(2), per_channel.max(2)], axis=1)
 
 
-@pytest.mark.parametrize("shape, channel_dim", [((3, 5, 8, 8), 1), ((512, 6), -1), ((2, 4, 260), 1)])
+@pytest.mark.parametrize("shape, channel_dim", [((3, 5, 8, 8), 1), ((1, 5, 8, 8), 1), ((512, 6), -1), ((2, 4, 260), 1)])
 def test_stats_kernel_is_exact_for_a_large_mean_with_a_small_spread(shape, channel_dim):
     torch.manual_seed(1)
     states = (1e4 + 1e-2 * torch.randn(7, *shape)).float()

@@ -344,3 +344,22 @@ def test_episodes_summed_after_batches_that_carried_their_own_running_returns_le
     got = logged(metrics)
     assert got[P + "episode/count"] == 3 and got[P + "episode/length/max"] == 4.0
     assert got[P + "episode/return/mean"] == pytest.approx((2 + 2 + 4) / 3, rel=1e-12)
+
+
+def test_batches_with_running_returns_that_were_all_padding_leave_the_carried_episodes_exact():
+    """A batch that carried running returns and lengths but whose collector mask was all False had no step: the
+    carried sums are still exact, so the next summed batch measures its episodes whole (a review of the change
+    above found them left out)."""
+    metrics = CollectionMetrics()
+    metrics.update(torchrl_batch(torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.bool)))  # 3 steps under way
+    padding = torchrl_batch(torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.bool))
+    padding.set(("next", "episode_reward"), torch.ones(2, 4, 1))
+    padding.set(("next", "step_count"), torch.ones(2, 4, 1, dtype=torch.int64))
+    padding.set(("collector", "mask"), torch.zeros(2, 4, dtype=torch.bool))
+    metrics.update(padding)
+    done = torch.tensor([[False, True, False, False], [False, False, False, True]])
+    metrics.update(torchrl_batch(torch.ones(2, 4), done))
+    got = logged(metrics)
+    assert got[P + "episode/count"] == 2
+    assert got[P + "episode/length/min"] == 5.0 and got[P + "episode/length/max"] == 7.0  # 3 + 2 and 3 + 4
+    assert got[P + "episode/return/mean"] == 6.0

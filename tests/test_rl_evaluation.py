@@ -322,3 +322,44 @@ def test_an_episode_return_that_is_not_one_value_is_named_and_costs_its_mode_the
         evaluation.run(logger, 0, 8, runner=VectorReturns())
     scalars = logger.commit(0).scalars
     assert scalars == {"eval/deterministic/length": 7.0}
+
+
+class ModuleRunner(nn.Module):
+    """A runner that holds its policy: an nn.Module, with torch's own state_dict."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.policy = nn.Linear(1, 1)
+        nn.init.constant_(self.policy.weight, weight)
+
+    def forward(self, deterministic: bool, max_steps: int, render: bool) -> Episode:
+        return Episode(return_=self.policy.weight.item(), length=1)
+
+
+def test_the_runner_s_state_is_its_evaluation_state_only_and_a_refused_one_is_said_once(tmp_path):
+    """The evaluation's state took any runner's state_dict: an nn.Module runner put its weights in the RL state
+    (not JSON any more) and a load overwrote the policy of the run it was loaded into. A runner keeps a state
+    through evaluation_state() and load_evaluation_state() only. A state loaded before the runner is set, and
+    refused by it, is said once, at that set, not at every later one."""
+    import json
+
+    evaluation = Evaluation(runner=ModuleRunner(3.0))
+    state = evaluation.state_dict()
+    assert "runner" not in state and json.loads(json.dumps(state)) == state
+    other = Evaluation(runner=ModuleRunner(7.0))
+    other.load_state_dict({**state, "runner": {"episode": 5}})  # a runner without an evaluation state ignores it
+    assert other.runner.policy.weight.item() == 7.0
+    with pytest.raises(ConfigurationError, match="'runner' must be the dict"):
+        Evaluation().load_state_dict({"next_due": 4, "runs": 0, "runner": [5]})
+    later = Evaluation()
+    later.load_state_dict({"next_due": 4, "runs": 1, "runner": {"episode": -3}})
+    with pytest.raises(ConfigurationError, match="expected {'episode': <a non-negative int>}"):
+        later.runner = GymnasiumRunner(gym.make("CartPole-v1"), policy(), seed=0)
+    later.runner = runner = GymnasiumRunner(gym.make("CartPole-v1"), policy(), seed=0)  # said once, not again
+    assert later.state_dict() == {"next_due": 4, "runs": 1, "runner": {"episode": 0}} and runner._episode == 0
+
+
+def test_the_runner_is_still_found_where_it_was():
+    from instrument.rl import evaluation, runner
+
+    assert evaluation.GymnasiumRunner is runner.GymnasiumRunner and evaluation.select_action is runner.select_action

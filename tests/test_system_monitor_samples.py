@@ -26,7 +26,8 @@ def test_a_subclass_s_numpy_scalars_and_tensors_are_written_and_a_value_that_is_
             out = super().sample()
             out.update({"system/fan_rpm": np.float32(1200.5), "system/disks": np.int64(3),
                         "system/temp_c": torch.tensor(41.25, dtype=torch.float64), "system/ok": True,
-                        "system/unread": None, "system/phase": 2 + 1j, 7: 1.0})
+                        "system/unread": None, "system/phase": 2 + 1j, 7: 1.0, "system/flag": np.bool_(True),
+                        "system/array": np.array(2.5), "system/meta": torch.empty((), device="meta")})
             return out
 
     path = tmp_path / "m.jsonl"
@@ -42,10 +43,11 @@ def test_a_subclass_s_numpy_scalars_and_tensors_are_written_and_a_value_that_is_
         metrics = sample["metrics"]
         assert metrics["system/fan_rpm"] == 1200.5 and metrics["system/disks"] == 3.0
         assert metrics["system/temp_c"] == 41.25 and metrics["system/ok"] == 1.0
-        assert not {"system/unread", "system/phase", "7"} & set(metrics)
+        assert metrics["system/flag"] == 1.0 and metrics["system/array"] == 2.5
+        assert not {"system/unread", "system/phase", "7", "system/meta"} & set(metrics)
         assert "system/process_rss_gib" in metrics
     said = [r.getMessage() for r in caplog.records if "sample() gave" in r.getMessage()]
-    assert len(said) == 3  # once per key, not once per sample
+    assert len(said) == 4  # once per key, not once per sample
     assert any("gave None for key 'system/unread'" in m and "expected a real number" in m for m in said)
 
 

@@ -69,6 +69,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from instrument.backends.base import StepRecord
@@ -436,19 +437,19 @@ class SystemMonitor:
             raise TypeError(f"sample() must return a dict of str keys to numbers, got {type(values).__name__}")
         out: Dict[str, float] = {}
         for key, value in values.items():
-            if isinstance(value, float) and isinstance(key, str):
-                out[key] = value
-                continue
             number: Optional[float] = None
-            if isinstance(key, str):
-                if isinstance(value, torch.Tensor):
-                    if value.numel() == 1 and not value.is_complex():
-                        number = float(value.detach().reshape(()).item())  # host sync: the monitor's thread
-                elif isinstance(value, numbers.Real):  # also a NumPy integer or floating scalar, and a bool
-                    try:
-                        number = float(value)
-                    except (TypeError, ValueError, OverflowError):
-                        number = None
+            try:
+                if not isinstance(key, str):
+                    pass
+                elif isinstance(value, (torch.Tensor, np.ndarray)):  # one element of a real dtype
+                    tensor = isinstance(value, torch.Tensor)
+                    if (value.numel() if tensor else value.size) == 1 and (
+                            not value.is_complex() if tensor else value.dtype.kind in "biuf"):
+                        number = float(value.reshape(()).item())  # host sync: the monitor's thread
+                elif isinstance(value, (numbers.Real, np.bool_)):  # a NumPy integer or floating scalar too
+                    number = float(value)
+            except (RuntimeError, TypeError, ValueError, OverflowError, NotImplementedError):
+                number = None  # a meta or sparse tensor: its own key only
             if number is not None:
                 out[key] = number
             elif key not in self._said_values:

@@ -138,10 +138,10 @@ class Evaluation(RLComponent):
         check = getattr(runner, "check_render", None)
         if self.video and callable(check):
             check(made_only=True)
-        pending, load = getattr(self, "_runner_state", None), getattr(runner, "load_state_dict", None)
-        if pending is not None and callable(load):  # a resumed run's state, loaded before this runner was set
-            load(pending)
-            self._runner_state = None
+        pending, stateful = getattr(self, "_runner_state", None), _stateful(runner)
+        if pending is not None and stateful:  # a resumed run's state, loaded before this runner was set
+            self._runner_state = None  # taken once: a state the runner refuses is said once, not at every set
+            runner.load_evaluation_state(pending)  # type: ignore[union-attr]
         self._runner = runner
 
     def due(self, frames: int) -> bool:
@@ -270,9 +270,8 @@ class Evaluation(RLComponent):
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"next_due": int(self.next_due), "runs": int(self.runs)}
-        runner_state = getattr(self._runner, "state_dict", None)
-        if callable(runner_state):  # which seeds the next episodes take (`GymnasiumRunner`): a resumed run's too
-            state["runner"] = runner_state()
+        if _stateful(self._runner):  # which seeds the next episodes take (`GymnasiumRunner`): a resumed run's too
+            state["runner"] = self._runner.evaluation_state()  # type: ignore[union-attr]
         elif self._runner_state is not None:  # loaded before a runner was set: kept for it
             state["runner"] = self._runner_state
         return state
@@ -292,19 +291,41 @@ class Evaluation(RLComponent):
                     f"({type(value).__name__}); {source} holds plain ints: load the state it returned."
                 )
         runner_state = state.get("runner")
-        load = getattr(self._runner, "load_state_dict", None)
-        if runner_state is not None and callable(load):
-            load(runner_state)  # refuses a wrong state before anything here changed
+        if runner_state is not None and not isinstance(runner_state, dict):
+            raise ConfigurationError(
+                f"Evaluation.load_state_dict: 'runner' must be the dict the runner's evaluation_state() returned, got "
+                f"{type(runner_state).__name__} {runner_state!r:.80}; load the state {source} returned."
+            )
+        stateful = _stateful(self._runner)
+        if runner_state is not None and stateful:
+            self._runner.load_evaluation_state(runner_state)  # type: ignore[union-attr]  # refuses before any change
         self.next_due = int(state["next_due"])
         self.runs = int(state.get("runs", 0))
         # A runner set later (once the policy exists) gets it then (`runner`).
-        self._runner_state = runner_state if runner_state is not None and not callable(load) else None
+        self._runner_state = runner_state if runner_state is not None and not stateful else None
 
     def __repr__(self) -> str:
         return (
             f"Evaluation(every_frames={self.every_frames}, max_steps={self.max_steps}, modes={self.modes}, "
             f"video={self.video})"
         )
+
+
+def _stateful(runner: Any) -> bool:
+    """Whether ``runner`` keeps a state across a resume: both ``evaluation_state()`` and
+    ``load_evaluation_state(state)``, names of their own, so that a runner that is an ``nn.Module`` (with torch's
+    ``state_dict``) does not put its weights in the RL state, nor get them loaded from it."""
+    return all(callable(getattr(runner, name, None)) for name in ("evaluation_state", "load_evaluation_state"))
+
+
+def __getattr__(name: str) -> Any:
+    """``GymnasiumRunner`` and ``select_action`` lived here; they are in `instrument.rl.runner` now, which imports
+    this module (so they are found lazily, for old imports and pickles)."""
+    if name in ("GymnasiumRunner", "select_action"):
+        from instrument.rl import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _devices() -> List[int]:

@@ -1,6 +1,6 @@
 """`GymnasiumRunner`: an episode runner (`instrument.rl.evaluation.Episode`) for a torch policy in a gymnasium
 environment, and `select_action`, how it reads the policy's output. Episode k of a runner resets with ``seed + k``,
-and the count is in its state (`GymnasiumRunner.state_dict`), which `Evaluation.state_dict` holds."""
+and the count is in its state (`GymnasiumRunner.evaluation_state`), which `Evaluation.state_dict` holds."""
 
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -113,17 +113,19 @@ class GymnasiumRunner:
         self._episode += 1
         return episode
 
-    def state_dict(self) -> Dict[str, Any]:
+    def evaluation_state(self) -> Dict[str, Any]:
         """The episodes run so far, which sets the next one's seed: a resumed run evaluates with the seeds the
-        uninterrupted run would have used, not the first ones again (`Evaluation.state_dict` holds it)."""
+        uninterrupted run would have used, not the first ones again (`Evaluation.state_dict` holds it). Any episode
+        runner may define this and `load_evaluation_state` to keep a state of plain values across a resume."""
         return {"episode": int(self._episode)}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_evaluation_state(self, state: Dict[str, Any]) -> None:
         episode = state.get("episode") if isinstance(state, dict) else None
         if isinstance(episode, bool) or not isinstance(episode, numbers.Integral) or episode < 0:
             raise ConfigurationError(
-                f"GymnasiumRunner.load_state_dict: expected {{'episode': <a non-negative int>}} as "
-                f"GymnasiumRunner.state_dict() returns it (Evaluation.state_dict()['runner']), got {state!r:.80}."
+                f"GymnasiumRunner.load_evaluation_state: expected {{'episode': <a non-negative int>}} as "
+                f"GymnasiumRunner.evaluation_state() returns it (Evaluation.state_dict()['runner']), got "
+                f"{state!r:.80}."
             )
         self._episode = int(episode)
 

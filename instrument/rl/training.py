@@ -223,6 +223,11 @@ def _as_tensor(name: str, value: Any) -> Optional[Tensor]:
             )
         return value if value.is_floating_point() else value.to(wide_dtype(value.device))  # ints exact to 2**53
     if isinstance(value, np.ndarray):  # a copy: read-only, byte-swapped or reversed arrays are losses too
+        if value.dtype.kind == "O":  # numbers kept as objects: read as float64 if each is a real number
+            try:
+                value = np.array(value, dtype=np.float64)
+            except (TypeError, ValueError):
+                pass
         if value.dtype.kind not in "biuf":  # a complex one read its real part, strings were parsed, dates counted
             raise TypeError(f"training entry {name!r} is a NumPy array of dtype {value.dtype}; expected real numbers "
                             f"(bool, int, uint or float): log its abs() or real part, or leave it out")

@@ -167,7 +167,9 @@ def test_a_video_problem_found_during_training_drops_the_video_not_the_run_or_th
         assert not any(key.endswith("/video") for key in logged[step])
 
 
-class FailingRender(gym.Wrapper):
+class Seeds(gym.Wrapper):
+    """Records each reset's seed."""
+
     def __init__(self, env, seeds):
         super().__init__(env)
         self.seeds = seeds
@@ -176,6 +178,8 @@ class FailingRender(gym.Wrapper):
         self.seeds.append(kwargs.get("seed"))
         return super().reset(**kwargs)
 
+
+class FailingRender(Seeds):
     def render(self):
         raise RuntimeError("no display")
 
@@ -256,16 +260,6 @@ def test_a_default_session_made_by_an_attach_that_is_refused_is_closed_again(tmp
     with pytest.raises(ConfigurationError, match=NO_RGB):
         rl.attach(None, eval_runner=GymnasiumRunner(gym.make("CartPole-v1"), policy()))
     assert set(running_writers()) == before and not rl.attached
-
-
-class Seeds(gym.Wrapper):
-    def __init__(self, env, seeds):
-        super().__init__(env)
-        self.seeds = seeds
-
-    def reset(self, **kwargs):
-        self.seeds.append(kwargs.get("seed"))
-        return super().reset(**kwargs)
 
 
 def test_a_resumed_run_evaluates_with_the_seeds_and_returns_of_the_uninterrupted_one(tmp_path):

@@ -153,9 +153,8 @@ class CollectionMetrics(RLComponent):
         # After a layout change, per environment: its episode in progress began before (start unknown), so the
         # first one it ends is counted but left out of the return and length statistics.
         self._unknown_start: Optional[Tensor] = None
-        # Since the last batch summed from its rewards, batches that carried both running returns and lengths
-        # (read at done, summing nothing) had a valid step: None (none such batch), True, or a bool on the device.
-        self._read_steps: Any = None
+        # Whether the batches since the last summed one that carried running returns and lengths had a valid step.
+        self._read_steps: Optional[Tensor] = None  # a bool on the device (no sync); None: no such batch
         self._warned_reset = False
         self._said_layout = False  # time_dim="auto" guessed the time dimension of a batch (`time_dim_guessed`)
         self._rank: Optional[int] = None  # the rank of the last plain-tensor batch (`_plain_shape`)
@@ -339,23 +338,13 @@ class CollectionMetrics(RLComponent):
         whole_returns = whole_lengths = ended_valid
         summed = returns is None or lengths is None
         if rewards.shape[0]:  # a batch of no steps says nothing about the episodes under way
-            if not summed:
-                stepped = True if valid is None else valid.any()  # on the device: no sync
-                read = self._read_steps
-                if read is None or read is True or stepped is True:
-                    self._read_steps = True if read is True else stepped
-                else:
-                    self._read_steps = read | stepped
-            elif self._read_steps is not None:
-                # The batches since the last summed one carried their own running returns and lengths and summed no
-                # reward, so the carried sums stood still while they ran (if they had a valid step): the episodes
-                # under way began at a step not known here, so each environment's first end is left out.
-                unknown = torch.ones(rewards.shape[1:-1], dtype=torch.bool, device=rewards.device)
-                if self._read_steps is not True:
-                    unknown &= self._read_steps.to(rewards.device)
-                known = self._unknown_start
+            if not summed:  # read at done, summing no reward: the carried sums stand still if it had a valid step
+                stepped = valid.any() if valid is not None else torch.ones((), dtype=torch.bool, device=rewards.device)
+                self._read_steps = stepped if self._read_steps is None else self._read_steps | stepped
+            elif self._read_steps is not None:  # so the episodes under way began at a step not known here
+                unknown = self._read_steps.to(rewards.device).expand(rewards.shape[1:-1]).contiguous()
+                known, self._read_steps = self._unknown_start, None  # each environment's first end is left out
                 self._unknown_start = unknown if known is None or known.shape != unknown.shape else known | unknown
-                self._read_steps = None
         if summed:  # summed from the rewards (kept time first): one value per episode
             sums, counts, whole = self._episode_sums(rewards, ended, valid)
             if returns is None:

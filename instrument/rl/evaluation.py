@@ -36,10 +36,9 @@ counts it in ``inst.failures``, the video is dropped, the step's metrics are wri
 factory's environment is not made at attach to be checked: a factory may need what is not ready then.
 """
 
-import dataclasses
 import logging
 import numbers
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -48,6 +47,9 @@ from torch import Tensor
 from instrument.checks import check_int
 from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.rl.component import RLComponent
+
+# The episode runners, with the episode they return; imported here too, where they were defined before.
+from instrument.rl.runner import Episode, EpisodeRunner, GymnasiumRunner, select_action  # noqa: F401
 from instrument.rl.timing import stage_timer
 
 __all__ = ["Episode", "EpisodeRunner", "Evaluation"]
@@ -55,18 +57,6 @@ __all__ = ["Episode", "EpisodeRunner", "Evaluation"]
 MODES = ("deterministic", "stochastic")
 
 log = logging.getLogger("instrument")
-
-
-@dataclasses.dataclass
-class Episode:
-    """One evaluation episode: its return, its length and, when rendered, its frames ``[T, H, W, C]``."""
-
-    return_: Union[float, Tensor]
-    length: Union[int, Tensor]
-    frames: Optional[Union[np.ndarray, Tensor]] = None
-
-
-EpisodeRunner = Callable[[bool, int, bool], Episode]
 
 
 class Evaluation(RLComponent):
@@ -316,16 +306,6 @@ def _stateful(runner: Any) -> bool:
     ``load_evaluation_state(state)``, names of their own, so that a runner that is an ``nn.Module`` (with torch's
     ``state_dict``) does not put its weights in the RL state, nor get them loaded from it."""
     return all(callable(getattr(runner, name, None)) for name in ("evaluation_state", "load_evaluation_state"))
-
-
-def __getattr__(name: str) -> Any:
-    """``GymnasiumRunner`` and ``select_action`` lived here; they are in `instrument.rl.runner` now, which imports
-    this module (so they are found lazily, for old imports and pickles)."""
-    if name in ("GymnasiumRunner", "select_action"):
-        from instrument.rl import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _devices() -> List[int]:

@@ -1,7 +1,8 @@
-"""`GymnasiumRunner`: an episode runner (`instrument.rl.evaluation.Episode`) for a torch policy in a gymnasium
+"""Episode runners: what one returns (`Episode`), `GymnasiumRunner`, which runs a torch policy in a gymnasium
 environment, and `select_action`, how it reads the policy's output. Episode k of a runner resets with ``seed + k``,
 and the count is in its state (`GymnasiumRunner.evaluation_state`), which `Evaluation.state_dict` holds."""
 
+import dataclasses
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -10,11 +11,22 @@ import torch
 from torch import Tensor
 
 from instrument.errors import ConfigurationError, require
-from instrument.rl.evaluation import Episode
 
-__all__ = ["GymnasiumRunner", "select_action"]
+__all__ = ["Episode", "EpisodeRunner", "GymnasiumRunner", "select_action"]
 
 _UNKNOWN = object()  # an environment without a ``render_mode`` attribute: what it renders is seen from the frames
+
+
+@dataclasses.dataclass
+class Episode:
+    """One evaluation episode: its return, its length and, when rendered, its frames ``[T, H, W, C]``."""
+
+    return_: Union[float, Tensor]
+    length: Union[int, Tensor]
+    frames: Optional[Union[np.ndarray, Tensor]] = None
+
+
+EpisodeRunner = Callable[[bool, int, bool], Episode]
 
 
 def select_action(output: Any, deterministic: bool) -> Tensor:

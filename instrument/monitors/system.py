@@ -63,7 +63,6 @@ CUDA runtime reads it (indices, or UUIDs and their prefixes as Slurm and Kuberne
 
 import collections
 import logging
-import numbers
 import os
 import threading
 import time
@@ -74,6 +73,7 @@ import torch
 
 from instrument.backends.base import StepRecord
 from instrument.checks import check_int, check_number
+from instrument.core.real import is_one_real
 from instrument.errors import ConfigurationError, require
 from instrument.monitors.nvml import visible_nvml_handles
 
@@ -441,12 +441,9 @@ class SystemMonitor:
             try:
                 if not isinstance(key, str):
                     pass
-                elif isinstance(value, (torch.Tensor, np.ndarray)):  # one element of a real dtype
-                    tensor = isinstance(value, torch.Tensor)
-                    if (value.numel() if tensor else value.size) == 1 and (
-                            not value.is_complex() if tensor else value.dtype.kind in "biuf"):
-                        number = float(value.reshape(()).item())  # host sync: the monitor's thread
-                elif isinstance(value, (numbers.Real, np.bool_)):  # a NumPy integer or floating scalar too
+                elif is_one_real(value):  # a NumPy scalar too, or one element of a real dtype
+                    if isinstance(value, (torch.Tensor, np.ndarray)):
+                        value = value.reshape(()).item()  # host sync: the monitor's thread
                     number = float(value)
             except (RuntimeError, TypeError, ValueError, OverflowError, NotImplementedError):
                 number = None  # a meta or sparse tensor: its own key only

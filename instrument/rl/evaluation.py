@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from instrument.checks import check_int
+from instrument.core.real import is_one_real
 from instrument.errors import ConfigurationError, InvalidValueError
 from instrument.rl.component import RLComponent
 
@@ -336,7 +337,7 @@ def _late(exc: Exception) -> Exception:
 def _mean(values: Sequence[Any], key: str) -> Union[float, Tensor]:
     """The mean of the episodes' values of ``key``: each a real number or a one-element tensor or array."""
     for i, v in enumerate(values):
-        if not _one_value(v):
+        if not is_one_real(v):
             shape = f" of shape {list(v.shape)}" if isinstance(v, (Tensor, np.ndarray)) else ""
             raise InvalidValueError(
                 f"{key}: the episode runner returned {type(v).__name__}{shape} ({v!r:.60}) for episode {i}; expected "
@@ -347,12 +348,3 @@ def _mean(values: Sequence[Any], key: str) -> Union[float, Tensor]:
     if all(isinstance(v, numbers.Real) for v in values):
         return float(sum(values)) / len(values)
     return torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in values]).mean()
-
-
-def _one_value(value: Any) -> bool:
-    """A real number, or a one-element tensor or array of real numbers."""
-    if isinstance(value, Tensor):
-        return value.numel() == 1 and not value.is_complex()
-    if isinstance(value, np.ndarray):
-        return value.size == 1 and value.dtype.kind in "biuf"
-    return isinstance(value, (numbers.Real, np.bool_))

@@ -7,6 +7,7 @@ paired every later commit with another rank's next one: rank 0 wrote step 1 as t
 
 import datetime
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,27 @@ def _own_steps_rank(rank: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+def _beyond_float_rank(rank: int, tmp: str) -> None:
+    """Steps beyond 2**53 (nanoseconds, say): rank 1 is one step ahead of rank 0, which float64 cannot tell."""
+    dist = _init(rank, tmp)
+    logger = Logger([JsonlBackend(path=f"{tmp}/m.jsonl")])
+    raised, said = [], []
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("instrument").addHandler(catch)
+    base = 2**53
+    for step in (base - 2, base + rank):
+        logger.log_metrics({"x": float(100 * rank + step - base)}, step=step)
+        try:
+            logger.commit(step)
+        except InstrumentError as exc:
+            raised.append([step - base, str(exc)])
+            break
+    logger.close()
+    _outcome(tmp, rank, raised=raised, said=said)
+    dist.destroy_process_group()
+
+
 def _run(worker, tmp_path):
     import torch.multiprocessing as mp
 
@@ -136,3 +158,15 @@ def test_rl_logging_on_a_bare_logger_with_frame_steps_is_not_checked(tmp_path):
     outcomes, written = _run(_bare_frames_rank, tmp_path)
     assert outcomes == [{"raised": []}, {"raised": []}]
     assert [step for step, _ in written] == [4, 8, 12]  # rank 0's frames (2 steps x 2 environments a batch)
+
+
+def test_ranks_at_steps_beyond_2_to_the_53_one_apart_are_told_not_mixed(tmp_path):
+    """float64 rounds 2**53 + 1 to 2**53: the step check compared the rounded steps alone, so rank 0 wrote step
+    2**53 as the mean of its own value and rank 1's at step 2**53 + 1 (a review)."""
+    outcomes, written = _run(_beyond_float_rank, tmp_path)
+    assert [o["raised"][0][0] for o in outcomes] == [0, 1], outcomes
+    for rank, outcome in enumerate(outcomes):
+        assert f"({2**53} to {2**53 + 1})" in outcome["raised"][0][1], outcome
+        # the error reaches the caller: the commit failed (it was not interrupted by Ctrl-C)
+        assert f"the commit of step {2**53 + rank} failed (InstrumentError)" in "\n".join(outcome["said"]), outcome
+    assert written == [(2**53 - 2, 48.0)]  # the paired step: the mean over both ranks; nothing mixed after it

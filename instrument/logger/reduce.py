@@ -6,8 +6,8 @@ issues one collective per metric; here every scalar of a commit is packed into o
 
     sum segment   numerators (mean, weighted mean, sum; squares for l2) | denominators (means) | counts
                   | NaN flags of the max segment (a MAX all_reduce need not keep a NaN: gloo's drops it)
-    max segment   header [misfit, layout hash, -layout hash, step, -step, closing, -closing] | values (max)
-                  and negated values (min)
+    max segment   header [misfit, layout hash, -layout hash, step, -step, closing, -closing, rest, -rest]
+                  | values (max) and negated values (min); ``rest`` is what float64 rounded off the step
 
 and exchanged with ONE ``all_gather`` (every rank then sums the first segment and takes the maximum of the
 second locally: min is the max of negated values). When ``world_size x length`` exceeds ``gather_limit`` the
@@ -57,7 +57,10 @@ OPS = ("mean", "sum", "min", "max", "l2")
 _STRATEGIES = ("auto", "gather", "allreduce")
 _SUM_KINDS = ("mean", "wmean", "sum", "l2")
 _MEAN_KINDS = ("mean", "wmean")
-_HEADER = 7  # misfit flag, layout hash, layout hash, step, step, closing, closing (every second one negated)
+# misfit flag, layout hash, layout hash, step, step, closing, closing, rest, rest (every second one negated). A step
+# beyond 2**53 rides as float(step) and the exact rest ``step - int(float(step))`` (|rest| <= 2**10), so that two
+# ranks at steps 2**53 and 2**53 + 1 (a step of nanoseconds) are told apart, not mixed.
+_HEADER = 9
 
 Scalar = Union[float, Tensor]
 
@@ -195,7 +198,7 @@ class _Layout:
                 if kind == "l2":
                     square[self.num[k]] = True
             sign = torch.ones(self.n_max, dtype=torch.float64)
-            sign[2] = sign[4] = sign[6] = -1.0
+            sign[2] = sign[4] = sign[6] = sign[8] = -1.0
             for k, kind in self.items:
                 if kind == "min":
                     sign[self.ext[k]] = -1.0
@@ -285,9 +288,10 @@ class CrossRankReducer:
         misfit = any(layout.kinds.get(e.key) != e.kind for e in entries)
         sums: List[Scalar] = [0.0] * layout.n_sum
         # an unchecked step is neutral in the maximum of both the step and its negation
-        extremes: List[Scalar] = [misfit * 1.0, layout.hash, layout.hash,
-                                  -math.inf if step is None else float(step), math.inf if step is None else float(step),
-                                  float(closing), float(closing)]
+        rounded = math.inf if step is None else float(step)  # +-inf: neutral in the maximum of both slots
+        rest = math.inf if step is None else float(step - int(rounded))
+        extremes: List[Scalar] = [misfit * 1.0, layout.hash, layout.hash, -rounded if step is None else rounded,
+                                  rounded, float(closing), float(closing), -rest if step is None else rest, rest]
         extremes += [
             math.inf if kind == "min" else -math.inf for _, kind in layout.items if kind not in _SUM_KINDS
         ]
@@ -374,12 +378,14 @@ class CrossRankReducer:
 
 def _check_paired(header: np.ndarray) -> None:
     """Raise on every rank alike (each sees the same reduced header) when the ranks' commits are out of step."""
-    high, low = header[3], -header[4]
+    high, low, rest_high, rest_low = header[3], -header[4], header[7], -header[8]
     closing, training = header[5] > 0, -header[6] < 1
     if closing and training:
         problem = ("some rank is closing its logger (its last commit) while another commits a training step: that "
                    "rank ran fewer logging steps")
-    elif math.isfinite(high) and math.isfinite(low) and high != low:
+    elif math.isfinite(high) and math.isfinite(low) and (high != low or rest_high != rest_low):
+        if high == low:  # steps beyond 2**53 that float64 rounds alike: the rests tell them apart, exactly
+            low, high = int(low) + int(rest_low), int(high) + int(rest_high)
         problem = f"the ranks commit different steps at once ({int(low)} to {int(high)}): a rank skipped or added one"
     else:
         return

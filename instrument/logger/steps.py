@@ -224,11 +224,11 @@ class StepRecords:
                 return None
         except BaseException as exc:
             if handle is None or not handle.seq:  # Ctrl-C (or an error) before the writer took the step: not written
-                self._take_back(step, last, snapshot, type(exc).__name__)
+                self._take_back(step, last, snapshot, exc)
             raise
         return handle
 
-    def _take_back(self, step: int, last: Optional[int], snapshot: Any, reason: str) -> None:
+    def _take_back(self, step: int, last: Optional[int], snapshot: Any, exc: BaseException) -> None:
         """A commit interrupted before its hand-over (Ctrl-C while the transfer starts or the queue is full):
         the step is not written, so it may be committed again, and what a session's step found staged when it
         began (the interval's earlier values, `mark`) is staged again for the next commit, as for a step whose
@@ -245,8 +245,10 @@ class StepRecords:
                     dict(snapshot[5]), snapshot[6], list(snapshot[7]), dict(snapshot[8]), dict(snapshot[9]))
                 if pending is not None and (self._pending_step is None or pending > self._pending_step):
                     self._pending_step = pending  # an implicit commit (close()) writes them at their step
-        log.warning("instrument: the commit of step %d was interrupted (%s) before it was handed to the writer, so "
-                    "step %d is not written%s", step, reason, step,
+        # An error raised to the caller (ranks out of step) failed the commit; Ctrl-C or an exit interrupted it.
+        how = "failed" if isinstance(exc, Exception) else "was interrupted"
+        log.warning("instrument: the commit of step %d %s (%s) before it was handed to the writer, so "
+                    "step %d is not written%s", step, how, type(exc).__name__, step,
                     "; the values staged before it began go with the next commit" if kept else
                     ", nor are the values it took")
 

@@ -755,3 +755,35 @@ def test_keys_too_long_for_a_name_tag_go_on_under_their_names_after_a_resume(tmp
     cut = "p" * 250
     assert {name: [m.step for m in client.get_metric_history(first.run_id, name)]
             for name in client.get_run(first.run_id).data.metrics} == {cut: [0, 3, 4], cut[:242] + "_2": [1, 2, 5]}
+
+
+def test_a_file_store_keeps_a_key_and_a_key_under_it_apart_across_a_resume(tmp_path, monkeypatch, caplog):
+    """A file store keeps each metric and param as a file named by its key: ``a`` beside ``a/b`` needs ``a`` as a
+    file and as a folder. MLflow then failed the step's whole ``log_batch`` part way, at every step: ``a/b`` and
+    every metric after it in the batch (``zz``) were lost, and so were the params after ``opt`` with the config.
+    The later key is numbered where it meets the other, as keys that sanitise alike are, also after a resume."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path}/mlruns"
+    first = MlflowBackend(tracking_uri=uri)
+    logger = Logger([first], RunInfo("nested", tmp_path))
+    logger.log_hyperparams({"opt": 1, "opt/lr": 0.5, "z": 3}, config_text="Model.width = 4\n")
+    for step in (0, 1):
+        logger.log_metrics({"a": 1.0 + step, "a/b": 2.0 + step, "zz": 3.0 + step, "c/d": 4.0 + step}, step=step)
+        logger.commit(step)
+    logger.close()
+    assert logger.failures == {}
+    again = MlflowBackend(tracking_uri=uri)  # resumed: each key keeps its name, whichever comes first now
+    logger = Logger([again], RunInfo("nested", tmp_path, resume={"MlflowBackend": first.run_id}))
+    logger.log_metrics({"c": 5.0, "a/b": 6.0, "a": 7.0}, step=2)
+    logger.commit(2)
+    logger.close()
+    assert logger.failures == {} and again.run_id == first.run_id
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(first.run_id)
+    assert {name: [(m.step, m.value) for m in client.get_metric_history(first.run_id, name)]
+            for name in run.data.metrics} == {
+        "a": [(0, 1.0), (1, 2.0), (2, 7.0)], "a_2/b": [(0, 2.0), (1, 3.0), (2, 6.0)], "zz": [(0, 3.0), (1, 4.0)],
+        "c/d": [(0, 4.0), (1, 5.0)], "c_2": [(2, 5.0)]}
+    assert run.data.params == {"opt": "1", "opt_2/lr": "0.5", "z": "3"}
+    assert "config/operative_config.gin" in _artifacts(client, first.run_id)
+    assert "which a file store cannot keep beside 'a' (each name is a file)" in caplog.text

@@ -14,6 +14,7 @@ from instrument.backends.mlflow_store import (
     LAST_STEP_TAG,
     check_uri,
     http_settings,
+    is_file_store,
     is_remote,
     is_unreachable,
     last_step,
@@ -187,6 +188,7 @@ class MlflowBackend(Backend):
             self._store_lock = root / ".mlflow.db.lock"  # its first use creates it: one process at a time
             if self._artifacts is None:
                 self._artifacts = (root / "mlartifacts").resolve().as_uri()
+        self._names.folders = {} if is_file_store(self.tracking_uri) else None  # a name there is a file
         self._start()
 
     def _ensure_open(self) -> None:

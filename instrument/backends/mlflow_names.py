@@ -39,29 +39,61 @@ _MAX_TAG_VALUE = 5000  # MLflow's limit on a tag's value (8000 since MLflow 2.x;
 
 
 def unique_name(key: str, names: Dict[str, str], owners: Dict[str, Optional[str]], what: str,
-                 limit: int = MAX_KEY, flags: int = 0) -> str:
+                 limit: int = MAX_KEY, flags: int = 0, folders: Optional[Set[str]] = None) -> str:
     """A key's MLflow name for the whole run. Sanitising can map two keys to one name (``acc[top1]`` and
     ``acc_top1_`` both to ``acc_top1_``), which would merge two metric series into one, or make MLflow refuse
     a batch with a duplicate param: the later key gets a numbered name (``acc_top1__2``) and one warning
     naming both keys. A name the run held before a resume (owner None) is taken by the first key that maps
-    to it."""
+    to it. ``folders`` (a file store, which keeps each name as a file: every folder the table's names make)
+    keeps a name from being a folder of another's file or the reverse (``a`` beside ``a/b``), which fails the
+    whole batch: the later key is numbered where it meets the other (``a_2`` or ``a_2/b``)."""
     name = names.get(key)
     if name is not None:
         return name
     name = safe = safe_name(key, limit, flags)
-    number = 1
-    while name in owners and owners[name] is not None:
+    number, clash = 1, _clash(name, owners, folders)
+    while clash is not None:
         number += 1
-        name = f"{safe[: limit - 8]}_{number}"
+        head = _file_above(safe, owners) if folders is not None else None
+        name = (_path(f"{head[: limit - 8]}_{number}{safe[len(head):]}"[:limit]) if head is not None
+                else f"{safe[: limit - 8]}_{number}")
+        if _clash(name, owners, folders) is None:
+            break
     if number > 1:
         log.warning(
-            "instrument: MLflow %s key %r sanitises to %r, the MLflow name of key %r; it is logged as %r "
-            "instead, so the two stay apart. Rename one of the keys to avoid this.",
-            what, key, safe, owners[safe], name,
+            "instrument: MLflow %s key %r sanitises to %r, %s; it is logged as %r instead, so the two stay apart. "
+            "Rename one of the keys to avoid this.", what, key, safe,
+            f"the MLflow name of key {owners[clash]!r}" if clash == safe else
+            f"which a file store cannot keep beside {clash!r} (each name is a file)", name,
         )
     names[key] = name
     owners[name] = key
+    if folders is not None:
+        folders.update(_heads(name))
     return name
+
+
+def _heads(name: str) -> List[str]:
+    """The folders a name makes in a file store: ``a/b/c`` makes ``a`` and ``a/b``."""
+    parts = name.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _file_above(name: str, owners: Mapping[str, Optional[str]]) -> Optional[str]:
+    """The name held as a file where ``name`` needs a folder (``a`` for ``a/b``), or None."""
+    return next((head for head in _heads(name) if head in owners), None)
+
+
+def _clash(name: str, owners: Mapping[str, Optional[str]], folders: Optional[Set[str]]) -> Optional[str]:
+    """What keeps ``name`` from a key: the name itself, held by another key; in a file store (``folders``) also
+    a held name that is a folder above it, or ``name`` itself when it is a folder of held names."""
+    if owners.get(name) is not None:
+        return name
+    if folders is None:
+        return None
+    if name in folders:
+        return next(other for other in owners if other.startswith(name + "/"))
+    return _file_above(name, owners)
 
 
 def safe_name(name: str, limit: int = MAX_KEY, flags: int = 0) -> str:
@@ -141,6 +173,8 @@ class RunNames:
         self._tags: List[Tuple[str, str]] = []
         self._tagged: Set[Tuple[str, str]] = set()  # (kind, key) whose tag is queued or taken
         self._hashed: Dict[str, Dict[str, str]] = {}  # kind -> {key digest: name}: long keys of a resumed run
+        # A file store (`file:`) keeps each name as a file: per kind, the folders its names make (`unique_name`).
+        self.folders: Optional[Dict[str, Set[str]]] = None
 
     def table(self, kind: str) -> Tuple[Dict[str, str], Dict[str, Optional[str]]]:
         return self.tables.setdefault(kind, ({}, {}))
@@ -156,9 +190,12 @@ class RunNames:
         name = hashed.pop(key_digest(key), None) if hashed and len(key) > limit else None
         if name is not None:  # a long key of the run before the resume: its tag holds its digest
             names[key], owners[name] = name, key
+            if self.folders is not None:
+                self.folders.setdefault(kind, set()).update(_heads(name))
             self._tagged.add((kind, key))
             return name
-        name = unique_name(key, names, owners, what or kind, limit, flags)
+        folders = None if self.folders is None else self.folders.setdefault(kind, set())
+        name = unique_name(key, names, owners, what or kind, limit, flags, folders)
         if (name != key or kind not in ("metric", "param")) and (kind, key) not in self._tagged:
             self._tagged.add((kind, key))
             self._tags.append(name_tag(name, key, kind))
@@ -175,3 +212,6 @@ class RunNames:
         """A resumed run's names (`restore_names`); the params it holds are taken to be free until then."""
         self.table("param")[1].update(dict.fromkeys(params))
         restore_names(tags, metrics, params, self.table, lambda kind: self._hashed.setdefault(kind, {}))
+        if self.folders is not None:  # the folders the held names make in a file store
+            for kind, (_, owners) in self.tables.items():
+                self.folders[kind] = {head for held in owners for head in _heads(held)}

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from instrument.errors import ConfigurationError
 
-__all__ = ["LAST_STEP_TAG", "check_uri", "http_settings", "is_remote", "is_unreachable", "last_step"]
+__all__ = ["LAST_STEP_TAG", "check_uri", "http_settings", "is_file_store", "is_remote", "is_unreachable", "last_step"]
 
 # Tracking-URI schemes MLflow itself serves (mlflow/tracking/_tracking_service/utils.py); plugins add more
 # through the ``mlflow.tracking_store`` entry point group. "" is a local path (a file store).
@@ -59,6 +59,12 @@ def is_remote(uri: Optional[str]) -> bool:
     """Whether a store at ``uri`` is reached over the network (a tracking server, a database server, a
     plugin's store), not a local file (None: the run's own SQLite file; a plain path; ``file:``; ``sqlite:``)."""
     return uri is not None and urllib.parse.urlparse(uri).scheme.lower() not in ("", "file", "sqlite")
+
+
+def is_file_store(uri: Optional[str]) -> bool:
+    """Whether ``uri`` is a file store (a plain path, ``file:``), which keeps each metric, param and tag as a file
+    named by its key: there ``a`` and ``a/b`` cannot both be held (`mlflow_names.unique_name`)."""
+    return uri is not None and urllib.parse.urlparse(uri).scheme.lower() in ("", "file")
 
 
 def _plugin_schemes() -> List[str]:

@@ -18,8 +18,8 @@ from instrument.probes.probe import Probe
 
 __all__ = ["ProbeSet"]
 
-# id(probe) -> [probe, how many sets have it on]: sets of one session or several share a probe's one ``enabled``
-_holders: Dict[int, List[Any]] = {}
+# `probe_identity` -> [probe, how many sets have it on]: sets of one session or several share a probe's ``enabled``
+_holders: Dict[Any, List[Any]] = {}
 _holders_lock = threading.Lock()
 
 
@@ -79,7 +79,7 @@ class ProbeSet:
             if self._held:  # on already (and counted once)
                 return
             for probe in self.probes.values():
-                entry = _holders.setdefault(id(probe), [probe, 0])
+                entry = _holders.setdefault(probe_identity(probe), [probe, 0])
                 entry[1] += 1
                 self._held.append(probe)  # as it goes: an `on` that raises half way is undone by `off` exactly
                 probe.enabled = True
@@ -95,15 +95,22 @@ class ProbeSet:
         with _holders_lock:
             held, self._held = self._held, []
             for probe in held:
-                entry = _holders.get(id(probe))
+                entry = _holders.get(probe_identity(probe))
                 if entry is None or entry[1] <= 1:
-                    _holders.pop(id(probe), None)
+                    _holders.pop(probe_identity(probe), None)
                     probe.enabled = False
                 else:
                     entry[1] -= 1
 
     def __len__(self) -> int:
         return len(self.probes)
+
+
+def probe_identity(probe: Any) -> Any:
+    """What makes two found probes one: an eager `Probe` is itself, but a probe inside a ScriptModule is seen through
+    a `ScriptedProbe` made anew by each watch, and two of them are one probe when they wrap the same TorchScript
+    module (whose hash is its object's identity)."""
+    return ("scripted", hash(probe._c)) if isinstance(probe, script.ScriptedProbe) else id(probe)
 
 
 def _eager_tree_probes(root: nn.Module) -> List[Tuple[str, Any]]:
@@ -128,7 +135,7 @@ def check_unique_names(watched: Sequence["ProbeSet"], new: "ProbeSet") -> None:
     """Probe names are unique across the models one session watches: a value goes to one name."""
     for probes in watched:
         for name in sorted(set(new.probes) & set(probes.probes)):
-            if new.probes[name] is not probes.probes[name]:
+            if probe_identity(new.probes[name]) != probe_identity(probes.probes[name]):
                 raise ProbeError(
                     f"probe {name!r} of {new.label} (at {new.paths[name]!r}) has the same name as a "
                     f"probe of already watched {probes.label} (at {probes.paths[name]!r}); probe names "

@@ -212,3 +212,47 @@ def test_plain_torch_jit_script_of_a_module_whose_probes_are_on_is_refused_and_i
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.jit.script(outer.rule)  # outside a step: its probes are off, and scripting is as before
+
+
+class Lookahead(instrument.Observer):
+    """Evaluates the watched rule one step ahead of each observed state, as a diagnostic might."""
+
+    def __init__(self, rule: nn.Module) -> None:
+        super().__init__()
+        self.rule, self.ahead = rule, []
+
+    def reset(self) -> None:
+        self.ahead = []
+
+    def observe(self, context) -> None:
+        self.ahead.append(self.rule(context.next_state))
+
+    def log(self, logger, step) -> None:
+        pass
+
+
+def test_a_watched_module_called_by_an_observer_is_not_an_iteration(caplog):
+    """Each such call went through the watch's hook, which delivered it to the observers from inside their own
+    fan-out: a 3-iteration rollout reached the other observer as 83 contexts, step_index 80, 79, ..., 0, 81, 82
+    (a review). The observer's calls are now its own: not counted, not observed, their probe values dropped."""
+    torch.manual_seed(0)
+    rule = Rule()
+    contexts = []
+    keep = Keep()
+    lookahead = Lookahead(rule)
+    inst = instrument.Instrumentation([lookahead, keep, contexts.append], backends=[], log_interval=1)
+    inst.watch(rule)
+    x = torch.randn(2, 4)
+    states = [x]
+    with caplog.at_level("INFO", logger="instrument"), torch.no_grad(), inst.step(0):
+        for _ in range(3):
+            states.append(rule(states[-1]))
+    inst.close()
+    assert [c.step_index for c in contexts] == [0, 1, 2]
+    with torch.no_grad():
+        for i, context in enumerate(contexts):
+            torch.testing.assert_close(context.next_state, states[i + 1], rtol=0, atol=0)
+            torch.testing.assert_close(keep.seen[i]["h"], rule.lin(states[i]), rtol=0, atol=0)  # not the lookahead's
+            torch.testing.assert_close(lookahead.ahead[i], rule(states[i + 1]), rtol=0, atol=0)
+    assert len(keep.seen) == 3
+    assert caplog.text.count("was called by an observer") == 1

@@ -8,6 +8,7 @@ reported once and skipped for the rest of the step.
 
 import copy
 import logging
+from threading import get_ident
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -58,6 +59,11 @@ class Dispatcher:
         # Set by the session during a logging step (`instrument.core.overhead.OverheadMeter`): each observer
         # call is timed. None otherwise, and then nothing is timed.
         self.clock = None
+        # The threads whose observers run now (rollouts on two threads each have their own): a watched module such
+        # a thread calls meanwhile (an observer's lookahead, ``rule(context.next_state)``) is the observer's own
+        # call, not an iteration (`own_call`).
+        self._observing_threads: Set[int] = set()
+        self._said_own_call = False
 
     @property
     def failures(self) -> Dict[str, int]:
@@ -116,8 +122,10 @@ class Dispatcher:
         # What torch.no_grad() does, without its context manager's Python overhead (a few us per call, paid
         # on every iteration of every logging step). torch._C._set_grad_enabled is what the public
         # torch.set_grad_enabled calls; called directly it is about 1.4 us cheaper per pair of calls.
-        grad_was = torch.is_grad_enabled()
+        grad_was, thread = torch.is_grad_enabled(), get_ident()
         torch._C._set_grad_enabled(False)
+        entered = thread not in self._observing_threads  # (not when an observer calls s.observer itself)
+        self._observing_threads.add(thread)
         try:
             if clock is None:
                 for index, name, observe in observing:
@@ -137,7 +145,22 @@ class Dispatcher:
                     begun = clock.lap(name, begun)  # this observer's span ends where the next one's begins
                 clock.call_stop(start, begun)
         finally:
+            if entered:
+                self._observing_threads.discard(thread)
             torch._C._set_grad_enabled(grad_was)
+
+    def own_call(self, module: str) -> bool:
+        """Whether a watched module's call comes from an observer (this thread is inside the fan-out): such a call
+        is not an iteration. Each one would otherwise be delivered from inside the fan-out, whose observers then
+        called it again: the rollout's iterations were counted over and over, out of order. Said once."""
+        if not self._observing_threads or get_ident() not in self._observing_threads:
+            return False
+        if not self._said_own_call:
+            self._said_own_call = True
+            log.info("instrument: watched module %s was called by an observer while it observed an iteration; such "
+                     "calls are the observer's own: not counted as iterations, not observed, and the probe values "
+                     "they record are dropped. (Said once.)", module)
+        return True
 
     def end(self, logger, step: int, gradients: Optional[Mapping[str, List[Tensor]]] = None) -> None:
         self.guard.end(self.calls)

@@ -241,8 +241,8 @@ class StateWatch:
     def _before(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Before each call: the state tensor and its version (and, where `_calls` says, a copy), so that the
         hook after the call has the state as it was."""
-        if torch._C._is_tracing() or in_trace_check():  # torch.jit.trace running the module: not an iteration
-            return
+        if torch._C._is_tracing() or in_trace_check() or self.deliver.own_call(self.name):  # not an iteration
+            return  # (torch.jit.trace running the module, or an observer calling it)
         if not self.iterations and not self._said_compiled and self._switch is not None:
             self._say_compiled_caller()
         clock = getattr(self.deliver, "clock", None)  # the session's overhead meter, on measured logging steps
@@ -260,7 +260,7 @@ class StateWatch:
     def _hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if torch._C._is_tracing():  # (torch.jit.is_tracing without its Python check for TorchScript)
             return
-        if in_trace_check():  # and the probe values it recorded go with it
+        if in_trace_check() or self.deliver.own_call(self.name):  # and the probe values it recorded go with it
             self._discard_probe_values()
             return
         clock = getattr(self.deliver, "clock", None)  # its own work counts, the observers' fan-out inside it once

@@ -382,7 +382,8 @@ def _check_paired(header: np.ndarray) -> None:
     closing, training = header[5] > 0, -header[6] < 1
     if closing and training:
         problem = ("some rank is closing its logger (its last commit) while another commits a training step: that "
-                   "rank ran fewer logging steps")
+                   "rank ran fewer logging steps, or a commit of it raised before the ranks met (look for its error "
+                   "there: a value refused by log_metrics(..., commit=True), a step that went back)")
     elif math.isfinite(high) and math.isfinite(low) and (high != low or rest_high != rest_low):
         if high == low:  # steps beyond 2**53 that float64 rounds alike: the rests tell them apart, exactly
             low, high = int(low) + int(rest_low), int(high) + int(rest_high)

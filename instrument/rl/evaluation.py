@@ -267,6 +267,22 @@ class Evaluation(RLComponent):
             state["runner"] = self._runner_state
         return state
 
+    def state_after_run(self, frames: int) -> Dict[str, Any]:
+        """`state_dict` as it will be once the evaluation due at ``frames`` (or the one already due) has run: a
+        checkpoint saved inside an iteration that counts the iteration as done, whose end runs that evaluation
+        (`instrument.rl.resume`). Saved as before the run, the resumed run evaluated again at its first iteration,
+        a step the uninterrupted run never logged, with the seeds the saved run had already used. The runner's
+        state goes on past the run's episodes where the runner can say so (``evaluation_state_after(episodes)``,
+        as `GymnasiumRunner` does); another runner's is saved as it is."""
+        state = self.state_dict()
+        frames = self._due_at if self._due_at is not None else frames
+        state["next_due"] = (int(frames) // self.every_frames + 1) * self.every_frames
+        state["runs"] += 1
+        after = getattr(self._runner, "evaluation_state_after", None)
+        if "runner" in state and _stateful(self._runner) and callable(after):
+            state["runner"] = after(len(self.modes) * self.episodes)
+        return state
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         source = "Evaluation.state_dict() (RLLogging.state_dict()['evaluation'])"
         if not isinstance(state, dict) or "next_due" not in state:

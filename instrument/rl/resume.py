@@ -64,15 +64,28 @@ def _own_state(rl: "RLLogging") -> Dict[str, Any]:
     """The counters, the evaluation schedule and the other components' states (under the set's lock)."""
     counters, inst = rl.counters.state_dict(), rl.instrumentation
     inside = rl._in_block or not rl._blocks  # a loop without `iteration` blocks: a batch since the last end
-    if (rl.counters.counting and inside) or (inst is not None and rl.step_unit == "iterations" and
-                                             inst.active_step == rl.step):  # inside an iteration: done
+    done = (rl.counters.counting and inside) or (inst is not None and rl.step_unit == "iterations" and
+                                                 inst.active_step == rl.step)  # inside an iteration: done
+    if done:
         counters["iterations"] += 1
     state: Dict[str, Any] = {"version": STATE_VERSION, "counters": counters}
-    if rl.evaluation is not None:
-        state["evaluation"] = rl.evaluation.state_dict()
+    if rl.evaluation is not None:  # an evaluation the iteration counted as done runs at its end: saved as run
+        evaluates = done and _evaluates_at_end(rl, counters["frames"])
+        state["evaluation"] = (rl.evaluation.state_after_run(counters["frames"]) if evaluates else
+                               rl.evaluation.state_dict())
     comps = {name: comp.state_dict() for name, comp, _ in rl.members if name not in _OWN_PARTS}
     state["components"] = {k: v for k, v in comps.items() if v}
     return state
+
+
+def _evaluates_at_end(rl: "RLLogging", frames: int) -> bool:
+    """Whether the open iteration's end runs the evaluation (`RLLogging.end_iteration`): one is due at ``frames``,
+    and the iteration commits, which a due evaluation asks for (under a process group only a logging iteration
+    commits, and a due evaluation waits for one)."""
+    evaluation = rl.evaluation
+    if evaluation is None or not (evaluation._due_at is not None or evaluation.due(frames)):
+        return False
+    return not distributed(rl._logger) or rl._is_logging_iteration(rl.counters.iterations)
 
 
 def _session_state(inst: Any, ahead: Optional[int]) -> Dict[str, Any]:

@@ -131,6 +131,10 @@ class GymnasiumRunner:
         runner may define this and `load_evaluation_state` to keep a state of plain values across a resume."""
         return {"episode": int(self._episode)}
 
+    def evaluation_state_after(self, episodes: int) -> Dict[str, Any]:
+        """`evaluation_state` once ``episodes`` more episodes have run (`Evaluation.state_after_run`)."""
+        return {"episode": int(self._episode) + int(episodes)}
+
     def load_evaluation_state(self, state: Dict[str, Any]) -> None:
         episode = state.get("episode") if isinstance(state, dict) else None
         if isinstance(episode, bool) or not isinstance(episode, numbers.Integral) or episode < 0:

@@ -1,0 +1,76 @@
+"""A checkpoint saved inside an iteration whose end runs a due evaluation: the resumed run goes on with the
+evaluation schedule and seeds of the run that was never interrupted, read back from JSONL."""
+
+import json
+
+import numpy as np
+import torch
+
+import instrument
+from instrument.rl import CollectionMetrics, Evaluation, GymnasiumRunner, RLLogging
+
+T, N, INTERVAL, ITERATIONS = 4, 2, 5, 12  # 8 frames an iteration: evaluations due at iterations 2, 5, 8, 11
+
+
+class _SeedEnv:
+    """One-step episodes whose return is the reset seed: the logged return names the seed the evaluation used."""
+
+    class action_space:
+        n = 2
+
+    def reset(self, seed=None):
+        self.seed = seed
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, dtype=np.float32), float(self.seed), True, False, {}
+
+    def close(self):
+        pass
+
+
+def _session(folder, resume=False):
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=INTERVAL, log_dir=str(folder),
+                                      run_name="r", resume=resume, overhead_budget=None)
+    runner = GymnasiumRunner(lambda: _SeedEnv(), torch.nn.Linear(2, 2), seed=100)
+    rl = RLLogging(collection=CollectionMetrics(time_dim=0), progress=None,
+                   evaluation=Evaluation(every_frames=3 * T * N, max_steps=3)).attach(inst, eval_runner=runner)
+    return inst, rl
+
+
+def _iterate(inst, rl, iteration, save=False):
+    g = torch.Generator().manual_seed(iteration)
+    with inst.step(iteration), rl.iteration():
+        reward = torch.rand(T, N, generator=g, dtype=torch.float64)
+        rl.observe_batch(reward=reward, done=torch.ones(T, N, dtype=torch.bool))
+        return rl.state_dict() if save else None
+
+
+def _evaluations(folder):
+    lines = [json.loads(line) for line in (folder / "r" / "metrics.jsonl").read_text().splitlines()]
+    return [(x["step"], {k: v for k, v in x["metrics"].items() if k.startswith(("eval/", "counters/"))})
+            for x in lines if "step" in x and any(k.startswith("eval/") for k in x["metrics"])]
+
+
+def test_a_checkpoint_inside_an_iteration_that_evaluates_resumes_without_evaluating_again(tmp_path):
+    """Saved inside iteration 5 (a logging step with an evaluation due), the state counted the iteration as done
+    but kept the schedule from before its evaluation: the resumed run evaluated again at step 6, a step the
+    uninterrupted run never logged, with the seeds step 5 had used, and the interval's values moved to it."""
+    inst, rl = _session(tmp_path / "a")
+    for iteration in range(ITERATIONS):
+        _iterate(inst, rl, iteration)
+    rl.close()
+    inst.close()
+    inst, rl = _session(tmp_path / "b")
+    checkpoint = [_iterate(inst, rl, iteration, save=iteration == 5) for iteration in range(8)][5]  # 6, 7: lost
+    rl.close()
+    inst.close()
+    inst, rl = _session(tmp_path / "b", resume=True)
+    rl.load_state_dict(checkpoint)
+    for iteration in range(rl.step, ITERATIONS):
+        _iterate(inst, rl, iteration)
+    rl.close()
+    inst.close()
+    expected = _evaluations(tmp_path / "a")
+    assert [step for step, _ in expected] == [2, 5, 8, 11]
+    assert _evaluations(tmp_path / "b") == expected  # the same steps, the same seeds (returns)

@@ -88,3 +88,26 @@ def test_the_fused_path_holds_at_most_chunk_bytes_of_differences_at_once(monkeyp
     grads[-1][0] = float("nan")
     assert grad_counts(grads).tolist() == [0] * 2999 + [1]
     assert len(sizes) > 1 and max(sizes) <= module.CHUNK and sum(sizes) == 3000 * 4096 * 8
+
+
+def test_a_sparse_gradient_of_repeated_indices_counts_each_element_of_the_parameter_once(tmp_path):
+    """nn.Embedding(sparse=True) leaves an uncoalesced gradient, one row per looked-up index: a row looked up 3
+    times with an inf in it was counted 3 times (grad_count 3 for 1 non-finite element, or one finite row summed
+    to inf missed). Read back from JSONL against NumPy's count of the dense gradient."""
+    import json
+
+    import instrument
+
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    path = tmp_path / "m.jsonl"
+    inst = instrument.Instrumentation([instrument.NonFinite(module=emb)], backends=[instrument.JsonlBackend(str(path))],
+                                      log_interval=1, log_dir=str(tmp_path))
+    with inst.step(0):
+        scale = torch.tensor([[np.inf, 1.0, 1.0, 1.0]] * 3 + [[2e38, 1.0, 1.0, 1.0]] * 2)  # the gradient's rows
+        (emb(torch.tensor([1, 1, 1, 5, 5])) * scale).sum().backward()
+        assert not emb.weight.grad.is_coalesced()
+        want = _reference([emb.weight.grad.to_dense()])[0]
+    inst.close()
+    metrics = json.loads(path.read_text().splitlines()[-1])["metrics"]
+    assert want == 2  # row 1's inf; row 5's two finite 2e38 sum to inf (float32)
+    assert metrics["nonfinite/grad_count/weight"] == want and metrics["nonfinite/grad_count"] == want

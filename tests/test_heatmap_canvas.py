@@ -160,3 +160,22 @@ def test_a_long_name_of_a_wide_column_is_shortened_to_its_cell_and_laid_flat():
     matrix = np.arange(4.0).reshape(4, 1)
     image = render.render_heatmap(matrix, x_ticks=["encoder.blocks." * 20 + "end"])
     assert image.shape == render.render_heatmap(matrix, x_ticks=["end"]).shape
+
+
+def test_a_fixed_range_of_subnormal_numbers_is_drawn_not_dropped(tmp_path):
+    """color_range=(0, 1e-323) is accepted (finite, lo < hi), but the colour bar's round step, a quarter of the
+    span, is below float64's normal numbers: log10 of 0 failed on the writer thread and the heatmap was dropped
+    with a message blaming its shape. Drawn now, each cell its colour, the bar's ends labelled apart."""
+    lo, hi = 0.0, 1e-323
+    logger = Logger([TensorBoardBackend()], RunInfo("r", tmp_path))
+    logger.log_heatmap("hm", np.array([[lo, hi / 2, hi, 1.0]]), step=0, color_range=(lo, hi))
+    logger.commit(0)
+    logger.close()
+    assert logger.failures == {}
+    image = _tb_images(tmp_path / "r", "hm")[0]
+    left, top, cw, ch = render.heatmap_geometry(1, 4)
+    want = VIRIDIS_LUT[np.round(np.array([0.0, 0.5, 1.0, 1.0]) * 255).astype(int)]  # 1.0: above the range
+    np.testing.assert_array_equal(image[top + ch // 2, left + cw // 2::cw][:4], want)
+    ticks = render.colorbar_ticks(lo, hi, ch)
+    texts = render.colorbar_labels(ticks, one_colour=False)
+    assert [v for v, _ in ticks] == [hi, lo] and texts[0] != texts[1] and float(texts[1]) == lo, texts

@@ -5,6 +5,7 @@ at least 14 pixels apart, and each label's number of significant digits.
 """
 
 import math
+import sys
 from typing import Optional
 
 __all__ = ["colorbar_labels", "colorbar_ticks", "is_degenerate", "ticks_and_step"]
@@ -19,9 +20,12 @@ def _fmt(v: float, precision: int = 3) -> str:
     return f"{v:.0f}" if "e+" in text and abs(v) < 999999.5 else text
 
 
-def _nice_step(span: float, count: int = 4) -> float:
-    """A step of 1, 2 or 5 times a power of ten giving about ``count`` intervals over ``span``."""
+def _nice_step(span: float, count: int = 4) -> Optional[float]:
+    """A step of 1, 2 or 5 times a power of ten giving about ``count`` intervals over ``span``; None where that
+    is below float64's normal numbers (a range of subnormals, such as (0, 1e-323)): its power of ten is 0."""
     raw = span / count
+    if not raw >= sys.float_info.min:
+        return None
     power = 10.0 ** math.floor(math.log10(raw))
     for factor, below in ((1.0, 1.5), (2.0, 3.0), (5.0, 7.0)):
         if raw / power < below:
@@ -62,6 +66,8 @@ def ticks_and_step(lo: float, hi: float, height: int):
     if not math.isfinite(hi - lo):  # the span overflows float64
         return ticks, None
     step = _nice_step(hi - lo)
+    if step is None:
+        return ticks, None
     first, last = math.ceil(lo / step), math.floor(hi / step)
     if max(abs(first), abs(last)) > 2**52 or last - first > _MAX_TICKS:  # indices no longer exact
         return ticks, step
@@ -93,7 +99,8 @@ def colorbar_labels(ticks, one_colour: Optional[bool] = None, step: Optional[flo
     if hi - lo < math.inf:
         magnitude = math.floor(math.log10(max(abs(lo), abs(hi))))
         step = _nice_step(hi - lo) if step is None else step
-        precision = max(3, magnitude - math.floor(math.log10(step)) + 1)
+        if step is not None:  # else 3 digits, more below until neighbouring labels differ
+            precision = max(3, magnitude - math.floor(math.log10(step)) + 1)
     # Each value formatted once per precision (`_fmt` inlined: the values are finite). The values are distinct
     # and rounding keeps their order, so two labels alike anywhere means two neighbours alike; 17 significant
     # digits tell any two float64 apart: the loop ends.

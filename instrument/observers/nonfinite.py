@@ -284,8 +284,11 @@ class NonFinite(Observer):
             metrics["first_iteration"] = torch.where(earliest == none, -1, earliest)
             metrics["count"] = (counts[0] if len(counts) == 1 else torch.cat(counts)).sum()
         # A sparse gradient (nn.Embedding(sparse=True)) is checked through its stored values: isfinite has no
-        # sparse kernel, so it failed the whole log, losing every other count of the step.
-        grads = [(name, p.grad if p.grad.layout == torch.strided else p.grad._values())  # `log`: under no_grad
+        # sparse kernel, so it failed the whole log, losing every other count of the step. Coalesced first: an
+        # embedding's gradient holds one row per looked-up index, repeats included, and a row looked up 3 times
+        # counted its non-finite elements 3 times (more than the parameter holds).
+        # host sync: on a GPU, coalescing learns how many distinct rows there are (sparse gradients, logging steps).
+        grads = [(name, p.grad if p.grad.layout == torch.strided else p.grad.coalesce()._values())  # under no_grad
                  for name, p in self._params if p.grad is not None]
         self._amp = bool(grads) and self.loss_scale is not None and self.loss_scale.enabled
         if grads:

@@ -246,12 +246,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         run.error("run needs a config: a shipped name (instrument list shows them) or a path to a .gin file")
 
     from instrument import config
+    from instrument.config.parse import check_bound_macros
     from instrument.errors import InstrumentError
 
     config.clear_config()  # each call runs its own config: nothing bound by an earlier call in this process
     try:
         config.parse_config(args.config, args.bind)
         config.require_experiment()  # before run: gin would start the run's instrumentation for nothing
+        check_bound_macros(args.bind)  # `--bind 'train_nca_steps = 2'`: a macro nothing uses, not a binding
     except InstrumentError as exc:
         if args.debug:
             raise

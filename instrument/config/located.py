@@ -147,8 +147,13 @@ def _lines(files: Sequence[str], bindings: Sequence[str]) -> Iterator[Tuple[str,
         except InstrumentError:  # it parsed before; nothing to point at
             continue
         yield from _file_lines(path, path.parent, "", 0)
-    for b in bindings:
-        yield f"--bind {b!r}", b
+    for b in bindings:  # a --bind may hold several lines, and include a file (read from the working directory)
+        where = f"--bind {b!r}"
+        for line in b.splitlines() or [b]:
+            yield where, line
+            included = _included(line, Path(), Path("--bind"))
+            if included is not None:
+                yield from _file_lines(included, Path(), where, 1)
 
 
 def _file_lines(path: Path, top: Path, outer: str, depth: int) -> Iterator[Tuple[str, str]]:

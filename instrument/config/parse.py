@@ -10,6 +10,7 @@ says where (file and line, or which ``--bind``), what was wrong and how to fix i
 import difflib
 import inspect
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,7 @@ import gin
 
 from instrument.config import types
 from instrument.config.experiment import MISSING_EXPERIMENT, MissingExperimentError
-from instrument.config.explain import GIN_ERRORS, explain, secret_free
+from instrument.config.explain import GIN_ERRORS, _known_names, _parameters, explain, secret_free
 from instrument.config.files import (
     CONFIG_DIR,
     AmbiguousNameError,
@@ -53,6 +54,7 @@ __all__ = [
     "AmbiguousNameError",
     "GinConfigError",
     "ShippedConfig",
+    "check_bound_macros",
     "clear_config",
     "operative_config",
     "parse_config",
@@ -246,6 +248,39 @@ def check_macros(files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Non
                     statement or f"{selector}.{param} = %{name}",
                     f"{hint}define it with a line `{name} = value` (in a .gin file, or --bind '{name} = 10'), "
                     f"or correct its name.")
+
+
+def check_bound_macros(bindings: Sequence[str] = ()) -> None:
+    """Refuse a ``--bind`` that defines a macro nothing in the parsed config uses: gin reads a name without a
+    ``.`` as a macro, so ``train_nca_steps = 2`` or ``log_interval = 1`` (a misspelt binding) changed nothing,
+    silently. Called by the CLI once the whole config is parsed; a program parsing in stages (a macro for a
+    file parsed later) calls `parse_config` itself and is not judged."""
+    config = getattr(gin.config, "_CONFIG", {})
+    used = {name for params in list(config.values()) for value in params.values() for name in _macros_in(value)}
+    for binding in bindings:
+        for line in binding.splitlines():
+            defined = re.match(r"\s*([\w/]+)\s*=", line)
+            if defined is None or defined[1] in used or (defined[1], "gin.macro") not in config:
+                continue
+            name = defined[1]
+            meant = _meant_bindings(name.rsplit("/", 1)[-1])
+            hint = f"did you mean {' or '.join(meant)}? " if meant else ""
+            raise GinConfigError(
+                f"{name} = ... defines the macro {name} (a name without a '.'), and nothing uses %{name}: "
+                f"this binding changes nothing", f"--bind {binding!r}", line.strip(),
+                f"{hint}bind a parameter as Name.param = value (instrument list shows the shipped configs), or "
+                f"use the macro where a value goes: Name.param = %{name}.")
+
+
+def _meant_bindings(name: str) -> List[str]:
+    """``Name.param`` bindings a macro's name may have meant: ``train_nca_steps`` -> ``train_nca.steps``,
+    ``log_interval`` -> ``Instrumentation.log_interval`` (the configurables the parsed config binds first)."""
+    bound = [selector.rsplit(".", 1)[-1] for (_, selector) in list(getattr(gin.config, "_CONFIG", {}))
+             if selector != "gin.macro"]
+    known = list(dict.fromkeys([*bound, *_known_names()]))
+    found = [f"{short}.{param}" for short in known for param in _parameters(short)
+             if name in (param, f"{short}_{param}", f"{short}.{param}".lower().replace(".", "_"))]
+    return list(dict.fromkeys(found))[:3]
 
 
 def _macros_in(value: Any) -> List[str]:

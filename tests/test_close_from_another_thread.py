@@ -71,3 +71,42 @@ def test_a_close_while_the_block_ends_does_not_raise_in_the_training_thread(capl
     assert any("closed while logging step 0 was ending" in r.getMessage()
                for r in caplog.records)
     assert not any("slow/seen" in r.scalars for r in sink.records)
+
+
+def test_two_closes_at_once_close_observers_and_components_once():
+    """The training thread's close() inside a logging block (an early stop) ends the step first; another thread's
+    close() (a watchdog) that came meanwhile found the session not yet marked closed and closed it too: when the
+    first went on, every observer's and component's close() ran a second time (a review)."""
+    in_log, closed = threading.Event(), threading.Event()
+    closes = []
+
+    class Slow(instrument.Observer):
+        def observe(self, context):
+            pass
+
+        def log(self, logger, step):
+            in_log.set()
+            closed.wait(10)  # the other thread's close() runs whole now
+
+        def close(self):
+            closes.append("observer")
+
+    class Component:
+        def log(self, logger, step):
+            pass
+
+        def close(self):
+            closes.append("component")
+
+    inst = instrument.Instrumentation(observers=[Slow(name="slow")], backends=[Sink()], log_interval=1,
+                                      overhead_budget=None)
+    inst.add_component(Component())
+    closer = threading.Thread(target=lambda: (in_log.wait(10), inst.close(), closed.set()))
+    closer.start()
+    with inst.step(0) as s:
+        s.observer(instrument.StepContext(torch.zeros(2), torch.ones(2)))
+        inst.close()
+    closer.join()
+    assert sorted(closes) == ["component", "observer"]
+    inst.close()  # idempotent
+    assert sorted(closes) == ["component", "observer"]

@@ -247,7 +247,6 @@ class Instrumentation(StepLifecycle):
         ``state=False`` only the embedded probes are switched on; their values reach observers through
         ``s.observer(StepContext(...))`` calls (the explicit evolver style): for a model whose forward is a whole
         rollout, or whose loop calls ``s.observer`` itself. A ``torch.compile`` wrapper and its module are one.
-
         Nothing is registered on the module now: hooks exist and probes are on only inside logging steps.
         """
         if self._closed:
@@ -454,7 +453,8 @@ class Instrumentation(StepLifecycle):
                 log.exception("instrument: ending logging step %d at close failed", scope.step)
             except BaseException as exc:
                 interrupted = exc
-        self._closed = True  # from another thread: the open block's own exit then ends it, committing nothing
+        if not self._claim_close(interrupted):  # another thread's close() ran while this one ended its step
+            return
         dropped.untrack(self)
         try:  # hooks, probes and the recorder off even after a step cut short by Ctrl-C (they outlive the session)
             run_all([watch.detach for watch in self._watches] + [self._release_probes])

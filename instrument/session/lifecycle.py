@@ -26,6 +26,8 @@ NO_FLUSH = object()  # no checkpoint counted the open step (`StepLifecycle._flus
 
 log = logging.getLogger("instrument")
 
+_close_lock = threading.Lock()  # `StepLifecycle._claim_close`: held for two bytecodes
+
 
 class StepLifecycle:
     """Mixin of `Instrumentation` (uses its logger, dispatcher, watches, probe sets and overhead meter)."""
@@ -151,6 +153,17 @@ class StepLifecycle:
                 self._loss_scale.end()
             self._flush_on_commit = NO_FLUSH  # a checkpoint's promise ends with its block, committed or not
             self._stop_clock(failed)
+
+    def _claim_close(self, interrupted: Optional[BaseException]) -> bool:
+        """Mark the session closed; False when another thread's close() did first (while this one ended its step
+        inside the block): that close does the rest, so observers and components are closed once. ``interrupted``
+        (a Ctrl-C while this one ended its step) is raised then. From another thread, the open block's own exit
+        then ends its step, committing nothing."""
+        with _close_lock:
+            already, self._closed = self._closed, True
+        if already and interrupted is not None:
+            raise interrupted
+        return not already
 
     def _flush_checkpointed(self) -> None:
         """A checkpoint saved inside this block counted its step as committed (`Instrumentation.state_dict`):

@@ -223,6 +223,19 @@ def test_a_step_scope_made_before_close_and_entered_after_it_is_refused(rule):
     assert obs.calls == [] and not rule._forward_hooks and not rule._forward_pre_hooks
 
 
+def test_a_component_added_after_close_is_refused():
+    """A review found add_component accepted after close(): its log and close never ran, without a word."""
+
+    class Component:
+        def log(self, logger, step):
+            pass
+
+    inst = instrument.Instrumentation([], backends=[], log_interval=1)
+    inst.close()
+    with pytest.raises(instrument.ConfigurationError, match="this Instrumentation is closed"):
+        inst.add_component(Component())
+
+
 def test_two_threads_entering_steps_of_one_session_are_never_both_inside_and_are_told_why():
     """A review found the "steps do not nest" check racy: checked, then the logger's mark (a lock, where the GIL
     may switch), then taken. Both threads were inside a step thousands of times per run; one's exit then cleared

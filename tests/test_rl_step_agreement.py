@@ -109,3 +109,41 @@ def test_rl_close_at_the_top_of_a_later_non_logging_block_writes_the_tail(tmp_pa
                 rl.observe_batch(**_batch(k))
     inst.close()
     assert [(step, iterations) for step, _, iterations in _written(tmp_path)] == [(0, 1.0), (4, 5.0)]
+
+
+@pytest.mark.parametrize("log_interval", [1, 2])
+def test_iterations_that_raise_in_a_row_each_use_their_step_up(tmp_path, log_interval):
+    """Two failures in a row (steps 2 and 3): the second was taken for iteration 2 again, so the next iteration,
+    inside `inst.step(4)`, was refused as a 1-based loop and the run stopped."""
+    inst, rl = _session(tmp_path, log_interval)
+    steps_seen = []
+    for k in range(7):
+        try:
+            with inst.step(k), rl.iteration():
+                steps_seen.append(rl.step)
+                rl.observe_batch(**_batch(k))
+                if k in (2, 3, 4):
+                    raise SkipBatch
+        except SkipBatch:
+            pass
+    rl.close()
+    inst.close()
+    assert steps_seen == list(range(7))  # rl.step is the open block's in every iteration, failed ones too
+    written = _written(tmp_path)
+    assert [step for step, _, _ in written] == [k for k in range(7) if k % log_interval == 0 and k not in (2, 3, 4)]
+    assert all(frames == 8.0 * (step + 1) and iterations == step + 1 for step, frames, iterations in written)
+
+
+def test_a_frame_counted_iteration_in_a_block_is_told_to_drop_the_block(tmp_path):
+    """The refusal's fix was `inst.step(rl.step)`, the very call that was refused: before the batch, rl.step is
+    the frame count before it."""
+    inst = instrument.Instrumentation(backends=[instrument.JsonlBackend()], log_interval=1, log_dir=str(tmp_path),
+                                      run_name="r", overhead_budget=None)
+    rl = RLLogging(progress=None, collection=CollectionMetrics(time_dim=0), step_unit="frames").attach(inst)
+    with pytest.raises(ConfigurationError) as refused:
+        with inst.step(rl.step), rl.iteration():
+            rl.observe_batch(**_batch(0))
+    rl.close()
+    inst.close()
+    assert "drop the `with inst.step(...)` block" in str(refused.value)
+    assert "or open it with `inst.step(rl.step)`" not in str(refused.value)

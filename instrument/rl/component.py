@@ -99,7 +99,8 @@ def step_disagreement(step_unit: str, index: int, step: int, open_step: int) -> 
                   if open_step == step + 1 else ";") + " open the block with `inst.step(rl.step)`.")
     else:
         fix = ("with step_unit='frames' the step is known only after the batch: drop the `with inst.step(...)` "
-               "block (RLLogging commits through inst.commit_step), or open it with `inst.step(rl.step)`.")
+               "block; RLLogging commits through inst.commit_step (`inst.step(rl.step)` opened before the batch "
+               "has the frame count before it).")
     return ConfigurationError(f"RLLogging logs iteration {index} at step {step} ({step_unit}) inside "
                               f"`with inst.step({open_step})`; the two must agree. {fix}")
 

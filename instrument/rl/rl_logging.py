@@ -315,6 +315,8 @@ class RLLogging:
         and inside its own `inst.step(k)` block it uses step k up, so the next iteration is k + 1."""
         self.clock.start("iteration")
         self._blocks = self._in_block = True
+        with self._lock:  # a failed iteration before: counted now, so `rl.step` is this block's (and a 2nd failure's)
+            self._settle_failed(getattr(self.instrumentation, "open_step", None))
         try:
             yield self
         except BaseException:
@@ -365,9 +367,7 @@ class RLLogging:
             self._set_runner(eval_runner)
         inst = self.instrumentation
         open_step = inst.open_step if inst is not None else None  # the open block's step, logging or not
-        failed, self._failed_at = self._failed_at, None
-        if failed is not None and open_step == failed + 1:  # the loop went on past an iteration that raised in
-            self.counters.iterations += 1  # its block, which used that step up (a retry reopens the same step)
+        self._settle_failed(open_step)
         index = self.counters.iterations
         step = self.step
         asked = False
@@ -394,6 +394,12 @@ class RLLogging:
             self._own.log(self._logger, step)
             return self._logger.commit(step, paired=self.step_unit != "frames")  # ranks count their own frames
         return inst.commit_step(step)  # inside the open block: None, the block commits at its exit
+
+    def _settle_failed(self, open_step: Optional[int]) -> None:
+        """Count an iteration that raised in its block once the loop opens the next step (a retry: the same)."""
+        failed, self._failed_at = self._failed_at, None
+        if failed is not None and open_step == failed + 1:
+            self.counters.iterations += 1
 
     def _is_logging_iteration(self, index: int) -> bool:
         if self.instrumentation is not None:

@@ -345,11 +345,11 @@ class Instrumentation(StepLifecycle):
 
     def add_component(self, component: Any, name: Optional[str] = None, logs: bool = True) -> ComponentHandle:
         """Register end-of-step work: ``component.log(logger, step)`` runs at the end of every logging step,
-        right before the commit, and ``component.close()`` when the session closes. ``name`` (default: the class name) keys the component in `failures`; a component that raises there is
-        reported once and skipped, the other components and the commit go on. With ``logs=False`` only its
-        ``close`` and the handle's guarded ``call`` are used. Returns a `ComponentHandle`: ``remove()``
-        unregisters it; ``call(method, ...)`` runs another of its methods under the same guard. Refused once the
-        session is closed (its ``log`` and ``close`` would never run)."""
+        right before the commit, and ``component.close()`` when the session closes. ``name`` (default: the class
+        name) keys it in `failures`; a component that raises there is reported once and skipped, the others and
+        the commit go on. With ``logs=False`` only its ``close`` and the handle's guarded ``call`` are used.
+        Returns a `ComponentHandle`: ``remove()`` unregisters it; ``call(method, ...)`` runs another of its
+        methods under the same guard. Refused once the session is closed (``log`` and ``close`` would not run)."""
         if self._closed:
             raise ConfigurationError("this Instrumentation is closed; create a new one for another run.")
         return self._components.add(component, name, logs)

@@ -97,7 +97,8 @@ class RLLogging:
     Args:
         collection: `CollectionMetrics` (default: a fresh one); None turns it off.
         training: `TrainMetrics` (default: a fresh one); None turns it off.
-        counters: `Counters` (default: a fresh one); None stops logging them (they are still counted).
+        counters: `Counters` (default: a fresh one); None stops logging them (they are still counted; the
+            progress bar, which reads the logged counts, then shows no frames).
         evaluation: `Evaluation`, or None (the default) for no evaluation.
         progress: `ProgressBar` (default: one that shows only on a terminal); None turns it off.
         components: further `RLComponent` instances, driven like the built-in ones; each logs under its own prefix.

@@ -8,6 +8,7 @@ import torch
 
 import instrument
 from instrument.rl import CollectionMetrics, Evaluation, GymnasiumRunner, RLLogging
+from tests.test_rl_state import run_and_resume
 
 T, N, INTERVAL, ITERATIONS = 4, 2, 5, 12  # 8 frames an iteration: evaluations due at iterations 2, 5, 8, 11
 
@@ -56,21 +57,7 @@ def test_a_checkpoint_inside_an_iteration_that_evaluates_resumes_without_evaluat
     """Saved inside iteration 5 (a logging step with an evaluation due), the state counted the iteration as done
     but kept the schedule from before its evaluation: the resumed run evaluated again at step 6, a step the
     uninterrupted run never logged, with the seeds step 5 had used, and the interval's values moved to it."""
-    inst, rl = _session(tmp_path / "a")
-    for iteration in range(ITERATIONS):
-        _iterate(inst, rl, iteration)
-    rl.close()
-    inst.close()
-    inst, rl = _session(tmp_path / "b")
-    checkpoint = [_iterate(inst, rl, iteration, save=iteration == 5) for iteration in range(8)][5]  # 6, 7: lost
-    rl.close()
-    inst.close()
-    inst, rl = _session(tmp_path / "b", resume=True)
-    rl.load_state_dict(checkpoint)
-    for iteration in range(rl.step, ITERATIONS):
-        _iterate(inst, rl, iteration)
-    rl.close()
-    inst.close()
+    run_and_resume(tmp_path, _session, _iterate, ITERATIONS, save_at=5)  # iterations 6 and 7 lost
     expected = _evaluations(tmp_path / "a")
     assert [step for step, _ in expected] == [2, 5, 8, 11]
     assert _evaluations(tmp_path / "b") == expected  # the same steps, the same seeds (returns)

@@ -114,6 +114,30 @@ def _written(folder):
     return steps, {line["step"]: line["metrics"] for line in lines if "metrics" in line}
 
 
+def run_and_resume(tmp_path, session, iterate, iterations, save_at, lost=2):
+    """The same run uninterrupted (folder ``a``), and in folder ``b`` checkpointed inside iteration ``save_at``
+    (``iterate(inst, rl, k, save)`` returns the state when ``save``), ``lost`` more iterations that a killed
+    process would lose, then resumed from the checkpoint in a new session and run to the end."""
+    inst, rl = session(tmp_path / "a")
+    for iteration in range(iterations):
+        iterate(inst, rl, iteration, False)
+    rl.close()
+    inst.close()
+    inst, rl = session(tmp_path / "b")
+    checkpoint = None
+    for iteration in range(save_at + 1 + lost):
+        state = iterate(inst, rl, iteration, iteration == save_at)
+        checkpoint = state if iteration == save_at else checkpoint
+    rl.close()
+    inst.close()
+    inst, rl = session(tmp_path / "b", resume=True)
+    rl.load_state_dict(checkpoint)
+    for iteration in range(rl.step, iterations):
+        iterate(inst, rl, iteration, False)
+    rl.close()
+    inst.close()
+
+
 @pytest.mark.parametrize("save_at, where", [(6, "after"), (6, "before"), (7, "after")])
 def test_a_checkpoint_saved_inside_an_iteration_resumes_without_a_repeated_step_or_a_batch_counted_twice(
         tmp_path, save_at, where):
@@ -121,25 +145,8 @@ def test_a_checkpoint_saved_inside_an_iteration_resumes_without_a_repeated_step_
     iteration, while the session counted the open logging step as committed: the resumed run wrote that step
     again and counted the batch twice (counters/frames 88 instead of 80 at step 9). Against the same run
     uninterrupted, read back from JSONL."""
-    inst, rl = _session(tmp_path / "a")
-    for iteration in range(ITERATIONS):
-        _iterate(inst, rl, iteration)
-    rl.close()
-    inst.close()
-    inst, rl = _session(tmp_path / "b")
-    checkpoint = None
-    for iteration in range(save_at + 1):
-        checkpoint = _iterate(inst, rl, iteration, where if iteration == save_at else None) or checkpoint
-    for iteration in range(save_at + 1, save_at + 3):  # lost: the process dies after these
-        _iterate(inst, rl, iteration)
-    rl.close()
-    inst.close()
-    inst, rl = _session(tmp_path / "b", resume=True)
-    rl.load_state_dict(checkpoint)
-    for iteration in range(rl.step, ITERATIONS):
-        _iterate(inst, rl, iteration)
-    rl.close()
-    inst.close()
+    run_and_resume(tmp_path, _session, lambda inst, rl, k, save: _iterate(inst, rl, k, where if save else None),
+                   ITERATIONS, save_at)
     (steps_a, a), (steps_b, b) = _written(tmp_path / "a"), _written(tmp_path / "b")
     assert steps_b == steps_a == [0, 3, 6, 9]  # no step written twice
     if where == "before":  # its batch never counted: the resumed run goes on with the next iteration

@@ -110,3 +110,28 @@ def test_two_closes_at_once_close_observers_and_components_once():
     assert sorted(closes) == ["component", "observer"]
     inst.close()  # idempotent
     assert sorted(closes) == ["component", "observer"]
+
+
+def test_a_close_from_a_signal_handler_while_close_claims_the_session_does_not_deadlock(monkeypatch):
+    """A SIGTERM handler's close() that landed while the main thread's close() held the claim's lock waited for
+    that lock forever, in the thread that held it (a review). Delivered inside the claim here, deterministically."""
+    import signal
+
+    inst = instrument.Instrumentation([], backends=[Sink()], log_interval=1)
+    calls = []
+    real = dict.setdefault
+
+    class Claims(dict):
+        def setdefault(self, key, value):
+            if key == "_close_claim" and not calls:
+                calls.append(key)
+                signal.raise_signal(signal.SIGUSR1)  # its handler runs at the next bytecode
+            return real(self, key, value)
+
+    inst.__dict__ = Claims(inst.__dict__)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: inst.close())
+    try:
+        inst.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert calls == ["_close_claim"] and inst._closed

@@ -294,3 +294,24 @@ def test_a_scripted_probe_watched_through_a_model_and_its_rule_is_one_probe(how)
     with torch.no_grad():
         torch.testing.assert_close(keep.seen[1]["h"], model.rule.lin(y), rtol=0, atol=0)
     assert not model.rule.p.enabled
+
+
+def test_an_observers_call_of_a_module_two_sessions_watch_is_an_iteration_of_neither():
+    """Session A's lookahead called the rule that session B watches too: A dropped the call, but B counted it as an
+    iteration, delivered from inside A's fan-out: 3 iterations reached B as 6 contexts (a review)."""
+    torch.manual_seed(0)
+    rule = nn.Sequential(nn.Linear(4, 4), nn.Tanh())  # no probes: their values go to one session at a time
+    a_seen, b_seen = [], []
+    a = instrument.Instrumentation([Lookahead(rule), a_seen.append], backends=[], log_interval=1)
+    b = instrument.Instrumentation([b_seen.append], backends=[], log_interval=1)
+    a.watch(rule)
+    b.watch(rule)
+    states = [torch.randn(2, 4)]
+    with torch.no_grad(), a.step(0), b.step(0):
+        for _ in range(3):
+            states.append(rule(states[-1]))
+    a.close()
+    b.close()
+    assert [c.step_index for c in a_seen] == [c.step_index for c in b_seen] == [0, 1, 2]
+    for i, context in enumerate(b_seen):
+        torch.testing.assert_close(context.next_state, states[i + 1], rtol=0, atol=0)

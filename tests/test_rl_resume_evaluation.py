@@ -61,3 +61,16 @@ def test_a_checkpoint_inside_an_iteration_that_evaluates_resumes_without_evaluat
     expected = _evaluations(tmp_path / "a")
     assert [step for step, _ in expected] == [2, 5, 8, 11]
     assert _evaluations(tmp_path / "b") == expected  # the same steps, the same seeds (returns)
+
+
+def test_a_due_evaluation_that_waited_is_saved_as_run_at_the_frames_it_runs_at():
+    """Under a process group a due evaluation waits for a logging iteration, whose `end_iteration` re-reads the
+    frames: saved inside that iteration, the schedule was taken from the frames it first fell due at (120), so the
+    resumed run was due again at 200 when the uninterrupted run waited for 400 (a review)."""
+    from types import SimpleNamespace
+
+    evaluation = Evaluation(every_frames=100, max_steps=1)
+    evaluation.end_iteration(SimpleNamespace(frames=120))  # due at an iteration that does not log: it waits
+    assert evaluation.state_after_run(350)["next_due"] == 400
+    evaluation.end_iteration(SimpleNamespace(frames=350))
+    assert evaluation._due_at == 350  # what the run at that iteration's end schedules from: 400

@@ -24,6 +24,10 @@ __all__ = ["Dispatcher", "observer_name"]
 
 log = logging.getLogger("instrument")
 
+# The threads whose observers run now, in any session: a watched module such a thread calls meanwhile is an observer's
+# own call (`Dispatcher.own_call`) for every session that watches it, not only for the one whose observer called it.
+_observing_threads: Set[int] = set()
+
 ObserverLike = Union[Observer, Callable[[StepContext], None]]
 
 
@@ -59,10 +63,8 @@ class Dispatcher:
         # Set by the session during a logging step (`instrument.core.overhead.OverheadMeter`): each observer
         # call is timed. None otherwise, and then nothing is timed.
         self.clock = None
-        # The threads whose observers run now (rollouts on two threads each have their own): a watched module such
-        # a thread calls meanwhile (an observer's lookahead, ``rule(context.next_state)``) is the observer's own
-        # call, not an iteration (`own_call`).
-        self._observing_threads: Set[int] = set()
+        # A watched module called by a thread in `_observing_threads` (an observer's lookahead,
+        # ``rule(context.next_state)``) is the observer's own call, not an iteration (`own_call`).
         self._said_own_call = False
 
     @property
@@ -124,8 +126,8 @@ class Dispatcher:
         # torch.set_grad_enabled calls; called directly it is about 1.4 us cheaper per pair of calls.
         grad_was, thread = torch.is_grad_enabled(), get_ident()
         torch._C._set_grad_enabled(False)
-        entered = thread not in self._observing_threads  # (not when an observer calls s.observer itself)
-        self._observing_threads.add(thread)
+        entered = thread not in _observing_threads  # (not when an observer calls s.observer itself)
+        _observing_threads.add(thread)
         try:
             if clock is None:
                 for index, name, observe in observing:
@@ -146,14 +148,14 @@ class Dispatcher:
                 clock.call_stop(start, begun)
         finally:
             if entered:
-                self._observing_threads.discard(thread)
+                _observing_threads.discard(thread)
             torch._C._set_grad_enabled(grad_was)
 
     def own_call(self, module: str) -> bool:
         """Whether a watched module's call comes from an observer (this thread is inside the fan-out): such a call
         is not an iteration. Each one would otherwise be delivered from inside the fan-out, whose observers then
         called it again: the rollout's iterations were counted over and over, out of order. Said once."""
-        if not self._observing_threads or get_ident() not in self._observing_threads:
+        if not _observing_threads or get_ident() not in _observing_threads:
             return False
         if not self._said_own_call:
             self._said_own_call = True

@@ -275,7 +275,7 @@ class Evaluation(RLComponent):
         state goes on past the run's episodes where the runner can say so (``evaluation_state_after(episodes)``,
         as `GymnasiumRunner` does); another runner's is saved as it is."""
         state = self.state_dict()
-        frames = self._due_at if self._due_at is not None else frames
+        frames = frames if self.due(frames) or self._due_at is None else self._due_at  # as `end_iteration`
         state["next_due"] = (int(frames) // self.every_frames + 1) * self.every_frames
         state["runs"] += 1
         after = getattr(self._runner, "evaluation_state_after", None)

@@ -26,8 +26,6 @@ NO_FLUSH = object()  # no checkpoint counted the open step (`StepLifecycle._flus
 
 log = logging.getLogger("instrument")
 
-_close_lock = threading.Lock()  # `StepLifecycle._claim_close`: held for two bytecodes
-
 
 class StepLifecycle:
     """Mixin of `Instrumentation` (uses its logger, dispatcher, watches, probe sets and overhead meter)."""
@@ -159,8 +157,9 @@ class StepLifecycle:
         inside the block): that close does the rest, so observers and components are closed once. ``interrupted``
         (a Ctrl-C while this one ended its step) is raised then. From another thread, the open block's own exit
         then ends its step, committing nothing."""
-        with _close_lock:
-            already, self._closed = self._closed, True
+        claim = object()  # dict.setdefault is one C call: no lock a signal handler's close() or a fork could block on
+        already = self.__dict__.setdefault("_close_claim", claim) is not claim
+        self._closed = True
         if already and interrupted is not None:
             raise interrupted
         return not already

@@ -16,8 +16,9 @@ def _main(capsys, *args):
 
 @pytest.mark.parametrize(
     "binding, meant",
-    [("train_nca_steps = 2", "did you mean train_nca.steps?"),
-     ("log_interval = 1", "did you mean Instrumentation.log_interval?"),
+    [("train_nca_steps = 2", "did you mean train_nca.steps"),
+     # first, and then any other configurable registered in the process (RLLogging.log_interval, once imported)
+     ("log_interval = 1", "did you mean Instrumentation.log_interval"),
      ("STEPZ = 3", "bind a parameter as Name.param = value")],
 )
 def test_a_bind_that_only_defines_a_macro_nothing_uses_is_refused(tmp_path, capsys, binding, meant):

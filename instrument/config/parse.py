@@ -18,7 +18,7 @@ import gin
 
 from instrument.config import types
 from instrument.config.experiment import MISSING_EXPERIMENT, MissingExperimentError
-from instrument.config.explain import GIN_ERRORS, _known_names, _parameters, explain, secret_free
+from instrument.config.explain import GIN_ERRORS, _parameters, explain, secret_free
 from instrument.config.files import (
     CONFIG_DIR,
     AmbiguousNameError,
@@ -274,12 +274,18 @@ def check_bound_macros(bindings: Sequence[str] = ()) -> None:
 
 def _meant_bindings(name: str) -> List[str]:
     """``Name.param`` bindings a macro's name may have meant: ``train_nca_steps`` -> ``train_nca.steps``,
-    ``log_interval`` -> ``Instrumentation.log_interval`` (the configurables the parsed config binds first)."""
-    bound = [selector.rsplit(".", 1)[-1] for (_, selector) in list(getattr(gin.config, "_CONFIG", {}))
-             if selector != "gin.macro"]
-    known = list(dict.fromkeys([*bound, *_known_names()]))
-    found = [f"{short}.{param}" for short in known for param in _parameters(short)
-             if name in (param, f"{short}_{param}", f"{short}.{param}".lower().replace(".", "_"))]
+    ``log_interval`` -> ``Instrumentation.log_interval`` (the configurables the parsed config binds first).
+    Looked up by full selector: a short name two modules register (``otherlib.Instrumentation``) is ambiguous."""
+    bound = [selector for (_, selector) in list(getattr(gin.config, "_CONFIG", {})) if selector != "gin.macro"]
+    try:
+        registered = [selector for selector, _ in gin.config._REGISTRY.items()]
+    except Exception:  # noqa: BLE001  (only a hint)
+        registered = []
+    found = []
+    for selector in dict.fromkeys([*bound, *registered]):
+        short = selector.rsplit(".", 1)[-1]
+        found += [f"{short}.{param}" for param in _parameters(selector)
+                  if name in (param, f"{short}_{param}", f"{short}.{param}".lower().replace(".", "_"))]
     return list(dict.fromkeys(found))[:3]
 
 

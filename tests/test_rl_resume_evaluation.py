@@ -71,6 +71,7 @@ def test_a_due_evaluation_that_waited_is_saved_as_run_at_the_frames_it_runs_at()
 
     evaluation = Evaluation(every_frames=100, max_steps=1)
     evaluation.end_iteration(SimpleNamespace(frames=120))  # due at an iteration that does not log: it waits
-    assert evaluation.state_after_run(350)["next_due"] == 400
+    at = evaluation.runs_at(350)
+    assert at == 350 and evaluation.state_after_run(at)["next_due"] == 400
     evaluation.end_iteration(SimpleNamespace(frames=350))
     assert evaluation._due_at == 350  # what the run at that iteration's end schedules from: 400

@@ -52,9 +52,9 @@ def unique_name(key: str, names: Dict[str, str], owners: Dict[str, Optional[str]
         return name
     name = safe = safe_name(key, limit, flags)
     number, clash = 1, _clash(name, owners, folders)
+    head = _file_above(safe, owners) if clash is not None and folders is not None else None  # numbered there
     while clash is not None:
         number += 1
-        head = _file_above(safe, owners) if folders is not None else None
         name = (_path(f"{head[: limit - 8]}_{number}{safe[len(head):]}"[:limit]) if head is not None
                 else f"{safe[: limit - 8]}_{number}")
         if _clash(name, owners, folders) is None:

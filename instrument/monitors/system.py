@@ -438,15 +438,13 @@ class SystemMonitor:
         out: Dict[str, float] = {}
         for key, value in values.items():
             number: Optional[float] = None
-            try:
-                if not isinstance(key, str):
-                    pass
-                elif is_one_real(value):  # a NumPy scalar too, or one element of a real dtype
+            if isinstance(key, str) and is_one_real(value):  # a NumPy scalar too, or one element of a real dtype
+                try:
                     if isinstance(value, (torch.Tensor, np.ndarray)):
                         value = value.reshape(()).item()  # host sync: the monitor's thread
                     number = float(value)
-            except (RuntimeError, TypeError, ValueError, OverflowError, NotImplementedError):
-                number = None  # a meta or sparse tensor: its own key only
+                except (RuntimeError, TypeError, ValueError, OverflowError, NotImplementedError):
+                    pass  # a meta or sparse tensor: its own key only
             if number is not None:
                 out[key] = number
             elif key not in self._said_values:

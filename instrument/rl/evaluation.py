@@ -138,6 +138,12 @@ class Evaluation(RLComponent):
     def due(self, frames: int) -> bool:
         return frames >= self.next_due
 
+    def runs_at(self, frames: int) -> Optional[int]:
+        """The frame count an evaluation run at the end of an iteration at ``frames`` would have, as
+        `end_iteration` then decides it: ``frames`` when the schedule says due, else the count one that waits
+        for a logging iteration fell due at; None when none is due. Changes nothing (`instrument.rl.resume`)."""
+        return frames if self.due(frames) else self._due_at
+
     # ------------------------------------------------------------------ RLComponent
     def end_iteration(self, counters) -> bool:
         """Check the schedule (one read of ``counters.frames``); True when an evaluation is due."""
@@ -268,14 +274,13 @@ class Evaluation(RLComponent):
         return state
 
     def state_after_run(self, frames: int) -> Dict[str, Any]:
-        """`state_dict` as it will be once the evaluation due at ``frames`` (or the one already due) has run: a
-        checkpoint saved inside an iteration that counts the iteration as done, whose end runs that evaluation
+        """`state_dict` as it will be once the evaluation runs at ``frames`` (`runs_at`): a checkpoint saved
+        inside an iteration that counts the iteration as done, whose end runs that evaluation
         (`instrument.rl.resume`). Saved as before the run, the resumed run evaluated again at its first iteration,
         a step the uninterrupted run never logged, with the seeds the saved run had already used. The runner's
         state goes on past the run's episodes where the runner can say so (``evaluation_state_after(episodes)``,
         as `GymnasiumRunner` does); another runner's is saved as it is."""
         state = self.state_dict()
-        frames = frames if self.due(frames) or self._due_at is None else self._due_at  # as `end_iteration`
         state["next_due"] = (int(frames) // self.every_frames + 1) * self.every_frames
         state["runs"] += 1
         after = getattr(self._runner, "evaluation_state_after", None)

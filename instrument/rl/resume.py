@@ -70,22 +70,21 @@ def _own_state(rl: "RLLogging") -> Dict[str, Any]:
         counters["iterations"] += 1
     state: Dict[str, Any] = {"version": STATE_VERSION, "counters": counters}
     if rl.evaluation is not None:  # an evaluation the iteration counted as done runs at its end: saved as run
-        evaluates = done and _evaluates_at_end(rl, counters["frames"])
-        state["evaluation"] = (rl.evaluation.state_after_run(counters["frames"]) if evaluates else
-                               rl.evaluation.state_dict())
+        at = _evaluation_at_end(rl, counters["frames"]) if done else None
+        state["evaluation"] = rl.evaluation.state_dict() if at is None else rl.evaluation.state_after_run(at)
     comps = {name: comp.state_dict() for name, comp, _ in rl.members if name not in _OWN_PARTS}
     state["components"] = {k: v for k, v in comps.items() if v}
     return state
 
 
-def _evaluates_at_end(rl: "RLLogging", frames: int) -> bool:
-    """Whether the open iteration's end runs the evaluation (`RLLogging.end_iteration`): one is due at ``frames``,
-    and the iteration commits, which a due evaluation asks for (under a process group only a logging iteration
-    commits, and a due evaluation waits for one)."""
-    evaluation = rl.evaluation
-    if evaluation is None or not (evaluation._due_at is not None or evaluation.due(frames)):
-        return False
-    return not distributed(rl._logger) or rl._is_logging_iteration(rl.counters.iterations)
+def _evaluation_at_end(rl: "RLLogging", frames: int) -> Optional[int]:
+    """The frame count of the evaluation the open iteration's end runs (`RLLogging.end_iteration`), or None: one
+    is due, and the iteration commits, which a due evaluation asks for (under a process group only a logging
+    iteration commits, and a due evaluation waits for one)."""
+    at = rl.evaluation.runs_at(frames)
+    if at is None or (distributed(rl._logger) and not rl._is_logging_iteration(rl.counters.iterations)):
+        return None
+    return at
 
 
 def _session_state(inst: Any, ahead: Optional[int]) -> Dict[str, Any]:
@@ -106,7 +105,7 @@ def _commits_at_end(rl: "RLLogging") -> Optional[int]:
     due = rl._deferred or rl._is_logging_iteration(rl.counters.iterations)
     evaluation = rl.evaluation
     if not due and evaluation is not None and not distributed(rl._logger):
-        due = evaluation._due_at is not None or evaluation.due(rl.counters.frames)
+        due = evaluation.runs_at(rl.counters.frames) is not None
     return rl.step if due else None
 
 
